@@ -1,0 +1,54 @@
+"""llamax: embeddable, thread-safe, continuously batched local LLM inference on llama.cpp.
+
+>>> import llamax
+>>> with llamax.Context() as ctx:                       # doctest: +SKIP
+...     print(ctx.add_request("Hello", llamax.SamplingParams(max_tokens=8)).result().text)
+"""
+
+from .context import Context, ContextOptions, ContextStats
+from .errors import (
+    ContextClosedError,
+    ContextLengthError,
+    DefaultModelNotInstalledError,
+    EmptyPromptError,
+    EngineError,
+    InvalidParameterError,
+    InvalidRequestError,
+    LlamaxError,
+    LoopOwnershipError,
+    ModelLoadError,
+    RequestFailedError,
+)
+from .handle import RequestHandle
+from .models import default_model_path
+from .params import ContextConfig, SamplingParams
+from .results import Choice, Completion, FinishReason, TokenEvent, Usage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Choice",
+    "Completion",
+    "Context",
+    "ContextClosedError",
+    "ContextConfig",
+    "ContextLengthError",
+    "ContextOptions",
+    "ContextStats",
+    "DefaultModelNotInstalledError",
+    "EmptyPromptError",
+    "EngineError",
+    "FinishReason",
+    "InvalidParameterError",
+    "InvalidRequestError",
+    "LlamaxError",
+    "LoopOwnershipError",
+    "ModelLoadError",
+    "RequestFailedError",
+    "RequestHandle",
+    "SamplingParams",
+    "TokenEvent",
+    "Usage",
+    "__version__",
+    "default_model_path",
+]

@@ -1,0 +1,115 @@
+"""The seam between the pure-Python engine and llama.cpp.
+
+Only modules in :mod:`llamax.backend` touch ctypes. The scheduler drives a
+:class:`Backend`; :class:`llamax.testing.FakeBackend` implements the same protocol in
+pure Python so the scheduler, cache bookkeeping and detokenizer can be tested without a
+model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+from ..params import SamplingParams
+
+__all__ = ["Backend", "BatchItem", "DecodeStatus", "Sampler"]
+
+
+class DecodeStatus(IntEnum):
+    """``llama_decode`` return codes that the engine treats specially. Others are fatal."""
+
+    OK = 0
+    NO_SLOT = 1
+    """No free KV slot for the batch; memory was restored. Retry smaller or later."""
+    ABORTED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One sequence's slice of a step: ``token_ids`` at positions ``start_pos...``.
+
+    ``row`` is the batch index of this item's last token when its logits are needed
+    (a decode token, or the final chunk of a prompt), else ``None``.
+    """
+
+    seq_id: int
+    token_ids: Sequence[int]
+    start_pos: int
+    row: int | None
+
+
+class Sampler(Protocol):
+    """An opaque per-sequence sampler owned by a backend."""
+
+
+class Backend(Protocol):
+    """What the engine needs from an inference backend. One thread drives it at a time,
+    except ``tokenize``/``token_to_piece``/``is_eog``, which must be safe from any thread."""
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells available in the unified cache (also the per-sequence limit)."""
+        ...
+
+    @property
+    def n_seq_max(self) -> int:
+        """How many sequence ids exist (0 .. n_seq_max-1)."""
+        ...
+
+    @property
+    def n_batch(self) -> int:
+        """Most tokens one ``decode`` call may carry."""
+        ...
+
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+        ...
+
+    @property
+    def model_name(self) -> str:
+        """A short identity of the loaded model."""
+        ...
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Convert text to token ids."""
+        ...
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes a token stands for (special tokens render as nothing)."""
+        ...
+
+    def is_eog(self, token: int) -> bool:
+        """Whether a token ends generation (EOS, EOT, <|im_end|> ...)."""
+        ...
+
+    def decode(self, items: Sequence[BatchItem]) -> int:
+        """Run one multi-sequence forward pass; return the ``llama_decode`` status code."""
+        ...
+
+    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> Sampler:
+        """Build a sampler chain for one sequence; ``history`` primes its penalties."""
+        ...
+
+    def sample(self, sampler: Sampler, row: int) -> int:
+        """Sample a token from the logits of batch ``row`` of the last decode."""
+        ...
+
+    def free_sampler(self, sampler: Sampler) -> None:
+        """Release a sampler built by :meth:`new_sampler`."""
+        ...
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove a sequence's cells in ``[p0, p1)`` (negative: open ended)."""
+        ...
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position a sequence holds in KV, or -1 when it holds none."""
+        ...
+
+    def close(self) -> None:
+        """Free native resources. Idempotent."""
+        ...

@@ -1,0 +1,299 @@
+"""The llama.cpp backend, on llama-cpp-python's raw ctypes bindings.
+
+Native handles are owned here and freed in a stated order by :meth:`LlamaCppBackend.close`:
+samplers, then the batch, then the context, then the model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ModelLoadError
+from ..params import ContextConfig, SamplingParams
+from .base import BatchItem
+from .platform import default_use_extra_bufts
+
+__all__ = ["LlamaCppBackend"]
+
+_log = logging.getLogger("llamax.llama_cpp")
+# ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line)
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+
+
+def _bindings() -> Any:
+    try:
+        import llama_cpp.llama_cpp as bindings
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ModelLoadError(
+            "llama-cpp-python is not installed; run scripts/bootstrap.sh or "
+            "`pip install llama-cpp-python`"
+        ) from exc
+    if not getattr(_bindings, "log_callback", None):
+        # llama-cpp-python prints every native log line to stderr; route them to logging.
+        last = [logging.DEBUG]
+
+        @bindings.llama_log_callback  # type: ignore[untyped-decorator]
+        def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            if level != 5:
+                last[0] = _LEVELS.get(level, logging.DEBUG)
+            if _log.isEnabledFor(last[0]):
+                _log.log(last[0], "%s", text.decode("utf-8", "replace").rstrip())
+
+        bindings.llama_log_set(forward, ctypes.c_void_p(0))
+        bindings.llama_backend_init()
+        _bindings.log_callback = forward  # type: ignore[attr-defined]  # keep alive
+    return bindings
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read model file {path}: {exc}") from exc
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF model file (magic bytes {magic!r})")
+
+
+class LlamaCppBackend:
+    """One llama.cpp model + context + batch, with a unified KV cache."""
+
+    def __init__(self, config: ContextConfig) -> None:
+        C = _bindings()
+        self._C = C
+        if config.verbose and not _log.handlers:
+            _log.addHandler(logging.StreamHandler())
+            _log.setLevel(logging.DEBUG)
+        path = Path(config.model_path)
+        _check_gguf(path)
+        self._samplers: dict[int, Any] = {}
+        self._pieces: dict[int, bytes] = {}
+        with ExitStack() as stack:
+            mparams = C.llama_model_default_params()
+            mparams.n_gpu_layers = config.n_gpu_layers
+            mparams.use_mmap = config.use_mmap
+            mparams.use_extra_bufts = (
+                default_use_extra_bufts() if config.use_extra_bufts is None else config.use_extra_bufts
+            )
+            model = C.llama_model_load_from_file(str(path).encode(), mparams)
+            if not model:
+                raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
+            stack.callback(C.llama_model_free, model)
+
+            cparams = C.llama_context_default_params()
+            cparams.n_ctx = config.n_ctx
+            cparams.n_batch = config.n_batch
+            cparams.n_ubatch = config.n_ubatch or min(config.n_batch, 512)
+            cparams.n_seq_max = config.n_seq_max
+            cparams.n_threads = config.n_threads
+            cparams.n_threads_batch = config.n_threads_batch or config.n_threads
+            cparams.kv_unified = True  # partial seq_cp on a split cache aborts the process
+            if config.flash_attn is not None:
+                cparams.flash_attn_type = 1 if config.flash_attn else 0
+            ctx = C.llama_init_from_model(model, cparams)
+            if not ctx:
+                raise ModelLoadError(
+                    f"llama.cpp could not create a context for {path} "
+                    f"(n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max}); out of memory?"
+                )
+            stack.callback(C.llama_free, ctx)
+
+            self._n_batch = config.n_batch
+            batch = C.llama_batch_init(self._n_batch, 0, 1)
+            stack.callback(C.llama_batch_free, batch)
+            self._stack = stack.pop_all()
+        self._model, self._ctx, self._batch = model, ctx, batch
+        self._vocab = C.llama_model_get_vocab(model)
+        self._memory = C.llama_get_memory(ctx)
+        self._n_ctx = int(C.llama_n_ctx(ctx))
+        self._n_seq_max = int(C.llama_n_seq_max(ctx))
+        self._n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
+        self._add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
+        self._eog = frozenset(t for t in range(self._n_vocab) if C.llama_vocab_is_eog(self._vocab, t))
+        self._model_name = self.metadata("general.name") or path.stem
+        self._model_path = path
+        n = self._n_batch
+        self._tokens = np.ctypeslib.as_array(batch.token, shape=(n,))
+        self._pos = np.ctypeslib.as_array(batch.pos, shape=(n,))
+        self._logits = np.ctypeslib.as_array(batch.logits, shape=(n,))
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
+        self._seq_rows = [batch.seq_id[i] for i in range(n)]
+        self._closed = False
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def n_ctx(self) -> int:
+        """KV cells granted by llama.cpp (may exceed the requested n_ctx after padding)."""
+        return self._n_ctx
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequence ids available."""
+        return self._n_seq_max
+
+    @property
+    def n_batch(self) -> int:
+        """Most tokens per decode."""
+        return self._n_batch
+
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+        return self._n_vocab
+
+    @property
+    def model_name(self) -> str:
+        """``general.name`` from the GGUF metadata, else the file name."""
+        return self._model_name
+
+    @property
+    def model_path(self) -> Path:
+        """The loaded file."""
+        return self._model_path
+
+    @property
+    def eog_token_ids(self) -> frozenset[int]:
+        """Every end-of-generation token of the vocabulary."""
+        return self._eog
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether the memory supports position shifts (``seq_add``)."""
+        return bool(self._C.llama_memory_can_shift(self._memory))
+
+    @property
+    def num_live_samplers(self) -> int:
+        """Samplers built and not yet freed (for leak checks)."""
+        return len(self._samplers)
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None."""
+        size = 1 << 16
+        buf = ctypes.create_string_buffer(size)
+        n = self._C.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+        if n < 0:
+            return None
+        if n >= size:
+            buf = ctypes.create_string_buffer(n + 1)
+            self._C.llama_model_meta_val_str(self._model, key.encode(), buf, n + 1)
+        return buf.value.decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------ text (any thread)
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Tokenize ``text``; read-only on the vocabulary, so safe from any thread."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            buf = (ctypes.c_int32 * cap)()
+            n = self._C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes of ``token`` (special tokens render as empty), cached per id."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self._C.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._C.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation."""
+        return token in self._eog
+
+    # ------------------------------------------------------------------ engine thread
+    def decode(self, items: Sequence[BatchItem]) -> int:
+        """Lay ``items`` out in one batch and run ``llama_decode``."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows = self._seq_rows
+        for item in items:
+            first = len(tokens)
+            tokens.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
+            for i in range(first, len(tokens)):
+                rows[i][0] = item.seq_id
+        n = len(tokens)
+        self._tokens[:n] = tokens
+        self._pos[:n] = positions
+        self._logits[:n] = 0
+        for item in items:
+            if item.row is not None:
+                self._logits[item.row] = 1
+        self._batch.n_tokens = n
+        return int(self._C.llama_decode(self._ctx, self._batch))
+
+    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> int:
+        """Build the native sampler chain for one sequence."""
+        C = self._C
+        chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+        self._samplers[id(chain)] = chain
+        bias = dict(params.logit_bias)
+        if params.ignore_eos:
+            bias.update(dict.fromkeys(self._eog, float("-inf")))
+        bias = {t: b for t, b in bias.items() if t < self._n_vocab}
+        if bias:
+            arr = (C.llama_logit_bias * len(bias))(*(C.llama_logit_bias(t, b) for t, b in bias.items()))
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_logit_bias(self._n_vocab, len(bias), arr))
+        if params.has_penalties:
+            last_n = self._n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
+            penalties = C.llama_sampler_init_penalties(
+                last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+            )
+            C.llama_sampler_chain_add(chain, penalties)
+            for token in history[-last_n:]:
+                C.llama_sampler_accept(penalties, token)
+        if params.is_greedy:
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(params.top_k))
+            if params.typical_p < 1:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_typical(params.typical_p, 1))
+            if params.top_p < 1:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0:
+                C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(params.min_p, 1))
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(params.temperature))
+            C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(seed))
+        return chain
+
+    def sample(self, sampler: Any, row: int) -> int:
+        """Sample from batch ``row`` with the sequence's chain (which also accepts the token)."""
+        return int(self._C.llama_sampler_sample(sampler, self._ctx, row))
+
+    def free_sampler(self, sampler: Any) -> None:
+        """Free a chain from :meth:`new_sampler`."""
+        if self._samplers.pop(id(sampler), None) is not None:
+            self._C.llama_sampler_free(sampler)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """``llama_memory_seq_rm``."""
+        return bool(self._C.llama_memory_seq_rm(self._memory, seq_id, p0, p1))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """``llama_memory_seq_pos_max``."""
+        return int(self._C.llama_memory_seq_pos_max(self._memory, seq_id))
+
+    def close(self) -> None:
+        """Free samplers, batch, context and model, in that order. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for chain in list(self._samplers.values()):
+            self.free_sampler(chain)
+        self._stack.close()

@@ -1,0 +1,34 @@
+"""Facts about the host that change how llama.cpp must be driven."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+__all__ = ["cpu_advertises_amx", "default_use_extra_bufts"]
+
+
+def cpu_advertises_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether the CPU reports Intel AMX tiles (Linux only; False elsewhere)."""
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with cpuinfo.open() as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        return False
+    return False
+
+
+def default_use_extra_bufts() -> bool:
+    """Whether to let ggml use extra CPU buffer types (AMX, repacked weights).
+
+    A native build of ggml enables its AMX matmul on CPUs that advertise AMX, and in VMs
+    that advertise AMX without usable tile state it segfaults inside
+    ``ggml_backend_amx_mul_mat`` at the first decode. Turning extra buffer types off avoids
+    that path and measured the same throughput, so we do it wherever AMX is advertised.
+    """
+    return not cpu_advertises_amx()

@@ -1,0 +1,277 @@
+"""``llamax.Context``: the one object an application holds."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TypedDict
+
+from typing_extensions import Self, Unpack
+
+from .backend.base import Backend
+from .engine import Engine, EngineState
+from .errors import (
+    ContextClosedError,
+    ContextLengthError,
+    EmptyPromptError,
+    InvalidParameterError,
+    InvalidRequestError,
+)
+from .handle import RequestHandle
+from .models import default_model_path
+from .params import ContextConfig, SamplingParams
+from .sequence import Request
+
+__all__ = ["Context", "ContextOptions", "ContextStats"]
+
+
+class ContextOptions(TypedDict, total=False):
+    """Keyword options of :class:`Context`; see :class:`ContextConfig` for their meaning."""
+
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    n_ubatch: int | None
+    n_threads: int
+    n_threads_batch: int | None
+    n_gpu_layers: int
+    use_mmap: bool
+    use_extra_bufts: bool | None
+    flash_attn: bool | None
+    verbose: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ContextStats:
+    """A snapshot of the engine's counters (see :meth:`Context.stats`)."""
+
+    state: str
+    num_waiting: int
+    num_running: int
+    kv_cells_used: int
+    kv_cells_total: int
+    num_free_seq_ids: int
+    num_steps: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+
+
+class Context:
+    """A loaded model, its llama.cpp context and a continuous-batching run loop.
+
+    ``Context()`` loads the default model (SmolLM2-135M-Instruct) when it is installed.
+    Any thread may call :meth:`add_request`. With ``autostart=True`` (default) a background
+    thread runs the loop and sleeps when idle; with ``autostart=False`` the caller drives
+    it with :meth:`process`. ``close()`` (or leaving a ``with`` block) cancels pending
+    requests, which complete with ``finish_reason == "cancelled"``, joins the loop and frees
+    the native handles; ``close(drain=True)`` lets them finish first.
+
+    Args:
+        model_path: a GGUF file. ``None`` uses ``$LLAMAX_MODEL`` or the default model.
+        autostart: start the background loop.
+        config: a complete :class:`ContextConfig` (instead of keyword options).
+        backend: an already built backend (e.g. :class:`llamax.testing.FakeBackend`).
+        **options: fields of :class:`ContextConfig` (``n_ctx``, ``n_seq_max``, ...).
+
+    Raises:
+        ModelLoadError: the model is missing, corrupt or cannot be loaded.
+        InvalidParameterError: an option is out of range.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str] | None = None,
+        *,
+        autostart: bool = True,
+        config: ContextConfig | None = None,
+        backend: Backend | None = None,
+        **options: Unpack[ContextOptions],
+    ) -> None:
+        if backend is None:
+            from .backend.llama_cpp import LlamaCppBackend
+
+            if config is None:
+                path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
+                config = ContextConfig(model_path=os.fspath(path), **options)
+            backend = LlamaCppBackend(config)
+        self._config = config
+        self._backend = backend
+        self._engine = Engine(backend, autostart=autostart)
+        self._arrivals = itertools.count()
+        self._arrival_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def config(self) -> ContextConfig | None:
+        """What was asked for (None when a backend was passed in)."""
+        return self._config
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells granted: the most tokens one sequence may hold, shared by all."""
+        return self._backend.n_ctx
+
+    @property
+    def n_seq_max(self) -> int:
+        """How many sequences may hold KV cells at once."""
+        return self._backend.n_seq_max
+
+    @property
+    def model_name(self) -> str:
+        """The model's name from its metadata."""
+        return self._backend.model_name
+
+    @property
+    def closed(self) -> bool:
+        """Whether the context no longer accepts requests."""
+        return self._engine.state is not EngineState.RUNNING
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Tokenize ``text`` as a prompt would be."""
+        return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Join the pieces of ``token_ids`` into text (special tokens render as nothing)."""
+        return b"".join(self._backend.token_to_piece(t) for t in token_ids).decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Submit a prompt (text or token ids) from any thread; returns at once.
+
+        Requests are served first come, first served; a lower ``priority`` value is served
+        earlier.
+
+        Raises:
+            ContextClosedError: the context is closed.
+            EmptyPromptError: the prompt has no tokens.
+            ContextLengthError: the prompt leaves no room for a reply in ``n_ctx``.
+            InvalidRequestError: the prompt or params have the wrong type or bad token ids.
+        """
+        if self.closed:
+            raise ContextClosedError("cannot add a request: the context has been closed")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        tokens = self._prompt_tokens(prompt)
+        self._check_token_ids(params)
+        with self._arrival_lock:
+            arrival = next(self._arrivals)
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        cell: list[Request] = []
+        handle = RequestHandle(request_id, lambda: self._engine.cancel(cell[0]))
+        request = Request(
+            request_id,
+            tokens,
+            params,
+            handle,
+            token_to_piece=self._backend.token_to_piece,
+            seed=params.seed if params.seed is not None else secrets.randbits(32),
+            priority=priority,
+            arrival=arrival,
+        )
+        cell.append(request)
+        handle.future.add_done_callback(
+            lambda f: self._engine.cancel(request) if f.cancelled() else None
+        )
+        self._engine.submit(request)
+        return handle
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = self._backend.tokenize(prompt)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            tokens = list(prompt)
+            n_vocab = self._backend.n_vocab
+            for t in tokens:
+                if not isinstance(t, int) or not 0 <= t < n_vocab:
+                    raise InvalidRequestError(f"prompt token ids must be ints in [0, {n_vocab}), got {t!r}")
+        else:
+            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not tokens:
+            raise EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
+        if len(tokens) >= self.n_ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}; "
+                "it must leave room for at least one generated token",
+                num_prompt_tokens=len(tokens),
+                n_ctx=self.n_ctx,
+            )
+        return tokens
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        n_vocab = self._backend.n_vocab
+        for name, ids in (("logit_bias", params.logit_bias.keys()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= n_vocab]
+            if bad:
+                raise InvalidParameterError(f"{name} holds token ids outside the vocabulary [0, {n_vocab}): {bad}")
+
+    # ------------------------------------------------------------------ the loop
+    def has_work(self) -> bool:
+        """Whether any request is queued or running."""
+        return self._engine.has_work()
+
+    def process(self) -> bool:
+        """Run one step (schedule, one ``llama_decode``, sample, emit) in this thread.
+
+        Only for contexts created with ``autostart=False``. Returns whether anything was
+        computed.
+
+        Raises:
+            LoopOwnershipError: the background loop runs, or another thread is in process().
+            ContextClosedError: the context is closed.
+            EngineError: llama.cpp failed; all pending requests failed and the context closed.
+        """
+        return self._engine.process()
+
+    def stats(self) -> ContextStats:
+        """Counters of the engine (approximate while the loop runs)."""
+        s = self._engine.scheduler
+        return ContextStats(
+            state=self._engine.state.value,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            kv_cells_used=s.num_cells_in_use,
+            kv_cells_total=self.n_ctx,
+            num_free_seq_ids=s.num_free_seq_ids,
+            num_steps=self._engine.num_steps,
+            num_prefill_tokens=s.num_prefill_tokens,
+            num_decode_tokens=s.num_decode_tokens,
+            num_preemptions=s.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop the loop and free native handles (batch, context, model). Idempotent.
+
+        Pending requests are cancelled (``finish_reason == "cancelled"``) unless ``drain``
+        is true, in which case they finish first.
+        """
+        self._engine.close(drain=drain, timeout=timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<llamax.Context model={self.model_name!r} n_ctx={self.n_ctx} {self._engine.state.value}>"

@@ -1,0 +1,81 @@
+"""The llamax exception tree.
+
+Every error llamax raises on purpose derives from :class:`LlamaxError`::
+
+    LlamaxError
+    ├── ModelLoadError              model file missing, unreadable or not a model
+    │   └── DefaultModelNotInstalledError
+    ├── InvalidRequestError (also ValueError)
+    │   ├── InvalidParameterError   a SamplingParams / config field is out of range
+    │   ├── EmptyPromptError
+    │   └── ContextLengthError      the prompt cannot fit in the context
+    ├── ContextClosedError (also RuntimeError)
+    ├── LoopOwnershipError (also RuntimeError)   process() called where it must not be
+    ├── EngineError                 llama.cpp failed; the context is closed
+    └── RequestFailedError          one request failed; the engine keeps serving others
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ContextClosedError",
+    "ContextLengthError",
+    "DefaultModelNotInstalledError",
+    "EmptyPromptError",
+    "EngineError",
+    "InvalidParameterError",
+    "InvalidRequestError",
+    "LlamaxError",
+    "LoopOwnershipError",
+    "ModelLoadError",
+    "RequestFailedError",
+]
+
+
+class LlamaxError(Exception):
+    """Base class of every error llamax raises on purpose."""
+
+
+class ModelLoadError(LlamaxError):
+    """The model file is missing, unreadable, or llama.cpp refused to load it."""
+
+
+class DefaultModelNotInstalledError(ModelLoadError):
+    """No model path was given and the default model package is not installed."""
+
+
+class InvalidRequestError(LlamaxError, ValueError):
+    """The request cannot be served as given; nothing was enqueued."""
+
+
+class InvalidParameterError(InvalidRequestError):
+    """A parameter is out of range. The message names the field."""
+
+
+class EmptyPromptError(InvalidRequestError):
+    """The prompt tokenized to zero tokens."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt (plus room for one new token) does not fit in the context."""
+
+    def __init__(self, message: str, *, num_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.n_ctx = n_ctx
+
+
+class ContextClosedError(LlamaxError, RuntimeError):
+    """The context has been closed (by ``close()`` or after a fatal engine error)."""
+
+
+class LoopOwnershipError(LlamaxError, RuntimeError):
+    """``process()`` was called while another thread (or the background loop) drives the engine."""
+
+
+class EngineError(LlamaxError):
+    """llama.cpp reported a fatal error. Every pending request fails with it."""
+
+
+class RequestFailedError(LlamaxError):
+    """One request failed (its cause is chained); other requests are unaffected."""

@@ -1,0 +1,147 @@
+"""The user's side of a request: a future, a sync stream and an async stream in one object."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from concurrent.futures import CancelledError, Future
+from typing import Any
+
+from .results import Completion, TokenEvent
+
+__all__ = ["RequestHandle"]
+
+_END = object()
+
+
+class RequestHandle:
+    """A submitted request. Thread-safe; returned at once by ``Context.add_request``.
+
+    - ``handle.future`` is a :class:`concurrent.futures.Future` of the :class:`Completion`;
+      ``handle.result(timeout)`` waits for it.
+    - ``for event in handle`` streams :class:`TokenEvent` s; ``async for`` does the same in
+      an event loop, and ``await handle`` gives the completion.
+    - ``handle.cancel()`` works from any thread at any stage. The request then completes
+      with ``finish_reason == "cancelled"`` and the text produced so far.
+
+    The event stream can be consumed once, by one consumer (sync or async). Events are
+    buffered until consumed, so starting to iterate late loses nothing.
+    """
+
+    def __init__(self, request_id: str, cancel: Callable[[], None]) -> None:
+        self._request_id = request_id
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._events: deque[object] = deque()
+        self._async_sink: tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]] | None = None
+        self._consumed = False
+        self.future: Future[Completion] = Future()
+        """Resolves to the :class:`Completion`, or to the exception that failed the request."""
+        self.future.add_done_callback(self._on_future_done)
+
+    @property
+    def request_id(self) -> str:
+        """The request's id (also ``Completion.request_id``)."""
+        return self._request_id
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the completion; raises the request's error, or ``TimeoutError``."""
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        """Whether the request has ended (completed, cancelled or failed)."""
+        return self.future.done()
+
+    def cancel(self) -> bool:
+        """Ask the engine to stop this request at the next step boundary.
+
+        Returns False when the request had already ended. The KV cells and sequence id are
+        freed before the next decode; the completion keeps the text produced so far.
+        """
+        if self.future.done():
+            return False
+        self._cancel()
+        return True
+
+    # ------------------------------------------------------------------ sync stream
+    def __iter__(self) -> Iterator[TokenEvent]:
+        self._claim_stream()
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[TokenEvent]:
+        while True:
+            with self._ready:
+                while not self._events:
+                    self._ready.wait()
+                item = self._events.popleft()
+            if item is _END:
+                self._raise_failure()
+                return
+            yield item  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ asyncio
+    def __await__(self) -> Generator[Any, None, Completion]:
+        return asyncio.wrap_future(self.future).__await__()
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        self._claim_stream()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        with self._lock:
+            while self._events:
+                queue.put_nowait(self._events.popleft())
+            self._async_sink = (loop, queue)
+        return self._aiterate(queue)
+
+    async def _aiterate(self, queue: asyncio.Queue[object]) -> AsyncIterator[TokenEvent]:
+        while True:
+            item = await queue.get()
+            if item is _END:
+                self._raise_failure()
+                return
+            yield item  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ engine side
+    def _publish(self, events: list[object]) -> None:
+        """Deliver events (engine thread only; never under the engine's lock)."""
+        with self._lock:
+            sink = self._async_sink
+            if sink is None:
+                self._events.extend(events)
+                self._ready.notify_all()
+                return
+        loop, queue = sink
+        try:
+            loop.call_soon_threadsafe(_put_all, queue, events)
+        except RuntimeError:  # the consumer's loop is closed; nobody is listening
+            pass
+
+    def _on_future_done(self, _future: Future[Completion]) -> None:
+        self._publish([_END])
+
+    def _claim_stream(self) -> None:
+        with self._lock:
+            if self._consumed:
+                raise RuntimeError(
+                    f"the event stream of request {self._request_id} is already being consumed"
+                )
+            self._consumed = True
+
+    def _raise_failure(self) -> None:
+        if self.future.cancelled():
+            raise CancelledError(f"request {self._request_id} was cancelled")
+        exc = self.future.exception()
+        if exc is not None:
+            raise exc
+
+    def __repr__(self) -> str:
+        state = "done" if self.future.done() else "pending"
+        return f"<RequestHandle {self._request_id} {state}>"
+
+
+def _put_all(queue: asyncio.Queue[object], events: list[object]) -> None:
+    for event in events:
+        queue.put_nowait(event)

@@ -1,0 +1,168 @@
+"""Frozen, validated parameter objects: :class:`SamplingParams` and :class:`ContextConfig`."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .errors import InvalidParameterError
+
+__all__ = ["ContextConfig", "SamplingParams"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(message)
+
+
+def _freeze_strings(name: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    items = tuple(value)
+    for item in items:
+        _require(isinstance(item, str) and item != "", f"{name} must hold non-empty strings, got {item!r}")
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request. Immutable; every field is validated on construction.
+
+    ``temperature=0`` means greedy decoding. Penalties look at the last ``penalty_last_n``
+    tokens of prompt plus output (``-1`` means the whole context). ``seed=None`` draws a
+    random seed. ``stop`` strings are held back while they may still match and are trimmed
+    from the text; ``stop_token_ids`` end the request when sampled. With ``ignore_eos`` the
+    end-of-generation tokens are banned and generation runs to ``max_tokens``.
+    """
+
+    max_tokens: int | None = 256
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            f"max_tokens must be a positive int or None, got {self.max_tokens!r}",
+        )
+        _require(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be >= 0, got {self.temperature}",
+        )
+        _require(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _require(0 < self.typical_p <= 1, f"typical_p must be in (0, 1], got {self.typical_p}")
+        _require(
+            math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
+            f"repeat_penalty must be > 0, got {self.repeat_penalty}",
+        )
+        _require(
+            math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        _require(
+            math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        _require(self.penalty_last_n >= -1, f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
+        _require(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+            f"seed must be None or an int in [0, 2**32), got {self.seed!r}",
+        )
+        bias: dict[int, float] = {}
+        for token, value in dict(self.logit_bias).items():
+            _require(
+                isinstance(token, int) and token >= 0,
+                f"logit_bias keys must be token ids >= 0, got {token!r}",
+            )
+            _require(
+                not math.isnan(float(value)),
+                f"logit_bias values must be numbers, got {value!r} for token {token}",
+            )
+            bias[token] = float(value)
+        object.__setattr__(self, "logit_bias", MappingProxyType(bias))
+        object.__setattr__(self, "stop", _freeze_strings("stop", self.stop))
+        stop_ids = tuple(self.stop_token_ids)
+        for token in stop_ids:
+            _require(
+                isinstance(token, int) and token >= 0,
+                f"stop_token_ids must hold token ids >= 0, got {token!r}",
+            )
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether sampling always takes the most likely token."""
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any repetition penalty is active."""
+        return (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        ) and self.penalty_last_n != 0
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ContextConfig:
+    """What the user chose for a :class:`llamax.Context`. Load-time facts live on the engine.
+
+    ``n_ctx`` is the total number of KV cells shared by all sequences (the cache is unified),
+    and also the most tokens one sequence may hold. ``n_batch`` is the per-step token budget:
+    one ``llama_decode`` never carries more, so a long prompt is prefilled in chunks of at
+    most ``n_batch`` tokens while other sequences keep streaming. ``use_extra_bufts=None``
+    picks automatically: it is turned off on CPUs that advertise AMX, where ggml's AMX
+    matmul crashes in some VMs.
+    """
+
+    model_path: str
+    n_ctx: int = 4096
+    n_seq_max: int = 16
+    n_batch: int = 512
+    n_ubatch: int | None = None
+    n_threads: int = field(default_factory=_default_threads)
+    n_threads_batch: int | None = None
+    n_gpu_layers: int = -1
+    use_mmap: bool = True
+    use_extra_bufts: bool | None = None
+    flash_attn: bool | None = None
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
+        _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
+        _require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
+        _require(
+            self.n_ubatch is None or 1 <= self.n_ubatch <= self.n_batch,
+            f"n_ubatch must be in [1, n_batch], got {self.n_ubatch}",
+        )
+        _require(self.n_threads >= 1, f"n_threads must be >= 1, got {self.n_threads}")
+        _require(
+            self.n_threads_batch is None or self.n_threads_batch >= 1,
+            f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
+        )

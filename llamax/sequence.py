@@ -1,0 +1,181 @@
+"""Engine-side request and sequence records, and their state machine.
+
+Only :mod:`llamax.scheduler` changes ``Sequence.state``. A :class:`Request` holds one
+:class:`Sequence` per requested choice (``n``); each sequence owns its own KV sequence id,
+sampler, detokenizer and stop matcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from .params import SamplingParams
+from .results import Choice, Completion, FinishReason, TokenEvent, Usage
+from .text import Detokenizer, StopMatcher
+
+if TYPE_CHECKING:
+    from .backend.base import Sampler
+    from .handle import RequestHandle
+
+__all__ = ["TERMINAL_STATES", "Request", "Sequence", "SequenceState"]
+
+
+class SequenceState(Enum):
+    """Lifecycle of one sequence. A preempted sequence goes back to WAITING."""
+
+    WAITING = "waiting"
+    """Queued; holds no sequence id and no KV cells."""
+    PREFILLING = "prefilling"
+    """Holds a sequence id; its prompt is being computed in chunks."""
+    DECODING = "decoding"
+    """Generating one token per step."""
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_CANCELLED = "finished_cancelled"
+    FINISHED_ERROR = "finished_error"
+
+
+TERMINAL_STATES = frozenset(
+    {
+        SequenceState.FINISHED_STOPPED,
+        SequenceState.FINISHED_LENGTH,
+        SequenceState.FINISHED_CANCELLED,
+        SequenceState.FINISHED_ERROR,
+    }
+)
+
+FINISH_REASONS = {
+    SequenceState.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceState.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceState.FINISHED_CANCELLED: FinishReason.CANCELLED,
+}
+
+
+class Request:
+    """One ``add_request`` call as the engine sees it."""
+
+    __slots__ = (
+        "arrival",
+        "handle",
+        "num_cached_tokens",
+        "params",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "seed",
+        "sequences",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        handle: RequestHandle,
+        *,
+        token_to_piece: Callable[[int], bytes],
+        seed: int = 0,
+        priority: int = 0,
+        arrival: int = 0,
+        num_choices: int = 1,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.handle = handle
+        self.seed = seed
+        self.priority = priority
+        self.arrival = arrival
+        self.num_cached_tokens = 0
+        self.sequences = [Sequence(self, i, token_to_piece) for i in range(num_choices)]
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether every sequence reached a terminal state."""
+        return all(seq.state in TERMINAL_STATES for seq in self.sequences)
+
+    def completion(self) -> Completion:
+        """Build the final result (only once every sequence is finished)."""
+        choices = tuple(seq.choice() for seq in self.sequences)
+        usage = Usage(
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=sum(len(c.token_ids) for c in choices),
+            cached_tokens=self.num_cached_tokens,
+        )
+        return Completion(request_id=self.request_id, choices=choices, usage=usage)
+
+
+class Sequence:
+    """One continuation being generated. ``token_ids`` is prompt + generated so far."""
+
+    __slots__ = (
+        "detokenizer",
+        "index",
+        "num_computed",
+        "num_prompt_tokens",
+        "request",
+        "sampler",
+        "seq_id",
+        "state",
+        "stop_matcher",
+        "text_parts",
+        "token_ids",
+    )
+
+    def __init__(self, request: Request, index: int, token_to_piece: Callable[[int], bytes]) -> None:
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed = 0
+        self.seq_id: int | None = None
+        self.sampler: Sampler | None = None
+        self.state = SequenceState.WAITING
+        self.detokenizer = Detokenizer(token_to_piece)
+        self.stop_matcher = StopMatcher(request.params.stop)
+        self.text_parts: list[str] = []
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far (kept across preemption)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet in the KV cache."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Queue order: priority (lower first), then arrival, then choice index."""
+        return (self.request.priority, self.request.arrival, self.index)
+
+    def push_token(self, token: int) -> tuple[str, bool]:
+        """Append a generated token; return the text it releases and whether a stop string matched."""
+        self.token_ids.append(token)
+        text, matched = self.stop_matcher.feed(self.detokenizer.feed(token))
+        self.text_parts.append(text)
+        return text, matched
+
+    def drain_text(self) -> str:
+        """At the end of a stream that did not hit a stop string, release what is held back."""
+        text, matched = self.stop_matcher.feed(self.detokenizer.flush())
+        if not matched:
+            text += self.stop_matcher.flush()
+        self.text_parts.append(text)
+        return text
+
+    def final_event(self, text: str, token_ids: tuple[int, ...]) -> TokenEvent:
+        """The last event of this sequence (its state must be terminal)."""
+        return TokenEvent(text, token_ids, self.index, FINISH_REASONS.get(self.state))
+
+    def choice(self) -> Choice:
+        """This sequence as a finished :class:`Choice`."""
+        return Choice(
+            index=self.index,
+            text="".join(self.text_parts),
+            token_ids=tuple(self.token_ids[self.num_prompt_tokens :]),
+            finish_reason=FINISH_REASONS[self.state],
+        )

@@ -1,0 +1,187 @@
+"""A deterministic, pure-Python stand-in for llama.cpp, for tests without a model.
+
+:class:`FakeBackend` implements :class:`llamax.backend.Backend`. Its vocabulary is token 0
+(end of generation, renders as nothing), tokens 1..256 for the bytes 0..255, and any extra
+multi-byte pieces you pass. Its "model" is a function of the sequence's KV contents, so
+greedy output is batch-invariant by construction. It checks what the engine sends: every
+decode must continue each sequence at the next position, never exceed ``n_batch`` and
+never exceed ``n_ctx`` cells (it answers NO_SLOT, like llama.cpp).
+
+    ctx = llamax.Context(backend=FakeBackend(), autostart=False)
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .backend.base import BatchItem, DecodeStatus
+from .params import SamplingParams
+
+__all__ = ["FakeBackend", "FakeSampler", "alphabet_model"]
+
+EOS = 0
+
+
+def alphabet_model(history: Sequence[int]) -> int:
+    """Default fake model: the next lowercase letter after the last byte, cycling a..z."""
+    last = history[-1] - 1 if history and history[-1] > 0 else ord("a") - 1
+    nxt = ord("a") + (last - ord("a") + 1) % 26 if ord("a") <= last <= ord("z") else ord("a")
+    return nxt + 1
+
+
+@dataclass(eq=False, slots=True)
+class FakeSampler:
+    """What :meth:`FakeBackend.new_sampler` returns: params, seed and the accepted tokens."""
+
+    params: SamplingParams
+    seed: int
+    rng: random.Random
+    accepted: list[int] = field(default_factory=list)
+
+
+class FakeBackend:
+    """Pure-Python backend with a scripted next-token function and a checked KV model."""
+
+    def __init__(
+        self,
+        *,
+        n_ctx: int = 256,
+        n_seq_max: int = 4,
+        n_batch: int = 64,
+        next_token: Callable[[Sequence[int]], int] = alphabet_model,
+        extra_pieces: Mapping[int, bytes] | None = None,
+        model_name: str = "fake",
+    ) -> None:
+        self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
+        self._next_token = next_token
+        self._pieces = {0: b""} | {b + 1: bytes([b]) for b in range(256)} | dict(extra_pieces or {})
+        self._model_name = model_name
+        self.cells: dict[int, list[int]] = {i: [] for i in range(n_seq_max)}
+        """Tokens each sequence id holds in the fake KV cache, by position."""
+        self.decode_log: list[tuple[BatchItem, ...]] = []
+        """Every successful decode's items, in order."""
+        self.forced_statuses: deque[int] = deque()
+        """Statuses to return from the next decodes instead of running them."""
+        self.live_samplers: set[int] = set()
+        self.closed = False
+        self._rows: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def n_ctx(self) -> int:
+        """Total KV cells."""
+        return self._n_ctx
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequence ids."""
+        return self._n_seq_max
+
+    @property
+    def n_batch(self) -> int:
+        """Most tokens per decode."""
+        return self._n_batch
+
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+        return max(self._pieces) + 1
+
+    @property
+    def model_name(self) -> str:
+        """The fake model's name."""
+        return self._model_name
+
+    @property
+    def num_cells_used(self) -> int:
+        """Cells held by all sequences."""
+        return sum(len(c) for c in self.cells.values())
+
+    @property
+    def num_live_samplers(self) -> int:
+        """Samplers not yet freed."""
+        return len(self.live_samplers)
+
+    # ------------------------------------------------------------------ text
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """One token per UTF-8 byte."""
+        return [b + 1 for b in text.encode("utf-8")]
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes of a token."""
+        return self._pieces[token]
+
+    def is_eog(self, token: int) -> bool:
+        """Token 0 ends generation."""
+        return token == EOS
+
+    # ------------------------------------------------------------------ compute
+    def decode(self, items: Sequence[BatchItem]) -> int:
+        """Check and apply a batch; remember the next token of every row that wants logits."""
+        if self.closed:
+            raise RuntimeError("decode on a closed FakeBackend")
+        if self.forced_statuses:
+            return self.forced_statuses.popleft()
+        num = sum(len(i.token_ids) for i in items)
+        if num > self._n_batch or len({i.seq_id for i in items}) != len(items):
+            return -1
+        if self.num_cells_used + num > self._n_ctx:
+            return DecodeStatus.NO_SLOT
+        self._rows.clear()
+        offset = 0
+        for item in items:
+            cells = self.cells[item.seq_id]
+            if item.start_pos != len(cells):
+                raise AssertionError(f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}")
+            cells.extend(item.token_ids)
+            offset += len(item.token_ids)
+            if item.row is not None:
+                if item.row != offset - 1:
+                    raise AssertionError(f"row {item.row} is not the item's last token {offset - 1}")
+                self._rows[item.row] = self._next_token(cells)
+        self.decode_log.append(tuple(items))
+        return DecodeStatus.OK
+
+    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> FakeSampler:
+        """A sampler honouring greedy/temperature, logit_bias bans and ignore_eos."""
+        sampler = FakeSampler(params, seed, random.Random(seed))
+        self.live_samplers.add(id(sampler))
+        return sampler
+
+    def sample(self, sampler: FakeSampler, row: int) -> int:  # type: ignore[override]
+        """The model's token (shifted at random when temperature > 0), skipping banned ones."""
+        token = self._rows[row]
+        params = sampler.params
+        if not params.is_greedy:
+            token = 1 + (token - 1 + sampler.rng.randrange(3)) % 256 if token else token
+        banned = {t for t, b in params.logit_bias.items() if b == float("-inf")}
+        if params.ignore_eos:
+            banned.add(EOS)
+        while token in banned:
+            token = token % (self.n_vocab - 1) + 1
+        sampler.accepted.append(token)
+        return token
+
+    def free_sampler(self, sampler: FakeSampler) -> None:  # type: ignore[override]
+        """Forget a sampler."""
+        self.live_samplers.discard(id(sampler))
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions ``[p0, p1)``; only whole tails are supported, like a shift-less cache."""
+        cells = self.cells[seq_id]
+        p0 = max(p0, 0)
+        if p1 >= 0 and p1 < len(cells):
+            return False
+        del cells[p0:]
+        return True
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Last position held, or -1."""
+        return len(self.cells[seq_id]) - 1
+
+    def close(self) -> None:
+        """Mark closed; later decodes raise."""
+        self.closed = True

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up (idempotent), then lint, type-check and run the whole test suite.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$repo/scripts/bootstrap.sh"
+py=${LLAMAX_VENV:-$repo/.venv}/bin/python
+cd "$repo"
+"$py" -m ruff check llamax tests benchmarks examples
+"$py" -m mypy
+exec "$py" -m pytest -q "$@"
