@@ -71,6 +71,12 @@ class Engine:
         """Whether a background thread drives the loop."""
         return self._thread is not None
 
+    @property
+    def num_unsettled(self) -> int:
+        """Submitted requests whose future has not been resolved yet."""
+        with self._lock:
+            return len(self._live)
+
     def submit(self, request: Request) -> None:
         """Enqueue a validated request; it is admitted at the next step."""
         with self._lock:

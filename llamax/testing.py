@@ -13,14 +13,16 @@ never exceed ``n_ctx`` cells (it answers NO_SLOT, like llama.cpp).
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .backend.base import BatchItem, DecodeStatus
+from .context import Context
 from .params import SamplingParams
 
-__all__ = ["FakeBackend", "FakeSampler", "alphabet_model"]
+__all__ = ["FakeBackend", "FakeSampler", "alphabet_model", "assert_idle"]
 
 EOS = 0
 
@@ -185,3 +187,36 @@ class FakeBackend:
     def close(self) -> None:
         """Mark closed; later decodes raise."""
         self.closed = True
+
+
+def assert_idle(ctx: Context, timeout: float = 10.0) -> None:
+    """Assert that ``ctx`` holds nothing: no queued or running sequence, every sequence id
+    free, no KV cell held by any sequence (``seq_pos_max == -1``), no live sampler and no
+    unsettled request. Waits up to ``timeout`` for the background loop to go idle.
+
+    Raises:
+        AssertionError: something leaked; the message says what.
+    """
+    engine = ctx._engine
+    deadline = time.monotonic() + timeout
+    while engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    scheduler, backend = engine.scheduler, ctx._backend
+    problems = []
+    if engine.has_work():
+        problems.append(f"engine still has work after {timeout}s")
+    if scheduler.num_running or scheduler.num_waiting:
+        problems.append(f"{scheduler.num_running} running / {scheduler.num_waiting} waiting sequences")
+    if scheduler.num_free_seq_ids != backend.n_seq_max:
+        problems.append(f"{backend.n_seq_max - scheduler.num_free_seq_ids} sequence ids not freed")
+    held = {i: backend.seq_pos_max(i) for i in range(backend.n_seq_max)} if not engine.state.value == "closed" else {}
+    held = {i: p for i, p in held.items() if p != -1}
+    if held:
+        problems.append(f"KV cells still held (seq_id: pos_max) {held}")
+    live_samplers = getattr(backend, "num_live_samplers", 0)
+    if live_samplers:
+        problems.append(f"{live_samplers} samplers not freed")
+    if engine.num_unsettled:
+        problems.append(f"{engine.num_unsettled} requests never settled")
+    if problems:
+        raise AssertionError("engine not idle: " + "; ".join(problems))

@@ -1,0 +1,70 @@
+"""Shared fixtures. Every context a test makes is checked for leaks, then closed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import llamax
+from llamax.testing import FakeBackend, assert_idle
+
+
+@pytest.fixture
+def make_fake() -> Iterator[Callable[..., tuple[llamax.Context, FakeBackend]]]:
+    """Build ``(Context, FakeBackend)`` pairs; each is leak-checked and closed after the test."""
+    made: list[llamax.Context] = []
+
+    def make(*, autostart: bool = False, **backend_options: Any) -> tuple[llamax.Context, FakeBackend]:
+        backend = FakeBackend(**backend_options)
+        ctx = llamax.Context(backend=backend, autostart=autostart)
+        made.append(ctx)
+        return ctx, backend
+
+    yield make
+    for ctx in made:
+        if not ctx.closed:
+            assert_idle(ctx)
+        ctx.close()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The default model (SmolLM2-135M-Instruct Q4_1), or $LLAMAX_MODEL."""
+    return Path(os.environ.get("LLAMAX_MODEL") or llamax.default_model_path())
+
+
+@pytest.fixture(scope="session")
+def shared_ctx(model_path: Path) -> Iterator[llamax.Context]:
+    """One real context for the whole session (n_ctx=4096, n_seq_max=16)."""
+    ctx = llamax.Context(model_path, n_ctx=4096, n_seq_max=16, n_batch=512)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def real_ctx(shared_ctx: llamax.Context) -> Iterator[llamax.Context]:
+    """The shared real context, asserted idle (nothing leaked) after the test."""
+    assert_idle(shared_ctx)
+    yield shared_ctx
+    assert_idle(shared_ctx, timeout=60)
+
+
+@pytest.fixture
+def make_real(model_path: Path) -> Iterator[Callable[..., llamax.Context]]:
+    """Build real contexts with custom options; each is leak-checked and closed after the test."""
+    made: list[llamax.Context] = []
+
+    def make(**options: Any) -> llamax.Context:
+        ctx = llamax.Context(model_path, **options)
+        made.append(ctx)
+        return ctx
+
+    yield make
+    for ctx in made:
+        if not ctx.closed:
+            assert_idle(ctx, timeout=60)
+        ctx.close()
