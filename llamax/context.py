@@ -133,13 +133,17 @@ class Context:
         """Whether the context no longer accepts requests."""
         return self._engine.state is not EngineState.RUNNING
 
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """Tokenize ``text`` as a prompt would be."""
         return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Join the pieces of ``token_ids`` into text (special tokens render as nothing)."""
-        return b"".join(self._backend.token_to_piece(t) for t in token_ids).decode("utf-8", "replace")
+        return b"".join(self._backend.token_to_piece(t) for t in token_ids).decode(
+            "utf-8", "replace"
+        )
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -165,7 +169,9 @@ class Context:
             raise ContextClosedError("cannot add a request: the context has been closed")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"params must be a SamplingParams, got {type(params).__name__}"
+            )
         tokens = self._prompt_tokens(prompt)
         self._check_token_ids(params)
         with self._arrival_lock:
@@ -193,14 +199,18 @@ class Context:
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             tokens = self._backend.tokenize(prompt)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        elif isinstance(prompt, (list, tuple)):
             tokens = list(prompt)
             n_vocab = self._backend.n_vocab
             for t in tokens:
                 if not isinstance(t, int) or not 0 <= t < n_vocab:
-                    raise InvalidRequestError(f"prompt token ids must be ints in [0, {n_vocab}), got {t!r}")
+                    raise InvalidRequestError(
+                        f"prompt token ids must be ints in [0, {n_vocab}), got {t!r}"
+                    )
         else:
-            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidRequestError(
+                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+            )
         if not tokens:
             raise EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
         if len(tokens) >= self.n_ctx:
@@ -214,10 +224,15 @@ class Context:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         n_vocab = self._backend.n_vocab
-        for name, ids in (("logit_bias", params.logit_bias.keys()), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (
+            ("logit_bias", params.logit_bias.keys()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
             bad = [t for t in ids if t >= n_vocab]
             if bad:
-                raise InvalidParameterError(f"{name} holds token ids outside the vocabulary [0, {n_vocab}): {bad}")
+                raise InvalidParameterError(
+                    f"{name} holds token ids outside the vocabulary [0, {n_vocab}): {bad}"
+                )
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:
@@ -274,4 +289,5 @@ class Context:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<llamax.Context model={self.model_name!r} n_ctx={self.n_ctx} {self._engine.state.value}>"
+        state = self._engine.state.value
+        return f"<llamax.Context model={self.model_name!r} n_ctx={self.n_ctx} {state}>"

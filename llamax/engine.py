@@ -167,7 +167,9 @@ class Engine:
         try:
             return self._step()
         except BaseException as exc:
-            error = exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc!r}")
+            error = (
+                exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc!r}")
+            )
             if error is not exc:
                 error.__cause__ = exc
             self._fail(error)
@@ -183,7 +185,7 @@ class Engine:
         if not plan.is_empty:
             sampled = {
                 item.row: self.backend.sample(seq.sampler, item.row)
-                for seq, item in zip(plan.sequences, plan.items)
+                for seq, item in zip(plan.sequences, plan.items, strict=True)
                 if item.row is not None
             }
             step = self.scheduler.update(plan, sampled)
@@ -280,7 +282,9 @@ class Engine:
             raise ContextClosedError("cannot add a request: the context has been closed")
 
 
-def _settle(request: Request, *, completion: bool = False, error: BaseException | None = None) -> None:
+def _settle(
+    request: Request, *, completion: bool = False, error: BaseException | None = None
+) -> None:
     future = request.handle.future
     try:
         if error is not None:

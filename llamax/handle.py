@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
@@ -114,10 +115,8 @@ class RequestHandle:
                 self._ready.notify_all()
                 return
         loop, queue = sink
-        try:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody listens
             loop.call_soon_threadsafe(_put_all, queue, events)
-        except RuntimeError:  # the consumer's loop is closed; nobody is listening
-            pass
 
     def _on_future_done(self, _future: Future[Completion]) -> None:
         self._publish([_END])

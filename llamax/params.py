@@ -26,7 +26,10 @@ def _freeze_strings(name: str, value: Any) -> tuple[str, ...]:
         value = (value,)
     items = tuple(value)
     for item in items:
-        _require(isinstance(item, str) and item != "", f"{name} must hold non-empty strings, got {item!r}")
+        _require(
+            isinstance(item, str) and item != "",
+            f"{name} must hold non-empty strings, got {item!r}",
+        )
     return items
 
 
@@ -82,7 +85,9 @@ class SamplingParams:
             math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
-        _require(self.penalty_last_n >= -1, f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
+        _require(
+            self.penalty_last_n >= -1, f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
+        )
         _require(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
             f"seed must be None or an int in [0, 2**32), got {self.seed!r}",
@@ -117,7 +122,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether any repetition penalty is active."""
         return (
-            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            self.repeat_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
         ) and self.penalty_last_n != 0
 
 

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .backend.base import Backend, BatchItem
-from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .results import TokenEvent
+from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 
 __all__ = ["Scheduler", "StepPlan", "StepResult"]
 
@@ -132,8 +132,10 @@ class Scheduler:
         return self._plan(slots)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
-        """Answer a NO_SLOT decode: halve the newest prefill chunk, else preempt the newest sequence."""
-        slots = [(seq, len(item.token_ids)) for seq, item in zip(plan.sequences, plan.items)]
+        """Answer a NO_SLOT decode: halve the newest prefill chunk, else preempt the newest."""
+        slots = [
+            (seq, len(item.token_ids)) for seq, item in zip(plan.sequences, plan.items, strict=True)
+        ]
         chunks = [i for i, (_, n) in enumerate(slots) if n > 1]
         if chunks:
             i = chunks[-1]
@@ -151,7 +153,7 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> StepResult:
         """Record a successful decode of ``plan`` and the tokens sampled for its rows."""
         result = StepResult()
-        for seq, item in zip(plan.sequences, plan.items):
+        for seq, item in zip(plan.sequences, plan.items, strict=True):
             num = len(item.token_ids)
             seq.num_computed += num
             if seq.state is SequenceState.PREFILLING:
@@ -220,9 +222,9 @@ class Scheduler:
         text, matched = seq.push_token(token)
         if matched:
             self._finish(seq, SequenceState.FINISHED_STOPPED, result, text, (token,), drain=False)
-        elif (
-            params.max_tokens is not None and seq.num_generated >= params.max_tokens
-        ) or len(seq.token_ids) >= self._n_ctx:
+        elif (params.max_tokens is not None and seq.num_generated >= params.max_tokens) or len(
+            seq.token_ids
+        ) >= self._n_ctx:
             self._finish(seq, SequenceState.FINISHED_LENGTH, result, text, (token,))
         else:
             result.events.append((seq.request, TokenEvent(text, (token,), seq.index)))

@@ -124,7 +124,9 @@ class Sequence:
         "token_ids",
     )
 
-    def __init__(self, request: Request, index: int, token_to_piece: Callable[[int], bytes]) -> None:
+    def __init__(
+        self, request: Request, index: int, token_to_piece: Callable[[int], bytes]
+    ) -> None:
         self.request = request
         self.index = index
         self.token_ids: list[int] = list(request.prompt_token_ids)
@@ -153,7 +155,7 @@ class Sequence:
         return (self.request.priority, self.request.arrival, self.index)
 
     def push_token(self, token: int) -> tuple[str, bool]:
-        """Append a generated token; return the text it releases and whether a stop string matched."""
+        """Append a generated token; return the text it releases and whether a stop matched."""
         self.token_ids.append(token)
         text, matched = self.stop_matcher.feed(self.detokenizer.feed(token))
         self.text_parts.append(text)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from .backend.base import BatchItem, DecodeStatus
 from .context import Context
+from .engine import EngineState
 from .params import SamplingParams
 
 __all__ = ["FakeBackend", "FakeSampler", "alphabet_model", "assert_idle"]
@@ -108,7 +109,9 @@ class FakeBackend:
         return len(self.live_samplers)
 
     # ------------------------------------------------------------------ text
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """One token per UTF-8 byte."""
         return [b + 1 for b in text.encode("utf-8")]
 
@@ -137,12 +140,16 @@ class FakeBackend:
         for item in items:
             cells = self.cells[item.seq_id]
             if item.start_pos != len(cells):
-                raise AssertionError(f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}")
+                raise AssertionError(
+                    f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}"
+                )
             cells.extend(item.token_ids)
             offset += len(item.token_ids)
             if item.row is not None:
                 if item.row != offset - 1:
-                    raise AssertionError(f"row {item.row} is not the item's last token {offset - 1}")
+                    raise AssertionError(
+                        f"row {item.row} is not the item's last token {offset - 1}"
+                    )
                 self._rows[item.row] = self._next_token(cells)
         self.decode_log.append(tuple(items))
         return DecodeStatus.OK
@@ -153,7 +160,7 @@ class FakeBackend:
         self.live_samplers.add(id(sampler))
         return sampler
 
-    def sample(self, sampler: FakeSampler, row: int) -> int:  # type: ignore[override]
+    def sample(self, sampler: FakeSampler, row: int) -> int:
         """The model's token (shifted at random when temperature > 0), skipping banned ones."""
         token = self._rows[row]
         params = sampler.params
@@ -167,12 +174,12 @@ class FakeBackend:
         sampler.accepted.append(token)
         return token
 
-    def free_sampler(self, sampler: FakeSampler) -> None:  # type: ignore[override]
+    def free_sampler(self, sampler: FakeSampler) -> None:
         """Forget a sampler."""
         self.live_samplers.discard(id(sampler))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions ``[p0, p1)``; only whole tails are supported, like a shift-less cache."""
+        """Remove positions ``[p0, p1)``; only whole tails are supported."""
         cells = self.cells[seq_id]
         p0 = max(p0, 0)
         if p1 >= 0 and p1 < len(cells):
@@ -206,11 +213,14 @@ def assert_idle(ctx: Context, timeout: float = 10.0) -> None:
     if engine.has_work():
         problems.append(f"engine still has work after {timeout}s")
     if scheduler.num_running or scheduler.num_waiting:
-        problems.append(f"{scheduler.num_running} running / {scheduler.num_waiting} waiting sequences")
+        problems.append(
+            f"{scheduler.num_running} running / {scheduler.num_waiting} waiting sequences"
+        )
     if scheduler.num_free_seq_ids != backend.n_seq_max:
         problems.append(f"{backend.n_seq_max - scheduler.num_free_seq_ids} sequence ids not freed")
-    held = {i: backend.seq_pos_max(i) for i in range(backend.n_seq_max)} if not engine.state.value == "closed" else {}
-    held = {i: p for i, p in held.items() if p != -1}
+    held = {}
+    if engine.state is not EngineState.CLOSED:
+        held = {i: p for i in range(backend.n_seq_max) if (p := backend.seq_pos_max(i)) != -1}
     if held:
         problems.append(f"KV cells still held (seq_id: pos_max) {held}")
     live_samplers = getattr(backend, "num_live_samplers", 0)

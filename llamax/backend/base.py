@@ -74,7 +74,9 @@ class Backend(Protocol):
         """A short identity of the loaded model."""
         ...
 
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """Convert text to token ids."""
         ...
 

@@ -82,11 +82,15 @@ class LlamaCppBackend:
             mparams.n_gpu_layers = config.n_gpu_layers
             mparams.use_mmap = config.use_mmap
             mparams.use_extra_bufts = (
-                default_use_extra_bufts() if config.use_extra_bufts is None else config.use_extra_bufts
+                default_use_extra_bufts()
+                if config.use_extra_bufts is None
+                else config.use_extra_bufts
             )
             model = C.llama_model_load_from_file(str(path).encode(), mparams)
             if not model:
-                raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
+                raise ModelLoadError(
+                    f"llama.cpp could not load {path} (corrupt or unsupported model?)"
+                )
             stack.callback(C.llama_model_free, model)
 
             cparams = C.llama_context_default_params()
@@ -118,7 +122,9 @@ class LlamaCppBackend:
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
         self._n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self._add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
-        self._eog = frozenset(t for t in range(self._n_vocab) if C.llama_vocab_is_eog(self._vocab, t))
+        self._eog = frozenset(
+            t for t in range(self._n_vocab) if C.llama_vocab_is_eog(self._vocab, t)
+        )
         self._model_name = self.metadata("general.name") or path.stem
         self._model_path = path
         n = self._n_batch
@@ -188,13 +194,17 @@ class LlamaCppBackend:
         return buf.value.decode("utf-8", "replace")
 
     # ------------------------------------------------------------------ text (any thread)
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """Tokenize ``text``; read-only on the vocabulary, so safe from any thread."""
         data = text.encode("utf-8")
         cap = len(data) + 8
         while True:
             buf = (ctypes.c_int32 * cap)()
-            n = self._C.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+            n = self._C.llama_tokenize(
+                self._vocab, data, len(data), buf, cap, add_special, parse_special
+            )
             if n >= 0:
                 return list(buf[:n])
             cap = -n
@@ -237,7 +247,7 @@ class LlamaCppBackend:
         self._batch.n_tokens = n
         return int(self._C.llama_decode(self._ctx, self._batch))
 
-    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> int:
+    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> Any:
         """Build the native sampler chain for one sequence."""
         C = self._C
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
@@ -247,8 +257,12 @@ class LlamaCppBackend:
             bias.update(dict.fromkeys(self._eog, float("-inf")))
         bias = {t: b for t, b in bias.items() if t < self._n_vocab}
         if bias:
-            arr = (C.llama_logit_bias * len(bias))(*(C.llama_logit_bias(t, b) for t, b in bias.items()))
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_logit_bias(self._n_vocab, len(bias), arr))
+            arr = (C.llama_logit_bias * len(bias))(
+                *(C.llama_logit_bias(t, b) for t, b in bias.items())
+            )
+            C.llama_sampler_chain_add(
+                chain, C.llama_sampler_init_logit_bias(self._n_vocab, len(bias), arr)
+            )
         if params.has_penalties:
             last_n = self._n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
             penalties = C.llama_sampler_init_penalties(
