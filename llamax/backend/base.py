@@ -25,6 +25,7 @@ class DecodeStatus(IntEnum):
     NO_SLOT = 1
     """No free KV slot for the batch; memory was restored. Retry smaller or later."""
     ABORTED = 2
+    """An abort callback stopped the decode. llamax installs none, so it is treated as fatal."""
 
 
 @dataclass(frozen=True, slots=True)

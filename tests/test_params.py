@@ -1,0 +1,97 @@
+"""SamplingParams and ContextConfig validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import llamax
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 2.0),
+        ("typical_p", 0.0),
+        ("repeat_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("penalty_last_n", -2),
+        ("seed", -1),
+        ("seed", 2**32),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("logit_bias", {-1: 1.0}),
+    ],
+)
+def test_bad_sampling_value_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field) as info:
+        llamax.SamplingParams(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(info.value, llamax.InvalidParameterError)
+
+
+def test_sampling_params_are_frozen_and_normalised() -> None:
+    params = llamax.SamplingParams(stop="END", logit_bias={5: -1}, stop_token_ids=[7])
+    assert params.stop == ("END",)
+    assert params.stop_token_ids == (7,)
+    assert dict(params.logit_bias) == {5: -1.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        params.logit_bias[6] = 1.0  # type: ignore[index]
+
+
+def test_greedy_and_penalty_flags() -> None:
+    assert llamax.SamplingParams(temperature=0).is_greedy
+    assert not llamax.SamplingParams().has_penalties
+    assert llamax.SamplingParams(repeat_penalty=1.1).has_penalties
+    assert not llamax.SamplingParams(repeat_penalty=1.1, penalty_last_n=0).has_penalties
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("n_ctx", 8), ("n_seq_max", 0), ("n_seq_max", 1000), ("n_batch", 0), ("n_threads", 0)],
+)
+def test_bad_context_config_names_the_field(field: str, value: int) -> None:
+    with pytest.raises(llamax.InvalidParameterError, match=field):
+        llamax.ContextConfig(model_path="m.gguf", **{field: value})  # type: ignore[arg-type]
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(llamax.__all__) == sorted(
+        [
+            "Choice",
+            "Completion",
+            "Context",
+            "ContextClosedError",
+            "ContextConfig",
+            "ContextLengthError",
+            "ContextOptions",
+            "ContextStats",
+            "DefaultModelNotInstalledError",
+            "EmptyPromptError",
+            "EngineError",
+            "FinishReason",
+            "InvalidParameterError",
+            "InvalidRequestError",
+            "LlamaxError",
+            "LoopOwnershipError",
+            "ModelLoadError",
+            "RequestFailedError",
+            "RequestHandle",
+            "SamplingParams",
+            "TokenEvent",
+            "Usage",
+            "__version__",
+            "default_model_path",
+        ]
+    )
+    for name in llamax.__all__:
+        assert getattr(llamax, name).__doc__ or name == "__version__", name
