@@ -18,7 +18,9 @@ def make_fake() -> Iterator[Callable[..., tuple[llamax.Context, FakeBackend]]]:
     """Build ``(Context, FakeBackend)`` pairs; each is leak-checked and closed after the test."""
     made: list[llamax.Context] = []
 
-    def make(*, autostart: bool = False, **backend_options: Any) -> tuple[llamax.Context, FakeBackend]:
+    def make(
+        *, autostart: bool = False, **backend_options: Any
+    ) -> tuple[llamax.Context, FakeBackend]:
         backend = FakeBackend(**backend_options)
         ctx = llamax.Context(backend=backend, autostart=autostart)
         made.append(ctx)
