@@ -18,11 +18,15 @@ from .errors import (
     LoopOwnershipError,
     ModelLoadError,
     RequestFailedError,
+    SessionBusyError,
+    SessionError,
+    SessionLoadError,
 )
 from .handle import RequestHandle
 from .models import default_model_path
 from .params import ContextConfig, SamplingParams
 from .results import Choice, Completion, FinishReason, TokenEvent, Usage
+from .session import Session
 
 __version__ = "0.1.0"
 
@@ -47,6 +51,10 @@ __all__ = [
     "RequestFailedError",
     "RequestHandle",
     "SamplingParams",
+    "Session",
+    "SessionBusyError",
+    "SessionError",
+    "SessionLoadError",
     "TokenEvent",
     "Usage",
     "__version__",

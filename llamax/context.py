@@ -22,11 +22,14 @@ from .errors import (
     EmptyPromptError,
     InvalidParameterError,
     InvalidRequestError,
+    SessionError,
 )
 from .handle import RequestHandle
+from .kvcache import Slot
 from .models import default_model_path
 from .params import ContextConfig, SamplingParams
 from .sequence import Request
+from .session import Session
 
 __all__ = ["Context", "ContextOptions", "ContextStats"]
 
@@ -44,6 +47,7 @@ class ContextOptions(TypedDict, total=False):
     use_mmap: bool
     use_extra_bufts: bool | None
     flash_attn: bool | None
+    prefix_cache: bool
     verbose: bool
 
 
@@ -53,14 +57,27 @@ class ContextStats:
 
     state: str
     num_waiting: int
+    """Sequences queued."""
     num_running: int
+    """Sequences being computed."""
+    num_retained: int
+    """Finished sequences kept in KV for their prefix (evicted LRU)."""
     kv_cells_used: int
+    """Distinct KV cells in use (shared prefixes count once)."""
     kv_cells_total: int
+    """KV cells in the context."""
     num_free_seq_ids: int
+    """Sequence ids held by nothing."""
     num_steps: int
+    """Decodes run."""
     num_prefill_tokens: int
+    """Prompt tokens computed (prefix-cache hits are not computed)."""
     num_decode_tokens: int
+    """Generated tokens computed."""
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache instead of computed."""
     num_preemptions: int
+    """Sequences preempted under KV pressure (recomputed later)."""
 
 
 class Context:
@@ -101,9 +118,10 @@ class Context:
                 path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
                 config = ContextConfig(model_path=os.fspath(path), **options)
             backend = LlamaCppBackend(config)
+        prefix_cache = config.prefix_cache if config else options.get("prefix_cache", True)
         self._config = config
         self._backend = backend
-        self._engine = Engine(backend, autostart=autostart)
+        self._engine = Engine(backend, autostart=autostart, prefix_cache=prefix_cache)
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
 
@@ -165,6 +183,35 @@ class Context:
             ContextLengthError: the prompt leaves no room for a reply in ``n_ctx``.
             InvalidRequestError: the prompt or params have the wrong type or bad token ids.
         """
+        return self._submit(prompt, params, priority=priority, request_id=request_id)
+
+    def session(self) -> Session:
+        """Open a :class:`Session`: a KV sequence that stays resident between requests.
+
+        Raises:
+            SessionError: every sequence id is held by running sequences or other sessions.
+        """
+
+        def open_slot() -> Slot:
+            slot = self._engine.scheduler.cache.allocate(pinned=True)
+            if slot is None:
+                raise SessionError(
+                    f"no free sequence id for a session (n_seq_max={self.n_seq_max}); "
+                    "close a session or raise n_seq_max"
+                )
+            return slot
+
+        return Session(self, self._engine.call(open_slot))
+
+    def _submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+        session: Session | None = None,
+    ) -> RequestHandle:
         if self.closed:
             raise ContextClosedError("cannot add a request: the context has been closed")
         params = params if params is not None else SamplingParams()
@@ -172,15 +219,15 @@ class Context:
             raise InvalidRequestError(
                 f"params must be a SamplingParams, got {type(params).__name__}"
             )
+        if session is not None and params.n != 1:
+            raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
         tokens = self._prompt_tokens(prompt)
         self._check_token_ids(params)
         with self._arrival_lock:
             arrival = next(self._arrivals)
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        cell: list[Request] = []
-        handle = RequestHandle(request_id, lambda: self._engine.cancel(cell[0]))
+        handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
         request = Request(
-            request_id,
+            handle.request_id,
             tokens,
             params,
             handle,
@@ -188,11 +235,10 @@ class Context:
             seed=params.seed if params.seed is not None else secrets.randbits(32),
             priority=priority,
             arrival=arrival,
+            num_choices=params.n,
+            session=session,
         )
-        cell.append(request)
-        handle.future.add_done_callback(
-            lambda f: self._engine.cancel(request) if f.cancelled() else None
-        )
+        handle._bind(lambda: self._engine.cancel(request))
         self._engine.submit(request)
         return handle
 
@@ -261,12 +307,29 @@ class Context:
             num_running=s.num_running,
             kv_cells_used=s.num_cells_in_use,
             kv_cells_total=self.n_ctx,
+            num_retained=s.cache.num_retained,
             num_free_seq_ids=s.num_free_seq_ids,
             num_steps=self._engine.num_steps,
             num_prefill_tokens=s.num_prefill_tokens,
             num_decode_tokens=s.num_decode_tokens,
+            num_cached_tokens=s.num_cached_tokens,
             num_preemptions=s.num_preemptions,
         )
+
+    def clear_cache(self) -> int:
+        """Drop every retained prefix from the KV cache; return how many sequences were freed.
+
+        Running requests and open sessions keep their cells.
+        """
+
+        def evict_all() -> int:
+            cache = self._engine.scheduler.cache
+            count = 0
+            while cache.evict_one():
+                count += 1
+            return count
+
+        return self._engine.call(evict_all)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import InvalidStateError
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 from enum import Enum
+from typing import Any, TypeVar
 
 from .backend.base import Backend, DecodeStatus
 from .errors import ContextClosedError, EngineError, LoopOwnershipError
@@ -22,6 +24,7 @@ from .sequence import Request
 __all__ = ["Engine", "EngineState"]
 
 _log = logging.getLogger("llamax")
+T = TypeVar("T")
 
 _MAX_SHRINKS_PER_STEP = 64
 _MAX_STALLED_STEPS = 16
@@ -39,14 +42,17 @@ class EngineState(Enum):
 class Engine:
     """Owns a backend, a scheduler and (optionally) the background loop thread."""
 
-    def __init__(self, backend: Backend, *, autostart: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, *, autostart: bool = True, prefix_cache: bool = True
+    ) -> None:
         self.backend = backend
-        self.scheduler = Scheduler(backend)
+        self.scheduler = Scheduler(backend, prefix_cache=prefix_cache)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
         self._live: dict[int, Request] = {}  # every submitted request until it is settled
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._state = EngineState.RUNNING
         self._failure: BaseException | None = None
         self._step_lock = threading.Lock()
@@ -91,6 +97,24 @@ class Engine:
             if self._state is EngineState.RUNNING or self._state is EngineState.CLOSING:
                 self._cancels.append(request)
                 self._wakeup.notify()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the thread that owns the backend, between steps, and return its result.
+
+        Raises:
+            ContextClosedError: the engine is closed (or closes before ``fn`` ran).
+        """
+        if self._thread is None or self._thread is threading.current_thread():
+            with self._step_lock:
+                with self._lock:
+                    self._raise_if_not_running()
+                return fn()
+        future: Future[T] = Future()
+        with self._lock:
+            self._raise_if_not_running()
+            self._calls.append((fn, future))
+            self._wakeup.notify()
+        return future.result()
 
     def has_work(self) -> bool:
         """Whether any request is queued, running or waiting to be cancelled."""
@@ -147,9 +171,9 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not (self._inbox or self._cancels or self.scheduler.has_work) and (
-                    self._state is EngineState.RUNNING
-                ):
+                while not (
+                    self._inbox or self._cancels or self._calls or self.scheduler.has_work
+                ) and (self._state is EngineState.RUNNING):
                     self._wakeup.wait()
                 stop = self._state is not EngineState.RUNNING and not (
                     self._draining and (self._inbox or self.scheduler.has_work)
@@ -183,11 +207,12 @@ class Engine:
         if not plan.is_empty:
             plan = self._decode(plan)
         if not plan.is_empty:
-            sampled = {
-                item.row: self.backend.sample(seq.sampler, item.row)
-                for seq, item in zip(plan.sequences, plan.items, strict=True)
-                if item.row is not None
-            }
+            sample = self.backend.sample
+            sampled = {}
+            for seq, item, forks in zip(plan.sequences, plan.items, plan.forks, strict=True):
+                if item.row is not None:
+                    for s in (seq, *forks):
+                        sampled[s] = sample(s.sampler, item.row)
             step = self.scheduler.update(plan, sampled)
             result.events += step.events
             result.finished += step.finished
@@ -218,11 +243,17 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+            calls, self._calls = self._calls, []
         result = StepResult()
         for request in inbox:
             self.scheduler.add(request)
         for request in cancels:
             self.scheduler.abort(request, result)
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # delivered to the caller's thread
+                future.set_exception(exc)
         return result
 
     # ------------------------------------------------------------------ endings
@@ -264,6 +295,9 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             self._cancels = []
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(ContextClosedError("the context closed before the call ran"))
         result = StepResult()
         for request in inbox:
             self.scheduler.add(request)

@@ -12,7 +12,10 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
     ├── ContextClosedError (also RuntimeError)
     ├── LoopOwnershipError (also RuntimeError)   process() called where it must not be
     ├── EngineError                 llama.cpp failed; the context is closed
-    └── RequestFailedError          one request failed; the engine keeps serving others
+    ├── RequestFailedError          one request failed; the engine keeps serving others
+    └── SessionError                a session cannot do what was asked
+        ├── SessionBusyError        it is already running a request
+        └── SessionLoadError        a saved session does not fit this model or is damaged
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ __all__ = [
     "LoopOwnershipError",
     "ModelLoadError",
     "RequestFailedError",
+    "SessionBusyError",
+    "SessionError",
+    "SessionLoadError",
 ]
 
 
@@ -79,3 +85,15 @@ class EngineError(LlamaxError):
 
 class RequestFailedError(LlamaxError):
     """One request failed (its cause is chained); other requests are unaffected."""
+
+
+class SessionError(LlamaxError):
+    """A session cannot do what was asked (closed, out of sequence ids ...)."""
+
+
+class SessionBusyError(SessionError):
+    """The session is running a request; wait for it (or cancel it) first."""
+
+
+class SessionLoadError(SessionError):
+    """A saved session belongs to another model, or its file is damaged."""

@@ -31,9 +31,9 @@ class RequestHandle:
     buffered until consumed, so starting to iterate late loses nothing.
     """
 
-    def __init__(self, request_id: str, cancel: Callable[[], None]) -> None:
+    def __init__(self, request_id: str) -> None:
         self._request_id = request_id
-        self._cancel = cancel
+        self._cancel: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._events: deque[object] = deque()
@@ -106,6 +106,11 @@ class RequestHandle:
             yield item  # type: ignore[misc]
 
     # ------------------------------------------------------------------ engine side
+    def _bind(self, cancel: Callable[[], None]) -> None:
+        """Connect cancellation to the engine (once, before the request is submitted)."""
+        self._cancel = cancel
+        self.future.add_done_callback(lambda f: cancel() if f.cancelled() else None)
+
     def _publish(self, events: list[object]) -> None:
         """Deliver events (engine thread only; never under the engine's lock)."""
         with self._lock:

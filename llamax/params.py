@@ -39,9 +39,10 @@ class SamplingParams:
 
     ``temperature=0`` means greedy decoding. Penalties look at the last ``penalty_last_n``
     tokens of prompt plus output (``-1`` means the whole context). ``seed=None`` draws a
-    random seed. ``stop`` strings are held back while they may still match and are trimmed
-    from the text; ``stop_token_ids`` end the request when sampled. With ``ignore_eos`` the
-    end-of-generation tokens are banned and generation runs to ``max_tokens``.
+    random seed; choice ``i`` of ``n`` uses ``seed + i``. ``stop`` strings are held back
+    while they may still match and are trimmed from the text; ``stop_token_ids`` end the
+    request when sampled. With ``ignore_eos`` the end-of-generation tokens are banned and
+    generation runs to ``max_tokens``. ``n`` continuations share one prompt prefill.
     """
 
     max_tokens: int | None = 256
@@ -59,8 +60,12 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
+        _require(
+            isinstance(self.n, int) and 1 <= self.n <= 256, f"n must be in [1, 256], got {self.n!r}"
+        )
         _require(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be a positive int or None, got {self.max_tokens!r}",
@@ -144,7 +149,8 @@ class ContextConfig:
     one ``llama_decode`` never carries more, so a long prompt is prefilled in chunks of at
     most ``n_batch`` tokens while other sequences keep streaming. ``use_extra_bufts=None``
     picks automatically: it is turned off on CPUs that advertise AMX, where ggml's AMX
-    matmul crashes in some VMs.
+    matmul crashes in some VMs. ``prefix_cache`` shares computed prompt prefixes between
+    sequences and keeps finished ones for reuse (LRU); turn it off to always recompute.
     """
 
     model_path: str
@@ -158,6 +164,7 @@ class ContextConfig:
     use_mmap: bool = True
     use_extra_bufts: bool | None = None
     flash_attn: bool | None = None
+    prefix_cache: bool = True
     verbose: bool = False
 
     def __post_init__(self) -> None:

@@ -1,17 +1,23 @@
 """Continuous-batching scheduler. Pure Python: it drives a :class:`~llamax.backend.base.Backend`.
 
 Design note: there is no separate prefill phase and decode phase. Every running sequence
-has ``num_computed`` tokens in the KV cache and ``num_pending`` tokens still to compute; a
+has ``num_computed`` tokens in its KV slot and ``num_pending`` tokens still to compute; a
 step gives each running sequence up to ``num_pending`` tokens under one token budget.
 Sequences with one pending token (decoding) go first, so long prompts are chunked around
-them and never stall streams for more than one chunk. A preempted sequence simply drops
-its cells and re-queues with ``num_computed = 0``; its prompt plus generated tokens are
-recomputed, so greedy output continues unchanged.
+them and never stall streams for more than one chunk. A preempted sequence drops its
+cells and re-queues; its prompt plus generated tokens are recomputed, so greedy output
+continues unchanged.
 
-KV accounting on the unified cache: ``committed`` is the sum of all known tokens of the
-running sequences (computed or pending). Admission keeps ``committed <= n_ctx``; when the
-one-token growth of decoding sequences would overflow it, the newest sequence is
-preempted (LIFO, as in vLLM).
+Prefix reuse: on admission a sequence copies the longest prefix any slot holds
+(``seq_cp``: shared cells, no compute). If a longer prefix is still being prefilled by a
+running sequence (a burst with one system prompt), the newcomer waits for it instead of
+computing it again, so the leader prefills it once. ``n > 1`` choices fork from the
+leader's last prompt row: they share its cells and sample their first token from the
+same logits, so the prompt is computed exactly once.
+
+KV accounting: cells are counted exactly by :class:`~llamax.kvcache.KVCache`. A step may
+start only if ``cells_used + pending tokens of running sequences <= n_ctx``; retained
+slots are evicted first, then the newest running sequence is preempted (LIFO).
 """
 
 from __future__ import annotations
@@ -19,20 +25,36 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 from .backend.base import Backend, BatchItem
+from .kvcache import KVCache, Slot, common_prefix_len
 from .results import TokenEvent
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 
 __all__ = ["Scheduler", "StepPlan", "StepResult"]
 
+WAIT_FOR_PREFIX_MIN = 16
+"""A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
+
+
+class _Admission(Enum):
+    ADMITTED = "admitted"
+    WAIT_PREFIX = "wait_prefix"
+    NO_ROOM = "no_room"
+
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What one step computes: ``items[i]`` belongs to ``sequences[i]``."""
+    """What one step computes: ``items[i]`` belongs to ``sequences[i]``.
+
+    ``forks[i]`` are sibling choices that share ``sequences[i]``'s prompt: they sample
+    their first token from the same row and copy its cells after the decode.
+    """
 
     items: tuple[BatchItem, ...] = ()
     sequences: tuple[Sequence, ...] = ()
+    forks: tuple[tuple[Sequence, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -57,16 +79,18 @@ class StepResult:
 class Scheduler:
     """Owns every state change of every sequence. Driven by one thread at a time."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, *, prefix_cache: bool = True) -> None:
         self._backend = backend
         self._n_ctx = backend.n_ctx
         self._n_batch = backend.n_batch
+        self._share = prefix_cache and backend.can_share_prefix
+        self.cache = KVCache(backend, retain=self._share)
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
-        self._free_seq_ids = list(reversed(range(backend.n_seq_max)))
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.num_cached_tokens = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -81,23 +105,23 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        """Sequences holding a sequence id."""
+        """Sequences being computed."""
         return len(self._running)
 
     @property
     def num_free_seq_ids(self) -> int:
-        """Sequence ids not held by any sequence."""
-        return len(self._free_seq_ids)
+        """Sequence ids held by no slot (retained slots hold theirs)."""
+        return self.cache.num_free_seq_ids
 
     @property
     def num_cells_in_use(self) -> int:
-        """KV cells the running sequences occupy now."""
-        return sum(seq.num_computed for seq in self._running)
+        """Distinct KV cells held by any slot (running, retained or session)."""
+        return self.cache.num_cells_used
 
     @property
-    def num_cells_committed(self) -> int:
-        """KV cells the running sequences will occupy once their pending tokens are computed."""
-        return sum(len(seq.token_ids) for seq in self._running)
+    def num_pending_tokens(self) -> int:
+        """Tokens the running sequences still have to compute."""
+        return sum(seq.num_pending for seq in self._running)
 
     def all_sequences(self) -> list[Sequence]:
         """Every waiting and running sequence."""
@@ -110,9 +134,8 @@ class Scheduler:
             bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
 
     def schedule(self) -> StepPlan:
-        """Preempt if the cache would overflow, admit what fits, and plan one step."""
-        while self.num_cells_committed > self._n_ctx and len(self._running) > 1:
-            self._preempt(self._running[-1])
+        """Make room, admit what fits, and plan one step."""
+        self._make_room_for_growth()
         budget = self._n_batch
         slots: list[tuple[Sequence, int]] = []
         for seq in self._running:
@@ -124,11 +147,18 @@ class Scheduler:
                 take = min(seq.num_pending, budget)
                 slots.append((seq, take))
                 budget -= take
-        while budget > 0 and self._waiting and self._can_admit(self._waiting[0]):
-            seq = self._admit(self._waiting.pop(0))
-            take = min(seq.num_pending, budget)
-            slots.append((seq, take))
-            budget -= take
+        for seq in list(self._waiting):
+            if budget <= 0:
+                break
+            if self._is_fork_candidate(seq):
+                continue
+            outcome = self._try_admit(seq)
+            if outcome is _Admission.NO_ROOM:
+                break  # first come, first served: nobody overtakes a request that lacks room
+            if outcome is _Admission.ADMITTED:
+                take = min(seq.num_pending, budget)
+                slots.append((seq, take))
+                budget -= take
         return self._plan(slots)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
@@ -144,24 +174,32 @@ class Scheduler:
                 slots[i] = (seq, n // 2)
             else:
                 del slots[i]
+        elif self.cache.evict_one():
+            pass
         elif slots:
             victim = max((seq for seq, _ in slots), key=self._running.index)
             self._preempt(victim)
             slots = [(seq, n) for seq, n in slots if seq is not victim]
         return self._plan(slots)
 
-    def update(self, plan: StepPlan, sampled: Mapping[int, int]) -> StepResult:
-        """Record a successful decode of ``plan`` and the tokens sampled for its rows."""
+    def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> StepResult:
+        """Record a successful decode of ``plan`` and the tokens sampled for it."""
         result = StepResult()
-        for seq, item in zip(plan.sequences, plan.items, strict=True):
+        for seq, item, forks in zip(plan.sequences, plan.items, plan.forks, strict=True):
             num = len(item.token_ids)
-            seq.num_computed += num
-            if seq.state is SequenceState.PREFILLING:
-                self.num_prefill_tokens += num
+            assert seq.slot is not None
+            is_decode = num == 1 and seq.num_generated > 0 and seq.num_pending == 1
+            self.cache.append(seq.slot, item.token_ids)
+            if is_decode:
+                self.num_decode_tokens += 1
             else:
-                self.num_decode_tokens += num
-            if item.row is not None:
-                self._accept(seq, sampled[item.row], result)
+                self.num_prefill_tokens += num  # prompt chunks, and recomputation after preemption
+            if item.row is None:
+                continue
+            for fork in forks:
+                self._fork_from(seq, fork)
+            for s in (*forks, seq):
+                self._accept(s, sampled[s], result)
         return result
 
     def abort(self, request: Request, result: StepResult) -> None:
@@ -186,31 +224,123 @@ class Scheduler:
             self.fail(request, error, result)
         return result
 
-    # ------------------------------------------------------------------ internals
-    def _can_admit(self, seq: Sequence) -> bool:
-        return (
-            bool(self._free_seq_ids)
-            and self.num_cells_committed + len(seq.token_ids) <= self._n_ctx
-        )
+    # ------------------------------------------------------------------ admission
+    def _try_admit(self, seq: Sequence) -> _Admission:
+        session = seq.request.session
+        if session is not None:
+            return self._admit_into(seq, session.slot, source=None, num_reused=0)
+        source, now, later = self._best_prefix(seq)
+        if later - now >= WAIT_FOR_PREFIX_MIN:
+            return _Admission.WAIT_PREFIX
+        if self.cache.num_free_seq_ids == 0 and not self.cache.evict_one(keep=source):
+            return _Admission.NO_ROOM
+        if not self._fits(len(seq.token_ids) - now, keep=source):
+            return _Admission.NO_ROOM
+        slot = self.cache.allocate(keep=source)
+        assert slot is not None
+        return self._admit_into(seq, slot, source=source, num_reused=now)
 
-    def _admit(self, seq: Sequence) -> Sequence:
-        seq.seq_id = self._free_seq_ids.pop()
-        if seq.sampler is None:
-            request = seq.request
-            seq.sampler = self._backend.new_sampler(
-                request.params, (request.seed + seq.index) % 2**32, seq.token_ids
-            )
+    def _admit_into(
+        self, seq: Sequence, slot: Slot, *, source: Slot | None, num_reused: int
+    ) -> _Admission:
+        if source is None:
+            # A session slot: keep the longest common prefix, drop the diverging tail.
+            keep = min(common_prefix_len(slot.tokens, seq.token_ids), len(seq.token_ids) - 1)
+            if not self._share or not self.cache.truncate(slot, keep) or not self._is_intact(slot):
+                self.cache.clear(slot)
+            num_reused = len(slot.tokens)
+            if not self._fits(len(seq.token_ids) - num_reused):
+                return _Admission.NO_ROOM
+        elif num_reused:
+            self.cache.copy_prefix(source, slot, num_reused)
+        seq.slot = slot
+        self._count_reuse(seq, num_reused)
+        self._start(seq)
+        return _Admission.ADMITTED
+
+    def _best_prefix(self, seq: Sequence) -> tuple[Slot | None, int, int]:
+        """The slot to copy from, how many tokens it can give now, and how many it will give
+        once its running owner has computed its known tokens."""
+        if not self._share:
+            return None, 0, 0
+        limit = len(seq.token_ids) - 1  # the last prompt token is computed for its logits
+        owners = {id(s.slot): s for s in self._running if s.slot is not None}
+        best: tuple[Slot | None, int, int] = (None, 0, 0)
+        for slot in self.cache.slots():
+            if not slot.tokens and id(slot) not in owners:
+                continue
+            owner = owners.get(id(slot))
+            known = owner.token_ids if owner is not None else slot.tokens
+            later = min(common_prefix_len(known, seq.token_ids), limit)
+            now = min(later, len(slot.tokens))
+            if now and not self._is_intact(slot):
+                continue
+            if owner is None or owner.state is not SequenceState.PREFILLING:
+                later = now
+            if (now, later) > best[1:]:
+                best = (slot, now, later)
+        return best
+
+    def _is_fork_candidate(self, seq: Sequence) -> bool:
+        """An n>1 sibling whose leader is prefilling the same prompt waits to fork from it."""
+        if seq.index == 0 or seq.num_generated:
+            return False
+        leader = seq.request.sequences[0]
+        return leader.state is SequenceState.PREFILLING and self._share
+
+    def _fork_from(self, leader: Sequence, fork: Sequence) -> None:
+        assert leader.slot is not None
+        slot = self.cache.allocate(keep=leader.slot)
+        assert slot is not None, "fork planned without a free sequence id"
+        self.cache.copy_prefix(leader.slot, slot, len(leader.slot.tokens))
+        self._waiting.remove(fork)
+        fork.slot = slot
+        self.num_cached_tokens += len(slot.tokens)
+        self._running.append(fork)
+        fork.state = SequenceState.PREFILLING
+
+    def _start(self, seq: Sequence) -> None:
+        self._waiting.remove(seq)
+        self._ensure_sampler(seq)
         seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
         self._running.append(seq)
-        return seq
+
+    def _ensure_sampler(self, seq: Sequence) -> None:
+        if seq.sampler is None:
+            request = seq.request
+            seed = (request.seed + seq.index) % 2**32
+            seq.sampler = self._backend.new_sampler(request.params, seed, seq.token_ids)
+
+    def _count_reuse(self, seq: Sequence, num: int) -> None:
+        self.num_cached_tokens += num
+        if seq.index == 0 and seq.num_generated == 0:
+            seq.request.num_cached_tokens = num
+
+    def _is_intact(self, slot: Slot) -> bool:
+        """Whether the memory still holds the slot's first cells (sliding windows drop them)."""
+        return not slot.tokens or self._backend.seq_pos_min(slot.seq_id) <= 0
+
+    def _fits(self, new_cells: int, *, keep: Slot | None = None) -> bool:
+        while self.cache.num_cells_used + self.num_pending_tokens + new_cells > self._n_ctx:
+            if not self.cache.evict_one(keep=keep):
+                return False
+        return True
+
+    def _make_room_for_growth(self) -> None:
+        while self.cache.num_cells_used + self.num_pending_tokens > self._n_ctx:
+            if self.cache.evict_one():
+                continue
+            if len(self._running) <= 1:
+                break
+            self._preempt(self._running[-1])
 
     def _preempt(self, seq: Sequence) -> None:
         self._release_kv(seq)
-        seq.num_computed = 0
         seq.state = SequenceState.WAITING
         bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
         self.num_preemptions += 1
 
+    # ------------------------------------------------------------------ results
     def _accept(self, seq: Sequence, token: int, result: StepResult) -> None:
         params = seq.request.params
         if seq.state is SequenceState.PREFILLING:
@@ -241,42 +371,65 @@ class Scheduler:
     ) -> None:
         if drain:
             text += seq.drain_text()
-        self._release(seq)
+        self._release(seq, keep_cache=state is not SequenceState.FINISHED_CANCELLED)
         seq.state = state
         result.events.append((seq.request, seq.final_event(text, token_ids)))
         if seq.request.is_finished:
             result.finished.append(seq.request)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, *, keep_cache: bool = False) -> None:
         if seq.state is SequenceState.WAITING:
             self._waiting.remove(seq)
-        else:
-            self._release_kv(seq)
+        elif seq in self._running:
+            self._running.remove(seq)
+        slot, seq.slot = seq.slot, None
+        if slot is not None and not slot.pinned:
+            if keep_cache:
+                self.cache.retire(slot)
+            else:
+                self.cache.release(slot)
         if seq.sampler is not None:
             self._backend.free_sampler(seq.sampler)
             seq.sampler = None
 
     def _release_kv(self, seq: Sequence) -> None:
-        if seq.seq_id is not None:
-            self._backend.seq_rm(seq.seq_id, -1, -1)
-            self._free_seq_ids.append(seq.seq_id)
-            seq.seq_id = None
-            self._running.remove(seq)
+        slot = seq.slot
+        if slot is None:
+            return
+        self._running.remove(seq)
+        if slot.pinned:
+            self.cache.clear(slot)
+        else:
+            self.cache.release(slot)
+            seq.slot = None
 
+    # ------------------------------------------------------------------ plans
     def _plan(self, slots: list[tuple[Sequence, int]]) -> StepPlan:
         items: list[BatchItem] = []
+        forks: list[tuple[Sequence, ...]] = []
+        free_ids = self.cache.num_free_seq_ids
         offset = 0
         for seq, num in slots:
+            assert seq.slot is not None
             start = seq.num_computed
-            assert seq.seq_id is not None
             end = start + num
-            items.append(
-                BatchItem(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[start:end],
-                    start_pos=start,
-                    row=offset + num - 1 if end == len(seq.token_ids) else None,
-                )
-            )
+            completes = end == len(seq.token_ids)
+            row = offset + num - 1 if completes else None
+            items.append(BatchItem(seq.slot.seq_id, seq.token_ids[start:end], start, row))
+            siblings = self._forkable_siblings(seq, free_ids) if completes else ()
+            free_ids -= len(siblings)
+            forks.append(siblings)
             offset += num
-        return StepPlan(tuple(items), tuple(seq for seq, _ in slots))
+        return StepPlan(tuple(items), tuple(seq for seq, _ in slots), tuple(forks))
+
+    def _forkable_siblings(self, seq: Sequence, free_ids: int) -> tuple[Sequence, ...]:
+        if seq.index != 0 or seq.num_generated or not self._share:
+            return ()
+        siblings = [
+            s
+            for s in seq.request.sequences[1:]
+            if s.state is SequenceState.WAITING and s.num_generated == 0
+        ][:free_ids]
+        for sibling in siblings:
+            self._ensure_sampler(sibling)
+        return tuple(siblings)

@@ -18,6 +18,8 @@ from .text import Detokenizer, StopMatcher
 if TYPE_CHECKING:
     from .backend.base import Sampler
     from .handle import RequestHandle
+    from .kvcache import Slot
+    from .session import Session
 
 __all__ = ["TERMINAL_STATES", "Request", "Sequence", "SequenceState"]
 
@@ -66,6 +68,7 @@ class Request:
         "request_id",
         "seed",
         "sequences",
+        "session",
     )
 
     def __init__(
@@ -80,6 +83,7 @@ class Request:
         priority: int = 0,
         arrival: int = 0,
         num_choices: int = 1,
+        session: Session | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -89,6 +93,7 @@ class Request:
         self.priority = priority
         self.arrival = arrival
         self.num_cached_tokens = 0
+        self.session = session
         self.sequences = [Sequence(self, i, token_to_piece) for i in range(num_choices)]
 
     @property
@@ -113,11 +118,10 @@ class Sequence:
     __slots__ = (
         "detokenizer",
         "index",
-        "num_computed",
         "num_prompt_tokens",
         "request",
         "sampler",
-        "seq_id",
+        "slot",
         "state",
         "stop_matcher",
         "text_parts",
@@ -131,13 +135,17 @@ class Sequence:
         self.index = index
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed = 0
-        self.seq_id: int | None = None
+        self.slot: Slot | None = None
         self.sampler: Sampler | None = None
         self.state = SequenceState.WAITING
         self.detokenizer = Detokenizer(token_to_piece)
         self.stop_matcher = StopMatcher(request.params.stop)
         self.text_parts: list[str] = []
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens of this sequence held in the KV cache (its slot's tokens)."""
+        return len(self.slot.tokens) if self.slot is not None else 0
 
     @property
     def num_generated(self) -> int:

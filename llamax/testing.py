@@ -12,6 +12,7 @@ never exceed ``n_ctx`` cells (it answers NO_SLOT, like llama.cpp).
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections import deque
@@ -57,6 +58,8 @@ class FakeBackend:
         next_token: Callable[[Sequence[int]], int] = alphabet_model,
         extra_pieces: Mapping[int, bytes] | None = None,
         model_name: str = "fake",
+        can_share_prefix: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._next_token = next_token
@@ -64,6 +67,12 @@ class FakeBackend:
         self._model_name = model_name
         self.cells: dict[int, list[int]] = {i: [] for i in range(n_seq_max)}
         """Tokens each sequence id holds in the fake KV cache, by position."""
+        self._cell_ids: dict[int, list[int]] = {i: [] for i in range(n_seq_max)}
+        self._refs: dict[int, int] = {}
+        self._next_cell = 0
+        self._can_share = can_share_prefix
+        self._window = sliding_window
+        self.num_copies = 0
         self.decode_log: list[tuple[BatchItem, ...]] = []
         """Every successful decode's items, in order."""
         self.forced_statuses: deque[int] = deque()
@@ -100,8 +109,13 @@ class FakeBackend:
 
     @property
     def num_cells_used(self) -> int:
-        """Cells held by all sequences."""
-        return sum(len(c) for c in self.cells.values())
+        """Distinct cells held by any sequence (copied prefixes share cells)."""
+        return len(self._refs)
+
+    @property
+    def can_share_prefix(self) -> bool:
+        """As configured (False mimics recurrent memory)."""
+        return self._can_share
 
     @property
     def num_live_samplers(self) -> int:
@@ -143,7 +157,7 @@ class FakeBackend:
                 raise AssertionError(
                     f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}"
                 )
-            cells.extend(item.token_ids)
+            self._store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
             if item.row is not None:
                 if item.row != offset - 1:
@@ -179,13 +193,64 @@ class FakeBackend:
         self.live_samplers.discard(id(sampler))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions ``[p0, p1)``; only whole tails are supported."""
+        """Remove positions ``[p0, p1)``; only whole tails are supported (False otherwise)."""
         cells = self.cells[seq_id]
         p0 = max(p0, 0)
-        if p1 >= 0 and p1 < len(cells):
+        if (p1 >= 0 and p1 < len(cells)) or (p0 > 0 and not self._can_share):
             return False
+        for cell in self._cell_ids[seq_id][p0:]:
+            self._refs[cell] -= 1
+            if not self._refs[cell]:
+                del self._refs[cell]
         del cells[p0:]
+        del self._cell_ids[seq_id][p0:]
         return True
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Share ``src``'s cells ``[p0, p1)`` with ``dst``, which must continue at ``p0``."""
+        p0 = max(p0, 0)
+        p1 = len(self.cells[src]) if p1 < 0 else p1
+        if len(self.cells[dst]) != p0 or p1 > len(self.cells[src]):
+            raise AssertionError(f"seq_cp {src}->{dst} [{p0}, {p1}) does not continue {dst}")
+        self.cells[dst].extend(self.cells[src][p0:p1])
+        for cell in self._cell_ids[src][p0:p1]:
+            self._refs[cell] += 1
+            self._cell_ids[dst].append(cell)
+        self.num_copies += 1
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """First position still held: 0, or later once a sliding window has passed it."""
+        n = len(self.cells[seq_id])
+        if not n:
+            return -1
+        return max(0, n - self._window) if self._window else 0
+
+    @property
+    def model_identity(self) -> dict[str, object]:
+        """The fake model's identity."""
+        return {"name": self._model_name, "n_vocab": self.n_vocab}
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """The sequence's tokens as JSON."""
+        return json.dumps(self.cells[seq_id]).encode()
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Load tokens from :meth:`state_seq_get` into an empty sequence."""
+        try:
+            tokens = [int(t) for t in json.loads(data)]
+        except ValueError:
+            return False
+        if self.cells[seq_id] or self.num_cells_used + len(tokens) > self._n_ctx:
+            return False
+        self._store(seq_id, tokens)
+        return True
+
+    def _store(self, seq_id: int, tokens: Sequence[int]) -> None:
+        self.cells[seq_id].extend(tokens)
+        for _ in tokens:
+            self._refs[self._next_cell] = 1
+            self._cell_ids[seq_id].append(self._next_cell)
+            self._next_cell += 1
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Last position held, or -1."""
@@ -196,10 +261,15 @@ class FakeBackend:
         self.closed = True
 
 
-def assert_idle(ctx: Context, timeout: float = 10.0) -> None:
-    """Assert that ``ctx`` holds nothing: no queued or running sequence, every sequence id
-    free, no KV cell held by any sequence (``seq_pos_max == -1``), no live sampler and no
-    unsettled request. Waits up to ``timeout`` for the background loop to go idle.
+def assert_idle(ctx: Context, timeout: float = 10.0, *, clear_cache: bool = True) -> None:
+    """Assert that ``ctx`` leaked nothing.
+
+    Checks: no queued or running sequence, no live sampler, no unsettled request; every
+    sequence id either free (``seq_pos_max == -1``) or held by a retained cache slot whose
+    KV extent matches its recorded tokens; the backend's cell count (when it has one) equals
+    the cache's. Then, with ``clear_cache``, drops the retained prefixes and checks that
+    every sequence id is free and empty. An open session counts as a leak. Waits up to
+    ``timeout`` for the background loop to go idle.
 
     Raises:
         AssertionError: something leaked; the message says what.
@@ -208,25 +278,46 @@ def assert_idle(ctx: Context, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while engine.has_work() and time.monotonic() < deadline:
         time.sleep(0.005)
+    problems = _leaks(ctx)
+    if not problems and clear_cache and engine.state is EngineState.RUNNING:
+        ctx.clear_cache()
+        problems = _leaks(ctx, expect_empty=True)
+    if problems:
+        raise AssertionError("engine not idle: " + "; ".join(problems))
+
+
+def _leaks(ctx: Context, *, expect_empty: bool = False) -> list[str]:
+    engine = ctx._engine
     scheduler, backend = engine.scheduler, ctx._backend
     problems = []
     if engine.has_work():
-        problems.append(f"engine still has work after {timeout}s")
+        problems.append("engine still has work")
     if scheduler.num_running or scheduler.num_waiting:
         problems.append(
             f"{scheduler.num_running} running / {scheduler.num_waiting} waiting sequences"
         )
-    if scheduler.num_free_seq_ids != backend.n_seq_max:
-        problems.append(f"{backend.n_seq_max - scheduler.num_free_seq_ids} sequence ids not freed")
-    held = {}
-    if engine.state is not EngineState.CLOSED:
-        held = {i: p for i in range(backend.n_seq_max) if (p := backend.seq_pos_max(i)) != -1}
-    if held:
-        problems.append(f"KV cells still held (seq_id: pos_max) {held}")
     live_samplers = getattr(backend, "num_live_samplers", 0)
     if live_samplers:
         problems.append(f"{live_samplers} samplers not freed")
     if engine.num_unsettled:
         problems.append(f"{engine.num_unsettled} requests never settled")
-    if problems:
-        raise AssertionError("engine not idle: " + "; ".join(problems))
+    if engine.state is not EngineState.RUNNING:
+        return problems
+    slots = {slot.seq_id: slot for slot in scheduler.cache.slots()}
+    for seq_id in range(backend.n_seq_max):
+        slot = slots.get(seq_id)
+        extent = backend.seq_pos_max(seq_id)
+        if slot is None and extent != -1:
+            problems.append(f"seq {seq_id} is free but holds KV up to position {extent}")
+        elif slot is not None and expect_empty:
+            problems.append(f"seq {seq_id} still held by {slot!r}")
+        elif slot is not None and slot.pinned:
+            problems.append(f"seq {seq_id} held by an open session")
+        elif slot is not None and extent != len(slot.tokens) - 1:
+            problems.append(f"{slot!r} but KV holds positions up to {extent}")
+    cells = getattr(backend, "num_cells_used", None)
+    if cells is not None and cells != scheduler.cache.num_cells_used:
+        problems.append(
+            f"backend holds {cells} cells, the cache accounts {scheduler.cache.num_cells_used}"
+        )
+    return problems

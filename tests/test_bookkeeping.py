@@ -1,4 +1,5 @@
-"""Randomised add / cancel / step / no-slot sequences, checking KV and id accounting each step."""
+"""Randomised add / cancel / step / no-slot / evict sequences with shared prefixes and n > 1,
+checking KV cells, sequence ids, refcounts and samplers after every operation."""
 
 from __future__ import annotations
 
@@ -9,22 +10,26 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import llamax
 from llamax.testing import FakeBackend, assert_idle
 
+PREFIXES = ["", "system prompt one. ", "system prompt two, longer than one. "]
+
 
 class EngineMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.backend = FakeBackend(n_ctx=96, n_seq_max=4, n_batch=16)
+        self.backend = FakeBackend(n_ctx=160, n_seq_max=5, n_batch=16)
         self.ctx = llamax.Context(backend=self.backend, autostart=False)
         self.handles: list[llamax.RequestHandle] = []
 
     @rule(
-        prompt_len=st.integers(1, 40),
-        max_tokens=st.integers(1, 30),
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.text(alphabet="xyz", min_size=1, max_size=12),
+        max_tokens=st.integers(1, 20),
+        n=st.integers(1, 3),
         priority=st.integers(-1, 1),
     )
-    def add(self, prompt_len: int, max_tokens: int, priority: int) -> None:
-        params = llamax.SamplingParams(max_tokens=max_tokens, temperature=0)
-        self.handles.append(self.ctx.add_request("q" * prompt_len, params, priority=priority))
+    def add(self, prefix: str, suffix: str, max_tokens: int, n: int, priority: int) -> None:
+        params = llamax.SamplingParams(max_tokens=max_tokens, temperature=0.5, seed=1, n=n)
+        self.handles.append(self.ctx.add_request(prefix + suffix, params, priority=priority))
 
     @precondition(lambda self: self.handles)
     @rule(index=st.integers(0, 10_000))
@@ -35,34 +40,40 @@ class EngineMachine(RuleBasedStateMachine):
     def step(self) -> None:
         self.ctx.process()
 
-    @rule(status=st.just(1))
-    def refuse_next_decode(self, status: int) -> None:
-        self.backend.forced_statuses.append(status)
+    @rule()
+    def refuse_next_decode(self) -> None:
+        self.backend.forced_statuses.append(1)
+
+    @rule()
+    def clear_cache(self) -> None:
+        self.ctx.clear_cache()
 
     @invariant()
     def accounting_matches_backend(self) -> None:
         scheduler = self.ctx._engine.scheduler
-        assert self.backend.num_cells_used == scheduler.num_cells_in_use
-        assert scheduler.num_cells_in_use <= self.backend.n_ctx
-        assert scheduler.num_running + scheduler.num_free_seq_ids == self.backend.n_seq_max
+        cache = scheduler.cache
+        assert self.backend.num_cells_used == cache.num_cells_used <= self.backend.n_ctx
+        slots = {slot.seq_id: slot for slot in cache.slots()}
+        assert len(slots) + cache.num_free_seq_ids == self.backend.n_seq_max
+        for seq_id in range(self.backend.n_seq_max):
+            held = slots[seq_id].tokens if seq_id in slots else []
+            assert self.backend.cells[seq_id] == held
+        samplers = 0
         for seq in scheduler.all_sequences():
-            if seq.seq_id is None:
-                assert seq.num_computed == 0
-            else:
-                assert len(self.backend.cells[seq.seq_id]) == seq.num_computed
-        assert self.backend.num_live_samplers == scheduler.num_running + sum(
-            1 for s in scheduler.all_sequences() if s.seq_id is None and s.sampler is not None
-        )
+            samplers += seq.sampler is not None
+            if seq.slot is not None:
+                assert seq.slot.tokens == seq.token_ids[: seq.num_computed]
+        assert self.backend.num_live_samplers == samplers
 
     def teardown(self) -> None:
         self.backend.forced_statuses.clear()
         while self.ctx.has_work():
             self.ctx.process()
-        assert all(h.done() for h in self.handles)
         for handle in self.handles:
             done = handle.result(0)
-            assert done.finish_reason in ("length", "cancelled")
-            assert done.text == "".join(e.text for e in handle)
+            for choice in done.choices:
+                assert choice.finish_reason in ("length", "cancelled")
+            assert done.text == "".join(e.text for e in handle if e.index == 0)
         assert_idle(self.ctx, timeout=0)
         self.ctx.close()
 

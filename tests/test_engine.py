@@ -12,6 +12,7 @@ from concurrent.futures import CancelledError, wait
 import pytest
 
 import llamax
+from llamax.backend import BatchItem
 from llamax.testing import FakeBackend, alphabet_model, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
@@ -73,10 +74,17 @@ def test_fatal_decode_error_fails_every_request_and_closes(make_fake: MakeFake) 
         ctx.process()
 
 
-def test_fatal_error_in_background_loop_reaches_every_future(make_fake: MakeFake) -> None:
-    ctx, backend = make_fake(autostart=True)
-    backend.forced_statuses.append(-1)
+def test_fatal_error_in_background_loop_reaches_every_future() -> None:
+    gate = threading.Event()
+
+    class FailingBackend(FakeBackend):
+        def decode(self, items: Sequence[BatchItem]) -> int:
+            gate.wait(5)  # fail only once every request is submitted
+            return -1
+
+    ctx = llamax.Context(backend=FailingBackend(), autostart=True)
     handles = [ctx.add_request("abc", PARAMS) for _ in range(3)]
+    gate.set()
     for handle in handles:
         with pytest.raises(llamax.EngineError):
             handle.result(5)
@@ -231,7 +239,7 @@ def test_many_threads_submit_and_cancel_with_background_loop(make_fake: MakeFake
     assert not pending and len(done) == 256
     reasons = {h.result().finish_reason for h in handles}
     assert reasons <= {"length", "cancelled"}
-    assert_idle(ctx)
+    assert_idle(ctx)  # also drops the retained prefixes
     assert backend.num_cells_used == 0
 
 

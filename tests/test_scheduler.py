@@ -52,11 +52,13 @@ def test_admission_is_bounded_by_sequence_ids(make_fake: MakeFake) -> None:
 
 def test_admission_is_bounded_by_kv_cells(make_fake: MakeFake) -> None:
     ctx, backend = make_fake(n_ctx=40, n_seq_max=4)
-    handles = [ctx.add_request("x" * 15, GREEDY) for _ in range(3)]
+    handles = [ctx.add_request(c * 15, GREEDY) for c in "xyz"]
     ctx.process()
     assert ctx.stats().num_running == 2  # 15 + 15 fit in 40 cells, a third would not
     run(ctx)
     assert all(h.result(0).finish_reason == "length" for h in handles)
+    assert backend.num_cells_used == ctx.stats().kv_cells_used > 0  # retained prefixes
+    ctx.clear_cache()
     assert backend.num_cells_used == 0
 
 

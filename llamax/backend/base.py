@@ -109,6 +109,32 @@ class Backend(Protocol):
         """Remove a sequence's cells in ``[p0, p1)`` (negative: open ended)."""
         ...
 
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Tag the cells of ``src`` in ``[p0, p1)`` with ``dst`` too (no new cells)."""
+        ...
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest position a sequence holds in KV, or -1 when it holds none."""
+        ...
+
+    @property
+    def can_share_prefix(self) -> bool:
+        """Whether partial ``seq_rm``/``seq_cp`` work (not for recurrent or hybrid memory)."""
+        ...
+
+    @property
+    def model_identity(self) -> dict[str, object]:
+        """What identifies the model, for checking saved sessions."""
+        ...
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """Serialise one sequence's KV state."""
+        ...
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Restore a serialised state into ``seq_id`` (empty); False if refused."""
+        ...
+
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position a sequence holds in KV, or -1 when it holds none."""
         ...

@@ -299,6 +299,49 @@ class LlamaCppBackend:
         """``llama_memory_seq_rm``."""
         return bool(self._C.llama_memory_seq_rm(self._memory, seq_id, p0, p1))
 
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """``llama_memory_seq_cp``; the cache is always unified, where partial copies are safe."""
+        self._C.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """``llama_memory_seq_pos_min``."""
+        return int(self._C.llama_memory_seq_pos_min(self._memory, seq_id))
+
+    @property
+    def can_share_prefix(self) -> bool:
+        """False for recurrent and hybrid memories, which cannot drop or copy partial ranges."""
+        return not (
+            self._C.llama_model_is_recurrent(self._model)
+            or self._C.llama_model_is_hybrid(self._model)
+        )
+
+    @property
+    def model_identity(self) -> dict[str, object]:
+        """What a saved session must match: name, description, sizes, vocabulary."""
+        C = self._C
+        desc = ctypes.create_string_buffer(256)
+        C.llama_model_desc(self._model, desc, 256)
+        return {
+            "name": self._model_name,
+            "desc": desc.value.decode("utf-8", "replace"),
+            "n_params": int(C.llama_model_n_params(self._model)),
+            "size": int(C.llama_model_size(self._model)),
+            "n_vocab": self._n_vocab,
+        }
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """Serialise one sequence's KV state (``llama_state_seq_get_data``)."""
+        C = self._C
+        size = int(C.llama_state_seq_get_size(self._ctx, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(C.llama_state_seq_get_data(self._ctx, buf, size, seq_id))
+        return bytes(buf[:written])
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Load a state from :meth:`state_seq_get` into ``seq_id``; False if refused."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(self._C.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id)) > 0
+
     def seq_pos_max(self, seq_id: int) -> int:
         """``llama_memory_seq_pos_max``."""
         return int(self._C.llama_memory_seq_pos_max(self._memory, seq_id))

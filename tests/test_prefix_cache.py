@@ -1,0 +1,237 @@
+"""Prefix reuse, in-flight sharing, n > 1, LRU retention and sessions against the fake backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import llamax
+from llamax.testing import FakeBackend
+
+MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
+GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)
+SYSTEM = "You are a helpful assistant. " * 4  # 116 tokens on the byte-level fake
+
+
+def run(ctx: llamax.Context) -> None:
+    while ctx.has_work():
+        ctx.process()
+
+
+def cold(prompt: str, params: llamax.SamplingParams = GREEDY) -> llamax.Completion:
+    ctx = llamax.Context(backend=FakeBackend(n_ctx=2048, n_seq_max=1), autostart=False)
+    handle = ctx.add_request(prompt, params)
+    run(ctx)
+    ctx.close()
+    return handle.result(0)
+
+
+def test_cache_hit_skips_the_prefix_and_matches_cold_output(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024)
+    first = ctx.add_request(SYSTEM + "A1", GREEDY)
+    run(ctx)
+    before = ctx.stats().num_prefill_tokens
+    second = ctx.add_request(SYSTEM + "B2?", GREEDY)
+    run(ctx)
+    assert ctx.stats().num_prefill_tokens - before == 3  # only "B2?" was computed
+    assert second.result(0).usage.cached_tokens == len(SYSTEM)
+    assert first.result(0).token_ids == cold(SYSTEM + "A1").token_ids
+    assert second.result(0).token_ids == cold(SYSTEM + "B2?").token_ids
+    assert backend.num_copies == 1
+
+
+def test_identical_prompt_recomputes_only_its_last_token(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024)
+    ctx.add_request(SYSTEM, GREEDY)
+    run(ctx)
+    before = ctx.stats().num_prefill_tokens
+    again = ctx.add_request(SYSTEM, GREEDY)
+    run(ctx)
+    assert ctx.stats().num_prefill_tokens - before == 1
+    assert again.result(0).token_ids == cold(SYSTEM).token_ids
+
+
+def test_burst_with_shared_prefix_prefills_it_once(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=2048, n_seq_max=16, n_batch=64)
+    questions = [f"{chr(ord('A') + i)}: question {i}?" for i in range(16)]
+    handles = [ctx.add_request(SYSTEM + q, GREEDY) for q in questions]
+    run(ctx)
+    stats = ctx.stats()
+    assert stats.num_prefill_tokens == len(SYSTEM) + sum(len(q) for q in questions)
+    assert stats.num_cached_tokens == 15 * len(SYSTEM)
+    for q, handle in zip(questions, handles, strict=True):
+        assert handle.result(0).token_ids == cold(SYSTEM + q).token_ids
+
+
+def test_n_choices_prefill_the_prompt_once_and_differ(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, n_seq_max=8)
+    params = llamax.SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=8)
+    handle = ctx.add_request(SYSTEM, params)
+    run(ctx)
+    done = handle.result(0)
+    assert len(done.choices) == 8
+    assert [c.index for c in done.choices] == list(range(8))
+    assert len({c.token_ids for c in done.choices}) == 8
+    assert ctx.stats().num_prefill_tokens == len(SYSTEM)
+    assert done.usage.prompt_tokens == len(SYSTEM)
+    assert done.usage.completion_tokens == 64
+    assert done.text == done.choices[0].text
+    events = list(handle)
+    for i in range(8):
+        assert "".join(e.text for e in events if e.index == i) == done.choices[i].text
+
+
+def test_n_greater_than_sequence_ids_still_completes(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, n_seq_max=2)
+    handle = ctx.add_request("abc", llamax.SamplingParams(max_tokens=4, temperature=1, n=5))
+    run(ctx)
+    assert [c.finish_reason for c in handle.result(0).choices] == ["length"] * 5
+
+
+def test_retained_prefixes_are_evicted_lru_never_in_use(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, n_seq_max=3)
+    for c in "abc":
+        ctx.add_request(c * 20, GREEDY)
+        run(ctx)
+    assert ctx.stats().num_retained == 3
+    busy = ctx.add_request("d" * 20, llamax.SamplingParams(max_tokens=50, temperature=0))
+    ctx.process()  # evicts "a" (least recently used)
+    hit = ctx.add_request("b" * 20 + "!", GREEDY)
+    run(ctx)
+    assert hit.result(0).usage.cached_tokens == 20
+    miss = ctx.add_request("a" * 20 + "!", GREEDY)
+    run(ctx)
+    assert miss.result(0).usage.cached_tokens == 0
+    assert busy.result(0).finish_reason == "length"
+
+
+def test_memory_without_partial_ops_falls_back_to_recompute(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024, can_share_prefix=False)
+    ctx.add_request(SYSTEM + "A", GREEDY)
+    run(ctx)
+    second = ctx.add_request(SYSTEM + "B", GREEDY)
+    run(ctx)
+    assert backend.num_copies == 0 and second.result(0).usage.cached_tokens == 0
+    assert second.result(0).token_ids == cold(SYSTEM + "B").token_ids
+
+
+def test_slid_window_cells_are_never_reused(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024, sliding_window=32)
+    ctx.add_request(SYSTEM + "A", GREEDY)
+    run(ctx)
+    second = ctx.add_request(SYSTEM + "B", GREEDY)
+    run(ctx)
+    assert backend.num_copies == 0
+    assert second.result(0).token_ids == cold(SYSTEM + "B").token_ids
+
+
+def test_cancelled_sequences_are_not_retained(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024)
+    handle = ctx.add_request(SYSTEM, GREEDY)
+    ctx.process()
+    handle.cancel()
+    ctx.process()
+    assert backend.num_cells_used == 0 and ctx.stats().num_retained == 0
+
+
+# ---------------------------------------------------------------------- sessions
+def test_session_turns_compute_only_new_tokens(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024)
+    with ctx.session() as session:
+        first = session.add_request(SYSTEM + "U1", GREEDY)
+        run(ctx)
+        transcript = SYSTEM + "U1" + first.result(0).text
+        assert len(session.token_ids) == len(SYSTEM) + 2 + 5  # the last sampled token is pending
+        before = ctx.stats().num_prefill_tokens
+        second = session.add_request(transcript + "U2", GREEDY)
+        run(ctx)
+        assert ctx.stats().num_prefill_tokens - before == 3  # last reply token + "U2"
+        assert second.result(0).usage.cached_tokens == len(transcript) - 1
+        assert second.result(0).token_ids == cold(transcript + "U2").token_ids
+
+
+def test_session_divergent_edit_drops_the_tail(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024)
+    with ctx.session() as session:
+        session.add_request(SYSTEM + "first question", GREEDY)
+        run(ctx)
+        edited = session.add_request(SYSTEM + "second", GREEDY)
+        run(ctx)
+        assert edited.result(0).usage.cached_tokens == len(SYSTEM)
+        assert edited.result(0).token_ids == cold(SYSTEM + "second").token_ids
+
+
+def test_session_fork_rewind_and_busy(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024)
+    with ctx.session() as session:
+        session.add_request(SYSTEM, GREEDY)
+        run(ctx)
+        cells = backend.num_cells_used
+        with session.fork() as fork:
+            assert fork.token_ids == session.token_ids
+            assert backend.num_cells_used == cells  # shared, not duplicated
+            branch = fork.add_request(SYSTEM + "fork", GREEDY)
+            with pytest.raises(llamax.SessionBusyError):
+                fork.add_request(SYSTEM + "again", GREEDY)
+            run(ctx)
+            assert branch.result(0).token_ids == cold(SYSTEM + "fork").token_ids
+        session.rewind(10)
+        assert len(session.token_ids) == len(SYSTEM) + 5 - 10
+        with pytest.raises(ValueError, match="num_tokens"):
+            session.rewind(-1)
+    with pytest.raises(llamax.SessionError, match="closed"):
+        session.add_request("x", GREEDY)
+
+
+def test_session_is_never_evicted_and_rejects_n(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, n_seq_max=2)
+    with ctx.session() as session:
+        session.add_request(SYSTEM, GREEDY)
+        run(ctx)
+        held = session.token_ids
+        for c in "abcd":
+            ctx.add_request(c * 30, GREEDY)
+            run(ctx)
+        assert session.token_ids == held
+        with pytest.raises(llamax.InvalidParameterError, match="n must be 1"):
+            session.add_request(SYSTEM, llamax.SamplingParams(n=2))
+
+
+def test_sessions_beyond_sequence_ids_raise(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_seq_max=1)
+    with ctx.session(), pytest.raises(llamax.SessionError, match="n_seq_max"):
+        ctx.session()
+
+
+def test_session_save_and_load_round_trip(make_fake: MakeFake, tmp_path: Path) -> None:
+    ctx, _ = make_fake(n_ctx=1024)
+    path = tmp_path / "chat.llamax"
+    with ctx.session() as session:
+        session.add_request(SYSTEM, GREEDY)
+        run(ctx)
+        session.save(path)
+        expected = session.add_request(SYSTEM + "next", GREEDY)
+        run(ctx)
+    with llamax.Session.load(ctx, path) as loaded:
+        before = ctx.stats().num_prefill_tokens
+        again = loaded.add_request(SYSTEM + "next", GREEDY)
+        run(ctx)
+        assert ctx.stats().num_prefill_tokens - before == len("next")
+        assert again.result(0).token_ids == expected.result(0).token_ids
+
+
+def test_loading_into_another_model_is_refused(make_fake: MakeFake, tmp_path: Path) -> None:
+    ctx, _ = make_fake()
+    path = tmp_path / "s.llamax"
+    with ctx.session() as session:
+        session.add_request("abc", GREEDY)
+        run(ctx)
+        session.save(path)
+    other, _ = make_fake(model_name="other-model")
+    with pytest.raises(llamax.SessionLoadError, match="other-model"):
+        llamax.Session.load(other, path)
+    (tmp_path / "junk").write_bytes(b"not a session")
+    with pytest.raises(llamax.SessionLoadError, match="not a llamax session"):
+        llamax.Session.load(ctx, tmp_path / "junk")
