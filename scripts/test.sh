@@ -5,6 +5,6 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$repo/scripts/bootstrap.sh"
 py=${LLAMAX_VENV:-$repo/.venv}/bin/python
 cd "$repo"
-"$py" -m ruff check llamax tests benchmarks examples
+"$py" -m ruff check .
 "$py" -m mypy
 exec "$py" -m pytest -q "$@"

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol
+from typing import Any, Protocol
+
+from typing_extensions import TypeAlias
 
 from ..params import SamplingParams
 
@@ -42,8 +44,8 @@ class BatchItem:
     row: int | None
 
 
-class Sampler(Protocol):
-    """An opaque per-sequence sampler owned by a backend."""
+Sampler: TypeAlias = Any
+"""An opaque per-sequence sampler owned by a backend (each backend picks its own type)."""
 
 
 class Backend(Protocol):
