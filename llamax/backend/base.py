@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol
-
-from typing_extensions import TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from ..params import SamplingParams
 
