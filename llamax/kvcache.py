@@ -166,6 +166,26 @@ class KVCache:
         self._drop_cells(slot, num)
         return True
 
+    def shift_out(self, slot: Slot, start: int, end: int) -> bool:
+        """Remove tokens ``[start, end)`` and move the rest back by ``end - start`` positions
+        (``seq_rm`` + ``seq_add``): the kept cells are reused, not recomputed.
+
+        Returns False (nothing changed) when the memory refuses a partial removal.
+        """
+        if not 0 <= start <= end <= len(slot.tokens):
+            raise ValueError(f"cannot shift out [{start}, {end}) of {slot!r}")
+        if start == end:
+            return True
+        if end == len(slot.tokens):
+            return self.truncate(slot, start)
+        if not self._backend.seq_rm(slot.seq_id, start, end):
+            return False
+        self._backend.seq_add(slot.seq_id, end, -1, start - end)
+        for cell in slot.cells[start:end]:
+            self._unref(cell)
+        del slot.cells[start:end], slot.tokens[start:end]
+        return True
+
     def clear(self, slot: Slot) -> None:
         """Drop every cell of ``slot`` but keep its sequence id."""
         self._backend.seq_rm(slot.seq_id, -1, -1)
@@ -173,10 +193,13 @@ class KVCache:
 
     def _drop_cells(self, slot: Slot, keep: int) -> None:
         for cell in slot.cells[keep:]:
-            left = self._refs[cell] - 1
-            if left:
-                self._refs[cell] = left
-            else:
-                del self._refs[cell]
+            self._unref(cell)
         del slot.cells[keep:]
         del slot.tokens[keep:]
+
+    def _unref(self, cell: int) -> None:
+        left = self._refs[cell] - 1
+        if left:
+            self._refs[cell] = left
+        else:
+            del self._refs[cell]

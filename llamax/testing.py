@@ -60,19 +60,22 @@ class FakeBackend:
         model_name: str = "fake",
         can_share_prefix: bool = True,
         sliding_window: int | None = None,
+        can_shift: bool = True,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._next_token = next_token
         self._pieces = {0: b""} | {b + 1: bytes([b]) for b in range(256)} | dict(extra_pieces or {})
         self._model_name = model_name
-        self.cells: dict[int, list[int]] = {i: [] for i in range(n_seq_max)}
+        self.cells: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
         """Tokens each sequence id holds in the fake KV cache, by position."""
-        self._cell_ids: dict[int, list[int]] = {i: [] for i in range(n_seq_max)}
+        self._cell_ids: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
         self._refs: dict[int, int] = {}
         self._next_cell = 0
         self._can_share = can_share_prefix
         self._window = sliding_window
+        self._can_shift_positions = can_shift
         self.num_copies = 0
+        self.num_shifts = 0
         self.decode_log: list[tuple[BatchItem, ...]] = []
         """Every successful decode's items, in order."""
         self.forced_statuses: deque[int] = deque()
@@ -153,6 +156,8 @@ class FakeBackend:
         offset = 0
         for item in items:
             cells = self.cells[item.seq_id]
+            if None in cells:
+                raise AssertionError(f"seq {item.seq_id}: decode over a hole left by seq_rm")
             if item.start_pos != len(cells):
                 raise AssertionError(
                     f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}"
@@ -164,7 +169,7 @@ class FakeBackend:
                     raise AssertionError(
                         f"row {item.row} is not the item's last token {offset - 1}"
                     )
-                self._rows[item.row] = self._next_token(cells)
+                self._rows[item.row] = self._next_token([t for t in cells if t is not None])
         self.decode_log.append(tuple(items))
         return DecodeStatus.OK
 
@@ -193,18 +198,40 @@ class FakeBackend:
         self.live_samplers.discard(id(sampler))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """Remove positions ``[p0, p1)``; only whole tails are supported (False otherwise)."""
-        cells = self.cells[seq_id]
+        """Remove positions ``[p0, p1)``. A removal inside the sequence leaves a hole that
+        :meth:`seq_add` must close before the next decode. False for non-sharing memory."""
+        cells, ids = self.cells[seq_id], self._cell_ids[seq_id]
         p0 = max(p0, 0)
-        if (p1 >= 0 and p1 < len(cells)) or (p0 > 0 and not self._can_share):
+        p1 = len(cells) if p1 < 0 else min(p1, len(cells))
+        if p0 > 0 and not self._can_share:
             return False
-        for cell in self._cell_ids[seq_id][p0:]:
+        for cell in ids[p0:p1]:
+            if cell is None:
+                continue
             self._refs[cell] -= 1
             if not self._refs[cell]:
                 del self._refs[cell]
-        del cells[p0:]
-        del self._cell_ids[seq_id][p0:]
+        if p1 == len(cells):
+            del cells[p0:], ids[p0:]
+        else:
+            cells[p0:p1] = [None] * (p1 - p0)
+            ids[p0:p1] = [None] * (p1 - p0)
         return True
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Shift ``[p0, end)`` left by ``-delta`` into a hole left by :meth:`seq_rm`."""
+        cells, ids = self.cells[seq_id], self._cell_ids[seq_id]
+        if p1 >= 0 and p1 != len(cells):
+            raise AssertionError("the fake only shifts whole tails")
+        if delta > 0 or any(c is not None for c in cells[p0 + delta : p0]):
+            raise AssertionError(f"seq_add {seq_id} [{p0}, end) by {delta} overwrites cells")
+        del cells[p0 + delta : p0], ids[p0 + delta : p0]
+        self.num_shifts += 1
+
+    @property
+    def can_shift(self) -> bool:
+        """As configured."""
+        return self._can_shift_positions
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Share ``src``'s cells ``[p0, p1)`` with ``dst``, which must continue at ``p0``."""
@@ -212,8 +239,11 @@ class FakeBackend:
         p1 = len(self.cells[src]) if p1 < 0 else p1
         if len(self.cells[dst]) != p0 or p1 > len(self.cells[src]):
             raise AssertionError(f"seq_cp {src}->{dst} [{p0}, {p1}) does not continue {dst}")
+        if None in self.cells[src][p0:p1]:
+            raise AssertionError(f"seq_cp {src}->{dst} copies a hole")
         self.cells[dst].extend(self.cells[src][p0:p1])
         for cell in self._cell_ids[src][p0:p1]:
+            assert cell is not None
             self._refs[cell] += 1
             self._cell_ids[dst].append(cell)
         self.num_copies += 1

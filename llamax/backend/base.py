@@ -113,6 +113,15 @@ class Backend(Protocol):
         """Tag the cells of ``src`` in ``[p0, p1)`` with ``dst`` too (no new cells)."""
         ...
 
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Shift the positions of a sequence's cells in ``[p0, p1)`` by ``delta``."""
+        ...
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether the memory supports :meth:`seq_add` (RoPE shifts)."""
+        ...
+
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position a sequence holds in KV, or -1 when it holds none."""
         ...

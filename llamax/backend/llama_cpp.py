@@ -303,6 +303,10 @@ class LlamaCppBackend:
         """``llama_memory_seq_cp``; the cache is always unified, where partial copies are safe."""
         self._C.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
 
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """``llama_memory_seq_add``: llama.cpp re-rotates the keys at the next decode."""
+        self._C.llama_memory_seq_add(self._memory, seq_id, p0, p1, delta)
+
     def seq_pos_min(self, seq_id: int) -> int:
         """``llama_memory_seq_pos_min``."""
         return int(self._C.llama_memory_seq_pos_min(self._memory, seq_id))
