@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import secrets
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from typing_extensions import Self, Unpack
 
@@ -28,10 +29,17 @@ from .handle import RequestHandle
 from .kvcache import Slot
 from .models import default_model_path
 from .params import ContextConfig, SamplingParams
+from .results import Completion, TokenEvent
 from .sequence import Request
 from .session import Session
 
+if TYPE_CHECKING:
+    from .chat.history import Chat
+    from .chat.template import ChatTemplate
+
 __all__ = ["Context", "ContextOptions", "ContextStats"]
+
+_END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 
 
 class ContextOptions(TypedDict, total=False):
@@ -48,6 +56,7 @@ class ContextOptions(TypedDict, total=False):
     use_extra_bufts: bool | None
     flash_attn: bool | None
     prefix_cache: bool
+    chat_template: str | None
     verbose: bool
 
 
@@ -111,24 +120,29 @@ class Context:
         backend: Backend | None = None,
         **options: Unpack[ContextOptions],
     ) -> None:
+        if config is None:
+            if backend is None:
+                path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
+            else:
+                path = model_path or f"<{type(backend).__name__}>"
+            config = ContextConfig(model_path=os.fspath(path), **options)
         if backend is None:
             from .backend.llama_cpp import LlamaCppBackend
 
-            if config is None:
-                path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
-                config = ContextConfig(model_path=os.fspath(path), **options)
             backend = LlamaCppBackend(config)
-        prefix_cache = config.prefix_cache if config else options.get("prefix_cache", True)
-        self._config = config
+        prefix_cache = config.prefix_cache
+        self._config: ContextConfig = config
         self._backend = backend
         self._engine = Engine(backend, autostart=autostart, prefix_cache=prefix_cache)
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
+        self._chat_template: ChatTemplate | None = None
+        self._end_of_turn: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ facts
     @property
-    def config(self) -> ContextConfig | None:
-        """What was asked for (None when a backend was passed in)."""
+    def config(self) -> ContextConfig:
+        """What was asked for."""
         return self._config
 
     @property
@@ -330,6 +344,117 @@ class Context:
             return count
 
         return self._engine.call(evict_all)
+
+    # ------------------------------------------------------------------ chat
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's chat template (or the ``chat_template=`` override), sandboxed.
+
+        Raises:
+            TemplateError: the model has no template and none was given.
+        """
+        if self._chat_template is None:
+            from .chat.template import ChatTemplate, TemplateError
+
+            source = self._config.chat_template or self._backend.metadata(
+                "tokenizer.chat_template"
+            )
+            if not source:
+                raise TemplateError(
+                    f"the model {self.model_name!r} has no chat template in its GGUF metadata; "
+                    "pass one with llamax.Context(..., chat_template='<jinja source>')"
+                )
+            b = self._backend
+            bos = b.token_text(b.bos_token_id) if b.bos_token_id is not None else ""
+            eos = b.token_text(b.eos_token_id) if b.eos_token_id is not None else ""
+            self._chat_template = ChatTemplate(source, bos_token=bos, eos_token=eos)
+        return self._chat_template
+
+    @property
+    def end_of_turn_token_ids(self) -> tuple[int, ...]:
+        """Special tokens the template ends a turn with (``<|im_end|>`` ...): chat stops there."""
+        if self._end_of_turn is None:
+            source = self.chat_template.source
+            found = []
+            for marker in _END_OF_TURN_MARKERS:
+                if marker in source:
+                    ids = self._backend.tokenize(marker, add_special=False, parse_special=True)
+                    if len(ids) == 1:
+                        found.append(ids[0])
+            self._end_of_turn = tuple(found)
+        return self._end_of_turn
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether the KV memory supports position shifts (history shift in chats)."""
+        return self._backend.can_shift
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize them as a prompt."""
+        text = self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt)
+        tokens = self._backend.tokenize(text, add_special=False, parse_special=True)
+        bos = self._backend.bos_token_id
+        if bos is not None and (not tokens or tokens[0] != bos):
+            tokens.insert(0, bos)
+        return tokens
+
+    def chat_completion(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Any:
+        """An OpenAI-shaped ``chat.completion`` (or, with ``stream=True``, an iterator of
+        ``chat.completion.chunk`` dicts). See :mod:`llamax.chat.api` for the options."""
+        from .chat.api import chat_completion
+
+        return chat_completion(self, messages, **options)
+
+    def completion(self, prompt: str | Sequence[int], **options: Any) -> Any:
+        """An OpenAI-shaped ``text_completion`` (or a stream of them with ``stream=True``)."""
+        from .chat.api import completion
+
+        return completion(self, prompt, **options)
+
+    async def achat_completion(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Any:
+        """Async twin of :meth:`chat_completion` (needs the background loop)."""
+        from .chat.api import achat_completion
+
+        return await achat_completion(self, messages, **options)
+
+    async def acompletion(self, prompt: str | Sequence[int], **options: Any) -> Any:
+        """Async twin of :meth:`completion` (needs the background loop)."""
+        from .chat.api import acompletion
+
+        return await acompletion(self, prompt, **options)
+
+    def chat(
+        self,
+        *,
+        system: str | None = None,
+        messages: Sequence[Mapping[str, Any]] = (),
+        max_context: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> Chat:
+        """Open a :class:`~llamax.Chat`: a conversation whose KV cache stays resident and
+        whose oldest turns are dropped by shifting the cache when it outgrows
+        ``max_context`` (default ``n_ctx``)."""
+        from .chat.history import Chat
+
+        return Chat(self, system=system, messages=messages, max_context=max_context, params=params)
+
+    def _with_end_of_turn(self, params: SamplingParams) -> SamplingParams:
+        extra = tuple(t for t in self.end_of_turn_token_ids if t not in params.stop_token_ids)
+        if not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+
+    def _wait(self, handle: RequestHandle) -> Completion:
+        """The completion, driving the loop here when the context is manual."""
+        while not handle.done() and not self._engine.is_background:
+            self.process()
+        return handle.result()
+
+    def _events(self, handle: RequestHandle) -> Iterator[TokenEvent]:
+        """The handle's events, driving the loop here when the context is manual."""
+        return handle.stream(drive=None if self._engine.is_background else self.process)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:

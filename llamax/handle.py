@@ -72,16 +72,29 @@ class RequestHandle:
         self._claim_stream()
         return self._iterate()
 
-    def _iterate(self) -> Iterator[TokenEvent]:
+    def _iterate(self, drive: Callable[[], object] | None = None) -> Iterator[TokenEvent]:
         while True:
             with self._ready:
                 while not self._events:
-                    self._ready.wait()
+                    if drive is None:
+                        self._ready.wait()
+                    else:
+                        self._lock.release()  # run a step of a manual context, unlocked
+                        try:
+                            drive()
+                        finally:
+                            self._lock.acquire()
                 item = self._events.popleft()
             if item is _END:
                 self._raise_failure()
                 return
             yield item  # type: ignore[misc]
+
+    def stream(self, *, drive: Callable[[], object] | None = None) -> Iterator[TokenEvent]:
+        """Iterate the events; ``drive`` (e.g. ``ctx.process``) is called whenever none is
+        ready, which lets a manual (``autostart=False``) context stream from one thread."""
+        self._claim_stream()
+        return self._iterate(drive)
 
     # ------------------------------------------------------------------ asyncio
     def __await__(self) -> Generator[Any, None, Completion]:

@@ -151,6 +151,7 @@ class ContextConfig:
     picks automatically: it is turned off on CPUs that advertise AMX, where ggml's AMX
     matmul crashes in some VMs. ``prefix_cache`` shares computed prompt prefixes between
     sequences and keeps finished ones for reuse (LRU); turn it off to always recompute.
+    ``chat_template`` overrides the Jinja chat template of the GGUF metadata.
     """
 
     model_path: str
@@ -165,6 +166,7 @@ class ContextConfig:
     use_extra_bufts: bool | None = None
     flash_attn: bool | None = None
     prefix_cache: bool = True
+    chat_template: str | None = None
     verbose: bool = False
 
     def __post_init__(self) -> None:

@@ -61,6 +61,9 @@ class FakeBackend:
         can_share_prefix: bool = True,
         sliding_window: int | None = None,
         can_shift: bool = True,
+        metadata: Mapping[str, str] | None = None,
+        special_tokens: Mapping[str, int] | None = None,
+        eog_token_ids: Sequence[int] = (EOS,),
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._next_token = next_token
@@ -74,6 +77,10 @@ class FakeBackend:
         self._can_share = can_share_prefix
         self._window = sliding_window
         self._can_shift_positions = can_shift
+        self._metadata = dict(metadata or {})
+        self._specials = dict(special_tokens or {})
+        self._pieces.update(dict.fromkeys(self._specials.values(), b""))
+        self._eog = frozenset(eog_token_ids)
         self.num_copies = 0
         self.num_shifts = 0
         self.decode_log: list[tuple[BatchItem, ...]] = []
@@ -126,19 +133,51 @@ class FakeBackend:
         return len(self.live_samplers)
 
     # ------------------------------------------------------------------ text
+    @property
+    def bos_token_id(self) -> int | None:
+        """The fake vocabulary adds no BOS."""
+        return None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """Token 0."""
+        return EOS
+
+    def token_text(self, token: int) -> str:
+        """The token's bytes as text; special tokens by name."""
+        for text, special in self._specials.items():
+            if special == token:
+                return text
+        return self._pieces[token].decode("utf-8", "replace")
+
+    def metadata(self, key: str) -> str | None:
+        """Values passed as ``metadata=``."""
+        return self._metadata.get(key)
+
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
-        """One token per UTF-8 byte."""
-        return [b + 1 for b in text.encode("utf-8")]
+        """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``."""
+        if not (parse_special and self._specials):
+            return [b + 1 for b in text.encode("utf-8")]
+        tokens: list[int] = []
+        while text:
+            hits = [(text.find(s), s) for s in self._specials if s in text]
+            if not hits:
+                tokens += [b + 1 for b in text.encode("utf-8")]
+                break
+            at, special = min(hits)
+            tokens += [b + 1 for b in text[:at].encode("utf-8")] + [self._specials[special]]
+            text = text[at + len(special) :]
+        return tokens
 
     def token_to_piece(self, token: int) -> bytes:
         """The bytes of a token."""
         return self._pieces[token]
 
     def is_eog(self, token: int) -> bool:
-        """Token 0 ends generation."""
-        return token == EOS
+        """Token 0 (and any ``eog_token_ids``) ends generation."""
+        return token in self._eog
 
     # ------------------------------------------------------------------ compute
     def decode(self, items: Sequence[BatchItem]) -> int:

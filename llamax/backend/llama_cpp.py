@@ -181,6 +181,24 @@ class LlamaCppBackend:
         """Samplers built and not yet freed (for leak checks)."""
         return len(self._samplers)
 
+    @property
+    def bos_token_id(self) -> int | None:
+        """BOS when the vocabulary adds it to prompts."""
+        bos = int(self._C.llama_vocab_bos(self._vocab))
+        return bos if self._add_bos and bos >= 0 else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS token, if the vocabulary has one."""
+        eos = int(self._C.llama_vocab_eos(self._vocab))
+        return eos if eos >= 0 else None
+
+    def token_text(self, token: int) -> str:
+        """The token's text with special tokens rendered."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._C.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
+        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None."""
         size = 1 << 16

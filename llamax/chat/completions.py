@@ -1,0 +1,250 @@
+"""OpenAI-shaped ``chat_completion`` and ``completion`` on top of ``Context.add_request``."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import ContextLengthError, InvalidParameterError
+from ..handle import RequestHandle
+from ..params import SamplingParams
+from ..results import Completion, FinishReason, TokenEvent, Usage
+from .messages import validate_messages
+from .shapes import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    CompletionUsage,
+    OpenAIFinishReason,
+    TextCompletion,
+)
+from .truncation import drop_oldest_turns
+
+if TYPE_CHECKING:
+    from ..context import Context
+
+__all__ = ["OpenAIRequest", "prepare_chat", "prepare_text"]
+
+Truncate = Literal["none", "oldest_messages"]
+
+
+def sampling_params(
+    *,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    stop: str | Sequence[str] | None,
+    n: int,
+    seed: int | None,
+    logit_bias: Mapping[str | int, float] | None,
+    presence_penalty: float,
+    frequency_penalty: float,
+    stop_token_ids: Sequence[int] = (),
+) -> SamplingParams:
+    """Map OpenAI's knobs onto :class:`SamplingParams` (no top-k/min-p, like OpenAI)."""
+    bias: dict[int, float] = {}
+    for token, value in (logit_bias or {}).items():
+        try:
+            token_id = int(token)
+        except ValueError as exc:
+            raise InvalidParameterError(f"logit_bias keys must be token ids, got {token!r}") from exc
+        if not -100 <= value <= 100:
+            raise InvalidParameterError(f"logit_bias values must be in [-100, 100], got {value}")
+        bias[token_id] = -math.inf if value == -100 else float(value)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        min_p=0.0,
+        stop=() if stop is None else stop,
+        n=n,
+        seed=seed,
+        logit_bias=bias,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        stop_token_ids=stop_token_ids,
+    )
+
+
+def _finish_reason(reason: FinishReason | None) -> OpenAIFinishReason | None:
+    if reason is None:
+        return None
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def _usage(usage: Usage) -> CompletionUsage:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """A submitted OpenAI-style request: the handle plus what the response needs."""
+
+    ctx: Context
+    handle: RequestHandle
+    kind: Literal["chat", "text"]
+    model: str
+    created: int
+
+    @property
+    def response_id(self) -> str:
+        """``chatcmpl-...`` or ``cmpl-...``, derived from the request id."""
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        return f"{prefix}-{self.handle.request_id.removeprefix('req-')}"
+
+    # ------------------------------------------------------------------ whole results
+    def response(self, completion: Completion) -> ChatCompletion | TextCompletion:
+        """The full response object for a finished request."""
+        if self.kind == "chat":
+            return {
+                "id": self.response_id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "finish_reason": _finish_reason(c.finish_reason) or "stop",
+                        "logprobs": None,
+                    }
+                    for c in completion.choices
+                ],
+                "usage": _usage(completion.usage),
+            }
+        return {
+            "id": self.response_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "finish_reason": _finish_reason(c.finish_reason),
+                    "logprobs": None,
+                }
+                for c in completion.choices
+            ],
+            "usage": _usage(completion.usage),
+        }
+
+    def result(self) -> ChatCompletion | TextCompletion:
+        """Wait (driving a manual context if needed) and return the full response."""
+        return self.response(self.ctx._wait(self.handle))
+
+    async def aresult(self) -> ChatCompletion | TextCompletion:
+        """Await the full response (needs the background loop)."""
+        return self.response(await self.handle)
+
+    # ------------------------------------------------------------------ streams
+    def chunks(self, include_usage: bool) -> Iterator[ChatCompletionChunk | TextCompletion]:
+        """Stream chunk objects; the last one carries usage when ``include_usage``."""
+        started: set[int] = set()
+        for event in self.ctx._events(self.handle):
+            yield from self._event_chunks(event, started)
+        if include_usage:
+            yield self._usage_chunk(self.handle.result())
+
+    async def achunks(self, include_usage: bool) -> AsyncIterator[ChatCompletionChunk | TextCompletion]:
+        """Async twin of :meth:`chunks`."""
+        started: set[int] = set()
+        async for event in self.handle:
+            for chunk in self._event_chunks(event, started):
+                yield chunk
+        if include_usage:
+            yield self._usage_chunk(await self.handle)
+
+    def _event_chunks(
+        self, event: TokenEvent, started: set[int]
+    ) -> Iterator[ChatCompletionChunk | TextCompletion]:
+        finish = _finish_reason(event.finish_reason)
+        if self.kind == "text":
+            if event.text or finish:
+                yield self._text_chunk(event.index, event.text, finish)
+            return
+        delta: dict[str, str] = {}
+        if event.index not in started:
+            started.add(event.index)
+            delta = {"role": "assistant", "content": ""}
+        if event.text:
+            delta["content"] = event.text
+        if delta:
+            yield self._chat_chunk([{"index": event.index, "delta": delta, "finish_reason": None, "logprobs": None}])  # type: ignore[typeddict-item]
+        if finish:
+            yield self._chat_chunk([{"index": event.index, "delta": {}, "finish_reason": finish, "logprobs": None}])
+
+    def _chat_chunk(self, choices: list[ChatCompletionChunkChoice]) -> ChatCompletionChunk:
+        return {
+            "id": self.response_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _text_chunk(self, index: int, text: str, finish: OpenAIFinishReason | None) -> TextCompletion:
+        return {
+            "id": self.response_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}],
+        }
+
+    def _usage_chunk(self, completion: Completion) -> ChatCompletionChunk | TextCompletion:
+        chunk: Any = self._chat_chunk([]) if self.kind == "chat" else self._text_chunk(0, "", None)
+        if self.kind == "text":
+            chunk["choices"] = []
+        chunk["usage"] = _usage(completion.usage)
+        return chunk  # type: ignore[no-any-return]
+
+
+def prepare_chat(
+    ctx: Context,
+    messages: Sequence[Mapping[str, Any]],
+    params: SamplingParams,
+    *,
+    truncate: Truncate = "none",
+) -> OpenAIRequest:
+    """Validate, render, fit and submit a chat request."""
+    if truncate not in ("none", "oldest_messages"):
+        raise InvalidParameterError(f"truncate must be 'none' or 'oldest_messages', got {truncate!r}")
+    msgs = validate_messages(messages)
+    params = ctx._with_end_of_turn(params)
+    reserve = params.max_tokens or 1
+    budget = ctx.n_ctx - reserve
+    tokens = ctx.chat_prompt(msgs)
+    if len(tokens) > budget:
+        if truncate == "none":
+            raise ContextLengthError(
+                f"the conversation needs {len(tokens)} prompt tokens + {reserve} for the reply, "
+                f"more than n_ctx={ctx.n_ctx}; pass truncate='oldest_messages' to drop old turns",
+                num_prompt_tokens=len(tokens),
+                n_ctx=ctx.n_ctx,
+            )
+        msgs = drop_oldest_turns(msgs, lambda m: len(ctx.chat_prompt(m)), budget)
+        tokens = ctx.chat_prompt(msgs)
+    return _submit(ctx, tokens, params, "chat")
+
+
+def prepare_text(ctx: Context, prompt: str | Sequence[int], params: SamplingParams) -> OpenAIRequest:
+    """Submit a text completion request."""
+    return _submit(ctx, prompt, params, "text")
+
+
+def _submit(
+    ctx: Context, prompt: str | Sequence[int], params: SamplingParams, kind: Literal["chat", "text"]
+) -> OpenAIRequest:
+    handle = ctx.add_request(prompt, params, request_id=f"req-{uuid.uuid4().hex[:24]}")
+    return OpenAIRequest(ctx, handle, kind, ctx.model_name, int(time.time()))

@@ -1,0 +1,179 @@
+"""Chat sessions with message-level history shift.
+
+A :class:`Chat` keeps the messages of a conversation and a resident KV sequence (a
+:class:`~llamax.Session`). Each turn computes only the new user message and the reply.
+When a turn would not fit, the oldest whole turns are dropped (the system messages and the
+newest turns stay) and the cache is *shifted*: ``llama_memory_seq_rm`` removes the dropped
+span and ``llama_memory_seq_add`` moves the kept cells back, so nothing is recomputed.
+
+A shift is only a head start: the session then keeps the longest common prefix between the
+shifted cells and the tokenized shortened conversation and recomputes from the first
+difference, so a template that renders differently once old messages are gone still gives
+correct output. Where the memory cannot shift (``llama_memory_can_shift`` is false), the
+dropped turns and everything after them are recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import Self
+
+from ..errors import InvalidParameterError
+from ..params import SamplingParams
+from ..results import Completion, TokenEvent
+from .messages import validate_messages
+from .truncation import drop_oldest_turns, leading_system_count
+
+from ..handle import RequestHandle
+
+if TYPE_CHECKING:
+    from ..context import Context
+    from ..session import Session
+
+__all__ = ["Chat", "TurnStats"]
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    handle: RequestHandle
+    kept: list[Message]
+    prompt_tokens: int
+    dropped: int
+    shifted: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    """What one turn cost."""
+
+    prompt_tokens: int
+    """Tokens of the rendered conversation sent to the model."""
+    reused_tokens: int
+    """Prompt tokens already in the session's cache (after any shift)."""
+    computed_tokens: int
+    """Prompt tokens prefilled this turn."""
+    dropped_messages: int
+    """Old messages dropped to make the turn fit."""
+    shifted_tokens: int
+    """Cells removed by the history shift (0 when nothing was dropped or shifting failed)."""
+
+
+class Chat:
+    """A multi-turn conversation on a resident KV sequence. Create with ``ctx.chat()``.
+
+    Args:
+        ctx: the context.
+        system: an optional system message.
+        messages: earlier messages to start from.
+        max_context: token budget of the conversation (prompt plus reply); default n_ctx.
+        params: default sampling parameters for :meth:`send` and :meth:`stream`.
+    """
+
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        system: str | None = None,
+        messages: Sequence[Mapping[str, Any]] = (),
+        max_context: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> None:
+        start = ([{"role": "system", "content": system}] if system is not None else []) + list(
+            messages
+        )
+        self._messages: list[Message] = validate_messages(start) if start else []
+        self._ctx = ctx
+        self._max_context = min(max_context or ctx.n_ctx, ctx.n_ctx)
+        if self._max_context < 16:
+            raise InvalidParameterError(f"max_context must be >= 16, got {self._max_context}")
+        self._params = params or SamplingParams(max_tokens=256)
+        self._session: Session = ctx.session()
+        self.last_turn: TurnStats | None = None
+        """Costs of the latest turn."""
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation as it stands (dropped turns are gone)."""
+        return [dict(m) for m in self._messages]
+
+    @property
+    def session(self) -> Session:
+        """The underlying resident KV sequence."""
+        return self._session
+
+    # ------------------------------------------------------------------ turns
+    def send(self, content: str, params: SamplingParams | None = None) -> Completion:
+        """Add a user message and return the assistant's reply (blocking)."""
+        turn = self._start_turn(content, params)
+        completion = self._ctx._wait(turn.handle)
+        self._end_turn(turn, completion)
+        return completion
+
+    def stream(self, content: str, params: SamplingParams | None = None) -> Iterator[TokenEvent]:
+        """Add a user message and stream the reply; the history updates when it ends."""
+        turn = self._start_turn(content, params)
+        yield from self._ctx._events(turn.handle)
+        self._end_turn(turn, turn.handle.result())
+
+    def _start_turn(self, content: str, params: SamplingParams | None) -> _Turn:
+        params = params or self._params
+        if params.n != 1:
+            raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}")
+        params = self._ctx._with_end_of_turn(params)
+        wanted = [*self._messages, *validate_messages([{"role": "user", "content": content}])]
+        budget = self._max_context - (params.max_tokens or 1)
+        kept = drop_oldest_turns(wanted, lambda m: len(self._ctx.chat_prompt(m)), budget)
+        dropped = len(wanted) - len(kept)
+        shifted = self._shift(dropped) if dropped else 0
+        prompt = self._ctx.chat_prompt(kept)
+        handle = self._session.add_request(prompt, params)
+        return _Turn(handle, kept, len(prompt), dropped, shifted)
+
+    def _end_turn(self, turn: _Turn, completion: Completion) -> None:
+        self._messages = [*turn.kept, {"role": "assistant", "content": completion.text}]
+        reused = completion.usage.cached_tokens
+        computed = turn.prompt_tokens - reused
+        self.last_turn = TurnStats(turn.prompt_tokens, reused, computed, turn.dropped, turn.shifted)
+
+    def _shift(self, num_dropped: int) -> int:
+        """Move the cache past the dropped messages; return how many cells were removed."""
+        old = self._messages
+        head = leading_system_count(old)
+        keep_head = self._ctx.chat_prompt(old[:head], add_generation_prompt=False) if head else []
+        through = self._ctx.chat_prompt(old[: head + num_dropped], add_generation_prompt=False)
+        start, end = len(keep_head), len(through)
+        session = self._session
+        held = session.token_ids
+        if through[:start] != keep_head or tuple(through) != held[:end]:
+            return 0  # message boundaries do not fall on token boundaries: let the LCP decide
+        if not self._ctx.can_shift:
+            return 0
+        ok = self._ctx._engine.call(lambda: session_shift(session, start, end))
+        return end - start if ok else 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Free the conversation's KV sequence."""
+        self._session.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def session_shift(session: Session, start: int, end: int) -> bool:
+    """Engine-thread part of a history shift."""
+    return session._ctx._engine.scheduler.cache.shift_out(session.slot, start, end)

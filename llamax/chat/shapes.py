@@ -1,0 +1,104 @@
+"""OpenAI-shaped results. These dicts exist only at the OpenAI boundary."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+from typing_extensions import NotRequired
+
+__all__ = [
+    "ChatCompletion",
+    "ChatCompletionChoice",
+    "ChatCompletionChunk",
+    "ChatCompletionChunkChoice",
+    "ChatCompletionMessage",
+    "ChatDelta",
+    "CompletionUsage",
+    "TextCompletion",
+    "TextCompletionChoice",
+]
+
+OpenAIFinishReason = Literal["stop", "length"]
+
+
+class CompletionUsage(TypedDict):
+    """Token counts, as OpenAI reports them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: NotRequired[dict[str, int]]
+
+
+class ChatCompletionMessage(TypedDict):
+    """The assistant's reply."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChoice(TypedDict):
+    """One choice of a ``chat.completion``."""
+
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: OpenAIFinishReason
+    logprobs: Any
+
+
+class ChatCompletion(TypedDict):
+    """An OpenAI ``chat.completion`` object."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+
+
+class ChatDelta(TypedDict, total=False):
+    """What a streamed chunk adds to a choice."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatCompletionChunkChoice(TypedDict):
+    """One choice of a ``chat.completion.chunk``."""
+
+    index: int
+    delta: ChatDelta
+    finish_reason: OpenAIFinishReason | None
+    logprobs: Any
+
+
+class ChatCompletionChunk(TypedDict):
+    """An OpenAI ``chat.completion.chunk`` object."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: NotRequired[CompletionUsage | None]
+
+
+class TextCompletionChoice(TypedDict):
+    """One choice of a ``text_completion``."""
+
+    index: int
+    text: str
+    finish_reason: OpenAIFinishReason | None
+    logprobs: Any
+
+
+class TextCompletion(TypedDict):
+    """An OpenAI ``text_completion`` object (also each streamed chunk)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextCompletionChoice]
+    usage: NotRequired[CompletionUsage | None]
