@@ -47,24 +47,39 @@ def chatml(user: str) -> str:
 
 
 class StreamPrinter:
-    """Writes text of concurrent streams under one lock, tagging each stream switch."""
+    """Writes text of concurrent streams under one lock, tagging each stream switch.
 
-    def __init__(self, out: TextIO, *, colour: bool) -> None:
+    Each stream's text is gathered until it holds ``chunk`` characters or a newline, so
+    the interleaved output shows phrases rather than single tokens (``chunk=0`` prints
+    every token as it arrives).
+    """
+
+    def __init__(self, out: TextIO, *, colour: bool, chunk: int = 0) -> None:
         self._out = out
         self._colour = colour
+        self._chunk = chunk
         self._lock = threading.Lock()
+        self._pending: dict[int, str] = {}
         self._last: int | None = None
         self._at_line_start = True
 
-    def write(self, k: int, text: str) -> None:
-        """Print ``text`` of stream ``k``; a ``[k]`` tag starts every switch and line."""
+    def write(self, k: int, text: str, *, final: bool = False) -> None:
+        """Stream ``text`` of stream ``k``; ``final`` prints whatever it still holds."""
         with self._lock:
-            for piece in text.splitlines(keepends=True):
-                if k != self._last or self._at_line_start:
-                    self._tag(k)
-                self._out.write(self._paint(k, piece))
-                self._at_line_start = piece.endswith("\n")
-            self._out.flush()
+            buf = self._pending.pop(k, "") + text
+            cut = len(buf) if final or len(buf) >= self._chunk else buf.rfind("\n") + 1
+            if cut < len(buf):
+                self._pending[k] = buf[cut:]
+            self._emit(k, buf[:cut])
+
+    def _emit(self, k: int, text: str) -> None:
+        for piece in text.splitlines(keepends=True):
+            if k != self._last or self._at_line_start:
+                self._tag(k)
+            body = piece.rstrip("\n")
+            self._out.write(self._paint(k, body) + piece[len(body) :])  # newline unpainted
+            self._at_line_start = piece.endswith("\n")
+        self._out.flush()
 
     def line(self, text: str = "") -> None:
         """Print a whole line of plain text, on a line of its own."""
@@ -116,8 +131,8 @@ def stream_one(
             if outcome.first_token_s is None:
                 outcome.first_token_s = time.perf_counter() - t0
             outcome.events += 1
-            if event.text:
-                printer.write(outcome.k, event.text)
+            end = f" <{event.finish_reason.value}>" if event.finish_reason else ""
+            printer.write(outcome.k, event.text + end, final=bool(end))
         outcome.completion = handle.result()
     except Exception as exc:  # report it in the summary instead of killing the demo
         outcome.error = exc
@@ -193,8 +208,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--model", metavar="PATH", help="GGUF model (default: $LLAMAX_MODEL or SmolLM2-135M)")
     add("--prompts", type=int, default=6, metavar="N", help="concurrent requests (default: 6)")
     add("--max-tokens", type=int, default=96, metavar="N", help="tokens per reply (default: 96)")
-    add("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
+    add(
+        "--temperature",
+        type=float,
+        default=0.7,
+        metavar="T",
+        help="sampling temperature (default: 0.7)",
+    )
     add("--threads", type=int, metavar="N", help="llama.cpp CPU threads (default: every core)")
+    add("--chunk", type=int, default=40, metavar="N", help="characters per printed piece (40)")
     add("--n-ctx", type=int, default=4096, metavar="N", help="KV cells for all streams (4096)")
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.max_tokens < 1:
@@ -214,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; return the process exit code."""
     args = parse_args(argv)
     colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
-    printer = StreamPrinter(sys.stdout, colour=colour)
+    printer = StreamPrinter(sys.stdout, colour=colour, chunk=args.chunk)
     base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.prompts)]
     t_load = time.perf_counter()
