@@ -1,0 +1,178 @@
+"""Render a model's own Jinja chat template, sandboxed and on a budget.
+
+:class:`ChatTemplate` follows the Hugging Face ``apply_chat_template`` conventions, so the
+templates shipped in GGUF files render as they do in ``transformers``: the variables
+``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and ``tools`` plus any
+extra keyword arguments; the globals ``raise_exception`` and ``strftime_now``; a ``tojson``
+filter that does not HTML-escape; ``trim_blocks``, ``lstrip_blocks`` and loop controls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
+from datetime import datetime
+from typing import Any, NoReturn
+
+try:
+    import jinja2
+    from jinja2.exceptions import SecurityError
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("llamax.chat needs jinja2: pip install 'llamax[chat]'") from exc
+
+from ..errors import InvalidParameterError, LlamaxError
+from .sandbox import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
+
+__all__ = ["ChatTemplate", "TemplateBudgetError", "TemplateError", "TemplateSecurityError"]
+
+
+class TemplateError(LlamaxError):
+    """The chat template does not compile, raised an error, or failed to render."""
+
+
+class TemplateSecurityError(TemplateError):
+    """The chat template tried something the sandbox forbids (internals, mutation)."""
+
+
+class TemplateBudgetError(TemplateError):
+    """Rendering went over ``max_render_seconds`` or ``max_output_chars``."""
+
+
+def raise_exception(message: Any) -> NoReturn:
+    """The ``raise_exception(msg)`` global: fail the render with the template's message."""
+    raise TemplateError(f"chat template raised an error: {message}")
+
+
+def strftime_now(fmt: str) -> str:
+    """The ``strftime_now(fmt)`` global: the local time now, formatted with ``fmt``."""
+    return datetime.now().strftime(fmt)
+
+
+def tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """The ``tojson`` filter as ``transformers`` defines it: plain ``json.dumps``, no escaping."""
+    return json.dumps(
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
+        sort_keys=sort_keys,
+    )
+
+
+def _as_template_error(exc: Exception) -> TemplateError:
+    """The llamax error for an exception raised while rendering."""
+    if isinstance(exc, BudgetExceeded):
+        return TemplateBudgetError(str(exc))
+    if isinstance(exc, SecurityError):
+        return TemplateSecurityError(f"chat template refused by the sandbox: {exc}")
+    if isinstance(exc, RecursionError):
+        return TemplateBudgetError("chat template recursed too deeply (RecursionError)")
+    if isinstance(exc, MemoryError):
+        return TemplateBudgetError("chat template ran out of memory (MemoryError)")
+    return TemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}")
+
+
+def _compile(source: str) -> jinja2.Template:
+    environment = BudgetedSandbox()
+    environment.add_filter("tojson", tojson)
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    try:
+        return environment.compile_template(source)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"chat template does not compile: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplate:
+    """A compiled chat template. Immutable and safe to render from many threads at once.
+
+    Args:
+        source: The Jinja source, e.g. the GGUF's ``tokenizer.chat_template``.
+        bos_token: Text of the model's BOS token, as the template sees ``bos_token``.
+        eos_token: Text of the model's EOS token, as the template sees ``eos_token``.
+        max_render_seconds: Wall-clock budget of one :meth:`render`.
+        max_output_chars: Largest output, and largest string or list built on the way.
+
+    Raises:
+        TemplateError: The source does not compile.
+        InvalidParameterError: A budget is not positive.
+    """
+
+    source: str
+    _: KW_ONLY
+    bos_token: str = ""
+    eos_token: str = ""
+    max_render_seconds: float = 1.0
+    max_output_chars: int = 4_000_000
+    _compiled: jinja2.Template = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str):
+            raise InvalidParameterError(f"source must be a str, got {type(self.source).__name__}")
+        if not self.max_render_seconds > 0:
+            raise InvalidParameterError(
+                f"max_render_seconds must be > 0, got {self.max_render_seconds!r}"
+            )
+        if not (isinstance(self.max_output_chars, int) and self.max_output_chars > 0):
+            raise InvalidParameterError(
+                f"max_output_chars must be a positive int, got {self.max_output_chars!r}"
+            )
+        object.__setattr__(self, "_compiled", _compile(self.source))
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` into the prompt text.
+
+        Args:
+            messages: OpenAI-style messages (see :func:`llamax.chat.validate_messages`).
+            add_generation_prompt: End with the header that opens the assistant's turn.
+            tools: Tool (function) schemas, for templates that support tool calling.
+            **kwargs: Extra template variables (e.g. ``enable_thinking``, ``documents``);
+                ``bos_token`` / ``eos_token`` here override the template's own.
+
+        Returns:
+            The prompt text. Special tokens appear as text; tokenize it with special tokens
+            parsed and without adding BOS again if the template already wrote it.
+
+        Raises:
+            TemplateSecurityError: The template broke a sandbox rule.
+            TemplateBudgetError: Rendering went over the time or size budget.
+            TemplateError: The template called ``raise_exception`` or failed otherwise.
+        """
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
+        variables.update(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+        budget = RenderBudget.start(self.max_render_seconds, self.max_output_chars)
+        try:
+            with active_budget(budget):
+                return self._render_chunks(variables, budget)
+        except TemplateError:
+            raise
+        except Exception as exc:  # the template is foreign code; any failure is its own
+            raise _as_template_error(exc) from exc
+
+    def _render_chunks(self, variables: dict[str, Any], budget: RenderBudget) -> str:
+        """Render chunk by chunk, so the budget is checked while output accumulates."""
+        chunks: list[str] = []
+        num_chars = 0
+        for chunk in self._compiled.generate(variables):
+            num_chars += len(chunk)
+            budget.check_size(num_chars, "output")
+            budget.check_time()
+            chunks.append(chunk)
+        return "".join(chunks)
