@@ -356,9 +356,7 @@ class Context:
         if self._chat_template is None:
             from .chat.template import ChatTemplate, TemplateError
 
-            source = self._config.chat_template or self._backend.metadata(
-                "tokenizer.chat_template"
-            )
+            source = self._config.chat_template or self._backend.metadata("tokenizer.chat_template")
             if not source:
                 raise TemplateError(
                     f"the model {self.model_name!r} has no chat template in its GGUF metadata; "
@@ -392,8 +390,17 @@ class Context:
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
     ) -> list[int]:
-        """Render ``messages`` with the chat template and tokenize them as a prompt."""
-        text = self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt)
+        """Validate ``messages``, render them with the chat template and tokenize the text.
+
+        Raises:
+            InvalidMessageError: a message has an unknown role or unsupported content.
+            TemplateError: the template failed, broke the sandbox or its budget.
+        """
+        from .chat.messages import validate_messages
+
+        text = self.chat_template.render(
+            validate_messages(messages), add_generation_prompt=add_generation_prompt
+        )
         tokens = self._backend.tokenize(text, add_special=False, parse_special=True)
         bos = self._backend.bos_token_id
         if bos is not None and (not tokens or tokens[0] != bos):

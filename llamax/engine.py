@@ -263,15 +263,15 @@ class Engine:
             by_request.setdefault(id(request), (request, []))[1].append(event)
         for request, events in by_request.values():
             request.handle._publish(events)
-        for request in result.finished:
-            _settle(request, completion=True)
-        for request, error in result.failed:
-            _settle(request, error=error)
-        with self._lock:
+        with self._lock:  # forget first: a settled future may wake a leak check at once
             for request in result.finished:
                 self._live.pop(id(request), None)
             for request, _ in result.failed:
                 self._live.pop(id(request), None)
+        for request in result.finished:
+            _settle(request, completion=True)
+        for request, error in result.failed:
+            _settle(request, error=error)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:

@@ -75,6 +75,24 @@ class Backend(Protocol):
         """A short identity of the loaded model."""
         ...
 
+    @property
+    def bos_token_id(self) -> int | None:
+        """The BOS token when the vocabulary adds one to prompts, else None."""
+        ...
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS token, if any."""
+        ...
+
+    def token_text(self, token: int) -> str:
+        """A token's text with special tokens rendered (``<|im_end|>``)."""
+        ...
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value, or None."""
+        ...
+
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:

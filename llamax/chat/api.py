@@ -78,7 +78,9 @@ def chat_completion(
     return request.result()
 
 
-def completion(ctx: Context, prompt: str | Sequence[int], **options: Unpack[CompletionOptions]) -> Any:
+def completion(
+    ctx: Context, prompt: str | Sequence[int], **options: Unpack[CompletionOptions]
+) -> Any:
     """A ``text_completion`` dict, or an iterator of them when ``stream=True``."""
     request = prepare_text(ctx, prompt, _params(options))
     if options.get("stream"):
@@ -109,5 +111,3 @@ async def acompletion(
         stream: AsyncIterator[Any] = request.achunks(_include_usage(options))
         return stream
     return await request.aresult()
-
-

@@ -18,6 +18,7 @@ from .shapes import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
+    ChatDelta,
     CompletionUsage,
     OpenAIFinishReason,
     TextCompletion,
@@ -51,7 +52,9 @@ def sampling_params(
         try:
             token_id = int(token)
         except ValueError as exc:
-            raise InvalidParameterError(f"logit_bias keys must be token ids, got {token!r}") from exc
+            raise InvalidParameterError(
+                f"logit_bias keys must be token ids, got {token!r}"
+            ) from exc
         if not -100 <= value <= 100:
             raise InvalidParameterError(f"logit_bias values must be in [-100, 100], got {value}")
         bias[token_id] = -math.inf if value == -100 else float(value)
@@ -156,7 +159,9 @@ class OpenAIRequest:
         if include_usage:
             yield self._usage_chunk(self.handle.result())
 
-    async def achunks(self, include_usage: bool) -> AsyncIterator[ChatCompletionChunk | TextCompletion]:
+    async def achunks(
+        self, include_usage: bool
+    ) -> AsyncIterator[ChatCompletionChunk | TextCompletion]:
         """Async twin of :meth:`chunks`."""
         started: set[int] = set()
         async for event in self.handle:
@@ -173,16 +178,20 @@ class OpenAIRequest:
             if event.text or finish:
                 yield self._text_chunk(event.index, event.text, finish)
             return
-        delta: dict[str, str] = {}
+        delta: ChatDelta = {}
         if event.index not in started:
             started.add(event.index)
             delta = {"role": "assistant", "content": ""}
         if event.text:
             delta["content"] = event.text
         if delta:
-            yield self._chat_chunk([{"index": event.index, "delta": delta, "finish_reason": None, "logprobs": None}])  # type: ignore[typeddict-item]
+            yield self._chat_chunk(
+                [{"index": event.index, "delta": delta, "finish_reason": None, "logprobs": None}]
+            )
         if finish:
-            yield self._chat_chunk([{"index": event.index, "delta": {}, "finish_reason": finish, "logprobs": None}])
+            yield self._chat_chunk(
+                [{"index": event.index, "delta": {}, "finish_reason": finish, "logprobs": None}]
+            )
 
     def _chat_chunk(self, choices: list[ChatCompletionChunkChoice]) -> ChatCompletionChunk:
         return {
@@ -193,7 +202,9 @@ class OpenAIRequest:
             "choices": choices,
         }
 
-    def _text_chunk(self, index: int, text: str, finish: OpenAIFinishReason | None) -> TextCompletion:
+    def _text_chunk(
+        self, index: int, text: str, finish: OpenAIFinishReason | None
+    ) -> TextCompletion:
         return {
             "id": self.response_id,
             "object": "text_completion",
@@ -219,7 +230,9 @@ def prepare_chat(
 ) -> OpenAIRequest:
     """Validate, render, fit and submit a chat request."""
     if truncate not in ("none", "oldest_messages"):
-        raise InvalidParameterError(f"truncate must be 'none' or 'oldest_messages', got {truncate!r}")
+        raise InvalidParameterError(
+            f"truncate must be 'none' or 'oldest_messages', got {truncate!r}"
+        )
     msgs = validate_messages(messages)
     params = ctx._with_end_of_turn(params)
     reserve = params.max_tokens or 1
@@ -238,7 +251,9 @@ def prepare_chat(
     return _submit(ctx, tokens, params, "chat")
 
 
-def prepare_text(ctx: Context, prompt: str | Sequence[int], params: SamplingParams) -> OpenAIRequest:
+def prepare_text(
+    ctx: Context, prompt: str | Sequence[int], params: SamplingParams
+) -> OpenAIRequest:
     """Submit a text completion request."""
     return _submit(ctx, prompt, params, "text")
 

@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import Self
 
 from ..errors import InvalidParameterError
+from ..handle import RequestHandle
 from ..params import SamplingParams
 from ..results import Completion, TokenEvent
 from .messages import validate_messages
 from .truncation import drop_oldest_turns, leading_system_count
-
-from ..handle import RequestHandle
 
 if TYPE_CHECKING:
     from ..context import Context
