@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import secrets
 import threading
@@ -21,15 +22,18 @@ from .errors import (
     ContextClosedError,
     ContextLengthError,
     EmptyPromptError,
+    GrammarError,
     InvalidParameterError,
     InvalidRequestError,
     SessionError,
 )
+from .grammar import schema_to_gbnf
 from .handle import RequestHandle
 from .kvcache import Slot
 from .models import default_model_path
 from .params import ContextConfig, SamplingParams
 from .results import Completion, TokenEvent
+from .sampling import BatchLogitsProcessor
 from .sequence import Request
 from .session import Session
 
@@ -104,6 +108,8 @@ class Context:
         autostart: start the background loop.
         config: a complete :class:`ContextConfig` (instead of keyword options).
         backend: an already built backend (e.g. :class:`llamax.testing.FakeBackend`).
+        batch_logits_processor: ``fn(rows, logits)`` called once per step with a zero-copy
+            ``(rows, n_vocab)`` view of every row about to be sampled, for vectorised work.
         **options: fields of :class:`ContextConfig` (``n_ctx``, ``n_seq_max``, ...).
 
     Raises:
@@ -118,6 +124,7 @@ class Context:
         autostart: bool = True,
         config: ContextConfig | None = None,
         backend: Backend | None = None,
+        batch_logits_processor: BatchLogitsProcessor | None = None,
         **options: Unpack[ContextOptions],
     ) -> None:
         if config is None:
@@ -133,7 +140,12 @@ class Context:
         prefix_cache = config.prefix_cache
         self._config: ContextConfig = config
         self._backend = backend
-        self._engine = Engine(backend, autostart=autostart, prefix_cache=prefix_cache)
+        self._engine = Engine(
+            backend,
+            autostart=autostart,
+            prefix_cache=prefix_cache,
+            batch_processor=batch_logits_processor,
+        )
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
         self._chat_template: ChatTemplate | None = None
@@ -237,6 +249,7 @@ class Context:
             raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
         tokens = self._prompt_tokens(prompt)
         self._check_token_ids(params)
+        grammar = self._grammar(params)
         with self._arrival_lock:
             arrival = next(self._arrivals)
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
@@ -251,6 +264,7 @@ class Context:
             arrival=arrival,
             num_choices=params.n,
             session=session,
+            grammar=grammar,
         )
         handle._bind(lambda: self._engine.cancel(request))
         self._engine.submit(request)
@@ -281,6 +295,16 @@ class Context:
                 n_ctx=self.n_ctx,
             )
         return tokens
+
+    def _grammar(self, params: SamplingParams) -> str | None:
+        grammar = params.grammar
+        if params.json_schema is not None:
+            grammar = schema_to_gbnf(json.dumps(params.json_schema, sort_keys=True))
+        if grammar is not None:
+            problem = self._backend.check_grammar(grammar)
+            if problem is not None:
+                raise GrammarError(f"invalid grammar: {problem}")
+        return grammar
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         n_vocab = self._backend.n_vocab

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from .backend.base import Backend, DecodeStatus
 from .errors import ContextClosedError, EngineError, LoopOwnershipError
+from .sampling import BatchLogitsProcessor, sample_plan
 from .scheduler import Scheduler, StepPlan, StepResult
 from .sequence import Request
 
@@ -43,9 +44,15 @@ class Engine:
     """Owns a backend, a scheduler and (optionally) the background loop thread."""
 
     def __init__(
-        self, backend: Backend, *, autostart: bool = True, prefix_cache: bool = True
+        self,
+        backend: Backend,
+        *,
+        autostart: bool = True,
+        prefix_cache: bool = True,
+        batch_processor: BatchLogitsProcessor | None = None,
     ) -> None:
         self.backend = backend
+        self._batch_processor = batch_processor
         self.scheduler = Scheduler(backend, prefix_cache=prefix_cache)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
@@ -207,13 +214,15 @@ class Engine:
         if not plan.is_empty:
             plan = self._decode(plan)
         if not plan.is_empty:
-            sample = self.backend.sample
-            sampled = {}
-            for seq, item, forks in zip(plan.sequences, plan.items, plan.forks, strict=True):
-                if item.row is not None:
-                    for s in (seq, *forks):
-                        sampled[s] = sample(s.sampler, item.row)
-            step = self.scheduler.update(plan, sampled)
+            rows = [
+                (seq, item, forks)
+                for seq, item, forks in zip(plan.sequences, plan.items, plan.forks, strict=True)
+                if item.row is not None
+            ]
+            sampled = sample_plan(self.backend, rows, self._batch_processor)
+            for request, error in sampled.failed.values():
+                self.scheduler.fail(request, error, result)
+            step = self.scheduler.update(plan, sampled.tokens, sampled.logprobs)
             result.events += step.events
             result.finished += step.finished
             result.failed += step.failed

@@ -8,7 +8,8 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
     ├── InvalidRequestError (also ValueError)
     │   ├── InvalidParameterError   a SamplingParams / config field is out of range
     │   ├── EmptyPromptError
-    │   └── ContextLengthError      the prompt cannot fit in the context
+    │   ├── ContextLengthError      the prompt cannot fit in the context
+    │   └── GrammarError            the grammar or JSON schema cannot be used
     ├── ContextClosedError (also RuntimeError)
     ├── LoopOwnershipError (also RuntimeError)   process() called where it must not be
     ├── EngineError                 llama.cpp failed; the context is closed
@@ -26,6 +27,7 @@ __all__ = [
     "DefaultModelNotInstalledError",
     "EmptyPromptError",
     "EngineError",
+    "GrammarError",
     "InvalidParameterError",
     "InvalidRequestError",
     "LlamaxError",
@@ -69,6 +71,10 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(message)
         self.num_prompt_tokens = num_prompt_tokens
         self.n_ctx = n_ctx
+
+
+class GrammarError(InvalidRequestError):
+    """A GBNF grammar does not parse, or a JSON schema cannot be converted to one."""
 
 
 class ContextClosedError(LlamaxError, RuntimeError):

@@ -7,11 +7,22 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from .errors import InvalidParameterError
 
-__all__ = ["ContextConfig", "SamplingParams"]
+__all__ = ["ContextConfig", "LogitsProcessor", "SamplingParams"]
+
+
+class LogitsProcessor(Protocol):
+    """``fn(token_ids, logits) -> None | new_logits``; see :class:`SamplingParams`."""
+
+    def __call__(
+        self, token_ids: npt.NDArray[np.int32], logits: npt.NDArray[np.float32]
+    ) -> npt.NDArray[np.float32] | None: ...
 
 
 def _require(ok: bool, message: str) -> None:
@@ -43,6 +54,13 @@ class SamplingParams:
     while they may still match and are trimmed from the text; ``stop_token_ids`` end the
     request when sampled. With ``ignore_eos`` the end-of-generation tokens are banned and
     generation runs to ``max_tokens``. ``n`` continuations share one prompt prefill.
+
+    ``logprobs=k`` (0..20) reports each generated token's log-probability and its ``k`` most
+    likely alternatives. ``logits_processors`` are called in the engine thread as
+    ``fn(token_ids, logits)`` with the sequence so far (``int32``) and a writable, zero-copy
+    ``float32`` view of its logits row; they edit it in place (return ``None``) or return a
+    new row, before the native sampler chain runs. ``grammar`` (GBNF) or ``json_schema``
+    constrain the output through llama.cpp's grammar sampler.
     """
 
     max_tokens: int | None = 256
@@ -61,8 +79,32 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None
+    logits_processors: Sequence[LogitsProcessor] = ()
+    grammar: str | None = None
+    json_schema: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}",
+        )
+        processors = tuple(self.logits_processors)
+        for fn in processors:
+            _require(callable(fn), f"logits_processors must hold callables, got {fn!r}")
+        object.__setattr__(self, "logits_processors", processors)
+        _require(
+            self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+            f"grammar must be non-empty GBNF text, got {self.grammar!r}",
+        )
+        _require(
+            self.json_schema is None or isinstance(self.json_schema, Mapping),
+            f"json_schema must be a dict, got {type(self.json_schema).__name__}",
+        )
+        _require(
+            self.grammar is None or self.json_schema is None,
+            "grammar and json_schema cannot both be set",
+        )
         _require(
             isinstance(self.n, int) and 1 <= self.n <= 256, f"n must be in [1, 256], got {self.n!r}"
         )

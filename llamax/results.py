@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Choice", "Completion", "FinishReason", "TokenEvent", "Usage"]
+__all__ = [
+    "Choice",
+    "Completion",
+    "FinishReason",
+    "TokenEvent",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+]
 
 
 class FinishReason(str, Enum):
@@ -23,6 +31,28 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One alternative token and its log-probability."""
+
+    token_id: int
+    token: str
+    """The token's text (invalid UTF-8 shown as U+FFFD; see ``bytes``)."""
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely alternatives (sorted)."""
+
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One streaming step of one choice.
 
@@ -35,6 +65,8 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     index: int = 0
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One entry per token in ``token_ids`` when the request asked for ``logprobs``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +96,8 @@ class Choice:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """Per generated token, when the request asked for ``logprobs``."""
 
 
 @dataclass(frozen=True, slots=True)

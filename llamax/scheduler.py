@@ -29,7 +29,7 @@ from enum import Enum
 
 from .backend.base import Backend, BatchItem
 from .kvcache import KVCache, Slot, common_prefix_len
-from .results import TokenEvent
+from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 
 __all__ = ["Scheduler", "StepPlan", "StepResult"]
@@ -182,10 +182,23 @@ class Scheduler:
             slots = [(seq, n) for seq, n in slots if seq is not victim]
         return self._plan(slots)
 
-    def update(self, plan: StepPlan, sampled: Mapping[Sequence, int]) -> StepResult:
-        """Record a successful decode of ``plan`` and the tokens sampled for it."""
-        result = StepResult()
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[Sequence, int],
+        logprobs: Mapping[Sequence, TokenLogprob] | None = None,
+        result: StepResult | None = None,
+    ) -> StepResult:
+        """Record a successful decode of ``plan`` and the tokens sampled for it.
+
+        Sequences that ended while their row was sampled (a failing logits processor) are
+        skipped: their cells are already released.
+        """
+        result = result if result is not None else StepResult()
+        logprobs = logprobs or {}
         for seq, item, forks in zip(plan.sequences, plan.items, plan.forks, strict=True):
+            if seq.state in TERMINAL_STATES:
+                continue
             num = len(item.token_ids)
             assert seq.slot is not None
             is_decode = num == 1 and seq.num_generated > 0 and seq.num_pending == 1
@@ -199,7 +212,7 @@ class Scheduler:
             for fork in forks:
                 self._fork_from(seq, fork)
             for s in (*forks, seq):
-                self._accept(s, sampled[s], result)
+                self._accept(s, sampled[s], result, logprobs.get(s))
         return result
 
     def abort(self, request: Request, result: StepResult) -> None:
@@ -309,7 +322,9 @@ class Scheduler:
         if seq.sampler is None:
             request = seq.request
             seed = (request.seed + seq.index) % 2**32
-            seq.sampler = self._backend.new_sampler(request.params, seed, seq.token_ids)
+            seq.sampler = self._backend.new_sampler(
+                request.params, seed, seq.token_ids, grammar=request.grammar
+            )
 
     def _count_reuse(self, seq: Sequence, num: int) -> None:
         self.num_cached_tokens += num
@@ -341,7 +356,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ results
-    def _accept(self, seq: Sequence, token: int, result: StepResult) -> None:
+    def _accept(
+        self, seq: Sequence, token: int, result: StepResult, logprob: TokenLogprob | None
+    ) -> None:
         params = seq.request.params
         if seq.state is SequenceState.PREFILLING:
             seq.state = SequenceState.DECODING
@@ -366,6 +383,7 @@ class Scheduler:
         result: StepResult,
         text: str = "",
         token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
         *,
         drain: bool = True,
     ) -> None:
@@ -373,7 +391,7 @@ class Scheduler:
             text += seq.drain_text()
         self._release(seq, keep_cache=state is not SequenceState.FINISHED_CANCELLED)
         seq.state = state
-        result.events.append((seq.request, seq.final_event(text, token_ids)))
+        result.events.append((seq.request, seq.final_event(text, token_ids, logprobs)))
         if seq.request.is_finished:
             result.finished.append(seq.request)
 

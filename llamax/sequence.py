@@ -12,7 +12,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from .params import SamplingParams
-from .results import Choice, Completion, FinishReason, TokenEvent, Usage
+from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, Usage
 from .text import Detokenizer, StopMatcher
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class Request:
 
     __slots__ = (
         "arrival",
+        "grammar",
         "handle",
         "num_cached_tokens",
         "params",
@@ -84,6 +85,7 @@ class Request:
         arrival: int = 0,
         num_choices: int = 1,
         session: Session | None = None,
+        grammar: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -94,6 +96,8 @@ class Request:
         self.arrival = arrival
         self.num_cached_tokens = 0
         self.session = session
+        self.grammar = grammar
+        """GBNF text (from ``params.grammar`` or the converted ``params.json_schema``)."""
         self.sequences = [Sequence(self, i, token_to_piece) for i in range(num_choices)]
 
     @property
@@ -118,6 +122,7 @@ class Sequence:
     __slots__ = (
         "detokenizer",
         "index",
+        "logprobs",
         "num_prompt_tokens",
         "request",
         "sampler",
@@ -141,6 +146,9 @@ class Sequence:
         self.detokenizer = Detokenizer(token_to_piece)
         self.stop_matcher = StopMatcher(request.params.stop)
         self.text_parts: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = (
+            [] if request.params.logprobs is not None else None
+        )
 
     @property
     def num_computed(self) -> int:
@@ -177,9 +185,11 @@ class Sequence:
         self.text_parts.append(text)
         return text
 
-    def final_event(self, text: str, token_ids: tuple[int, ...]) -> TokenEvent:
+    def final_event(
+        self, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> TokenEvent:
         """The last event of this sequence (its state must be terminal)."""
-        return TokenEvent(text, token_ids, self.index, FINISH_REASONS.get(self.state))
+        return TokenEvent(text, token_ids, self.index, FINISH_REASONS.get(self.state), logprobs)
 
     def choice(self) -> Choice:
         """This sequence as a finished :class:`Choice`."""
@@ -188,4 +198,5 @@ class Sequence:
             text="".join(self.text_parts),
             token_ids=tuple(self.token_ids[self.num_prompt_tokens :]),
             finish_reason=FINISH_REASONS[self.state],
+            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
         )

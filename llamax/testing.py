@@ -19,6 +19,9 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from .backend.base import BatchItem, DecodeStatus
 from .context import Context
 from .engine import EngineState
@@ -89,7 +92,8 @@ class FakeBackend:
         """Statuses to return from the next decodes instead of running them."""
         self.live_samplers: set[int] = set()
         self.closed = False
-        self._rows: dict[int, int] = {}
+        self._rows: dict[int, int] = {}  # batch row -> output index
+        self._logits = np.zeros((0, self.n_vocab), np.float32)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -192,6 +196,7 @@ class FakeBackend:
         if self.num_cells_used + num > self._n_ctx:
             return DecodeStatus.NO_SLOT
         self._rows.clear()
+        self._logits = np.zeros((sum(i.row is not None for i in items), self.n_vocab), np.float32)
         offset = 0
         for item in items:
             cells = self.cells[item.seq_id]
@@ -208,27 +213,62 @@ class FakeBackend:
                     raise AssertionError(
                         f"row {item.row} is not the item's last token {offset - 1}"
                     )
-                self._rows[item.row] = self._next_token([t for t in cells if t is not None])
+                self._rows[item.row] = len(self._rows)
+                self._logits[len(self._rows) - 1] = self._row_logits(
+                    self._next_token([t for t in cells if t is not None])
+                )
         self.decode_log.append(tuple(items))
         return DecodeStatus.OK
 
-    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> FakeSampler:
-        """A sampler honouring greedy/temperature, logit_bias bans and ignore_eos."""
+    def _row_logits(self, token: int) -> npt.NDArray[np.float32]:
+        """The model's token scores 10; three neighbours 9.5, 9 and 8.5; the rest -10."""
+        row = np.full(self.n_vocab, -10.0, np.float32)
+        for k in range(3, 0, -1):
+            row[1 + (token - 1 + k) % 256] = 10.0 - 0.5 * k
+        row[token] = 10.0
+        return row
+
+    def new_sampler(
+        self,
+        params: SamplingParams,
+        seed: int,
+        history: Sequence[int],
+        *,
+        grammar: str | None = None,
+    ) -> FakeSampler:
+        """A sampler honouring greedy/temperature, logit_bias and ignore_eos (no grammar)."""
         sampler = FakeSampler(params, seed, random.Random(seed))
         self.live_samplers.add(id(sampler))
         return sampler
 
+    def check_grammar(self, grammar: str) -> str | None:
+        """Grammars containing the word ``INVALID`` are refused (for tests)."""
+        return "refused by the fake" if "INVALID" in grammar else None
+
+    def logits(self, row: int) -> npt.NDArray[np.float32]:
+        """The writable logits row of batch ``row`` from the last decode."""
+        view: npt.NDArray[np.float32] = self._logits[self._rows[row]]
+        return view
+
+    def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
+        """Every output row of the last decode."""
+        return self._logits[:num_rows]
+
     def sample(self, sampler: FakeSampler, row: int) -> int:
-        """The model's token (shifted at random when temperature > 0), skipping banned ones."""
-        token = self._rows[row]
+        """Greedy argmax, or a softmax draw at the sampler's temperature, after logit_bias."""
+        logits = self.logits(row).astype(np.float64)
         params = sampler.params
-        if not params.is_greedy:
-            token = 1 + (token - 1 + sampler.rng.randrange(3)) % 256 if token else token
-        banned = {t for t, b in params.logit_bias.items() if b == float("-inf")}
+        for token, bias in params.logit_bias.items():
+            logits[token] += bias
         if params.ignore_eos:
-            banned.add(EOS)
-        while token in banned:
-            token = token % (self.n_vocab - 1) + 1
+            logits[list(self._eog)] = -np.inf
+        if params.is_greedy:
+            token = int(np.argmax(logits))
+        else:
+            probs = np.exp((logits - logits.max()) / params.temperature)
+            cumulative = np.cumsum(probs / probs.sum())
+            drawn = int(np.searchsorted(cumulative, sampler.rng.random()))
+            token = min(drawn, len(probs) - 1)
         sampler.accepted.append(token)
         return token
 

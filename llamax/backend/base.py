@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol, TypeAlias
 
+import numpy as np
+import numpy.typing as npt
+
 from ..params import SamplingParams
 
 __all__ = ["Backend", "BatchItem", "DecodeStatus", "Sampler"]
@@ -111,8 +114,28 @@ class Backend(Protocol):
         """Run one multi-sequence forward pass; return the ``llama_decode`` status code."""
         ...
 
-    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> Sampler:
-        """Build a sampler chain for one sequence; ``history`` primes its penalties."""
+    def new_sampler(
+        self,
+        params: SamplingParams,
+        seed: int,
+        history: Sequence[int],
+        *,
+        grammar: str | None = None,
+    ) -> Sampler:
+        """Build a sampler chain for one sequence; ``history`` primes its penalties and
+        ``grammar`` (GBNF) constrains it."""
+        ...
+
+    def check_grammar(self, grammar: str) -> str | None:
+        """Parse a GBNF grammar; return why it is invalid, or None. Safe from any thread."""
+        ...
+
+    def logits(self, row: int) -> npt.NDArray[np.float32]:
+        """A writable, zero-copy ``(n_vocab,)`` view of batch ``row``'s logits (last decode)."""
+        ...
+
+    def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
+        """A writable, zero-copy ``(num_rows, n_vocab)`` view of the last decode's outputs."""
         ...
 
     def sample(self, sampler: Sampler, row: int) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ModelLoadError
 from ..params import ContextConfig, SamplingParams
@@ -265,7 +266,32 @@ class LlamaCppBackend:
         self._batch.n_tokens = n
         return int(self._C.llama_decode(self._ctx, self._batch))
 
-    def new_sampler(self, params: SamplingParams, seed: int, history: Sequence[int]) -> Any:
+    def check_grammar(self, grammar: str) -> str | None:
+        """Build and free a grammar sampler: llama.cpp returns NULL for invalid GBNF."""
+        sampler = self._C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+        if not sampler:
+            return "llama.cpp could not parse the grammar (see the llamax.llama_cpp log)"
+        self._C.llama_sampler_free(sampler)
+        return None
+
+    def logits(self, row: int) -> npt.NDArray[np.float32]:
+        """Zero-copy view of ``llama_get_logits_ith(ctx, row)``."""
+        ptr = self._C.llama_get_logits_ith(self._ctx, row)
+        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+
+    def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
+        """Zero-copy view of ``llama_get_logits(ctx)``: one row per output, in batch order."""
+        ptr = self._C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(num_rows, self._n_vocab))
+
+    def new_sampler(
+        self,
+        params: SamplingParams,
+        seed: int,
+        history: Sequence[int],
+        *,
+        grammar: str | None = None,
+    ) -> Any:
         """Build the native sampler chain for one sequence."""
         C = self._C
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
@@ -289,6 +315,12 @@ class LlamaCppBackend:
             C.llama_sampler_chain_add(chain, penalties)
             for token in history[-last_n:]:
                 C.llama_sampler_accept(penalties, token)
+        if grammar is not None:
+            constraint = C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+            if not constraint:  # checked at add_request; never hand llama.cpp a NULL sampler
+                self.free_sampler(chain)
+                raise ValueError("invalid grammar")
+            C.llama_sampler_chain_add(chain, constraint)
         if params.is_greedy:
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
         else:

@@ -1,0 +1,155 @@
+"""The sampling stage of a step, between ``decode`` and ``scheduler.update``.
+
+Per row with logits: the batch hook (once per step, over every row), the request's
+logits processors (only for requests that have them), the native sampler chain of the
+sequence and of any forks sharing the row, and logprobs (only for requests that ask).
+A processor that raises or returns a bad row fails its own request, nobody else's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from .backend.base import Backend, BatchItem
+from .errors import RequestFailedError
+from .params import LogitsProcessor
+from .results import TokenLogprob, TopLogprob
+from .sequence import Request
+from .sequence import Sequence as Seq
+
+__all__ = ["BatchLogitsProcessor", "LogitsRow", "Sampled", "sample_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class LogitsRow:
+    """Which sequence a row of the batch hook's logits belongs to."""
+
+    request_id: str
+    index: int
+    """The choice index (for ``n > 1``)."""
+    token_ids: Sequence[int]
+    """Prompt plus generated tokens so far."""
+
+
+class BatchLogitsProcessor(Protocol):
+    """``fn(rows, logits)``: edit ``logits`` (``(len(rows), n_vocab)``, zero-copy) in place."""
+
+    def __call__(self, rows: Sequence[LogitsRow], logits: npt.NDArray[np.float32]) -> None: ...
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What the stage produced."""
+
+    tokens: dict[Seq, int] = field(default_factory=dict)
+    logprobs: dict[Seq, TokenLogprob] = field(default_factory=dict)
+    failed: dict[int, tuple[Request, BaseException]] = field(default_factory=dict)
+
+
+def sample_plan(
+    backend: Backend,
+    rows: Sequence[tuple[Seq, BatchItem, tuple[Seq, ...]]],
+    batch_processor: BatchLogitsProcessor | None = None,
+) -> Sampled:
+    """Sample every row: ``rows`` are ``(sequence, item, forks)`` with ``item.row`` set."""
+    out = Sampled()
+    if batch_processor is not None and rows:
+        _run_batch_hook(backend, rows, batch_processor, out)
+    for seq, item, forks in rows:
+        request = seq.request
+        if id(request) in out.failed:
+            continue
+        assert item.row is not None
+        params = request.params
+        logits = (
+            backend.logits(item.row)
+            if params.logits_processors or params.logprobs is not None
+            else None
+        )
+        if params.logits_processors:
+            assert logits is not None
+            error = _run_processors(params.logits_processors, seq.token_ids, logits)
+            if error is not None:
+                out.failed[id(request)] = (request, error)
+                continue
+        log_z = (
+            _log_partition(logits) if params.logprobs is not None and logits is not None else 0.0
+        )
+        for s in (seq, *forks):
+            token = backend.sample(s.sampler, item.row)
+            out.tokens[s] = token
+            if params.logprobs is not None and logits is not None:
+                out.logprobs[s] = _token_logprob(backend, logits, log_z, token, params.logprobs)
+    return out
+
+
+def _run_batch_hook(
+    backend: Backend,
+    rows: Sequence[tuple[Seq, BatchItem, tuple[Seq, ...]]],
+    hook: BatchLogitsProcessor,
+    out: Sampled,
+) -> None:
+    view = backend.batch_logits(len(rows))
+    described = [LogitsRow(s.request.request_id, s.index, s.token_ids) for s, _, _ in rows]
+    try:
+        hook(described, view)
+    except Exception as exc:
+        for seq, _, _ in rows:
+            error = RequestFailedError(f"the batch logits processor failed: {exc!r}")
+            error.__cause__ = exc
+            out.failed.setdefault(id(seq.request), (seq.request, error))
+
+
+def _run_processors(
+    processors: Sequence[LogitsProcessor], token_ids: Sequence[int], logits: npt.NDArray[np.float32]
+) -> RequestFailedError | None:
+    history = np.asarray(token_ids, dtype=np.int32)
+    for fn in processors:
+        try:
+            result = fn(history, logits)
+        except Exception as exc:
+            error = RequestFailedError(f"logits processor {fn!r} raised {exc!r}")
+            error.__cause__ = exc
+            return error
+        if result is None or result is logits:
+            continue
+        if (
+            not isinstance(result, np.ndarray)
+            or result.shape != logits.shape
+            or result.dtype != np.float32
+        ):
+            shape = getattr(result, "shape", None)
+            dtype = getattr(result, "dtype", type(result).__name__)
+            return RequestFailedError(
+                f"logits processor {fn!r} must return None or a float32 array of shape "
+                f"{logits.shape}, got {dtype} {shape}"
+            )
+        logits[:] = result
+    return None
+
+
+def _log_partition(logits: npt.NDArray[np.float32]) -> float:
+    peak = float(logits.max())
+    return peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+
+
+def _token_logprob(
+    backend: Backend, logits: npt.NDArray[np.float32], log_z: float, token: int, k: int
+) -> TokenLogprob:
+    top: list[TopLogprob] = []
+    if k:
+        best = np.argpartition(logits, -k)[-k:]
+        for t in best[np.argsort(-logits[best], kind="stable")]:
+            top.append(_top(backend, int(t), float(logits[t]) - log_z))
+    first = _top(backend, token, float(logits[token]) - log_z)
+    return TokenLogprob(first.token_id, first.token, first.bytes, first.logprob, tuple(top))
+
+
+def _top(backend: Backend, token: int, logprob: float) -> TopLogprob:
+    piece = backend.token_to_piece(token)
+    return TopLogprob(token, piece.decode("utf-8", "replace"), piece, logprob)
