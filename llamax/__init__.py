@@ -5,6 +5,7 @@
 ...     print(ctx.add_request("Hello", llamax.SamplingParams(max_tokens=8)).result().text)
 """
 
+from .chat.history import Chat, TurnStats
 from .context import Context, ContextOptions, ContextStats
 from .errors import (
     ContextClosedError,
@@ -12,6 +13,7 @@ from .errors import (
     DefaultModelNotInstalledError,
     EmptyPromptError,
     EngineError,
+    GrammarError,
     InvalidParameterError,
     InvalidRequestError,
     LlamaxError,
@@ -24,13 +26,16 @@ from .errors import (
 )
 from .handle import RequestHandle
 from .models import default_model_path
-from .params import ContextConfig, SamplingParams
-from .results import Choice, Completion, FinishReason, TokenEvent, Usage
+from .params import ContextConfig, LogitsProcessor, SamplingParams
+from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
+from .sampling import BatchLogitsProcessor, LogitsRow
 from .session import Session
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchLogitsProcessor",
+    "Chat",
     "Choice",
     "Completion",
     "Context",
@@ -43,9 +48,12 @@ __all__ = [
     "EmptyPromptError",
     "EngineError",
     "FinishReason",
+    "GrammarError",
     "InvalidParameterError",
     "InvalidRequestError",
     "LlamaxError",
+    "LogitsProcessor",
+    "LogitsRow",
     "LoopOwnershipError",
     "ModelLoadError",
     "RequestFailedError",
@@ -56,6 +64,9 @@ __all__ = [
     "SessionError",
     "SessionLoadError",
     "TokenEvent",
+    "TokenLogprob",
+    "TopLogprob",
+    "TurnStats",
     "Usage",
     "__version__",
     "default_model_path",

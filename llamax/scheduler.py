@@ -367,14 +367,19 @@ class Scheduler:
             self._finish(seq, SequenceState.FINISHED_STOPPED, result)
             return
         text, matched = seq.push_token(token)
+        lps: tuple[TokenLogprob, ...] = ()
+        if logprob is not None and seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+            lps = (logprob,)
+        at_limit = params.max_tokens is not None and seq.num_generated >= params.max_tokens
         if matched:
-            self._finish(seq, SequenceState.FINISHED_STOPPED, result, text, (token,), drain=False)
-        elif (params.max_tokens is not None and seq.num_generated >= params.max_tokens) or len(
-            seq.token_ids
-        ) >= self._n_ctx:
-            self._finish(seq, SequenceState.FINISHED_LENGTH, result, text, (token,))
+            self._finish(
+                seq, SequenceState.FINISHED_STOPPED, result, text, (token,), lps, drain=False
+            )
+        elif at_limit or len(seq.token_ids) >= self._n_ctx:
+            self._finish(seq, SequenceState.FINISHED_LENGTH, result, text, (token,), lps)
         else:
-            result.events.append((seq.request, TokenEvent(text, (token,), seq.index)))
+            result.events.append((seq.request, TokenEvent(text, (token,), seq.index, None, lps)))
 
     def _finish(
         self,

@@ -67,6 +67,8 @@ def test_bad_context_config_names_the_field(field: str, value: int) -> None:
 def test_public_names_are_pinned() -> None:
     assert sorted(llamax.__all__) == sorted(
         [
+            "BatchLogitsProcessor",
+            "Chat",
             "Choice",
             "Completion",
             "Context",
@@ -79,9 +81,12 @@ def test_public_names_are_pinned() -> None:
             "EmptyPromptError",
             "EngineError",
             "FinishReason",
+            "GrammarError",
             "InvalidParameterError",
             "InvalidRequestError",
             "LlamaxError",
+            "LogitsProcessor",
+            "LogitsRow",
             "LoopOwnershipError",
             "ModelLoadError",
             "RequestFailedError",
@@ -92,6 +97,9 @@ def test_public_names_are_pinned() -> None:
             "SessionError",
             "SessionLoadError",
             "TokenEvent",
+            "TokenLogprob",
+            "TopLogprob",
+            "TurnStats",
             "Usage",
             "__version__",
             "default_model_path",

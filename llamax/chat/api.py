@@ -42,10 +42,15 @@ class CompletionOptions(TypedDict, total=False):
     stream_options: StreamOptions | None
     model: str | None
     user: str | None
+    logprobs: bool | int | None
+    top_logprobs: int | None
+    response_format: Mapping[str, Any] | None
 
 
-def _params(options: CompletionOptions) -> Any:
+def _params(options: CompletionOptions, *, chat: bool) -> Any:
     return sampling_params(
+        logprobs=_logprobs(options, chat=chat),
+        response_format=options.get("response_format"),
         max_tokens=options.get("max_tokens"),
         temperature=options.get("temperature", 1.0),
         top_p=options.get("top_p", 1.0),
@@ -56,6 +61,14 @@ def _params(options: CompletionOptions) -> Any:
         presence_penalty=options.get("presence_penalty", 0.0),
         frequency_penalty=options.get("frequency_penalty", 0.0),
     )
+
+
+def _logprobs(options: CompletionOptions, *, chat: bool) -> int | None:
+    """Chat: ``logprobs=True`` plus ``top_logprobs=k``; text: ``logprobs=k``."""
+    wanted = options.get("logprobs")
+    if chat:
+        return (options.get("top_logprobs") or 0) if wanted else None
+    return None if wanted is None or wanted is False else int(wanted)
 
 
 def _include_usage(options: CompletionOptions) -> bool:
@@ -72,7 +85,7 @@ def chat_completion(
     """A ``chat.completion`` dict, or an iterator of ``chat.completion.chunk`` dicts when
     ``stream=True`` (first delta carries the role, the last chunk of each choice its
     ``finish_reason``; ``stream_options={"include_usage": True}`` adds a usage chunk)."""
-    request = prepare_chat(ctx, messages, _params(options), truncate=truncate)
+    request = prepare_chat(ctx, messages, _params(options, chat=True), truncate=truncate)
     if options.get("stream"):
         return request.chunks(_include_usage(options))
     return request.result()
@@ -82,7 +95,7 @@ def completion(
     ctx: Context, prompt: str | Sequence[int], **options: Unpack[CompletionOptions]
 ) -> Any:
     """A ``text_completion`` dict, or an iterator of them when ``stream=True``."""
-    request = prepare_text(ctx, prompt, _params(options))
+    request = prepare_text(ctx, prompt, _params(options, chat=False))
     if options.get("stream"):
         return request.chunks(_include_usage(options))
     return request.result()
@@ -96,7 +109,7 @@ async def achat_completion(
     **options: Unpack[CompletionOptions],
 ) -> Any:
     """Async twin of :func:`chat_completion`: awaits the dict, or returns an async iterator."""
-    request = prepare_chat(ctx, messages, _params(options), truncate=truncate)
+    request = prepare_chat(ctx, messages, _params(options, chat=True), truncate=truncate)
     if options.get("stream"):
         return request.achunks(_include_usage(options))
     return await request.aresult()
@@ -106,7 +119,7 @@ async def acompletion(
     ctx: Context, prompt: str | Sequence[int], **options: Unpack[CompletionOptions]
 ) -> Any:
     """Async twin of :func:`completion`."""
-    request = prepare_text(ctx, prompt, _params(options))
+    request = prepare_text(ctx, prompt, _params(options, chat=False))
     if options.get("stream"):
         stream: AsyncIterator[Any] = request.achunks(_include_usage(options))
         return stream

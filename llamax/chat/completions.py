@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import ContextLengthError, InvalidParameterError
+from ..grammar import JSON_OBJECT_SCHEMA
 from ..handle import RequestHandle
 from ..params import SamplingParams
-from ..results import Completion, FinishReason, TokenEvent, Usage
+from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from .messages import validate_messages
 from .shapes import (
     ChatCompletion,
@@ -44,6 +45,8 @@ def sampling_params(
     logit_bias: Mapping[str | int, float] | None,
     presence_penalty: float,
     frequency_penalty: float,
+    logprobs: int | None = None,
+    response_format: Mapping[str, Any] | None = None,
     stop_token_ids: Sequence[int] = (),
 ) -> SamplingParams:
     """Map OpenAI's knobs onto :class:`SamplingParams` (no top-k/min-p, like OpenAI)."""
@@ -71,7 +74,61 @@ def sampling_params(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         stop_token_ids=stop_token_ids,
+        logprobs=logprobs,
+        json_schema=_response_schema(response_format),
     )
+
+
+def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``{"type": "json_object"}`` → any object; ``{"type": "json_schema", "json_schema":
+    {"schema": {...}}}`` → that schema; ``{"type": "text"}`` or None → unconstrained."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, Mapping):
+            raise InvalidParameterError("response_format json_schema needs a 'schema' object")
+        return schema
+    raise InvalidParameterError(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+    )
+
+
+def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    return {
+        "content": [_chat_token(lp, lp.top_logprobs) for lp in choice.logprobs],
+        "refusal": None,
+    }
+
+
+def _chat_token(lp: TokenLogprob | TopLogprob, top: Sequence[TopLogprob]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.bytes)}
+    entry["top_logprobs"] = [
+        {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in top
+    ]
+    return entry
+
+
+def _text_logprobs(choice: Choice) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    offsets, at = [], 0
+    for lp in choice.logprobs:
+        offsets.append(at)
+        at += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in choice.logprobs],
+        "token_logprobs": [lp.logprob for lp in choice.logprobs],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in choice.logprobs],
+        "text_offset": offsets,
+    }
 
 
 def _finish_reason(reason: FinishReason | None) -> OpenAIFinishReason | None:
@@ -119,7 +176,7 @@ class OpenAIRequest:
                         "index": c.index,
                         "message": {"role": "assistant", "content": c.text},
                         "finish_reason": _finish_reason(c.finish_reason) or "stop",
-                        "logprobs": None,
+                        "logprobs": _chat_logprobs(c),
                     }
                     for c in completion.choices
                 ],
@@ -135,7 +192,7 @@ class OpenAIRequest:
                     "index": c.index,
                     "text": c.text,
                     "finish_reason": _finish_reason(c.finish_reason),
-                    "logprobs": None,
+                    "logprobs": _text_logprobs(c),
                 }
                 for c in completion.choices
             ],
@@ -185,8 +242,20 @@ class OpenAIRequest:
         if event.text:
             delta["content"] = event.text
         if delta:
+            logprobs = (
+                {"content": [_chat_token(lp, lp.top_logprobs) for lp in event.logprobs]}
+                if event.logprobs
+                else None
+            )
             yield self._chat_chunk(
-                [{"index": event.index, "delta": delta, "finish_reason": None, "logprobs": None}]
+                [
+                    {
+                        "index": event.index,
+                        "delta": delta,
+                        "finish_reason": None,
+                        "logprobs": logprobs,
+                    }
+                ]
             )
         if finish:
             yield self._chat_chunk(
