@@ -27,7 +27,7 @@ from .errors import (
     InvalidRequestError,
     SessionError,
 )
-from .grammar import schema_to_gbnf
+from .grammar import check_repetitions, schema_to_gbnf
 from .handle import RequestHandle
 from .kvcache import Slot
 from .models import default_model_path
@@ -299,9 +299,9 @@ class Context:
     def _grammar(self, params: SamplingParams) -> str | None:
         grammar = params.grammar
         if params.json_schema is not None:
-            grammar = schema_to_gbnf(json.dumps(params.json_schema, sort_keys=True))
+            grammar = schema_to_gbnf(json.dumps(params.json_schema))  # keeps property order
         if grammar is not None:
-            problem = self._backend.check_grammar(grammar)
+            problem = check_repetitions(grammar) or self._backend.check_grammar(grammar)
             if problem is not None:
                 raise GrammarError(f"invalid grammar: {problem}")
         return grammar

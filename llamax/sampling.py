@@ -81,7 +81,11 @@ def sample_plan(
             _log_partition(logits) if params.logprobs is not None and logits is not None else 0.0
         )
         for s in (seq, *forks):
-            token = backend.sample(s.sampler, item.row)
+            try:
+                token = backend.sample(s.sampler, item.row)
+            except RequestFailedError as error:
+                out.failed[id(request)] = (request, error)
+                break
             out.tokens[s] = token
             if params.logprobs is not None and logits is not None:
                 out.logprobs[s] = _token_logprob(backend, logits, log_z, token, params.logprobs)

@@ -155,3 +155,12 @@ def test_invalid_grammar_and_schema_are_refused_at_submission(make_fake: MakeFak
     ok = ctx.add_request("abc", llamax.SamplingParams(max_tokens=2, json_schema={"type": "object"}))
     run(ctx)
     assert ok.result(0).finish_reason == "length"
+
+
+@pytest.mark.parametrize("grammar", ['root ::= "a"{2,1}', 'root ::= "a"{20000}'])
+def test_runaway_repetitions_are_refused_before_llama_cpp_parses_them(
+    make_fake: MakeFake, grammar: str
+) -> None:
+    ctx, _ = make_fake()
+    with pytest.raises(llamax.GrammarError, match="repetition"):
+        ctx.add_request("abc", llamax.SamplingParams(grammar=grammar))

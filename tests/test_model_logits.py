@@ -38,7 +38,7 @@ PERSON_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "age": {"type": "integer"},
         "color": {"enum": ["red", "green", "blue"]},
     },
     "required": ["name", "age", "color"],
@@ -325,6 +325,13 @@ def test_json_schema_output_matches_the_schema(real_ctx: llamax.Context) -> None
         done = handle.result(TIMEOUT)
         assert done.finish_reason == "stop", done.text
         jsonschema.validate(json.loads(done.text), PERSON_SCHEMA)
+
+
+def test_json_schema_numeric_bounds_are_refused_not_ignored(real_ctx: llamax.Context) -> None:
+    # llama-cpp-python's converter cannot enforce them, so llamax refuses them at submission.
+    bounded = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 18}}}
+    with pytest.raises(llamax.GrammarError, match="minimum"):
+        real_ctx.add_request("x", llamax.SamplingParams(json_schema=bounded))
 
 
 def test_json_schema_keeps_the_property_order(real_ctx: llamax.Context) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
 from .platform import default_use_extra_bufts
@@ -65,6 +65,24 @@ def _check_gguf(path: Path) -> None:
         raise ModelLoadError(f"{path} is not a GGUF model file (magic bytes {magic!r})")
 
 
+_CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+class _NativeSampler:
+    """A sequence's chain, plus its grammar sampler kept outside the chain (see ``sample``)."""
+
+    __slots__ = ("banned", "candidates", "chain", "grammar")
+
+    def __init__(self, chain: Any, grammar: Any, banned: list[int], n_vocab: int) -> None:
+        self.chain = chain
+        self.grammar = grammar
+        self.banned = np.asarray(banned, dtype=np.int64)
+        self.candidates: npt.NDArray[np.void] | None = None
+        if grammar is not None:
+            self.candidates = np.zeros(n_vocab, dtype=_CANDIDATE)
+            self.candidates["id"] = np.arange(n_vocab, dtype=np.int32)
+
+
 class LlamaCppBackend:
     """One llama.cpp model + context + batch, with a unified KV cache."""
 
@@ -76,7 +94,7 @@ class LlamaCppBackend:
             _log.setLevel(logging.DEBUG)
         path = Path(config.model_path)
         _check_gguf(path)
-        self._samplers: dict[int, Any] = {}
+        self._samplers: dict[int, _NativeSampler] = {}
         self._pieces: dict[int, bytes] = {}
         with ExitStack() as stack:
             mparams = C.llama_model_default_params()
@@ -270,7 +288,7 @@ class LlamaCppBackend:
         """Build and free a grammar sampler: llama.cpp returns NULL for invalid GBNF."""
         sampler = self._C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
         if not sampler:
-            return "llama.cpp could not parse the grammar (see the llamax.llama_cpp log)"
+            return "llama.cpp could not parse it (its parser prints the reason to stderr)"
         self._C.llama_sampler_free(sampler)
         return None
 
@@ -295,7 +313,6 @@ class LlamaCppBackend:
         """Build the native sampler chain for one sequence."""
         C = self._C
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
-        self._samplers[id(chain)] = chain
         bias = dict(params.logit_bias)
         if params.ignore_eos:
             bias.update(dict.fromkeys(self._eog, float("-inf")))
@@ -315,12 +332,6 @@ class LlamaCppBackend:
             C.llama_sampler_chain_add(chain, penalties)
             for token in history[-last_n:]:
                 C.llama_sampler_accept(penalties, token)
-        if grammar is not None:
-            constraint = C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
-            if not constraint:  # checked at add_request; never hand llama.cpp a NULL sampler
-                self.free_sampler(chain)
-                raise ValueError("invalid grammar")
-            C.llama_sampler_chain_add(chain, constraint)
         if params.is_greedy:
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
         else:
@@ -334,16 +345,61 @@ class LlamaCppBackend:
                 C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(params.min_p, 1))
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(params.temperature))
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(seed))
-        return chain
+        constraint = None
+        if grammar is not None:
+            constraint = C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+            if not constraint:  # checked at add_request; never hand llama.cpp a NULL sampler
+                C.llama_sampler_free(chain)
+                raise RequestFailedError("llama.cpp could not parse the grammar")
+        banned = [t for t, b in bias.items() if b == float("-inf")]
+        sampler = _NativeSampler(chain, constraint, banned, self._n_vocab)
+        self._samplers[id(sampler)] = sampler
+        return sampler
 
     def sample(self, sampler: Any, row: int) -> int:
-        """Sample from batch ``row`` with the sequence's chain (which also accepts the token)."""
-        return int(self._C.llama_sampler_sample(sampler, self._ctx, row))
+        """Sample from batch ``row`` with the sequence's chain (which also accepts the token).
+
+        A grammar is applied here rather than inside the chain: its mask is written into the
+        logits row, and if no token survives the mask, logit_bias bans (``ignore_eos``) and
+        logits processors together, the request fails with :class:`RequestFailedError`.
+        Inside the chain llama.cpp would sample a forbidden token and abort the process.
+
+        Raises:
+            RequestFailedError: the grammar allows no token at this point.
+        """
+        if sampler.grammar is not None:
+            self._constrain(sampler, row)
+        token = int(self._C.llama_sampler_sample(sampler.chain, self._ctx, row))
+        if sampler.grammar is not None:
+            self._C.llama_sampler_accept(sampler.grammar, token)
+        return token
+
+    def _constrain(self, sampler: _NativeSampler, row: int) -> None:
+        C = self._C
+        logits = self.logits(row)
+        candidates = sampler.candidates
+        assert candidates is not None
+        candidates["logit"] = logits
+        data = C.llama_token_data_array(
+            candidates.ctypes.data_as(C.llama_token_data_p), self._n_vocab, -1, False
+        )
+        C.llama_sampler_apply(sampler.grammar, ctypes.byref(data))
+        kept = candidates[: data.size]
+        logits[kept["id"][np.isneginf(kept["logit"])]] = -np.inf
+        alive = np.isfinite(logits)
+        alive[sampler.banned] = False
+        if not alive.any():
+            raise RequestFailedError(
+                "the grammar allows no token here (are its end-of-generation tokens banned by "
+                "ignore_eos or logit_bias, or did a logits processor remove every allowed token?)"
+            )
 
     def free_sampler(self, sampler: Any) -> None:
-        """Free a chain from :meth:`new_sampler`."""
+        """Free a sampler from :meth:`new_sampler` (its chain and grammar)."""
         if self._samplers.pop(id(sampler), None) is not None:
-            self._C.llama_sampler_free(sampler)
+            self._C.llama_sampler_free(sampler.chain)
+            if sampler.grammar is not None:
+                self._C.llama_sampler_free(sampler.grammar)
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """``llama_memory_seq_rm``."""
@@ -405,6 +461,6 @@ class LlamaCppBackend:
         if self._closed:
             return
         self._closed = True
-        for chain in list(self._samplers.values()):
-            self.free_sampler(chain)
+        for sampler in list(self._samplers.values()):
+            self.free_sampler(sampler)
         self._stack.close()

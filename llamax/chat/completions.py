@@ -232,8 +232,14 @@ class OpenAIRequest:
     ) -> Iterator[ChatCompletionChunk | TextCompletion]:
         finish = _finish_reason(event.finish_reason)
         if self.kind == "text":
-            if event.text or finish:
-                yield self._text_chunk(event.index, event.text, finish)
+            if event.text or event.logprobs or finish:
+                chunk = self._text_chunk(event.index, event.text, finish)
+                if event.logprobs:
+                    choice = Choice(
+                        event.index, event.text, event.token_ids, FinishReason.STOP, event.logprobs
+                    )
+                    chunk["choices"][0]["logprobs"] = _text_logprobs(choice)
+                yield chunk
             return
         delta: ChatDelta = {}
         if event.index not in started:
@@ -241,7 +247,7 @@ class OpenAIRequest:
             delta = {"role": "assistant", "content": ""}
         if event.text:
             delta["content"] = event.text
-        if delta:
+        if delta or event.logprobs:  # held-back text still reports its tokens' logprobs
             logprobs = (
                 {"content": [_chat_token(lp, lp.top_logprobs) for lp in event.logprobs]}
                 if event.logprobs

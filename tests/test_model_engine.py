@@ -1,0 +1,231 @@
+"""The core engine on the real model (SmolLM2-135M-Instruct), through the public API."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import llamax
+from llamax.testing import assert_idle
+
+pytestmark = pytest.mark.model
+
+GREEDY = llamax.SamplingParams(max_tokens=32, temperature=0.0)
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at",
+    "My favourite book is",
+    "In 1969, astronauts",
+]
+MakeReal = Callable[..., llamax.Context]
+
+
+def test_batched_greedy_output_equals_solo_output(real_ctx: llamax.Context) -> None:
+    solo = [real_ctx.add_request(p, GREEDY).result(120).token_ids for p in PROMPTS]
+    handles = [real_ctx.add_request(p, GREEDY) for p in PROMPTS]
+    batched = [h.result(120).token_ids for h in handles]
+    same = [a == b for a, b in zip(solo, batched, strict=True)]
+    assert all(same), f"batched != solo for prompts {[i for i, s in enumerate(same) if not s]}"
+
+
+def test_many_threads_with_random_cancels_all_resolve(real_ctx: llamax.Context) -> None:
+    params = llamax.SamplingParams(max_tokens=8, temperature=0.7)
+    handles: list[tuple[llamax.RequestHandle, bool]] = []
+    lock = threading.Lock()
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        for i in range(4):
+            handle = real_ctx.add_request(f"Story {seed}-{i}: once", params)
+            cancel = rng.random() < 0.25
+            with lock:
+                handles.append((handle, cancel))
+            if cancel:
+                time.sleep(rng.choice([0.0, 0.01, 0.05, 0.2]))
+                handle.cancel()
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(handles) == 256
+    for handle, cancelled in handles:
+        done = handle.result(300)
+        assert done.finish_reason in (
+            ("cancelled", "stop", "length") if cancelled else ("stop", "length")
+        )
+    assert any(h.result().finish_reason == "cancelled" for h, _ in handles)
+    assert_idle(real_ctx, timeout=60)  # every seq_pos_max is -1 once the cache is cleared
+
+
+def test_stop_string_spanning_tokens(real_ctx: llamax.Context) -> None:
+    prompt = PROMPTS[1]
+    free = real_ctx.add_request(prompt, GREEDY).result(120)
+    ids = list(free.token_ids)
+    pieces = [real_ctx.detokenize([t]) for t in ids]
+    start = next(
+        i for i in range(2, len(ids) - 3) if all(len(p.strip()) for p in pieces[i : i + 2])
+    )
+    stop = "".join(pieces[start : start + 2])  # spans two tokens
+    cut = free.text.index(stop)
+    handle = real_ctx.add_request(
+        prompt, llamax.SamplingParams(max_tokens=32, temperature=0, stop=[stop])
+    )
+    events = list(handle)
+    done = handle.result(60)
+    assert done.finish_reason == "stop"
+    assert done.text == free.text[:cut]
+    assert "".join(e.text for e in events) == done.text
+    assert all(stop not in e.text for e in events)
+    stop_id = ids[3]
+    by_id = real_ctx.add_request(
+        prompt, llamax.SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[stop_id])
+    )
+    assert by_id.result(60).token_ids == tuple(ids[: ids.index(stop_id)])
+    assert by_id.result(60).finish_reason == "stop"
+
+
+def test_streaming_emoji_and_cjk_is_utf8_safe(real_ctx: llamax.Context) -> None:
+    prompts = [
+        "<|im_start|>user\nRepeat exactly: 😀😃😄😁😆 🎉🚀 你好世界 こんにちは<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "😀😃😄😁😆😅😂🤣😊😇🙂🙃😉😌😍🥰",
+        "中文, 我爱北京天安门。日本語, 東京タワー。",
+    ]
+    saw_multibyte = False
+    for prompt in prompts:
+        handle = real_ctx.add_request(prompt, llamax.SamplingParams(max_tokens=24, temperature=0))
+        deltas = [e.text for e in handle]
+        done = handle.result(60)
+        assert "".join(deltas) == done.text
+        assert all("\ufffd" not in d for d in deltas)
+        saw_multibyte |= any(ord(ch) > 0x2E80 for ch in done.text)
+    assert saw_multibyte, "the model produced no emoji or CJK text to stream"
+
+
+def test_long_prompt_arriving_while_others_stream(make_real: MakeReal) -> None:
+    ctx = make_real(n_ctx=4096, n_seq_max=8, n_batch=256)
+    params = llamax.SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    arrivals: list[list[float]] = [[] for _ in range(4)]
+    handles = [ctx.add_request(f"Count slowly from {i}:", params) for i in range(4)]
+
+    def watch(i: int) -> None:
+        for _ in handles[i]:
+            arrivals[i].append(time.monotonic())
+
+    watchers = [threading.Thread(target=watch, args=(i,)) for i in range(4)]
+    for w in watchers:
+        w.start()
+    while min(len(a) for a in arrivals) < 3:
+        time.sleep(0.01)
+    long_prompt = " ".join(f"word{i}" for i in range(700))
+    before = ctx.stats().num_steps
+    submitted = time.monotonic()
+    long = ctx.add_request(long_prompt, llamax.SamplingParams(max_tokens=4, temperature=0))
+    long.result(300)
+    for w in watchers:
+        w.join()
+    during = [t for a in arrivals for t in a if t >= submitted]
+    assert len(ctx.tokenize(long_prompt)) > 4 * 256
+    assert ctx.stats().num_steps - before >= 5  # the prompt was chunked over several steps
+    assert len(during) >= 8  # the streams kept receiving tokens while it prefilled
+    gaps = [
+        b - a
+        for a_list in arrivals
+        for a, b in itertools.pairwise(a_list)
+        if b >= submitted
+    ]
+    assert max(gaps) < 10.0, f"a stream stalled {max(gaps):.1f}s behind a long prefill"
+
+
+def test_small_context_under_pressure_loses_nothing(make_real: MakeReal) -> None:
+    params = llamax.SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [f"List of animals number {i}:" for i in range(12)]
+    roomy = make_real(n_ctx=2048, n_seq_max=1)
+    expected = [roomy.add_request(p, params).result(120).token_ids for p in prompts]
+    tight = make_real(n_ctx=256, n_seq_max=8, prefix_cache=False)
+    handles = [tight.add_request(p, params) for p in prompts]
+    results = [h.result(300) for h in handles]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 40 for r in results)
+    assert tight.stats().num_preemptions >= 1
+    same = sum(r.token_ids == e for r, e in zip(results, expected, strict=True))
+    assert same == len(prompts), f"{same}/{len(prompts)} equal after preemption"
+
+
+def test_asyncio_api_inside_a_running_loop(real_ctx: llamax.Context) -> None:
+    async def main() -> tuple[list[llamax.Completion], list[str]]:
+        done = await asyncio.gather(*(real_ctx.add_request(p, GREEDY) for p in PROMPTS[:3]))
+        streamed = []
+        for p in PROMPTS[:3]:
+            streamed.append("".join([e.text async for e in real_ctx.add_request(p, GREEDY)]))
+        return list(done), streamed
+
+    done, streamed = asyncio.run(main())
+    assert [d.text for d in done] == streamed
+
+
+def test_manual_loop_matches_background_loop(make_real: MakeReal, real_ctx: llamax.Context) -> None:
+    manual = make_real(n_ctx=1024, n_seq_max=4, autostart=False)
+    handle = manual.add_request(PROMPTS[0], GREEDY)
+    while manual.has_work():
+        manual.process()
+    assert (
+        handle.result(0).token_ids == real_ctx.add_request(PROMPTS[0], GREEDY).result(60).token_ids
+    )
+    with pytest.raises(llamax.LoopOwnershipError):
+        real_ctx.process()
+
+
+@pytest.mark.parametrize("stage", ["queued", "prefill", "decode"])
+def test_cancel_at_each_stage_frees_kv(make_real: MakeReal, stage: str) -> None:
+    ctx = make_real(n_ctx=2048, n_seq_max=2, n_batch=64, autostart=False)
+    handle = ctx.add_request(
+        " ".join(["word"] * 200), llamax.SamplingParams(max_tokens=20, temperature=0)
+    )
+    for _ in {"queued": 0, "prefill": 1, "decode": 5}[stage]:
+        ctx.process()
+    handle.cancel()
+    ctx.process()
+    assert handle.result(0).finish_reason == "cancelled"
+    assert_idle(ctx, timeout=0)
+
+
+def test_bad_input_gets_typed_errors_and_the_engine_keeps_serving(
+    real_ctx: llamax.Context, tmp_path: Path
+) -> None:
+    with pytest.raises(llamax.ContextLengthError):
+        real_ctx.add_request("word " * 5000, GREEDY)
+    with pytest.raises(llamax.EmptyPromptError):
+        real_ctx.add_request("", GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        llamax.SamplingParams(top_p=2.0)
+    with pytest.raises(llamax.ModelLoadError, match="not found"):
+        llamax.Context(tmp_path / "missing.gguf")
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"\x00" * 4096)
+    with pytest.raises(llamax.ModelLoadError, match="not a GGUF"):
+        llamax.Context(garbage)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(llamax.ModelLoadError, match="could not load"):
+        llamax.Context(truncated)
+    assert real_ctx.add_request(PROMPTS[0], GREEDY).result(60).finish_reason in ("stop", "length")
+
+
+def test_add_request_after_close(make_real: MakeReal) -> None:
+    ctx = make_real(n_ctx=512, n_seq_max=2)
+    ctx.close()
+    with pytest.raises(llamax.ContextClosedError):
+        ctx.add_request("hello", GREEDY)
