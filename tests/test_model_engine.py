@@ -141,12 +141,7 @@ def test_long_prompt_arriving_while_others_stream(make_real: MakeReal) -> None:
     assert len(ctx.tokenize(long_prompt)) > 4 * 256
     assert ctx.stats().num_steps - before >= 5  # the prompt was chunked over several steps
     assert len(during) >= 8  # the streams kept receiving tokens while it prefilled
-    gaps = [
-        b - a
-        for a_list in arrivals
-        for a, b in itertools.pairwise(a_list)
-        if b >= submitted
-    ]
+    gaps = [b - a for a_list in arrivals for a, b in itertools.pairwise(a_list) if b >= submitted]
     assert max(gaps) < 10.0, f"a stream stalled {max(gaps):.1f}s behind a long prefill"
 
 
