@@ -71,6 +71,14 @@ LCP_N_CTX = 512
 WARMUP_TOKENS = 8
 THRESHOLD = 0.95
 RAW, LLAMAX, LCP = "raw", "llamax", "llama_cpp_python"
+NOOP, LOGPROBS = "llamax_noop_processor", "llamax_logprobs5"
+FEATURE_N = 16  # the per-request features are measured at N=16 only
+FEATURE_THRESHOLD = 0.85  # each may cost at most 15% of plain llamax throughput
+
+
+def noop_processor(token_ids: Any, logits: Any) -> None:
+    """A numpy logits processor that reads the row and changes nothing."""
+    logits.max()
 
 
 def log(message: str) -> None:
@@ -136,9 +144,18 @@ class LlamaxSystem:
         self.ctx = llamax.Context(
             model_path, n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=N_BATCH, n_threads=N_THREADS
         )
+        self.extra: dict[str, Any] = {}
+
+    def variant(self, name: str, **extra: Any) -> LlamaxSystem:
+        """The same context, with extra SamplingParams fields on every request."""
+        other = object.__new__(LlamaxSystem)
+        other.ctx, other.extra, other.name = self.ctx, extra, name
+        return other
 
     def run(self, prompts: Sequence[str], max_tokens: int = MAX_TOKENS) -> RunResult:
-        params = llamax.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = llamax.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **self.extra
+        )
         steps = self.ctx.stats().num_steps
         start = time.perf_counter()
         handles = [self.ctx.add_request(p, params) for p in prompts]
@@ -309,7 +326,11 @@ def build_systems(model_path: Path, ns: Sequence[int]) -> list[System]:
     log(f"loading systems: n_ctx={n_ctx} n_seq_max={n_seq_max} n_batch={N_BATCH}")
     llamax_system = LlamaxSystem(model_path, n_ctx, n_seq_max)
     raw_system = RawSystem(model_path, n_ctx, n_seq_max)
-    return [raw_system, llamax_system, LlamaCppPythonSystem(model_path)]
+    features = [
+        llamax_system.variant(NOOP, logits_processors=[noop_processor]),
+        llamax_system.variant(LOGPROBS, logprobs=5),
+    ]
+    return [raw_system, llamax_system, LlamaCppPythonSystem(model_path), *features]
 
 
 def warm_up(systems: Sequence[System]) -> None:
@@ -329,6 +350,8 @@ def measure(
             prompts = make_prompts(n)
             for system in order:
                 if quick and system.name == LCP and n >= 64:
+                    continue
+                if system.name in (NOOP, LOGPROBS) and n != FEATURE_N:
                     continue
                 result = system.run(prompts)
                 if result.tokens != n * MAX_TOKENS:
@@ -380,6 +403,13 @@ def targets(m: Measurements) -> dict[str, dict[str, Any]]:
             "ratio": r,
             "threshold": THRESHOLD,
             "met": None if r is None else r >= THRESHOLD,
+        }
+    for feature in (NOOP, LOGPROBS):
+        r = ratio(m.median(feature, FEATURE_N), m.median(LLAMAX, FEATURE_N))
+        out[f"{feature}_vs_llamax_N{FEATURE_N}"] = {
+            "ratio": r,
+            "threshold": FEATURE_THRESHOLD,
+            "met": None if r is None else r >= FEATURE_THRESHOLD,
         }
     return out
 
