@@ -39,7 +39,8 @@ def test_batched_greedy_output_equals_solo_output(real_ctx: llamax.Context) -> N
     assert all(same), f"batched != solo for prompts {[i for i, s in enumerate(same) if not s]}"
 
 
-def test_many_threads_with_random_cancels_all_resolve(real_ctx: llamax.Context) -> None:
+def test_many_threads_with_random_cancels_all_resolve(make_real: MakeReal) -> None:
+    real_ctx = make_real(n_ctx=4096, n_seq_max=16)  # its own context: a failure cannot leak
     params = llamax.SamplingParams(max_tokens=6, temperature=0.7)
     handles: list[tuple[llamax.RequestHandle, bool]] = []
     lock = threading.Lock()
