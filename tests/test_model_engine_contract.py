@@ -13,6 +13,7 @@ prompt is computed afresh and nothing else sits in the KV cache.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import os
@@ -88,6 +89,30 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
+def divergence_note(
+    ctx: llamax.Context,
+    prompt: str | Sequence[int],
+    params: llamax.SamplingParams,
+    alone: Sequence[int],
+    other: Sequence[int],
+) -> str:
+    """Where two greedy outputs part, with the alone run's top log-probabilities there.
+
+    A margin of a few hundredths of a nat between the two picks means the outputs differ by
+    floating-point rounding of near-tied logits, not by wrong KV contents.
+    """
+    i = first_divergence(alone, other)
+    prefix = ctx.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    probe_params = dataclasses.replace(params, max_tokens=1, logprobs=5, stop=(), stop_token_ids=())
+    probe = run_alone(ctx, prefix + list(alone[:i]), probe_params)
+    logprobs = probe.choices[0].logprobs or ()
+    top = [(t.token_id, round(t.logprob, 4)) for t in logprobs[0].top_logprobs] if logprobs else []
+    return (
+        f"diverges at generated token {i}: alone {alone[i : i + 1]} vs {other[i : i + 1]}; "
+        f"alone top logprobs there {top}"
+    )
+
+
 def stream_problems(
     events: Sequence[llamax.TokenEvent], completion: llamax.Completion
 ) -> list[str]:
@@ -111,6 +136,7 @@ def stream_problems(
 
 
 # ---------------------------------------------------------------------- batching invariance
+@pytest.mark.timeout(900)  # seconds on an idle machine; generous for a loaded one
 def test_greedy_batch_equals_alone_for_eight_prompts(real_ctx: llamax.Context) -> None:
     alone = [run_alone(real_ctx, p, GREEDY_32) for p in EIGHT_PROMPTS]
     real_ctx.clear_cache()  # the batch computes its prompts instead of reusing the solo runs
@@ -121,11 +147,8 @@ def test_greedy_batch_equals_alone_for_eight_prompts(real_ctx: llamax.Context) -
     for prompt, a, b in zip(EIGHT_PROMPTS, alone, together, strict=True):
         assert a.finish_reason in TERMINAL and b.finish_reason in TERMINAL
         if a.token_ids != b.token_ids:
-            i = first_divergence(a.token_ids, b.token_ids)
-            mismatches.append(
-                f"{prompt!r}: diverges at generated token {i}: alone {a.token_ids[i : i + 3]} "
-                f"{a.text!r} vs batched {b.token_ids[i : i + 3]} {b.text!r}"
-            )
+            note = divergence_note(real_ctx, prompt, GREEDY_32, a.token_ids, b.token_ids)
+            mismatches.append(f"{prompt!r}: {note}: alone {a.text!r} vs batched {b.text!r}")
         elif a.text != b.text:
             mismatches.append(f"{prompt!r}: same tokens, different text")
     assert not mismatches, "batched greedy output differs from alone:\n" + "\n".join(mismatches)
@@ -152,14 +175,17 @@ def test_greedy_output_does_not_depend_on_when_a_request_joins(make_real: MakeRe
     for h in others:
         assert h.result(timeout=0).finish_reason in TERMINAL
     batched = joined_late.result(timeout=0)
-    i = first_divergence(alone.token_ids, batched.token_ids)
-    assert batched.token_ids == alone.token_ids, (
-        "greedy output changed when the request joined a running batch: diverges at token "
-        f"{i}: alone {alone.text!r} vs joined {batched.text!r}"
-    )
+    if batched.token_ids != alone.token_ids:
+        probe = make_real(n_ctx=4096, n_seq_max=16, n_batch=512)
+        note = divergence_note(probe, late, GREEDY_32, alone.token_ids, batched.token_ids)
+        pytest.fail(
+            f"greedy output changed when the request joined a running batch: {note}: "
+            f"alone {alone.text!r} vs joined {batched.text!r}"
+        )
 
 
 # ---------------------------------------------------------------------- concurrency and cancel
+@pytest.mark.timeout(900)
 def test_256_requests_from_64_threads_with_random_cancels(real_ctx: llamax.Context) -> None:
     num_threads, per_thread = 64, 4
     words = ["alpha", "beta", "gamma", "delta", "river", "mountain", "cloud", "stone", "garden"]
@@ -208,7 +234,7 @@ def test_256_requests_from_64_threads_with_random_cancels(real_ctx: llamax.Conte
                     record["cancel_returned"] = handle.cancel()
                     events.extend(iterator)
                 record["events"] = events
-                record["completion"] = handle.result(timeout=RESULT_TIMEOUT)
+                record["completion"] = handle.result(timeout=600)
                 with lock:
                     records.append(record)
         except BaseException as exc:
@@ -219,7 +245,7 @@ def test_256_requests_from_64_threads_with_random_cancels(real_ctx: llamax.Conte
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=240)
+        t.join(timeout=700)
     assert not any(t.is_alive() for t in threads), "some submitter threads hung"
     assert not errors, f"{len(errors)} threads failed, first: {errors[0]!r}"
     assert len(records) == num_threads * per_thread
@@ -559,8 +585,8 @@ def test_small_context_preempts_and_matches_roomy_context(
         assert got.finish_reason == "length"
         assert len(got.token_ids) == 60
         if got.token_ids != want.token_ids:
-            i = first_divergence(got.token_ids, want.token_ids)
-            mismatches.append(f"{prompt!r}: diverges at token {i}: {got.text!r} vs {want.text!r}")
+            note = divergence_note(real_ctx, prompt, params, want.token_ids, got.token_ids)
+            mismatches.append(f"{prompt!r}: {note}")
         assert got.text == small.detokenize(got.token_ids)
     assert not mismatches, f"{preemptions} preemptions; outputs changed:\n" + "\n".join(mismatches)
 
