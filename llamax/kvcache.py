@@ -125,6 +125,11 @@ class KVCache:
         else:
             self.release(slot)
 
+    def adopt(self, slot: Slot) -> None:
+        """Make a retained slot active again (a new sequence takes it over)."""
+        slot.state = SlotState.ACTIVE
+        self.touch(slot)
+
     def touch(self, slot: Slot) -> None:
         """Mark ``slot`` as just used (for LRU)."""
         slot.last_used = next(self._clock)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .backend.base import Backend, BatchItem
-from .kvcache import KVCache, Slot, common_prefix_len
+from .kvcache import KVCache, Slot, SlotState, common_prefix_len
 from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 
@@ -246,7 +246,13 @@ class Scheduler:
         if later - now >= WAIT_FOR_PREFIX_MIN:
             return _Admission.WAIT_PREFIX
         if self.cache.num_free_seq_ids == 0 and not self.cache.evict_one(keep=source):
-            return _Admission.NO_ROOM
+            if source is None or source.state is not SlotState.RETAINED:
+                return _Admission.NO_ROOM
+            # The only sequence id is held by the very prefix we want: take the slot over.
+            if not self._fits(len(seq.token_ids) - now, keep=source):
+                return _Admission.NO_ROOM
+            self.cache.adopt(source)
+            return self._admit_into(seq, source, source=None, num_reused=0)
         if not self._fits(len(seq.token_ids) - now, keep=source):
             return _Admission.NO_ROOM
         slot = self.cache.allocate(keep=source)

@@ -235,3 +235,19 @@ def test_loading_into_another_model_is_refused(make_fake: MakeFake, tmp_path: Pa
     (tmp_path / "junk").write_bytes(b"not a session")
     with pytest.raises(llamax.SessionLoadError, match="not a llamax session"):
         llamax.Session.load(ctx, tmp_path / "junk")
+
+
+def test_single_sequence_id_reuses_its_retained_prefix(make_fake: MakeFake) -> None:
+    # With one sequence id, the retained slot is both the prefix source and the only id:
+    # the new request must take it over rather than wait for it forever.
+    ctx, _ = make_fake(n_ctx=1024, n_seq_max=1)
+    ctx.add_request(SYSTEM + "A1", GREEDY)
+    run(ctx)
+    second = ctx.add_request(SYSTEM + "B2?", GREEDY)
+    steps = 0
+    while ctx.has_work() and steps < 100:
+        ctx.process()
+        steps += 1
+    assert second.done()
+    assert second.result(0).usage.cached_tokens == len(SYSTEM)
+    assert second.result(0).token_ids == cold(SYSTEM + "B2?").token_ids
