@@ -26,8 +26,10 @@ class Detokenizer:
         return self._decoder.decode(self._piece(token_id))
 
     def flush(self) -> str:
-        """Return whatever is still pending at the end of the stream."""
-        return self._decoder.decode(b"", final=True)
+        """End the stream. Bytes of a character cut off by the end are dropped, never shown
+        as U+FFFD (the token ids still hold them)."""
+        self._decoder.reset()
+        return ""
 
 
 class StopMatcher:

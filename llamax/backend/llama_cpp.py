@@ -327,7 +327,11 @@ class LlamaCppBackend:
         if params.has_penalties:
             last_n = self._n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
             penalties = C.llama_sampler_init_penalties(
-                last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+                self._n_vocab,
+                last_n,
+                params.repeat_penalty,
+                params.frequency_penalty,
+                params.presence_penalty,
             )
             C.llama_sampler_chain_add(chain, penalties)
             for token in history[-last_n:]:
