@@ -30,6 +30,10 @@ def _require(ok: bool, message: str) -> None:
         raise InvalidParameterError(message)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _freeze_strings(name: str, value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -116,7 +120,10 @@ class SamplingParams:
             math.isfinite(self.temperature) and self.temperature >= 0,
             f"temperature must be >= 0, got {self.temperature}",
         )
-        _require(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _require(
+            _is_int(self.top_k) and 0 <= self.top_k < 2**31,
+            f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}",
+        )
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _require(0 < self.typical_p <= 1, f"typical_p must be in (0, 1], got {self.typical_p}")
@@ -133,7 +140,8 @@ class SamplingParams:
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
         _require(
-            self.penalty_last_n >= -1, f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
+            _is_int(self.penalty_last_n) and self.penalty_last_n >= -1,
+            f"penalty_last_n must be an int >= -1, got {self.penalty_last_n!r}",
         )
         _require(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
