@@ -192,7 +192,7 @@ def test_cancel_at_each_stage_frees_kv(make_real: MakeReal, stage: str) -> None:
     handle = ctx.add_request(
         " ".join(["word"] * 200), llamax.SamplingParams(max_tokens=20, temperature=0)
     )
-    for _ in {"queued": 0, "prefill": 1, "decode": 5}[stage]:
+    for _ in range({"queued": 0, "prefill": 1, "decode": 5}[stage]):
         ctx.process()
     handle.cancel()
     ctx.process()

@@ -421,7 +421,11 @@ with llamax.Context(model, n_ctx=256, n_seq_max=2, autostart=False) as ctx:
     while ctx.has_work():
         ctx.process()
     print("SERVING", len(handle.result(0).token_ids))
-print("PEAK_MIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+# VmHWM belongs to this process's own address space; ru_maxrss can carry the parent's peak
+# across fork and exec, which made this check measure pytest instead of the child.
+with open("/proc/self/status") as status:
+    hwm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+print("PEAK_MIB", hwm_kib // 1024)
 """
 
 
