@@ -685,13 +685,20 @@ def measure(
     return runs
 
 
-def agreement(
-    a: Sequence[Sequence[int]] | Sequence[str], b: Sequence[Sequence[int]] | Sequence[str]
-) -> dict[str, Any]:
-    """How many outputs are identical (over the shorter list), and which differ."""
+def first_difference(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Index of the first differing element (token or character) of two sequences."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def agreement(a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """How many outputs are identical (over the shorter list); for the others, where the
+    first difference is (output index -> token or character position)."""
     n = min(len(a), len(b))
-    differ = [i for i in range(n) if tuple(a[i]) != tuple(b[i])]
-    return {"identical": n - len(differ), "of": n, "differ": differ}
+    differ = {i: first_difference(a[i], b[i]) for i in range(n) if tuple(a[i]) != tuple(b[i])}
+    return {"identical": n - len(differ), "of": n, "first_difference_at": differ}
 
 
 def compare_outputs(

@@ -82,14 +82,30 @@ def sample_plan(
         )
         for s in (seq, *forks):
             try:
-                token = backend.sample(s.sampler, item.row)
+                token = _sample(backend, s, item.row)
             except RequestFailedError as error:
                 out.failed[id(request)] = (request, error)
+                break
+            except Exception as exc:  # a sampler llama.cpp could not build or run
+                failure = RequestFailedError(f"the native sampler failed: {exc!r}")
+                failure.__cause__ = exc
+                out.failed[id(request)] = (request, failure)
                 break
             out.tokens[s] = token
             if params.logprobs is not None and logits is not None:
                 out.logprobs[s] = _token_logprob(backend, logits, log_z, token, params.logprobs)
     return out
+
+
+def _sample(backend: Backend, seq: Seq, row: int) -> int:
+    """Sample ``seq``'s token from ``row``, building its sampler chain on first use."""
+    if seq.sampler is None:
+        request = seq.request
+        seed = (request.seed + seq.index) % 2**32
+        seq.sampler = backend.new_sampler(
+            request.params, seed, seq.token_ids, grammar=request.grammar
+        )
+    return backend.sample(seq.sampler, row)
 
 
 def _run_batch_hook(

@@ -320,17 +320,8 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> None:
         self._waiting.remove(seq)
-        self._ensure_sampler(seq)
         seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
         self._running.append(seq)
-
-    def _ensure_sampler(self, seq: Sequence) -> None:
-        if seq.sampler is None:
-            request = seq.request
-            seed = (request.seed + seq.index) % 2**32
-            seq.sampler = self._backend.new_sampler(
-                request.params, seed, seq.token_ids, grammar=request.grammar
-            )
 
     def _count_reuse(self, seq: Sequence, num: int) -> None:
         self.num_cached_tokens += num
@@ -459,6 +450,4 @@ class Scheduler:
             for s in seq.request.sequences[1:]
             if s.state is SequenceState.WAITING and s.num_generated == 0
         ][:free_ids]
-        for sibling in siblings:
-            self._ensure_sampler(sibling)
         return tuple(siblings)

@@ -232,6 +232,28 @@ def test_history_shift_drops_oldest_turns_and_matches_cold_prefill(ctx: llamax.C
     chat.close()
 
 
+def test_history_shift_without_a_system_message_keeps_the_default_one(
+    ctx: llamax.Context,
+) -> None:
+    # SmolLM2's template adds a default system prompt when the conversation has none; the
+    # shift must keep those cells and remove only the dropped turns.
+    params = llamax.SamplingParams(max_tokens=16, temperature=0)
+    chat = ctx.chat(params=params, max_context=256)
+    stats = []
+    for i in range(12):
+        chat.send(f"This is user message number {i}.")
+        stats.append(chat.last_turn)
+    shifted = [s for s in stats if s and s.dropped_messages]
+    assert shifted and all(s.shifted_tokens > 0 for s in shifted)
+    assert all(s is not None and s.computed_tokens < 60 for s in stats[1:])
+    assert chat.messages[0]["role"] == "user"
+    cold = make()
+    expected = cold.chat_completion(chat.messages[:-1], max_tokens=16, temperature=0)
+    assert expected["choices"][0]["message"]["content"] == chat.messages[-1]["content"]
+    cold.close()
+    chat.close()
+
+
 def test_without_shift_support_the_dropped_history_is_recomputed() -> None:
     context = make(can_shift=False)
     params = llamax.SamplingParams(max_tokens=16, temperature=0)

@@ -95,6 +95,29 @@ def test_faulty_processor_fails_only_its_request(make_fake: MakeFake, bad: Any) 
     assert all(h.result(0).finish_reason == "length" for h in good)
 
 
+def test_a_sampler_that_cannot_be_built_fails_only_its_request(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx, backend = make_fake(n_seq_max=4, n_ctx=512)
+    build = backend.new_sampler
+
+    def new_sampler(params: llamax.SamplingParams, *args: Any, **kwargs: Any) -> Any:
+        if params.top_k == 7:
+            raise OSError("native sampler init returned NULL")
+        return build(params, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "new_sampler", new_sampler)
+    good = [ctx.add_request(f"p{i}", llamax.SamplingParams(max_tokens=5)) for i in range(3)]
+    bad = ctx.add_request("x", llamax.SamplingParams(max_tokens=5, top_k=7))
+    run(ctx)
+    with pytest.raises(llamax.RequestFailedError, match="native sampler") as info:
+        bad.result(0)
+    assert isinstance(info.value.__cause__, OSError)
+    assert all(h.result(0).finish_reason == "length" for h in good)
+    assert ctx.add_request("y", llamax.SamplingParams(max_tokens=2)).result is not None
+    run(ctx)
+
+
 def test_batch_hook_sees_every_row_once_per_step() -> None:
     calls: list[tuple[list[str], tuple[int, ...]]] = []
 

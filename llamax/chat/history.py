@@ -24,6 +24,7 @@ from typing_extensions import Self
 
 from ..errors import InvalidParameterError
 from ..handle import RequestHandle
+from ..kvcache import common_prefix_len
 from ..params import SamplingParams
 from ..results import Completion, TokenEvent
 from .messages import validate_messages
@@ -129,7 +130,7 @@ class Chat:
         budget = self._max_context - (params.max_tokens or 1)
         kept = drop_oldest_turns(wanted, lambda m: len(self._ctx.chat_prompt(m)), budget)
         dropped = len(wanted) - len(kept)
-        shifted = self._shift(dropped) if dropped else 0
+        shifted = self._shift(kept, dropped) if dropped else 0
         prompt = self._ctx.chat_prompt(kept)
         handle = self._session.add_request(prompt, params)
         return _Turn(handle, kept, len(prompt), dropped, shifted)
@@ -140,21 +141,33 @@ class Chat:
         computed = turn.prompt_tokens - reused
         self.last_turn = TurnStats(turn.prompt_tokens, reused, computed, turn.dropped, turn.shifted)
 
-    def _shift(self, num_dropped: int) -> int:
-        """Move the cache past the dropped messages; return how many cells were removed."""
+    def _shift(self, kept: list[Message], num_dropped: int) -> int:
+        """Move the cache past the dropped messages; return how many cells were removed.
+
+        The dropped span is found by rendering both conversations through their first kept
+        message after the system head: the old rendering must equal the cached tokens there,
+        and removing ``[start, start + removed)`` from it must give the new rendering exactly.
+        Any template glue the two share (a default system prompt the template adds on its
+        own, a repeated message header) stays in the cache. When the boundaries do not line
+        up, nothing is shifted and the session's common prefix decides what to recompute.
+        """
         old = self._messages
         head = leading_system_count(old)
-        keep_head = self._ctx.chat_prompt(old[:head], add_generation_prompt=False) if head else []
-        through = self._ctx.chat_prompt(old[: head + num_dropped], add_generation_prompt=False)
-        start, end = len(keep_head), len(through)
+        if not self._ctx.can_shift or head + num_dropped >= len(old):
+            return 0  # nothing of the old history survives: plain truncation does the job
+        old_tokens = self._ctx.chat_prompt(
+            old[: head + num_dropped + 1], add_generation_prompt=False
+        )
+        new_tokens = self._ctx.chat_prompt(kept[: head + 1], add_generation_prompt=False)
+        removed = len(old_tokens) - len(new_tokens)
         session = self._session
-        held = session.token_ids
-        if through[:start] != keep_head or tuple(through) != held[:end]:
-            return 0  # message boundaries do not fall on token boundaries: let the LCP decide
-        if not self._ctx.can_shift:
+        if removed <= 0 or tuple(old_tokens) != session.token_ids[: len(old_tokens)]:
             return 0
-        ok = self._ctx._engine.call(lambda: session_shift(session, start, end))
-        return end - start if ok else 0
+        start = common_prefix_len(old_tokens, new_tokens)
+        if old_tokens[start + removed :] != new_tokens[start:]:
+            return 0
+        ok = self._ctx._engine.call(lambda: session_shift(session, start, start + removed))
+        return removed if ok else 0
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
