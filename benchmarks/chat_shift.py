@@ -27,11 +27,9 @@ each with 2 threads and n_ctx=2048:
     cache reuses the previous turn's retained sequence (prompt + reply); afterwards only
     the system prefix would match. The client keeps the messages the server kept
     (computed untimed with the same ``drop_oldest_turns``) plus the reply, like the Chat.
-    Workaround: before a turn that drops history, ``ctx.clear_cache()`` is called (timed).
-    Without it the request never starts: its best prefix source, the previous turn's
-    retained sequence, must be evicted to make room, and admission never evicts the
-    source it copies from (a llamax bug). So on those turns the whole prompt is computed
-    (the ~100 system tokens it could have reused are a few percent of ~1,900).
+    Once history is dropped, the previous turn's retained sequence must give up its cells
+    for the new prompt: the request takes that slot over, cut to the prefix it shares
+    (the system turn), and computes the rest.
 ``llama_cpp_python``
     ``llama_cpp.Llama(model, n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)``
     and ``create_chat_completion(messages, max_tokens=64, temperature=0)``. It raises once
@@ -311,12 +309,6 @@ class LlamaxStatelessSystem(LlamaxContextSystem):
         )
 
         def call() -> Any:
-            if len(kept) < len(wanted):
-                # Workaround (llamax bug): the previous turn's retained sequence is the best
-                # prefix source (it shares the system turn) but must itself be evicted to
-                # make room, and admission never evicts the source: the request would wait
-                # forever. Dropping the retained sequences first avoids it.
-                self.ctx.clear_cache()
             return self.ctx.chat_completion(
                 wanted, truncate="oldest_messages", max_tokens=MAX_TOKENS, temperature=0
             )

@@ -246,18 +246,27 @@ class Scheduler:
         if later - now >= WAIT_FOR_PREFIX_MIN:
             return _Admission.WAIT_PREFIX
         if self.cache.num_free_seq_ids == 0 and not self.cache.evict_one(keep=source):
-            if source is None or source.state is not SlotState.RETAINED:
-                return _Admission.NO_ROOM
-            # The only sequence id is held by the very prefix we want: take the slot over.
-            if not self._fits(len(seq.token_ids) - now, keep=source):
-                return _Admission.NO_ROOM
-            self.cache.adopt(source)
-            return self._admit_into(seq, source, source=None, num_reused=0)
+            return self._take_over(seq, source)
         if not self._fits(len(seq.token_ids) - now, keep=source):
-            return _Admission.NO_ROOM
+            return self._take_over(seq, source)
         slot = self.cache.allocate(keep=source)
         assert slot is not None
         return self._admit_into(seq, slot, source=source, num_reused=now)
+
+    def _take_over(self, seq: Sequence, source: Slot | None) -> _Admission:
+        """Admit ``seq`` into the retained slot holding its prefix, cut to that prefix.
+
+        For when the sequence id or the cells the request needs are held only by that slot:
+        admission never evicts the slot it copies from, so without this the request would
+        wait forever. If it still does not fit, the slot is retained again.
+        """
+        if source is None or source.state is not SlotState.RETAINED:
+            return _Admission.NO_ROOM
+        self.cache.adopt(source)
+        admission = self._admit_into(seq, source, source=None, num_reused=0)
+        if admission is not _Admission.ADMITTED:
+            self.cache.retire(source)
+        return admission
 
     def _admit_into(
         self, seq: Sequence, slot: Slot, *, source: Slot | None, num_reused: int

@@ -251,3 +251,21 @@ def test_single_sequence_id_reuses_its_retained_prefix(make_fake: MakeFake) -> N
     assert second.done()
     assert second.result(0).usage.cached_tokens == len(SYSTEM)
     assert second.result(0).token_ids == cold(SYSTEM + "B2?").token_ids
+
+
+def test_request_takes_over_its_prefix_slot_when_the_cells_run_out(make_fake: MakeFake) -> None:
+    # The retained first conversation fills most of the cells; the second shares only the
+    # system prefix with it and fits only if that slot gives up its tail. It used to wait
+    # forever: admission never evicts the slot it copies its prefix from.
+    ctx, _ = make_fake(n_ctx=512, n_seq_max=4)
+    first = ctx.add_request(SYSTEM + "x" * 300, GREEDY)
+    run(ctx)
+    second = ctx.add_request(SYSTEM + "y" * 300, GREEDY)
+    for _ in range(200):
+        if not ctx.has_work():
+            break
+        ctx.process()
+    assert not ctx.has_work(), "the second request was never admitted"
+    assert second.result(0).usage.cached_tokens == len(SYSTEM)
+    assert second.result(0).token_ids == cold(SYSTEM + "y" * 300).token_ids
+    assert first.result(0).finish_reason == "length"
