@@ -231,7 +231,7 @@ class NoShiftChat(Chat):
     """A Chat that never shifts its cache: after a drop, the session's LCP keeps only the
     system turn and the rest of the shortened conversation is prefilled again."""
 
-    def _shift(self, num_dropped: int) -> int:
+    def _shift(self, kept: list[Message], num_dropped: int) -> int:
         return 0
 
 
