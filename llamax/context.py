@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import secrets
 import threading
@@ -18,20 +17,12 @@ from typing_extensions import Self, Unpack
 
 from .backend.base import Backend
 from .engine import Engine, EngineState
-from .errors import (
-    ContextClosedError,
-    ContextLengthError,
-    EmptyPromptError,
-    GrammarError,
-    InvalidParameterError,
-    InvalidRequestError,
-    SessionError,
-)
-from .grammar import check_repetitions, schema_to_gbnf
+from .errors import ContextClosedError, InvalidParameterError, InvalidRequestError, SessionError
 from .handle import RequestHandle
 from .kvcache import Slot
 from .models import default_model_path
 from .params import ContextConfig, SamplingParams
+from .prompts import check_token_ids, prompt_tokens, request_grammar
 from .results import Completion, TokenEvent
 from .sampling import BatchLogitsProcessor
 from .sequence import Request
@@ -42,8 +33,6 @@ if TYPE_CHECKING:
     from .chat.template import ChatTemplate
 
 __all__ = ["Context", "ContextOptions", "ContextStats"]
-
-_END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 
 
 class ContextOptions(TypedDict, total=False):
@@ -247,9 +236,9 @@ class Context:
             )
         if session is not None and params.n != 1:
             raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
-        tokens = self._prompt_tokens(prompt)
-        self._check_token_ids(params)
-        grammar = self._grammar(params)
+        tokens = prompt_tokens(self._backend, prompt, self.n_ctx)
+        check_token_ids(self._backend, params)
+        grammar = request_grammar(self._backend, params)
         with self._arrival_lock:
             arrival = next(self._arrivals)
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
@@ -269,54 +258,6 @@ class Context:
         handle._bind(lambda: self._engine.cancel(request))
         self._engine.submit(request)
         return handle
-
-    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            tokens = self._backend.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            tokens = list(prompt)
-            n_vocab = self._backend.n_vocab
-            for t in tokens:
-                if not isinstance(t, int) or not 0 <= t < n_vocab:
-                    raise InvalidRequestError(
-                        f"prompt token ids must be ints in [0, {n_vocab}), got {t!r}"
-                    )
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not tokens:
-            raise EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
-        if len(tokens) >= self.n_ctx:
-            raise ContextLengthError(
-                f"the prompt has {len(tokens)} tokens but the context holds {self.n_ctx}; "
-                "it must leave room for at least one generated token",
-                num_prompt_tokens=len(tokens),
-                n_ctx=self.n_ctx,
-            )
-        return tokens
-
-    def _grammar(self, params: SamplingParams) -> str | None:
-        grammar = params.grammar
-        if params.json_schema is not None:
-            grammar = schema_to_gbnf(json.dumps(params.json_schema))  # keeps property order
-        if grammar is not None:
-            problem = check_repetitions(grammar) or self._backend.check_grammar(grammar)
-            if problem is not None:
-                raise GrammarError(f"invalid grammar: {problem}")
-        return grammar
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        n_vocab = self._backend.n_vocab
-        for name, ids in (
-            ("logit_bias", params.logit_bias.keys()),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if t >= n_vocab]
-            if bad:
-                raise InvalidParameterError(
-                    f"{name} holds token ids outside the vocabulary [0, {n_vocab}): {bad}"
-                )
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:
@@ -378,32 +319,19 @@ class Context:
             TemplateError: the model has no template and none was given.
         """
         if self._chat_template is None:
-            from .chat.template import ChatTemplate, TemplateError
+            from .chat.binding import load_template
 
-            source = self._config.chat_template or self._backend.metadata("tokenizer.chat_template")
-            if not source:
-                raise TemplateError(
-                    f"the model {self.model_name!r} has no chat template in its GGUF metadata; "
-                    "pass one with llamax.Context(..., chat_template='<jinja source>')"
-                )
-            b = self._backend
-            bos = b.token_text(b.bos_token_id) if b.bos_token_id is not None else ""
-            eos = b.token_text(b.eos_token_id) if b.eos_token_id is not None else ""
-            self._chat_template = ChatTemplate(source, bos_token=bos, eos_token=eos)
+            override = self._config.chat_template
+            self._chat_template = load_template(self._backend, override, self.model_name)
         return self._chat_template
 
     @property
     def end_of_turn_token_ids(self) -> tuple[int, ...]:
         """Special tokens the template ends a turn with (``<|im_end|>`` ...): chat stops there."""
         if self._end_of_turn is None:
-            source = self.chat_template.source
-            found = []
-            for marker in _END_OF_TURN_MARKERS:
-                if marker in source:
-                    ids = self._backend.tokenize(marker, add_special=False, parse_special=True)
-                    if len(ids) == 1:
-                        found.append(ids[0])
-            self._end_of_turn = tuple(found)
+            from .chat.binding import end_of_turn_ids
+
+            self._end_of_turn = end_of_turn_ids(self._backend, self.chat_template)
         return self._end_of_turn
 
     @property
@@ -420,16 +348,14 @@ class Context:
             InvalidMessageError: a message has an unknown role or unsupported content.
             TemplateError: the template failed, broke the sandbox or its budget.
         """
-        from .chat.messages import validate_messages
+        from .chat.binding import render_tokens
 
-        text = self.chat_template.render(
-            validate_messages(messages), add_generation_prompt=add_generation_prompt
+        return render_tokens(
+            self._backend,
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
         )
-        tokens = self._backend.tokenize(text, add_special=False, parse_special=True)
-        bos = self._backend.bos_token_id
-        if bos is not None and (not tokens or tokens[0] != bos):
-            tokens.insert(0, bos)
-        return tokens
 
     def chat_completion(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Any:
         """An OpenAI-shaped ``chat.completion`` (or, with ``stream=True``, an iterator of
