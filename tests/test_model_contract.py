@@ -86,28 +86,39 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
-def divergence_note(
+NEAR_TIE_NATS = 0.1
+"""Two greedy picks closer than this (in log-probability) are a floating-point near tie."""
+
+
+def divergence(
     ctx: llamax.Context,
     prompt: str | Sequence[int],
     params: llamax.SamplingParams,
     alone: Sequence[int],
     other: Sequence[int],
-) -> str:
-    """Where two greedy outputs part, with the alone run's top log-probabilities there.
+) -> tuple[float | None, str]:
+    """Where two greedy outputs part: the alone run's margin between the two picks there
+    (None when the other pick is not among its top 5), and a note for the failure message.
 
-    A margin of a few hundredths of a nat between the two picks means the outputs differ by
-    floating-point rounding of near-tied logits, not by wrong KV contents.
+    A margin of a few hundredths of a nat means the outputs differ by floating-point
+    rounding of near-tied logits (batch shapes change llama.cpp's summation order), not by
+    wrong KV contents, which would put a clearly worse token first.
     """
     i = first_divergence(alone, other)
     prefix = ctx.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
     probe_params = dataclasses.replace(params, max_tokens=1, logprobs=5, stop=(), stop_token_ids=())
     probe = run_alone(ctx, prefix + list(alone[:i]), probe_params)
     logprobs = probe.choices[0].logprobs or ()
-    top = [(t.token_id, round(t.logprob, 4)) for t in logprobs[0].top_logprobs] if logprobs else []
-    return (
-        f"diverges at generated token {i}: alone {alone[i : i + 1]} vs {other[i : i + 1]}; "
-        f"alone top logprobs there {top}"
+    top = {t.token_id: t.logprob for t in logprobs[0].top_logprobs} if logprobs else {}
+    picks = (alone[i : i + 1], other[i : i + 1])
+    margin = None
+    if picks[0] and picks[1] and picks[0][0] in top and picks[1][0] in top:
+        margin = abs(top[picks[0][0]] - top[picks[1][0]])
+    rounded = [(t, round(lp, 4)) for t, lp in top.items()]
+    note = (
+        f"diverges at generated token {i}: alone {picks[0]} vs {picks[1]}; top logprobs {rounded}"
     )
+    return margin, note
 
 
 def stream_problems(
@@ -140,6 +151,8 @@ def test_greedy_output_does_not_depend_on_when_a_request_joins(make_real: MakeRe
 
     Seven requests start; "The quick brown fox" joins two steps later, so its prompt is
     prefilled next to seven decoding tokens and its cells land after theirs in the cache.
+    Its output must equal the alone run, or part from it only at a near tie: measured, it
+    follows the alone run for 31 tokens, then picks the second of two tokens 0.06 nats apart.
     """
     ctx = make_real(n_ctx=4096, n_seq_max=16, n_batch=512, autostart=False)
     late = EIGHT_PROMPTS[3]
@@ -158,10 +171,10 @@ def test_greedy_output_does_not_depend_on_when_a_request_joins(make_real: MakeRe
     batched = joined_late.result(timeout=0)
     if batched.token_ids != alone.token_ids:
         probe = make_real(n_ctx=4096, n_seq_max=16, n_batch=512)
-        note = divergence_note(probe, late, GREEDY_32, alone.token_ids, batched.token_ids)
-        pytest.fail(
-            f"greedy output changed when the request joined a running batch: {note}: "
-            f"alone {alone.text!r} vs joined {batched.text!r}"
+        margin, note = divergence(probe, late, GREEDY_32, alone.token_ids, batched.token_ids)
+        assert margin is not None and margin < NEAR_TIE_NATS, (
+            f"greedy output changed when the request joined a running batch, not at a near "
+            f"tie: {note}: alone {alone.text!r} vs joined {batched.text!r}"
         )
 
 
