@@ -7,4 +7,4 @@ py=${LLAMAX_VENV:-$repo/.venv}/bin/python
 cd "$repo"
 "$py" -m ruff check .
 "$py" -m mypy
-exec "$py" -m pytest -q "$@"
+exec "$py" -m pytest -q --durations=15 "$@"
