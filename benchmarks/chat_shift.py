@@ -78,20 +78,18 @@ stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import json
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol
 
 import llama_cpp
 import llama_cpp.llama_chat_format as chat_format
+from _common import load_average, log, ratio, stdout_to_stderr
 
 import llamax
 from llamax.chat.history import Chat
@@ -165,16 +163,6 @@ def user_messages(count: int) -> list[str]:
             f"Tell me about topic {k + 1}: {topic}. {aspect[0].upper()}{aspect[1:]}? {ending}"
         )
     return out
-
-
-def log(message: str) -> None:
-    """Progress, on stderr (stdout holds only the JSON report)."""
-    print(message, file=sys.stderr, flush=True)
-
-
-def load_average() -> list[float]:
-    """1, 5 and 15 minute load averages (2 cores: anything above ~2 means contention)."""
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ---------------------------------------------------------------------------- turns
@@ -559,10 +547,6 @@ def summarize(
     return out
 
 
-def ratio(num: float | None, den: float | None) -> float | None:
-    return round(num / den, 3) if num is not None and den else None
-
-
 def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """``<system> / llamax_shift`` for prefill tokens, total and per-turn (once full) time."""
     base = summary.get(SHIFT)
@@ -607,21 +591,6 @@ def workload(messages: Sequence[str], model_path: Path) -> dict[str, Any]:
         "temperature": 0,
         "first_user_message": messages[0],
     }
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[TextIO]:
-    """Send fd 1 to stderr (native prints included); yield a stream on the real stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    real = os.fdopen(saved, "w")
-    try:
-        yield real
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        real.close()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -62,7 +62,6 @@ stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -70,16 +69,16 @@ import json
 import math
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TextIO, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import llama_cpp
 import llama_cpp.llama_cpp as C
+from _common import eog_token_ids, load_average, log, ratio, stdout_to_stderr
 
 import llamax
 from llamax.backend.platform import default_use_extra_bufts
@@ -99,11 +98,6 @@ TARGET_TTFT = 0.7
 IDEAL, CACHE, NOCACHE, LCP = "ideal", "llamax_cache", "llamax_nocache", "llama_cpp_python"
 SYSTEM_NAMES = (IDEAL, CACHE, NOCACHE, LCP)
 T = TypeVar("T")
-
-
-def log(message: str) -> None:
-    """Progress, on stderr (stdout holds only the JSON report)."""
-    print(message, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- workload
@@ -308,11 +302,6 @@ class System(Protocol):
     def close(self) -> None:
         """Free native resources."""
         ...
-
-
-def eog_token_ids(vocab: Any) -> list[int]:
-    """Every end-of-generation token id of a vocabulary (0, 2 and 4 for SmolLM2)."""
-    return [t for t in range(C.llama_vocab_n_tokens(vocab)) if C.llama_vocab_is_eog(vocab, t)]
 
 
 def greedy(max_tokens: int) -> llamax.SamplingParams:
@@ -740,10 +729,6 @@ def summarize(results: Sequence[RunResult]) -> dict[str, Any]:
     }
 
 
-def ratio(num: float | None, den: float | None) -> float | None:
-    return round(num / den, 4) if num is not None and den else None
-
-
 def ratios(summary: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     """The issue's ratios (None when a system was not run)."""
 
@@ -775,11 +760,6 @@ def targets(r: dict[str, float | None]) -> dict[str, dict[str, Any]]:
         key: {"ratio": r[key], "max": limit, "met": None if r[key] is None else r[key] <= limit}
         for key, limit in checks.items()
     }
-
-
-def load_average() -> list[float]:
-    """1, 5 and 15 minute load averages (2 cores: anything above ~2 means contention)."""
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def config(args: argparse.Namespace, model: Path, names: Sequence[str]) -> dict[str, Any]:
@@ -854,21 +834,6 @@ def load_workload(model_path: Path) -> Workload:
 @C.llama_log_callback  # type: ignore[untyped-decorator]
 def _quiet_log(_level: int, _text: bytes, _user: ctypes.c_void_p) -> None:
     """Drops llama.cpp's load-time chatter until llamax installs its own logging hook."""
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[TextIO]:
-    """Send fd 1 to stderr (native prints included); yield a stream on the real stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    real = os.fdopen(saved, "w")
-    try:
-        yield real
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        real.close()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

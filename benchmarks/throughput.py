@@ -45,20 +45,18 @@ redirected to stderr while the benchmark runs); progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
-import os
 import statistics
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol
 
 import llama_cpp
 import llama_cpp.llama_cpp as C
+from _common import eog_token_ids, load_average, log, ratio, stdout_to_stderr
 
 import llamax
 from llamax.backend.platform import default_use_extra_bufts
@@ -80,11 +78,6 @@ FEATURE_THRESHOLD = 0.85  # each may cost at most 15% of plain llamax throughput
 def noop_processor(token_ids: Any, logits: Any) -> None:
     """A numpy logits processor that reads the row and changes nothing."""
     logits.max()
-
-
-def log(message: str) -> None:
-    """Progress, on stderr (stdout holds only the JSON report)."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def make_prompts(n: int) -> list[str]:
@@ -128,11 +121,6 @@ class System(Protocol):
     def close(self) -> None:
         """Free native resources."""
         ...
-
-
-def eog_token_ids(vocab: Any) -> list[int]:
-    """Every end-of-generation token id of a vocabulary."""
-    return [t for t in range(C.llama_vocab_n_tokens(vocab)) if C.llama_vocab_is_eog(vocab, t)]
 
 
 # ---------------------------------------------------------------------------- llamax
@@ -341,9 +329,9 @@ def build_systems(model_path: Path, ns: Sequence[int]) -> list[System]:
     return [raw_system, llamax_system, LlamaCppPythonSystem(model_path), *features]
 
 
-def warm_up(systems: Sequence[System]) -> None:
+def warm_up(systems: Sequence[System], num_prompts: int) -> None:
     for system in systems:
-        result = system.run(make_prompts(2), max_tokens=WARMUP_TOKENS)
+        result = system.run(make_prompts(num_prompts), max_tokens=WARMUP_TOKENS)
         log(f"warm-up {system.name}: {result.tokens} tokens in {result.seconds:.3f} s")
 
 
@@ -386,15 +374,6 @@ def agreement(m: Measurements, ns: Sequence[int]) -> dict[str, dict[str, float]]
             same = sum(a == b for a, b in zip(raw[0].token_ids, lx[0].token_ids, strict=True))
             out[str(n)] = same / n
     return {"llamax_tokens_equal_raw": out}
-
-
-def load_average() -> list[float]:
-    """1, 5 and 15 minute load averages (2 cores: anything above ~2 means contention)."""
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    return round(num / den, 4) if num is not None and den else None
 
 
 def targets(m: Measurements) -> dict[str, dict[str, Any]]:
@@ -464,21 +443,6 @@ def report(
     }
 
 
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[TextIO]:
-    """Send fd 1 to stderr (native prints included); yield a stream on the real stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    real = os.fdopen(saved, "w")
-    try:
-        yield real
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        real.close()
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--n", type=int, nargs="+", default=[1, 4, 16, 64], help="N values")
@@ -501,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with stdout_to_stderr() as stdout:
         systems = build_systems(model, ns)
         try:
-            warm_up(systems)
+            warm_up(systems, min(2, max(args.n)))
             measurements = measure(systems, ns, args.repeats, args.quick)
         finally:
             for system in systems:
