@@ -31,20 +31,10 @@ IM_END = "<|im_end|>"
 SIMPLE = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
-@pytest.fixture(scope="module")
-def module_ctx(model_path: Path) -> Iterator[llamax.Context]:
-    """One real context for this module's small requests."""
-    ctx = llamax.Context(model_path, n_ctx=2048, n_seq_max=8)
-    yield ctx
-    ctx.close()
-
-
 @pytest.fixture
-def ctx(module_ctx: llamax.Context) -> Iterator[llamax.Context]:
-    """The module's context, asserted idle (nothing leaked) before and after the test."""
-    assert_idle(module_ctx)
-    yield module_ctx
-    assert_idle(module_ctx, timeout=60)
+def ctx(real_ctx: llamax.Context) -> llamax.Context:
+    """The session's shared real context (leak-checked around each test by ``real_ctx``)."""
+    return real_ctx
 
 
 # ---------------------------------------------------------------------- golden rendering
