@@ -45,6 +45,14 @@ class CompletionOptions(TypedDict, total=False):
     logprobs: bool | int | None
     top_logprobs: int | None
     response_format: Mapping[str, Any] | None
+    top_k: int
+    """llama.cpp extension (0, OpenAI's behaviour, disables it)."""
+    min_p: float
+    """llama.cpp extension (0 disables it)."""
+    repeat_penalty: float
+    """llama.cpp extension (1 disables it)."""
+    grammar: str | None
+    """llama.cpp extension: a GBNF grammar constraining the output."""
 
 
 def _params(options: CompletionOptions, *, chat: bool) -> Any:
@@ -60,6 +68,10 @@ def _params(options: CompletionOptions, *, chat: bool) -> Any:
         logit_bias=options.get("logit_bias"),
         presence_penalty=options.get("presence_penalty", 0.0),
         frequency_penalty=options.get("frequency_penalty", 0.0),
+        top_k=options.get("top_k", 0),
+        min_p=options.get("min_p", 0.0),
+        repeat_penalty=options.get("repeat_penalty", 1.0),
+        grammar=options.get("grammar"),
     )
 
 

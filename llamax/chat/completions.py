@@ -48,8 +48,13 @@ def sampling_params(
     logprobs: int | None = None,
     response_format: Mapping[str, Any] | None = None,
     stop_token_ids: Sequence[int] = (),
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repeat_penalty: float = 1.0,
+    grammar: str | None = None,
 ) -> SamplingParams:
-    """Map OpenAI's knobs onto :class:`SamplingParams` (no top-k/min-p, like OpenAI)."""
+    """Map OpenAI's knobs onto :class:`SamplingParams`. Like OpenAI, top-k and min-p are off
+    unless the llama.cpp extensions ``top_k``/``min_p`` ask for them."""
     bias: dict[int, float] = {}
     for token, value in (logit_bias or {}).items():
         try:
@@ -65,8 +70,10 @@ def sampling_params(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=0,
-        min_p=0.0,
+        top_k=top_k,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        grammar=grammar,
         stop=() if stop is None else stop,
         n=n,
         seed=seed,
@@ -209,23 +216,31 @@ class OpenAIRequest:
 
     # ------------------------------------------------------------------ streams
     def chunks(self, include_usage: bool) -> Iterator[ChatCompletionChunk | TextCompletion]:
-        """Stream chunk objects; the last one carries usage when ``include_usage``."""
+        """Stream chunk objects; the last one carries usage when ``include_usage``.
+
+        Closing the stream early (``close()``, or dropping it) cancels the request."""
         started: set[int] = set()
-        for event in self.ctx._events(self.handle):
-            yield from self._event_chunks(event, started)
-        if include_usage:
-            yield self._usage_chunk(self.handle.result())
+        try:
+            for event in self.ctx._events(self.handle):
+                yield from self._event_chunks(event, started)
+            if include_usage:
+                yield self._usage_chunk(self.handle.result())
+        finally:
+            self.handle.cancel()
 
     async def achunks(
         self, include_usage: bool
     ) -> AsyncIterator[ChatCompletionChunk | TextCompletion]:
-        """Async twin of :meth:`chunks`."""
+        """Async twin of :meth:`chunks`; ``aclose()`` cancels the request."""
         started: set[int] = set()
-        async for event in self.handle:
-            for chunk in self._event_chunks(event, started):
-                yield chunk
-        if include_usage:
-            yield self._usage_chunk(await self.handle)
+        try:
+            async for event in self.handle:
+                for chunk in self._event_chunks(event, started):
+                    yield chunk
+            if include_usage:
+                yield self._usage_chunk(await self.handle)
+        finally:
+            self.handle.cancel()
 
     def _event_chunks(
         self, event: TokenEvent, started: set[int]
