@@ -5,11 +5,12 @@
 ...     print(ctx.add_request("Hello", llamax.SamplingParams(max_tokens=8)).result().text)
 """
 
-from .chat.history import Chat, TurnStats
-from .context import Context, ContextOptions, ContextStats
+from .context import Context
+from .conversation import Chat, TurnStats
 from .errors import (
     ContextClosedError,
     ContextLengthError,
+    DeadlockError,
     DefaultModelNotInstalledError,
     EmptyPromptError,
     EngineError,
@@ -26,10 +27,11 @@ from .errors import (
 )
 from .handle import RequestHandle
 from .models import default_model_path
-from .params import ContextConfig, LogitsProcessor, SamplingParams
+from .params import ContextConfig, ContextOptions, LogitsProcessor, SamplingParams
 from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from .sampling import BatchLogitsProcessor, LogitsRow
 from .session import Session
+from .stats import ContextStats
 
 __version__ = "0.1.0"
 
@@ -44,6 +46,7 @@ __all__ = [
     "ContextLengthError",
     "ContextOptions",
     "ContextStats",
+    "DeadlockError",
     "DefaultModelNotInstalledError",
     "EmptyPromptError",
     "EngineError",

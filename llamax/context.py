@@ -1,96 +1,47 @@
-"""``llamax.Context``: the one object an application holds."""
+"""``llamax.Context``: the one object an application holds. A facade that delegates."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
-import secrets
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self, Unpack
 
 from .backend.base import Backend
 from .engine import Engine, EngineState
-from .errors import ContextClosedError, InvalidParameterError, InvalidRequestError, SessionError
+from .errors import ContextClosedError
 from .handle import RequestHandle
-from .kvcache import Slot
+from .kvops import Audit, ClearCache, OpenSession
 from .models import default_model_path
-from .params import ContextConfig, SamplingParams
-from .prompts import check_token_ids, prompt_tokens, request_grammar
-from .results import Completion, TokenEvent
+from .openai.methods import OpenAIMethods
+from .params import ContextConfig, ContextOptions, SamplingParams
+from .prompts import build_request
 from .sampling import BatchLogitsProcessor
-from .sequence import Request
 from .session import Session
+from .stats import ContextStats
 
 if TYPE_CHECKING:
-    from .chat.history import Chat
     from .chat.template import ChatTemplate
+    from .conversation import Chat
 
-__all__ = ["Context", "ContextOptions", "ContextStats"]
-
-
-class ContextOptions(TypedDict, total=False):
-    """Keyword options of :class:`Context`; see :class:`ContextConfig` for their meaning."""
-
-    n_ctx: int
-    n_seq_max: int
-    n_batch: int
-    n_ubatch: int | None
-    n_threads: int
-    n_threads_batch: int | None
-    n_gpu_layers: int
-    use_mmap: bool
-    use_extra_bufts: bool | None
-    flash_attn: bool | None
-    prefix_cache: bool
-    chat_template: str | None
-    verbose: bool
+__all__ = ["Context"]
 
 
-@dataclass(frozen=True, slots=True)
-class ContextStats:
-    """A snapshot of the engine's counters (see :meth:`Context.stats`)."""
-
-    state: str
-    num_waiting: int
-    """Sequences queued."""
-    num_running: int
-    """Sequences being computed."""
-    num_retained: int
-    """Finished sequences kept in KV for their prefix (evicted LRU)."""
-    kv_cells_used: int
-    """Distinct KV cells in use (shared prefixes count once)."""
-    kv_cells_total: int
-    """KV cells in the context."""
-    num_free_seq_ids: int
-    """Sequence ids held by nothing."""
-    num_steps: int
-    """Decodes run."""
-    num_prefill_tokens: int
-    """Prompt tokens computed (prefix-cache hits are not computed)."""
-    num_decode_tokens: int
-    """Generated tokens computed."""
-    num_cached_tokens: int
-    """Prompt tokens served from the prefix cache instead of computed."""
-    num_preemptions: int
-    """Sequences preempted under KV pressure (recomputed later)."""
-
-
-class Context:
+class Context(OpenAIMethods):
     """A loaded model, its llama.cpp context and a continuous-batching run loop.
 
     ``Context()`` loads the default model (SmolLM2-135M-Instruct) when it is installed.
     Any thread may call :meth:`add_request`. With ``autostart=True`` (default) a background
     thread runs the loop and sleeps when idle; with ``autostart=False`` the caller drives
-    it with :meth:`process`. ``close()`` (or leaving a ``with`` block) cancels pending
-    requests, which complete with ``finish_reason == "cancelled"``, joins the loop and frees
-    the native handles; ``close(drain=True)`` lets them finish first.
+    it with :meth:`process` (or by waiting on a handle, which steps the loop itself).
+    ``close()`` (or leaving a ``with`` block) cancels pending requests, which complete with
+    ``finish_reason == "cancelled"``, joins the loop and frees the native handles;
+    ``close(drain=True)`` lets them finish first.
 
     Args:
         model_path: a GGUF file. ``None`` uses ``$LLAMAX_MODEL`` or the default model.
@@ -104,6 +55,7 @@ class Context:
     Raises:
         ModelLoadError: the model is missing, corrupt or cannot be loaded.
         InvalidParameterError: an option is out of range.
+        TypeError: an unknown option (the message suggests the closest one).
     """
 
     def __init__(
@@ -121,18 +73,17 @@ class Context:
                 path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
             else:
                 path = model_path or f"<{type(backend).__name__}>"
-            config = ContextConfig(model_path=os.fspath(path), **options)
+            config = ContextConfig.from_options(os.fspath(path), options)
         if backend is None:
             from .backend.llama_cpp import LlamaCppBackend
 
             backend = LlamaCppBackend(config)
-        prefix_cache = config.prefix_cache
         self._config: ContextConfig = config
         self._backend = backend
         self._engine = Engine(
             backend,
             autostart=autostart,
-            prefix_cache=prefix_cache,
+            prefix_cache=config.prefix_cache,
             batch_processor=batch_logits_processor,
         )
         self._arrivals = itertools.count()
@@ -166,6 +117,11 @@ class Context:
         """Whether the context no longer accepts requests."""
         return self._engine.state is not EngineState.RUNNING
 
+    @property
+    def is_manual(self) -> bool:
+        """Whether the caller drives the loop (``autostart=False``)."""
+        return not self._engine.is_background
+
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
@@ -196,7 +152,8 @@ class Context:
             ContextClosedError: the context is closed.
             EmptyPromptError: the prompt has no tokens.
             ContextLengthError: the prompt leaves no room for a reply in ``n_ctx``.
-            InvalidRequestError: the prompt or params have the wrong type or bad token ids.
+            InvalidRequestError: the prompt, params or priority have the wrong type, a token
+                id is out of range, or ``request_id`` belongs to an unfinished request.
         """
         return self._submit(prompt, params, priority=priority, request_id=request_id)
 
@@ -206,17 +163,7 @@ class Context:
         Raises:
             SessionError: every sequence id is held by running sequences or other sessions.
         """
-
-        def open_slot() -> Slot:
-            slot = self._engine.scheduler.cache.allocate(pinned=True)
-            if slot is None:
-                raise SessionError(
-                    f"no free sequence id for a session (n_seq_max={self.n_seq_max}); "
-                    "close a session or raise n_seq_max"
-                )
-            return slot
-
-        return Session(self, self._engine.call(open_slot))
+        return Session(self, self._engine.run(OpenSession()))
 
     def _submit(
         self,
@@ -225,38 +172,30 @@ class Context:
         *,
         priority: int = 0,
         request_id: str | None = None,
-        session: Session | None = None,
+        session_id: int | None = None,
     ) -> RequestHandle:
         if self.closed:
             raise ContextClosedError("cannot add a request: the context has been closed")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(
-                f"params must be a SamplingParams, got {type(params).__name__}"
-            )
-        if session is not None and params.n != 1:
-            raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
-        tokens = prompt_tokens(self._backend, prompt, self.n_ctx)
-        check_token_ids(self._backend, params)
-        grammar = request_grammar(self._backend, params)
+        handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
         with self._arrival_lock:
             arrival = next(self._arrivals)
-        handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
-        request = Request(
-            handle.request_id,
-            tokens,
+        request = build_request(
+            self._backend,
+            prompt,
             params,
             handle,
-            token_to_piece=self._backend.token_to_piece,
-            seed=params.seed if params.seed is not None else secrets.randbits(32),
+            n_ctx=self.n_ctx,
             priority=priority,
             arrival=arrival,
-            num_choices=params.n,
-            session=session,
-            grammar=grammar,
+            session_id=session_id,
         )
-        handle._bind(lambda: self._engine.cancel(request))
-        self._engine.submit(request)
+        engine = self._engine
+        handle._bind(
+            lambda: engine.cancel(request),
+            check_wait=engine.check_wait,
+            drive=None if engine.is_background else engine.drive,
+        )
+        engine.submit(request)
         return handle
 
     # ------------------------------------------------------------------ the loop
@@ -272,43 +211,34 @@ class Context:
 
         Raises:
             LoopOwnershipError: the background loop runs, or another thread is in process().
+            DeadlockError: called from a callback or logits processor of a step.
             ContextClosedError: the context is closed.
             EngineError: llama.cpp failed; all pending requests failed and the context closed.
         """
         return self._engine.process()
 
     def stats(self) -> ContextStats:
-        """Counters of the engine (approximate while the loop runs)."""
-        s = self._engine.scheduler
-        return ContextStats(
-            state=self._engine.state.value,
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
-            kv_cells_used=s.num_cells_in_use,
-            kv_cells_total=self.n_ctx,
-            num_retained=s.cache.num_retained,
-            num_free_seq_ids=s.num_free_seq_ids,
-            num_steps=self._engine.num_steps,
-            num_prefill_tokens=s.num_prefill_tokens,
-            num_decode_tokens=s.num_decode_tokens,
-            num_cached_tokens=s.num_cached_tokens,
-            num_preemptions=s.num_preemptions,
-        )
+        """A consistent snapshot of the engine's counters; safe from any thread, any time."""
+        return self._engine.stats()
 
     def clear_cache(self) -> int:
         """Drop every retained prefix from the KV cache; return how many sequences were freed.
 
         Running requests and open sessions keep their cells.
+
+        Raises:
+            ContextClosedError: the context is closed.
         """
+        return self._engine.run(ClearCache())
 
-        def evict_all() -> int:
-            cache = self._engine.scheduler.cache
-            count = 0
-            while cache.evict_one():
-                count += 1
-            return count
+    def audit(self) -> list[str]:
+        """Check the engine's KV bookkeeping against llama.cpp's memory, between steps.
 
-        return self._engine.call(evict_all)
+        Returns one sentence per inconsistency (a sequence id whose KV extent differs from
+        what the engine recorded, a leaked sampler ...); empty when everything agrees. For
+        tests and debugging: :func:`llamax.testing.assert_idle` runs it after every test.
+        """
+        return self._engine.run(Audit())
 
     # ------------------------------------------------------------------ chat
     @property
@@ -340,9 +270,15 @@ class Context:
         return self._backend.can_shift
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_vars: Any,
     ) -> list[int]:
         """Validate ``messages``, render them with the chat template and tokenize the text.
+
+        ``template_vars`` (``tools=...``) are passed to the template.
 
         Raises:
             InvalidMessageError: a message has an unknown role or unsupported content.
@@ -355,32 +291,8 @@ class Context:
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
+            **template_vars,
         )
-
-    def chat_completion(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Any:
-        """An OpenAI-shaped ``chat.completion`` (or, with ``stream=True``, an iterator of
-        ``chat.completion.chunk`` dicts). See :mod:`llamax.chat.api` for the options."""
-        from .chat.api import chat_completion
-
-        return chat_completion(self, messages, **options)
-
-    def completion(self, prompt: str | Sequence[int], **options: Any) -> Any:
-        """An OpenAI-shaped ``text_completion`` (or a stream of them with ``stream=True``)."""
-        from .chat.api import completion
-
-        return completion(self, prompt, **options)
-
-    async def achat_completion(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Any:
-        """Async twin of :meth:`chat_completion` (needs the background loop)."""
-        from .chat.api import achat_completion
-
-        return await achat_completion(self, messages, **options)
-
-    async def acompletion(self, prompt: str | Sequence[int], **options: Any) -> Any:
-        """Async twin of :meth:`completion` (needs the background loop)."""
-        from .chat.api import acompletion
-
-        return await acompletion(self, prompt, **options)
 
     def chat(
         self,
@@ -393,25 +305,9 @@ class Context:
         """Open a :class:`~llamax.Chat`: a conversation whose KV cache stays resident and
         whose oldest turns are dropped by shifting the cache when it outgrows
         ``max_context`` (default ``n_ctx``)."""
-        from .chat.history import Chat
+        from .conversation import Chat
 
         return Chat(self, system=system, messages=messages, max_context=max_context, params=params)
-
-    def _with_end_of_turn(self, params: SamplingParams) -> SamplingParams:
-        extra = tuple(t for t in self.end_of_turn_token_ids if t not in params.stop_token_ids)
-        if not extra:
-            return params
-        return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
-
-    def _wait(self, handle: RequestHandle) -> Completion:
-        """The completion, driving the loop here when the context is manual."""
-        while not handle.done() and not self._engine.is_background:
-            self.process()
-        return handle.result()
-
-    def _events(self, handle: RequestHandle) -> Iterator[TokenEvent]:
-        """The handle's events, driving the loop here when the context is manual."""
-        return handle.stream(drive=None if self._engine.is_background else self.process)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:

@@ -19,11 +19,12 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from .context import Context, ContextOptions, ContextStats
-from .params import SamplingParams
+from .context import Context
+from .params import ContextOptions, SamplingParams
 from .results import Completion
+from .stats import ContextStats
 
-__all__ = ["PROMPTS", "chatml", "main"]
+__all__ = ["PROMPTS", "main"]
 
 PROMPTS = (
     "Write a haiku about the sea.",
@@ -39,11 +40,6 @@ PROMPTS = (
 
 _COLOURS = ("36", "33", "35", "32", "34", "31", "96", "93")
 _RESET = "\033[0m"
-
-
-def chatml(user: str) -> str:
-    """Wrap one user message in SmolLM2's ChatML chat format, ready for the assistant turn."""
-    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
 class StreamPrinter:
@@ -126,7 +122,9 @@ def stream_one(
         start.wait()
         t0 = time.perf_counter()
         seeded = dataclasses.replace(params, seed=outcome.k)  # different but reproducible
-        handle = ctx.add_request(chatml(outcome.prompt), seeded)
+        prompt = ctx.chat_prompt([{"role": "user", "content": outcome.prompt}])
+        seeded = seeded.with_stop_token_ids(ctx.end_of_turn_token_ids)
+        handle = ctx.add_request(prompt, seeded)  # the model's own chat template
         for event in handle:
             if outcome.first_token_s is None:
                 outcome.first_token_s = time.perf_counter() - t0

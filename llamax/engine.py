@@ -1,26 +1,42 @@
 """The run loop: one thread at a time owns the backend and the scheduler.
 
-Other threads only touch the inbox (new requests) and the cancel queue, under one lock;
-both are drained at the start of every step. A step is::
+Other threads only touch the inbox (new requests), the cancel queue and the operation queue
+(:mod:`llamax.kvops`), under one lock; all three are drained at the start of every step.
+A step is::
 
     plan = scheduler.schedule() -> status = backend.decode(plan) -> sample rows
-         -> result = scheduler.update(plan, sampled) -> publish (outside every lock)
+         -> scheduler.update(plan, sampled) -> snapshot stats -> publish
+
+The one-owner rule: the step lock is held while the scheduler or the backend changes, and
+never while events are delivered or futures settled. So a done-callback may call any public
+``Context`` method (``add_request``, ``stats``, ``clear_cache``, ``session``, ``close``).
+What it may not do is *wait* on the loop thread for a request that is still running: that
+wait could never end, so it raises :class:`~llamax.errors.DeadlockError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from enum import Enum
 from typing import Any, TypeVar
 
 from .backend.base import Backend, DecodeStatus
-from .errors import ContextClosedError, EngineError, LoopOwnershipError
+from .errors import (
+    ContextClosedError,
+    DeadlockError,
+    EngineError,
+    InvalidRequestError,
+    LoopOwnershipError,
+)
+from .kvops import KVOp
+from .plan import StepPlan, StepResult
 from .sampling import BatchLogitsProcessor, sample_plan
-from .scheduler import Scheduler, StepPlan, StepResult
+from .scheduler import Scheduler
 from .sequence import Request
+from .stats import ContextStats
 
 __all__ = ["Engine", "EngineState"]
 
@@ -58,16 +74,18 @@ class Engine:
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
-        self._live: dict[int, Request] = {}  # every submitted request until it is settled
-        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._ops: list[tuple[KVOp[Any], Future[Any]]] = []
+        self._live: dict[str, Request] = {}  # every submitted request until it is settled
         self._state = EngineState.RUNNING
         self._failure: BaseException | None = None
         self._step_lock = threading.Lock()
+        self._local = threading.local()  # .in_step / .stepping, per thread
         self._teardown_lock = threading.Lock()
         self._torn_down = False
         self._stalled_steps = 0
         self._draining = False
         self.num_steps = 0
+        self._snapshot = self._count()
         self._thread: threading.Thread | None = None
         if autostart:
             self._thread = threading.Thread(target=self._run, name="llamax-engine", daemon=True)
@@ -84,18 +102,28 @@ class Engine:
         """Whether a background thread drives the loop."""
         return self._thread is not None
 
-    @property
-    def num_unsettled(self) -> int:
-        """Submitted requests whose future has not been resolved yet."""
+    def stats(self) -> ContextStats:
+        """The counters published after the latest step or operation, with the live state."""
         with self._lock:
-            return len(self._live)
+            return dataclasses.replace(
+                self._snapshot, state=self._state.value, num_unsettled=len(self._live)
+            )
 
     def submit(self, request: Request) -> None:
-        """Enqueue a validated request; it is admitted at the next step."""
+        """Enqueue a validated request; it is admitted at the next step.
+
+        Raises:
+            ContextClosedError: the engine is closed.
+            InvalidRequestError: another unsettled request has the same id.
+        """
         with self._lock:
             self._raise_if_not_running()
+            if request.request_id in self._live:
+                raise InvalidRequestError(
+                    f"request id {request.request_id!r} is already in use by an unfinished request"
+                )
             self._inbox.append(request)
-            self._live[id(request)] = request
+            self._live[request.request_id] = request
             self._wakeup.notify()
 
     def cancel(self, request: Request) -> None:
@@ -105,21 +133,31 @@ class Engine:
                 self._cancels.append(request)
                 self._wakeup.notify()
 
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the thread that owns the backend, between steps, and return its result.
+    def run(self, op: KVOp[T]) -> T:
+        """Apply a KV operation on the thread that owns the scheduler, between steps.
 
         Raises:
-            ContextClosedError: the engine is closed (or closes before ``fn`` ran).
+            ContextClosedError: the engine is closed (or closes before ``op`` ran).
+            DeadlockError: called from inside a step (a logits processor).
         """
+        if getattr(self._local, "in_step", False):
+            raise DeadlockError("KV operations cannot run inside a step (a logits processor)")
         if self._thread is None or self._thread is threading.current_thread():
+            result = StepResult()
             with self._step_lock:
                 with self._lock:
                     self._raise_if_not_running()
-                return fn()
+                    inbox, self._inbox = self._inbox, []
+                for request in inbox:  # an op may concern a request submitted just before
+                    self.scheduler.add(request)
+                value = self.scheduler.apply(op, result)
+                self._publish_snapshot()
+            self._publish(result)
+            return value
         future: Future[T] = Future()
         with self._lock:
             self._raise_if_not_running()
-            self._calls.append((fn, future))
+            self._ops.append((op, future))
             self._wakeup.notify()
         return future.result()
 
@@ -128,27 +166,46 @@ class Engine:
         with self._lock:
             return bool(self._inbox or self._cancels) or self.scheduler.has_work
 
+    def check_wait(self) -> None:
+        """Raise if the calling thread is the one that would have to make progress.
+
+        Raises:
+            DeadlockError: this thread runs the loop (a callback, a processor).
+        """
+        if getattr(self._local, "stepping", False):
+            raise DeadlockError(
+                "cannot wait for a request on the engine's loop thread (inside a callback or "
+                "a logits processor): the loop cannot advance while it waits"
+            )
+
+    def drive(self) -> bool:
+        """For waiters on a manual context: run one step here unless another thread does."""
+        try:
+            return self.process()
+        except (LoopOwnershipError, ContextClosedError, EngineError):
+            return False  # someone else steps, or the failure reached every future
+
     def process(self) -> bool:
         """Run one step in the calling thread; return whether anything was computed.
 
         Raises:
             LoopOwnershipError: the background loop runs, or another thread is in process().
+            DeadlockError: called from inside a step or a callback of one.
             ContextClosedError: the engine is closed.
             EngineError: llama.cpp failed; every pending request failed and the engine closed.
         """
-        if self._thread is not None and threading.current_thread() is not self._thread:
+        if self._thread is not None:
             raise LoopOwnershipError(
                 "process() cannot be called while the background loop runs; "
                 "create the context with autostart=False to drive it yourself"
             )
+        self.check_wait()
         if not self._step_lock.acquire(blocking=False):
             raise LoopOwnershipError("process() is already running in another thread")
-        try:
-            if self._state in (EngineState.CLOSED, EngineState.FAILED):
-                raise ContextClosedError(f"the context is {self._state.value}")
-            return self._step_or_fail()
-        finally:
+        if self._state in (EngineState.CLOSED, EngineState.FAILED):
             self._step_lock.release()
+            raise ContextClosedError(f"the context is {self._state.value}")
+        return self._step_locked_then_publish()
 
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stop accepting requests, then cancel (default) or finish pending ones, and free.
@@ -169,17 +226,18 @@ class Engine:
             if thread.is_alive():
                 raise TimeoutError("the engine loop did not stop in time")
         else:
-            with self._step_lock:
-                while drain and self._state is EngineState.CLOSING and self.has_work():
-                    self._step_or_fail()
+            while drain and self._state is EngineState.CLOSING and self.has_work():
+                self._step_lock.acquire()
+                self._step_locked_then_publish()
         self._teardown()
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
+        self._local.stepping = True
         while True:
             with self._lock:
                 while not (
-                    self._inbox or self._cancels or self._calls or self.scheduler.has_work
+                    self._inbox or self._cancels or self._ops or self.scheduler.has_work
                 ) and (self._state is EngineState.RUNNING):
                     self._wakeup.wait()
                 stop = self._state is not EngineState.RUNNING and not (
@@ -187,48 +245,59 @@ class Engine:
                 )
             if stop:
                 break
-            with self._step_lock:
-                try:
-                    self._step_or_fail()
-                except EngineError:
-                    return  # every request has its error; the engine is torn down
+            self._step_lock.acquire()
+            try:
+                self._step_locked_then_publish()
+            except EngineError:
+                return  # every request has its error; the engine is torn down
         self._teardown()
 
-    def _step_or_fail(self) -> bool:
+    def _step_locked_then_publish(self) -> bool:
+        """Step (the caller holds the step lock, released here), then publish unlocked."""
+        was_stepping = getattr(self._local, "stepping", False)
+        self._local.stepping = True
         try:
-            return self._step()
+            try:
+                result, error = self._step_safely()
+            finally:
+                self._step_lock.release()
+            self._publish(result)
+        finally:
+            self._local.stepping = was_stepping
+        if error is not None:
+            self._teardown()
+            raise error
+        return result.computed
+
+    def _step_safely(self) -> tuple[StepResult, EngineError | None]:
+        self._local.in_step = True
+        try:
+            result, error = self._step(), None
         except BaseException as exc:
             error = (
                 exc if isinstance(exc, EngineError) else EngineError(f"engine step failed: {exc!r}")
             )
             if error is not exc:
                 error.__cause__ = exc
-            self._fail(error)
-            if error is exc:
-                raise
-            raise error from exc
+            result = self._fail_all(error)
+        finally:
+            self._local.in_step = False
+        return result, error
 
-    def _step(self) -> bool:
+    def _step(self) -> StepResult:
         result = self._drain_queues()
         plan = self.scheduler.schedule()
         if not plan.is_empty:
             plan = self._decode(plan)
         if not plan.is_empty:
-            rows = [
-                (seq, item, forks)
-                for seq, item, forks in zip(plan.sequences, plan.items, plan.forks, strict=True)
-                if item.row is not None
-            ]
-            sampled = sample_plan(self.backend, rows, self._batch_processor)
+            sampled = sample_plan(self.backend, plan.sampled_entries(), self._batch_processor)
             for request, error in sampled.failed.values():
                 self.scheduler.fail(request, error, result)
-            step = self.scheduler.update(plan, sampled.tokens, sampled.logprobs)
-            result.events += step.events
-            result.finished += step.finished
-            result.failed += step.failed
+            self.scheduler.update(plan, sampled.tokens, sampled.logprobs, result)
             self.num_steps += 1
-        self._publish(result)
-        return not plan.is_empty
+            result.computed = True
+        self._publish_snapshot()
+        return result
 
     def _decode(self, plan: StepPlan) -> StepPlan:
         """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed."""
@@ -252,37 +321,67 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
-            calls, self._calls = self._calls, []
+            ops, self._ops = self._ops, []
         result = StepResult()
         for request in inbox:
             self.scheduler.add(request)
         for request in cancels:
             self.scheduler.abort(request, result)
-        for fn, future in calls:
+        for op, future in ops:
             try:
-                future.set_result(fn())
+                future.set_result(self.scheduler.apply(op, result))
             except BaseException as exc:  # delivered to the caller's thread
                 future.set_exception(exc)
         return result
 
+    def _count(self) -> ContextStats:
+        s = self.scheduler
+        return ContextStats(
+            state=self._state.value,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_retained=s.prefix.num_retained,
+            num_sessions=s.sessions.num_open,
+            num_unsettled=0,
+            kv_cells_used=s.kv.num_cells_used,
+            kv_cells_total=self.backend.n_ctx,
+            num_free_seq_ids=s.kv.num_free_seq_ids,
+            num_steps=self.num_steps,
+            num_prefill_tokens=s.num_prefill_tokens,
+            num_decode_tokens=s.num_decode_tokens,
+            num_cached_tokens=s.num_cached_tokens,
+            num_preemptions=s.num_preemptions,
+            num_evictions=s.prefix.num_evictions,
+        )
+
+    def _publish_snapshot(self) -> None:
+        snapshot = self._count()
+        with self._lock:
+            self._snapshot = snapshot
+
     # ------------------------------------------------------------------ endings
     def _publish(self, result: StepResult) -> None:
-        by_request: dict[int, tuple[Request, list[object]]] = {}
+        """Deliver events and settle futures; never under an engine lock."""
+        by_request: dict[str, tuple[Request, list[object]]] = {}
         for request, event in result.events:
-            by_request.setdefault(id(request), (request, []))[1].append(event)
+            by_request.setdefault(request.request_id, (request, []))[1].append(event)
         for request, events in by_request.values():
             request.handle._publish(events)
         with self._lock:  # forget first: a settled future may wake a leak check at once
             for request in result.finished:
-                self._live.pop(id(request), None)
+                self._forget(request)
             for request, _ in result.failed:
-                self._live.pop(id(request), None)
+                self._forget(request)
         for request in result.finished:
             _settle(request, completion=True)
         for request, error in result.failed:
             _settle(request, error=error)
 
-    def _fail(self, error: BaseException) -> None:
+    def _forget(self, request: Request) -> None:
+        if self._live.get(request.request_id) is request:
+            del self._live[request.request_id]
+
+    def _fail_all(self, error: EngineError) -> StepResult:
         with self._lock:
             self._state = EngineState.FAILED
             self._failure = error
@@ -292,9 +391,7 @@ class Engine:
             self.scheduler.fail_all(error)
         except BaseException:  # the backend may be unusable; still reach every future
             _log.exception("could not release sequences after an engine failure")
-        result = StepResult(failed=[(request, error) for request in live])
-        self._publish(result)
-        self._teardown()
+        return StepResult(failed=[(request, error) for request in live])
 
     def _teardown(self) -> None:
         with self._teardown_lock:
@@ -304,14 +401,20 @@ class Engine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             self._cancels = []
-            calls, self._calls = self._calls, []
-        for _, future in calls:
-            future.set_exception(ContextClosedError("the context closed before the call ran"))
+            ops, self._ops = self._ops, []
+        for _, future in ops:
+            future.set_exception(ContextClosedError("the context closed before the operation ran"))
         result = StepResult()
-        for request in inbox:
-            self.scheduler.add(request)
-        for request in {id(s.request): s.request for s in self.scheduler.all_sequences()}.values():
-            self.scheduler.abort(request, result)
+        with self._step_lock:  # a manual step in another thread ends first
+            try:
+                for request in inbox:
+                    self.scheduler.add(request)
+                requests = {s.request.request_id: s.request for s in self.scheduler.all_sequences()}
+                for request in requests.values():
+                    self.scheduler.abort(request, result)
+                self._publish_snapshot()
+            except BaseException:
+                _log.exception("could not cancel pending requests while closing")
         self._publish(result)
         self.backend.close()
         with self._lock:

@@ -85,6 +85,11 @@ class LoopOwnershipError(LlamaxError, RuntimeError):
     """``process()`` was called while another thread (or the background loop) drives the engine."""
 
 
+class DeadlockError(LoopOwnershipError):
+    """A wait that could never finish: waiting for a running request on the engine's loop
+    thread (inside a done-callback or a logits processor), or a KV operation inside a step."""
+
+
 class EngineError(LlamaxError):
     """llama.cpp reported a fatal error. Every pending request fails with it."""
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from .results import Completion, TokenEvent
@@ -29,11 +31,17 @@ class RequestHandle:
 
     The event stream can be consumed once, by one consumer (sync or async). Events are
     buffered until consumed, so starting to iterate late loses nothing.
+
+    On a manual context (``autostart=False``), ``result()`` and iteration run the loop's
+    steps in the waiting thread. Waiting on the loop thread itself (in a done-callback)
+    for a request that is still running raises :class:`~llamax.DeadlockError`.
     """
 
     def __init__(self, request_id: str) -> None:
         self._request_id = request_id
         self._cancel: Callable[[], None] = lambda: None
+        self._check_wait: Callable[[], None] = lambda: None
+        self._drive: Callable[[], bool] | None = None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._events: deque[object] = deque()
@@ -49,8 +57,27 @@ class RequestHandle:
         return self._request_id
 
     def result(self, timeout: float | None = None) -> Completion:
-        """Wait for the completion; raises the request's error, or ``TimeoutError``."""
+        """Wait for the completion; raises the request's error, or ``TimeoutError``.
+
+        Raises:
+            DeadlockError: called on the engine's loop thread while the request runs.
+        """
+        if not self.future.done():
+            self._check_wait()
+            if self._drive is not None:
+                timeout = self._drive_until_done(timeout)
         return self.future.result(timeout)
+
+    def _drive_until_done(self, timeout: float | None) -> float | None:
+        """Run a manual context's steps here; return the time left of ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.future.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return 0.0
+            if not (self._drive is not None and self._drive()):
+                wait_futures([self.future], timeout=0.005 if left is None else min(left, 0.005))
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     def done(self) -> bool:
         """Whether the request has ended (completed, cancelled or failed)."""
@@ -70,13 +97,15 @@ class RequestHandle:
     # ------------------------------------------------------------------ sync stream
     def __iter__(self) -> Iterator[TokenEvent]:
         self._claim_stream()
-        return self._iterate()
+        return self._iterate(self._drive)
 
     def _iterate(self, drive: Callable[[], object] | None = None) -> Iterator[TokenEvent]:
         while True:
             with self._ready:
                 while not self._events:
                     if drive is None:
+                        if not self.future.done():
+                            self._check_wait()
                         self._ready.wait()
                     else:
                         self._lock.release()  # run a step of a manual context, unlocked
@@ -119,9 +148,19 @@ class RequestHandle:
             yield item  # type: ignore[misc]
 
     # ------------------------------------------------------------------ engine side
-    def _bind(self, cancel: Callable[[], None]) -> None:
-        """Connect cancellation to the engine (once, before the request is submitted)."""
+    def _bind(
+        self,
+        cancel: Callable[[], None],
+        *,
+        check_wait: Callable[[], None],
+        drive: Callable[[], bool] | None = None,
+    ) -> None:
+        """Connect the handle to its engine (once, before the request is submitted):
+        ``cancel`` queues a cancellation, ``check_wait`` raises where a wait would never end,
+        and ``drive`` (manual contexts) runs one step in the waiting thread."""
         self._cancel = cancel
+        self._check_wait = check_wait
+        self._drive = drive
         self.future.add_done_callback(lambda f: cancel() if f.cancelled() else None)
 
     def _publish(self, events: list[object]) -> None:

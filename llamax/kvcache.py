@@ -1,4 +1,4 @@
-"""KV-cache bookkeeping over llama.cpp's unified cache. Pure Python.
+"""KV-cell accounting over llama.cpp's KV memory. Pure Python.
 
 A :class:`Slot` is one llama.cpp sequence id together with the tokens it holds in KV
 (positions ``0 .. len(tokens)-1``). On a unified cache ``seq_cp(src, dst, 0, n)`` tags the
@@ -6,9 +6,9 @@ existing cells with another id, so a copied prefix costs no cells. We therefore 
 computed token a cell id, share cell ids on copy, and count a cell as used while any slot
 references it; that makes ``num_cells_used`` exact without asking llama.cpp.
 
-Slots are ACTIVE (a running sequence or an open session uses them) or RETAINED (a finished
-sequence kept for its prefix). Retained slots are evicted LRU whenever a sequence id or
-cells are needed; active and pinned (session) slots never are.
+This module only counts and emits the memory calls. Which slots are kept for their prefix,
+and which is evicted first, is :mod:`llamax.prefix`'s business; who may change a slot at
+all is the scheduler's (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -17,62 +17,46 @@ import itertools
 from collections.abc import Sequence
 from enum import Enum
 
-from .backend.base import Backend
+from .backend.base import KVMemory
 
-__all__ = ["KVCache", "Slot", "SlotState", "common_prefix_len"]
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix, by binary search over C-speed slice compares."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+__all__ = ["KVCache", "Slot", "SlotState"]
 
 
 class SlotState(Enum):
     """Who holds a slot."""
 
     ACTIVE = "active"
+    """A running sequence or an open session."""
     RETAINED = "retained"
+    """A finished sequence kept for its prefix (see :mod:`llamax.prefix`)."""
 
 
 class Slot:
     """A sequence id and the tokens it holds in KV."""
 
-    __slots__ = ("cells", "last_used", "pinned", "seq_id", "state", "tokens")
+    __slots__ = ("cells", "pinned", "seq_id", "state", "tokens")
 
     def __init__(self, seq_id: int, *, pinned: bool = False) -> None:
         self.seq_id = seq_id
         self.tokens: list[int] = []
         self.cells: list[int] = []
         self.state = SlotState.ACTIVE
-        self.last_used = 0
         self.pinned = pinned
+        """Held by a session: never retained nor evicted, released only by the session."""
 
     def __repr__(self) -> str:
         return f"<Slot {self.seq_id} {self.state.value} {len(self.tokens)} tokens>"
 
 
 class KVCache:
-    """Sequence ids, cell accounting, prefix copies and LRU retention."""
+    """Sequence ids and exact cell accounting; every change emits its memory call."""
 
-    def __init__(self, backend: Backend, *, retain: bool = True) -> None:
-        self._backend = backend
-        self._retain = retain
-        self._free_ids = list(reversed(range(backend.n_seq_max)))
+    def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
+        self._memory = memory
+        self._free_ids = list(reversed(range(n_seq_max)))
         self._slots: dict[int, Slot] = {}
         self._refs: dict[int, int] = {}
         self._next_cell = itertools.count()
-        self._clock = itertools.count(1)
-        self.num_evictions = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -85,24 +69,18 @@ class KVCache:
         """Distinct KV cells referenced by any slot."""
         return len(self._refs)
 
-    @property
-    def num_retained(self) -> int:
-        """Finished sequences kept for their prefix."""
-        return sum(1 for s in self._slots.values() if s.state is SlotState.RETAINED)
-
     def slots(self) -> list[Slot]:
         """Every slot holding a sequence id."""
         return list(self._slots.values())
 
-    def retained(self) -> list[Slot]:
-        """Retained slots, least recently used first."""
-        found = [s for s in self._slots.values() if s.state is SlotState.RETAINED]
-        return sorted(found, key=lambda s: s.last_used)
+    def is_intact(self, slot: Slot) -> bool:
+        """Whether the memory still holds the slot's first cells (sliding windows drop them)."""
+        return not slot.tokens or self._memory.seq_pos_min(slot.seq_id) <= 0
 
     # ------------------------------------------------------------------ changes
-    def allocate(self, *, pinned: bool = False, keep: Slot | None = None) -> Slot | None:
-        """Take a free sequence id (evicting a retained slot if needed), or return None."""
-        if not self._free_ids and not self.evict_one(keep=keep):
+    def allocate(self, *, pinned: bool = False) -> Slot | None:
+        """Take a free sequence id, or return None when none is free."""
+        if not self._free_ids:
             return None
         slot = Slot(self._free_ids.pop(), pinned=pinned)
         self._slots[slot.seq_id] = slot
@@ -110,49 +88,20 @@ class KVCache:
 
     def release(self, slot: Slot) -> None:
         """Drop every cell of ``slot`` and free its sequence id."""
-        self._backend.seq_rm(slot.seq_id, -1, -1)
+        self._memory.seq_rm(slot.seq_id, -1, -1)
         self._drop_cells(slot, 0)
         del self._slots[slot.seq_id]
         self._free_ids.append(slot.seq_id)
-
-    def retire(self, slot: Slot) -> None:
-        """A sequence finished: keep its cells for reuse (LRU) or release them."""
-        if slot.pinned:
-            return
-        if self._retain and slot.tokens:
-            slot.state = SlotState.RETAINED
-            slot.last_used = next(self._clock)
-        else:
-            self.release(slot)
-
-    def adopt(self, slot: Slot) -> None:
-        """Make a retained slot active again (a new sequence takes it over)."""
-        slot.state = SlotState.ACTIVE
-        self.touch(slot)
-
-    def touch(self, slot: Slot) -> None:
-        """Mark ``slot`` as just used (for LRU)."""
-        slot.last_used = next(self._clock)
-
-    def evict_one(self, *, keep: Slot | None = None) -> bool:
-        """Release the least recently used retained slot (never ``keep``)."""
-        for slot in self.retained():
-            if slot is not keep:
-                self.release(slot)
-                self.num_evictions += 1
-                return True
-        return False
 
     def copy_prefix(self, src: Slot, dst: Slot, num: int) -> None:
         """Make ``dst`` (empty) share the first ``num`` cells of ``src`` (``seq_cp``)."""
         if dst.tokens:
             raise ValueError(f"copy into a non-empty slot {dst!r}")
-        self._backend.seq_cp(src.seq_id, dst.seq_id, 0, num)
+        self._memory.seq_cp(src.seq_id, dst.seq_id, 0, num)
         dst.tokens = src.tokens[:num]
         dst.cells = src.cells[:num]
         for cell in dst.cells:
             self._refs[cell] += 1
-        self.touch(src)
 
     def append(self, slot: Slot, tokens: Sequence[int]) -> None:
         """Record that ``tokens`` were computed at the end of ``slot`` in fresh cells."""
@@ -162,11 +111,24 @@ class KVCache:
             self._refs[cell] = 1
             slot.cells.append(cell)
 
+    def restore(self, slot: Slot, tokens: Sequence[int], state: bytes) -> bool:
+        """Load a saved sequence state into ``slot`` (empty); False if llama.cpp refused it."""
+        if slot.tokens:
+            raise ValueError(f"restore into a non-empty slot {slot!r}")
+        if not self._memory.state_seq_set(slot.seq_id, state):
+            return False
+        self.append(slot, tokens)
+        return True
+
+    def save(self, slot: Slot) -> bytes:
+        """Serialise ``slot``'s KV state."""
+        return self._memory.state_seq_get(slot.seq_id)
+
     def truncate(self, slot: Slot, num: int) -> bool:
         """Keep only the first ``num`` tokens of ``slot``; False if the memory refused."""
         if num >= len(slot.tokens):
             return True
-        if not self._backend.seq_rm(slot.seq_id, num, -1):
+        if not self._memory.seq_rm(slot.seq_id, num, -1):
             return False
         self._drop_cells(slot, num)
         return True
@@ -183,9 +145,9 @@ class KVCache:
             return True
         if end == len(slot.tokens):
             return self.truncate(slot, start)
-        if not self._backend.seq_rm(slot.seq_id, start, end):
+        if not self._memory.seq_rm(slot.seq_id, start, end):
             return False
-        self._backend.seq_add(slot.seq_id, end, -1, start - end)
+        self._memory.seq_add(slot.seq_id, end, -1, start - end)
         for cell in slot.cells[start:end]:
             self._unref(cell)
         del slot.cells[start:end], slot.tokens[start:end]
@@ -193,7 +155,7 @@ class KVCache:
 
     def clear(self, slot: Slot) -> None:
         """Drop every cell of ``slot`` but keep its sequence id."""
-        self._backend.seq_rm(slot.seq_id, -1, -1)
+        self._memory.seq_rm(slot.seq_id, -1, -1)
         self._drop_cells(slot, 0)
 
     def _drop_cells(self, slot: Slot, keep: int) -> None:

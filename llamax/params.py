@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidParameterError
 
-__all__ = ["ContextConfig", "LogitsProcessor", "SamplingParams"]
+__all__ = ["ContextConfig", "ContextOptions", "LogitsProcessor", "SamplingParams"]
 
 
 class LogitsProcessor(Protocol):
@@ -173,6 +175,13 @@ class SamplingParams:
         """Whether sampling always takes the most likely token."""
         return self.temperature == 0
 
+    def with_stop_token_ids(self, token_ids: Sequence[int]) -> SamplingParams:
+        """These params, also stopping at ``token_ids`` (those not already listed)."""
+        extra = tuple(t for t in token_ids if t not in self.stop_token_ids)
+        if not extra:
+            return self
+        return dataclasses.replace(self, stop_token_ids=(*self.stop_token_ids, *extra))
+
     @property
     def has_penalties(self) -> bool:
         """Whether any repetition penalty is active."""
@@ -219,6 +228,22 @@ class ContextConfig:
     chat_template: str | None = None
     verbose: bool = False
 
+    @classmethod
+    def from_options(cls, model_path: str, options: Mapping[str, Any]) -> ContextConfig:
+        """Build a config from keyword options, refusing unknown ones.
+
+        Raises:
+            TypeError: an unknown option, naming the closest valid one.
+            InvalidParameterError: a value is out of range.
+        """
+        known = [f.name for f in dataclasses.fields(cls) if f.name != "model_path"]
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"Context() got an unexpected keyword argument {name!r}{hint}")
+        return cls(model_path=model_path, **options)
+
     def __post_init__(self) -> None:
         _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
         _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
@@ -232,3 +257,21 @@ class ContextConfig:
             self.n_threads_batch is None or self.n_threads_batch >= 1,
             f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
         )
+
+
+class ContextOptions(TypedDict, total=False):
+    """Keyword options of :class:`llamax.Context`; see :class:`ContextConfig` for their meaning."""
+
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    n_ubatch: int | None
+    n_threads: int
+    n_threads_batch: int | None
+    n_gpu_layers: int
+    use_mmap: bool
+    use_extra_bufts: bool | None
+    flash_attn: bool | None
+    prefix_cache: bool
+    chat_template: str | None
+    verbose: bool

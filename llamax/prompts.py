@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
 
 from .backend.base import Backend
@@ -14,9 +15,11 @@ from .errors import (
     InvalidRequestError,
 )
 from .grammar import check_repetitions, schema_to_gbnf
+from .handle import RequestHandle
 from .params import SamplingParams
+from .sequence import Request
 
-__all__ = ["check_token_ids", "prompt_tokens", "request_grammar"]
+__all__ = ["build_request", "check_token_ids", "prompt_tokens", "request_grammar"]
 
 
 def prompt_tokens(backend: Backend, prompt: str | Sequence[int], n_ctx: int) -> list[int]:
@@ -85,3 +88,46 @@ def check_token_ids(backend: Backend, params: SamplingParams) -> None:
             raise InvalidParameterError(
                 f"{name} holds token ids outside the vocabulary [0, {n_vocab}): {bad}"
             )
+
+
+def build_request(
+    backend: Backend,
+    prompt: str | Sequence[int],
+    params: SamplingParams | None,
+    handle: RequestHandle,
+    *,
+    n_ctx: int,
+    priority: int,
+    arrival: int,
+    session_id: int | None = None,
+) -> Request:
+    """Check everything about a request that can be known before it runs, and build it.
+
+    Raises:
+        InvalidRequestError: wrong types, bad token ids, or n != 1 in a session.
+        EmptyPromptError, ContextLengthError, GrammarError: see :func:`prompt_tokens` and
+            :func:`request_grammar`.
+    """
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if session_id is not None and params.n != 1:
+        raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+    tokens = prompt_tokens(backend, prompt, n_ctx)
+    check_token_ids(backend, params)
+    grammar = request_grammar(backend, params)
+    return Request(
+        handle.request_id,
+        tokens,
+        params,
+        handle,
+        token_to_piece=backend.token_to_piece,
+        seed=params.seed if params.seed is not None else secrets.randbits(32),
+        priority=priority,
+        arrival=arrival,
+        num_choices=params.n,
+        session_id=session_id,
+        grammar=grammar,
+    )

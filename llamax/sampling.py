@@ -15,9 +15,10 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .backend.base import Backend, BatchItem
+from .backend.base import Backend
 from .errors import RequestFailedError
 from .params import LogitsProcessor
+from .plan import ScheduledSequence
 from .results import TokenLogprob, TopLogprob
 from .sequence import Request
 from .sequence import Sequence as Seq
@@ -48,48 +49,48 @@ class Sampled:
 
     tokens: dict[Seq, int] = field(default_factory=dict)
     logprobs: dict[Seq, TokenLogprob] = field(default_factory=dict)
-    failed: dict[int, tuple[Request, BaseException]] = field(default_factory=dict)
+    failed: dict[str, tuple[Request, BaseException]] = field(default_factory=dict)
+    """By request id."""
 
 
 def sample_plan(
     backend: Backend,
-    rows: Sequence[tuple[Seq, BatchItem, tuple[Seq, ...]]],
+    entries: Sequence[ScheduledSequence],
     batch_processor: BatchLogitsProcessor | None = None,
 ) -> Sampled:
-    """Sample every row: ``rows`` are ``(sequence, item, forks)`` with ``item.row`` set."""
+    """Sample the last row of every entry (each must want one), for it and its forks."""
     out = Sampled()
-    if batch_processor is not None and rows:
-        _run_batch_hook(backend, rows, batch_processor, out)
-    for seq, item, forks in rows:
+    if batch_processor is not None and entries:
+        _run_batch_hook(backend, entries, batch_processor, out)
+    for entry in entries:
+        seq, row, forks = entry.seq, entry.item.row, entry.forks
         request = seq.request
-        if id(request) in out.failed:
+        if request.request_id in out.failed:
             continue
-        assert item.row is not None
+        assert row is not None
         params = request.params
         logits = (
-            backend.logits(item.row)
-            if params.logits_processors or params.logprobs is not None
-            else None
+            backend.logits(row) if params.logits_processors or params.logprobs is not None else None
         )
         if params.logits_processors:
             assert logits is not None
             error = _run_processors(params.logits_processors, seq.token_ids, logits)
             if error is not None:
-                out.failed[id(request)] = (request, error)
+                out.failed[request.request_id] = (request, error)
                 continue
         log_z = (
             _log_partition(logits) if params.logprobs is not None and logits is not None else 0.0
         )
         for s in (seq, *forks):
             try:
-                token = _sample(backend, s, item.row)
+                token = _sample(backend, s, row)
             except RequestFailedError as error:
-                out.failed[id(request)] = (request, error)
+                out.failed[request.request_id] = (request, error)
                 break
             except Exception as exc:  # a sampler llama.cpp could not build or run
                 failure = RequestFailedError(f"the native sampler failed: {exc!r}")
                 failure.__cause__ = exc
-                out.failed[id(request)] = (request, failure)
+                out.failed[request.request_id] = (request, failure)
                 break
             out.tokens[s] = token
             if params.logprobs is not None and logits is not None:
@@ -110,19 +111,20 @@ def _sample(backend: Backend, seq: Seq, row: int) -> int:
 
 def _run_batch_hook(
     backend: Backend,
-    rows: Sequence[tuple[Seq, BatchItem, tuple[Seq, ...]]],
+    entries: Sequence[ScheduledSequence],
     hook: BatchLogitsProcessor,
     out: Sampled,
 ) -> None:
-    view = backend.batch_logits(len(rows))
-    described = [LogitsRow(s.request.request_id, s.index, s.token_ids) for s, _, _ in rows]
+    view = backend.batch_logits(len(entries))
+    described = [LogitsRow(e.seq.request.request_id, e.seq.index, e.seq.token_ids) for e in entries]
     try:
         hook(described, view)
     except Exception as exc:
-        for seq, _, _ in rows:
+        for entry in entries:
+            request = entry.seq.request
             error = RequestFailedError(f"the batch logits processor failed: {exc!r}")
             error.__cause__ = exc
-            out.failed.setdefault(id(seq.request), (seq.request, error))
+            out.failed.setdefault(request.request_id, (request, error))
 
 
 def _run_processors(

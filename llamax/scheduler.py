@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler. Pure Python: it drives a :class:`~llamax.backend.base.Backend`.
+"""Continuous-batching scheduler. Pure Python: the one owner of every sequence and KV slot.
 
 Design note: there is no separate prefill phase and decode phase. Every running sequence
 has ``num_computed`` tokens in its KV slot and ``num_pending`` tokens still to compute; a
@@ -8,31 +8,39 @@ them and never stall streams for more than one chunk. A preempted sequence drops
 cells and re-queues; its prompt plus generated tokens are recomputed, so greedy output
 continues unchanged.
 
-Prefix reuse: on admission a sequence copies the longest prefix any slot holds
-(``seq_cp``: shared cells, no compute). If a longer prefix is still being prefilled by a
-running sequence (a burst with one system prompt), the newcomer waits for it instead of
-computing it again, so the leader prefills it once. ``n > 1`` choices fork from the
-leader's last prompt row: they share its cells and sample their first token from the
-same logits, so the prompt is computed exactly once.
+Prefix reuse (:mod:`llamax.prefix`): on admission a sequence copies the longest prefix any
+slot holds (``seq_cp``: shared cells, no compute). If a longer prefix is still being
+prefilled by a running sequence (a burst with one system prompt), the newcomer waits for it
+instead of computing it again. ``n > 1`` choices fork from the leader's last prompt row:
+they share its cells and sample their first token from the same logits.
 
 KV accounting: cells are counted exactly by :class:`~llamax.kvcache.KVCache`. A step may
 start only if ``cells_used + pending tokens of running sequences <= n_ctx``; retained
-slots are evicted first, then the newest running sequence is preempted (LIFO).
+slots are evicted first, then the newest running sequence is preempted (LIFO). Changes
+asked for from outside a step (sessions, chat shifts, ``clear_cache``) arrive as typed
+operations (:mod:`llamax.kvops`) through :meth:`Scheduler.apply`.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar, cast
 
-from .backend.base import Backend, BatchItem
-from .kvcache import KVCache, Slot, SlotState, common_prefix_len
+from .backend.base import Backend
+from .kvcache import KVCache, Slot, SlotState
+from .kvops import KVOp
+from .plan import ScheduledSequence, StepPlan, StepResult, build_plan
+from .prefix import PrefixCache
 from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
+from .session_table import SessionTable
+from .tokens import common_prefix_len
 
-__all__ = ["Scheduler", "StepPlan", "StepResult"]
+__all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
+
+T = TypeVar("T")
 
 WAIT_FOR_PREFIX_MIN = 16
 """A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
@@ -44,47 +52,16 @@ class _Admission(Enum):
     NO_ROOM = "no_room"
 
 
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """What one step computes: ``items[i]`` belongs to ``sequences[i]``.
-
-    ``forks[i]`` are sibling choices that share ``sequences[i]``'s prompt: they sample
-    their first token from the same row and copy its cells after the decode.
-    """
-
-    items: tuple[BatchItem, ...] = ()
-    sequences: tuple[Sequence, ...] = ()
-    forks: tuple[tuple[Sequence, ...], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the batch."""
-        return sum(len(item.token_ids) for item in self.items)
-
-    @property
-    def is_empty(self) -> bool:
-        """Whether there is nothing to decode."""
-        return not self.items
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a step (or an abort) produced, to be delivered outside the engine."""
-
-    events: list[tuple[Request, TokenEvent]] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-    failed: list[tuple[Request, BaseException]] = field(default_factory=list)
-
-
 class Scheduler:
-    """Owns every state change of every sequence. Driven by one thread at a time."""
+    """Owns every state change of every sequence and slot. Driven by one thread at a time."""
 
     def __init__(self, backend: Backend, *, prefix_cache: bool = True) -> None:
         self._backend = backend
         self._n_ctx = backend.n_ctx
         self._n_batch = backend.n_batch
-        self._share = prefix_cache and backend.can_share_prefix
-        self.cache = KVCache(backend, retain=self._share)
+        self.kv = KVCache(backend, backend.n_seq_max)
+        self.prefix = PrefixCache(self.kv, retain=prefix_cache and backend.can_share_prefix)
+        self.sessions = SessionTable(self)
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
         self.num_preemptions = 0
@@ -93,6 +70,11 @@ class Scheduler:
         self.num_cached_tokens = 0
 
     # ------------------------------------------------------------------ queries
+    @property
+    def backend(self) -> Backend:
+        """The backend this scheduler drives."""
+        return self._backend
+
     @property
     def has_work(self) -> bool:
         """Whether any sequence is waiting or running."""
@@ -109,16 +91,6 @@ class Scheduler:
         return len(self._running)
 
     @property
-    def num_free_seq_ids(self) -> int:
-        """Sequence ids held by no slot (retained slots hold theirs)."""
-        return self.cache.num_free_seq_ids
-
-    @property
-    def num_cells_in_use(self) -> int:
-        """Distinct KV cells held by any slot (running, retained or session)."""
-        return self.cache.num_cells_used
-
-    @property
     def num_pending_tokens(self) -> int:
         """Tokens the running sequences still have to compute."""
         return sum(seq.num_pending for seq in self._running)
@@ -132,6 +104,10 @@ class Scheduler:
         """Queue every sequence of a new request."""
         for seq in request.sequences:
             bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
+
+    def apply(self, op: KVOp[T], result: StepResult) -> T:
+        """Apply a KV operation between steps; events it causes go into ``result``."""
+        return cast(T, self.sessions.apply(op, result))
 
     def schedule(self) -> StepPlan:
         """Make room, admit what fits, and plan one step."""
@@ -159,13 +135,11 @@ class Scheduler:
                 take = min(seq.num_pending, budget)
                 slots.append((seq, take))
                 budget -= take
-        return self._plan(slots)
+        return build_plan(slots, self.kv.num_free_seq_ids, self._forkable_siblings)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: halve the newest prefill chunk, else preempt the newest."""
-        slots = [
-            (seq, len(item.token_ids)) for seq, item in zip(plan.sequences, plan.items, strict=True)
-        ]
+        slots = [(e.seq, len(e.item.token_ids)) for e in plan.entries]
         chunks = [i for i, (_, n) in enumerate(slots) if n > 1]
         if chunks:
             i = chunks[-1]
@@ -174,46 +148,44 @@ class Scheduler:
                 slots[i] = (seq, n // 2)
             else:
                 del slots[i]
-        elif self.cache.evict_one():
+        elif self.prefix.evict_one():
             pass
         elif slots:
             victim = max((seq for seq, _ in slots), key=self._running.index)
             self._preempt(victim)
             slots = [(seq, n) for seq, n in slots if seq is not victim]
-        return self._plan(slots)
+        return build_plan(slots, self.kv.num_free_seq_ids, self._forkable_siblings)
 
     def update(
         self,
         plan: StepPlan,
         sampled: Mapping[Sequence, int],
-        logprobs: Mapping[Sequence, TokenLogprob] | None = None,
-        result: StepResult | None = None,
-    ) -> StepResult:
+        logprobs: Mapping[Sequence, TokenLogprob],
+        result: StepResult,
+    ) -> None:
         """Record a successful decode of ``plan`` and the tokens sampled for it.
 
         Sequences that ended while their row was sampled (a failing logits processor) are
         skipped: their cells are already released.
         """
-        result = result if result is not None else StepResult()
-        logprobs = logprobs or {}
-        for seq, item, forks in zip(plan.sequences, plan.items, plan.forks, strict=True):
+        for entry in plan.entries:
+            seq = entry.seq
             if seq.state in TERMINAL_STATES:
                 continue
-            num = len(item.token_ids)
+            num = len(entry.item.token_ids)
             assert seq.slot is not None
             is_decode = num == 1 and seq.num_generated > 0 and seq.num_pending == 1
-            self.cache.append(seq.slot, item.token_ids)
+            self.kv.append(seq.slot, entry.item.token_ids)
             if is_decode:
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += num  # prompt chunks, and recomputation after preemption
-            if item.row is None:
+            if entry.item.row is None:
                 continue
-            for fork in forks:
+            for fork in entry.forks:
                 self._fork_from(seq, fork)
-            for s in (*forks, seq):
+            for s in (*entry.forks, seq):
                 self._accept(s, sampled[s], result, logprobs.get(s))
-        return result
 
     def abort(self, request: Request, result: StepResult) -> None:
         """Cancel every unfinished sequence of ``request``, freeing its KV cells now."""
@@ -232,24 +204,29 @@ class Scheduler:
     def fail_all(self, error: BaseException) -> StepResult:
         """End every request with ``error`` (used when the engine cannot go on)."""
         result = StepResult()
-        requests = {id(s.request): s.request for s in self.all_sequences()}
-        for request in requests.values():
+        for request in {s.request.request_id: s.request for s in self.all_sequences()}.values():
             self.fail(request, error, result)
         return result
 
     # ------------------------------------------------------------------ admission
     def _try_admit(self, seq: Sequence) -> _Admission:
-        session = seq.request.session
-        if session is not None:
-            return self._admit_into(seq, session.slot, source=None, num_reused=0)
-        source, now, later = self._best_prefix(seq)
-        if later - now >= WAIT_FOR_PREFIX_MIN:
+        if seq.request.session_id is not None:
+            pinned = self.sessions.slot(seq.request.session_id)
+            return self._admit_into(seq, pinned, source=None, num_reused=0)
+        in_flight = {
+            s.slot.seq_id: s.token_ids
+            for s in self._running
+            if s.slot is not None and s.state is SequenceState.PREFILLING
+        }
+        match = self.prefix.match(seq.token_ids, in_flight)
+        source, now = match.slot, match.num_now
+        if match.num_later - now >= WAIT_FOR_PREFIX_MIN:
             return _Admission.WAIT_PREFIX
-        if self.cache.num_free_seq_ids == 0 and not self.cache.evict_one(keep=source):
+        if self.kv.num_free_seq_ids == 0 and not self.prefix.evict_one(keep=source):
             return self._take_over(seq, source)
         if not self._fits(len(seq.token_ids) - now, keep=source):
             return self._take_over(seq, source)
-        slot = self.cache.allocate(keep=source)
+        slot = self.prefix.allocate(keep=source)
         assert slot is not None
         return self._admit_into(seq, slot, source=source, num_reused=now)
 
@@ -262,65 +239,57 @@ class Scheduler:
         """
         if source is None or source.state is not SlotState.RETAINED:
             return _Admission.NO_ROOM
-        self.cache.adopt(source)
+        self.prefix.adopt(source)
         admission = self._admit_into(seq, source, source=None, num_reused=0)
         if admission is not _Admission.ADMITTED:
-            self.cache.retire(source)
+            self.prefix.retire(source)
         return admission
 
     def _admit_into(
         self, seq: Sequence, slot: Slot, *, source: Slot | None, num_reused: int
     ) -> _Admission:
         if source is None:
-            # A session slot: keep the longest common prefix, drop the diverging tail.
+            # A session or taken-over slot: keep the common prefix, drop the diverging tail.
             keep = min(common_prefix_len(slot.tokens, seq.token_ids), len(seq.token_ids) - 1)
-            if not self._share or not self.cache.truncate(slot, keep) or not self._is_intact(slot):
-                self.cache.clear(slot)
+            if (
+                not self.prefix.is_enabled
+                or not self.kv.truncate(slot, keep)
+                or not self.kv.is_intact(slot)
+            ):
+                self.kv.clear(slot)
             num_reused = len(slot.tokens)
             if not self._fits(len(seq.token_ids) - num_reused):
                 return _Admission.NO_ROOM
         elif num_reused:
-            self.cache.copy_prefix(source, slot, num_reused)
+            self.kv.copy_prefix(source, slot, num_reused)
+            self.prefix.touch(source)
         seq.slot = slot
         self._count_reuse(seq, num_reused)
         self._start(seq)
         return _Admission.ADMITTED
-
-    def _best_prefix(self, seq: Sequence) -> tuple[Slot | None, int, int]:
-        """The slot to copy from, how many tokens it can give now, and how many it will give
-        once its running owner has computed its known tokens."""
-        if not self._share:
-            return None, 0, 0
-        limit = len(seq.token_ids) - 1  # the last prompt token is computed for its logits
-        owners = {id(s.slot): s for s in self._running if s.slot is not None}
-        best: tuple[Slot | None, int, int] = (None, 0, 0)
-        for slot in self.cache.slots():
-            if not slot.tokens and id(slot) not in owners:
-                continue
-            owner = owners.get(id(slot))
-            known = owner.token_ids if owner is not None else slot.tokens
-            later = min(common_prefix_len(known, seq.token_ids), limit)
-            now = min(later, len(slot.tokens))
-            if now and not self._is_intact(slot):
-                continue
-            if owner is None or owner.state is not SequenceState.PREFILLING:
-                later = now
-            if (now, later) > best[1:]:
-                best = (slot, now, later)
-        return best
 
     def _is_fork_candidate(self, seq: Sequence) -> bool:
         """An n>1 sibling whose leader is prefilling the same prompt waits to fork from it."""
         if seq.index == 0 or seq.num_generated:
             return False
         leader = seq.request.sequences[0]
-        return leader.state is SequenceState.PREFILLING and self._share
+        return leader.state is SequenceState.PREFILLING and self.prefix.is_enabled
+
+    def _forkable_siblings(self, seq: Sequence, free_ids: int) -> tuple[Sequence, ...]:
+        if seq.index != 0 or seq.num_generated or not self.prefix.is_enabled:
+            return ()
+        siblings = [
+            s
+            for s in seq.request.sequences[1:]
+            if s.state is SequenceState.WAITING and s.num_generated == 0
+        ]
+        return tuple(siblings[:free_ids])
 
     def _fork_from(self, leader: Sequence, fork: Sequence) -> None:
         assert leader.slot is not None
-        slot = self.cache.allocate(keep=leader.slot)
+        slot = self.prefix.allocate(keep=leader.slot)
         assert slot is not None, "fork planned without a free sequence id"
-        self.cache.copy_prefix(leader.slot, slot, len(leader.slot.tokens))
+        self.kv.copy_prefix(leader.slot, slot, len(leader.slot.tokens))
         self._waiting.remove(fork)
         fork.slot = slot
         self.num_cached_tokens += len(slot.tokens)
@@ -337,26 +306,29 @@ class Scheduler:
         if seq.index == 0 and seq.num_generated == 0:
             seq.request.num_cached_tokens = num
 
-    def _is_intact(self, slot: Slot) -> bool:
-        """Whether the memory still holds the slot's first cells (sliding windows drop them)."""
-        return not slot.tokens or self._backend.seq_pos_min(slot.seq_id) <= 0
-
     def _fits(self, new_cells: int, *, keep: Slot | None = None) -> bool:
-        while self.cache.num_cells_used + self.num_pending_tokens + new_cells > self._n_ctx:
-            if not self.cache.evict_one(keep=keep):
+        while self.kv.num_cells_used + self.num_pending_tokens + new_cells > self._n_ctx:
+            if not self.prefix.evict_one(keep=keep):
                 return False
         return True
 
     def _make_room_for_growth(self) -> None:
-        while self.cache.num_cells_used + self.num_pending_tokens > self._n_ctx:
-            if self.cache.evict_one():
+        while self.kv.num_cells_used + self.num_pending_tokens > self._n_ctx:
+            if self.prefix.evict_one():
                 continue
             if len(self._running) <= 1:
                 break
             self._preempt(self._running[-1])
 
     def _preempt(self, seq: Sequence) -> None:
-        self._release_kv(seq)
+        slot = seq.slot
+        if slot is not None:
+            self._running.remove(seq)
+            if slot.pinned:
+                self.kv.clear(slot)
+            else:
+                self.kv.release(slot)
+                seq.slot = None
         seq.state = SequenceState.WAITING
         bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
         self.num_preemptions += 1
@@ -414,49 +386,9 @@ class Scheduler:
         slot, seq.slot = seq.slot, None
         if slot is not None and not slot.pinned:
             if keep_cache:
-                self.cache.retire(slot)
+                self.prefix.retire(slot)
             else:
-                self.cache.release(slot)
+                self.kv.release(slot)
         if seq.sampler is not None:
             self._backend.free_sampler(seq.sampler)
             seq.sampler = None
-
-    def _release_kv(self, seq: Sequence) -> None:
-        slot = seq.slot
-        if slot is None:
-            return
-        self._running.remove(seq)
-        if slot.pinned:
-            self.cache.clear(slot)
-        else:
-            self.cache.release(slot)
-            seq.slot = None
-
-    # ------------------------------------------------------------------ plans
-    def _plan(self, slots: list[tuple[Sequence, int]]) -> StepPlan:
-        items: list[BatchItem] = []
-        forks: list[tuple[Sequence, ...]] = []
-        free_ids = self.cache.num_free_seq_ids
-        offset = 0
-        for seq, num in slots:
-            assert seq.slot is not None
-            start = seq.num_computed
-            end = start + num
-            completes = end == len(seq.token_ids)
-            row = offset + num - 1 if completes else None
-            items.append(BatchItem(seq.slot.seq_id, seq.token_ids[start:end], start, row))
-            siblings = self._forkable_siblings(seq, free_ids) if completes else ()
-            free_ids -= len(siblings)
-            forks.append(siblings)
-            offset += num
-        return StepPlan(tuple(items), tuple(seq for seq, _ in slots), tuple(forks))
-
-    def _forkable_siblings(self, seq: Sequence, free_ids: int) -> tuple[Sequence, ...]:
-        if seq.index != 0 or seq.num_generated or not self._share:
-            return ()
-        siblings = [
-            s
-            for s in seq.request.sequences[1:]
-            if s.state is SequenceState.WAITING and s.num_generated == 0
-        ][:free_ids]
-        return tuple(siblings)

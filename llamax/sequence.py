@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from .backend.base import Sampler
     from .handle import RequestHandle
     from .kvcache import Slot
-    from .session import Session
 
 __all__ = ["TERMINAL_STATES", "Request", "Sequence", "SequenceState"]
 
@@ -69,7 +68,7 @@ class Request:
         "request_id",
         "seed",
         "sequences",
-        "session",
+        "session_id",
     )
 
     def __init__(
@@ -84,7 +83,7 @@ class Request:
         priority: int = 0,
         arrival: int = 0,
         num_choices: int = 1,
-        session: Session | None = None,
+        session_id: int | None = None,
         grammar: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -95,7 +94,8 @@ class Request:
         self.priority = priority
         self.arrival = arrival
         self.num_cached_tokens = 0
-        self.session = session
+        self.session_id = session_id
+        """The session whose pinned slot the request runs in, if any."""
         self.grammar = grammar
         """GBNF text (from ``params.grammar`` or the converted ``params.json_schema``)."""
         self.sequences = [Sequence(self, i, token_to_piece) for i in range(num_choices)]

@@ -15,13 +15,21 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from typing_extensions import Self
 
-from .errors import SessionBusyError, SessionError, SessionLoadError
+from .errors import InvalidParameterError, SessionBusyError, SessionError, SessionLoadError
 from .handle import RequestHandle
-from .kvcache import Slot
+from .kvops import (
+    ForkSession,
+    ReadSession,
+    ReleaseSession,
+    RestoreSession,
+    RewindSession,
+    SaveSession,
+    ShiftSession,
+)
 from .params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,32 +45,30 @@ class Session:
     """A resident KV sequence for multi-turn use. Create with ``ctx.session()``.
 
     Pinned: never evicted while open. One request at a time. Close it (or use ``with``) to
-    free its sequence id and cells.
+    free its sequence id and cells. Every change to its cache (fork, rewind, shift, save,
+    load, close) is an operation the engine applies between two steps.
     """
 
-    def __init__(self, ctx: Context, slot: Slot) -> None:
+    def __init__(self, ctx: Context, session_id: int) -> None:
         self._ctx = ctx
-        self._slot: Slot | None = slot
+        self._id: int | None = session_id
         self._lock = threading.Lock()
         self._running: RequestHandle | None = None
 
     # ------------------------------------------------------------------ facts
     @property
-    def slot(self) -> Slot:
-        """The pinned slot (engine side)."""
-        if self._slot is None:
-            raise SessionError("the session is closed")
-        return self._slot
-
-    @property
     def token_ids(self) -> tuple[int, ...]:
-        """The tokens the session holds in KV now."""
-        return tuple(self.slot.tokens)
+        """The tokens the session holds in KV now.
+
+        Raises:
+            SessionError: the session is closed.
+        """
+        return self._ctx._engine.run(ReadSession(self._session_id()))
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._slot is None
+        return self._id is None
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -75,8 +81,8 @@ class Session:
             SessionError: the session is closed.
         """
         with self._lock:
-            self._check_idle()
-            handle = self._ctx._submit(prompt, params, session=self)
+            session_id = self._check_idle()
+            handle = self._ctx._submit(prompt, params, session_id=session_id)
             self._running = handle
         handle.future.add_done_callback(self._done)
         return handle
@@ -87,48 +93,50 @@ class Session:
 
     # ------------------------------------------------------------------ KV operations
     def fork(self) -> Session:
-        """A new session that shares (copies, cell-free) everything this one holds."""
-        with self._lock:
-            self._check_idle()
-            return Session(self._ctx, self._ctx._engine.call(self._fork_now))
+        """A new session that shares (copies, cell-free) everything this one holds.
 
-    def _fork_now(self) -> Slot:
-        cache = self._ctx._engine.scheduler.cache
-        slot = cache.allocate(pinned=True)
-        if slot is None:
-            raise SessionError(
-                "no free sequence id for the fork; raise n_seq_max or close sessions"
-            )
-        if self.slot.tokens:
-            cache.copy_prefix(self.slot, slot, len(self.slot.tokens))
-        return slot
+        Raises:
+            SessionError: the session is closed or no sequence id is free.
+            SessionBusyError: a request of this session is running.
+        """
+        with self._lock:
+            session_id = self._check_idle()
+            return Session(self._ctx, self._ctx._engine.run(ForkSession(session_id)))
 
     def rewind(self, num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` tokens from the session's cache."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        """Drop the last ``num_tokens`` tokens from the session's cache.
+
+        Raises:
+            InvalidParameterError: ``num_tokens`` is not an int, negative, or more than the
+                session holds (the message names its length).
+            SessionError: the session is closed.
+            SessionBusyError: a request of this session is running.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidParameterError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         with self._lock:
-            self._check_idle()
-            self._ctx._engine.call(self._rewind_now(num_tokens))
+            self._ctx._engine.run(RewindSession(self._check_idle(), num_tokens))
 
-    def _rewind_now(self, num_tokens: int) -> Any:
-        def run() -> None:
-            cache = self._ctx._engine.scheduler.cache
-            keep = max(0, len(self.slot.tokens) - num_tokens)
-            if not cache.truncate(self.slot, keep):
-                cache.clear(self.slot)
+    def shift(self, start: int, end: int) -> bool:
+        """Remove tokens ``[start, end)`` and move the later cells back by ``end - start``
+        positions (``seq_rm`` + ``seq_add``), so they are reused instead of recomputed.
 
-        return run
+        Returns False, changing nothing, when the memory cannot remove part of a sequence.
+
+        Raises:
+            ValueError: the span is not within what the session holds.
+            SessionError: the session is closed.
+            SessionBusyError: a request of this session is running.
+        """
+        with self._lock:
+            return self._ctx._engine.run(ShiftSession(self._check_idle(), start, end))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the session's tokens, KV state and model identity to ``path``."""
         with self._lock:
-            self._check_idle()
-            backend = self._ctx._backend
-            tokens, state = self._ctx._engine.call(
-                lambda: (list(self.slot.tokens), backend.state_seq_get(self.slot.seq_id))
-            )
-        header = json.dumps({"model": backend.model_identity, "tokens": tokens}).encode()
+            tokens, state = self._ctx._engine.run(SaveSession(self._check_idle()))
+        identity = self._ctx._backend.model_identity
+        header = json.dumps({"model": identity, "tokens": list(tokens)}).encode()
         Path(path).write_bytes(_HEADER.pack(_MAGIC, len(header)) + header + state)
 
     @classmethod
@@ -142,7 +150,7 @@ class Session:
         try:
             magic, size = _HEADER.unpack_from(data)
             header = json.loads(data[_HEADER.size : _HEADER.size + size])
-            tokens = [int(t) for t in header["tokens"]]
+            tokens = tuple(int(t) for t in header["tokens"])
             saved_model = header["model"]
         except (struct.error, ValueError, KeyError, TypeError) as exc:
             raise SessionLoadError(f"{path} is not a llamax session file") from exc
@@ -154,25 +162,18 @@ class Session:
                 f"{path} was saved with model {saved_model} but this context runs {current}"
             )
         state = data[_HEADER.size + size :]
-        return cls(ctx, ctx._engine.call(lambda: _restore(ctx, tokens, state)))
+        return cls(ctx, ctx._engine.run(RestoreSession(tokens, state)))
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Cancel a running request and free the session's cells and sequence id."""
+        """Cancel a running request and free the session's cells and sequence id.
+
+        Never waits on the loop, so a done-callback may call it.
+        """
         with self._lock:
-            running, slot = self._running, self._slot
-        if slot is None:
-            return
-        if running is not None:
-            running.cancel()
-            while not running.done():  # wait until the engine has let go of the slot
-                if self._ctx._engine.is_background:
-                    running.future.exception()
-                else:
-                    self._ctx.process()
-        if not self._ctx.closed:
-            self._ctx._engine.call(lambda: self._ctx._engine.scheduler.cache.release(slot))
-        self._slot = None
+            session_id, self._id = self._id, None
+        if session_id is not None and not self._ctx.closed:
+            self._ctx._engine.run(ReleaseSession(session_id))
 
     def __enter__(self) -> Self:
         return self
@@ -185,24 +186,16 @@ class Session:
     ) -> None:
         self.close()
 
-    def _check_idle(self) -> None:
-        if self._slot is None:
+    def _session_id(self) -> int:
+        if self._id is None:
             raise SessionError("the session is closed")
+        return self._id
+
+    def _check_idle(self) -> int:
+        session_id = self._session_id()
         if self._running is not None and not self._running.done():
             raise SessionBusyError("the session is running a request; wait for it or cancel it")
+        return session_id
 
     def __repr__(self) -> str:
-        held = "closed" if self._slot is None else f"{len(self._slot.tokens)} tokens"
-        return f"<llamax.Session {held}>"
-
-
-def _restore(ctx: Context, tokens: list[int], state: bytes) -> Slot:
-    scheduler = ctx._engine.scheduler
-    slot = scheduler.cache.allocate(pinned=True)
-    if slot is None:
-        raise SessionError("no free sequence id to load the session into")
-    if not ctx._backend.state_seq_set(slot.seq_id, state):
-        scheduler.cache.release(slot)
-        raise SessionLoadError("llama.cpp refused the saved state (damaged file?)")
-    scheduler.cache.append(slot, tokens)
-    return slot
+        return f"<llamax.Session {'closed' if self._id is None else self._id}>"

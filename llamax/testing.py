@@ -24,7 +24,6 @@ import numpy.typing as npt
 
 from .backend.base import BatchItem, DecodeStatus
 from .context import Context
-from .engine import EngineState
 from .params import SamplingParams
 
 __all__ = ["FakeBackend", "FakeSampler", "alphabet_model", "assert_idle"]
@@ -196,7 +195,7 @@ class FakeBackend:
         if self.num_cells_used + num > self._n_ctx:
             return DecodeStatus.NO_SLOT
         self._rows.clear()
-        self._logits = np.zeros((sum(i.row is not None for i in items), self.n_vocab), np.float32)
+        self._logits = np.zeros((sum(len(i.rows) for i in items), self.n_vocab), np.float32)
         offset = 0
         for item in items:
             cells = self.cells[item.seq_id]
@@ -206,17 +205,15 @@ class FakeBackend:
                 raise AssertionError(
                     f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}"
                 )
+            known = [t for t in cells if t is not None]
+            for row in item.rows:
+                if not offset <= row < offset + len(item.token_ids):
+                    raise AssertionError(f"row {row} is outside its item {item!r}")
+                history = known + list(item.token_ids[: row - offset + 1])
+                self._rows[row] = len(self._rows)
+                self._logits[len(self._rows) - 1] = self._row_logits(self._next_token(history))
             self._store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
-            if item.row is not None:
-                if item.row != offset - 1:
-                    raise AssertionError(
-                        f"row {item.row} is not the item's last token {offset - 1}"
-                    )
-                self._rows[item.row] = len(self._rows)
-                self._logits[len(self._rows) - 1] = self._row_logits(
-                    self._next_token([t for t in cells if t is not None])
-                )
         self.decode_log.append(tuple(items))
         return DecodeStatus.OK
 
@@ -361,6 +358,10 @@ class FakeBackend:
             self._cell_ids[seq_id].append(self._next_cell)
             self._next_cell += 1
 
+    def seq_tokens(self, seq_id: int) -> list[int | None]:
+        """The tokens ``seq_id`` holds, by position (``None`` where a cell was removed)."""
+        return list(self.cells[seq_id])
+
     def seq_pos_max(self, seq_id: int) -> int:
         """Last position held, or -1."""
         return len(self.cells[seq_id]) - 1
@@ -371,62 +372,46 @@ class FakeBackend:
 
 
 def assert_idle(ctx: Context, timeout: float = 10.0, *, clear_cache: bool = True) -> None:
-    """Assert that ``ctx`` leaked nothing.
+    """Assert that ``ctx`` leaked nothing, using only its public API.
 
-    Checks: no queued or running sequence, no live sampler, no unsettled request; every
-    sequence id either free (``seq_pos_max == -1``) or held by a retained cache slot whose
-    KV extent matches its recorded tokens; the backend's cell count (when it has one) equals
-    the cache's. Then, with ``clear_cache``, drops the retained prefixes and checks that
-    every sequence id is free and empty. An open session counts as a leak. Waits up to
-    ``timeout`` for the background loop to go idle.
+    Checks (from :meth:`Context.stats` and :meth:`Context.audit`): no queued or running
+    sequence, no unsettled request, no open session; the bookkeeping agrees with the
+    backend's memory (every sequence id free or held by a slot whose KV extent matches its
+    tokens, cell counts, live samplers). Then, with ``clear_cache``, drops the retained
+    prefixes and checks that no KV cell is left in use. Waits up to ``timeout`` for the
+    background loop to go idle.
 
     Raises:
         AssertionError: something leaked; the message says what.
     """
-    engine = ctx._engine
     deadline = time.monotonic() + timeout
-    while engine.has_work() and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (ctx.has_work() or ctx.stats().num_unsettled):
         time.sleep(0.005)
     problems = _leaks(ctx)
-    if not problems and clear_cache and engine.state is EngineState.RUNNING:
+    if not problems and clear_cache and not ctx.closed:
         ctx.clear_cache()
-        problems = _leaks(ctx, expect_empty=True)
+        problems = _leaks(ctx)
+        stats = ctx.stats()
+        if stats.kv_cells_used or stats.num_retained:
+            problems.append(
+                f"{stats.kv_cells_used} cells in {stats.num_retained} retained sequences "
+                "after clear_cache()"
+            )
     if problems:
         raise AssertionError("engine not idle: " + "; ".join(problems))
 
 
-def _leaks(ctx: Context, *, expect_empty: bool = False) -> list[str]:
-    engine = ctx._engine
-    scheduler, backend = engine.scheduler, ctx._backend
+def _leaks(ctx: Context) -> list[str]:
+    stats = ctx.stats()
     problems = []
-    if engine.has_work():
+    if ctx.has_work():
         problems.append("engine still has work")
-    if scheduler.num_running or scheduler.num_waiting:
-        problems.append(
-            f"{scheduler.num_running} running / {scheduler.num_waiting} waiting sequences"
-        )
-    live_samplers = getattr(backend, "num_live_samplers", 0)
-    if live_samplers:
-        problems.append(f"{live_samplers} samplers not freed")
-    if engine.num_unsettled:
-        problems.append(f"{engine.num_unsettled} requests never settled")
-    if engine.state is not EngineState.RUNNING:
-        return problems
-    slots = {slot.seq_id: slot for slot in scheduler.cache.slots()}
-    for seq_id in range(backend.n_seq_max):
-        slot = slots.get(seq_id)
-        extent = backend.seq_pos_max(seq_id)
-        if slot is None and extent != -1:
-            problems.append(f"seq {seq_id} is free but holds KV up to position {extent}")
-        elif slot is not None and expect_empty:
-            problems.append(f"seq {seq_id} still held by {slot!r}")
-        elif slot is not None and slot.pinned:
-            problems.append(f"seq {seq_id} held by an open session")
-        elif slot is not None and extent != len(slot.tokens) - 1:
-            problems.append(f"{slot!r} but KV holds positions up to {extent}")
-    cells = getattr(backend, "num_cells_used", None)
-    if cells is not None and cells != scheduler.cache.num_cells_used:
-        problems.append(
-            f"backend holds {cells} cells, the cache accounts {scheduler.cache.num_cells_used}"
-        )
+    if stats.num_running or stats.num_waiting:
+        problems.append(f"{stats.num_running} running / {stats.num_waiting} waiting sequences")
+    if stats.num_unsettled:
+        problems.append(f"{stats.num_unsettled} requests never settled")
+    if stats.num_sessions:
+        problems.append(f"{stats.num_sessions} sessions still open")
+    if not ctx.closed:
+        problems += ctx.audit()
     return problems

@@ -50,20 +50,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting_matches_backend(self) -> None:
-        scheduler = self.ctx._engine.scheduler
-        cache = scheduler.cache
-        assert self.backend.num_cells_used == cache.num_cells_used <= self.backend.n_ctx
-        slots = {slot.seq_id: slot for slot in cache.slots()}
-        assert len(slots) + cache.num_free_seq_ids == self.backend.n_seq_max
-        for seq_id in range(self.backend.n_seq_max):
-            held = slots[seq_id].tokens if seq_id in slots else []
-            assert self.backend.cells[seq_id] == held
-        samplers = 0
-        for seq in scheduler.all_sequences():
-            samplers += seq.sampler is not None
-            if seq.slot is not None:
-                assert seq.slot.tokens == seq.token_ids[: seq.num_computed]
-        assert self.backend.num_live_samplers == samplers
+        assert self.ctx.audit() == []  # ids, extents, contents, cells and samplers
+        stats = self.ctx.stats()
+        assert self.backend.num_cells_used == stats.kv_cells_used <= self.backend.n_ctx
 
     def teardown(self) -> None:
         self.backend.forced_statuses.clear()

@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import llamax
 from llamax.chat import InvalidMessageError
-from llamax.chat.history import TurnStats
+from llamax import TurnStats
 from llamax.chat.template import TemplateError, TemplateSecurityError
 from llamax.testing import assert_idle
 

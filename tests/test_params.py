@@ -77,6 +77,7 @@ def test_public_names_are_pinned() -> None:
             "ContextLengthError",
             "ContextOptions",
             "ContextStats",
+            "DeadlockError",
             "DefaultModelNotInstalledError",
             "EmptyPromptError",
             "EngineError",

@@ -1,5 +1,23 @@
 """Inference backends. Only this package touches ctypes."""
 
-from .base import Backend, BatchItem, DecodeStatus, Sampler
+from .base import (
+    Backend,
+    BatchDecoder,
+    BatchItem,
+    DecodeStatus,
+    KVMemory,
+    ModelInfo,
+    Sampler,
+    SamplerFactory,
+)
 
-__all__ = ["Backend", "BatchItem", "DecodeStatus", "Sampler"]
+__all__ = [
+    "Backend",
+    "BatchDecoder",
+    "BatchItem",
+    "DecodeStatus",
+    "KVMemory",
+    "ModelInfo",
+    "Sampler",
+    "SamplerFactory",
+]

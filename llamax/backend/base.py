@@ -18,7 +18,16 @@ import numpy.typing as npt
 
 from ..params import SamplingParams
 
-__all__ = ["Backend", "BatchItem", "DecodeStatus", "Sampler"]
+__all__ = [
+    "Backend",
+    "BatchDecoder",
+    "BatchItem",
+    "DecodeStatus",
+    "KVMemory",
+    "ModelInfo",
+    "Sampler",
+    "SamplerFactory",
+]
 
 
 class DecodeStatus(IntEnum):
@@ -35,38 +44,29 @@ class DecodeStatus(IntEnum):
 class BatchItem:
     """One sequence's slice of a step: ``token_ids`` at positions ``start_pos...``.
 
-    ``row`` is the batch index of this item's last token when its logits are needed
-    (a decode token, or the final chunk of a prompt), else ``None``.
+    ``rows`` are the batch indices (within the whole decode) of this item's tokens whose
+    outputs are wanted: logits to sample from, or pooled embeddings. Usually empty (a
+    prompt chunk) or the item's last token (a decode token, or the final chunk of a
+    prompt); speculative verification asks for several.
     """
 
     seq_id: int
     token_ids: Sequence[int]
     start_pos: int
-    row: int | None
+    rows: tuple[int, ...] = ()
+
+    @property
+    def row(self) -> int | None:
+        """The last wanted row, or None when the item wants no output."""
+        return self.rows[-1] if self.rows else None
 
 
 Sampler: TypeAlias = Any
 """An opaque per-sequence sampler owned by a backend (each backend picks its own type)."""
 
 
-class Backend(Protocol):
-    """What the engine needs from an inference backend. One thread drives it at a time,
-    except ``tokenize``/``token_to_piece``/``is_eog``, which must be safe from any thread."""
-
-    @property
-    def n_ctx(self) -> int:
-        """KV cells available in the unified cache (also the per-sequence limit)."""
-        ...
-
-    @property
-    def n_seq_max(self) -> int:
-        """How many sequence ids exist (0 .. n_seq_max-1)."""
-        ...
-
-    @property
-    def n_batch(self) -> int:
-        """Most tokens one ``decode`` call may carry."""
-        ...
+class ModelInfo(Protocol):
+    """The loaded model: vocabulary, metadata and grammar checks. Safe from any thread."""
 
     @property
     def n_vocab(self) -> int:
@@ -110,9 +110,49 @@ class Backend(Protocol):
         """Whether a token ends generation (EOS, EOT, <|im_end|> ...)."""
         ...
 
+    def check_grammar(self, grammar: str) -> str | None:
+        """Parse a GBNF grammar; return why it is invalid, or None. Safe from any thread."""
+        ...
+
+    @property
+    def model_identity(self) -> dict[str, object]:
+        """What identifies the model, for checking saved sessions."""
+        ...
+
+
+class BatchDecoder(Protocol):
+    """Multi-sequence forward passes and their output rows. Engine thread only."""
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells available in the unified cache (also the per-sequence limit)."""
+        ...
+
+    @property
+    def n_seq_max(self) -> int:
+        """How many sequence ids exist (0 .. n_seq_max-1)."""
+        ...
+
+    @property
+    def n_batch(self) -> int:
+        """Most tokens one ``decode`` call may carry."""
+        ...
+
     def decode(self, items: Sequence[BatchItem]) -> int:
         """Run one multi-sequence forward pass; return the ``llama_decode`` status code."""
         ...
+
+    def logits(self, row: int) -> npt.NDArray[np.float32]:
+        """A writable, zero-copy ``(n_vocab,)`` view of batch ``row``'s logits (last decode)."""
+        ...
+
+    def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
+        """A writable, zero-copy ``(num_rows, n_vocab)`` view of the last decode's outputs."""
+        ...
+
+
+class SamplerFactory(Protocol):
+    """Per-sequence native sampler chains. Engine thread only."""
 
     def new_sampler(
         self,
@@ -126,18 +166,6 @@ class Backend(Protocol):
         ``grammar`` (GBNF) constrains it."""
         ...
 
-    def check_grammar(self, grammar: str) -> str | None:
-        """Parse a GBNF grammar; return why it is invalid, or None. Safe from any thread."""
-        ...
-
-    def logits(self, row: int) -> npt.NDArray[np.float32]:
-        """A writable, zero-copy ``(n_vocab,)`` view of batch ``row``'s logits (last decode)."""
-        ...
-
-    def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
-        """A writable, zero-copy ``(num_rows, n_vocab)`` view of the last decode's outputs."""
-        ...
-
     def sample(self, sampler: Sampler, row: int) -> int:
         """Sample a token from the logits of batch ``row`` of the last decode."""
         ...
@@ -145,6 +173,11 @@ class Backend(Protocol):
     def free_sampler(self, sampler: Sampler) -> None:
         """Release a sampler built by :meth:`new_sampler`."""
         ...
+
+
+class KVMemory(Protocol):
+    """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.kvcache` calls
+    these, on the engine thread."""
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove a sequence's cells in ``[p0, p1)`` (negative: open ended)."""
@@ -167,14 +200,13 @@ class Backend(Protocol):
         """Smallest position a sequence holds in KV, or -1 when it holds none."""
         ...
 
-    @property
-    def can_share_prefix(self) -> bool:
-        """Whether partial ``seq_rm``/``seq_cp`` work (not for recurrent or hybrid memory)."""
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position a sequence holds in KV, or -1 when it holds none."""
         ...
 
     @property
-    def model_identity(self) -> dict[str, object]:
-        """What identifies the model, for checking saved sessions."""
+    def can_share_prefix(self) -> bool:
+        """Whether partial ``seq_rm``/``seq_cp`` work (not for recurrent or hybrid memory)."""
         ...
 
     def state_seq_get(self, seq_id: int) -> bytes:
@@ -185,9 +217,10 @@ class Backend(Protocol):
         """Restore a serialised state into ``seq_id`` (empty); False if refused."""
         ...
 
-    def seq_pos_max(self, seq_id: int) -> int:
-        """Largest position a sequence holds in KV, or -1 when it holds none."""
-        ...
+
+class Backend(ModelInfo, BatchDecoder, SamplerFactory, KVMemory, Protocol):
+    """Everything the engine needs from an inference backend: the four roles above, plus
+    :meth:`close`. :class:`llamax.testing.FakeBackend` implements it in pure Python."""
 
     def close(self) -> None:
         """Free native resources. Idempotent."""

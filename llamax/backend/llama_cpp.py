@@ -279,8 +279,8 @@ class LlamaCppBackend:
         self._pos[:n] = positions
         self._logits[:n] = 0
         for item in items:
-            if item.row is not None:
-                self._logits[item.row] = 1
+            for row in item.rows:
+                self._logits[row] = 1
         self._batch.n_tokens = n
         return int(self._C.llama_decode(self._ctx, self._batch))
 

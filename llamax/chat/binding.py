@@ -49,9 +49,13 @@ def render_tokens(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool,
+    **template_vars: Any,
 ) -> list[int]:
-    """Validate, render and tokenize ``messages``; BOS is added once if the text lacks it."""
-    text = template.render(validate_messages(messages), add_generation_prompt=add_generation_prompt)
+    """Validate, render and tokenize ``messages``; BOS is added once if the text lacks it.
+    ``template_vars`` (``tools=...``) go to the template."""
+    text = template.render(
+        validate_messages(messages), add_generation_prompt=add_generation_prompt, **template_vars
+    )
     tokens = backend.tokenize(text, add_special=False, parse_special=True)
     bos = backend.bos_token_id
     if bos is not None and (not tokens or tokens[0] != bos):

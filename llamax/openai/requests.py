@@ -1,20 +1,24 @@
-"""OpenAI-shaped ``chat_completion`` and ``completion`` on top of ``Context.add_request``."""
+"""OpenAI-shaped requests on top of the public API: ``Context.add_request`` and handles.
+
+A :class:`OpenAIRequest` turns a handle's :class:`~llamax.Completion` into a
+``chat.completion`` / ``text_completion`` dict, and its events into chunks.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..chat.messages import validate_messages
+from ..chat.truncation import drop_oldest_turns
 from ..errors import ContextLengthError, InvalidParameterError
-from ..grammar import JSON_OBJECT_SCHEMA
 from ..handle import RequestHandle
 from ..params import SamplingParams
 from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
-from .messages import validate_messages
+from .options import Truncate
 from .shapes import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -24,86 +28,11 @@ from .shapes import (
     OpenAIFinishReason,
     TextCompletion,
 )
-from .truncation import drop_oldest_turns
 
 if TYPE_CHECKING:
     from ..context import Context
 
 __all__ = ["OpenAIRequest", "prepare_chat", "prepare_text"]
-
-Truncate = Literal["none", "oldest_messages"]
-
-
-def sampling_params(
-    *,
-    max_tokens: int | None,
-    temperature: float,
-    top_p: float,
-    stop: str | Sequence[str] | None,
-    n: int,
-    seed: int | None,
-    logit_bias: Mapping[str | int, float] | None,
-    presence_penalty: float,
-    frequency_penalty: float,
-    logprobs: int | None = None,
-    response_format: Mapping[str, Any] | None = None,
-    stop_token_ids: Sequence[int] = (),
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repeat_penalty: float = 1.0,
-    grammar: str | None = None,
-) -> SamplingParams:
-    """Map OpenAI's knobs onto :class:`SamplingParams`. Like OpenAI, top-k and min-p are off
-    unless the llama.cpp extensions ``top_k``/``min_p`` ask for them."""
-    bias: dict[int, float] = {}
-    for token, value in (logit_bias or {}).items():
-        try:
-            token_id = int(token)
-        except ValueError as exc:
-            raise InvalidParameterError(
-                f"logit_bias keys must be token ids, got {token!r}"
-            ) from exc
-        if not -100 <= value <= 100:
-            raise InvalidParameterError(f"logit_bias values must be in [-100, 100], got {value}")
-        bias[token_id] = -math.inf if value == -100 else float(value)
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repeat_penalty=repeat_penalty,
-        grammar=grammar,
-        stop=() if stop is None else stop,
-        n=n,
-        seed=seed,
-        logit_bias=bias,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        stop_token_ids=stop_token_ids,
-        logprobs=logprobs,
-        json_schema=_response_schema(response_format),
-    )
-
-
-def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """``{"type": "json_object"}`` → any object; ``{"type": "json_schema", "json_schema":
-    {"schema": {...}}}`` → that schema; ``{"type": "text"}`` or None → unconstrained."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return JSON_OBJECT_SCHEMA
-    if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, Mapping):
-            raise InvalidParameterError("response_format json_schema needs a 'schema' object")
-        return schema
-    raise InvalidParameterError(
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
-    )
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
@@ -207,8 +136,8 @@ class OpenAIRequest:
         }
 
     def result(self) -> ChatCompletion | TextCompletion:
-        """Wait (driving a manual context if needed) and return the full response."""
-        return self.response(self.ctx._wait(self.handle))
+        """Wait (a manual context steps in this thread) and return the full response."""
+        return self.response(self.handle.result())
 
     async def aresult(self) -> ChatCompletion | TextCompletion:
         """Await the full response (needs the background loop)."""
@@ -221,7 +150,7 @@ class OpenAIRequest:
         Closing the stream early (``close()``, or dropping it) cancels the request."""
         started: set[int] = set()
         try:
-            for event in self.ctx._events(self.handle):
+            for event in self.handle:
                 yield from self._event_chunks(event, started)
             if include_usage:
                 yield self._usage_chunk(self.handle.result())
@@ -324,7 +253,7 @@ def prepare_chat(
             f"truncate must be 'none' or 'oldest_messages', got {truncate!r}"
         )
     msgs = validate_messages(messages)
-    params = ctx._with_end_of_turn(params)
+    params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
     reserve = params.max_tokens or 1
     budget = ctx.n_ctx - reserve
     tokens = ctx.chat_prompt(msgs)

@@ -1,4 +1,4 @@
-"""Chat sessions with message-level history shift.
+"""Chat conversations with message-level history shift, on the public API.
 
 A :class:`Chat` keeps the messages of a conversation and a resident KV sequence (a
 :class:`~llamax.Session`). Each turn computes only the new user message and the reply.
@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
-from ..errors import InvalidParameterError
-from ..handle import RequestHandle
-from ..kvcache import common_prefix_len
-from ..params import SamplingParams
-from ..results import Completion, TokenEvent
-from .messages import validate_messages
-from .truncation import drop_oldest_turns, leading_system_count
+from .chat.messages import validate_messages
+from .chat.truncation import drop_oldest_turns, leading_system_count
+from .errors import InvalidParameterError
+from .handle import RequestHandle
+from .params import SamplingParams
+from .results import Completion, TokenEvent
+from .tokens import common_prefix_len
 
 if TYPE_CHECKING:
-    from ..context import Context
-    from ..session import Session
+    from .context import Context
+    from .session import Session
 
 __all__ = ["Chat", "TurnStats"]
 
@@ -111,21 +111,21 @@ class Chat:
     def send(self, content: str, params: SamplingParams | None = None) -> Completion:
         """Add a user message and return the assistant's reply (blocking)."""
         turn = self._start_turn(content, params)
-        completion = self._ctx._wait(turn.handle)
+        completion = turn.handle.result()
         self._end_turn(turn, completion)
         return completion
 
     def stream(self, content: str, params: SamplingParams | None = None) -> Iterator[TokenEvent]:
         """Add a user message and stream the reply; the history updates when it ends."""
         turn = self._start_turn(content, params)
-        yield from self._ctx._events(turn.handle)
+        yield from turn.handle
         self._end_turn(turn, turn.handle.result())
 
     def _start_turn(self, content: str, params: SamplingParams | None) -> _Turn:
         params = params or self._params
         if params.n != 1:
             raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}")
-        params = self._ctx._with_end_of_turn(params)
+        params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
         wanted = [*self._messages, *validate_messages([{"role": "user", "content": content}])]
         budget = self._max_context - (params.max_tokens or 1)
         kept = drop_oldest_turns(wanted, lambda m: len(self._ctx.chat_prompt(m)), budget)
@@ -166,8 +166,7 @@ class Chat:
         start = common_prefix_len(old_tokens, new_tokens)
         if old_tokens[start + removed :] != new_tokens[start:]:
             return 0
-        ok = self._ctx._engine.call(lambda: session_shift(session, start, start + removed))
-        return removed if ok else 0
+        return removed if session.shift(start, start + removed) else 0
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -184,8 +183,3 @@ class Chat:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def session_shift(session: Session, start: int, end: int) -> bool:
-    """Engine-thread part of a history shift."""
-    return session._ctx._engine.scheduler.cache.shift_out(session.slot, start, end)

@@ -1,0 +1,56 @@
+"""Check the scheduler's bookkeeping against the backend's KV memory (loop thread only).
+
+Run through ``Context.audit()``; tests run it after every test (``llamax.testing.assert_idle``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .kvcache import Slot, SlotState
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["audit"]
+
+
+def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
+    """Every inconsistency between the bookkeeping and the memory, as sentences."""
+    backend, kv = scheduler.backend, scheduler.kv
+    problems: list[str] = []
+    slots = {slot.seq_id: slot for slot in kv.slots()}
+    pinned = {slot.seq_id for slot in session_slots}
+    if len(slots) + kv.num_free_seq_ids != backend.n_seq_max:
+        problems.append(
+            f"{len(slots)} held + {kv.num_free_seq_ids} free sequence ids != {backend.n_seq_max}"
+        )
+    tokens_of = getattr(backend, "seq_tokens", None)  # test backends can show KV contents
+    owners = {s.slot.seq_id for s in scheduler.all_sequences() if s.slot is not None}
+    for seq_id in range(backend.n_seq_max):
+        slot = slots.get(seq_id)
+        extent = backend.seq_pos_max(seq_id)
+        if slot is None:
+            if extent != -1:
+                problems.append(f"seq {seq_id} is free but holds KV up to position {extent}")
+            continue
+        if slot.pinned and seq_id not in pinned:
+            problems.append(f"{slot!r} is pinned but no session holds it")
+        if not slot.pinned and slot.state is SlotState.ACTIVE and seq_id not in owners:
+            problems.append(f"{slot!r} is active but no sequence owns it")
+        if extent != len(slot.tokens) - 1:
+            problems.append(f"{slot!r} but KV holds positions up to {extent}")
+        elif tokens_of is not None and list(tokens_of(seq_id)) != slot.tokens:
+            problems.append(f"{slot!r} but KV holds other tokens")
+    for seq in scheduler.all_sequences():
+        if seq.slot is not None and seq.slot.tokens != seq.token_ids[: seq.num_computed]:
+            problems.append(f"sequence {seq.request.request_id}/{seq.index} diverged from its slot")
+    cells = getattr(backend, "num_cells_used", None)
+    if cells is not None and cells != kv.num_cells_used:
+        problems.append(f"backend holds {cells} cells, the cache accounts {kv.num_cells_used}")
+    samplers = getattr(backend, "num_live_samplers", None)
+    held = sum(1 for s in scheduler.all_sequences() if s.sampler is not None)
+    if samplers is not None and samplers != held:
+        problems.append(f"backend holds {samplers} samplers, sequences hold {held}")
+    return problems

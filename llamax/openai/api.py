@@ -1,0 +1,92 @@
+"""``chat_completion`` / ``completion`` and their async twins, OpenAI-shaped.
+
+Every option has OpenAI's name and default (see :class:`~llamax.openai.options.ChatOptions`);
+an unknown option raises ``TypeError``. ``truncate="oldest_messages"`` drops the oldest whole
+turns (keeping system messages and the newest turn) when the conversation does not fit;
+without it an over-long conversation raises :class:`~llamax.ContextLengthError`.
+Built only on the public API of :class:`~llamax.Context` and its handles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .options import (
+    CHAT_OPTIONS,
+    COMPLETION_OPTIONS,
+    ChatOptions,
+    CompletionOptions,
+    check_option_names,
+    sampling_params,
+)
+from .requests import OpenAIRequest, prepare_chat, prepare_text
+from .shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
+
+if TYPE_CHECKING:
+    from ..context import Context
+
+__all__ = ["achat_completion", "acompletion", "chat_completion", "completion"]
+
+
+def _chat(
+    ctx: Context, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
+) -> OpenAIRequest:
+    check_option_names(options, CHAT_OPTIONS, "chat_completion")
+    opts: ChatOptions = options  # type: ignore[assignment]
+    params = sampling_params(opts, chat=True)
+    return prepare_chat(ctx, messages, params, truncate=opts.get("truncate", "none"))
+
+
+def _text(ctx: Context, prompt: str | Sequence[int], options: Mapping[str, Any]) -> OpenAIRequest:
+    check_option_names(options, COMPLETION_OPTIONS, "completion")
+    opts: CompletionOptions = options  # type: ignore[assignment]
+    return prepare_text(ctx, prompt, sampling_params(opts, chat=False))
+
+
+def _include_usage(options: Mapping[str, Any]) -> bool:
+    return bool((options.get("stream_options") or {}).get("include_usage", False))
+
+
+def chat_completion(
+    ctx: Context, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
+) -> ChatCompletion | Iterator[ChatCompletionChunk]:
+    """A ``chat.completion`` dict, or an iterator of ``chat.completion.chunk`` dicts when
+    ``stream=True`` (first delta carries the role, the last chunk of each choice its
+    ``finish_reason``; ``stream_options={"include_usage": True}`` adds a usage chunk).
+    Closing the iterator early cancels the request."""
+    request = _chat(ctx, messages, options)
+    if stream:
+        return request.chunks(_include_usage(options))  # type: ignore[return-value]
+    return request.result()  # type: ignore[return-value]
+
+
+def completion(
+    ctx: Context, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
+) -> TextCompletion | Iterator[TextCompletion]:
+    """A ``text_completion`` dict, or an iterator of them when ``stream=True``."""
+    request = _text(ctx, prompt, options)
+    if stream:
+        return request.chunks(_include_usage(options))  # type: ignore[return-value]
+    return request.result()  # type: ignore[return-value]
+
+
+async def achat_completion(
+    ctx: Context, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
+) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
+    """Async twin of :func:`chat_completion` (needs the background loop); ``aclose()`` on the
+    returned iterator cancels the request."""
+    request = _chat(ctx, messages, options)
+    if stream:
+        return request.achunks(_include_usage(options))  # type: ignore[return-value]
+    return await request.aresult()  # type: ignore[return-value]
+
+
+async def acompletion(
+    ctx: Context, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
+) -> TextCompletion | AsyncIterator[TextCompletion]:
+    """Async twin of :func:`completion`."""
+    request = _text(ctx, prompt, options)
+    if stream:
+        return request.achunks(_include_usage(options))  # type: ignore[return-value]
+    return await request.aresult()  # type: ignore[return-value]

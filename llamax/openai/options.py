@@ -1,0 +1,156 @@
+"""OpenAI request options: their names, and how they map onto :class:`SamplingParams`.
+
+Unknown options raise ``TypeError`` naming the closest valid one, as the ``openai`` client
+and llama-cpp-python do, rather than being ignored.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Literal, TypedDict
+
+from ..errors import InvalidParameterError
+from ..grammar import JSON_OBJECT_SCHEMA
+from ..params import SamplingParams
+
+__all__ = [
+    "ChatOptions",
+    "CompletionOptions",
+    "StreamOptions",
+    "Truncate",
+    "check_option_names",
+    "sampling_params",
+]
+
+Truncate = Literal["none", "oldest_messages"]
+
+
+class StreamOptions(TypedDict, total=False):
+    """OpenAI's ``stream_options``."""
+
+    include_usage: bool
+
+
+class CompletionOptions(TypedDict, total=False):
+    """Options shared by chat and text completions (OpenAI names and defaults)."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    stop: str | Sequence[str] | None
+    n: int
+    seed: int | None
+    logit_bias: Mapping[str | int, float] | None
+    presence_penalty: float
+    frequency_penalty: float
+    stream_options: StreamOptions | None
+    model: str | None
+    user: str | None
+    logprobs: bool | int | None
+    top_logprobs: int | None
+    response_format: Mapping[str, Any] | None
+    top_k: int
+    """llama.cpp extension (0, OpenAI's behaviour, disables it)."""
+    min_p: float
+    """llama.cpp extension (0 disables it)."""
+    repeat_penalty: float
+    """llama.cpp extension (1 disables it)."""
+    grammar: str | None
+    """llama.cpp extension: a GBNF grammar constraining the output."""
+
+
+class ChatOptions(CompletionOptions, total=False):
+    """Chat-only options."""
+
+    truncate: Truncate
+    """``"oldest_messages"`` drops the oldest whole turns when the conversation is too long."""
+
+
+COMPLETION_OPTIONS = frozenset(CompletionOptions.__annotations__) | {"stream"}
+CHAT_OPTIONS = frozenset(ChatOptions.__annotations__) | COMPLETION_OPTIONS
+
+
+def check_option_names(options: Collection[str], allowed: Collection[str], where: str) -> None:
+    """Raise ``TypeError`` for the first unknown option, suggesting the closest valid one.
+
+    Raises:
+        TypeError: ``where() got an unexpected keyword argument 'temprature' (did you mean
+            'temperature'?)``.
+    """
+    for name in options:
+        if name not in allowed:
+            close = difflib.get_close_matches(name, sorted(allowed), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def sampling_params(options: CompletionOptions, *, chat: bool) -> SamplingParams:
+    """Map OpenAI's knobs onto :class:`SamplingParams`. Like OpenAI, top-k and min-p are off
+    unless the llama.cpp extensions ``top_k``/``min_p`` ask for them.
+
+    Raises:
+        InvalidParameterError: a value is out of range or of the wrong shape.
+    """
+    stop = options.get("stop")
+    return SamplingParams(
+        max_tokens=options.get("max_tokens"),
+        temperature=options.get("temperature", 1.0),
+        top_p=options.get("top_p", 1.0),
+        top_k=options.get("top_k", 0),
+        min_p=options.get("min_p", 0.0),
+        repeat_penalty=options.get("repeat_penalty", 1.0),
+        stop=() if stop is None else stop,
+        n=options.get("n", 1),
+        seed=options.get("seed"),
+        logit_bias=_logit_bias(options.get("logit_bias")),
+        presence_penalty=options.get("presence_penalty", 0.0),
+        frequency_penalty=options.get("frequency_penalty", 0.0),
+        logprobs=_logprobs(options, chat=chat),
+        grammar=options.get("grammar"),
+        json_schema=_response_schema(options.get("response_format")),
+    )
+
+
+def _logit_bias(logit_bias: Mapping[str | int, float] | None) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for token, value in (logit_bias or {}).items():
+        try:
+            token_id = int(token)
+        except ValueError as exc:
+            raise InvalidParameterError(
+                f"logit_bias keys must be token ids, got {token!r}"
+            ) from exc
+        if not -100 <= value <= 100:
+            raise InvalidParameterError(f"logit_bias values must be in [-100, 100], got {value}")
+        bias[token_id] = -math.inf if value == -100 else float(value)
+    return bias
+
+
+def _logprobs(options: CompletionOptions, *, chat: bool) -> int | None:
+    """Chat: ``logprobs=True`` plus ``top_logprobs=k``; text: ``logprobs=k``."""
+    wanted = options.get("logprobs")
+    if chat:
+        return (options.get("top_logprobs") or 0) if wanted else None
+    return None if wanted is None or wanted is False else int(wanted)
+
+
+def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``{"type": "json_object"}`` → any object; ``{"type": "json_schema", "json_schema":
+    {"schema": {...}}}`` → that schema; ``{"type": "text"}`` or None → unconstrained."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, Mapping):
+            raise InvalidParameterError("response_format json_schema needs a 'schema' object")
+        return schema
+    raise InvalidParameterError(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+    )

@@ -1,0 +1,94 @@
+"""Typed step records: what one step computes, and what it produced.
+
+A :class:`StepPlan` holds one :class:`ScheduledSequence` per sequence in the batch: the
+sequence, the slice of tokens it feeds (a :class:`~llamax.backend.base.BatchItem` with its
+positions and the batch rows whose outputs it reads) and the sibling choices that fork from
+its last row. No parallel lists that must stay in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .backend.base import BatchItem
+from .results import TokenEvent
+from .sequence import Request
+from .sequence import Sequence as Seq
+
+__all__ = ["ScheduledSequence", "StepPlan", "StepResult", "build_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's part of a step."""
+
+    seq: Seq
+    item: BatchItem
+    """Tokens fed, their first position, and the batch rows whose outputs are read."""
+    forks: tuple[Seq, ...] = ()
+    """Sibling choices (``n > 1``) that sample their first token from this entry's last row
+    and copy its cells after the decode."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step computes, in batch order."""
+
+    entries: tuple[ScheduledSequence, ...] = ()
+
+    @property
+    def items(self) -> tuple[BatchItem, ...]:
+        """The batch, as the backend decodes it."""
+        return tuple(entry.item for entry in self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the batch."""
+        return sum(len(entry.item.token_ids) for entry in self.entries)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether there is nothing to decode."""
+        return not self.entries
+
+    def sampled_entries(self) -> list[ScheduledSequence]:
+        """Entries with a row to sample from."""
+        return [entry for entry in self.entries if entry.item.rows]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step (or an operation) produced, to be delivered outside every engine lock."""
+
+    events: list[tuple[Request, TokenEvent]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, BaseException]] = field(default_factory=list)
+    computed: bool = False
+    """Whether a decode ran."""
+
+
+def build_plan(
+    slots: Sequence[tuple[Seq, int]],
+    num_free_ids: int,
+    forkable: Callable[[Seq, int], tuple[Seq, ...]],
+) -> StepPlan:
+    """Lay ``(sequence, num_tokens)`` pairs out as one batch.
+
+    A sequence whose slice completes its known tokens reads its last row; the siblings
+    ``forkable(seq, free_ids)`` returns fork from it, as long as sequence ids remain.
+    """
+    entries: list[ScheduledSequence] = []
+    offset = 0
+    for seq, num in slots:
+        assert seq.slot is not None
+        start = seq.num_computed
+        end = start + num
+        completes = end == len(seq.token_ids)
+        rows = (offset + num - 1,) if completes else ()
+        item = BatchItem(seq.slot.seq_id, seq.token_ids[start:end], start, rows)
+        forks = forkable(seq, num_free_ids) if completes else ()
+        num_free_ids -= len(forks)
+        entries.append(ScheduledSequence(seq, item, forks))
+        offset += num
+    return StepPlan(tuple(entries))

@@ -1,0 +1,134 @@
+"""Prefix reuse: which slot holds the longest prefix of a prompt, and which finished slots
+are kept for that (LRU retention). Pure Python, over :class:`~llamax.kvcache.KVCache`.
+
+A finished sequence's slot is *retained*: its cells stay in KV so a later prompt that starts
+the same way copies them instead of computing them. Retained slots are evicted least
+recently used first whenever a sequence id or cells are needed; active and pinned (session)
+slots never are.
+
+Matching considers every slot, including those of running sequences. A running sequence
+that is still prefilling will soon hold more of its prompt than it holds now: ``match``
+reports both, so a newcomer can wait for an in-flight prefix instead of computing it twice.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .kvcache import KVCache, Slot, SlotState
+from .tokens import common_prefix_len
+
+__all__ = ["PrefixCache", "PrefixMatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The best prefix source for a prompt."""
+
+    slot: Slot | None = None
+    """The slot to copy from (None: nothing matches)."""
+    num_now: int = 0
+    """Prompt tokens that slot can give now."""
+    num_later: int = 0
+    """Prompt tokens it will give once its running owner has computed what it knows."""
+
+
+class PrefixCache:
+    """LRU retention of finished slots and longest-prefix matching over all slots."""
+
+    def __init__(self, cache: KVCache, *, retain: bool = True) -> None:
+        self._cache = cache
+        self._retain = retain
+        self._retained: OrderedDict[int, Slot] = OrderedDict()  # seq id -> slot, LRU first
+        self.num_evictions = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether prefixes are shared and finished slots retained."""
+        return self._retain
+
+    @property
+    def num_retained(self) -> int:
+        """Finished slots kept for their prefix."""
+        return len(self._retained)
+
+    def retained(self) -> list[Slot]:
+        """Retained slots, least recently used first."""
+        return list(self._retained.values())
+
+    # ------------------------------------------------------------------ retention
+    def retire(self, slot: Slot) -> None:
+        """A sequence finished: keep its slot for reuse (most recently used) or release it."""
+        if slot.pinned:
+            return
+        if self._retain and slot.tokens:
+            slot.state = SlotState.RETAINED
+            self._retained[slot.seq_id] = slot
+            self._retained.move_to_end(slot.seq_id)
+        else:
+            self._cache.release(slot)
+
+    def adopt(self, slot: Slot) -> None:
+        """Make a retained slot active again (a new sequence takes it over)."""
+        del self._retained[slot.seq_id]
+        slot.state = SlotState.ACTIVE
+
+    def touch(self, slot: Slot) -> None:
+        """Mark ``slot`` as just used (a prefix was copied from it)."""
+        if slot.seq_id in self._retained:
+            self._retained.move_to_end(slot.seq_id)
+
+    def evict_one(self, *, keep: Slot | None = None) -> bool:
+        """Release the least recently used retained slot (never ``keep``)."""
+        for seq_id, slot in self._retained.items():
+            if slot is not keep:
+                del self._retained[seq_id]
+                self._cache.release(slot)
+                self.num_evictions += 1
+                return True
+        return False
+
+    def evict_all(self) -> int:
+        """Release every retained slot; return how many."""
+        count = 0
+        while self.evict_one():
+            count += 1
+        return count
+
+    def allocate(self, *, pinned: bool = False, keep: Slot | None = None) -> Slot | None:
+        """Take a free sequence id, evicting a retained slot (never ``keep``) if needed."""
+        slot = self._cache.allocate(pinned=pinned)
+        if slot is None and self.evict_one(keep=keep):
+            slot = self._cache.allocate(pinned=pinned)
+        return slot
+
+    # ------------------------------------------------------------------ matching
+    def match(self, prompt: Sequence[int], in_flight: Mapping[int, Sequence[int]]) -> PrefixMatch:
+        """The slot holding the longest prefix of ``prompt`` (all but its last token).
+
+        Args:
+            prompt: the new sequence's tokens.
+            in_flight: for slots of sequences still prefilling, by seq id, every token the
+                owner knows (its whole prompt); they give ``num_later`` tokens.
+        """
+        if not self._retain:
+            return PrefixMatch()
+        limit = len(prompt) - 1  # the last prompt token is computed for its logits
+        best = PrefixMatch()
+        for slot in self._cache.slots():
+            known = in_flight.get(slot.seq_id)
+            if not slot.tokens and known is None:
+                continue
+            later = min(
+                common_prefix_len(known if known is not None else slot.tokens, prompt), limit
+            )
+            now = min(later, len(slot.tokens))
+            if now and not self._cache.is_intact(slot):
+                continue
+            if known is None:
+                later = now
+            if (now, later) > (best.num_now, best.num_later):
+                best = PrefixMatch(slot, now, later)
+        return best

@@ -1,0 +1,135 @@
+"""The scheduler's side of sessions and cache-wide operations: it applies every
+:mod:`llamax.kvops` operation on the loop thread, between steps.
+
+A session is a pinned slot known by a session id. Its requests are admitted into that slot
+(keeping the common prefix of what it holds); ``ReleaseSession`` first cancels a request
+of the session that is still queued or running, so closing never waits on the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from .audit import audit
+from .errors import InvalidParameterError, SessionError, SessionLoadError
+from .kvcache import Slot
+from .kvops import (
+    Audit,
+    ClearCache,
+    ForkSession,
+    KVOp,
+    OpenSession,
+    ReadSession,
+    ReleaseSession,
+    RestoreSession,
+    RewindSession,
+    SaveSession,
+    ShiftSession,
+)
+from .plan import StepResult
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+__all__ = ["SessionTable"]
+
+
+class SessionTable:
+    """Pinned slots by session id, and the operations that change the cache."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._slots: dict[int, Slot] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def num_open(self) -> int:
+        """Open sessions."""
+        return len(self._slots)
+
+    def slot(self, session_id: int) -> Slot:
+        """The pinned slot of an open session.
+
+        Raises:
+            SessionError: the session is closed.
+        """
+        try:
+            return self._slots[session_id]
+        except KeyError:
+            raise SessionError("the session is closed") from None
+
+    def apply(self, op: KVOp[object], result: StepResult) -> object:
+        """Apply ``op``; events it causes (a cancelled session request) go into ``result``.
+
+        Raises:
+            SessionError: the session is closed, or no sequence id is free.
+            SessionLoadError: llama.cpp refused a saved state.
+        """
+        kv = self._scheduler.kv
+        match op:
+            case OpenSession():
+                return self._open()
+            case ForkSession(session_id):
+                return self._fork(self.slot(session_id))
+            case RewindSession(session_id, num_tokens):
+                self._rewind(self.slot(session_id), num_tokens)
+                return None
+            case ShiftSession(session_id, start, end):
+                return kv.shift_out(self.slot(session_id), start, end)
+            case ReadSession(session_id):
+                return tuple(self.slot(session_id).tokens)
+            case SaveSession(session_id):
+                slot = self.slot(session_id)
+                return tuple(slot.tokens), kv.save(slot)
+            case RestoreSession(tokens, state):
+                return self._restore(tokens, state)
+            case ReleaseSession(session_id):
+                self._release(session_id, result)
+                return None
+            case ClearCache():
+                return self._scheduler.prefix.evict_all()
+            case Audit():
+                return audit(self._scheduler, self._slots.values())
+        raise TypeError(f"unknown KV operation {op!r}")
+
+    # ------------------------------------------------------------------ operations
+    def _fork(self, source: Slot) -> int:
+        session_id = self._open(keep=source, purpose="the fork")
+        if source.tokens:
+            self._scheduler.kv.copy_prefix(source, self._slots[session_id], len(source.tokens))
+        return session_id
+
+    def _rewind(self, slot: Slot, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= len(slot.tokens):
+            raise InvalidParameterError(
+                f"cannot rewind {num_tokens} tokens: the session holds {len(slot.tokens)}"
+            )
+        if not self._scheduler.kv.truncate(slot, len(slot.tokens) - num_tokens):
+            self._scheduler.kv.clear(slot)
+
+    def _restore(self, tokens: tuple[int, ...], state: bytes) -> int:
+        session_id = self._open(purpose="the loaded session")
+        if not self._scheduler.kv.restore(self._slots[session_id], tokens, state):
+            self._scheduler.kv.release(self._slots.pop(session_id))
+            raise SessionLoadError("llama.cpp refused the saved state (damaged file?)")
+        return session_id
+
+    def _release(self, session_id: int, result: StepResult) -> None:
+        if session_id not in self._slots:
+            return
+        for seq in self._scheduler.all_sequences():
+            if seq.request.session_id == session_id:
+                self._scheduler.abort(seq.request, result)
+        self._scheduler.kv.release(self._slots.pop(session_id))
+
+    def _open(self, *, keep: Slot | None = None, purpose: str = "a session") -> int:
+        slot = self._scheduler.prefix.allocate(pinned=True, keep=keep)
+        if slot is None:
+            raise SessionError(
+                f"no free sequence id for {purpose}: every one is held by running "
+                "sequences or sessions; close a session or raise n_seq_max"
+            )
+        session_id = next(self._ids)
+        self._slots[session_id] = slot
+        return session_id

@@ -1,0 +1,47 @@
+"""``ContextStats``: one consistent snapshot of the engine's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ContextStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class ContextStats:
+    """The engine's counters at one moment (see :meth:`llamax.Context.stats`).
+
+    The loop publishes a snapshot after every step and every KV operation, so every field
+    comes from the same moment and reading it from any thread never races the loop.
+    """
+
+    state: str
+    """``running``, ``closing``, ``closed`` or ``failed``."""
+    num_waiting: int
+    """Sequences queued."""
+    num_running: int
+    """Sequences being computed."""
+    num_retained: int
+    """Finished sequences kept in KV for their prefix (evicted LRU)."""
+    num_sessions: int
+    """Open sessions (and chats), each pinning a sequence id."""
+    num_unsettled: int
+    """Requests submitted and not yet resolved (queued ones included)."""
+    kv_cells_used: int
+    """Distinct KV cells in use (shared prefixes count once)."""
+    kv_cells_total: int
+    """KV cells in the context."""
+    num_free_seq_ids: int
+    """Sequence ids held by nothing."""
+    num_steps: int
+    """Decodes run."""
+    num_prefill_tokens: int
+    """Prompt tokens computed (prefix-cache hits are not computed)."""
+    num_decode_tokens: int
+    """Generated tokens computed."""
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache instead of computed."""
+    num_preemptions: int
+    """Sequences preempted under KV pressure (recomputed later)."""
+    num_evictions: int
+    """Retained prefixes evicted to make room."""
