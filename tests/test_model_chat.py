@@ -17,8 +17,8 @@ from openai.types import Completion as OpenAICompletion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import llamax
-from llamax.chat import InvalidMessageError
 from llamax import TurnStats
+from llamax.chat import InvalidMessageError
 from llamax.chat.template import TemplateError, TemplateSecurityError
 from llamax.testing import assert_idle
 
