@@ -179,9 +179,16 @@ class Engine:
             )
 
     def drive(self) -> bool:
-        """For waiters on a manual context: run one step here unless another thread does."""
+        """For waiters on a manual context: run one step here unless another thread does.
+
+        Raises:
+            DeadlockError: the caller is inside a step or one of its callbacks.
+        """
+        self.check_wait()
         try:
             return self.process()
+        except DeadlockError:
+            raise
         except (LoopOwnershipError, ContextClosedError, EngineError):
             return False  # someone else steps, or the failure reached every future
 

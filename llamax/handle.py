@@ -103,16 +103,18 @@ class RequestHandle:
         while True:
             with self._ready:
                 while not self._events:
+                    if not self.future.done():
+                        self._check_wait()
                     if drive is None:
-                        if not self.future.done():
-                            self._check_wait()
                         self._ready.wait()
-                    else:
-                        self._lock.release()  # run a step of a manual context, unlocked
-                        try:
-                            drive()
-                        finally:
-                            self._lock.acquire()
+                        continue
+                    self._lock.release()  # run a step of a manual context, unlocked
+                    try:
+                        progressed = drive()
+                    finally:
+                        self._lock.acquire()
+                    if not progressed and not self._events:
+                        self._ready.wait(0.005)  # another thread steps: wait for its events
                 item = self._events.popleft()
             if item is _END:
                 self._raise_failure()

@@ -461,7 +461,10 @@ def test_session_rewind_drops_tokens(real_ctx: llamax.Context) -> None:
         assert again.token_ids == reply.token_ids
         assert session.token_ids == held
 
-        session.rewind(10**6)
+        with pytest.raises(llamax.InvalidParameterError, match=f"holds {len(held)}"):
+            session.rewind(10**6)  # past the start: refused, naming the session's length
+        assert session.token_ids == held
+        session.rewind(len(held))
         assert session.token_ids == ()
         assert ctx.stats().kv_cells_used == 0
 
