@@ -90,9 +90,9 @@ from typing import Any, Protocol
 import llama_cpp
 import llama_cpp.llama_chat_format as chat_format
 from _common import load_average, log, ratio, stdout_to_stderr
+from llamax.chat.history import Chat
 
 import llamax
-from llamax.chat.history import Chat
 from llamax.chat.truncation import drop_oldest_turns
 from llamax.kvcache import common_prefix_len
 

@@ -36,7 +36,9 @@ def _in_thread(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
 
 @pytest.mark.parametrize("autostart", [True, False])
 @pytest.mark.parametrize("call", ["clear_cache", "session", "add_request", "stats", "audit"])
-def test_done_callback_may_call_the_context(make_fake: MakeFake, autostart: bool, call: str) -> None:
+def test_done_callback_may_call_the_context(
+    make_fake: MakeFake, autostart: bool, call: str
+) -> None:
     ctx, _ = make_fake(autostart=autostart)
     seen: list[object] = []
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import llamax
+from llamax.plan import StepResult
+from llamax.scheduler import Scheduler
+from llamax.sequence import Request, Sequence, SequenceState
 from llamax.testing import FakeBackend
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
@@ -178,3 +181,74 @@ def test_multibyte_text_streams_whole_characters(make_fake: MakeFake) -> None:
     assert "".join(deltas) == handle.result(0).text == "😀漢"
     assert all("\ufffd" not in d for d in deltas)
     assert deltas[:3] == ["", "", "😀"]
+
+
+# ---------------------------------------------------------------- the scheduler by hand
+# No engine and no threads: build requests, plan a step, feed the decode and the sampled
+# tokens by hand, and check states, batch layout and events.
+
+
+def _request(text: str, max_tokens: int, *, n: int = 1, arrival: int = 0) -> Request:
+    params = llamax.SamplingParams(max_tokens=max_tokens, temperature=0, n=n)
+    handle = llamax.RequestHandle(f"req-{arrival}")
+    return Request(
+        handle.request_id,
+        [b + 1 for b in text.encode()],
+        params,
+        handle,
+        token_to_piece=FakeBackend().token_to_piece,
+        arrival=arrival,
+        num_choices=n,
+    )
+
+
+def _step(scheduler: Scheduler, backend: FakeBackend, tokens: dict[Sequence, int]) -> StepResult:
+    plan = scheduler.schedule()
+    assert backend.decode(plan.items) == 0
+    result = StepResult()
+    scheduler.update(plan, {e.seq: tokens[e.seq] for e in plan.sampled_entries()}, {}, result)
+    return result
+
+
+def test_hand_driven_steps_prefill_in_chunks_then_decode() -> None:
+    backend = FakeBackend(n_batch=4)
+    scheduler = Scheduler(backend)
+    request = _request("abcdef", max_tokens=2)
+    seq = request.sequences[0]
+    scheduler.add(request)
+    plan = scheduler.schedule()
+    assert [(e.seq, list(e.item.token_ids), e.item.rows) for e in plan.entries] == [
+        (seq, [98, 99, 100, 101], ())  # a chunk of 4: no row to sample yet
+    ]
+    assert backend.decode(plan.items) == 0
+    scheduler.update(plan, {}, {}, StepResult())
+    assert seq.state is SequenceState.PREFILLING and seq.num_computed == 4
+    result = _step(scheduler, backend, {seq: 120})  # the last two prompt tokens, then sample
+    assert seq.state is SequenceState.DECODING and [e.text for _, e in result.events] == ["w"]
+    result = _step(scheduler, backend, {seq: 121})
+    assert seq.state is SequenceState.FINISHED_LENGTH and result.finished == [request]
+    assert request.completion().text == "wx" and not scheduler.has_work
+
+
+def test_hand_driven_forks_share_the_leader_row() -> None:
+    backend = FakeBackend(n_seq_max=4)
+    scheduler = Scheduler(backend)
+    request = _request("abc", max_tokens=1, n=3)
+    scheduler.add(request)
+    plan = scheduler.schedule()
+    (entry,) = plan.entries
+    assert entry.item.rows == (2,) and entry.forks == tuple(request.sequences[1:])
+    assert backend.decode(plan.items) == 0
+    result = StepResult()
+    scheduler.update(plan, {s: 110 + s.index for s in request.sequences}, {}, result)
+    assert [c.text for c in request.completion().choices] == ["m", "n", "o"]
+    assert result.finished == [request] and scheduler.kv.num_cells_used == 3
+
+
+def test_hand_driven_no_slot_halves_the_newest_chunk() -> None:
+    backend = FakeBackend(n_batch=16)
+    scheduler = Scheduler(backend)
+    scheduler.add(_request("x" * 12, max_tokens=1))
+    plan = scheduler.schedule()
+    assert plan.num_tokens == 12
+    assert scheduler.shrink(plan).num_tokens == 6

@@ -1,0 +1,94 @@
+"""Session as a state machine (open → idle ⇄ running → closed) against the fake backend.
+Fork, rewind, save and load with prefix reuse are in test_prefix_cache.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import llamax
+from llamax.testing import FakeBackend
+
+MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
+GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)
+
+
+def test_idle_running_idle_then_closed_refuses_everything(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake()
+    session = ctx.session()
+    assert ctx.stats().num_sessions == 1 and session.token_ids == ()
+    handle = session.add_request("hello", GREEDY)
+    for op in (lambda: session.add_request("x"), session.fork, lambda: session.rewind(1)):
+        with pytest.raises(llamax.SessionBusyError):
+            op()
+    with pytest.raises(llamax.SessionBusyError):
+        session.shift(0, 1)
+    handle.result()  # a manual context steps in this thread
+    assert len(session.token_ids) == len("hello") + 6 - 1  # the last token is not computed yet
+    session.close()
+    assert session.closed and ctx.stats().num_sessions == 0 and backend.num_cells_used == 0
+    for op in (
+        lambda: session.add_request("x"),
+        session.fork,
+        lambda: session.rewind(0),
+        lambda: session.token_ids,
+        lambda: session.shift(0, 0),
+    ):
+        with pytest.raises(llamax.SessionError, match="closed"):
+            op()
+    session.close()  # idempotent
+
+
+def test_close_cancels_a_running_request_without_waiting(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake()
+    session = ctx.session()
+    handle = session.add_request("hello", llamax.SamplingParams(max_tokens=100, temperature=0))
+    ctx.process()
+    session.close()
+    assert handle.done() and handle.result().finish_reason == "cancelled"
+    assert backend.num_cells_used == 0 and ctx.stats().num_sessions == 0
+
+
+def test_close_of_a_queued_request_session(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake()
+    session = ctx.session()
+    handle = session.add_request("hello", GREEDY)
+    session.close()  # the request never reached a step
+    assert handle.result().finish_reason == "cancelled"
+
+
+def test_rewind_bounds_name_the_length(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake()
+    with ctx.session() as session:
+        session.add_request("hello", GREEDY).result()
+        held = len(session.token_ids)
+        with pytest.raises(llamax.InvalidParameterError, match=f"holds {held}"):
+            session.rewind(held + 1)
+        for bad in (-1, 1.5, True):
+            with pytest.raises(llamax.InvalidParameterError, match="num_tokens"):
+                session.rewind(bad)  # type: ignore[arg-type]
+        session.rewind(held)
+        assert session.token_ids == ()
+
+
+def test_shift_removes_a_span_and_keeps_the_rest(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake()
+    with ctx.session() as session:
+        session.add_request("abcdefgh", llamax.SamplingParams(max_tokens=1)).result()
+        before = session.token_ids
+        assert session.shift(2, 5)
+        assert session.token_ids == before[:2] + before[5:]
+        assert backend.num_cells_used == len(before) - 3
+        with pytest.raises(ValueError, match="cannot shift out"):
+            session.shift(0, 100)
+
+
+def test_close_from_a_done_callback(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(autostart=True)
+    session = ctx.session()
+    handle = session.add_request("hello", GREEDY)
+    handle.future.add_done_callback(lambda _f: session.close())
+    handle.result(timeout=10)
+    llamax.testing.assert_idle(ctx)
+    assert session.closed
