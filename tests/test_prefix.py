@@ -69,7 +69,7 @@ def test_without_retention_nothing_is_kept_or_matched() -> None:
 
 
 def test_pinned_slots_are_never_retired_and_empty_ones_are_released() -> None:
-    prefix, kv, backend = make()
+    prefix, kv, _ = make()
     pinned = prefix.allocate(pinned=True)
     assert pinned is not None
     prefix.retire(pinned)
