@@ -20,7 +20,7 @@ from .kvops import Audit, ClearCache, OpenSession
 from .models import default_model_path
 from .openai.methods import OpenAIMethods
 from .params import ContextConfig, ContextOptions, SamplingParams
-from .prompts import build_request
+from .prompts import Prompt, build_request
 from .sampling import BatchLogitsProcessor
 from .session import Session
 from .stats import ContextStats
@@ -137,7 +137,7 @@ class Context(OpenAIMethods):
     # ------------------------------------------------------------------ requests
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
@@ -167,7 +167,7 @@ class Context(OpenAIMethods):
 
     def _submit(
         self,
-        prompt: str | Sequence[int],
+        prompt: Prompt,
         params: SamplingParams | None,
         *,
         priority: int = 0,

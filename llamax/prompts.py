@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
 
 from .backend.base import Backend
 from .errors import (
@@ -19,10 +23,14 @@ from .handle import RequestHandle
 from .params import SamplingParams
 from .sequence import Request
 
-__all__ = ["build_request", "check_token_ids", "prompt_tokens", "request_grammar"]
+Prompt: TypeAlias = "str | Sequence[int] | npt.NDArray[np.integer[Any]]"
+"""What ``add_request`` accepts: text, token ids (ints or numpy integers), or a 1-D integer
+array of them."""
+
+__all__ = ["Prompt", "build_request", "check_token_ids", "prompt_tokens", "request_grammar"]
 
 
-def prompt_tokens(backend: Backend, prompt: str | Sequence[int], n_ctx: int) -> list[int]:
+def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
     """Tokenize (or check) ``prompt``; it must leave room in ``n_ctx`` for one new token.
 
     Raises:
@@ -32,17 +40,19 @@ def prompt_tokens(backend: Backend, prompt: str | Sequence[int], n_ctx: int) -> 
     """
     if isinstance(prompt, str):
         tokens = backend.tokenize(prompt)
+    elif isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise InvalidRequestError(
+                f"a token id array must be 1-D and of an integer dtype, got {prompt.dtype} "
+                f"of shape {prompt.shape}"
+            )
+        tokens = _checked_ids(backend, prompt.tolist())
     elif isinstance(prompt, (list, tuple)):
-        tokens = list(prompt)
-        n_vocab = backend.n_vocab
-        for t in tokens:
-            if not isinstance(t, int) or not 0 <= t < n_vocab:
-                raise InvalidRequestError(
-                    f"prompt token ids must be ints in [0, {n_vocab}), got {t!r}"
-                )
+        tokens = _checked_ids(backend, prompt)
     else:
         raise InvalidRequestError(
-            f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+            f"prompt must be a str, a list of token ids or a 1-D integer array, "
+            f"got {type(prompt).__name__}"
         )
     if not tokens:
         raise EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
@@ -53,6 +63,19 @@ def prompt_tokens(backend: Backend, prompt: str | Sequence[int], n_ctx: int) -> 
             num_prompt_tokens=len(tokens),
             n_ctx=n_ctx,
         )
+    return tokens
+
+
+def _checked_ids(backend: Backend, ids: Sequence[object]) -> list[int]:
+    """Plain ints from ``ids`` (numpy integers accepted), each within the vocabulary."""
+    n_vocab = backend.n_vocab
+    tokens = []
+    for t in ids:
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
+        if not 0 <= t < n_vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {n_vocab}), got {t!r}")
+        tokens.append(int(t))
     return tokens
 
 
@@ -92,7 +115,7 @@ def check_token_ids(backend: Backend, params: SamplingParams) -> None:
 
 def build_request(
     backend: Backend,
-    prompt: str | Sequence[int],
+    prompt: Prompt,
     params: SamplingParams | None,
     handle: RequestHandle,
     *,

@@ -122,3 +122,8 @@ class Completion:
     def finish_reason(self) -> FinishReason:
         """Why the first choice ended."""
         return self.choices[0].finish_reason
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The first choice's per-token logprobs (None unless the request asked for them)."""
+        return self.choices[0].logprobs

@@ -12,7 +12,6 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from .kvops import (
     ShiftSession,
 )
 from .params import SamplingParams
+from .prompts import Prompt
 
 if TYPE_CHECKING:
     from .context import Context
@@ -71,9 +71,7 @@ class Session:
         return self._id is None
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None
-    ) -> RequestHandle:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Run a request on this session. Give the whole conversation so far as ``prompt``.
 
         Raises:

@@ -294,3 +294,31 @@ def test_chat_stream_updates_history(ctx: llamax.Context) -> None:
         assert chat.messages[-1] == {"role": "assistant", "content": "Hello there!"}
         with pytest.raises(llamax.InvalidParameterError, match="n must be 1"):
             chat.send("x", llamax.SamplingParams(n=2))
+
+
+def test_unknown_options_raise_type_error_naming_the_closest(ctx: llamax.Context) -> None:
+    with pytest.raises(TypeError, match="'max_token'.*did you mean 'max_tokens'"):
+        ctx.chat_completion(USER, max_token=4)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'temprature'.*did you mean 'temperature'"):
+        ctx.completion("Hi", temprature=0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="'bogus'"):
+        asyncio.run(ctx.achat_completion(USER, bogus=1))  # type: ignore[call-arg]
+    assert ctx.chat_completion(USER, max_tokens=4, temperature=0)["choices"]
+
+
+def test_closing_a_chunk_stream_cancels_the_request(ctx: llamax.Context) -> None:
+    stream = ctx.chat_completion(USER, max_tokens=200, temperature=0, stream=True)
+    first = next(stream)
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+    stream.close()
+    while ctx.has_work():
+        ctx.process()
+    assert ctx.stats().num_running == 0 and ctx.stats().num_unsettled == 0
+
+
+def test_llama_cpp_extensions_reach_the_sampler(ctx: llamax.Context) -> None:
+    grammar = 'root ::= "Hel" "lo"'
+    response = ctx.chat_completion(
+        USER, max_tokens=8, top_k=5, min_p=0.1, repeat_penalty=1.1, grammar=grammar
+    )
+    assert response["choices"][0]["message"]["content"]

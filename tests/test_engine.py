@@ -274,3 +274,35 @@ def test_close_from_a_done_callback_on_the_loop_thread(make_fake: MakeFake) -> N
     while not backend.closed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert backend.closed
+
+
+def test_numpy_token_ids_and_arrays_are_accepted(make_fake: MakeFake) -> None:
+    import numpy as np
+
+    ctx, _ = make_fake()
+    ids = [98, 99, 100]
+    expected = ctx.add_request(ids, PARAMS).result().token_ids
+    for prompt in ([np.int32(t) for t in ids], np.array(ids, dtype=np.int64), tuple(ids)):
+        assert ctx.add_request(prompt, PARAMS).result().token_ids == expected
+    for bad in (np.array([[1, 2]]), np.array([1.0, 2.0]), [1, True], [np.float32(1)]):
+        with pytest.raises(llamax.InvalidRequestError):
+            ctx.add_request(bad, PARAMS)  # type: ignore[arg-type]
+
+
+def test_priority_must_be_an_int(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake()
+    for bad in ("high", 1.5, None, True):
+        with pytest.raises(llamax.InvalidRequestError, match="priority"):
+            ctx.add_request("abc", PARAMS, priority=bad)  # type: ignore[arg-type]
+
+
+def test_completion_logprobs_shortcut(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake()
+    done = ctx.add_request("abc", llamax.SamplingParams(max_tokens=2, logprobs=2)).result()
+    assert done.logprobs is not None and len(done.logprobs) == 2
+    assert ctx.add_request("abc", PARAMS).result().logprobs is None
+
+
+def test_unknown_context_options_raise_type_error() -> None:
+    with pytest.raises(TypeError, match="'n_ctxx'.*did you mean 'n_ctx'"):
+        llamax.Context(backend=FakeBackend(), n_ctxx=8)  # type: ignore[call-arg]
