@@ -297,9 +297,9 @@ def test_chat_stream_updates_history(ctx: llamax.Context) -> None:
 
 
 def test_unknown_options_raise_type_error_naming_the_closest(ctx: llamax.Context) -> None:
-    with pytest.raises(TypeError, match="'max_token'.*did you mean 'max_tokens'"):
+    with pytest.raises(TypeError, match=r"'max_token'.*did you mean 'max_tokens'"):
         ctx.chat_completion(USER, max_token=4)  # type: ignore[call-arg]
-    with pytest.raises(TypeError, match="'temprature'.*did you mean 'temperature'"):
+    with pytest.raises(TypeError, match=r"'temprature'.*did you mean 'temperature'"):
         ctx.completion("Hi", temprature=0)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="'bogus'"):
         asyncio.run(ctx.achat_completion(USER, bogus=1))  # type: ignore[call-arg]

@@ -304,5 +304,5 @@ def test_completion_logprobs_shortcut(make_fake: MakeFake) -> None:
 
 
 def test_unknown_context_options_raise_type_error() -> None:
-    with pytest.raises(TypeError, match="'n_ctxx'.*did you mean 'n_ctx'"):
+    with pytest.raises(TypeError, match=r"'n_ctxx'.*did you mean 'n_ctx'"):
         llamax.Context(backend=FakeBackend(), n_ctxx=8)  # type: ignore[call-arg]
