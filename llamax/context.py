@@ -84,6 +84,7 @@ class Context(OpenAIMethods):
             backend,
             autostart=autostart,
             prefix_cache=config.prefix_cache,
+            max_step_ms=config.max_step_ms,
             batch_processor=batch_logits_processor,
         )
         self._arrivals = itertools.count()
@@ -99,13 +100,23 @@ class Context(OpenAIMethods):
 
     @property
     def n_ctx(self) -> int:
-        """KV cells granted: the most tokens one sequence may hold, shared by all."""
+        """KV cells granted (what the cache costs in memory, in every layout)."""
         return self._backend.n_ctx
 
     @property
     def n_seq_max(self) -> int:
         """How many sequences may hold KV cells at once."""
         return self._backend.n_seq_max
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """The most tokens one sequence (prompt plus reply) may hold."""
+        return self._backend.n_ctx_seq
+
+    @property
+    def kv_layout(self) -> str:
+        """``"unified"`` (one shared KV buffer) or ``"streams"`` (one per sequence)."""
+        return "unified" if self._backend.is_unified else "streams"
 
     @property
     def model_name(self) -> str:
@@ -184,7 +195,7 @@ class Context(OpenAIMethods):
             prompt,
             params,
             handle,
-            n_ctx=self.n_ctx,
+            n_ctx=self.n_ctx_seq,
             priority=priority,
             arrival=arrival,
             session_id=session_id,

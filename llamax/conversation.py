@@ -89,7 +89,7 @@ class Chat:
         )
         self._messages: list[Message] = validate_messages(start) if start else []
         self._ctx = ctx
-        self._max_context = min(max_context or ctx.n_ctx, ctx.n_ctx)
+        self._max_context = min(max_context or ctx.n_ctx_seq, ctx.n_ctx_seq)
         if self._max_context < 16:
             raise InvalidParameterError(f"max_context must be >= 16, got {self._max_context}")
         self._params = params or SamplingParams(max_tokens=256)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from enum import Enum
 from typing import Any, TypeVar
@@ -37,6 +38,7 @@ from .sampling import BatchLogitsProcessor, sample_plan
 from .scheduler import Scheduler
 from .sequence import Request
 from .stats import ContextStats
+from .step_budget import StepFeatures
 
 __all__ = ["Engine", "EngineState"]
 
@@ -65,11 +67,12 @@ class Engine:
         *,
         autostart: bool = True,
         prefix_cache: bool = True,
+        max_step_ms: float | None = None,
         batch_processor: BatchLogitsProcessor | None = None,
     ) -> None:
         self.backend = backend
         self._batch_processor = batch_processor
-        self.scheduler = Scheduler(backend, prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(backend, prefix_cache=prefix_cache, max_step_ms=max_step_ms)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -295,24 +298,27 @@ class Engine:
         result = self._drain_queues()
         plan = self.scheduler.schedule()
         if not plan.is_empty:
-            plan = self._decode(plan)
+            plan, features, started = self._decode(plan)
         if not plan.is_empty:
             sampled = sample_plan(self.backend, plan.sampled_entries(), self._batch_processor)
             for request, error in sampled.failed.values():
                 self.scheduler.fail(request, error, result)
             self.scheduler.update(plan, sampled.tokens, sampled.logprobs, result)
+            self.scheduler.step_cost.observe(features, time.perf_counter() - started)
             self.num_steps += 1
             result.computed = True
         self._publish_snapshot()
         return result
 
-    def _decode(self, plan: StepPlan) -> StepPlan:
-        """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed."""
+    def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float]:
+        """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
+        cost features and when its decode started."""
         for _ in range(_MAX_SHRINKS_PER_STEP):
+            features, started = self.scheduler.features(plan), time.perf_counter()
             status = self.backend.decode(plan.items)
             if status == DecodeStatus.OK:
                 self._stalled_steps = 0
-                return plan
+                return plan, features, started
             if status != DecodeStatus.NO_SLOT:
                 raise EngineError(f"llama_decode failed with status {status}")
             _log.debug("llama_decode found no KV slot for %d tokens; shrinking", plan.num_tokens)
@@ -322,7 +328,7 @@ class Engine:
         self._stalled_steps += 1
         if self._stalled_steps > _MAX_STALLED_STEPS:
             raise EngineError("llama_decode found no KV slot even for a single token")
-        return StepPlan()
+        return StepPlan(), StepFeatures(), 0.0
 
     def _drain_queues(self) -> StepResult:
         with self._lock:
@@ -352,6 +358,9 @@ class Engine:
             num_unsettled=0,
             kv_cells_used=s.kv.num_cells_used,
             kv_cells_total=self.backend.n_ctx,
+            kv_cells_per_seq=self.backend.n_ctx_seq,
+            kv_layout="unified" if self.backend.is_unified else "streams",
+            kv_bytes_total=self.backend.n_ctx * self.backend.kv_bytes_per_cell,
             num_free_seq_ids=s.kv.num_free_seq_ids,
             num_steps=self.num_steps,
             num_prefill_tokens=s.num_prefill_tokens,

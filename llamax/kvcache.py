@@ -1,10 +1,15 @@
 """KV-cell accounting over llama.cpp's KV memory. Pure Python.
 
 A :class:`Slot` is one llama.cpp sequence id together with the tokens it holds in KV
-(positions ``0 .. len(tokens)-1``). On a unified cache ``seq_cp(src, dst, 0, n)`` tags the
-existing cells with another id, so a copied prefix costs no cells. We therefore give every
-computed token a cell id, share cell ids on copy, and count a cell as used while any slot
-references it; that makes ``num_cells_used`` exact without asking llama.cpp.
+(positions ``0 .. len(tokens)-1``). We give every computed token a cell id and count a cell
+as used while any slot references it; that makes ``num_cells_used`` exact without asking
+llama.cpp. The two layouts differ only in :meth:`KVCache.copy_prefix`:
+
+- unified (one buffer): ``seq_cp(src, dst, 0, n)`` tags the existing cells with another
+  id, so a copied prefix shares its cell ids and costs no cells;
+- streams (one buffer per sequence): a partial copy between streams aborts llama.cpp, so
+  the whole stream is copied (``seq_cp(src, dst, -1, -1)``, a buffer copy) and the tail
+  that is not shared is removed (``seq_rm``); the copy gets cells of its own.
 
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
 and which is evicted first, is :mod:`llamax.prefix`'s business; who may change a slot at
@@ -53,6 +58,7 @@ class KVCache:
 
     def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
         self._memory = memory
+        self._shares_cells = memory.is_unified
         self._free_ids = list(reversed(range(n_seq_max)))
         self._slots: dict[int, Slot] = {}
         self._refs: dict[int, int] = {}
@@ -94,14 +100,22 @@ class KVCache:
         self._free_ids.append(slot.seq_id)
 
     def copy_prefix(self, src: Slot, dst: Slot, num: int) -> None:
-        """Make ``dst`` (empty) share the first ``num`` cells of ``src`` (``seq_cp``)."""
+        """Make ``dst`` (empty) hold the first ``num`` tokens of ``src`` without computing
+        them: shared cells in a unified cache, a copied stream otherwise."""
         if dst.tokens:
             raise ValueError(f"copy into a non-empty slot {dst!r}")
-        self._memory.seq_cp(src.seq_id, dst.seq_id, 0, num)
-        dst.tokens = src.tokens[:num]
-        dst.cells = src.cells[:num]
-        for cell in dst.cells:
-            self._refs[cell] += 1
+        if self._shares_cells:
+            self._memory.seq_cp(src.seq_id, dst.seq_id, 0, num)
+            dst.tokens = src.tokens[:num]
+            dst.cells = src.cells[:num]
+            for cell in dst.cells:
+                self._refs[cell] += 1
+            return
+        self._memory.seq_cp(src.seq_id, dst.seq_id, -1, -1)
+        if num < len(src.tokens) and not self._memory.seq_rm(dst.seq_id, num, -1):
+            self._memory.seq_rm(dst.seq_id, -1, -1)
+            raise ValueError(f"the memory cannot cut a copied stream to {num} tokens")
+        self.append(dst, src.tokens[:num])
 
     def append(self, slot: Slot, tokens: Sequence[int]) -> None:
         """Record that ``tokens`` were computed at the end of ``slot`` in fresh cells."""

@@ -9,14 +9,17 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol, TypedDict
+from typing import Any, Literal, Protocol, TypeAlias, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidParameterError
 
-__all__ = ["ContextConfig", "ContextOptions", "LogitsProcessor", "SamplingParams"]
+__all__ = ["ContextConfig", "ContextOptions", "KVLayout", "LogitsProcessor", "SamplingParams"]
+
+KVLayout: TypeAlias = Literal["auto", "unified", "streams"]
+"""How KV cells are laid out: one shared buffer, one buffer per sequence, or chosen."""
 
 
 class LogitsProcessor(Protocol):
@@ -203,8 +206,18 @@ def _default_threads() -> int:
 class ContextConfig:
     """What the user chose for a :class:`llamax.Context`. Load-time facts live on the engine.
 
-    ``n_ctx`` is the total number of KV cells shared by all sequences (the cache is unified),
-    and also the most tokens one sequence may hold. ``n_batch`` is the per-step token budget:
+    ``n_ctx`` is the number of KV cells, which is what the KV cache costs in memory, in
+    every layout. ``n_ctx_seq`` is the most tokens one sequence (prompt and reply) may hold;
+    by default ``n_ctx``. ``kv_layout`` says how the cells are laid out (see
+    docs/kv-cache.md): ``"unified"``, one buffer all sequences share (any sequence may grow
+    to ``n_ctx``, but every decode attends over the whole used span); ``"streams"``, one
+    buffer of ``n_ctx // n_seq_max`` cells per sequence (each decode attends only to its
+    own cells; needs ``n_ctx_seq <= n_ctx // n_seq_max``); ``"auto"`` (default) picks
+    streams exactly when ``n_ctx_seq`` is given and fits in one stream, so a prompt that
+    fits ``n_ctx_seq`` never fails because of the layout. ``max_step_ms`` is the latency
+    target of one step while sequences are decoding: long prompts are prefilled in chunks
+    sized (from measured step costs) to keep every stream's tokens coming about that
+    often; ``None`` uses fixed ``n_batch`` chunks. ``n_batch`` is the per-step token budget:
     one ``llama_decode`` never carries more, so a long prompt is prefilled in chunks of at
     most ``n_batch`` tokens while other sequences keep streaming. ``use_extra_bufts=None``
     picks automatically: it is turned off on CPUs that advertise AMX, where ggml's AMX
@@ -216,6 +229,9 @@ class ContextConfig:
     model_path: str
     n_ctx: int = 4096
     n_seq_max: int = 16
+    n_ctx_seq: int | None = None
+    kv_layout: KVLayout = "auto"
+    max_step_ms: float | None = 250.0
     n_batch: int = 512
     n_ubatch: int | None = None
     n_threads: int = field(default_factory=_default_threads)
@@ -244,10 +260,36 @@ class ContextConfig:
                 raise TypeError(f"Context() got an unexpected keyword argument {name!r}{hint}")
         return cls(model_path=model_path, **options)
 
+    @property
+    def resolved_kv_layout(self) -> Literal["unified", "streams"]:
+        """The layout ``"auto"`` stands for with these sizes."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        fits = self.n_ctx_seq is not None and self.n_ctx_seq * self.n_seq_max <= self.n_ctx
+        return "streams" if fits and self.n_seq_max > 1 else "unified"
+
     def __post_init__(self) -> None:
         _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
         _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         _require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
+        _require(
+            self.kv_layout in ("auto", "unified", "streams"),
+            f"kv_layout must be 'auto', 'unified' or 'streams', got {self.kv_layout!r}",
+        )
+        _require(
+            self.n_ctx_seq is None or 16 <= self.n_ctx_seq <= self.n_ctx,
+            f"n_ctx_seq must be in [16, n_ctx={self.n_ctx}], got {self.n_ctx_seq}",
+        )
+        _require(
+            self.kv_layout != "streams" or (self.n_ctx_seq or 16) * self.n_seq_max <= self.n_ctx,
+            f"kv_layout='streams' gives each of the n_seq_max={self.n_seq_max} sequences "
+            f"n_ctx // n_seq_max = {self.n_ctx // self.n_seq_max} cells, fewer than "
+            f"n_ctx_seq={self.n_ctx_seq}; raise n_ctx or lower n_ctx_seq",
+        )
+        _require(
+            self.max_step_ms is None or self.max_step_ms > 0,
+            f"max_step_ms must be > 0 or None, got {self.max_step_ms}",
+        )
         _require(
             self.n_ubatch is None or 1 <= self.n_ubatch <= self.n_batch,
             f"n_ubatch must be in [1, n_batch], got {self.n_ubatch}",
@@ -264,6 +306,9 @@ class ContextOptions(TypedDict, total=False):
 
     n_ctx: int
     n_seq_max: int
+    n_ctx_seq: int | None
+    kv_layout: KVLayout
+    max_step_ms: float | None
     n_batch: int
     n_ubatch: int | None
     n_threads: int

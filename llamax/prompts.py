@@ -58,7 +58,7 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
         raise EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
     if len(tokens) >= n_ctx:
         raise ContextLengthError(
-            f"the prompt has {len(tokens)} tokens but the context holds {n_ctx}; "
+            f"the prompt has {len(tokens)} tokens but a sequence may hold {n_ctx}; "
             "it must leave room for at least one generated token",
             num_prompt_tokens=len(tokens),
             n_ctx=n_ctx,

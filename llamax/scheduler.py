@@ -14,9 +14,11 @@ prefilled by a running sequence (a burst with one system prompt), the newcomer w
 instead of computing it again. ``n > 1`` choices fork from the leader's last prompt row:
 they share its cells and sample their first token from the same logits.
 
-KV accounting: cells are counted exactly by :class:`~llamax.kvcache.KVCache`. A step may
-start only if ``cells_used + pending tokens of running sequences <= n_ctx``; retained
-slots are evicted first, then the newest running sequence is preempted (LIFO). Changes
+KV accounting: cells are counted exactly by :class:`~llamax.kvcache.KVCache`. In a unified
+cache a step may start only if ``cells_used + pending tokens of running sequences <= n_ctx``;
+retained slots are evicted first, then the newest running sequence is preempted (LIFO).
+With one stream per sequence every sequence owns its cells, so only sequence ids are
+scarce; retained prefixes then cost memory but never slow other streams. Changes
 asked for from outside a step (sessions, chat shifts, ``clear_cache``) arrive as typed
 operations (:mod:`llamax.kvops`) through :meth:`Scheduler.apply`.
 """
@@ -36,6 +38,7 @@ from .prefix import PrefixCache
 from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
+from .step_budget import MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
 from .tokens import common_prefix_len
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
@@ -55,10 +58,16 @@ class _Admission(Enum):
 class Scheduler:
     """Owns every state change of every sequence and slot. Driven by one thread at a time."""
 
-    def __init__(self, backend: Backend, *, prefix_cache: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, *, prefix_cache: bool = True, max_step_ms: float | None = None
+    ) -> None:
         self._backend = backend
         self._n_ctx = backend.n_ctx
+        self._n_ctx_seq = backend.n_ctx_seq
+        self._is_unified = backend.is_unified
         self._n_batch = backend.n_batch
+        self._max_step_s = None if max_step_ms is None else max_step_ms / 1000
+        self.step_cost = StepCostModel()
         self.kv = KVCache(backend, backend.n_seq_max)
         self.prefix = PrefixCache(self.kv, retain=prefix_cache and backend.can_share_prefix)
         self.sessions = SessionTable(self)
@@ -110,19 +119,23 @@ class Scheduler:
         return cast(T, self.sessions.apply(op, result))
 
     def schedule(self) -> StepPlan:
-        """Make room, admit what fits, and plan one step."""
+        """Make room, admit what fits, and plan one step.
+
+        Decode rows go first; prompt chunks fill the rest of the token budget, sized so the
+        step stays within ``max_step_ms`` while anybody is decoding (see
+        :mod:`llamax.step_budget`).
+        """
         self._make_room_for_growth()
-        budget = self._n_batch
-        slots: list[tuple[Sequence, int]] = []
-        for seq in self._running:
-            if seq.num_pending == 1 and budget > 0:
-                slots.append((seq, 1))
-                budget -= 1
+        decode = [seq for seq in self._running if seq.num_pending == 1][: self._n_batch]
+        slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
+        budget = self._n_batch - len(decode)
+        fixed = self._decode_features(decode) if decode and self._is_timed else None
         for seq in self._running:
             if seq.num_pending > 1 and budget > 0:
-                take = min(seq.num_pending, budget)
-                slots.append((seq, take))
-                budget -= take
+                take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
+                if take:
+                    slots.append((seq, take))
+                    budget -= take
         for seq in list(self._waiting):
             if budget <= 0:
                 break
@@ -132,10 +145,49 @@ class Scheduler:
             if outcome is _Admission.NO_ROOM:
                 break  # first come, first served: nobody overtakes a request that lacks room
             if outcome is _Admission.ADMITTED:
-                take = min(seq.num_pending, budget)
-                slots.append((seq, take))
-                budget -= take
+                take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
+                if take:
+                    slots.append((seq, take))
+                    budget -= take
         return build_plan(slots, self.kv.num_free_seq_ids, self._forkable_siblings)
+
+    def features(self, plan: StepPlan) -> StepFeatures:
+        """What ``plan`` costs, in the terms of :class:`~llamax.step_budget.StepCostModel`."""
+        if self._is_unified:
+            num = plan.num_tokens
+            return StepFeatures(num, num * (self.kv.num_cells_used + num))
+        attention = sum(
+            len(e.item.token_ids) * (e.item.start_pos + len(e.item.token_ids) // 2)
+            for e in plan.entries
+        )
+        return StepFeatures(plan.num_tokens, attention)
+
+    @property
+    def _is_timed(self) -> bool:
+        return self._max_step_s is not None and self.step_cost.is_ready
+
+    def _decode_features(self, decode: list[Sequence]) -> StepFeatures:
+        if self._is_unified:
+            return StepFeatures(len(decode), len(decode) * (self.kv.num_cells_used + len(decode)))
+        return StepFeatures(len(decode), sum(seq.num_computed + 1 for seq in decode))
+
+    def _chunk(
+        self, seq: Sequence, limit: int, fixed: StepFeatures | None, num_decode: int
+    ) -> tuple[int, StepFeatures | None]:
+        """How many of ``seq``'s pending tokens this step computes, within the time budget.
+
+        The first prompt chunk of a timed step always advances (``MIN_CHUNK`` at least);
+        later ones get only what room the prediction leaves.
+        """
+        if fixed is None or self._max_step_s is None:
+            return limit, fixed
+        unified = self._is_unified
+        attend = self.kv.num_cells_used + fixed.num_tokens if unified else seq.num_computed
+        floor = MIN_CHUNK if fixed.num_tokens == num_decode else 0
+        take = self.step_cost.largest_chunk(
+            fixed, attend, limit, self._max_step_s, unified=unified, floor=floor
+        )
+        return take, fixed + chunk_features(take, attend, fixed, unified=unified)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: halve the newest prefill chunk, else preempt the newest."""
@@ -307,13 +359,15 @@ class Scheduler:
             seq.request.num_cached_tokens = num
 
     def _fits(self, new_cells: int, *, keep: Slot | None = None) -> bool:
+        if not self._is_unified:
+            return True  # every sequence owns a stream of n_ctx_seq cells or more
         while self.kv.num_cells_used + self.num_pending_tokens + new_cells > self._n_ctx:
             if not self.prefix.evict_one(keep=keep):
                 return False
         return True
 
     def _make_room_for_growth(self) -> None:
-        while self.kv.num_cells_used + self.num_pending_tokens > self._n_ctx:
+        while self._is_unified and self.kv.num_cells_used + self.num_pending_tokens > self._n_ctx:
             if self.prefix.evict_one():
                 continue
             if len(self._running) <= 1:
@@ -354,7 +408,7 @@ class Scheduler:
             self._finish(
                 seq, SequenceState.FINISHED_STOPPED, result, text, (token,), lps, drain=False
             )
-        elif at_limit or len(seq.token_ids) >= self._n_ctx:
+        elif at_limit or len(seq.token_ids) >= self._n_ctx_seq:
             self._finish(seq, SequenceState.FINISHED_LENGTH, result, text, (token,), lps)
         else:
             result.events.append((seq.request, TokenEvent(text, (token,), seq.index, None, lps)))

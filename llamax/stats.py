@@ -30,7 +30,13 @@ class ContextStats:
     kv_cells_used: int
     """Distinct KV cells in use (shared prefixes count once)."""
     kv_cells_total: int
-    """KV cells in the context."""
+    """KV cells in the context (``n_ctx``)."""
+    kv_cells_per_seq: int
+    """The most cells (tokens) one sequence may hold (``n_ctx_seq``)."""
+    kv_layout: str
+    """``"unified"`` (one buffer all sequences share) or ``"streams"`` (one per sequence)."""
+    kv_bytes_total: int
+    """Approximate memory of the whole KV cache (every cell, K and V, every layer)."""
     num_free_seq_ids: int
     """Sequence ids held by nothing."""
     num_steps: int

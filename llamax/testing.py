@@ -66,8 +66,13 @@ class FakeBackend:
         metadata: Mapping[str, str] | None = None,
         special_tokens: Mapping[str, int] | None = None,
         eog_token_ids: Sequence[int] = (EOS,),
+        kv_layout: str = "unified",
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
+        if kv_layout not in ("unified", "streams"):
+            raise ValueError(f"kv_layout must be 'unified' or 'streams', got {kv_layout!r}")
+        self._is_unified = kv_layout == "unified"
+        self._n_ctx_seq = n_ctx if self._is_unified else n_ctx // n_seq_max
         self._next_token = next_token
         self._pieces = {0: b""} | {b + 1: bytes([b]) for b in range(256)} | dict(extra_pieces or {})
         self._model_name = model_name
@@ -99,6 +104,21 @@ class FakeBackend:
     def n_ctx(self) -> int:
         """Total KV cells."""
         return self._n_ctx
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """``n_ctx``, or each stream's ``n_ctx // n_seq_max`` cells with ``kv_layout="streams"``."""
+        return self._n_ctx_seq
+
+    @property
+    def is_unified(self) -> bool:
+        """As configured by ``kv_layout``."""
+        return self._is_unified
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """A made-up size."""
+        return 1024
 
     @property
     def n_seq_max(self) -> int:
@@ -192,7 +212,9 @@ class FakeBackend:
         num = sum(len(i.token_ids) for i in items)
         if num > self._n_batch or len({i.seq_id for i in items}) != len(items):
             return -1
-        if self.num_cells_used + num > self._n_ctx:
+        if self.num_cells_used + num > self._n_ctx or any(
+            len(self.cells[i.seq_id]) + len(i.token_ids) > self._n_ctx_seq for i in items
+        ):
             return DecodeStatus.NO_SLOT
         self._rows.clear()
         self._logits = np.zeros((sum(len(i.rows) for i in items), self.n_vocab), np.float32)
@@ -310,7 +332,17 @@ class FakeBackend:
         return self._can_shift_positions
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Share ``src``'s cells ``[p0, p1)`` with ``dst``, which must continue at ``p0``."""
+        """Share ``src``'s cells ``[p0, p1)`` with ``dst``, which must continue at ``p0``.
+
+        With one stream per sequence only whole copies (``p0 = p1 = -1``) exist, and they
+        duplicate the cells, as in llama.cpp, where a partial one aborts the process.
+        """
+        if not self._is_unified:
+            if p0 != -1 or p1 != -1 or self.cells[dst]:
+                raise AssertionError(f"partial seq_cp {src}->{dst} between streams aborts")
+            self._store(dst, [t for t in self.cells[src] if t is not None])
+            self.num_copies += 1
+            return
         p0 = max(p0, 0)
         p1 = len(self.cells[src]) if p1 < 0 else p1
         if len(self.cells[dst]) != p0 or p1 > len(self.cells[src]):

@@ -14,13 +14,28 @@ from llamax.testing import FakeBackend, assert_idle
 
 
 @pytest.fixture
-def make_fake() -> Iterator[Callable[..., tuple[llamax.Context, FakeBackend]]]:
-    """Build ``(Context, FakeBackend)`` pairs; each is leak-checked and closed after the test."""
+def kv_layout() -> str:
+    """The fake's KV layout; modules that cover both override this with a parametrized one."""
+    return "unified"
+
+
+@pytest.fixture
+def make_fake(kv_layout: str) -> Iterator[Callable[..., tuple[llamax.Context, FakeBackend]]]:
+    """Build ``(Context, FakeBackend)`` pairs; each is leak-checked and closed after the test.
+
+    With ``kv_layout == "streams"`` every sequence gets a stream of the ``n_ctx`` cells the
+    test asked for (the fake's total is ``n_ctx * n_seq_max``), so a test's prompts fit in
+    either layout.
+    """
     made: list[llamax.Context] = []
 
     def make(
         *, autostart: bool = False, **backend_options: Any
     ) -> tuple[llamax.Context, FakeBackend]:
+        if kv_layout == "streams" and "kv_layout" not in backend_options:
+            n_seq_max = backend_options.get("n_seq_max", 4)
+            backend_options["n_ctx"] = backend_options.get("n_ctx", 256) * n_seq_max
+            backend_options["kv_layout"] = "streams"
         backend = FakeBackend(**backend_options)
         ctx = llamax.Context(backend=backend, autostart=autostart)
         made.append(ctx)

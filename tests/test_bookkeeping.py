@@ -3,6 +3,8 @@ checking KV cells, sequence ids, refcounts and samplers after every operation.""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -14,9 +16,11 @@ PREFIXES = ["", "system prompt one. ", "system prompt two, longer than one. "]
 
 
 class EngineMachine(RuleBasedStateMachine):
+    backend_options: ClassVar[dict[str, object]] = {"n_ctx": 160, "n_seq_max": 5, "n_batch": 16}
+
     def __init__(self) -> None:
         super().__init__()
-        self.backend = FakeBackend(n_ctx=160, n_seq_max=5, n_batch=16)
+        self.backend = FakeBackend(**self.backend_options)  # type: ignore[arg-type]
         self.ctx = llamax.Context(backend=self.backend, autostart=False)
         self.handles: list[llamax.RequestHandle] = []
 
@@ -67,5 +71,18 @@ class EngineMachine(RuleBasedStateMachine):
         self.ctx.close()
 
 
+class StreamsMachine(EngineMachine):
+    """The same with one KV stream of 160 cells per sequence."""
+
+    backend_options: ClassVar[dict[str, object]] = {
+        "n_ctx": 800,
+        "n_seq_max": 5,
+        "n_batch": 16,
+        "kv_layout": "streams",
+    }
+
+
 EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+StreamsMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestEngineMachine = EngineMachine.TestCase
+TestStreamsMachine = StreamsMachine.TestCase

@@ -16,6 +16,14 @@ from llamax.backend import BatchItem
 from llamax.testing import FakeBackend, alphabet_model, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
+
+
+@pytest.fixture(params=["unified", "streams"])
+def kv_layout(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with both KV layouts."""
+    return str(request.param)
+
+
 PARAMS = llamax.SamplingParams(max_tokens=10, temperature=0)
 
 

@@ -11,6 +11,14 @@ import llamax
 from llamax.testing import FakeBackend
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
+
+
+@pytest.fixture(params=["unified", "streams"])
+def kv_layout(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with both KV layouts."""
+    return str(request.param)
+
+
 GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)
 SYSTEM = "You are a helpful assistant. " * 4  # 116 tokens on the byte-level fake
 
@@ -163,7 +171,7 @@ def test_session_divergent_edit_drops_the_tail(make_fake: MakeFake) -> None:
         assert edited.result(0).token_ids == cold(SYSTEM + "second").token_ids
 
 
-def test_session_fork_rewind_and_busy(make_fake: MakeFake) -> None:
+def test_session_fork_rewind_and_busy(make_fake: MakeFake, kv_layout: str) -> None:
     ctx, backend = make_fake(n_ctx=1024)
     with ctx.session() as session:
         session.add_request(SYSTEM, GREEDY)
@@ -171,7 +179,8 @@ def test_session_fork_rewind_and_busy(make_fake: MakeFake) -> None:
         cells = backend.num_cells_used
         with session.fork() as fork:
             assert fork.token_ids == session.token_ids
-            assert backend.num_cells_used == cells  # shared, not duplicated
+            # unified: shared, not duplicated; streams: the fork's stream is a copy
+            assert backend.num_cells_used == cells * (1 if kv_layout == "unified" else 2)
             branch = fork.add_request(SYSTEM + "fork", GREEDY)
             with pytest.raises(llamax.SessionBusyError):
                 fork.add_request(SYSTEM + "again", GREEDY)

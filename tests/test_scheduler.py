@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 import llamax
 from llamax.plan import StepResult
 from llamax.scheduler import Scheduler
@@ -11,6 +13,14 @@ from llamax.sequence import Request, Sequence, SequenceState
 from llamax.testing import FakeBackend
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
+
+
+@pytest.fixture(params=["unified", "streams"])
+def kv_layout(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with both KV layouts."""
+    return str(request.param)
+
+
 GREEDY = llamax.SamplingParams(max_tokens=8, temperature=0)
 
 
@@ -53,11 +63,13 @@ def test_admission_is_bounded_by_sequence_ids(make_fake: MakeFake) -> None:
     assert all(h.result(0).text == "cdefghij" for h in handles)
 
 
-def test_admission_is_bounded_by_kv_cells(make_fake: MakeFake) -> None:
+def test_admission_is_bounded_by_kv_cells(make_fake: MakeFake, kv_layout: str) -> None:
     ctx, backend = make_fake(n_ctx=40, n_seq_max=4)
     handles = [ctx.add_request(c * 15, GREEDY) for c in "xyz"]
     ctx.process()
-    assert ctx.stats().num_running == 2  # 15 + 15 fit in 40 cells, a third would not
+    # unified: 15 + 15 fit in 40 shared cells, a third would not; streams: each sequence
+    # owns 40 cells, so only sequence ids bound admission
+    assert ctx.stats().num_running == (2 if kv_layout == "unified" else 3)
     run(ctx)
     assert all(h.result(0).finish_reason == "length" for h in handles)
     assert backend.num_cells_used == ctx.stats().kv_cells_used > 0  # retained prefixes
@@ -116,13 +128,16 @@ def test_no_slot_shrinks_prefill_then_preempts_and_loses_nothing(make_fake: Make
         assert handle.result(0).token_ids == solo_output(prompt, params)
 
 
-def test_cell_pressure_preempts_newest_and_output_is_unchanged(make_fake: MakeFake) -> None:
+def test_cell_pressure_preempts_newest_and_output_is_unchanged(
+    make_fake: MakeFake, kv_layout: str
+) -> None:
     ctx, _ = make_fake(n_ctx=48, n_seq_max=4)
     params = llamax.SamplingParams(max_tokens=20, temperature=0)
     prompts = ["aaaa", "bbbb", "cccc", "dddd"]
     handles = [ctx.add_request(p, params) for p in prompts]
     run(ctx)
-    assert ctx.stats().num_preemptions >= 1
+    # only a shared buffer runs out of cells; streams never preempt
+    assert (ctx.stats().num_preemptions >= 1) == (kv_layout == "unified")
     for prompt, handle in zip(prompts, handles, strict=True):
         assert handle.result(0).token_ids == solo_output(prompt, params)
 

@@ -11,6 +11,14 @@ import llamax
 from llamax.testing import FakeBackend
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
+
+
+@pytest.fixture(params=["unified", "streams"])
+def kv_layout(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with both KV layouts."""
+    return str(request.param)
+
+
 GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)
 
 

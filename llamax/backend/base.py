@@ -134,6 +134,12 @@ class BatchDecoder(Protocol):
         ...
 
     @property
+    def n_ctx_seq(self) -> int:
+        """Most tokens one sequence may hold (``n_ctx`` in a unified cache, at most its
+        stream's cells with one buffer per sequence)."""
+        ...
+
+    @property
     def n_batch(self) -> int:
         """Most tokens one ``decode`` call may carry."""
         ...
@@ -178,6 +184,17 @@ class SamplerFactory(Protocol):
 class KVMemory(Protocol):
     """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.kvcache` calls
     these, on the engine thread."""
+
+    @property
+    def is_unified(self) -> bool:
+        """True for one buffer shared by all sequences (``seq_cp`` tags cells, copying
+        nothing); False for one stream per sequence (only whole-stream copies)."""
+        ...
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """Approximate memory of one KV cell."""
+        ...
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove a sequence's cells in ``[p0, p1)`` (negative: open ended)."""

@@ -119,7 +119,10 @@ class LlamaCppBackend:
             cparams.n_seq_max = config.n_seq_max
             cparams.n_threads = config.n_threads
             cparams.n_threads_batch = config.n_threads_batch or config.n_threads
-            cparams.kv_unified = True  # partial seq_cp on a split cache aborts the process
+            # streams: one buffer per sequence (a partial seq_cp between them aborts the
+            # process, so the KV cache copies whole streams); unified: one shared buffer
+            self._is_unified = config.resolved_kv_layout == "unified"
+            cparams.kv_unified = self._is_unified
             if config.flash_attn is not None:
                 cparams.flash_attn_type = 1 if config.flash_attn else 0
             ctx = C.llama_init_from_model(model, cparams)
@@ -139,6 +142,11 @@ class LlamaCppBackend:
         self._memory = C.llama_get_memory(ctx)
         self._n_ctx = int(C.llama_n_ctx(ctx))
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
+        native_seq = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
+        self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
+        n_embd, n_head = C.llama_model_n_embd(model), max(1, C.llama_model_n_head(model))
+        kv_dim = n_embd // n_head * C.llama_model_n_head_kv(model)
+        self._kv_bytes_per_cell = int(2 * 2 * kv_dim * C.llama_model_n_layer(model))  # K+V, f16
         self._n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self._add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
         self._eog = frozenset(
@@ -164,6 +172,21 @@ class LlamaCppBackend:
     def n_seq_max(self) -> int:
         """Sequence ids available."""
         return self._n_seq_max
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Most tokens one sequence may hold (its stream's cells, or ``n_ctx_seq``)."""
+        return self._n_ctx_seq
+
+    @property
+    def is_unified(self) -> bool:
+        """Whether all sequences share one KV buffer (copies share cells)."""
+        return self._is_unified
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """Approximate memory of one KV cell (K and V in f16, every layer)."""
+        return self._kv_bytes_per_cell
 
     @property
     def n_batch(self) -> int:

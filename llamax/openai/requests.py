@@ -255,15 +255,16 @@ def prepare_chat(
     msgs = validate_messages(messages)
     params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
     reserve = params.max_tokens or 1
-    budget = ctx.n_ctx - reserve
+    budget = ctx.n_ctx_seq - reserve
     tokens = ctx.chat_prompt(msgs)
     if len(tokens) > budget:
         if truncate == "none":
             raise ContextLengthError(
                 f"the conversation needs {len(tokens)} prompt tokens + {reserve} for the reply, "
-                f"more than n_ctx={ctx.n_ctx}; pass truncate='oldest_messages' to drop old turns",
+                f"more than a sequence may hold (n_ctx_seq={ctx.n_ctx_seq}); "
+                "pass truncate='oldest_messages' to drop old turns",
                 num_prompt_tokens=len(tokens),
-                n_ctx=ctx.n_ctx,
+                n_ctx=ctx.n_ctx_seq,
             )
         msgs = drop_oldest_turns(msgs, lambda m: len(ctx.chat_prompt(m)), budget)
         tokens = ctx.chat_prompt(msgs)
