@@ -157,14 +157,14 @@ def run_server(binary: Path, model: Path, long_text: str, repeats: int) -> dict[
         server.close()
 
 
-def long_prompt(model: Path) -> tuple[str, int]:
-    """The ~3,400-token prompt (ChatML user turn) and its token count."""
+def long_prompt(model: Path, target: int) -> tuple[str, int]:
+    """The long prompt (ChatML user turn, about ``target`` tokens) and its token count."""
     with llamax.Context(model, n_ctx=256, n_seq_max=1, n_threads=bench.N_THREADS) as ctx:
 
         def count(text: str) -> int:
             return len(ctx.tokenize(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"))
 
-        text = bench.text_of_tokens(count, LONG_TOKENS, HEAD, "Note")
+        text = bench.text_of_tokens(count, target, HEAD, "Note")
         return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", count(text)
 
 
@@ -173,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=1, help="loaded runs per system")
     parser.add_argument("--llama-server", help="also run llama-server: a binary, or 'auto'")
+    parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS, help="long prompt size")
     parser.add_argument("--skip-llamax", action="store_true", help="run llama-server only")
     args = parser.parse_args(argv)
     model = bench.model_path(args.model)
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no llama-server found: build it with benchmarks/peers.sh")
     load = bench.load_average()
     with bench.stdout_to_stderr() as stdout:
-        text, n_tokens = long_prompt(model)
+        text, n_tokens = long_prompt(model, args.long_tokens)
         bench.log(f"long prompt: {n_tokens} tokens")
         systems: dict[str, Any] = {}
         if not args.skip_llamax:
