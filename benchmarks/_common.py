@@ -1,16 +1,53 @@
-"""Helpers the benchmark scripts share: progress on stderr, JSON-only stdout, load, ratios."""
+"""What every benchmark script shares: progress on stderr, JSON-only stdout, the model,
+load averages, ratios and percentiles, token timing, and the report's common ``config``.
+
+Only the public llamax API is used here and in every script (``import llamax``).
+"""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import itertools
+import json
+import math
 import os
 import sys
-from collections.abc import Iterator
-from typing import Any, TextIO
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
 
-import llama_cpp.llama_cpp as C
+import llama_cpp
 
-__all__ = ["eog_token_ids", "load_average", "log", "ratio", "stdout_to_stderr"]
+import llamax
+
+__all__ = [
+    "TokenTimes",
+    "add_common_args",
+    "agreement",
+    "base_config",
+    "common_prefix_len",
+    "cpu_advertises_amx",
+    "emit_report",
+    "filler_sentences",
+    "greedy",
+    "in_fresh_thread",
+    "load_average",
+    "log",
+    "model_path",
+    "percentile",
+    "ratio",
+    "spread",
+    "stats_delta",
+    "stdout_to_stderr",
+    "targets",
+    "text_of_tokens",
+]
+
+N_THREADS = 2
+T = TypeVar("T")
 
 
 def log(message: str) -> None:
@@ -28,9 +65,229 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 4) if num is not None and den else None
 
 
-def eog_token_ids(vocab: Any) -> list[int]:
-    """Every end-of-generation token id of a vocabulary (0, 2 and 4 for SmolLM2)."""
-    return [t for t in range(C.llama_vocab_n_tokens(vocab)) if C.llama_vocab_is_eog(vocab, t)]
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) with linear interpolation between order statistics."""
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def targets(
+    values: dict[str, float | None], limits: dict[str, float], *, at_least: bool
+) -> dict[str, dict[str, Any]]:
+    """For each limit: the value, the limit and whether it is met (None when not measured)."""
+    out = {}
+    for key, limit in limits.items():
+        v = values.get(key)
+        met = None if v is None else (v >= limit if at_least else v <= limit)
+        out[key] = {"ratio": v, "min" if at_least else "max": limit, "met": met}
+    return out
+
+
+def spread(prefix: str, values: Sequence[float]) -> dict[str, float]:
+    """``{prefix}_p50_s``, ``_p95_s``, ``_min_s`` and ``_max_s`` of ``values`` (seconds)."""
+    points = {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95)}
+    points |= {"min": min(values), "max": max(values)}
+    return {f"{prefix}_{k}_s": round(v, 4) for k, v in points.items()}
+
+
+def stats_delta(before: Any, after: Any, names: Sequence[str]) -> dict[str, int]:
+    """``after.num_<name> - before.num_<name>`` of two ``ctx.stats()`` snapshots."""
+    return {n: getattr(after, f"num_{n}") - getattr(before, f"num_{n}") for n in names}
+
+
+def agreement(a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """Identical outputs (over the shorter list); for the others, where they first differ."""
+    n = min(len(a), len(b))
+    differ = {i: common_prefix_len(a[i], b[i]) for i in range(n) if tuple(a[i]) != tuple(b[i])}
+    return {"identical": n - len(differ), "of": n, "first_difference_at": differ}
+
+
+def common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def cpu_advertises_amx() -> bool:
+    """Whether /proc/cpuinfo lists AMX (llamax then turns ggml's extra buffer types off)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(
+                line.startswith("flags") and " amx" in line for line in f.read().splitlines()
+            )
+    except OSError:
+        return False
+
+
+def greedy(max_tokens: int, *, ignore_eos: bool = True) -> llamax.SamplingParams:
+    """Greedy sampling; with ``ignore_eos`` every request makes exactly ``max_tokens``."""
+    return llamax.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+
+
+def model_path(arg: Path | None) -> Path:
+    """The ``--model`` argument, or llamax's default model."""
+    return arg or llamax.default_model_path()
+
+
+_SUBJECTS = (
+    "Every support agent",
+    "A new customer",
+    "The night-shift keeper",
+    "Our billing team",
+    "The warehouse in Brest",
+    "Any technician on call",
+    "The regional manager",
+    "A returning visitor",
+    "The safety officer",
+)
+_ACTIONS = (
+    "must confirm the order number before discussing",
+    "should politely summarise",
+    "is expected to double-check",
+    "may only escalate questions about",
+    "needs written approval to change",
+    "keeps a detailed log of",
+    "is never allowed to guess about",
+    "can offer a small voucher for delays in",
+)
+_TOPICS = (
+    "refunds for lamps damaged in transit",
+    "the rotating Fresnel lens assembly",
+    "solar charging kits and their batteries",
+    "monthly and annual membership plans",
+    "guided tours booked by schools",
+    "fog horn maintenance schedules",
+    "warranty claims filed after ninety days",
+    "loyalty points earned on gift cards",
+    "installation manuals in foreign languages",
+    "privacy questions about location data",
+    "storm alerts sent through the mobile app",
+)
+_ENDINGS = (
+    ", and the answer must stay short and friendly.",
+    " whenever the customer sounds confused.",
+    " before the end of the same business day.",
+    ", unless a supervisor has already replied.",
+    " in plain language without internal jargon.",
+    ", citing the relevant page of the handbook.",
+    " and then thank the customer for their patience.",
+)
+
+
+def filler_sentences(label: str = "Guideline") -> Iterator[str]:
+    """An endless stream of varied, numbered sentences (deterministic), for long prompts."""
+    for i in itertools.count(1):
+        subject = _SUBJECTS[i % len(_SUBJECTS)]
+        action = _ACTIONS[(i * 3) % len(_ACTIONS)]
+        topic = _TOPICS[(i * 5) % len(_TOPICS)]
+        ending = _ENDINGS[(i * 2) % len(_ENDINGS)]
+        yield f"{label} {i}: {subject} {action} {topic}{ending}"
+
+
+def text_of_tokens(count_tokens: Callable[[str], int], target: int, head: str, label: str) -> str:
+    """``head`` plus filler sentences, one a line, until ``count_tokens`` reaches ``target``."""
+    lines = [head]
+    sentences = filler_sentences(label)
+    while count_tokens("\n".join(lines)) < target:
+        lines.append(next(sentences))
+    return "\n".join(lines)
+
+
+class TokenTimes:
+    """Consumes a token stream in a thread and records when each item arrived."""
+
+    def __init__(self, stream: Iterable[Any]) -> None:
+        self.times: list[float] = []
+        self.error: BaseException | None = None
+        self._stream = stream
+        self.thread = threading.Thread(target=self._consume, daemon=True)
+        self.thread.start()
+
+    def _consume(self) -> None:
+        try:
+            for _item in self._stream:
+                self.times.append(time.perf_counter())
+        except BaseException as exc:  # reported by wait()
+            self.error = exc
+
+    def wait(self) -> list[float]:
+        """Join the thread; return the arrival times (raises what the stream raised)."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.times
+
+    def first_after(self, start: float) -> float:
+        """Time to the first item, from ``start`` (wait() first)."""
+        if not self.times:
+            raise RuntimeError("the stream produced nothing")
+        return self.times[0] - start
+
+
+def in_fresh_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a new thread that exits afterwards, and return its result.
+
+    ggml runs its graph on an OpenMP team owned by the calling thread. llamax decodes on
+    its own engine thread, so raw loops also decode on a thread of their own, one team at
+    a time: libgomp spins at barriers for long only while it manages no more threads than
+    there are cores, and under CPU contention that spinning made a loop run 2-7x slower
+    when one team was alive than when two were (see ``OMP_WAIT_POLICY``).
+    """
+    box: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # re-raised in the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="benchmark-system")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return box[0]
+
+
+def base_config(
+    args: argparse.Namespace, load_at_start: list[float], **extra: Any
+) -> dict[str, Any]:
+    """The ``config`` block every report starts with: the command-line options, versions,
+    load averages and ``extra`` settings (see benchmarks/README.md)."""
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {
+        **options,
+        "n_threads": N_THREADS,
+        "llama_cpp_python_version": llama_cpp.__version__,
+        "llamax_version": llamax.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": load_average(),
+        **extra,
+    }
+
+
+def emit_report(report: dict[str, Any], stdout: TextIO, json_out: Path | None) -> None:
+    """Write the JSON report to the real stdout, and to ``json_out`` when given."""
+    text = json.dumps(report, indent=2)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text + "\n")
+    stdout.write(text + "\n")
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--json-out`` and ``--model``, which every script takes."""
+    parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
+    parser.add_argument("--model", type=Path, help="GGUF file (default: llamax's default model)")
 
 
 @contextlib.contextmanager

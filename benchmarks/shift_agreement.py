@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chat_shift import MAX_TOKENS, N_CTX, SYSTEM, Message, NoShiftChat, user_messages
+from _chat import SYSTEM, Message, ReprefillChat, user_messages
+from _common import common_prefix_len
+from chat_shift import MAX_TOKENS, N_CTX
 
 import llamax
-from llamax.kvcache import common_prefix_len
 
 AGREE = 16
 
@@ -37,13 +38,13 @@ AGREE = 16
 def chat_run(ctx: llamax.Context, *, shift: bool, turns: int) -> list[dict[str, Any]]:
     """One chat; per turn the conversation it answered, its reply tokens and its stats."""
     params = llamax.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    chat = ctx.chat(system=SYSTEM) if shift else NoShiftChat(ctx, system=SYSTEM)
+    chat = ctx.chat(system=SYSTEM, params=params) if shift else ReprefillChat(ctx, SYSTEM, params)
     out = []
     for k, text in enumerate(user_messages(turns)):
-        reply = chat.send(text, params)
+        reply = chat.send(text)
         stats = chat.last_turn
         assert stats is not None
-        sent: list[Message] = chat.messages[:-1]
+        sent: list[Message] = list(chat.messages[:-1])
         out.append(
             {
                 "turn": k,

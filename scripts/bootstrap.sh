@@ -29,19 +29,11 @@ pip() { "$py" -m pip --disable-pip-version-check "$@"; }
 
 # --- llama-cpp-python -------------------------------------------------------
 # ggml's native x86 build enables the AMX matmul path, which segfaults on CPUs
-# (notably VMs) that advertise AMX without usable tile state. We therefore build
-# with GGML_NATIVE=OFF and turn on exactly the SIMD extensions this CPU reports,
+# (notably VMs) that advertise AMX without usable tile state. scripts/cmake_flags.sh
+# therefore prints GGML_NATIVE=OFF plus exactly the SIMD extensions this CPU reports,
 # never AMX. pip's wheel cache ignores CMAKE_ARGS, so we keep our own wheel
 # directory keyed by version + flags and always build with --no-cache-dir.
-cmake_args=""
-if [ "$(uname -s)" = Linux ] && [ "$(uname -m)" = x86_64 ] && [ -r /proc/cpuinfo ]; then
-  flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-  cmake_args="-DGGML_NATIVE=OFF"
-  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512_vnni:AVX512_VNNI \
-              avx512_bf16:AVX512_BF16 avx512vbmi:AVX512_VBMI avx_vnni:AVX_VNNI; do
-    case "$flags" in *" ${pair%%:*} "*) cmake_args="$cmake_args -DGGML_${pair#*:}=ON" ;; esac
-  done
-fi
+cmake_args=$(bash "$repo/scripts/cmake_flags.sh")
 cmake_args="$cmake_args ${LLAMAX_CMAKE_ARGS:-}"
 cmake_args=$(echo "$cmake_args" | xargs)
 pytag=$("$py" -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')

@@ -1,0 +1,230 @@
+"""The peers llamax is measured against: llama-cpp-python's ``Llama`` and llama.cpp's
+``llama-server`` (over HTTP; build it with ``benchmarks/peers.sh``).
+
+Both generate greedily with the end-of-generation tokens banned or ignored, so every
+request makes exactly ``max_tokens`` tokens, as the llamax runs do.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from _common import N_THREADS, log
+from _loops import eog_token_ids
+
+__all__ = ["LlamaCppPythonPeer", "LlamaServerPeer", "PeerCompletion", "default_llama_server"]
+
+
+@dataclass(frozen=True)
+class PeerCompletion:
+    """One completion of a peer."""
+
+    ttft_s: float
+    text: str
+    prefill_tokens: int  # prompt tokens evaluated (Llama reuses its previous prompt's prefix)
+    generated_tokens: int
+
+
+class LlamaCppPythonPeer:
+    """``llama_cpp.Llama``, one request after another; counts the tokens given to eval."""
+
+    def __init__(self, model_path: Path, n_ctx: int) -> None:
+        self.llm = llama_cpp.Llama(
+            str(model_path),
+            n_ctx=n_ctx,
+            n_threads=N_THREADS,
+            n_threads_batch=N_THREADS,
+            verbose=False,
+        )
+        self.logit_bias = dict.fromkeys(eog_token_ids(self.llm._model.vocab), float("-inf"))
+        self.eval_calls: list[int] = []
+        original = self.llm.eval
+
+        def counting_eval(tokens: Sequence[int]) -> None:
+            self.eval_calls.append(len(tokens))  # the prompt suffix first, then 1 per token
+            original(tokens)
+
+        self.llm.eval = counting_eval  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        """Forget the evaluated tokens (no prompt-prefix reuse with the next request)."""
+        self.llm.reset()  # type: ignore[no-untyped-call]
+
+    def complete(self, prompt: str, max_tokens: int, start: float) -> PeerCompletion:
+        """One streamed greedy completion with the EOG tokens banned; TTFT from ``start``."""
+        first_call = len(self.eval_calls)
+        ttft: float | None = None
+        pieces = []
+        stream = self.llm.create_completion(
+            prompt, max_tokens=max_tokens, temperature=0.0, logit_bias=self.logit_bias, stream=True
+        )
+        for chunk in stream:
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            pieces.append(chunk["choices"][0]["text"])
+        if ttft is None:
+            raise RuntimeError("the completion produced no chunk")
+        calls = self.eval_calls[first_call:]
+        # The prompt's eval yields token 1, each later eval one more token.
+        return PeerCompletion(ttft, "".join(pieces), calls[0] if calls else 0, len(calls))
+
+    def close(self) -> None:
+        """Free the model."""
+        self.llm.set_cache(None)
+        self.llm.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LlamaServerPeer:
+    """A ``llama-server`` process on 127.0.0.1, driven over its native ``/completion``.
+
+    Started with ``-m MODEL -np N -c N_CTX -t 2`` (so ``N`` slots of ``N_CTX / N`` cells in
+    per-slot KV streams, llama-server's layout when ``-np`` is given). Requests set
+    ``cache_prompt: false`` (no reuse of a slot's previous prompt) and ``ignore_eos``.
+    """
+
+    def __init__(
+        self, binary: Path, model_path: Path, *, n_parallel: int, n_ctx: int = 8192
+    ) -> None:
+        self.port = free_port()
+        self.argv = [
+            str(binary), "-m", str(model_path), "-np", str(n_parallel), "-c", str(n_ctx),
+            "-t", str(N_THREADS), "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115  # closed in close()
+            prefix="llama-server-", suffix=".log", delete=False
+        )
+        log(f"starting {' '.join(self.argv)} (log: {self.log_file.name})")
+        self.process = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        try:
+            self._wait_healthy(timeout=120.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.process.returncode}); see log")
+            try:
+                status, _ = self._request("GET", "/health", None)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("llama-server did not become healthy")
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            conn.request(method, path, json.dumps(body) if body else None)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+        return {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            "stream": stream,
+        }
+
+    def complete(self, prompt: str, max_tokens: int) -> int:
+        """One greedy completion, not streamed; returns the number of generated tokens."""
+        status, data = self._request("POST", "/completion", self._body(prompt, max_tokens, False))
+        if status != 200:
+            raise RuntimeError(f"llama-server answered {status}: {data[:200]!r}")
+        return int(json.loads(data)["tokens_predicted"])
+
+    def stream(
+        self, prompt: str, max_tokens: int, stop: threading.Event | None = None
+    ) -> Iterator[str]:
+        """One streamed greedy completion: yields each token's text as it arrives.
+
+        Setting ``stop`` ends the stream at the next token and closes the connection, which
+        makes llama-server cancel the request.
+        """
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            conn.request("POST", "/completion", json.dumps(self._body(prompt, max_tokens, True)))
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"llama-server answered {response.status}")
+            for line in response:
+                if stop is not None and stop.is_set():
+                    return
+                if line.startswith(b"data: "):
+                    event = json.loads(line[6:])
+                    if event.get("stop"):
+                        return
+                    yield str(event.get("content", ""))
+        finally:
+            conn.close()
+
+    def run_batch(self, prompts: Sequence[str], max_tokens: int) -> int:
+        """Every prompt at once, one client thread each; returns the generated tokens."""
+        counts = [0] * len(prompts)
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                counts[i] = self.complete(prompts[i], max_tokens)
+            except BaseException as exc:  # re-raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return sum(counts)
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and close its log."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log_file.close()
+
+
+def default_llama_server() -> Path | None:
+    """The binary peers.sh built for this machine, if any (or ``llama-server`` on PATH)."""
+    cache = Path.home() / ".cache" / "llamax" / "llama-server"
+    built = sorted(cache.glob("*/llama-server"))
+    if built:
+        return built[0]
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
