@@ -16,7 +16,8 @@ first token): worst and p95 (target: worst <= 0.6 s), with the streams' median g
 the submission for reference.
 
 llamax: ``llamax.Context(n_ctx=8192, n_seq_max=8, n_threads=2)``, the prefix cache cleared
-before each phase. llama-server: ``-np 5 -c 20480 -t 2`` (4,096 cells per slot, so the long
+before each phase; once with time-budgeted steps (``max_step_ms=250``, the default) and once
+with fixed ``n_batch`` chunks (``max_step_ms=None``, the engine before issue 9). llama-server: ``-np 5 -c 20480 -t 2`` (4,096 cells per slot, so the long
 prompt fits a slot), ``cache_prompt: false``.
 
 ::
@@ -143,8 +144,12 @@ def measure(
     return out | {"lone_samples_s": [round(x, 4) for x in lone], "samples": loaded}
 
 
-def run_llamax(model: Path, long_text: str, repeats: int) -> dict[str, Any]:
-    with llamax.Context(model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_threads=bench.N_THREADS) as ctx:
+def run_llamax(
+    model: Path, long_text: str, repeats: int, max_step_ms: float | None
+) -> dict[str, Any]:
+    with llamax.Context(
+        model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_threads=bench.N_THREADS, max_step_ms=max_step_ms
+    ) as ctx:
         return measure(llamax_driver(ctx), long_text, repeats, ctx.clear_cache)
 
 
@@ -186,8 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.log(f"long prompt: {n_tokens} tokens")
         systems: dict[str, Any] = {}
         if not args.skip_llamax:
-            bench.log("llamax ...")
-            systems["llamax"] = run_llamax(model, text, args.repeats)
+            bench.log("llamax (time-budgeted steps, the default) ...")
+            systems["llamax"] = run_llamax(model, text, args.repeats, 250.0)
+            bench.log("llamax with fixed n_batch chunks (max_step_ms=None) ...")
+            systems["llamax_fixed_chunks"] = run_llamax(model, text, args.repeats, None)
         if binary:
             bench.log("llama-server ...")
             systems["llama_server"] = run_server(Path(binary), model, text, args.repeats)
