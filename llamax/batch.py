@@ -18,7 +18,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 from .errors import (
     ContextClosedError,
@@ -28,6 +28,7 @@ from .errors import (
 )
 from .handle import RequestHandle
 from .params import SamplingParams
+from .progress import BatchProgress
 from .results import Completion
 
 if TYPE_CHECKING:
@@ -39,65 +40,8 @@ Prompt = str | Sequence[int]
 """A text prompt, or the token ids of one."""
 Outcome = Completion | BaseException
 
-PROGRESS_DELAY_S = 2.0
-"""With ``progress=None``, a bar appears only once a batch has run this long."""
 _REFRESH_S = 0.5
 _SETTLE_TIMEOUT_S = 30.0
-
-
-class _Progress:
-    """An optional ``tqdm.auto`` bar counting finished requests, with generated tok/s."""
-
-    def __init__(self, progress: bool | None, total: int) -> None:
-        self._wanted = progress
-        self._total = total
-        self._start = time.monotonic()
-        self._num_done = 0
-        self._num_tokens = 0
-        self._bar: Any = None
-        self._tqdm: Any = None
-        if progress is not False:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                if progress:
-                    raise InvalidParameterError(
-                        "progress=True needs tqdm: pip install 'llamax[notebook]'"
-                    ) from None
-                return
-            self._tqdm = tqdm
-            if progress:
-                self._open()
-
-    def _open(self) -> None:
-        self._bar = self._tqdm(
-            total=self._total, initial=self._num_done, unit="req", desc="generate", leave=True
-        )
-
-    def advance(self, outcome: Outcome) -> None:
-        """Count one finished request."""
-        self._num_done += 1
-        if isinstance(outcome, Completion):
-            self._num_tokens += outcome.usage.completion_tokens
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Show the bar once the batch is slow enough, and update it."""
-        elapsed = time.monotonic() - self._start
-        if self._bar is None:
-            if self._tqdm is None or self._wanted is False or elapsed < PROGRESS_DELAY_S:
-                return
-            if self._num_done >= self._total:
-                return
-            self._open()
-        self._bar.n = self._num_done
-        self._bar.set_postfix_str(f"{self._num_tokens / max(elapsed, 1e-9):.1f} tok/s")
-
-    def close(self) -> None:
-        """Close the bar (if it was shown)."""
-        if self._bar is not None:
-            self._bar.n = self._num_done
-            self._bar.close()
 
 
 def _params_list(
@@ -141,7 +85,7 @@ class _Batch:
         self.handles: dict[int, RequestHandle] = {}
         self.error: BaseException | None = None
         params_list = _params_list(len(prompts), params)
-        self.progress = _Progress(progress, len(prompts))
+        self.progress = BatchProgress(progress, len(prompts))
         try:
             for i, (prompt, item) in enumerate(zip(prompts, params_list, strict=True)):
                 try:
@@ -154,7 +98,6 @@ class _Batch:
             self.cancel_pending()
             self.progress.close()
             raise
-
         self.index_of = {h.future: i for i, h in self.handles.items()}
 
     @property
@@ -179,11 +122,6 @@ class _Batch:
             return
         exc = future.exception()
         self.settle(index, exc if exc is not None else future.result())
-
-    @property
-    def is_finished(self) -> bool:
-        """Whether every prompt has an outcome, or an error ends the batch."""
-        return self.error is not None or all(o is not None for o in self.outcomes)
 
     def cancel_pending(self) -> list[concurrent.futures.Future[Completion]]:
         """Cancel every request without an outcome; return their futures."""

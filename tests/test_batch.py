@@ -12,7 +12,7 @@ import numpy.typing as npt
 import pytest
 
 import llamax
-from llamax import batch
+from llamax import batch, progress
 from llamax.testing import FakeBackend, alphabet_model, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
@@ -126,7 +126,7 @@ def test_progress_bar_appears_for_slow_batches(
     make_fake: MakeFake, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("tqdm")
-    monkeypatch.setattr(batch, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_DELAY_S", 0.0)
     ctx, _ = make_fake(n_seq_max=1)
     batch.generate(ctx, ["a", "b", "c"], PARAMS)
     assert "generate: 100%" in capsys.readouterr().err
