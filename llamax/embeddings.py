@@ -95,8 +95,20 @@ class Embedder:
         self._n_ctx = self._backend.n_ctx
         self._n_seq_max = self._backend.n_seq_max
         self._pooling = self._backend.pooling
+        self._model_name = self._backend.model_name
+        self._model_path = config.model_path
         self._normalize = normalize
         self._lock = threading.Lock()
+
+    @property
+    def model_name(self) -> str:
+        """The model's name from its metadata (else the file name)."""
+        return self._model_name
+
+    @property
+    def model_path(self) -> Path:
+        """The loaded GGUF file."""
+        return self._model_path
 
     @property
     def n_embd(self) -> int:

@@ -87,6 +87,26 @@ def test_chat_repl_streams_resets_and_exits() -> None:
 
 
 @pytest.mark.model
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on() -> None:
+    child = spawn("chat", "--max-tokens", "400", "--temperature", "0", *FAST)
+    child.expect("> ")
+    for _ in range(3):  # a reply that ends before the interrupt arrives is retried
+        child.sendline("Write a very long story about a dragon and a knight.")
+        child.expect_exact("knight.\r\n")  # the echo of the typed line
+        child.expect(r"\w")  # the reply has started streaming
+        child.sendintr()
+        if child.expect([r"\(interrupted\)", "> "]) == 0:
+            break
+    else:
+        pytest.fail("every reply ended before Ctrl-C reached it")
+    child.expect("> ")
+    child.sendline("Say hi.")
+    child.expect(r"\w+.*\r\n> ")  # the conversation goes on
+    child.sendline("/exit")
+    assert finish(child) == 0
+
+
+@pytest.mark.model
 def test_chat_shifts_history_and_ends_at_eof() -> None:
     child = spawn("chat", "--max-tokens", "16", "--temperature", "0", "--max-context", "96", *FAST)
     child.expect("> ")

@@ -43,6 +43,7 @@ def test_shape_dtype_and_normalisation(embedder: Embedder) -> None:
     assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
     np.testing.assert_allclose(raw / np.linalg.norm(raw, axis=1, keepdims=True), vectors, atol=1e-6)
     assert embedder.embed([]).shape == (0, 576)
+    assert embedder.model_name and embedder.model_path.suffix == ".gguf"
 
 
 def test_deterministic(embedder: Embedder) -> None:

@@ -98,7 +98,18 @@ class EmbeddingBackend:
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
         self._n_embd = int(C.llama_model_n_embd(model))
         self._pooling = int(C.llama_pooling_type(ctx))
+        self._model_name = self._meta("general.name") or config.model_path.stem
         self._closed = False
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1024)
+        n = self._C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    @property
+    def model_name(self) -> str:
+        """``general.name`` from the GGUF metadata, else the file name."""
+        return self._model_name
 
     @property
     def n_ctx(self) -> int:
