@@ -13,7 +13,7 @@ import importlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
         "run", parents=[model, sampling], help="answer one prompt, streamed to stdout"
     )
     run.add_argument("prompt", nargs="?", help="the user message (default: read stdin)")
+    run.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
     run.set_defaults(handler=_run)
 
     chat = commands.add_parser("chat", parents=[model, sampling], help="interactive chat")
@@ -105,8 +108,9 @@ def _params(ns: argparse.Namespace) -> llamax.SamplingParams:
     return llamax.SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed)
 
 
-def _stream(chat: llamax.Chat, text: str, params: llamax.SamplingParams) -> None:
-    for event in chat.stream(text, params):
+def _write_events(events: Iterable[llamax.TokenEvent]) -> None:
+    """Write each event's text as it arrives, then a newline."""
+    for event in events:
         sys.stdout.write(event.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -121,8 +125,12 @@ def _run(ns: argparse.Namespace) -> int:
             return 2
         prompt = sys.stdin.read()
     params = _params(ns)
-    with _context(ns, n_seq_max=1) as ctx, ctx.chat(system=ns.system, params=params) as chat:
-        _stream(chat, prompt, params)
+    with _context(ns, n_seq_max=1) as ctx:
+        if ns.raw:
+            _write_events(ctx.add_request(prompt, params))
+            return 0
+        with ctx.chat(system=ns.system, params=params) as chat:
+            _write_events(chat.stream(prompt, params))
     return 0
 
 
@@ -172,7 +180,7 @@ def _chat_turn(
 ) -> llamax.Chat:
     """Stream one reply; Ctrl-C stops it and the conversation goes on without that turn."""
     try:
-        _stream(chat, text, params)
+        _write_events(chat.stream(text, params))
     except KeyboardInterrupt:
         print("\n(interrupted)")
         messages = chat.messages

@@ -67,6 +67,10 @@ def test_run_writes_as_tokens_arrive(monkeypatch: pytest.MonkeyPatch, model_path
     )
     assert status == 0
     assert len([w for w in writes if w]) > 3 and writes[-1] == "\n"  # many pieces, then newline
+    writes.clear()
+    args = ["run", "--raw", "The capital of France is", "--max-tokens", "4", "--temperature", "0"]
+    assert cli.main([*args, "--model", str(model_path), *FAST]) == 0
+    assert "".join(writes).strip()
 
 
 @pytest.mark.model
