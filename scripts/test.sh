@@ -7,4 +7,8 @@ py=${LLAMAX_VENV:-$repo/.venv}/bin/python
 cd "$repo"
 "$py" -m ruff check .
 "$py" -m mypy
-exec "$py" -m pytest -q --durations=15 "$@"
+# The docs site: a broken link or a public name without a docstring fails the build.
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --quiet --site-dir "$site"
+"$py" -m pytest -q --durations=15 "$@"

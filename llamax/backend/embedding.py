@@ -1,0 +1,195 @@
+"""A llama.cpp context in embeddings mode: many texts per ``llama_decode``, pooled per sequence.
+
+Native handles (batch, context, model) are freed in that order by
+:meth:`EmbeddingBackend.close`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import EngineError, ModelLoadError
+from .llama_cpp import _bindings, _check_gguf
+from .platform import default_use_extra_bufts
+
+__all__ = ["POOLING_TYPES", "EmbeddingBackend", "EmbeddingConfig"]
+
+POOLING_TYPES = {"model": -1, "none": 0, "mean": 1, "cls": 2, "last": 3}
+"""llama.cpp's ``llama_pooling_type`` values by name (``model``: whatever the GGUF says)."""
+_POOLING_NAMES = {value: name for name, value in POOLING_TYPES.items()}
+
+
+def _is_not_pooling_notice(record: logging.LogRecord) -> bool:
+    """llama.cpp warns whenever a pooling type is chosen for a model that names none."""
+    return "model default pooling_type" not in record.getMessage()
+
+
+logging.getLogger("llamax.llama_cpp").addFilter(_is_not_pooling_notice)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingConfig:
+    """What an embeddings context is built with (validated by :class:`llamax.Embedder`)."""
+
+    model_path: Path
+    pooling: int
+    """A value of :data:`POOLING_TYPES`; ``-1`` means the model's own."""
+    n_ctx: int
+    n_seq_max: int
+    n_threads: int
+    n_gpu_layers: int = -1
+
+
+def _load_model(C: Any, path: Path, n_gpu_layers: int) -> Any:
+    _check_gguf(path)
+    mparams = C.llama_model_default_params()
+    mparams.n_gpu_layers = n_gpu_layers
+    mparams.use_extra_bufts = default_use_extra_bufts()  # AMX-safe, as for generation
+    model = C.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
+    return model
+
+
+class EmbeddingBackend:
+    """One model and one context with ``embeddings = true`` and a unified KV cache.
+
+    ``n_batch`` and ``n_ubatch`` equal ``n_ctx``, so every text of a decode (at most
+    ``n_ctx`` tokens in all) lies in one micro-batch, as pooling requires.
+    """
+
+    def __init__(self, config: EmbeddingConfig) -> None:
+        C = self._C = _bindings()
+        with ExitStack() as stack:
+            model = _load_model(C, config.model_path, config.n_gpu_layers)
+            stack.callback(C.llama_model_free, model)
+            cparams = C.llama_context_default_params()
+            cparams.n_ctx = config.n_ctx
+            cparams.n_batch = cparams.n_ubatch = config.n_ctx
+            cparams.n_seq_max = config.n_seq_max
+            cparams.n_threads = cparams.n_threads_batch = config.n_threads
+            cparams.embeddings = True
+            cparams.pooling_type = config.pooling
+            cparams.kv_unified = True  # any one text may use all n_ctx cells
+            ctx = C.llama_init_from_model(model, cparams)
+            if not ctx:
+                raise ModelLoadError(
+                    f"llama.cpp could not create an embeddings context for "
+                    f"{config.model_path} (n_ctx={config.n_ctx}); out of memory?"
+                )
+            stack.callback(C.llama_free, ctx)
+            self._n_batch = int(C.llama_n_batch(ctx))
+            batch = C.llama_batch_init(self._n_batch, 0, 1)
+            stack.callback(C.llama_batch_free, batch)
+            self._stack = stack.pop_all()
+        self._model, self._ctx, self._batch = model, ctx, batch
+        self._vocab = C.llama_model_get_vocab(model)
+        self._memory = C.llama_get_memory(ctx)
+        self._n_ctx = int(C.llama_n_ctx(ctx))
+        self._n_seq_max = int(C.llama_n_seq_max(ctx))
+        self._n_embd = int(C.llama_model_n_embd(model))
+        self._pooling = int(C.llama_pooling_type(ctx))
+        self._model_name = self._meta("general.name") or config.model_path.stem
+        self._closed = False
+
+    def _meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1024)
+        n = self._C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    @property
+    def model_name(self) -> str:
+        """``general.name`` from the GGUF metadata, else the file name."""
+        return self._model_name
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells granted: the most tokens one decode (and one text) may hold."""
+        return min(self._n_ctx, self._n_batch)
+
+    @property
+    def n_seq_max(self) -> int:
+        """The most texts one decode may hold."""
+        return self._n_seq_max
+
+    @property
+    def n_embd(self) -> int:
+        """Width of an embedding."""
+        return self._n_embd
+
+    @property
+    def pooling(self) -> str:
+        """The pooling in force. A model without pooling (``none``) is mean-pooled here."""
+        if self._pooling == POOLING_TYPES["none"]:
+            return "mean"
+        return _POOLING_NAMES.get(self._pooling, str(self._pooling))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Tokenize ``text`` as data: BOS added as the model wants, special tokens not parsed."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            buf = (ctypes.c_int32 * cap)()
+            n = self._C.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+
+    def embed_batch(self, texts: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
+        """Decode ``texts`` (token ids) in one ``llama_decode``, one sequence each, and pool.
+
+        The caller keeps ``len(texts) <= n_seq_max`` and the total tokens ``<= n_ctx``. The
+        KV memory is cleared before the decode. When llama.cpp pools nothing (a generative
+        model asked for its own pooling), the token embeddings of each sequence are
+        averaged here, as llama.cpp's mean pooling would.
+
+        Returns:
+            ``(len(texts), n_embd)`` float32, not normalised.
+
+        Raises:
+            EngineError: ``llama_decode`` failed.
+        """
+        C, batch = self._C, self._batch
+        C.llama_memory_clear(self._memory, True)
+        n = 0
+        for seq_id, tokens in enumerate(texts):
+            for pos, token in enumerate(tokens):
+                batch.token[n] = token
+                batch.pos[n] = pos
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = seq_id
+                batch.logits[n] = True  # pooling reads every token's output
+                n += 1
+        batch.n_tokens = n
+        status = int(C.llama_decode(self._ctx, batch))
+        if status != 0:
+            raise EngineError(f"llama_decode failed with status {status} on an embeddings batch")
+        out = np.empty((len(texts), self._n_embd), dtype=np.float32)
+        if self._pooling == POOLING_TYPES["none"]:
+            rows = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx), shape=(n, self._n_embd))
+            start = 0
+            for i, tokens in enumerate(texts):
+                out[i] = rows[start : start + len(tokens)].mean(axis=0)
+                start += len(tokens)
+            return out
+        for seq_id in range(len(texts)):
+            ptr = C.llama_get_embeddings_seq(self._ctx, seq_id)
+            if not ptr:
+                raise EngineError(f"llama.cpp returned no pooled embedding for sequence {seq_id}")
+            out[seq_id] = np.ctypeslib.as_array(ptr, shape=(self._n_embd,))
+        return out
+
+    def close(self) -> None:
+        """Free the batch, the context and the model, in that order. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._stack.close()

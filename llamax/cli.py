@@ -1,0 +1,267 @@
+"""The ``llamax`` command line: ``run``, ``chat``, ``bench``, ``info`` and ``serve``.
+
+A client of the public API only (``llamax``, ``llamax.batch``, ``llamax.info``). Each
+command loads its own context; errors llamax raises on purpose are printed as one line
+(exit status 1), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import llamax
+from llamax.batch import generate
+from llamax.info import ModelInfo, model_info
+
+__all__ = ["main"]
+
+_SERVER_MISSING = (
+    "llamax serve needs the server extra: pip install 'llamax[server]' (install llamax[server])"
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
+
+    Args:
+        argv: the arguments after the program name.
+
+    Returns:
+        0 on success, 1 on a llamax error, 2 on a usage error or a missing extra, 130 when
+        interrupted.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "serve":
+        return _serve(args[1:])
+    ns = _parser().parse_args(args)
+    try:
+        status: int = ns.handler(ns)
+    except llamax.LlamaxError as exc:
+        print(f"llamax: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return status
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llamax", description="Local LLM inference on llama.cpp, continuously batched."
+    )
+    parser.add_argument("--version", action="version", version=f"llamax {llamax.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", "-m", help="GGUF file (default: $LLAMAX_MODEL or SmolLM2)")
+    model.add_argument("--n-ctx", type=int, default=4096, help="KV cells (default: 4096)")
+    model.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-tokens", type=int, default=256, help="default: 256")
+    sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
+    sampling.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    sampling.add_argument("--system", help="a system message")
+
+    run = commands.add_parser(
+        "run", parents=[model, sampling], help="answer one prompt, streamed to stdout"
+    )
+    run.add_argument("prompt", nargs="?", help="the user message (default: read stdin)")
+    run.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
+    run.set_defaults(handler=_run)
+
+    chat = commands.add_parser("chat", parents=[model, sampling], help="interactive chat")
+    chat.add_argument("--max-context", type=int, help="conversation budget (default: n_ctx)")
+    chat.set_defaults(handler=_chat)
+
+    bench = commands.add_parser("bench", parents=[model], help="quick throughput check")
+    bench.add_argument("--n", type=int, nargs="+", default=[1, 16], help="streams (1 16)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (64)")
+    bench.set_defaults(handler=_bench)
+
+    info = commands.add_parser("info", help="print a model's GGUF metadata")
+    info.add_argument("model_path", nargs="?", metavar="MODEL", help="GGUF file")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(handler=_info)
+
+    commands.add_parser("serve", help="OpenAI-compatible HTTP server (llamax[server])")
+    return parser
+
+
+def _context(ns: argparse.Namespace, *, n_seq_max: int) -> llamax.Context:
+    options: dict[str, Any] = {"n_ctx": ns.n_ctx, "n_seq_max": n_seq_max}
+    if ns.threads is not None:
+        options["n_threads"] = ns.threads
+    return llamax.Context(ns.model, **options)
+
+
+def _params(ns: argparse.Namespace) -> llamax.SamplingParams:
+    return llamax.SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed)
+
+
+def _write_events(events: Iterable[llamax.TokenEvent]) -> None:
+    """Write each event's text as it arrives, then a newline."""
+    for event in events:
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def _run(ns: argparse.Namespace) -> int:
+    prompt = ns.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            print("llamax run: give a prompt, or pipe one on stdin", file=sys.stderr)
+            return 2
+        prompt = sys.stdin.read()
+    params = _params(ns)
+    with _context(ns, n_seq_max=1) as ctx:
+        if ns.raw:
+            _write_events(ctx.add_request(prompt, params))
+            return 0
+        with ctx.chat(system=ns.system, params=params) as chat:
+            _write_events(chat.stream(prompt, params))
+    return 0
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    with contextlib.suppress(ImportError):  # line editing and history for input()
+        import readline  # noqa: F401
+    params = _params(ns)
+    with _context(ns, n_seq_max=2) as ctx:
+        print(f"llamax chat with {ctx.model_name}. /reset clears the conversation; /exit quits.")
+        chat = ctx.chat(system=ns.system, params=params, max_context=ns.max_context)
+        try:
+            while (line := _read_line()) is not None:
+                text = line.strip()
+                if text in ("/exit", "/quit"):
+                    break
+                if text == "/reset":
+                    chat.close()
+                    chat = ctx.chat(system=ns.system, params=params, max_context=ns.max_context)
+                    print("(conversation cleared)")
+                elif text.startswith("/"):
+                    print(f"unknown command {text}: use /reset or /exit")
+                elif text:
+                    chat = _chat_turn(ctx, chat, text, params, ns.max_context)
+        finally:
+            chat.close()
+    return 0
+
+
+def _read_line() -> str | None:
+    """The next line typed at the ``> `` prompt; None at end of input (Ctrl-D)."""
+    while True:
+        try:
+            return input("> ")
+        except EOFError:
+            print()
+            return None
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, like a shell
+            print()
+
+
+def _chat_turn(
+    ctx: llamax.Context,
+    chat: llamax.Chat,
+    text: str,
+    params: llamax.SamplingParams,
+    max_context: int | None,
+) -> llamax.Chat:
+    """Stream one reply; Ctrl-C stops it and the conversation goes on without that turn."""
+    try:
+        _write_events(chat.stream(text, params))
+    except KeyboardInterrupt:
+        print("\n(interrupted)")
+        messages = chat.messages
+        chat.close()  # cancels the reply
+        return ctx.chat(messages=messages, params=params, max_context=max_context)
+    turn = chat.last_turn
+    if turn is not None and turn.dropped_messages:
+        print(
+            f"(history: dropped {turn.dropped_messages} old messages, "
+            f"shifted {turn.shifted_tokens} cached tokens)",
+            file=sys.stderr,
+        )
+    return chat
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    if min(ns.n) < 1 or ns.max_tokens < 1:
+        print("llamax bench: --n and --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    params = llamax.SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
+    with _context(ns, n_seq_max=max(ns.n)) as ctx:
+        prompts = [
+            ctx.chat_prompt([{"role": "user", "content": f"Tell me fact number {i} about space."}])
+            for i in range(max(ns.n))
+        ]
+        print(f"{ctx.model_name}: {ns.max_tokens} greedy tokens per stream")
+        generate(ctx, prompts[:1], llamax.SamplingParams(max_tokens=4), progress=False)  # warm up
+        baseline = None
+        for n in ns.n:
+            ctx.clear_cache()
+            start = time.perf_counter()
+            done = generate(ctx, prompts[:n], params, progress=False)
+            seconds = time.perf_counter() - start
+            rate = sum(c.usage.completion_tokens for c in done) / seconds
+            baseline = baseline or rate
+            print(
+                f"N={n:<3} {rate:8.1f} tok/s  ({seconds:.2f} s, {rate / baseline:.2f}x N={ns.n[0]})"
+            )
+    return 0
+
+
+def _info(ns: argparse.Namespace) -> int:
+    info = model_info(ns.model_path)
+    if ns.json:
+        print(json.dumps(asdict(info), default=str, indent=2))
+        return 0
+    for label, value in _info_rows(info):
+        print(f"{label + ':':<16}{value}")
+    return 0
+
+
+def _info_rows(info: ModelInfo) -> list[tuple[str, str]]:
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    memory = "recurrent" if info.is_recurrent else "hybrid" if info.is_hybrid else "attention KV"
+    return [
+        ("path", str(info.path)),
+        ("name", info.name or "-"),
+        ("architecture", info.architecture),
+        ("description", info.description),
+        ("parameters", f"{info.num_params / 1e6:.1f} M"),
+        ("file size", f"{info.size_bytes / 1e6:.1f} MB"),
+        ("context length", f"{info.context_length} (trained)"),
+        ("embedding size", str(info.n_embd)),
+        ("layers", str(info.n_layer)),
+        ("vocabulary", f"{info.n_vocab} tokens"),
+        ("sliding window", str(info.sliding_window) if info.sliding_window else "none"),
+        ("chat template", yes(info.has_chat_template)),
+        ("memory", f"{memory}; can shift: {yes(info.can_shift)}, can copy: {yes(info.can_copy)}"),
+    ]
+
+
+def _serve(argv: list[str]) -> int:
+    try:
+        server = importlib.import_module("llamax.server")
+    except ImportError:
+        print(_SERVER_MISSING, file=sys.stderr)
+        return 2
+    return int(server.main(argv) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""What a GGUF model is, without creating a full :class:`~llamax.Context`: :func:`model_info`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .models import default_model_path
+
+__all__ = ["ModelInfo", "model_info"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """Facts read from a GGUF file by llama.cpp."""
+
+    path: Path
+    name: str | None
+    """``general.name`` from the metadata."""
+    architecture: str
+    """``general.architecture`` (``llama``, ``qwen2``, ``mamba`` ...)."""
+    description: str
+    """llama.cpp's one-line summary (type, size, quantisation)."""
+    num_params: int
+    size_bytes: int
+    context_length: int
+    """The context length the model was trained with."""
+    n_embd: int
+    n_layer: int
+    n_vocab: int
+    sliding_window: int
+    """Sliding-window attention span, 0 when none."""
+    has_chat_template: bool
+    """Whether the GGUF carries a chat template (``tokenizer.chat_template``)."""
+    is_recurrent: bool
+    is_hybrid: bool
+    can_shift: bool
+    """Whether the KV memory supports position shifts (chat history shift)."""
+    can_copy: bool
+    """Whether partial sequence copies work (prefix sharing): false for recurrent memories."""
+
+
+def model_info(model_path: str | os.PathLike[str] | None = None) -> ModelInfo:
+    """Read a model's metadata and memory capabilities.
+
+    The weights are memory-mapped and a 256-cell context is created (and freed) to ask
+    the memory what it supports.
+
+    Args:
+        model_path: a GGUF file; ``None`` means ``$LLAMAX_MODEL`` or the default model.
+
+    Returns:
+        The model's :class:`ModelInfo`.
+
+    Raises:
+        ModelLoadError: the file is missing, not GGUF, or llama.cpp refuses it.
+    """
+    from .backend.model_info import read_model_facts
+
+    path = Path(model_path or os.environ.get("LLAMAX_MODEL") or default_model_path())
+    return ModelInfo(path=path, **read_model_facts(path))
