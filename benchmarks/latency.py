@@ -17,8 +17,9 @@ the submission for reference.
 
 llamax: ``llamax.Context(n_ctx=8192, n_seq_max=8, n_threads=2)``, the prefix cache cleared
 before each phase; once with time-budgeted steps (``max_step_ms=250``, the default) and once
-with fixed ``n_batch`` chunks (``max_step_ms=None``, the engine before issue 9). llama-server: ``-np 5 -c 20480 -t 2`` (4,096 cells per slot, so the long
-prompt fits a slot), ``cache_prompt: false``.
+with fixed ``n_batch`` chunks (``max_step_ms=None``, the engine before issue 9).
+llama-server: ``-np 5 -c 20480 -t 2`` (4,096 cells per slot, so the long prompt fits a
+slot), ``cache_prompt: false``.
 
 ::
 

@@ -5,8 +5,11 @@
 ...     print(ctx.add_request("Hello", llamax.SamplingParams(max_tokens=8)).result().text)
 """
 
+from importlib import metadata as _metadata
+
 from .context import Context
 from .conversation import Chat, TurnStats
+from .embeddings import Embedder
 from .errors import (
     ContextClosedError,
     ContextLengthError,
@@ -26,6 +29,7 @@ from .errors import (
     SessionLoadError,
 )
 from .handle import RequestHandle
+from .info import ModelInfo, model_info
 from .models import default_model_path
 from .params import ContextConfig, ContextOptions, LogitsProcessor, SamplingParams
 from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
@@ -33,7 +37,10 @@ from .sampling import BatchLogitsProcessor, LogitsRow
 from .session import Session
 from .stats import ContextStats
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("llamax")
+except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "BatchLogitsProcessor",
@@ -48,6 +55,7 @@ __all__ = [
     "ContextStats",
     "DeadlockError",
     "DefaultModelNotInstalledError",
+    "Embedder",
     "EmptyPromptError",
     "EngineError",
     "FinishReason",
@@ -58,6 +66,7 @@ __all__ = [
     "LogitsProcessor",
     "LogitsRow",
     "LoopOwnershipError",
+    "ModelInfo",
     "ModelLoadError",
     "RequestFailedError",
     "RequestHandle",
@@ -73,4 +82,5 @@ __all__ = [
     "Usage",
     "__version__",
     "default_model_path",
+    "model_info",
 ]

@@ -29,6 +29,7 @@ from .errors import (
 from .handle import RequestHandle
 from .params import SamplingParams
 from .progress import BatchProgress
+from .prompts import Prompt
 from .results import Completion
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Prompt", "agenerate", "generate"]
 
-Prompt = str | Sequence[int]
-"""A text prompt, or the token ids of one."""
 Outcome = Completion | BaseException
 
 _REFRESH_S = 0.5
@@ -140,6 +139,8 @@ class _Batch:
 
 def _step_manual(ctx: Context) -> bool:
     """Run one step if the caller may drive ``ctx``; False if another thread drives it."""
+    if not ctx.is_manual:
+        return False
     try:
         ctx.process()
     except (LoopOwnershipError, ContextClosedError):

@@ -20,6 +20,7 @@ from .kvops import Audit, ClearCache, OpenSession
 from .models import default_model_path
 from .openai.methods import OpenAIMethods
 from .params import ContextConfig, ContextOptions, SamplingParams
+from .pipeline import PipelineMethods
 from .prompts import Prompt, build_request
 from .sampling import BatchLogitsProcessor
 from .session import Session
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["Context"]
 
 
-class Context(OpenAIMethods):
+class Context(OpenAIMethods, PipelineMethods):
     """A loaded model, its llama.cpp context and a continuous-batching run loop.
 
     ``Context()`` loads the default model (SmolLM2-135M-Instruct) when it is installed.
@@ -89,6 +90,7 @@ class Context(OpenAIMethods):
         )
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
+        self._embedder_lock = threading.Lock()
         self._chat_template: ChatTemplate | None = None
         self._end_of_turn: tuple[int, ...] | None = None
 
@@ -328,6 +330,7 @@ class Context(OpenAIMethods):
         is true, in which case they finish first.
         """
         self._engine.close(drain=drain, timeout=timeout)
+        self._close_embedder()
 
     def __enter__(self) -> Self:
         return self

@@ -116,10 +116,17 @@ class Chat:
         return completion
 
     def stream(self, content: str, params: SamplingParams | None = None) -> Iterator[TokenEvent]:
-        """Add a user message and stream the reply; the history updates when it ends."""
+        """Add a user message and stream the reply; the history updates when it ends.
+
+        Closing the stream early (``break`` then dropping it, or ``close()``) cancels the
+        reply; the history keeps the part already produced.
+        """
         turn = self._start_turn(content, params)
-        yield from turn.handle
-        self._end_turn(turn, turn.handle.result())
+        try:
+            yield from turn.handle
+        finally:
+            turn.handle.cancel()  # a no-op once the reply has ended
+            self._end_turn(turn, turn.handle.result())
 
     def _start_turn(self, content: str, params: SamplingParams | None) -> _Turn:
         params = params or self._params

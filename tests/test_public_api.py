@@ -25,7 +25,9 @@ EXPECTED_ALL = [
     "ContextLengthError",
     "ContextOptions",
     "ContextStats",
+    "DeadlockError",
     "DefaultModelNotInstalledError",
+    "Embedder",
     "EmptyPromptError",
     "EngineError",
     "FinishReason",
@@ -36,6 +38,7 @@ EXPECTED_ALL = [
     "LogitsProcessor",
     "LogitsRow",
     "LoopOwnershipError",
+    "ModelInfo",
     "ModelLoadError",
     "RequestFailedError",
     "RequestHandle",
@@ -51,6 +54,7 @@ EXPECTED_ALL = [
     "Usage",
     "__version__",
     "default_model_path",
+    "model_info",
 ]
 
 PUBLIC_MODULES = {
