@@ -99,12 +99,16 @@ class ToolCallStreamParser:
         self._pending = ""
         self._num_args_sent = 0
         self._tool_calls: list[ToolCall] = []
+        self._current: ToolCall | None = None
+        self._is_after_call = False
         self.is_malformed = False
-        """Whether a call failed to parse (or was cut off); then no call should be reported."""
+        """Whether the text after a call marker was no valid call."""
+        self.is_truncated = False
+        """Whether the text ended inside a call (set by :meth:`close`)."""
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        """The calls completed so far."""
+        """The calls completed so far (a call cut off by the end of the text is not one)."""
         return list(self._tool_calls)
 
     def feed(self, text: str) -> list[ToolDelta]:
@@ -125,28 +129,29 @@ class ToolCallStreamParser:
         return deltas
 
     def close(self) -> list[ToolDelta]:
-        """Flush at the end of generation; an unfinished call marks the reply malformed.
+        """Flush at the end of generation.
+
+        Text ending inside a call (cut off by ``max_tokens``, a stop or a cancel) sets
+        :attr:`is_truncated`; that call is dropped, its markup is never sent as content.
 
         Returns:
-            The deltas still held back.
+            The content still held back, if any.
         """
         deltas: list[ToolDelta] = []
         pending, self._pending = self._pending, ""
         if self._state is _State.CONTENT:
-            if pending.strip() or not self._tool_calls:
+            if pending.strip() or not self._is_after_call:
                 _add_content(deltas, pending)
-        elif self._state is _State.HEADER:
-            self.is_malformed = True
-            _add_content(deltas, CALL_OPEN + pending)
         else:
-            self.is_malformed = True
-            self._add_arguments(deltas, pending[self._num_args_sent :])
+            self.is_truncated = True
         self._state = _State.CONTENT
+        self._current = None
         return deltas
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's finish reason: ``"tool_calls"`` when a normal stop ended on calls."""
-        if reason == "stop" and self._tool_calls and not self.is_malformed:
+        is_clean = not (self.is_malformed or self.is_truncated)
+        if reason == "stop" and self._tool_calls and is_clean:
             return "tool_calls"
         return reason
 
@@ -192,13 +197,11 @@ class ToolCallStreamParser:
             "function": {"name": name, "arguments": ""},
         }
         deltas.append({"tool_calls": [call_delta]})
-        self._tool_calls.append(
-            {
-                "id": call_delta["id"],
-                "type": "function",
-                "function": {"name": name, "arguments": ""},
-            }
-        )
+        self._current = {
+            "id": call_delta["id"],
+            "type": "function",
+            "function": {"name": name, "arguments": ""},
+        }
         self._pending = self._pending[match.end() :]
         self._num_args_sent = 0
         self._state = _State.ARGUMENTS
@@ -222,17 +225,20 @@ class ToolCallStreamParser:
         self._add_arguments(deltas, body[self._num_args_sent :])
         if not _is_json_object(body):
             self.is_malformed = True
+        if self._current is not None:
+            self._tool_calls.append(self._current)
+            self._current = None
+        self._is_after_call = True
         self._pending = self._pending[end + len(CALL_CLOSE) :]
         self._state = _State.CONTENT
         return True
 
     def _add_arguments(self, deltas: list[ToolDelta], fragment: str) -> None:
         self._num_args_sent += len(fragment)
-        if not fragment:
+        if not fragment or self._current is None:
             return
-        call = self._tool_calls[-1]
-        call["function"]["arguments"] += fragment
-        index = len(self._tool_calls) - 1
+        self._current["function"]["arguments"] += fragment
+        index = len(self._tool_calls)
         deltas.append({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]})
 
     def _not_a_call(self, deltas: list[ToolDelta]) -> None:
@@ -268,8 +274,10 @@ class ParsedReply:
 def parse_tool_calls(text: str, plan: ToolPlan, finish_reason: str = "stop") -> ParsedReply:
     """Split a finished reply into content and OpenAI ``tool_calls``.
 
-    A reply whose call is malformed or cut off is returned unchanged as content, with no
-    calls; call markup never reaches the content of a reply that has calls.
+    A reply whose call is malformed is returned unchanged as content, with no calls. A
+    call cut off by ``max_tokens`` (or a cancel) is dropped: the calls before it are kept
+    and ``finish_reason`` stays ``"length"``. Call markup never reaches the content
+    otherwise.
 
     Args:
         text: The generated text.
@@ -281,7 +289,8 @@ def parse_tool_calls(text: str, plan: ToolPlan, finish_reason: str = "stop") -> 
     """
     parser = ToolCallStreamParser(plan)
     deltas = parser.feed(text) + parser.close()
-    if parser.is_malformed or not parser.tool_calls:
+    cut_off_by_stop = parser.is_truncated and finish_reason == "stop"
+    if parser.is_malformed or cut_off_by_stop or not (parser.tool_calls or parser.is_truncated):
         return ParsedReply(text, (), finish_reason)
     content = "".join(delta.get("content", "") for delta in deltas)
     return ParsedReply(
