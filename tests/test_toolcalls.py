@@ -290,7 +290,10 @@ def test_bad_tool_turns_raise(messages: list[dict[str, Any]], message: str) -> N
 
 # ---------------------------------------------------------------------------- parsing
 PLAN = prepare_tools([WEATHER, CLOCK])
-CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": { "location": "Paris", "unit": "celsius"}}\n</tool_call>'
+CALL_PARIS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": '
+    '{ "location": "Paris", "unit": "celsius"}}\n</tool_call>'
+)
 CALL_TOKYO = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Tokyo"} }\n</tool_call>'
 
 
