@@ -396,22 +396,23 @@ def test_stream_matches_whole_parse(size: int) -> None:
     assert not any(CALL_OPEN in d.get("content", "") for d in deltas)
 
 
+def _arguments_delta(fragment: str) -> list[ToolDelta]:
+    return [{"tool_calls": [{"index": 0, "function": {"arguments": fragment}}]}]
+
+
 def test_stream_streams_arguments_as_they_grow() -> None:
     parser = ToolCallStreamParser(PLAN)
     assert parser.feed("Hi <tool") == [{"content": "Hi"}]  # the marker's start is held back
     start = parser.feed('_call>\n{"name": "get_time", "arguments": {"ci')
     assert start[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": ""}
-    assert len(start) == 1  # no "}" yet: nothing of the arguments is certain
-    assert parser.feed('ty": {"a": 1}') == [
-        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": {"a": 1'}}]}
-    ]
-    assert parser.feed("}") == [{"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}]
-    assert parser.feed("}\n</tool") == [
-        {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}
-    ]
+    assert start[1:] == _arguments_delta('{"ci')
+    assert parser.feed('ty": "}{\\"') == _arguments_delta('ty": "}{\\"')  # braces in a string
+    assert parser.feed('", "n": [1]') == _arguments_delta('", "n": [1]')
+    assert parser.feed("} }\n</tool") == _arguments_delta("}")  # the wrapper's brace is not sent
+    assert parser.tool_calls == []  # complete at the closing marker
     assert parser.feed("_call>") == []
-    assert parser.tool_calls[0]["function"]["arguments"] == '{"city": {"a": 1}}'
-    assert parser.close() == []
+    assert parser.tool_calls[0]["function"]["arguments"] == '{"city": "}{\\"", "n": [1]}'
+    assert parser.close() == [] and parser.finish_reason("stop") == "tool_calls"
 
 
 def test_stream_releases_text_that_is_not_a_marker() -> None:

@@ -4,7 +4,7 @@ One incremental parser serves both: :func:`parse_tool_calls` feeds it the whole 
 reply parses the same streamed or not. Content before a call is passed on as it arrives,
 except a tail that may be the start of ``<tool_call>`` (and trailing whitespace, which a
 call would drop). A call's name is sent once its header ``{"name": "...", "arguments": ``
-has arrived, then the arguments as they grow, holding back the wrapper's closing ``}``.
+has arrived, then the arguments as they grow, up to the brace that closes them.
 """
 
 from __future__ import annotations
@@ -85,6 +85,37 @@ class _State(enum.Enum):
     ARGUMENTS = "arguments"  # inside the arguments object
 
 
+class _ObjectEnd:
+    """Finds where a JSON value that opens with a bracket ends, fed piece by piece."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self.is_done = False
+
+    def scan(self, text: str) -> int:
+        """How many characters of ``text`` belong to the value (all, until it closes)."""
+        for at, char in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    self.is_done = True
+                    return at + 1
+        return len(text)
+
+
 class ToolCallStreamParser:
     """Incremental parser: text deltas in, OpenAI ``delta`` dicts out.
 
@@ -98,6 +129,7 @@ class ToolCallStreamParser:
         self._state = _State.CONTENT
         self._pending = ""
         self._num_args_sent = 0
+        self._arguments_end = _ObjectEnd()
         self._tool_calls: list[ToolCall] = []
         self._current: ToolCall | None = None
         self._is_after_call = False
@@ -204,32 +236,30 @@ class ToolCallStreamParser:
         }
         self._pending = self._pending[match.end() :]
         self._num_args_sent = 0
+        self._arguments_end = _ObjectEnd()
         self._state = _State.ARGUMENTS
         return True
 
     def _step_arguments(self, deltas: list[ToolDelta]) -> bool:
         if self._num_args_sent == 0:
             self._pending = self._pending.lstrip()
-        end = self._pending.find(CALL_CLOSE)
+        if not self._arguments_end.is_done:
+            fresh = self._pending[self._num_args_sent :]
+            self._add_arguments(deltas, fresh[: self._arguments_end.scan(fresh)])
+            if not self._arguments_end.is_done:
+                return False
+        rest = self._pending[self._num_args_sent :]
+        end = rest.find(CALL_CLOSE)
         if end < 0:
-            last_brace = self._pending.rfind("}")
-            sendable = len(self._pending[: max(last_brace, 0)].rstrip())
-            if sendable > self._num_args_sent:
-                self._add_arguments(deltas, self._pending[self._num_args_sent : sendable])
             return False
-        body = self._pending[:end].rstrip()
-        if body.endswith("}"):
-            body = body[:-1].rstrip()
-        else:
-            self.is_malformed = True
-        self._add_arguments(deltas, body[self._num_args_sent :])
-        if not _is_json_object(body):
+        arguments = self._pending[: self._num_args_sent]
+        if rest[:end].strip() != "}" or not _is_json_object(arguments):
             self.is_malformed = True
         if self._current is not None:
             self._tool_calls.append(self._current)
             self._current = None
         self._is_after_call = True
-        self._pending = self._pending[end + len(CALL_CLOSE) :]
+        self._pending = rest[end + len(CALL_CLOSE) :]
         self._state = _State.CONTENT
         return True
 
