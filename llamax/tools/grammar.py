@@ -21,7 +21,10 @@ import re
 from ..grammar import schema_to_gbnf
 from .spec import ToolFunction, ToolPlan
 
-__all__ = ["CALL_CLOSE", "CALL_OPEN", "tool_call_grammar"]
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "MAX_PARALLEL_CALLS", "tool_call_grammar"]
+
+MAX_PARALLEL_CALLS = 16
+"""Most calls one reply may hold: a small model can repeat a call until the context fills."""
 
 CALL_OPEN = "<tool_call>"
 """The marker that starts a call in the model's output."""
@@ -39,7 +42,7 @@ def tool_call_grammar(plan: ToolPlan) -> str | None:
     ``"required"`` (or a named ``tool_choice``) allows exactly one call, or one or more
     separated by newlines when ``plan.parallel``; ``"auto"`` allows text without the call
     marker, optionally followed by such calls. Every call's ``arguments`` match its
-    function's JSON schema.
+    function's JSON schema. At most :data:`MAX_PARALLEL_CALLS` calls are allowed.
 
     Args:
         plan: The checked tool options (from :func:`prepare_tools`).
@@ -50,7 +53,7 @@ def tool_call_grammar(plan: ToolPlan) -> str | None:
     functions = plan.callable_functions
     if not functions:
         return None
-    calls = 'call ("\\n" call)*' if plan.parallel else "call"
+    calls = f'call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if plan.parallel else "call"
     root = f"root ::= text-0 ({calls})?" if plan.mode == "auto" else f"root ::= {calls}"
     lines = [root]
     names = " | ".join(f"fn-{index}" for index in range(len(functions)))
