@@ -47,7 +47,9 @@ def main() -> None:
             temperature=0,
             max_tokens=96,
         )
-        print("chat:       ", json.loads(response["choices"][0]["message"]["content"]))
+        content = response["choices"][0]["message"]["content"]
+        assert content is not None  # None only when the reply calls tools
+        print("chat:       ", json.loads(content))
 
         try:
             ctx.add_request(prompt, llamax.SamplingParams(grammar='root ::= "unterminated'))

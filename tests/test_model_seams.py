@@ -17,6 +17,7 @@ PARAMS = llamax.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 TIMEOUT = 120
 
 
+@pytest.mark.timeout(900)
 def test_200_requests_with_clear_cache_between_bursts_while_stats_are_polled(
     real_ctx: llamax.Context,
 ) -> None:

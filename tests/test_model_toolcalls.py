@@ -188,3 +188,85 @@ def test_native_template_path(make_real: Callable[..., llamax.Context]) -> None:
     assert prompt.startswith("system\nYou are a helpful assistant.\n\n# Tools")
     reply, _ = _generate(ctx, ASK_WEATHER, plan, max_tokens=48)
     assert len(_check_calls(reply, {"get_weather"})) == 1
+
+
+# ---------------------------------------------------------------- through chat_completion
+def _chat_calls(response: Any, names: set[str]) -> list[ChatCompletionMessageToolCall]:
+    from openai.types.chat import ChatCompletion
+
+    parsed = ChatCompletion.model_validate(response)
+    message = parsed.choices[0].message
+    calls = message.tool_calls or []
+    assert CALL_OPEN not in (message.content or "")
+    for call in calls:
+        assert isinstance(call, ChatCompletionMessageToolCall) and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return calls
+
+
+def test_chat_completion_required_and_named_calls(real_ctx: llamax.Context) -> None:
+    response = real_ctx.chat_completion(
+        ASK_WEATHER,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=48,
+    )
+    assert response["choices"][0]["finish_reason"] == "tool_calls"
+    assert _chat_calls(response, {"get_weather", "get_time"})
+    named = {"type": "function", "function": {"name": "get_time"}}
+    response = real_ctx.chat_completion(
+        ASK_WEATHER,
+        tools=[WEATHER, CLOCK],
+        tool_choice=named,
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=48,
+    )
+    assert [c.function.name for c in _chat_calls(response, {"get_time"})] == ["get_time"]
+
+
+def test_chat_completion_round_trip_and_streamed_deltas(real_ctx: llamax.Context) -> None:
+    from openai.types.chat import ChatCompletionChunk
+
+    chunks = list(
+        real_ctx.chat_completion(
+            ASK_WEATHER,
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+        )
+    )
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    arguments = "".join(c["function"].get("arguments", "") for c in calls)
+    jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(d.get("content") for d in deltas)
+
+    call = {"id": calls[0]["id"], "type": "function"}
+    call["function"] = {"name": "get_weather", "arguments": arguments}
+    conversation = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": '{"temperature": 21}'},
+    ]
+    final = real_ctx.chat_completion(conversation, tools=[WEATHER], temperature=0, max_tokens=16)
+    message = final["choices"][0]["message"]
+    assert message["content"] or message.get("tool_calls")
+
+
+def test_chat_completion_refuses_tools_with_a_grammar(real_ctx: llamax.Context) -> None:
+    with pytest.raises(llamax.InvalidParameterError, match="tools cannot be combined"):
+        real_ctx.chat_completion(
+            ASK_WEATHER, tools=[WEATHER], tool_choice="required", grammar='root ::= "x"'
+        )
+    with pytest.raises(llamax.InvalidParameterError, match="tool_choice"):
+        real_ctx.chat_completion(ASK_WEATHER, tool_choice="required")

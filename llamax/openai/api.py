@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InvalidParameterError
+from ..tools import prepare_tools
 from .options import (
     CHAT_OPTIONS,
     COMPLETION_OPTIONS,
@@ -20,7 +22,7 @@ from .options import (
     check_option_names,
     sampling_params,
 )
-from .requests import OpenAIRequest, prepare_chat, prepare_text
+from .requests import OpenAIRequest, prepare_chat, prepare_text, prepare_tool_chat
 from .shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 
 if TYPE_CHECKING:
@@ -35,7 +37,22 @@ def _chat(
     check_option_names(options, CHAT_OPTIONS, "chat_completion")
     opts: ChatOptions = options  # type: ignore[assignment]
     params = sampling_params(opts, chat=True)
+    plan = prepare_tools(
+        opts.get("tools"), opts.get("tool_choice"), opts.get("parallel_tool_calls")
+    )
+    if plan.is_active or _mentions_tools(messages):
+        if opts.get("truncate", "none") != "none":
+            raise InvalidParameterError("truncate is not supported together with tools")
+        return prepare_tool_chat(ctx, messages, params, plan)
     return prepare_chat(ctx, messages, params, truncate=opts.get("truncate", "none"))
+
+
+def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the conversation carries tool calls or tool results to render."""
+    return any(
+        isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
+        for m in messages
+    )
 
 
 def _text(ctx: Context, prompt: str | Sequence[int], options: Mapping[str, Any]) -> OpenAIRequest:

@@ -66,6 +66,12 @@ class ChatOptions(CompletionOptions, total=False):
 
     truncate: Truncate
     """``"oldest_messages"`` drops the oldest whole turns when the conversation is too long."""
+    tools: Sequence[Mapping[str, Any]] | None
+    """OpenAI function tools; see docs/tools.md."""
+    tool_choice: str | Mapping[str, Any] | None
+    """``"none"``, ``"auto"`` (default with tools), ``"required"`` or a named function."""
+    parallel_tool_calls: bool | None
+    """Whether one reply may hold several calls (default True with tools)."""
 
 
 COMPLETION_OPTIONS = frozenset(CompletionOptions.__annotations__) | {"stream"}

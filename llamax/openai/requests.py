@@ -6,11 +6,12 @@ A :class:`OpenAIRequest` turns a handle's :class:`~llamax.Completion` into a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ..chat.messages import validate_messages
 from ..chat.truncation import drop_oldest_turns
@@ -18,11 +19,19 @@ from ..errors import ContextLengthError, InvalidParameterError
 from ..handle import RequestHandle
 from ..params import SamplingParams
 from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
+from ..tools import (
+    ToolCallStreamParser,
+    ToolPlan,
+    parse_tool_calls,
+    tool_call_grammar,
+    tool_prompt_tokens,
+)
 from .options import Truncate
 from .shapes import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
+    ChatCompletionMessage,
     ChatDelta,
     CompletionUsage,
     OpenAIFinishReason,
@@ -32,7 +41,7 @@ from .shapes import (
 if TYPE_CHECKING:
     from ..context import Context
 
-__all__ = ["OpenAIRequest", "prepare_chat", "prepare_text"]
+__all__ = ["OpenAIRequest", "prepare_chat", "prepare_text", "prepare_tool_chat"]
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
@@ -91,6 +100,8 @@ class OpenAIRequest:
     kind: Literal["chat", "text"]
     model: str
     created: int
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    """Tool calling asked for (``mode="none"``: replies are plain text)."""
 
     @property
     def response_id(self) -> str:
@@ -110,11 +121,12 @@ class OpenAIRequest:
                 "choices": [
                     {
                         "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "finish_reason": _finish_reason(c.finish_reason) or "stop",
+                        "message": message,
+                        "finish_reason": finish,
                         "logprobs": _chat_logprobs(c),
                     }
                     for c in completion.choices
+                    for message, finish in (self._message(c),)
                 ],
                 "usage": _usage(completion.usage),
             }
@@ -135,6 +147,17 @@ class OpenAIRequest:
             "usage": _usage(completion.usage),
         }
 
+    def _message(self, choice: Choice) -> tuple[ChatCompletionMessage, OpenAIFinishReason]:
+        """A choice as an assistant message, its tool calls parsed out when tools are on."""
+        finish = _finish_reason(choice.finish_reason) or "stop"
+        if not self.tools.is_active:
+            return {"role": "assistant", "content": choice.text}, finish
+        parsed = parse_tool_calls(choice.text, self.tools, finish)
+        message: ChatCompletionMessage = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = list(parsed.tool_calls)
+        return message, cast(OpenAIFinishReason, parsed.finish_reason)
+
     def result(self) -> ChatCompletion | TextCompletion:
         """Wait (a manual context steps in this thread) and return the full response."""
         return self.response(self.handle.result())
@@ -148,7 +171,7 @@ class OpenAIRequest:
         """Stream chunk objects; the last one carries usage when ``include_usage``.
 
         Closing the stream early (``close()``, or dropping it) cancels the request."""
-        started: set[int] = set()
+        started: dict[int, ToolCallStreamParser] = {}
         try:
             for event in self.handle:
                 yield from self._event_chunks(event, started)
@@ -161,7 +184,7 @@ class OpenAIRequest:
         self, include_usage: bool
     ) -> AsyncIterator[ChatCompletionChunk | TextCompletion]:
         """Async twin of :meth:`chunks`; ``aclose()`` cancels the request."""
-        started: set[int] = set()
+        started: dict[int, ToolCallStreamParser] = {}
         try:
             async for event in self.handle:
                 for chunk in self._event_chunks(event, started):
@@ -172,7 +195,7 @@ class OpenAIRequest:
             self.handle.cancel()
 
     def _event_chunks(
-        self, event: TokenEvent, started: set[int]
+        self, event: TokenEvent, started: dict[int, ToolCallStreamParser]
     ) -> Iterator[ChatCompletionChunk | TextCompletion]:
         finish = _finish_reason(event.finish_reason)
         if self.kind == "text":
@@ -185,9 +208,12 @@ class OpenAIRequest:
                     chunk["choices"][0]["logprobs"] = _text_logprobs(choice)
                 yield chunk
             return
+        if self.tools.is_active:
+            yield from self._tool_event_chunks(event, started)
+            return
         delta: ChatDelta = {}
         if event.index not in started:
-            started.add(event.index)
+            started[event.index] = ToolCallStreamParser(self.tools)
             delta = {"role": "assistant", "content": ""}
         if event.text:
             delta["content"] = event.text
@@ -211,6 +237,33 @@ class OpenAIRequest:
             yield self._chat_chunk(
                 [{"index": event.index, "delta": {}, "finish_reason": finish, "logprobs": None}]
             )
+
+    def _tool_event_chunks(
+        self, event: TokenEvent, parsers: dict[int, ToolCallStreamParser]
+    ) -> Iterator[ChatCompletionChunk]:
+        """Chunks of a reply that may call tools: content and ``tool_calls`` deltas, with
+        the call markup parsed away as it streams."""
+        index = event.index
+        if index not in parsers:
+            parsers[index] = ToolCallStreamParser(self.tools)
+            yield self._delta_chunk(index, {"role": "assistant", "content": ""})
+        parser = parsers[index]
+        deltas = parser.feed(event.text)
+        finish = _finish_reason(event.finish_reason)
+        if finish:
+            deltas += parser.close()
+        for delta in deltas:
+            yield self._delta_chunk(index, cast(ChatDelta, delta))
+        if finish:
+            reason = cast(OpenAIFinishReason, parser.finish_reason(finish))
+            yield self._chat_chunk(
+                [{"index": index, "delta": {}, "finish_reason": reason, "logprobs": None}]
+            )
+
+    def _delta_chunk(self, index: int, delta: ChatDelta) -> ChatCompletionChunk:
+        return self._chat_chunk(
+            [{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}]
+        )
 
     def _chat_chunk(self, choices: list[ChatCompletionChunkChoice]) -> ChatCompletionChunk:
         return {
@@ -269,6 +322,41 @@ def prepare_chat(
         msgs = drop_oldest_turns(msgs, lambda m: len(ctx.chat_prompt(m)), budget)
         tokens = ctx.chat_prompt(msgs)
     return _submit(ctx, tokens, params, "chat")
+
+
+def prepare_tool_chat(
+    ctx: Context,
+    messages: Sequence[Mapping[str, Any]],
+    params: SamplingParams,
+    plan: ToolPlan,
+) -> OpenAIRequest:
+    """Render a conversation with tools (or with earlier tool calls and results), constrain
+    the reply with the tool-call grammar, and submit it.
+
+    Raises:
+        InvalidParameterError: tools together with ``grammar`` or ``response_format``.
+        ContextLengthError: the conversation does not fit.
+    """
+    grammar = tool_call_grammar(plan)
+    if grammar is not None and (params.grammar is not None or params.json_schema is not None):
+        raise InvalidParameterError(
+            "tools cannot be combined with grammar or response_format: the tool-call grammar "
+            "already constrains the reply"
+        )
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
+    params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
+    tokens = tool_prompt_tokens(ctx, messages, plan)
+    reserve = params.max_tokens or 1
+    if len(tokens) + reserve > ctx.n_ctx_seq:
+        raise ContextLengthError(
+            f"the conversation with its tools needs {len(tokens)} prompt tokens + {reserve} "
+            f"for the reply, more than a sequence may hold (n_ctx_seq={ctx.n_ctx_seq})",
+            num_prompt_tokens=len(tokens),
+            n_ctx=ctx.n_ctx_seq,
+        )
+    request = _submit(ctx, tokens, params, "chat")
+    return dataclasses.replace(request, tools=plan)
 
 
 def prepare_text(

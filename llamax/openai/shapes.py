@@ -6,6 +6,8 @@ from typing import Any, Literal, TypedDict
 
 from typing_extensions import NotRequired
 
+from ..tools.parse import ToolCall, ToolCallDelta
+
 __all__ = [
     "ChatCompletion",
     "ChatCompletionChoice",
@@ -18,7 +20,7 @@ __all__ = [
     "TextCompletionChoice",
 ]
 
-OpenAIFinishReason = Literal["stop", "length"]
+OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionUsage(TypedDict):
@@ -31,10 +33,11 @@ class CompletionUsage(TypedDict):
 
 
 class ChatCompletionMessage(TypedDict):
-    """The assistant's reply."""
+    """The assistant's reply (``content`` is None when it only calls tools)."""
 
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: NotRequired[list[ToolCall]]
 
 
 class ChatCompletionChoice(TypedDict):
@@ -62,6 +65,7 @@ class ChatDelta(TypedDict, total=False):
 
     role: Literal["assistant"]
     content: str
+    tool_calls: list[ToolCallDelta]
 
 
 class ChatCompletionChunkChoice(TypedDict):
