@@ -19,15 +19,12 @@ because a history prefilled turn by turn runs in other batch shapes than one big
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
+import _common as bench
 from _chat import SYSTEM, Message, ReprefillChat, user_messages
-from _common import common_prefix_len
 from chat_shift import MAX_TOKENS, N_CTX
 
 import llamax
@@ -55,7 +52,7 @@ def chat_run(ctx: llamax.Context, *, shift: bool, turns: int) -> list[dict[str, 
                 "computed": stats.computed_tokens,
             }
         )
-        print(f"  turn {k}: dropped={stats.dropped_messages}", file=sys.stderr, flush=True)
+        bench.log(f"  turn {k}: dropped={stats.dropped_messages}")
     chat.close()
     return out
 
@@ -86,24 +83,34 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench.add_common_args(parser)
     parser.add_argument("--turns", type=int, default=60)
-    parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    args.model = bench.model_path(args.model)
+    load = bench.load_average()
+    with bench.stdout_to_stderr() as stdout:
+        report = measure(args)
+        report["config"] = bench.base_config(args, load, n_ctx=N_CTX, max_tokens=MAX_TOKENS)
+        bench.emit_report(report, stdout, args.json_out)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Both chats, then every turn's cold reply; the agreement summaries."""
     started = time.perf_counter()
-    report: dict[str, Any] = {"n_ctx": N_CTX, "max_tokens": MAX_TOKENS, "turns": args.turns}
-    with llamax.Context(n_ctx=N_CTX, n_seq_max=2) as ctx:
+    report: dict[str, Any] = {}
+    with llamax.Context(args.model, n_ctx=N_CTX, n_seq_max=2) as ctx:
         runs = {
             "shift": chat_run(ctx, shift=True, turns=args.turns),
             "reprefill": chat_run(ctx, shift=False, turns=args.turns),
         }
         ctx.clear_cache()
-        with llamax.Context(n_ctx=N_CTX, n_seq_max=1, prefix_cache=False) as cold:
+        with llamax.Context(args.model, n_ctx=N_CTX, n_seq_max=1, prefix_cache=False) as cold:
             for name, turns in runs.items():
                 for t in turns:
                     want = cold_reply(cold, t["sent"])
-                    t["agreed"] = common_prefix_len(want, t["tokens"])
+                    t["agreed"] = bench.common_prefix_len(want, t["tokens"])
                     t["length"] = max(len(want), len(t["tokens"]))
-                    print(f"  {name} turn {t['turn']}: agreed {t['agreed']}", file=sys.stderr)
+                    bench.log(f"  {name} turn {t['turn']}: agreed {t['agreed']}")
         for name, turns in runs.items():
             first_drop = next((t["turn"] for t in turns if t["dropped"]), len(turns))
             report[name] = {
@@ -114,10 +121,7 @@ def main() -> None:
                 "first_turn": summarize(turns[:1]),
             }
     report["wall_s"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
+    return report
 
 
 if __name__ == "__main__":

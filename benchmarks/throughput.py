@@ -217,9 +217,9 @@ def measure(
 ) -> dict[str, dict[int, list[RunResult]]]:
     """Warm up, then every (repeat, N, system), interleaved; the order rotates per repeat."""
     for system in systems:
-        for n in ns if system.name == SERVER else [min(2, max(ns))]:
+        for n in ns if system.name == SERVER else [min(2, max(ns))]:  # one server per N
             if system.only(n):
-                system.run(make_prompts(n)[: min(n, 2)], WARMUP_TOKENS)
+                system.run(make_prompts(n), WARMUP_TOKENS)
         log(f"warmed up {system.name}")
     runs: dict[str, dict[int, list[RunResult]]] = {s.name: {} for s in systems}
     for repeat in range(repeats):
