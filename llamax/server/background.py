@@ -27,7 +27,7 @@ class BackgroundServer:
     """
 
     def __init__(
-        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: int = 5
     ) -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
-        default=30.0,
+        type=int,
+        default=30,
         help="seconds to let requests finish after SIGTERM (default: 30)",
     )
     p.add_argument(
