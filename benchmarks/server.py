@@ -63,18 +63,84 @@ def free_port() -> int:
 
 
 def peers(args: argparse.Namespace, model: str) -> list[Peer]:
-    found = [Peer("llamax", [sys.executable, "-m", "llamax.server", model, "--port", "{port}",
-             "--n-ctx", str(args.n_ctx), "--n-seq-max", "{n_seq}", "--n-threads",
-             str(args.threads), "--log-level", "warning", "--max-queue", "1024"], 0)]  # fmt: skip
+    found = [
+        Peer(
+            "llamax",
+            [
+                sys.executable,
+                "-m",
+                "llamax.server",
+                model,
+                "--port",
+                "{port}",
+                "--n-ctx",
+                str(args.n_ctx),
+                "--n-seq-max",
+                "{n_seq}",
+                "--n-threads",
+                str(args.threads),
+                "--log-level",
+                "warning",
+                "--max-queue",
+                "1024",
+            ],
+            0,
+        )
+    ]
     if args.llama_server:
-        found.append(Peer("llama-server", [args.llama_server, "-m", model, "--host", "127.0.0.1",
-                     "--port", "{port}", "-c", str(args.n_ctx), "-np", "{n_seq}", "-no-kvu",
-                     "-t", str(args.threads), "-tb", str(args.threads), "--log-disable"], 0))  # fmt: skip
+        found.append(
+            Peer(
+                "llama-server",
+                [
+                    args.llama_server,
+                    "-m",
+                    model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "{port}",
+                    "-c",
+                    str(args.n_ctx),
+                    "-np",
+                    "{n_seq}",
+                    "-no-kvu",
+                    "-t",
+                    str(args.threads),
+                    "-tb",
+                    str(args.threads),
+                    "--log-disable",
+                ],
+                0,
+            )
+        )
     if args.llama_cpp_python:
-        found.append(Peer("llama-cpp-python", [sys.executable, "-m", "llama_cpp.server",
-                     "--model", model, "--port", "{port}", "--n_ctx", str(args.n_ctx),
-                     "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-                     "--n_batch", "512", "--verbose", "false", "--interrupt_requests", "false"], 0))  # fmt: skip
+        found.append(
+            Peer(
+                "llama-cpp-python",
+                [
+                    sys.executable,
+                    "-m",
+                    "llama_cpp.server",
+                    "--model",
+                    model,
+                    "--port",
+                    "{port}",
+                    "--n_ctx",
+                    str(args.n_ctx),
+                    "--n_threads",
+                    str(args.threads),
+                    "--n_threads_batch",
+                    str(args.threads),
+                    "--n_batch",
+                    "512",
+                    "--verbose",
+                    "false",
+                    "--interrupt_requests",
+                    "false",
+                ],
+                0,
+            )
+        )
     return found
 
 
@@ -100,8 +166,14 @@ async def one_request(
     client: httpx.AsyncClient, messages: list[dict[str, str]], max_tokens: int
 ) -> tuple[float, int]:
     """Stream one chat completion; return (TTFT seconds, content chunks received)."""
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "logit_bias": NO_EOG, "stream": True}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logit_bias": NO_EOG,
+        "stream": True,
+    }
     started, ttft, chunks = time.perf_counter(), None, 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -129,30 +201,45 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def w1(url: str, n: int, max_tokens: int) -> dict[str, Any]:
-    prompts = [[{"role": "user", "content": f"Write about {TOPICS[i % 8]}, note {i}."}]
-               for i in range(n)]  # fmt: skip
+    prompts = [
+        [{"role": "user", "content": f"Write about {TOPICS[i % 8]}, note {i}."}] for i in range(n)
+    ]
     wall, results = asyncio.run(burst(url, prompts, max_tokens))
     ttfts = [r[0] for r in results]
-    return {"wall_s": round(wall, 3), "tokens_per_s": round(n * max_tokens / wall, 2),
-            "chunks": sum(r[1] for r in results), "ttft_p50_s": round(percentile(ttfts, .5), 3),
-            "ttft_p95_s": round(percentile(ttfts, .95), 3)}  # fmt: skip
+    return {
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(n * max_tokens / wall, 2),
+        "chunks": sum(r[1] for r in results),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 3),
+        "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
+    }
 
 
 def system_prompt() -> str:
-    rules = [f"Rule {i}: when a customer asks about order {1000 + i}, check the ledger entry "
-             f"for warehouse {i % 7} and reply politely with the tracking code." for i in range(48)]  # fmt: skip
+    rules = [
+        f"Rule {i}: when a customer asks about order {1000 + i}, check the ledger entry "
+        f"for warehouse {i % 7} and reply politely with the tracking code."
+        for i in range(39)
+    ]
     return "You are the support assistant of a shop. " + " ".join(rules)
 
 
 def w2(url: str, max_tokens: int) -> dict[str, Any]:
     system = system_prompt()
-    conversations = [[{"role": "system", "content": system},
-                      {"role": "user", "content": f"Where is order {1000 + 3 * i}?"}]
-                     for i in range(16)]  # fmt: skip
+    conversations = [
+        [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Where is order {1000 + 3 * i}?"},
+        ]
+        for i in range(16)
+    ]
     wall, results = asyncio.run(burst(url, conversations, max_tokens))
     ttfts = [r[0] for r in results]
-    return {"wall_s": round(wall, 3), "ttft_p50_s": round(percentile(ttfts, .5), 3),
-            "ttft_p95_s": round(percentile(ttfts, .95), 3)}  # fmt: skip
+    return {
+        "wall_s": round(wall, 3),
+        "ttft_p50_s": round(percentile(ttfts, 0.5), 3),
+        "ttft_p95_s": round(percentile(ttfts, 0.95), 3),
+    }
 
 
 def run_peer(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
@@ -175,8 +262,10 @@ def run_peer(peer: Peer, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             proc.terminate()
             proc.wait(60)
-    medians = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
-               for name, rs in runs.items()}  # fmt: skip
+    medians = {
+        name: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+        for name, rs in runs.items()
+    }
     return {"median": medians, "runs": runs}
 
 
@@ -193,9 +282,13 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     model = args.model or str(llamax.default_model_path())
-    report: dict[str, Any] = {"benchmark": "server", "model": Path(model).name,
-                              "config": {k: v for k, v in vars(args).items() if k != "model"},
-                              "load_average_start": list(os.getloadavg()), "peers": {}}  # fmt: skip
+    report: dict[str, Any] = {
+        "benchmark": "server",
+        "model": Path(model).name,
+        "config": {k: v for k, v in vars(args).items() if k != "model"},
+        "load_average_start": list(os.getloadavg()),
+        "peers": {},
+    }
     for peer in peers(args, model):
         try:
             report["peers"][peer.name] = run_peer(peer, args)
