@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,23 +37,23 @@ NO_EOS = {"0": -100, "2": -100, "4": -100}
 
 
 @pytest.fixture(scope="module")
-def shared_ctx(model_path: Path) -> Iterator[llamax.Context]:
-    """This module's context (it shadows the session's, to run on one thread)."""
+def server_ctx(model_path: Path) -> Iterator[llamax.Context]:
+    """This module's context, on one thread (2 cores are shared with other work)."""
     with llamax.Context(model_path, n_ctx=4096, n_seq_max=8, n_threads=1) as ctx:
         yield ctx
 
 
 @pytest.fixture(scope="module")
-def server(shared_ctx: llamax.Context) -> Iterator[BackgroundServer]:
-    with BackgroundServer(create_app(shared_ctx)) as running:
+def server(server_ctx: llamax.Context) -> Iterator[BackgroundServer]:
+    with BackgroundServer(create_app(server_ctx)) as running:
         yield running
 
 
 @pytest.fixture(autouse=True)
-def idle_engine(shared_ctx: llamax.Context) -> Iterator[None]:
-    assert_idle(shared_ctx)
+def idle_engine(server_ctx: llamax.Context) -> Iterator[None]:
+    assert_idle(server_ctx)
     yield
-    assert_idle(shared_ctx, timeout=60)
+    assert_idle(server_ctx, timeout=60)
 
 
 @pytest.fixture
@@ -179,7 +184,7 @@ def test_errors_are_typed_client_exceptions(client: openai.OpenAI) -> None:
         client.embeddings.create(model="any", input="x")
 
 
-def test_32_concurrent_clients(aclient: openai.AsyncOpenAI, shared_ctx: llamax.Context) -> None:
+def test_32_concurrent_clients(aclient: openai.AsyncOpenAI, server_ctx: llamax.Context) -> None:
     async def one(i: int) -> str:
         reply = await aclient.chat.completions.create(
             model="any", messages=[{"role": "user", "content": f"Count to {i}."}],  # type: ignore[list-item]
@@ -203,7 +208,7 @@ def _wait_for_no_running(ctx: llamax.Context, timeout: float = 10.0) -> float:
 
 
 def test_disconnect_mid_stream_cancels_and_frees_kv(
-    server: BackgroundServer, shared_ctx: llamax.Context
+    server: BackgroundServer, server_ctx: llamax.Context
 ) -> None:
     body = {"prompt": "1, 2, 3,", "max_tokens": 3000, "temperature": 0, "stream": True,
             "logit_bias": NO_EOS}  # fmt: skip
@@ -213,19 +218,19 @@ def test_disconnect_mid_stream_cancels_and_frees_kv(
             lines = response.iter_lines()
             received = [next(lines) for _ in range(6)]
             assert all(not line or line.startswith("data: {") for line in received)
-            assert shared_ctx.stats().num_running == 1
-        decoded = shared_ctx.stats().num_decode_tokens
-        assert _wait_for_no_running(shared_ctx) < 5
-    assert shared_ctx.stats().num_decode_tokens - decoded < 200  # stopped long before 3000
+            assert server_ctx.stats().num_running == 1
+        decoded = server_ctx.stats().num_decode_tokens
+        assert _wait_for_no_running(server_ctx) < 5
+    assert server_ctx.stats().num_decode_tokens - decoded < 200  # stopped long before 3000
 
 
 def test_disconnect_while_waiting_for_a_whole_reply(
-    server: BackgroundServer, shared_ctx: llamax.Context
+    server: BackgroundServer, server_ctx: llamax.Context
 ) -> None:
     body = {"messages": HELLO, "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS}
     with httpx.Client(base_url=server.url, timeout=1.0) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/chat/completions", json=body)
-    assert _wait_for_no_running(shared_ctx) < 5
+    assert _wait_for_no_running(server_ctx) < 5
 
 
 BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
@@ -278,8 +283,8 @@ def test_bad_bodies_get_4xx_in_openai_shape(
         assert ok.status_code == 200
 
 
-def test_api_key(shared_ctx: llamax.Context) -> None:
-    with BackgroundServer(create_app(shared_ctx, api_key="s3cret")) as keyed:
+def test_api_key(server_ctx: llamax.Context) -> None:
+    with BackgroundServer(create_app(server_ctx, api_key="s3cret")) as keyed:
         for key in ("wrong", ""):
             bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key=key or "x", max_retries=0)
             with pytest.raises(openai.AuthenticationError):
@@ -287,11 +292,11 @@ def test_api_key(shared_ctx: llamax.Context) -> None:
         assert httpx.post(keyed.url + "/tokenize", json={"content": "x"}).status_code == 401
         assert httpx.get(keyed.url + "/health").status_code == 200
         good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
-        assert good.models.list().data[0].id == shared_ctx.model_name
+        assert good.models.list().data[0].id == server_ctx.model_name
 
 
-def test_body_too_large(shared_ctx: llamax.Context) -> None:
-    with BackgroundServer(create_app(shared_ctx, max_body_bytes=1000)) as small:
+def test_body_too_large(server_ctx: llamax.Context) -> None:
+    with BackgroundServer(create_app(server_ctx, max_body_bytes=1000)) as small:
         big = {"prompt": "x" * 2000, "max_tokens": 1}
         response = httpx.post(small.url + "/v1/completions", json=big)
         assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
@@ -305,9 +310,9 @@ def test_body_too_large(shared_ctx: llamax.Context) -> None:
         assert response.status_code == 413
 
 
-def test_full_queue_gets_503_with_retry_after(shared_ctx: llamax.Context) -> None:
+def test_full_queue_gets_503_with_retry_after(server_ctx: llamax.Context) -> None:
     body = {"prompt": "1, 2,", "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
-    with BackgroundServer(create_app(shared_ctx, max_queue=1, retry_after_seconds=3)) as tight:
+    with BackgroundServer(create_app(server_ctx, max_queue=1, retry_after_seconds=3)) as tight:
         client = openai.OpenAI(base_url=tight.url + "/v1", api_key="x", max_retries=0)
         with httpx.stream("POST", tight.url + "/v1/completions", json=body, timeout=30) as first:
             lines = first.iter_lines()  # keep it: a dropped iterator closes the response
@@ -316,7 +321,7 @@ def test_full_queue_gets_503_with_retry_after(shared_ctx: llamax.Context) -> Non
                 client.completions.create(model="any", prompt="Hi", max_tokens=1)
             assert busy.value.status_code == 503
             assert busy.value.response.headers["retry-after"] == "3"
-        _wait_for_no_running(shared_ctx)
+        _wait_for_no_running(server_ctx)
         assert client.completions.create(model="any", prompt="Hi", max_tokens=1).choices
 
 
@@ -344,8 +349,8 @@ def test_health_metrics_models_tokenize(server: BackgroundServer, client: openai
     assert httpx.post(server.url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
 
 
-def test_graceful_shutdown_lets_streams_finish(shared_ctx: llamax.Context) -> None:
-    running = BackgroundServer(create_app(shared_ctx), shutdown_timeout=20)
+def test_graceful_shutdown_lets_streams_finish(server_ctx: llamax.Context) -> None:
+    running = BackgroundServer(create_app(server_ctx), shutdown_timeout=20)
     running.start()
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
             "logit_bias": NO_EOS}  # fmt: skip
@@ -362,3 +367,54 @@ def test_graceful_shutdown_lets_streams_finish(shared_ctx: llamax.Context) -> No
     assert len(events) > 10  # the stream ran to the end, not cut at the shutdown
     with pytest.raises(httpx.ConnectError):
         httpx.get(running.url + "/health")
+
+
+def test_cli_serves_then_shuts_down_gracefully_on_sigterm(model_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [
+        sys.executable,
+        "-m",
+        "llamax.server",
+        str(model_path),
+        "--port",
+        str(port),
+        "--n-ctx",
+        "1024",
+        "--n-seq-max",
+        "2",
+        "--n-threads",
+        "1",
+        "--log-level",
+        "warning",
+    ]
+    process = subprocess.Popen(
+        argv, stderr=subprocess.PIPE, env=os.environ | {"LLAMAX_API_KEY": "k"}
+    )
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    try:
+        deadline = time.monotonic() + 60
+        while not _is_ready(url):
+            assert process.poll() is None and time.monotonic() < deadline, "did not start"
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models").status_code == 401  # the key came from the env
+        body = {"prompt": "Once", "max_tokens": 16, "stream": True, "logit_bias": NO_EOS}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth) as response:
+            lines = response.iter_lines()
+            next(lines)
+            process.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
