@@ -2,6 +2,7 @@
 
 Needs ``/usr/bin/chromium`` (``scripts/install_browser.sh``, which ``scripts/test.sh`` runs).
 No browser is downloaded: Playwright drives the system one through ``executable_path``.
+``LLAMAX_UPDATE_SCREENSHOT=1`` saves the screenshot of docs/server.md (docs/img/chat-page.png).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def page(browser: Browser, real_ctx: llamax.Context) -> Iterator[Page]:
     assert_idle(real_ctx, timeout=60)
 
 
-def test_send_a_message_and_see_the_streamed_reply(page: Page) -> None:
+def test_send_a_message_and_see_the_streamed_reply(page: Page, tmp_path: Path) -> None:
     expect(page.locator("#health")).to_contain_text("ok", timeout=10_000)
     page.fill("#system", "You are a cheerful assistant. Answer in one or two sentences.")
     page.fill("#max-tokens", "48")
@@ -61,8 +62,8 @@ def test_send_a_message_and_see_the_streamed_reply(page: Page) -> None:
     expect(page.locator("#send")).to_have_text("Send", timeout=60_000)  # the stream ended
     expect(page.locator(".msg.assistant .meta").last).to_contain_text("tokens")
     assert page.locator(".msg.user .bubble").last.inner_text().startswith("Hi!")
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT))
+    update_docs = os.environ.get("LLAMAX_UPDATE_SCREENSHOT") == "1"
+    page.screenshot(path=str(SCREENSHOT if update_docs else tmp_path / "chat-page.png"))
 
 
 def test_stop_button_ends_a_reply(page: Page) -> None:
