@@ -79,6 +79,19 @@ def test_chat_completion_sync(client: openai.OpenAI) -> None:
     assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
 
 
+def test_clients_share_the_prefix_cache(client: openai.OpenAI) -> None:
+    system = {"role": "system", "content": "You answer questions about the weather. " * 20}
+    for question, cached in (("Is it sunny?", False), ("Will it rain?", True)):
+        reply = client.chat.completions.create(
+            model="any",
+            messages=[system, {"role": "user", "content": question}],  # type: ignore[list-item]
+            max_tokens=4,
+            temperature=0,
+        )
+        details = reply.usage.prompt_tokens_details  # type: ignore[union-attr]
+        assert (details is not None and (details.cached_tokens or 0) > 100) == cached
+
+
 def test_chat_completion_async(aclient: openai.AsyncOpenAI) -> None:
     async def ask() -> Any:
         return await aclient.chat.completions.create(
