@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import llamax
-from llamax.server import create_app
+from llamax.server import create_app, main
 from llamax.testing import FakeBackend, FakeSampler, assert_idle
 
 TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()
@@ -143,3 +143,10 @@ def test_create_app_checks_its_options(ctx: llamax.Context) -> None:
         create_app(ctx, max_queue=0)
     with pytest.raises(ValueError, match="api_key"):
         create_app(ctx, api_key="")
+
+
+def test_cli_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--help"]) == 0
+    assert "--n-seq-max" in capsys.readouterr().out
+    assert main(["--port", "not-a-port"]) == 2
+    assert main(["/no/such/model.gguf", "--port", "0", "--log-level", "critical"]) == 1

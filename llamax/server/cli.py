@@ -103,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(argv) if argv is not None else None
     if args and args[0] == "serve":
         args = args[1:]
-    ns = build_parser().parse_args(args)
+    try:
+        ns = build_parser().parse_args(args)
+    except SystemExit as exc:  # --help, or bad arguments (argparse printed why)
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     log.setLevel(ns.log_level.upper())
     try:
