@@ -21,7 +21,7 @@ from .models import default_model_path
 from .openai.methods import OpenAIMethods
 from .params import ContextConfig, ContextOptions, SamplingParams
 from .pipeline import PipelineMethods
-from .prompts import Prompt, build_request
+from .prompts import Prompt, build_request, prompt_token_ids
 from .sampling import BatchLogitsProcessor
 from .session import Session
 from .stats import ContextStats
@@ -121,6 +121,11 @@ class Context(OpenAIMethods, PipelineMethods):
         return "unified" if self._backend.is_unified else "streams"
 
     @property
+    def n_vocab(self) -> int:
+        """The vocabulary size: token ids are in ``[0, n_vocab)``."""
+        return self._backend.n_vocab
+
+    @property
     def model_name(self) -> str:
         """The model's name from its metadata."""
         return self._backend.model_name
@@ -142,10 +147,13 @@ class Context(OpenAIMethods, PipelineMethods):
         return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """Join the pieces of ``token_ids`` into text (special tokens render as nothing)."""
-        return b"".join(self._backend.token_to_piece(t) for t in token_ids).decode(
-            "utf-8", "replace"
-        )
+        """Join the pieces of ``token_ids`` into text (special tokens render as nothing).
+
+        Raises:
+            InvalidRequestError: an id is not an int in ``[0, n_vocab)``.
+        """
+        ids = prompt_token_ids(self._backend, token_ids)
+        return b"".join(self._backend.token_to_piece(t) for t in ids).decode("utf-8", "replace")
 
     # ------------------------------------------------------------------ requests
     def add_request(

@@ -27,7 +27,14 @@ Prompt: TypeAlias = "str | Sequence[int] | npt.NDArray[np.integer[Any]]"
 """What ``add_request`` accepts: text, token ids (ints or numpy integers), or a 1-D integer
 array of them."""
 
-__all__ = ["Prompt", "build_request", "check_token_ids", "prompt_tokens", "request_grammar"]
+__all__ = [
+    "Prompt",
+    "build_request",
+    "check_token_ids",
+    "prompt_token_ids",
+    "prompt_tokens",
+    "request_grammar",
+]
 
 
 def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
@@ -40,15 +47,8 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
     """
     if isinstance(prompt, str):
         tokens = backend.tokenize(prompt)
-    elif isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
-            raise InvalidRequestError(
-                f"a token id array must be 1-D and of an integer dtype, got {prompt.dtype} "
-                f"of shape {prompt.shape}"
-            )
-        tokens = _checked_ids(backend, prompt.tolist())
-    elif isinstance(prompt, (list, tuple)):
-        tokens = _checked_ids(backend, prompt)
+    elif isinstance(prompt, (np.ndarray, list, tuple)):
+        tokens = prompt_token_ids(backend, prompt)
     else:
         raise InvalidRequestError(
             f"prompt must be a str, a list of token ids or a 1-D integer array, "
@@ -64,6 +64,24 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
             n_ctx=n_ctx,
         )
     return tokens
+
+
+def prompt_token_ids(backend: Backend, ids: object) -> list[int]:
+    """``ids`` (a list, tuple or 1-D integer array) as plain ints within the vocabulary.
+
+    Raises:
+        InvalidRequestError: not a sequence of ints in ``[0, n_vocab)``.
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise InvalidRequestError(
+                f"a token id array must be 1-D and of an integer dtype, got {ids.dtype} "
+                f"of shape {ids.shape}"
+            )
+        return _checked_ids(backend, ids.tolist())
+    if not isinstance(ids, (list, tuple)):
+        raise InvalidRequestError(f"token ids must be a list of ints, got {type(ids).__name__}")
+    return _checked_ids(backend, ids)
 
 
 def _checked_ids(backend: Backend, ids: Sequence[object]) -> list[int]:

@@ -322,3 +322,27 @@ def test_llama_cpp_extensions_reach_the_sampler(ctx: llamax.Context) -> None:
         USER, max_tokens=8, top_k=5, min_p=0.1, repeat_penalty=1.1, grammar=grammar
     )
     assert response["choices"][0]["message"]["content"]
+
+
+def test_closing_a_chunk_stream_before_its_first_chunk_cancels(ctx: llamax.Context) -> None:
+    stream = ctx.chat_completion(USER, max_tokens=200, temperature=0, stream=True)
+    stream.close()
+    while ctx.has_work():
+        ctx.process()
+    assert ctx.stats().num_unsettled == 0
+
+    async def async_close() -> None:
+        background = make(autostart=True)
+        astream = await background.achat_completion(USER, max_tokens=500, stream=True)
+        await astream.aclose()
+        assert_idle(background)
+        background.close()
+
+    asyncio.run(async_close())
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(ctx: llamax.Context) -> None:
+    assert ctx.detokenize([105, 106]) == "hi"
+    for bad in ([-1], [ctx.n_vocab], ["a"]):
+        with pytest.raises(llamax.InvalidRequestError, match="token ids"):
+            ctx.detokenize(bad)  # type: ignore[list-item]

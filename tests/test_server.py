@@ -257,6 +257,10 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ("chat", {"messages": [{"role": "user"}]}, "messages"),
     ("chat", {"messages": HELLO, "tools": []}, "tools"),
+    ("chat", {"messages": HELLO, "tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"messages": HELLO, "tool_choice": "required"}, "tool_choice"),
+    ("chat", {"messages": HELLO, "tools": "get_weather"}, "tools"),
+    ("chat", {"messages": HELLO, "functions": []}, "functions"),
     ("chat", {"messages": HELLO, "temperature": "hot"}, "temperature"),
     ("chat", {"messages": HELLO, "temperature": -1}, "temperature"),
     ("chat", {"messages": HELLO, "n": 0}, "n"),
@@ -431,3 +435,68 @@ def _is_ready(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["location", "unit"],
+        },
+    },
+}
+
+
+def test_tool_calls_over_http(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    response = client.chat.completions.create(
+        model="x",
+        messages=ask,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=48,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(
+        client.chat.completions.create(
+            model="x",
+            messages=ask,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=48,
+            stream=True,
+        )
+    )
+    streamed = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or [])]
+    assert streamed[0].function is not None and streamed[0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_embeddings_over_http(client: openai.OpenAI) -> None:
+    texts = ["The cat sat on the mat.", "A cat was sitting on the mat.", "Stock prices fell."]
+    response = client.embeddings.create(model="x", input=texts)  # base64 on the wire
+    vectors = [item.embedding for item in response.data]
+    assert [item.index for item in response.data] == [0, 1, 2]
+    assert len({len(v) for v in vectors}) == 1 and len(vectors[0]) > 100
+    dot = [sum(a * b for a, b in zip(vectors[0], v, strict=True)) for v in vectors[1:]]
+    assert dot[0] > dot[1]  # the paraphrase is closer than the unrelated sentence
+    assert response.usage.prompt_tokens > 0
+    floats = client.embeddings.create(model="x", input="Hello", encoding_format="float")
+    assert len(floats.data[0].embedding) == len(vectors[0])
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model="x", input="")

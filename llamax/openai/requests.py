@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ..chat.messages import validate_messages
 from ..chat.truncation import drop_oldest_turns
@@ -41,7 +41,14 @@ from .shapes import (
 if TYPE_CHECKING:
     from ..context import Context
 
-__all__ = ["OpenAIRequest", "prepare_chat", "prepare_text", "prepare_tool_chat"]
+__all__ = [
+    "AsyncChunkStream",
+    "ChunkStream",
+    "OpenAIRequest",
+    "prepare_chat",
+    "prepare_text",
+    "prepare_tool_chat",
+]
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
@@ -89,6 +96,39 @@ def _usage(usage: Usage) -> CompletionUsage:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+T = TypeVar("T")
+
+
+class ChunkStream(Iterator[T]):
+    """An iterator of response chunks; ``close()`` cancels the request at any point."""
+
+    def __init__(self, chunks: Generator[T, None, None], handle: RequestHandle) -> None:
+        self._chunks, self._handle = chunks, handle
+
+    def __next__(self) -> T:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Stop the stream and cancel the request (a no-op once it has ended)."""
+        self._handle.cancel()
+        self._chunks.close()
+
+
+class AsyncChunkStream(AsyncIterator[T]):
+    """An async iterator of response chunks; ``aclose()`` cancels the request at any point."""
+
+    def __init__(self, chunks: AsyncGenerator[T, None], handle: RequestHandle) -> None:
+        self._chunks, self._handle = chunks, handle
+
+    async def __anext__(self) -> T:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the stream and cancel the request (a no-op once it has ended)."""
+        self._handle.cancel()
+        await self._chunks.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,10 +207,22 @@ class OpenAIRequest:
         return self.response(await self.handle)
 
     # ------------------------------------------------------------------ streams
-    def chunks(self, include_usage: bool) -> Iterator[ChatCompletionChunk | TextCompletion]:
+    def chunks(self, include_usage: bool) -> ChunkStream[ChatCompletionChunk | TextCompletion]:
         """Stream chunk objects; the last one carries usage when ``include_usage``.
 
-        Closing the stream early (``close()``, or dropping it) cancels the request."""
+        Closing the stream early (``close()``) cancels the request, even before its
+        first chunk."""
+        return ChunkStream(self._chunks(include_usage), self.handle)
+
+    def achunks(
+        self, include_usage: bool
+    ) -> AsyncChunkStream[ChatCompletionChunk | TextCompletion]:
+        """Async twin of :meth:`chunks`; ``aclose()`` cancels the request."""
+        return AsyncChunkStream(self._achunks(include_usage), self.handle)
+
+    def _chunks(
+        self, include_usage: bool
+    ) -> Generator[ChatCompletionChunk | TextCompletion, None, None]:
         started: dict[int, ToolCallStreamParser] = {}
         try:
             for event in self.handle:
@@ -180,10 +232,9 @@ class OpenAIRequest:
         finally:
             self.handle.cancel()
 
-    async def achunks(
+    async def _achunks(
         self, include_usage: bool
-    ) -> AsyncIterator[ChatCompletionChunk | TextCompletion]:
-        """Async twin of :meth:`chunks`; ``aclose()`` cancels the request."""
+    ) -> AsyncGenerator[ChatCompletionChunk | TextCompletion, None]:
         started: dict[int, ToolCallStreamParser] = {}
         try:
             async for event in self.handle:

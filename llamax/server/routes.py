@@ -1,20 +1,24 @@
-"""The OpenAI endpoints (``/v1/chat/completions``, ``/v1/completions``) and tokenization."""
+"""The OpenAI endpoints (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``)
+and tokenization."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .errors import APIError
+from .errors import APIError, from_exception
 from .responses import CompletionJob, CompletionResponse, outcome_of
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     parse_body,
 )
@@ -24,6 +28,7 @@ __all__ = ["api_routes"]
 
 _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 _TEXT_FIELDS = frozenset(CompletionRequest.model_fields)
+_EMBED_FIELDS = frozenset(EmbeddingRequest.model_fields)
 
 
 def api_routes(state: ServerState) -> APIRouter:
@@ -50,6 +55,25 @@ def api_routes(state: ServerState) -> APIRouter:
 
         return await _admit(state, request, "completions", CompletionRequest, job)
 
+    @router.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = parse_body(EmbeddingRequest, await read_body(request, state.max_body_bytes))
+        ctx = state.context()
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        try:
+            vectors = await run_in_threadpool(ctx.embed, texts)
+        except Exception as exc:  # too long, empty, model refused: OpenAI's error shape
+            raise from_exception(exc, _EMBED_FIELDS, "input") from exc
+        num_tokens = sum(len(ctx.tokenize(text)) for text in texts)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
+        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+        return JSONResponse(
+            {"object": "list", "data": data, "model": ctx.model_name, "usage": usage}
+        )
+
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         body = parse_body(TokenizeRequest, await read_body(request, state.max_body_bytes))
@@ -64,7 +88,7 @@ def api_routes(state: ServerState) -> APIRouter:
     async def detokenize(request: Request) -> Response:
         body = parse_body(DetokenizeRequest, await read_body(request, state.max_body_bytes))
         ctx = state.context()
-        size = state.vocab_size(ctx)
+        size = ctx.n_vocab
         bad = [t for t in body.tokens if not 0 <= t < size]
         if bad:
             raise APIError(400, f"token ids outside the vocabulary [0, {size}): {bad[:8]}",
@@ -72,6 +96,13 @@ def api_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"content": ctx.detokenize(body.tokens)})
 
     return router
+
+
+def _encode(vector: Any, encoding_format: str) -> list[float] | str:
+    """An embedding as floats, or as base64 of little-endian float32 (what ``openai`` asks)."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return [float(x) for x in vector]
 
 
 def _stream_options(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:

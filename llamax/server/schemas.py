@@ -18,6 +18,7 @@ __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "DetokenizeRequest",
+    "EmbeddingRequest",
     "TokenizeRequest",
     "parse_body",
 ]
@@ -84,6 +85,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     truncate: Literal["none", "oldest_messages"] | None = None
     """llamax extension: drop the oldest turns when the conversation does not fit."""
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def options(self) -> dict[str, Any]:
         """As the base class, with ``max_completion_tokens`` read as ``max_tokens``."""
@@ -106,6 +110,15 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int]
     logprobs: int | None = None
+
+
+class EmbeddingRequest(_Strict):
+    """``POST /v1/embeddings``."""
+
+    input: str | list[str] = Field(min_length=1)
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    user: str | None = None
 
 
 class TokenizeRequest(_Strict):

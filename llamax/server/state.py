@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import re
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -36,7 +35,6 @@ class ServerState:
     retry_after_seconds: int = 1
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
-    _vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.stats)
@@ -109,23 +107,6 @@ class ServerState:
                 401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                 code="invalid_api_key",
             )  # fmt: skip
-
-    def vocab_size(self, ctx: llamax.Context) -> int:
-        """The model's vocabulary size, to check ids before ``ctx.detokenize``.
-
-        The public API does not expose it yet; a prompt of token ``-1`` is refused by
-        ``add_request`` (before anything is enqueued) with a message that states the range.
-        """
-        if self._vocab_size is None:
-            try:
-                ctx.add_request([-1]).cancel()
-            except llamax.InvalidRequestError as exc:
-                found = re.search(r"\[0, (\d+)\)", str(exc))
-                if found is None:
-                    raise
-                self._vocab_size = int(found.group(1))
-        assert self._vocab_size is not None
-        return self._vocab_size
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -121,6 +121,8 @@ def _functions(tools: Any) -> tuple[ToolFunction, ...]:
         return ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise InvalidParameterError(f"tools must be a list, got {type(tools).__name__}")
+    if not tools:
+        raise InvalidParameterError("tools must hold at least one function (or be left out)")
     functions = tuple(_function(index, tool) for index, tool in enumerate(tools))
     seen: set[str] = set()
     for index, function in enumerate(functions):
