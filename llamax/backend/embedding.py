@@ -12,14 +12,12 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import EngineError, ModelLoadError
-from .llama_cpp import _bindings, _check_gguf
-from .platform import default_use_extra_bufts
+from .llama_cpp import _bindings, load_model
 
 __all__ = ["POOLING_TYPES", "EmbeddingBackend", "EmbeddingConfig"]
 
@@ -49,17 +47,6 @@ class EmbeddingConfig:
     n_gpu_layers: int = -1
 
 
-def _load_model(C: Any, path: Path, n_gpu_layers: int) -> Any:
-    _check_gguf(path)
-    mparams = C.llama_model_default_params()
-    mparams.n_gpu_layers = n_gpu_layers
-    mparams.use_extra_bufts = default_use_extra_bufts()  # AMX-safe, as for generation
-    model = C.llama_model_load_from_file(str(path).encode(), mparams)
-    if not model:
-        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
-    return model
-
-
 class EmbeddingBackend:
     """One model and one context with ``embeddings = true`` and a unified KV cache.
 
@@ -70,7 +57,7 @@ class EmbeddingBackend:
     def __init__(self, config: EmbeddingConfig) -> None:
         C = self._C = _bindings()
         with ExitStack() as stack:
-            model = _load_model(C, config.model_path, config.n_gpu_layers)
+            model = load_model(C, config.model_path, n_gpu_layers=config.n_gpu_layers)
             stack.callback(C.llama_model_free, model)
             cparams = C.llama_context_default_params()
             cparams.n_ctx = config.n_ctx

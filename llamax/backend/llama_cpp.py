@@ -68,6 +68,32 @@ def _check_gguf(path: Path) -> None:
 _CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
+def load_model(
+    C: Any,
+    path: Path,
+    *,
+    n_gpu_layers: int,
+    use_mmap: bool = True,
+    use_extra_bufts: bool | None = None,
+) -> Any:
+    """Check and load a GGUF file (``use_extra_bufts=None``: off where AMX crashes).
+
+    Raises:
+        ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it.
+    """
+    _check_gguf(path)
+    mparams = C.llama_model_default_params()
+    mparams.n_gpu_layers = n_gpu_layers
+    mparams.use_mmap = use_mmap
+    mparams.use_extra_bufts = (
+        default_use_extra_bufts() if use_extra_bufts is None else use_extra_bufts
+    )
+    model = C.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
+    return model
+
+
 class _NativeSampler:
     """A sequence's chain, plus its grammar sampler kept outside the chain (see ``sample``)."""
 
@@ -93,23 +119,16 @@ class LlamaCppBackend:
             _log.addHandler(logging.StreamHandler())
             _log.setLevel(logging.DEBUG)
         path = Path(config.model_path)
-        _check_gguf(path)
         self._samplers: dict[int, _NativeSampler] = {}
         self._pieces: dict[int, bytes] = {}
         with ExitStack() as stack:
-            mparams = C.llama_model_default_params()
-            mparams.n_gpu_layers = config.n_gpu_layers
-            mparams.use_mmap = config.use_mmap
-            mparams.use_extra_bufts = (
-                default_use_extra_bufts()
-                if config.use_extra_bufts is None
-                else config.use_extra_bufts
+            model = load_model(
+                C,
+                path,
+                n_gpu_layers=config.n_gpu_layers,
+                use_mmap=config.use_mmap,
+                use_extra_bufts=config.use_extra_bufts,
             )
-            model = C.llama_model_load_from_file(str(path).encode(), mparams)
-            if not model:
-                raise ModelLoadError(
-                    f"llama.cpp could not load {path} (corrupt or unsupported model?)"
-                )
             stack.callback(C.llama_model_free, model)
 
             cparams = C.llama_context_default_params()
