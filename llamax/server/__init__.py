@@ -1,0 +1,20 @@
+"""``llamax[server]``: an OpenAI-compatible HTTP server over one shared :class:`llamax.Context`.
+
+>>> import llamax, uvicorn
+>>> from llamax.server import create_app
+>>> ctx = llamax.Context(n_ctx=4096, n_seq_max=16)                # doctest: +SKIP
+>>> uvicorn.run(create_app(ctx), host="127.0.0.1", port=8000)    # doctest: +SKIP
+
+From a shell: ``llamax serve [MODEL.gguf]`` or ``python -m llamax.server``. Needs the extra:
+``pip install 'llamax[server]'``.
+"""
+
+try:
+    from .app import create_app
+    from .cli import main
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        f"llamax.server needs its extra: pip install 'llamax[server]' ({exc})"
+    ) from exc
+
+__all__ = ["create_app", "main"]

@@ -1,0 +1,86 @@
+"""``create_app``: the whole server as one ASGI application built from a ``Context``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+import llamax
+
+from .errors import APIError, error_response, handle_api_error
+from .info import info_routes, public_routes
+from .routes import api_routes
+from .state import ServerState
+
+__all__ = ["create_app"]
+
+
+def create_app(
+    ctx: llamax.Context | Future[llamax.Context],
+    *,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    max_body_bytes: int = 8 << 20,
+    cors_origins: Sequence[str] | None = None,
+    retry_after_seconds: int = 1,
+) -> FastAPI:
+    """Build the OpenAI-compatible server for ``ctx``.
+
+    Mount it in your own ASGI app or run it with uvicorn. The app never closes ``ctx``:
+    whoever made the context closes it (``llamax serve`` does, after a graceful shutdown).
+
+    Args:
+        ctx: The context to serve, or a future that will hold it once it has loaded (the
+            server answers ``/health`` with ``loading`` and inference with 503 until then).
+        api_key: When set, every endpoint but ``/`` and ``/health`` needs
+            ``Authorization: Bearer <api_key>`` (else 401).
+        max_queue: Most completion requests in flight at once; more get 503 + Retry-After.
+        max_body_bytes: Largest request body accepted (else 413).
+        cors_origins: Origins allowed by CORS (``["*"]`` for any); ``None``: CORS is off.
+        retry_after_seconds: The ``Retry-After`` sent with a 503.
+
+    Returns:
+        A FastAPI application.
+
+    Raises:
+        ValueError: ``max_queue``, ``max_body_bytes`` or ``retry_after_seconds`` is not
+            positive, or ``api_key`` is empty.
+    """
+    for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
+                        ("retry_after_seconds", retry_after_seconds)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (pass None for no key)")
+    state = ServerState(ctx, api_key, max_queue, max_body_bytes, retry_after_seconds)
+    app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.llamax = state
+    app.add_exception_handler(APIError, handle_api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    for router in (public_routes(state), info_routes(state), api_routes(state)):
+        app.include_router(router)
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    return app
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (404, 405 ...) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}"))

@@ -1,0 +1,145 @@
+"""``llamax serve``: load a model and serve it with uvicorn until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import uvicorn
+
+import llamax
+
+from .app import create_app
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("llamax.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``llamax serve``."""
+    p = argparse.ArgumentParser(
+        prog="llamax serve",
+        description="Serve a GGUF model over an OpenAI-compatible HTTP API, with a chat page at /.",
+    )
+    p.add_argument("model", nargs="?", help="GGUF file (default: $LLAMAX_MODEL, else SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    p.add_argument("--n-ctx", type=int, default=4096, help="KV cells shared by all requests")
+    p.add_argument("--n-seq-max", type=int, default=16, help="sequences computed at once")
+    p.add_argument("--n-batch", type=int, default=512, help="tokens per decode step")
+    p.add_argument("--n-threads", type=int, default=None, help="CPU threads (default: all)")
+    p.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1: all)")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template to use instead")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LLAMAX_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' (default: $LLAMAX_API_KEY)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="most requests in flight; more get 503 (default: 256)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 << 20,
+        help="largest request body; larger get 413 (default: 8 MiB)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="allow this origin by CORS (repeatable; '*' for any; default: off)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let requests finish after SIGTERM (default: 30)",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    return p
+
+
+def _context_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "n_ctx": args.n_ctx,
+        "n_seq_max": args.n_seq_max,
+        "n_batch": args.n_batch,
+        "n_gpu_layers": args.n_gpu_layers,
+    }
+    if args.n_threads is not None:
+        options["n_threads"] = args.n_threads
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            options["chat_template"] = f.read()
+    return options
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``llamax serve`` with ``argv`` (default: ``sys.argv[1:]``; a leading ``serve`` is
+    skipped, so the ``llamax`` command can pass its arguments through).
+
+    The server listens at once; ``/health`` says ``loading`` until the model is ready. On
+    SIGINT or SIGTERM it stops accepting connections, lets requests in flight finish for
+    ``--shutdown-timeout`` seconds, cancels the rest, then closes the context.
+
+    Returns:
+        The exit status: 0 after a shutdown, 1 if the model did not load, 2 for bad arguments.
+    """
+    args = list(argv) if argv is not None else None
+    if args and args[0] == "serve":
+        args = args[1:]
+    ns = build_parser().parse_args(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    log.setLevel(ns.log_level.upper())
+    try:
+        options = _context_options(ns)
+        app_options = {
+            "api_key": ns.api_key,
+            "max_queue": ns.max_queue,
+            "max_body_bytes": ns.max_body_bytes,
+            "cors_origins": ns.cors_origin,
+        }
+        with ThreadPoolExecutor(1, thread_name_prefix="llamax-load") as pool:
+            loading = pool.submit(llamax.Context, ns.model, **options)
+            app = create_app(loading, **app_options)
+            return _serve(app, loading, ns)
+    except (OSError, ValueError) as exc:
+        log.error("%s", exc)
+        return 2
+
+
+def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) -> int:
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        timeout_graceful_shutdown=ns.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+
+    def stop_if_failed(future: Future[llamax.Context]) -> None:
+        if future.exception() is not None:
+            log.error("the model did not load: %s", future.exception())
+            server.should_exit = True
+
+    loading.add_done_callback(stop_if_failed)
+    server.run()
+    if loading.exception() is not None:
+        return 1
+    ctx = loading.result()
+    log.info("closing the model")
+    ctx.close(timeout=ns.shutdown_timeout)
+    return 0

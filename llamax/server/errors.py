@@ -1,0 +1,118 @@
+"""OpenAI's error shape, and which HTTP status each failure gets.
+
+Every error the server returns is ``{"error": {"message", "type", "param", "code"}}``, the
+shape the ``openai`` client turns into its typed exceptions (``BadRequestError`` for 400,
+``AuthenticationError`` for 401, ``InternalServerError`` for 500 ...).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+import llamax
+from llamax.chat import InvalidMessageError, TemplateError
+
+__all__ = ["APIError", "error_response", "from_exception", "handle_api_error"]
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the server answers with, in OpenAI's shape.
+
+    Args:
+        status: The HTTP status.
+        message: What went wrong, for a human.
+        param: The request field at fault, if one is.
+        code: A machine-readable code (``"context_length_exceeded"`` ...).
+        headers: Extra response headers (``Retry-After`` ...).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        kind = _STATUS_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """The HTTP response for ``error``."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette exception handler for :class:`APIError`."""
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+_FIELD = re.compile(r"^([a-z_]+)\b")
+
+
+def _param_named_in(message: str, fields: frozenset[str]) -> str | None:
+    """llamax's messages start with the field they are about ("top_p must be ...")."""
+    match = _FIELD.match(message)
+    return match.group(1) if match and match.group(1) in fields else None
+
+
+def from_exception(
+    exc: BaseException, fields: frozenset[str] = frozenset(), prompt_field: str = "messages"
+) -> APIError:
+    """Map an exception from llamax (or anything else) onto an :class:`APIError`.
+
+    Args:
+        exc: What was raised while serving the request.
+        fields: The request's field names, to name the one a message is about.
+        prompt_field: The field holding the prompt (``messages`` or ``prompt``).
+
+    Returns:
+        400 for a request llamax refused (context overflow with its token counts, bad
+        messages, grammars, parameters), 503 when the context is closed, 500 otherwise.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    message = str(exc)
+    if isinstance(exc, llamax.ContextLengthError):
+        return APIError(400, message, param=prompt_field, code="context_length_exceeded")
+    if isinstance(exc, InvalidMessageError):
+        return APIError(400, message, param="messages", code="invalid_message")
+    if isinstance(exc, llamax.EmptyPromptError):
+        return APIError(400, message, param=prompt_field, code="empty_prompt")
+    if isinstance(exc, llamax.GrammarError):
+        return APIError(400, message, param="grammar", code="invalid_grammar")
+    if isinstance(exc, TemplateError):
+        return APIError(400, f"chat template: {message}", param="messages", code="template_error")
+    if isinstance(exc, llamax.InvalidRequestError):
+        return APIError(400, message, param=_param_named_in(message, fields), code="invalid_value")
+    if isinstance(exc, llamax.ContextClosedError):
+        return APIError(503, f"the model is not available: {message}", code="model_unavailable")
+    if isinstance(exc, (llamax.EngineError, llamax.RequestFailedError)):
+        return APIError(500, f"inference failed: {message}", code="engine_error")
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")

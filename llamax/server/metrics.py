@@ -1,0 +1,127 @@
+"""Prometheus metrics, one registry per app (two apps in one process never mix counts).
+
+Request-level figures (outcomes, tokens, latencies) are recorded as responses finish; the
+engine's figures (queue, running sequences, KV cells) are read from ``ctx.stats()`` at each
+scrape by a collector, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+import llamax
+
+__all__ = ["ServerMetrics", "TokenClock"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from ``ctx.stats()`` when scraped."""
+
+    def __init__(self, stats: Callable[[], llamax.ContextStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:
+            return
+        gauges = {
+            "llamax_queue_waiting_sequences": ("Sequences queued", stats.num_waiting),
+            "llamax_running_sequences": ("Sequences being computed", stats.num_running),
+            "llamax_retained_sequences": ("Finished sequences kept for their prefix",
+                                          stats.num_retained),
+            "llamax_kv_cells_used": ("KV cells in use", stats.kv_cells_used),
+            "llamax_kv_cells_total": ("KV cells in the context", stats.kv_cells_total),
+        }  # fmt: skip
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "llamax_engine_steps": ("Decodes run", stats.num_steps),
+            "llamax_engine_prefill_tokens": ("Prompt tokens computed", stats.num_prefill_tokens),
+            "llamax_engine_decode_tokens": ("Generated tokens computed", stats.num_decode_tokens),
+            "llamax_engine_preemptions": ("Sequences preempted", stats.num_preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """The server's metrics in their own :class:`CollectorRegistry`.
+
+    Args:
+        stats: Returns the context's stats, or ``None`` while the model loads.
+    """
+
+    def __init__(self, stats: Callable[[], llamax.ContextStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter(
+            "llamax_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+            registry=reg,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("llamax_prompt_tokens", "Prompt tokens", registry=reg)
+        self.generated_tokens = Counter("llamax_generated_tokens", "Generated tokens", registry=reg)
+        self.cached_tokens = Counter(
+            "llamax_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+            registry=reg,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "llamax_time_to_first_token_seconds", "Time to the first streamed token",
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.inter_token = Histogram(
+            "llamax_inter_token_latency_seconds", "Time between streamed chunks of a choice",
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "llamax_request_duration_seconds", "Time from request to the response's end",
+            ["endpoint"], buckets=_DURATION_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "llamax_requests_in_flight", "Requests admitted and not finished", registry=reg
+        )
+        reg.register(_EngineCollector(stats))
+
+    def record_usage(self, usage: Mapping[str, Any] | None) -> None:
+        """Count an OpenAI ``usage`` object's tokens."""
+        if not usage:
+            return
+        self.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        self.generated_tokens.inc(usage.get("completion_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens.inc(details.get("cached_tokens", 0))
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+
+class TokenClock:
+    """Times one streamed request: the first content chunk, then the gaps per choice.
+
+    Args:
+        metrics: Where to record.
+        started: ``time.perf_counter()`` when the request arrived.
+    """
+
+    def __init__(self, metrics: ServerMetrics, started: float) -> None:
+        self._metrics = metrics
+        self.started = started
+        self._last: dict[int, float] = {}
+
+    def tick(self, index: int) -> None:
+        """A chunk with content for choice ``index`` is about to be sent."""
+        now = time.perf_counter()
+        if not self._last:
+            self._metrics.ttft.observe(now - self.started)
+        elif index in self._last:
+            self._metrics.inter_token.observe(now - self._last[index])
+        self._last[index] = now

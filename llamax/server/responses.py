@@ -1,0 +1,166 @@
+"""Pure-ASGI responses that run a completion while watching for the client to leave.
+
+Starlette's ``StreamingResponse`` notices a disconnect only when it next writes, and a plain
+JSON route not at all: a client that gives up during a long prefill would keep its
+sequence and KV cells busy until the reply was complete. These responses read ``receive``
+in a sibling task from the start; ``http.disconnect`` cancels the work at once, which
+cancels the llamax request (closing a chunk stream, or cancelling an awaited handle, frees
+its KV cells).
+
+The status is chosen only once the work has produced something: an error before the first
+chunk still gets its proper status (400, 500 ...); an error after it is sent as a last
+``data: {"error": ...}`` event, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from .errors import from_exception
+from .metrics import ServerMetrics, TokenClock
+
+__all__ = ["CompletionJob", "CompletionResponse", "outcome_of"]
+
+
+@dataclass(eq=False)
+class CompletionJob:
+    """One admitted request: what to run, and the bookkeeping when it ends.
+
+    ``start`` returns the response dict, or (streaming) an async iterator of chunk dicts that
+    always ends with a usage chunk; ``include_usage`` says whether the client sees it.
+    """
+
+    endpoint: str
+    start: Callable[[], Awaitable[Any]]
+    metrics: ServerMetrics
+    release: Callable[[], None]
+    stream: bool = False
+    include_usage: bool = False
+    fields: frozenset[str] = frozenset()
+    prompt_field: str = "messages"
+    started: float = field(default_factory=time.perf_counter)
+
+    def finish(self, outcome: str) -> None:
+        """Record the outcome and free the admission slot."""
+        self.metrics.requests.labels(self.endpoint, outcome).inc()
+        self.metrics.duration.labels(self.endpoint).observe(time.perf_counter() - self.started)
+        self.release()
+
+
+def outcome_of(status: int) -> str:
+    """The ``outcome`` label of a response status."""
+    if status < 400:
+        return "success"
+    if status == 503:
+        return "rejected"
+    return "client_error" if status < 500 else "server_error"
+
+
+def _sse(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+async def _send_json(send: Send, status: int, body: object, headers: dict[str, str]) -> None:
+    raw = json.dumps(body, ensure_ascii=False).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *extra]})  # fmt: skip
+    await send({"type": "http.response.body", "body": raw})
+
+
+class CompletionResponse(Response):
+    """Runs a :class:`CompletionJob` as the response to one HTTP request.
+
+    A :class:`~starlette.responses.Response` only so that FastAPI passes it through; it
+    writes its own status, headers and body.
+    """
+
+    def __init__(self, job: CompletionJob) -> None:
+        super().__init__()
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome = "cancelled"  # unless the work ends on its own: disconnect or shutdown
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
+                respond = self._stream if self.job.stream else self._whole
+                outcome = await respond(send)
+                tasks.cancel_scope.cancel()
+        finally:
+            self.job.finish(outcome)
+
+    async def _error(self, send: Send, exc: Exception) -> str:
+        error = from_exception(exc, self.job.fields, self.job.prompt_field)
+        await _send_json(send, error.status, error.body(), error.headers)
+        return outcome_of(error.status)
+
+    async def _whole(self, send: Send) -> str:
+        try:
+            result = await self.job.start()
+        except Exception as exc:
+            return await self._error(send, exc)
+        self.job.metrics.record_usage(result.get("usage"))
+        await _send_json(send, 200, result, {})
+        return "success"
+
+    async def _stream(self, send: Send) -> str:
+        chunks: AsyncGenerator[dict[str, Any], None]
+        try:
+            chunks = await self.job.start()
+            first = await anext(chunks)
+        except Exception as exc:
+            return await self._error(send, exc)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            return await self._send_chunks(send, first, chunks)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+
+    async def _send_chunks(
+        self, send: Send, first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]
+    ) -> str:
+        clock = TokenClock(self.job.metrics, self.job.started)
+        outcome = "success"
+        try:
+            await self._send_chunk(send, first, clock)
+            async for chunk in chunks:
+                await self._send_chunk(send, chunk, clock)
+            tail = b"data: [DONE]\n\n"
+        except Exception as exc:
+            error = from_exception(exc, self.job.fields, self.job.prompt_field)
+            outcome, tail = outcome_of(error.status), _sse(error.body())
+        await send({"type": "http.response.body", "body": tail})
+        return outcome
+
+    async def _send_chunk(self, send: Send, chunk: dict[str, Any], clock: TokenClock) -> None:
+        if not chunk["choices"]:  # the usage chunk
+            self.job.metrics.record_usage(chunk.get("usage"))
+            if not self.job.include_usage:
+                return
+        for choice in chunk["choices"]:
+            if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                clock.tick(choice["index"])
+        await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()

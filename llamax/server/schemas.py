@@ -1,0 +1,164 @@
+"""Request bodies: pydantic models that refuse unknown fields and wrong types.
+
+Types are checked here (strictly: ``"3"`` is not a number, ``1`` is not ``true``); value
+ranges are llamax's business (``SamplingParams`` raises ``InvalidParameterError`` naming the
+field), so the two layers never disagree about what is valid.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import APIError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "parse_body",
+]
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+_NOT_OPTIONS = frozenset({"model", "user", "stream", "stream_options", "messages", "prompt"})
+"""Fields the server handles itself (``model`` and ``user`` are accepted and ignored)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    """OpenAI's ``stream_options``."""
+
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields chat and text completions share; ``None`` means llamax's OpenAI default."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    grammar: str | None = None
+
+    @property
+    def is_stream(self) -> bool:
+        """Whether the client asked for server-sent events."""
+        return bool(self.stream)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def options(self) -> dict[str, Any]:
+        """The keyword options for ``Context.achat_completion`` / ``acompletion``."""
+        return self.model_dump(exclude_none=True, exclude=set(_NOT_OPTIONS))
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    truncate: Literal["none", "oldest_messages"] | None = None
+    """llamax extension: drop the oldest turns when the conversation does not fit."""
+
+    def options(self) -> dict[str, Any]:
+        """As the base class, with ``max_completion_tokens`` read as ``max_tokens``."""
+        options = super().options()
+        newer = options.pop("max_completion_tokens", None)
+        if newer is not None:
+            if "max_tokens" in options:
+                raise APIError(
+                    400,
+                    "give max_tokens or max_completion_tokens, not both",
+                    param="max_completion_tokens",
+                    code="invalid_value",
+                )
+            options["max_tokens"] = newer
+        return options
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[int]
+    logprobs: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (llama-server's shape)."""
+
+    content: str
+    add_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``."""
+
+    tokens: list[int]
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(model: type[RequestT], raw: bytes) -> RequestT:
+    """Parse and validate a JSON request body.
+
+    Args:
+        model: The request model.
+        raw: The body's bytes.
+
+    Returns:
+        The validated request.
+
+    Raises:
+        APIError: 400, for malformed JSON, a body that is not an object, an unknown field
+            (named in ``param``) or a field of the wrong type.
+    """
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    location = ".".join(str(part) for part in first["loc"])
+    param = str(first["loc"][0]) if first["loc"] else None
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"unknown field {location!r}", param=param, code="unknown_field")
+    if first["type"] == "missing":
+        return APIError(400, f"missing field {param!r}", param=param, code="missing_field")
+    return APIError(400, f"{location}: {first['msg']}", param=param, code="invalid_type")
