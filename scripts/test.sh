@@ -3,6 +3,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$repo/scripts/bootstrap.sh"
+bash "$repo/scripts/install_browser.sh"
 py=${LLAMAX_VENV:-$repo/.venv}/bin/python
 cd "$repo"
 "$py" -m ruff check .

@@ -11,10 +11,11 @@ From a shell: ``llamax serve [MODEL.gguf]`` or ``python -m llamax.server``. Need
 
 try:
     from .app import create_app
+    from .background import BackgroundServer
     from .cli import main
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         f"llamax.server needs its extra: pip install 'llamax[server]' ({exc})"
     ) from exc
 
-__all__ = ["create_app", "main"]
+__all__ = ["BackgroundServer", "create_app", "main"]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -61,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
-        default=30.0,
+        type=int,
+        default=30,
         help="seconds to let requests finish after SIGTERM (default: 30)",
     )
     p.add_argument(
@@ -100,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(argv) if argv is not None else None
     if args and args[0] == "serve":
         args = args[1:]
-    ns = build_parser().parse_args(args)
+    try:
+        ns = build_parser().parse_args(args)
+    except SystemExit as exc:  # --help, or bad arguments (argparse printed why)
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     log.setLevel(ns.log_level.upper())
     try:
@@ -136,10 +142,26 @@ def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) ->
             server.should_exit = True
 
     loading.add_done_callback(stop_if_failed)
-    server.run()
-    if loading.exception() is not None:
-        return 1
-    ctx = loading.result()
-    log.info("closing the model")
-    ctx.close(timeout=ns.shutdown_timeout)
-    return 0
+    with _signals_after_shutdown_ignored():
+        try:
+            server.run()
+        finally:
+            if loading.exception() is None:
+                log.info("closing the model")
+                loading.result().close(timeout=ns.shutdown_timeout)
+    return 1 if loading.exception() is not None else 0
+
+
+@contextlib.contextmanager
+def _signals_after_shutdown_ignored() -> Iterator[None]:
+    """uvicorn re-raises the SIGINT/SIGTERM it handled once it has stopped, which would kill
+    the process before the model is closed; while serving, ignore that second delivery."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

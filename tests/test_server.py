@@ -1,0 +1,433 @@
+"""The HTTP server against the real model, through the real ``openai`` client.
+
+One uvicorn server on a free 127.0.0.1 port serves the session's shared context; after each
+test the engine must be idle (nothing running, no leaked sequence or KV cell).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+import llamax
+from llamax.server import BackgroundServer, create_app
+from llamax.testing import assert_idle
+
+pytestmark = pytest.mark.model
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+# Bans SmolLM2's end-of-generation tokens, so a request runs until cancelled.
+NO_EOS = {"0": -100, "2": -100, "4": -100}
+
+
+@pytest.fixture(scope="module")
+def server_ctx(model_path: Path) -> Iterator[llamax.Context]:
+    """This module's context, on one thread (2 cores are shared with other work)."""
+    with llamax.Context(model_path, n_ctx=4096, n_seq_max=8, n_threads=1) as ctx:
+        yield ctx
+
+
+@pytest.fixture(scope="module")
+def server(server_ctx: llamax.Context) -> Iterator[BackgroundServer]:
+    with BackgroundServer(create_app(server_ctx)) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def idle_engine(server_ctx: llamax.Context) -> Iterator[None]:
+    assert_idle(server_ctx)
+    yield
+    assert_idle(server_ctx, timeout=60)
+
+
+@pytest.fixture
+def client(server: BackgroundServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def aclient(server: BackgroundServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_completion_sync(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="any",
+        messages=HELLO,
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
+
+
+def test_clients_share_the_prefix_cache(client: openai.OpenAI) -> None:
+    system = {"role": "system", "content": "You answer questions about the weather. " * 20}
+    for question, cached in (("Is it sunny?", False), ("Will it rain?", True)):
+        reply = client.chat.completions.create(
+            model="any",
+            messages=[system, {"role": "user", "content": question}],  # type: ignore[list-item]
+            max_tokens=4,
+            temperature=0,
+        )
+        details = reply.usage.prompt_tokens_details  # type: ignore[union-attr]
+        assert (details is not None and (details.cached_tokens or 0) > 100) == cached
+
+
+def test_chat_completion_async(aclient: openai.AsyncOpenAI) -> None:
+    async def ask() -> Any:
+        return await aclient.chat.completions.create(
+            model="any",
+            messages=HELLO,
+            max_tokens=8,
+            temperature=0,
+            n=2,  # type: ignore[arg-type]
+        )
+
+    reply = asyncio.run(ask())
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert all(c.message.content for c in reply.choices)
+
+
+def test_text_completion_with_logprobs(client: openai.OpenAI) -> None:
+    reply = client.completions.create(
+        model="any", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+    )
+    choice = reply.choices[0]
+    assert choice.text and choice.logprobs is not None
+    assert len(choice.logprobs.tokens or []) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs or [])
+
+
+def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="any", messages=HELLO, max_tokens=12, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens <= 12
+
+
+def test_chat_stream_n3_streams_each_index(aclient: openai.AsyncOpenAI) -> None:
+    async def collect() -> dict[int, list[Any]]:
+        stream = await aclient.chat.completions.create(
+            model="any", messages=HELLO, max_tokens=10, temperature=0.9, seed=5, n=3,  # type: ignore[arg-type]
+            stream=True,
+        )  # fmt: skip
+        by_index: dict[int, list[Any]] = {0: [], 1: [], 2: []}
+        async for chunk in stream:
+            assert len(chunk.choices) == 1
+            by_index[chunk.choices[0].index].append(chunk.choices[0])
+        return by_index
+
+    by_index = asyncio.run(collect())
+    for choices in by_index.values():
+        assert choices[0].delta.role == "assistant"
+        assert choices[-1].finish_reason in ("stop", "length")
+        assert all(c.finish_reason is None for c in choices[:-1])
+
+
+def test_chat_json_schema(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    reply = client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
+
+
+def test_chat_logprobs_and_llama_extensions(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="any", messages=HELLO, max_tokens=6, temperature=0.7, seed=1, logprobs=True,  # type: ignore[arg-type]
+        top_logprobs=3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repeat_penalty": 1.1, "grammar": 'root ::= "hi"+'},
+    )  # fmt: skip
+    assert re.fullmatch("(hi)+", reply.choices[0].message.content or "")
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+
+
+def test_errors_are_typed_client_exceptions(client: openai.OpenAI) -> None:
+    long = [{"role": "user", "content": "word " * 5000}]
+    with pytest.raises(openai.BadRequestError) as overflow:
+        client.chat.completions.create(model="any", messages=long, max_tokens=8)  # type: ignore[arg-type]
+    assert overflow.value.code == "context_length_exceeded"
+    assert "n_ctx=4096" in overflow.value.message and "prompt tokens" in overflow.value.message
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.chat.completions.create(
+            model="any",
+            messages=HELLO,
+            max_tokens=8,
+            extra_body={"best_of": 2},  # type: ignore[arg-type]
+        )
+    assert unknown.value.param == "best_of"
+    with pytest.raises(openai.BadRequestError) as bad_value:
+        client.chat.completions.create(model="any", messages=HELLO, top_p=7)  # type: ignore[arg-type]
+    assert "top_p" in bad_value.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="any", input="x")
+
+
+def test_32_concurrent_clients(aclient: openai.AsyncOpenAI, server_ctx: llamax.Context) -> None:
+    async def one(i: int) -> str:
+        reply = await aclient.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": f"Count to {i}."}],  # type: ignore[list-item]
+            max_tokens=8, temperature=0,
+        )  # fmt: skip
+        return reply.choices[0].message.content or ""
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    replies = asyncio.run(all_of_them())
+    assert len(replies) == 32 and all(replies)
+
+
+def _wait_for_no_running(ctx: llamax.Context, timeout: float = 10.0) -> float:
+    start = time.monotonic()
+    while ctx.stats().num_running or ctx.stats().num_waiting:
+        assert time.monotonic() - start < timeout, f"still running: {ctx.stats()}"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_disconnect_mid_stream_cancels_and_frees_kv(
+    server: BackgroundServer, server_ctx: llamax.Context
+) -> None:
+    body = {"prompt": "1, 2, 3,", "max_tokens": 3000, "temperature": 0, "stream": True,
+            "logit_bias": NO_EOS}  # fmt: skip
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert all(not line or line.startswith("data: {") for line in received)
+            assert server_ctx.stats().num_running == 1
+        decoded = server_ctx.stats().num_decode_tokens
+        assert _wait_for_no_running(server_ctx) < 5
+    assert server_ctx.stats().num_decode_tokens - decoded < 200  # stopped long before 3000
+
+
+def test_disconnect_while_waiting_for_a_whole_reply(
+    server: BackgroundServer, server_ctx: llamax.Context
+) -> None:
+    body = {"messages": HELLO, "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS}
+    with httpx.Client(base_url=server.url, timeout=1.0) as http, pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=body)
+    assert _wait_for_no_running(server_ctx) < 5
+
+
+BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
+    ("chat", b"{not json", None),
+    ("chat", b"", None),
+    ("chat", b"[1, 2]", None),
+    ("chat", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
+    ("chat", {}, "messages"),
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": "hello"}, "messages"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("chat", {"messages": [{"role": "user"}]}, "messages"),
+    ("chat", {"messages": HELLO, "tools": []}, "tools"),
+    ("chat", {"messages": HELLO, "temperature": "hot"}, "temperature"),
+    ("chat", {"messages": HELLO, "temperature": -1}, "temperature"),
+    ("chat", {"messages": HELLO, "n": 0}, "n"),
+    ("chat", {"messages": HELLO, "n": "3"}, "n"),
+    ("chat", {"messages": HELLO, "max_tokens": -5}, "max_tokens"),
+    ("chat", {"messages": HELLO, "max_tokens": 1, "max_completion_tokens": 1}, None),
+    ("chat", {"messages": HELLO, "stream": "yes"}, "stream"),
+    ("chat", {"messages": HELLO, "stream_options": {"include_usage": True, "x": 1}}, None),
+    ("chat", {"messages": HELLO, "logit_bias": {"abc": 5}}, "logit_bias"),
+    ("chat", {"messages": HELLO, "logit_bias": {"5": 500}}, "logit_bias"),
+    ("chat", {"messages": HELLO, "response_format": {"type": "yaml"}}, "response_format"),
+    ("chat", {"messages": HELLO, "grammar": "root ::= ("}, "grammar"),
+    ("chat", {"messages": HELLO, "top_logprobs": 50, "logprobs": True}, None),
+    ("chat", {"messages": HELLO, "truncate": "sometimes"}, "truncate"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": [1, -4]}, None),
+    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "stop": 3}, "stop"),
+    ("completions", {"prompt": "x" * 40000, "max_tokens": 1}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), BAD_BODIES)
+def test_bad_bodies_get_4xx_in_openai_shape(
+    server: BackgroundServer, endpoint: str, body: bytes | dict[str, Any], param: str | None
+) -> None:
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = http.post(f"/v1/{endpoint.replace('chat', 'chat/completions')}", content=raw)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "invalid_request_error" and error["message"]
+        if param is not None:
+            assert error["param"] == param, error
+        ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert ok.status_code == 200
+
+
+def test_api_key(server_ctx: llamax.Context) -> None:
+    with BackgroundServer(create_app(server_ctx, api_key="s3cret")) as keyed:
+        for key in ("wrong", ""):
+            bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key=key or "x", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+        assert httpx.post(keyed.url + "/tokenize", json={"content": "x"}).status_code == 401
+        assert httpx.get(keyed.url + "/health").status_code == 200
+        good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.models.list().data[0].id == server_ctx.model_name
+
+
+def test_body_too_large(server_ctx: llamax.Context) -> None:
+    with BackgroundServer(create_app(server_ctx, max_body_bytes=1000)) as small:
+        big = {"prompt": "x" * 2000, "max_tokens": 1}
+        response = httpx.post(small.url + "/v1/completions", json=big)
+        assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+        def chunked() -> Iterator[bytes]:  # no Content-Length: counted while reading
+            yield b'{"prompt": "'
+            yield b"x" * 2000
+            yield b'"}'
+
+        response = httpx.post(small.url + "/v1/completions", content=chunked())
+        assert response.status_code == 413
+
+
+def test_full_queue_gets_503_with_retry_after(server_ctx: llamax.Context) -> None:
+    body = {"prompt": "1, 2,", "max_tokens": 3000, "stream": True, "logit_bias": NO_EOS}
+    with BackgroundServer(create_app(server_ctx, max_queue=1, retry_after_seconds=3)) as tight:
+        client = openai.OpenAI(base_url=tight.url + "/v1", api_key="x", max_retries=0)
+        with httpx.stream("POST", tight.url + "/v1/completions", json=body, timeout=30) as first:
+            lines = first.iter_lines()  # keep it: a dropped iterator closes the response
+            next(lines)
+            with pytest.raises(openai.InternalServerError) as busy:
+                client.completions.create(model="any", prompt="Hi", max_tokens=1)
+            assert busy.value.status_code == 503
+            assert busy.value.response.headers["retry-after"] == "3"
+        _wait_for_no_running(server_ctx)
+        assert client.completions.create(model="any", prompt="Hi", max_tokens=1).choices
+
+
+def test_health_metrics_models_tokenize(server: BackgroundServer, client: openai.OpenAI) -> None:
+    client.chat.completions.create(
+        model="any",
+        messages=HELLO,
+        max_tokens=4,
+        stream=False,  # type: ignore[arg-type]
+    )
+    list(client.chat.completions.create(model="any", messages=HELLO, max_tokens=4, stream=True))  # type: ignore[arg-type]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["kv"]["cells_total"] == 4096
+    assert {"in_flight", "max_queue", "waiting", "running"} <= set(health["queue"])
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("llamax_requests_total{endpoint=\"chat\",outcome=\"success\"}",
+                 "llamax_prompt_tokens_total", "llamax_generated_tokens_total",
+                 "llamax_cached_prompt_tokens_total", "llamax_time_to_first_token_seconds_count",
+                 "llamax_inter_token_latency_seconds_count", "llamax_queue_waiting_sequences",
+                 "llamax_running_sequences", "llamax_kv_cells_used"):  # fmt: skip
+        assert name in metrics
+    tokens = httpx.post(server.url + "/tokenize", json={"content": "Hello world"}).json()["tokens"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens}).json()["content"]
+    assert text == "Hello world"
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_graceful_shutdown_lets_streams_finish(server_ctx: llamax.Context) -> None:
+    running = BackgroundServer(create_app(server_ctx), shutdown_timeout=20)
+    running.start()
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
+            "logit_bias": NO_EOS}  # fmt: skip
+    events: list[str] = []
+    with httpx.stream("POST", running.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        events.append(next(lines))
+        stopper = threading.Thread(target=running.stop)
+        stopper.start()
+        events.extend(lines)
+    stopper.join(30)
+    events = [event for event in events if event]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) > 10  # the stream ran to the end, not cut at the shutdown
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(running.url + "/health")
+
+
+def test_cli_serves_then_shuts_down_gracefully_on_sigterm(model_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = [
+        sys.executable,
+        "-m",
+        "llamax.server",
+        str(model_path),
+        "--port",
+        str(port),
+        "--n-ctx",
+        "1024",
+        "--n-seq-max",
+        "2",
+        "--n-threads",
+        "1",
+        "--log-level",
+        "warning",
+    ]
+    process = subprocess.Popen(
+        argv, stderr=subprocess.PIPE, env=os.environ | {"LLAMAX_API_KEY": "k"}
+    )
+    url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    try:
+        deadline = time.monotonic() + 60
+        while not _is_ready(url):
+            assert process.poll() is None and time.monotonic() < deadline, "did not start"
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models").status_code == 401  # the key came from the env
+        body = {"prompt": "Once", "max_tokens": 16, "stream": True, "logit_bias": NO_EOS}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth) as response:
+            lines = response.iter_lines()
+            next(lines)
+            process.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _is_ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
