@@ -102,6 +102,63 @@ class LlamaxReplica:
             ctx.close()
 
 
+def _respond(
+    start: ResponseStart,
+    first: Any,
+    stream: DeploymentResponseGenerator[Any],
+    replica_stats: dict[str, dict[str, Any]],
+) -> StreamingResponse:
+    """Stream a replica's answer to the client; record the stats it sends last.
+
+    Every helper of the ingress is defined above it: ``@serve.ingress`` captures the
+    class while the module is still executing, so later names would not resolve.
+    """
+    headers = [(k, v) for k, v in start.headers if k.lower() not in _DROPPED_HEADERS]
+    headers += [(b"x-llamax-replica", start.replica.encode()),
+                (b"x-llamax-replica-pid", str(start.pid).encode())]  # fmt: skip
+    is_sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                 for k, v in headers)  # fmt: skip
+
+    async def body() -> AsyncIterator[bytes]:
+        item = first
+        try:
+            while True:
+                if isinstance(item, bytes):
+                    yield item
+                elif isinstance(item, dict):
+                    replica_stats[start.replica] = item
+                item = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        except RayError as exc:
+            if is_sse:
+                yield _sse_error(start.replica, exc)
+        finally:
+            _cancel(stream)
+
+    response = StreamingResponse(body(), status_code=start.status)
+    response.raw_headers = headers
+    return response
+
+
+def _describe(exc: BaseException) -> str:
+    first_line = next(iter(str(exc).splitlines()), "")
+    return f"{type(exc).__name__}: {first_line[:200]}"
+
+
+def _cancel(stream: DeploymentResponseGenerator[Any]) -> None:
+    stream.cancel()  # type: ignore[no-untyped-call]
+
+
+def _sse_error(replica: str, exc: BaseException) -> bytes:
+    message = (
+        f"llamax replica {replica} failed mid-stream ({type(exc).__name__}); "
+        "the output above is incomplete, retry the request"
+    )
+    error = {"message": message, "type": "server_error", "code": "replica_failed", "param": None}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
 ingress_app = FastAPI(title="llamax on Ray Serve", docs_url=None, redoc_url=None)
 
 
@@ -158,58 +215,10 @@ class LlamaxIngress:
                 failures.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
                 continue
             assert isinstance(start, ResponseStart)
-            return self._respond(start, first, stream)
+            return _respond(start, first, stream, self.replica_stats)
         return JSONResponse(
             {"error": {"message": "no llamax replica could serve the request: "
                        + "; ".join(failures), "type": "server_error",
                        "code": "replica_unavailable", "param": None}},
             status_code=503, headers={"Retry-After": "1"},
         )  # fmt: skip
-
-    def _respond(
-        self, start: ResponseStart, first: Any, stream: DeploymentResponseGenerator[Any]
-    ) -> StreamingResponse:
-        headers = [(k, v) for k, v in start.headers if k.lower() not in _DROPPED_HEADERS]
-        headers += [(b"x-llamax-replica", start.replica.encode()),
-                    (b"x-llamax-replica-pid", str(start.pid).encode())]  # fmt: skip
-        is_sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                     for k, v in headers)  # fmt: skip
-
-        async def body() -> AsyncIterator[bytes]:
-            item = first
-            try:
-                while True:
-                    if isinstance(item, bytes):
-                        yield item
-                    elif isinstance(item, dict):
-                        self.replica_stats[start.replica] = item
-                    item = await stream.__anext__()
-            except StopAsyncIteration:
-                return
-            except RayError as exc:
-                if is_sse:
-                    yield _sse_error(start.replica, exc)
-            finally:
-                _cancel(stream)
-
-        response = StreamingResponse(body(), status_code=start.status)
-        response.raw_headers = headers
-        return response
-
-
-def _describe(exc: BaseException) -> str:
-    first_line = next(iter(str(exc).splitlines()), "")
-    return f"{type(exc).__name__}: {first_line[:200]}"
-
-
-def _cancel(stream: DeploymentResponseGenerator[Any]) -> None:
-    stream.cancel()  # type: ignore[no-untyped-call]
-
-
-def _sse_error(replica: str, exc: BaseException) -> bytes:
-    message = (
-        f"llamax replica {replica} failed mid-stream ({type(exc).__name__}); "
-        "the output above is incomplete, retry the request"
-    )
-    error = {"message": message, "type": "server_error", "code": "replica_failed", "param": None}
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
