@@ -145,10 +145,13 @@ def test_killed_replica_fails_its_stream_and_ray_restarts_it(client: openai.Open
         model="llamax", messages=[{"role": "user", "content": "Tell a very long story."}],
         max_tokens=1500, stream=True, logit_bias=EOG_BIAS,
     ) as response:  # fmt: skip
-        victim, pid = response.headers["x-llamax-replica"], int(response.headers["x-llamax-replica-pid"])
+        victim, pid = (
+            response.headers["x-llamax-replica"],
+            int(response.headers["x-llamax-replica-pid"]),
+        )
         received = 0
         with pytest.raises(openai.APIError, match="failed mid-stream"):
-            for chunk in response.parse():
+            for _chunk in response.parse():
                 received += 1
                 if received == 5:
                     os.kill(pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from llamax.ray.keys import PREFIX_CHARS, HashRing, routing_key  # noqa: E402
+from llamax.ray.keys import PREFIX_CHARS, HashRing, routing_key
 
 CHAT = "/v1/chat/completions"
 

@@ -20,6 +20,7 @@ from ..errors import ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
 from .platform import default_use_extra_bufts
+from .rpc import register_rpc_servers
 
 __all__ = ["LlamaCppBackend"]
 
@@ -96,6 +97,8 @@ class LlamaCppBackend:
         _check_gguf(path)
         self._samplers: dict[int, _NativeSampler] = {}
         self._pieces: dict[int, bytes] = {}
+        if config.rpc_servers is not None:
+            register_rpc_servers(C, config.rpc_servers)
         with ExitStack() as stack:
             mparams = C.llama_model_default_params()
             mparams.n_gpu_layers = config.n_gpu_layers
