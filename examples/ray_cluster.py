@@ -43,8 +43,8 @@ def main() -> None:
             print(f"replica {raw.headers['x-llamax-replica']}  cached {cached:>3} tokens  "
                   f"{done.choices[0].message.content!r}")  # fmt: skip
     finally:
-        serve.shutdown()
-        ray.shutdown()  # type: ignore[no-untyped-call]
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.shutdown()
 
 
 if __name__ == "__main__":

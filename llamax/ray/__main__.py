@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with contextlib.suppress(KeyboardInterrupt):
         stop.wait()
-    serve.shutdown()
-    ray.shutdown()  # type: ignore[no-untyped-call]
+    serve.shutdown()  # type: ignore[no-untyped-call]
+    ray.shutdown()
     return 0
 
 
