@@ -71,3 +71,14 @@ def test_ring_moves_only_the_keys_of_a_member_that_leaves() -> None:
 def test_ring_refuses_no_virtual_nodes() -> None:
     with pytest.raises(ValueError, match="num_virtual_nodes must be >= 1"):
         HashRing(num_virtual_nodes=0)
+
+
+def test_deployment_refuses_bad_arguments() -> None:
+    import llamax.ray
+
+    with pytest.raises(ValueError, match="routing must be"):
+        llamax.ray.deployment(routing="random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_replicas must be > 0"):
+        llamax.ray.deployment(num_replicas=0)
+    with pytest.raises(TypeError):
+        llamax.ray.app({"num_replica": "2"})
