@@ -21,7 +21,7 @@ from typing import Any
 
 import openai
 import ray
-from _common import load_average, log, ratio
+from _common import load_average, log, ratio, stdout_to_stderr
 from ray import serve
 
 import llamax.ray
@@ -96,23 +96,28 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    with stdout_to_stderr() as real_stdout:  # Ray's raylet prints to stdout at shutdown
+        prefix, default = run_both(args, port)
+        report = {
+            "config": {**vars(args), "replicas": 2, "threads_per_replica": 1,
+                       "system_prompts": len(TOPICS), "load_average_end": load_average()},
+            "prefix": prefix,
+            "default": default,
+            "speedup_prefix_vs_default": ratio(default["total_seconds"], prefix["total_seconds"]),
+        }  # fmt: skip
+        print(json.dumps(report, indent=2), file=real_stdout)
+
+
+def run_both(args: argparse.Namespace, port: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start a local cluster, measure prefix then default routing, shut it down."""
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=80 << 20,
              log_to_driver=False)  # fmt: skip
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        results = [run_policy(routing, args, port) for routing in ("prefix", "default")]
+        return run_policy("prefix", args, port), run_policy("default", args, port)
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
-    prefix, default = results
-    report = {
-        "config": {**vars(args), "replicas": 2, "threads_per_replica": 1,
-                   "system_prompts": len(TOPICS), "load_average_end": load_average()},
-        "prefix": prefix,
-        "default": default,
-        "speedup_prefix_vs_default": ratio(default["total_seconds"], prefix["total_seconds"]),
-    }  # fmt: skip
-    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -137,6 +138,28 @@ def _wait_for_replicas(count: int, timeout: float = 300) -> None:
             return
         time.sleep(2)
     raise AssertionError(f"Ray did not bring back {count} replicas: {serve.status()}")
+
+
+@pytest.mark.cluster
+def test_request_is_retried_when_its_replica_dies_before_answering(
+    client: openai.OpenAI,
+) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="llamax", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, user="pinned"
+    )
+    victim, pid = raw.headers["x-llamax-replica"], int(raw.headers["x-llamax-replica-pid"])
+    killer = threading.Timer(3.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    try:
+        retried = client.chat.completions.with_raw_response.create(
+            model="llamax", messages=[{"role": "user", "content": "Tell a long story."}],
+            max_tokens=1000, logit_bias=EOG_BIAS, user="pinned",
+        )  # fmt: skip
+    finally:
+        killer.join()
+    assert retried.headers["x-llamax-replica"] != victim
+    assert retried.parse().usage.completion_tokens == 1000
+    _wait_for_replicas(2)
 
 
 @pytest.mark.cluster
