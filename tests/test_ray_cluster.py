@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 import llamax.ray  # noqa: E402
 from llamax.ray.keys import HashRing, routing_key  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
 
 EOG_BIAS = {"0": -100.0, "2": -100.0}  # SmolLM2's <|endoftext|> and <|im_end|>: never stop
 
