@@ -17,7 +17,8 @@ Usage::
 
     .venv/bin/python benchmarks/server.py --llama-server "$(bash benchmarks/peers.sh)" > out.json
 
-stdout is one JSON object; progress goes to stderr.
+stdout is one JSON object; progress goes to stderr. ``--llama-cpp-python`` needs that
+server's dependencies: ``pip install -e '.[server-bench]'``.
 """
 
 from __future__ import annotations
