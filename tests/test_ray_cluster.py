@@ -45,7 +45,9 @@ def base_url() -> Iterator[str]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = llamax.ray.deployment(
-            num_replicas=2, context_options={"n_ctx": 2048, "n_seq_max": 4, "n_threads": 1}
+            num_replicas=2,
+            imbalance_threshold=2,
+            context_options={"n_ctx": 2048, "n_seq_max": 4, "n_threads": 1},
         )
         serve.run(app, name="llamax", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -63,9 +65,7 @@ def _chat(client: openai.OpenAI, system: str, question: str, **options: Any) -> 
     raw = client.chat.completions.with_raw_response.create(
         model="llamax",
         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
-        max_tokens=4,
-        temperature=0,
-        **options,
+        **{"max_tokens": 4, "temperature": 0, **options},
     )
     return raw.headers["x-llamax-replica"], raw.parse()
 
@@ -127,6 +127,23 @@ def test_streaming_and_completions_pass_through(client: openai.OpenAI) -> None:
     assert completion.usage.completion_tokens == 4
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="llamax", prompt="x", max_tokens=-1)
+
+
+@pytest.mark.cluster
+def test_overloaded_owner_spills_to_the_other_replica(client: openai.OpenAI) -> None:
+    served: list[str] = []
+
+    def send(i: int) -> None:
+        served.append(_chat(client, "Hi.", f"Story {i}?", user="one-key", max_tokens=48)[0])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.3)
+    for thread in threads:
+        thread.join()
+    assert len(served) == 8
+    assert len(set(served)) == 2, f"one key, 8 concurrent requests, one replica: {served}"
 
 
 def _wait_for_replicas(count: int, timeout: float = 300) -> None:

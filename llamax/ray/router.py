@@ -13,6 +13,7 @@ replica whose prefix cache already holds it. Two fallbacks keep load in check:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -20,6 +21,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from .keys import HashRing
 
 __all__ = ["PrefixAffinityRouter"]
+
+_log = logging.getLogger("ray.serve")
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -80,6 +83,11 @@ class PrefixAffinityRouter(RequestRouter):
         loads = [self._load(r) for r in ranked]
         least = min(range(len(ranked)), key=loads.__getitem__)
         if loads[0] - loads[least] > self.imbalance_threshold:
+            _log.info(
+                "prefix owner %s has %d queued, %s has %d: routing to the latter",
+                ranked[0].replica_id.unique_id, loads[0],
+                ranked[least].replica_id.unique_id, loads[least],
+            )  # fmt: skip
             ranked.insert(0, ranked.pop(least))
         return [[replica] for replica in ranked]
 
