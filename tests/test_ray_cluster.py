@@ -146,6 +146,30 @@ def test_overloaded_owner_spills_to_the_other_replica(client: openai.OpenAI) -> 
     assert len(set(served)) == 2, f"one key, 8 concurrent requests, one replica: {served}"
 
 
+@pytest.mark.cluster
+def test_client_disconnect_cancels_the_request_on_its_replica(
+    base_url: str, client: openai.OpenAI
+) -> None:
+    session = {"X-Llamax-Session": "leaver"}
+    with client.chat.completions.with_streaming_response.create(
+        model="llamax", messages=[{"role": "user", "content": "Tell a very long story."}],
+        max_tokens=1500, stream=True, logit_bias=EOG_BIAS, extra_headers=session,
+    ) as response:  # fmt: skip
+        replica = response.headers["x-llamax-replica"]
+        for received, _chunk in enumerate(response.parse()):
+            if received == 3:
+                break
+    deadline = time.monotonic() + 10  # uncancelled, 1500 tokens take far longer
+    while True:
+        health = httpx.get(base_url + "/health", headers=session, timeout=60)
+        assert health.headers["x-llamax-replica"] == replica
+        queue = health.json()["queue"]
+        if queue["running"] == 0 and queue["in_flight"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the request still runs: {queue}"
+        time.sleep(0.5)
+
+
 def _wait_for_replicas(count: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
