@@ -195,6 +195,16 @@ class SamplingParams:
         ) and self.penalty_last_n != 0
 
 
+def _is_endpoint_list(servers: object) -> bool:
+    if not isinstance(servers, str):
+        return False
+    for endpoint in servers.split(","):
+        host, _, port = endpoint.strip().rpartition(":")
+        if not host or not port.isdigit():
+            return False
+    return True
+
+
 def _default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -224,6 +234,9 @@ class ContextConfig:
     matmul crashes in some VMs. ``prefix_cache`` shares computed prompt prefixes between
     sequences and keeps finished ones for reuse (LRU); turn it off to always recompute.
     ``chat_template`` overrides the Jinja chat template of the GGUF metadata.
+    ``rpc_servers`` (``"host:port,host:port"``) adds remote llama.cpp ``rpc-server`` hosts as
+    devices the model's layers are split over (needs a ``-DGGML_RPC=ON`` build; see
+    docs/scale-out.md).
     """
 
     model_path: str
@@ -242,6 +255,7 @@ class ContextConfig:
     flash_attn: bool | None = None
     prefix_cache: bool = True
     chat_template: str | None = None
+    rpc_servers: str | None = None
     verbose: bool = False
 
     @classmethod
@@ -296,6 +310,10 @@ class ContextConfig:
         )
         _require(self.n_threads >= 1, f"n_threads must be >= 1, got {self.n_threads}")
         _require(
+            self.rpc_servers is None or _is_endpoint_list(self.rpc_servers),
+            f"rpc_servers must be 'host:port[,host:port...]', got {self.rpc_servers!r}",
+        )
+        _require(
             self.n_threads_batch is None or self.n_threads_batch >= 1,
             f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
         )
@@ -319,4 +337,5 @@ class ContextOptions(TypedDict, total=False):
     flash_attn: bool | None
     prefix_cache: bool
     chat_template: str | None
+    rpc_servers: str | None
     verbose: bool

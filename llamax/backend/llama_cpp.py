@@ -20,6 +20,7 @@ from ..errors import ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
 from .platform import default_use_extra_bufts
+from .rpc import register_rpc_servers
 
 __all__ = ["LlamaCppBackend"]
 
@@ -121,6 +122,8 @@ class LlamaCppBackend:
         path = Path(config.model_path)
         self._samplers: dict[int, _NativeSampler] = {}
         self._pieces: dict[int, bytes] = {}
+        if config.rpc_servers is not None:
+            register_rpc_servers(C, config.rpc_servers)
         with ExitStack() as stack:
             model = load_model(
                 C,
