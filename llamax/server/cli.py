@@ -34,6 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     p.add_argument("--n-ctx", type=int, default=4096, help="KV cells shared by all requests")
     p.add_argument("--n-seq-max", type=int, default=16, help="sequences computed at once")
+    p.add_argument(
+        "--n-ctx-seq",
+        type=int,
+        default=None,
+        help="most tokens one request may hold (default: n_ctx); when n_ctx_seq * n_seq_max "
+        "<= n_ctx, each sequence gets its own KV stream (see docs/kv-cache.md)",
+    )
+    p.add_argument(
+        "--kv-layout",
+        choices=("auto", "unified", "streams"),
+        default="auto",
+        help="KV cache layout (default: auto)",
+    )
+    p.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=250.0,
+        help="latency target of a step while requests stream; 0 for fixed n_batch chunks",
+    )
     p.add_argument("--n-batch", type=int, default=512, help="tokens per decode step")
     p.add_argument("--n-threads", type=int, default=None, help="CPU threads (default: all)")
     p.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1: all)")
@@ -80,6 +99,9 @@ def _context_options(args: argparse.Namespace) -> dict[str, Any]:
         "n_seq_max": args.n_seq_max,
         "n_batch": args.n_batch,
         "n_gpu_layers": args.n_gpu_layers,
+        "n_ctx_seq": args.n_ctx_seq,
+        "kv_layout": args.kv_layout,
+        "max_step_ms": args.max_step_ms or None,
     }
     if args.n_threads is not None:
         options["n_threads"] = args.n_threads
