@@ -33,7 +33,8 @@ FAILING = llamax.SamplingParams(max_tokens=5, temperature=0, logits_processors=(
 
 @pytest.mark.parametrize("autostart", [False, True])
 def test_results_in_input_order_from_one_batch(make_fake: MakeFake, autostart: bool) -> None:
-    ctx, backend = make_fake(autostart=autostart, n_seq_max=4)
+    # slow tokens: the background loop cannot finish "a" before "p" has been submitted
+    ctx, backend = make_fake(autostart=autostart, n_seq_max=4, next_token=slow_alphabet)
     prompts = ["a", "e", "k", "p"]
     done = batch.generate(ctx, prompts, PARAMS, progress=False)
     assert [c.text for c in done] == ["bcdef", "fghij", "lmnop", "qrstu"]

@@ -88,7 +88,7 @@ BAD_OPTIONS = [
         "names the function 'nope', which is not in tools",
     ),
     ({"tools": None, "tool_choice": "auto"}, "tool_choice is only allowed when tools"),
-    ({"tools": [], "tool_choice": "required"}, "tool_choice is only allowed when tools"),
+    ({"tools": [], "tool_choice": "required"}, "tools must hold at least one function"),
     ({"tools": None, "parallel_tool_calls": True}, "parallel_tool_calls is only allowed"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls must be a bool"),
 ]
@@ -102,7 +102,8 @@ def test_bad_tool_options_raise_invalid_parameter(options: dict[str, Any], messa
 
 def test_tool_options_defaults_and_choices() -> None:
     assert prepare_tools(None) == ToolPlan()
-    assert prepare_tools([], "none") == ToolPlan()
+    with pytest.raises(llamax.InvalidParameterError, match="at least one function"):
+        prepare_tools([], "none")  # OpenAI refuses an empty list too
     plan = prepare_tools([WEATHER, CLOCK])
     assert (plan.mode, plan.forced_name, plan.parallel, plan.is_active) == (
         "auto",

@@ -188,15 +188,18 @@ class OpenAIRequest:
         }
 
     def _message(self, choice: Choice) -> tuple[ChatCompletionMessage, OpenAIFinishReason]:
-        """A choice as an assistant message, its tool calls parsed out when tools are on."""
+        """A choice as an assistant message, its tool calls parsed out when tools are on.
+
+        The parser sees the raw finish reason, so a call cut off by a cancel is dropped
+        rather than returned as content with its markup."""
         finish = _finish_reason(choice.finish_reason) or "stop"
         if not self.tools.is_active:
             return {"role": "assistant", "content": choice.text}, finish
-        parsed = parse_tool_calls(choice.text, self.tools, finish)
+        parsed = parse_tool_calls(choice.text, self.tools, str(choice.finish_reason))
         message: ChatCompletionMessage = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = list(parsed.tool_calls)
-        return message, cast(OpenAIFinishReason, parsed.finish_reason)
+        return message, "tool_calls" if parsed.finish_reason == "tool_calls" else finish
 
     def result(self) -> ChatCompletion | TextCompletion:
         """Wait (a manual context steps in this thread) and return the full response."""
@@ -306,7 +309,8 @@ class OpenAIRequest:
         for delta in deltas:
             yield self._delta_chunk(index, cast(ChatDelta, delta))
         if finish:
-            reason = cast(OpenAIFinishReason, parser.finish_reason(finish))
+            raw = parser.finish_reason(str(event.finish_reason))
+            reason: OpenAIFinishReason = "tool_calls" if raw == "tool_calls" else finish
             yield self._chat_chunk(
                 [{"index": index, "delta": {}, "finish_reason": reason, "logprobs": None}]
             )
@@ -365,7 +369,7 @@ def prepare_chat(
         if truncate == "none":
             raise ContextLengthError(
                 f"the conversation needs {len(tokens)} prompt tokens + {reserve} for the reply, "
-                f"more than a sequence may hold (n_ctx_seq={ctx.n_ctx_seq}); "
+                f"more than a sequence may hold ({_limit(ctx)}); "
                 "pass truncate='oldest_messages' to drop old turns",
                 num_prompt_tokens=len(tokens),
                 n_ctx=ctx.n_ctx_seq,
@@ -373,6 +377,13 @@ def prepare_chat(
         msgs = drop_oldest_turns(msgs, lambda m: len(ctx.chat_prompt(m)), budget)
         tokens = ctx.chat_prompt(msgs)
     return _submit(ctx, tokens, params, "chat")
+
+
+def _limit(ctx: Context) -> str:
+    """``n_ctx=4096``, or ``n_ctx_seq=512`` when a sequence may hold less than ``n_ctx``."""
+    if ctx.n_ctx_seq == ctx.n_ctx:
+        return f"n_ctx={ctx.n_ctx}"
+    return f"n_ctx_seq={ctx.n_ctx_seq}"
 
 
 def prepare_tool_chat(
@@ -402,7 +413,7 @@ def prepare_tool_chat(
     if len(tokens) + reserve > ctx.n_ctx_seq:
         raise ContextLengthError(
             f"the conversation with its tools needs {len(tokens)} prompt tokens + {reserve} "
-            f"for the reply, more than a sequence may hold (n_ctx_seq={ctx.n_ctx_seq})",
+            f"for the reply, more than a sequence may hold ({_limit(ctx)})",
             num_prompt_tokens=len(tokens),
             n_ctx=ctx.n_ctx_seq,
         )
