@@ -193,8 +193,8 @@ def test_errors_are_typed_client_exceptions(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad_value:
         client.chat.completions.create(model="any", messages=HELLO, top_p=7)  # type: ignore[arg-type]
     assert "top_p" in bad_value.value.message
-    with pytest.raises(openai.NotFoundError):
-        client.embeddings.create(model="any", input="x")
+    with pytest.raises(openai.NotFoundError):  # a route the server does not have
+        client.moderations.create(input="x")
 
 
 def test_32_concurrent_clients(aclient: openai.AsyncOpenAI, server_ctx: llamax.Context) -> None:
