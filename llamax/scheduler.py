@@ -67,6 +67,7 @@ class Scheduler:
         self._is_unified = backend.is_unified
         self._n_batch = backend.n_batch
         self._max_step_s = None if max_step_ms is None else max_step_ms / 1000
+        self._step_budget_s = 0.0
         self.step_cost = StepCostModel()
         self.kv = KVCache(backend, backend.n_seq_max)
         self.prefix = PrefixCache(self.kv, retain=prefix_cache and backend.can_share_prefix)
@@ -130,6 +131,9 @@ class Scheduler:
         slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
         budget = self._n_batch - len(decode)
         fixed = self._decode_features(decode) if decode and self._is_timed else None
+        if fixed is not None and self._max_step_s is not None:
+            # the prompt chunks of a step may add up to max_step_ms to its decode rows
+            self._step_budget_s = self._max_step_s + self.step_cost.predict(fixed)
         for seq in self._running:
             if seq.num_pending > 1 and budget > 0:
                 take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
@@ -185,7 +189,7 @@ class Scheduler:
         attend = self.kv.num_cells_used + fixed.num_tokens if unified else seq.num_computed
         floor = MIN_CHUNK if fixed.num_tokens == num_decode else 0
         take = self.step_cost.largest_chunk(
-            fixed, attend, limit, self._max_step_s, unified=unified, floor=floor
+            fixed, attend, limit, self._step_budget_s, unified=unified, floor=floor
         )
         return take, fixed + chunk_features(take, attend, fixed, unified=unified)
 
