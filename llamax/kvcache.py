@@ -18,6 +18,7 @@ all is the scheduler's (see docs/architecture.md).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from enum import Enum
@@ -59,7 +60,7 @@ class KVCache:
     def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
         self._memory = memory
         self._shares_cells = memory.is_unified
-        self._free_ids = list(reversed(range(n_seq_max)))
+        self._free_ids = list(range(n_seq_max))  # a min-heap: the lowest free id goes first
         self._slots: dict[int, Slot] = {}
         self._refs: dict[int, int] = {}
         self._next_cell = itertools.count()
@@ -85,10 +86,13 @@ class KVCache:
 
     # ------------------------------------------------------------------ changes
     def allocate(self, *, pinned: bool = False) -> Slot | None:
-        """Take a free sequence id, or return None when none is free."""
+        """Take the lowest free sequence id, or return None when none is free.
+
+        Low ids first keeps running sequences on consecutive ids: with one stream per
+        sequence llama.cpp splits a batch into one micro-batch per run of consecutive ids."""
         if not self._free_ids:
             return None
-        slot = Slot(self._free_ids.pop(), pinned=pinned)
+        slot = Slot(heapq.heappop(self._free_ids), pinned=pinned)
         self._slots[slot.seq_id] = slot
         return slot
 
@@ -97,7 +101,7 @@ class KVCache:
         self._memory.seq_rm(slot.seq_id, -1, -1)
         self._drop_cells(slot, 0)
         del self._slots[slot.seq_id]
-        self._free_ids.append(slot.seq_id)
+        heapq.heappush(self._free_ids, slot.seq_id)
 
     def copy_prefix(self, src: Slot, dst: Slot, num: int) -> None:
         """Make ``dst`` (empty) hold the first ``num`` tokens of ``src`` without computing

@@ -72,12 +72,18 @@ def build_plan(
     slots: Sequence[tuple[Seq, int]],
     num_free_ids: int,
     forkable: Callable[[Seq, int], tuple[Seq, ...]],
+    *,
+    by_seq_id: bool = False,
 ) -> StepPlan:
     """Lay ``(sequence, num_tokens)`` pairs out as one batch.
 
     A sequence whose slice completes its known tokens reads its last row; the siblings
     ``forkable(seq, free_ids)`` returns fork from it, as long as sequence ids remain.
+    ``by_seq_id`` orders the batch by sequence id: with one KV stream per sequence,
+    llama.cpp runs one micro-batch per run of consecutive ids in batch order.
     """
+    if by_seq_id:
+        slots = sorted(slots, key=lambda pair: pair[0].slot.seq_id if pair[0].slot else -1)
     entries: list[ScheduledSequence] = []
     offset = 0
     for seq, num in slots:

@@ -153,7 +153,12 @@ class Scheduler:
                 if take:
                     slots.append((seq, take))
                     budget -= take
-        return build_plan(slots, self.kv.num_free_seq_ids, self._forkable_siblings)
+        return build_plan(
+            slots,
+            self.kv.num_free_seq_ids,
+            self._forkable_siblings,
+            by_seq_id=not self._is_unified,
+        )
 
     def features(self, plan: StepPlan) -> StepFeatures:
         """What ``plan`` costs, in the terms of :class:`~llamax.step_budget.StepCostModel`."""
@@ -210,7 +215,12 @@ class Scheduler:
             victim = max((seq for seq, _ in slots), key=self._running.index)
             self._preempt(victim)
             slots = [(seq, n) for seq, n in slots if seq is not victim]
-        return build_plan(slots, self.kv.num_free_seq_ids, self._forkable_siblings)
+        return build_plan(
+            slots,
+            self.kv.num_free_seq_ids,
+            self._forkable_siblings,
+            by_seq_id=not self._is_unified,
+        )
 
     def update(
         self,

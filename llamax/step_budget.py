@@ -7,7 +7,8 @@ forgetting factor, so it follows a machine whose load changes). While sequences 
 decoding, the scheduler gives prompts the largest chunks that add at most ``max_step_ms``
 to the predicted time of the step's decode rows — Sarathi-Serve's idea: chunk size set by
 the latency target, not by a token count. (Bounding the whole step instead would, with
-many streams whose decode alone takes ``max_step_ms``, admit one short prompt a step.) A prompt still advances by at least :data:`MIN_CHUNK` tokens a step,
+many streams whose decode alone takes ``max_step_ms``, admit one short prompt a step.)
+A prompt still advances by at least :data:`MIN_CHUNK` tokens a step,
 so it is never starved. With nothing decoding, nobody waits for a token and the whole
 ``n_batch`` is used.
 """
