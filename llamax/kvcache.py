@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from .backend.base import KVMemory
+from .errors import InvalidParameterError
 
 __all__ = ["KVCache", "Slot", "SlotState"]
 
@@ -154,7 +155,9 @@ class KVCache:
         Returns False (nothing changed) when the memory refuses a partial removal.
         """
         if not 0 <= start <= end <= len(slot.tokens):
-            raise ValueError(f"cannot shift out [{start}, {end}) of {slot!r}")
+            raise InvalidParameterError(
+                f"cannot shift out [{start}, {end}): the session holds {len(slot.tokens)} tokens"
+            )
         if start == end:
             return True
         if end == len(slot.tokens):
