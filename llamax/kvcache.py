@@ -170,6 +170,13 @@ class KVCache:
         del slot.cells[start:end], slot.tokens[start:end]
         return True
 
+    def drop_unrecorded(self, slot: Slot) -> None:
+        """Remove the cells the memory holds past ``slot``'s recorded tokens: a decode whose
+        sequence failed (sampler, logits processor) before it was recorded. Clears the slot
+        if the memory cannot remove part of a sequence."""
+        if not self._memory.seq_rm(slot.seq_id, len(slot.tokens), -1):
+            self.clear(slot)
+
     def clear(self, slot: Slot) -> None:
         """Drop every cell of ``slot`` but keep its sequence id."""
         self._memory.seq_rm(slot.seq_id, -1, -1)
