@@ -14,7 +14,7 @@ from typing_extensions import Self, Unpack
 
 from .backend.base import Backend
 from .engine import Engine, EngineState
-from .errors import ContextClosedError
+from .errors import ContextClosedError, InvalidParameterError, InvalidRequestError
 from .handle import RequestHandle
 from .kvops import Audit, ClearCache, OpenSession
 from .models import default_model_path
@@ -143,7 +143,13 @@ class Context(OpenAIMethods, PipelineMethods):
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
-        """Tokenize ``text`` as a prompt would be."""
+        """Tokenize ``text`` as a prompt would be.
+
+        Raises:
+            InvalidRequestError: ``text`` is not a str.
+        """
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
         return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -197,6 +203,8 @@ class Context(OpenAIMethods, PipelineMethods):
     ) -> RequestHandle:
         if self.closed:
             raise ContextClosedError("cannot add a request: the context has been closed")
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
         with self._arrival_lock:
             arrival = next(self._arrivals)
@@ -336,7 +344,14 @@ class Context(OpenAIMethods, PipelineMethods):
 
         Pending requests are cancelled (``finish_reason == "cancelled"``) unless ``drain``
         is true, in which case they finish first.
+
+        Raises:
+            InvalidParameterError: ``timeout`` is not None or a number >= 0.
         """
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+        ):
+            raise InvalidParameterError(f"timeout must be None or a number >= 0, got {timeout!r}")
         self._engine.close(drain=drain, timeout=timeout)
         self._close_embedder()
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from .backend.base import KVMemory
+from .errors import InvalidParameterError
 
 __all__ = ["KVCache", "Slot", "SlotState"]
 
@@ -158,7 +159,9 @@ class KVCache:
         Returns False (nothing changed) when the memory refuses a partial removal.
         """
         if not 0 <= start <= end <= len(slot.tokens):
-            raise ValueError(f"cannot shift out [{start}, {end}) of {slot!r}")
+            raise InvalidParameterError(
+                f"cannot shift out [{start}, {end}): the session holds {len(slot.tokens)} tokens"
+            )
         if start == end:
             return True
         if end == len(slot.tokens):
@@ -170,6 +173,13 @@ class KVCache:
             self._unref(cell)
         del slot.cells[start:end], slot.tokens[start:end]
         return True
+
+    def drop_unrecorded(self, slot: Slot) -> None:
+        """Remove the cells the memory holds past ``slot``'s recorded tokens: a decode whose
+        sequence failed (sampler, logits processor) before it was recorded. Clears the slot
+        if the memory cannot remove part of a sequence."""
+        if not self._memory.seq_rm(slot.seq_id, len(slot.tokens), -1):
+            self.clear(slot)
 
     def clear(self, slot: Slot) -> None:
         """Drop every cell of ``slot`` but keep its sequence id."""

@@ -39,18 +39,41 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+
+
+def _iterable(name: str, value: Any) -> tuple[Any, ...]:
+    _require(
+        isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (bytes, Mapping)),
+        f"{name} must be a list, got {type(value).__name__}",
+    )
+    return tuple(value)
+
+
 def _freeze_strings(name: str, value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
         value = (value,)
-    items = tuple(value)
+    items = _iterable(name, value)
     for item in items:
         _require(
             isinstance(item, str) and item != "",
             f"{name} must hold non-empty strings, got {item!r}",
         )
     return items
+
+
+_REAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +121,7 @@ class SamplingParams:
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}",
         )
-        processors = tuple(self.logits_processors)
+        processors = _iterable("logits_processors", self.logits_processors)
         for fn in processors:
             _require(callable(fn), f"logits_processors must hold callables, got {fn!r}")
         object.__setattr__(self, "logits_processors", processors)
@@ -121,6 +144,9 @@ class SamplingParams:
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             f"max_tokens must be a positive int or None, got {self.max_tokens!r}",
         )
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            _require(_is_real(value), f"{name} must be a number, got {value!r}")
         _require(
             math.isfinite(self.temperature) and self.temperature >= 0,
             f"temperature must be >= 0, got {self.temperature}",
@@ -153,19 +179,23 @@ class SamplingParams:
             f"seed must be None or an int in [0, 2**32), got {self.seed!r}",
         )
         bias: dict[int, float] = {}
+        _require(
+            isinstance(self.logit_bias, Mapping),
+            f"logit_bias must be a dict, got {type(self.logit_bias).__name__}",
+        )
         for token, value in dict(self.logit_bias).items():
             _require(
                 isinstance(token, int) and token >= 0,
                 f"logit_bias keys must be token ids >= 0, got {token!r}",
             )
             _require(
-                not math.isnan(float(value)),
+                _is_real(value) and not math.isnan(float(value)),
                 f"logit_bias values must be numbers, got {value!r} for token {token}",
             )
             bias[token] = float(value)
         object.__setattr__(self, "logit_bias", MappingProxyType(bias))
         object.__setattr__(self, "stop", _freeze_strings("stop", self.stop))
-        stop_ids = tuple(self.stop_token_ids)
+        stop_ids = _iterable("stop_token_ids", self.stop_token_ids)
         for token in stop_ids:
             _require(
                 isinstance(token, int) and token >= 0,
@@ -283,6 +313,7 @@ class ContextConfig:
         return "streams" if fits and self.n_seq_max > 1 else "unified"
 
     def __post_init__(self) -> None:
+        self._check_types()
         _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
         _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         _require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
@@ -316,6 +347,29 @@ class ContextConfig:
         _require(
             self.n_threads_batch is None or self.n_threads_batch >= 1,
             f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
+        )
+
+    def _check_types(self) -> None:
+        for name in ("n_ctx", "n_seq_max", "n_batch", "n_threads", "n_gpu_layers"):
+            value = getattr(self, name)
+            _require(_is_int(value), f"{name} must be an int, got {value!r}")
+        for name in ("n_ctx_seq", "n_ubatch", "n_threads_batch"):
+            value = getattr(self, name)
+            _require(
+                value is None or _is_int(value), f"{name} must be an int or None, got {value!r}"
+            )
+        for name in ("use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn"):
+            value = getattr(self, name)
+            _require(
+                value is None or isinstance(value, bool), f"{name} must be a bool, got {value!r}"
+            )
+        _require(
+            self.max_step_ms is None or _is_real(self.max_step_ms),
+            f"max_step_ms must be a number or None, got {self.max_step_ms!r}",
+        )
+        _require(
+            self.chat_template is None or isinstance(self.chat_template, str),
+            f"chat_template must be a str or None, got {type(self.chat_template).__name__}",
         )
 
 

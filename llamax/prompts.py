@@ -17,6 +17,7 @@ from .errors import (
     GrammarError,
     InvalidParameterError,
     InvalidRequestError,
+    RequestFailedError,
 )
 from .grammar import check_repetitions, schema_to_gbnf
 from .handle import RequestHandle
@@ -44,9 +45,13 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
         InvalidRequestError: the prompt is neither text nor a list of in-vocabulary ids.
         EmptyPromptError: it has no tokens.
         ContextLengthError: it has ``n_ctx`` tokens or more.
+        RequestFailedError: the backend's tokenizer raised (its error is chained).
     """
     if isinstance(prompt, str):
-        tokens = backend.tokenize(prompt)
+        try:
+            tokens = backend.tokenize(prompt)
+        except Exception as exc:
+            raise RequestFailedError(f"the tokenizer failed: {exc!r}") from exc
     elif isinstance(prompt, (np.ndarray, list, tuple)):
         tokens = prompt_token_ids(backend, prompt)
     else:

@@ -263,7 +263,10 @@ class Scheduler:
         """End ``request`` with ``error``; other requests are untouched."""
         for seq in request.sequences:
             if seq.state not in TERMINAL_STATES:
+                slot = seq.slot
                 self._release(seq)
+                if slot is not None and slot.pinned:  # a session keeps its slot: the step's
+                    self.kv.drop_unrecorded(slot)  # unrecorded decode must not stay behind
                 seq.state = SequenceState.FINISHED_ERROR
         result.failed.append((request, error))
 

@@ -122,10 +122,14 @@ class Session:
         Returns False, changing nothing, when the memory cannot remove part of a sequence.
 
         Raises:
-            ValueError: the span is not within what the session holds.
+            InvalidParameterError: ``start``/``end`` are not ints, or the span is not
+                within what the session holds.
             SessionError: the session is closed.
             SessionBusyError: a request of this session is running.
         """
+        for value in (start, end):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidParameterError(f"start and end must be ints, got {value!r}")
         with self._lock:
             return self._ctx._engine.run(ShiftSession(self._check_idle(), start, end))
 

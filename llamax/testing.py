@@ -94,6 +94,9 @@ class FakeBackend:
         """Every successful decode's items, in order."""
         self.forced_statuses: deque[int] = deque()
         """Statuses to return from the next decodes instead of running them."""
+        self.fault: Callable[[str], None] | None = None
+        """Called with ``"decode"``, ``"tokenize"`` or ``"new_sampler"`` before each such call;
+        it may raise to inject a failure there (fault-injection tests)."""
         self.live_samplers: set[int] = set()
         self.closed = False
         self._rows: dict[int, int] = {}  # batch row -> output index
@@ -181,6 +184,8 @@ class FakeBackend:
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
         """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``."""
+        if self.fault is not None:
+            self.fault("tokenize")
         if not (parse_special and self._specials):
             return [b + 1 for b in text.encode("utf-8")]
         tokens: list[int] = []
@@ -207,6 +212,8 @@ class FakeBackend:
         """Check and apply a batch; remember the next token of every row that wants logits."""
         if self.closed:
             raise RuntimeError("decode on a closed FakeBackend")
+        if self.fault is not None:
+            self.fault("decode")
         if self.forced_statuses:
             return self.forced_statuses.popleft()
         num = sum(len(i.token_ids) for i in items)
@@ -256,6 +263,8 @@ class FakeBackend:
         grammar: str | None = None,
     ) -> FakeSampler:
         """A sampler honouring greedy/temperature, logit_bias and ignore_eos (no grammar)."""
+        if self.fault is not None:
+            self.fault("new_sampler")
         sampler = FakeSampler(params, seed, random.Random(seed))
         self.live_samplers.add(id(sampler))
         return sampler

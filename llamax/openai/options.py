@@ -121,13 +121,17 @@ def sampling_params(options: CompletionOptions, *, chat: bool) -> SamplingParams
 
 def _logit_bias(logit_bias: Mapping[str | int, float] | None) -> dict[int, float]:
     bias: dict[int, float] = {}
+    if not isinstance(logit_bias, (Mapping, type(None))):
+        raise InvalidParameterError(f"logit_bias must be a dict, got {type(logit_bias).__name__}")
     for token, value in (logit_bias or {}).items():
         try:
             token_id = int(token)
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             raise InvalidParameterError(
                 f"logit_bias keys must be token ids, got {token!r}"
             ) from exc
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidParameterError(f"logit_bias values must be numbers, got {value!r}")
         if not -100 <= value <= 100:
             raise InvalidParameterError(f"logit_bias values must be in [-100, 100], got {value}")
         bias[token_id] = -math.inf if value == -100 else float(value)
@@ -138,8 +142,14 @@ def _logprobs(options: CompletionOptions, *, chat: bool) -> int | None:
     """Chat: ``logprobs=True`` plus ``top_logprobs=k``; text: ``logprobs=k``."""
     wanted = options.get("logprobs")
     if chat:
+        if options.get("top_logprobs") and not wanted:
+            raise InvalidParameterError("top_logprobs needs logprobs=True")
         return (options.get("top_logprobs") or 0) if wanted else None
-    return None if wanted is None or wanted is False else int(wanted)
+    if wanted is None or wanted is False:
+        return None
+    if not isinstance(wanted, int):
+        raise InvalidParameterError(f"logprobs must be an int in [0, 20], got {wanted!r}")
+    return int(wanted)
 
 
 def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
