@@ -23,6 +23,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.backend = FakeBackend(**self.backend_options)  # type: ignore[arg-type]
         self.ctx = llamax.Context(backend=self.backend, autostart=False)
         self.handles: list[llamax.RequestHandle] = []
+        self.sessions: list[llamax.Session] = []
 
     @rule(
         prefix=st.sampled_from(PREFIXES),
@@ -52,6 +53,34 @@ class EngineMachine(RuleBasedStateMachine):
     def clear_cache(self) -> None:
         self.ctx.clear_cache()
 
+    @precondition(lambda self: len(self.sessions) < 2)
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.text(alphabet="xyz", min_size=1, max_size=8))
+    def open_session(self, prefix: str, suffix: str) -> None:
+        try:
+            session = self.ctx.session()
+        except llamax.SessionError:  # every sequence id is held
+            return
+        self.sessions.append(session)
+        params = llamax.SamplingParams(max_tokens=4, temperature=0)
+        self.handles.append(session.add_request(prefix + suffix, params))
+
+    @precondition(lambda self: self.sessions)
+    @rule(index=st.integers(0, 10), num=st.integers(0, 20), fork=st.booleans())
+    def rewind_or_fork(self, index: int, num: int, fork: bool) -> None:
+        session = self.sessions[index % len(self.sessions)]
+        try:
+            if fork:
+                self.sessions.append(session.fork())
+            else:
+                session.rewind(min(num, len(session.token_ids)))
+        except (llamax.SessionBusyError, llamax.SessionError):
+            pass  # a request of the session still runs, or no sequence id is free
+
+    @precondition(lambda self: self.sessions)
+    @rule(index=st.integers(0, 10))
+    def close_session(self, index: int) -> None:
+        self.sessions.pop(index % len(self.sessions)).close()
+
     @invariant()
     def accounting_matches_backend(self) -> None:
         assert self.ctx.audit() == []  # ids, extents, contents, cells and samplers
@@ -60,6 +89,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.backend.forced_statuses.clear()
+        for session in self.sessions:
+            session.close()
         while self.ctx.has_work():
             self.ctx.process()
         for handle in self.handles:
