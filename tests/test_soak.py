@@ -68,7 +68,7 @@ def soak(ctx: llamax.Context, num_requests: int, num_threads: int = 32) -> None:
 
 def run_soak(make_real: Callable[..., llamax.Context], num_requests: int) -> None:
     ctx = make_real(n_ctx=2048, n_seq_max=16, n_threads=2)
-    soak(ctx, 320)  # warm-up: allocators, caches, samplers reach their steady size
+    soak(ctx, 160)  # warm-up: allocators, caches, samplers reach their steady size
     before = rss_mib()
     soak(ctx, num_requests)
     grown = rss_mib() - before
