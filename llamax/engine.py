@@ -315,7 +315,7 @@ class Engine:
             for request, error in sampled.failed.values():
                 self.scheduler.fail(request, error, result)
             self.scheduler.update(plan, sampled.tokens, sampled.logprobs, result, self._verify)
-            self.scheduler.step_cost.observe(features, time.perf_counter() - started)
+            self.scheduler.observe(plan, features, time.perf_counter() - started)
             self.num_steps += 1
             result.computed = True
         self._publish_snapshot()

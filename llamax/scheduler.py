@@ -40,7 +40,7 @@ from .prefix import PrefixCache
 from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
-from .speculative import DraftState, PromptLookup
+from .speculative import DecodeCost, DraftState, PromptLookup
 from .step_budget import MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
 from .tokens import common_prefix_len
 
@@ -93,6 +93,7 @@ class Scheduler:
         self._speculative = speculative
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
+        self.decode_cost = DecodeCost()
         self.price_drafts = True
         """Keep only drafts whose expected gain pays for their compute (tests turn it off
         to make every proposal be verified)."""
@@ -390,30 +391,26 @@ class Scheduler:
         per predicted second is highest.
 
         The ``j``-th draft token of a sequence is accepted with probability ``a**j`` (its
-        measured rate ``a``) and costs what one more token attending to that sequence's
-        context adds to the step. Tokens are taken greedily, best gain per second first,
-        while each raises the step's throughput: under a full batch or a long prompt chunk
-        a token already costs its full share, so drafting yields unless nearly certain.
-        The step also stays within ``max_step_ms`` of its predicted time without drafts.
+        measured rate ``a``) and costs what one more token adds to a step of decode rows
+        (:class:`~llamax.speculative.DecodeCost`). Tokens are taken greedily, best gain per
+        second first, while each raises the step's expected tokens per second: under a full
+        batch a token already costs its full share, so drafting yields unless nearly
+        certain; a step with prompt chunks is compute-bound and gets no drafts. The step
+        also stays within ``max_step_ms`` of its predicted time without drafts.
         """
-        model = self.step_cost
-        base = self._slot_features(slots)
-        seconds = model.predict(base)
+        model = self.decode_cost
+        num_tokens = sum(num for _, num in slots)
+        if num_tokens > len(slots):  # prompt chunks make the step compute-bound: no drafts
+            return {}
+        seconds = model.predict(num_tokens)
         limit_s = seconds + self._max_step_s if self._max_step_s is not None else float("inf")
-        useful = float(sum(num for _, num in slots))
-        heap: list[tuple[float, int, int, float]] = []
-        for i, (seq, state, _) in enumerate(proposals):
-            attend = (
-                self.kv.num_cells_used + base.num_tokens
-                if self._is_unified
-                else (seq.num_computed + 1)
-            )
-            cost = max(model.predict(base + StepFeatures(1, attend)) - seconds, 1e-6)
-            heap.append((-state.expected_gain(1) / cost, i, 1, cost))
+        useful = float(num_tokens)
+        cost = model.per_token
+        heap = [(-state.expected_gain(1) / cost, i, 1) for i, (_, state, _) in enumerate(proposals)]
         heapq.heapify(heap)
         keep: dict[Sequence, int] = {}
         while heap and room > 0:
-            neg_ratio, i, j, cost = heapq.heappop(heap)
+            neg_ratio, i, j = heapq.heappop(heap)
             if -neg_ratio * seconds <= useful or seconds + cost > limit_s:
                 break
             seq, state, draft = proposals[i]
@@ -422,14 +419,15 @@ class Scheduler:
             seconds += cost
             room -= 1
             if j < len(draft):
-                heapq.heappush(heap, (-state.expected_gain(j + 1) / cost, i, j + 1, cost))
+                heapq.heappush(heap, (-state.expected_gain(j + 1) / cost, i, j + 1))
         return keep
 
-    def _slot_features(self, slots: list[tuple[Sequence, int]]) -> StepFeatures:
-        num = sum(n for _, n in slots)
-        if self._is_unified:
-            return StepFeatures(num, num * (self.kv.num_cells_used + num))
-        return StepFeatures(num, sum(n * (seq.num_computed + n // 2) for seq, n in slots))
+    def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
+        """Learn from a measured step: the chunk-sizing model, and the draft pricing model
+        from steps of decode (and draft) tokens only."""
+        self.step_cost.observe(features, seconds)
+        if all(len(e.item.token_ids) - len(e.draft) == 1 for e in plan.entries):
+            self.decode_cost.observe(plan.num_tokens, seconds)
 
     def abort(self, request: Request, result: StepResult) -> None:
         """Cancel every unfinished sequence of ``request``, freeing its KV cells now."""

@@ -28,9 +28,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
+import numpy as np
+
 from .errors import InvalidParameterError
 
-__all__ = ["DraftState", "Drafter", "PromptLookup", "PromptLookupDrafter", "Speculative"]
+__all__ = [
+    "DecodeCost",
+    "DraftState",
+    "Drafter",
+    "PromptLookup",
+    "PromptLookupDrafter",
+    "Speculative",
+]
 
 MAX_DRAFT = 64
 """The largest ``max_draft`` accepted."""
@@ -125,19 +134,31 @@ class DraftState:
     """One sequence's drafter and its acceptance record.
 
     ``acceptance`` estimates the probability that a draft token is accepted given the ones
-    before it (a geometric model), from decayed counts of verified drafts. The scheduler
-    prices each draft token with it (see :meth:`expected_gain`) against the compute the
-    token adds to the step, so the draft length adapts per sequence and per step, and a
-    sequence whose drafts do not pay stops drafting. While it does not draft, the drafter's
-    proposals are still checked against the tokens that actually follow (for free), so a
-    sequence whose text turns repetitive starts drafting again.
+    before it (a geometric model), from decayed counts of verified drafts. Copying comes in
+    runs, so the counts are kept apart for two regimes: after a draft that was accepted
+    whole ("hot": the output is copying) and otherwise ("cold"). The scheduler prices each
+    draft token with the current regime's rate (see :meth:`expected_gain`) against the
+    compute the token adds to the step, so the draft length adapts per sequence and per
+    step, and a sequence whose drafts do not pay stops drafting. While it does not draft,
+    the drafter's first proposed token is still checked against the token that actually
+    follows (for free), so a sequence whose text turns repetitive starts drafting again.
     """
 
-    __slots__ = ("_shadow", "_successes", "_trials", "drafter", "num_accepted", "num_drafted")
+    __slots__ = (
+        "_hot",
+        "_shadow",
+        "_successes",
+        "_trials",
+        "drafter",
+        "num_accepted",
+        "num_drafted",
+    )
 
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
-        self._successes, self._trials = 3.0, 5.0  # a prior acceptance rate of 0.6
+        # [cold, hot] priors: acceptance 0.3 and 0.9
+        self._successes, self._trials = [1.5, 4.5], [5.0, 5.0]
+        self._hot = False
         self._shadow: tuple[int, int] | None = None  # (position, first proposed token)
         self.num_drafted = 0
         self.num_accepted = 0
@@ -145,13 +166,14 @@ class DraftState:
     @property
     def acceptance(self) -> float:
         """Estimated probability that a draft token is accepted, given the ones before it."""
-        return self._successes / self._trials
+        return self._successes[self._hot] / self._trials[self._hot]
 
     def propose(self, token_ids: Sequence[int], limit: int) -> tuple[int, ...]:
         """A draft of at most ``limit`` tokens (``()`` when nothing matches)."""
         shadow, self._shadow = self._shadow, None
         if shadow is not None and shadow[0] < len(token_ids):
-            self._learn(int(token_ids[shadow[0]] == shadow[1]), 1)
+            hit = token_ids[shadow[0]] == shadow[1]
+            self._learn(int(hit), 1, hot=hit)
         return self.drafter.propose(token_ids, limit)
 
     def expected_gain(self, j: int) -> float:
@@ -169,9 +191,51 @@ class DraftState:
             return
         self.num_drafted += drafted
         self.num_accepted += accepted
-        self._learn(accepted, accepted + (accepted < drafted))
+        self._learn(accepted, accepted + (accepted < drafted), hot=accepted == drafted)
 
-    def _learn(self, successes: int, trials: int) -> None:
+    def _learn(self, successes: int, trials: int, *, hot: bool) -> None:
         # decayed counts follow a sequence whose text changes character
-        self._successes = 0.85 * self._successes + successes
-        self._trials = 0.85 * self._trials + trials
+        regime = self._hot
+        self._successes[regime] = 0.85 * self._successes[regime] + successes
+        self._trials[regime] = 0.85 * self._trials[regime] + trials
+        self._hot = hot
+
+
+class DecodeCost:
+    """Online fit of ``seconds = base + per_token * tokens`` over steps without prompt chunks.
+
+    Draft tokens are priced with it: what one more token adds to a step of decode rows.
+    A separate, two-coefficient fit (rather than the chunk-sizing model of
+    :mod:`llamax.step_budget`) because only small steps matter here, and there the token
+    count alone explains the time well; verification steps of varying size make both
+    coefficients identifiable. Recursive least squares on relative errors, with
+    forgetting, from a prior of 4 ms + 3 ms a token (2 CPU threads, a 135M model).
+    """
+
+    def __init__(self, *, forgetting: float = 0.98) -> None:
+        self._theta = np.array([0.004, 0.003])
+        self._p = np.diag([1e-5, 1e-5])
+        self._forgetting = forgetting
+
+    @property
+    def base(self) -> float:
+        """Seconds a step costs beyond its tokens (at least 0)."""
+        return max(float(self._theta[0]), 0.0)
+
+    @property
+    def per_token(self) -> float:
+        """Seconds one more token adds to a small step (kept above 0.1 ms)."""
+        return max(float(self._theta[1]), 1e-4)
+
+    def predict(self, num_tokens: int) -> float:
+        """Predicted seconds of a step of ``num_tokens`` decode and draft tokens."""
+        return self.base + self.per_token * num_tokens
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Update the fit with one measured step."""
+        weight = 1.0 / max(seconds, 1e-4)
+        x = np.array([1.0, float(num_tokens)]) * weight
+        px = self._p @ x
+        gain = px / (self._forgetting + x @ px)
+        self._theta = self._theta + gain * (seconds * weight - x @ self._theta)
+        self._p = (self._p - np.outer(gain, px)) / self._forgetting

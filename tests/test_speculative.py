@@ -19,8 +19,7 @@ import pytest
 import llamax
 from llamax.backend import BatchItem, DecodeStatus
 from llamax.scheduler import Scheduler
-from llamax.speculative import DraftState, PromptLookup, PromptLookupDrafter
-from llamax.step_budget import StepFeatures
+from llamax.speculative import DecodeCost, DraftState, PromptLookup, PromptLookupDrafter
 from llamax.testing import FakeBackend, alphabet_model, assert_idle
 
 
@@ -377,20 +376,20 @@ def test_draft_state_learns_from_unverified_proposals() -> None:
 
 
 class _FixedCost:
-    """A step-cost stand-in: ``c0 + c1 * tokens`` seconds."""
+    """A decode-cost stand-in: ``base + per_token * tokens`` seconds."""
 
-    def __init__(self, c0: float, c1: float) -> None:
-        self.c0, self.c1 = c0, c1
+    def __init__(self, base: float, per_token: float) -> None:
+        self.base, self.per_token = base, per_token
 
-    def predict(self, features: StepFeatures) -> float:
-        return self.c0 + self.c1 * features.num_tokens
+    def predict(self, num_tokens: int) -> float:
+        return self.base + self.per_token * num_tokens
 
 
 def _price(num_decoding: int, acceptance_hits: int) -> dict[int, int]:
     """Plan drafts for ``num_decoding`` sequences whose drafts were right ``hits`` of 20."""
     backend = FakeBackend(n_ctx=4096, n_seq_max=64, n_batch=512)
     scheduler = Scheduler(backend, speculative=PromptLookup(max_draft=8))
-    scheduler.step_cost = _FixedCost(0.004, 0.004)  # type: ignore[assignment]
+    scheduler.decode_cost = _FixedCost(0.004, 0.004)  # type: ignore[assignment]
     slots = []
     proposals: list[tuple[Any, DraftState, tuple[int, ...]]] = []
     for i in range(num_decoding):
@@ -422,6 +421,27 @@ def test_pricing_yields_under_a_full_batch() -> None:
     assert _price(64, 19) == {}
     few = _price(2, 20)
     assert few and all(n >= 4 for n in few.values())
+
+
+def test_pricing_gives_no_drafts_next_to_a_prompt_chunk() -> None:
+    backend = FakeBackend(n_ctx=4096, n_seq_max=4, n_batch=512)
+    scheduler = Scheduler(backend, speculative=PromptLookup(max_draft=8))
+    state = PromptLookup().new_state()
+    for _ in range(20):
+        state.record(4, 4)
+    decoding, prefilling = _StubSeq(0), _StubSeq(1)
+    slots = [(decoding, 1), (prefilling, 64)]
+    keep = scheduler._price_drafts(slots, [(decoding, state, (1, 2, 3))], room=100)  # type: ignore[arg-type]
+    assert keep == {}
+
+
+def test_decode_cost_learns_base_and_per_token_cost() -> None:
+    cost = DecodeCost()
+    for _ in range(200):
+        for n in (1, 3, 9):
+            cost.observe(n, 0.006 + 0.002 * n)
+    assert cost.base == pytest.approx(0.006, rel=0.05)
+    assert cost.per_token == pytest.approx(0.002, rel=0.05)
 
 
 def test_decode_rows_are_checked_by_the_fake() -> None:
