@@ -82,12 +82,11 @@ class Session:
             session_id = self._check_idle()
             handle = self._ctx._submit(prompt, params, session_id=session_id)
             self._running = handle
-        handle.future.add_done_callback(self._done)
+        # No done-callback clears ``_running``: the loop thread would run it and need
+        # ``_lock``, which rewind/shift/fork/save hold while they wait for that very thread
+        # (a deadlock when the caller saw the result before the callback ran).
+        # ``_check_idle`` asks the handle instead.
         return handle
-
-    def _done(self, _future: object) -> None:
-        with self._lock:
-            self._running = None
 
     # ------------------------------------------------------------------ KV operations
     def fork(self) -> Session:

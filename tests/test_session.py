@@ -3,12 +3,14 @@ Fork, rewind, save and load with prefix reuse are in test_prefix_cache.py."""
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable
 
 import pytest
 
 import llamax
-from llamax.testing import FakeBackend
+from llamax.testing import FakeBackend, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
 
@@ -100,3 +102,31 @@ def test_close_from_a_done_callback(make_fake: MakeFake) -> None:
     handle.result(timeout=10)
     llamax.testing.assert_idle(ctx)
     assert session.closed
+
+
+def test_session_operation_right_after_a_result_never_deadlocks() -> None:
+    """Regression: a session's done-callback took the session lock on the loop thread while
+    ``rewind`` held it and waited for that thread. Reproduced within ~2,000 turns with a
+    tiny GIL switch interval; the turns run in a watchdog thread."""
+    ctx = llamax.Context(backend=FakeBackend(n_ctx=4096, n_seq_max=4))
+    params = llamax.SamplingParams(max_tokens=2, temperature=0)
+    finished = threading.Event()
+
+    def turns() -> None:
+        with ctx.session() as session:
+            for _ in range(2000):
+                session.add_request("ab" * 3, params).result(timeout=10)
+                session.rewind(1)
+        finished.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        worker = threading.Thread(target=turns, daemon=True)
+        worker.start()
+        worker.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert finished.is_set(), "session.rewind deadlocked with the loop thread"
+    assert_idle(ctx)
+    ctx.close()
