@@ -64,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--model", "-m", help="GGUF file (default: $LLAMAX_MODEL or SmolLM2)")
     model.add_argument("--n-ctx", type=int, default=4096, help="KV cells (default: 4096)")
     model.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    model.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="MAX_DRAFT",
+        help="prompt-lookup speculative decoding, up to MAX_DRAFT draft tokens (default: off)",
+    )
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--max-tokens", type=int, default=256, help="default: 256")
     sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
@@ -101,6 +108,8 @@ def _context(ns: argparse.Namespace, *, n_seq_max: int) -> llamax.Context:
     options: dict[str, Any] = {"n_ctx": ns.n_ctx, "n_seq_max": n_seq_max}
     if ns.threads is not None:
         options["n_threads"] = ns.threads
+    if ns.speculative:
+        options["speculative"] = llamax.PromptLookup(max_draft=ns.speculative)
     return llamax.Context(ns.model, **options)
 
 
