@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -21,11 +22,20 @@ pytestmark = pytest.mark.model
 MakeReal = Callable[..., llamax.Context]
 TIMEOUT = 240.0
 NEAR_TIE_NATS = 0.1
-LOGPROB_ATOL = 0.15
-"""How far a token's logprob may move between a plain decode and a verification batch:
-measured up to 0.05 nats on SmolLM2 Q4_1 (other batch shapes, other summation order)."""
+LOGPROB_ATOL = 0.6
+"""How far one token's logprob may move between a plain run and a speculative one.
 
-CODE = '''def parse(path):
+Measured on this AVX2 CPU with SmolLM2 Q4_1 (flash attention on, llama.cpp's default
+here): the logprobs are bit-identical until the first decode after rejected draft cells
+were removed and reused (the KV cells then sit in another order, and the CPU attention
+sums in that order), then drift by a median of 0 and at most 0.43 nats at single tokens,
+while every token stays the same. The raw loop fed the same tokens in blocks of 4 or 11
+without removals is bit-identical to one token at a time. (With flash attention off a
+multi-token batch alone moves single low-probability tokens by up to 1.9 nats.) 0.05
+nats was the most seen on an AVX-512 machine. The median over a reply must stay tiny."""
+LOGPROB_MEDIAN_ATOL = 0.02
+
+CODE = """def parse(path):
     rows = []
     with open(path) as f:
         for line in f:
@@ -43,7 +53,7 @@ def merge(first, second):
         if key not in result:
             result[key] = value
     return result
-'''
+"""
 PASSAGE = (
     "The lighthouse keeper climbed the one hundred and twelve steps every evening at dusk. "
     "He trimmed the wick, polished the great lens, and wound the clockwork that turned the "
@@ -80,9 +90,12 @@ def check_agrees(plain: llamax.Completion, spec: llamax.Completion) -> None:
     note = f"part at token {i}: plain {plain.text!r} vs speculative {spec.text!r}"
     if plain.token_ids != spec.token_ids:
         assert margin is not None and margin < NEAR_TIE_NATS, note
+    gaps = []
     for x, y in zip((plain.logprobs or ())[:i], (spec.logprobs or ())[:i], strict=True):
         assert x.token_id == y.token_id
         assert x.logprob == pytest.approx(y.logprob, abs=LOGPROB_ATOL), note
+        gaps.append(abs(x.logprob - y.logprob))
+    assert not gaps or statistics.median(gaps) < LOGPROB_MEDIAN_ATOL, (gaps, note)
 
 
 def solo(ctx: llamax.Context, prompt: str, params: llamax.SamplingParams) -> llamax.Completion:
