@@ -437,11 +437,29 @@ def test_pricing_gives_no_drafts_next_to_a_prompt_chunk() -> None:
 
 def test_decode_cost_learns_base_and_per_token_cost() -> None:
     cost = DecodeCost()
+    assert cost.predict(1) == pytest.approx(sum(DecodeCost.PRIOR))
+    for _ in range(5):
+        cost.observe(1, 0.028)  # one count seen: the prior's shape, scaled
+    assert cost.predict(1) == pytest.approx(0.028)
+    assert cost.base / cost.per_token == pytest.approx(DecodeCost.PRIOR[0] / DecodeCost.PRIOR[1])
     for _ in range(200):
         for n in (1, 3, 9):
             cost.observe(n, 0.006 + 0.002 * n)
     assert cost.base == pytest.approx(0.006, rel=0.05)
     assert cost.per_token == pytest.approx(0.002, rel=0.05)
+
+
+def test_decode_cost_does_not_wind_up_on_equal_steps() -> None:
+    """Thousands of 4-token steps (4 streams), then 1-token steps: the line stays sane."""
+    cost = DecodeCost()
+    for n in (1, 5, 9):
+        cost.observe(n, 0.01 + 0.01 * n)
+    for _ in range(5000):
+        cost.observe(4, 0.05)
+    for _ in range(50):
+        cost.observe(1, 0.02)
+    assert 0.002 < cost.base < 0.02
+    assert 0.005 < cost.per_token < 0.02
 
 
 def test_decode_rows_are_checked_by_the_fake() -> None:
