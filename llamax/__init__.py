@@ -35,6 +35,7 @@ from .params import ContextConfig, ContextOptions, LogitsProcessor, SamplingPara
 from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from .sampling import BatchLogitsProcessor, LogitsRow
 from .session import Session
+from .speculative import PromptLookup
 from .stats import ContextStats
 
 try:
@@ -68,6 +69,7 @@ __all__ = [
     "LoopOwnershipError",
     "ModelInfo",
     "ModelLoadError",
+    "PromptLookup",
     "RequestFailedError",
     "RequestHandle",
     "SamplingParams",

@@ -87,6 +87,7 @@ class Context(OpenAIMethods, PipelineMethods):
             prefix_cache=config.prefix_cache,
             max_step_ms=config.max_step_ms,
             batch_processor=batch_logits_processor,
+            speculative=config.speculative,
         )
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()

@@ -34,9 +34,12 @@ from .errors import (
 )
 from .kvops import KVOp
 from .plan import StepPlan, StepResult
-from .sampling import BatchLogitsProcessor, sample_plan
+from .results import TokenLogprob
+from .sampling import BatchLogitsProcessor, sample_plan, sample_row
 from .scheduler import Scheduler
 from .sequence import Request
+from .sequence import Sequence as Seq
+from .speculative import PromptLookup
 from .stats import ContextStats
 from .step_budget import StepFeatures
 
@@ -69,10 +72,18 @@ class Engine:
         prefix_cache: bool = True,
         max_step_ms: float | None = None,
         batch_processor: BatchLogitsProcessor | None = None,
+        speculative: PromptLookup | None = None,
     ) -> None:
         self.backend = backend
         self._batch_processor = batch_processor
-        self.scheduler = Scheduler(backend, prefix_cache=prefix_cache, max_step_ms=max_step_ms)
+        # the batch hook sees one row per sequence, so with one installed nobody drafts
+        self.scheduler = Scheduler(
+            backend,
+            prefix_cache=prefix_cache,
+            max_step_ms=max_step_ms,
+            speculative=speculative,
+            allow_drafts=batch_processor is None,
+        )
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -303,12 +314,15 @@ class Engine:
             sampled = sample_plan(self.backend, plan.sampled_entries(), self._batch_processor)
             for request, error in sampled.failed.values():
                 self.scheduler.fail(request, error, result)
-            self.scheduler.update(plan, sampled.tokens, sampled.logprobs, result)
-            self.scheduler.step_cost.observe(features, time.perf_counter() - started)
+            self.scheduler.update(plan, sampled.tokens, sampled.logprobs, result, self._verify)
+            self.scheduler.observe(plan, features, time.perf_counter() - started)
             self.num_steps += 1
             result.computed = True
         self._publish_snapshot()
         return result
+
+    def _verify(self, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
+        return sample_row(self.backend, seq, row)
 
     def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float]:
         """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
@@ -368,6 +382,8 @@ class Engine:
             num_cached_tokens=s.num_cached_tokens,
             num_preemptions=s.num_preemptions,
             num_evictions=s.prefix.num_evictions,
+            num_drafted_tokens=s.num_drafted_tokens,
+            num_accepted_tokens=s.num_accepted_tokens,
         )
 
     def _publish_snapshot(self) -> None:

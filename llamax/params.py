@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidParameterError
+from .speculative import PromptLookup, Speculative
 
 __all__ = ["ContextConfig", "ContextOptions", "KVLayout", "LogitsProcessor", "SamplingParams"]
 
@@ -93,6 +94,12 @@ class SamplingParams:
     ``float32`` view of its logits row; they edit it in place (return ``None``) or return a
     new row, before the native sampler chain runs. ``grammar`` (GBNF) or ``json_schema``
     constrain the output through llama.cpp's grammar sampler.
+
+    ``speculative`` turns speculative decoding on or off for this request (see
+    docs/speculative.md): ``None`` follows the context's ``speculative`` setting, ``False``
+    turns it off, ``True`` turns it on (with the context's method, else the default
+    :class:`~llamax.PromptLookup`), and a :class:`~llamax.PromptLookup` picks the method.
+    It never changes what is generated, only how fast.
     """
 
     max_tokens: int | None = 256
@@ -115,8 +122,14 @@ class SamplingParams:
     logits_processors: Sequence[LogitsProcessor] = ()
     grammar: str | None = None
     json_schema: Mapping[str, Any] | None = None
+    speculative: bool | Speculative | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.speculative is None or isinstance(self.speculative, (bool, PromptLookup)),
+            "speculative must be None, a bool or a llamax.PromptLookup, "
+            f"got {type(self.speculative).__name__}",
+        )
         _require(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
             f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}",
@@ -266,7 +279,9 @@ class ContextConfig:
     ``chat_template`` overrides the Jinja chat template of the GGUF metadata.
     ``rpc_servers`` (``"host:port,host:port"``) adds remote llama.cpp ``rpc-server`` hosts as
     devices the model's layers are split over (needs a ``-DGGML_RPC=ON`` build; see
-    docs/scale-out.md).
+    docs/scale-out.md). ``speculative`` (a :class:`~llamax.PromptLookup`) turns speculative
+    decoding on for every request that does not say otherwise (see docs/speculative.md);
+    ``None`` (default) leaves it to each request's ``SamplingParams.speculative``.
     """
 
     model_path: str
@@ -286,6 +301,7 @@ class ContextConfig:
     prefix_cache: bool = True
     chat_template: str | None = None
     rpc_servers: str | None = None
+    speculative: Speculative | None = None
     verbose: bool = False
 
     @classmethod
@@ -368,6 +384,10 @@ class ContextConfig:
             f"max_step_ms must be a number or None, got {self.max_step_ms!r}",
         )
         _require(
+            self.speculative is None or isinstance(self.speculative, PromptLookup),
+            f"speculative must be None or a llamax.PromptLookup, got {self.speculative!r}",
+        )
+        _require(
             self.chat_template is None or isinstance(self.chat_template, str),
             f"chat_template must be a str or None, got {type(self.chat_template).__name__}",
         )
@@ -392,4 +412,5 @@ class ContextOptions(TypedDict, total=False):
     prefix_cache: bool
     chat_template: str | None
     rpc_servers: str | None
+    speculative: Speculative | None
     verbose: bool

@@ -8,7 +8,7 @@ its last row. No parallel lists that must stay in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .backend.base import BatchItem
@@ -29,6 +29,10 @@ class ScheduledSequence:
     forks: tuple[Seq, ...] = ()
     """Sibling choices (``n > 1``) that sample their first token from this entry's last row
     and copy its cells after the decode."""
+    draft: tuple[int, ...] = ()
+    """Speculative draft tokens fed after the sequence's pending token; the item then asks
+    for logits at the pending token and at every draft token (see
+    :mod:`llamax.speculative`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +56,14 @@ class StepPlan:
         """Whether there is nothing to decode."""
         return not self.entries
 
+    @property
+    def num_drafted(self) -> int:
+        """Draft tokens in the batch."""
+        return sum(len(entry.draft) for entry in self.entries)
+
     def sampled_entries(self) -> list[ScheduledSequence]:
-        """Entries with a row to sample from."""
-        return [entry for entry in self.entries if entry.item.rows]
+        """Entries with one row to sample from (drafted entries are verified row by row)."""
+        return [entry for entry in self.entries if entry.item.rows and not entry.draft]
 
 
 @dataclass(slots=True)
@@ -74,11 +83,14 @@ def build_plan(
     forkable: Callable[[Seq, int], tuple[Seq, ...]],
     *,
     by_seq_id: bool = False,
+    drafts: Mapping[Seq, tuple[int, ...]] | None = None,
 ) -> StepPlan:
     """Lay ``(sequence, num_tokens)`` pairs out as one batch.
 
     A sequence whose slice completes its known tokens reads its last row; the siblings
     ``forkable(seq, free_ids)`` returns fork from it, as long as sequence ids remain.
+    A decoding sequence with ``drafts[seq]`` feeds them after its pending token and reads
+    every row from that token on.
     ``by_seq_id`` orders the batch by sequence id: with one KV stream per sequence,
     llama.cpp runs one micro-batch per run of consecutive ids in batch order.
     """
@@ -91,6 +103,13 @@ def build_plan(
         start = seq.num_computed
         end = start + num
         completes = end == len(seq.token_ids)
+        draft = drafts.get(seq, ()) if drafts and completes else ()
+        if draft:
+            rows = tuple(range(offset + num - 1, offset + num + len(draft)))
+            item = BatchItem(seq.slot.seq_id, [*seq.token_ids[start:end], *draft], start, rows)
+            entries.append(ScheduledSequence(seq, item, draft=draft))
+            offset += num + len(draft)
+            continue
         rows = (offset + num - 1,) if completes else ()
         item = BatchItem(seq.slot.seq_id, seq.token_ids[start:end], start, rows)
         forks = forkable(seq, num_free_ids) if completes else ()

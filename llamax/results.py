@@ -71,11 +71,17 @@ class TokenEvent:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts of one request. The prompt is counted once, whatever ``n`` is."""
+    """Token counts of one request. The prompt is counted once, whatever ``n`` is.
+
+    With speculative decoding, ``drafted_tokens`` were proposed and verified and
+    ``accepted_tokens`` of them were kept (both summed over the ``n`` choices).
+    """
 
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -23,7 +23,7 @@ from .results import TokenLogprob, TopLogprob
 from .sequence import Request
 from .sequence import Sequence as Seq
 
-__all__ = ["BatchLogitsProcessor", "LogitsRow", "Sampled", "sample_plan"]
+__all__ = ["BatchLogitsProcessor", "LogitsRow", "Sampled", "sample_plan", "sample_row"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +96,33 @@ def sample_plan(
             if params.logprobs is not None and logits is not None:
                 out.logprobs[s] = _token_logprob(backend, logits, log_z, token, params.logprobs)
     return out
+
+
+def sample_row(backend: Backend, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
+    """Sample ``seq``'s next token from ``row`` as :func:`sample_plan` would (processors,
+    native chain, logprobs), for speculative verification, which samples row by row.
+
+    Raises:
+        RequestFailedError: a logits processor or the native sampler failed.
+    """
+    params = seq.request.params
+    wants_logprobs = params.logprobs is not None
+    logits = backend.logits(row) if params.logits_processors or wants_logprobs else None
+    if params.logits_processors:
+        assert logits is not None
+        error = _run_processors(params.logits_processors, seq.token_ids, logits)
+        if error is not None:
+            raise error
+    try:
+        token = _sample(backend, seq, row)
+    except RequestFailedError:
+        raise
+    except Exception as exc:  # a sampler llama.cpp could not build or run
+        raise RequestFailedError(f"the native sampler failed: {exc!r}") from exc
+    if not wants_logprobs or logits is None:
+        return token, None
+    assert params.logprobs is not None
+    return token, _token_logprob(backend, logits, _log_partition(logits), token, params.logprobs)
 
 
 def _sample(backend: Backend, seq: Seq, row: int) -> int:

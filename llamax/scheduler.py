@@ -26,11 +26,13 @@ operations (:mod:`llamax.kvops`) through :meth:`Scheduler.apply`.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+import heapq
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import TypeVar, cast
 
 from .backend.base import Backend
+from .errors import RequestFailedError
 from .kvcache import KVCache, Slot, SlotState
 from .kvops import KVOp
 from .plan import ScheduledSequence, StepPlan, StepResult, build_plan
@@ -38,6 +40,7 @@ from .prefix import PrefixCache
 from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
+from .speculative import DecodeCost, DraftState, PromptLookup
 from .step_budget import MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
 from .tokens import common_prefix_len
 
@@ -47,6 +50,9 @@ T = TypeVar("T")
 
 WAIT_FOR_PREFIX_MIN = 16
 """A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
+
+Verify = Callable[[Sequence, int], tuple[int, TokenLogprob | None]]
+"""Samples a sequence's token from one batch row (speculative verification, row by row)."""
 
 
 class _Admission(Enum):
@@ -59,7 +65,13 @@ class Scheduler:
     """Owns every state change of every sequence and slot. Driven by one thread at a time."""
 
     def __init__(
-        self, backend: Backend, *, prefix_cache: bool = True, max_step_ms: float | None = None
+        self,
+        backend: Backend,
+        *,
+        prefix_cache: bool = True,
+        max_step_ms: float | None = None,
+        speculative: PromptLookup | None = None,
+        allow_drafts: bool = True,
     ) -> None:
         self._backend = backend
         self._n_ctx = backend.n_ctx
@@ -78,6 +90,15 @@ class Scheduler:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_cached_tokens = 0
+        self._speculative = speculative
+        # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
+        self._can_draft = allow_drafts and backend.can_share_prefix
+        self.decode_cost = DecodeCost()
+        self.price_drafts = True
+        """Keep only drafts whose expected gain pays for their compute (tests turn it off
+        to make every proposal be verified)."""
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -112,8 +133,22 @@ class Scheduler:
     # ------------------------------------------------------------------ changes
     def add(self, request: Request) -> None:
         """Queue every sequence of a new request."""
+        method = self._speculation(request)
         for seq in request.sequences:
+            if method is not None:
+                seq.draft_state = method.new_state()
             bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
+
+    def _speculation(self, request: Request) -> PromptLookup | None:
+        """The drafting method ``request`` uses: its own, else the context's, or None."""
+        asked = request.params.speculative
+        if not self._can_draft or asked is False:
+            return None
+        if isinstance(asked, PromptLookup):
+            return asked
+        if asked is True:
+            return self._speculative or PromptLookup()
+        return self._speculative
 
     def apply(self, op: KVOp[T], result: StepResult) -> T:
         """Apply a KV operation between steps; events it causes go into ``result``."""
@@ -158,6 +193,7 @@ class Scheduler:
             self.kv.num_free_seq_ids,
             self._forkable_siblings,
             by_seq_id=not self._is_unified,
+            drafts=self._plan_drafts(slots, budget),
         )
 
     def features(self, plan: StepPlan) -> StepFeatures:
@@ -199,8 +235,16 @@ class Scheduler:
         return take, fixed + chunk_features(take, attend, fixed, unified=unified)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
-        """Answer a NO_SLOT decode: halve the newest prefill chunk, else preempt the newest."""
-        slots = [(e.seq, len(e.item.token_ids)) for e in plan.entries]
+        """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else
+        preempt the newest sequence."""
+        slots = [(e.seq, len(e.item.token_ids) - len(e.draft)) for e in plan.entries]
+        if plan.num_drafted:
+            return build_plan(
+                slots,
+                self.kv.num_free_seq_ids,
+                self._forkable_siblings,
+                by_seq_id=not self._is_unified,
+            )
         chunks = [i for i, (_, n) in enumerate(slots) if n > 1]
         if chunks:
             i = chunks[-1]
@@ -228,15 +272,21 @@ class Scheduler:
         sampled: Mapping[Sequence, int],
         logprobs: Mapping[Sequence, TokenLogprob],
         result: StepResult,
+        verify: Verify | None = None,
     ) -> None:
         """Record a successful decode of ``plan`` and the tokens sampled for it.
 
         Sequences that ended while their row was sampled (a failing logits processor) are
-        skipped: their cells are already released.
+        skipped: their cells are already released. Drafted entries are verified here, row
+        by row with ``verify``.
         """
         for entry in plan.entries:
             seq = entry.seq
             if seq.state in TERMINAL_STATES:
+                continue
+            if entry.draft:
+                assert verify is not None, "a drafted plan needs a verify function"
+                self._verify(entry, verify, result)
                 continue
             num = len(entry.item.token_ids)
             assert seq.slot is not None
@@ -252,6 +302,132 @@ class Scheduler:
                 self._fork_from(seq, fork)
             for s in (*entry.forks, seq):
                 self._accept(s, sampled[s], result, logprobs.get(s))
+
+    def _verify(self, entry: ScheduledSequence, verify: Verify, result: StepResult) -> None:
+        """Accept the longest prefix of ``entry``'s draft that sampling confirms, plus the one
+        token sampled after it; remove the cells of the rejected drafts.
+
+        Rows are sampled in order, each after the tokens before it were accepted, so logits
+        processors, grammars, stop strings and ``max_tokens`` see exactly what they would
+        without speculation. The slot ends holding what it would hold without speculation
+        (every token but the last sampled one), also when the sequence ends inside its draft
+        and its slot is retained or belongs to a session.
+        """
+        seq, draft = entry.seq, entry.draft
+        slot = seq.slot
+        assert slot is not None and seq.draft_state is not None
+        self.kv.append(slot, entry.item.token_ids)  # fed cells, until the rejected are cut
+        row_index = 0
+        for row_index, row in enumerate(entry.item.rows):
+            try:
+                token, logprob = verify(seq, row)
+            except RequestFailedError as error:
+                self.fail(seq.request, error, result)
+                break
+            self._accept(seq, token, result, logprob)
+            if seq.state in TERMINAL_STATES or row_index == len(draft) or token != draft[row_index]:
+                break
+        accepted = row_index  # rows before the last one sampled confirmed their draft token
+        seq.draft_state.record(len(draft), accepted)
+        self.num_drafted_tokens += len(draft)
+        self.num_accepted_tokens += accepted
+        self.num_decode_tokens += 1 + accepted
+        # a released slot holds no tokens any more, so this only cuts live, retained and
+        # session slots
+        if not self.kv.truncate(slot, entry.item.start_pos + 1 + accepted):
+            raise RuntimeError("the KV memory refused to remove rejected draft tokens")
+
+    def _plan_drafts(
+        self, slots: list[tuple[Sequence, int]], budget: int
+    ) -> dict[Sequence, tuple[int, ...]]:
+        """Draft tokens for the step's decoding sequences that may speculate.
+
+        Each proposal is cut to the draft tokens worth computing (:meth:`_price_drafts`);
+        what is not verified is remembered by the sequence's :class:`DraftState`, to learn
+        its acceptance rate anyway.
+        """
+        if not self._can_draft:
+            return {}
+        proposals: list[tuple[Sequence, DraftState, tuple[int, ...]]] = []
+        for seq, num in slots:
+            state = seq.draft_state
+            if state is None or num != 1 or seq.state is not SequenceState.DECODING:
+                continue
+            limit = self._n_ctx_seq - len(seq.token_ids)
+            max_tokens = seq.request.params.max_tokens
+            if max_tokens is not None:
+                limit = min(limit, max_tokens - seq.num_generated - 1)
+            draft = state.propose(seq.token_ids, limit)
+            if draft:
+                proposals.append((seq, state, draft))
+        if not proposals:
+            return {}
+        room = budget
+        if self._is_unified:
+            room = min(room, self._n_ctx - self.kv.num_cells_used - self.num_pending_tokens)
+        if self.price_drafts:
+            keep = self._price_drafts(slots, proposals, room)
+        else:
+            keep = {}
+            for seq, _, draft in proposals:
+                keep[seq] = max(0, min(len(draft), room))
+                room -= keep[seq]
+        drafts: dict[Sequence, tuple[int, ...]] = {}
+        for seq, state, draft in proposals:
+            num = keep.get(seq, 0)
+            if num:
+                drafts[seq] = draft[:num]
+            else:
+                state.skipped(len(seq.token_ids), draft)
+        return drafts
+
+    def _price_drafts(
+        self,
+        slots: list[tuple[Sequence, int]],
+        proposals: list[tuple[Sequence, DraftState, tuple[int, ...]]],
+        room: int,
+    ) -> dict[Sequence, int]:
+        """How many tokens of each proposal to verify so the step's expected useful tokens
+        per predicted second is highest.
+
+        The ``j``-th draft token of a sequence is accepted with probability ``a**j`` (its
+        measured rate ``a``) and costs what one more token adds to a step of decode rows
+        (:class:`~llamax.speculative.DecodeCost`). Tokens are taken greedily, best gain per
+        second first, while each raises the step's expected tokens per second: under a full
+        batch a token already costs its full share, so drafting yields unless nearly
+        certain; a step with prompt chunks is compute-bound and gets no drafts. The step
+        also stays within ``max_step_ms`` of its predicted time without drafts.
+        """
+        model = self.decode_cost
+        num_tokens = sum(num for _, num in slots)
+        if num_tokens > len(slots):  # prompt chunks make the step compute-bound: no drafts
+            return {}
+        seconds = model.predict(num_tokens)
+        limit_s = seconds + self._max_step_s if self._max_step_s is not None else float("inf")
+        useful = float(num_tokens)
+        cost = model.per_token
+        heap = [(-state.expected_gain(1) / cost, i, 1) for i, (_, state, _) in enumerate(proposals)]
+        heapq.heapify(heap)
+        keep: dict[Sequence, int] = {}
+        while heap and room > 0:
+            neg_ratio, i, j = heapq.heappop(heap)
+            if -neg_ratio * seconds <= useful or seconds + cost > limit_s:
+                break
+            seq, state, draft = proposals[i]
+            keep[seq] = j
+            useful += state.expected_gain(j)
+            seconds += cost
+            room -= 1
+            if j < len(draft):
+                heapq.heappush(heap, (-state.expected_gain(j + 1) / cost, i, j + 1))
+        return keep
+
+    def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
+        """Learn from a measured step: the chunk-sizing model, and the draft pricing model
+        from steps of decode (and draft) tokens only."""
+        self.step_cost.observe(features, seconds)
+        if all(len(e.item.token_ids) - len(e.draft) == 1 for e in plan.entries):
+            self.decode_cost.observe(plan.num_tokens, seconds)
 
     def abort(self, request: Request, result: StepResult) -> None:
         """Cancel every unfinished sequence of ``request``, freeing its KV cells now."""

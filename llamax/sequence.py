@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .backend.base import Sampler
     from .handle import RequestHandle
     from .kvcache import Slot
+    from .speculative import DraftState
 
 __all__ = ["TERMINAL_STATES", "Request", "Sequence", "SequenceState"]
 
@@ -108,10 +109,13 @@ class Request:
     def completion(self) -> Completion:
         """Build the final result (only once every sequence is finished)."""
         choices = tuple(seq.choice() for seq in self.sequences)
+        drafts = [seq.draft_state for seq in self.sequences if seq.draft_state is not None]
         usage = Usage(
             prompt_tokens=len(self.prompt_token_ids),
             completion_tokens=sum(len(c.token_ids) for c in choices),
             cached_tokens=self.num_cached_tokens,
+            drafted_tokens=sum(d.num_drafted for d in drafts),
+            accepted_tokens=sum(d.num_accepted for d in drafts),
         )
         return Completion(request_id=self.request_id, choices=choices, usage=usage)
 
@@ -121,6 +125,7 @@ class Sequence:
 
     __slots__ = (
         "detokenizer",
+        "draft_state",
         "index",
         "logprobs",
         "num_prompt_tokens",
@@ -142,6 +147,8 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.slot: Slot | None = None
         self.sampler: Sampler | None = None
+        self.draft_state: DraftState | None = None
+        """Set by the scheduler when the sequence may draft (speculative decoding)."""
         self.state = SequenceState.WAITING
         self.detokenizer = Detokenizer(token_to_piece)
         self.stop_matcher = StopMatcher(request.params.stop)

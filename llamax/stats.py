@@ -51,3 +51,7 @@ class ContextStats:
     """Sequences preempted under KV pressure (recomputed later)."""
     num_evictions: int
     """Retained prefixes evicted to make room."""
+    num_drafted_tokens: int = 0
+    """Draft tokens verified by speculative decoding."""
+    num_accepted_tokens: int = 0
+    """Draft tokens accepted (each saved a step for its sequence)."""

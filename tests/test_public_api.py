@@ -40,6 +40,7 @@ EXPECTED_ALL = [
     "LoopOwnershipError",
     "ModelInfo",
     "ModelLoadError",
+    "PromptLookup",
     "RequestFailedError",
     "RequestHandle",
     "SamplingParams",

@@ -70,6 +70,21 @@ def test_chat_and_text_completions(ctx: llamax.Context) -> None:
     assert "usage" not in stream.text  # only asked for with stream_options.include_usage
 
 
+def test_speculative_extension_reports_prediction_tokens(ctx: llamax.Context) -> None:
+    app = create_app(ctx)
+    body = {"prompt": "abcdefghijklmnopqrstuvwxyz" * 2, "max_tokens": 30, "temperature": 0}
+    plain = call(app, "POST", "/v1/completions", json=body).json()
+    assert "completion_tokens_details" not in plain["usage"]
+    ctx._engine.scheduler.price_drafts = False  # verify every proposal (timings are fake)
+    spec = call(app, "POST", "/v1/completions", json={**body, "speculative": {"max_draft": 4}})
+    assert spec.status_code == 200, spec.text
+    usage = spec.json()["usage"]
+    assert spec.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    details = usage["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0
+    assert details["rejected_prediction_tokens"] >= 0
+
+
 def test_a_failed_request_is_500_and_the_server_keeps_serving(ctx: llamax.Context) -> None:
     app = create_app(ctx)
     failed = call(app, "POST", "/v1/completions", json={"prompt": "a", "seed": 666})

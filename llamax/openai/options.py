@@ -14,6 +14,7 @@ from typing import Any, Literal, TypedDict
 from ..errors import InvalidParameterError
 from ..grammar import JSON_OBJECT_SCHEMA
 from ..params import SamplingParams
+from ..speculative import PromptLookup
 
 __all__ = [
     "ChatOptions",
@@ -59,6 +60,9 @@ class CompletionOptions(TypedDict, total=False):
     """llama.cpp extension (1 disables it)."""
     grammar: str | None
     """llama.cpp extension: a GBNF grammar constraining the output."""
+    speculative: bool | Mapping[str, int] | None
+    """llamax extension: speculative decoding on (``true``), off (``false``), or on with
+    :class:`~llamax.PromptLookup` settings (``{"max_draft": 8}``); default: the context's."""
 
 
 class ChatOptions(CompletionOptions, total=False):
@@ -116,7 +120,24 @@ def sampling_params(options: CompletionOptions, *, chat: bool) -> SamplingParams
         logprobs=_logprobs(options, chat=chat),
         grammar=options.get("grammar"),
         json_schema=_response_schema(options.get("response_format")),
+        speculative=_speculative(options.get("speculative")),
     )
+
+
+def _speculative(value: object) -> bool | PromptLookup | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidParameterError(
+            f"speculative must be a bool or an object, got {type(value).__name__}"
+        )
+    known = {"max_draft", "ngram_max", "ngram_min"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidParameterError(
+            f"speculative has unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}"
+        )
+    return PromptLookup(**value)
 
 
 def _logit_bias(logit_bias: Mapping[str | int, float] | None) -> dict[int, float]:

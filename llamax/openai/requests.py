@@ -90,12 +90,18 @@ def _finish_reason(reason: FinishReason | None) -> OpenAIFinishReason | None:
 
 
 def _usage(usage: Usage) -> CompletionUsage:
-    return {
+    shape: CompletionUsage = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.drafted_tokens:  # OpenAI's names for predicted-output tokens
+        shape["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_tokens,
+            "rejected_prediction_tokens": usage.drafted_tokens - usage.accepted_tokens,
+        }
+    return shape
 
 
 T = TypeVar("T")

@@ -30,6 +30,9 @@ class CompletionUsage(TypedDict):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: NotRequired[dict[str, int]]
+    completion_tokens_details: NotRequired[dict[str, int]]
+    """With speculative decoding: ``accepted_prediction_tokens`` and
+    ``rejected_prediction_tokens`` (draft tokens kept and thrown away)."""
 
 
 class ChatCompletionMessage(TypedDict):

@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=250.0,
         help="latency target of a step while requests stream; 0 for fixed n_batch chunks",
     )
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="MAX_DRAFT",
+        help="prompt-lookup speculative decoding for every request, drafting up to MAX_DRAFT "
+        'tokens (default: 0, off; a request may still ask with "speculative": true)',
+    )
     p.add_argument("--n-batch", type=int, default=512, help="tokens per decode step")
     p.add_argument("--n-threads", type=int, default=None, help="CPU threads (default: all)")
     p.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1: all)")
@@ -103,6 +111,8 @@ def _context_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_layout": args.kv_layout,
         "max_step_ms": args.max_step_ms or None,
     }
+    if args.speculative:
+        options["speculative"] = llamax.PromptLookup(max_draft=args.speculative)
     if args.n_threads is not None:
         options["n_threads"] = args.n_threads
     if args.chat_template:

@@ -60,6 +60,8 @@ class _SamplingFields(_Strict):
     min_p: float | None = None
     repeat_penalty: float | None = None
     grammar: str | None = None
+    speculative: bool | dict[str, int] | None = None
+    """llamax extension: speculative decoding on, off, or ``{"max_draft": 8}``."""
 
     @property
     def is_stream(self) -> bool:
