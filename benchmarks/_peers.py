@@ -49,6 +49,7 @@ class PeerTokens:
     """One greedy generation of a peer, as token ids, and what its eval calls did."""
 
     token_ids: tuple[int, ...]
+    first_token_at: float  # time.perf_counter() when the first token came
     drafted_tokens: int  # draft tokens evaluated for verification (0 without a draft model)
     accepted_tokens: int  # of those, the ones kept: generated tokens minus decode calls
 
@@ -128,10 +129,12 @@ class LlamaCppPythonPeer:
 
         processors = llama_cpp.LogitsProcessorList([ban]) if ban_eog else None
         out: list[int] = []
+        first_token_at = 0.0
         tokens = self.llm.generate(
             prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, logits_processor=processors
         )
         for token in tokens:
+            first_token_at = first_token_at or time.perf_counter()
             if token in self.eog:
                 break
             out.append(token)
@@ -141,7 +144,8 @@ class LlamaCppPythonPeer:
         drafted = sum(n - 1 for n in decodes)
         # Every decode yields its first token plus the accepted drafts (the last decode's
         # drafts may be cut off by the stop; they count as rejected here).
-        return PeerTokens(tuple(out), drafted, max(0, len(out) - 1 - len(decodes)))
+        accepted = max(0, len(out) - 1 - len(decodes))
+        return PeerTokens(tuple(out), first_token_at, drafted, accepted)
 
     def close(self) -> None:
         """Free the model."""

@@ -20,11 +20,12 @@ The copy and story workloads stop at an end-of-generation token or ``max_tokens`
 Systems, 2 threads each, every request of a run submitted at once:
 
 ``llamax_spec``
-    ``Context(speculative=PromptLookup(max_draft=8, ngram_max=3, ngram_min=1))``.
+    ``Context(speculative=PromptLookup())``: llamax's defaults (``config.prompt_lookup``).
 ``llamax``
     The same context without ``speculative``.
 ``llama_cpp_python_lookup`` / ``llama_cpp_python``
-    ``Llama(draft_model=LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=8))``
+    ``Llama(draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens))`` with
+    ``PromptLookup()``'s ``ngram_max`` and ``max_draft``,
     and a plain ``Llama``, one request after another (``Llama.generate``, temperature 0).
 
 Score: generated tokens / wall time of the run (tokenization included). Each repeat runs
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from _common import (
+    TokenTimes,
     add_common_args,
     agreement,
     base_config,
@@ -67,7 +69,6 @@ from _peers import LlamaCppPythonPeer
 
 import llamax
 
-MAX_DRAFT, NGRAM_MAX, NGRAM_MIN = 8, 3, 1
 N_CTX = 8192
 N_BATCH = 1024
 LCP_N_CTX = 1024
@@ -207,6 +208,7 @@ class RunResult:
     """One timed run of one system on N requests."""
 
     seconds: float
+    first_token_s: float  # llamax: when the last first token came; Llama: sum of prefills
     token_ids: tuple[tuple[int, ...], ...]
     drafted: int
     accepted: int
@@ -220,12 +222,20 @@ class RunResult:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
 
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each request's first, over the time after the last first token."""
+        rest = self.seconds - self.first_token_s
+        return (self.tokens - len(self.token_ids)) / rest if rest > 0 else float("nan")
+
     def sample(self) -> dict[str, Any]:
         extra = {} if self.stats is None else {"stats": self.stats}
         return {
             "tokens": self.tokens,
             "seconds": round(self.seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
+            "first_token_s": round(self.first_token_s, 4),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
             "drafted_tokens": self.drafted,
             "accepted_tokens": self.accepted,
             **extra,
@@ -243,15 +253,17 @@ def llamax_run(ctx: llamax.Context, *, spec: bool) -> Run:
         before = ctx.stats()
         start = time.perf_counter()
         handles = [ctx.add_request(p, params) for p in prompts]
+        streams = [TokenTimes(h) for h in handles]  # first-token times (the prefill's end)
         done = [h.result() for h in handles]
         seconds = time.perf_counter() - start
+        first = max(s.wait()[0] for s in streams) - start
         ids = tuple(c.token_ids for c in done)
         if not spec:
-            return RunResult(seconds, ids, 0, 0)
+            return RunResult(seconds, first, ids, 0, 0)
         drafted = sum(c.usage.drafted_tokens for c in done)
         accepted = sum(c.usage.accepted_tokens for c in done)
         stats = stats_delta(before, ctx.stats(), ["drafted_tokens", "accepted_tokens", "steps"])
-        return RunResult(seconds, ids, drafted, accepted, stats)
+        return RunResult(seconds, first, ids, drafted, accepted, stats)
 
     return run
 
@@ -262,18 +274,25 @@ def lcp_run(peer: LlamaCppPythonPeer) -> Run:
     def run(prompts: Sequence[str], params: llamax.SamplingParams) -> RunResult:
         def body() -> RunResult:
             start = time.perf_counter()
-            outs = [
-                peer.generate_ids(p, params.max_tokens or 0, ban_eog=params.ignore_eos)
-                for p in prompts
-            ]
+            outs, prefill_s = [], 0.0
+            for p in prompts:  # one after another: each request's wait for its first
+                began = time.perf_counter()  # token is its own prefill
+                outs.append(peer.generate_ids(p, params.max_tokens or 0, ban_eog=params.ignore_eos))
+                prefill_s += outs[-1].first_token_at - began
             seconds = time.perf_counter() - start
             ids = tuple(o.token_ids for o in outs)
             drafted = sum(o.drafted_tokens for o in outs)
-            return RunResult(seconds, ids, drafted, sum(o.accepted_tokens for o in outs))
+            accepted = sum(o.accepted_tokens for o in outs)
+            return RunResult(seconds, prefill_s, ids, drafted, accepted)
 
         return in_fresh_thread(body)
 
     return run
+
+
+def lookup() -> llamax.PromptLookup:
+    """llamax's default drafter (llama-cpp-python's gets the same draft and n-gram sizes)."""
+    return llamax.PromptLookup()
 
 
 def build(
@@ -286,18 +305,17 @@ def build(
     systems: dict[str, Run] = {}
     ctx: llamax.Context | None = None
     if SPEC not in args.skip:
-        lookup = llamax.PromptLookup(max_draft=MAX_DRAFT, ngram_max=NGRAM_MAX, ngram_min=NGRAM_MIN)
-        ctx = llamax.Context(args.model, speculative=lookup, **common)
+        ctx = llamax.Context(args.model, speculative=lookup(), **common)
         closers.append(ctx.close)
         systems[SPEC] = llamax_run(ctx, spec=True)
     if PLAIN not in args.skip:
         ctx = llamax.Context(args.model, **common)
         closers.append(ctx.close)
         systems[PLAIN] = llamax_run(ctx, spec=False)
-    for name, draft in ((LCP_SPEC, MAX_DRAFT), (LCP, None)):
+    for name, draft in ((LCP_SPEC, lookup().max_draft), (LCP, None)):
         if name not in args.skip:
             peer = LlamaCppPythonPeer(
-                args.model, LCP_N_CTX, draft_tokens=draft, ngram_max=NGRAM_MAX
+                args.model, LCP_N_CTX, draft_tokens=draft, ngram_max=lookup().ngram_max
             )
             closers.append(peer.close)
             systems[name] = lcp_run(peer)
@@ -334,7 +352,8 @@ def measure(systems: dict[str, Run], loads: Sequence[Workload], repeats: int) ->
                     rate = f"{result.accepted}/{result.drafted}" if result.drafted else "-"
                     log(
                         f"repeat {repeat + 1}/{repeats} {load.name:<5} N={n:<3} {name:<24}"
-                        f"{result.tokens_per_s:8.1f} tok/s ({result.tokens} tokens, "
+                        f"{result.tokens_per_s:8.1f} tok/s, {result.decode_tokens_per_s:6.1f} "
+                        f"after prefill ({result.tokens} tokens, "
                         f"{result.seconds:.2f} s, accepted/drafted {rate})"
                     )
     return runs
@@ -348,25 +367,34 @@ def params_of(load: Workload) -> llamax.SamplingParams:
 
 
 def report(runs: Runs, loads: Sequence[Workload], config: dict[str, Any]) -> dict[str, Any]:
-    def med(w: str, system: str, n: int) -> float | None:
+    def med(w: str, system: str, n: int, decode: bool = False) -> float | None:
         rs = runs[w].get(system, {}).get(n)
-        return round(statistics.median(r.tokens_per_s for r in rs), 2) if rs else None
+        values = [r.decode_tokens_per_s if decode else r.tokens_per_s for r in rs or []]
+        return round(statistics.median(values), 2) if values else None
 
     def acceptance(w: str, system: str, n: int) -> float | None:
         rs = runs[w].get(system, {}).get(n) or []
         return ratio(sum(r.accepted for r in rs), sum(r.drafted for r in rs))
 
     medians: dict[str, Any] = {}
+    decode: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
+    decode_ratios: dict[str, Any] = {}
     accept: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
     for load in loads:
         w, by_n = load.name, [str(n) for n in load.ns]
         medians[w] = {s: {str(n): med(w, s, n) for n in load.ns} for s in runs[w]}
+        decode[w] = {s: {str(n): med(w, s, n, True) for n in load.ns} for s in runs[w]}
         ratios[w] = {
             f"{num}_over_{den}": {k: ratio(medians[w][num][k], medians[w][den][k]) for k in by_n}
             for num, den in RATIOS
             if num in medians[w] and den in medians[w]
+        }
+        decode_ratios[w] = {
+            f"{num}_over_{den}": {k: ratio(decode[w][num][k], decode[w][den][k]) for k in by_n}
+            for num, den in BASELINE.items()
+            if num in decode[w] and den in decode[w]
         }
         accept[w] = {
             s: {str(n): acceptance(w, s, n) for n in load.ns} for s in BASELINE if s in runs[w]
@@ -391,7 +419,9 @@ def report(runs: Runs, loads: Sequence[Workload], config: dict[str, Any]) -> dic
             for load in loads
         },
         "median_tokens_per_s": medians,
+        "median_decode_tokens_per_s": decode,
         "ratios": ratios,
+        "decode_ratios": decode_ratios,
         "acceptance_rate": accept,
         "targets": targets(values, LIMITS, at_least=True),
         "outputs": outputs,
@@ -458,7 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     closers: list[Callable[[], None]] = []
     with stdout_to_stderr() as stdout:
         settings = {"n_ctx": N_CTX, "n_batch": N_BATCH, "llama_cpp_python_n_ctx": LCP_N_CTX}
-        settings |= {"max_draft": MAX_DRAFT, "ngram_max": NGRAM_MAX, "ngram_min": NGRAM_MIN}
+        if hasattr(llamax, "PromptLookup"):
+            settings["prompt_lookup"] = dataclasses.asdict(lookup())
         try:
             systems, tokenizer = build(args, closers)
             runs = measure(systems, loads, args.repeats)
