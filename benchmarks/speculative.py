@@ -335,8 +335,11 @@ def copy_fraction(
 Runs = dict[str, dict[str, dict[int, list[RunResult]]]]  # workload -> system -> N -> runs
 
 
-def measure(systems: dict[str, Run], loads: Sequence[Workload], repeats: int) -> Runs:
-    """Warm up every system, then every (repeat, workload, N, system), order rotating."""
+def measure(
+    systems: dict[str, Run], loads: Sequence[Workload], repeats: int, peer_ns: Sequence[int]
+) -> Runs:
+    """Warm up every system, then every (repeat, workload, N, system), order rotating;
+    the llama-cpp-python systems only at N in ``peer_ns``."""
     for name, run in systems.items():
         run(["Hello"], dataclasses.replace(params_of(loads[0]), max_tokens=8))
         log(f"warmed up {name}")
@@ -346,7 +349,9 @@ def measure(systems: dict[str, Run], loads: Sequence[Workload], repeats: int) ->
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
         for load in loads:
             for n in load.ns:
-                for name in (s for s in order if s in load.systems):
+                for name in order:
+                    if name not in load.systems or (name in (LCP, LCP_SPEC) and n not in peer_ns):
+                        continue
                     result = systems[name](load.prompts(n), params_of(load))
                     runs[load.name][name].setdefault(n, []).append(result)
                     rate = f"{result.accepted}/{result.drafted}" if result.drafted else "-"
@@ -461,6 +466,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, nargs="+", default=[1, 4], help="N for code/quote/story")
     parser.add_argument("--n-throughput", type=int, nargs="*", default=[16, 64], help="N for w1")
     parser.add_argument("--max-tokens", type=int, default=400, help="for code, quote and story")
+    parser.add_argument(
+        "--peer-n", type=int, nargs="*", help="N at which llama-cpp-python runs (default: --n)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per system and N (median)")
     parser.add_argument("--skip", nargs="*", default=[], choices=SYSTEMS, help="systems to skip")
     parser.add_argument(
@@ -492,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings["prompt_lookup"] = dataclasses.asdict(lookup())
         try:
             systems, tokenizer = build(args, closers)
-            runs = measure(systems, loads, args.repeats)
+            runs = measure(systems, loads, args.repeats, args.peer_n or args.n)
             result = report(runs, loads, base_config(args, load, **settings))
             if tokenizer is not None:
                 describe_outputs(runs, loads, tokenizer, result)

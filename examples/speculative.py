@@ -41,11 +41,12 @@ def timed(ctx: llamax.Context, params: llamax.SamplingParams) -> tuple[llamax.Co
 def main() -> None:
     # Every request drafts unless it says otherwise (the default is off: speculative=None).
     with llamax.Context(n_ctx=2048, speculative=llamax.PromptLookup()) as ctx:
-        fast, fast_s = timed(ctx, llamax.SamplingParams(max_tokens=200, temperature=0.0))
+        ctx.add_request("Hello", llamax.SamplingParams(max_tokens=4)).result(timeout=60)  # warm-up
         # speculative=False turns it off for one request (True turns it on, and a
         # PromptLookup(max_draft=..., ngram_max=..., ngram_min=...) picks the settings).
         plain_params = llamax.SamplingParams(max_tokens=200, temperature=0.0, speculative=False)
         plain, plain_s = timed(ctx, plain_params)
+        fast, fast_s = timed(ctx, llamax.SamplingParams(max_tokens=200, temperature=0.0))
 
         usage = fast.usage
         print(fast.text)
