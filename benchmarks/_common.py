@@ -39,6 +39,7 @@ __all__ = [
     "model_path",
     "percentile",
     "ratio",
+    "short_prompts",
     "spread",
     "stats_delta",
     "stdout_to_stderr",
@@ -134,6 +135,11 @@ def greedy(max_tokens: int, *, ignore_eos: bool = True) -> llamax.SamplingParams
 def model_path(arg: Path | None) -> Path:
     """The ``--model`` argument, or llamax's default model."""
     return arg or llamax.default_model_path()
+
+
+def short_prompts(n: int) -> list[str]:
+    """N distinct short prompts: the throughput workload (W1) of throughput.py."""
+    return [f"Write a short story about topic number {i}:" for i in range(n)]
 
 
 _SUBJECTS = (

@@ -23,8 +23,15 @@ from typing import Any
 import llama_cpp
 from _common import N_THREADS, log
 from _loops import eog_token_ids
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-__all__ = ["LlamaCppPythonPeer", "LlamaServerPeer", "PeerCompletion", "default_llama_server"]
+__all__ = [
+    "LlamaCppPythonPeer",
+    "LlamaServerPeer",
+    "PeerCompletion",
+    "PeerTokens",
+    "default_llama_server",
+]
 
 
 @dataclass(frozen=True)
@@ -37,18 +44,45 @@ class PeerCompletion:
     generated_tokens: int
 
 
-class LlamaCppPythonPeer:
-    """``llama_cpp.Llama``, one request after another; counts the tokens given to eval."""
+@dataclass(frozen=True)
+class PeerTokens:
+    """One greedy generation of a peer, as token ids, and what its eval calls did."""
 
-    def __init__(self, model_path: Path, n_ctx: int) -> None:
+    token_ids: tuple[int, ...]
+    first_token_at: float  # time.perf_counter() when the first token came
+    drafted_tokens: int  # draft tokens evaluated for verification (0 without a draft model)
+    accepted_tokens: int  # of those, the ones kept: generated tokens minus decode calls
+
+
+class LlamaCppPythonPeer:
+    """``llama_cpp.Llama``, one request after another; counts the tokens given to eval.
+
+    ``draft_tokens`` attaches llama-cpp-python's prompt-lookup drafter
+    (``LlamaPromptLookupDecoding(max_ngram_size=ngram_max, num_pred_tokens=draft_tokens)``);
+    ``Llama`` then keeps the logits of every position, as its speculation needs (passing
+    ``logits_all=True`` too: llama-cpp-python 0.3.36 sizes its ``scores`` array from that
+    argument alone, and a draft past ``n_batch`` positions would not fit).
+    """
+
+    def __init__(
+        self, model_path: Path, n_ctx: int, *, draft_tokens: int | None = None, ngram_max: int = 2
+    ) -> None:
+        draft = (
+            None
+            if draft_tokens is None
+            else LlamaPromptLookupDecoding(max_ngram_size=ngram_max, num_pred_tokens=draft_tokens)
+        )
         self.llm = llama_cpp.Llama(
             str(model_path),
             n_ctx=n_ctx,
             n_threads=N_THREADS,
             n_threads_batch=N_THREADS,
+            draft_model=draft,
+            logits_all=draft is not None,  # else its scores array has only n_batch rows
             verbose=False,
         )
-        self.logit_bias = dict.fromkeys(eog_token_ids(self.llm._model.vocab), float("-inf"))
+        self.eog = frozenset(eog_token_ids(self.llm._model.vocab))
+        self.logit_bias = dict.fromkeys(self.eog, float("-inf"))
         self.eval_calls: list[int] = []
         original = self.llm.eval
 
@@ -79,6 +113,39 @@ class LlamaCppPythonPeer:
         calls = self.eval_calls[first_call:]
         # The prompt's eval yields token 1, each later eval one more token.
         return PeerCompletion(ttft, "".join(pieces), calls[0] if calls else 0, len(calls))
+
+    def generate_ids(self, prompt: str, max_tokens: int, *, ban_eog: bool = False) -> PeerTokens:
+        """Greedy tokens of ``Llama.generate`` until an end-of-generation token (not kept)
+        or ``max_tokens``, or exactly ``max_tokens`` with ``ban_eog``; the prompt is
+        tokenized as llamax does (BOS, special tokens)."""
+        self.reset()
+        first_call = len(self.eval_calls)
+        prompt_ids = self.llm.tokenize(prompt.encode(), add_bos=True, special=True)
+        banned = sorted(self.eog)
+
+        def ban(_ids: Any, scores: Any) -> Any:
+            scores[banned] = float("-inf")
+            return scores
+
+        processors = llama_cpp.LogitsProcessorList([ban]) if ban_eog else None
+        out: list[int] = []
+        first_token_at = 0.0
+        tokens = self.llm.generate(
+            prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, logits_processor=processors
+        )
+        for token in tokens:
+            first_token_at = first_token_at or time.perf_counter()
+            if token in self.eog:
+                break
+            out.append(token)
+            if len(out) == max_tokens:
+                break
+        decodes = self.eval_calls[first_call + 1 :]  # after the prompt: [token, *draft] each
+        drafted = sum(n - 1 for n in decodes)
+        # Every decode yields its first token plus the accepted drafts (the last decode's
+        # drafts may be cut off by the stop; they count as rejected here).
+        accepted = max(0, len(out) - 1 - len(decodes))
+        return PeerTokens(tuple(out), first_token_at, drafted, accepted)
 
     def close(self) -> None:
         """Free the model."""

@@ -53,6 +53,7 @@ from _common import (
     log,
     model_path,
     ratio,
+    short_prompts,
     stdout_to_stderr,
     targets,
 )
@@ -83,11 +84,6 @@ NOOP, LOGPROBS, WARM = "llamax_noop_processor", "llamax_logprobs5", "llamax_warm
 def noop_processor(token_ids: Any, logits: Any) -> None:
     """A numpy logits processor that reads the row and changes nothing."""
     logits.max()
-
-
-def make_prompts(n: int) -> list[str]:
-    """N distinct short prompts."""
-    return [f"Write a short story about topic number {i}:" for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -219,14 +215,14 @@ def measure(
     for system in systems:
         for n in ns if system.name == SERVER else [min(2, max(ns))]:  # one server per N
             if system.only(n):
-                system.run(make_prompts(n), WARMUP_TOKENS)
+                system.run(short_prompts(n), WARMUP_TOKENS)
         log(f"warmed up {system.name}")
     runs: dict[str, dict[int, list[RunResult]]] = {s.name: {} for s in systems}
     for repeat in range(repeats):
         order = [*systems[repeat % len(systems) :], *systems[: repeat % len(systems)]]
         for n in ns:
             for system in (s for s in order if s.only(n)):
-                result = system.run(make_prompts(n), MAX_TOKENS)
+                result = system.run(short_prompts(n), MAX_TOKENS)
                 if result.tokens != n * MAX_TOKENS:
                     log(f"  warning: {system.name} generated {result.tokens} != {n * MAX_TOKENS}")
                 runs[system.name].setdefault(n, []).append(result)
