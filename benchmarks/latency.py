@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import _common as bench
 from _peers import LlamaServerPeer, default_llama_server
@@ -65,7 +65,8 @@ class StepTrace(logging.Handler):
         logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        tokens, attention, predicted, measured = record.args  # type: ignore[misc]
+        args = cast(tuple[int, int, float, float], record.args)
+        tokens, attention, predicted, measured = args
         self.rows.append(
             {
                 "t": time.perf_counter(),
@@ -222,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--llama-server", help="also run llama-server: a binary, or 'auto'")
     parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS, help="long prompt size")
     parser.add_argument("--skip-llamax", action="store_true", help="run llama-server only")
+    parser.add_argument(
+        "--skip-fixed", action="store_true", help="skip llamax with fixed n_batch chunks"
+    )
     parser.add_argument("--trace", type=Path, help="write llamax's measured steps here (JSON)")
     args = parser.parse_args(argv)
     global TRACE
@@ -239,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench.log("llamax (time-budgeted steps, the default) ...")
             mark("llamax")
             systems["llamax"] = run_llamax(model, text, args.repeats, 250.0)
+        if not (args.skip_llamax or args.skip_fixed):
             bench.log("llamax with fixed n_batch chunks (max_step_ms=None) ...")
             mark("llamax_fixed_chunks")
             systems["llamax_fixed_chunks"] = run_llamax(model, text, args.repeats, None)
