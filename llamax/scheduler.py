@@ -185,10 +185,11 @@ class Scheduler:
     ) -> tuple[int, StepFeatures | None]:
         """How many of ``seq``'s pending tokens this step computes, within the time budget.
 
-        The first prompt chunk of a timed step always advances: ``MIN_CHUNK`` at least, and
-        at least its fair chunk (within ``MAX_STRETCH`` budgets), so a long prompt is not
-        slowed down much by the decode rows; later ones get only what room the prediction
-        leaves.
+        The first prompt chunk of a timed step always advances (``MIN_CHUNK`` at least).
+        Every chunk is at least its fair chunk as long as the step stays within
+        ``MAX_STRETCH`` budgets, so a long prompt is not slowed down much by the decode rows
+        and a burst of short prompts is admitted in few steps; beyond that, a chunk gets
+        only what room the prediction leaves.
         """
         if fixed is None or self._max_step_s is None:
             return limit, fixed
@@ -200,7 +201,7 @@ class Scheduler:
         take = cost.largest_chunk(
             fixed, attend, limit, self._step_budget_s, unified=unified, floor=floor
         )
-        if is_first and take < limit:
+        if take < limit:
             lone = min(self._n_batch, seq.num_pending)
             fair = cost.fair_chunk(fixed, attend, limit, lone, unified=unified)
             if fair > take:

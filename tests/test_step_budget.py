@@ -177,3 +177,34 @@ def test_the_first_steps_are_budgeted_from_the_prior(make_fake: MakeFake) -> Non
     stream.cancel()
     while ctx.has_work():
         ctx.process()
+
+
+def test_a_burst_of_short_prompts_is_admitted_within_twice_the_budget(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100 ms of decode rows, 5 ms a prompt token: each 12-token prompt is only fair as a
+    whole, so prompts join a step until 2 x max_step_ms beyond its decode rows is used
+    (~100 tokens), not just max_step_ms (~50)."""
+    ctx, backend = make_fake(n_ctx=4096, n_batch=512, n_seq_max=32)
+    model = ctx._engine.scheduler.step_cost
+    for n in (1, 2, 50, 100, 300, 512) * 10:
+        model.observe(StepFeatures(n, n * 10), 0.1 + 0.005 * n)
+    monkeypatch.setattr(model, "observe", lambda *_: None)
+    streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=60)) for _ in range(2)]
+    ctx.process()
+    ctx.process()
+    burst = [
+        ctx.add_request(f"prompt {i:02d} abc", llamax.SamplingParams(max_tokens=1))
+        for i in range(20)
+    ]
+    ctx.process()
+    prompt_tokens = sum(
+        len(item.token_ids) for item in backend.decode_log[-1] if len(item.token_ids) > 1
+    )
+    assert 75 <= prompt_tokens <= 105
+    for handle in burst:
+        assert handle.result().finish_reason == "length"
+    for handle in streams:
+        handle.cancel()
+    while ctx.has_work():
+        ctx.process()
