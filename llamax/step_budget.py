@@ -175,10 +175,10 @@ def chunk_features(num: int, attend: int, fixed: StepFeatures, *, unified: bool)
     return StepFeatures(num, _chunk_attention(num, attend, fixed.num_tokens, unified=unified))
 
 
-N = TypeVar("N", int, npt.NDArray[np.float64])
+_Num = TypeVar("_Num", int, npt.NDArray[np.float64])
 
 
-def _chunk_attention(num: N, attend: int, fixed_tokens: int, *, unified: bool) -> N:
+def _chunk_attention(num: _Num, attend: int, fixed_tokens: int, *, unified: bool) -> _Num:
     if unified:  # everybody's span grows by ``num`` cells
         return num * (attend + num) + fixed_tokens * num
     return num * (attend + num // 2)
