@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import logging
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import _common as bench
 from _peers import LlamaServerPeer, default_llama_server
@@ -49,6 +51,43 @@ N_CTX, N_SEQ_MAX = 8192, 8
 SERVER_SLOTS, SERVER_CELLS_PER_SLOT = 5, 4096
 LIMITS_MAX = {"worst_gap_s": 0.6, "ttft_over_lone": 1.35}
 HEAD = "Read the notes below carefully, then summarise the three most important ones."
+
+
+class StepTrace(logging.Handler):
+    """Every step llamax measures (``llamax.step_budget`` debug records), with phase marks:
+    tokens, attention, predicted and measured seconds, and when it was observed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.rows: list[dict[str, Any]] = []
+        logger = logging.getLogger("llamax.step_budget")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = cast(tuple[int, int, float, float], record.args)
+        tokens, attention, predicted, measured = args
+        self.rows.append(
+            {
+                "t": time.perf_counter(),
+                "tokens": tokens,
+                "attention": attention,
+                "predicted": round(predicted, 4),
+                "measured": round(measured, 4),
+            }
+        )
+
+    def mark(self, name: str) -> None:
+        self.rows.append({"t": time.perf_counter(), "mark": name})
+
+
+TRACE: StepTrace | None = None
+
+
+def mark(name: str) -> None:
+    if TRACE is not None:
+        TRACE.mark(name)
+
 
 # A driver starts a stream (prompt, max_tokens) -> (token times, stop function).
 Start = Callable[[str, int], tuple[bench.TokenTimes, Callable[[], None]]]
@@ -92,9 +131,11 @@ def under_load(start: Start, long_prompt: str) -> dict[str, Any]:
         for i in range(N_STREAMS)
     ]
     wait_for(lambda: all(len(t.times) >= WARM_TOKENS for t, _ in streams))
+    mark("long prompt submitted")
     t0 = time.perf_counter()
     long_times, _ = start(long_prompt, 1)
     t1 = long_times.wait()[0]
+    mark("long prompt's first token")
     time.sleep(AFTER_S)
     for _, stop in streams:
         stop()
@@ -127,6 +168,7 @@ def measure(
     start("Hello there!", WARM_TOKENS)[0].wait()  # warm-up
     for repeat in range(repeats):
         reset()
+        mark(f"repeat {repeat + 1}: lone prefill")
         lone.append(lone_prefill(start, long_prompt))
         reset()
         loaded.append(under_load(start, long_prompt))
@@ -181,7 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--llama-server", help="also run llama-server: a binary, or 'auto'")
     parser.add_argument("--long-tokens", type=int, default=LONG_TOKENS, help="long prompt size")
     parser.add_argument("--skip-llamax", action="store_true", help="run llama-server only")
+    parser.add_argument(
+        "--skip-fixed", action="store_true", help="skip llamax with fixed n_batch chunks"
+    )
+    parser.add_argument("--trace", type=Path, help="write llamax's measured steps here (JSON)")
     args = parser.parse_args(argv)
+    global TRACE
+    TRACE = StepTrace() if args.trace else None
     model = bench.model_path(args.model)
     binary = default_llama_server() if args.llama_server == "auto" else args.llama_server
     if args.llama_server and binary is None:
@@ -193,8 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         systems: dict[str, Any] = {}
         if not args.skip_llamax:
             bench.log("llamax (time-budgeted steps, the default) ...")
+            mark("llamax")
             systems["llamax"] = run_llamax(model, text, args.repeats, 250.0)
+        if not (args.skip_llamax or args.skip_fixed):
             bench.log("llamax with fixed n_batch chunks (max_step_ms=None) ...")
+            mark("llamax_fixed_chunks")
             systems["llamax_fixed_chunks"] = run_llamax(model, text, args.repeats, None)
         if binary:
             bench.log("llama-server ...")
@@ -218,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
         report = {"config": config, "workload": workload, "systems": systems, "ratios": ratios}
         bench.emit_report(report, stdout, args.json_out)
+    if TRACE is not None:
+        args.trace.write_text(json.dumps(TRACE.rows, indent=0) + "\n")
     return 0
 
 

@@ -41,7 +41,7 @@ from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
 from .speculative import DecodeCost, DraftState, PromptLookup
-from .step_budget import MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
+from .step_budget import MAX_STRETCH, MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
 from .tokens import common_prefix_len
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
@@ -209,7 +209,7 @@ class Scheduler:
 
     @property
     def _is_timed(self) -> bool:
-        return self._max_step_s is not None and self.step_cost.is_ready
+        return self._max_step_s is not None  # before any step is measured, the prior predicts
 
     def _decode_features(self, decode: list[Sequence]) -> StepFeatures:
         if self._is_unified:
@@ -221,17 +221,29 @@ class Scheduler:
     ) -> tuple[int, StepFeatures | None]:
         """How many of ``seq``'s pending tokens this step computes, within the time budget.
 
-        The first prompt chunk of a timed step always advances (``MIN_CHUNK`` at least);
-        later ones get only what room the prediction leaves.
+        The first prompt chunk of a timed step always advances (``MIN_CHUNK`` at least).
+        Every chunk is at least its fair chunk as long as the step stays within
+        ``MAX_STRETCH`` budgets, so a long prompt is not slowed down much by the decode rows
+        and a burst of short prompts is admitted in few steps; beyond that, a chunk gets
+        only what room the prediction leaves.
         """
         if fixed is None or self._max_step_s is None:
             return limit, fixed
         unified = self._is_unified
         attend = self.kv.num_cells_used + fixed.num_tokens if unified else seq.num_computed
-        floor = MIN_CHUNK if fixed.num_tokens == num_decode else 0
-        take = self.step_cost.largest_chunk(
+        cost = self.step_cost
+        is_first = fixed.num_tokens == num_decode
+        floor = MIN_CHUNK if is_first else 0
+        take = cost.largest_chunk(
             fixed, attend, limit, self._step_budget_s, unified=unified, floor=floor
         )
+        if take < limit:
+            lone = min(self._n_batch, seq.num_pending)
+            fair = cost.fair_chunk(fixed, attend, limit, lone, unified=unified)
+            if fair > take:
+                stretched = self._step_budget_s + (MAX_STRETCH - 1) * self._max_step_s
+                cap = cost.largest_chunk(fixed, attend, fair, stretched, unified=unified, floor=0)
+                take = max(take, cap)
         return take, fixed + chunk_features(take, attend, fixed, unified=unified)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
