@@ -40,7 +40,7 @@ from .prefix import PrefixCache
 from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
-from .speculative import DecodeCost, DraftState, PromptLookup
+from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance
 from .step_budget import MAX_STRETCH, MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
 from .tokens import common_prefix_len
 
@@ -94,6 +94,7 @@ class Scheduler:
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
         self.decode_cost = DecodeCost()
+        self._acceptance = SharedAcceptance()
         self.price_drafts = True
         """Keep only drafts whose expected gain pays for their compute (tests turn it off
         to make every proposal be verified)."""
@@ -136,7 +137,7 @@ class Scheduler:
         method = self._speculation(request)
         for seq in request.sequences:
             if method is not None:
-                seq.draft_state = method.new_state()
+                seq.draft_state = method.new_state(self._acceptance)
             bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
 
     def _speculation(self, request: Request) -> PromptLookup | None:

@@ -38,6 +38,7 @@ __all__ = [
     "Drafter",
     "PromptLookup",
     "PromptLookupDrafter",
+    "SharedAcceptance",
     "Speculative",
 ]
 
@@ -76,9 +77,10 @@ class PromptLookup:
                 f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}"
             )
 
-    def new_state(self) -> DraftState:
-        """Per-sequence state: an incremental n-gram index and an acceptance record."""
-        return DraftState(PromptLookupDrafter(self))
+    def new_state(self, shared: SharedAcceptance | None = None) -> DraftState:
+        """Per-sequence state: an incremental n-gram index and an acceptance record that
+        starts from (and feeds) ``shared``, the context's record."""
+        return DraftState(PromptLookupDrafter(self), shared)
 
 
 Speculative: TypeAlias = PromptLookup
@@ -130,14 +132,41 @@ class PromptLookupDrafter:
         return ()
 
 
+class SharedAcceptance:
+    """A context's acceptance record over every sequence, by regime: what a new sequence
+    expects before it has a record of its own. Decays slowly (0.98 per observation), so it
+    follows the context's workload (copy-heavy or free text)."""
+
+    __slots__ = ("successes", "trials")
+
+    def __init__(self) -> None:
+        # [not copying, copying]: a prior acceptance rate of 0.3 and 0.8
+        self.successes, self.trials = [1.5, 4.0], [5.0, 5.0]
+
+    def rate(self, hot: bool) -> float:
+        """The context's acceptance rate in one regime."""
+        return self.successes[hot] / self.trials[hot]
+
+    def learn(self, hot: bool, successes: int, trials: int) -> None:
+        """Add one observation of a sequence in regime ``hot``."""
+        self.successes[hot] = 0.98 * self.successes[hot] + successes
+        self.trials[hot] = 0.98 * self.trials[hot] + trials
+
+
+_PSEUDO_TRIALS = 3.0
+"""How many trials the context's rate counts for in a sequence's own estimate."""
+
+
 class DraftState:
     """One sequence's drafter and its acceptance record.
 
     ``acceptance`` estimates the probability that a draft token is accepted given the ones
     before it (a geometric model), from decayed counts of verified drafts. Copying comes in
     runs, so the counts are kept apart for two regimes: after a draft that was accepted
-    whole ("hot": the output is copying) and otherwise ("cold"). The scheduler prices each
-    draft token with the current regime's rate (see :meth:`expected_gain`) against the
+    whole ("hot": the output is copying) and otherwise ("cold"). A sequence's own counts
+    are blended with the context's (:class:`SharedAcceptance`, worth three trials), so a
+    new sequence starts from what the context's workload has shown. The scheduler prices
+    each draft token with the current regime's rate (see :meth:`expected_gain`) against the
     compute the token adds to the step, so the draft length adapts per sequence and per
     step, and a sequence whose drafts do not pay stops drafting. While it does not draft,
     the drafter's first proposed token is still checked against the token that actually
@@ -147,6 +176,7 @@ class DraftState:
     __slots__ = (
         "_hot",
         "_shadow",
+        "_shared",
         "_successes",
         "_trials",
         "drafter",
@@ -154,10 +184,10 @@ class DraftState:
         "num_drafted",
     )
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, shared: SharedAcceptance | None = None) -> None:
         self.drafter = drafter
-        # [cold, hot] priors: acceptance 0.3 and 0.9
-        self._successes, self._trials = [1.5, 4.5], [5.0, 5.0]
+        self._shared = shared if shared is not None else SharedAcceptance()
+        self._successes, self._trials = [0.0, 0.0], [0.0, 0.0]  # [cold, hot], own
         self._hot = False
         self._shadow: tuple[int, int] | None = None  # (position, first proposed token)
         self.num_drafted = 0
@@ -166,7 +196,9 @@ class DraftState:
     @property
     def acceptance(self) -> float:
         """Estimated probability that a draft token is accepted, given the ones before it."""
-        return self._successes[self._hot] / self._trials[self._hot]
+        hot = self._hot
+        prior = self._shared.rate(hot) * _PSEUDO_TRIALS
+        return (self._successes[hot] + prior) / (self._trials[hot] + _PSEUDO_TRIALS)
 
     def propose(self, token_ids: Sequence[int], limit: int) -> tuple[int, ...]:
         """A draft of at most ``limit`` tokens (``()`` when nothing matches)."""
@@ -198,6 +230,7 @@ class DraftState:
         regime = self._hot
         self._successes[regime] = 0.85 * self._successes[regime] + successes
         self._trials[regime] = 0.85 * self._trials[regime] + trials
+        self._shared.learn(regime, successes, trials)
         self._hot = hot
 
 

@@ -19,7 +19,13 @@ import pytest
 import llamax
 from llamax.backend import BatchItem, DecodeStatus
 from llamax.scheduler import Scheduler
-from llamax.speculative import DecodeCost, DraftState, PromptLookup, PromptLookupDrafter
+from llamax.speculative import (
+    DecodeCost,
+    DraftState,
+    PromptLookup,
+    PromptLookupDrafter,
+    SharedAcceptance,
+)
 from llamax.testing import FakeBackend, alphabet_model, assert_idle
 
 
@@ -373,6 +379,23 @@ def test_draft_state_learns_from_unverified_proposals() -> None:
         state.record(4, 4)
     assert state.acceptance > 0.9
     assert state.expected_gain(2) == pytest.approx(state.acceptance**2)
+
+
+def test_a_new_sequence_starts_from_the_contexts_record() -> None:
+    shared = SharedAcceptance()
+    fresh = PromptLookup().new_state(shared).acceptance
+    for _ in range(30):  # earlier sequences' drafts kept failing
+        state = PromptLookup().new_state(shared)
+        state.record(4, 0)
+    assert PromptLookup().new_state(shared).acceptance < fresh / 2
+    copying = SharedAcceptance()
+    for _ in range(30):
+        state = PromptLookup().new_state(copying)
+        state.record(4, 4)
+        state.record(4, 4)
+    newcomer = PromptLookup().new_state(copying)
+    newcomer.record(2, 2)  # now "copying": the context says that goes on
+    assert newcomer.acceptance > 0.9
 
 
 class _FixedCost:
