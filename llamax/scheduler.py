@@ -40,7 +40,7 @@ from .prefix import PrefixCache
 from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
-from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance
+from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance, window
 from .step_budget import MAX_STRETCH, MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
 from .tokens import common_prefix_len
 
@@ -411,14 +411,13 @@ class Scheduler:
         certain; a step with prompt chunks is compute-bound and gets no drafts. The step
         also stays within ``max_step_ms`` of its predicted time without drafts.
         """
-        model = self.decode_cost
         num_tokens = sum(num for _, num in slots)
         if num_tokens > len(slots):  # prompt chunks make the step compute-bound: no drafts
             return {}
-        seconds = model.predict(num_tokens)
+        base, cost = self.decode_cost.line(window(num_tokens))
+        seconds = base + cost * num_tokens
         limit_s = seconds + self._max_step_s if self._max_step_s is not None else float("inf")
         useful = float(num_tokens)
-        cost = model.per_token
         heap = [(-state.expected_gain(1) / cost, i, 1) for i, (_, state, _) in enumerate(proposals)]
         heapq.heapify(heap)
         keep: dict[Sequence, int] = {}

@@ -234,16 +234,23 @@ class DraftState:
         self._hot = hot
 
 
+def window(num_tokens: int) -> int:
+    """The step sizes a line for pricing drafts on a step of ``num_tokens`` is fitted to."""
+    return num_tokens + max(num_tokens, 10)
+
+
 class DecodeCost:
-    """What a step of ``n`` decode and draft tokens costs: ``base + per_token * n`` seconds.
+    """What a step of ``n`` decode and draft tokens costs: ``base + per_token * n``
+    seconds.
 
     Draft tokens are priced with it: what one more token adds to a step of decode rows.
     It keeps a moving average of the measured time for each token count seen in steps
     without prompt chunks, and fits the line through them (weighted by how often each
-    count was seen). Until two counts were seen the line keeps the prior's shape (6 ms +
-    8 ms a token, measured on a 2-thread CPU with a 135M model) scaled to the one that
-    was. Averages per count, unlike a recursive fit, cannot wind up during long runs of
-    equal steps (N streams decoding) and then jump.
+    count was seen), locally: only the counts up to the size being priced. Until two
+    such counts were seen the line keeps the prior's shape (6 ms + 8 ms a token,
+    measured on a 2-thread CPU with a 135M model) scaled to the one that was. Averages
+    per count, unlike a recursive fit, cannot wind up during long runs of equal steps (N
+    streams decoding) and then jump.
     """
 
     PRIOR = (0.006, 0.008)
@@ -252,21 +259,20 @@ class DecodeCost:
         self._smoothing = smoothing
         self._mean: dict[int, float] = {}
         self._count: dict[int, int] = {}
-        self._fit = self.PRIOR
 
-    @property
-    def base(self) -> float:
-        """Seconds a step costs beyond its tokens (at least 0)."""
-        return self._fit[0]
+    def line(self, up_to: int) -> tuple[float, float]:
+        """``(base, per_token)`` seconds, fitted to the steps of at most ``up_to`` tokens.
 
-    @property
-    def per_token(self) -> float:
-        """Seconds one more token adds to a small step (kept above 0.1 ms)."""
-        return self._fit[1]
+        Local, because the cost is not linear over all sizes: a step of 64 decode rows in a
+        unified cache attends over thousands of cells, and a line through it would price a
+        one-sequence step as if it had no base cost at all.
+        """
+        return self._line(up_to)
 
     def predict(self, num_tokens: int) -> float:
         """Predicted seconds of a step of ``num_tokens`` decode and draft tokens."""
-        return self.base + self.per_token * num_tokens
+        base, per_token = self._line(window(num_tokens))
+        return base + per_token * num_tokens
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Update the averages and the line with one measured step."""
@@ -275,17 +281,22 @@ class DecodeCost:
             seconds if mean is None else mean + self._smoothing * (seconds - mean)
         )
         self._count[num_tokens] = self._count.get(num_tokens, 0) + 1
-        self._fit = self._line()
 
-    def _line(self) -> tuple[float, float]:
+    def _line(self, up_to: int) -> tuple[float, float]:
         prior_base, prior_slope = self.PRIOR
-        if len(self._mean) == 1:
-            ((n, seconds),) = self._mean.items()
-            scale = seconds / (prior_base + prior_slope * n)
+        seen = [n for n in self._mean if n <= up_to]
+        if not seen and self._mean:
+            seen = [min(self._mean)]
+        if len(seen) <= 1:
+            if not seen:
+                return self.PRIOR
+            n = seen[0]
+            scale = self._mean[n] / (prior_base + prior_slope * n)
             return prior_base * scale, prior_slope * scale
-        ns = np.array(list(self._mean), dtype=np.float64)
-        ts = np.array(list(self._mean.values()))
-        w = np.sqrt(np.minimum(np.array(list(self._count.values()), dtype=np.float64), 50.0))
+        ns = np.array(seen, dtype=np.float64)
+        ts = np.array([self._mean[n] for n in seen])
+        counts = np.array([self._count[n] for n in seen], dtype=np.float64)
+        w = np.sqrt(np.minimum(counts, 50.0))
         design = np.stack([np.ones_like(ns), ns], axis=1) * w[:, None]
         (base, slope), *_ = np.linalg.lstsq(design, ts * w, rcond=None)
         slope = max(float(slope), 1e-4)

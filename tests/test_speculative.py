@@ -25,6 +25,7 @@ from llamax.speculative import (
     PromptLookup,
     PromptLookupDrafter,
     SharedAcceptance,
+    window,
 )
 from llamax.testing import FakeBackend, alphabet_model, assert_idle
 
@@ -404,8 +405,8 @@ class _FixedCost:
     def __init__(self, base: float, per_token: float) -> None:
         self.base, self.per_token = base, per_token
 
-    def predict(self, num_tokens: int) -> float:
-        return self.base + self.per_token * num_tokens
+    def line(self, up_to: int) -> tuple[float, float]:
+        return self.base, self.per_token
 
 
 def _price(num_decoding: int, acceptance_hits: int) -> dict[int, int]:
@@ -464,12 +465,14 @@ def test_decode_cost_learns_base_and_per_token_cost() -> None:
     for _ in range(5):
         cost.observe(1, 0.028)  # one count seen: the prior's shape, scaled
     assert cost.predict(1) == pytest.approx(0.028)
-    assert cost.base / cost.per_token == pytest.approx(DecodeCost.PRIOR[0] / DecodeCost.PRIOR[1])
+    base, per_token = cost.line(10)
+    assert base / per_token == pytest.approx(DecodeCost.PRIOR[0] / DecodeCost.PRIOR[1])
     for _ in range(200):
         for n in (1, 3, 9):
             cost.observe(n, 0.006 + 0.002 * n)
-    assert cost.base == pytest.approx(0.006, rel=0.05)
-    assert cost.per_token == pytest.approx(0.002, rel=0.05)
+    base, per_token = cost.line(10)
+    assert base == pytest.approx(0.006, rel=0.05)
+    assert per_token == pytest.approx(0.002, rel=0.05)
 
 
 def test_decode_cost_does_not_wind_up_on_equal_steps() -> None:
@@ -481,8 +484,23 @@ def test_decode_cost_does_not_wind_up_on_equal_steps() -> None:
         cost.observe(4, 0.05)
     for _ in range(50):
         cost.observe(1, 0.02)
-    assert 0.002 < cost.base < 0.02
-    assert 0.005 < cost.per_token < 0.02
+    base, per_token = cost.line(20)
+    assert 0.002 < base < 0.02
+    assert 0.005 < per_token < 0.02
+
+
+def test_big_steps_do_not_price_one_sequence_drafts_out() -> None:
+    """Regression: after 64-stream steps (super-linear: unified attention over thousands of
+    cells), a line through every size had no base cost, so a lone sequence never drafted
+    again. The line is fitted locally, to the sizes being priced."""
+    cost = DecodeCost()
+    for _ in range(20):
+        for n in (1, 2, 5, 9):
+            cost.observe(n, 0.013 + 0.017 * n)
+        cost.observe(16, 0.1)
+        cost.observe(64, 0.52)
+    base, per_token = cost.line(window(1))
+    assert base == pytest.approx(0.013, rel=0.1) and per_token == pytest.approx(0.017, rel=0.1)
 
 
 def test_decode_rows_are_checked_by_the_fake() -> None:
