@@ -63,38 +63,21 @@ def sample_plan(
     if batch_processor is not None and entries:
         _run_batch_hook(backend, entries, batch_processor, out)
     for entry in entries:
-        seq, row, forks = entry.seq, entry.item.row, entry.forks
+        seq, row = entry.seq, entry.item.row
         request = seq.request
         if request.request_id in out.failed:
             continue
         assert row is not None
-        params = request.params
-        logits = (
-            backend.logits(row) if params.logits_processors or params.logprobs is not None else None
-        )
-        if params.logits_processors:
-            assert logits is not None
-            error = _run_processors(params.logits_processors, seq.token_ids, logits)
-            if error is not None:
-                out.failed[request.request_id] = (request, error)
-                continue
-        log_z = (
-            _log_partition(logits) if params.logprobs is not None and logits is not None else 0.0
-        )
-        for s in (seq, *forks):
-            try:
-                token = _sample(backend, s, row)
-            except RequestFailedError as error:
-                out.failed[request.request_id] = (request, error)
-                break
-            except Exception as exc:  # a sampler llama.cpp could not build or run
-                failure = RequestFailedError(f"the native sampler failed: {exc!r}")
-                failure.__cause__ = exc
-                out.failed[request.request_id] = (request, failure)
-                break
+        choices = (seq, *entry.forks)
+        try:
+            picks = _sample_row(backend, choices, row)
+        except RequestFailedError as error:
+            out.failed[request.request_id] = (request, error)
+            continue
+        for s, (token, logprob) in zip(choices, picks, strict=True):
             out.tokens[s] = token
-            if params.logprobs is not None and logits is not None:
-                out.logprobs[s] = _token_logprob(backend, logits, log_z, token, params.logprobs)
+            if logprob is not None:
+                out.logprobs[s] = logprob
     return out
 
 
@@ -105,24 +88,40 @@ def sample_row(backend: Backend, seq: Seq, row: int) -> tuple[int, TokenLogprob 
     Raises:
         RequestFailedError: a logits processor or the native sampler failed.
     """
-    params = seq.request.params
+    return _sample_row(backend, (seq,), row)[0]
+
+
+def _sample_row(
+    backend: Backend, seqs: Sequence[Seq], row: int
+) -> list[tuple[int, TokenLogprob | None]]:
+    """Run the request's processors on ``row`` once (with the first sequence's history),
+    then sample it for each of ``seqs`` (a sequence and the forks sharing its row).
+
+    Raises:
+        RequestFailedError: a logits processor or a native sampler failed.
+    """
+    params = seqs[0].request.params
     wants_logprobs = params.logprobs is not None
     logits = backend.logits(row) if params.logits_processors or wants_logprobs else None
     if params.logits_processors:
         assert logits is not None
-        error = _run_processors(params.logits_processors, seq.token_ids, logits)
+        error = _run_processors(params.logits_processors, seqs[0].token_ids, logits)
         if error is not None:
             raise error
-    try:
-        token = _sample(backend, seq, row)
-    except RequestFailedError:
-        raise
-    except Exception as exc:  # a sampler llama.cpp could not build or run
-        raise RequestFailedError(f"the native sampler failed: {exc!r}") from exc
-    if not wants_logprobs or logits is None:
-        return token, None
-    assert params.logprobs is not None
-    return token, _token_logprob(backend, logits, _log_partition(logits), token, params.logprobs)
+    log_z = _log_partition(logits) if wants_logprobs and logits is not None else 0.0
+    picks: list[tuple[int, TokenLogprob | None]] = []
+    for seq in seqs:
+        try:
+            token = _sample(backend, seq, row)
+        except RequestFailedError:
+            raise
+        except Exception as exc:  # a sampler llama.cpp could not build or run
+            raise RequestFailedError(f"the native sampler failed: {exc!r}") from exc
+        logprob = None
+        if params.logprobs is not None and logits is not None:
+            logprob = _token_logprob(backend, logits, log_z, token, params.logprobs)
+        picks.append((token, logprob))
+    return picks
 
 
 def _sample(backend: Backend, seq: Seq, row: int) -> int:

@@ -260,6 +260,14 @@ class DecodeCost:
         self._mean: dict[int, float] = {}
         self._count: dict[int, int] = {}
 
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Update the moving average of steps of ``num_tokens`` tokens."""
+        mean = self._mean.get(num_tokens)
+        self._mean[num_tokens] = (
+            seconds if mean is None else mean + self._smoothing * (seconds - mean)
+        )
+        self._count[num_tokens] = self._count.get(num_tokens, 0) + 1
+
     def line(self, up_to: int) -> tuple[float, float]:
         """``(base, per_token)`` seconds, fitted to the steps of at most ``up_to`` tokens.
 
@@ -267,22 +275,6 @@ class DecodeCost:
         unified cache attends over thousands of cells, and a line through it would price a
         one-sequence step as if it had no base cost at all.
         """
-        return self._line(up_to)
-
-    def predict(self, num_tokens: int) -> float:
-        """Predicted seconds of a step of ``num_tokens`` decode and draft tokens."""
-        base, per_token = self._line(window(num_tokens))
-        return base + per_token * num_tokens
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """Update the averages and the line with one measured step."""
-        mean = self._mean.get(num_tokens)
-        self._mean[num_tokens] = (
-            seconds if mean is None else mean + self._smoothing * (seconds - mean)
-        )
-        self._count[num_tokens] = self._count.get(num_tokens, 0) + 1
-
-    def _line(self, up_to: int) -> tuple[float, float]:
         prior_base, prior_slope = self.PRIOR
         seen = [n for n in self._mean if n <= up_to]
         if not seen and self._mean:

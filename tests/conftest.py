@@ -25,19 +25,22 @@ def make_fake(kv_layout: str) -> Iterator[Callable[..., tuple[llamax.Context, Fa
 
     With ``kv_layout == "streams"`` every sequence gets a stream of the ``n_ctx`` cells the
     test asked for (the fake's total is ``n_ctx * n_seq_max``), so a test's prompts fit in
-    either layout.
+    either layout. ``speculative`` is the context's default (see docs/speculative.md).
     """
     made: list[llamax.Context] = []
 
     def make(
-        *, autostart: bool = False, **backend_options: Any
+        *,
+        autostart: bool = False,
+        speculative: llamax.PromptLookup | None = None,
+        **backend_options: Any,
     ) -> tuple[llamax.Context, FakeBackend]:
         if kv_layout == "streams" and "kv_layout" not in backend_options:
             n_seq_max = backend_options.get("n_seq_max", 4)
             backend_options["n_ctx"] = backend_options.get("n_ctx", 256) * n_seq_max
             backend_options["kv_layout"] = "streams"
         backend = FakeBackend(**backend_options)
-        ctx = llamax.Context(backend=backend, autostart=autostart)
+        ctx = llamax.Context(backend=backend, autostart=autostart, speculative=speculative)
         made.append(ctx)
         return ctx, backend
 

@@ -24,6 +24,16 @@ def true_cost(f: StepFeatures) -> float:
     return 0.006 + 0.002 * f.num_tokens + 4e-8 * f.attention
 
 
+def fitted(seed: int) -> StepCostModel:
+    """A model that observed 200 random steps priced exactly by ``true_cost``."""
+    model = StepCostModel()
+    rng = random.Random(seed)
+    for _ in range(200):
+        f = StepFeatures(rng.randint(1, 512), rng.randint(0, 3_000_000))
+        model.observe(f, true_cost(f))
+    return model
+
+
 def test_the_model_learns_a_linear_cost_from_noisy_steps() -> None:
     model = StepCostModel()
     rng = random.Random(0)
@@ -50,11 +60,7 @@ def test_it_follows_a_machine_that_slows_down() -> None:
 
 @pytest.mark.parametrize("unified", [True, False])
 def test_largest_chunk_fits_the_budget_and_never_starves(unified: bool) -> None:
-    model = StepCostModel()
-    rng = random.Random(1)
-    for _ in range(200):
-        f = StepFeatures(rng.randint(1, 512), rng.randint(0, 3_000_000))
-        model.observe(f, true_cost(f))
+    model = fitted(seed=1)
     decode = StepFeatures(4, 4 * 3000)
     for attend, budget in ((100, 0.25), (3000, 0.25), (3000, 0.1)):
         k = model.largest_chunk(decode, attend, 512, budget, unified=unified)
@@ -108,11 +114,7 @@ def test_many_alike_decode_steps_do_not_wind_the_fit_up() -> None:
 
 @pytest.mark.parametrize("unified", [True, False])
 def test_the_fair_chunk_keeps_a_long_prompt_near_its_lone_speed(unified: bool) -> None:
-    model = StepCostModel()
-    rng = random.Random(3)
-    for _ in range(200):
-        f = StepFeatures(rng.randint(1, 512), rng.randint(0, 3_000_000))
-        model.observe(f, true_cost(f))
+    model = fitted(seed=3)
     decode = StepFeatures(16, 16 * 3000)
     empty = StepFeatures()
     for attend in (100, 3000):
