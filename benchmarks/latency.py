@@ -55,7 +55,8 @@ HEAD = "Read the notes below carefully, then summarise the three most important 
 
 class StepTrace(logging.Handler):
     """Every step llamax measures (``llamax.step_budget`` debug records), with phase marks:
-    tokens, attention, predicted and measured seconds, and when it was observed."""
+    tokens, attention (all, and row by row), predicted and measured seconds, and when it was
+    observed."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -65,13 +66,14 @@ class StepTrace(logging.Handler):
         logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        args = cast(tuple[int, int, float, float], record.args)
-        tokens, attention, predicted, measured = args
+        args = cast(tuple[int, int, int, float, float], record.args)
+        tokens, attention, row_attention, predicted, measured = args
         self.rows.append(
             {
                 "t": time.perf_counter(),
                 "tokens": tokens,
                 "attention": attention,
+                "row_attention": row_attention,
                 "predicted": round(predicted, 4),
                 "measured": round(measured, 4),
             }

@@ -41,7 +41,14 @@ from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
 from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance, window
-from .step_budget import MAX_STRETCH, MIN_CHUNK, StepCostModel, StepFeatures, chunk_features
+from .step_budget import (
+    MAX_STRETCH,
+    MIN_CHUNK,
+    StepCostModel,
+    StepFeatures,
+    micro_batch,
+    step_with_chunk,
+)
 from .tokens import common_prefix_len
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
@@ -201,12 +208,15 @@ class Scheduler:
         """What ``plan`` costs, in the terms of :class:`~llamax.step_budget.StepCostModel`."""
         if self._is_unified:
             num = plan.num_tokens
-            return StepFeatures(num, num * (self.kv.num_cells_used + num))
-        attention = sum(
-            len(e.item.token_ids) * (e.item.start_pos + len(e.item.token_ids) // 2)
-            for e in plan.entries
+            return micro_batch(num, num * (self.kv.num_cells_used + num))
+        return sum(
+            (
+                micro_batch(n, n * (e.item.start_pos + n // 2))
+                for e in plan.entries
+                for n in (len(e.item.token_ids),)
+            ),
+            StepFeatures(),
         )
-        return StepFeatures(plan.num_tokens, attention)
 
     @property
     def _is_timed(self) -> bool:
@@ -214,8 +224,8 @@ class Scheduler:
 
     def _decode_features(self, decode: list[Sequence]) -> StepFeatures:
         if self._is_unified:
-            return StepFeatures(len(decode), len(decode) * (self.kv.num_cells_used + len(decode)))
-        return StepFeatures(len(decode), sum(seq.num_computed + 1 for seq in decode))
+            return micro_batch(len(decode), len(decode) * (self.kv.num_cells_used + len(decode)))
+        return sum((micro_batch(1, seq.num_computed + 1) for seq in decode), StepFeatures())
 
     def _chunk(
         self, seq: Sequence, limit: int, fixed: StepFeatures | None, num_decode: int
@@ -245,7 +255,7 @@ class Scheduler:
                 stretched = self._step_budget_s + (MAX_STRETCH - 1) * self._max_step_s
                 cap = cost.largest_chunk(fixed, attend, fair, stretched, unified=unified, floor=0)
                 take = max(take, cap)
-        return take, fixed + chunk_features(take, attend, fixed, unified=unified)
+        return take, step_with_chunk(fixed, take, attend, unified=unified)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else

@@ -1,7 +1,14 @@
 """Time-budgeted steps: size prefill chunks so running streams keep their pace.
 
-A step's wall time is roughly ``c0 + c1·tokens + c2·attention``, where ``attention`` sums,
-over the batch's tokens, the KV cells each one attends to. :class:`StepCostModel` learns
+A step's wall time is roughly ``c0 + c1·tokens + c2·attention + c3·row_attention``, where
+``attention`` sums, over the batch's tokens, the KV cells each one attends to, and
+``row_attention`` is the part of it in micro-batches of fewer than :data:`TILE_ROWS` query
+rows. ggml's CPU flash attention computes such a micro-batch one query row at a time and a
+larger one in tiles; over a long context a row costs several times more the first way
+(measured with SmolLM2 at 3,400 cells: 60 prompt tokens plus 4 decode rows, 64 rows, took
+0.48 s; 55 plus 4 took 0.8 s). So the cost of a chunk is not monotonic in its size, and the
+chunk search below tries every size rather than bisecting. On backends without the cliff
+``c3`` is learned as about zero. :class:`StepCostModel` learns
 the three coefficients online from measured steps (recursive least squares with a
 forgetting factor, so it follows a machine whose load changes). While sequences are
 decoding, the scheduler gives prompts the largest chunks that add at most ``max_step_ms``
@@ -34,7 +41,16 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FAIR_SLOWDOWN", "MAX_STRETCH", "MIN_CHUNK", "StepCostModel", "StepFeatures"]
+__all__ = [
+    "FAIR_SLOWDOWN",
+    "MAX_STRETCH",
+    "MIN_CHUNK",
+    "TILE_ROWS",
+    "StepCostModel",
+    "StepFeatures",
+    "micro_batch",
+    "step_with_chunk",
+]
 
 MIN_CHUNK = 32
 """Fewest prompt tokens a prefilling sequence gets in a step that has decode rows."""
@@ -44,8 +60,13 @@ MAX_STRETCH = 2.0
 """The fair chunk may stretch a step to at most this many ``max_step_ms`` beyond its decode
 rows."""
 
-_SCALE = np.array([1.0, 1e-2, 1e-5])  # keeps the least-squares problem well conditioned
-_PRIOR = np.array([0.004, 0.003, 5e-8]) / _SCALE  # 2-thread CPU: 4 ms + 3 ms/token + ...
+TILE_ROWS = 64
+"""Query rows from which ggml's CPU flash attention uses its tiled kernel
+(``GGML_FA_TILE_Q``); a micro-batch of fewer rows is computed row by row."""
+
+_SCALE = np.array([1.0, 1e-2, 1e-5, 1e-5])  # keeps the least-squares problem well conditioned
+# 2-thread CPU, SmolLM2: 4 ms + 3 ms/token + 1 µs/attended cell, +2 µs when row by row
+_PRIOR = np.array([0.004, 0.003, 1e-6, 2e-6]) / _SCALE
 _MIN_OBSERVATIONS = 4
 _MAX_VARIANCE = 1.0  # bound on the covariance's eigenvalues: the prior's
 _log = logging.getLogger("llamax.step_budget")
@@ -59,13 +80,20 @@ class StepFeatures:
     """Tokens in the batch."""
     attention: int = 0
     """Sum over the batch's tokens of the KV cells each attends to."""
+    row_attention: int = 0
+    """The part of ``attention`` in micro-batches of fewer than :data:`TILE_ROWS` rows."""
 
     def __add__(self, other: StepFeatures) -> StepFeatures:
-        return StepFeatures(self.num_tokens + other.num_tokens, self.attention + other.attention)
+        return StepFeatures(
+            self.num_tokens + other.num_tokens,
+            self.attention + other.attention,
+            self.row_attention + other.row_attention,
+        )
 
     def vector(self) -> npt.NDArray[np.float64]:
-        """``[1, tokens, attention]``, scaled."""
-        vector: npt.NDArray[np.float64] = np.array([1.0, self.num_tokens, self.attention]) * _SCALE
+        """``[1, tokens, attention, row_attention]``, scaled."""
+        values = [1.0, self.num_tokens, self.attention, self.row_attention]
+        vector: npt.NDArray[np.float64] = np.array(values) * _SCALE
         return vector
 
 
@@ -74,7 +102,7 @@ class StepCostModel:
 
     def __init__(self, *, forgetting: float = 0.95) -> None:
         self._theta = _PRIOR.copy()
-        self._p = np.eye(3)  # prior uncertainty, in scaled units
+        self._p = np.eye(len(_PRIOR))  # prior uncertainty, in scaled units
         self._forgetting = forgetting
         self.num_observations = 0
 
@@ -91,9 +119,10 @@ class StepCostModel:
         """
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug(
-                "step tokens=%d attention=%d predicted=%.4f measured=%.4f",
+                "step tokens=%d attention=%d row_attention=%d predicted=%.4f measured=%.4f",
                 features.num_tokens,
                 features.attention,
+                features.row_attention,
                 self.predict(features),
                 seconds,
             )
@@ -130,16 +159,13 @@ class StepCostModel:
         In a unified cache every token attends to the whole used span, so ``attend`` is
         that span (cells used plus the tokens already in the step) and it grows with the
         chunk for everybody; with streams the chunk's tokens attend to their own context.
+        Every size is tried: crossing :data:`TILE_ROWS` can make a larger chunk cheaper.
         """
-        lo, hi = min(limit, floor), limit
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            step = fixed + chunk_features(mid, attend, fixed, unified=unified)
-            if self.predict(step) <= budget_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        if limit <= 0:
+            return 0
+        k, step = self._chunk_costs(fixed, attend, limit, unified=unified)
+        fits = np.flatnonzero(step <= budget_s)
+        return max(int(k[fits[-1]]) if fits.size else 0, min(limit, floor))
 
     def fair_chunk(
         self,
@@ -157,28 +183,45 @@ class StepCostModel:
         (``limit`` when no chunk is that efficient)."""
         if limit <= 0:
             return 0
-        theta = np.maximum(self._theta, 0.0)
-        alone = chunk_features(lone_tokens, attend, StepFeatures(), unified=unified)
-        per_token = float(alone.vector() @ theta) / max(lone_tokens, 1)
-        k = np.arange(1, limit + 1, dtype=np.float64)
-        attention = _chunk_attention(k, attend, fixed.num_tokens, unified=unified)
-        features = np.stack(
-            [np.ones_like(k), fixed.num_tokens + k, fixed.attention + attention], axis=1
-        )
-        step = (features * _SCALE) @ theta
+        alone = step_with_chunk(StepFeatures(), lone_tokens, attend, unified=unified)
+        per_token = self.predict(alone) / max(lone_tokens, 1)
+        k, step = self._chunk_costs(fixed, attend, limit, unified=unified)
         fits = np.flatnonzero(step <= slowdown * per_token * k)
-        return int(fits[0]) + 1 if fits.size else limit
+        return int(k[fits[0]]) if fits.size else limit
+
+    def _chunk_costs(
+        self, fixed: StepFeatures, attend: int, limit: int, *, unified: bool
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Chunk sizes 1..``limit`` and the predicted seconds of the step with each."""
+        k = np.arange(1, limit + 1, dtype=np.float64)
+        tokens, attention, rows = _with_chunk(fixed, k, attend, unified=unified)
+        features = np.stack([np.ones_like(k), tokens, attention, rows], axis=1)
+        step: npt.NDArray[np.float64] = (features * _SCALE) @ np.maximum(self._theta, 0.0)
+        return k, step
 
 
-def chunk_features(num: int, attend: int, fixed: StepFeatures, *, unified: bool) -> StepFeatures:
-    """Features ``num`` prompt tokens at context position ``attend`` add to a step."""
-    return StepFeatures(num, _chunk_attention(num, attend, fixed.num_tokens, unified=unified))
+def step_with_chunk(fixed: StepFeatures, num: int, attend: int, *, unified: bool) -> StepFeatures:
+    """A step holding ``fixed``, plus ``num`` prompt tokens at context position ``attend``."""
+    tokens, attention, rows = _with_chunk(fixed, num, attend, unified=unified)
+    return StepFeatures(int(tokens), int(attention), int(rows))
+
+
+def micro_batch(num_tokens: int, attention: int) -> StepFeatures:
+    """Features of one micro-batch: a unified cache's whole step, or one sequence's rows in
+    a streams cache (each stream's rows are attended to apart)."""
+    return StepFeatures(num_tokens, attention, attention if num_tokens < TILE_ROWS else 0)
 
 
 _Num = TypeVar("_Num", int, npt.NDArray[np.float64])
 
 
-def _chunk_attention(num: _Num, attend: int, fixed_tokens: int, *, unified: bool) -> _Num:
-    if unified:  # everybody's span grows by ``num`` cells
-        return num * (attend + num) + fixed_tokens * num
-    return num * (attend + num // 2)
+def _with_chunk(
+    fixed: StepFeatures, num: _Num, attend: int, *, unified: bool
+) -> tuple[_Num, _Num, _Num]:
+    """(tokens, attention, row_attention) of ``fixed`` plus a ``num``-token chunk."""
+    tokens = num + fixed.num_tokens
+    if unified:  # everybody's span grows by ``num`` cells, and the rows share micro-batches
+        attention = num * (attend + num) + fixed.num_tokens * num + fixed.attention
+        return tokens, attention, attention * (tokens < TILE_ROWS)
+    own = num * (attend + num // 2)
+    return tokens, own + fixed.attention, own * (num < TILE_ROWS) + fixed.row_attention

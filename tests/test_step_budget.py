@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 
@@ -11,9 +12,11 @@ import llamax
 from llamax.step_budget import (
     FAIR_SLOWDOWN,
     MIN_CHUNK,
+    TILE_ROWS,
     StepCostModel,
     StepFeatures,
-    chunk_features,
+    micro_batch,
+    step_with_chunk,
 )
 from llamax.testing import FakeBackend
 
@@ -24,13 +27,17 @@ def true_cost(f: StepFeatures) -> float:
     return 0.006 + 0.002 * f.num_tokens + 4e-8 * f.attention
 
 
-def fitted(seed: int) -> StepCostModel:
-    """A model that observed 200 random steps priced exactly by ``true_cost``."""
+def random_step(rng: random.Random) -> StepFeatures:
+    return micro_batch(rng.randint(1, 512), rng.randint(0, 3_000_000))
+
+
+def fitted(seed: int, cost: Callable[[StepFeatures], float] = true_cost) -> StepCostModel:
+    """A model that observed 200 random steps priced exactly by ``cost``."""
     model = StepCostModel()
     rng = random.Random(seed)
     for _ in range(200):
-        f = StepFeatures(rng.randint(1, 512), rng.randint(0, 3_000_000))
-        model.observe(f, true_cost(f))
+        f = random_step(rng)
+        model.observe(f, cost(f))
     return model
 
 
@@ -38,7 +45,7 @@ def test_the_model_learns_a_linear_cost_from_noisy_steps() -> None:
     model = StepCostModel()
     rng = random.Random(0)
     for _ in range(300):
-        f = StepFeatures(rng.randint(1, 512), rng.randint(0, 3_000_000))
+        f = random_step(rng)
         model.observe(f, true_cost(f) * rng.uniform(0.95, 1.05))
     assert model.is_ready
     # ±5% noise and a window of ~20 steps: steps the size of a time budget (0.4-1.1 s here)
@@ -64,9 +71,9 @@ def test_largest_chunk_fits_the_budget_and_never_starves(unified: bool) -> None:
     decode = StepFeatures(4, 4 * 3000)
     for attend, budget in ((100, 0.25), (3000, 0.25), (3000, 0.1)):
         k = model.largest_chunk(decode, attend, 512, budget, unified=unified)
-        step = decode + chunk_features(k, attend, decode, unified=unified)
+        step = step_with_chunk(decode, k, attend, unified=unified)
         assert MIN_CHUNK <= k < 512 and true_cost(step) <= budget * 1.05
-        bigger = decode + chunk_features(k + 8, attend, decode, unified=unified)
+        bigger = step_with_chunk(decode, k + 8, attend, unified=unified)
         assert true_cost(bigger) > budget * 0.95  # the chunk is about as large as fits
     assert model.largest_chunk(decode, 3000, 512, 0.001, unified=unified) == MIN_CHUNK
     assert model.largest_chunk(decode, 3000, 10, 0.001, unified=unified) == 10
@@ -78,8 +85,8 @@ def test_the_scheduler_chunks_long_prompts_by_time_while_others_decode(
     ctx, backend = make_fake(n_ctx=4096, n_batch=512)
     model = ctx._engine.scheduler.step_cost
     for _ in range(20):  # a slow machine: 5 ms a token
-        model.observe(StepFeatures(1, 10), 0.005)
-        model.observe(StepFeatures(100, 10_000), 0.5)
+        model.observe(micro_batch(1, 10), 0.005)
+        model.observe(micro_batch(100, 10_000), 0.5)
     monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
     streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=50)) for _ in range(2)]
     ctx.process()
@@ -101,7 +108,7 @@ def test_many_alike_decode_steps_do_not_wind_the_fit_up() -> None:
     model = StepCostModel()
     rng = random.Random(2)
     for _ in range(200):
-        f = StepFeatures(rng.randint(1, 512), rng.randint(0, 3_000_000))
+        f = random_step(rng)
         model.observe(f, true_cost(f))
     decode = StepFeatures(4, 4 * 300)
     for _ in range(1000):
@@ -119,10 +126,10 @@ def test_the_fair_chunk_keeps_a_long_prompt_near_its_lone_speed(unified: bool) -
     empty = StepFeatures()
     for attend in (100, 3000):
         k = model.fair_chunk(decode, attend, 512, 512, unified=unified)
-        lone_per_token = true_cost(chunk_features(512, attend, empty, unified=unified)) / 512
-        step = true_cost(decode + chunk_features(k, attend, decode, unified=unified))
+        lone_per_token = true_cost(step_with_chunk(empty, 512, attend, unified=unified)) / 512
+        step = true_cost(step_with_chunk(decode, k, attend, unified=unified))
         assert step <= FAIR_SLOWDOWN * lone_per_token * k * 1.05
-        smaller = true_cost(decode + chunk_features(k - 8, attend, decode, unified=unified))
+        smaller = true_cost(step_with_chunk(decode, k - 8, attend, unified=unified))
         assert smaller > FAIR_SLOWDOWN * lone_per_token * (k - 8) * 0.95  # the fewest that do
     assert model.fair_chunk(decode, 3000, 10, 512, unified=unified) == 10  # none is fair enough
     assert model.fair_chunk(decode, 3000, 0, 512, unified=unified) == 0
@@ -144,8 +151,8 @@ def test_slow_decode_rows_stretch_the_first_chunk_up_to_twice_the_budget(
     for overhead, expect_min, expect_max in ((0.1, 60, 90), (0.4, 95, 105)):
         model.__init__()  # type: ignore[misc]
         ctx.clear_cache()  # no prefix hits from the previous round
-        for n in (1, 2, 50, 100, 300, 512) * 10:
-            f = StepFeatures(n, n * 10)
+        for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
+            f = micro_batch(n, n * cells)  # attention costs nothing here
             model.observe(f, cost(f, overhead))
         monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
         streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=60)) for _ in range(2)]
@@ -189,8 +196,8 @@ def test_a_burst_of_short_prompts_is_admitted_within_twice_the_budget(
     (~100 tokens), not just max_step_ms (~50)."""
     ctx, backend = make_fake(n_ctx=4096, n_batch=512, n_seq_max=32)
     model = ctx._engine.scheduler.step_cost
-    for n in (1, 2, 50, 100, 300, 512) * 10:
-        model.observe(StepFeatures(n, n * 10), 0.1 + 0.005 * n)
+    for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
+        model.observe(micro_batch(n, n * cells), 0.1 + 0.005 * n)  # attention costs nothing
     monkeypatch.setattr(model, "observe", lambda *_: None)
     streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=60)) for _ in range(2)]
     ctx.process()
@@ -210,3 +217,31 @@ def test_a_burst_of_short_prompts_is_admitted_within_twice_the_budget(
         handle.cancel()
     while ctx.has_work():
         ctx.process()
+
+
+def cliff_cost(f: StepFeatures) -> float:
+    """ggml's CPU flash attention: rows of micro-batches under TILE_ROWS cost more."""
+    return 0.004 + 0.0035 * f.num_tokens + 1.1e-6 * f.attention + 2e-6 * f.row_attention
+
+
+def test_a_chunk_that_fills_a_tile_beats_a_smaller_one_computed_row_by_row() -> None:
+    """At 3,400 cells (unified), 4 decode rows plus 60 prompt tokens fill a tile and cost
+    less than 4 plus 40 row by row: the chunk search finds the larger chunk, where a
+    bisection (cost assumed to grow with the chunk) would stop below the cliff."""
+    model = fitted(seed=4, cost=cliff_cost)
+    decode = micro_batch(4, 4 * 3400)
+    below = step_with_chunk(decode, 40, 3404, unified=True)
+    above = step_with_chunk(decode, TILE_ROWS - 4, 3404, unified=True)
+    assert cliff_cost(above) < 0.5 < cliff_cost(below)
+    k = model.largest_chunk(decode, 3404, 512, 0.5, unified=True)
+    assert k >= TILE_ROWS - 4
+    assert cliff_cost(step_with_chunk(decode, k, 3404, unified=True)) <= 0.5 * 1.05
+    # the long prompt is not slowed down much either: its fair chunk fills a tile
+    fair = model.fair_chunk(decode, 3404, 512, 512, unified=True)
+    assert fair >= TILE_ROWS - 4
+
+
+def test_the_fit_tells_row_by_row_attention_apart() -> None:
+    model = fitted(seed=5, cost=cliff_cost)
+    for f in (micro_batch(40, 40 * 3400), micro_batch(64, 64 * 3400), micro_batch(4, 4 * 100)):
+        assert model.predict(f) == pytest.approx(cliff_cost(f), rel=0.1)
