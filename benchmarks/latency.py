@@ -229,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--skip-fixed", action="store_true", help="skip llamax with fixed n_batch chunks"
     )
     parser.add_argument("--trace", type=Path, help="write llamax's measured steps here (JSON)")
+    parser.add_argument(
+        "--max-step-ms", type=float, default=250.0, help="llamax's max_step_ms (250, the default)"
+    )
     args = parser.parse_args(argv)
     global TRACE
     TRACE = StepTrace() if args.trace else None
@@ -244,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.skip_llamax:
             bench.log("llamax (time-budgeted steps, the default) ...")
             mark("llamax")
-            systems["llamax"] = run_llamax(model, text, args.repeats, 250.0)
+            systems["llamax"] = run_llamax(model, text, args.repeats, args.max_step_ms)
         if not (args.skip_llamax or args.skip_fixed):
             bench.log("llamax with fixed n_batch chunks (max_step_ms=None) ...")
             mark("llamax_fixed_chunks")

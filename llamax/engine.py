@@ -308,16 +308,21 @@ class Engine:
     def _step(self) -> StepResult:
         result = self._drain_queues()
         plan = self.scheduler.schedule()
-        if not plan.is_empty:
-            plan, features, started = self._decode(plan)
-        if not plan.is_empty:
-            sampled = sample_plan(self.backend, plan.sampled_entries(), self._batch_processor)
+        # a batch logits processor sees the whole step at once, so its steps stay whole
+        parts = [plan] if self._batch_processor else self.scheduler.split(plan)
+        for part in parts:
+            if not part.is_empty:
+                part, features, started = self._decode(part)
+            if part.is_empty:
+                continue
+            sampled = sample_plan(self.backend, part.sampled_entries(), self._batch_processor)
             for request, error in sampled.failed.values():
                 self.scheduler.fail(request, error, result)
-            self.scheduler.update(plan, sampled.tokens, sampled.logprobs, result, self._verify)
-            self.scheduler.observe(plan, features, time.perf_counter() - started)
-            self.num_steps += 1
+            self.scheduler.update(part, sampled.tokens, sampled.logprobs, result, self._verify)
+            self.scheduler.observe(part, features, time.perf_counter() - started)
             result.computed = True
+        if result.computed:
+            self.num_steps += 1
         self._publish_snapshot()
         return result
 

@@ -8,6 +8,8 @@ its last row. No parallel lists that must stay in the same order.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -16,7 +18,7 @@ from .results import TokenEvent
 from .sequence import Request
 from .sequence import Sequence as Seq
 
-__all__ = ["ScheduledSequence", "StepPlan", "StepResult", "build_plan"]
+__all__ = ["ScheduledSequence", "StepPlan", "StepResult", "build_plan", "split_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +119,22 @@ def build_plan(
         entries.append(ScheduledSequence(seq, item, forks))
         offset += num
     return StepPlan(tuple(entries))
+
+
+def split_plan(plan: StepPlan, groups: Sequence[Sequence[int]]) -> list[StepPlan]:
+    """Plans of the entries of ``plan`` at each group's indices, their rows renumbered to
+    the smaller batches (each decoded by its own ``llama_decode``)."""
+    sizes = (len(entry.item.token_ids) for entry in plan.entries)
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    parts: list[StepPlan] = []
+    for group in groups:
+        entries: list[ScheduledSequence] = []
+        offset = 0
+        for i in group:
+            entry = plan.entries[i]
+            shift = offset - offsets[i]
+            item = dataclasses.replace(entry.item, rows=tuple(r + shift for r in entry.item.rows))
+            entries.append(dataclasses.replace(entry, item=item))
+            offset += len(entry.item.token_ids)
+        parts.append(StepPlan(tuple(entries)))
+    return parts
