@@ -6,7 +6,7 @@ A step's wall time is roughly ``c0 + c1·tokens + c2·attention + c3·row_attent
 rows. ggml's CPU flash attention computes such a micro-batch one query row at a time and a
 larger one in tiles; over a long context a row costs several times more the first way
 (measured with SmolLM2 at 3,400 cells: 60 prompt tokens plus 4 decode rows, 64 rows, took
-0.48 s; 55 plus 4 took 0.8 s). So the cost of a chunk is not monotonic in its size, and the
+0.48 s; 56 plus 4 took 0.84 s). So the cost of a chunk is not monotonic in its size, and the
 chunk search below tries every size rather than bisecting. On backends without the cliff
 ``c3`` is learned as about zero. :class:`StepCostModel` learns
 the three coefficients online from measured steps (recursive least squares with a
