@@ -57,10 +57,10 @@ __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 T = TypeVar("T")
 
 WAIT_FOR_PREFIX_MIN = 16
+"""A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
 SPLIT_SPAN_RATIO = 4
 """Many decode rows are split into batches under ``TILE_ROWS`` rows when the cache's used
 span is at least this many times what a row attends to (see :meth:`Scheduler.split`)."""
-"""A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
 
 Verify = Callable[[Sequence, int], tuple[int, TokenLogprob | None]]
 """Samples a sequence's token from one batch row (speculative verification, row by row)."""
@@ -216,7 +216,7 @@ class Scheduler:
         tiles, and a tile of rows from many sequences attends over the whole used span of
         the cache; a smaller batch is computed row by row, and each row skips the cells it
         may not see. So 64 streams of 80 cells each, one decode of 64 rows, cost 0.60 s
-        (SmolLM2, 2 threads); two decodes of 32, 0.34 s. The split is made only when the
+        (SmolLM2, 2 threads); two decodes of 32, 0.39 s. The split is made only when the
         span is at least :data:`SPLIT_SPAN_RATIO` times what a decode row attends to on
         average: rows that share a long prefix keep the tiled kernel.
         """

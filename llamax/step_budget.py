@@ -9,7 +9,7 @@ larger one in tiles; over a long context a row costs several times more the firs
 0.48 s; 56 plus 4 took 0.84 s). So the cost of a chunk is not monotonic in its size, and the
 chunk search below tries every size rather than bisecting. On backends without the cliff
 ``c3`` is learned as about zero. :class:`StepCostModel` learns
-the three coefficients online from measured steps (recursive least squares with a
+the four coefficients online from measured steps (recursive least squares with a
 forgetting factor, so it follows a machine whose load changes). While sequences are
 decoding, the scheduler gives prompts the largest chunks that add at most ``max_step_ms``
 to the predicted time of the step's decode rows — Sarathi-Serve's idea: chunk size set by
