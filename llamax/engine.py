@@ -309,7 +309,7 @@ class Engine:
         result = self._drain_queues()
         plan = self.scheduler.schedule()
         # a batch logits processor sees the whole step at once, so its steps stay whole
-        parts = [plan] if self._batch_processor else self.scheduler.split(plan)
+        parts = [plan] if self._batch_processor is not None else self.scheduler.split(plan)
         for part in parts:
             if not part.is_empty:
                 part, features, started = self._decode(part)
