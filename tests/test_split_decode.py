@@ -11,7 +11,7 @@ import llamax
 from llamax.backend.base import BatchItem
 from llamax.plan import ScheduledSequence, StepPlan, split_plan
 from llamax.step_budget import TILE_ROWS
-from llamax.testing import FakeBackend
+from llamax.testing import FakeBackend, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
 N = 70
@@ -27,7 +27,9 @@ def run(ctx: llamax.Context, prompts: list[str], max_tokens: int = 24) -> list[s
     while ctx.has_work():
         ctx.process()
         ctx.audit()
-    return [h.result().text for h in handles]
+    texts = [h.result().text for h in handles]
+    assert_idle(ctx)
+    return texts
 
 
 def unified(**options: object) -> tuple[llamax.Context, FakeBackend]:
