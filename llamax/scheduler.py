@@ -88,6 +88,7 @@ class Scheduler:
         self._n_ctx = backend.n_ctx
         self._n_ctx_seq = backend.n_ctx_seq
         self._is_unified = backend.is_unified
+        self._splits_decode = backend.is_unified and backend.cpu_attention
         self._n_batch = backend.n_batch
         self._max_step_s = None if max_step_ms is None else max_step_ms / 1000
         self._step_budget_s = 0.0
@@ -218,9 +219,10 @@ class Scheduler:
         may not see. So 64 streams of 80 cells each, one decode of 64 rows, cost 0.60 s
         (SmolLM2, 2 threads); two decodes of 32, 0.39 s. The split is made only when the
         span is at least :data:`SPLIT_SPAN_RATIO` times what a decode row attends to on
-        average: rows that share a long prefix keep the tiled kernel.
+        average: rows that share a long prefix keep the tiled kernel. Only on the CPU: a
+        GPU would read the weights once per call and gain nothing.
         """
-        if not self._is_unified:
+        if not self._splits_decode:
             return [plan]
         singles = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) == 1]
         if len(singles) < TILE_ROWS:

@@ -67,11 +67,13 @@ class FakeBackend:
         special_tokens: Mapping[str, int] | None = None,
         eog_token_ids: Sequence[int] = (EOS,),
         kv_layout: str = "unified",
+        cpu_attention: bool = True,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         if kv_layout not in ("unified", "streams"):
             raise ValueError(f"kv_layout must be 'unified' or 'streams', got {kv_layout!r}")
         self._is_unified = kv_layout == "unified"
+        self._cpu_attention = cpu_attention
         self._n_ctx_seq = n_ctx if self._is_unified else n_ctx // n_seq_max
         self._next_token = next_token
         self._pieces = {0: b""} | {b + 1: bytes([b]) for b in range(256)} | dict(extra_pieces or {})
@@ -117,6 +119,11 @@ class FakeBackend:
     def is_unified(self) -> bool:
         """As configured by ``kv_layout``."""
         return self._is_unified
+
+    @property
+    def cpu_attention(self) -> bool:
+        """As configured by ``cpu_attention`` (True: act like ggml's CPU backend)."""
+        return self._cpu_attention
 
     @property
     def kv_bytes_per_cell(self) -> int:

@@ -86,6 +86,13 @@ def test_streams_never_split() -> None:
     assert max(decode_sizes(backend)) == N
 
 
+def test_attention_off_the_cpu_never_splits() -> None:
+    backend = FakeBackend(n_ctx=4096, n_seq_max=N, n_batch=512, cpu_attention=False)
+    with llamax.Context(backend=backend, autostart=False, max_step_ms=None) as ctx:
+        run(ctx, [f"request {i:03d} asks about something" for i in range(N)])
+    assert max(decode_sizes(backend)) == N
+
+
 def test_split_plan_renumbers_rows() -> None:
     def entry(seq_id: int, n: int, rows: tuple[int, ...]) -> ScheduledSequence:
         return ScheduledSequence(None, BatchItem(seq_id, [1] * n, 0, rows))  # type: ignore[arg-type]

@@ -144,6 +144,13 @@ class BatchDecoder(Protocol):
         """Most tokens one ``decode`` call may carry."""
         ...
 
+    @property
+    def cpu_attention(self) -> bool:
+        """Whether attention runs on ggml's CPU backend, whose flash attention computes
+        micro-batches under 64 query rows row by row (the scheduler splits decode steps
+        for it; on a GPU a split would only read the weights twice)."""
+        ...
+
     def decode(self, items: Sequence[BatchItem]) -> int:
         """Run one multi-sequence forward pass; return the ``llama_decode`` status code."""
         ...

@@ -162,6 +162,7 @@ class LlamaCppBackend:
         self._model, self._ctx, self._batch = model, ctx, batch
         self._vocab = C.llama_model_get_vocab(model)
         self._memory = C.llama_get_memory(ctx)
+        self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
         self._n_ctx = int(C.llama_n_ctx(ctx))
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
         native_seq = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
@@ -204,6 +205,11 @@ class LlamaCppBackend:
     def is_unified(self) -> bool:
         """Whether all sequences share one KV buffer (copies share cells)."""
         return self._is_unified
+
+    @property
+    def cpu_attention(self) -> bool:
+        """No layer is offloaded: no GPU or RPC device, or ``n_gpu_layers=0``."""
+        return self._cpu_attention
 
     @property
     def kv_bytes_per_cell(self) -> int:
