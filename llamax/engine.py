@@ -307,7 +307,7 @@ class Engine:
 
     def _step(self) -> StepResult:
         result = self._drain_queues()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(result)
         # a batch logits processor sees the whole step at once, so its steps stay whole
         parts = [plan] if self._batch_processor is not None else self.scheduler.split(plan)
         for part in parts:
@@ -389,6 +389,8 @@ class Engine:
             num_evictions=s.prefix.num_evictions,
             num_drafted_tokens=s.num_drafted_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
+            kv_cells_per_stream=s.stream_cells,
+            num_relayouts=s.num_relayouts,
         )
 
     def _publish_snapshot(self) -> None:

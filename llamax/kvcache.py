@@ -11,6 +11,9 @@ llama.cpp. The two layouts differ only in :meth:`KVCache.copy_prefix`:
   the whole stream is copied (``seq_cp(src, dst, -1, -1)``, a buffer copy) and the tail
   that is not shared is removed (``seq_rm``); the copy gets cells of its own.
 
+With ``kv_layout="auto"`` the memory can move between the two (:meth:`KVCache.relayout`);
+every sequence then holds cells of its own, in either layout, until it is copied again.
+
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
 and which is evicted first, is :mod:`llamax.prefix`'s business; who may change a slot at
 all is the scheduler's (see docs/architecture.md).
@@ -61,6 +64,7 @@ class KVCache:
     def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
         self._memory = memory
         self._shares_cells = memory.is_unified
+        self._may_relayout = True
         self._free_ids = list(range(n_seq_max))  # a min-heap: the lowest free id goes first
         self._slots: dict[int, Slot] = {}
         self._refs: dict[int, int] = {}
@@ -81,6 +85,25 @@ class KVCache:
         """Every slot holding a sequence id."""
         return list(self._slots.values())
 
+    @property
+    def is_unified(self) -> bool:
+        """Whether all sequences share one buffer now (copied prefixes share cells)."""
+        return self._shares_cells
+
+    @property
+    def cells_per_seq(self) -> int:
+        """Cells one sequence may hold in the current layout."""
+        return self._memory.n_ctx_stream
+
+    @property
+    def can_relayout(self) -> bool:
+        """Whether :meth:`relayout` may switch layouts."""
+        return self._may_relayout and self._memory.can_relayout
+
+    def disable_relayout(self) -> None:
+        """Stay in the current layout from now on (a relayout failed)."""
+        self._may_relayout = False
+
     def is_intact(self, slot: Slot) -> bool:
         """Whether the memory still holds the slot's first cells (sliding windows drop them)."""
         return not slot.tokens or self._memory.seq_pos_min(slot.seq_id) <= 0
@@ -96,6 +119,21 @@ class KVCache:
         slot = Slot(heapq.heappop(self._free_ids), pinned=pinned)
         self._slots[slot.seq_id] = slot
         return slot
+
+    def relayout(self, unified: bool) -> None:
+        """Move every slot into the other layout (``KVMemory.relayout``). The memory gives
+        each sequence cells of its own, so shared cells are counted once per slot after."""
+        if unified == self._shares_cells:
+            return
+        self._memory.relayout(unified)
+        self._shares_cells = unified
+        self._refs.clear()
+        for slot in self._slots.values():
+            slot.cells = []
+            for _ in slot.tokens:
+                cell = next(self._next_cell)
+                self._refs[cell] = 1
+                slot.cells.append(cell)
 
     def release(self, slot: Slot) -> None:
         """Drop every cell of ``slot`` and free its sequence id."""

@@ -90,6 +90,12 @@ class PrefixCache:
                 return True
         return False
 
+    def evict(self, slot: Slot) -> None:
+        """Release one retained slot."""
+        del self._retained[slot.seq_id]
+        self._cache.release(slot)
+        self.num_evictions += 1
+
     def evict_all(self) -> int:
         """Release every retained slot; return how many."""
         count = 0

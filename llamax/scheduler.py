@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import time
 from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import TypeVar, cast
@@ -34,7 +35,7 @@ from typing import TypeVar, cast
 from .backend.base import Backend
 from .errors import RequestFailedError
 from .kvcache import KVCache, Slot, SlotState
-from .kvops import KVOp
+from .kvops import KVOp, RestoreSession
 from .plan import ScheduledSequence, StepPlan, StepResult, build_plan, split_plan
 from .prefix import PrefixCache
 from .results import TokenEvent, TokenLogprob
@@ -58,6 +59,10 @@ T = TypeVar("T")
 
 WAIT_FOR_PREFIX_MIN = 16
 """A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
+RELAYOUT_COOLDOWN_STEPS = 32
+"""With ``kv_layout="auto"``, steps spent in the unified layout before moving back to streams."""
+RELAYOUT_MIN_DECODING = 2
+"""Decoding sequences needed to move back to streams (one sequence attends alike in both)."""
 SPLIT_SPAN_RATIO = 4
 """Many decode rows are split into batches under ``TILE_ROWS`` rows when the cache's used
 span is at least this many times what a row attends to (see :meth:`Scheduler.split`)."""
@@ -87,8 +92,7 @@ class Scheduler:
         self._backend = backend
         self._n_ctx = backend.n_ctx
         self._n_ctx_seq = backend.n_ctx_seq
-        self._is_unified = backend.is_unified
-        self._splits_decode = backend.is_unified and backend.cpu_attention
+        self._cpu_attention = backend.cpu_attention
         self._n_batch = backend.n_batch
         self._max_step_s = None if max_step_ms is None else max_step_ms / 1000
         self._step_budget_s = 0.0
@@ -112,12 +116,24 @@ class Scheduler:
         to make every proposal be verified)."""
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
+        self._stream_cells = self.kv.cells_per_seq  # kv_layout="auto" starts with streams
+        self._adaptive = self.kv.can_relayout
+        self._relayout_error = ""
+        self._steps_in_layout = 0
+        self.num_relayouts = 0
+        self.relayout_seconds = 0.0
 
     # ------------------------------------------------------------------ queries
     @property
     def backend(self) -> Backend:
         """The backend this scheduler drives."""
         return self._backend
+
+    @property
+    def stream_cells(self) -> int:
+        """Cells one sequence holds in its own stream (``kv_layout="auto"`` moves to the
+        unified layout beyond that), or what the fixed layout gives one sequence."""
+        return self._stream_cells if self.kv.can_relayout else self.kv.cells_per_seq
 
     @property
     def has_work(self) -> bool:
@@ -165,15 +181,24 @@ class Scheduler:
 
     def apply(self, op: KVOp[T], result: StepResult) -> T:
         """Apply a KV operation between steps; events it causes go into ``result``."""
+        if (
+            isinstance(op, RestoreSession)
+            and self.kv.can_relayout
+            and not self.kv.is_unified
+            and len(op.tokens) > self._stream_cells
+        ):
+            self._relayout(True, result)  # a saved session longer than a stream
         return cast(T, self.sessions.apply(op, result))
 
-    def schedule(self) -> StepPlan:
-        """Make room, admit what fits, and plan one step.
+    def schedule(self, result: StepResult) -> StepPlan:
+        """Choose the KV layout, make room, admit what fits, and plan one step.
 
         Decode rows go first; prompt chunks fill the rest of the token budget, sized so the
         step stays within ``max_step_ms`` while anybody is decoding (see
-        :mod:`llamax.step_budget`).
+        :mod:`llamax.step_budget`). Requests that cannot go on (a layout change failed) end
+        with their events in ``result``.
         """
+        self._adapt_layout(result)
         self._make_room_for_growth()
         decode = [seq for seq in self._running if seq.num_pending == 1][: self._n_batch]
         slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
@@ -205,9 +230,73 @@ class Scheduler:
             slots,
             self.kv.num_free_seq_ids,
             self._forkable_siblings,
-            by_seq_id=not self._is_unified,
+            by_seq_id=not self.kv.is_unified,
             drafts=self._plan_drafts(slots, budget),
         )
+
+    # ------------------------------------------------------------------ layout
+    def _adapt_layout(self, result: StepResult) -> None:
+        """``kv_layout="auto"``: one stream per sequence while every sequence fits one;
+        the unified layout while one needs more; streams again once all fit with room to
+        grow, after :data:`RELAYOUT_COOLDOWN_STEPS` steps and with at least
+        :data:`RELAYOUT_MIN_DECODING` sequences decoding (to whom streams are faster).
+
+        Streams: each decode attends only to its own cells. Unified: any sequence may grow
+        to ``n_ctx``, but each decode attends over the whole used span (docs/kv-cache.md).
+        """
+        if not self._adaptive:
+            return
+        self._steps_in_layout += 1
+        cap = self._stream_cells
+        if not self.kv.is_unified:
+            if any(len(s.token_ids) > cap for s in self.all_sequences()):
+                self._relayout(True, result)
+            return
+        if not self.kv.can_relayout:
+            return
+        if self._steps_in_layout < RELAYOUT_COOLDOWN_STEPS:
+            return
+        if sum(1 for s in self._running if s.num_pending == 1) < RELAYOUT_MIN_DECODING:
+            return
+        if any(self._cells_to_come(s) > cap for s in self.all_sequences()):
+            return
+        if any(slot.pinned and len(slot.tokens) > cap for slot in self.kv.slots()):
+            return  # an open session that would not fit a stream
+        for slot in self.prefix.retained():
+            if len(slot.tokens) > cap:
+                self.prefix.evict(slot)
+        self._relayout(False, result)
+
+    def _cells_to_come(self, seq: Sequence) -> int:
+        """Cells ``seq`` will hold within a quarter stream of growth (or its max_tokens)."""
+        room = self._stream_cells // 4
+        max_tokens = seq.request.params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max(0, max_tokens - seq.num_generated))
+        return len(seq.token_ids) + room
+
+    def _relayout(self, unified: bool, result: StepResult) -> None:
+        started = time.perf_counter()
+        try:
+            if not self.kv.can_relayout:
+                raise RequestFailedError(self._relayout_error)
+            self.kv.relayout(unified)
+        except RequestFailedError as exc:
+            self.kv.disable_relayout()  # stay in this layout from now on
+            self._relayout_error = f"an earlier move to the unified layout failed: {exc}"
+            if unified:  # the sequences that outgrew their streams cannot go on
+                cap = self._stream_cells
+                for seq in self.all_sequences():
+                    if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
+                        error = RequestFailedError(
+                            f"the request needs {len(seq.token_ids)} KV cells, one stream "
+                            f"holds {cap}, and the unified layout failed: {exc}"
+                        )
+                        self.fail(seq.request, error, result)
+            return
+        self._steps_in_layout = 0
+        self.num_relayouts += 1
+        self.relayout_seconds += time.perf_counter() - started
 
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache, many decode
@@ -222,7 +311,7 @@ class Scheduler:
         average: rows that share a long prefix keep the tiled kernel. Only on the CPU: a
         GPU would read the weights once per call and gain nothing.
         """
-        if not self._splits_decode:
+        if not (self.kv.is_unified and self._cpu_attention):
             return [plan]
         singles = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) == 1]
         if len(singles) < TILE_ROWS:
@@ -239,7 +328,7 @@ class Scheduler:
 
     def features(self, plan: StepPlan) -> StepFeatures:
         """What ``plan`` costs, in the terms of :class:`~llamax.step_budget.StepCostModel`."""
-        if self._is_unified:  # a decode row reads its own cells; a prompt chunk, the span
+        if self.kv.is_unified:  # a decode row reads its own cells; a prompt chunk, the span
             num = plan.num_tokens
             own = [e.seq.num_computed + 1 for e in plan.entries if len(e.item.token_ids) == 1]
             chunks = (num - len(own)) * (self.kv.num_cells_used + num)
@@ -258,7 +347,7 @@ class Scheduler:
         return self._max_step_s is not None  # before any step is measured, the prior predicts
 
     def _decode_features(self, decode: list[Sequence]) -> StepFeatures:
-        if self._is_unified:
+        if self.kv.is_unified:
             return micro_batch(len(decode), sum(seq.num_computed + 1 for seq in decode))
         return sum((micro_batch(1, seq.num_computed + 1) for seq in decode), StepFeatures())
 
@@ -275,7 +364,7 @@ class Scheduler:
         """
         if fixed is None or self._max_step_s is None:
             return limit, fixed
-        unified = self._is_unified
+        unified = self.kv.is_unified
         attend = self.kv.num_cells_used + fixed.num_tokens if unified else seq.num_computed
         cost = self.step_cost
         is_first = fixed.num_tokens == num_decode
@@ -301,7 +390,7 @@ class Scheduler:
                 slots,
                 self.kv.num_free_seq_ids,
                 self._forkable_siblings,
-                by_seq_id=not self._is_unified,
+                by_seq_id=not self.kv.is_unified,
             )
         chunks = [i for i, (_, n) in enumerate(slots) if n > 1]
         if chunks:
@@ -321,7 +410,7 @@ class Scheduler:
             slots,
             self.kv.num_free_seq_ids,
             self._forkable_siblings,
-            by_seq_id=not self._is_unified,
+            by_seq_id=not self.kv.is_unified,
         )
 
     def update(
@@ -411,7 +500,7 @@ class Scheduler:
             state = seq.draft_state
             if state is None or num != 1 or seq.state is not SequenceState.DECODING:
                 continue
-            limit = self._n_ctx_seq - len(seq.token_ids)
+            limit = min(self._n_ctx_seq, self.kv.cells_per_seq) - len(seq.token_ids)
             max_tokens = seq.request.params.max_tokens
             if max_tokens is not None:
                 limit = min(limit, max_tokens - seq.num_generated - 1)
@@ -421,7 +510,7 @@ class Scheduler:
         if not proposals:
             return {}
         room = budget
-        if self._is_unified:
+        if self.kv.is_unified:
             room = min(room, self._n_ctx - self.kv.num_cells_used - self.num_pending_tokens)
         if self.price_drafts:
             keep = self._price_drafts(slots, proposals, room)
@@ -609,7 +698,7 @@ class Scheduler:
             seq.request.num_cached_tokens = num
 
     def _fits(self, new_cells: int, *, keep: Slot | None = None) -> bool:
-        if not self._is_unified:
+        if not self.kv.is_unified:
             return True  # every sequence owns a stream of n_ctx_seq cells or more
         while self.kv.num_cells_used + self.num_pending_tokens + new_cells > self._n_ctx:
             if not self.prefix.evict_one(keep=keep):
@@ -617,7 +706,7 @@ class Scheduler:
         return True
 
     def _make_room_for_growth(self) -> None:
-        while self._is_unified and self.kv.num_cells_used + self.num_pending_tokens > self._n_ctx:
+        while self.kv.is_unified and self.kv.num_cells_used + self.num_pending_tokens > self._n_ctx:
             if self.prefix.evict_one():
                 continue
             if len(self._running) <= 1:

@@ -34,7 +34,8 @@ class ContextStats:
     kv_cells_per_seq: int
     """The most cells (tokens) one sequence may hold (``n_ctx_seq``)."""
     kv_layout: str
-    """``"unified"`` (one buffer all sequences share) or ``"streams"`` (one per sequence)."""
+    """The layout now: ``"unified"`` (one buffer all sequences share) or ``"streams"``
+    (one per sequence). With ``kv_layout="auto"`` it moves between the two."""
     kv_bytes_total: int
     """Approximate memory of the whole KV cache (every cell, K and V, every layer)."""
     num_free_seq_ids: int
@@ -55,3 +56,9 @@ class ContextStats:
     """Draft tokens verified by speculative decoding."""
     num_accepted_tokens: int = 0
     """Draft tokens accepted (each saved a step for its sequence)."""
+    kv_cells_per_stream: int = 0
+    """With ``kv_layout="auto"``: the cells one sequence holds in its own stream
+    (``n_ctx // n_seq_max``); a longer one moves the cache to the unified layout. With a
+    fixed layout, the cells one sequence may hold in it."""
+    num_relayouts: int = 0
+    """Moves between the two layouts (``kv_layout="auto"``)."""

@@ -70,11 +70,13 @@ class FakeBackend:
         cpu_attention: bool = True,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
-        if kv_layout not in ("unified", "streams"):
-            raise ValueError(f"kv_layout must be 'unified' or 'streams', got {kv_layout!r}")
+        if kv_layout not in ("unified", "streams", "auto"):
+            raise ValueError(f"kv_layout must be 'unified', 'streams' or 'auto', got {kv_layout!r}")
         self._is_unified = kv_layout == "unified"
+        self._can_relayout = kv_layout == "auto"
         self._cpu_attention = cpu_attention
-        self._n_ctx_seq = n_ctx if self._is_unified else n_ctx // n_seq_max
+        self._n_ctx_seq = n_ctx if kv_layout != "streams" else n_ctx // n_seq_max
+        self.num_relayouts = 0
         self._next_token = next_token
         self._pieces = {0: b""} | {b + 1: bytes([b]) for b in range(256)} | dict(extra_pieces or {})
         self._model_name = model_name
@@ -117,8 +119,38 @@ class FakeBackend:
 
     @property
     def is_unified(self) -> bool:
-        """As configured by ``kv_layout``."""
+        """As configured by ``kv_layout`` (``"auto"`` starts with streams)."""
         return self._is_unified
+
+    @property
+    def n_ctx_stream(self) -> int:
+        """``n_ctx`` when unified, ``n_ctx // n_seq_max`` with streams."""
+        return self._n_ctx if self._is_unified else self._n_ctx // self._n_seq_max
+
+    @property
+    def can_relayout(self) -> bool:
+        """With ``kv_layout="auto"``."""
+        return self._can_relayout
+
+    def relayout(self, unified: bool) -> None:
+        """Switch layouts as llama.cpp does: every sequence gets cells of its own."""
+        if not self._can_relayout:
+            raise AssertionError("relayout without kv_layout='auto'")
+        if unified == self._is_unified:
+            return
+        limit = self._n_ctx if unified else self._n_ctx // self._n_seq_max
+        for seq_id, cells in self.cells.items():
+            if None in cells:
+                raise AssertionError(f"relayout of seq {seq_id} with a hole")
+            if len(cells) > limit:
+                raise AssertionError(f"seq {seq_id} holds {len(cells)} cells, a stream {limit}")
+        held = {seq_id: list(cells) for seq_id, cells in self.cells.items()}
+        self._refs.clear()
+        for seq_id, tokens in held.items():
+            self.cells[seq_id], self._cell_ids[seq_id] = [], []
+            self._store(seq_id, [t for t in tokens if t is not None])
+        self._is_unified = unified
+        self.num_relayouts += 1
 
     @property
     def cpu_attention(self) -> bool:
@@ -227,7 +259,7 @@ class FakeBackend:
         if num > self._n_batch or len({i.seq_id for i in items}) != len(items):
             return -1
         if self.num_cells_used + num > self._n_ctx or any(
-            len(self.cells[i.seq_id]) + len(i.token_ids) > self._n_ctx_seq for i in items
+            len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
         ):
             return DecodeStatus.NO_SLOT
         self._rows.clear()
@@ -394,7 +426,11 @@ class FakeBackend:
             tokens = [int(t) for t in json.loads(data)]
         except ValueError:
             return False
-        if self.cells[seq_id] or self.num_cells_used + len(tokens) > self._n_ctx:
+        if (
+            self.cells[seq_id]
+            or self.num_cells_used + len(tokens) > self._n_ctx
+            or len(tokens) > self.n_ctx_stream
+        ):
             return False
         self._store(seq_id, tokens)
         return True

@@ -218,7 +218,7 @@ def _request(text: str, max_tokens: int, *, n: int = 1, arrival: int = 0) -> Req
 
 
 def _step(scheduler: Scheduler, backend: FakeBackend, tokens: dict[Sequence, int]) -> StepResult:
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(StepResult())
     assert backend.decode(plan.items) == 0
     result = StepResult()
     scheduler.update(plan, {e.seq: tokens[e.seq] for e in plan.sampled_entries()}, {}, result)
@@ -231,7 +231,7 @@ def test_hand_driven_steps_prefill_in_chunks_then_decode() -> None:
     request = _request("abcdef", max_tokens=2)
     seq = request.sequences[0]
     scheduler.add(request)
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(StepResult())
     assert [(e.seq, list(e.item.token_ids), e.item.rows) for e in plan.entries] == [
         (seq, [98, 99, 100, 101], ())  # a chunk of 4: no row to sample yet
     ]
@@ -250,7 +250,7 @@ def test_hand_driven_forks_share_the_leader_row() -> None:
     scheduler = Scheduler(backend)
     request = _request("abc", max_tokens=1, n=3)
     scheduler.add(request)
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(StepResult())
     (entry,) = plan.entries
     assert entry.item.rows == (2,) and entry.forks == tuple(request.sequences[1:])
     assert backend.decode(plan.items) == 0
@@ -264,6 +264,6 @@ def test_hand_driven_no_slot_halves_the_newest_chunk() -> None:
     backend = FakeBackend(n_batch=16)
     scheduler = Scheduler(backend)
     scheduler.add(_request("x" * 12, max_tokens=1))
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(StepResult())
     assert plan.num_tokens == 12
     assert scheduler.shrink(plan).num_tokens == 6

@@ -203,6 +203,22 @@ class KVMemory(Protocol):
         """Approximate memory of one KV cell."""
         ...
 
+    @property
+    def n_ctx_stream(self) -> int:
+        """Cells one sequence may hold in the current layout: ``n_ctx`` when unified, its
+        stream's ``n_ctx // n_seq_max`` otherwise."""
+        ...
+
+    @property
+    def can_relayout(self) -> bool:
+        """Whether :meth:`relayout` may be called (``kv_layout="auto"``)."""
+        ...
+
+    def relayout(self, unified: bool) -> None:
+        """Move every sequence's cells into the other layout. Afterwards no two sequences
+        share a cell; each must fit the new layout's :attr:`n_ctx_stream`."""
+        ...
+
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove a sequence's cells in ``[p0, p1)`` (negative: open ended)."""
         ...

@@ -21,8 +21,12 @@ from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
 from .platform import default_use_extra_bufts
 from .rpc import register_rpc_servers
+from .seq_state import restream
 
-__all__ = ["LlamaCppBackend"]
+__all__ = ["MIN_STREAM_CELLS", "LlamaCppBackend"]
+
+MIN_STREAM_CELLS = 64
+"""``kv_layout="auto"`` starts with one stream per sequence only if each gets this many cells."""
 
 _log = logging.getLogger("llamax.llama_cpp")
 # ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line)
@@ -111,7 +115,7 @@ class _NativeSampler:
 
 
 class LlamaCppBackend:
-    """One llama.cpp model + context + batch, with a unified KV cache."""
+    """One llama.cpp model + context + batch; the KV layout follows ``kv_layout``."""
 
     def __init__(self, config: ContextConfig) -> None:
         C = _bindings()
@@ -141,19 +145,36 @@ class LlamaCppBackend:
             cparams.n_seq_max = config.n_seq_max
             cparams.n_threads = config.n_threads
             cparams.n_threads_batch = config.n_threads_batch or config.n_threads
-            # streams: one buffer per sequence (a partial seq_cp between them aborts the
-            # process, so the KV cache copies whole streams); unified: one shared buffer
-            self._is_unified = config.resolved_kv_layout == "unified"
-            cparams.kv_unified = self._is_unified
             if config.flash_attn is not None:
                 cparams.flash_attn_type = 1 if config.flash_attn else 0
+            # one KV section (no sliding window, no recurrent state): a sequence's saved
+            # state can move between layouts (seq_state.restream)
+            self._plain_kv = not (
+                C.llama_model_is_recurrent(model)
+                or C.llama_model_is_hybrid(model)
+                or C.llama_model_n_swa(model) > 0
+            )
+            # streams: one buffer per sequence (a partial seq_cp between them aborts the
+            # process, so the KV cache copies whole streams); unified: one shared buffer.
+            # "auto" without n_ctx_seq starts in streams and moves (relayout) as needed.
+            layout = config.resolved_kv_layout
+            self._can_relayout = (
+                config.kv_layout == "auto"
+                and layout == "unified"
+                and self._plain_kv
+                and config.n_seq_max > 1
+                and config.n_ctx // config.n_seq_max >= MIN_STREAM_CELLS
+            )
+            self._is_unified = layout == "unified" and not self._can_relayout
+            cparams.kv_unified = self._is_unified
+            self._cparams = cparams
             ctx = C.llama_init_from_model(model, cparams)
             if not ctx:
                 raise ModelLoadError(
                     f"llama.cpp could not create a context for {path} "
                     f"(n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max}); out of memory?"
                 )
-            stack.callback(C.llama_free, ctx)
+            stack.callback(self._free_context)
 
             self._n_batch = config.n_batch
             batch = C.llama_batch_init(self._n_batch, 0, 1)
@@ -165,8 +186,10 @@ class LlamaCppBackend:
         self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
         self._n_ctx = int(C.llama_n_ctx(ctx))
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
-        native_seq = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
+        self._n_ctx_stream = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
+        native_seq = self._n_ctx if self._can_relayout else self._n_ctx_stream
         self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
+        self.num_relayouts = 0
         n_embd, n_head = C.llama_model_n_embd(model), max(1, C.llama_model_n_head(model))
         kv_dim = n_embd // n_head * C.llama_model_n_head_kv(model)
         self._kv_bytes_per_cell = int(2 * 2 * kv_dim * C.llama_model_n_layer(model))  # K+V, f16
@@ -205,6 +228,53 @@ class LlamaCppBackend:
     def is_unified(self) -> bool:
         """Whether all sequences share one KV buffer (copies share cells)."""
         return self._is_unified
+
+    @property
+    def n_ctx_stream(self) -> int:
+        """Cells one sequence may hold in the current layout: its stream's, or ``n_ctx``."""
+        return self._n_ctx if self._is_unified else self._n_ctx_stream
+
+    @property
+    def can_relayout(self) -> bool:
+        """Whether :meth:`relayout` may switch layouts (``kv_layout="auto"``, plain KV)."""
+        return self._can_relayout
+
+    def relayout(self, unified: bool) -> None:
+        """Move every sequence's cells into a new context with the other KV layout.
+
+        The new context is made first, so a failure leaves the old one as it was. Each
+        sequence's state moves with ``llama_state_seq_get_data``/``set_data`` (rewritten for
+        the new stream count): copied prefixes no longer share cells afterwards.
+
+        Raises:
+            RequestFailedError: llama.cpp could not create the context or refused a state
+                (a sequence that does not fit its stream).
+        """
+        if unified == self._is_unified:
+            return
+        C = self._C
+        self._cparams.kv_unified = unified
+        new = C.llama_init_from_model(self._model, self._cparams)
+        if not new:
+            raise RequestFailedError("llama.cpp could not create a context for the new KV layout")
+        n_stream = 1 if unified else self._n_seq_max
+        try:
+            for seq_id in range(self._n_seq_max):
+                if self.seq_pos_max(seq_id) < 0:
+                    continue
+                data = restream(self._state_get(self._ctx, seq_id), n_stream)
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                if int(C.llama_state_seq_set_data(new, buf, len(data), seq_id)) <= 0:
+                    raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
+        except BaseException:
+            C.llama_free(new)
+            raise
+        C.llama_free(self._ctx)
+        self._ctx, self._memory, self._is_unified = new, C.llama_get_memory(new), unified
+        self.num_relayouts += 1
+
+    def _free_context(self) -> None:
+        self._C.llama_free(self._ctx)
 
     @property
     def cpu_attention(self) -> bool:
@@ -495,15 +565,25 @@ class LlamaCppBackend:
         }
 
     def state_seq_get(self, seq_id: int) -> bytes:
-        """Serialise one sequence's KV state (``llama_state_seq_get_data``)."""
+        """Serialise one sequence's KV state (``llama_state_seq_get_data``); with a plain KV
+        cache, written as a unified cache would, so it loads in either layout."""
+        data = self._state_get(self._ctx, seq_id)
+        return restream(data, 1) if self._plain_kv and data else data
+
+    def _state_get(self, ctx: Any, seq_id: int) -> bytes:
         C = self._C
-        size = int(C.llama_state_seq_get_size(self._ctx, seq_id))
+        size = int(C.llama_state_seq_get_size(ctx, seq_id))
         buf = (ctypes.c_uint8 * size)()
-        written = int(C.llama_state_seq_get_data(self._ctx, buf, size, seq_id))
+        written = int(C.llama_state_seq_get_data(ctx, buf, size, seq_id))
         return bytes(buf[:written])
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """Load a state from :meth:`state_seq_get` into ``seq_id``; False if refused."""
+        if self._plain_kv:
+            try:
+                data = restream(data, 1 if self._is_unified else self._n_seq_max)
+            except ValueError:
+                return False
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         return int(self._C.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id)) > 0
 

@@ -48,6 +48,7 @@ class _EngineCollector(Collector):
             "llamax_engine_prefill_tokens": ("Prompt tokens computed", stats.num_prefill_tokens),
             "llamax_engine_decode_tokens": ("Generated tokens computed", stats.num_decode_tokens),
             "llamax_engine_preemptions": ("Sequences preempted", stats.num_preemptions),
+            "llamax_kv_relayouts": ("Moves between KV layouts", stats.num_relayouts),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -1,0 +1,214 @@
+"""``kv_layout="auto"``: one KV stream per sequence while every sequence fits one, the
+unified layout while one does not, and back (see ``Scheduler._adapt_layout``). Fake backend:
+its model is batch-invariant, so every run must give the unified layout's tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+import llamax
+from llamax.errors import RequestFailedError
+from llamax.scheduler import RELAYOUT_COOLDOWN_STEPS
+from llamax.testing import FakeBackend, assert_idle
+
+GREEDY = llamax.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+LONG = "a long prompt that does not fit in one stream of sixty-four cells at all"  # 72
+
+
+def make(layout: str = "auto", **options: object) -> tuple[llamax.Context, FakeBackend]:
+    backend = FakeBackend(n_ctx=256, n_seq_max=4, n_batch=64, kv_layout=layout, **options)  # type: ignore[arg-type]
+    return llamax.Context(backend=backend, autostart=False, max_step_ms=None), backend
+
+
+def drain(ctx: llamax.Context) -> None:
+    while ctx.has_work():
+        ctx.process()
+        assert ctx.audit() == []
+
+
+def run(
+    ctx: llamax.Context, prompts: list[str], params: llamax.SamplingParams = GREEDY
+) -> list[str]:
+    handles = [ctx.add_request(p, params) for p in prompts]
+    drain(ctx)
+    return [h.result().text for h in handles]
+
+
+def test_starts_in_streams_and_stays_there_while_sequences_fit() -> None:
+    ctx, backend = make()
+    with ctx:
+        assert ctx.kv_layout == "streams" and ctx.n_ctx_seq == 256
+        stats = ctx.stats()
+        assert stats.kv_cells_per_stream == 64 and stats.kv_cells_per_seq == 256
+        texts = run(ctx, [f"short prompt {i}" for i in range(6)])
+        assert ctx.kv_layout == "streams" and backend.num_relayouts == 0
+        assert_idle(ctx)
+    unified, _ = make("unified")
+    with unified:
+        assert run(unified, [f"short prompt {i}" for i in range(6)]) == texts
+
+
+def test_a_prompt_longer_than_a_stream_moves_the_cache_to_unified() -> None:
+    prompts = ["short one", LONG, "short two"]
+    ctx, _ = make()
+    with ctx:
+        handles = [ctx.add_request(p, GREEDY) for p in prompts[::2]]
+        ctx.process()  # the short ones hold cells in their streams
+        assert ctx.kv_layout == "streams"
+        handles.insert(1, ctx.add_request(LONG, GREEDY))
+        drain(ctx)
+        assert ctx.kv_layout == "unified" and ctx.stats().num_relayouts == 1
+        texts = [h.result().text for h in handles]
+        assert_idle(ctx)
+    unified, _ = make("unified")
+    with unified:
+        assert run(unified, prompts) == texts
+
+
+def test_a_sequence_that_outgrows_its_stream_moves_mid_decode() -> None:
+    prompt = "x" * 50
+    params = llamax.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+    ctx, backend = make()
+    with ctx:
+        (text,) = run(ctx, [prompt], params)
+        assert backend.num_relayouts == 1 and ctx.kv_layout == "unified"
+        assert_idle(ctx)
+    unified, _ = make("unified")
+    with unified:
+        assert run(unified, [prompt], params) == [text]
+
+
+def test_back_to_streams_when_everything_fits_again() -> None:
+    ctx, backend = make()
+    with ctx:
+        run(ctx, [LONG])  # moves to unified, and stays retained
+        assert ctx.kv_layout == "unified" and ctx.stats().num_retained == 1
+        long_params = llamax.SamplingParams(
+            max_tokens=RELAYOUT_COOLDOWN_STEPS + 8, ignore_eos=True, temperature=0.0
+        )
+        handles = [ctx.add_request(f"s{i}", long_params) for i in range(2)]
+        while ctx.kv_layout == "unified" and ctx.has_work():
+            ctx.process()
+            assert ctx.audit() == []
+        assert ctx.kv_layout == "streams" and ctx.stats().num_steps >= RELAYOUT_COOLDOWN_STEPS
+        assert ctx.stats().num_retained == 0  # the long prefix did not fit a stream
+        drain(ctx)
+        texts = [h.result().text for h in handles]
+        assert backend.num_relayouts == 2
+        assert_idle(ctx)
+    unified, _ = make("unified")
+    with unified:
+        assert run(unified, ["s0", "s1"], long_params) == texts
+
+
+def test_shared_cells_are_counted_per_stream_after_moving_back() -> None:
+    ctx, backend = make()
+    with ctx:
+        run(ctx, [LONG])
+        params = llamax.SamplingParams(
+            n=3, max_tokens=RELAYOUT_COOLDOWN_STEPS + 4, ignore_eos=True, temperature=0.0
+        )
+        handle = ctx.add_request("one prompt, three forks", params)
+        while ctx.kv_layout == "unified":
+            ctx.process()
+            assert ctx.audit() == []  # the fake counts cells as llama.cpp does
+        assert ctx.stats().kv_cells_used == backend.num_cells_used
+        drain(ctx)
+        assert len(handle.result().choices) == 3
+        assert_idle(ctx)
+
+
+def test_a_long_session_keeps_the_unified_layout_and_saves_across_layouts(tmp_path: Path) -> None:
+    ctx, _ = make()
+    with ctx:
+        with ctx.session() as session:
+            session.add_request(LONG, GREEDY).result()
+            assert ctx.kv_layout == "unified"
+            session.save(tmp_path / "long.session")
+            held = session.token_ids
+        with ctx.session() as short:
+            short.add_request("brief", GREEDY).result()
+            short.save(tmp_path / "short.session")
+        assert_idle(ctx)
+    fresh, fresh_backend = make()
+    with fresh:
+        with llamax.Session.load(fresh, tmp_path / "short.session") as short:
+            assert fresh.kv_layout == "streams"
+            short.add_request(" more", GREEDY).result()
+        with llamax.Session.load(fresh, tmp_path / "long.session") as restored:
+            assert fresh.kv_layout == "unified" and restored.token_ids == held
+            restored.add_request(" and more", GREEDY).result()
+        assert fresh_backend.num_relayouts == 1
+        assert_idle(fresh)
+
+
+def test_a_failed_move_fails_only_the_sequences_that_need_it() -> None:
+    ctx, backend = make()
+
+    def refuse(unified: bool) -> None:
+        raise RequestFailedError("out of memory (injected)")
+
+    backend.relayout = refuse  # type: ignore[method-assign]
+    with ctx:
+        short = ctx.add_request("short", GREEDY)
+        ctx.process()
+        long = ctx.add_request(LONG, GREEDY)
+        drain(ctx)
+        with pytest.raises(RequestFailedError, match="needs 72 KV cells, one stream holds 64"):
+            long.result()
+        assert len(short.result().text) == 12 and ctx.kv_layout == "streams"
+        assert run(ctx, ["still serving"])[0]
+        again = ctx.add_request(LONG + "!", GREEDY)
+        drain(ctx)
+        with pytest.raises(RequestFailedError, match=r"an earlier move .* failed: out of memory"):
+            again.result()
+        assert_idle(ctx)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_matches_the_unified_layout(seed: int) -> None:
+    """Mixed prompt lengths, n > 1 and cancellations, arriving over time; audit every step."""
+    rng = random.Random(seed)
+    arrivals: list[tuple[int, str, llamax.SamplingParams, bool]] = []
+    for i in range(24):
+        length = rng.choice([4, 8, 20, 40, 60, 70, 100])
+        prompt = "".join(rng.choice("abcdefgh ") for _ in range(length)) + str(i)
+        params = llamax.SamplingParams(
+            n=rng.choice([1, 1, 1, 2]),
+            max_tokens=rng.choice([4, 16, 48]),
+            ignore_eos=True,
+            temperature=0.0,
+        )
+        arrivals.append((rng.randrange(120), prompt, params, rng.random() < 0.1))
+    arrivals.sort(key=lambda a: a[0])
+
+    def replay(layout: str) -> tuple[list[str | None], int]:
+        ctx, backend = make(layout)
+        results: list[str | None] = []
+        with ctx:
+            handles = []
+            step = 0
+            pending = list(arrivals)
+            while pending or ctx.has_work():
+                while pending and pending[0][0] <= step:
+                    _, prompt, params, cancel = pending.pop(0)
+                    handles.append((ctx.add_request(prompt, params), cancel))
+                if handles and handles[-1][1]:
+                    handles[-1][0].cancel()
+                ctx.process()
+                assert ctx.audit() == []
+                step += 1
+            for handle, cancelled in handles:
+                results.append(
+                    None if cancelled else "|".join(c.text for c in handle.result().choices)
+                )
+            assert_idle(ctx)
+        return results, backend.num_relayouts
+
+    auto, moves = replay("auto")
+    unified, _ = replay("unified")
+    assert auto == unified
+    assert moves >= 1
