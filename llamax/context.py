@@ -103,7 +103,8 @@ class Context(OpenAIMethods, PipelineMethods):
 
     @property
     def n_ctx(self) -> int:
-        """KV cells granted (what the cache costs in memory, in every layout)."""
+        """KV cells granted: what the cache costs in memory. With ``kv_layout="auto"`` it is
+        the current layout's (streams round each stream up to 256 cells)."""
         return self._backend.n_ctx
 
     @property
@@ -118,7 +119,8 @@ class Context(OpenAIMethods, PipelineMethods):
 
     @property
     def kv_layout(self) -> str:
-        """``"unified"`` (one shared KV buffer) or ``"streams"`` (one per sequence)."""
+        """The KV layout now: ``"unified"`` (one shared buffer) or ``"streams"`` (one per
+        sequence); ``kv_layout="auto"`` moves between them (docs/kv-cache.md)."""
         return "unified" if self._backend.is_unified else "streams"
 
     @property

@@ -265,9 +265,12 @@ class ContextConfig:
     docs/kv-cache.md): ``"unified"``, one buffer all sequences share (any sequence may grow
     to ``n_ctx``, but every decode attends over the whole used span); ``"streams"``, one
     buffer of ``n_ctx // n_seq_max`` cells per sequence (each decode attends only to its
-    own cells; needs ``n_ctx_seq <= n_ctx // n_seq_max``); ``"auto"`` (default) picks
-    streams exactly when ``n_ctx_seq`` is given and fits in one stream, so a prompt that
-    fits ``n_ctx_seq`` never fails because of the layout. ``max_step_ms`` is the latency
+    own cells; needs ``n_ctx_seq <= n_ctx // n_seq_max``); ``"auto"`` (default): streams
+    when ``n_ctx_seq`` is given and fits in one; otherwise streams while every sequence
+    fits ``n_ctx // n_seq_max`` cells, moving the cache to the unified layout while one
+    needs more and back when all fit again (models with one plain KV cache; others stay
+    unified). So a prompt that fits ``n_ctx_seq`` never fails because of the layout, and
+    many short sequences never attend over each other's cells. ``max_step_ms`` is the latency
     target of one step while sequences are decoding: long prompts are prefilled in chunks
     sized (from measured step costs) to keep every stream's tokens coming about that
     often; ``None`` uses fixed ``n_batch`` chunks. ``n_batch`` is the per-step token budget:
@@ -322,7 +325,8 @@ class ContextConfig:
 
     @property
     def resolved_kv_layout(self) -> Literal["unified", "streams"]:
-        """The layout ``"auto"`` stands for with these sizes."""
+        """The layout ``"auto"`` starts from with these sizes: ``"unified"`` here means a
+        backend that can move between layouts starts with streams and adapts."""
         if self.kv_layout != "auto":
             return self.kv_layout
         fits = self.n_ctx_seq is not None and self.n_ctx_seq * self.n_seq_max <= self.n_ctx

@@ -90,7 +90,6 @@ class Scheduler:
         allow_drafts: bool = True,
     ) -> None:
         self._backend = backend
-        self._n_ctx = backend.n_ctx
         self._n_ctx_seq = backend.n_ctx_seq
         self._cpu_attention = backend.cpu_attention
         self._n_batch = backend.n_batch
@@ -511,7 +510,7 @@ class Scheduler:
             return {}
         room = budget
         if self.kv.is_unified:
-            room = min(room, self._n_ctx - self.kv.num_cells_used - self.num_pending_tokens)
+            room = min(room, self._backend.n_ctx - self.kv.num_cells_used - self.num_pending_tokens)
         if self.price_drafts:
             keep = self._price_drafts(slots, proposals, room)
         else:
@@ -700,13 +699,16 @@ class Scheduler:
     def _fits(self, new_cells: int, *, keep: Slot | None = None) -> bool:
         if not self.kv.is_unified:
             return True  # every sequence owns a stream of n_ctx_seq cells or more
-        while self.kv.num_cells_used + self.num_pending_tokens + new_cells > self._n_ctx:
+        while self.kv.num_cells_used + self.num_pending_tokens + new_cells > self._backend.n_ctx:
             if not self.prefix.evict_one(keep=keep):
                 return False
         return True
 
     def _make_room_for_growth(self) -> None:
-        while self.kv.is_unified and self.kv.num_cells_used + self.num_pending_tokens > self._n_ctx:
+        while (
+            self.kv.is_unified
+            and self.kv.num_cells_used + self.num_pending_tokens > self._backend.n_ctx
+        ):
             if self.prefix.evict_one():
                 continue
             if len(self._running) <= 1:

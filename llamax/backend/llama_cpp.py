@@ -23,10 +23,21 @@ from .platform import default_use_extra_bufts
 from .rpc import register_rpc_servers
 from .seq_state import restream
 
-__all__ = ["MIN_STREAM_CELLS", "LlamaCppBackend"]
+__all__ = ["MAX_STREAMS_MEMORY", "LlamaCppBackend"]
 
-MIN_STREAM_CELLS = 64
-"""``kv_layout="auto"`` starts with one stream per sequence only if each gets this many cells."""
+MAX_STREAMS_MEMORY = 2
+"""``kv_layout="auto"`` adapts (starting with one stream per sequence) only if the streams
+cost at most this many times the unified cache's memory. llama.cpp rounds every stream up
+to a multiple of 256 cells, so ``n_ctx=8192, n_seq_max=64`` holds 64 x 256 = 16,384 cells
+in streams (as ``llama-server -c 8192 -np 64`` does) and 8,192 unified."""
+_PAD = 256  # llama.cpp pads n_ctx, and each stream, to a multiple of this
+
+
+def _streams_cells(n_ctx: int, n_seq_max: int) -> int:
+    """Cells llama.cpp allocates for ``n_seq_max`` streams out of ``n_ctx``."""
+    per_seq = max(_PAD, -(-(n_ctx // n_seq_max) // _PAD) * _PAD)
+    return per_seq * n_seq_max
+
 
 _log = logging.getLogger("llamax.llama_cpp")
 # ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line)
@@ -163,7 +174,8 @@ class LlamaCppBackend:
                 and layout == "unified"
                 and self._plain_kv
                 and config.n_seq_max > 1
-                and config.n_ctx // config.n_seq_max >= MIN_STREAM_CELLS
+                and _streams_cells(config.n_ctx, config.n_seq_max)
+                <= MAX_STREAMS_MEMORY * max(config.n_ctx, _PAD)
             )
             self._is_unified = layout == "unified" and not self._can_relayout
             cparams.kv_unified = self._is_unified
@@ -187,7 +199,7 @@ class LlamaCppBackend:
         self._n_ctx = int(C.llama_n_ctx(ctx))
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
         self._n_ctx_stream = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
-        native_seq = self._n_ctx if self._can_relayout else self._n_ctx_stream
+        native_seq = config.n_ctx if self._can_relayout else self._n_ctx_stream
         self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
         self.num_relayouts = 0
         n_embd, n_head = C.llama_model_n_embd(model), max(1, C.llama_model_n_head(model))
@@ -211,7 +223,8 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ facts
     @property
     def n_ctx(self) -> int:
-        """KV cells granted by llama.cpp (may exceed the requested n_ctx after padding)."""
+        """KV cells llama.cpp granted in the current layout (padded to a multiple of 256;
+        streams pad each stream, so ``kv_layout="auto"`` may hold more while in streams)."""
         return self._n_ctx
 
     @property
@@ -271,6 +284,7 @@ class LlamaCppBackend:
             raise
         C.llama_free(self._ctx)
         self._ctx, self._memory, self._is_unified = new, C.llama_get_memory(new), unified
+        self._n_ctx = int(C.llama_n_ctx(new))
         self.num_relayouts += 1
 
     def _free_context(self) -> None:

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-layout",
         choices=("auto", "unified", "streams"),
         default="auto",
-        help="KV cache layout (default: auto)",
+        help="KV cache layout (default: auto: one stream per sequence while each fits "
+        "n_ctx / n_seq_max cells, unified while one needs more; see docs/kv-cache.md)",
     )
     p.add_argument(
         "--max-step-ms",

@@ -1,0 +1,81 @@
+"""``kv_layout="auto"`` on SmolLM2: short sequences run in streams of their own; a long
+prompt moves every sequence's cells into the unified layout mid-stream (with
+``llama_state_seq_get/set_data``), and many short ones move them back. Outputs agree with
+a solo greedy run up to llama.cpp's near ties, and sessions save and load across layouts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from near_tie import assert_greedy_agrees
+
+import llamax
+from llamax.scheduler import RELAYOUT_COOLDOWN_STEPS
+
+pytestmark = pytest.mark.model
+
+MakeReal = Callable[..., llamax.Context]
+
+
+def greedy(max_tokens: int) -> llamax.SamplingParams:
+    return llamax.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def counting(ctx: llamax.Context, start: int, n: int) -> list[int]:
+    return list(ctx.tokenize(", ".join(str(start + k) for k in range(n)) + ","))
+
+
+def test_long_prompt_moves_running_streams_to_unified_and_back(
+    make_real: MakeReal, tmp_path: Path
+) -> None:
+    ctx = make_real(n_ctx=2048, n_seq_max=4, n_threads=2)
+    stats = ctx.stats()
+    assert ctx.kv_layout == "streams" and ctx.n_ctx_seq == 2048
+    assert stats.kv_cells_per_stream == 512 and stats.kv_cells_total == 2048
+    probe = make_real(n_ctx=1024, n_seq_max=1, n_threads=2)
+
+    with ctx.session() as session:  # saved in streams, loaded after the move
+        session.add_request(counting(ctx, 500, 6), greedy(4)).result(timeout=300)
+        session.save(tmp_path / "short.session")
+
+    shorts = [counting(ctx, 10 * i, 5) for i in (1, 7)]
+    handles = [ctx.add_request(t, greedy(48)) for t in shorts]
+    for handle in handles:
+        next(iter(handle))  # both are decoding, in their own streams
+    long_prompt = counting(ctx, 1000, 150)  # ~900 tokens: more than a stream holds
+    assert len(long_prompt) > 512
+    long = ctx.add_request(long_prompt, greedy(8))
+    outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
+    long_output = list(long.result(timeout=300).choices[0].token_ids)
+    # moved to unified for the long prompt; maybe back already, once it was done
+    moves = ctx.stats().num_relayouts
+    assert moves in (1, 2) and ctx.kv_layout == ("unified" if moves == 1 else "streams")
+    for prompt, got in zip([*shorts, long_prompt], [*outputs, long_output], strict=True):
+        solo = probe.add_request(prompt, greedy(len(got))).result(timeout=300)
+        assert_greedy_agrees(probe, prompt, list(solo.choices[0].token_ids), got)
+
+    with llamax.Session.load(ctx, tmp_path / "short.session") as restored:
+        more = restored.add_request(counting(ctx, 506, 2), greedy(4)).result(timeout=300)
+        assert more.choices[0].token_ids
+
+    # many short ones, long enough to outlast the cooldown: back to streams
+    again = [counting(ctx, 100 * i, 5) for i in range(1, 4)]
+    handles = [ctx.add_request(t, greedy(RELAYOUT_COOLDOWN_STEPS + 24)) for t in again]
+    outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
+    assert ctx.kv_layout == "streams" and ctx.stats().num_relayouts == 2
+    assert ctx.stats().kv_cells_total == 2048
+    for prompt, got in zip(again, outputs, strict=True):
+        solo = probe.add_request(prompt, greedy(len(got))).result(timeout=300)
+        assert_greedy_agrees(probe, prompt, list(solo.choices[0].token_ids), got)
+
+
+def test_auto_picks_streams_only_within_twice_the_memory(make_real: MakeReal) -> None:
+    # llama.cpp rounds each stream up to 256 cells: 64 x 256 = 2 x 8192, still adapts
+    wide = make_real(n_ctx=8192, n_seq_max=64, n_threads=2)
+    assert wide.kv_layout == "streams" and wide.stats().kv_cells_per_stream == 256
+    assert wide.n_ctx == 16384 and wide.n_ctx_seq == 8192
+    # 66 x 256 > 2 x 4096: stays unified
+    narrow = make_real(n_ctx=4096, n_seq_max=66, n_threads=2)
+    assert narrow.kv_layout == "unified" and narrow.stats().kv_cells_per_stream == 4096
