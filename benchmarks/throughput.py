@@ -11,10 +11,10 @@ to the last token. Systems, in one process (llama-server in its own), 2 threads 
 ``llamax``
     One ``llamax.Context`` (background loop) built for the largest N; N ``add_request``
     calls at once, then ``handle.result()`` for each. The cache is cleared before each run.
-    Its default layout: one unified KV buffer (any sequence may grow to ``n_ctx``).
-``llamax_streams``
-    The same with ``n_ctx_seq=n_ctx // n_seq_max`` (128 tokens a sequence), so ``auto``
-    picks one KV stream per sequence: the memory and per-slot limit of ``raw_streams``.
+    Its default layout, ``auto``: one KV stream per sequence while each fits its stream
+    (here, always), so any sequence may still grow to ``n_ctx`` (docs/kv-cache.md).
+``llamax_unified``
+    The same with ``kv_layout="unified"``: one KV buffer all sequences share.
 ``llama_cpp_python``
     ``Llama.create_completion`` N times, one after another (``--quick``: not at N=64).
 ``llama_server``
@@ -70,11 +70,11 @@ WARMUP_TOKENS = 8
 THRESHOLD = 0.95
 FEATURE_N = 16
 FEATURE_THRESHOLD = 0.85
-RAW, STREAMS, LLAMAX, LLAMAX_STREAMS, LCP, SERVER = (
+RAW, STREAMS, LLAMAX, LLAMAX_UNIFIED, LCP, SERVER = (
     "raw",
     "raw_streams",
     "llamax",
-    "llamax_streams",
+    "llamax_unified",
     "llama_cpp_python",
     "llama_server",
 )
@@ -176,16 +176,11 @@ def build(
     log(f"loading systems: n_ctx={N_CTX} n_seq_max={n_seq_max} n_batch={N_BATCH}")
     ctx = llamax.Context(model, n_ctx=N_CTX, n_seq_max=n_seq_max, n_batch=N_BATCH, n_threads=2)
     closers.append(ctx.close)
-    streams = llamax.Context(
-        model,
-        n_ctx=N_CTX,
-        n_seq_max=n_seq_max,
-        n_ctx_seq=N_CTX // n_seq_max,
-        n_batch=N_BATCH,
-        n_threads=2,
+    unified = llamax.Context(
+        model, n_ctx=N_CTX, n_seq_max=n_seq_max, n_batch=N_BATCH, n_threads=2, kv_layout="unified"
     )
-    closers.append(streams.close)
-    systems = [System(LLAMAX, llamax_run(ctx)), System(LLAMAX_STREAMS, llamax_run(streams))]
+    closers.append(unified.close)
+    systems = [System(LLAMAX, llamax_run(ctx)), System(LLAMAX_UNIFIED, llamax_run(unified))]
     for name, unified in ((RAW, True), (STREAMS, False)):
         loop = RawLoop(model, n_ctx=N_CTX, n_seq_max=n_seq_max, n_batch=N_BATCH, kv_unified=unified)
         closers.append(loop.close)
@@ -250,11 +245,11 @@ def report(
         return {str(n): ratio(num(n), den(n)) for n in ns}
 
     lx = lambda n: med(LLAMAX, n)  # noqa: E731
-    lxs = lambda n: med(LLAMAX_STREAMS, n)  # noqa: E731
+    lxu = lambda n: med(LLAMAX_UNIFIED, n)  # noqa: E731
     ratios = {
-        "llamax_streams_over_raw_streams": per_n(lxs, lambda n: med(STREAMS, n)),
-        "llamax_streams_over_best_raw": per_n(lxs, best_raw),
-        "llamax_streams_over_llama_server": per_n(lxs, lambda n: med(SERVER, n)),
+        "llamax_unified_over_raw": per_n(lxu, lambda n: med(RAW, n)),
+        "llamax_unified_over_llama_server": per_n(lxu, lambda n: med(SERVER, n)),
+        "llamax_over_llamax_unified": per_n(lx, lxu),
         "llamax_over_raw": per_n(lx, lambda n: med(RAW, n)),
         "llamax_over_raw_streams": per_n(lx, lambda n: med(STREAMS, n)),
         "llamax_over_best_raw": per_n(lx, best_raw),
@@ -265,12 +260,6 @@ def report(
     values = {
         **{f"llamax_vs_best_raw_N{n}": ratios["llamax_over_best_raw"][str(n)] for n in ns},
         **{f"llamax_vs_llama_server_N{n}": ratios["llamax_over_llama_server"][str(n)] for n in ns},
-        **{
-            f"llamax_streams_vs_llama_server_N{n}": ratios["llamax_streams_over_llama_server"][
-                str(n)
-            ]
-            for n in ns
-        },
         "llamax_vs_llama_cpp_python_N1": ratios["llamax_over_llama_cpp_python"].get("1"),
         **{
             f"{f}_vs_llamax_N{FEATURE_N}": ratio(med(f, FEATURE_N), lx(FEATURE_N))
@@ -279,7 +268,6 @@ def report(
     }
     limits = {f"llamax_vs_best_raw_N{n}": THRESHOLD for n in (16, 64)}
     limits |= {f"llamax_vs_llama_server_N{n}": 1.0 for n in (16, 64)}
-    limits |= {f"llamax_streams_vs_llama_server_N{n}": 1.0 for n in (16, 64)}
     limits |= {"llamax_vs_llama_cpp_python_N1": THRESHOLD}
     limits |= {f"{f}_vs_llamax_N{FEATURE_N}": FEATURE_THRESHOLD for f in (NOOP, LOGPROBS)}
     agree = {}

@@ -103,8 +103,9 @@ class Context(OpenAIMethods, PipelineMethods):
 
     @property
     def n_ctx(self) -> int:
-        """KV cells granted: what the cache costs in memory. With ``kv_layout="auto"`` it is
-        the current layout's (streams round each stream up to 256 cells)."""
+        """KV cells granted (``n_ctx`` padded to a multiple of 256). ``stats().kv_cells_total``
+        is what the current layout holds: with ``kv_layout="auto"`` in streams it may be up
+        to twice as many, as llama.cpp rounds each stream up to 256 cells."""
         return self._backend.n_ctx
 
     @property

@@ -118,6 +118,7 @@ class Scheduler:
         self._stream_cells = self.kv.cells_per_seq  # kv_layout="auto" starts with streams
         self._adaptive = self.kv.can_relayout
         self._relayout_error = ""
+        self._relayout_pause_s = 0.0
         self._steps_in_layout = 0
         self.num_relayouts = 0
         self.relayout_seconds = 0.0
@@ -206,6 +207,9 @@ class Scheduler:
         if fixed is not None and self._max_step_s is not None:
             # the prompt chunks of a step may add up to max_step_ms to its decode rows
             self._step_budget_s = self._max_step_s + self.step_cost.predict(fixed)
+            # a layout move just paused the streams: this step's chunks get that much less
+            self._step_budget_s -= self._relayout_pause_s
+        self._relayout_pause_s = 0.0
         for seq in self._running:
             if seq.num_pending > 1 and budget > 0:
                 take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
@@ -295,7 +299,8 @@ class Scheduler:
             return
         self._steps_in_layout = 0
         self.num_relayouts += 1
-        self.relayout_seconds += time.perf_counter() - started
+        self._relayout_pause_s = time.perf_counter() - started
+        self.relayout_seconds += self._relayout_pause_s
 
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache, many decode

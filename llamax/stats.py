@@ -30,7 +30,8 @@ class ContextStats:
     kv_cells_used: int
     """Distinct KV cells in use (shared prefixes count once)."""
     kv_cells_total: int
-    """KV cells in the context (``n_ctx``)."""
+    """KV cells the context holds now: ``n_ctx``, or with ``kv_layout="auto"`` in streams,
+    every stream's (each rounded up to 256 cells by llama.cpp, at most ``2 * n_ctx``)."""
     kv_cells_per_seq: int
     """The most cells (tokens) one sequence may hold (``n_ctx_seq``)."""
     kv_layout: str

@@ -113,6 +113,11 @@ class FakeBackend:
         return self._n_ctx
 
     @property
+    def kv_cells(self) -> int:
+        """``n_ctx``: the fake pads nothing."""
+        return self._n_ctx
+
+    @property
     def n_ctx_seq(self) -> int:
         """``n_ctx``, or each stream's ``n_ctx // n_seq_max`` cells with ``kv_layout="streams"``."""
         return self._n_ctx_seq

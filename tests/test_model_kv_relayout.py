@@ -75,7 +75,8 @@ def test_auto_picks_streams_only_within_twice_the_memory(make_real: MakeReal) ->
     # llama.cpp rounds each stream up to 256 cells: 64 x 256 = 2 x 8192, still adapts
     wide = make_real(n_ctx=8192, n_seq_max=64, n_threads=2)
     assert wide.kv_layout == "streams" and wide.stats().kv_cells_per_stream == 256
-    assert wide.n_ctx == 16384 and wide.n_ctx_seq == 8192
+    assert wide.n_ctx == 8192 and wide.n_ctx_seq == 8192
+    assert wide.stats().kv_cells_total == 16384
     # 66 x 256 > 2 x 4096: stays unified
     narrow = make_real(n_ctx=4096, n_seq_max=66, n_threads=2)
     assert narrow.kv_layout == "unified" and narrow.stats().kv_cells_per_stream == 4096

@@ -40,14 +40,21 @@ def streams(make_real: MakeReal) -> llamax.Context:
     return ctx
 
 
-def test_auto_picks_streams_only_when_every_sequence_fits_its_stream(
+def test_auto_starts_with_streams_and_says_what_each_sequence_may_hold(
     make_real: MakeReal,
 ) -> None:
-    unified = make_real(n_ctx=1024, n_seq_max=4)
-    assert unified.kv_layout == "unified" and unified.n_ctx_seq == 1024
-    stats = unified.stats()
-    assert stats.kv_layout == "unified" and stats.kv_cells_per_seq == 1024
+    # n_ctx_seq defaults to n_ctx: auto adapts, starting with 4 streams of 256 cells
+    adaptive = make_real(n_ctx=1024, n_seq_max=4)
+    assert adaptive.kv_layout == "streams" and adaptive.n_ctx_seq == 1024
+    stats = adaptive.stats()
+    assert stats.kv_layout == "streams" and stats.kv_cells_per_seq == 1024
+    assert stats.kv_cells_per_stream == 256 and stats.kv_cells_total == 1024
     assert stats.kv_bytes_total > 1024 * 1000  # SmolLM2: ~23 KB a cell
+    # 16 streams would round up to 16 x 256 cells, over twice n_ctx: unified
+    unified = make_real(n_ctx=1024, n_seq_max=16)
+    stats = unified.stats()
+    assert unified.kv_layout == "unified" and stats.kv_cells_per_stream == 1024
+    assert stats.kv_cells_total == 1024 and stats.num_relayouts == 0
     with pytest.raises(llamax.InvalidParameterError, match="n_ctx_seq"):
         make_real(n_ctx=1024, n_seq_max=4, n_ctx_seq=512, kv_layout="streams")
 

@@ -129,6 +129,11 @@ class BatchDecoder(Protocol):
         ...
 
     @property
+    def kv_cells(self) -> int:
+        """KV cells allocated in the current layout (what the cache costs in memory)."""
+        ...
+
+    @property
     def n_seq_max(self) -> int:
         """How many sequence ids exist (0 .. n_seq_max-1)."""
         ...

@@ -33,10 +33,13 @@ in streams (as ``llama-server -c 8192 -np 64`` does) and 8,192 unified."""
 _PAD = 256  # llama.cpp pads n_ctx, and each stream, to a multiple of this
 
 
+def _padded(n: int) -> int:
+    return max(_PAD, -(-n // _PAD) * _PAD)
+
+
 def _streams_cells(n_ctx: int, n_seq_max: int) -> int:
     """Cells llama.cpp allocates for ``n_seq_max`` streams out of ``n_ctx``."""
-    per_seq = max(_PAD, -(-(n_ctx // n_seq_max) // _PAD) * _PAD)
-    return per_seq * n_seq_max
+    return _padded(_padded(n_ctx) // n_seq_max) * n_seq_max
 
 
 _log = logging.getLogger("llamax.llama_cpp")
@@ -196,9 +199,13 @@ class LlamaCppBackend:
         self._vocab = C.llama_model_get_vocab(model)
         self._memory = C.llama_get_memory(ctx)
         self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
-        self._n_ctx = int(C.llama_n_ctx(ctx))
+        self._kv_cells = int(C.llama_n_ctx(ctx))
+        # a unified cache's cells: what n_ctx asked for, padded as llama.cpp pads it
+        self._n_ctx = _padded(config.n_ctx) if self._can_relayout else self._kv_cells
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
         self._n_ctx_stream = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
+        if self._can_relayout:
+            self._n_ctx_stream = int(C.llama_n_ctx_seq(ctx))
         native_seq = config.n_ctx if self._can_relayout else self._n_ctx_stream
         self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
         self.num_relayouts = 0
@@ -223,9 +230,15 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ facts
     @property
     def n_ctx(self) -> int:
-        """KV cells llama.cpp granted in the current layout (padded to a multiple of 256;
-        streams pad each stream, so ``kv_layout="auto"`` may hold more while in streams)."""
+        """KV cells of the unified cache, as granted (``n_ctx`` padded to a multiple of 256);
+        with a fixed ``"streams"`` layout, all the streams' cells."""
         return self._n_ctx
+
+    @property
+    def kv_cells(self) -> int:
+        """KV cells allocated now: ``kv_layout="auto"`` in streams may hold more than
+        :attr:`n_ctx`, since llama.cpp rounds each stream up to 256 cells."""
+        return self._kv_cells
 
     @property
     def n_seq_max(self) -> int:
@@ -245,7 +258,7 @@ class LlamaCppBackend:
     @property
     def n_ctx_stream(self) -> int:
         """Cells one sequence may hold in the current layout: its stream's, or ``n_ctx``."""
-        return self._n_ctx if self._is_unified else self._n_ctx_stream
+        return self._kv_cells if self._is_unified else self._n_ctx_stream
 
     @property
     def can_relayout(self) -> bool:
@@ -284,7 +297,9 @@ class LlamaCppBackend:
             raise
         C.llama_free(self._ctx)
         self._ctx, self._memory, self._is_unified = new, C.llama_get_memory(new), unified
-        self._n_ctx = int(C.llama_n_ctx(new))
+        self._kv_cells = int(C.llama_n_ctx(new))
+        if unified:
+            self._n_ctx = self._kv_cells
         self.num_relayouts += 1
 
     def _free_context(self) -> None:
