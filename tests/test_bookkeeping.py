@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import llamax
+from llamax import scheduler as scheduler_module
 from llamax.testing import FakeBackend, assert_idle
 
 PREFIXES = ["", "system prompt one. ", "system prompt two, longer than one. "]
@@ -113,7 +114,32 @@ class StreamsMachine(EngineMachine):
     }
 
 
+class AutoMachine(EngineMachine):
+    """The same with ``kv_layout="auto"``: streams of 32 cells, so most prompts move the
+    cache to the unified layout, and (with a 2-step cooldown) back to streams often."""
+
+    backend_options: ClassVar[dict[str, object]] = {
+        "n_ctx": 160,
+        "n_seq_max": 5,
+        "n_batch": 16,
+        "kv_layout": "auto",
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cooldown = scheduler_module.RELAYOUT_COOLDOWN_STEPS
+        scheduler_module.RELAYOUT_COOLDOWN_STEPS = 2
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            scheduler_module.RELAYOUT_COOLDOWN_STEPS = self._cooldown
+
+
 EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 StreamsMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+AutoMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestEngineMachine = EngineMachine.TestCase
 TestStreamsMachine = StreamsMachine.TestCase
+TestAutoMachine = AutoMachine.TestCase
