@@ -117,11 +117,10 @@ class Scheduler:
         self.num_accepted_tokens = 0
         self._stream_cells = self.kv.cells_per_seq  # kv_layout="auto" starts with streams
         self._adaptive = self.kv.can_relayout
-        self._relayout_error = ""
+        self._relayout_failure: str | None = None  # why the unified layout is out of reach
         self._relayout_pause_s = 0.0
         self._steps_in_layout = 0
         self.num_relayouts = 0
-        self.relayout_seconds = 0.0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -279,28 +278,30 @@ class Scheduler:
         return len(seq.token_ids) + room
 
     def _relayout(self, unified: bool, result: StepResult) -> None:
-        started = time.perf_counter()
-        try:
-            if not self.kv.can_relayout:
-                raise RequestFailedError(self._relayout_error)
-            self.kv.relayout(unified)
-        except RequestFailedError as exc:
-            self.kv.disable_relayout()  # stay in this layout from now on
-            self._relayout_error = f"an earlier move to the unified layout failed: {exc}"
-            if unified:  # the sequences that outgrew their streams cannot go on
-                cap = self._stream_cells
-                for seq in self.all_sequences():
-                    if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
-                        error = RequestFailedError(
-                            f"the request needs {len(seq.token_ids)} KV cells, one stream "
-                            f"holds {cap}, and the unified layout failed: {exc}"
-                        )
-                        self.fail(seq.request, error, result)
+        """Move the cache to the other layout. If that fails, stay in this layout from now
+        on; when moving to unified, fail the sequences that outgrew their streams."""
+        if self._relayout_failure is None:
+            started = time.perf_counter()
+            try:
+                self.kv.relayout(unified)
+            except RequestFailedError as exc:
+                self.kv.disable_relayout()
+                self._relayout_failure = f"the unified layout could not be made: {exc}"
+            else:
+                self._steps_in_layout = 0
+                self.num_relayouts += 1
+                self._relayout_pause_s = time.perf_counter() - started
+                return
+        if not unified:
             return
-        self._steps_in_layout = 0
-        self.num_relayouts += 1
-        self._relayout_pause_s = time.perf_counter() - started
-        self.relayout_seconds += self._relayout_pause_s
+        cap = self._stream_cells
+        for seq in self.all_sequences():
+            if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
+                error = RequestFailedError(
+                    f"the request needs {len(seq.token_ids)} KV cells, one stream holds "
+                    f"{cap}, and {self._relayout_failure}"
+                )
+                self.fail(seq.request, error, result)
 
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache, many decode

@@ -204,11 +204,8 @@ class LlamaCppBackend:
         self._n_ctx = _padded(config.n_ctx) if self._can_relayout else self._kv_cells
         self._n_seq_max = int(C.llama_n_seq_max(ctx))
         self._n_ctx_stream = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
-        if self._can_relayout:
-            self._n_ctx_stream = int(C.llama_n_ctx_seq(ctx))
         native_seq = config.n_ctx if self._can_relayout else self._n_ctx_stream
         self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
-        self.num_relayouts = 0
         n_embd, n_head = C.llama_model_n_embd(model), max(1, C.llama_model_n_head(model))
         kv_dim = n_embd // n_head * C.llama_model_n_head_kv(model)
         self._kv_bytes_per_cell = int(2 * 2 * kv_dim * C.llama_model_n_layer(model))  # K+V, f16
@@ -273,8 +270,8 @@ class LlamaCppBackend:
         the new stream count): copied prefixes no longer share cells afterwards.
 
         Raises:
-            RequestFailedError: llama.cpp could not create the context or refused a state
-                (a sequence that does not fit its stream).
+            RequestFailedError: llama.cpp could not create the context, or a state could not
+                be moved (a sequence that does not fit its stream).
         """
         if unified == self._is_unified:
             return
@@ -288,7 +285,10 @@ class LlamaCppBackend:
             for seq_id in range(self._n_seq_max):
                 if self.seq_pos_max(seq_id) < 0:
                     continue
-                data = restream(self._state_get(self._ctx, seq_id), n_stream)
+                try:
+                    data = restream(self._state_get(self._ctx, seq_id), n_stream)
+                except ValueError as exc:
+                    raise RequestFailedError(f"sequence {seq_id}'s state: {exc}") from exc
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
                 if int(C.llama_state_seq_set_data(new, buf, len(data), seq_id)) <= 0:
                     raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
@@ -300,7 +300,6 @@ class LlamaCppBackend:
         self._kv_cells = int(C.llama_n_ctx(new))
         if unified:
             self._n_ctx = self._kv_cells
-        self.num_relayouts += 1
 
     def _free_context(self) -> None:
         self._C.llama_free(self._ctx)
