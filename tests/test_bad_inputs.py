@@ -7,6 +7,7 @@ same context answers a normal request and is idle (nothing leaked).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,20 @@ def _closed_session(ctx: llamax.Context) -> object:
 
 
 def _duplicate_id(ctx: llamax.Context) -> object:
-    first = ctx.add_request("abc", P(max_tokens=900, ignore_eos=True), request_id="same")
+    # The first request is held in the engine (its logits processor waits) until the
+    # duplicate has been tried: a fast fake backend could otherwise finish it first.
+    tried = threading.Event()
+
+    def hold(token_ids: Any, logits: Any) -> None:
+        tried.wait(timeout=10)
+
+    first = ctx.add_request(
+        "abc", P(max_tokens=900, ignore_eos=True, logits_processors=[hold]), request_id="same"
+    )
     try:
         return ctx.add_request("abd", P(max_tokens=2), request_id="same")
     finally:
+        tried.set()
         first.cancel()
         first.result(timeout=10)
 
