@@ -66,14 +66,15 @@ class StepTrace(logging.Handler):
         logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        args = cast(tuple[int, int, int, float, float], record.args)
-        tokens, attention, row_attention, predicted, measured = args
+        args = cast(tuple[int, int, int, int, float, float], record.args)
+        tokens, attention, row_attention, tile_waste, predicted, measured = args
         self.rows.append(
             {
                 "t": time.perf_counter(),
                 "tokens": tokens,
                 "attention": attention,
                 "row_attention": row_attention,
+                "tile_waste": tile_waste,
                 "predicted": round(predicted, 4),
                 "measured": round(measured, 4),
             }

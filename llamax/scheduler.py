@@ -50,6 +50,7 @@ from .step_budget import (
     StepFeatures,
     micro_batch,
     step_with_chunk,
+    tile_waste_table,
 )
 from .tokens import common_prefix_len
 
@@ -95,7 +96,9 @@ class Scheduler:
         self._n_batch = backend.n_batch
         self._max_step_s = None if max_step_ms is None else max_step_ms / 1000
         self._step_budget_s = 0.0
-        self.step_cost = StepCostModel()
+        tiles = backend.attention_tiles
+        waste = None if tiles is None else tile_waste_table(backend.n_batch, *tiles)
+        self.step_cost = StepCostModel(waste=waste)
         self.kv = KVCache(backend, backend.n_seq_max)
         self.prefix = PrefixCache(self.kv, retain=prefix_cache and backend.can_share_prefix)
         self.sessions = SessionTable(self)
@@ -337,10 +340,10 @@ class Scheduler:
             num = plan.num_tokens
             own = [e.seq.num_computed + 1 for e in plan.entries if len(e.item.token_ids) == 1]
             chunks = (num - len(own)) * (self.kv.num_cells_used + num)
-            return micro_batch(num, sum(own) + chunks)
+            return micro_batch(num, sum(own) + chunks, waste=self.step_cost.waste)
         return sum(
             (
-                micro_batch(n, n * (e.item.start_pos + n // 2))
+                micro_batch(n, n * (e.item.start_pos + n // 2), waste=self.step_cost.waste)
                 for e in plan.entries
                 for n in (len(e.item.token_ids),)
             ),
@@ -353,7 +356,8 @@ class Scheduler:
 
     def _decode_features(self, decode: list[Sequence]) -> StepFeatures:
         if self.kv.is_unified:
-            return micro_batch(len(decode), sum(seq.num_computed + 1 for seq in decode))
+            cells = sum(seq.num_computed + 1 for seq in decode)
+            return micro_batch(len(decode), cells, waste=self.step_cost.waste)
         return sum((micro_batch(1, seq.num_computed + 1) for seq in decode), StepFeatures())
 
     def _chunk(
@@ -384,7 +388,7 @@ class Scheduler:
                 stretched = self._step_budget_s + (MAX_STRETCH - 1) * self._max_step_s
                 most = cost.largest_chunk(fixed, attend, limit, stretched, unified=unified, floor=0)
                 take = max(take, most)
-        return take, step_with_chunk(fixed, take, attend, unified=unified)
+        return take, step_with_chunk(fixed, take, attend, unified=unified, waste=cost.waste)
 
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else

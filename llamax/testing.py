@@ -68,6 +68,7 @@ class FakeBackend:
         eog_token_ids: Sequence[int] = (EOS,),
         kv_layout: str = "unified",
         cpu_attention: bool = True,
+        attention_tiles: tuple[int, int] | None = None,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         if kv_layout not in ("unified", "streams", "auto"):
@@ -75,6 +76,7 @@ class FakeBackend:
         self._is_unified = kv_layout == "unified"
         self._can_relayout = kv_layout == "auto"
         self._cpu_attention = cpu_attention
+        self._attention_tiles = attention_tiles
         self._n_ctx_seq = n_ctx if kv_layout != "streams" else n_ctx // n_seq_max
         self.num_relayouts = 0
         self._next_token = next_token
@@ -161,6 +163,11 @@ class FakeBackend:
     def cpu_attention(self) -> bool:
         """As configured by ``cpu_attention`` (True: act like ggml's CPU backend)."""
         return self._cpu_attention
+
+    @property
+    def attention_tiles(self) -> tuple[int, int] | None:
+        """As configured by ``attention_tiles`` (None: the cost model counts no tiles)."""
+        return self._attention_tiles
 
     @property
     def kv_bytes_per_cell(self) -> int:

@@ -17,6 +17,7 @@ from llamax.step_budget import (
     StepFeatures,
     micro_batch,
     step_with_chunk,
+    tile_waste_table,
 )
 from llamax.testing import FakeBackend
 
@@ -246,3 +247,67 @@ def test_the_fit_tells_row_by_row_attention_apart() -> None:
     model = fitted(seed=5, cost=cliff_cost)
     for f in (micro_batch(40, 40 * 3400), micro_batch(64, 64 * 3400), micro_batch(4, 4 * 100)):
         assert model.predict(f) == pytest.approx(cliff_cost(f), rel=0.1)
+
+
+def tiles(rows: int, n_head: int = 9) -> int:
+    """Tiles of a micro-batch of ``rows`` rows on 2 threads, from the waste table."""
+    return round((tile_waste_table(512, n_head, 2)[rows] + 1) * rows * n_head / TILE_ROWS)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n_tiles"), [(64, 16), (65, 18), (84, 21), (96, 22), (128, 24), (512, 72)]
+)
+def test_the_waste_table_counts_ggml_tiles(rows: int, n_tiles: int) -> None:
+    """9 heads on 2 threads: 8 work chunks of ``ceil(9 x rows / 8)`` query rows, each cut
+    into tiles at its end and at every head's end (counted by hand from
+    ``ggml_compute_forward_flash_attn_ext_f16``)."""
+    assert tiles(rows) == n_tiles
+
+
+def test_the_waste_table_is_zero_where_tiles_are_full_or_absent() -> None:
+    waste = tile_waste_table(512, 9, 2)
+    assert not waste[:TILE_ROWS].any()  # row by row: no tiles
+    assert waste[512] == pytest.approx(0.0)  # 4,608 rows in 8 chunks of 9 whole tiles
+    one_thread = tile_waste_table(512, 8, 1)  # one chunk: tiles cut only at heads
+    assert one_thread[64] == pytest.approx(0.0) and one_thread[65] > 0.5
+    # 16 tiles of 64 rows for 64 x 9 rows: 7/9 more
+    assert micro_batch(64, 64_000, waste=waste).tile_waste == pytest.approx(64_000 * 7 / 9, abs=1)
+    assert micro_batch(40, 40 * 1000, waste=waste).tile_waste == 0
+
+
+def tiled_cost(f: StepFeatures) -> float:
+    """A CPU whose tiled attention computes the padded rows of every tile."""
+    return 0.006 + 0.003 * f.num_tokens + 1e-6 * (f.attention + f.tile_waste)
+
+
+def test_the_chunk_search_knows_which_chunks_fill_their_tiles() -> None:
+    """Beside 4 decode rows at 3,400 cells, the largest chunk within the budget is taken
+    by its tiles: a step of 128 rows costs as many tiles as one of 108, so the search
+    lands where the tiles are full, and the prediction holds at every size."""
+    waste = tile_waste_table(512, 9, 2)
+    model = StepCostModel(waste=waste)
+    rng = random.Random(6)
+    for _ in range(200):
+        n = rng.randint(1, 512)
+        f = micro_batch(n, n * rng.randint(10, 3000), waste=waste)
+        model.observe(f, tiled_cost(f))
+    decode = micro_batch(4, 4 * 3400, waste=waste)
+    for k in (40, 60, 80, 100, 124, 200):
+        step = step_with_chunk(decode, k, 3404, unified=True, waste=waste)
+        assert model.predict(step) == pytest.approx(tiled_cost(step), rel=0.05)
+    budget = tiled_cost(step_with_chunk(decode, 124, 3404, unified=True, waste=waste)) * 1.01
+    k = model.largest_chunk(decode, 3404, 512, budget, unified=True)
+    assert 120 <= k <= 124
+    blind = StepCostModel()  # the same steps, tiles unknown
+    rng = random.Random(6)
+    for _ in range(200):
+        n = rng.randint(1, 512)
+        cells = n * rng.randint(10, 3000)
+        blind.observe(micro_batch(n, cells), tiled_cost(micro_batch(n, cells, waste=waste)))
+    for k in (60, 80, 124):
+        truth = tiled_cost(step_with_chunk(decode, k, 3404, unified=True, waste=waste))
+        errors = [
+            abs(m.predict(step_with_chunk(decode, k, 3404, unified=True, waste=w)) / truth - 1)
+            for m, w in ((model, waste), (blind, None))
+        ]
+        assert errors[0] < 0.05 < errors[1]

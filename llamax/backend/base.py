@@ -156,6 +156,13 @@ class BatchDecoder(Protocol):
         for it; on a GPU a split would only read the weights twice)."""
         ...
 
+    @property
+    def attention_tiles(self) -> tuple[int, int] | None:
+        """``(query heads, threads)`` when ggml's CPU flash attention computes micro-batches
+        of 64 rows or more in tiles, whose padding the step cost model counts
+        (:func:`llamax.step_budget.tile_waste_table`); ``None`` otherwise."""
+        ...
+
     def decode(self, items: Sequence[BatchItem]) -> int:
         """Run one multi-sequence forward pass; return the ``llama_decode`` status code."""
         ...

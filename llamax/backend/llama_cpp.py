@@ -199,6 +199,11 @@ class LlamaCppBackend:
         self._vocab = C.llama_model_get_vocab(model)
         self._memory = C.llama_get_memory(ctx)
         self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
+        self._attention_tiles = (
+            (max(1, int(C.llama_model_n_head(model))), config.n_threads_batch or config.n_threads)
+            if self._cpu_attention and config.flash_attn is not False
+            else None
+        )
         self._kv_cells = int(C.llama_n_ctx(ctx))
         # a unified cache's cells: what n_ctx asked for, padded as llama.cpp pads it
         self._n_ctx = _padded(config.n_ctx) if self._can_relayout else self._kv_cells
@@ -308,6 +313,12 @@ class LlamaCppBackend:
     def cpu_attention(self) -> bool:
         """No layer is offloaded: no GPU or RPC device, or ``n_gpu_layers=0``."""
         return self._cpu_attention
+
+    @property
+    def attention_tiles(self) -> tuple[int, int] | None:
+        """The model's query heads and the batch threads, when attention is ggml's CPU
+        flash attention (``flash_attn`` not False, nothing offloaded)."""
+        return self._attention_tiles
 
     @property
     def kv_bytes_per_cell(self) -> int:
