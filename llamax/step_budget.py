@@ -8,7 +8,10 @@ larger one in tiles; over a long context a row costs several times more the firs
 (measured with SmolLM2 at 3,400 cells: 60 prompt tokens plus 4 decode rows, 64 rows, took
 0.48 s; 56 plus 4 took 0.84 s). So the cost of a chunk is not monotonic in its size, and the
 chunk search below tries every size rather than bisecting. On backends without the cliff
-``c3`` is learned as about zero. :class:`StepCostModel` learns
+``c3`` is learned as about zero. The tiles themselves are padded: a tile costs a whole one
+however few rows it holds, so ``attention`` is counted with the padded rows' share
+(:attr:`StepFeatures.tile_waste`, from :func:`tile_waste_table`) where the backend reports
+its ``attention_tiles``. :class:`StepCostModel` learns
 the four coefficients online from measured steps (recursive least squares with a
 forgetting factor, so it follows a machine whose load changes). While sequences are
 decoding, the scheduler gives prompts the largest chunks that add at most ``max_step_ms``
@@ -67,6 +70,10 @@ its decode rows."""
 TILE_ROWS = 64
 """Query rows from which ggml's CPU flash attention uses its tiled kernel
 (``GGML_FA_TILE_Q``); a micro-batch of fewer rows is computed row by row."""
+
+Waste = npt.NDArray[np.float64]
+"""``waste[n]``: the padded query rows, per row, the tiled kernel computes beside a
+micro-batch of ``n`` rows (zero below :data:`TILE_ROWS`); see :func:`tile_waste_table`."""
 
 _SCALE = np.array([1.0, 1e-2, 1e-5, 1e-5])  # keeps the least-squares problem well conditioned
 # 2-thread CPU, SmolLM2: 4 ms + 3 ms/token + 1 µs/attended cell, +2 µs when row by row
@@ -234,12 +241,7 @@ def micro_batch(num_tokens: int, attention: int, *, waste: Waste | None = None) 
     a streams cache (each stream's rows are attended to apart)."""
     if num_tokens < TILE_ROWS:
         return StepFeatures(num_tokens, attention, attention)
-    return StepFeatures(num_tokens, attention, 0, int(attention * _extra(waste, num_tokens)))
-
-
-Waste = npt.NDArray[np.float64]
-"""``waste[n] - 1``: the extra query rows, per row, the tiled kernel computes for a
-micro-batch of ``n`` rows (zero below :data:`TILE_ROWS`)."""
+    return StepFeatures(num_tokens, attention, 0, int(attention * _extras(waste, num_tokens)))
 
 
 def tile_waste_table(max_rows: int, n_head: int, n_threads: int) -> Waste:
@@ -271,12 +273,6 @@ def tile_waste_table(max_rows: int, n_head: int, n_threads: int) -> Waste:
     return table
 
 
-def _extra(waste: Waste | None, rows: int) -> float:
-    if waste is None or rows < TILE_ROWS:
-        return 0.0
-    return float(waste[min(rows, len(waste) - 1)])
-
-
 _Num = TypeVar("_Num", int, npt.NDArray[np.float64])
 
 
@@ -300,7 +296,7 @@ def _with_chunk(
 
 
 def _extras(waste: Waste | None, rows: _Num) -> _Num:
-    """:func:`_extra` for an int or an array of row counts."""
+    """``waste`` at ``rows`` (an int or an array of row counts; zero without a table)."""
     if waste is None:
         return rows * 0
     if isinstance(rows, np.ndarray):

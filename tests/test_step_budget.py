@@ -311,3 +311,23 @@ def test_the_chunk_search_knows_which_chunks_fill_their_tiles() -> None:
             for m, w in ((model, waste), (blind, None))
         ]
         assert errors[0] < 0.05 < errors[1]
+
+
+@pytest.mark.parametrize("tiles", [(9, 2), None])
+def test_the_scheduler_counts_the_tiles_its_backend_reports(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch, tiles: tuple[int, int] | None
+) -> None:
+    """A 100-token prompt is one micro-batch of 100 rows: 23 tiles for 900 query rows on a
+    9-head, 2-thread CPU, so its padded rows add 23 x 64 / 900 - 1 of its attention."""
+    ctx, _ = make_fake(n_ctx=1024, n_batch=512, attention_tiles=tiles)
+    seen: list[StepFeatures] = []
+    model = ctx._engine.scheduler.step_cost
+    monkeypatch.setattr(model, "observe", lambda features, _s: seen.append(features))
+    handle = ctx.add_request("x" * 100, llamax.SamplingParams(max_tokens=1))
+    while ctx.has_work():
+        ctx.process()
+    assert handle.result().finish_reason == "length"
+    prefill = max(seen, key=lambda f: f.num_tokens)
+    assert prefill.num_tokens == 100, seen
+    expected = prefill.attention * (23 * 64 / 900 - 1) if tiles else 0
+    assert prefill.tile_waste == pytest.approx(expected, abs=1)
