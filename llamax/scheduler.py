@@ -96,6 +96,7 @@ class Scheduler:
         self._n_batch = backend.n_batch
         self._max_step_s = None if max_step_ms is None else max_step_ms / 1000
         self._step_budget_s = 0.0
+        self._stretched_budget_s = 0.0
         tiles = backend.attention_tiles
         waste = None if tiles is None else tile_waste_table(backend.n_batch, *tiles)
         self.step_cost = StepCostModel(waste=waste)
@@ -207,10 +208,15 @@ class Scheduler:
         budget = self._n_batch - len(decode)
         fixed = self._decode_features(decode) if decode and self._is_timed else None
         if fixed is not None and self._max_step_s is not None:
-            # the prompt chunks of a step may add up to max_step_ms to its decode rows
-            self._step_budget_s = self._max_step_s + self.step_cost.predict(fixed)
+            # the prompt chunks of a step may add up to max_step_ms to its decode rows, and
+            # a chunk that would be unfair may stretch the step to MAX_STRETCH times the
+            # larger of max_step_ms and the decode rows' time
+            decode_s = self.step_cost.predict(fixed)
+            self._step_budget_s = self._max_step_s + decode_s
+            self._stretched_budget_s = MAX_STRETCH * max(self._max_step_s, decode_s)
             # a layout move just paused the streams: this step's chunks get that much less
             self._step_budget_s -= self._relayout_pause_s
+            self._stretched_budget_s -= self._relayout_pause_s
         self._relayout_pause_s = 0.0
         for seq in self._running:
             if seq.num_pending > 1 and budget > 0:
@@ -367,9 +373,10 @@ class Scheduler:
 
         The first prompt chunk of a timed step always advances (``MIN_CHUNK`` at least).
         A chunk that the budget would keep smaller than its fair chunk gets the most that
-        fits ``MAX_STRETCH`` budgets instead, so a long prompt is not slowed down much by
-        the decode rows and a burst of short prompts is admitted in few steps; otherwise a
-        chunk gets only what room the prediction leaves.
+        keeps the step within ``MAX_STRETCH`` times the larger of ``max_step_ms`` and the
+        decode rows' time instead, so a long prompt is not slowed down much by the decode
+        rows and a burst of short prompts is admitted in few steps; otherwise a chunk gets
+        only what room the prediction leaves.
         """
         if fixed is None or self._max_step_s is None:
             return limit, fixed
@@ -385,7 +392,7 @@ class Scheduler:
             lone = min(self._n_batch, seq.num_pending)
             fair = cost.fair_chunk(fixed, attend, limit, lone, unified=unified)
             if fair > take:
-                stretched = self._step_budget_s + (MAX_STRETCH - 1) * self._max_step_s
+                stretched = max(self._step_budget_s, self._stretched_budget_s)
                 most = cost.largest_chunk(fixed, attend, limit, stretched, unified=unified, floor=0)
                 take = max(take, most)
         return take, step_with_chunk(fixed, take, attend, unified=unified, waste=cost.waste)
