@@ -266,9 +266,9 @@ def tile_waste_table(max_rows: int, n_head: int, n_threads: int) -> Waste:
         tiles, start = 0, 0
         while start < total:
             end = min(start + size, total)
-            row = start
-            while row < end:  # tiles stop at the chunk's end and at the head's end
-                row += min(TILE_ROWS, end - row, rows - row % rows)
+            index = start  # over head-major query rows: head = index // rows
+            while index < end:  # tiles stop at the chunk's end and at the head's end
+                index += min(TILE_ROWS, end - index, rows - index % rows)
                 tiles += 1
             start = end
         table[rows] = tiles * TILE_ROWS / total - 1.0
