@@ -47,15 +47,14 @@ def step_s(position: int, chunk: int) -> float:
 
 
 def lone_s(chunk: int = 512) -> float:
-    """The prompt alone, in ``chunk``-token steps (causal: tile j sees j + 1 tiles more)."""
+    """The prompt alone, in ``chunk``-token steps (causal: each query tile sees the cells up
+    to its own end, so a chunk's tiles see ``position + 64``, ``+ 128``, ... cells)."""
     total, position = 0.0, 0
     while position < PROMPT:
         n = min(chunk, PROMPT - position)
         q_tiles = math.ceil(n / TILE_ROWS)
-        pairs = sum((position + TILE_ROWS * (j + 1)) / 64 for j in range(q_tiles))
-        total += (
-            FIXED_S + n * ROW_S + N_HEAD * pairs * TILE_PAIR_S * (tiles(n) / (N_HEAD * q_tiles))
-        )
+        kv_tiles = sum((position + TILE_ROWS * (j + 1)) / 64 for j in range(q_tiles)) / q_tiles
+        total += FIXED_S + n * ROW_S + tiles(n) * kv_tiles * TILE_PAIR_S
         position += n
     return total
 
