@@ -1,6 +1,10 @@
 """On SmolLM2 (CPU flash attention), the step cost model counts the tiles ggml pads, seen
 through the ``llamax.step_budget`` debug log: steps of 64 rows or more carry padded-tile
-attention, smaller ones none; with ``flash_attn=False`` no step does."""
+attention, smaller ones none; with ``flash_attn=False`` no step does.
+
+The chunks are fixed (``max_step_ms=None``, ``n_batch=100``) so the step sizes do not
+depend on how fast the machine is: a timed budget on a slow CI machine chose chunks under
+64 rows, where no tile is padded either way."""
 
 from __future__ import annotations
 
@@ -22,7 +26,13 @@ def test_steps_beside_a_stream_count_padded_tiles(
     make_real: MakeReal, caplog: pytest.LogCaptureFixture, flash_attn: bool | None
 ) -> None:
     ctx = make_real(
-        n_ctx=2048, n_seq_max=2, n_threads=2, kv_layout="unified", flash_attn=flash_attn
+        n_ctx=2048,
+        n_seq_max=2,
+        n_threads=2,
+        kv_layout="unified",
+        flash_attn=flash_attn,
+        max_step_ms=None,
+        n_batch=100,
     )
     stream_params = llamax.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     with caplog.at_level(logging.DEBUG, logger="llamax.step_budget"):
