@@ -388,14 +388,36 @@ class Scheduler:
         take = cost.largest_chunk(
             fixed, attend, limit, self._step_budget_s, unified=unified, floor=floor
         )
-        if take < limit:
-            lone = min(self._n_batch, seq.num_pending)
-            fair = cost.fair_chunk(fixed, attend, limit, lone, unified=unified)
-            if fair > take:
-                stretched = max(self._step_budget_s, self._stretched_budget_s)
-                most = cost.largest_chunk(fixed, attend, limit, stretched, unified=unified, floor=0)
-                take = max(take, most)
+        budget = self._step_budget_s
+        if take < limit and self._is_unfair(seq, fixed, attend, limit, take):
+            budget = max(self._step_budget_s, self._stretched_budget_s)
+            most = cost.largest_chunk(fixed, attend, limit, budget, unified=unified, floor=0)
+            take = max(take, most)
+        if take < limit == seq.num_pending:
+            take = cost.last_chunks(fixed, attend, take, limit, budget, unified=unified)
         return take, step_with_chunk(fixed, take, attend, unified=unified, waste=cost.waste)
+
+    def _is_unfair(
+        self, seq: Sequence, fixed: StepFeatures, attend: int, limit: int, take: int
+    ) -> bool:
+        """Whether the budget's chunk of ``take`` tokens is smaller than the fair one, here
+        or where the prompt's last chunk will attend (``attend`` plus its pending tokens).
+
+        Judged here alone, a long prompt's early chunks look fair (they attend to little)
+        and only its late ones stretch, when most of the slowdown can no longer be won
+        back; judged at its end too, a prompt that will need the stretch has it from its
+        first chunk, where a larger chunk also costs less a token.
+        """
+        cost = self.step_cost
+        unified = self.kv.is_unified
+        lone = min(self._n_batch, seq.num_pending)
+        if cost.fair_chunk(fixed, attend, limit, lone, unified=unified) > take:
+            return True
+        end = attend + seq.num_pending - limit
+        if end <= attend:
+            return False
+        at_end = cost.largest_chunk(fixed, end, limit, self._step_budget_s, unified=unified)
+        return cost.fair_chunk(fixed, end, limit, lone, unified=unified) > at_end
 
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else

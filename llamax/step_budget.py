@@ -32,7 +32,10 @@ the chunk gets the most that keeps the step within :data:`MAX_STRETCH` times the
 prompt's time to first token matters too. Measured (SmolLM2, 2 threads, 4 streams, a
 3,400-token prompt): stopping at the fair chunk made the prefill 1.48x slower than alone;
 stretching to ``MAX_STRETCH`` budgets *beyond* the decode rows (0.53 s steps) gave worst
-gaps up to 0.87 s.
+gaps up to 0.87 s. The scheduler judges fairness where a prompt will end as well as where
+it is, so a prompt whose late chunks will need the stretch has it from its first chunk,
+and it splits a prompt's last chunks evenly when that is cheaper
+(:meth:`StepCostModel.last_chunks`).
 
 Until the first steps are measured the model predicts from a prior (a two-core CPU and
 SmolLM2-135M), so the very first steps are budgeted too. The fit's covariance is bounded:
@@ -216,6 +219,54 @@ class StepCostModel:
         k, step = self._chunk_costs(fixed, attend, limit, unified=unified)
         fits = np.flatnonzero(step <= slowdown * per_token * k)
         return int(k[fits[0]]) if fits.size else limit
+
+    def last_chunks(
+        self,
+        fixed: StepFeatures,
+        attend: int,
+        take: int,
+        pending: int,
+        budget_s: float,
+        *,
+        unified: bool,
+    ) -> int:
+        """This step's chunk of a prompt that ends within a few steps of ``take`` tokens.
+
+        Taking ``take`` now can leave a last chunk so small that it is computed row by row
+        (under :data:`TILE_ROWS` rows), which over a long context costs more than a tiled
+        chunk twice its size. So the prompt's last ``ceil(pending / take)`` steps are
+        priced both ways, largest chunk first or ``pending`` split evenly, and the cheaper
+        plan's first chunk is returned; neither adds a step, and the even chunk must fit
+        ``budget_s``.
+        """
+        steps = -(-pending // max(take, 1))
+        if take >= pending or steps > 3:
+            return take
+        even = -(-pending // steps)
+        if even == take or self._plan_s(fixed, attend, [even], unified) > budget_s:
+            return take
+
+        def plan(first: int) -> list[int]:
+            rest, left = [first], steps - 1
+            while left:
+                size = -(-(pending - sum(rest)) // left)
+                rest, left = [*rest, size], left - 1
+            return rest
+
+        greedy, split = plan(take), plan(even)
+        cheaper = self._plan_s(fixed, attend, split, unified) < self._plan_s(
+            fixed, attend, greedy, unified
+        )
+        return even if cheaper else take
+
+    def _plan_s(self, fixed: StepFeatures, attend: int, chunks: list[int], unified: bool) -> float:
+        """Predicted seconds of consecutive steps, each holding ``fixed`` and one chunk."""
+        total = 0.0
+        for chunk in chunks:
+            features = step_with_chunk(fixed, chunk, attend, unified=unified, waste=self.waste)
+            total += self.predict(features)
+            attend += chunk + (fixed.num_tokens if unified else 0)
+        return total
 
     def _chunk_costs(
         self, fixed: StepFeatures, attend: int, limit: int, *, unified: bool

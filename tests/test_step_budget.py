@@ -85,9 +85,8 @@ def test_the_scheduler_chunks_long_prompts_by_time_while_others_decode(
 ) -> None:
     ctx, backend = make_fake(n_ctx=4096, n_batch=512)
     model = ctx._engine.scheduler.step_cost
-    for _ in range(20):  # a slow machine: 5 ms a token
-        model.observe(micro_batch(1, 10), 0.005)
-        model.observe(micro_batch(100, 10_000), 0.5)
+    for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
+        model.observe(micro_batch(n, n * cells), 0.005 * n)  # a slow machine: 5 ms a token
     monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
     streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=50)) for _ in range(2)]
     ctx.process()
@@ -332,3 +331,74 @@ def test_the_scheduler_counts_the_tiles_its_backend_reports(
     assert prefill.num_tokens == 100, seen
     expected = prefill.attention * (23 * 64 / 900 - 1) if tiles else 0
     assert prefill.tile_waste == pytest.approx(expected, abs=1)
+
+
+def tiled_row_cost(f: StepFeatures) -> float:
+    """About SmolLM2 on this 2-core CPU: 3 ms a token, padded tiles, and rows computed one
+    by one (micro-batches under 64 rows) costing five times a tiled row."""
+    return (
+        0.006
+        + 0.003 * f.num_tokens
+        + 2.2e-7 * (f.attention + f.tile_waste)
+        + (1.1e-6 * f.row_attention)
+    )
+
+
+@pytest.mark.parametrize(("prompt", "stretched"), [(3400, True), (1000, False)])
+def test_a_prompt_that_will_need_the_stretch_has_it_from_its_first_chunk(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch, prompt: int, stretched: bool
+) -> None:
+    """Beside 2 streams, a 250 ms chunk (about 80 tokens) is fair early in a prompt; near
+    the end of a 3,400-token one, where the budget leaves 33 tokens computed row by row,
+    it is not (the fair chunk is about 60). So a 3,400-token prompt gets the stretched step
+    (2 x 250 ms, about 160 tokens) from its first chunk, not only once it is late, where
+    most of its slowdown could not be won back. A 1,000-token prompt stays fair to its end
+    and keeps 250 ms steps."""
+    ctx, backend = make_fake(n_ctx=8192, n_batch=512, attention_tiles=(9, 2))
+    model = ctx._engine.scheduler.step_cost
+    assert model.waste is not None
+    rng = random.Random(6)
+    for _ in range(200):
+        n = rng.randint(1, 512)
+        f = micro_batch(n, n * rng.randint(10, 3000), waste=model.waste)
+        model.observe(f, tiled_row_cost(f))
+    monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
+    streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=90)) for _ in range(2)]
+    ctx.process()
+    ctx.process()
+    long = ctx.add_request("x" * prompt, llamax.SamplingParams(max_tokens=1))
+    ctx.process()
+    chunk = max(len(item.token_ids) for item in backend.decode_log[-1])
+    if stretched:
+        assert 145 <= chunk <= 165
+    else:
+        assert 75 <= chunk <= 85
+    assert long.result().finish_reason == "length"
+    for handle in streams:
+        handle.cancel()
+    while ctx.has_work():
+        ctx.process()
+
+
+def test_the_last_chunks_split_evenly_where_a_small_one_would_go_row_by_row() -> None:
+    """4 decode rows at 3,400 cells, 122 prompt tokens left, 70 fitting the budget: 70 then
+    52 leaves 56 rows computed row by row; 61 and 61 fill tiles and cost less. With 110
+    left, 55 and 55 would both go row by row, so the largest chunk stays first."""
+    model = fitted(seed=4, cost=cliff_cost)
+    decode = micro_batch(4, 4 * 3400)
+
+    def plan_s(chunks: list[int]) -> float:
+        total, attend = 0.0, 3404
+        for chunk in chunks:
+            total += cliff_cost(step_with_chunk(decode, chunk, attend, unified=True))
+            attend += chunk + 4
+        return total
+
+    assert plan_s([61, 61]) < plan_s([70, 52])
+    assert model.last_chunks(decode, 3404, 70, 122, 0.6, unified=True) == 61
+    assert plan_s([64, 46]) < plan_s([55, 55])
+    assert model.last_chunks(decode, 3404, 64, 110, 0.6, unified=True) == 64
+    # the even chunk must fit the budget; more than 3 steps away is not the tail yet
+    assert model.last_chunks(decode, 3404, 70, 122, 0.3, unified=True) == 70
+    assert model.last_chunks(decode, 3404, 70, 400, 0.6, unified=True) == 70
+    assert model.last_chunks(decode, 3404, 60, 60, 0.6, unified=True) == 60
