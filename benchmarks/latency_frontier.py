@@ -9,11 +9,14 @@ time under load is compared with its lone prefill in 512-token chunks. A step co
 
 where ``tiles`` counts ggml's padded 64-row query tiles (``llamax.step_budget``'s
 ``tile_waste_table``, 9 heads, 2 threads) and ``kv_tiles`` the 64-cell KV tiles the rows
-attend. The coefficients are fitted by hand to ``attention_kernels_s3.json`` and the lone
-prefills of ``latency_final.json`` (AMD EPYC, 2 threads): 3 ms a row, 0.3 ms a tile pair
-(all 30 layers), 0.16 ms a row and KV tile when computed row by row (under 64 rows), 6 ms
-a step. They reproduce the measured chunks (20-128 tokens at 3,400 cells) within 10% and
-the lone prefill (13-14 s) within 10%.
+attend. The coefficients are fitted (least squares, relative errors) to the 283 measured
+steps of ``latency_fair_at_end_trace.json`` and ``latency_final_trace.json`` (AMD EPYC, 2
+threads; lone prefills in 512-token chunks, and chunks beside 4 decode rows): 2.6 ms a row,
+0.33 ms a tile pair (all 30 layers), 0.16 ms a row and KV tile when computed row by row
+(under 64 rows), 3 ms a step, and 150 cells of the streams' own. They price those steps
+within 5% (one standard deviation) and their sums within 1%. An earlier hand fit (3 ms a
+row, 0.3 ms a tile pair, 6 ms a step, 400 stream cells) priced loaded steps 11% and lone
+ones 7.5% too high, so the frontier it drew was about 0.04 too pessimistic.
 
 ::
 
@@ -27,8 +30,8 @@ import math
 
 from llamax.step_budget import TILE_ROWS, tile_waste_table
 
-PROMPT, DECODE_ROWS, STREAM_CELLS, N_HEAD, N_THREADS = 3414, 4, 400, 9, 2
-FIXED_S, ROW_S, TILE_PAIR_S, ROW_PAIR_S = 0.006, 0.003, 0.0003, 0.00016
+PROMPT, DECODE_ROWS, STREAM_CELLS, N_HEAD, N_THREADS = 3414, 4, 150, 9, 2
+FIXED_S, ROW_S, TILE_PAIR_S, ROW_PAIR_S = 0.003, 0.0026, 0.00033, 0.00016
 WASTE = tile_waste_table(1024, N_HEAD, N_THREADS)
 
 
