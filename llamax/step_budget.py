@@ -246,18 +246,13 @@ class StepCostModel:
         if even == take or self._plan_s(fixed, attend, [even], unified) > budget_s:
             return take
 
-        def plan(first: int) -> list[int]:
-            rest, left = [first], steps - 1
-            while left:
-                size = -(-(pending - sum(rest)) // left)
-                rest, left = [*rest, size], left - 1
-            return rest
+        def plan_s(first: int) -> float:  # ``first``, then the rest evenly
+            sizes = [first]
+            for left in range(steps - 1, 0, -1):
+                sizes.append(-(-(pending - sum(sizes)) // left))
+            return self._plan_s(fixed, attend, sizes, unified)
 
-        greedy, split = plan(take), plan(even)
-        cheaper = self._plan_s(fixed, attend, split, unified) < self._plan_s(
-            fixed, attend, greedy, unified
-        )
-        return even if cheaper else take
+        return even if plan_s(even) < plan_s(take) else take
 
     def _plan_s(self, fixed: StepFeatures, attend: int, chunks: list[int], unified: bool) -> float:
         """Predicted seconds of consecutive steps, each holding ``fixed`` and one chunk."""
