@@ -234,7 +234,7 @@ class StepCostModel:
 
         Taking ``take`` now can leave a last chunk so small that it is computed row by row
         (under :data:`TILE_ROWS` rows), which over a long context costs more than a tiled
-        chunk twice its size. So the prompt's last ``ceil(pending / take)`` steps are
+        chunk twice its size. So when the prompt ends within 3 steps, those steps are
         priced both ways, largest chunk first or ``pending`` split evenly, and the cheaper
         plan's first chunk is returned; neither adds a step, and the even chunk must fit
         ``budget_s``.

@@ -42,6 +42,26 @@ def fitted(seed: int, cost: Callable[[StepFeatures], float] = true_cost) -> Step
     return model
 
 
+def first_chunk_beside_two_streams(
+    ctx: llamax.Context, backend: FakeBackend, prompt: int, stream_tokens: int
+) -> int:
+    """Two streams decode, then a ``prompt``-token prompt arrives: the size of its first
+    chunk. The prompt is run to its end and the streams cancelled, so the engine is idle."""
+    params = llamax.SamplingParams(max_tokens=stream_tokens)
+    streams = [ctx.add_request("ab", params) for _ in range(2)]
+    ctx.process()
+    ctx.process()
+    long = ctx.add_request("x" * prompt, llamax.SamplingParams(max_tokens=1))
+    ctx.process()
+    chunk = max(len(item.token_ids) for item in backend.decode_log[-1])
+    assert long.result().finish_reason == "length"
+    for handle in streams:
+        handle.cancel()
+    while ctx.has_work():
+        ctx.process()
+    return chunk
+
+
 def test_the_model_learns_a_linear_cost_from_noisy_steps() -> None:
     model = StepCostModel()
     rng = random.Random(0)
@@ -88,18 +108,8 @@ def test_the_scheduler_chunks_long_prompts_by_time_while_others_decode(
     for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
         model.observe(micro_batch(n, n * cells), 0.005 * n)  # a slow machine: 5 ms a token
     monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
-    streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=50)) for _ in range(2)]
-    ctx.process()
-    ctx.process()
-    long = ctx.add_request("x" * 1500, llamax.SamplingParams(max_tokens=1))
-    ctx.process()
-    chunk = max(len(item.token_ids) for item in backend.decode_log[-1])
+    chunk = first_chunk_beside_two_streams(ctx, backend, 1500, stream_tokens=50)
     assert 40 <= chunk <= 52  # 250 ms at 5 ms a token, not n_batch = 512
-    assert long.result().finish_reason == "length"
-    for handle in streams:
-        handle.cancel()
-    while ctx.has_work():
-        ctx.process()
 
 
 def test_many_alike_decode_steps_do_not_wind_the_fit_up() -> None:
@@ -157,19 +167,9 @@ def test_slow_decode_rows_stretch_the_first_chunk_up_to_twice_the_budget(
             f = micro_batch(n, n * cells)  # attention costs nothing here
             model.observe(f, cost(f, overhead))
         monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
-        streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=60)) for _ in range(2)]
-        ctx.process()
-        ctx.process()
-        long = ctx.add_request("x" * 1500, llamax.SamplingParams(max_tokens=1))
-        ctx.process()
-        chunk = max(len(item.token_ids) for item in backend.decode_log[-1])
+        chunk = first_chunk_beside_two_streams(ctx, backend, 1500, stream_tokens=60)
         budget_chunk = 250 // 5 - 2  # what max_step_ms alone would give
         assert budget_chunk < chunk and expect_min <= chunk <= expect_max
-        assert long.result().finish_reason == "length"
-        for handle in streams:
-            handle.cancel()
-        while ctx.has_work():
-            ctx.process()
         monkeypatch.undo()
 
 
@@ -363,21 +363,11 @@ def test_a_prompt_that_will_need_the_stretch_has_it_from_its_first_chunk(
         f = micro_batch(n, n * rng.randint(10, 3000), waste=model.waste)
         model.observe(f, tiled_row_cost(f))
     monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
-    streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=90)) for _ in range(2)]
-    ctx.process()
-    ctx.process()
-    long = ctx.add_request("x" * prompt, llamax.SamplingParams(max_tokens=1))
-    ctx.process()
-    chunk = max(len(item.token_ids) for item in backend.decode_log[-1])
+    chunk = first_chunk_beside_two_streams(ctx, backend, prompt, stream_tokens=90)
     if stretched:
         assert 145 <= chunk <= 165
     else:
         assert 75 <= chunk <= 85
-    assert long.result().finish_reason == "length"
-    for handle in streams:
-        handle.cancel()
-    while ctx.has_work():
-        ctx.process()
 
 
 def test_the_last_chunks_split_evenly_where_a_small_one_would_go_row_by_row() -> None:
