@@ -311,6 +311,7 @@ class Engine:
         # a batch logits processor sees the whole step at once, so its steps stay whole
         parts = [plan] if self._batch_processor is not None else self.scheduler.split(plan)
         for part in parts:
+            part = part.without_ended()  # a request that failed in an earlier part is gone
             if not part.is_empty:
                 part, features, started = self._decode(part)
             if part.is_empty:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .backend.base import BatchItem
 from .results import TokenEvent
-from .sequence import Request
+from .sequence import TERMINAL_STATES, Request
 from .sequence import Sequence as Seq
 
 __all__ = ["ScheduledSequence", "StepPlan", "StepResult", "build_plan", "split_plan"]
@@ -62,6 +62,15 @@ class StepPlan:
     def num_drafted(self) -> int:
         """Draft tokens in the batch."""
         return sum(len(entry.draft) for entry in self.entries)
+
+    def without_ended(self) -> StepPlan:
+        """This plan less the entries whose sequence ended since it was made (a request
+        that failed in an earlier part of the same step): their cells are released, so
+        decoding them would write to a free sequence id. Rows are renumbered."""
+        live = [i for i, e in enumerate(self.entries) if e.seq.state not in TERMINAL_STATES]
+        if len(live) == len(self.entries):
+            return self
+        return split_plan(self, [live])[0]
 
     def sampled_entries(self) -> list[ScheduledSequence]:
         """Entries with one row to sample from (drafted entries are verified row by row)."""
