@@ -291,6 +291,8 @@ class Scheduler:
         on; when moving to unified, fail the sequences that outgrew their streams."""
         if self._relayout_failure is None:
             started = time.perf_counter()
+            if unified:
+                self._make_room_to_unify()
             try:
                 self.kv.relayout(unified)
             except RequestFailedError as exc:
@@ -311,6 +313,20 @@ class Scheduler:
                     f"{cap}, and {self._relayout_failure}"
                 )
                 self.fail(seq.request, error, result)
+
+    def _make_room_to_unify(self) -> None:
+        """Before a move to the unified layout, where no cells are shared and the buffer
+        holds ``n_ctx`` cells (streams may hold more, each padded): evict retained prefixes,
+        then preempt the newest running sequences, as a unified cache under pressure would,
+        until what stays and the next step's tokens fit. The preempted are recomputed later.
+        """
+        n_ctx = self._backend.n_ctx
+        while sum(len(slot.tokens) for slot in self.kv.slots()) + self.num_pending_tokens > n_ctx:
+            if self.prefix.evict_one():
+                continue
+            if not self._running:
+                return  # open sessions alone hold more: the move fails and says so
+            self._preempt(self._running[-1])
 
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache, many decode

@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from .backend.base import BatchItem, DecodeStatus
 from .context import Context
+from .errors import RequestFailedError
 from .params import SamplingParams
 
 __all__ = ["FakeBackend", "FakeSampler", "alphabet_model", "assert_idle"]
@@ -69,15 +70,17 @@ class FakeBackend:
         kv_layout: str = "unified",
         cpu_attention: bool = True,
         attention_tiles: tuple[int, int] | None = None,
+        stream_cells: int | None = None,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
+        self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
         if kv_layout not in ("unified", "streams", "auto"):
             raise ValueError(f"kv_layout must be 'unified', 'streams' or 'auto', got {kv_layout!r}")
         self._is_unified = kv_layout == "unified"
         self._can_relayout = kv_layout == "auto"
         self._cpu_attention = cpu_attention
         self._attention_tiles = attention_tiles
-        self._n_ctx_seq = n_ctx if kv_layout != "streams" else n_ctx // n_seq_max
+        self._n_ctx_seq = n_ctx if kv_layout != "streams" else self._stream_cells
         self.num_relayouts = 0
         self._next_token = next_token
         self._pieces = {0: b""} | {b + 1: bytes([b]) for b in range(256)} | dict(extra_pieces or {})
@@ -116,12 +119,13 @@ class FakeBackend:
 
     @property
     def kv_cells(self) -> int:
-        """``n_ctx``: the fake pads nothing."""
-        return self._n_ctx
+        """Cells the current layout holds: ``n_ctx``, or ``stream_cells`` per sequence with
+        streams (llama.cpp pads each stream to 256 cells, so streams may hold more)."""
+        return self._n_ctx if self._is_unified else self._stream_cells * self._n_seq_max
 
     @property
     def n_ctx_seq(self) -> int:
-        """``n_ctx``, or each stream's ``n_ctx // n_seq_max`` cells with ``kv_layout="streams"``."""
+        """``n_ctx``, or each stream's ``stream_cells`` with ``kv_layout="streams"``."""
         return self._n_ctx_seq
 
     @property
@@ -131,8 +135,8 @@ class FakeBackend:
 
     @property
     def n_ctx_stream(self) -> int:
-        """``n_ctx`` when unified, ``n_ctx // n_seq_max`` with streams."""
-        return self._n_ctx if self._is_unified else self._n_ctx // self._n_seq_max
+        """``n_ctx`` when unified, ``stream_cells`` (``n_ctx // n_seq_max``) with streams."""
+        return self._n_ctx if self._is_unified else self._stream_cells
 
     @property
     def can_relayout(self) -> bool:
@@ -140,17 +144,26 @@ class FakeBackend:
         return self._can_relayout
 
     def relayout(self, unified: bool) -> None:
-        """Switch layouts as llama.cpp does: every sequence gets cells of its own."""
+        """Switch layouts as llama.cpp does: every sequence gets cells of its own.
+
+        Raises:
+            RequestFailedError: the sequences hold more cells than the new layout has (as
+                llama.cpp refuses a sequence's state it cannot place).
+        """
         if not self._can_relayout:
             raise AssertionError("relayout without kv_layout='auto'")
         if unified == self._is_unified:
             return
-        limit = self._n_ctx if unified else self._n_ctx // self._n_seq_max
+        limit = self._n_ctx if unified else self._stream_cells
+        held_cells = 0
         for seq_id, cells in self.cells.items():
             if None in cells:
                 raise AssertionError(f"relayout of seq {seq_id} with a hole")
             if len(cells) > limit:
                 raise AssertionError(f"seq {seq_id} holds {len(cells)} cells, a stream {limit}")
+            held_cells += len(cells)
+            if unified and held_cells > self._n_ctx:
+                raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
         held = {seq_id: list(cells) for seq_id, cells in self.cells.items()}
         self._refs.clear()
         for seq_id, tokens in held.items():
@@ -270,7 +283,7 @@ class FakeBackend:
         num = sum(len(i.token_ids) for i in items)
         if num > self._n_batch or len({i.seq_id for i in items}) != len(items):
             return -1
-        if self.num_cells_used + num > self._n_ctx or any(
+        if self.num_cells_used + num > self.kv_cells or any(
             len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
         ):
             return DecodeStatus.NO_SLOT

@@ -69,3 +69,33 @@ def test_a_request_failing_in_the_first_part_of_a_split_step_ends_alone() -> Non
         drive(ctx, [after])
         assert after.result().finish_reason == "length"
         assert_idle(ctx)
+
+
+# ---------------------------------------------------------------- item 1: KV pressure
+def auto_backend(**options: object) -> FakeBackend:
+    """Like llama.cpp's ``Context(n_ctx=1024, n_seq_max=8)``: 8 streams of 256 cells (each
+    padded to 256) hold twice what the 1,024-cell unified layout does."""
+    settings: dict[str, object] = dict(n_ctx=1024, n_seq_max=8, n_batch=512, stream_cells=256)
+    settings.update(options)
+    return FakeBackend(kv_layout="auto", **settings)  # type: ignore[arg-type]
+
+
+def test_auto_layout_preempts_what_the_unified_layout_cannot_hold() -> None:
+    """Before: ``RequestFailedError: the request needs 257 KV cells, one stream holds 256,
+    and the unified layout could not be made: the new KV layout refused sequence 4``."""
+    prompts = [f"{i} " + "the same words again and again " * 3 for i in range(8)]
+    backend = auto_backend()
+    ctx = llamax.Context(backend=backend, autostart=False, max_step_ms=None)
+    with ctx:
+        handles = [ctx.add_request(p, greedy(200)) for p in prompts]
+        drive(ctx, handles)
+        done = [h.result() for h in handles]
+        assert [c.finish_reason for c in done] == ["length"] * 8
+        assert ctx.stats().num_preemptions > 0 and ctx.kv_layout == "unified"
+        assert_idle(ctx)
+    for prompt, completion in zip(prompts, done, strict=True):
+        alone = llamax.Context(backend=auto_backend(), autostart=False, max_step_ms=None)
+        with alone:
+            h = alone.add_request(prompt, greedy(200))
+            drive(alone, [h])
+            assert h.result().token_ids == completion.token_ids
