@@ -97,6 +97,7 @@ class Engine:
         self._teardown_lock = threading.Lock()
         self._torn_down = False
         self._stalled_steps = 0
+        self._is_stuck = False  # the last step had nothing to do: wait for news, not spin
         self._draining = False
         self.num_steps = 0
         self._snapshot = self._count()
@@ -250,6 +251,8 @@ class Engine:
             while drain and self._state is EngineState.CLOSING and self.has_work():
                 self._step_lock.acquire()
                 self._step_locked_then_publish()
+                if self._is_stuck:
+                    break  # what is left cannot finish: it is cancelled below
         self._teardown()
 
     # ------------------------------------------------------------------ loop thread
@@ -257,12 +260,12 @@ class Engine:
         self._local.stepping = True
         while True:
             with self._lock:
-                while not (
-                    self._inbox or self._cancels or self._ops or self.scheduler.has_work
-                ) and (self._state is EngineState.RUNNING):
+                while not (self._inbox or self._cancels or self._ops or self._can_step()) and (
+                    self._state is EngineState.RUNNING
+                ):
                     self._wakeup.wait()
                 stop = self._state is not EngineState.RUNNING and not (
-                    self._draining and (self._inbox or self.scheduler.has_work)
+                    self._draining and (self._inbox or self._can_step())
                 )
             if stop:
                 break
@@ -272,6 +275,12 @@ class Engine:
             except EngineError:
                 return  # every request has its error; the engine is torn down
         self._teardown()
+
+    def _can_step(self) -> bool:
+        """Whether a step could change anything without news from other threads: there is
+        work, and the last step was not stuck (a step that planned nothing and ended
+        nothing is repeated only after a submission, a cancel, an operation or a close)."""
+        return self.scheduler.has_work and not self._is_stuck
 
     def _step_locked_then_publish(self) -> bool:
         """Step (the caller holds the step lock, released here), then publish unlocked."""
@@ -308,6 +317,7 @@ class Engine:
     def _step(self) -> StepResult:
         result = self._drain_queues()
         plan = self.scheduler.schedule(result)
+        self._is_stuck = plan.is_empty and not (result.events or result.finished or result.failed)
         # a batch logits processor sees the whole step at once, so its steps stay whole
         parts = [plan] if self._batch_processor is not None else self.scheduler.split(plan)
         for part in parts:

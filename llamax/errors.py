@@ -14,6 +14,7 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
     ├── LoopOwnershipError (also RuntimeError)   process() called where it must not be
     ├── EngineError                 llama.cpp failed; the context is closed
     ├── RequestFailedError          one request failed; the engine keeps serving others
+    │   └── KVCapacityError         it can never fit beside the open sessions
     └── SessionError                a session cannot do what was asked
         ├── SessionBusyError        it is already running a request
         └── SessionLoadError        a saved session does not fit this model or is damaged
@@ -30,6 +31,7 @@ __all__ = [
     "GrammarError",
     "InvalidParameterError",
     "InvalidRequestError",
+    "KVCapacityError",
     "LlamaxError",
     "LoopOwnershipError",
     "ModelLoadError",
@@ -96,6 +98,11 @@ class EngineError(LlamaxError):
 
 class RequestFailedError(LlamaxError):
     """One request failed (its cause is chained); other requests are unaffected."""
+
+
+class KVCapacityError(RequestFailedError):
+    """The request can never get the KV cells (or a sequence id) it needs while the open
+    sessions named in the message hold theirs; close a session or raise ``n_ctx``."""
 
 
 class SessionError(LlamaxError):

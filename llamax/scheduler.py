@@ -33,7 +33,7 @@ from enum import Enum
 from typing import TypeVar, cast
 
 from .backend.base import Backend
-from .errors import RequestFailedError
+from .errors import KVCapacityError, RequestFailedError
 from .kvcache import KVCache, Slot, SlotState
 from .kvops import KVOp, RestoreSession
 from .plan import ScheduledSequence, StepPlan, StepResult, build_plan, split_plan
@@ -125,6 +125,8 @@ class Scheduler:
         self._relayout_pause_s = 0.0
         self._steps_in_layout = 0
         self.num_relayouts = 0
+        self._idle_sessions: list[Slot] = []  # pinned slots no running sequence uses
+        self._idle_session_cells = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -201,6 +203,8 @@ class Scheduler:
         :mod:`llamax.step_budget`). Requests that cannot go on (a layout change failed) end
         with their events in ``result``.
         """
+        self._count_idle_sessions()
+        self._end_what_cannot_fit(result)
         self._adapt_layout(result)
         self._make_room_for_growth()
         decode = [seq for seq in self._running if seq.num_pending == 1][: self._n_batch]
@@ -313,6 +317,74 @@ class Scheduler:
                     f"{cap}, and {self._relayout_failure}"
                 )
                 self.fail(seq.request, error, result)
+
+    # ------------------------------------------------------------------ capacity
+    def _count_idle_sessions(self) -> None:
+        """Note the open sessions that no running sequence uses, and their cells: what no
+        eviction or preemption can free (a running session request is preempted like any)."""
+        busy = {id(s.slot) for s in self._running if s.slot is not None}
+        self._idle_sessions = [
+            slot for slot in self.kv.slots() if slot.pinned and id(slot) not in busy
+        ]
+        self._idle_session_cells = len({c for slot in self._idle_sessions for c in slot.cells})
+
+    def capacity(self, seq: Sequence) -> int:
+        """The most tokens ``seq`` may hold now: ``n_ctx_seq``, less (in a unified cache)
+        the cells idle open sessions other than its own hold; with ``kv_layout="auto"`` in
+        streams, at least its own stream."""
+        own = self._own_session_slot(seq)
+        held = self._idle_session_cells
+        if own is not None and own in self._idle_sessions:
+            others = [slot for slot in self._idle_sessions if slot is not own]
+            held = len({c for slot in others for c in slot.cells})
+        if not self.kv.is_unified:
+            if not self.kv.can_relayout:
+                return self.kv.cells_per_seq
+            return min(self._n_ctx_seq, max(self._stream_cells, self._backend.n_ctx - held))
+        return min(self._n_ctx_seq, self._backend.n_ctx - held)
+
+    def _own_session_slot(self, seq: Sequence) -> Slot | None:
+        session_id = seq.request.session_id
+        if session_id is None:
+            return None
+        return self.sessions.slot_or_none(session_id)
+
+    def _end_what_cannot_fit(self, result: StepResult) -> None:
+        """End the sequences that can never get the cells they need beside the idle open
+        sessions: one that has output finishes with ``length`` (as at ``n_ctx_seq``), one
+        that has none fails with :class:`~llamax.errors.KVCapacityError` naming them. So no
+        request waits for room that only closing a session could give."""
+        no_ids = len(self._idle_sessions) >= self._backend.n_seq_max
+        for seq in self.all_sequences():
+            if seq.state in TERMINAL_STATES:
+                continue
+            is_session = seq.request.session_id is not None
+            waits_for_id = no_ids and not is_session and seq.state is SequenceState.WAITING
+            if not waits_for_id and len(seq.token_ids) <= self.capacity(seq):
+                continue
+            if seq.num_generated:
+                self._finish(seq, SequenceState.FINISHED_LENGTH, result)
+            else:
+                self.fail(seq.request, KVCapacityError(self._no_room_reason(seq)), result)
+
+    def _no_room_reason(self, seq: Sequence) -> str:
+        own = self._own_session_slot(seq)
+        idle = [slot for slot in self._idle_sessions if slot is not own]
+        names = ", ".join(str(i) for i in self.sessions.ids_of(idle))
+        if len(self._idle_sessions) >= self._backend.n_seq_max and own is None:
+            return (
+                f"every one of the {self._backend.n_seq_max} sequence ids is held by an open "
+                f"session (sessions {names}); close a session or raise n_seq_max"
+            )
+        need = f"the request needs {len(seq.token_ids)} KV cells"
+        if not self.kv.is_unified and not self.kv.can_relayout:
+            why = f", and {self._relayout_failure}" if self._relayout_failure else ""
+            return f"{need}, one stream holds {self.kv.cells_per_seq}{why}"
+        cells = len({c for slot in idle for c in slot.cells})
+        return (
+            f"{need}, but open sessions (sessions {names}) hold {cells} of the cache's "
+            f"{self._backend.n_ctx}, leaving {self.capacity(seq)}; close a session or raise n_ctx"
+        )
 
     def _make_room_to_unify(self) -> None:
         """Before a move to the unified layout, where no cells are shared and the buffer
@@ -554,7 +626,7 @@ class Scheduler:
             state = seq.draft_state
             if state is None or num != 1 or seq.state is not SequenceState.DECODING:
                 continue
-            limit = min(self._n_ctx_seq, self.kv.cells_per_seq) - len(seq.token_ids)
+            limit = min(self.capacity(seq), self.kv.cells_per_seq) - len(seq.token_ids)
             max_tokens = seq.request.params.max_tokens
             if max_tokens is not None:
                 limit = min(limit, max_tokens - seq.num_generated - 1)
@@ -804,7 +876,7 @@ class Scheduler:
             self._finish(
                 seq, SequenceState.FINISHED_STOPPED, result, text, (token,), lps, drain=False
             )
-        elif at_limit or len(seq.token_ids) >= self._n_ctx_seq:
+        elif at_limit or len(seq.token_ids) >= self.capacity(seq):
             self._finish(seq, SequenceState.FINISHED_LENGTH, result, text, (token,), lps)
         else:
             result.events.append((seq.request, TokenEvent(text, (token,), seq.index, None, lps)))

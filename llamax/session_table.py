@@ -59,6 +59,15 @@ class SessionTable:
         except KeyError:
             raise SessionError("the session is closed") from None
 
+    def slot_or_none(self, session_id: int) -> Slot | None:
+        """The pinned slot of an open session, or None once it is closed."""
+        return self._slots.get(session_id)
+
+    def ids_of(self, slots: list[Slot]) -> list[int]:
+        """The ids of the sessions holding ``slots``, in order of opening."""
+        wanted = {id(slot) for slot in slots}
+        return [i for i, slot in self._slots.items() if id(slot) in wanted]
+
     def apply(self, op: KVOp[object], result: StepResult) -> object:
         """Apply ``op``; events it causes (a cancelled session request) go into ``result``.
 

@@ -95,7 +95,11 @@ class EngineMachine(RuleBasedStateMachine):
         while self.ctx.has_work():
             self.ctx.process()
         for handle in self.handles:
-            done = handle.result(0)
+            try:
+                done = handle.result(0)
+            except llamax.KVCapacityError as exc:  # sessions held every id or the room
+                assert "session" in str(exc)
+                continue
             for choice in done.choices:
                 assert choice.finish_reason in ("length", "cancelled")
             assert done.text == "".join(e.text for e in handle if e.index == 0)

@@ -41,6 +41,7 @@ EXPECTED_ALL = [
     "ModelInfo",
     "ModelLoadError",
     "PromptLookup",
+    "KVCapacityError",
     "RequestFailedError",
     "RequestHandle",
     "SamplingParams",

@@ -99,3 +99,100 @@ def test_auto_layout_preempts_what_the_unified_layout_cannot_hold() -> None:
             h = alone.add_request(prompt, greedy(200))
             drive(alone, [h])
             assert h.result().token_ids == completion.token_ids
+
+
+# ---------------------------------------------------------------- item 3: sessions
+def hold_session(ctx: llamax.Context, num_tokens: int) -> llamax.Session:
+    """A session holding about ``num_tokens`` cells (its prompt and one reply token)."""
+    session = ctx.session()
+    handle = session.add_request("s" * (num_tokens - 2), greedy(1))
+    while not handle.done():
+        ctx.process()
+    handle.result()
+    return session
+
+
+def test_a_request_that_can_never_fit_beside_sessions_fails_and_names_them() -> None:
+    """Before: the request never settled, every later request queued behind it, and the
+    loop spun at 100% CPU (here: the step bound ran out)."""
+    backend = FakeBackend(n_ctx=256, n_seq_max=4)
+    ctx = llamax.Context(backend=backend, autostart=False, max_step_ms=None)
+    with ctx:
+        session = hold_session(ctx, 200)
+        big = ctx.add_request("b" * 100, greedy(4))
+        small = ctx.add_request("c" * 10, greedy(4))
+        drive(ctx, [big, small], bound=50)
+        with pytest.raises(llamax.KVCapacityError, match="session") as info:
+            big.result()
+        assert f"hold {len(session.token_ids)} of the cache's 256" in str(info.value)
+        assert small.result().finish_reason == "length"
+        session.close()
+        again = ctx.add_request("b" * 100, greedy(4))
+        drive(ctx, [again], bound=50)
+        assert again.result().finish_reason == "length"
+        assert_idle(ctx)
+
+
+def test_a_reply_that_outgrows_the_room_sessions_leave_ends_with_length() -> None:
+    """A request that fits beside the sessions at first but would grow past them ends with
+    ``finish_reason == "length"`` where the room ends, as it would at ``n_ctx_seq``."""
+    backend = FakeBackend(n_ctx=256, n_seq_max=4)
+    ctx = llamax.Context(backend=backend, autostart=False, max_step_ms=None)
+    with ctx:
+        session = hold_session(ctx, 200)
+        handle = ctx.add_request("b" * 20, greedy(100))
+        drive(ctx, [handle], bound=200)
+        done = handle.result()
+        assert done.finish_reason == "length"
+        room = 256 - len(session.token_ids)
+        assert done.usage.prompt_tokens + done.usage.completion_tokens == room
+        session.close()
+        assert_idle(ctx)
+
+
+def test_close_with_drain_finishes_beside_a_session_holding_the_cache() -> None:
+    """Before: ``close(drain=True)`` never returned (a daemon thread runs it here)."""
+    import threading
+
+    backend = FakeBackend(n_ctx=256, n_seq_max=4)
+    ctx = llamax.Context(backend=backend, max_step_ms=None)
+    session = ctx.session()
+    session.add_request("s" * 198, greedy(1)).result(timeout=10)
+    big = ctx.add_request("b" * 100, greedy(4))
+    small = ctx.add_request("c" * 10, greedy(4))
+    closer = threading.Thread(target=lambda: ctx.close(drain=True), daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "close(drain=True) did not return"
+    assert big.done() and small.done()
+    assert small.result().finish_reason == "length"
+
+
+def test_a_stuck_loop_sleeps_until_something_changes() -> None:
+    """A request that cannot go on now (here: a scheduler that plans nothing) leaves the
+    background loop asleep, not spinning. Before: thousands of empty steps a second."""
+    import time
+
+    backend = FakeBackend(n_ctx=256, n_seq_max=4)
+    ctx = llamax.Context(backend=backend, max_step_ms=None)
+    scheduler = ctx._engine.scheduler
+    real_schedule = scheduler.schedule
+    calls = 0
+    blocked = True
+
+    def schedule(result: object) -> object:
+        nonlocal calls
+        calls += 1
+        if blocked:
+            return llamax.plan.StepPlan()
+        return real_schedule(result)  # type: ignore[arg-type]
+
+    scheduler.schedule = schedule  # type: ignore[method-assign,assignment]
+    with ctx:
+        handle = ctx.add_request("waits", greedy(4))
+        time.sleep(0.3)
+        assert calls <= 2
+        blocked = False
+        other = ctx.add_request("news", greedy(4))  # news wakes the loop
+        assert other.result(timeout=10).finish_reason == "length"
+        assert handle.result(timeout=10).finish_reason == "length"
