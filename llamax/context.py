@@ -177,7 +177,8 @@ class Context(OpenAIMethods, PipelineMethods):
         """Submit a prompt (text or token ids) from any thread; returns at once.
 
         Requests are served first come, first served; a lower ``priority`` value is served
-        earlier.
+        earlier. While others wait, one request holds at most its share of the sequences
+        (``n_seq_max`` over the requests with work), so a large ``n`` cannot starve others.
 
         Raises:
             ContextClosedError: the context is closed.

@@ -126,6 +126,9 @@ class Scheduler:
         self._steps_in_layout = 0
         self.num_relayouts = 0
         self._idle_sessions: list[Slot] = []  # pinned slots no running sequence uses
+        self._held: dict[Request, int] = {}  # running sequences per request, this step
+        self._share = backend.n_seq_max
+        self._waiters: set[Request] = set()  # requests with a sequence waiting, this step
         self._idle_session_cells = 0
 
     # ------------------------------------------------------------------ queries
@@ -207,6 +210,7 @@ class Scheduler:
         self._end_what_cannot_fit(result)
         self._adapt_layout(result)
         self._make_room_for_growth()
+        self._share_sequence_ids()
         decode = [seq for seq in self._running if seq.num_pending == 1][: self._n_batch]
         slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
         budget = self._n_batch - len(decode)
@@ -231,12 +235,13 @@ class Scheduler:
         for seq in list(self._waiting):
             if budget <= 0:
                 break
-            if self._is_fork_candidate(seq):
+            if self._is_fork_candidate(seq) or self._is_over_share(seq.request):
                 continue
             outcome = self._try_admit(seq)
             if outcome is _Admission.NO_ROOM:
                 break  # first come, first served: nobody overtakes a request that lacks room
             if outcome is _Admission.ADMITTED:
+                self._held[seq.request] = self._held.get(seq.request, 0) + 1
                 take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
                 if take:
                     slots.append((seq, take))
@@ -317,6 +322,42 @@ class Scheduler:
                     f"{cap}, and {self._relayout_failure}"
                 )
                 self.fail(seq.request, error, result)
+
+    # ------------------------------------------------------------------ fairness
+    def _share_sequence_ids(self) -> None:
+        """Fairness between requests: while other requests wait, one may hold at most its
+        share, ``n_seq_max`` over the requests with work (at least 1), of the sequences.
+
+        A waiting request below its share that finds no free sequence id takes one from the
+        request holding the most above its share: that request's newest sequence is
+        preempted (recomputed later; one per waiting request and step). A request at its
+        share admits no more sequences, nor forks more ``n > 1`` choices, while others
+        wait. So a short request beside an ``n=32`` one starts within a step or two.
+        """
+        held: dict[Request, int] = {}
+        for seq in self._running:
+            held[seq.request] = held.get(seq.request, 0) + 1
+        waiters = list(dict.fromkeys(seq.request for seq in self._waiting))
+        num_active = len(held.keys() | set(waiters))
+        self._share = max(1, self._backend.n_seq_max // max(1, num_active))
+        self._held, self._waiters = held, set(waiters)
+        for request in waiters:
+            if request.session_id is not None or held.get(request, 0) >= self._share:
+                continue
+            if self.kv.num_free_seq_ids or self.prefix.num_retained:
+                break  # an id is there, or comes from an eviction at admission
+            richest = max(held, key=held.__getitem__, default=None)
+            if richest is None or held[richest] <= self._share:
+                break
+            victim = next(s for s in reversed(self._running) if s.request is richest)
+            self._preempt(victim)
+            held[richest] -= 1
+
+    def _is_over_share(self, request: Request) -> bool:
+        """Whether ``request`` holds its share of sequences while another request waits."""
+        if self._held.get(request, 0) < self._share:
+            return False
+        return any(other is not request for other in self._waiters)
 
     # ------------------------------------------------------------------ capacity
     def _count_idle_sessions(self) -> None:
@@ -795,6 +836,8 @@ class Scheduler:
     def _forkable_siblings(self, seq: Sequence, free_ids: int) -> tuple[Sequence, ...]:
         if seq.index != 0 or seq.num_generated or not self.prefix.is_enabled:
             return ()
+        if any(other is not seq.request for other in self._waiters):
+            free_ids = min(free_ids, max(0, self._share - self._held.get(seq.request, 0)))
         siblings = [
             s
             for s in seq.request.sequences[1:]

@@ -196,3 +196,24 @@ def test_a_stuck_loop_sleeps_until_something_changes() -> None:
         other = ctx.add_request("news", greedy(4))  # news wakes the loop
         assert other.result(timeout=10).finish_reason == "length"
         assert handle.result(timeout=10).finish_reason == "length"
+
+
+# ---------------------------------------------------------------- item 8: fairness
+@pytest.mark.parametrize("kv_layout", ["unified", "streams"])
+def test_a_short_request_is_not_starved_by_a_huge_n_request(kv_layout: str) -> None:
+    """Before: a 1-token request waited for the first 16 of 32 choices to finish (streams)
+    or behind 1,601 preemptions (unified)."""
+    n_ctx = 4096 if kv_layout == "unified" else 16 * 256
+    backend = FakeBackend(n_ctx=n_ctx, n_seq_max=16, n_batch=512, kv_layout=kv_layout)
+    ctx = llamax.Context(backend=backend, autostart=False, max_step_ms=None)
+    with ctx:
+        huge = ctx.add_request("a long story, many times over", greedy(200, n=32))
+        for _ in range(3):
+            ctx.process()
+        short = ctx.add_request("quick", greedy(1))
+        steps = drive(ctx, [short], bound=10_000)
+        assert steps <= 3, f"the short request waited {steps} steps"
+        drive(ctx, [huge])
+        assert [c.finish_reason for c in huge.result().choices] == ["length"] * 32
+        assert ctx.stats().num_preemptions <= 32
+        assert_idle(ctx)
