@@ -17,7 +17,15 @@ import numpy.typing as npt
 from .errors import InvalidParameterError
 from .speculative import PromptLookup, Speculative
 
-__all__ = ["ContextConfig", "ContextOptions", "KVLayout", "LogitsProcessor", "SamplingParams"]
+__all__ = [
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "ContextConfig",
+    "ContextOptions",
+    "KVLayout",
+    "LogitsProcessor",
+    "SamplingParams",
+]
 
 KVLayout: TypeAlias = Literal["auto", "unified", "streams"]
 """How KV cells are laid out: one shared buffer, one buffer per sequence, or chosen."""
@@ -52,17 +60,33 @@ def _iterable(name: str, value: Any) -> tuple[Any, ...]:
     return tuple(value)
 
 
-def _freeze_strings(name: str, value: Any) -> tuple[str, ...]:
+MAX_STOP_STRINGS = 1024
+"""At most this many ``stop`` strings per request."""
+MAX_STOP_CHARS = 65_536
+"""At most this many characters in all of a request's ``stop`` strings together (64 Ki)."""
+
+
+def _freeze_stop(value: Any) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings, within the count and size caps."""
     if value is None:
         return ()
     if isinstance(value, str):
         value = (value,)
-    items = _iterable(name, value)
+    items = _iterable("stop", value)
+    _require(
+        len(items) <= MAX_STOP_STRINGS,
+        f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(items)}",
+    )
     for item in items:
         _require(
             isinstance(item, str) and item != "",
-            f"{name} must hold non-empty strings, got {item!r}",
+            f"stop must hold non-empty strings, got {item!r}",
         )
+    num_chars = sum(map(len, items))
+    _require(
+        num_chars <= MAX_STOP_CHARS,
+        f"stop strings may hold at most {MAX_STOP_CHARS} characters in all, got {num_chars}",
+    )
     return items
 
 
@@ -84,7 +108,10 @@ class SamplingParams:
     ``temperature=0`` means greedy decoding. Penalties look at the last ``penalty_last_n``
     tokens of prompt plus output (``-1`` means the whole context). ``seed=None`` draws a
     random seed; choice ``i`` of ``n`` uses ``seed + i``. ``stop`` strings are held back
-    while they may still match and are trimmed from the text; ``stop_token_ids`` end the
+    while they may still match and are trimmed from the text; there may be at most
+    :data:`MAX_STOP_STRINGS` (1,024) of them, non-empty, with at most :data:`MAX_STOP_CHARS`
+    (65,536) characters in all, and their cost per token does not grow with their number.
+    ``stop_token_ids`` end the
     request when sampled. With ``ignore_eos`` the end-of-generation tokens are banned and
     generation runs to ``max_tokens``. ``n`` continuations share one prompt prefill.
 
@@ -207,7 +234,7 @@ class SamplingParams:
             )
             bias[token] = float(value)
         object.__setattr__(self, "logit_bias", MappingProxyType(bias))
-        object.__setattr__(self, "stop", _freeze_strings("stop", self.stop))
+        object.__setattr__(self, "stop", _freeze_stop(self.stop))
         stop_ids = _iterable("stop_token_ids", self.stop_token_ids)
         for token in stop_ids:
             _require(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .params import SamplingParams
 from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, Usage
-from .text import Detokenizer, StopMatcher
+from .text import Detokenizer, StopMatcher, StopStrings
 
 if TYPE_CHECKING:
     from .backend.base import Sampler
@@ -70,6 +70,7 @@ class Request:
         "seed",
         "sequences",
         "session_id",
+        "stop_strings",
     )
 
     def __init__(
@@ -99,6 +100,8 @@ class Request:
         """The session whose pinned slot the request runs in, if any."""
         self.grammar = grammar
         """GBNF text (from ``params.grammar`` or the converted ``params.json_schema``)."""
+        self.stop_strings = StopStrings(params.stop)
+        """``params.stop`` compiled once; every sequence's stop matcher shares it."""
         self.sequences = [Sequence(self, i, token_to_piece) for i in range(num_choices)]
 
     @property
@@ -151,7 +154,7 @@ class Sequence:
         """Set by the scheduler when the sequence may draft (speculative decoding)."""
         self.state = SequenceState.WAITING
         self.detokenizer = Detokenizer(token_to_piece)
-        self.stop_matcher = StopMatcher(request.params.stop)
+        self.stop_matcher = StopMatcher(request.stop_strings)
         self.text_parts: list[str] = []
         self.logprobs: list[TokenLogprob] | None = (
             [] if request.params.logprobs is not None else None

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import llamax
+from llamax.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,28 @@ def test_sampling_params_are_frozen_and_normalised() -> None:
         params.temperature = 1.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         params.logit_bias[6] = 1.0  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [
+        (["x"] * (MAX_STOP_STRINGS + 1), "at most 1024 strings, got 1025"),
+        (["x"] * 700_000, "at most 1024 strings, got 700000"),
+        (["x" * (MAX_STOP_CHARS + 1)], "at most 65536 characters in all, got 65537"),
+        (["y" * 65] * MAX_STOP_STRINGS, "at most 65536 characters in all, got 66560"),
+        (["ok", ""], "non-empty"),
+    ],
+)
+def test_stop_list_is_capped(stop: list[str], message: str) -> None:
+    with pytest.raises(llamax.InvalidParameterError, match=message):
+        llamax.SamplingParams(stop=stop)
+
+
+def test_stop_list_at_the_caps_is_accepted() -> None:
+    stops = [f"{i:04d}" + "z" * 60 for i in range(MAX_STOP_STRINGS)]
+    assert sum(map(len, stops)) == MAX_STOP_CHARS
+    assert llamax.SamplingParams(stop=stops).stop == tuple(stops)
+    assert llamax.SamplingParams(stop="é" * MAX_STOP_CHARS).stop == ("é" * MAX_STOP_CHARS,)
 
 
 def test_greedy_and_penalty_flags() -> None:
