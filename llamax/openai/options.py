@@ -199,8 +199,8 @@ def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, 
         wrapper = response_format.get("json_schema")
         if not isinstance(wrapper, Mapping):
             raise InvalidParameterError(
-                "response_format json_schema must be an object like {\"name\": ..., "
-                f"\"schema\": {{...}}}}, got {type(wrapper).__name__}"
+                'response_format json_schema must be an object like {"name": ..., '
+                f'"schema": {{...}}}}, got {type(wrapper).__name__}'
             )
         schema = wrapper.get("schema")
         if not isinstance(schema, Mapping):
