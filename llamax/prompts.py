@@ -42,7 +42,8 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
     """Tokenize (or check) ``prompt``; it must leave room in ``n_ctx`` for one new token.
 
     Raises:
-        InvalidRequestError: the prompt is neither text nor a list of in-vocabulary ids.
+        InvalidRequestError: the prompt is neither text nor a list of in-vocabulary ids,
+            or its text holds a lone surrogate.
         EmptyPromptError: it has no tokens.
         ContextLengthError: it has ``n_ctx`` tokens or more.
         RequestFailedError: the backend's tokenizer raised (its error is chained).
@@ -50,6 +51,8 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
     if isinstance(prompt, str):
         try:
             tokens = backend.tokenize(prompt)
+        except InvalidRequestError:  # the text itself is bad (a lone surrogate)
+            raise
         except Exception as exc:
             raise RequestFailedError(f"the tokenizer failed: {exc!r}") from exc
     elif isinstance(prompt, (np.ndarray, list, tuple)):

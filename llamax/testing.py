@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .backend.base import BatchItem, DecodeStatus
+from .backend.llama_cpp import utf8
 from .context import Context
 from .errors import RequestFailedError
 from .params import SamplingParams
@@ -250,6 +251,7 @@ class FakeBackend:
         """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``."""
         if self.fault is not None:
             self.fault("tokenize")
+        utf8(text)  # a lone surrogate is refused as by the real tokenizer
         if not (parse_special and self._specials):
             return [b + 1 for b in text.encode("utf-8")]
         tokens: list[int] = []

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import EngineError, ModelLoadError
-from .llama_cpp import _bindings, load_model
+from .llama_cpp import _bindings, load_model, utf8
 
 __all__ = ["POOLING_TYPES", "EmbeddingBackend", "EmbeddingConfig"]
 
@@ -121,8 +121,12 @@ class EmbeddingBackend:
         return _POOLING_NAMES.get(self._pooling, str(self._pooling))
 
     def tokenize(self, text: str) -> list[int]:
-        """Tokenize ``text`` as data: BOS added as the model wants, special tokens not parsed."""
-        data = text.encode("utf-8")
+        """Tokenize ``text`` as data: BOS added as the model wants, special tokens not parsed.
+
+        Raises:
+            InvalidRequestError: ``text`` holds a lone surrogate.
+        """
+        data = utf8(text)
         cap = len(data) + 8
         while True:
             buf = (ctypes.c_int32 * cap)()

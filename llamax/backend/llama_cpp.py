@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ModelLoadError, RequestFailedError
+from ..errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
 from .platform import default_use_extra_bufts
@@ -394,8 +394,12 @@ class LlamaCppBackend:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
-        """Tokenize ``text``; read-only on the vocabulary, so safe from any thread."""
-        data = text.encode("utf-8")
+        """Tokenize ``text``; read-only on the vocabulary, so safe from any thread.
+
+        Raises:
+            InvalidRequestError: ``text`` holds a lone surrogate (not encodable as UTF-8).
+        """
+        data = utf8(text)
         cap = len(data) + 8
         while True:
             buf = (ctypes.c_int32 * cap)()
@@ -638,3 +642,18 @@ class LlamaCppBackend:
         for sampler in list(self._samplers.values()):
             self.free_sampler(sampler)
         self._stack.close()
+
+
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8, for the tokenizer.
+
+    Raises:
+        InvalidRequestError: ``text`` holds a lone surrogate (``"\\ud800"``).
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"text holds a lone surrogate ({text[exc.start]!a} at index {exc.start}), "
+            "which is not valid Unicode text"
+        ) from exc

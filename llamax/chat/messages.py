@@ -38,8 +38,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         New dicts, one per message, with ``content`` as a ``str`` (or ``None``, see above).
 
     Raises:
-        InvalidMessageError: The message list or a message is malformed; the error names
-            the message index and the field.
+        InvalidMessageError: The message list or a message is malformed (content or name
+            holding a lone surrogate included); the error names the message index and the
+            field.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidMessageError(
@@ -68,8 +69,26 @@ def _validate_message(index: int, message: Any) -> dict[str, Any]:
             index=index,
             field="name",
         )
-    normalised["content"] = _content_text(index, message)
+    content = _content_text(index, message)
+    for field, text in (("name", name), ("content", content)):
+        _check_unicode(index, field, text)
+    normalised["content"] = content
     return normalised
+
+
+def _check_unicode(index: int, field: str, text: str | None) -> None:
+    """Refuse a lone surrogate (``"\\ud800"``): it cannot be encoded, so not tokenized."""
+    if text is None or text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(
+            f"messages[{index}].{field} holds a lone surrogate ({text[exc.start]!a} at index "
+            f"{exc.start}), which is not valid Unicode text",
+            index=index,
+            field=field,
+        ) from exc
 
 
 def _content_text(index: int, message: Mapping[str, Any]) -> str | None:

@@ -23,24 +23,44 @@ def leading_system_count(messages: Sequence[Message]) -> int:
 def drop_oldest_turns(
     messages: list[Message], num_tokens: Callable[[list[Message]], int], budget: int
 ) -> list[Message]:
-    """Drop the oldest whole turns until ``num_tokens(kept) <= budget``.
+    """Drop the fewest oldest whole turns so that ``num_tokens(kept) <= budget``.
 
     A turn starts at a user message and runs to the next one. The leading system messages
-    and the newest turn are always kept.
+    and the newest turn are always kept. The cut is found by binary search over the turn
+    boundaries, so ``num_tokens`` is called about ``log2(turns) + 2`` times, not once per
+    turn: a conversation of thousands of turns costs a dozen renders. The search assumes
+    that dropping turns never lengthens the prompt (true of chat templates); whatever the
+    template, the kept messages returned were measured to fit.
 
     Raises:
         ContextLengthError: even the system messages plus the newest turn exceed ``budget``.
     """
     head = leading_system_count(messages)
     cuts = [head] + [i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"]
-    for cut in cuts:
-        kept = messages[:head] + messages[cut:]
-        size = num_tokens(kept)
-        if size <= budget:
-            return kept
-    raise ContextLengthError(
-        f"the system messages and the newest turn need {size} tokens, more than the "
-        f"{budget} available for the prompt",
-        num_prompt_tokens=size,
-        n_ctx=budget,
-    )
+
+    def kept(k: int) -> list[Message]:
+        return messages[:head] + messages[cuts[k] :]
+
+    sizes: dict[int, int] = {}
+
+    def size(k: int) -> int:
+        if k not in sizes:
+            sizes[k] = num_tokens(kept(k))
+        return sizes[k]
+
+    last = len(cuts) - 1
+    if size(last) > budget:
+        raise ContextLengthError(
+            f"the system messages and the newest turn need {size(last)} tokens, more than "
+            f"the {budget} available for the prompt",
+            num_prompt_tokens=size(last),
+            n_ctx=budget,
+        )
+    low, high = 0, last  # the answer lies in [low, high]; cut ``high`` fits
+    while low < high:
+        middle = (low + high) // 2
+        if size(middle) <= budget:
+            high = middle
+        else:
+            low = middle + 1
+    return kept(high)

@@ -9,7 +9,8 @@ Built only on the public API of :class:`~llamax.Context` and its handles.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameterError
@@ -44,7 +45,13 @@ def _chat(
         if opts.get("truncate", "none") != "none":
             raise InvalidParameterError("truncate is not supported together with tools")
         return prepare_tool_chat(ctx, messages, params, plan)
-    return prepare_chat(ctx, messages, params, truncate=opts.get("truncate", "none"))
+    return prepare_chat(
+        ctx,
+        messages,
+        params,
+        truncate=opts.get("truncate", "none"),
+        parse_special_in_content=opts.get("parse_special_in_content", False),
+    )
 
 
 def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
@@ -92,8 +99,9 @@ async def achat_completion(
     ctx: Context, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
 ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
     """Async twin of :func:`chat_completion` (needs the background loop); ``aclose()`` on the
-    returned iterator cancels the request."""
-    request = _chat(ctx, messages, options)
+    returned iterator cancels the request. Rendering, truncation and tokenizing run in a
+    worker thread, so the event loop stays free."""
+    request = await _off_the_loop(lambda: _chat(ctx, messages, options))
     if stream:
         return request.achunks(_include_usage(options))  # type: ignore[return-value]
     return await request.aresult()  # type: ignore[return-value]
@@ -102,8 +110,27 @@ async def achat_completion(
 async def acompletion(
     ctx: Context, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
 ) -> TextCompletion | AsyncIterator[TextCompletion]:
-    """Async twin of :func:`completion`."""
-    request = _text(ctx, prompt, options)
+    """Async twin of :func:`completion`; tokenizing runs in a worker thread."""
+    request = await _off_the_loop(lambda: _text(ctx, prompt, options))
     if stream:
         return request.achunks(_include_usage(options))  # type: ignore[return-value]
     return await request.aresult()  # type: ignore[return-value]
+
+
+async def _off_the_loop(prepare: Callable[[], OpenAIRequest]) -> OpenAIRequest:
+    """Run ``prepare`` (render, tokenize, submit) in the loop's default executor.
+
+    Cancelling the caller does not stop the worker; the request it submits is cancelled
+    as soon as it exists, so nothing runs for a caller that has gone.
+    """
+    future = asyncio.get_running_loop().run_in_executor(None, prepare)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_cancel_submitted)
+        raise
+
+
+def _cancel_submitted(future: asyncio.Future[OpenAIRequest]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().handle.cancel()

@@ -70,6 +70,9 @@ class ChatOptions(CompletionOptions, total=False):
 
     truncate: Truncate
     """``"oldest_messages"`` drops the oldest whole turns when the conversation is too long."""
+    parse_special_in_content: bool
+    """llamax extension: parse special-token text in message content as special tokens
+    (default False: content is plain text, so a user cannot forge ``<|im_start|>system``)."""
     tools: Sequence[Mapping[str, Any]] | None
     """OpenAI function tools; see docs/tools.md."""
     tool_choice: str | Mapping[str, Any] | None
@@ -175,16 +178,31 @@ def _logprobs(options: CompletionOptions, *, chat: bool) -> int | None:
 
 def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """``{"type": "json_object"}`` → any object; ``{"type": "json_schema", "json_schema":
-    {"schema": {...}}}`` → that schema; ``{"type": "text"}`` or None → unconstrained."""
+    {"schema": {...}}}`` → that schema; ``{"type": "text"}`` or None → unconstrained.
+
+    Raises:
+        InvalidParameterError: ``response_format`` or its ``json_schema`` is not an object,
+            the type is unknown, or the schema is missing.
+    """
     if response_format is None:
         return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidParameterError(
+            f"response_format must be an object, got {type(response_format).__name__}"
+        )
     kind = response_format.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return JSON_OBJECT_SCHEMA
     if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
+        wrapper = response_format.get("json_schema")
+        if not isinstance(wrapper, Mapping):
+            raise InvalidParameterError(
+                'response_format json_schema must be an object like {"name": ..., '
+                f'"schema": {{...}}}}, got {type(wrapper).__name__}'
+            )
+        schema = wrapper.get("schema")
         if not isinstance(schema, Mapping):
             raise InvalidParameterError("response_format json_schema needs a 'schema' object")
         return schema

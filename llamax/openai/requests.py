@@ -360,17 +360,35 @@ def prepare_chat(
     params: SamplingParams,
     *,
     truncate: Truncate = "none",
+    parse_special_in_content: bool = False,
 ) -> OpenAIRequest:
-    """Validate, render, fit and submit a chat request."""
+    """Validate, render, fit and submit a chat request.
+
+    With ``truncate="oldest_messages"`` the cut is found by a binary search over turn
+    boundaries (a few renders, whatever the length); each rendering is tokenized once.
+    """
     if truncate not in ("none", "oldest_messages"):
         raise InvalidParameterError(
             f"truncate must be 'none' or 'oldest_messages', got {truncate!r}"
+        )
+    if not isinstance(parse_special_in_content, bool):
+        raise InvalidParameterError(
+            f"parse_special_in_content must be a bool, got {parse_special_in_content!r}"
         )
     msgs = validate_messages(messages)
     params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
     reserve = params.max_tokens or 1
     budget = ctx.n_ctx_seq - reserve
-    tokens = ctx.chat_prompt(msgs)
+    rendered: dict[int, list[int]] = {}  # by the number of messages kept
+
+    def render(kept: list[dict[str, Any]]) -> list[int]:
+        if len(kept) not in rendered:
+            rendered[len(kept)] = ctx.chat_prompt(
+                kept, parse_special_in_content=parse_special_in_content
+            )
+        return rendered[len(kept)]
+
+    tokens = render(msgs)
     if len(tokens) > budget:
         if truncate == "none":
             raise ContextLengthError(
@@ -380,8 +398,7 @@ def prepare_chat(
                 num_prompt_tokens=len(tokens),
                 n_ctx=ctx.n_ctx_seq,
             )
-        msgs = drop_oldest_turns(msgs, lambda m: len(ctx.chat_prompt(m)), budget)
-        tokens = ctx.chat_prompt(msgs)
+        tokens = render(drop_oldest_turns(msgs, lambda m: len(render(m)), budget))
     return _submit(ctx, tokens, params, "chat")
 
 

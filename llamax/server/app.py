@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 import llamax
 
@@ -20,6 +21,8 @@ from .state import ServerState
 
 __all__ = ["create_app"]
 
+logger = logging.getLogger("llamax.server")
+
 
 def create_app(
     ctx: llamax.Context | Future[llamax.Context],
@@ -29,6 +32,7 @@ def create_app(
     max_body_bytes: int = 8 << 20,
     cors_origins: Sequence[str] | None = None,
     retry_after_seconds: int = 1,
+    parse_special_in_content: bool = False,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -40,10 +44,15 @@ def create_app(
             server answers ``/health`` with ``loading`` and inference with 503 until then).
         api_key: When set, every endpoint but ``/`` and ``/health`` needs
             ``Authorization: Bearer <api_key>`` (else 401).
-        max_queue: Most completion requests in flight at once; more get 503 + Retry-After.
+        max_queue: Most requests in flight at once (completions, embeddings, tokenize and
+            detokenize, from the moment their body has arrived); more get 503 +
+            Retry-After.
         max_body_bytes: Largest request body accepted (else 413).
         cors_origins: Origins allowed by CORS (``["*"]`` for any); ``None``: CORS is off.
         retry_after_seconds: The ``Retry-After`` sent with a 503.
+        parse_special_in_content: Let special-token text in chat message content act as
+            special tokens (llama-server's way; lets a user forge turns and roles). Off by
+            default: content is plain text, only the template's markers are special.
 
     Returns:
         A FastAPI application.
@@ -58,11 +67,14 @@ def create_app(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
-    state = ServerState(ctx, api_key, max_queue, max_body_bytes, retry_after_seconds)
+    state = ServerState(
+        ctx, api_key, max_queue, max_body_bytes, retry_after_seconds, parse_special_in_content
+    )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state
     app.add_exception_handler(APIError, handle_api_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _internal_error)
     for router in (public_routes(state), info_routes(state), api_routes(state)):
         app.include_router(router)
@@ -80,6 +92,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own errors (404, 405 ...) in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    """A client that leaves before sending its whole body is a normal event, not a bug:
+    one debug line, no traceback. Nobody reads the response."""
+    logger.debug("client left before sending its body: %s %s", request.method, request.url.path)
+    return Response(status_code=400)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -75,7 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue",
         type=int,
         default=256,
-        help="most requests in flight; more get 503 (default: 256)",
+        help="most requests in flight, tokenize and embeddings included; more get 503 "
+        "(default: 256)",
+    )
+    p.add_argument(
+        "--parse-special-in-content",
+        action="store_true",
+        help="let special-token text in chat message content act as special tokens, as "
+        "llama-server does (unsafe: a user can forge turns and roles; default: plain text)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -149,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_queue": ns.max_queue,
             "max_body_bytes": ns.max_body_bytes,
             "cors_origins": ns.cors_origin,
+            "parse_special_in_content": ns.parse_special_in_content,
         }
         with ThreadPoolExecutor(1, thread_name_prefix="llamax-load") as pool:
             loading = pool.submit(llamax.Context, ns.model, **options)

@@ -29,6 +29,7 @@ __all__ = ["api_routes"]
 _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 _TEXT_FIELDS = frozenset(CompletionRequest.model_fields)
 _EMBED_FIELDS = frozenset(EmbeddingRequest.model_fields)
+_TOKENIZE_FIELDS = frozenset(TokenizeRequest.model_fields)
 
 
 def api_routes(state: ServerState) -> APIRouter:
@@ -43,6 +44,8 @@ def api_routes(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         def job(body: ChatCompletionRequest) -> Callable[[], Awaitable[Any]]:
             ctx, options = state.context(), _stream_options(body)
+            if state.parse_special_in_content:
+                options["parse_special_in_content"] = True
             return lambda: ctx.achat_completion(body.messages, **options)
 
         return await _admit(state, request, "chat", ChatCompletionRequest, job)
@@ -57,43 +60,55 @@ def api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        body = parse_body(EmbeddingRequest, await read_body(request, state.max_body_bytes))
-        ctx = state.context()
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        try:
-            vectors = await run_in_threadpool(ctx.embed, texts)
-        except Exception as exc:  # too long, empty, model refused: OpenAI's error shape
-            raise from_exception(exc, _EMBED_FIELDS, "input") from exc
-        num_tokens = sum(len(ctx.tokenize(text)) for text in texts)
-        data = [
-            {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-            for i, v in enumerate(vectors)
-        ]
-        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-        return JSONResponse(
-            {"object": "list", "data": data, "model": ctx.model_name, "usage": usage}
-        )
+        def work(raw: bytes) -> Response:
+            body = parse_body(EmbeddingRequest, raw)
+            ctx = state.context()
+            texts = [body.input] if isinstance(body.input, str) else body.input
+            try:
+                vectors = ctx.embed(texts)
+                num_tokens = sum(len(ctx.tokenize(text)) for text in texts)
+            except Exception as exc:  # too long, empty, model refused: OpenAI's error shape
+                raise from_exception(exc, _EMBED_FIELDS, "input") from exc
+            data = [
+                {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+                for i, v in enumerate(vectors)
+            ]
+            usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+            return JSONResponse(
+                {"object": "list", "data": data, "model": ctx.model_name, "usage": usage}
+            )
+
+        return await _in_worker(state, request, work)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = parse_body(TokenizeRequest, await read_body(request, state.max_body_bytes))
-        ctx = state.context()
-        tokens = ctx.tokenize(body.content, add_special=body.add_special)
-        if not body.with_pieces:
-            return JSONResponse({"tokens": tokens})
-        pieces = [{"id": t, "piece": ctx.detokenize([t])} for t in tokens]
-        return JSONResponse({"tokens": pieces})
+        def work(raw: bytes) -> Response:
+            body = parse_body(TokenizeRequest, raw)
+            ctx = state.context()
+            try:
+                tokens = ctx.tokenize(body.content, add_special=body.add_special)
+            except Exception as exc:
+                raise from_exception(exc, _TOKENIZE_FIELDS, "content") from exc
+            if not body.with_pieces:
+                return JSONResponse({"tokens": tokens})
+            pieces = [{"id": t, "piece": ctx.detokenize([t])} for t in tokens]
+            return JSONResponse({"tokens": pieces})
+
+        return await _in_worker(state, request, work)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        body = parse_body(DetokenizeRequest, await read_body(request, state.max_body_bytes))
-        ctx = state.context()
-        size = ctx.n_vocab
-        bad = [t for t in body.tokens if not 0 <= t < size]
-        if bad:
-            raise APIError(400, f"token ids outside the vocabulary [0, {size}): {bad[:8]}",
-                           param="tokens", code="invalid_value")  # fmt: skip
-        return JSONResponse({"content": ctx.detokenize(body.tokens)})
+        def work(raw: bytes) -> Response:
+            body = parse_body(DetokenizeRequest, raw)
+            ctx = state.context()
+            size = ctx.n_vocab
+            bad = [t for t in body.tokens if not 0 <= t < size]
+            if bad:
+                raise APIError(400, f"token ids outside the vocabulary [0, {size}): {bad[:8]}",
+                               param="tokens", code="invalid_value")  # fmt: skip
+            return JSONResponse({"content": ctx.detokenize(body.tokens)})
+
+        return await _in_worker(state, request, work)
 
     return router
 
@@ -113,6 +128,24 @@ def _stream_options(body: ChatCompletionRequest | CompletionRequest) -> dict[str
     return options
 
 
+async def _in_worker(
+    state: ServerState, request: Request, work: Callable[[bytes], Response]
+) -> Response:
+    """Read the body, take an admission slot, and run ``work(body)`` (parsing, tokenizing,
+    building the response) in a worker thread, so the event loop stays free.
+
+    Raises:
+        APIError: 413 for a body too large, 503 when ``max_queue`` requests are in flight,
+            or what ``work`` raises.
+    """
+    raw = await read_body(request, state.max_body_bytes)
+    state.admit()
+    try:
+        return await run_in_threadpool(work, raw)
+    finally:
+        state.release()
+
+
 async def _admit(
     state: ServerState,
     request: Request,
@@ -120,13 +153,29 @@ async def _admit(
     model: type[Any],
     make_start: Callable[[Any], Callable[[], Awaitable[Any]]],
 ) -> Response:
-    """Parse, check and admit a completion request, then hand it to its ASGI response."""
+    """Admit a completion request, parse and check it in a worker, then hand it to its
+    ASGI response (which renders and tokenizes in a worker too, see ``achat_completion``).
+    The admission slot is held from the moment the body has arrived until the response
+    ends, so ``max_queue`` bounds the parsing and rendering as well as the inference."""
+
+    def parse(raw: bytes) -> tuple[Any, Callable[[], Awaitable[Any]]]:
+        body = parse_body(model, raw)
+        return body, make_start(body)
+
+    admitted = False
     try:
-        body = parse_body(model, await read_body(request, state.max_body_bytes))
-        start = make_start(body)
+        raw = await read_body(request, state.max_body_bytes)
         state.admit()
+        admitted = True
+        body, start = await run_in_threadpool(parse, raw)
     except APIError as error:
         state.metrics.requests.labels(endpoint, outcome_of(error.status)).inc()
+        if admitted:
+            state.release()
+        raise
+    except BaseException:
+        if admitted:
+            state.release()
         raise
     job = CompletionJob(
         endpoint=endpoint,

@@ -25,6 +25,12 @@ __all__ = [
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a body may have (a JSON schema rarely needs 10)."""
+
+MAX_STOP_STRINGS = 400
+"""Most ``stop`` strings one request may give over HTTP."""
+
 _NOT_OPTIONS = frozenset({"model", "user", "stream", "stream_options", "messages", "prompt"})
 """Fields the server handles itself (``model`` and ``user`` are accepted and ignored)."""
 
@@ -74,7 +80,18 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def options(self) -> dict[str, Any]:
-        """The keyword options for ``Context.achat_completion`` / ``acompletion``."""
+        """The keyword options for ``Context.achat_completion`` / ``acompletion``.
+
+        Raises:
+            APIError: 400 for more than :data:`MAX_STOP_STRINGS` stop strings.
+        """
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise APIError(
+                400,
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                param="stop",
+                code="invalid_value",
+            )
         return self.model_dump(exclude_none=True, exclude=set(_NOT_OPTIONS))
 
 
@@ -152,19 +169,74 @@ def parse_body(model: type[RequestT], raw: bytes) -> RequestT:
         The validated request.
 
     Raises:
-        APIError: 400, for malformed JSON, a body that is not an object, an unknown field
-            (named in ``param``) or a field of the wrong type.
+        APIError: 400, for malformed JSON, a body that is not an object, nesting deeper
+            than :data:`MAX_JSON_DEPTH`, a string holding a lone surrogate (``"\\ud800"``
+            is valid JSON but not Unicode text), an unknown field (named in ``param``) or
+            a field of the wrong type.
     """
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # nesting deeper than the interpreter's stack
+        raise APIError(
+            400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from exc
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    _check_tree(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
+
+
+def _check_tree(data: dict[str, Any]) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings that are not Unicode
+    text (lone surrogates); a walk with its own stack, so no depth can overflow it.
+
+    Raises:
+        APIError: 400 naming the place (``messages.0.content``) and the top field.
+    """
+    stack: list[tuple[object, tuple[str | int, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, (dict, list)):
+            if len(path) >= MAX_JSON_DEPTH:
+                raise APIError(
+                    400,
+                    f"the body nests deeper than {MAX_JSON_DEPTH} levels (in {path[0]!r})",
+                    param=str(path[0]),
+                    code="invalid_json",
+                )
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    _check_text(key, path)
+                    stack.append((item, (*path, key)))
+            else:
+                stack.extend((item, (*path, i)) for i, item in enumerate(value))
+
+
+def _check_text(text: str, path: tuple[str | int, ...]) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise APIError(
+            400,
+            f"{_where(path) or 'a field name'} holds a lone surrogate ({bad!a} at "
+            f"index {exc.start}), which is not valid Unicode text",
+            param=str(path[0]) if path else None,
+            code="invalid_unicode",
+        ) from exc
+
+
+def _where(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(part) for part in path)
 
 
 def _validation_error(exc: ValidationError) -> APIError:

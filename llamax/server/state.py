@@ -23,9 +23,12 @@ class ServerState:
     Args:
         source: The context, or a future that will hold it once the model has loaded.
         api_key: The key clients must send as ``Authorization: Bearer ...``; ``None``: none.
-        max_queue: Most requests admitted at once (running or waiting); more get 503.
+        max_queue: Most requests admitted at once (being parsed, tokenized, rendered,
+            running or waiting, tokenize and embeddings requests included); more get 503.
         max_body_bytes: Largest request body; larger ones get 413.
         retry_after_seconds: The ``Retry-After`` of a 503.
+        parse_special_in_content: Chat message content may hold special tokens (unsafe;
+            off by default, see docs/chat.md).
     """
 
     source: llamax.Context | Future[llamax.Context]
@@ -33,6 +36,7 @@ class ServerState:
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
     retry_after_seconds: int = 1
+    parse_special_in_content: bool = False
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 
