@@ -222,10 +222,8 @@ def tool_prompt_tokens(
     template = ctx.chat_template
     if not template_supports_tools(template):
         return ctx.chat_prompt(fallback_messages(messages, plan))
-    text = render_tool_prompt(template, messages, plan)
-    tokens = ctx.tokenize(text, add_special=False, parse_special=True)
-    bos = ctx.tokenize("", add_special=True, parse_special=False)
-    return tokens if tokens[: len(bos)] == bos else [*bos, *tokens]
+    tools = [f.as_openai() for f in plan.callable_functions] or None
+    return ctx.chat_prompt(native_messages(messages), tools=tools)  # content stays text
 
 
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
