@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from .backend.base import Backend
 from .errors import (
+    ContextClosedError,
     ContextLengthError,
     EmptyPromptError,
     GrammarError,
@@ -50,6 +51,8 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
     if isinstance(prompt, str):
         try:
             tokens = backend.tokenize(prompt)
+        except ContextClosedError:
+            raise  # the context closed while this request was being built
         except Exception as exc:
             raise RequestFailedError(f"the tokenizer failed: {exc!r}") from exc
     elif isinstance(prompt, (np.ndarray, list, tuple)):
