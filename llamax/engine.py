@@ -35,7 +35,13 @@ from .errors import (
 from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .plan import StepPlan, StepResult
 from .results import TokenLogprob
-from .sampling import BatchLogitsProcessor, pop_interrupt, sample_plan, sample_row
+from .sampling import (
+    BatchLogitsProcessor,
+    keep_interrupt,
+    pop_interrupt,
+    sample_plan,
+    sample_row,
+)
 from .scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
@@ -550,3 +556,6 @@ def _settle(
             future.set_result(request.completion())
     except InvalidStateError:  # the user cancelled the future itself; nothing to deliver
         pass
+    except BaseException as exc:  # a done-callback raised past Future's own `except Exception`
+        _log.exception("a done-callback of request %s raised", request.request_id)
+        keep_interrupt(exc)  # process() re-raises a KeyboardInterrupt after the step

@@ -33,6 +33,7 @@ __all__ = [
     "BatchLogitsProcessor",
     "LogitsRow",
     "Sampled",
+    "keep_interrupt",
     "pop_interrupt",
     "sample_plan",
     "sample_row",
@@ -49,10 +50,15 @@ def pop_interrupt() -> KeyboardInterrupt | None:
     return interrupt
 
 
-def _user_failure(message: str, exc: BaseException) -> RequestFailedError:
-    """The error that ends a request whose callback raised ``exc`` (any BaseException)."""
+def keep_interrupt(exc: BaseException) -> None:
+    """Remember ``exc`` for :func:`pop_interrupt` if it is a ``KeyboardInterrupt``."""
     if isinstance(exc, KeyboardInterrupt):
         _pending.interrupt = exc
+
+
+def _user_failure(message: str, exc: BaseException) -> RequestFailedError:
+    """The error that ends a request whose callback raised ``exc`` (any BaseException)."""
+    keep_interrupt(exc)
     error = RequestFailedError(message)
     error.__cause__ = exc
     return error

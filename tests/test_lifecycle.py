@@ -556,3 +556,46 @@ def test_close_with_a_timeout_on_a_stuck_loop_then_frees_when_it_returns() -> No
         time.sleep(0.001)
     assert backend.closed
     _close(ctx)
+
+
+@pytest.mark.parametrize("exc", BASE_EXCEPTIONS[:3], ids=lambda e: type(e).__name__)
+def test_a_base_exception_in_a_done_callback_does_not_stop_the_loop(exc: BaseException) -> None:
+    """A done-callback that raised a BaseException (Future catches only Exception) broke
+    out of the loop's publishing: the other requests of that step never settled and the
+    loop thread died. Now it is logged and the loop goes on."""
+    ctx, _ = _fresh(autostart=True)
+    registered = threading.Event()
+
+    def gate(_ids: Any, _logits: Any) -> None:
+        registered.wait(TIMEOUT)  # the request ends after its callback is added
+
+    gated = llamax.SamplingParams(max_tokens=4, temperature=0, logits_processors=[gate])
+    first = ctx.add_request("abc", gated)
+    second = ctx.add_request("abd", PARAMS)
+
+    def raising(_future: object) -> None:
+        raise exc
+
+    first.future.add_done_callback(raising)
+    registered.set()
+    assert _in_thread(lambda: first.result(TIMEOUT)).finish_reason == "length"
+    assert _in_thread(lambda: second.result(TIMEOUT)).finish_reason == "length"
+    assert _in_thread(lambda: ctx.add_request("x", PARAMS).result(TIMEOUT)).text
+    assert_idle(ctx)
+    _close(ctx)
+
+
+def test_a_keyboard_interrupt_in_a_done_callback_of_a_manual_context_is_re_raised() -> None:
+    ctx, _ = _fresh(autostart=False)
+    handle = ctx.add_request("abc", PARAMS)
+
+    def interrupt(_future: object) -> None:
+        raise KeyboardInterrupt
+
+    handle.future.add_done_callback(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        while ctx.has_work():
+            ctx.process()
+    assert handle.result().finish_reason == "length"
+    assert_idle(ctx)
+    _close(ctx)
