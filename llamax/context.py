@@ -41,8 +41,11 @@ class Context(OpenAIMethods, PipelineMethods):
     thread runs the loop and sleeps when idle; with ``autostart=False`` the caller drives
     it with :meth:`process` (or by waiting on a handle, which steps the loop itself).
     ``close()`` (or leaving a ``with`` block) cancels pending requests, which complete with
-    ``finish_reason == "cancelled"``, joins the loop and frees the native handles;
-    ``close(drain=True)`` lets them finish first.
+    ``finish_reason == "cancelled"``, releases every session, joins the loop and frees the
+    native handles; ``close(drain=True)`` lets them finish first. After ``close()`` every
+    method that would do work raises :class:`ContextClosedError` (even when racing it from
+    another thread); facts known at load (``n_ctx``, ``model_name``, ``config`` ...),
+    ``closed``, ``stats()`` and ``has_work()`` keep answering.
 
     Args:
         model_path: a GGUF file. ``None`` uses ``$LLAMAX_MODEL`` or the default model.
@@ -151,7 +154,9 @@ class Context(OpenAIMethods, PipelineMethods):
 
         Raises:
             InvalidRequestError: ``text`` is not a str.
+            ContextClosedError: the context is closed.
         """
+        self._check_open("tokenize")
         if not isinstance(text, str):
             raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
         return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
@@ -161,7 +166,9 @@ class Context(OpenAIMethods, PipelineMethods):
 
         Raises:
             InvalidRequestError: an id is not an int in ``[0, n_vocab)``.
+            ContextClosedError: the context is closed.
         """
+        self._check_open("detokenize")
         ids = prompt_token_ids(self._backend, token_ids)
         return b"".join(self._backend.token_to_piece(t) for t in ids).decode("utf-8", "replace")
 
@@ -194,6 +201,7 @@ class Context(OpenAIMethods, PipelineMethods):
 
         Raises:
             SessionError: every sequence id is held by running sequences or other sessions.
+            ContextClosedError: the context is closed.
         """
         return Session(self, self._engine.run(OpenSession()))
 
@@ -206,8 +214,7 @@ class Context(OpenAIMethods, PipelineMethods):
         request_id: str | None = None,
         session_id: int | None = None,
     ) -> RequestHandle:
-        if self.closed:
-            raise ContextClosedError("cannot add a request: the context has been closed")
+        self._check_open("add a request")
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
@@ -261,7 +268,7 @@ class Context(OpenAIMethods, PipelineMethods):
         Running requests and open sessions keep their cells.
 
         Raises:
-            ContextClosedError: the context is closed.
+            ContextClosedError: the context is closed (it still runs while closing).
         """
         return self._engine.run(ClearCache())
 
@@ -271,6 +278,9 @@ class Context(OpenAIMethods, PipelineMethods):
         Returns one sentence per inconsistency (a sequence id whose KV extent differs from
         what the engine recorded, a leaked sampler ...); empty when everything agrees. For
         tests and debugging: :func:`llamax.testing.assert_idle` runs it after every test.
+
+        Raises:
+            ContextClosedError: the context is closed (it still runs while closing).
         """
         return self._engine.run(Audit())
 
@@ -281,7 +291,9 @@ class Context(OpenAIMethods, PipelineMethods):
 
         Raises:
             TemplateError: the model has no template and none was given.
+            ContextClosedError: the context is closed.
         """
+        self._check_open("read the chat template")
         if self._chat_template is None:
             from .chat.binding import load_template
 
@@ -291,7 +303,12 @@ class Context(OpenAIMethods, PipelineMethods):
 
     @property
     def end_of_turn_token_ids(self) -> tuple[int, ...]:
-        """Special tokens the template ends a turn with (``<|im_end|>`` ...): chat stops there."""
+        """Special tokens the template ends a turn with (``<|im_end|>`` ...): chat stops there.
+
+        Raises:
+            ContextClosedError: the context is closed.
+        """
+        self._check_open("read the chat template")
         if self._end_of_turn is None:
             from .chat.binding import end_of_turn_ids
 
@@ -300,7 +317,12 @@ class Context(OpenAIMethods, PipelineMethods):
 
     @property
     def can_shift(self) -> bool:
-        """Whether the KV memory supports position shifts (history shift in chats)."""
+        """Whether the KV memory supports position shifts (history shift in chats).
+
+        Raises:
+            ContextClosedError: the context is closed.
+        """
+        self._check_open("ask the KV memory")
         return self._backend.can_shift
 
     def chat_prompt(
@@ -317,9 +339,11 @@ class Context(OpenAIMethods, PipelineMethods):
         Raises:
             InvalidMessageError: a message has an unknown role or unsupported content.
             TemplateError: the template failed, broke the sandbox or its budget.
+            ContextClosedError: the context is closed.
         """
         from .chat.binding import render_tokens
 
+        self._check_open("render a chat prompt")
         return render_tokens(
             self._backend,
             self.chat_template,
@@ -338,20 +362,36 @@ class Context(OpenAIMethods, PipelineMethods):
     ) -> Chat:
         """Open a :class:`~llamax.Chat`: a conversation whose KV cache stays resident and
         whose oldest turns are dropped by shifting the cache when it outgrows
-        ``max_context`` (default ``n_ctx``)."""
+        ``max_context`` (default ``n_ctx``).
+
+        Raises:
+            ContextClosedError: the context is closed.
+        """
         from .conversation import Chat
 
+        self._check_open("open a chat")
         return Chat(self, system=system, messages=messages, max_context=max_context, params=params)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
-        """Stop the loop and free native handles (batch, context, model). Idempotent.
+        """Stop the loop, release every session and free native handles (batch, context,
+        model). Idempotent.
 
         Pending requests are cancelled (``finish_reason == "cancelled"``) unless ``drain``
-        is true, in which case they finish first.
+        is true, in which case they finish first; while they drain, ``Session.close()``
+        still frees its room. Native memory is freed only after every other thread's call
+        into it has returned; calls that come later raise :class:`ContextClosedError`.
+
+        From a done-callback, or inside a logits processor, ``close()`` marks the context
+        closing and returns; the loop (or the manual step's ``process()``) tears it down
+        when the step is over. Otherwise it waits for the loop thread to leave the step or
+        callback it is in: a callback that never returns keeps it waiting, unless
+        ``timeout`` is given (then ``TimeoutError``; the context stays closed to new work
+        and is freed by the loop thread when the callback returns).
 
         Raises:
             InvalidParameterError: ``timeout`` is not None or a number >= 0.
+            TimeoutError: the loop (or a drain) did not finish within ``timeout``.
         """
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
@@ -359,6 +399,10 @@ class Context(OpenAIMethods, PipelineMethods):
             raise InvalidParameterError(f"timeout must be None or a number >= 0, got {timeout!r}")
         self._engine.close(drain=drain, timeout=timeout)
         self._close_embedder()
+
+    def _check_open(self, action: str) -> None:
+        if self.closed:
+            raise ContextClosedError(f"cannot {action}: the context has been closed")
 
     def __enter__(self) -> Self:
         return self

@@ -32,10 +32,16 @@ from .errors import (
     InvalidRequestError,
     LoopOwnershipError,
 )
-from .kvops import KVOp
+from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .plan import StepPlan, StepResult
 from .results import TokenLogprob
-from .sampling import BatchLogitsProcessor, sample_plan, sample_row
+from .sampling import (
+    BatchLogitsProcessor,
+    keep_interrupt,
+    pop_interrupt,
+    sample_plan,
+    sample_row,
+)
 from .scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
@@ -49,6 +55,8 @@ _log = logging.getLogger("llamax")
 T = TypeVar("T")
 
 _MAX_SHRINKS_PER_STEP = 64
+# what may still run while the context closes: operations that free room or only read
+_WHILE_CLOSING = (ReleaseSession, ReadSession, SaveSession, ClearCache, Audit)
 _MAX_STALLED_STEPS = 16
 
 
@@ -151,6 +159,10 @@ class Engine:
     def run(self, op: KVOp[T]) -> T:
         """Apply a KV operation on the thread that owns the scheduler, between steps.
 
+        While the engine closes, only operations that free room or read
+        (``ReleaseSession``, ``ReadSession``, ``SaveSession``, ``ClearCache``, ``Audit``)
+        still run. The caller holds no engine lock while it waits.
+
         Raises:
             ContextClosedError: the engine is closed (or closes before ``op`` ran).
             DeadlockError: called from inside a step (a logits processor).
@@ -161,7 +173,7 @@ class Engine:
             result = StepResult()
             with self._step_lock:
                 with self._lock:
-                    self._raise_if_not_running()
+                    self._raise_if_not_running(op)
                     inbox, self._inbox = self._inbox, []
                 for request in inbox:  # an op may concern a request submitted just before
                     self.scheduler.add(request)
@@ -171,7 +183,7 @@ class Engine:
             return value
         future: Future[T] = Future()
         with self._lock:
-            self._raise_if_not_running()
+            self._raise_if_not_running(op)
             self._ops.append((op, future))
             self._wakeup.notify()
         return future.result()
@@ -216,44 +228,90 @@ class Engine:
             ContextClosedError: the engine is closed.
             EngineError: llama.cpp failed; every pending request failed and the engine closed.
         """
+        if self._state in (EngineState.CLOSED, EngineState.FAILED):
+            raise ContextClosedError(f"the context is {self._state.value}")
         if self._thread is not None:
             raise LoopOwnershipError(
                 "process() cannot be called while the background loop runs; "
                 "create the context with autostart=False to drive it yourself"
             )
         self.check_wait()
+        if self._torn_down:
+            raise ContextClosedError(f"the context is {self._state.value}")
         if not self._step_lock.acquire(blocking=False):
             raise LoopOwnershipError("process() is already running in another thread")
-        if self._state in (EngineState.CLOSED, EngineState.FAILED):
+        if self._state in (EngineState.CLOSED, EngineState.FAILED) or self._torn_down:
             self._step_lock.release()
             raise ContextClosedError(f"the context is {self._state.value}")
-        return self._step_locked_then_publish()
+        computed = self._step_locked_then_publish()
+        with self._lock:
+            finished = self._state is EngineState.CLOSING and not (
+                self._draining and (self._inbox or self.scheduler.has_work)
+            )
+        if finished:  # close() was called inside this step, or a drain has just ended
+            self._teardown()
+        interrupt = pop_interrupt()
+        if interrupt is not None:  # Ctrl-C in a logits processor: its request failed alone
+            raise interrupt
+        return computed
 
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
         """Stop accepting requests, then cancel (default) or finish pending ones, and free.
 
         With ``drain=True`` pending requests run to completion first (in the background
-        loop, or in this thread for a manual context). Idempotent.
+        loop, or in this thread for a manual context). Then every open session is released
+        and the backend is freed. Idempotent.
+
+        Called on the loop thread (a done-callback, or a logits processor of the background
+        loop) it only marks the engine closing: the loop tears down when it gets back to
+        its top. Called inside a step of a manual context (a logits processor), it does the
+        same, and the step's ``process()`` tears down before it returns.
+
+        This waits for the loop thread to leave the step or callback it is in. A user
+        callback that never returns keeps it waiting: with ``timeout`` it raises
+        ``TimeoutError`` instead, the engine stays closed to new work, and the loop thread
+        frees the native memory itself once the callback returns.
+
+        Raises:
+            TimeoutError: the loop (or a manual drain) did not finish within ``timeout``.
         """
         with self._lock:
             if self._state is EngineState.RUNNING:
                 self._state = EngineState.CLOSING
             self._draining = drain
-            self._wakeup.notify()
+            self._wakeup.notify_all()
+        if getattr(self._local, "in_step", False):
+            return  # inside a step: the step ends first; its process() (or loop) tears down
         thread = self._thread
         if thread is not None and thread is threading.current_thread():
             return  # called from a callback on the loop thread: the loop tears down on exit
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                raise TimeoutError("the engine loop did not stop in time")
-        else:
-            while drain and self._state is EngineState.CLOSING and self.has_work():
-                self._step_lock.acquire()
-                self._step_locked_then_publish()
-                if self._is_stuck:
-                    break  # what is left cannot finish: it is cancelled below
+                raise TimeoutError(
+                    "the engine loop did not stop in time (a callback or logits processor "
+                    "has not returned); it frees the context when it does"
+                )
+        elif drain:
+            self._drain_here(timeout)
         self._teardown()
+
+    def _drain_here(self, timeout: float | None) -> None:
+        """Step a manual context in this thread until nothing is left (``close(drain=True)``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._state is EngineState.CLOSING and self.has_work():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("the context did not drain in time; close() again to cancel")
+            if not self._step_lock.acquire(timeout=0.05):
+                continue  # another thread steps (process() or a waiting handle)
+            try:
+                computed = self._step_locked_then_publish()
+            except EngineError:
+                return  # every request has its error; the engine is torn down
+            if self._is_stuck:
+                return  # what is left cannot finish: teardown cancels it
+            if not computed:
+                time.sleep(0.005)  # another thread's work settles first: do not spin
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
@@ -300,6 +358,7 @@ class Engine:
         return result.computed
 
     def _step_safely(self) -> tuple[StepResult, EngineError | None]:
+        pop_interrupt()  # one a former step's caller did not take (the background loop)
         self._local.in_step = True
         try:
             result, error = self._step(), None
@@ -444,38 +503,57 @@ class Engine:
         return StepResult(failed=[(request, error) for request in live])
 
     def _teardown(self) -> None:
-        with self._teardown_lock:
+        """Cancel what is left, release every session, free the backend; once, and never
+        inside a step (the step lock is taken). Events are published afterwards, unlocked,
+        so a done-callback that calls back into the context sees it closed."""
+        result = StepResult()
+        with self._teardown_lock:  # a second caller waits until the memory is freed
             if self._torn_down:
                 return
-            self._torn_down = True
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            self._cancels = []
-            ops, self._ops = self._ops, []
-        for _, future in ops:
-            future.set_exception(ContextClosedError("the context closed before the operation ran"))
-        result = StepResult()
-        with self._step_lock:  # a manual step in another thread ends first
-            try:
-                for request in inbox:
-                    self.scheduler.add(request)
-                requests = {s.request.request_id: s.request for s in self.scheduler.all_sequences()}
-                for request in requests.values():
-                    self.scheduler.abort(request, result)
-                self._publish_snapshot()
-            except BaseException:
-                _log.exception("could not cancel pending requests while closing")
+            self._torn_down = True  # under _lock too below: run() refuses new operations
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                self._cancels = []
+                ops, self._ops = self._ops, []
+            for _, future in ops:
+                future.set_exception(
+                    ContextClosedError("the context closed before the operation ran")
+                )
+            with self._step_lock:  # a manual step in another thread ends first
+                try:
+                    for request in inbox:
+                        self.scheduler.add(request)
+                    requests = {
+                        s.request.request_id: s.request for s in self.scheduler.all_sequences()
+                    }
+                    for request in requests.values():
+                        self.scheduler.abort(request, result)
+                    for session_id in self.scheduler.sessions.ids:
+                        self.scheduler.apply(ReleaseSession(session_id), result)
+                    self._publish_snapshot()
+                except BaseException:
+                    _log.exception("could not cancel pending requests while closing")
+                try:
+                    self.backend.close()  # waits for other threads' native calls to end
+                finally:
+                    with self._lock:
+                        if self._state is not EngineState.FAILED:
+                            self._state = EngineState.CLOSED
         self._publish(result)
-        self.backend.close()
-        with self._lock:
-            if self._state is not EngineState.FAILED:
-                self._state = EngineState.CLOSED
 
-    def _raise_if_not_running(self) -> None:
+    def _raise_if_not_running(self, op: KVOp[Any] | None = None) -> None:
+        """Raise unless the engine runs, or closes (not yet torn down) and ``op`` may still
+        run then (``_WHILE_CLOSING``). The caller holds ``_lock``."""
         if self._state is EngineState.FAILED:
             raise ContextClosedError("the context failed and is closed") from self._failure
+        if (
+            self._state is EngineState.CLOSING
+            and isinstance(op, _WHILE_CLOSING)
+            and not self._torn_down
+        ):
+            return
         if self._state is not EngineState.RUNNING:
-            raise ContextClosedError("cannot add a request: the context has been closed")
+            raise ContextClosedError("the context has been closed")
 
 
 def _settle(
@@ -489,3 +567,6 @@ def _settle(
             future.set_result(request.completion())
     except InvalidStateError:  # the user cancelled the future itself; nothing to deliver
         pass
+    except BaseException as exc:  # a done-callback raised past Future's own `except Exception`
+        _log.exception("a done-callback of request %s raised", request.request_id)
+        keep_interrupt(exc)  # process() re-raises a KeyboardInterrupt after the step

@@ -169,10 +169,14 @@ class KVCache:
             slot.cells.append(cell)
 
     def restore(self, slot: Slot, tokens: Sequence[int], state: bytes) -> bool:
-        """Load a saved sequence state into ``slot`` (empty); False if llama.cpp refused it."""
+        """Load a saved sequence state into ``slot`` (empty); False if llama.cpp refused it
+        or it does not hold exactly ``len(tokens)`` positions (then nothing is kept)."""
         if slot.tokens:
             raise ValueError(f"restore into a non-empty slot {slot!r}")
         if not self._memory.state_seq_set(slot.seq_id, state):
+            return False
+        if self._memory.seq_pos_max(slot.seq_id) != len(tokens) - 1:
+            self._memory.seq_rm(slot.seq_id, -1, -1)
             return False
         self.append(slot, tokens)
         return True

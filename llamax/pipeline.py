@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal, overload
 import numpy as np
 import numpy.typing as npt
 
+from .errors import ContextClosedError
 from .params import SamplingParams
 from .prompts import Prompt
 from .results import Completion
@@ -59,9 +60,13 @@ class PipelineMethods:
         """Run every prompt at once (the engine batches them); completions in input order.
 
         See :func:`llamax.batch.generate` for the arguments, the progress bar and errors.
+
+        Raises:
+            ContextClosedError: the context is closed.
         """
         from .batch import generate
 
+        _ctx(self)._check_open("generate")
         return generate(
             _ctx(self), prompts, params, progress=progress, return_exceptions=return_exceptions
         )
@@ -92,9 +97,14 @@ class PipelineMethods:
         progress: bool | None = None,
         return_exceptions: bool = False,
     ) -> list[Completion] | list[Completion | BaseException]:
-        """Async twin of :meth:`generate` (needs the background loop)."""
+        """Async twin of :meth:`generate` (needs the background loop).
+
+        Raises:
+            ContextClosedError: the context is closed.
+        """
         from .batch import agenerate
 
+        _ctx(self)._check_open("generate")
         return await agenerate(
             _ctx(self), prompts, params, progress=progress, return_exceptions=return_exceptions
         )
@@ -108,11 +118,15 @@ class PipelineMethods:
         Raises:
             ContextLengthError: a text is longer than the embedder's context.
             ModelLoadError: the model cannot be loaded for embeddings.
+            ContextClosedError: the context is closed (no second copy of the model is
+                loaded after ``close()``).
         """
         return self._get_embedder().embed(texts, normalize=normalize)
 
     def _get_embedder(self) -> Embedder:
-        with self._embedder_lock:
+        with self._embedder_lock:  # close() frees the embedder under this lock, after closing
+            if _ctx(self).closed:
+                raise ContextClosedError("cannot embed: the context has been closed")
             if self._embedder is None:
                 from .embeddings import Embedder
 

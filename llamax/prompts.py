@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from .backend.base import Backend
 from .errors import (
+    ContextClosedError,
     ContextLengthError,
     EmptyPromptError,
     GrammarError,
@@ -53,6 +54,8 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
             tokens = backend.tokenize(prompt)
         except InvalidRequestError:  # the text itself is bad (a lone surrogate)
             raise
+        except ContextClosedError:
+            raise  # the context closed while this request was being built
         except Exception as exc:
             raise RequestFailedError(f"the tokenizer failed: {exc!r}") from exc
     elif isinstance(prompt, (np.ndarray, list, tuple)):

@@ -3,11 +3,17 @@
 Per row with logits: the batch hook (once per step, over every row), the request's
 logits processors (only for requests that have them), the native sampler chain of the
 sequence and of any forks sharing the row, and logprobs (only for requests that ask).
-A processor that raises or returns a bad row fails its own request, nobody else's.
+A processor that raises or returns a bad row fails its own request, nobody else's. That
+holds for any ``BaseException`` too (``SystemExit``, ``GeneratorExit`` ...). A
+``KeyboardInterrupt`` also fails its request alone, and is kept for the thread that ran the
+step: ``Context.process()`` re-raises it once the step is complete and published, so Ctrl-C
+in a manual loop still stops the program while the engine stays consistent. On the
+background loop (which never receives Ctrl-C from the OS) it is not re-raised.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,7 +29,39 @@ from .results import TokenLogprob, TopLogprob
 from .sequence import Request
 from .sequence import Sequence as Seq
 
-__all__ = ["BatchLogitsProcessor", "LogitsRow", "Sampled", "sample_plan", "sample_row"]
+__all__ = [
+    "BatchLogitsProcessor",
+    "LogitsRow",
+    "Sampled",
+    "keep_interrupt",
+    "pop_interrupt",
+    "sample_plan",
+    "sample_row",
+]
+
+_pending = threading.local()  # .interrupt: a KeyboardInterrupt a callback raised in this thread
+
+
+def pop_interrupt() -> KeyboardInterrupt | None:
+    """The ``KeyboardInterrupt`` a logits processor raised in this thread since the last
+    call (its request has failed), or None; forgets it."""
+    interrupt: KeyboardInterrupt | None = getattr(_pending, "interrupt", None)
+    _pending.interrupt = None
+    return interrupt
+
+
+def keep_interrupt(exc: BaseException) -> None:
+    """Remember ``exc`` for :func:`pop_interrupt` if it is a ``KeyboardInterrupt``."""
+    if isinstance(exc, KeyboardInterrupt):
+        _pending.interrupt = exc
+
+
+def _user_failure(message: str, exc: BaseException) -> RequestFailedError:
+    """The error that ends a request whose callback raised ``exc`` (any BaseException)."""
+    keep_interrupt(exc)
+    error = RequestFailedError(message)
+    error.__cause__ = exc
+    return error
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +183,10 @@ def _run_batch_hook(
     described = [LogitsRow(e.seq.request.request_id, e.seq.index, e.seq.token_ids) for e in entries]
     try:
         hook(described, view)
-    except Exception as exc:
+    except BaseException as exc:  # a user callback: its failure ends these requests only
         for entry in entries:
             request = entry.seq.request
-            error = RequestFailedError(f"the batch logits processor failed: {exc!r}")
-            error.__cause__ = exc
+            error = _user_failure(f"the batch logits processor failed: {exc!r}", exc)
             out.failed.setdefault(request.request_id, (request, error))
 
 
@@ -160,10 +197,8 @@ def _run_processors(
     for fn in processors:
         try:
             result = fn(history, logits)
-        except Exception as exc:
-            error = RequestFailedError(f"logits processor {fn!r} raised {exc!r}")
-            error.__cause__ = exc
-            return error
+        except BaseException as exc:  # a user callback: its failure ends its request only
+            return _user_failure(f"logits processor {fn!r} raised {exc!r}", exc)
         if result is None or result is logits:
             continue
         if (

@@ -11,17 +11,28 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from typing_extensions import Self
 
-from .errors import InvalidParameterError, SessionBusyError, SessionError, SessionLoadError
+from .engine import EngineState
+from .errors import (
+    ContextClosedError,
+    DeadlockError,
+    InvalidParameterError,
+    SessionBusyError,
+    SessionError,
+    SessionLoadError,
+)
 from .handle import RequestHandle
 from .kvops import (
     ForkSession,
+    KVOp,
     ReadSession,
     ReleaseSession,
     RestoreSession,
@@ -37,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Session"]
 
+T = TypeVar("T")
+_ENDED = (EngineState.CLOSED, EngineState.FAILED)
 _MAGIC = b"LLAMAXS1"
 _HEADER = struct.Struct("<8sI")
 
@@ -47,13 +60,19 @@ class Session:
     Pinned: never evicted while open. One request at a time. Close it (or use ``with``) to
     free its sequence id and cells. Every change to its cache (fork, rewind, shift, save,
     load, close) is an operation the engine applies between two steps.
+
+    Thread-safe, and no method holds a lock while it waits for the engine, so a
+    done-callback (which runs on the engine's loop thread) may call any of them. After the
+    context closes, every method but :meth:`close` raises :class:`ContextClosedError`.
     """
 
     def __init__(self, ctx: Context, session_id: int) -> None:
         self._ctx = ctx
         self._id: int | None = session_id
+        # guards _id, _running and _num_ops; never held while waiting for the engine
         self._lock = threading.Lock()
         self._running: RequestHandle | None = None
+        self._num_ops = 0  # KV operations of this session on their way to the engine
 
     # ------------------------------------------------------------------ facts
     @property
@@ -62,30 +81,38 @@ class Session:
 
         Raises:
             SessionError: the session is closed.
+            ContextClosedError: the context is closed.
         """
-        return self._ctx._engine.run(ReadSession(self._session_id()))
+        with self._lock:
+            session_id = self._session_id()
+        return self._ctx._engine.run(ReadSession(session_id))
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._id is None
+        """Whether :meth:`close` was called, or the context closed (which releases every
+        session)."""
+        return self._id is None or self._ctx._engine.state in _ENDED
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
         """Run a request on this session. Give the whole conversation so far as ``prompt``.
 
         Raises:
-            SessionBusyError: a request of this session is still running.
+            SessionBusyError: a request of this session is still running, or one of its
+                operations (fork, rewind, shift, save) is under way.
             SessionError: the session is closed.
+            ContextClosedError: the context is closed.
         """
         with self._lock:
             session_id = self._check_idle()
+            if self._num_ops:
+                raise SessionBusyError(
+                    "an operation on the session (fork, rewind, shift, save) is under way"
+                )
+            # submitting never waits for the loop, so it may happen under the lock
             handle = self._ctx._submit(prompt, params, session_id=session_id)
             self._running = handle
-        # No done-callback clears ``_running``: the loop thread would run it and need
-        # ``_lock``, which rewind/shift/fork/save hold while they wait for that very thread
-        # (a deadlock when the caller saw the result before the callback ran).
-        # ``_check_idle`` asks the handle instead.
+        # No done-callback clears ``_running``: ``_check_idle`` asks the handle instead.
         return handle
 
     # ------------------------------------------------------------------ KV operations
@@ -95,10 +122,9 @@ class Session:
         Raises:
             SessionError: the session is closed or no sequence id is free.
             SessionBusyError: a request of this session is running.
+            ContextClosedError: the context is closed.
         """
-        with self._lock:
-            session_id = self._check_idle()
-            return Session(self._ctx, self._ctx._engine.run(ForkSession(session_id)))
+        return Session(self._ctx, self._apply(ForkSession))
 
     def rewind(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens from the session's cache.
@@ -108,11 +134,11 @@ class Session:
                 session holds (the message names its length).
             SessionError: the session is closed.
             SessionBusyError: a request of this session is running.
+            ContextClosedError: the context is closed.
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise InvalidParameterError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        with self._lock:
-            self._ctx._engine.run(RewindSession(self._check_idle(), num_tokens))
+        self._apply(lambda session_id: RewindSession(session_id, num_tokens))
 
     def shift(self, start: int, end: int) -> bool:
         """Remove tokens ``[start, end)`` and move the later cells back by ``end - start``
@@ -125,56 +151,104 @@ class Session:
                 within what the session holds.
             SessionError: the session is closed.
             SessionBusyError: a request of this session is running.
+            ContextClosedError: the context is closed.
         """
         for value in (start, end):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidParameterError(f"start and end must be ints, got {value!r}")
-        with self._lock:
-            return self._ctx._engine.run(ShiftSession(self._check_idle(), start, end))
+        return self._apply(lambda session_id: ShiftSession(session_id, start, end))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the session's tokens, KV state and model identity to ``path``."""
-        with self._lock:
-            tokens, state = self._ctx._engine.run(SaveSession(self._check_idle()))
+        """Write the session's tokens, KV state and model identity to ``path``.
+
+        The file is written next to ``path`` and renamed into place, so a crash never
+        leaves a half-written session under that name.
+
+        Raises:
+            SessionError: the session is closed.
+            SessionBusyError: a request of this session is running.
+            ContextClosedError: the context is closed.
+            OSError: the file cannot be written.
+        """
+        tokens, state = self._apply(SaveSession)
         identity = self._ctx._backend.model_identity
         header = json.dumps({"model": identity, "tokens": list(tokens)}).encode()
-        Path(path).write_bytes(_HEADER.pack(_MAGIC, len(header)) + header + state)
+        target = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, len(header)) + header + state)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, ctx: Context, path: str | os.PathLike[str]) -> Session:
         """Restore a session saved by :meth:`save` into ``ctx``.
 
+        A file is input: its header must name this model, its tokens must be ids of this
+        vocabulary that fit one sequence (``n_ctx_seq``), and its KV state must be whole and
+        hold exactly those tokens' positions. Nothing reaches the KV cache otherwise.
+
         Raises:
-            SessionLoadError: the file is damaged or was saved with a different model.
+            SessionLoadError: the file is damaged, truncated, lies about its contents, or
+                was saved with a different model.
+            ContextClosedError: the context is closed.
+            OSError: the file cannot be read.
         """
+        if ctx.closed:
+            raise ContextClosedError("cannot load a session: the context has been closed")
         data = Path(path).read_bytes()
-        try:
-            magic, size = _HEADER.unpack_from(data)
-            header = json.loads(data[_HEADER.size : _HEADER.size + size])
-            tokens = tuple(int(t) for t in header["tokens"])
-            saved_model = header["model"]
-        except (struct.error, ValueError, KeyError, TypeError) as exc:
-            raise SessionLoadError(f"{path} is not a llamax session file") from exc
-        if magic != _MAGIC:
-            raise SessionLoadError(f"{path} is not a llamax session file")
+        saved_model, tokens, state = _parse(data, path)
         current = ctx._backend.model_identity
         if saved_model != current:
             raise SessionLoadError(
                 f"{path} was saved with model {saved_model} but this context runs {current}"
             )
-        state = data[_HEADER.size + size :]
-        return cls(ctx, ctx._engine.run(RestoreSession(tokens, state)))
+        n_vocab = ctx.n_vocab
+        for token in tokens:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
+                raise SessionLoadError(
+                    f"{path} lists token {token!r}, not an id of this vocabulary [0, {n_vocab})"
+                )
+        if len(tokens) > ctx.n_ctx_seq:
+            raise SessionLoadError(
+                f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
+                f"(n_ctx_seq={ctx.n_ctx_seq})"
+            )
+        try:
+            session_id = ctx._engine.run(RestoreSession(tuple(tokens), state))
+        except SessionLoadError as exc:
+            raise SessionLoadError(
+                f"{path} is damaged: its KV state is not whole or does not hold exactly "
+                f"the {len(tokens)} tokens its header lists"
+            ) from exc
+        return cls(ctx, session_id)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Cancel a running request and free the session's cells and sequence id.
 
-        Never waits on the loop, so a done-callback may call it.
+        Idempotent; also while the context is closing (``close(drain=True)``), where it
+        frees room for the requests still draining. Holds no lock while the engine applies
+        it, so a done-callback may call it.
+
+        Raises:
+            DeadlockError: called inside a step (a logits processor); the session stays open.
         """
         with self._lock:
             session_id, self._id = self._id, None
-        if session_id is not None and not self._ctx.closed:
+        if session_id is None:
+            return
+        try:
             self._ctx._engine.run(ReleaseSession(session_id))
+        except DeadlockError:
+            with self._lock:
+                self._id = session_id
+            raise
+        except ContextClosedError:
+            pass  # the context released every session when it closed
 
     def __enter__(self) -> Self:
         return self
@@ -187,7 +261,21 @@ class Session:
     ) -> None:
         self.close()
 
+    def _apply(self, make: Callable[[int], KVOp[T]]) -> T:
+        """Run the operation ``make(session_id)`` on the engine, without holding the lock
+        while it waits; meanwhile the session refuses new requests (SessionBusyError)."""
+        with self._lock:
+            session_id = self._check_idle()
+            self._num_ops += 1
+        try:
+            return self._ctx._engine.run(make(session_id))
+        finally:
+            with self._lock:
+                self._num_ops -= 1
+
     def _session_id(self) -> int:
+        if self._ctx._engine.state in _ENDED:
+            raise ContextClosedError("the session's context has been closed")
         if self._id is None:
             raise SessionError("the session is closed")
         return self._id
@@ -199,4 +287,35 @@ class Session:
         return session_id
 
     def __repr__(self) -> str:
-        return f"<llamax.Session {'closed' if self._id is None else self._id}>"
+        return f"<llamax.Session {'closed' if self.closed else self._id}>"
+
+
+def _parse(data: bytes, path: object) -> tuple[Any, list[Any], bytes]:
+    """The saved model identity, token list and KV state of a session file.
+
+    Raises:
+        SessionLoadError: not a session file, or its header is damaged or truncated.
+    """
+    if len(data) < _HEADER.size:
+        raise SessionLoadError(f"{path} is not a llamax session file (too short)")
+    magic, size = _HEADER.unpack_from(data)
+    if magic != _MAGIC:
+        raise SessionLoadError(f"{path} is not a llamax session file")
+    if size > len(data) - _HEADER.size:
+        raise SessionLoadError(
+            f"{path} is not a llamax session file (truncated: its header claims {size} "
+            f"bytes, {len(data) - _HEADER.size} follow)"
+        )
+    try:
+        header = json.loads(data[_HEADER.size : _HEADER.size + size])
+    except (ValueError, RecursionError) as exc:
+        raise SessionLoadError(f"{path} is not a llamax session file ({exc})") from None
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("tokens"), list)
+        or "model" not in header
+    ):
+        raise SessionLoadError(
+            f"{path} is not a llamax session file (its header has no model or token list)"
+        )
+    return header["model"], header["tokens"], data[_HEADER.size + size :]

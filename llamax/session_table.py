@@ -48,6 +48,11 @@ class SessionTable:
         """Open sessions."""
         return len(self._slots)
 
+    @property
+    def ids(self) -> list[int]:
+        """The open sessions' ids."""
+        return list(self._slots)
+
     def slot(self, session_id: int) -> Slot:
         """The pinned slot of an open session.
 

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from .backend.base import BatchItem, DecodeStatus
 from .backend.llama_cpp import utf8
 from .context import Context
-from .errors import RequestFailedError
+from .errors import ContextClosedError, RequestFailedError
 from .params import SamplingParams
 
 __all__ = ["FakeBackend", "FakeSampler", "alphabet_model", "assert_idle"]
@@ -249,6 +249,7 @@ class FakeBackend:
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
         """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``."""
+        self._check_open()
         if self.fault is not None:
             self.fault("tokenize")
         utf8(text)  # a lone surrogate is refused as by the real tokenizer
@@ -267,6 +268,7 @@ class FakeBackend:
 
     def token_to_piece(self, token: int) -> bytes:
         """The bytes of a token."""
+        self._check_open()
         return self._pieces[token]
 
     def is_eog(self, token: int) -> bool:
@@ -478,8 +480,13 @@ class FakeBackend:
         return len(self.cells[seq_id]) - 1
 
     def close(self) -> None:
-        """Mark closed; later decodes raise."""
+        """Mark closed; later decodes raise, and so do tokenize and token_to_piece
+        (:class:`~llamax.errors.ContextClosedError`, as the llama.cpp backend's do)."""
         self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ContextClosedError("the context is closed: its (fake) model has been freed")
 
 
 def assert_idle(ctx: Context, timeout: float = 10.0, *, clear_cache: bool = True) -> None:

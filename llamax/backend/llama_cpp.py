@@ -2,26 +2,34 @@
 
 Native handles are owned here and freed in a stated order by :meth:`LlamaCppBackend.close`:
 samplers, then the batch, then the context, then the model.
+
+Native lifetime: every method a user thread may reach (tokenizing, pieces, metadata, the
+model's identity, grammar checks ...) enters a guard that counts its users and raises
+:class:`~llamax.errors.ContextClosedError` once the backend is closing; :meth:`close` marks
+it closed, waits until the last user is out, and only then frees. The engine's own calls
+(decode, sample, the KV operations) need no guard: the engine closes the backend under its
+step lock, after the last step.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
-from contextlib import ExitStack
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import InvalidRequestError, ModelLoadError, RequestFailedError
+from ..errors import ContextClosedError, InvalidRequestError, ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
 from .platform import default_use_extra_bufts
 from .rpc import register_rpc_servers
-from .seq_state import restream
+from .seq_state import cell_positions, restream
 
 __all__ = ["MAX_STREAMS_MEMORY", "LlamaCppBackend"]
 
@@ -134,6 +142,9 @@ class LlamaCppBackend:
     def __init__(self, config: ContextConfig) -> None:
         C = _bindings()
         self._C = C
+        self._gate = threading.Condition()  # guards _users and _closed
+        self._users = 0  # threads inside a native call made from outside the engine
+        self._closed = False
         if config.verbose and not _log.handlers:
             _log.addHandler(logging.StreamHandler())
             _log.setLevel(logging.DEBUG)
@@ -227,7 +238,6 @@ class LlamaCppBackend:
         self._logits = np.ctypeslib.as_array(batch.logits, shape=(n,))
         np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
         self._seq_rows = [batch.seq_id[i] for i in range(n)]
-        self._closed = False
 
     # ------------------------------------------------------------------ facts
     @property
@@ -309,6 +319,25 @@ class LlamaCppBackend:
     def _free_context(self) -> None:
         self._C.llama_free(self._ctx)
 
+    @contextmanager
+    def _entered(self) -> Iterator[None]:
+        """Count the caller as a user of the native handles for the ``with`` block.
+
+        Raises:
+            ContextClosedError: the backend is closed or closing.
+        """
+        with self._gate:
+            if self._closed:
+                raise ContextClosedError("the context is closed: its model has been freed")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._users -= 1
+                if not self._users:
+                    self._gate.notify_all()
+
     @property
     def cpu_attention(self) -> bool:
         """No layer is offloaded: no GPU or RPC device, or ``n_gpu_layers=0``."""
@@ -353,7 +382,8 @@ class LlamaCppBackend:
     @property
     def can_shift(self) -> bool:
         """Whether the memory supports position shifts (``seq_add``)."""
-        return bool(self._C.llama_memory_can_shift(self._memory))
+        with self._entered():
+            return bool(self._C.llama_memory_can_shift(self._memory))
 
     @property
     def num_live_samplers(self) -> int:
@@ -363,31 +393,35 @@ class LlamaCppBackend:
     @property
     def bos_token_id(self) -> int | None:
         """BOS when the vocabulary adds it to prompts."""
-        bos = int(self._C.llama_vocab_bos(self._vocab))
+        with self._entered():
+            bos = int(self._C.llama_vocab_bos(self._vocab))
         return bos if self._add_bos and bos >= 0 else None
 
     @property
     def eos_token_id(self) -> int | None:
         """The EOS token, if the vocabulary has one."""
-        eos = int(self._C.llama_vocab_eos(self._vocab))
+        with self._entered():
+            eos = int(self._C.llama_vocab_eos(self._vocab))
         return eos if eos >= 0 else None
 
     def token_text(self, token: int) -> str:
         """The token's text with special tokens rendered."""
         buf = ctypes.create_string_buffer(256)
-        n = self._C.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
+        with self._entered():
+            n = self._C.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
         return buf.raw[: max(n, 0)].decode("utf-8", "replace")
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None."""
         size = 1 << 16
         buf = ctypes.create_string_buffer(size)
-        n = self._C.llama_model_meta_val_str(self._model, key.encode(), buf, size)
-        if n < 0:
-            return None
-        if n >= size:
-            buf = ctypes.create_string_buffer(n + 1)
-            self._C.llama_model_meta_val_str(self._model, key.encode(), buf, n + 1)
+        with self._entered():
+            n = self._C.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n >= size:
+                buf = ctypes.create_string_buffer(n + 1)
+                self._C.llama_model_meta_val_str(self._model, key.encode(), buf, n + 1)
         return buf.value.decode("utf-8", "replace")
 
     # ------------------------------------------------------------------ text (any thread)
@@ -398,27 +432,34 @@ class LlamaCppBackend:
 
         Raises:
             InvalidRequestError: ``text`` holds a lone surrogate (not encodable as UTF-8).
+            ContextClosedError: the backend is closed.
         """
         data = utf8(text)
         cap = len(data) + 8
-        while True:
-            buf = (ctypes.c_int32 * cap)()
-            n = self._C.llama_tokenize(
-                self._vocab, data, len(data), buf, cap, add_special, parse_special
-            )
-            if n >= 0:
-                return list(buf[:n])
-            cap = -n
+        with self._entered():
+            while True:
+                buf = (ctypes.c_int32 * cap)()
+                n = self._C.llama_tokenize(
+                    self._vocab, data, len(data), buf, cap, add_special, parse_special
+                )
+                if n >= 0:
+                    return list(buf[:n])
+                cap = -n
 
     def token_to_piece(self, token: int) -> bytes:
-        """The bytes of ``token`` (special tokens render as empty), cached per id."""
+        """The bytes of ``token`` (special tokens render as empty), cached per id.
+
+        Raises:
+            ContextClosedError: the backend is closed (and the piece was not cached).
+        """
         piece = self._pieces.get(token)
         if piece is None:
             buf = ctypes.create_string_buffer(64)
-            n = self._C.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = self._C.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            with self._entered():
+                n = self._C.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+                if n < 0:
+                    buf = ctypes.create_string_buffer(-n)
+                    n = self._C.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
             piece = self._pieces[token] = buf.raw[:n]
         return piece
 
@@ -449,11 +490,16 @@ class LlamaCppBackend:
         return int(self._C.llama_decode(self._ctx, self._batch))
 
     def check_grammar(self, grammar: str) -> str | None:
-        """Build and free a grammar sampler: llama.cpp returns NULL for invalid GBNF."""
-        sampler = self._C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
-        if not sampler:
-            return "llama.cpp could not parse it (its parser prints the reason to stderr)"
-        self._C.llama_sampler_free(sampler)
+        """Build and free a grammar sampler: llama.cpp returns NULL for invalid GBNF.
+
+        Raises:
+            ContextClosedError: the backend is closed.
+        """
+        with self._entered():
+            sampler = self._C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+            if not sampler:
+                return "llama.cpp could not parse it (its parser prints the reason to stderr)"
+            self._C.llama_sampler_free(sampler)
         return None
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
@@ -588,29 +634,38 @@ class LlamaCppBackend:
     @property
     def can_share_prefix(self) -> bool:
         """False for recurrent and hybrid memories, which cannot drop or copy partial ranges."""
-        return not (
-            self._C.llama_model_is_recurrent(self._model)
-            or self._C.llama_model_is_hybrid(self._model)
-        )
+        with self._entered():
+            return not (
+                self._C.llama_model_is_recurrent(self._model)
+                or self._C.llama_model_is_hybrid(self._model)
+            )
 
     @property
     def model_identity(self) -> dict[str, object]:
         """What a saved session must match: name, description, sizes, vocabulary."""
         C = self._C
         desc = ctypes.create_string_buffer(256)
-        C.llama_model_desc(self._model, desc, 256)
+        with self._entered():
+            C.llama_model_desc(self._model, desc, 256)
+            n_params = int(C.llama_model_n_params(self._model))
+            size = int(C.llama_model_size(self._model))
         return {
             "name": self._model_name,
             "desc": desc.value.decode("utf-8", "replace"),
-            "n_params": int(C.llama_model_n_params(self._model)),
-            "size": int(C.llama_model_size(self._model)),
+            "n_params": n_params,
+            "size": size,
             "n_vocab": self._n_vocab,
         }
 
     def state_seq_get(self, seq_id: int) -> bytes:
         """Serialise one sequence's KV state (``llama_state_seq_get_data``); with a plain KV
-        cache, written as a unified cache would, so it loads in either layout."""
-        data = self._state_get(self._ctx, seq_id)
+        cache, written as a unified cache would, so it loads in either layout.
+
+        Raises:
+            ContextClosedError: the backend is closed.
+        """
+        with self._entered():
+            data = self._state_get(self._ctx, seq_id)
         return restream(data, 1) if self._plain_kv and data else data
 
     def _state_get(self, ctx: Any, seq_id: int) -> bytes:
@@ -621,24 +676,46 @@ class LlamaCppBackend:
         return bytes(buf[:written])
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
-        """Load a state from :meth:`state_seq_get` into ``seq_id``; False if refused."""
+        """Load a state from :meth:`state_seq_get` into ``seq_id``; False if refused.
+
+        With a plain KV cache the state is parsed first, so llama.cpp never reads a damaged
+        one: it must be whole (no byte missing or left over), hold cells of one sequence in
+        one stream, at positions ``0 .. n-1`` exactly once each, and fit that stream.
+
+        Raises:
+            ContextClosedError: the backend is closed.
+        """
         if self._plain_kv:
             try:
+                positions = cell_positions(data)
                 data = restream(data, 1 if self._is_unified else self._n_seq_max)
-            except ValueError:
+            except ValueError as exc:
+                _log.warning("refused a saved sequence state: %s", exc)
+                return False
+            n = len(positions)
+            if n > self.n_ctx_stream or sorted(positions) != list(range(n)):
+                _log.warning("refused a saved sequence state: its positions are not 0..%d", n - 1)
                 return False
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return int(self._C.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id)) > 0
+        with self._entered():
+            return int(self._C.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id)) > 0
 
     def seq_pos_max(self, seq_id: int) -> int:
         """``llama_memory_seq_pos_max``."""
         return int(self._C.llama_memory_seq_pos_max(self._memory, seq_id))
 
     def close(self) -> None:
-        """Free samplers, batch, context and model, in that order. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Free samplers, batch, context and model, in that order. Idempotent.
+
+        New native calls from other threads raise :class:`ContextClosedError` from now on;
+        the memory is freed once the last one already inside has returned.
+        """
+        with self._gate:
+            if self._closed:
+                return
+            self._closed = True
+            while self._users:
+                self._gate.wait()
         for sampler in list(self._samplers.values()):
             self.free_sampler(sampler)
         self._stack.close()

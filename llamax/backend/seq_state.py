@@ -6,6 +6,15 @@
 
 where a block is ``u32 cell_count`` followed, when the count is not zero, by the cells'
 metadata and K/V rows. A sequence lives in one stream, so exactly one block is not empty.
+Inside it (``[ext]``: an M-RoPE model's 8-byte extra position)::
+
+    cell_count x (i32 pos | u32 n_seq_id = 1 | [ext] | i32 seq_id)
+    u32 v_trans | u32 n_layer
+    n_layer x (i32 k_type | u64 k_row_bytes | cell_count x k_row_bytes)
+    v_trans 0: n_layer x (i32 v_type | u64 v_row_bytes | cell_count x v_row_bytes)
+    v_trans 1: n_layer x (i32 v_type | u32 v_el_bytes | u32 n_embd_v | rows x n_embd_v x v_el)
+
+:func:`cell_positions` walks all of it, so a state can be checked before llama.cpp reads it.
 ``llama_state_seq_set_data`` refuses a state whose ``n_stream`` differs from its context's
 ("n_stream mismatch"), and, restoring one sequence, writes that block into the sequence's
 own stream whatever its index. So moving a sequence between a unified cache (one stream)
@@ -19,10 +28,83 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["restream"]
+__all__ = ["cell_positions", "restream"]
 
 _HEADER = struct.Struct("<IiI")
 _EMPTY = b"\0\0\0\0"
+_U32 = struct.Struct("<I")
+_CELL_SIZES = (12, 20)  # pos, n_seq_id, seq_id; with an M-RoPE model's extra position
+
+
+def cell_positions(data: bytes) -> list[int]:
+    """The positions of the cells in ``data`` (one sequence's state of a plain KV cache),
+    after checking that the whole state is well formed.
+
+    Raises:
+        ValueError: ``data`` is truncated, has bytes left over, holds cells in more than one
+            stream or cells shared with other sequences, or is not such a state at all.
+    """
+    if len(data) < _HEADER.size:
+        raise ValueError(f"a sequence state of {len(data)} bytes is too short")
+    _magic, _seq_id, n_stream = _HEADER.unpack_from(data)
+    if not 1 <= n_stream <= (len(data) - _HEADER.size) // 4:
+        raise ValueError(f"a sequence state with {n_stream} streams")
+    offset = _HEADER.size
+    for index in range(n_stream):
+        (count,) = _U32.unpack_from(data, offset)
+        offset += 4
+        if count:  # the one stream with cells; every later one must be empty
+            end = len(data) - 4 * (n_stream - index - 1)
+            if any(data[end:]):
+                raise ValueError("a sequence state whose cells are in more than one stream")
+            return _block(data, offset, count, end)
+    if offset != len(data):
+        raise ValueError(f"a sequence state with {len(data) - offset} bytes left over")
+    return []
+
+
+def _block(data: bytes, offset: int, count: int, end: int) -> list[int]:
+    """Parse one stream's cells and K/V rows, which must end exactly at ``end``."""
+    problem = ""
+    for cell_size in _CELL_SIZES:
+        try:
+            return _cells(data, offset, count, cell_size, end)
+        except (ValueError, struct.error) as exc:
+            problem = problem or str(exc)
+    raise ValueError(problem)
+
+
+def _cells(data: bytes, offset: int, count: int, cell_size: int, end: int) -> list[int]:
+    if count * cell_size > end - offset:
+        raise ValueError(f"a sequence state that lists {count} cells is too short")
+    positions = []
+    for i in range(count):
+        pos, n_seq = struct.unpack_from("<iI", data, offset + i * cell_size)
+        if n_seq != 1:
+            raise ValueError(f"a cell that belongs to {n_seq} sequences")
+        positions.append(pos)
+    offset += count * cell_size
+    v_trans, n_layer = struct.unpack_from("<II", data, offset)
+    offset += 8
+    if v_trans > 1 or n_layer * 24 > end - offset:
+        raise ValueError("a sequence state whose K/V header is damaged")
+    for _ in range(n_layer):  # K rows
+        _type, row = struct.unpack_from("<iQ", data, offset)
+        offset += 12 + row * count
+        if offset > end:
+            raise ValueError("a truncated sequence state")
+    for _ in range(n_layer):  # V rows, or V columns when transposed
+        if v_trans:
+            _type, elem, n_embd = struct.unpack_from("<iII", data, offset)
+            offset += 12 + elem * n_embd * count
+        else:
+            _type, row = struct.unpack_from("<iQ", data, offset)
+            offset += 12 + row * count
+        if offset > end:
+            raise ValueError("a truncated sequence state")
+    if offset != end:
+        raise ValueError(f"a sequence state with {end - offset} bytes left over")
+    return positions
 
 
 def restream(data: bytes, n_stream: int) -> bytes:
