@@ -172,8 +172,8 @@ class FakeBackend:
         """Fault injection: called with the call's name (one of :data:`FAULT_POINTS`) before
         every backend call the engine makes. It may raise to make that call fail, or return
         a value other than None to make a call that reports failure by its result fail that
-        way: ``decode`` returns it as its status, ``seq_rm`` and ``state_seq_set`` return
-        False. ``None`` lets the call run."""
+        way: ``decode`` returns it as its status, ``state_seq_set`` and a partial ``seq_rm``
+        return False (llama.cpp never refuses a whole removal). ``None`` lets the call run."""
         self.fault_calls: Counter[str] = Counter()
         """How many times each fault point was reached (with or without ``fault`` set)."""
         self.live_samplers: set[int] = set()
@@ -453,8 +453,8 @@ class FakeBackend:
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions ``[p0, p1)``. A removal inside the sequence leaves a hole that
         :meth:`seq_add` must close before the next decode. False for non-sharing memory."""
-        if self._fault("seq_rm") is not None:
-            return False
+        if self._fault("seq_rm") is not None and (p0 > 0 or p1 >= 0):
+            return False  # llama.cpp refuses only partial removals (never a whole one)
         cells, ids = self.cells[seq_id], self._cell_ids[seq_id]
         p0 = max(p0, 0)
         p1 = len(cells) if p1 < 0 else min(p1, len(cells))
