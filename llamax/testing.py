@@ -137,6 +137,7 @@ class FakeBackend:
         kv_layout: str = "unified",
         cpu_attention: bool = True,
         attention_tiles: tuple[int, int] | None = None,
+        log_decodes: bool = True,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         if kv_layout not in ("unified", "streams", "auto"):
@@ -165,7 +166,9 @@ class FakeBackend:
         self.num_copies = 0
         self.num_shifts = 0
         self.decode_log: list[tuple[BatchItem, ...]] = []
-        """Every successful decode's items, in order."""
+        """Every successful decode's items, in order (empty with ``log_decodes=False``,
+        which soak tests use: the log grows with every step)."""
+        self._log_decodes = log_decodes
         self.forced_statuses: deque[int] = deque()
         """Statuses to return from the next decodes instead of running them."""
         self.fault: Callable[[str], object] | None = None
@@ -369,7 +372,8 @@ class FakeBackend:
                 self._logits[len(self._rows) - 1] = self._row_logits(self._next_token(history))
             self._store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
-        self.decode_log.append(tuple(items))
+        if self._log_decodes:
+            self.decode_log.append(tuple(items))
         return DecodeStatus.OK
 
     def _row_logits(self, token: int) -> npt.NDArray[np.float32]:
