@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,9 +29,37 @@ from .context import Context
 from .errors import ContextClosedError, RequestFailedError
 from .params import SamplingParams
 
-__all__ = ["FakeBackend", "FakeSampler", "alphabet_model", "assert_idle"]
+__all__ = [
+    "FAULT_POINTS",
+    "FakeBackend",
+    "FakeGrammar",
+    "FakeSampler",
+    "alphabet_model",
+    "assert_idle",
+]
 
 EOS = 0
+_GRAMMAR = re.compile(r"root\s*::=\s*\[([^\]\\]*)\](\*|\+|\{\d+(?:,\d*)?\})")
+
+FAULT_POINTS = (
+    "tokenize",
+    "decode",
+    "logits",
+    "batch_logits",
+    "new_sampler",
+    "sample",
+    "free_sampler",
+    "seq_rm",
+    "seq_cp",
+    "seq_add",
+    "seq_pos_min",
+    "state_seq_get",
+    "state_seq_set",
+    "relayout",
+    "close",
+)
+"""Every backend call that :attr:`FakeBackend.fault` can make fail, by the name it is
+given. The protocol has no ``seq_keep`` and no abort callback: llamax calls neither."""
 
 
 def alphabet_model(history: Sequence[int]) -> int:
@@ -48,6 +77,44 @@ class FakeSampler:
     seed: int
     rng: random.Random
     accepted: list[int] = field(default_factory=list)
+    grammar: FakeGrammar | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FakeGrammar:
+    """The one grammar shape the fake enforces: ``root ::= [chars]{min,max}`` (also ``*``,
+    ``+``, ``{n}``; ``a-z`` ranges allowed), that is between ``min`` and ``max`` of the
+    listed single-byte characters, then the end of generation. Like llama.cpp's grammar
+    sampler it masks what the grammar forbids, and with ``ignore_eos`` (or an empty class)
+    it reaches a dead end where :meth:`FakeBackend.sample` raises ``RequestFailedError``.
+    Other grammars constrain nothing."""
+
+    allowed: frozenset[int]
+    """Token ids of the allowed characters."""
+    least: int
+    most: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> FakeGrammar | None:
+        """The fake grammar ``text`` stands for, or None when it is not of that shape."""
+        found = _GRAMMAR.fullmatch(text.strip())
+        if found is None:
+            return None
+        chars, repeat = found.group(1), found.group(2)
+        allowed: set[int] = set()
+        i = 0
+        while i < len(chars):
+            if i + 2 < len(chars) and chars[i + 1] == "-":
+                allowed.update(range(ord(chars[i]), ord(chars[i + 2]) + 1))
+                i += 3
+            else:
+                allowed.add(ord(chars[i]))
+                i += 1
+        tokens = frozenset(c + 1 for c in allowed if c < 128)
+        if repeat in ("*", "+"):
+            return cls(tokens, int(repeat == "+"), None)
+        low, _, high = repeat.strip("{}").partition(",")
+        return cls(tokens, int(low), int(high) if high else None if _ else int(low))
 
 
 class FakeBackend:
@@ -72,6 +139,7 @@ class FakeBackend:
         cpu_attention: bool = True,
         attention_tiles: tuple[int, int] | None = None,
         stream_cells: int | None = None,
+        log_decodes: bool = True,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
@@ -101,12 +169,19 @@ class FakeBackend:
         self.num_copies = 0
         self.num_shifts = 0
         self.decode_log: list[tuple[BatchItem, ...]] = []
-        """Every successful decode's items, in order."""
+        """Every successful decode's items, in order (empty with ``log_decodes=False``,
+        which soak tests use: the log grows with every step)."""
+        self._log_decodes = log_decodes
         self.forced_statuses: deque[int] = deque()
         """Statuses to return from the next decodes instead of running them."""
-        self.fault: Callable[[str], None] | None = None
-        """Called with ``"decode"``, ``"tokenize"`` or ``"new_sampler"`` before each such call;
-        it may raise to inject a failure there (fault-injection tests)."""
+        self.fault: Callable[[str], object] | None = None
+        """Fault injection: called with the call's name (one of :data:`FAULT_POINTS`) before
+        every backend call the engine makes. It may raise to make that call fail, or return
+        a value other than None to make a call that reports failure by its result fail that
+        way: ``decode`` returns it as its status, ``state_seq_set`` and a partial ``seq_rm``
+        return False (llama.cpp never refuses a whole removal). ``None`` lets the call run."""
+        self.fault_calls: Counter[str] = Counter()
+        """How many times each fault point was reached (with or without ``fault`` set)."""
         self.live_samplers: set[int] = set()
         self.closed = False
         self._rows: dict[int, int] = {}  # batch row -> output index
@@ -153,6 +228,7 @@ class FakeBackend:
         """
         if not self._can_relayout:
             raise AssertionError("relayout without kv_layout='auto'")
+        self._fault("relayout")
         if unified == self._is_unified:
             return
         limit = self._n_ctx if unified else self._stream_cells
@@ -250,8 +326,7 @@ class FakeBackend:
     ) -> list[int]:
         """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``."""
         self._check_open()
-        if self.fault is not None:
-            self.fault("tokenize")
+        self._fault("tokenize")
         utf8(text)  # a lone surrogate is refused as by the real tokenizer
         if not (parse_special and self._specials):
             return [b + 1 for b in text.encode("utf-8")]
@@ -280,8 +355,10 @@ class FakeBackend:
         """Check and apply a batch; remember the next token of every row that wants logits."""
         if self.closed:
             raise RuntimeError("decode on a closed FakeBackend")
-        if self.fault is not None:
-            self.fault("decode")
+        status = self._fault("decode")
+        if status is not None:
+            assert isinstance(status, int), f"a decode fault must be a status, got {status!r}"
+            return status
         if self.forced_statuses:
             return self.forced_statuses.popleft()
         num = sum(len(i.token_ids) for i in items)
@@ -311,7 +388,8 @@ class FakeBackend:
                 self._logits[len(self._rows) - 1] = self._row_logits(self._next_token(history))
             self._store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
-        self.decode_log.append(tuple(items))
+        if self._log_decodes:
+            self.decode_log.append(tuple(items))
         return DecodeStatus.OK
 
     def _row_logits(self, token: int) -> npt.NDArray[np.float32]:
@@ -330,10 +408,11 @@ class FakeBackend:
         *,
         grammar: str | None = None,
     ) -> FakeSampler:
-        """A sampler honouring greedy/temperature, logit_bias and ignore_eos (no grammar)."""
-        if self.fault is not None:
-            self.fault("new_sampler")
-        sampler = FakeSampler(params, seed, random.Random(seed))
+        """A sampler honouring greedy/temperature, logit_bias, ignore_eos and a
+        :class:`FakeGrammar` (other grammars constrain nothing)."""
+        self._fault("new_sampler")
+        parsed = None if grammar is None else FakeGrammar.parse(grammar)
+        sampler = FakeSampler(params, seed, random.Random(seed), grammar=parsed)
         self.live_samplers.add(id(sampler))
         return sampler
 
@@ -343,21 +422,39 @@ class FakeBackend:
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         """The writable logits row of batch ``row`` from the last decode."""
+        self._fault("logits")
         view: npt.NDArray[np.float32] = self._logits[self._rows[row]]
         return view
 
     def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
         """Every output row of the last decode."""
+        self._fault("batch_logits")
         return self._logits[:num_rows]
 
     def sample(self, sampler: FakeSampler, row: int) -> int:
-        """Greedy argmax, or a softmax draw at the sampler's temperature, after logit_bias."""
-        logits = self.logits(row).astype(np.float64)
+        """Greedy argmax, or a softmax draw at the sampler's temperature, after logit_bias
+        and the grammar's mask.
+
+        Raises:
+            RequestFailedError: the grammar allows no token here (as llama.cpp's backend).
+        """
+        self._fault("sample")
+        logits = self._logits[self._rows[row]].astype(np.float64)
         params = sampler.params
         for token, bias in params.logit_bias.items():
             logits[token] += bias
+        grammar = sampler.grammar
+        if grammar is not None:
+            allowed = set(self._eog) if len(sampler.accepted) >= grammar.least else set()
+            if grammar.most is None or len(sampler.accepted) < grammar.most:
+                allowed |= grammar.allowed
+            forbidden = np.ones(len(logits), bool)
+            forbidden[sorted(allowed)] = False
+            logits[forbidden] = -np.inf
         if params.ignore_eos:
             logits[list(self._eog)] = -np.inf
+        if not np.isfinite(logits).any():
+            raise RequestFailedError("the grammar allows no token here")
         if params.is_greedy:
             token = int(np.argmax(logits))
         else:
@@ -370,11 +467,14 @@ class FakeBackend:
 
     def free_sampler(self, sampler: FakeSampler) -> None:
         """Forget a sampler."""
+        self._fault("free_sampler")
         self.live_samplers.discard(id(sampler))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions ``[p0, p1)``. A removal inside the sequence leaves a hole that
         :meth:`seq_add` must close before the next decode. False for non-sharing memory."""
+        if self._fault("seq_rm") is not None and (p0 > 0 or p1 >= 0):
+            return False  # llama.cpp refuses only partial removals (never a whole one)
         cells, ids = self.cells[seq_id], self._cell_ids[seq_id]
         p0 = max(p0, 0)
         p1 = len(cells) if p1 < 0 else min(p1, len(cells))
@@ -395,6 +495,7 @@ class FakeBackend:
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """Shift ``[p0, end)`` left by ``-delta`` into a hole left by :meth:`seq_rm`."""
+        self._fault("seq_add")
         cells, ids = self.cells[seq_id], self._cell_ids[seq_id]
         if p1 >= 0 and p1 != len(cells):
             raise AssertionError("the fake only shifts whole tails")
@@ -414,6 +515,7 @@ class FakeBackend:
         With one stream per sequence only whole copies (``p0 = p1 = -1``) exist, and they
         duplicate the cells, as in llama.cpp, where a partial one aborts the process.
         """
+        self._fault("seq_cp")
         if not self._is_unified:
             if p0 != -1 or p1 != -1 or self.cells[dst]:
                 raise AssertionError(f"partial seq_cp {src}->{dst} between streams aborts")
@@ -435,6 +537,7 @@ class FakeBackend:
 
     def seq_pos_min(self, seq_id: int) -> int:
         """First position still held: 0, or later once a sliding window has passed it."""
+        self._fault("seq_pos_min")
         n = len(self.cells[seq_id])
         if not n:
             return -1
@@ -447,10 +550,13 @@ class FakeBackend:
 
     def state_seq_get(self, seq_id: int) -> bytes:
         """The sequence's tokens as JSON."""
+        self._fault("state_seq_get")
         return json.dumps(self.cells[seq_id]).encode()
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """Load tokens from :meth:`state_seq_get` into an empty sequence."""
+        if self._fault("state_seq_set") is not None:
+            return False
         try:
             tokens = [int(t) for t in json.loads(data)]
         except ValueError:
@@ -481,8 +587,17 @@ class FakeBackend:
 
     def close(self) -> None:
         """Mark closed; later decodes raise, and so do tokenize and token_to_piece
-        (:class:`~llamax.errors.ContextClosedError`, as the llama.cpp backend's do)."""
+        (:class:`~llamax.errors.ContextClosedError`, as the llama.cpp backend's do). A
+        ``close`` fault fires after the mark (the native memory is gone either way; the
+        caller sees the error)."""
         self.closed = True
+        self._fault("close")
+
+    # ------------------------------------------------------------------ faults
+    def _fault(self, where: str) -> object:
+        """Count a call at fault point ``where`` and ask :attr:`fault` about it."""
+        self.fault_calls[where] += 1
+        return None if self.fault is None else self.fault(where)
 
     def _check_open(self) -> None:
         if self.closed:

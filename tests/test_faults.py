@@ -9,15 +9,21 @@ new requests refused with ContextClosedError).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import llamax
-from llamax.testing import FakeBackend, assert_idle
+from llamax import SamplingParams
+from llamax.backend.base import DecodeStatus
+from llamax.testing import FAULT_POINTS, FakeBackend, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
 TIMEOUT = 30.0
@@ -169,7 +175,9 @@ def test_fatal_decode_in_manual_process(make_fake: MakeFake, fatal: int | str) -
         ctx.process()
 
 
-def _assert_failed_cleanly(ctx: llamax.Context, backend: FakeBackend) -> None:
+def _assert_failed_cleanly(
+    ctx: llamax.Context, backend: FakeBackend, *, leaked_samplers_ok: bool = False
+) -> None:
     assert ctx.closed
     with pytest.raises(llamax.ContextClosedError):
         ctx.add_request("after the failure")
@@ -179,7 +187,7 @@ def _assert_failed_cleanly(ctx: llamax.Context, backend: FakeBackend) -> None:
     assert stats.num_unsettled == 0, stats
     assert stats.num_running == stats.num_waiting == 0, stats
     assert backend.closed
-    assert backend.num_live_samplers == 0
+    assert leaked_samplers_ok or backend.num_live_samplers == 0
 
 
 @pytest.mark.parametrize("where", ["new_sampler", "tokenize"])
@@ -256,3 +264,375 @@ def test_failed_session_request_leaves_no_unrecorded_cells(make_fake: MakeFake, 
         done = session.add_request("ef", llamax.SamplingParams(max_tokens=3)).result()
         assert done.choices[0].finish_reason == "length"
         assert ctx.audit() == []
+
+
+# ---------------------------------------------------------------------------------------
+# Every backend call, under a mixed load: sessions, n > 1, grammars, logits processors,
+# speculation, relayouts and cancels from several threads.
+
+MIXED_TIMEOUT = 60.0
+"""Bound on how long any one request may take to settle (the load needs ~1 s)."""
+
+
+class InjectedFault(Exception):
+    """What a :class:`PointInjector` raises: told apart from the fake's own assertions."""
+
+
+class PointInjector:
+    """A seeded ``FakeBackend.fault`` for one fault point: after ``warmup`` calls there,
+    each call fails with ``chance`` (at most ``limit`` times), by raising
+    :class:`InjectedFault` or, with ``status``, by returning it (a failing decode status,
+    or False from ``seq_rm``/``state_seq_set``)."""
+
+    def __init__(
+        self,
+        where: str,
+        seed: int,
+        *,
+        status: object = None,
+        warmup: int = 0,
+        chance: float = 0.05,
+        limit: int = 1_000_000,
+    ) -> None:
+        self.where, self.rng, self.status = where, random.Random(seed), status
+        self.warmup, self.chance, self.limit = warmup, chance, limit
+        self.calls = 0
+        self.injected = 0
+
+    def __call__(self, where: str) -> object:
+        if where != self.where:
+            return None
+        self.calls += 1
+        if self.calls <= self.warmup or self.injected >= self.limit:
+            return None
+        if self.rng.random() >= self.chance:
+            return None
+        self.injected += 1
+        if self.status is None:
+            raise InjectedFault(f"injected failure in {where} (call {self.calls})")
+        return self.status
+
+
+class FlakyProcessor:
+    """A logits processor that raises whenever the history's length is a multiple of
+    ``every`` (so some requests fail on their first row, others mid-output)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+
+    def __call__(self, token_ids: object, logits: object) -> None:
+        assert isinstance(token_ids, np.ndarray)
+        if len(token_ids) % self.every == 0:
+            raise ValueError(f"flaky processor at length {len(token_ids)}")
+
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+
+
+def mixed_params(rng: random.Random, *, max_output: int = 24, max_n: int = 4) -> SamplingParams:
+    """Random params using every feature the engine has that the fake honours."""
+    grammar = None
+    if rng.random() < 0.2:
+        grammar = rng.choice(["root ::= [a-m]{0,6}", "root ::= [b-z]+", "root ::= [ab]{0,3}"])
+    processors = (FlakyProcessor(rng.randint(5, 40)),) if rng.random() < 0.15 else ()
+    return SamplingParams(
+        max_tokens=rng.randint(1, max_output),
+        temperature=rng.choice([0.0, 0.0, 0.8]),
+        n=rng.choice([1, 1, 2, max_n]),
+        seed=rng.randrange(1000),
+        stop=rng.choice([(), ("q",), ("xyz",)]),
+        logprobs=rng.choice([None, None, 2]),
+        ignore_eos=rng.random() < 0.3,
+        grammar=grammar,
+        logits_processors=processors,
+        speculative=rng.choice([None, True, False]),
+    )
+
+
+def mixed_prompt(rng: random.Random, tag: str) -> str:
+    """Shared prefixes (prefix cache), alphabet runs (prompt lookup drafts), and prompts of
+    up to ~150 tokens (streams of 128 cells: relayouts)."""
+    start = rng.randrange(26)
+    run = (ALPHABET[start:] + ALPHABET)[: rng.randint(0, 40)]
+    return rng.choice(["", "shared system prompt. ", "x" * rng.randint(0, 110)]) + run + tag
+
+
+@dataclass
+class MixedRun:
+    """What a mixed load did."""
+
+    handles: list[llamax.RequestHandle] = field(default_factory=list)
+    refused: list[BaseException] = field(default_factory=list)
+    session_errors: Counter[str] = field(default_factory=Counter)
+    session_turns: int = 0
+    unexpected: list[BaseException] = field(default_factory=list)
+
+
+def mixed_load(
+    ctx: llamax.Context,
+    seed: int,
+    tmp: Path,
+    *,
+    num_threads: int = 4,
+    per_thread: int = 40,
+    max_output: int = 24,
+    max_n: int = 4,
+    cancel_chance: float = 0.25,
+) -> MixedRun:
+    """Requests and session operations from ``num_threads`` threads at once."""
+    run = MixedRun()
+    lock = threading.Lock()
+
+    def note(exc: BaseException) -> None:
+        with lock:
+            if isinstance(exc, (llamax.LlamaxError, InjectedFault)):
+                run.session_errors[type(exc).__name__] += 1
+            else:
+                run.unexpected.append(exc)
+
+    def session_turn(rng: random.Random, session: llamax.Session, k: int) -> llamax.Session:
+        """One turn on ``session`` plus a random KV operation; returns the session to use
+        next (a loaded copy replaces a saved one)."""
+        history = "".join(map(chr, (t - 1 for t in session.token_ids if 0 < t < 257)))
+        params = SamplingParams(max_tokens=rng.randint(1, 8), temperature=0.0, ignore_eos=True)
+        handle = session.add_request(
+            history + f" turn {k} " + ALPHABET[: rng.randint(0, 12)], params
+        )
+        with lock:
+            run.handles.append(handle)
+            run.session_turns += 1
+        with contextlib.suppress(llamax.LlamaxError):  # counted with the other handles
+            handle.result(timeout=MIXED_TIMEOUT)
+        action = rng.choice(["rewind", "fork", "shift", "save", "save"])
+        held = len(session.token_ids)
+        if action == "rewind" and held:
+            session.rewind(rng.randint(0, held))
+        elif action == "fork":
+            with session.fork() as fork:
+                if rng.random() < 0.5:
+                    fork.rewind(min(held, 3))
+        elif action == "shift" and held > 4:
+            session.shift(1, rng.randint(2, held - 1))
+        elif action == "save" and held:
+            path = tmp / f"s{k}-{rng.randrange(10**9)}.llamax"
+            session.save(path)
+            loaded = llamax.Session.load(ctx, path)
+            session.close()
+            return loaded
+        return session
+
+    def work(index: int) -> None:
+        rng = random.Random(seed * 1000 + index)
+        session: llamax.Session | None = None
+        try:
+            for i in range(per_thread):
+                if rng.random() < 0.3:
+                    try:
+                        if session is None or session.closed:
+                            session = ctx.session()
+                        session = session_turn(rng, session, i)
+                    except BaseException as exc:  # sorted by note()
+                        note(exc)
+                    continue
+                prompt = mixed_prompt(rng, f" t{index} r{i}")
+                try:
+                    handle = ctx.add_request(
+                        prompt, mixed_params(rng, max_output=max_output, max_n=max_n)
+                    )
+                except llamax.LlamaxError as exc:
+                    with lock:
+                        run.refused.append(exc)
+                    continue
+                with lock:
+                    run.handles.append(handle)
+                if rng.random() < cancel_chance:
+                    handle.cancel()
+        finally:
+            if session is not None:
+                try:
+                    session.close()
+                except BaseException as exc:  # sorted by note()
+                    note(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(MIXED_TIMEOUT)
+        assert not thread.is_alive(), (
+            "a submitting thread hung (a request or an operation never returned)"
+        )
+    return run
+
+
+def settle(handles: list[llamax.RequestHandle]) -> tuple[Counter[str], list[BaseException]]:
+    """Wait (bounded) for every handle; count how each ended and keep the errors."""
+    counts: Counter[str] = Counter()
+    errors: list[BaseException] = []
+    for handle in handles:
+        try:
+            done = handle.result(timeout=MIXED_TIMEOUT)
+        except TimeoutError:
+            pytest.fail(f"{handle!r} never settled")
+        except llamax.LlamaxError as exc:
+            counts[type(exc).__name__] += 1
+            errors.append(exc)
+            continue
+        reasons = {choice.finish_reason for choice in done.choices}
+        assert reasons <= {"length", "stop", "cancelled"}, reasons
+        counts["cancelled" if "cancelled" in reasons else "done"] += 1
+    return counts, errors
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and seen not in chain:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return chain
+
+
+def _is_injected(exc: BaseException, status: object) -> bool:
+    """Whether an engine failure was caused by the injected fault (not by a bookkeeping
+    error that the fake caught, such as a decode at the wrong position)."""
+    for cause in _causes(exc):
+        if isinstance(cause, InjectedFault):
+            return True
+        if isinstance(cause, AssertionError):
+            return False
+    return status is not None  # a failing status: the engine's own error names it
+
+
+# (where, status): None raises; a value is returned as the failing status
+FAULT_CASES = [(where, None) for where in FAULT_POINTS if where not in ("close", "tokenize")] + [
+    ("decode", -3),
+    ("decode", DecodeStatus.ABORTED),
+    ("seq_rm", False),
+    ("state_seq_set", False),
+]
+MUST_SURVIVE = {"sample", "new_sampler"}
+"""Faults that end one request (docs/testing.md): a sampler that cannot be built or run."""
+
+
+def _mixed_context(
+    make_fake: MakeFake, request: pytest.FixtureRequest, *, batch_hook: bool = False
+) -> tuple[llamax.Context, FakeBackend]:
+    """An auto-layout context with speculation; with ``batch_hook`` a batch logits
+    processor too (the only user of ``batch_logits``; it turns drafting off)."""
+    options = {"n_ctx": 1024, "n_seq_max": 8, "n_batch": 64, "kv_layout": "auto"}
+    if not batch_hook:
+        return make_fake(autostart=True, speculative=llamax.PromptLookup(), **options)
+    backend = FakeBackend(**options)  # type: ignore[arg-type]
+    ctx = llamax.Context(backend=backend, batch_logits_processor=_batch_hook)
+
+    def finish() -> None:
+        if not ctx.closed:
+            assert_idle(ctx)
+        ctx.close()
+
+    request.addfinalizer(finish)
+    return ctx, backend
+
+
+def _batch_hook(rows: object, logits: np.ndarray) -> None:
+    logits[:, 0] -= 0.5  # a little less end of generation: changes nothing greedy here
+
+
+@pytest.mark.parametrize(("where", "status"), FAULT_CASES, ids=lambda v: str(v))
+def test_fault_at_every_backend_call(
+    make_fake: MakeFake,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    where: str,
+    status: object,
+) -> None:
+    """Faults at ``where`` under a mixed load: every request settles in bounded time with
+    a result, a cancellation or a typed error; the engine survives with a clean audit, or
+    fails every pending request with EngineError caused by the fault itself. Faults must
+    have fired and most requests must have completed before them."""
+    ctx, backend = _mixed_context(make_fake, request, batch_hook=where == "batch_logits")
+    ctx._engine.scheduler.price_drafts = False  # verify every proposal: drafts every step
+    # A run where everything is merely refused proves nothing: a third of the load runs
+    # first without faults, and a fault that may end the engine fires once, somewhere in
+    # the first half of the calls the rest would make there; the others fire often.
+    warm = mixed_load(ctx, 1, tmp_path, per_thread=20)
+    often = where in MUST_SURVIVE or (status is not None and where != "decode")
+    calls = backend.fault_calls[where]
+    injector = PointInjector(
+        where,
+        seed=len(where),
+        status=status,
+        warmup=0 if often else random.Random(where).randint(0, calls // 2),
+        chance=0.3 if often else 1.0,
+        limit=1_000 if often else 1,
+    )
+    backend.fault = injector
+    run = mixed_load(ctx, 2, tmp_path)
+    counts, errors = settle(warm.handles + run.handles)
+    backend.fault = None
+    assert not warm.unexpected + run.unexpected, warm.unexpected + run.unexpected
+    assert backend.fault_calls[where] > 0, f"{where} was never called"
+    assert injector.injected > 0, f"no fault fired in {injector.calls} calls of {where}"
+    assert counts["done"] >= 40, counts  # real work happened, not only refusals
+    allowed = {"done", "cancelled", "RequestFailedError", "EngineError"}
+    assert set(counts) <= allowed, counts
+    if ctx.closed:  # the engine failed: every pending request with the fault's EngineError
+        assert where not in MUST_SURVIVE, f"a fault in {where} killed the engine: {errors[-1]!r}"
+        engine_errors = [e for e in errors if isinstance(e, llamax.EngineError)]
+        bad = [e for e in engine_errors if not _is_injected(e, status)]
+        assert not bad, f"the engine died of something else than the fault: {bad[0]!r} <- " + repr(
+            _causes(bad[0])[1:]
+        )
+        assert all(isinstance(e, llamax.ContextClosedError) for e in run.refused), run.refused
+        _assert_failed_cleanly(ctx, backend, leaked_samplers_ok=where == "free_sampler")
+        return
+    # the engine survived: nothing leaked and it still serves
+    assert counts["EngineError"] == 0, counts
+    assert ctx.audit() == []
+    done = ctx.add_request("abc", SamplingParams(max_tokens=4, temperature=0, n=2)).result(TIMEOUT)
+    assert [c.text for c in done.choices] == ["defg", "defg"]
+    assert_idle(ctx)
+    assert backend.num_live_samplers == 0
+
+
+@pytest.mark.parametrize("where", ["tokenize"])
+def test_fault_in_tokenize_refuses_one_request(
+    make_fake: MakeFake, tmp_path: Path, where: str
+) -> None:
+    ctx, backend = make_fake(autostart=True, n_ctx=1024, n_seq_max=8, n_batch=64)
+    backend.fault = injector = PointInjector(where, 5, chance=0.1)
+    run = mixed_load(ctx, 3, tmp_path)
+    counts, _ = settle(run.handles)
+    backend.fault = None
+    assert injector.injected > 0 and run.refused
+    assert all(isinstance(e, llamax.RequestFailedError) for e in run.refused), run.refused
+    assert counts["done"] >= 40, counts
+    assert not ctx.closed
+    assert_idle(ctx)
+
+
+@pytest.mark.parametrize("drain", [False, True])
+def test_fault_in_teardown_still_closes(make_fake: MakeFake, tmp_path: Path, drain: bool) -> None:
+    """``backend.close`` raising while requests and sessions are pending: ``close()``
+    returns or raises in bounded time, every request settles, the context is closed."""
+    ctx, backend = make_fake(autostart=True, n_ctx=1024, n_seq_max=8, n_batch=64)
+    backend.fault = PointInjector("close", 0, chance=1.0)
+    run = mixed_load(ctx, 4, tmp_path, per_thread=10)
+    session = ctx.session()
+    pending = [ctx.add_request(f"late {i}", SamplingParams(max_tokens=200)) for i in range(6)]
+    closer = threading.Thread(target=_close_quietly, args=(ctx, drain))
+    closer.start()
+    closer.join(MIXED_TIMEOUT)
+    assert not closer.is_alive(), "close() hung after backend.close raised"
+    counts, _ = settle(run.handles + pending)
+    assert counts["done"] > 0, counts
+    assert ctx.closed and ctx.stats().state in ("closed", "failed"), ctx.stats().state
+    assert ctx.stats().num_unsettled == 0
+    session.close()
+    _close_quietly(ctx, drain)  # idempotent, and quick
+
+
+def _close_quietly(ctx: llamax.Context, drain: bool) -> None:
+    with contextlib.suppress(InjectedFault):
+        ctx.close(drain=drain, timeout=MIXED_TIMEOUT)
