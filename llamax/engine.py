@@ -106,6 +106,7 @@ class Engine:
         self._torn_down = False
         self._stalled_steps = 0
         self._is_stuck = False  # the last step had nothing to do: wait for news, not spin
+        self._close_error: BaseException | None = None  # backend.close raised; close() says so
         self._draining = False
         self.num_steps = 0
         self._snapshot = self._count()
@@ -295,6 +296,10 @@ class Engine:
         elif drain:
             self._drain_here(timeout)
         self._teardown()
+        with self._lock:
+            error, self._close_error = self._close_error, None
+        if error is not None:  # the backend failed to free itself (on whichever thread)
+            raise error
 
     def _drain_here(self, timeout: float | None) -> None:
         """Step a manual context in this thread until nothing is left (``close(drain=True)``)."""
@@ -535,6 +540,10 @@ class Engine:
                     _log.exception("could not cancel pending requests while closing")
                 try:
                     self.backend.close()  # waits for other threads' native calls to end
+                except BaseException as exc:
+                    _log.exception("the backend failed to close")
+                    with self._lock:
+                        self._close_error = exc
                 finally:
                     with self._lock:
                         if self._state is not EngineState.FAILED:

@@ -210,7 +210,12 @@ class KVCache:
             return self.truncate(slot, start)
         if not self._memory.seq_rm(slot.seq_id, start, end):
             return False
-        self._memory.seq_add(slot.seq_id, end, -1, start - end)
+        try:
+            self._memory.seq_add(slot.seq_id, end, -1, start - end)
+        except BaseException:  # the span is gone and the rest did not move: keep the head
+            self._drop_cells(slot, start)
+            self._memory.seq_rm(slot.seq_id, start, -1)
+            raise
         for cell in slot.cells[start:end]:
             self._unref(cell)
         del slot.cells[start:end], slot.tokens[start:end]

@@ -128,7 +128,7 @@ class Scheduler:
         self._idle_sessions: list[Slot] = []  # pinned slots no running sequence uses
         self._held: dict[Request, int] = {}  # running sequences per request, this step
         self._share = backend.n_seq_max
-        self._waiters: set[Request] = set()  # requests with a sequence waiting, this step
+        self._waiters: set[Request] = set()  # waiting requests below their share, this step
         self._idle_session_cells = 0
 
     # ------------------------------------------------------------------ queries
@@ -232,10 +232,13 @@ class Scheduler:
                 if take:
                     slots.append((seq, take))
                     budget -= take
-        for seq in list(self._waiting):
+        # requests below their share first; those at it take the ids left (no id idles)
+        over = [seq for seq in self._waiting if self._is_over_share(seq.request)]
+        under = [seq for seq in self._waiting if not self._is_over_share(seq.request)]
+        for seq in under + over:
             if budget <= 0:
                 break
-            if self._is_fork_candidate(seq) or self._is_over_share(seq.request):
+            if self._is_fork_candidate(seq):
                 continue
             outcome = self._try_admit(seq)
             if outcome is _Admission.NO_ROOM:
@@ -331,8 +334,8 @@ class Scheduler:
         A waiting request below its share that finds no free sequence id takes one from the
         request holding the most above its share: that request's newest sequence is
         preempted (recomputed later; one per waiting request and step). A request at its
-        share admits no more sequences, nor forks more ``n > 1`` choices, while others
-        wait. So a short request beside an ``n=32`` one starts within a step or two.
+        share is admitted after those below theirs and forks only the ids they leave, so
+        no id idles. A short request beside an ``n=32`` one starts within a step or two.
         """
         held: dict[Request, int] = {}
         for seq in self._running:
@@ -340,9 +343,10 @@ class Scheduler:
         waiters = list(dict.fromkeys(seq.request for seq in self._waiting))
         num_active = len(held.keys() | set(waiters))
         self._share = max(1, self._backend.n_seq_max // max(1, num_active))
-        self._held, self._waiters = held, set(waiters)
-        for request in waiters:
-            if request.session_id is not None or held.get(request, 0) >= self._share:
+        deprived = [r for r in waiters if held.get(r, 0) < self._share]
+        self._held, self._waiters = held, set(deprived)
+        for request in deprived:
+            if request.session_id is not None:
                 continue
             if self.kv.num_free_seq_ids or self.prefix.num_retained:
                 break  # an id is there, or comes from an eviction at admission
@@ -354,7 +358,9 @@ class Scheduler:
             held[richest] -= 1
 
     def _is_over_share(self, request: Request) -> bool:
-        """Whether ``request`` holds its share of sequences while another request waits."""
+        """Whether ``request`` holds its share of sequences while another request below its
+        share waits: its sequences are then admitted after the others' (they take the ids
+        left, so none idles)."""
         if self._held.get(request, 0) < self._share:
             return False
         return any(other is not request for other in self._waiters)
@@ -836,8 +842,14 @@ class Scheduler:
     def _forkable_siblings(self, seq: Sequence, free_ids: int) -> tuple[Sequence, ...]:
         if seq.index != 0 or seq.num_generated or not self.prefix.is_enabled:
             return ()
-        if any(other is not seq.request for other in self._waiters):
-            free_ids = min(free_ids, max(0, self._share - self._held.get(seq.request, 0)))
+        others = [
+            r
+            for r in self._waiters
+            if r is not seq.request and any(s.state is SequenceState.WAITING for s in r.sequences)
+        ]
+        if others:  # leave an id for each request below its share still waiting
+            mine = max(0, self._share - self._held.get(seq.request, 0))
+            free_ids = min(free_ids, max(mine, free_ids - len(others)))
         siblings = [
             s
             for s in seq.request.sequences[1:]

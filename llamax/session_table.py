@@ -111,7 +111,11 @@ class SessionTable:
     def _fork(self, source: Slot) -> int:
         session_id = self._open(keep=source, purpose="the fork")
         if source.tokens:
-            self._scheduler.kv.copy_prefix(source, self._slots[session_id], len(source.tokens))
+            try:
+                self._scheduler.kv.copy_prefix(source, self._slots[session_id], len(source.tokens))
+            except BaseException:  # the caller gets no Session: nothing else could free it
+                self._scheduler.kv.release(self._slots.pop(session_id))
+                raise
         return session_id
 
     def _rewind(self, slot: Slot, num_tokens: int) -> None:
@@ -124,10 +128,37 @@ class SessionTable:
 
     def _restore(self, tokens: tuple[int, ...], state: bytes) -> int:
         session_id = self._open(purpose="the loaded session")
-        if not self._scheduler.kv.restore(self._slots[session_id], tokens, state):
+        slot = self._slots[session_id]
+        try:
+            self._make_room(len(tokens))
+            restored = self._scheduler.kv.restore(slot, tokens, state)
+        except BaseException:  # the caller gets no Session: nothing else could free it
+            self._scheduler.kv.release(self._slots.pop(session_id))
+            raise
+        if not restored:
             self._scheduler.kv.release(self._slots.pop(session_id))
             raise SessionLoadError("llama.cpp refused the saved state (damaged file?)")
         return session_id
+
+    def _make_room(self, num_cells: int) -> None:
+        """Evict retained prefixes until ``num_cells`` more fit beside what runs and what
+        the sessions hold (a unified cache; a stream holds its own).
+
+        Raises:
+            SessionError: they do not fit even then (the message says how many do).
+        """
+        scheduler, kv = self._scheduler, self._scheduler.kv
+        if not kv.is_unified:
+            return
+        n_ctx = scheduler.backend.n_ctx
+        while kv.num_cells_used + scheduler.num_pending_tokens + num_cells > n_ctx:
+            if not scheduler.prefix.evict_one():
+                free = n_ctx - kv.num_cells_used - scheduler.num_pending_tokens
+                raise SessionError(
+                    f"no room to load a session of {num_cells} tokens: {max(0, free)} of "
+                    f"{n_ctx} KV cells are free beside running requests and open sessions; "
+                    "close a session or load it when requests have finished"
+                )
 
     def _release(self, session_id: int, result: StepResult) -> None:
         if session_id not in self._slots:

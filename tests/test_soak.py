@@ -181,12 +181,39 @@ fits beside them, and one that waits forever is a bug, not the load. (With sessi
 sequences waiting and nothing running: issue 22, item 3.)"""
 
 
+BURST = 72
+"""Requests of one burst: above ggml's 64-row tile, so their decode steps are split (the
+mixed load alone puts 64 decode rows in a step only now and then, since fair admission
+gives each of many waiting requests one sequence before another's ``n > 1`` choices)."""
+
+
 def soak(
-    ctx: llamax.Context, num_requests: int, *, max_output: int, num_threads: int, seed: int
+    ctx: llamax.Context,
+    num_requests: int,
+    *,
+    max_output: int,
+    num_threads: int,
+    seed: int,
+    bursts: int = 0,
 ) -> Tally:
     """Run ``num_requests`` requests (session turns included) from ``num_threads``; half of
-    them also hold a session."""
+    them also hold a session. Beside them, one more thread sends ``bursts`` bursts of
+    :data:`BURST` requests at once (counted in the total), so steps split amid the mix."""
     tally = Tally()
+
+    def burster() -> None:
+        rng = random.Random(seed * 1000 - 1)
+        try:
+            for _ in range(bursts):
+                params = llamax.SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7)
+                with tally.lock:
+                    tally.submitted += BURST
+                handles = [ctx.add_request(soak_prompt(rng), params) for _ in range(BURST)]
+                for handle in handles:
+                    settle(tally, handle, False, rng.random() < 0.1)
+        except BaseException as exc:
+            tally.note("crashed", problem=f"burster: {exc!r}")
+
     tmp = Path(tempfile.mkdtemp(prefix="llamax-soak-"))
 
     def worker(k: int) -> None:
@@ -222,6 +249,7 @@ def soak(
                 session.close()
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(num_threads)]
+    threads.append(threading.Thread(target=burster))
     for t in threads:
         t.start()
     for t in threads:
@@ -280,7 +308,14 @@ def run_soak(
     before = rss_kib()
     steps_before, decodes_before = ctx.stats().num_steps, decodes.calls
     started = time.monotonic()
-    tally = soak(ctx, num_requests, max_output=max_output, num_threads=num_threads, seed=1)
+    tally = soak(
+        ctx,
+        num_requests,
+        max_output=max_output,
+        num_threads=num_threads,
+        seed=1,
+        bursts=3 if require_split else 0,
+    )
     seconds = time.monotonic() - started
     gc.collect()
     grown = rss_kib() - before
