@@ -332,8 +332,8 @@ class Scheduler:
         share, ``n_seq_max`` over the requests with work (at least 1), of the sequences.
 
         A waiting request below its share that finds no free sequence id takes one from the
-        request holding the most above its share: that request's newest sequence is
-        preempted (recomputed later; one per waiting request and step). A request at its
+        request holding the most above its share: that request's sequence with the fewest
+        computed tokens is preempted (recomputed later; one per waiting request and step). A request at its
         share is admitted after those below theirs and forks only the ids they leave, so
         no id idles. A short request beside an ``n=32`` one starts within a step or two.
         """
@@ -353,7 +353,8 @@ class Scheduler:
             richest = max(held, key=held.__getitem__, default=None)
             if richest is None or held[richest] <= self._share:
                 break
-            victim = next(s for s in reversed(self._running) if s.request is richest)
+            mine = [s for s in self._running if s.request is richest]
+            victim = min(reversed(mine), key=lambda s: s.num_computed)  # cheapest to redo
             self._preempt(victim)
             held[richest] -= 1
 
