@@ -335,7 +335,8 @@ class Scheduler:
         request holding the most above its share: that request's sequence with the fewest
         computed tokens is preempted (recomputed later; one per waiting request and step).
         A request at its share is admitted after those below theirs and forks only the ids
-        they leave, so no id idles. A short request beside an ``n=32`` one starts within a step or two.
+        they leave, so no id idles. A short request beside an ``n=32`` one starts within
+        a step or two.
         """
         held: dict[Request, int] = {}
         for seq in self._running:
