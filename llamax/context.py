@@ -13,22 +13,22 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import Self, Unpack
 
 from .backend.base import Backend
-from .engine import Engine, EngineState
+from .engine.kvops import Audit, ClearCache, OpenSession
+from .engine.loop import Engine, EngineState
+from .engine.sampling import BatchLogitsProcessor
 from .errors import ContextClosedError, InvalidParameterError, InvalidRequestError
 from .handle import RequestHandle
-from .kvops import Audit, ClearCache, OpenSession
 from .models import default_model_path
 from .openai.methods import OpenAIMethods
 from .params import ContextConfig, ContextOptions, SamplingParams
 from .pipeline import PipelineMethods
 from .prompts import Prompt, build_request, prompt_token_ids
-from .sampling import BatchLogitsProcessor
 from .session import Session
 from .stats import ContextStats
 
 if TYPE_CHECKING:
-    from .chat.template import ChatTemplate
     from .conversation import Chat
+    from .templates.template import ChatTemplate
 
 __all__ = ["Context"]
 
@@ -295,7 +295,7 @@ class Context(OpenAIMethods, PipelineMethods):
         """
         self._check_open("read the chat template")
         if self._chat_template is None:
-            from .chat.binding import load_template
+            from .templates.binding import load_template
 
             override = self._config.chat_template
             self._chat_template = load_template(self._backend, override, self.model_name)
@@ -310,7 +310,7 @@ class Context(OpenAIMethods, PipelineMethods):
         """
         self._check_open("read the chat template")
         if self._end_of_turn is None:
-            from .chat.binding import end_of_turn_ids
+            from .templates.binding import end_of_turn_ids
 
             self._end_of_turn = end_of_turn_ids(self._backend, self.chat_template)
         return self._end_of_turn
@@ -341,7 +341,7 @@ class Context(OpenAIMethods, PipelineMethods):
             TemplateError: the template failed, broke the sandbox or its budget.
             ContextClosedError: the context is closed.
         """
-        from .chat.binding import render_tokens
+        from .templates.binding import render_tokens
 
         self._check_open("render a chat prompt")
         return render_tokens(

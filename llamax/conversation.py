@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
-from .chat.messages import validate_messages
-from .chat.truncation import drop_oldest_turns, leading_system_count
 from .errors import InvalidParameterError
 from .handle import RequestHandle
 from .params import SamplingParams
 from .results import Completion, TokenEvent
+from .templates.messages import validate_messages
+from .templates.truncation import drop_oldest_turns, leading_system_count
 from .tokens import common_prefix_len
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from typing import Any, Literal, Protocol, TypeAlias, TypedDict
 import numpy as np
 import numpy.typing as npt
 
+from .engine.speculative import PromptLookup, Speculative
 from .errors import InvalidParameterError
-from .speculative import PromptLookup, Speculative
 
 __all__ = [
     "MAX_STOP_CHARS",

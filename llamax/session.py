@@ -20,17 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from typing_extensions import Self
 
-from .engine import EngineState
-from .errors import (
-    ContextClosedError,
-    DeadlockError,
-    InvalidParameterError,
-    SessionBusyError,
-    SessionError,
-    SessionLoadError,
-)
-from .handle import RequestHandle
-from .kvops import (
+from .engine.kvops import (
     ForkSession,
     KVOp,
     ReadSession,
@@ -40,6 +30,16 @@ from .kvops import (
     SaveSession,
     ShiftSession,
 )
+from .engine.loop import EngineState
+from .errors import (
+    ContextClosedError,
+    DeadlockError,
+    InvalidParameterError,
+    SessionBusyError,
+    SessionError,
+    SessionLoadError,
+)
+from .handle import RequestHandle
 from .params import SamplingParams
 from .prompts import Prompt
 

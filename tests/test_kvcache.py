@@ -1,11 +1,11 @@
-"""KV-cell accounting (llamax.kvcache) against the fake backend's memory, no engine."""
+"""KV-cell accounting (llamax.engine.kvcache) against the fake backend's memory, no engine."""
 
 from __future__ import annotations
 
 import pytest
 
 from llamax.backend import BatchItem
-from llamax.kvcache import KVCache, Slot, SlotState
+from llamax.engine.kvcache import KVCache, Slot, SlotState
 from llamax.testing import FakeBackend
 
 

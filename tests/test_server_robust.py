@@ -18,9 +18,9 @@ import pytest
 from fastapi.routing import APIRoute
 
 import llamax
-from llamax.chat import ChatTemplate, InvalidMessageError
-from llamax.chat.truncation import drop_oldest_turns
 from llamax.server import BackgroundServer, create_app
+from llamax.templates import ChatTemplate, InvalidMessageError
+from llamax.templates.truncation import drop_oldest_turns
 from llamax.testing import FakeBackend, assert_idle
 
 TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()

@@ -6,7 +6,7 @@ from .base import (
     BatchItem,
     DecodeStatus,
     KVMemory,
-    ModelInfo,
+    LoadedModel,
     Sampler,
     SamplerFactory,
 )
@@ -17,7 +17,7 @@ __all__ = [
     "BatchItem",
     "DecodeStatus",
     "KVMemory",
-    "ModelInfo",
+    "LoadedModel",
     "Sampler",
     "SamplerFactory",
 ]

@@ -24,7 +24,7 @@ __all__ = [
     "BatchItem",
     "DecodeStatus",
     "KVMemory",
-    "ModelInfo",
+    "LoadedModel",
     "Sampler",
     "SamplerFactory",
 ]
@@ -65,7 +65,7 @@ Sampler: TypeAlias = Any
 """An opaque per-sequence sampler owned by a backend (each backend picks its own type)."""
 
 
-class ModelInfo(Protocol):
+class LoadedModel(Protocol):
     """The loaded model: vocabulary, metadata and grammar checks. Safe from any thread."""
 
     @property
@@ -160,7 +160,7 @@ class BatchDecoder(Protocol):
     def attention_tiles(self) -> tuple[int, int] | None:
         """``(query heads, threads)`` when ggml's CPU flash attention computes micro-batches
         of 64 rows or more in tiles, whose padding the step cost model counts
-        (:func:`llamax.step_budget.tile_waste_table`); ``None`` otherwise."""
+        (:func:`llamax.engine.step_budget.tile_waste_table`); ``None`` otherwise."""
         ...
 
     def decode(self, items: Sequence[BatchItem]) -> int:
@@ -201,7 +201,7 @@ class SamplerFactory(Protocol):
 
 
 class KVMemory(Protocol):
-    """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.kvcache` calls
+    """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.engine.kvcache` calls
     these, on the engine thread."""
 
     @property
@@ -270,7 +270,7 @@ class KVMemory(Protocol):
         ...
 
 
-class Backend(ModelInfo, BatchDecoder, SamplerFactory, KVMemory, Protocol):
+class Backend(LoadedModel, BatchDecoder, SamplerFactory, KVMemory, Protocol):
     """Everything the engine needs from an inference backend: the four roles above, plus
     :meth:`close`. :class:`llamax.testing.FakeBackend` implements it in pure Python."""
 

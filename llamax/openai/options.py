@@ -11,10 +11,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
+from ..engine.speculative import PromptLookup
 from ..errors import InvalidParameterError
 from ..grammar import JSON_OBJECT_SCHEMA
 from ..params import SamplingParams
-from ..speculative import PromptLookup
 
 __all__ = [
     "ChatOptions",

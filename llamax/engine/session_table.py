@@ -1,5 +1,5 @@
 """The scheduler's side of sessions and cache-wide operations: it applies every
-:mod:`llamax.kvops` operation on the loop thread, between steps.
+:mod:`llamax.engine.kvops` operation on the loop thread, between steps.
 
 A session is a pinned slot known by a session id. Its requests are admitted into that slot
 (keeping the common prefix of what it holds); ``ReleaseSession`` first cancels a request
@@ -11,8 +11,8 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from ..errors import InvalidParameterError, SessionError, SessionLoadError
 from .audit import audit
-from .errors import InvalidParameterError, SessionError, SessionLoadError
 from .kvcache import Slot
 from .kvops import (
     Audit,

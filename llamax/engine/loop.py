@@ -1,7 +1,7 @@
 """The run loop: one thread at a time owns the backend and the scheduler.
 
 Other threads only touch the inbox (new requests), the cancel queue and the operation queue
-(:mod:`llamax.kvops`), under one lock; all three are drained at the start of every step.
+(:mod:`llamax.engine.kvops`), under one lock; all three are drained at the start of every step.
 A step is::
 
     plan = scheduler.schedule() -> status = backend.decode(plan) -> sample rows
@@ -24,17 +24,18 @@ from concurrent.futures import Future, InvalidStateError
 from enum import Enum
 from typing import Any, TypeVar
 
-from .backend.base import Backend, DecodeStatus
-from .errors import (
+from ..backend.base import Backend, DecodeStatus
+from ..errors import (
     ContextClosedError,
     DeadlockError,
     EngineError,
     InvalidRequestError,
     LoopOwnershipError,
 )
+from ..results import TokenLogprob
+from ..stats import ContextStats
 from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .plan import StepPlan, StepResult
-from .results import TokenLogprob
 from .sampling import (
     BatchLogitsProcessor,
     keep_interrupt,
@@ -46,7 +47,6 @@ from .scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
 from .speculative import PromptLookup
-from .stats import ContextStats
 from .step_budget import StepFeatures
 
 __all__ = ["Engine", "EngineState"]

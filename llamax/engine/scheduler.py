@@ -8,19 +8,19 @@ them and never stall streams for more than one chunk. A preempted sequence drops
 cells and re-queues; its prompt plus generated tokens are recomputed, so greedy output
 continues unchanged.
 
-Prefix reuse (:mod:`llamax.prefix`): on admission a sequence copies the longest prefix any
+Prefix reuse (:mod:`llamax.engine.prefix`): on admission a sequence copies the longest prefix any
 slot holds (``seq_cp``: shared cells, no compute). If a longer prefix is still being
 prefilled by a running sequence (a burst with one system prompt), the newcomer waits for it
 instead of computing it again. ``n > 1`` choices fork from the leader's last prompt row:
 they share its cells and sample their first token from the same logits.
 
-KV accounting: cells are counted exactly by :class:`~llamax.kvcache.KVCache`. In a unified
+KV accounting: cells are counted exactly by :class:`~llamax.engine.kvcache.KVCache`. In a unified
 cache a step may start only if ``cells_used + pending tokens of running sequences <= n_ctx``;
 retained slots are evicted first, then the newest running sequence is preempted (LIFO).
 With one stream per sequence every sequence owns its cells, so only sequence ids are
 scarce; retained prefixes then cost memory but never slow other streams. Changes
 asked for from outside a step (sessions, chat shifts, ``clear_cache``) arrive as typed
-operations (:mod:`llamax.kvops`) through :meth:`Scheduler.apply`.
+operations (:mod:`llamax.engine.kvops`) through :meth:`Scheduler.apply`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import TypeVar, cast
 
-from .backend.base import Backend
-from .errors import KVCapacityError, RequestFailedError
+from ..backend.base import Backend
+from ..errors import KVCapacityError, RequestFailedError
+from ..results import TokenEvent, TokenLogprob
+from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .kvops import KVOp, RestoreSession
 from .plan import ScheduledSequence, StepPlan, StepResult, build_plan, split_plan
 from .prefix import PrefixCache
-from .results import TokenEvent, TokenLogprob
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
 from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance, window
@@ -52,7 +53,6 @@ from .step_budget import (
     step_with_chunk,
     tile_waste_table,
 )
-from .tokens import common_prefix_len
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
@@ -203,7 +203,7 @@ class Scheduler:
 
         Decode rows go first; prompt chunks fill the rest of the token budget, sized so the
         step stays within ``max_step_ms`` while anybody is decoding (see
-        :mod:`llamax.step_budget`). Requests that cannot go on (a layout change failed) end
+        :mod:`llamax.engine.step_budget`). Requests that cannot go on (a layout change failed) end
         with their events in ``result``.
         """
         self._count_idle_sessions()
@@ -478,7 +478,7 @@ class Scheduler:
         return split_plan(plan, [*groups, others] if others else groups)
 
     def features(self, plan: StepPlan) -> StepFeatures:
-        """What ``plan`` costs, in the terms of :class:`~llamax.step_budget.StepCostModel`."""
+        """What ``plan`` costs, in the terms of :mod:`llamax.engine.step_budget`'s cost model."""
         if self.kv.is_unified:  # a decode row reads its own cells; a prompt chunk, the span
             num = plan.num_tokens
             own = [e.seq.num_computed + 1 for e in plan.entries if len(e.item.token_ids) == 1]
@@ -714,7 +714,7 @@ class Scheduler:
 
         The ``j``-th draft token of a sequence is accepted with probability ``a**j`` (its
         measured rate ``a``) and costs what one more token adds to a step of decode rows
-        (:class:`~llamax.speculative.DecodeCost`). Tokens are taken greedily, best gain per
+        (:class:`~llamax.engine.speculative.DecodeCost`). Tokens are taken greedily, best gain per
         second first, while each raises the step's expected tokens per second: under a full
         batch a token already costs its full share, so drafting yields unless nearly
         certain; a step with prompt chunks is compute-bound and gets no drafts. The step

@@ -15,7 +15,7 @@ With ``kv_layout="auto"`` the memory can move between the two (:meth:`KVCache.re
 every sequence then holds cells of its own, in either layout, until it is copied again.
 
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
-and which is evicted first, is :mod:`llamax.prefix`'s business; who may change a slot at
+and which is evicted first, is :mod:`llamax.engine.prefix`'s business; who may change a slot at
 all is the scheduler's (see docs/architecture.md).
 """
 
@@ -26,8 +26,8 @@ import itertools
 from collections.abc import Sequence
 from enum import Enum
 
-from .backend.base import KVMemory
-from .errors import InvalidParameterError
+from ..backend.base import KVMemory
+from ..errors import InvalidParameterError
 
 __all__ = ["KVCache", "Slot", "SlotState"]
 
@@ -38,7 +38,7 @@ class SlotState(Enum):
     ACTIVE = "active"
     """A running sequence or an open session."""
     RETAINED = "retained"
-    """A finished sequence kept for its prefix (see :mod:`llamax.prefix`)."""
+    """A finished sequence kept for its prefix (see :mod:`llamax.engine.prefix`)."""
 
 
 class Slot:

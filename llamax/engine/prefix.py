@@ -1,5 +1,5 @@
 """Prefix reuse: which slot holds the longest prefix of a prompt, and which finished slots
-are kept for that (LRU retention). Pure Python, over :class:`~llamax.kvcache.KVCache`.
+are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kvcache.KVCache`.
 
 A finished sequence's slot is *retained*: its cells stay in KV so a later prompt that starts
 the same way copies them instead of computing them. Retained slots are evicted least
@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
-from .tokens import common_prefix_len
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 

@@ -30,7 +30,7 @@ from typing import Protocol, TypeAlias
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 __all__ = [
     "DecodeCost",
