@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import pytest
+from adversaries import FlakyProcessor
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -33,22 +33,6 @@ LIVENESS_SLACK = 50
 steps that it and every request that may go before it would need one after another, on
 one sequence (:attr:`Tracked.work`): an engine that makes progress needs far fewer, one
 that spins or starves exceeds it."""
-
-
-class FlakyProcessor:
-    """A logits processor that raises whenever the history's length is a multiple of
-    ``every``: its request fails on its first row or mid-output, or never."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-
-    def __call__(self, token_ids: object, logits: object) -> None:
-        assert isinstance(token_ids, np.ndarray)
-        if len(token_ids) % self.every == 0:
-            raise ValueError(f"flaky processor at length {len(token_ids)}")
-
-    def __repr__(self) -> str:
-        return f"FlakyProcessor({self.every})"
 
 
 @dataclass
