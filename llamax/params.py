@@ -211,6 +211,7 @@ class SamplingParams:
             doc="strings that end the reply, cut from the text (at most 1,024, with 65,536 "
             "characters in all)",
             openai=None,
+            openai_doc="a string or a list of strings that end the reply, cut from the text",
         ),
     )
     stop_token_ids: Sequence[int] = field(
