@@ -31,8 +31,7 @@ from .templates.truncation import drop_oldest_turns, leading_system_count
 from .tokens import common_prefix_len
 
 if TYPE_CHECKING:
-    from .context import Context
-    from .session import Session
+    from . import Context, Session
 
 __all__ = ["Chat", "TurnStats"]
 

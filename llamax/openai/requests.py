@@ -39,7 +39,7 @@ from .shapes import (
 )
 
 if TYPE_CHECKING:
-    from ..context import Context
+    from .. import Context
 
 __all__ = [
     "AsyncChunkStream",

@@ -20,7 +20,7 @@ from .call_grammar import CALL_CLOSE, CALL_OPEN
 from .spec import ToolPlan
 
 if TYPE_CHECKING:
-    from ..context import Context
+    from .. import Context
 
 __all__ = [
     "fallback_messages",
