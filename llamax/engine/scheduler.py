@@ -26,7 +26,6 @@ operations (:mod:`llamax.engine.kvops`) through :meth:`Scheduler.apply`.
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
 from collections.abc import Callable, Mapping
 from enum import Enum
@@ -36,23 +35,19 @@ from ..backend.base import Backend
 from ..errors import KVCapacityError, RequestFailedError
 from ..results import TokenEvent, TokenLogprob
 from ..tokens import common_prefix_len
-from .kvcache import KVCache, Slot, SlotState
+from .chunk_budget import ChunkBudget
+from .draft_planner import DraftPlanner
+from .fair_share import FairShare
+from .kvcache import KVCache, LayoutState, Slot, SlotState
 from .kvops import KVOp, RestoreSession
+from .layout_policy import RELAYOUT_COOLDOWN_STEPS, LayoutPolicy
 from .plan import ScheduledSequence, StepPlan, StepResult, build_plan, split_plan
 from .prefix import PrefixCache
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
-from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance, window
-from .step_budget import (
-    MAX_STRETCH,
-    MIN_CHUNK,
-    TILE_ROWS,
-    StepCostModel,
-    StepFeatures,
-    micro_batch,
-    step_with_chunk,
-    tile_waste_table,
-)
+from .speculative import DecodeCost, DraftState, PromptLookup, Speculative
+from .split_policy import SplitPolicy
+from .step_budget import StepFeatures, tile_waste_table
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
@@ -60,14 +55,6 @@ T = TypeVar("T")
 
 WAIT_FOR_PREFIX_MIN = 16
 """A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
-RELAYOUT_COOLDOWN_STEPS = 32
-"""With ``kv_layout="auto"``, steps spent in the unified layout before moving back to streams."""
-RELAYOUT_MIN_DECODING = 2
-"""Decoding sequences needed to move back to streams (one sequence attends alike in both)."""
-SPLIT_SPAN_RATIO = 4
-"""Many decode rows are split into batches under ``TILE_ROWS`` rows when the cache's used
-span is at least this many times what a row attends to (see :meth:`Scheduler.split`)."""
-
 Verify = Callable[[Sequence, int], tuple[int, TokenLogprob | None]]
 """Samples a sequence's token from one batch row (speculative verification, row by row)."""
 
@@ -87,19 +74,17 @@ class Scheduler:
         *,
         prefix_cache: bool = True,
         max_step_ms: float | None = None,
-        speculative: PromptLookup | None = None,
+        speculative: Speculative | None = None,
         allow_drafts: bool = True,
     ) -> None:
         self._backend = backend
         self._n_ctx_seq = backend.n_ctx_seq
-        self._cpu_attention = backend.cpu_attention
+        self.splitter = SplitPolicy(backend.cpu_attention)
         self._n_batch = backend.n_batch
-        self._max_step_s = None if max_step_ms is None else max_step_ms / 1000
-        self._step_budget_s = 0.0
-        self._stretched_budget_s = 0.0
         tiles = backend.attention_tiles
         waste = None if tiles is None else tile_waste_table(backend.n_batch, *tiles)
-        self.step_cost = StepCostModel(waste=waste)
+        self.budget = ChunkBudget(backend.n_batch, max_step_ms, waste=waste)
+        self.step_cost = self.budget.cost
         self.kv = KVCache(backend, backend.n_seq_max)
         self.prefix = PrefixCache(self.kv, retain=prefix_cache and backend.can_share_prefix)
         self.sessions = SessionTable(self)
@@ -112,23 +97,16 @@ class Scheduler:
         self._speculative = speculative
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
-        self.decode_cost = DecodeCost()
-        self._acceptance = SharedAcceptance()
+        self.drafts = DraftPlanner(self.budget.max_step_s)
         self.price_drafts = True
         """Keep only drafts whose expected gain pays for their compute (tests turn it off
         to make every proposal be verified)."""
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
-        self._stream_cells = self.kv.cells_per_seq  # kv_layout="auto" starts with streams
-        self._adaptive = self.kv.can_relayout
-        self._relayout_failure: str | None = None  # why the unified layout is out of reach
-        self._relayout_pause_s = 0.0
-        self._steps_in_layout = 0
+        self.layout = LayoutPolicy(self.kv.cells_per_seq)  # "auto" starts with streams
         self.num_relayouts = 0
         self._idle_sessions: list[Slot] = []  # pinned slots no running sequence uses
-        self._held: dict[Request, int] = {}  # running sequences per request, this step
-        self._share = backend.n_seq_max
-        self._waiters: set[Request] = set()  # waiting requests below their share, this step
+        self.fair: FairShare[Request] = FairShare(backend.n_seq_max)
         self._idle_session_cells = 0
 
     # ------------------------------------------------------------------ queries
@@ -141,7 +119,7 @@ class Scheduler:
     def stream_cells(self) -> int:
         """Cells one sequence holds in its own stream (``kv_layout="auto"`` moves to the
         unified layout beyond that), or what the fixed layout gives one sequence."""
-        return self._stream_cells if self.kv.can_relayout else self.kv.cells_per_seq
+        return self.layout.stream_cells if self.kv.can_relayout else self.kv.cells_per_seq
 
     @property
     def has_work(self) -> bool:
@@ -173,19 +151,17 @@ class Scheduler:
         method = self._speculation(request)
         for seq in request.sequences:
             if method is not None:
-                seq.draft_state = method.new_state(self._acceptance)
+                seq.draft_state = method.new_state(self.drafts.acceptance)
             bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
 
-    def _speculation(self, request: Request) -> PromptLookup | None:
+    def _speculation(self, request: Request) -> Speculative | None:
         """The drafting method ``request`` uses: its own, else the context's, or None."""
         asked = request.params.speculative
         if not self._can_draft or asked is False:
             return None
-        if isinstance(asked, PromptLookup):
-            return asked
         if asked is True:
             return self._speculative or PromptLookup()
-        return self._speculative
+        return self._speculative if asked is None else asked
 
     def apply(self, op: KVOp[T], result: StepResult) -> T:
         """Apply a KV operation between steps; events it causes go into ``result``."""
@@ -193,7 +169,7 @@ class Scheduler:
             isinstance(op, RestoreSession)
             and self.kv.can_relayout
             and not self.kv.is_unified
-            and len(op.tokens) > self._stream_cells
+            and len(op.tokens) > self.layout.stream_cells
         ):
             self._relayout(True, result)  # a saved session longer than a stream
         return cast(T, self.sessions.apply(op, result))
@@ -214,18 +190,9 @@ class Scheduler:
         decode = [seq for seq in self._running if seq.num_pending == 1][: self._n_batch]
         slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
         budget = self._n_batch - len(decode)
-        fixed = self._decode_features(decode) if decode and self._is_timed else None
-        if fixed is not None and self._max_step_s is not None:
-            # the prompt chunks of a step may add up to max_step_ms to its decode rows, and
-            # a chunk that would be unfair may stretch the step to MAX_STRETCH times the
-            # larger of max_step_ms and the decode rows' time
-            decode_s = self.step_cost.predict(fixed)
-            self._step_budget_s = self._max_step_s + decode_s
-            self._stretched_budget_s = MAX_STRETCH * max(self._max_step_s, decode_s)
-            # a layout move just paused the streams: this step's chunks get that much less
-            self._step_budget_s -= self._relayout_pause_s
-            self._stretched_budget_s -= self._relayout_pause_s
-        self._relayout_pause_s = 0.0
+        fixed = self.budget.start_step(
+            [seq.num_computed for seq in decode], unified=self.kv.is_unified
+        )
         for seq in self._running:
             if seq.num_pending > 1 and budget > 0:
                 take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
@@ -233,8 +200,8 @@ class Scheduler:
                     slots.append((seq, take))
                     budget -= take
         # requests below their share first; those at it take the ids left (no id idles)
-        over = [seq for seq in self._waiting if self._is_over_share(seq.request)]
-        under = [seq for seq in self._waiting if not self._is_over_share(seq.request)]
+        over = [seq for seq in self._waiting if self.fair.is_over(seq.request)]
+        under = [seq for seq in self._waiting if not self.fair.is_over(seq.request)]
         for seq in under + over:
             if budget <= 0:
                 break
@@ -244,7 +211,7 @@ class Scheduler:
             if outcome is _Admission.NO_ROOM:
                 break  # first come, first served: nobody overtakes a request that lacks room
             if outcome is _Admission.ADMITTED:
-                self._held[seq.request] = self._held.get(seq.request, 0) + 1
+                self.fair.add(seq.request)
                 take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
                 if take:
                     slots.append((seq, take))
@@ -259,113 +226,82 @@ class Scheduler:
 
     # ------------------------------------------------------------------ layout
     def _adapt_layout(self, result: StepResult) -> None:
-        """``kv_layout="auto"``: one stream per sequence while every sequence fits one;
-        the unified layout while one needs more; streams again once all fit with room to
-        grow, after :data:`RELAYOUT_COOLDOWN_STEPS` steps and with at least
-        :data:`RELAYOUT_MIN_DECODING` sequences decoding (to whom streams are faster).
-
-        Streams: each decode attends only to its own cells. Unified: any sequence may grow
-        to ``n_ctx``, but each decode attends over the whole used span (docs/kv-cache.md).
-        """
-        if not self._adaptive:
+        """``kv_layout="auto"``: move between streams and the unified layout when
+        :class:`~llamax.engine.layout_policy.LayoutPolicy` says so."""
+        if self.kv.layout is LayoutState.FIXED:
             return
-        self._steps_in_layout += 1
-        cap = self._stream_cells
+        self.layout.count_step()
         if not self.kv.is_unified:
-            if any(len(s.token_ids) > cap for s in self.all_sequences()):
+            if self.layout.should_unify(len(s.token_ids) for s in self.all_sequences()):
                 self._relayout(True, result)
             return
         if not self.kv.can_relayout:
             return
-        if self._steps_in_layout < RELAYOUT_COOLDOWN_STEPS:
+        cells_to_come = (
+            self.layout.cells_to_come(
+                len(s.token_ids), s.num_generated, s.request.params.max_tokens
+            )
+            for s in self.all_sequences()
+        )
+        if not self.layout.should_split(
+            num_decoding=sum(1 for s in self._running if s.num_pending == 1),
+            cells_to_come=cells_to_come,
+            session_cells=(len(slot.tokens) for slot in self.kv.slots() if slot.pinned),
+            cooldown_steps=RELAYOUT_COOLDOWN_STEPS,  # this module's, which tests may patch
+        ):
             return
-        if sum(1 for s in self._running if s.num_pending == 1) < RELAYOUT_MIN_DECODING:
-            return
-        if any(self._cells_to_come(s) > cap for s in self.all_sequences()):
-            return
-        if any(slot.pinned and len(slot.tokens) > cap for slot in self.kv.slots()):
-            return  # an open session that would not fit a stream
         for slot in self.prefix.retained():
-            if len(slot.tokens) > cap:
+            if len(slot.tokens) > self.layout.stream_cells:
                 self.prefix.evict(slot)
         self._relayout(False, result)
-
-    def _cells_to_come(self, seq: Sequence) -> int:
-        """Cells ``seq`` will hold within a quarter stream of growth (or its max_tokens)."""
-        room = self._stream_cells // 4
-        max_tokens = seq.request.params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max(0, max_tokens - seq.num_generated))
-        return len(seq.token_ids) + room
 
     def _relayout(self, unified: bool, result: StepResult) -> None:
         """Move the cache to the other layout. If that fails, stay in this layout from now
         on; when moving to unified, fail the sequences that outgrew their streams."""
-        if self._relayout_failure is None:
+        if self.kv.layout is not LayoutState.STUCK:
             started = time.perf_counter()
             if unified:
                 self._make_room_to_unify()
             try:
                 self.kv.relayout(unified)
             except RequestFailedError as exc:
-                self.kv.disable_relayout()
-                self._relayout_failure = f"the unified layout could not be made: {exc}"
+                self.kv.fail_relayout(f"the unified layout could not be made: {exc}")
             else:
-                self._steps_in_layout = 0
+                self.layout.restart_count()
                 self.num_relayouts += 1
-                self._relayout_pause_s = time.perf_counter() - started
+                self.budget.note_pause(time.perf_counter() - started)
                 return
         if not unified:
             return
-        cap = self._stream_cells
+        cap = self.layout.stream_cells
         for seq in self.all_sequences():
             if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
                 error = RequestFailedError(
                     f"the request needs {len(seq.token_ids)} KV cells, one stream holds "
-                    f"{cap}, and {self._relayout_failure}"
+                    f"{cap}, and {self.kv.relayout_failure}"
                 )
                 self.fail(seq.request, error, result)
 
     # ------------------------------------------------------------------ fairness
     def _share_sequence_ids(self) -> None:
-        """Fairness between requests: while other requests wait, one may hold at most its
-        share, ``n_seq_max`` over the requests with work (at least 1), of the sequences.
-
-        A waiting request below its share that finds no free sequence id takes one from the
-        request holding the most above its share: that request's sequence with the fewest
-        computed tokens is preempted (recomputed later; one per waiting request and step).
-        A request at its share is admitted after those below theirs and forks only the ids
-        they leave, so no id idles. A short request beside an ``n=32`` one starts within
-        a step or two.
-        """
-        held: dict[Request, int] = {}
-        for seq in self._running:
-            held[seq.request] = held.get(seq.request, 0) + 1
-        waiters = list(dict.fromkeys(seq.request for seq in self._waiting))
-        num_active = len(held.keys() | set(waiters))
-        self._share = max(1, self._backend.n_seq_max // max(1, num_active))
-        deprived = [r for r in waiters if held.get(r, 0) < self._share]
-        self._held, self._waiters = held, set(deprived)
-        for request in deprived:
+        """Fairness between requests (:mod:`llamax.engine.fair_share`): a waiting request
+        below its share that finds no free sequence id takes one from the request holding
+        the most above its share, whose sequence with the fewest computed tokens is
+        preempted (recomputed later; one per waiting request and step)."""
+        fair = self.fair
+        fair.count((s.request for s in self._running), (s.request for s in self._waiting))
+        for request in fair.deprived:
             if request.session_id is not None:
                 continue
             if self.kv.num_free_seq_ids or self.prefix.num_retained:
                 break  # an id is there, or comes from an eviction at admission
-            richest = max(held, key=held.__getitem__, default=None)
-            if richest is None or held[richest] <= self._share:
+            richest = fair.richest()
+            if richest is None:
                 break
             mine = [s for s in self._running if s.request is richest]
             victim = min(reversed(mine), key=lambda s: s.num_computed)  # cheapest to redo
             self._preempt(victim)
-            held[richest] -= 1
-
-    def _is_over_share(self, request: Request) -> bool:
-        """Whether ``request`` holds its share of sequences while another request below its
-        share waits: its sequences are then admitted after the others' (they take the ids
-        left, so none idles)."""
-        if self._held.get(request, 0) < self._share:
-            return False
-        return any(other is not request for other in self._waiters)
+            fair.add(richest, -1)
 
     # ------------------------------------------------------------------ capacity
     def _count_idle_sessions(self) -> None:
@@ -389,7 +325,7 @@ class Scheduler:
         if not self.kv.is_unified:
             if not self.kv.can_relayout:
                 return self.kv.cells_per_seq
-            return min(self._n_ctx_seq, max(self._stream_cells, self._backend.n_ctx - held))
+            return min(self._n_ctx_seq, max(self.layout.stream_cells, self._backend.n_ctx - held))
         return min(self._n_ctx_seq, self._backend.n_ctx - held)
 
     def _own_session_slot(self, seq: Sequence) -> Slot | None:
@@ -427,7 +363,8 @@ class Scheduler:
             )
         need = f"the request needs {len(seq.token_ids)} KV cells"
         if not self.kv.is_unified and not self.kv.can_relayout:
-            why = f", and {self._relayout_failure}" if self._relayout_failure else ""
+            failure = self.kv.relayout_failure
+            why = f", and {failure}" if failure else ""
             return f"{need}, one stream holds {self.kv.cells_per_seq}{why}"
         cells = len({c for slot in idle for c in slot.cells})
         return (
@@ -450,111 +387,37 @@ class Scheduler:
             self._preempt(self._running[-1])
 
     def split(self, plan: StepPlan) -> list[StepPlan]:
-        """The batches that compute ``plan``: usually one; in a unified cache, many decode
-        rows of unrelated sequences go in batches of fewer than :data:`TILE_ROWS` rows.
-
-        ggml's CPU flash attention computes a micro-batch of ``TILE_ROWS`` rows or more in
-        tiles, and a tile of rows from many sequences attends over the whole used span of
-        the cache; a smaller batch is computed row by row, and each row skips the cells it
-        may not see. So 64 streams of 80 cells each, one decode of 64 rows, cost 0.60 s
-        (SmolLM2, 2 threads); two decodes of 32, 0.39 s. The split is made only when the
-        span is at least :data:`SPLIT_SPAN_RATIO` times what a decode row attends to on
-        average: rows that share a long prefix keep the tiled kernel. Only on the CPU: a
-        GPU would read the weights once per call and gain nothing.
-        """
-        if not (self.kv.is_unified and self._cpu_attention):
-            return [plan]
-        singles = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) == 1]
-        if len(singles) < TILE_ROWS:
-            return [plan]
-        span = self.kv.num_cells_used + plan.num_tokens
-        attended = sum(plan.entries[i].seq.num_computed + 1 for i in singles) / len(singles)
-        if span < SPLIT_SPAN_RATIO * attended:
-            return [plan]
-        num_groups = -(-len(singles) // (TILE_ROWS - 1))
-        size = -(-len(singles) // num_groups)
-        groups = [singles[i : i + size] for i in range(0, len(singles), size)]
-        others = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) != 1]
-        return split_plan(plan, [*groups, others] if others else groups)
+        """The batches that compute ``plan``: usually one; in a unified cache on the CPU,
+        many decode rows go in smaller batches (:mod:`llamax.engine.split_policy`)."""
+        groups = self.splitter.groups(
+            [len(e.item.token_ids) for e in plan.entries],
+            [e.seq.num_computed for e in plan.entries],
+            self.kv.num_cells_used,
+            unified=self.kv.is_unified,
+        )
+        return [plan] if groups is None else split_plan(plan, groups)
 
     def features(self, plan: StepPlan) -> StepFeatures:
         """What ``plan`` costs, in the terms of :mod:`llamax.engine.step_budget`'s cost model."""
-        if self.kv.is_unified:  # a decode row reads its own cells; a prompt chunk, the span
-            num = plan.num_tokens
-            own = [e.seq.num_computed + 1 for e in plan.entries if len(e.item.token_ids) == 1]
-            chunks = (num - len(own)) * (self.kv.num_cells_used + num)
-            return micro_batch(num, sum(own) + chunks, waste=self.step_cost.waste)
-        return sum(
-            (
-                micro_batch(n, n * (e.item.start_pos + n // 2), waste=self.step_cost.waste)
-                for e in plan.entries
-                for n in (len(e.item.token_ids),)
-            ),
-            StepFeatures(),
+        entries = [
+            (len(e.item.token_ids), e.item.start_pos, e.seq.num_computed) for e in plan.entries
+        ]
+        return self.budget.step_features(
+            entries, self.kv.num_cells_used, unified=self.kv.is_unified
         )
-
-    @property
-    def _is_timed(self) -> bool:
-        return self._max_step_s is not None  # before any step is measured, the prior predicts
-
-    def _decode_features(self, decode: list[Sequence]) -> StepFeatures:
-        if self.kv.is_unified:
-            cells = sum(seq.num_computed + 1 for seq in decode)
-            return micro_batch(len(decode), cells, waste=self.step_cost.waste)
-        return sum((micro_batch(1, seq.num_computed + 1) for seq in decode), StepFeatures())
 
     def _chunk(
         self, seq: Sequence, limit: int, fixed: StepFeatures | None, num_decode: int
     ) -> tuple[int, StepFeatures | None]:
-        """How many of ``seq``'s pending tokens this step computes, within the time budget.
-
-        The first prompt chunk of a timed step always advances (``MIN_CHUNK`` at least).
-        A chunk that the budget would keep smaller than its fair chunk gets the most that
-        keeps the step within ``MAX_STRETCH`` times the larger of ``max_step_ms`` and the
-        decode rows' time instead, so a long prompt is not slowed down much by the decode
-        rows and a burst of short prompts is admitted in few steps; otherwise a chunk gets
-        only what room the prediction leaves.
-        """
-        if fixed is None or self._max_step_s is None:
-            return limit, fixed
-        unified = self.kv.is_unified
-        attend = self.kv.num_cells_used + fixed.num_tokens if unified else seq.num_computed
-        cost = self.step_cost
-        is_first = fixed.num_tokens == num_decode
-        floor = MIN_CHUNK if is_first else 0
-        take = cost.largest_chunk(
-            fixed, attend, limit, self._step_budget_s, unified=unified, floor=floor
+        return self.budget.chunk(
+            fixed,
+            limit,
+            num_pending=seq.num_pending,
+            num_computed=seq.num_computed,
+            num_cells_used=self.kv.num_cells_used,
+            num_decode=num_decode,
+            unified=self.kv.is_unified,
         )
-        budget = self._step_budget_s
-        if take < limit and self._is_unfair(seq, fixed, attend, limit, take):
-            budget = max(self._step_budget_s, self._stretched_budget_s)
-            most = cost.largest_chunk(fixed, attend, limit, budget, unified=unified, floor=0)
-            take = max(take, most)
-        if take < limit == seq.num_pending:
-            take = cost.last_chunks(fixed, attend, take, limit, budget, unified=unified)
-        return take, step_with_chunk(fixed, take, attend, unified=unified, waste=cost.waste)
-
-    def _is_unfair(
-        self, seq: Sequence, fixed: StepFeatures, attend: int, limit: int, take: int
-    ) -> bool:
-        """Whether the budget's chunk of ``take`` tokens is smaller than the fair one, here
-        or where the prompt's last chunk will attend (``attend`` plus its pending tokens).
-
-        Judged here alone, a long prompt's early chunks look fair (they attend to little)
-        and only its late ones stretch, when most of the slowdown can no longer be won
-        back; judged at its end too, a prompt that will need the stretch has it from its
-        first chunk, where a larger chunk also costs less a token.
-        """
-        cost = self.step_cost
-        unified = self.kv.is_unified
-        lone = min(self._n_batch, seq.num_pending)
-        if cost.fair_chunk(fixed, attend, limit, lone, unified=unified) > take:
-            return True
-        end = attend + seq.num_pending - limit
-        if end <= attend:
-            return False
-        at_end = cost.largest_chunk(fixed, end, limit, self._step_budget_s, unified=unified)
-        return cost.fair_chunk(fixed, end, limit, lone, unified=unified) > at_end
 
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else
@@ -662,15 +525,11 @@ class Scheduler:
     def _plan_drafts(
         self, slots: list[tuple[Sequence, int]], budget: int
     ) -> dict[Sequence, tuple[int, ...]]:
-        """Draft tokens for the step's decoding sequences that may speculate.
-
-        Each proposal is cut to the draft tokens worth computing (:meth:`_price_drafts`);
-        what is not verified is remembered by the sequence's :class:`DraftState`, to learn
-        its acceptance rate anyway.
-        """
+        """Draft tokens for the step's decoding sequences that may speculate, each within
+        its KV room and ``max_tokens`` (:class:`~llamax.engine.draft_planner.DraftPlanner`)."""
         if not self._can_draft:
             return {}
-        proposals: list[tuple[Sequence, DraftState, tuple[int, ...]]] = []
+        candidates: list[tuple[Sequence, DraftState, list[int], int]] = []
         for seq, num in slots:
             state = seq.draft_state
             if state is None or num != 1 or seq.state is not SequenceState.DECODING:
@@ -679,29 +538,11 @@ class Scheduler:
             max_tokens = seq.request.params.max_tokens
             if max_tokens is not None:
                 limit = min(limit, max_tokens - seq.num_generated - 1)
-            draft = state.propose(seq.token_ids, limit)
-            if draft:
-                proposals.append((seq, state, draft))
-        if not proposals:
-            return {}
+            candidates.append((seq, state, seq.token_ids, limit))
         room = budget
         if self.kv.is_unified:
             room = min(room, self._backend.n_ctx - self.kv.num_cells_used - self.num_pending_tokens)
-        if self.price_drafts:
-            keep = self._price_drafts(slots, proposals, room)
-        else:
-            keep = {}
-            for seq, _, draft in proposals:
-                keep[seq] = max(0, min(len(draft), room))
-                room -= keep[seq]
-        drafts: dict[Sequence, tuple[int, ...]] = {}
-        for seq, state, draft in proposals:
-            num = keep.get(seq, 0)
-            if num:
-                drafts[seq] = draft[:num]
-            else:
-                state.skipped(len(seq.token_ids), draft)
-        return drafts
+        return self.drafts.plan(candidates, [n for _, n in slots], room, priced=self.price_drafts)
 
     def _price_drafts(
         self,
@@ -709,46 +550,23 @@ class Scheduler:
         proposals: list[tuple[Sequence, DraftState, tuple[int, ...]]],
         room: int,
     ) -> dict[Sequence, int]:
-        """How many tokens of each proposal to verify so the step's expected useful tokens
-        per predicted second is highest.
+        return self.drafts.price([n for _, n in slots], proposals, room)
 
-        The ``j``-th draft token of a sequence is accepted with probability ``a**j`` (its
-        measured rate ``a``) and costs what one more token adds to a step of decode rows
-        (:class:`~llamax.engine.speculative.DecodeCost`). Tokens are taken greedily, best gain per
-        second first, while each raises the step's expected tokens per second: under a full
-        batch a token already costs its full share, so drafting yields unless nearly
-        certain; a step with prompt chunks is compute-bound and gets no drafts. The step
-        also stays within ``max_step_ms`` of its predicted time without drafts.
-        """
-        num_tokens = sum(num for _, num in slots)
-        if num_tokens > len(slots):  # prompt chunks make the step compute-bound: no drafts
-            return {}
-        base, cost = self.decode_cost.line(window(num_tokens))
-        seconds = base + cost * num_tokens
-        limit_s = seconds + self._max_step_s if self._max_step_s is not None else float("inf")
-        useful = float(num_tokens)
-        heap = [(-state.expected_gain(1) / cost, i, 1) for i, (_, state, _) in enumerate(proposals)]
-        heapq.heapify(heap)
-        keep: dict[Sequence, int] = {}
-        while heap and room > 0:
-            neg_ratio, i, j = heapq.heappop(heap)
-            if -neg_ratio * seconds <= useful or seconds + cost > limit_s:
-                break
-            seq, state, draft = proposals[i]
-            keep[seq] = j
-            useful += state.expected_gain(j)
-            seconds += cost
-            room -= 1
-            if j < len(draft):
-                heapq.heappush(heap, (-state.expected_gain(j + 1) / cost, i, j + 1))
-        return keep
+    @property
+    def decode_cost(self) -> DecodeCost:
+        """What one more token costs a step of decode rows (prices drafts)."""
+        return self.drafts.decode_cost
+
+    @decode_cost.setter
+    def decode_cost(self, cost: DecodeCost) -> None:
+        self.drafts.decode_cost = cost
 
     def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
         """Learn from a measured step: the chunk-sizing model, and the draft pricing model
         from steps of decode (and draft) tokens only."""
         self.step_cost.observe(features, seconds)
         if all(len(e.item.token_ids) - len(e.draft) == 1 for e in plan.entries):
-            self.decode_cost.observe(plan.num_tokens, seconds)
+            self.drafts.decode_cost.observe(plan.num_tokens, seconds)
 
     def abort(self, request: Request, result: StepResult) -> None:
         """Cancel every unfinished sequence of ``request``, freeing its KV cells now."""
@@ -844,14 +662,11 @@ class Scheduler:
     def _forkable_siblings(self, seq: Sequence, free_ids: int) -> tuple[Sequence, ...]:
         if seq.index != 0 or seq.num_generated or not self.prefix.is_enabled:
             return ()
-        others = [
-            r
-            for r in self._waiters
-            if r is not seq.request and any(s.state is SequenceState.WAITING for s in r.sequences)
-        ]
-        if others:  # leave an id for each request below its share still waiting
-            mine = max(0, self._share - self._held.get(seq.request, 0))
-            free_ids = min(free_ids, max(mine, free_ids - len(others)))
+        others = self.fair.others_deprived(seq.request)
+        num_others = sum(
+            1 for r in others if any(s.state is SequenceState.WAITING for s in r.sequences)
+        )
+        free_ids = self.fair.num_forkable(seq.request, free_ids, num_others)
         siblings = [
             s
             for s in seq.request.sequences[1:]
