@@ -148,6 +148,7 @@ PUBLIC_API = {
     "llamax",
     "llamax.errors",
     "llamax.params",
+    "llamax.optionspec",
     "llamax.results",
     "llamax.handle",
     "llamax.stats",

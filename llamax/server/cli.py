@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 
 import llamax
-from llamax.cli import add_option_flags, option_values
+from llamax.optionspec import add_option_flags, option_values
 
 from .app import create_app
 
