@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .backend.base import BatchItem, DecodeStatus
-from .backend.llama_cpp import utf8
+from .backend.native import utf8
 from .context import Context
 from .errors import ContextClosedError, RequestFailedError
 from .params import SamplingParams
