@@ -118,7 +118,12 @@ class FakeGrammar:
 
 
 class FakeBackend:
-    """Pure-Python backend with a scripted next-token function and a checked KV model."""
+    """Pure-Python backend with a scripted next-token function and a checked KV model.
+
+    Besides :class:`~llamax.backend.base.Backend` it implements
+    :class:`~llamax.backend.base.Inspectable` (``seq_tokens``, ``num_cells_used``,
+    ``num_live_samplers``), so ``Context.audit()`` also checks the tokens and cells it holds.
+    """
 
     def __init__(
         self,

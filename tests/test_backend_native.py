@@ -15,14 +15,15 @@ from typing import Any
 import pytest
 
 import llamax
+from llamax.backend import Inspectable, native
 from llamax.backend import embedding as embedding_module
 from llamax.backend import llama_cpp as llama_cpp_module
 from llamax.backend import model_info as model_info_module
-from llamax.backend import native
 from llamax.backend.embedding import EmbeddingBackend, EmbeddingConfig
 from llamax.backend.llama_cpp import LlamaCppBackend
 from llamax.errors import ModelLoadError, RequestFailedError
 from llamax.params import ContextConfig, SamplingParams
+from llamax.testing import FakeBackend
 
 FREES = ("llama_sampler_free", "llama_batch_free", "llama_free", "llama_model_free")
 
@@ -224,3 +225,10 @@ def test_model_load_checks_the_file_first(C: Bindings, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="not found"):
         native.NativeModel(C, tmp_path / "missing.gguf", n_gpu_layers=0)
     assert C.calls == []
+
+
+def test_both_backends_are_inspectable(C: Bindings, gguf: Path) -> None:
+    backend = _backend(gguf)
+    assert isinstance(FakeBackend(), Inspectable) and isinstance(backend, Inspectable)
+    assert backend.num_cells_used is None and backend.seq_tokens(0) is None
+    backend.close()

@@ -303,6 +303,15 @@ class LlamaCppBackend:
         return len(self._samplers)
 
     @property
+    def num_cells_used(self) -> int | None:
+        """None: llama.cpp does not tell how many cells its sequences share (``Inspectable``)."""
+        return None
+
+    def seq_tokens(self, seq_id: int) -> Sequence[int | None] | None:
+        """None: llama.cpp does not show a sequence's tokens (``Inspectable``)."""
+        return None
+
+    @property
     def bos_token_id(self) -> int | None:
         """BOS when the vocabulary adds it to prompts."""
         with self._entered():
