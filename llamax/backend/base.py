@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,7 @@ __all__ = [
     "BatchDecoder",
     "BatchItem",
     "DecodeStatus",
+    "Inspectable",
     "KVMemory",
     "LoadedModel",
     "Sampler",
@@ -276,4 +277,30 @@ class Backend(LoadedModel, BatchDecoder, SamplerFactory, KVMemory, Protocol):
 
     def close(self) -> None:
         """Free native resources. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Inspectable(Protocol):
+    """Optional: what a backend can show of its own state, for ``Context.audit()``.
+
+    :func:`llamax.engine.audit.audit` checks ``isinstance(backend, Inspectable)`` and compares
+    each answer that is not None with the scheduler's bookkeeping. Both
+    :class:`~llamax.backend.llama_cpp.LlamaCppBackend` and :class:`llamax.testing.FakeBackend`
+    implement it; a backend without it is audited on ``seq_pos_max`` alone.
+    """
+
+    @property
+    def num_live_samplers(self) -> int:
+        """Samplers built by ``new_sampler`` and not yet freed."""
+        ...
+
+    @property
+    def num_cells_used(self) -> int | None:
+        """Distinct KV cells held by any sequence, or None when the backend cannot tell."""
+        ...
+
+    def seq_tokens(self, seq_id: int) -> Sequence[int | None] | None:
+        """The tokens ``seq_id`` holds, by position (None where a cell was removed), or None
+        when the backend cannot tell."""
         ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ..backend.base import Inspectable
 from .kvcache import Slot, SlotState
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
         problems.append(
             f"{len(slots)} held + {kv.num_free_seq_ids} free sequence ids != {backend.n_seq_max}"
         )
-    tokens_of = getattr(backend, "seq_tokens", None)  # test backends can show KV contents
+    inspectable = backend if isinstance(backend, Inspectable) else None
     owners = {s.slot.seq_id for s in scheduler.all_sequences() if s.slot is not None}
     for seq_id in range(backend.n_seq_max):
         slot = slots.get(seq_id)
@@ -41,16 +42,20 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
             problems.append(f"{slot!r} is active but no sequence owns it")
         if extent != len(slot.tokens) - 1:
             problems.append(f"{slot!r} but KV holds positions up to {extent}")
-        elif tokens_of is not None and list(tokens_of(seq_id)) != slot.tokens:
-            problems.append(f"{slot!r} but KV holds other tokens")
+        elif inspectable is not None:
+            held_tokens = inspectable.seq_tokens(seq_id)
+            if held_tokens is not None and list(held_tokens) != slot.tokens:
+                problems.append(f"{slot!r} but KV holds other tokens")
     for seq in scheduler.all_sequences():
         if seq.slot is not None and seq.slot.tokens != seq.token_ids[: seq.num_computed]:
             problems.append(f"sequence {seq.request.request_id}/{seq.index} diverged from its slot")
-    cells = getattr(backend, "num_cells_used", None)
+    if inspectable is None:
+        return problems
+    cells = inspectable.num_cells_used
     if cells is not None and cells != kv.num_cells_used:
         problems.append(f"backend holds {cells} cells, the cache accounts {kv.num_cells_used}")
-    samplers = getattr(backend, "num_live_samplers", None)
+    samplers = inspectable.num_live_samplers
     held = sum(1 for s in scheduler.all_sequences() if s.sampler is not None)
-    if samplers is not None and samplers != held:
+    if samplers != held:
         problems.append(f"backend holds {samplers} samplers, sequences hold {held}")
     return problems
