@@ -73,7 +73,7 @@ def test_pinned_slots_are_never_retired_and_empty_ones_are_released() -> None:
     pinned = prefix.allocate(pinned=True)
     assert pinned is not None
     prefix.retire(pinned)
-    assert pinned.state is SlotState.ACTIVE and prefix.num_retained == 0
+    assert pinned.state is SlotState.PINNED and prefix.num_retained == 0
     empty = prefix.allocate()
     assert empty is not None
     prefix.retire(empty)

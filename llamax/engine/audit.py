@@ -38,7 +38,7 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
             continue
         if slot.pinned and seq_id not in pinned:
             problems.append(f"{slot!r} is pinned but no session holds it")
-        if not slot.pinned and slot.state is SlotState.ACTIVE and seq_id not in owners:
+        if slot.state is SlotState.ACTIVE and seq_id not in owners:
             problems.append(f"{slot!r} is active but no sequence owns it")
         if extent != len(slot.tokens) - 1:
             problems.append(f"{slot!r} but KV holds positions up to {extent}")

@@ -55,29 +55,59 @@ LAYOUT_MOVES: dict[LayoutState, frozenset[LayoutState]] = {
 
 
 class SlotState(Enum):
-    """Who holds a slot."""
+    """Who holds a slot. A slot is born ACTIVE or PINNED; only an ACTIVE slot may be
+    retained and only a RETAINED one adopted again (:data:`SLOT_MOVES`). A PINNED slot
+    keeps its state until its session frees it."""
 
     ACTIVE = "active"
-    """A running sequence or an open session."""
+    """A running sequence."""
     RETAINED = "retained"
     """A finished sequence kept for its prefix (see :mod:`llamax.engine.prefix`)."""
+    PINNED = "pinned"
+    """Held by a session: never retained nor evicted, released only by the session."""
+
+
+SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.ACTIVE: frozenset({SlotState.RETAINED}),
+    SlotState.RETAINED: frozenset({SlotState.ACTIVE}),
+    SlotState.PINNED: frozenset(),
+}
+"""The moves a slot may make; freeing a slot ends it from any state."""
 
 
 class Slot:
     """A sequence id and the tokens it holds in KV."""
 
-    __slots__ = ("cells", "pinned", "seq_id", "state", "tokens")
+    __slots__ = ("_state", "cells", "seq_id", "tokens")
 
     def __init__(self, seq_id: int, *, pinned: bool = False) -> None:
         self.seq_id = seq_id
         self.tokens: list[int] = []
         self.cells: list[int] = []
-        self.state = SlotState.ACTIVE
-        self.pinned = pinned
-        """Held by a session: never retained nor evicted, released only by the session."""
+        self._state = SlotState.PINNED if pinned else SlotState.ACTIVE
+
+    @property
+    def state(self) -> SlotState:
+        """Who holds the slot."""
+        return self._state
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a session holds the slot."""
+        return self._state is SlotState.PINNED
+
+    def move(self, state: SlotState) -> None:
+        """Change who holds the slot.
+
+        Raises:
+            RuntimeError: :data:`SLOT_MOVES` does not allow the move.
+        """
+        if state not in SLOT_MOVES[self._state]:
+            raise RuntimeError(f"{self!r} cannot become {state.value}")
+        self._state = state
 
     def __repr__(self) -> str:
-        return f"<Slot {self.seq_id} {self.state.value} {len(self.tokens)} tokens>"
+        return f"<Slot {self.seq_id} {self._state.value} {len(self.tokens)} tokens>"
 
 
 class KVCache:

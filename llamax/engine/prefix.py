@@ -64,7 +64,7 @@ class PrefixCache:
         if slot.pinned:
             return
         if self._retain and slot.tokens:
-            slot.state = SlotState.RETAINED
+            slot.move(SlotState.RETAINED)
             self._retained[slot.seq_id] = slot
             self._retained.move_to_end(slot.seq_id)
         else:
@@ -73,7 +73,7 @@ class PrefixCache:
     def adopt(self, slot: Slot) -> None:
         """Make a retained slot active again (a new sequence takes it over)."""
         del self._retained[slot.seq_id]
-        slot.state = SlotState.ACTIVE
+        slot.move(SlotState.ACTIVE)
 
     def touch(self, slot: Slot) -> None:
         """Mark ``slot`` as just used (a prefix was copied from it)."""
