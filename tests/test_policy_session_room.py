@@ -66,3 +66,9 @@ def test_the_reason_in_fixed_streams_says_why_the_layout_is_fixed() -> None:
     assert _reason(fixed_stream_cells=256) == "the request needs 400 KV cells, one stream holds 256"
     failed = _reason(fixed_stream_cells=256, relayout_failure="the move failed")
     assert failed.endswith("one stream holds 256, and the move failed")
+
+
+def test_the_stream_reason_names_the_failure_of_a_move() -> None:
+    assert ROOM.stream_reason(300, 256, "the move failed") == (
+        "the request needs 300 KV cells, one stream holds 256, and the move failed"
+    )

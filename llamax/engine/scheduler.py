@@ -15,12 +15,9 @@ slots are evicted first, then the newest running sequence is preempted (LIFO). C
 asked for from outside a step arrive as typed operations (:mod:`llamax.engine.kvops`)
 through :meth:`Scheduler.apply`.
 
-The scheduler decides and changes state; helpers beside it compute, on numbers where they
-can: :mod:`~llamax.engine.admission` (slots and prefix reuse for newcomers),
-:mod:`~llamax.engine.session_room` (what open sessions leave),
-:mod:`~llamax.engine.chunk_budget`, :mod:`~llamax.engine.layout_policy`,
-:mod:`~llamax.engine.draft_planner`, :mod:`~llamax.engine.split_policy` and
-:mod:`~llamax.engine.fair_share`.
+The scheduler decides and changes state; the modules beside it compute, on numbers where
+they can: admission, session_room, chunk_budget, layout_policy, draft_planner, split_policy
+and fair_share. Its read-only queries are :class:`~llamax.engine.scheduler_view.SchedulerView`.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from .draft_planner import confirms, draft_limit, drafting_method
 from .kvcache import LayoutState
 from .kvops import KVOp, RestoreSession
 from .layout_policy import RELAYOUT_COOLDOWN_STEPS
-from .plan import ScheduledSequence, StepPlan, StepResult, build_plan
+from .plan import ScheduledSequence, StepPlan, StepResult
 from .scheduler_view import SchedulerView, num_cells
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
@@ -71,9 +68,7 @@ class Scheduler(SchedulerView):
         self._speculative = speculative
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
-        self.price_drafts = True
-        """Keep only drafts whose expected gain pays for their compute (tests turn it off
-        to make every proposal be verified)."""
+        self.price_drafts = True  # tests turn it off to verify every proposal
 
     # ------------------------------------------------------------------ changes
     def add(self, request: Request) -> None:
@@ -92,19 +87,15 @@ class Scheduler(SchedulerView):
             isinstance(op, RestoreSession)
             and self.kv.can_relayout
             and not self.kv.is_unified
-            and len(op.tokens) > self.layout.stream_cells
+            and self.layout.should_unify([len(op.tokens)])  # a saved session beyond a stream
         ):
-            self._relayout(True, result)  # a saved session longer than a stream
+            self._relayout(True, result)
         return cast(T, self.sessions.apply(op, result))
 
     def schedule(self, result: StepResult) -> StepPlan:
-        """Choose the KV layout, make room, admit what fits, and plan one step.
-
-        Decode rows go first; prompt chunks fill the rest of the token budget, sized so the
-        step stays within ``max_step_ms`` while anybody is decoding (see
-        :mod:`llamax.engine.step_budget`). Requests that cannot go on (a layout change failed) end
-        with their events in ``result``.
-        """
+        """Choose the KV layout, make room, admit what fits, and plan one step: decode rows
+        first, then prompt chunks (:mod:`~llamax.engine.chunk_budget`). Requests that cannot
+        go on end with their events in ``result``."""
         self._count_idle_sessions()
         self._end_what_cannot_fit(result)
         self._adapt_layout(result)
@@ -143,34 +134,27 @@ class Scheduler(SchedulerView):
 
     # ------------------------------------------------------------------ layout
     def _adapt_layout(self, result: StepResult) -> None:
-        """``kv_layout="auto"``: move between streams and the unified layout when
-        :class:`~llamax.engine.layout_policy.LayoutPolicy` says so."""
+        """``kv_layout="auto"``: move when :mod:`~llamax.engine.layout_policy` says so."""
         if self.kv.layout is LayoutState.FIXED:
             return
         self.layout.count_step()
-        if not self.kv.is_unified:
-            if self.layout.should_unify(len(s.token_ids) for s in self.all_sequences()):
-                self._relayout(True, result)
-            return
-        if not self.kv.can_relayout:
-            return
-        cells_to_come = (
-            self.layout.cells_to_come(
-                len(s.token_ids), s.num_generated, s.request.params.max_tokens
-            )
-            for s in self.all_sequences()
-        )
-        if not self.layout.should_split(
-            num_decoding=sum(1 for s in self._running if s.num_pending == 1),
-            cells_to_come=cells_to_come,
+        move = self.layout.next_layout(
+            unified=self.kv.is_unified,
+            can_split=self.kv.can_relayout,
+            sequences=(
+                (len(s.token_ids), s.num_generated, s.request.params.max_tokens)
+                for s in self.all_sequences()
+            ),
+            num_decoding=lambda: sum(1 for s in self._running if s.num_pending == 1),
             session_cells=(len(slot.tokens) for slot in self.kv.slots() if slot.pinned),
             cooldown_steps=RELAYOUT_COOLDOWN_STEPS,  # this module's, which tests may patch
-        ):
-            return
-        for slot in self.prefix.retained():
-            if len(slot.tokens) > self.layout.stream_cells:
-                self.prefix.evict(slot)
-        self._relayout(False, result)
+        )
+        if move is False:  # retained prefixes longer than a stream go
+            for slot in self.prefix.retained():
+                if len(slot.tokens) > self.layout.stream_cells:
+                    self.prefix.evict(slot)
+        if move is not None:
+            self._relayout(move, result)
 
     def _relayout(self, unified: bool, result: StepResult) -> None:
         """Move the cache to the other layout. If that fails, stay in this layout from now
@@ -193,18 +177,24 @@ class Scheduler(SchedulerView):
         cap = self.layout.stream_cells
         for seq in self.all_sequences():
             if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
-                error = RequestFailedError(
-                    f"the request needs {len(seq.token_ids)} KV cells, one stream holds "
-                    f"{cap}, and {self.kv.relayout_failure}"
-                )
-                self.fail(seq.request, error, result)
+                reason = self.room.stream_reason(len(seq.token_ids), cap, self.kv.relayout_failure)
+                self.fail(seq.request, RequestFailedError(reason), result)
+
+    def _make_room_to_unify(self) -> None:
+        """Before a move to the unified layout (no cells shared, ``n_ctx`` of them): evict
+        retained prefixes, then preempt the newest, until the next step fits."""
+        n_ctx = self._backend.n_ctx
+        while sum(len(slot.tokens) for slot in self.kv.slots()) + self.num_pending_tokens > n_ctx:
+            if self.prefix.evict_one():
+                continue
+            if not self._running:
+                return  # open sessions alone hold more: the move fails and says so
+            self._preempt(self._running[-1])
 
     # ------------------------------------------------------------------ fairness
     def _share_sequence_ids(self) -> None:
-        """Fairness between requests (:mod:`llamax.engine.fair_share`): a waiting request
-        below its share that finds no free sequence id takes one from the request holding
-        the most above its share, whose sequence with the fewest computed tokens is
-        preempted (recomputed later; one per waiting request and step)."""
+        """Preempt for each deprived waiting request one sequence of the richest request
+        (:mod:`llamax.engine.fair_share`)."""
         fair = self.fair
         fair.count((s.request for s in self._running), (s.request for s in self._waiting))
         for request in fair.deprived:
@@ -246,20 +236,7 @@ class Scheduler(SchedulerView):
             else:
                 self.fail(seq.request, KVCapacityError(self._no_room_reason(seq)), result)
 
-    def _make_room_to_unify(self) -> None:
-        """Before a move to the unified layout, where no cells are shared and the buffer
-        holds ``n_ctx`` cells (streams may hold more, each padded): evict retained prefixes,
-        then preempt the newest running sequences, as a unified cache under pressure would,
-        until what stays and the next step's tokens fit. The preempted are recomputed later.
-        """
-        n_ctx = self._backend.n_ctx
-        while sum(len(slot.tokens) for slot in self.kv.slots()) + self.num_pending_tokens > n_ctx:
-            if self.prefix.evict_one():
-                continue
-            if not self._running:
-                return  # open sessions alone hold more: the move fails and says so
-            self._preempt(self._running[-1])
-
+    # ------------------------------------------------------------------ steps
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else
         evict a retained prefix, else preempt the newest sequence."""
@@ -273,19 +250,6 @@ class Scheduler(SchedulerView):
             slots = [(seq, n) for seq, n in slots if seq is not victim]
         return self._build(slots)
 
-    def _build(
-        self,
-        slots: list[tuple[Sequence, int]],
-        drafts: dict[Sequence, tuple[int, ...]] | None = None,
-    ) -> StepPlan:
-        return build_plan(
-            slots,
-            self.kv.num_free_seq_ids,
-            self._forkable_siblings,
-            by_seq_id=not self.kv.is_unified,
-            drafts=drafts,
-        )
-
     def update(
         self,
         plan: StepPlan,
@@ -294,12 +258,9 @@ class Scheduler(SchedulerView):
         result: StepResult,
         verify: Verify | None = None,
     ) -> None:
-        """Record a successful decode of ``plan`` and the tokens sampled for it.
-
-        Sequences that ended while their row was sampled (a failing logits processor) are
-        skipped: their cells are already released. Drafted entries are verified here, row
-        by row with ``verify``.
-        """
+        """Record a successful decode of ``plan`` and the tokens sampled for it (drafted
+        entries are verified row by row with ``verify``). Sequences that ended while their
+        row was sampled are skipped: their cells are already released."""
         for entry in plan.entries:
             seq = entry.seq
             if seq.state in TERMINAL_STATES:
@@ -324,17 +285,10 @@ class Scheduler(SchedulerView):
                 self._accept(s, sampled[s], result, logprobs.get(s))
 
     def _verify(self, entry: ScheduledSequence, verify: Verify, result: StepResult) -> None:
-        """Accept the longest prefix of ``entry``'s draft that sampling confirms, plus the one
-        token sampled after it; remove the cells of the rejected drafts.
-
-        Rows are sampled in order, each after the tokens before it were accepted, so logits
-        processors, grammars, stop strings and ``max_tokens`` see exactly what they would
-        without speculation. The slot ends holding what it would hold without speculation
-        (every token but the last sampled one), also when the sequence ends inside its draft
-        and its slot is retained or belongs to a session.
-        """
-        seq, draft = entry.seq, entry.draft
-        slot = seq.slot
+        """Accept the longest prefix of ``entry``'s draft that sampling confirms, plus the
+        token sampled after it, row by row (so processors, stop strings and ``max_tokens``
+        see what they would without drafts); cut the rejected drafts' cells."""
+        seq, draft, slot = entry.seq, entry.draft, entry.seq.slot
         assert slot is not None and seq.draft_state is not None
         self.kv.append(slot, entry.item.token_ids)  # fed cells, until the rejected are cut
         row_index = 0
@@ -352,16 +306,13 @@ class Scheduler(SchedulerView):
         self.num_drafted_tokens += len(draft)
         self.num_accepted_tokens += accepted
         self.num_decode_tokens += 1 + accepted
-        # a released slot holds no tokens any more, so this only cuts live, retained and
-        # session slots
         if not self.kv.truncate(slot, entry.item.start_pos + 1 + accepted):
             raise RuntimeError("the KV memory refused to remove rejected draft tokens")
 
     def _plan_drafts(
         self, slots: list[tuple[Sequence, int]], budget: int
     ) -> dict[Sequence, tuple[int, ...]]:
-        """Draft tokens for the step's decoding sequences that may speculate, each within
-        its KV room and ``max_tokens`` (:class:`~llamax.engine.draft_planner.DraftPlanner`)."""
+        """Draft tokens for the step's decoding sequences (:mod:`~llamax.engine.draft_planner`)."""
         if not self._can_draft:
             return {}
         candidates: list[tuple[Sequence, DraftState, list[int], int]] = []
@@ -382,8 +333,7 @@ class Scheduler(SchedulerView):
         return self.drafts.plan(candidates, [n for _, n in slots], room, priced=self.price_drafts)
 
     def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
-        """Learn from a measured step: the chunk-sizing model, and the draft pricing model
-        from steps of decode (and draft) tokens only."""
+        """Learn the step cost from a measured step (and the decode cost, if it decoded only)."""
         self.step_cost.observe(features, seconds)
         if all(len(e.item.token_ids) - len(e.draft) == 1 for e in plan.entries):
             self.drafts.decode_cost.observe(plan.num_tokens, seconds)
@@ -415,21 +365,24 @@ class Scheduler(SchedulerView):
     # ------------------------------------------------------------------ admission
     def _try_admit(self, seq: Sequence) -> Outcome:
         """Place ``seq`` in a slot (:class:`~llamax.engine.admission.SlotPlacer`) and start it."""
-        num_pending = self.num_pending_tokens
         if seq.request.session_id is not None:
             pinned = self.sessions.slot(seq.request.session_id)
-            placement = self.placer.reuse(pinned, seq.token_ids, num_pending)
+            placement = self.placer.reuse(pinned, seq.token_ids, self.num_pending_tokens)
         else:
             in_flight = {
                 s.slot.seq_id: s.token_ids
                 for s in self._running
                 if s.slot is not None and s.state is SequenceState.PREFILLING
             }
-            placement = self.placer.place(seq.token_ids, in_flight, num_pending)
+            placement = self.placer.place(seq.token_ids, in_flight, self.num_pending_tokens)
         if placement.slot is not None:
             seq.slot = placement.slot
-            self._count_reuse(seq, placement.num_reused)
-            self._start(seq)
+            self.num_cached_tokens += placement.num_reused
+            if seq.index == 0 and seq.num_generated == 0:
+                seq.request.num_cached_tokens = placement.num_reused
+            self._waiting.remove(seq)
+            seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
+            self._running.append(seq)
         return placement.outcome
 
     def _fork_from(self, leader: Sequence, fork: Sequence) -> None:
@@ -440,16 +393,6 @@ class Scheduler(SchedulerView):
         self.num_cached_tokens += len(slot.tokens)
         self._running.append(fork)
         fork.state = SequenceState.PREFILLING
-
-    def _start(self, seq: Sequence) -> None:
-        self._waiting.remove(seq)
-        seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
-        self._running.append(seq)
-
-    def _count_reuse(self, seq: Sequence, num: int) -> None:
-        self.num_cached_tokens += num
-        if seq.index == 0 and seq.num_generated == 0:
-            seq.request.num_cached_tokens = num
 
     def _make_room_for_growth(self) -> None:
         while (

@@ -20,7 +20,7 @@ from .draft_planner import DraftPlanner
 from .fair_share import FairShare
 from .kvcache import KVCache, Slot
 from .layout_policy import LayoutPolicy
-from .plan import StepPlan, split_plan
+from .plan import StepPlan, build_plan, split_plan
 from .prefix import PrefixCache
 from .sequence import Request, Sequence, SequenceState
 from .session_room import SessionRoom
@@ -175,6 +175,19 @@ class SchedulerView:
             num_cells_used=self.kv.num_cells_used,
             num_decode=num_decode,
             unified=self.kv.is_unified,
+        )
+
+    def _build(
+        self,
+        slots: list[tuple[Sequence, int]],
+        drafts: dict[Sequence, tuple[int, ...]] | None = None,
+    ) -> StepPlan:
+        return build_plan(
+            slots,
+            self.kv.num_free_seq_ids,
+            self._forkable_siblings,
+            by_seq_id=not self.kv.is_unified,
+            drafts=drafts,
         )
 
     def _is_fork_candidate(self, seq: Sequence) -> bool:

@@ -79,14 +79,22 @@ class SessionRoom:
                 f"every one of the {self.n_seq_max} sequence ids is held by an open "
                 f"session (sessions {names}); close a session or raise n_seq_max"
             )
-        need = f"the request needs {num_tokens} KV cells"
         if fixed_stream_cells is not None:
-            why = f", and {relayout_failure}" if relayout_failure else ""
-            return f"{need}, one stream holds {fixed_stream_cells}{why}"
+            return self.stream_reason(num_tokens, fixed_stream_cells, relayout_failure)
         return (
-            f"{need}, but open sessions (sessions {names}) hold {num_held} of the cache's "
-            f"{self.n_ctx}, leaving {capacity}; close a session or raise n_ctx"
+            f"the request needs {num_tokens} KV cells, but open sessions (sessions {names}) "
+            f"hold {num_held} of the cache's {self.n_ctx}, leaving {capacity}; close a session "
+            "or raise n_ctx"
         )
+
+    def stream_reason(
+        self, num_tokens: int, stream_cells: int, relayout_failure: str | None
+    ) -> str:
+        """Why a sequence of ``num_tokens`` cannot grow beyond its stream of
+        ``stream_cells`` (the layout is fixed, or failed to move, as ``relayout_failure``
+        says)."""
+        why = f", and {relayout_failure}" if relayout_failure else ""
+        return f"the request needs {num_tokens} KV cells, one stream holds {stream_cells}{why}"
 
 
 def _names(session_ids: Iterable[int]) -> str:
