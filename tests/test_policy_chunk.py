@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamax.engine.chunk_budget import ChunkBudget
+from llamax.engine.chunk_budget import ChunkBudget, halve_newest_chunk
 from llamax.engine.step_budget import MIN_CHUNK, StepFeatures
 
 DECODE = [100, 200, 300, 400]  # tokens each decoding sequence holds
@@ -96,3 +96,10 @@ def test_step_features_count_decode_rows_and_chunks() -> None:
     assert streams == StepFeatures(32, 10 + 20 + 30 * 15, 10 + 20 + 30 * 15)
     assert budget.decode_features([9, 19], unified=True) == StepFeatures(2, 30, 30)
     assert budget.decode_features([9, 19], unified=False) == StepFeatures(2, 30, 30)
+
+
+def test_a_refused_decode_halves_the_newest_prompt_chunk() -> None:
+    assert halve_newest_chunk([1, 1, 40, 1, 13]) == [1, 1, 40, 1, 6]
+    assert halve_newest_chunk([2]) == [1]
+    assert halve_newest_chunk([1, 1, 1]) is None  # decode rows only
+    assert halve_newest_chunk([]) is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llamax.engine.draft_planner import DraftPlanner
+from llamax.engine.draft_planner import DraftPlanner, confirms, draft_limit, drafting_method
 from llamax.engine.speculative import DraftState, PromptLookup
 
 REPEATING = [1, 2, 3, 4, 5] * 6  # prompt lookup proposes the continuation of the cycle
@@ -76,3 +76,27 @@ def test_unpriced_plans_verify_every_proposal_within_room() -> None:
         1: (1, 2),
     }
     assert p.plan([], [1], room=6) == {}
+
+
+def test_a_draft_stays_within_kv_room_and_max_tokens() -> None:
+    assert draft_limit(100, 108, num_generated=5, max_tokens=None) == 8
+    assert draft_limit(100, 108, num_generated=5, max_tokens=10) == 4  # one is sampled anyway
+    assert draft_limit(100, 100, num_generated=0, max_tokens=None) == 0
+
+
+def test_each_sampled_token_confirms_the_draft_token_after_its_row() -> None:
+    draft = (7, 8, 9)
+    assert confirms(draft, 0, 7) and confirms(draft, 2, 9)
+    assert not confirms(draft, 1, 7)  # rejected: the sampled token replaces the draft's
+    assert not confirms(draft, 3, 1)  # the last row follows the whole draft: nothing after
+
+
+def test_a_request_drafts_with_its_own_method_else_the_contexts() -> None:
+    context, own = PromptLookup(max_draft=4), PromptLookup(max_draft=2)
+    assert drafting_method(None, context, can_draft=True) is context
+    assert drafting_method(None, None, can_draft=True) is None
+    assert drafting_method(own, context, can_draft=True) is own
+    assert drafting_method(True, context, can_draft=True) is context
+    assert isinstance(drafting_method(True, None, can_draft=True), PromptLookup)
+    assert drafting_method(False, context, can_draft=True) is None
+    assert drafting_method(True, context, can_draft=False) is None

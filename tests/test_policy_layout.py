@@ -118,3 +118,37 @@ def test_a_fixed_layout_never_moves() -> None:
     with pytest.raises(RuntimeError, match="cannot move from fixed to stuck"):
         kv.fail_relayout("why")
     assert kv.layout is LayoutState.FIXED and kv.relayout_failure is None
+
+
+def test_next_layout_unifies_streams_only_for_a_sequence_beyond_its_stream() -> None:
+    policy = LayoutPolicy(stream_cells=100)
+    counted: list[int] = []
+
+    def decoding() -> int:
+        counted.append(1)
+        return 4
+
+    def move(unified: bool, *seqs: tuple[int, int, int | None]) -> bool | None:
+        return policy.next_layout(
+            unified=unified,
+            can_split=True,
+            sequences=iter(seqs),
+            num_decoding=decoding,
+            session_cells=[],
+            cooldown_steps=0,
+        )
+
+    assert move(False, (100, 0, None)) is None
+    assert move(False, (50, 0, None), (101, 0, None)) is True
+    assert counted == []  # streams never count the decoding sequences
+    assert move(True, (20, 0, None), (30, 5, 10)) is False  # all fit a stream with room
+    assert move(True, (90, 0, None)) is None  # a quarter stream of growth would not fit
+    no_split = policy.next_layout(
+        unified=True,
+        can_split=False,
+        sequences=[],
+        num_decoding=decoding,
+        session_cells=[],
+        cooldown_steps=0,
+    )
+    assert no_split is None and len(counted) == 2

@@ -21,7 +21,7 @@ from .step_budget import (
     step_with_chunk,
 )
 
-__all__ = ["ChunkBudget"]
+__all__ = ["ChunkBudget", "halve_newest_chunk"]
 
 
 class ChunkBudget:
@@ -178,3 +178,15 @@ class ChunkBudget:
             (micro_batch(n, n * (start + n // 2), waste=waste) for n, start, _ in entries),
             StepFeatures(),
         )
+
+
+def halve_newest_chunk(num_tokens: Sequence[int]) -> list[int] | None:
+    """The tokens each entry of a step feeds once its newest prompt chunk (the last entry
+    of more than one token) is halved, to answer a decode that found no room; None if the
+    step holds no chunk."""
+    chunks = [i for i, num in enumerate(num_tokens) if num > 1]
+    if not chunks:
+        return None
+    halved = list(num_tokens)
+    halved[chunks[-1]] //= 2
+    return halved

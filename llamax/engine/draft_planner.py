@@ -14,14 +14,45 @@ import heapq
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
-from .speculative import DecodeCost, DraftState, SharedAcceptance, window
+from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance, Speculative, window
 
-__all__ = ["DraftPlanner"]
+__all__ = ["DraftPlanner", "confirms", "draft_limit", "drafting_method"]
 
 K = TypeVar("K", bound=Hashable)
 
 Proposal = tuple[K, DraftState, tuple[int, ...]]
 """Who drafts (any key), its draft state, and the tokens it proposes."""
+
+
+def drafting_method(
+    asked: bool | Speculative | None, default: Speculative | None, *, can_draft: bool
+) -> Speculative | None:
+    """The drafting method of a request that ``asked`` for one (its ``speculative``
+    parameter): its own, else the context's ``default`` (``True`` without one: prompt
+    lookup), or None (``False``, or the memory cannot roll drafts back: not ``can_draft``)."""
+    if not can_draft or asked is False:
+        return None
+    if asked is True:
+        return default or PromptLookup()
+    return default if asked is None else asked
+
+
+def draft_limit(
+    num_tokens: int, capacity: int, *, num_generated: int, max_tokens: int | None
+) -> int:
+    """The most draft tokens a sequence may feed: what its KV room holds beyond its
+    ``num_tokens``, and (with ``max_tokens``) fewer than the tokens it may still generate."""
+    limit = capacity - num_tokens
+    if max_tokens is not None:
+        limit = min(limit, max_tokens - num_generated - 1)
+    return limit
+
+
+def confirms(draft: Sequence[int], row_index: int, token: int) -> bool:
+    """Whether ``token``, sampled from row ``row_index`` of a drafted entry, confirms the
+    draft token fed after that row, so the next row's sample counts too. Rows before the
+    last one sampled are each one accepted draft token."""
+    return row_index < len(draft) and token == draft[row_index]
 
 
 class DraftPlanner:

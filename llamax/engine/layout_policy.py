@@ -14,7 +14,7 @@ the scheduler makes room before a move and performs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["RELAYOUT_COOLDOWN_STEPS", "RELAYOUT_MIN_DECODING", "LayoutPolicy"]
@@ -81,3 +81,36 @@ class LayoutPolicy:
             return False
         cap = self.stream_cells
         return all(num <= cap for num in cells_to_come) and all(num <= cap for num in session_cells)
+
+    def next_layout(
+        self,
+        *,
+        unified: bool,
+        can_split: bool,
+        sequences: Iterable[tuple[int, int, int | None]],
+        num_decoding: Callable[[], int],
+        session_cells: Iterable[int],
+        cooldown_steps: int = RELAYOUT_COOLDOWN_STEPS,
+    ) -> bool | None:
+        """The layout to move to now: True for unified, False for streams, None to stay.
+
+        Args:
+            unified: Whether the cache is one buffer now.
+            can_split: Whether the unified cache may move back to streams.
+            sequences: ``(tokens held, tokens generated, max_tokens)`` of every unfinished
+                sequence (read lazily).
+            num_decoding: Counts the sequences decoding now (called only if needed).
+            session_cells: Tokens each open session holds.
+            cooldown_steps: Steps to stay in the unified layout after a move.
+        """
+        if not unified:
+            return True if self.should_unify(num for num, _, _ in sequences) else None
+        if not can_split:
+            return None
+        split = self.should_split(
+            num_decoding=num_decoding(),
+            cells_to_come=(self.cells_to_come(*s) for s in sequences),
+            session_cells=session_cells,
+            cooldown_steps=cooldown_steps,
+        )
+        return False if split else None

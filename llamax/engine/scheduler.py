@@ -6,21 +6,18 @@ step gives each running sequence up to ``num_pending`` tokens under one token bu
 Sequences with one pending token (decoding) go first, so long prompts are chunked around
 them and never stall streams for more than one chunk. A preempted sequence drops its
 cells and re-queues; its prompt plus generated tokens are recomputed, so greedy output
-continues unchanged.
+continues unchanged. ``n > 1`` choices fork from the leader's last prompt row: they share
+its cells and sample their first token from the same logits.
 
-Prefix reuse (:mod:`llamax.engine.prefix`): on admission a sequence copies the longest prefix any
-slot holds (``seq_cp``: shared cells, no compute). If a longer prefix is still being
-prefilled by a running sequence (a burst with one system prompt), the newcomer waits for it
-instead of computing it again. ``n > 1`` choices fork from the leader's last prompt row:
-they share its cells and sample their first token from the same logits.
+KV accounting: cells are counted exactly by :class:`~llamax.engine.kvcache.KVCache`. In a
+unified cache a step may start only if ``cells_used + pending tokens <= n_ctx``; retained
+slots are evicted first, then the newest running sequence is preempted (LIFO). Changes
+asked for from outside a step arrive as typed operations (:mod:`llamax.engine.kvops`)
+through :meth:`Scheduler.apply`.
 
-KV accounting: cells are counted exactly by :class:`~llamax.engine.kvcache.KVCache`. In a unified
-cache a step may start only if ``cells_used + pending tokens of running sequences <= n_ctx``;
-retained slots are evicted first, then the newest running sequence is preempted (LIFO).
-With one stream per sequence every sequence owns its cells, so only sequence ids are
-scarce; retained prefixes then cost memory but never slow other streams. Changes
-asked for from outside a step (sessions, chat shifts, ``clear_cache``) arrive as typed
-operations (:mod:`llamax.engine.kvops`) through :meth:`Scheduler.apply`.
+The scheduler decides and changes state; the modules beside it compute, on numbers where
+they can: admission, session_room, chunk_budget, layout_policy, draft_planner, split_policy
+and fair_share. Its read-only queries are :class:`~llamax.engine.scheduler_view.SchedulerView`.
 """
 
 from __future__ import annotations
@@ -28,44 +25,33 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Mapping
-from enum import Enum
 from typing import TypeVar, cast
 
 from ..backend.base import Backend
 from ..errors import KVCapacityError, RequestFailedError
 from ..results import TokenEvent, TokenLogprob
-from ..tokens import common_prefix_len
-from .chunk_budget import ChunkBudget
-from .draft_planner import DraftPlanner
-from .fair_share import FairShare
-from .kvcache import KVCache, LayoutState, Slot, SlotState
+from .admission import Outcome
+from .chunk_budget import halve_newest_chunk
+from .draft_planner import confirms, draft_limit, drafting_method
+from .kvcache import LayoutState
 from .kvops import KVOp, RestoreSession
-from .layout_policy import RELAYOUT_COOLDOWN_STEPS, LayoutPolicy
-from .plan import ScheduledSequence, StepPlan, StepResult, build_plan, split_plan
-from .prefix import PrefixCache
+from .layout_policy import RELAYOUT_COOLDOWN_STEPS
+from .plan import ScheduledSequence, StepPlan, StepResult
+from .scheduler_view import SchedulerView, num_cells
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
-from .speculative import DecodeCost, DraftState, PromptLookup, Speculative
-from .split_policy import SplitPolicy
-from .step_budget import StepFeatures, tile_waste_table
+from .speculative import DraftState, Speculative
+from .step_budget import StepFeatures
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
 T = TypeVar("T")
 
-WAIT_FOR_PREFIX_MIN = 16
-"""A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
 Verify = Callable[[Sequence, int], tuple[int, TokenLogprob | None]]
 """Samples a sequence's token from one batch row (speculative verification, row by row)."""
 
 
-class _Admission(Enum):
-    ADMITTED = "admitted"
-    WAIT_PREFIX = "wait_prefix"
-    NO_ROOM = "no_room"
-
-
-class Scheduler:
+class Scheduler(SchedulerView):
     """Owns every state change of every sequence and slot. Driven by one thread at a time."""
 
     def __init__(
@@ -77,91 +63,23 @@ class Scheduler:
         speculative: Speculative | None = None,
         allow_drafts: bool = True,
     ) -> None:
-        self._backend = backend
-        self._n_ctx_seq = backend.n_ctx_seq
-        self.splitter = SplitPolicy(backend.cpu_attention)
-        self._n_batch = backend.n_batch
-        tiles = backend.attention_tiles
-        waste = None if tiles is None else tile_waste_table(backend.n_batch, *tiles)
-        self.budget = ChunkBudget(backend.n_batch, max_step_ms, waste=waste)
-        self.step_cost = self.budget.cost
-        self.kv = KVCache(backend, backend.n_seq_max)
-        self.prefix = PrefixCache(self.kv, retain=prefix_cache and backend.can_share_prefix)
+        super().__init__(backend, prefix_cache=prefix_cache, max_step_ms=max_step_ms)
         self.sessions = SessionTable(self)
-        self._waiting: list[Sequence] = []
-        self._running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.num_prefill_tokens = 0
-        self.num_decode_tokens = 0
-        self.num_cached_tokens = 0
         self._speculative = speculative
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
-        self.drafts = DraftPlanner(self.budget.max_step_s)
-        self.price_drafts = True
-        """Keep only drafts whose expected gain pays for their compute (tests turn it off
-        to make every proposal be verified)."""
-        self.num_drafted_tokens = 0
-        self.num_accepted_tokens = 0
-        self.layout = LayoutPolicy(self.kv.cells_per_seq)  # "auto" starts with streams
-        self.num_relayouts = 0
-        self._idle_sessions: list[Slot] = []  # pinned slots no running sequence uses
-        self.fair: FairShare[Request] = FairShare(backend.n_seq_max)
-        self._idle_session_cells = 0
-
-    # ------------------------------------------------------------------ queries
-    @property
-    def backend(self) -> Backend:
-        """The backend this scheduler drives."""
-        return self._backend
-
-    @property
-    def stream_cells(self) -> int:
-        """Cells one sequence holds in its own stream (``kv_layout="auto"`` moves to the
-        unified layout beyond that), or what the fixed layout gives one sequence."""
-        return self.layout.stream_cells if self.kv.can_relayout else self.kv.cells_per_seq
-
-    @property
-    def has_work(self) -> bool:
-        """Whether any sequence is waiting or running."""
-        return bool(self._waiting or self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences queued without KV cells."""
-        return len(self._waiting)
-
-    @property
-    def num_running(self) -> int:
-        """Sequences being computed."""
-        return len(self._running)
-
-    @property
-    def num_pending_tokens(self) -> int:
-        """Tokens the running sequences still have to compute."""
-        return sum(seq.num_pending for seq in self._running)
-
-    def all_sequences(self) -> list[Sequence]:
-        """Every waiting and running sequence."""
-        return self._waiting + self._running
+        self.price_drafts = True  # tests turn it off to verify every proposal
 
     # ------------------------------------------------------------------ changes
     def add(self, request: Request) -> None:
         """Queue every sequence of a new request."""
-        method = self._speculation(request)
+        method = drafting_method(
+            request.params.speculative, self._speculative, can_draft=self._can_draft
+        )
         for seq in request.sequences:
             if method is not None:
                 seq.draft_state = method.new_state(self.drafts.acceptance)
             bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
-
-    def _speculation(self, request: Request) -> Speculative | None:
-        """The drafting method ``request`` uses: its own, else the context's, or None."""
-        asked = request.params.speculative
-        if not self._can_draft or asked is False:
-            return None
-        if asked is True:
-            return self._speculative or PromptLookup()
-        return self._speculative if asked is None else asked
 
     def apply(self, op: KVOp[T], result: StepResult) -> T:
         """Apply a KV operation between steps; events it causes go into ``result``."""
@@ -169,19 +87,15 @@ class Scheduler:
             isinstance(op, RestoreSession)
             and self.kv.can_relayout
             and not self.kv.is_unified
-            and len(op.tokens) > self.layout.stream_cells
+            and self.layout.should_unify([len(op.tokens)])  # a saved session beyond a stream
         ):
-            self._relayout(True, result)  # a saved session longer than a stream
+            self._relayout(True, result)
         return cast(T, self.sessions.apply(op, result))
 
     def schedule(self, result: StepResult) -> StepPlan:
-        """Choose the KV layout, make room, admit what fits, and plan one step.
-
-        Decode rows go first; prompt chunks fill the rest of the token budget, sized so the
-        step stays within ``max_step_ms`` while anybody is decoding (see
-        :mod:`llamax.engine.step_budget`). Requests that cannot go on (a layout change failed) end
-        with their events in ``result``.
-        """
+        """Choose the KV layout, make room, admit what fits, and plan one step: decode rows
+        first, then prompt chunks (:mod:`~llamax.engine.chunk_budget`). Requests that cannot
+        go on end with their events in ``result``."""
         self._count_idle_sessions()
         self._end_what_cannot_fit(result)
         self._adapt_layout(result)
@@ -208,52 +122,39 @@ class Scheduler:
             if self._is_fork_candidate(seq):
                 continue
             outcome = self._try_admit(seq)
-            if outcome is _Admission.NO_ROOM:
+            if outcome is Outcome.NO_ROOM:
                 break  # first come, first served: nobody overtakes a request that lacks room
-            if outcome is _Admission.ADMITTED:
+            if outcome is Outcome.ADMITTED:
                 self.fair.add(seq.request)
                 take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
                 if take:
                     slots.append((seq, take))
                     budget -= take
-        return build_plan(
-            slots,
-            self.kv.num_free_seq_ids,
-            self._forkable_siblings,
-            by_seq_id=not self.kv.is_unified,
-            drafts=self._plan_drafts(slots, budget),
-        )
+        return self._build(slots, self._plan_drafts(slots, budget))
 
     # ------------------------------------------------------------------ layout
     def _adapt_layout(self, result: StepResult) -> None:
-        """``kv_layout="auto"``: move between streams and the unified layout when
-        :class:`~llamax.engine.layout_policy.LayoutPolicy` says so."""
+        """``kv_layout="auto"``: move when :mod:`~llamax.engine.layout_policy` says so."""
         if self.kv.layout is LayoutState.FIXED:
             return
         self.layout.count_step()
-        if not self.kv.is_unified:
-            if self.layout.should_unify(len(s.token_ids) for s in self.all_sequences()):
-                self._relayout(True, result)
-            return
-        if not self.kv.can_relayout:
-            return
-        cells_to_come = (
-            self.layout.cells_to_come(
-                len(s.token_ids), s.num_generated, s.request.params.max_tokens
-            )
-            for s in self.all_sequences()
-        )
-        if not self.layout.should_split(
-            num_decoding=sum(1 for s in self._running if s.num_pending == 1),
-            cells_to_come=cells_to_come,
+        move = self.layout.next_layout(
+            unified=self.kv.is_unified,
+            can_split=self.kv.can_relayout,
+            sequences=(
+                (len(s.token_ids), s.num_generated, s.request.params.max_tokens)
+                for s in self.all_sequences()
+            ),
+            num_decoding=lambda: sum(1 for s in self._running if s.num_pending == 1),
             session_cells=(len(slot.tokens) for slot in self.kv.slots() if slot.pinned),
             cooldown_steps=RELAYOUT_COOLDOWN_STEPS,  # this module's, which tests may patch
-        ):
-            return
-        for slot in self.prefix.retained():
-            if len(slot.tokens) > self.layout.stream_cells:
-                self.prefix.evict(slot)
-        self._relayout(False, result)
+        )
+        if move is False:  # retained prefixes longer than a stream go
+            for slot in self.prefix.retained():
+                if len(slot.tokens) > self.layout.stream_cells:
+                    self.prefix.evict(slot)
+        if move is not None:
+            self._relayout(move, result)
 
     def _relayout(self, unified: bool, result: StepResult) -> None:
         """Move the cache to the other layout. If that fails, stay in this layout from now
@@ -276,18 +177,24 @@ class Scheduler:
         cap = self.layout.stream_cells
         for seq in self.all_sequences():
             if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
-                error = RequestFailedError(
-                    f"the request needs {len(seq.token_ids)} KV cells, one stream holds "
-                    f"{cap}, and {self.kv.relayout_failure}"
-                )
-                self.fail(seq.request, error, result)
+                reason = self.room.stream_reason(len(seq.token_ids), cap, self.kv.relayout_failure)
+                self.fail(seq.request, RequestFailedError(reason), result)
+
+    def _make_room_to_unify(self) -> None:
+        """Before a move to the unified layout (no cells shared, ``n_ctx`` of them): evict
+        retained prefixes, then preempt the newest, until the next step fits."""
+        n_ctx = self._backend.n_ctx
+        while sum(len(slot.tokens) for slot in self.kv.slots()) + self.num_pending_tokens > n_ctx:
+            if self.prefix.evict_one():
+                continue
+            if not self._running:
+                return  # open sessions alone hold more: the move fails and says so
+            self._preempt(self._running[-1])
 
     # ------------------------------------------------------------------ fairness
     def _share_sequence_ids(self) -> None:
-        """Fairness between requests (:mod:`llamax.engine.fair_share`): a waiting request
-        below its share that finds no free sequence id takes one from the request holding
-        the most above its share, whose sequence with the fewest computed tokens is
-        preempted (recomputed later; one per waiting request and step)."""
+        """Preempt for each deprived waiting request one sequence of the richest request
+        (:mod:`llamax.engine.fair_share`)."""
         fair = self.fair
         fair.count((s.request for s in self._running), (s.request for s in self._waiting))
         for request in fair.deprived:
@@ -305,41 +212,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ capacity
     def _count_idle_sessions(self) -> None:
-        """Note the open sessions that no running sequence uses, and their cells: what no
-        eviction or preemption can free (a running session request is preempted like any)."""
+        """Note the open sessions no running sequence uses, and their cells (what no
+        eviction or preemption frees; :mod:`llamax.engine.session_room`)."""
         busy = {id(s.slot) for s in self._running if s.slot is not None}
         self._idle_sessions = [
             slot for slot in self.kv.slots() if slot.pinned and id(slot) not in busy
         ]
-        self._idle_session_cells = len({c for slot in self._idle_sessions for c in slot.cells})
-
-    def capacity(self, seq: Sequence) -> int:
-        """The most tokens ``seq`` may hold now: ``n_ctx_seq``, less (in a unified cache)
-        the cells idle open sessions other than its own hold; with ``kv_layout="auto"`` in
-        streams, at least its own stream."""
-        own = self._own_session_slot(seq)
-        held = self._idle_session_cells
-        if own is not None and own in self._idle_sessions:
-            others = [slot for slot in self._idle_sessions if slot is not own]
-            held = len({c for slot in others for c in slot.cells})
-        if not self.kv.is_unified:
-            if not self.kv.can_relayout:
-                return self.kv.cells_per_seq
-            return min(self._n_ctx_seq, max(self.layout.stream_cells, self._backend.n_ctx - held))
-        return min(self._n_ctx_seq, self._backend.n_ctx - held)
-
-    def _own_session_slot(self, seq: Sequence) -> Slot | None:
-        session_id = seq.request.session_id
-        if session_id is None:
-            return None
-        return self.sessions.slot_or_none(session_id)
+        self._idle_session_cells = num_cells(self._idle_sessions)
 
     def _end_what_cannot_fit(self, result: StepResult) -> None:
         """End the sequences that can never get the cells they need beside the idle open
-        sessions: one that has output finishes with ``length`` (as at ``n_ctx_seq``), one
-        that has none fails with :class:`~llamax.errors.KVCapacityError` naming them. So no
-        request waits for room that only closing a session could give."""
-        no_ids = len(self._idle_sessions) >= self._backend.n_seq_max
+        sessions: with ``length`` if they have output, else with a KVCapacityError."""
+        no_ids = self.room.are_ids_held(len(self._idle_sessions))
         for seq in self.all_sequences():
             if seq.state in TERMINAL_STATES:
                 continue
@@ -352,104 +236,19 @@ class Scheduler:
             else:
                 self.fail(seq.request, KVCapacityError(self._no_room_reason(seq)), result)
 
-    def _no_room_reason(self, seq: Sequence) -> str:
-        own = self._own_session_slot(seq)
-        idle = [slot for slot in self._idle_sessions if slot is not own]
-        names = ", ".join(str(i) for i in self.sessions.ids_of(idle))
-        if len(self._idle_sessions) >= self._backend.n_seq_max and own is None:
-            return (
-                f"every one of the {self._backend.n_seq_max} sequence ids is held by an open "
-                f"session (sessions {names}); close a session or raise n_seq_max"
-            )
-        need = f"the request needs {len(seq.token_ids)} KV cells"
-        if not self.kv.is_unified and not self.kv.can_relayout:
-            failure = self.kv.relayout_failure
-            why = f", and {failure}" if failure else ""
-            return f"{need}, one stream holds {self.kv.cells_per_seq}{why}"
-        cells = len({c for slot in idle for c in slot.cells})
-        return (
-            f"{need}, but open sessions (sessions {names}) hold {cells} of the cache's "
-            f"{self._backend.n_ctx}, leaving {self.capacity(seq)}; close a session or raise n_ctx"
-        )
-
-    def _make_room_to_unify(self) -> None:
-        """Before a move to the unified layout, where no cells are shared and the buffer
-        holds ``n_ctx`` cells (streams may hold more, each padded): evict retained prefixes,
-        then preempt the newest running sequences, as a unified cache under pressure would,
-        until what stays and the next step's tokens fit. The preempted are recomputed later.
-        """
-        n_ctx = self._backend.n_ctx
-        while sum(len(slot.tokens) for slot in self.kv.slots()) + self.num_pending_tokens > n_ctx:
-            if self.prefix.evict_one():
-                continue
-            if not self._running:
-                return  # open sessions alone hold more: the move fails and says so
-            self._preempt(self._running[-1])
-
-    def split(self, plan: StepPlan) -> list[StepPlan]:
-        """The batches that compute ``plan``: usually one; in a unified cache on the CPU,
-        many decode rows go in smaller batches (:mod:`llamax.engine.split_policy`)."""
-        groups = self.splitter.groups(
-            [len(e.item.token_ids) for e in plan.entries],
-            [e.seq.num_computed for e in plan.entries],
-            self.kv.num_cells_used,
-            unified=self.kv.is_unified,
-        )
-        return [plan] if groups is None else split_plan(plan, groups)
-
-    def features(self, plan: StepPlan) -> StepFeatures:
-        """What ``plan`` costs, in the terms of :mod:`llamax.engine.step_budget`'s cost model."""
-        entries = [
-            (len(e.item.token_ids), e.item.start_pos, e.seq.num_computed) for e in plan.entries
-        ]
-        return self.budget.step_features(
-            entries, self.kv.num_cells_used, unified=self.kv.is_unified
-        )
-
-    def _chunk(
-        self, seq: Sequence, limit: int, fixed: StepFeatures | None, num_decode: int
-    ) -> tuple[int, StepFeatures | None]:
-        return self.budget.chunk(
-            fixed,
-            limit,
-            num_pending=seq.num_pending,
-            num_computed=seq.num_computed,
-            num_cells_used=self.kv.num_cells_used,
-            num_decode=num_decode,
-            unified=self.kv.is_unified,
-        )
-
+    # ------------------------------------------------------------------ steps
     def shrink(self, plan: StepPlan) -> StepPlan:
         """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else
-        preempt the newest sequence."""
+        evict a retained prefix, else preempt the newest sequence."""
         slots = [(e.seq, len(e.item.token_ids) - len(e.draft)) for e in plan.entries]
-        if plan.num_drafted:
-            return build_plan(
-                slots,
-                self.kv.num_free_seq_ids,
-                self._forkable_siblings,
-                by_seq_id=not self.kv.is_unified,
-            )
-        chunks = [i for i, (_, n) in enumerate(slots) if n > 1]
-        if chunks:
-            i = chunks[-1]
-            seq, n = slots[i]
-            if n // 2:
-                slots[i] = (seq, n // 2)
-            else:
-                del slots[i]
-        elif self.prefix.evict_one():
-            pass
-        elif slots:
+        halved = None if plan.num_drafted else halve_newest_chunk([n for _, n in slots])
+        if halved is not None:
+            slots = [(seq, n) for (seq, _), n in zip(slots, halved, strict=True) if n]
+        elif not plan.num_drafted and not self.prefix.evict_one() and slots:
             victim = max((seq for seq, _ in slots), key=self._running.index)
             self._preempt(victim)
             slots = [(seq, n) for seq, n in slots if seq is not victim]
-        return build_plan(
-            slots,
-            self.kv.num_free_seq_ids,
-            self._forkable_siblings,
-            by_seq_id=not self.kv.is_unified,
-        )
+        return self._build(slots)
 
     def update(
         self,
@@ -459,12 +258,9 @@ class Scheduler:
         result: StepResult,
         verify: Verify | None = None,
     ) -> None:
-        """Record a successful decode of ``plan`` and the tokens sampled for it.
-
-        Sequences that ended while their row was sampled (a failing logits processor) are
-        skipped: their cells are already released. Drafted entries are verified here, row
-        by row with ``verify``.
-        """
+        """Record a successful decode of ``plan`` and the tokens sampled for it (drafted
+        entries are verified row by row with ``verify``). Sequences that ended while their
+        row was sampled are skipped: their cells are already released."""
         for entry in plan.entries:
             seq = entry.seq
             if seq.state in TERMINAL_STATES:
@@ -489,17 +285,10 @@ class Scheduler:
                 self._accept(s, sampled[s], result, logprobs.get(s))
 
     def _verify(self, entry: ScheduledSequence, verify: Verify, result: StepResult) -> None:
-        """Accept the longest prefix of ``entry``'s draft that sampling confirms, plus the one
-        token sampled after it; remove the cells of the rejected drafts.
-
-        Rows are sampled in order, each after the tokens before it were accepted, so logits
-        processors, grammars, stop strings and ``max_tokens`` see exactly what they would
-        without speculation. The slot ends holding what it would hold without speculation
-        (every token but the last sampled one), also when the sequence ends inside its draft
-        and its slot is retained or belongs to a session.
-        """
-        seq, draft = entry.seq, entry.draft
-        slot = seq.slot
+        """Accept the longest prefix of ``entry``'s draft that sampling confirms, plus the
+        token sampled after it, row by row (so processors, stop strings and ``max_tokens``
+        see what they would without drafts); cut the rejected drafts' cells."""
+        seq, draft, slot = entry.seq, entry.draft, entry.seq.slot
         assert slot is not None and seq.draft_state is not None
         self.kv.append(slot, entry.item.token_ids)  # fed cells, until the rejected are cut
         row_index = 0
@@ -510,23 +299,20 @@ class Scheduler:
                 self.fail(seq.request, error, result)
                 break
             self._accept(seq, token, result, logprob)
-            if seq.state in TERMINAL_STATES or row_index == len(draft) or token != draft[row_index]:
+            if seq.state in TERMINAL_STATES or not confirms(draft, row_index, token):
                 break
-        accepted = row_index  # rows before the last one sampled confirmed their draft token
+        accepted = row_index
         seq.draft_state.record(len(draft), accepted)
         self.num_drafted_tokens += len(draft)
         self.num_accepted_tokens += accepted
         self.num_decode_tokens += 1 + accepted
-        # a released slot holds no tokens any more, so this only cuts live, retained and
-        # session slots
         if not self.kv.truncate(slot, entry.item.start_pos + 1 + accepted):
             raise RuntimeError("the KV memory refused to remove rejected draft tokens")
 
     def _plan_drafts(
         self, slots: list[tuple[Sequence, int]], budget: int
     ) -> dict[Sequence, tuple[int, ...]]:
-        """Draft tokens for the step's decoding sequences that may speculate, each within
-        its KV room and ``max_tokens`` (:class:`~llamax.engine.draft_planner.DraftPlanner`)."""
+        """Draft tokens for the step's decoding sequences (:mod:`~llamax.engine.draft_planner`)."""
         if not self._can_draft:
             return {}
         candidates: list[tuple[Sequence, DraftState, list[int], int]] = []
@@ -534,36 +320,20 @@ class Scheduler:
             state = seq.draft_state
             if state is None or num != 1 or seq.state is not SequenceState.DECODING:
                 continue
-            limit = min(self.capacity(seq), self.kv.cells_per_seq) - len(seq.token_ids)
-            max_tokens = seq.request.params.max_tokens
-            if max_tokens is not None:
-                limit = min(limit, max_tokens - seq.num_generated - 1)
+            limit = draft_limit(
+                len(seq.token_ids),
+                min(self.capacity(seq), self.kv.cells_per_seq),
+                num_generated=seq.num_generated,
+                max_tokens=seq.request.params.max_tokens,
+            )
             candidates.append((seq, state, seq.token_ids, limit))
         room = budget
         if self.kv.is_unified:
             room = min(room, self._backend.n_ctx - self.kv.num_cells_used - self.num_pending_tokens)
         return self.drafts.plan(candidates, [n for _, n in slots], room, priced=self.price_drafts)
 
-    def _price_drafts(
-        self,
-        slots: list[tuple[Sequence, int]],
-        proposals: list[tuple[Sequence, DraftState, tuple[int, ...]]],
-        room: int,
-    ) -> dict[Sequence, int]:
-        return self.drafts.price([n for _, n in slots], proposals, room)
-
-    @property
-    def decode_cost(self) -> DecodeCost:
-        """What one more token costs a step of decode rows (prices drafts)."""
-        return self.drafts.decode_cost
-
-    @decode_cost.setter
-    def decode_cost(self, cost: DecodeCost) -> None:
-        self.drafts.decode_cost = cost
-
     def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
-        """Learn from a measured step: the chunk-sizing model, and the draft pricing model
-        from steps of decode (and draft) tokens only."""
+        """Learn the step cost from a measured step (and the decode cost, if it decoded only)."""
         self.step_cost.observe(features, seconds)
         if all(len(e.item.token_ids) - len(e.draft) == 1 for e in plan.entries):
             self.drafts.decode_cost.observe(plan.num_tokens, seconds)
@@ -593,115 +363,36 @@ class Scheduler:
         return result
 
     # ------------------------------------------------------------------ admission
-    def _try_admit(self, seq: Sequence) -> _Admission:
+    def _try_admit(self, seq: Sequence) -> Outcome:
+        """Place ``seq`` in a slot (:class:`~llamax.engine.admission.SlotPlacer`) and start it."""
         if seq.request.session_id is not None:
             pinned = self.sessions.slot(seq.request.session_id)
-            return self._admit_into(seq, pinned, source=None, num_reused=0)
-        in_flight = {
-            s.slot.seq_id: s.token_ids
-            for s in self._running
-            if s.slot is not None and s.state is SequenceState.PREFILLING
-        }
-        match = self.prefix.match(seq.token_ids, in_flight)
-        source, now = match.slot, match.num_now
-        if match.num_later - now >= WAIT_FOR_PREFIX_MIN:
-            return _Admission.WAIT_PREFIX
-        if self.kv.num_free_seq_ids == 0 and not self.prefix.evict_one(keep=source):
-            return self._take_over(seq, source)
-        if not self._fits(len(seq.token_ids) - now, keep=source):
-            return self._take_over(seq, source)
-        slot = self.prefix.allocate(keep=source)
-        assert slot is not None
-        return self._admit_into(seq, slot, source=source, num_reused=now)
-
-    def _take_over(self, seq: Sequence, source: Slot | None) -> _Admission:
-        """Admit ``seq`` into the retained slot holding its prefix, cut to that prefix.
-
-        For when the sequence id or the cells the request needs are held only by that slot:
-        admission never evicts the slot it copies from, so without this the request would
-        wait forever. If it still does not fit, the slot is retained again.
-        """
-        if source is None or source.state is not SlotState.RETAINED:
-            return _Admission.NO_ROOM
-        self.prefix.adopt(source)
-        admission = self._admit_into(seq, source, source=None, num_reused=0)
-        if admission is not _Admission.ADMITTED:
-            self.prefix.retire(source)
-        return admission
-
-    def _admit_into(
-        self, seq: Sequence, slot: Slot, *, source: Slot | None, num_reused: int
-    ) -> _Admission:
-        if source is None:
-            # A session or taken-over slot: keep the common prefix, drop the diverging tail.
-            keep = min(common_prefix_len(slot.tokens, seq.token_ids), len(seq.token_ids) - 1)
-            if (
-                not self.prefix.is_enabled
-                or not self.kv.truncate(slot, keep)
-                or not self.kv.is_intact(slot)
-            ):
-                self.kv.clear(slot)
-            num_reused = len(slot.tokens)
-            if not self._fits(len(seq.token_ids) - num_reused):
-                return _Admission.NO_ROOM
-        elif num_reused:
-            self.kv.copy_prefix(source, slot, num_reused)
-            self.prefix.touch(source)
-        seq.slot = slot
-        self._count_reuse(seq, num_reused)
-        self._start(seq)
-        return _Admission.ADMITTED
-
-    def _is_fork_candidate(self, seq: Sequence) -> bool:
-        """An n>1 sibling whose leader is prefilling the same prompt waits to fork from it."""
-        if seq.index == 0 or seq.num_generated:
-            return False
-        leader = seq.request.sequences[0]
-        return leader.state is SequenceState.PREFILLING and self.prefix.is_enabled
-
-    def _forkable_siblings(self, seq: Sequence, free_ids: int) -> tuple[Sequence, ...]:
-        if seq.index != 0 or seq.num_generated or not self.prefix.is_enabled:
-            return ()
-        others = self.fair.others_deprived(seq.request)
-        num_others = sum(
-            1 for r in others if any(s.state is SequenceState.WAITING for s in r.sequences)
-        )
-        free_ids = self.fair.num_forkable(seq.request, free_ids, num_others)
-        siblings = [
-            s
-            for s in seq.request.sequences[1:]
-            if s.state is SequenceState.WAITING and s.num_generated == 0
-        ]
-        return tuple(siblings[:free_ids])
+            placement = self.placer.reuse(pinned, seq.token_ids, self.num_pending_tokens)
+        else:
+            in_flight = {
+                s.slot.seq_id: s.token_ids
+                for s in self._running
+                if s.slot is not None and s.state is SequenceState.PREFILLING
+            }
+            placement = self.placer.place(seq.token_ids, in_flight, self.num_pending_tokens)
+        if placement.slot is not None:
+            seq.slot = placement.slot
+            self.num_cached_tokens += placement.num_reused
+            if seq.index == 0 and seq.num_generated == 0:
+                seq.request.num_cached_tokens = placement.num_reused
+            self._waiting.remove(seq)
+            seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
+            self._running.append(seq)
+        return placement.outcome
 
     def _fork_from(self, leader: Sequence, fork: Sequence) -> None:
         assert leader.slot is not None
-        slot = self.prefix.allocate(keep=leader.slot)
-        assert slot is not None, "fork planned without a free sequence id"
-        self.kv.copy_prefix(leader.slot, slot, len(leader.slot.tokens))
+        slot = self.placer.fork(leader.slot)
         self._waiting.remove(fork)
         fork.slot = slot
         self.num_cached_tokens += len(slot.tokens)
         self._running.append(fork)
         fork.state = SequenceState.PREFILLING
-
-    def _start(self, seq: Sequence) -> None:
-        self._waiting.remove(seq)
-        seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
-        self._running.append(seq)
-
-    def _count_reuse(self, seq: Sequence, num: int) -> None:
-        self.num_cached_tokens += num
-        if seq.index == 0 and seq.num_generated == 0:
-            seq.request.num_cached_tokens = num
-
-    def _fits(self, new_cells: int, *, keep: Slot | None = None) -> bool:
-        if not self.kv.is_unified:
-            return True  # every sequence owns a stream of n_ctx_seq cells or more
-        while self.kv.num_cells_used + self.num_pending_tokens + new_cells > self._backend.n_ctx:
-            if not self.prefix.evict_one(keep=keep):
-                return False
-        return True
 
     def _make_room_for_growth(self) -> None:
         while (
