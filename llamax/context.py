@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # the layers above, for annotations only: the methods import 
     from .openai.shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
     from .templates.template import ChatTemplate
 
-__all__ = ["Context", "session_port"]
+__all__ = ["Context"]
 
 T = TypeVar("T")
 BatchParams = SamplingParams | Sequence[SamplingParams] | None
@@ -212,7 +212,27 @@ class Context:
             SessionError: every sequence id is held by running sequences or other sessions.
             ContextClosedError: the context is closed.
         """
-        return Session(session_port(self), self._engine.run(OpenSession()))
+        return Session(self._session_port(), self._engine.run(OpenSession()))
+
+    def load_session(self, path: str | os.PathLike[str]) -> Session:
+        """Restore a session saved by :meth:`Session.save <llamax.Session.save>` (the same as
+        ``llamax.Session.load(ctx, path)``).
+
+        A file is input: its header must name this model, its tokens must be ids of this
+        vocabulary that fit one sequence (``n_ctx_seq``), and its KV state must be whole and
+        hold exactly those tokens' positions. Nothing reaches the KV cache otherwise.
+
+        Raises:
+            SessionLoadError: the file is damaged, truncated, lies about its contents, or
+                was saved with a different model.
+            ContextClosedError: the context is closed.
+            OSError: the file cannot be read.
+        """
+        if self.closed:
+            raise ContextClosedError("cannot load a session: the context has been closed")
+        return Session.restore(
+            self._session_port(), path, n_vocab=self.n_vocab, n_ctx_seq=self.n_ctx_seq
+        )
 
     def _submit(
         self,
@@ -669,6 +689,11 @@ class Context:
         state = self._engine.state.value
         return f"<llamax.Context model={self.model_name!r} n_ctx={self.n_ctx} {state}>"
 
+    def _session_port(self) -> SessionPort:
+        """The port through which this context's sessions reach its engine
+        (:meth:`Context.session`, :meth:`Session.load <llamax.Session.load>`)."""
+        return _SessionPort(self)
+
 
 class _SessionPort:
     """The :class:`~llamax.session.SessionPort` a context hands its sessions: its engine's
@@ -698,9 +723,3 @@ class _SessionPort:
         self, prompt: Prompt, params: SamplingParams | None, *, session_id: int
     ) -> RequestHandle:
         return self._ctx._submit(prompt, params, session_id=session_id)
-
-
-def session_port(ctx: Context) -> SessionPort:
-    """The port through which the sessions of ``ctx`` reach its engine (for
-    :meth:`Session.load <llamax.Session.load>`, which is given the context)."""
-    return _SessionPort(ctx)

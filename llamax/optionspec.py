@@ -17,7 +17,6 @@ import re
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
@@ -185,10 +184,7 @@ _BLOCK = re.compile(
 table, ``<!-- /options -->``."""
 
 
-def _table_for(m: re.Match[str]) -> str:
-    from .params import ContextConfig, SamplingParams
-
-    classes: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}
+def _table_for(m: re.Match[str], classes: Mapping[str, type]) -> str:
     args = m["args"].split()
     skip = tuple(a[1:] for a in args if a.startswith("-"))
     defaults = {k: f"`{v}`" for k, v in (a.split("=", 1) for a in args if "=" in a)}
@@ -196,27 +192,16 @@ def _table_for(m: re.Match[str]) -> str:
     return markdown_table(classes[m["cls"]], table, skip=skip, defaults=defaults)
 
 
-def generated_blocks(text: str) -> Iterator[tuple[str, str]]:
-    """``(current, wanted)`` for each generated options block of a Markdown ``text``."""
+def generated_blocks(text: str, classes: Mapping[str, type]) -> Iterator[tuple[str, str]]:
+    """``(current, wanted)`` for each generated options block of a Markdown ``text``;
+    ``classes`` maps the class names the blocks use to the classes."""
     for m in _BLOCK.finditer(text):
-        yield m["body"], _table_for(m)
+        yield m["body"], _table_for(m, classes)
 
 
-def regenerate(text: str) -> str:
+def regenerate(text: str, classes: Mapping[str, type]) -> str:
     """``text`` with every generated options block replaced by its current table."""
-    return _BLOCK.sub(lambda m: m[1] + _table_for(m) + m[6], text)
-
-
-def main(argv: list[str]) -> int:
-    """Rewrite the options tables of the given Markdown files (default: ``docs/*.md``)."""
-    paths = [Path(a) for a in argv] or sorted(Path("docs").glob("*.md"))
-    for path in paths:
-        text = path.read_text(encoding="utf-8")
-        new = regenerate(text)
-        if new != text:
-            path.write_text(new, encoding="utf-8")
-            print(f"updated {path}")
-    return 0
+    return _BLOCK.sub(lambda m: m[1] + _table_for(m, classes) + m[6], text)
 
 
 def add_option_flags(

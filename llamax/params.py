@@ -648,3 +648,7 @@ class ContextOptions(TypedDict, total=False):
     rpc_servers: str | None
     speculative: Speculative | None
     verbose: bool
+
+
+OPTION_LISTS: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}
+"""The option lists by the names the docs' generated tables use (``<!-- options: … -->``)."""

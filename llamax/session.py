@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from typing_extensions import Self
 
@@ -42,10 +42,7 @@ from .handle import RequestHandle
 from .params import SamplingParams
 from .prompts import Prompt
 
-if TYPE_CHECKING:
-    from .context import Context
-
-__all__ = ["Session", "SessionPort"]
+__all__ = ["Session", "SessionLoader", "SessionPort"]
 
 T = TypeVar("T")
 _MAGIC = b"LLAMAXS1"
@@ -90,6 +87,15 @@ class SessionPort(Protocol):
         Raises:
             ContextClosedError, InvalidRequestError ...: as ``Context.add_request``.
         """
+        ...
+
+
+class SessionLoader(Protocol):
+    """What :meth:`Session.load` needs of the context it restores into: a
+    :class:`~llamax.Context` (this module does not import the facade, which imports it)."""
+
+    def load_session(self, path: str | os.PathLike[str]) -> Session:
+        """Restore a session saved by :meth:`Session.save`."""
         ...
 
 
@@ -223,8 +229,9 @@ class Session:
             raise
 
     @classmethod
-    def load(cls, ctx: Context, path: str | os.PathLike[str]) -> Session:
-        """Restore a session saved by :meth:`save` into ``ctx``.
+    def load(cls, ctx: SessionLoader, path: str | os.PathLike[str]) -> Session:
+        """Restore a session saved by :meth:`save` into ``ctx``: the same as
+        ``ctx.load_session(path)`` (:meth:`Context.load_session <llamax.Context.load_session>`).
 
         A file is input: its header must name this model, its tokens must be ids of this
         vocabulary that fit one sequence (``n_ctx_seq``), and its KV state must be whole and
@@ -236,11 +243,19 @@ class Session:
             ContextClosedError: the context is closed.
             OSError: the file cannot be read.
         """
-        from .context import session_port  # the facade imports this module
+        return ctx.load_session(path)
 
-        if ctx.closed:
-            raise ContextClosedError("cannot load a session: the context has been closed")
-        port = session_port(ctx)
+    @classmethod
+    def restore(
+        cls, port: SessionPort, path: str | os.PathLike[str], *, n_vocab: int, n_ctx_seq: int
+    ) -> Session:
+        """Restore the session saved in ``path`` through ``port`` (the context's side of
+        :meth:`load`: it checks that the context is open and passes its vocabulary size and
+        ``n_ctx_seq``).
+
+        Raises:
+            SessionLoadError, ContextClosedError, OSError: as :meth:`load`.
+        """
         data = Path(path).read_bytes()
         saved_model, tokens, state = _parse(data, path)
         current = port.model_identity
@@ -248,16 +263,15 @@ class Session:
             raise SessionLoadError(
                 f"{path} was saved with model {saved_model} but this context runs {current}"
             )
-        n_vocab = ctx.n_vocab
         for token in tokens:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
                 raise SessionLoadError(
                     f"{path} lists token {token!r}, not an id of this vocabulary [0, {n_vocab})"
                 )
-        if len(tokens) > ctx.n_ctx_seq:
+        if len(tokens) > n_ctx_seq:
             raise SessionLoadError(
                 f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
-                f"(n_ctx_seq={ctx.n_ctx_seq})"
+                f"(n_ctx_seq={n_ctx_seq})"
             )
         try:
             session_id = port.run(RestoreSession(tuple(tokens), state))

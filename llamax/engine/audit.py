@@ -5,21 +5,20 @@ Run through ``Context.audit()``; tests run it after every test (``llamax.testing
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
 
-from ..backend.base import Inspectable
-from .kvcache import Slot, SlotState
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from ..backend.base import Backend, Inspectable
+from .kvcache import KVCache, Slot, SlotState
+from .sequence import Sequence as Seq
 
 __all__ = ["audit"]
 
 
-def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
-    """Every inconsistency between the bookkeeping and the memory, as sentences."""
-    backend, kv = scheduler.backend, scheduler.kv
+def audit(
+    backend: Backend, kv: KVCache, sequences: Sequence[Seq], session_slots: Iterable[Slot]
+) -> list[str]:
+    """Every inconsistency between the bookkeeping (``kv``, the waiting and running
+    ``sequences``, the sessions' slots) and ``backend``'s memory, as sentences."""
     problems: list[str] = []
     slots = {slot.seq_id: slot for slot in kv.slots()}
     pinned = {slot.seq_id for slot in session_slots}
@@ -28,7 +27,7 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
             f"{len(slots)} held + {kv.num_free_seq_ids} free sequence ids != {backend.n_seq_max}"
         )
     inspectable = backend if isinstance(backend, Inspectable) else None
-    owners = {s.slot.seq_id for s in scheduler.all_sequences() if s.slot is not None}
+    owners = {s.slot.seq_id for s in sequences if s.slot is not None}
     for seq_id in range(backend.n_seq_max):
         slot = slots.get(seq_id)
         extent = backend.seq_pos_max(seq_id)
@@ -46,7 +45,7 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
             held_tokens = inspectable.seq_tokens(seq_id)
             if held_tokens is not None and list(held_tokens) != slot.tokens:
                 problems.append(f"{slot!r} but KV holds other tokens")
-    for seq in scheduler.all_sequences():
+    for seq in sequences:
         if seq.slot is not None and seq.slot.tokens != seq.token_ids[: seq.num_computed]:
             problems.append(f"sequence {seq.request.request_id}/{seq.index} diverged from its slot")
     if inspectable is None:
@@ -55,7 +54,7 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
     if cells is not None and cells != kv.num_cells_used:
         problems.append(f"backend holds {cells} cells, the cache accounts {kv.num_cells_used}")
     samplers = inspectable.num_live_samplers
-    held = sum(1 for s in scheduler.all_sequences() if s.sampler is not None)
+    held = sum(1 for s in sequences if s.sampler is not None)
     if samplers != held:
         problems.append(f"backend holds {samplers} samplers, sequences hold {held}")
     return problems
