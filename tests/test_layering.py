@@ -53,22 +53,25 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _module_level(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
-    """The import statements that run when a module with this body is imported."""
+def _module_level(
+    body: list[ast.stmt], *, typing: bool = False
+) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements that run when a module with this body is imported (with
+    ``typing``, also those a type checker reads under ``if TYPE_CHECKING:``)."""
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                yield from _module_level(node.body)
-            yield from _module_level(node.orelse)
+            if typing or not _is_type_checking(node.test):
+                yield from _module_level(node.body, typing=typing)
+            yield from _module_level(node.orelse, typing=typing)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody):
-                yield from _module_level(block)
+                yield from _module_level(block, typing=typing)
             for handler in node.handlers:
-                yield from _module_level(handler.body)
+                yield from _module_level(handler.body, typing=typing)
         elif isinstance(node, (ast.With, ast.ClassDef)):  # a class body runs at import
-            yield from _module_level(node.body)
+            yield from _module_level(node.body, typing=typing)
 
 
 def _with_parents(name: str) -> set[str]:
@@ -86,14 +89,21 @@ def _every_import(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]
 
 
 def import_edges(
-    name: str, path: Path, modules: dict[str, Path], *, lazy: bool = False
+    name: str,
+    path: Path,
+    modules: dict[str, Path],
+    *,
+    lazy: bool = False,
+    typing: bool = False,
 ) -> set[str]:
     """The modules of ``llamax`` that importing module ``name`` imports directly (with
-    ``lazy``, also those it imports in functions or for type checking only)."""
+    ``lazy``, also those it imports in functions or for type checking only; with
+    ``typing``, also those it imports for type checking only)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     body = ast.parse(path.read_text()).body
-    for node in (_every_import if lazy else _module_level)(body):
+    nodes = _every_import(body) if lazy else _module_level(body, typing=typing)
+    for node in nodes:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -111,9 +121,12 @@ def import_edges(
     return found - {name}
 
 
-def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
+def import_graph(*, lazy: bool = False, typing: bool = False) -> dict[str, set[str]]:
     modules = package_modules()
-    return {name: import_edges(name, path, modules, lazy=lazy) for name, path in modules.items()}
+    return {
+        name: import_edges(name, path, modules, lazy=lazy, typing=typing)
+        for name, path in modules.items()
+    }
 
 
 def _path(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
@@ -155,6 +168,26 @@ def test_no_import_cycle_passes_through_the_facade() -> None:
     for facade in FACADE:
         cycle = _path(graph, facade, facade)
         assert cycle is None, "import cycle through the facade: " + " -> ".join(cycle)
+
+
+def test_no_module_imports_itself_back_even_for_type_checking() -> None:
+    """Regression (issue 23): the static graph, ``TYPE_CHECKING`` imports included, had
+    three cycles: ``session`` -> ``context`` (for ``Session.load``'s annotation) ->
+    ``session``; ``session_table`` / ``audit`` -> ``scheduler`` -> ``session_table``; and
+    ``optionspec`` -> ``params`` -> ``optionspec``. Lazy imports inside functions are the
+    sanctioned way down (``Context.chat`` ...), so they do not count; nor does the edge from a
+    module to its own parent package, which Python has started before the module. The root
+    package is left out: the layers above import it as the public API by design, and the
+    facade names their return types (``ChatCompletion``, ``Chat``) for annotations only."""
+    graph = {
+        name: {t for t in targets if t != ROOT and not name.startswith(f"{t}.")}
+        for name, targets in import_graph(typing=True).items()
+        if name != ROOT
+    }
+    for name in sorted(graph):
+        for target in sorted(graph[name]):
+            chain = _path(graph, target, name)
+            assert chain is None, "import cycle: " + " -> ".join([name, *chain])
 
 
 def test_the_facade_reaches_nothing_above_it_at_import_time() -> None:
