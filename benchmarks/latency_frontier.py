@@ -7,7 +7,7 @@ time under load is compared with its lone prefill in 512-token chunks. A step co
 
     fixed + rows x per_row + tiles(rows) x kv_tiles x per_tile_pair
 
-where ``tiles`` counts ggml's padded 64-row query tiles (``llamax.step_budget``'s
+where ``tiles`` counts ggml's padded 64-row query tiles (``llamax.engine.step_budget``'s
 ``tile_waste_table``, 9 heads, 2 threads) and ``kv_tiles`` the 64-cell KV tiles the rows
 attend. The coefficients are fitted (least squares, relative errors) to the 283 measured
 steps of ``latency_fair_at_end_trace.json`` and ``latency_final_trace.json`` (AMD EPYC, 2
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 
-from llamax.step_budget import TILE_ROWS, tile_waste_table
+from llamax.engine.step_budget import TILE_ROWS, tile_waste_table
 
 PROMPT, DECODE_ROWS, STREAM_CELLS, N_HEAD, N_THREADS = 3414, 4, 150, 9, 2
 FIXED_S, ROW_S, TILE_PAIR_S, ROW_PAIR_S = 0.003, 0.0026, 0.00033, 0.00016

@@ -43,29 +43,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from _common import (
-    TokenTimes,
     add_common_args,
-    agreement,
     base_config,
     emit_report,
-    in_fresh_thread,
     load_average,
     log,
     model_path,
     ratio,
     short_prompts,
-    stats_delta,
     stdout_to_stderr,
     targets,
 )
 from _peers import LlamaCppPythonPeer
+from _runner import (
+    Run,
+    Runs,
+    Workload,
+    lcp_run,
+    llamax_run,
+    measure,
+    median_table,
+    ratio_table,
+    samples,
+    worst,
+)
 
 import llamax
 
@@ -177,23 +182,8 @@ def story_prompt(i: int) -> str:
     return chatml(f"Write a long story about {STORY_TOPICS[i % len(STORY_TOPICS)]}.")
 
 
-@dataclass(frozen=True)
-class Workload:
-    """N prompts of one kind, how many tokens each may make, and at which N it runs."""
-
-    name: str
-    kind: str  # "copy-heavy", "free text" or "throughput"
-    prompt: Callable[[int], str]
-    max_tokens: int
-    ns: tuple[int, ...]
-    ignore_eos: bool = False
-    systems: tuple[str, ...] = SYSTEMS
-
-    def prompts(self, n: int) -> list[str]:
-        return [self.prompt(i) for i in range(n)]
-
-
 def workloads(args: argparse.Namespace) -> list[Workload]:
+    """The four workloads; code, quote and story run on every system, w1 on llamax's."""
     short = lambda i: short_prompts(i + 1)[i]  # noqa: E731
     return [
         Workload("code", "copy-heavy", code_prompt, args.max_tokens, tuple(args.n)),
@@ -201,93 +191,6 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
         Workload("story", "free text", story_prompt, args.max_tokens, tuple(args.n)),
         Workload("w1", "throughput", short, 64, tuple(args.n_throughput), True, (SPEC, PLAIN)),
     ]
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One timed run of one system on N requests."""
-
-    seconds: float
-    first_token_s: float  # llamax: when the last first token came; Llama: sum of prefills
-    token_ids: tuple[tuple[int, ...], ...]
-    drafted: int
-    accepted: int
-    stats: dict[str, int] | None = None  # llamax_spec: ctx.stats() deltas
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(t) for t in self.token_ids)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after each request's first, over the time after the last first token."""
-        rest = self.seconds - self.first_token_s
-        return (self.tokens - len(self.token_ids)) / rest if rest > 0 else float("nan")
-
-    def sample(self) -> dict[str, Any]:
-        extra = {} if self.stats is None else {"stats": self.stats}
-        return {
-            "tokens": self.tokens,
-            "seconds": round(self.seconds, 4),
-            "tokens_per_s": round(self.tokens_per_s, 2),
-            "first_token_s": round(self.first_token_s, 4),
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 2),
-            "drafted_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            **extra,
-        }
-
-
-Run = Callable[[Sequence[str], llamax.SamplingParams], RunResult]
-
-
-def llamax_run(ctx: llamax.Context, *, spec: bool) -> Run:
-    """N ``add_request`` calls at once, then every result; the KV cache cleared first."""
-
-    def run(prompts: Sequence[str], params: llamax.SamplingParams) -> RunResult:
-        ctx.clear_cache()  # untimed: no prompt reuse between runs
-        before = ctx.stats()
-        start = time.perf_counter()
-        handles = [ctx.add_request(p, params) for p in prompts]
-        streams = [TokenTimes(h) for h in handles]  # first-token times (the prefill's end)
-        done = [h.result() for h in handles]
-        seconds = time.perf_counter() - start
-        first = max(s.wait()[0] for s in streams) - start
-        ids = tuple(c.token_ids for c in done)
-        if not spec:
-            return RunResult(seconds, first, ids, 0, 0)
-        drafted = sum(c.usage.drafted_tokens for c in done)
-        accepted = sum(c.usage.accepted_tokens for c in done)
-        stats = stats_delta(before, ctx.stats(), ["drafted_tokens", "accepted_tokens", "steps"])
-        return RunResult(seconds, first, ids, drafted, accepted, stats)
-
-    return run
-
-
-def lcp_run(peer: LlamaCppPythonPeer) -> Run:
-    """``Llama.generate`` for each prompt in turn, on a thread of its own."""
-
-    def run(prompts: Sequence[str], params: llamax.SamplingParams) -> RunResult:
-        def body() -> RunResult:
-            start = time.perf_counter()
-            outs, prefill_s = [], 0.0
-            for p in prompts:  # one after another: each request's wait for its first
-                began = time.perf_counter()  # token is its own prefill
-                outs.append(peer.generate_ids(p, params.max_tokens or 0, ban_eog=params.ignore_eos))
-                prefill_s += outs[-1].first_token_at - began
-            seconds = time.perf_counter() - start
-            ids = tuple(o.token_ids for o in outs)
-            drafted = sum(o.drafted_tokens for o in outs)
-            accepted = sum(o.accepted_tokens for o in outs)
-            return RunResult(seconds, prefill_s, ids, drafted, accepted)
-
-        return in_fresh_thread(body)
-
-    return run
 
 
 def lookup() -> llamax.PromptLookup:
@@ -332,68 +235,7 @@ def copy_fraction(
     return round(sum(tuple(out[i : i + 3]) in grams for i in range(len(out) - 2)) / n, 3)
 
 
-Runs = dict[str, dict[str, dict[int, list[RunResult]]]]  # workload -> system -> N -> runs
-
-
-def measure(
-    systems: dict[str, Run], loads: Sequence[Workload], repeats: int, peer_ns: Sequence[int]
-) -> Runs:
-    """Warm up every system, then every (repeat, workload, N, system), order rotating;
-    the llama-cpp-python systems only at N in ``peer_ns``."""
-    for name, run in systems.items():
-        run(["Hello"], dataclasses.replace(params_of(loads[0]), max_tokens=8))
-        log(f"warmed up {name}")
-    names = list(systems)
-    runs: Runs = {w.name: {s: {} for s in names if s in w.systems} for w in loads}
-    for repeat in range(repeats):
-        order = names[repeat % len(names) :] + names[: repeat % len(names)]
-        for load in loads:
-            for n in load.ns:
-                for name in order:
-                    if name not in load.systems or (name in (LCP, LCP_SPEC) and n not in peer_ns):
-                        continue
-                    result = systems[name](load.prompts(n), params_of(load))
-                    runs[load.name][name].setdefault(n, []).append(result)
-                    rate = f"{result.accepted}/{result.drafted}" if result.drafted else "-"
-                    log(
-                        f"repeat {repeat + 1}/{repeats} {load.name:<5} N={n:<3} {name:<24}"
-                        f"{result.tokens_per_s:8.1f} tok/s, {result.decode_tokens_per_s:6.1f} "
-                        f"after prefill ({result.tokens} tokens, "
-                        f"{result.seconds:.2f} s, accepted/drafted {rate})"
-                    )
-    return runs
-
-
-def params_of(load: Workload) -> llamax.SamplingParams:
-    """Greedy, ``max_tokens``; the context decides whether to speculate."""
-    return llamax.SamplingParams(
-        max_tokens=load.max_tokens, temperature=0.0, ignore_eos=load.ignore_eos
-    )
-
-
-def worst(runs: Sequence[RunResult], references: Sequence[RunResult]) -> dict[str, Any]:
-    """The agreement (``_common.agreement``) of the run least like any of ``references``:
-    each run is compared with the reference most like it.
-
-    Greedy runs of llamax without speculation are not all alike: on the same context, the
-    KV cells a run gets (after earlier runs) change llama.cpp's numerics at near ties.
-    """
-
-    def score(c: dict[str, Any]) -> int:
-        return int(c["identical"])
-
-    best = [
-        max((agreement(r.token_ids, ref.token_ids) for ref in references), key=score) for r in runs
-    ]
-    return min(best, key=score)
-
-
 def report(runs: Runs, loads: Sequence[Workload], config: dict[str, Any]) -> dict[str, Any]:
-    def med(w: str, system: str, n: int, decode: bool = False) -> float | None:
-        rs = runs[w].get(system, {}).get(n)
-        values = [r.decode_tokens_per_s if decode else r.tokens_per_s for r in rs or []]
-        return round(statistics.median(values), 2) if values else None
-
     def acceptance(w: str, system: str, n: int) -> float | None:
         rs = runs[w].get(system, {}).get(n) or []
         return ratio(sum(r.accepted for r in rs), sum(r.drafted for r in rs))
@@ -405,19 +247,11 @@ def report(runs: Runs, loads: Sequence[Workload], config: dict[str, Any]) -> dic
     accept: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
     for load in loads:
-        w, by_n = load.name, [str(n) for n in load.ns]
-        medians[w] = {s: {str(n): med(w, s, n) for n in load.ns} for s in runs[w]}
-        decode[w] = {s: {str(n): med(w, s, n, True) for n in load.ns} for s in runs[w]}
-        ratios[w] = {
-            f"{num}_over_{den}": {k: ratio(medians[w][num][k], medians[w][den][k]) for k in by_n}
-            for num, den in RATIOS
-            if num in medians[w] and den in medians[w]
-        }
-        decode_ratios[w] = {
-            f"{num}_over_{den}": {k: ratio(decode[w][num][k], decode[w][den][k]) for k in by_n}
-            for num, den in BASELINE.items()
-            if num in decode[w] and den in decode[w]
-        }
+        w = load.name
+        medians[w] = median_table(runs, load)
+        decode[w] = median_table(runs, load, decode=True)
+        ratios[w] = ratio_table(medians[w], RATIOS, load)
+        decode_ratios[w] = ratio_table(decode[w], list(BASELINE.items()), load)
         accept[w] = {
             s: {str(n): acceptance(w, s, n) for n in load.ns} for s in BASELINE if s in runs[w]
         }
@@ -447,13 +281,7 @@ def report(runs: Runs, loads: Sequence[Workload], config: dict[str, Any]) -> dic
         "acceptance_rate": accept,
         "targets": targets(values, LIMITS, at_least=True),
         "outputs": outputs,
-        "samples": {
-            w: {
-                s: {str(n): [r.sample() for r in rs] for n, rs in by_n.items()}
-                for s, by_n in by_system.items()
-            }
-            for w, by_system in runs.items()
-        },
+        "samples": samples(runs),
     }
 
 
@@ -517,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings["prompt_lookup"] = dataclasses.asdict(lookup())
         try:
             systems, tokenizer = build(args, closers)
-            runs = measure(systems, loads, args.repeats, args.peer_n or args.n)
+            peer_ns = args.peer_n or args.n
+            runs = measure(systems, loads, args.repeats, peers=(LCP, LCP_SPEC), peer_ns=peer_ns)
             result = report(runs, loads, base_config(args, load, **settings))
             if tokenizer is not None:
                 describe_outputs(runs, loads, tokenizer, result)

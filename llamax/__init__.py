@@ -10,6 +10,8 @@ from importlib import metadata as _metadata
 from .context import Context
 from .conversation import Chat, TurnStats
 from .embeddings import Embedder
+from .engine.sampling import BatchLogitsProcessor, LogitsRow
+from .engine.speculative import PromptLookup
 from .errors import (
     ContextClosedError,
     ContextLengthError,
@@ -34,9 +36,7 @@ from .info import ModelInfo, model_info
 from .models import default_model_path
 from .params import ContextConfig, ContextOptions, LogitsProcessor, SamplingParams
 from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
-from .sampling import BatchLogitsProcessor, LogitsRow
 from .session import Session
-from .speculative import PromptLookup
 from .stats import ContextStats
 
 try:

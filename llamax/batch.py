@@ -33,7 +33,7 @@ from .prompts import Prompt
 from .results import Completion
 
 if TYPE_CHECKING:
-    from .context import Context
+    from . import Context
 
 __all__ = ["Prompt", "agenerate", "generate"]
 

@@ -15,11 +15,11 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
-from typing import Any
 
 import llamax
 from llamax.batch import generate
 from llamax.info import ModelInfo, model_info
+from llamax.optionspec import add_option_flags, option_values
 
 __all__ = ["main"]
 
@@ -62,19 +62,9 @@ def _parser() -> argparse.ArgumentParser:
 
     model = argparse.ArgumentParser(add_help=False)
     model.add_argument("--model", "-m", help="GGUF file (default: $LLAMAX_MODEL or SmolLM2)")
-    model.add_argument("--n-ctx", type=int, default=4096, help="KV cells (default: 4096)")
-    model.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    model.add_argument(
-        "--speculative",
-        type=int,
-        default=0,
-        metavar="MAX_DRAFT",
-        help="prompt-lookup speculative decoding, up to MAX_DRAFT draft tokens (default: off)",
-    )
+    add_option_flags(model, llamax.ContextConfig, skip=("n_seq_max",))  # set by each command
     sampling = argparse.ArgumentParser(add_help=False)
-    sampling.add_argument("--max-tokens", type=int, default=256, help="default: 256")
-    sampling.add_argument("--temperature", type=float, default=0.7, help="0 is greedy")
-    sampling.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    add_option_flags(sampling, llamax.SamplingParams, defaults=_SAMPLING_DEFAULTS)
     sampling.add_argument("--system", help="a system message")
 
     run = commands.add_parser(
@@ -104,17 +94,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.7}
+"""Where the command line's sampling defaults differ from ``SamplingParams``'."""
+
+
 def _context(ns: argparse.Namespace, *, n_seq_max: int) -> llamax.Context:
-    options: dict[str, Any] = {"n_ctx": ns.n_ctx, "n_seq_max": n_seq_max}
-    if ns.threads is not None:
-        options["n_threads"] = ns.threads
-    if ns.speculative:
-        options["speculative"] = llamax.PromptLookup(max_draft=ns.speculative)
+    options = {"n_seq_max": n_seq_max, **option_values(ns, llamax.ContextConfig)}
     return llamax.Context(ns.model, **options)
 
 
 def _params(ns: argparse.Namespace) -> llamax.SamplingParams:
-    return llamax.SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed)
+    return llamax.SamplingParams(**option_values(ns, llamax.SamplingParams))
 
 
 def _write_events(events: Iterable[llamax.TokenEvent]) -> None:

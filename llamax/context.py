@@ -6,34 +6,42 @@ import itertools
 import os
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from typing_extensions import Self, Unpack
 
 from .backend.base import Backend
-from .engine import Engine, EngineState
+from .engine.kvops import Audit, ClearCache, KVOp, OpenSession
+from .engine.loop import Engine, EngineState
+from .engine.sampling import BatchLogitsProcessor
 from .errors import ContextClosedError, InvalidParameterError, InvalidRequestError
 from .handle import RequestHandle
-from .kvops import Audit, ClearCache, OpenSession
 from .models import default_model_path
-from .openai.methods import OpenAIMethods
 from .params import ContextConfig, ContextOptions, SamplingParams
-from .pipeline import PipelineMethods
 from .prompts import Prompt, build_request, prompt_token_ids
-from .sampling import BatchLogitsProcessor
-from .session import Session
+from .results import Completion
+from .session import Session, SessionPort
 from .stats import ContextStats
 
-if TYPE_CHECKING:
-    from .chat.template import ChatTemplate
+if TYPE_CHECKING:  # the layers above, for annotations only: the methods import them lazily
+    import numpy as np
+    import numpy.typing as npt
+
     from .conversation import Chat
+    from .embeddings import Embedder
+    from .openai.options import ChatOptions, CompletionOptions
+    from .openai.shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
+    from .templates.template import ChatTemplate
 
 __all__ = ["Context"]
 
+T = TypeVar("T")
+BatchParams = SamplingParams | Sequence[SamplingParams] | None
 
-class Context(OpenAIMethods, PipelineMethods):
+
+class Context:
     """A loaded model, its llama.cpp context and a continuous-batching run loop.
 
     ``Context()`` loads the default model (SmolLM2-135M-Instruct) when it is installed.
@@ -97,6 +105,7 @@ class Context(OpenAIMethods, PipelineMethods):
         self._embedder_lock = threading.Lock()
         self._chat_template: ChatTemplate | None = None
         self._end_of_turn: tuple[int, ...] | None = None
+        self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ facts
     @property
@@ -203,7 +212,27 @@ class Context(OpenAIMethods, PipelineMethods):
             SessionError: every sequence id is held by running sequences or other sessions.
             ContextClosedError: the context is closed.
         """
-        return Session(self, self._engine.run(OpenSession()))
+        return Session(self._session_port(), self._engine.run(OpenSession()))
+
+    def load_session(self, path: str | os.PathLike[str]) -> Session:
+        """Restore a session saved by :meth:`Session.save <llamax.Session.save>` (the same as
+        ``llamax.Session.load(ctx, path)``).
+
+        A file is input: its header must name this model, its tokens must be ids of this
+        vocabulary that fit one sequence (``n_ctx_seq``), and its KV state must be whole and
+        hold exactly those tokens' positions. Nothing reaches the KV cache otherwise.
+
+        Raises:
+            SessionLoadError: the file is damaged, truncated, lies about its contents, or
+                was saved with a different model.
+            ContextClosedError: the context is closed.
+            OSError: the file cannot be read.
+        """
+        if self.closed:
+            raise ContextClosedError("cannot load a session: the context has been closed")
+        return Session.restore(
+            self._session_port(), path, n_vocab=self.n_vocab, n_ctx_seq=self.n_ctx_seq
+        )
 
     def _submit(
         self,
@@ -295,7 +324,7 @@ class Context(OpenAIMethods, PipelineMethods):
         """
         self._check_open("read the chat template")
         if self._chat_template is None:
-            from .chat.binding import load_template
+            from .templates.binding import load_template
 
             override = self._config.chat_template
             self._chat_template = load_template(self._backend, override, self.model_name)
@@ -310,7 +339,7 @@ class Context(OpenAIMethods, PipelineMethods):
         """
         self._check_open("read the chat template")
         if self._end_of_turn is None:
-            from .chat.binding import end_of_turn_ids
+            from .templates.binding import end_of_turn_ids
 
             self._end_of_turn = end_of_turn_ids(self._backend, self.chat_template)
         return self._end_of_turn
@@ -341,7 +370,7 @@ class Context(OpenAIMethods, PipelineMethods):
             TemplateError: the template failed, broke the sandbox or its budget.
             ContextClosedError: the context is closed.
         """
-        from .chat.binding import render_tokens
+        from .templates.binding import render_tokens
 
         self._check_open("render a chat prompt")
         return render_tokens(
@@ -371,6 +400,247 @@ class Context(OpenAIMethods, PipelineMethods):
 
         self._check_open("open a chat")
         return Chat(self, system=system, messages=messages, max_context=max_context, params=params)
+
+    # ------------------------------------------------------------------ OpenAI shapes
+    # Thin delegations to :mod:`llamax.openai.api`, a layer above that uses only the public
+    # API: imported when called, so the facade imports nothing above it.
+    @overload
+    def chat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[False] = False,
+        **options: Unpack[ChatOptions],
+    ) -> ChatCompletion: ...
+    @overload
+    def chat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[True],
+        **options: Unpack[ChatOptions],
+    ) -> Iterator[ChatCompletionChunk]: ...
+    def chat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: bool = False,
+        **options: Unpack[ChatOptions],
+    ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
+        """An OpenAI-shaped ``chat.completion``, or with ``stream=True`` an iterator of
+        ``chat.completion.chunk`` dicts (closing it early cancels the request).
+
+        Raises:
+            TypeError: an unknown option (the message names the closest valid one).
+            InvalidParameterError, InvalidMessageError, ContextLengthError, TemplateError:
+                bad values, messages, or a conversation that does not fit.
+        """
+        from .openai.api import chat_completion
+
+        return chat_completion(self, messages, stream=stream, **options)
+
+    @overload
+    def completion(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: Literal[False] = False,
+        **options: Unpack[CompletionOptions],
+    ) -> TextCompletion: ...
+    @overload
+    def completion(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: Literal[True],
+        **options: Unpack[CompletionOptions],
+    ) -> Iterator[TextCompletion]: ...
+    def completion(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: bool = False,
+        **options: Unpack[CompletionOptions],
+    ) -> TextCompletion | Iterator[TextCompletion]:
+        """An OpenAI-shaped ``text_completion``, or a stream of them with ``stream=True``.
+
+        Raises:
+            TypeError: an unknown option.
+            InvalidParameterError, ContextLengthError: bad values or a prompt that does not fit.
+        """
+        from .openai.api import completion
+
+        return completion(self, prompt, stream=stream, **options)
+
+    @overload
+    async def achat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[False] = False,
+        **options: Unpack[ChatOptions],
+    ) -> ChatCompletion: ...
+    @overload
+    async def achat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: Literal[True],
+        **options: Unpack[ChatOptions],
+    ) -> AsyncIterator[ChatCompletionChunk]: ...
+    async def achat_completion(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        stream: bool = False,
+        **options: Unpack[ChatOptions],
+    ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
+        """Async twin of :meth:`chat_completion` (needs the background loop)."""
+        from .openai.api import achat_completion
+
+        return await achat_completion(self, messages, stream=stream, **options)
+
+    @overload
+    async def acompletion(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: Literal[False] = False,
+        **options: Unpack[CompletionOptions],
+    ) -> TextCompletion: ...
+    @overload
+    async def acompletion(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: Literal[True],
+        **options: Unpack[CompletionOptions],
+    ) -> AsyncIterator[TextCompletion]: ...
+    async def acompletion(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        stream: bool = False,
+        **options: Unpack[CompletionOptions],
+    ) -> TextCompletion | AsyncIterator[TextCompletion]:
+        """Async twin of :meth:`completion` (needs the background loop)."""
+        from .openai.api import acompletion
+
+        return await acompletion(self, prompt, stream=stream, **options)
+
+    # ------------------------------------------------------------------ notebooks, pipelines
+    # ``generate`` delegates to :mod:`llamax.batch` (a layer above, imported when called);
+    # ``embed`` to an :class:`~llamax.Embedder` the context owns and frees.
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: BatchParams = None,
+        *,
+        progress: bool | None = None,
+        return_exceptions: Literal[False] = False,
+    ) -> list[Completion]: ...
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: BatchParams = None,
+        *,
+        progress: bool | None = None,
+        return_exceptions: bool,
+    ) -> list[Completion | BaseException]: ...
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: BatchParams = None,
+        *,
+        progress: bool | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Completion] | list[Completion | BaseException]:
+        """Run every prompt at once (the engine batches them); completions in input order.
+
+        See :func:`llamax.batch.generate` for the arguments, the progress bar and errors.
+
+        Raises:
+            ContextClosedError: the context is closed.
+        """
+        from .batch import generate
+
+        self._check_open("generate")
+        return generate(
+            self, prompts, params, progress=progress, return_exceptions=return_exceptions
+        )
+
+    @overload
+    async def agenerate(
+        self,
+        prompts: Sequence[Prompt],
+        params: BatchParams = None,
+        *,
+        progress: bool | None = None,
+        return_exceptions: Literal[False] = False,
+    ) -> list[Completion]: ...
+    @overload
+    async def agenerate(
+        self,
+        prompts: Sequence[Prompt],
+        params: BatchParams = None,
+        *,
+        progress: bool | None = None,
+        return_exceptions: bool,
+    ) -> list[Completion | BaseException]: ...
+    async def agenerate(
+        self,
+        prompts: Sequence[Prompt],
+        params: BatchParams = None,
+        *,
+        progress: bool | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Completion] | list[Completion | BaseException]:
+        """Async twin of :meth:`generate` (needs the background loop).
+
+        Raises:
+            ContextClosedError: the context is closed.
+        """
+        from .batch import agenerate
+
+        self._check_open("generate")
+        return await agenerate(
+            self, prompts, params, progress=progress, return_exceptions=return_exceptions
+        )
+
+    def embed(self, texts: Sequence[str], *, normalize: bool = True) -> npt.NDArray[np.float32]:
+        """Embed ``texts``: a ``(len(texts), n_embd)`` float32 array, L2-normalised by default.
+
+        The first call loads an :class:`~llamax.embeddings.Embedder` on the same model (its
+        own llama.cpp context in embeddings mode, freed by ``close()``).
+
+        Raises:
+            ContextLengthError: a text is longer than the embedder's context.
+            ModelLoadError: the model cannot be loaded for embeddings.
+            ContextClosedError: the context is closed (no second copy of the model is
+                loaded after ``close()``).
+        """
+        return self._get_embedder().embed(texts, normalize=normalize)
+
+    def _get_embedder(self) -> Embedder:
+        with self._embedder_lock:  # close() frees the embedder under this lock, after closing
+            if self.closed:
+                raise ContextClosedError("cannot embed: the context has been closed")
+            if self._embedder is None:
+                from .embeddings import Embedder
+
+                config = self._config
+                self._embedder = Embedder(
+                    config.model_path, n_threads=config.n_threads, n_gpu_layers=config.n_gpu_layers
+                )
+            return self._embedder
+
+    def _close_embedder(self) -> None:
+        with self._embedder_lock:
+            embedder, self._embedder = self._embedder, None
+        if embedder is not None:
+            embedder.close()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, *, drain: bool = False, timeout: float | None = None) -> None:
@@ -418,3 +688,38 @@ class Context(OpenAIMethods, PipelineMethods):
     def __repr__(self) -> str:
         state = self._engine.state.value
         return f"<llamax.Context model={self.model_name!r} n_ctx={self.n_ctx} {state}>"
+
+    def _session_port(self) -> SessionPort:
+        """The port through which this context's sessions reach its engine
+        (:meth:`Context.session`, :meth:`Session.load <llamax.Session.load>`)."""
+        return _SessionPort(self)
+
+
+class _SessionPort:
+    """The :class:`~llamax.session.SessionPort` a context hands its sessions: its engine's
+    KV operations and state, its request path and its model's identity, nothing more.
+
+    Built per session (no reference cycle with the context); reads ``ctx._engine`` at each
+    call, so a test that wraps ``Engine.run`` on a live context sees the sessions' calls.
+    """
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    @property
+    def ended(self) -> bool:
+        return self._ctx._engine.state in (EngineState.CLOSED, EngineState.FAILED)
+
+    @property
+    def model_identity(self) -> dict[str, object]:
+        return self._ctx._backend.model_identity
+
+    def run(self, op: KVOp[T]) -> T:
+        return self._ctx._engine.run(op)
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None, *, session_id: int
+    ) -> RequestHandle:
+        return self._ctx._submit(prompt, params, session_id=session_id)

@@ -22,17 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
-from .chat.messages import validate_messages
-from .chat.truncation import drop_oldest_turns, leading_system_count
 from .errors import InvalidParameterError
 from .handle import RequestHandle
 from .params import SamplingParams
 from .results import Completion, TokenEvent
+from .templates.messages import validate_messages
+from .templates.truncation import drop_oldest_turns, leading_system_count
 from .tokens import common_prefix_len
 
 if TYPE_CHECKING:
-    from .context import Context
-    from .session import Session
+    from . import Context, Session
 
 __all__ = ["Chat", "TurnStats"]
 

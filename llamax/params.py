@@ -14,8 +14,9 @@ from typing import Any, Literal, Protocol, TypeAlias, TypedDict
 import numpy as np
 import numpy.typing as npt
 
+from .engine.speculative import DraftMethod, PromptLookup, Speculative
 from .errors import InvalidParameterError
-from .speculative import PromptLookup, Speculative
+from .optionspec import spec
 
 __all__ = [
     "MAX_STOP_CHARS",
@@ -129,31 +130,130 @@ class SamplingParams:
     It never changes what is generated, only how fast.
     """
 
-    max_tokens: int | None = 256
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    logit_bias: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    n: int = 1
-    logprobs: int | None = None
-    logits_processors: Sequence[LogitsProcessor] = ()
-    grammar: str | None = None
-    json_schema: Mapping[str, Any] | None = None
-    speculative: bool | Speculative | None = None
+    max_tokens: int | None = field(
+        default=256,
+        metadata=spec(
+            doc="most tokens to generate; `None`: until the sequence fills its context",
+            flag=True,
+            openai=None,
+        ),
+    )
+    temperature: float = field(
+        default=0.8, metadata=spec(doc="`0` is greedy", flag=True, openai=1.0)
+    )
+    top_k: int = field(
+        default=40,
+        metadata=spec(
+            doc="sample among the `k` most likely tokens; `0` disables it", flag=True, openai=0
+        ),
+    )
+    top_p: float = field(
+        default=0.95,
+        metadata=spec(
+            doc="nucleus sampling: the most likely tokens whose probabilities sum to `p`; `1` "
+            "disables it",
+            flag=True,
+            openai=1.0,
+        ),
+    )
+    min_p: float = field(
+        default=0.05,
+        metadata=spec(
+            doc="drop tokens less likely than `min_p` times the most likely one; `0` disables it",
+            flag=True,
+            openai=0.0,
+        ),
+    )
+    typical_p: float = field(
+        default=1.0, metadata=spec(doc="locally typical sampling; `1` disables it", flag=True)
+    )
+    repeat_penalty: float = field(
+        default=1.0,
+        metadata=spec(
+            doc="divides the logits of recent tokens; `1` disables it", flag=True, openai=1.0
+        ),
+    )
+    presence_penalty: float = field(
+        default=0.0,
+        metadata=spec(doc="OpenAI's presence penalty, in [-2, 2]", flag=True, openai=0.0),
+    )
+    frequency_penalty: float = field(
+        default=0.0,
+        metadata=spec(doc="OpenAI's frequency penalty, in [-2, 2]", flag=True, openai=0.0),
+    )
+    penalty_last_n: int = field(
+        default=64,
+        metadata=spec(
+            doc="how many recent tokens the penalties look at; `-1`: the whole context", flag=True
+        ),
+    )
+    logit_bias: Mapping[int, float] = field(
+        default_factory=lambda: MappingProxyType({}),
+        metadata=spec(
+            default_doc="`{}`",
+            doc="`{token_id: bias}` added to the logits",
+            openai=None,
+            openai_doc="`{token_id: bias}`, keys as `int` or numeric `str`, values in [-100, 100]; "
+            "-100 bans the token",
+        ),
+    )
+    seed: int | None = field(
+        default=None,
+        metadata=spec(
+            doc="fixes the sampling; choice `i` of `n` uses `seed + i` (`None`: a random seed)",
+            flag=True,
+            openai=None,
+        ),
+    )
+    stop: Sequence[str] = field(
+        default=(),
+        metadata=spec(
+            doc="strings that end the reply, cut from the text (at most 1,024, with 65,536 "
+            "characters in all)",
+            openai=None,
+            openai_doc="a string or a list of strings that end the reply, cut from the text",
+        ),
+    )
+    stop_token_ids: Sequence[int] = field(
+        default=(), metadata=spec(doc="token ids that end the reply when sampled")
+    )
+    ignore_eos: bool = field(
+        default=False,
+        metadata=spec(doc="ban the end-of-generation tokens: generate `max_tokens` tokens"),
+    )
+    n: int = field(
+        default=1, metadata=spec(doc="choices, sharing one prompt prefill (at most 256)", openai=1)
+    )
+    logprobs: int | None = field(
+        default=None,
+        metadata=spec(
+            doc="report each token's log-probability and its `k` (0..20) likeliest alternatives"
+        ),
+    )
+    logits_processors: Sequence[LogitsProcessor] = field(
+        default=(),
+        metadata=spec(doc="`fn(token_ids, logits)` called on each logits row before sampling"),
+    )
+    grammar: str | None = field(
+        default=None, metadata=spec(doc="a GBNF grammar the output must follow", openai=None)
+    )
+    json_schema: Mapping[str, Any] | None = field(
+        default=None, metadata=spec(doc="a JSON schema the output must follow (not with `grammar`)")
+    )
+    speculative: bool | Speculative | None = field(
+        default=None,
+        metadata=spec(
+            doc="speculative decoding: `None` follows the context, `True`/`False` turns it on/off, "
+            "a `PromptLookup` picks the method",
+            openai=None,
+            openai_doc="speculative decoding on (`true`), off (`false`) or on with `PromptLookup` "
+            'settings (`{"max_draft": 8}`); default: the context\'s',
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(
-            self.speculative is None or isinstance(self.speculative, (bool, PromptLookup)),
+            self.speculative is None or isinstance(self.speculative, (bool, DraftMethod)),
             "speculative must be None, a bool or a llamax.PromptLookup, "
             f"got {type(self.speculative).__name__}",
         )
@@ -282,6 +382,19 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _zero_is_none(value: float) -> float | None:
+    return value or None
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _prompt_lookup(max_draft: int) -> PromptLookup | None:
+    return PromptLookup(max_draft=max_draft) if max_draft else None
+
+
 @dataclass(frozen=True, slots=True)
 class ContextConfig:
     """What the user chose for a :class:`llamax.Context`. Load-time facts live on the engine.
@@ -315,24 +428,114 @@ class ContextConfig:
     """
 
     model_path: str
-    n_ctx: int = 4096
-    n_seq_max: int = 16
-    n_ctx_seq: int | None = None
-    kv_layout: KVLayout = "auto"
-    max_step_ms: float | None = 250.0
-    n_batch: int = 512
-    n_ubatch: int | None = None
-    n_threads: int = field(default_factory=_default_threads)
-    n_threads_batch: int | None = None
-    n_gpu_layers: int = -1
-    use_mmap: bool = True
-    use_extra_bufts: bool | None = None
-    flash_attn: bool | None = None
-    prefix_cache: bool = True
-    chat_template: str | None = None
-    rpc_servers: str | None = None
-    speculative: Speculative | None = None
-    verbose: bool = False
+    n_ctx: int = field(
+        default=4096, metadata=spec(doc="KV cells: what the KV cache costs in memory", flag=True)
+    )
+    n_seq_max: int = field(
+        default=16,
+        metadata=spec(doc="sequences computed at once; more requests wait in the queue", flag=True),
+    )
+    n_ctx_seq: int | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="`n_ctx`",
+            doc="most tokens one sequence (prompt and reply) may hold; with `n_ctx_seq * "
+            "n_seq_max <= n_ctx` each sequence gets its own KV stream (docs/kv-cache.md)",
+            flag=True,
+        ),
+    )
+    kv_layout: KVLayout = field(
+        default="auto",
+        metadata=spec(
+            doc="`unified`, `streams` or `auto` (streams while every sequence fits "
+            "`n_ctx // n_seq_max` cells, unified while one needs more; docs/kv-cache.md)",
+            flag=True,
+        ),
+    )
+    max_step_ms: float | None = field(
+        default=250.0,
+        metadata=spec(
+            doc="latency target of a step while sequences decode (long prompts are chunked to keep "
+            "it); `None` (flag: `0`): fixed `n_batch` chunks",
+            flag=True,
+            from_flag=_zero_is_none,
+        ),
+    )
+    n_batch: int = field(
+        default=512, metadata=spec(doc="most tokens one decode step carries", flag=True)
+    )
+    n_ubatch: int | None = field(
+        default=None,
+        metadata=spec(default_doc="`n_batch`", doc="llama.cpp's physical micro-batch", flag=True),
+    )
+    n_threads: int = field(
+        default_factory=_default_threads,
+        metadata=spec(
+            default_doc="all cores", doc="CPU threads", flag=True, aliases=("--threads",)
+        ),
+    )
+    n_threads_batch: int | None = field(
+        default=None,
+        metadata=spec(default_doc="`n_threads`", doc="CPU threads for prompt batches", flag=True),
+    )
+    n_gpu_layers: int = field(
+        default=-1, metadata=spec(doc="layers offloaded to the GPU (`-1`: all)", flag=True)
+    )
+    use_mmap: bool = field(
+        default=True, metadata=spec(doc="map the model file instead of reading it", flag=True)
+    )
+    use_extra_bufts: bool | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="auto",
+            doc="ggml's extra (repacked) weight buffers; auto: off on CPUs with AMX",
+            flag=True,
+        ),
+    )
+    flash_attn: bool | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="auto", doc="flash attention (auto: llama.cpp decides)", flag=True
+        ),
+    )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=spec(
+            doc="share computed prompt prefixes between sequences and keep finished ones (LRU)",
+            flag=True,
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="the GGUF's",
+            doc="a Jinja chat template instead of the GGUF's (flag: a file holding it)",
+            flag=True,
+            metavar="FILE",
+            from_flag=_read_text,
+        ),
+    )
+    rpc_servers: str | None = field(
+        default=None,
+        metadata=spec(
+            doc="`host:port,...`: llama.cpp `rpc-server` hosts to split the layers over "
+            "(docs/scale-out.md)",
+            flag=True,
+        ),
+    )
+    speculative: Speculative | None = field(
+        default=None,
+        metadata=spec(
+            doc="speculative decoding for every request that does not say otherwise: a "
+            "`PromptLookup` (flag: prompt lookup drafting up to `MAX_DRAFT` tokens, `0`: off)",
+            flag=True,
+            flag_type=int,
+            metavar="MAX_DRAFT",
+            flag_default_doc="`0` (off)",
+            from_flag=_prompt_lookup,
+        ),
+    )
+    verbose: bool = field(default=False, metadata=spec(doc="llama.cpp's log on stderr", flag=True))
 
     @classmethod
     def from_options(cls, model_path: str, options: Mapping[str, Any]) -> ContextConfig:
@@ -415,7 +618,7 @@ class ContextConfig:
             f"max_step_ms must be a number or None, got {self.max_step_ms!r}",
         )
         _require(
-            self.speculative is None or isinstance(self.speculative, PromptLookup),
+            self.speculative is None or isinstance(self.speculative, DraftMethod),
             f"speculative must be None or a llamax.PromptLookup, got {self.speculative!r}",
         )
         _require(
@@ -445,3 +648,7 @@ class ContextOptions(TypedDict, total=False):
     rpc_servers: str | None
     speculative: Speculative | None
     verbose: bool
+
+
+OPTION_LISTS: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}
+"""The option lists by the names the docs' generated tables use (``<!-- options: … -->``)."""

@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .backend.base import Backend
+from .engine.sequence import Request
 from .errors import (
     ContextClosedError,
     ContextLengthError,
@@ -23,7 +24,6 @@ from .errors import (
 from .grammar import check_repetitions, schema_to_gbnf
 from .handle import RequestHandle
 from .params import SamplingParams
-from .sequence import Request
 
 Prompt: TypeAlias = "str | Sequence[int] | npt.NDArray[np.integer[Any]]"
 """What ``add_request`` accepts: text, token ids (ints or numpy integers), or a 1-D integer

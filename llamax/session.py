@@ -16,21 +16,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from typing_extensions import Self
 
-from .engine import EngineState
-from .errors import (
-    ContextClosedError,
-    DeadlockError,
-    InvalidParameterError,
-    SessionBusyError,
-    SessionError,
-    SessionLoadError,
-)
-from .handle import RequestHandle
-from .kvops import (
+from .engine.kvops import (
     ForkSession,
     KVOp,
     ReadSession,
@@ -40,18 +30,73 @@ from .kvops import (
     SaveSession,
     ShiftSession,
 )
+from .errors import (
+    ContextClosedError,
+    DeadlockError,
+    InvalidParameterError,
+    SessionBusyError,
+    SessionError,
+    SessionLoadError,
+)
+from .handle import RequestHandle
 from .params import SamplingParams
 from .prompts import Prompt
 
-if TYPE_CHECKING:
-    from .context import Context
-
-__all__ = ["Session"]
+__all__ = ["Session", "SessionLoader", "SessionPort"]
 
 T = TypeVar("T")
-_ENDED = (EngineState.CLOSED, EngineState.FAILED)
 _MAGIC = b"LLAMAXS1"
 _HEADER = struct.Struct("<8sI")
+
+
+class SessionPort(Protocol):
+    """All a :class:`Session` may ask of the context that opened it.
+
+    The context builds one and hands it to each session (``Context.session()``,
+    :meth:`Session.load`), so a session never reaches into the context's engine or backend.
+    """
+
+    @property
+    def ended(self) -> bool:
+        """Whether the context has closed or failed (which released every session)."""
+        ...
+
+    @property
+    def model_identity(self) -> dict[str, object]:
+        """What identifies the model, written by :meth:`Session.save` and checked on load.
+
+        Raises:
+            ContextClosedError: the context is closed.
+        """
+        ...
+
+    def run(self, op: KVOp[T]) -> T:
+        """Apply the KV operation ``op`` between two steps and return its result.
+
+        Raises:
+            ContextClosedError: the context is closed (or, for most operations, closing).
+            DeadlockError: called inside a step (a logits processor).
+        """
+        ...
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None, *, session_id: int
+    ) -> RequestHandle:
+        """Submit a request that runs on the sequence ``session_id``; never waits for the loop.
+
+        Raises:
+            ContextClosedError, InvalidRequestError ...: as ``Context.add_request``.
+        """
+        ...
+
+
+class SessionLoader(Protocol):
+    """What :meth:`Session.load` needs of the context it restores into: a
+    :class:`~llamax.Context` (this module does not import the facade, which imports it)."""
+
+    def load_session(self, path: str | os.PathLike[str]) -> Session:
+        """Restore a session saved by :meth:`Session.save`."""
+        ...
 
 
 class Session:
@@ -66,8 +111,8 @@ class Session:
     context closes, every method but :meth:`close` raises :class:`ContextClosedError`.
     """
 
-    def __init__(self, ctx: Context, session_id: int) -> None:
-        self._ctx = ctx
+    def __init__(self, port: SessionPort, session_id: int) -> None:
+        self._port = port
         self._id: int | None = session_id
         # guards _id, _running and _num_ops; never held while waiting for the engine
         self._lock = threading.Lock()
@@ -85,13 +130,13 @@ class Session:
         """
         with self._lock:
             session_id = self._session_id()
-        return self._ctx._engine.run(ReadSession(session_id))
+        return self._port.run(ReadSession(session_id))
 
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called, or the context closed (which releases every
         session)."""
-        return self._id is None or self._ctx._engine.state in _ENDED
+        return self._id is None or self._port.ended
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
@@ -110,7 +155,7 @@ class Session:
                     "an operation on the session (fork, rewind, shift, save) is under way"
                 )
             # submitting never waits for the loop, so it may happen under the lock
-            handle = self._ctx._submit(prompt, params, session_id=session_id)
+            handle = self._port.submit(prompt, params, session_id=session_id)
             self._running = handle
         # No done-callback clears ``_running``: ``_check_idle`` asks the handle instead.
         return handle
@@ -124,7 +169,7 @@ class Session:
             SessionBusyError: a request of this session is running.
             ContextClosedError: the context is closed.
         """
-        return Session(self._ctx, self._apply(ForkSession))
+        return Session(self._port, self._apply(ForkSession))
 
     def rewind(self, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` tokens from the session's cache.
@@ -171,7 +216,7 @@ class Session:
             OSError: the file cannot be written.
         """
         tokens, state = self._apply(SaveSession)
-        identity = self._ctx._backend.model_identity
+        identity = self._port.model_identity
         header = json.dumps({"model": identity, "tokens": list(tokens)}).encode()
         target = Path(path)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -184,8 +229,9 @@ class Session:
             raise
 
     @classmethod
-    def load(cls, ctx: Context, path: str | os.PathLike[str]) -> Session:
-        """Restore a session saved by :meth:`save` into ``ctx``.
+    def load(cls, ctx: SessionLoader, path: str | os.PathLike[str]) -> Session:
+        """Restore a session saved by :meth:`save` into ``ctx``: the same as
+        ``ctx.load_session(path)`` (:meth:`Context.load_session <llamax.Context.load_session>`).
 
         A file is input: its header must name this model, its tokens must be ids of this
         vocabulary that fit one sequence (``n_ctx_seq``), and its KV state must be whole and
@@ -197,34 +243,44 @@ class Session:
             ContextClosedError: the context is closed.
             OSError: the file cannot be read.
         """
-        if ctx.closed:
-            raise ContextClosedError("cannot load a session: the context has been closed")
+        return ctx.load_session(path)
+
+    @classmethod
+    def restore(
+        cls, port: SessionPort, path: str | os.PathLike[str], *, n_vocab: int, n_ctx_seq: int
+    ) -> Session:
+        """Restore the session saved in ``path`` through ``port`` (the context's side of
+        :meth:`load`: it checks that the context is open and passes its vocabulary size and
+        ``n_ctx_seq``).
+
+        Raises:
+            SessionLoadError, ContextClosedError, OSError: as :meth:`load`.
+        """
         data = Path(path).read_bytes()
         saved_model, tokens, state = _parse(data, path)
-        current = ctx._backend.model_identity
+        current = port.model_identity
         if saved_model != current:
             raise SessionLoadError(
                 f"{path} was saved with model {saved_model} but this context runs {current}"
             )
-        n_vocab = ctx.n_vocab
         for token in tokens:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
                 raise SessionLoadError(
                     f"{path} lists token {token!r}, not an id of this vocabulary [0, {n_vocab})"
                 )
-        if len(tokens) > ctx.n_ctx_seq:
+        if len(tokens) > n_ctx_seq:
             raise SessionLoadError(
                 f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
-                f"(n_ctx_seq={ctx.n_ctx_seq})"
+                f"(n_ctx_seq={n_ctx_seq})"
             )
         try:
-            session_id = ctx._engine.run(RestoreSession(tuple(tokens), state))
+            session_id = port.run(RestoreSession(tuple(tokens), state))
         except SessionLoadError as exc:
             raise SessionLoadError(
                 f"{path} is damaged: its KV state is not whole or does not hold exactly "
                 f"the {len(tokens)} tokens its header lists"
             ) from exc
-        return cls(ctx, session_id)
+        return cls(port, session_id)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -242,7 +298,7 @@ class Session:
         if session_id is None:
             return
         try:
-            self._ctx._engine.run(ReleaseSession(session_id))
+            self._port.run(ReleaseSession(session_id))
         except DeadlockError:
             with self._lock:
                 self._id = session_id
@@ -268,13 +324,13 @@ class Session:
             session_id = self._check_idle()
             self._num_ops += 1
         try:
-            return self._ctx._engine.run(make(session_id))
+            return self._port.run(make(session_id))
         finally:
             with self._lock:
                 self._num_ops -= 1
 
     def _session_id(self) -> int:
-        if self._ctx._engine.state in _ENDED:
+        if self._port.ended:
             raise ContextClosedError("the session's context has been closed")
         if self._id is None:
             raise SessionError("the session is closed")

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .backend.base import BatchItem, DecodeStatus
-from .backend.llama_cpp import utf8
+from .backend.native import utf8
 from .context import Context
 from .errors import ContextClosedError, RequestFailedError
 from .params import SamplingParams
@@ -118,7 +118,12 @@ class FakeGrammar:
 
 
 class FakeBackend:
-    """Pure-Python backend with a scripted next-token function and a checked KV model."""
+    """Pure-Python backend with a scripted next-token function and a checked KV model.
+
+    Besides :class:`~llamax.backend.base.Backend` it implements
+    :class:`~llamax.backend.base.Inspectable` (``seq_tokens``, ``num_cells_used``,
+    ``num_live_samplers``), so ``Context.audit()`` also checks the tokens and cells it holds.
+    """
 
     def __init__(
         self,

@@ -16,14 +16,14 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import pytest
+from adversaries import FlakyProcessor
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import llamax
-from llamax import scheduler as scheduler_module
+from llamax.engine import scheduler as scheduler_module
 from llamax.testing import FakeBackend, assert_idle
 
 PREFIXES = ["", "system prompt one. ", "system prompt two, longer than one. "]
@@ -33,22 +33,6 @@ LIVENESS_SLACK = 50
 steps that it and every request that may go before it would need one after another, on
 one sequence (:attr:`Tracked.work`): an engine that makes progress needs far fewer, one
 that spins or starves exceeds it."""
-
-
-class FlakyProcessor:
-    """A logits processor that raises whenever the history's length is a multiple of
-    ``every``: its request fails on its first row or mid-output, or never."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-
-    def __call__(self, token_ids: object, logits: object) -> None:
-        assert isinstance(token_ids, np.ndarray)
-        if len(token_ids) % self.every == 0:
-            raise ValueError(f"flaky processor at length {len(token_ids)}")
-
-    def __repr__(self) -> str:
-        return f"FlakyProcessor({self.every})"
 
 
 @dataclass
@@ -376,7 +360,7 @@ class FailureMachine(EngineMachine):
 
 class SplitMachine(EngineMachine):
     """Steps of 64 decode rows or more: the unified layout with CPU attention splits them
-    into several decodes (:meth:`llamax.scheduler.Scheduler.split`). Bursts of requests
+    into several decodes (:meth:`llamax.engine.scheduler.Scheduler.split`). Bursts of requests
     with n up to 8, failing processors and dead-end grammars, so a request fails in one
     part of a split step while its siblings are in another."""
 

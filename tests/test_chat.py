@@ -13,7 +13,7 @@ from openai.types import Completion as OpenAICompletion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import llamax
-from llamax.chat.template import TemplateError
+from llamax.templates.template import TemplateError
 from llamax.testing import FakeBackend, assert_idle
 
 TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()

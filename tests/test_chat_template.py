@@ -18,8 +18,8 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import llamax
-import llamax.chat
-from llamax.chat import (
+import llamax.templates
+from llamax.templates import (
     ChatTemplate,
     InvalidMessageError,
     TemplateBudgetError,
@@ -53,7 +53,7 @@ def reference_render(source: str, messages: list[dict[str, Any]], **variables: A
 
 # ------------------------------------------------------------------ package surface
 def test_public_names_are_pinned() -> None:
-    assert sorted(llamax.chat.__all__) == [
+    assert sorted(llamax.templates.__all__) == [
         "ChatTemplate",
         "InvalidMessageError",
         "TemplateBudgetError",

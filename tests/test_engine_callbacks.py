@@ -8,30 +8,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
+from adversaries import in_thread
 
 import llamax
 from llamax.testing import FakeBackend, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
 PARAMS = llamax.SamplingParams(max_tokens=6, temperature=0)
-
-
-def _in_thread(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
-    """Run ``fn`` in a daemon thread; fail (not hang) if it does not return in time."""
-    out: Future[Any] = Future()
-
-    def body() -> None:
-        try:
-            out.set_result(fn())
-        except BaseException as exc:
-            out.set_exception(exc)
-
-    threading.Thread(target=body, daemon=True).start()
-    return out.result(timeout)
 
 
 @pytest.mark.parametrize("autostart", [True, False])
@@ -62,7 +48,7 @@ def test_done_callback_may_call_the_context(
             assert isinstance(seen[0], llamax.RequestHandle)
             seen[0].result()
 
-    _in_thread(scenario)
+    in_thread(scenario)
     assert len(seen) == 1
     assert_idle(ctx)
 
@@ -73,8 +59,8 @@ def test_close_from_a_done_callback(make_fake: MakeFake, autostart: bool) -> Non
     first = ctx.add_request("one", PARAMS)
     pending = ctx.add_request("two", llamax.SamplingParams(max_tokens=200, temperature=0))
     first.future.add_done_callback(lambda _f: ctx.close())
-    _in_thread(first.result)
-    assert _in_thread(pending.result).finish_reason in ("cancelled", "length")
+    in_thread(first.result)
+    assert in_thread(pending.result).finish_reason in ("cancelled", "length")
     assert ctx.closed
 
 
@@ -110,7 +96,7 @@ def test_waiting_on_the_loop_thread_raises_instead_of_hanging(
         long.cancel()
         long.result()
 
-    _in_thread(scenario)
+    in_thread(scenario)
     assert len(errors) == 2, errors
     assert all(isinstance(e, llamax.DeadlockError) for e in errors), errors
     assert "loop thread" in str(errors[0])
@@ -122,7 +108,7 @@ def test_a_done_request_may_be_read_on_the_loop_thread(make_fake: MakeFake) -> N
     texts: list[str] = []
     handle = ctx.add_request("abc", PARAMS)
     handle.future.add_done_callback(lambda _f: texts.append(handle.result().text))
-    _in_thread(handle.result)
+    in_thread(handle.result)
     deadline = time.monotonic() + 5
     while not texts and time.monotonic() < deadline:
         time.sleep(0.001)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from adversaries import FlakyProcessor
 
 import llamax
 from llamax import SamplingParams
@@ -311,19 +312,6 @@ class PointInjector:
         if self.status is None:
             raise InjectedFault(f"injected failure in {where} (call {self.calls})")
         return self.status
-
-
-class FlakyProcessor:
-    """A logits processor that raises whenever the history's length is a multiple of
-    ``every`` (so some requests fail on their first row, others mid-output)."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-
-    def __call__(self, token_ids: object, logits: object) -> None:
-        assert isinstance(token_ids, np.ndarray)
-        if len(token_ids) % self.every == 0:
-            raise ValueError(f"flaky processor at length {len(token_ids)}")
 
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"

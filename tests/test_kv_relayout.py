@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import llamax
+from llamax.engine.scheduler import RELAYOUT_COOLDOWN_STEPS
 from llamax.errors import RequestFailedError
-from llamax.scheduler import RELAYOUT_COOLDOWN_STEPS
 from llamax.testing import FakeBackend, assert_idle
 
 GREEDY = llamax.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)

@@ -1,11 +1,11 @@
-"""KV-cell accounting (llamax.kvcache) against the fake backend's memory, no engine."""
+"""KV-cell accounting (llamax.engine.kvcache) against the fake backend's memory, no engine."""
 
 from __future__ import annotations
 
 import pytest
 
 from llamax.backend import BatchItem
-from llamax.kvcache import KVCache, Slot, SlotState
+from llamax.engine.kvcache import KVCache, Slot, SlotState
 from llamax.testing import FakeBackend
 
 
@@ -79,3 +79,23 @@ def test_save_and_restore_a_slot() -> None:
     third = kv.allocate()
     assert third is not None and not kv.restore(third, [1], b"garbage")
     assert third.tokens == []
+
+
+def test_a_slot_moves_only_as_slot_moves_allows() -> None:
+    """A slot is born ACTIVE or PINNED; ACTIVE and RETAINED swap; PINNED never moves."""
+    from llamax.engine.kvcache import SLOT_MOVES
+
+    for start in SlotState:
+        for end in SlotState:
+            slot = Slot(0, pinned=start is SlotState.PINNED)
+            if start is SlotState.RETAINED:
+                slot.move(SlotState.RETAINED)
+            assert slot.state is start
+            if end in SLOT_MOVES[start]:
+                slot.move(end)
+                assert slot.state is end
+            else:
+                with pytest.raises(RuntimeError, match=f"cannot become {end.value}"):
+                    slot.move(end)
+                assert slot.state is start
+    assert Slot(1, pinned=True).pinned and not Slot(2).pinned

@@ -13,11 +13,11 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
+from adversaries import in_thread
 
 import llamax
 from llamax.testing import FakeBackend, assert_idle
@@ -27,22 +27,8 @@ PARAMS = llamax.SamplingParams(max_tokens=4, temperature=0)
 TIMEOUT = 10.0
 
 
-def _in_thread(fn: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
-    """Run ``fn`` in a daemon thread; fail (not hang) if it does not return in time."""
-    out: Future[Any] = Future()
-
-    def body() -> None:
-        try:
-            out.set_result(fn())
-        except BaseException as exc:
-            out.set_exception(exc)
-
-    threading.Thread(target=body, daemon=True).start()
-    return out.result(timeout)
-
-
 def _close(ctx: llamax.Context, **kwargs: Any) -> None:
-    _in_thread(lambda: ctx.close(**kwargs))
+    in_thread(lambda: ctx.close(**kwargs))
 
 
 def _fresh(*, autostart: bool, **options: Any) -> tuple[llamax.Context, FakeBackend]:
@@ -104,7 +90,7 @@ def test_session_method_from_a_done_callback_while_another_thread_waits_on_the_l
         "token_ids": lambda: session.token_ids,
     }
     with contextlib.suppress(llamax.SessionError):  # the callback closed it first
-        _in_thread(waiters[waiting])
+        in_thread(waiters[waiting])
     deadline = time.monotonic() + TIMEOUT
     while "callback" not in outcome and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -135,11 +121,11 @@ def test_session_method_from_a_done_callback_of_a_manual_context(call: str) -> N
     trigger.future.add_done_callback(callback)
     other = threading.Thread(target=lambda: _try(lambda: session.rewind(0)), daemon=True)
     other.start()
-    _in_thread(lambda: trigger.result(TIMEOUT))
+    in_thread(lambda: trigger.result(TIMEOUT))
     other.join(TIMEOUT)
     assert not other.is_alive() and len(outcome) == 1
     if isinstance(outcome[0], llamax.RequestHandle):
-        _in_thread(lambda: outcome[0].result(TIMEOUT))  # type: ignore[union-attr]
+        in_thread(lambda: outcome[0].result(TIMEOUT))  # type: ignore[union-attr]
     session.close()
     assert_idle(ctx)
     _close(ctx)
@@ -295,10 +281,10 @@ def test_close_inside_a_logits_processor_of_a_manual_context(drain: bool) -> Non
     params = llamax.SamplingParams(max_tokens=5, temperature=0, logits_processors=[closing])
     handle = ctx.add_request("abc", params)
     bystander = ctx.add_request("xyz", llamax.SamplingParams(max_tokens=5, temperature=0))
-    _in_thread(ctx.process)
+    in_thread(ctx.process)
     if drain:
         while not backend.closed:
-            _in_thread(ctx.process)
+            in_thread(ctx.process)
         assert handle.result().finish_reason == "length"
         assert bystander.result().finish_reason == "length"
     else:
@@ -318,7 +304,7 @@ def test_close_inside_a_logits_processor_of_the_background_loop() -> None:
 
     params = llamax.SamplingParams(max_tokens=5, temperature=0, logits_processors=[closing])
     handle = ctx.add_request("abc", params)
-    assert _in_thread(lambda: handle.result(TIMEOUT)).finish_reason == "cancelled"
+    assert in_thread(lambda: handle.result(TIMEOUT)).finish_reason == "cancelled"
     _close(ctx)
     assert backend.closed
 
@@ -355,9 +341,9 @@ def test_a_base_exception_in_a_logits_processor_fails_its_request_alone(
         while ctx.has_work():
             ctx.process()
     with pytest.raises(llamax.RequestFailedError) as info:
-        _in_thread(lambda: failing.result(TIMEOUT))
+        in_thread(lambda: failing.result(TIMEOUT))
     assert info.value.__cause__ is exc
-    assert _in_thread(lambda: bystander.result(TIMEOUT)).finish_reason == "length"
+    assert in_thread(lambda: bystander.result(TIMEOUT)).finish_reason == "length"
     assert not ctx.closed
     ctx.add_request("again", PARAMS).result(TIMEOUT)
     assert_idle(ctx)
@@ -379,8 +365,8 @@ def test_a_base_exception_in_the_batch_logits_processor_fails_only_that_step(
     ctx = llamax.Context(backend=backend, autostart=True, batch_logits_processor=hook)
     first = ctx.add_request("abc", PARAMS)
     with pytest.raises(llamax.RequestFailedError):
-        _in_thread(lambda: first.result(TIMEOUT))
-    assert _in_thread(lambda: ctx.add_request("x", PARAMS).result(TIMEOUT)).text
+        in_thread(lambda: first.result(TIMEOUT))
+    assert in_thread(lambda: ctx.add_request("x", PARAMS).result(TIMEOUT)).text
     assert_idle(ctx)
     _close(ctx)
 
@@ -481,7 +467,7 @@ def test_every_public_method_raises_context_closed_after_close(
         f"Session.{n}": fn for n, fn in _session_calls(session, tmp_path).items()
     }
     with pytest.raises(llamax.ContextClosedError):
-        _in_thread(calls[name])
+        in_thread(calls[name])
     assert not backend.live_samplers
     for fact in STILL_ANSWER - {"close", "stats", "has_work"}:
         getattr(ctx, fact)
@@ -550,7 +536,7 @@ def test_close_with_a_timeout_on_a_stuck_loop_then_frees_when_it_returns() -> No
     with pytest.raises(llamax.ContextClosedError):
         ctx.add_request("x")
     gate.set()
-    assert _in_thread(lambda: handle.result(TIMEOUT)).finish_reason == "cancelled"
+    assert in_thread(lambda: handle.result(TIMEOUT)).finish_reason == "cancelled"
     deadline = time.monotonic() + TIMEOUT
     while not backend.closed and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -578,9 +564,9 @@ def test_a_base_exception_in_a_done_callback_does_not_stop_the_loop(exc: BaseExc
 
     first.future.add_done_callback(raising)
     registered.set()
-    assert _in_thread(lambda: first.result(TIMEOUT)).finish_reason == "length"
-    assert _in_thread(lambda: second.result(TIMEOUT)).finish_reason == "length"
-    assert _in_thread(lambda: ctx.add_request("x", PARAMS).result(TIMEOUT)).text
+    assert in_thread(lambda: first.result(TIMEOUT)).finish_reason == "length"
+    assert in_thread(lambda: second.result(TIMEOUT)).finish_reason == "length"
+    assert in_thread(lambda: ctx.add_request("x", PARAMS).result(TIMEOUT)).text
     assert_idle(ctx)
     _close(ctx)
 

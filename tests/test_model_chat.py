@@ -18,8 +18,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import llamax
 from llamax import TurnStats
-from llamax.chat import InvalidMessageError
-from llamax.chat.template import TemplateError, TemplateSecurityError
+from llamax.templates import InvalidMessageError
+from llamax.templates.template import TemplateError, TemplateSecurityError
 from llamax.testing import assert_idle
 
 pytestmark = pytest.mark.model

@@ -1,10 +1,10 @@
-"""Prefix matching and LRU retention (llamax.prefix) over a KVCache, no engine."""
+"""Prefix matching and LRU retention (llamax.engine.prefix) over a KVCache, no engine."""
 
 from __future__ import annotations
 
 from llamax.backend import BatchItem
-from llamax.kvcache import KVCache, Slot, SlotState
-from llamax.prefix import PrefixCache, PrefixMatch
+from llamax.engine.kvcache import KVCache, Slot, SlotState
+from llamax.engine.prefix import PrefixCache, PrefixMatch
 from llamax.testing import FakeBackend
 
 
@@ -73,7 +73,7 @@ def test_pinned_slots_are_never_retired_and_empty_ones_are_released() -> None:
     pinned = prefix.allocate(pinned=True)
     assert pinned is not None
     prefix.retire(pinned)
-    assert pinned.state is SlotState.ACTIVE and prefix.num_retained == 0
+    assert pinned.state is SlotState.PINNED and prefix.num_retained == 0
     empty = prefix.allocate()
     assert empty is not None
     prefix.retire(empty)

@@ -91,23 +91,137 @@ def test_version_is_the_installed_distribution_version() -> None:
     assert llamax.__version__ == importlib.metadata.version("llamax")
 
 
+def _module_of(path: Path) -> tuple[str, ...]:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    """Every module ``path`` imports, wherever the import sits (functions and
+    ``TYPE_CHECKING`` blocks too), relative imports resolved; ``from m import x`` yields
+    ``m``, and ``m.x`` too when that is a module of the package."""
+    package = _module_of(path)[:-1] if path.name != "__init__.py" else _module_of(path)
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = "llamax" if node.level else ""  # relative imports resolve inside llamax
-            found.add(f"{base}.{node.module}" if base and node.module else node.module or base)
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            found.add(base)
+            found.update(
+                f"{base}.{alias.name}"
+                for alias in node.names
+                if base.startswith("llamax") and _is_module(f"{base}.{alias.name}")
+            )
     return found
 
 
-def test_layers_above_the_core_use_only_the_public_api() -> None:
-    allowed = {"llamax", *PUBLIC_MODULES, "llamax.server"}
-    for layer in ("cli.py",):
-        used = {m for m in _imported_modules(PACKAGE / layer) if m.startswith("llamax")}
-        assert used <= allowed, f"{layer} imports internals: {sorted(used - allowed)}"
+# The layers of docs/architecture.md, top down: the apps (server, ray, cli); the layers built
+# on the public API (openai with its tools, conversation, batch with its progress bar); the
+# facade (context, session, templates); the engine and the backend.
+UPPER_LAYERS = {
+    # layer: (its modules, the upper layers below it that it may also use)
+    "server": ({"llamax.server"}, set()),
+    "ray": ({"llamax.ray"}, {"llamax.server"}),
+    "cli": ({"llamax.cli"}, {"llamax.server", "llamax.batch"}),
+    "openai": ({"llamax.openai"}, {"llamax.tools"}),
+    "tools": ({"llamax.tools"}, set()),
+    "conversation": ({"llamax.conversation"}, set()),
+    "batch": ({"llamax.batch", "llamax.progress"}, set()),
+}
+# The public API: the package itself (``llamax.Context``, ``llamax.Session`` ...) and the
+# modules that define its public names or their helpers (errors, params, results, the
+# ``Prompt`` type, chat messages and truncation, schema grammars ...). Not in it: the facade's
+# modules (``llamax.context``, ``llamax.session``: use ``llamax.Context``), the engine and
+# backend (``llamax.engine.*``, ``llamax.backend.*``), ``templates.binding`` (the template's
+# glue to the backend) and ``llamax.testing``.
+PUBLIC_API = {
+    "llamax",
+    "llamax.errors",
+    "llamax.params",
+    "llamax.optionspec",
+    "llamax.results",
+    "llamax.handle",
+    "llamax.stats",
+    "llamax.prompts",
+    "llamax.tokens",
+    "llamax.grammar",
+    "llamax.info",
+    "llamax.models",
+    "llamax.embeddings",
+    "llamax.templates",
+    "llamax.templates.messages",
+    "llamax.templates.template",
+    "llamax.templates.truncation",
+}
+# ``ctx._x``, ``self._ctx._x``, ``state.ctx._x`` ...: a private member of a context
+_CONTEXT_NAMES = {"ctx", "_ctx", "context", "_context"}
+
+
+def _in(name: str, prefixes: set[str]) -> bool:
+    return any(name == p or name.startswith(f"{p}.") for p in prefixes)
+
+
+def _layer_files(modules: set[str]) -> list[Path]:
+    files: list[Path] = []
+    for module in sorted(modules):
+        path = PACKAGE.parent.joinpath(*module.split("."))
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return files
+
+
+def _private_context_members(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "...")
+        if node.attr in {"_engine", "_backend"} or (
+            name in _CONTEXT_NAMES and not node.attr.startswith("__")
+        ):
+            found.append(f"line {node.lineno}: {name}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(UPPER_LAYERS))
+def test_layers_above_the_core_use_only_the_public_api(layer: str) -> None:
+    """Every module of a layer above the facade (server/, ray/, cli.py, openai/, tools/,
+    conversation.py, batch.py) imports from ``llamax`` only: the public API (the package
+    itself and the value modules in ``PUBLIC_API``), its own layer's modules, and the upper
+    layers below it (ray uses ``llamax.server.create_app``, cli the server and batch, openai
+    the tools). Every import counts, wherever it sits (a function, ``TYPE_CHECKING``), so it
+    never imports ``llamax.engine.*``, ``llamax.backend.*``, ``llamax.context`` or
+    ``llamax.session``; and it never touches a private member of a context (``ctx._engine``,
+    ``self._ctx._submit``) nor any ``._engine`` / ``._backend``."""
+    own, below = UPPER_LAYERS[layer]
+    files = _layer_files(own)
+    assert files
+    for path in files:
+        used = {m for m in _imported_modules(path) if _in(m, {"llamax"})}
+        internal = sorted(m for m in used if m not in PUBLIC_API and not _in(m, own | below))
+        assert not internal, f"{path.relative_to(PACKAGE)} imports internals: {internal}"
+        private = _private_context_members(path)
+        assert not private, f"{path.relative_to(PACKAGE)} uses private members: {private}"
+
+
+def test_the_layering_check_sees_internals() -> None:
+    """Guards the parser behind the layering test: relative imports resolve, and what the
+    test must refuse is found."""
+    tree = PACKAGE / "openai" / "api.py"
+    assert {"llamax.openai.requests", "llamax.tools", "llamax.errors"} <= _imported_modules(tree)
+    assert "llamax.engine.loop" in _imported_modules(PACKAGE / "context.py")
+    assert "llamax.server" in _imported_modules(PACKAGE / "ray" / "deployment.py")
+    assert _private_context_members(PACKAGE / "context.py")  # the facade's own privates
 
 
 def test_the_core_never_imports_the_layers_above() -> None:

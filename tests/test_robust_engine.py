@@ -184,7 +184,7 @@ def test_a_stuck_loop_sleeps_until_something_changes() -> None:
         nonlocal calls
         calls += 1
         if blocked:
-            return llamax.plan.StepPlan()
+            return llamax.engine.plan.StepPlan()
         return real_schedule(result)  # type: ignore[arg-type]
 
     scheduler.schedule = schedule  # type: ignore[method-assign,assignment]

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 
 import llamax
-from llamax.plan import StepResult
-from llamax.scheduler import Scheduler
-from llamax.sequence import Request, Sequence, SequenceState
+from llamax.engine.plan import StepResult
+from llamax.engine.scheduler import Scheduler
+from llamax.engine.sequence import Request, Sequence, SequenceState
 from llamax.testing import FakeBackend
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]

@@ -299,16 +299,18 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", {"prompt": "x" * 40000, "max_tokens": 1}, "prompt"),
     # issue 22: these were 500s
     ("completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    ("chat", b'{"messages": [' + b"[" * 500 + b"]" * 500 + b"]}", "messages"),
     ("chat", {"messages": HELLO, "response_format": JSON_SCHEMA_AS_TEXT}, "response_format"),
     ("chat", {"messages": HELLO, "response_format": "json"}, "response_format"),
     ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),
     ("chat", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
     ("tokenize", b'{"content": "\\ud83d"}', "content"),
+    ("embeddings", b'{"input": ["ok", "\\ud800"]}', "input"),
     ("completions", {"prompt": "x", "stop": [str(i) for i in range(401)]}, "stop"),
 ]
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-          "tokenize": "/tokenize"}  # fmt: skip
+          "tokenize": "/tokenize", "embeddings": "/v1/embeddings"}  # fmt: skip
 
 
 @pytest.mark.parametrize(("endpoint", "body", "param"), BAD_BODIES)

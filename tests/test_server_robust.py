@@ -18,9 +18,9 @@ import pytest
 from fastapi.routing import APIRoute
 
 import llamax
-from llamax.chat import ChatTemplate, InvalidMessageError
-from llamax.chat.truncation import drop_oldest_turns
 from llamax.server import BackgroundServer, create_app
+from llamax.templates import ChatTemplate, InvalidMessageError
+from llamax.templates.truncation import drop_oldest_turns
 from llamax.testing import FakeBackend, assert_idle
 
 TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()
@@ -163,36 +163,8 @@ def test_tokenize_runs_in_a_worker_and_counts_against_the_queue(
     assert first[0].status_code == 200 and after.status_code == 200
 
 
-# ---------------------------------------------------------------------- item 12: 400s
-BAD = [
-    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
-    ("/v1/chat/completions", b'{"messages": [' + b"[" * 500 + b"]" * 500 + b"]}", "messages"),
-    ("/v1/completions", b'{"prompt": "a\\ud800b"}', "prompt"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
-    ("/tokenize", b'{"content": "\\ud83d"}', "content"),
-    ("/v1/embeddings", b'{"input": ["ok", "\\ud800"]}', "input"),
-    (
-        "/v1/chat/completions",
-        b'{"messages": [{"role": "user", "content": "x"}], '
-        b'"response_format": {"type": "json_schema", "json_schema": "{}"}}',
-        "response_format",
-    ),
-]
-
-
-@pytest.mark.parametrize(("path", "raw", "param"), BAD)
-def test_bad_input_is_400_not_500(
-    ctx: llamax.Context, path: str, raw: bytes, param: str | None
-) -> None:
-    with BackgroundServer(create_app(ctx)) as server:
-        response = httpx.post(server.url + path, content=raw, timeout=WAIT)
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["message"]
-        if param is not None:
-            assert error["param"] == param, error
-        ok = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
-        assert ok.status_code == 200
+# item 12's bodies (deep nesting, lone surrogates, json_schema as text) are rows of
+# tests/test_server.py's BAD_BODIES table.
 
 
 def test_more_than_400_stop_strings_are_refused_over_http(ctx: llamax.Context) -> None:

@@ -98,8 +98,16 @@ def test_close_from_a_done_callback(make_fake: MakeFake) -> None:
     ctx, _ = make_fake(autostart=True)
     session = ctx.session()
     handle = session.add_request("hello", GREEDY)
-    handle.future.add_done_callback(lambda _f: session.close())
+    closed = threading.Event()
+
+    def close(_f: object) -> None:
+        session.close()
+        closed.set()
+
+    handle.future.add_done_callback(close)
     handle.result(timeout=10)
+    # concurrent.futures wakes result() waiters before it runs done-callbacks: wait for ours.
+    assert closed.wait(10)
     llamax.testing.assert_idle(ctx)
     assert session.closed
 

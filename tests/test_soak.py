@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from adversaries import FlakyProcessor
 
 import llamax
 from llamax.testing import FakeBackend, assert_idle
@@ -46,18 +46,6 @@ def rss_kib() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-class FlakyProcessor:
-    """Raises whenever the history's length is a multiple of ``every``."""
-
-    def __init__(self, every: int) -> None:
-        self.every = every
-
-    def __call__(self, token_ids: object, logits: object) -> None:
-        assert isinstance(token_ids, np.ndarray)
-        if len(token_ids) % self.every == 0:
-            raise ValueError(f"flaky processor at length {len(token_ids)}")
 
 
 @dataclass

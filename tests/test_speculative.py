@@ -18,8 +18,8 @@ import pytest
 
 import llamax
 from llamax.backend import BatchItem, DecodeStatus
-from llamax.scheduler import Scheduler
-from llamax.speculative import (
+from llamax.engine.scheduler import Scheduler
+from llamax.engine.speculative import (
     DecodeCost,
     DraftState,
     PromptLookup,

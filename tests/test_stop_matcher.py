@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llamax
-import llamax.sequence
+import llamax.engine.sequence
 from llamax.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from llamax.testing import FakeBackend
 from llamax.text import Detokenizer, StopMatcher, StopStrings
@@ -140,7 +140,7 @@ def test_request_builds_one_automaton_for_all_choices(
             super().__init__(stops)
             built.append(self)
 
-    monkeypatch.setattr(llamax.sequence, "StopStrings", Counting)
+    monkeypatch.setattr(llamax.engine.sequence, "StopStrings", Counting)
     ctx, _ = make_fake(n_seq_max=8, n_ctx=1024)
     handle = ctx.add_request(
         "a", llamax.SamplingParams(n=8, max_tokens=8, temperature=0, stop=["fgh"])

@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletionMessage
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 import llamax
-from llamax.chat import ChatTemplate, InvalidMessageError
+from llamax.templates import ChatTemplate, InvalidMessageError
 from llamax.tools import (
     CALL_OPEN,
     ToolCallStreamParser,

@@ -5,8 +5,9 @@ from .base import (
     BatchDecoder,
     BatchItem,
     DecodeStatus,
+    Inspectable,
     KVMemory,
-    ModelInfo,
+    LoadedModel,
     Sampler,
     SamplerFactory,
 )
@@ -16,8 +17,9 @@ __all__ = [
     "BatchDecoder",
     "BatchItem",
     "DecodeStatus",
+    "Inspectable",
     "KVMemory",
-    "ModelInfo",
+    "LoadedModel",
     "Sampler",
     "SamplerFactory",
 ]

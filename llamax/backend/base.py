@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -23,8 +23,9 @@ __all__ = [
     "BatchDecoder",
     "BatchItem",
     "DecodeStatus",
+    "Inspectable",
     "KVMemory",
-    "ModelInfo",
+    "LoadedModel",
     "Sampler",
     "SamplerFactory",
 ]
@@ -65,7 +66,7 @@ Sampler: TypeAlias = Any
 """An opaque per-sequence sampler owned by a backend (each backend picks its own type)."""
 
 
-class ModelInfo(Protocol):
+class LoadedModel(Protocol):
     """The loaded model: vocabulary, metadata and grammar checks. Safe from any thread."""
 
     @property
@@ -160,7 +161,7 @@ class BatchDecoder(Protocol):
     def attention_tiles(self) -> tuple[int, int] | None:
         """``(query heads, threads)`` when ggml's CPU flash attention computes micro-batches
         of 64 rows or more in tiles, whose padding the step cost model counts
-        (:func:`llamax.step_budget.tile_waste_table`); ``None`` otherwise."""
+        (:func:`llamax.engine.step_budget.tile_waste_table`); ``None`` otherwise."""
         ...
 
     def decode(self, items: Sequence[BatchItem]) -> int:
@@ -201,7 +202,7 @@ class SamplerFactory(Protocol):
 
 
 class KVMemory(Protocol):
-    """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.kvcache` calls
+    """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.engine.kvcache` calls
     these, on the engine thread."""
 
     @property
@@ -270,10 +271,36 @@ class KVMemory(Protocol):
         ...
 
 
-class Backend(ModelInfo, BatchDecoder, SamplerFactory, KVMemory, Protocol):
+class Backend(LoadedModel, BatchDecoder, SamplerFactory, KVMemory, Protocol):
     """Everything the engine needs from an inference backend: the four roles above, plus
     :meth:`close`. :class:`llamax.testing.FakeBackend` implements it in pure Python."""
 
     def close(self) -> None:
         """Free native resources. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class Inspectable(Protocol):
+    """Optional: what a backend can show of its own state, for ``Context.audit()``.
+
+    :func:`llamax.engine.audit.audit` checks ``isinstance(backend, Inspectable)`` and compares
+    each answer that is not None with the scheduler's bookkeeping. Both
+    :class:`~llamax.backend.llama_cpp.LlamaCppBackend` and :class:`llamax.testing.FakeBackend`
+    implement it; a backend without it is audited on ``seq_pos_max`` alone.
+    """
+
+    @property
+    def num_live_samplers(self) -> int:
+        """Samplers built by ``new_sampler`` and not yet freed."""
+        ...
+
+    @property
+    def num_cells_used(self) -> int | None:
+        """Distinct KV cells held by any sequence, or None when the backend cannot tell."""
+        ...
+
+    def seq_tokens(self, seq_id: int) -> Sequence[int | None] | None:
+        """The tokens ``seq_id`` holds, by position (None where a cell was removed), or None
+        when the backend cannot tell."""
         ...

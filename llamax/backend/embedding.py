@@ -1,12 +1,11 @@
 """A llama.cpp context in embeddings mode: many texts per ``llama_decode``, pooled per sequence.
 
-Native handles (batch, context, model) are freed in that order by
-:meth:`EmbeddingBackend.close`.
+Native handles (:mod:`llamax.backend.native`: batch, context, model) are freed in that order
+by :meth:`EmbeddingBackend.close`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -17,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import EngineError, ModelLoadError
-from .llama_cpp import _bindings, load_model, utf8
+from .native import NativeBatch, NativeContext, NativeModel, bindings, context_params, utf8
 
 __all__ = ["POOLING_TYPES", "EmbeddingBackend", "EmbeddingConfig"]
 
@@ -55,43 +54,40 @@ class EmbeddingBackend:
     """
 
     def __init__(self, config: EmbeddingConfig) -> None:
-        C = self._C = _bindings()
-        with ExitStack() as stack:
-            model = load_model(C, config.model_path, n_gpu_layers=config.n_gpu_layers)
-            stack.callback(C.llama_model_free, model)
-            cparams = C.llama_context_default_params()
-            cparams.n_ctx = config.n_ctx
-            cparams.n_batch = cparams.n_ubatch = config.n_ctx
-            cparams.n_seq_max = config.n_seq_max
-            cparams.n_threads = cparams.n_threads_batch = config.n_threads
-            cparams.embeddings = True
-            cparams.pooling_type = config.pooling
-            cparams.kv_unified = True  # any one text may use all n_ctx cells
-            ctx = C.llama_init_from_model(model, cparams)
-            if not ctx:
+        C = bindings()
+        with ExitStack() as stack:  # closes in reverse: batch, context, model
+            model = NativeModel(C, config.model_path, n_gpu_layers=config.n_gpu_layers)
+            stack.callback(model.close)
+            cparams = context_params(
+                C,
+                n_ctx=config.n_ctx,
+                n_batch=config.n_ctx,
+                n_ubatch=config.n_ctx,
+                n_seq_max=config.n_seq_max,
+                n_threads=config.n_threads,
+                n_threads_batch=config.n_threads,
+                embeddings=True,
+                pooling_type=config.pooling,
+                kv_unified=True,  # any one text may use all n_ctx cells
+            )
+            context = NativeContext.create(model, cparams)
+            if context is None:
                 raise ModelLoadError(
                     f"llama.cpp could not create an embeddings context for "
                     f"{config.model_path} (n_ctx={config.n_ctx}); out of memory?"
                 )
-            stack.callback(C.llama_free, ctx)
-            self._n_batch = int(C.llama_n_batch(ctx))
-            batch = C.llama_batch_init(self._n_batch, 0, 1)
-            stack.callback(C.llama_batch_free, batch)
+            stack.callback(context.close)
+            self._n_batch = context.n_batch()
+            batch = NativeBatch(C, self._n_batch)
+            stack.callback(batch.close)
             self._stack = stack.pop_all()
-        self._model, self._ctx, self._batch = model, ctx, batch
-        self._vocab = C.llama_model_get_vocab(model)
-        self._memory = C.llama_get_memory(ctx)
-        self._n_ctx = int(C.llama_n_ctx(ctx))
-        self._n_seq_max = int(C.llama_n_seq_max(ctx))
-        self._n_embd = int(C.llama_model_n_embd(model))
-        self._pooling = int(C.llama_pooling_type(ctx))
-        self._model_name = self._meta("general.name") or config.model_path.stem
+        self._model, self._context, self._batch = model, context, batch
+        self._n_ctx = context.n_ctx()
+        self._n_seq_max = context.n_seq_max()
+        self._n_embd = model.n_embd()
+        self._pooling = context.pooling_type()
+        self._model_name = model.meta("general.name") or config.model_path.stem
         self._closed = False
-
-    def _meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1024)
-        n = self._C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        return None if n < 0 else buf.value.decode("utf-8", "replace")
 
     @property
     def model_name(self) -> str:
@@ -126,14 +122,7 @@ class EmbeddingBackend:
         Raises:
             InvalidRequestError: ``text`` holds a lone surrogate.
         """
-        data = utf8(text)
-        cap = len(data) + 8
-        while True:
-            buf = (ctypes.c_int32 * cap)()
-            n = self._C.llama_tokenize(self._vocab, data, len(data), buf, cap, True, False)
-            if n >= 0:
-                return list(buf[:n])
-            cap = -n
+        return self._model.tokenize(utf8(text), add_special=True, parse_special=False)
 
     def embed_batch(self, texts: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
         """Decode ``texts`` (token ids) in one ``llama_decode``, one sequence each, and pool.
@@ -149,34 +138,33 @@ class EmbeddingBackend:
         Raises:
             EngineError: ``llama_decode`` failed.
         """
-        C, batch = self._C, self._batch
-        C.llama_memory_clear(self._memory, True)
+        context, batch = self._context, self._batch
+        context.clear()
         n = 0
         for seq_id, tokens in enumerate(texts):
             for pos, token in enumerate(tokens):
-                batch.token[n] = token
+                batch.tokens[n] = token
                 batch.pos[n] = pos
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = seq_id
+                batch.seq_rows[n][0] = seq_id
                 batch.logits[n] = True  # pooling reads every token's output
                 n += 1
-        batch.n_tokens = n
-        status = int(C.llama_decode(self._ctx, batch))
+        batch.set_n_tokens(n)
+        status = context.decode(batch)
         if status != 0:
             raise EngineError(f"llama_decode failed with status {status} on an embeddings batch")
         out = np.empty((len(texts), self._n_embd), dtype=np.float32)
         if self._pooling == POOLING_TYPES["none"]:
-            rows = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx), shape=(n, self._n_embd))
+            rows = context.embeddings(n, self._n_embd)
             start = 0
             for i, tokens in enumerate(texts):
                 out[i] = rows[start : start + len(tokens)].mean(axis=0)
                 start += len(tokens)
             return out
         for seq_id in range(len(texts)):
-            ptr = C.llama_get_embeddings_seq(self._ctx, seq_id)
-            if not ptr:
+            pooled = context.seq_embedding(seq_id, self._n_embd)
+            if pooled is None:
                 raise EngineError(f"llama.cpp returned no pooled embedding for sequence {seq_id}")
-            out[seq_id] = np.ctypeslib.as_array(ptr, shape=(self._n_embd,))
+            out[seq_id] = pooled
         return out
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The llama.cpp backend, on llama-cpp-python's raw ctypes bindings.
 
-Native handles are owned here and freed in a stated order by :meth:`LlamaCppBackend.close`:
-samplers, then the batch, then the context, then the model.
+The native handles (:mod:`llamax.backend.native`) are owned here and freed in a stated order
+by :meth:`LlamaCppBackend.close`: samplers, then the batch, then the context, then the model.
 
 Native lifetime: every method a user thread may reach (tokenizing, pieces, metadata, the
 model's identity, grammar checks ...) enters a guard that counts its users and raises
@@ -13,7 +13,6 @@ step lock, after the last step.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -24,10 +23,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ContextClosedError, InvalidRequestError, ModelLoadError, RequestFailedError
+from ..errors import ContextClosedError, ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
-from .platform import default_use_extra_bufts
+from .native import (
+    NativeBatch,
+    NativeContext,
+    NativeModel,
+    NativeSampler,
+    bindings,
+    context_params,
+    utf8,
+)
 from .rpc import register_rpc_servers
 from .seq_state import cell_positions, restream
 
@@ -51,96 +58,13 @@ def _streams_cells(n_ctx: int, n_seq_max: int) -> int:
 
 
 _log = logging.getLogger("llamax.llama_cpp")
-# ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line)
-_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
-
-
-def _bindings() -> Any:
-    try:
-        import llama_cpp.llama_cpp as bindings
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise ModelLoadError(
-            "llama-cpp-python is not installed; run scripts/bootstrap.sh or "
-            "`pip install llama-cpp-python`"
-        ) from exc
-    if not getattr(_bindings, "log_callback", None):
-        # llama-cpp-python prints every native log line to stderr; route them to logging.
-        last = [logging.DEBUG]
-
-        @bindings.llama_log_callback  # type: ignore[untyped-decorator]
-        def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            if level != 5:
-                last[0] = _LEVELS.get(level, logging.DEBUG)
-            if _log.isEnabledFor(last[0]):
-                _log.log(last[0], "%s", text.decode("utf-8", "replace").rstrip())
-
-        bindings.llama_log_set(forward, ctypes.c_void_p(0))
-        bindings.llama_backend_init()
-        _bindings.log_callback = forward  # type: ignore[attr-defined]  # keep alive
-    return bindings
-
-
-def _check_gguf(path: Path) -> None:
-    if not path.is_file():
-        raise ModelLoadError(f"model file not found: {path}")
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read model file {path}: {exc}") from exc
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF model file (magic bytes {magic!r})")
-
-
-_CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
-
-
-def load_model(
-    C: Any,
-    path: Path,
-    *,
-    n_gpu_layers: int,
-    use_mmap: bool = True,
-    use_extra_bufts: bool | None = None,
-) -> Any:
-    """Check and load a GGUF file (``use_extra_bufts=None``: off where AMX crashes).
-
-    Raises:
-        ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it.
-    """
-    _check_gguf(path)
-    mparams = C.llama_model_default_params()
-    mparams.n_gpu_layers = n_gpu_layers
-    mparams.use_mmap = use_mmap
-    mparams.use_extra_bufts = (
-        default_use_extra_bufts() if use_extra_bufts is None else use_extra_bufts
-    )
-    model = C.llama_model_load_from_file(str(path).encode(), mparams)
-    if not model:
-        raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
-    return model
-
-
-class _NativeSampler:
-    """A sequence's chain, plus its grammar sampler kept outside the chain (see ``sample``)."""
-
-    __slots__ = ("banned", "candidates", "chain", "grammar")
-
-    def __init__(self, chain: Any, grammar: Any, banned: list[int], n_vocab: int) -> None:
-        self.chain = chain
-        self.grammar = grammar
-        self.banned = np.asarray(banned, dtype=np.int64)
-        self.candidates: npt.NDArray[np.void] | None = None
-        if grammar is not None:
-            self.candidates = np.zeros(n_vocab, dtype=_CANDIDATE)
-            self.candidates["id"] = np.arange(n_vocab, dtype=np.int32)
 
 
 class LlamaCppBackend:
     """One llama.cpp model + context + batch; the KV layout follows ``kv_layout``."""
 
     def __init__(self, config: ContextConfig) -> None:
-        C = _bindings()
+        C = bindings()
         self._C = C
         self._gate = threading.Condition()  # guards _users and _closed
         self._users = 0  # threads inside a native call made from outside the engine
@@ -149,36 +73,22 @@ class LlamaCppBackend:
             _log.addHandler(logging.StreamHandler())
             _log.setLevel(logging.DEBUG)
         path = Path(config.model_path)
-        self._samplers: dict[int, _NativeSampler] = {}
+        self._samplers: dict[int, NativeSampler] = {}
         self._pieces: dict[int, bytes] = {}
         if config.rpc_servers is not None:
             register_rpc_servers(C, config.rpc_servers)
-        with ExitStack() as stack:
-            model = load_model(
+        with ExitStack() as stack:  # closes in reverse: samplers, batch, context, model
+            model = NativeModel(
                 C,
                 path,
                 n_gpu_layers=config.n_gpu_layers,
                 use_mmap=config.use_mmap,
                 use_extra_bufts=config.use_extra_bufts,
             )
-            stack.callback(C.llama_model_free, model)
-
-            cparams = C.llama_context_default_params()
-            cparams.n_ctx = config.n_ctx
-            cparams.n_batch = config.n_batch
-            cparams.n_ubatch = config.n_ubatch or min(config.n_batch, 512)
-            cparams.n_seq_max = config.n_seq_max
-            cparams.n_threads = config.n_threads
-            cparams.n_threads_batch = config.n_threads_batch or config.n_threads
-            if config.flash_attn is not None:
-                cparams.flash_attn_type = 1 if config.flash_attn else 0
+            stack.callback(model.close)
             # one KV section (no sliding window, no recurrent state): a sequence's saved
             # state can move between layouts (seq_state.restream)
-            self._plain_kv = not (
-                C.llama_model_is_recurrent(model)
-                or C.llama_model_is_hybrid(model)
-                or C.llama_model_n_swa(model) > 0
-            )
+            self._plain_kv = not (model.is_recurrent() or model.is_hybrid() or model.n_swa() > 0)
             # streams: one buffer per sequence (a partial seq_cp between them aborts the
             # process, so the KV cache copies whole streams); unified: one shared buffer.
             # "auto" without n_ctx_seq starts in streams and moves (relayout) as needed.
@@ -192,52 +102,52 @@ class LlamaCppBackend:
                 <= MAX_STREAMS_MEMORY * max(config.n_ctx, _PAD)
             )
             self._is_unified = layout == "unified" and not self._can_relayout
-            cparams.kv_unified = self._is_unified
-            self._cparams = cparams
-            ctx = C.llama_init_from_model(model, cparams)
-            if not ctx:
+            self._cparams = context_params(
+                C,
+                n_ctx=config.n_ctx,
+                n_batch=config.n_batch,
+                n_ubatch=config.n_ubatch or min(config.n_batch, 512),
+                n_seq_max=config.n_seq_max,
+                n_threads=config.n_threads,
+                n_threads_batch=config.n_threads_batch or config.n_threads,
+                kv_unified=self._is_unified,
+            )
+            if config.flash_attn is not None:
+                self._cparams.flash_attn_type = 1 if config.flash_attn else 0
+            context = NativeContext.create(model, self._cparams)
+            if context is None:
                 raise ModelLoadError(
                     f"llama.cpp could not create a context for {path} "
                     f"(n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max}); out of memory?"
                 )
-            stack.callback(self._free_context)
-
+            self._context = context
+            stack.callback(self._close_context)  # the current one: relayout replaces it
             self._n_batch = config.n_batch
-            batch = C.llama_batch_init(self._n_batch, 0, 1)
-            stack.callback(C.llama_batch_free, batch)
+            self._batch = NativeBatch(C, self._n_batch)
+            stack.callback(self._batch.close)
+            stack.callback(self._free_samplers)
             self._stack = stack.pop_all()
-        self._model, self._ctx, self._batch = model, ctx, batch
-        self._vocab = C.llama_model_get_vocab(model)
-        self._memory = C.llama_get_memory(ctx)
+        self._model = model
         self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
         self._attention_tiles = (
-            (max(1, int(C.llama_model_n_head(model))), config.n_threads_batch or config.n_threads)
+            (model.n_head(), config.n_threads_batch or config.n_threads)
             if self._cpu_attention and config.flash_attn is not False
             else None
         )
-        self._kv_cells = int(C.llama_n_ctx(ctx))
+        self._kv_cells = context.n_ctx()
         # a unified cache's cells: what n_ctx asked for, padded as llama.cpp pads it
         self._n_ctx = _padded(config.n_ctx) if self._can_relayout else self._kv_cells
-        self._n_seq_max = int(C.llama_n_seq_max(ctx))
-        self._n_ctx_stream = int(C.llama_n_ctx_seq(ctx)) if not self._is_unified else self._n_ctx
+        self._n_seq_max = context.n_seq_max()
+        self._n_ctx_stream = context.n_ctx_seq() if not self._is_unified else self._n_ctx
         native_seq = config.n_ctx if self._can_relayout else self._n_ctx_stream
         self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
-        n_embd, n_head = C.llama_model_n_embd(model), max(1, C.llama_model_n_head(model))
-        kv_dim = n_embd // n_head * C.llama_model_n_head_kv(model)
-        self._kv_bytes_per_cell = int(2 * 2 * kv_dim * C.llama_model_n_layer(model))  # K+V, f16
-        self._n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
-        self._add_bos = bool(C.llama_vocab_get_add_bos(self._vocab))
-        self._eog = frozenset(
-            t for t in range(self._n_vocab) if C.llama_vocab_is_eog(self._vocab, t)
-        )
+        kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
+        self._kv_bytes_per_cell = 2 * 2 * kv_dim * model.n_layer()  # K+V, f16
+        self._n_vocab = model.n_vocab()
+        self._add_bos = model.add_bos()
+        self._eog = frozenset(t for t in range(self._n_vocab) if model.is_eog(t))
         self._model_name = self.metadata("general.name") or path.stem
         self._model_path = path
-        n = self._n_batch
-        self._tokens = np.ctypeslib.as_array(batch.token, shape=(n,))
-        self._pos = np.ctypeslib.as_array(batch.pos, shape=(n,))
-        self._logits = np.ctypeslib.as_array(batch.logits, shape=(n,))
-        np.ctypeslib.as_array(batch.n_seq_id, shape=(n,))[:] = 1
-        self._seq_rows = [batch.seq_id[i] for i in range(n)]
 
     # ------------------------------------------------------------------ facts
     @property
@@ -290,10 +200,9 @@ class LlamaCppBackend:
         """
         if unified == self._is_unified:
             return
-        C = self._C
         self._cparams.kv_unified = unified
-        new = C.llama_init_from_model(self._model, self._cparams)
-        if not new:
+        new = NativeContext.create(self._model, self._cparams)
+        if new is None:
             raise RequestFailedError("llama.cpp could not create a context for the new KV layout")
         n_stream = 1 if unified else self._n_seq_max
         try:
@@ -301,23 +210,26 @@ class LlamaCppBackend:
                 if self.seq_pos_max(seq_id) < 0:
                     continue
                 try:
-                    data = restream(self._state_get(self._ctx, seq_id), n_stream)
+                    data = restream(self._context.state_seq_get(seq_id), n_stream)
                 except ValueError as exc:
                     raise RequestFailedError(f"sequence {seq_id}'s state: {exc}") from exc
-                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-                if int(C.llama_state_seq_set_data(new, buf, len(data), seq_id)) <= 0:
+                if not new.state_seq_set(seq_id, data):
                     raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
         except BaseException:
-            C.llama_free(new)
+            new.close()
             raise
-        C.llama_free(self._ctx)
-        self._ctx, self._memory, self._is_unified = new, C.llama_get_memory(new), unified
-        self._kv_cells = int(C.llama_n_ctx(new))
+        old, self._context, self._is_unified = self._context, new, unified
+        old.close()
+        self._kv_cells = new.n_ctx()
         if unified:
             self._n_ctx = self._kv_cells
 
-    def _free_context(self) -> None:
-        self._C.llama_free(self._ctx)
+    def _close_context(self) -> None:
+        self._context.close()
+
+    def _free_samplers(self) -> None:
+        for sampler in list(self._samplers.values()):
+            self.free_sampler(sampler)
 
     @contextmanager
     def _entered(self) -> Iterator[None]:
@@ -383,7 +295,7 @@ class LlamaCppBackend:
     def can_shift(self) -> bool:
         """Whether the memory supports position shifts (``seq_add``)."""
         with self._entered():
-            return bool(self._C.llama_memory_can_shift(self._memory))
+            return self._context.can_shift()
 
     @property
     def num_live_samplers(self) -> int:
@@ -391,38 +303,37 @@ class LlamaCppBackend:
         return len(self._samplers)
 
     @property
+    def num_cells_used(self) -> int | None:
+        """None: llama.cpp does not tell how many cells its sequences share (``Inspectable``)."""
+        return None
+
+    def seq_tokens(self, seq_id: int) -> Sequence[int | None] | None:
+        """None: llama.cpp does not show a sequence's tokens (``Inspectable``)."""
+        return None
+
+    @property
     def bos_token_id(self) -> int | None:
         """BOS when the vocabulary adds it to prompts."""
         with self._entered():
-            bos = int(self._C.llama_vocab_bos(self._vocab))
+            bos = self._model.bos()
         return bos if self._add_bos and bos >= 0 else None
 
     @property
     def eos_token_id(self) -> int | None:
         """The EOS token, if the vocabulary has one."""
         with self._entered():
-            eos = int(self._C.llama_vocab_eos(self._vocab))
+            eos = self._model.eos()
         return eos if eos >= 0 else None
 
     def token_text(self, token: int) -> str:
         """The token's text with special tokens rendered."""
-        buf = ctypes.create_string_buffer(256)
         with self._entered():
-            n = self._C.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
-        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+            return self._model.piece(token, special=True, size=256).decode("utf-8", "replace")
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None."""
-        size = 1 << 16
-        buf = ctypes.create_string_buffer(size)
         with self._entered():
-            n = self._C.llama_model_meta_val_str(self._model, key.encode(), buf, size)
-            if n < 0:
-                return None
-            if n >= size:
-                buf = ctypes.create_string_buffer(n + 1)
-                self._C.llama_model_meta_val_str(self._model, key.encode(), buf, n + 1)
-        return buf.value.decode("utf-8", "replace")
+            return self._model.meta(key)
 
     # ------------------------------------------------------------------ text (any thread)
     def tokenize(
@@ -435,16 +346,8 @@ class LlamaCppBackend:
             ContextClosedError: the backend is closed.
         """
         data = utf8(text)
-        cap = len(data) + 8
         with self._entered():
-            while True:
-                buf = (ctypes.c_int32 * cap)()
-                n = self._C.llama_tokenize(
-                    self._vocab, data, len(data), buf, cap, add_special, parse_special
-                )
-                if n >= 0:
-                    return list(buf[:n])
-                cap = -n
+            return self._model.tokenize(data, add_special=add_special, parse_special=parse_special)
 
     def token_to_piece(self, token: int) -> bytes:
         """The bytes of ``token`` (special tokens render as empty), cached per id.
@@ -454,13 +357,8 @@ class LlamaCppBackend:
         """
         piece = self._pieces.get(token)
         if piece is None:
-            buf = ctypes.create_string_buffer(64)
             with self._entered():
-                n = self._C.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
-                if n < 0:
-                    buf = ctypes.create_string_buffer(-n)
-                    n = self._C.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-            piece = self._pieces[token] = buf.raw[:n]
+                piece = self._pieces[token] = self._model.piece(token, special=False)
         return piece
 
     def is_eog(self, token: int) -> bool:
@@ -472,7 +370,8 @@ class LlamaCppBackend:
         """Lay ``items`` out in one batch and run ``llama_decode``."""
         tokens: list[int] = []
         positions: list[int] = []
-        rows = self._seq_rows
+        batch = self._batch
+        rows = batch.seq_rows
         for item in items:
             first = len(tokens)
             tokens.extend(item.token_ids)
@@ -480,14 +379,14 @@ class LlamaCppBackend:
             for i in range(first, len(tokens)):
                 rows[i][0] = item.seq_id
         n = len(tokens)
-        self._tokens[:n] = tokens
-        self._pos[:n] = positions
-        self._logits[:n] = 0
+        batch.tokens[:n] = tokens
+        batch.pos[:n] = positions
+        batch.logits[:n] = 0
         for item in items:
             for row in item.rows:
-                self._logits[row] = 1
-        self._batch.n_tokens = n
-        return int(self._C.llama_decode(self._ctx, self._batch))
+                batch.logits[row] = 1
+        batch.set_n_tokens(n)
+        return self._context.decode(batch)
 
     def check_grammar(self, grammar: str) -> str | None:
         """Build and free a grammar sampler: llama.cpp returns NULL for invalid GBNF.
@@ -496,7 +395,7 @@ class LlamaCppBackend:
             ContextClosedError: the backend is closed.
         """
         with self._entered():
-            sampler = self._C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+            sampler = self._model.grammar_sampler(grammar)
             if not sampler:
                 return "llama.cpp could not parse it (its parser prints the reason to stderr)"
             self._C.llama_sampler_free(sampler)
@@ -504,13 +403,11 @@ class LlamaCppBackend:
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         """Zero-copy view of ``llama_get_logits_ith(ctx, row)``."""
-        ptr = self._C.llama_get_logits_ith(self._ctx, row)
-        return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        return self._context.logits(row, self._n_vocab)
 
     def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
         """Zero-copy view of ``llama_get_logits(ctx)``: one row per output, in batch order."""
-        ptr = self._C.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(num_rows, self._n_vocab))
+        return self._context.all_logits(num_rows, self._n_vocab)
 
     def new_sampler(
         self,
@@ -561,12 +458,12 @@ class LlamaCppBackend:
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(seed))
         constraint = None
         if grammar is not None:
-            constraint = C.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+            constraint = self._model.grammar_sampler(grammar)
             if not constraint:  # checked at add_request; never hand llama.cpp a NULL sampler
                 C.llama_sampler_free(chain)
                 raise RequestFailedError("llama.cpp could not parse the grammar")
         banned = [t for t, b in bias.items() if b == float("-inf")]
-        sampler = _NativeSampler(chain, constraint, banned, self._n_vocab)
+        sampler = NativeSampler(C, chain, constraint, banned, self._n_vocab)
         self._samplers[id(sampler)] = sampler
         return sampler
 
@@ -583,12 +480,12 @@ class LlamaCppBackend:
         """
         if sampler.grammar is not None:
             self._constrain(sampler, row)
-        token = int(self._C.llama_sampler_sample(sampler.chain, self._ctx, row))
+        token: int = sampler.sample(self._context, row)
         if sampler.grammar is not None:
-            self._C.llama_sampler_accept(sampler.grammar, token)
+            sampler.accept_grammar(token)
         return token
 
-    def _constrain(self, sampler: _NativeSampler, row: int) -> None:
+    def _constrain(self, sampler: NativeSampler, row: int) -> None:
         C = self._C
         logits = self.logits(row)
         candidates = sampler.candidates
@@ -597,7 +494,7 @@ class LlamaCppBackend:
         data = C.llama_token_data_array(
             candidates.ctypes.data_as(C.llama_token_data_p), self._n_vocab, -1, False
         )
-        C.llama_sampler_apply(sampler.grammar, ctypes.byref(data))
+        sampler.apply_grammar(data)
         kept = candidates[: data.size]
         logits[kept["id"][np.isneginf(kept["logit"])]] = -np.inf
         alive = np.isfinite(logits)
@@ -611,47 +508,38 @@ class LlamaCppBackend:
     def free_sampler(self, sampler: Any) -> None:
         """Free a sampler from :meth:`new_sampler` (its chain and grammar)."""
         if self._samplers.pop(id(sampler), None) is not None:
-            self._C.llama_sampler_free(sampler.chain)
-            if sampler.grammar is not None:
-                self._C.llama_sampler_free(sampler.grammar)
+            sampler.close()
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """``llama_memory_seq_rm``."""
-        return bool(self._C.llama_memory_seq_rm(self._memory, seq_id, p0, p1))
+        return self._context.seq_rm(seq_id, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """``llama_memory_seq_cp``; the cache is always unified, where partial copies are safe."""
-        self._C.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+        self._context.seq_cp(src, dst, p0, p1)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
         """``llama_memory_seq_add``: llama.cpp re-rotates the keys at the next decode."""
-        self._C.llama_memory_seq_add(self._memory, seq_id, p0, p1, delta)
+        self._context.seq_add(seq_id, p0, p1, delta)
 
     def seq_pos_min(self, seq_id: int) -> int:
         """``llama_memory_seq_pos_min``."""
-        return int(self._C.llama_memory_seq_pos_min(self._memory, seq_id))
+        return self._context.seq_pos_min(seq_id)
 
     @property
     def can_share_prefix(self) -> bool:
         """False for recurrent and hybrid memories, which cannot drop or copy partial ranges."""
         with self._entered():
-            return not (
-                self._C.llama_model_is_recurrent(self._model)
-                or self._C.llama_model_is_hybrid(self._model)
-            )
+            return not (self._model.is_recurrent() or self._model.is_hybrid())
 
     @property
     def model_identity(self) -> dict[str, object]:
         """What a saved session must match: name, description, sizes, vocabulary."""
-        C = self._C
-        desc = ctypes.create_string_buffer(256)
         with self._entered():
-            C.llama_model_desc(self._model, desc, 256)
-            n_params = int(C.llama_model_n_params(self._model))
-            size = int(C.llama_model_size(self._model))
+            desc, n_params, size = self._model.desc(), self._model.n_params(), self._model.size()
         return {
             "name": self._model_name,
-            "desc": desc.value.decode("utf-8", "replace"),
+            "desc": desc,
             "n_params": n_params,
             "size": size,
             "n_vocab": self._n_vocab,
@@ -665,15 +553,8 @@ class LlamaCppBackend:
             ContextClosedError: the backend is closed.
         """
         with self._entered():
-            data = self._state_get(self._ctx, seq_id)
+            data = self._context.state_seq_get(seq_id)
         return restream(data, 1) if self._plain_kv and data else data
-
-    def _state_get(self, ctx: Any, seq_id: int) -> bytes:
-        C = self._C
-        size = int(C.llama_state_seq_get_size(ctx, seq_id))
-        buf = (ctypes.c_uint8 * size)()
-        written = int(C.llama_state_seq_get_data(ctx, buf, size, seq_id))
-        return bytes(buf[:written])
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """Load a state from :meth:`state_seq_get` into ``seq_id``; False if refused.
@@ -696,13 +577,12 @@ class LlamaCppBackend:
             if n > self.n_ctx_stream or sorted(positions) != list(range(n)):
                 _log.warning("refused a saved sequence state: its positions are not 0..%d", n - 1)
                 return False
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         with self._entered():
-            return int(self._C.llama_state_seq_set_data(self._ctx, buf, len(data), seq_id)) > 0
+            return self._context.state_seq_set(seq_id, data)
 
     def seq_pos_max(self, seq_id: int) -> int:
         """``llama_memory_seq_pos_max``."""
-        return int(self._C.llama_memory_seq_pos_max(self._memory, seq_id))
+        return self._context.seq_pos_max(seq_id)
 
     def close(self) -> None:
         """Free samplers, batch, context and model, in that order. Idempotent.
@@ -716,21 +596,4 @@ class LlamaCppBackend:
             self._closed = True
             while self._users:
                 self._gate.wait()
-        for sampler in list(self._samplers.values()):
-            self.free_sampler(sampler)
-        self._stack.close()
-
-
-def utf8(text: str) -> bytes:
-    """``text`` as UTF-8, for the tokenizer.
-
-    Raises:
-        InvalidRequestError: ``text`` holds a lone surrogate (``"\\ud800"``).
-    """
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(
-            f"text holds a lone surrogate ({text[exc.start]!a} at index {exc.start}), "
-            "which is not valid Unicode text"
-        ) from exc
+        self._stack.close()  # each handle is freed even when an earlier free raises

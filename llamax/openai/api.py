@@ -27,7 +27,7 @@ from .requests import OpenAIRequest, prepare_chat, prepare_text, prepare_tool_ch
 from .shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 
 if TYPE_CHECKING:
-    from ..context import Context
+    from .. import Context
 
 __all__ = ["achat_completion", "acompletion", "chat_completion", "completion"]
 

@@ -6,15 +6,17 @@ and llama-cpp-python do, rather than being ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
+from .. import PromptLookup
 from ..errors import InvalidParameterError
 from ..grammar import JSON_OBJECT_SCHEMA
+from ..optionspec import openai_defaults
 from ..params import SamplingParams
-from ..speculative import PromptLookup
 
 __all__ = [
     "ChatOptions",
@@ -35,7 +37,13 @@ class StreamOptions(TypedDict, total=False):
 
 
 class CompletionOptions(TypedDict, total=False):
-    """Options shared by chat and text completions (OpenAI names and defaults)."""
+    """Options shared by chat and text completions (OpenAI names and defaults).
+
+    A static mirror, for type checkers, of :class:`~llamax.SamplingParams`' OpenAI options
+    (the fields whose spec has an ``openai`` default) plus OpenAI's own (``model``, ``user``,
+    ``stream_options``, ``logprobs``, ``top_logprobs``, ``response_format``); a test pins
+    that the two agree.
+    """
 
     max_tokens: int | None
     temperature: float
@@ -81,7 +89,11 @@ class ChatOptions(CompletionOptions, total=False):
     """Whether one reply may hold several calls (default True with tools)."""
 
 
-COMPLETION_OPTIONS = frozenset(CompletionOptions.__annotations__) | {"stream"}
+OPENAI_ONLY = frozenset(
+    {"model", "user", "stream", "stream_options", "logprobs", "top_logprobs", "response_format"}
+)
+"""Completion options that are OpenAI's own shapes rather than ``SamplingParams`` fields."""
+COMPLETION_OPTIONS = frozenset(openai_defaults(SamplingParams)) | OPENAI_ONLY
 CHAT_OPTIONS = frozenset(ChatOptions.__annotations__) | COMPLETION_OPTIONS
 
 
@@ -106,25 +118,15 @@ def sampling_params(options: CompletionOptions, *, chat: bool) -> SamplingParams
     Raises:
         InvalidParameterError: a value is out of range or of the wrong shape.
     """
-    stop = options.get("stop")
-    return SamplingParams(
-        max_tokens=options.get("max_tokens"),
-        temperature=options.get("temperature", 1.0),
-        top_p=options.get("top_p", 1.0),
-        top_k=options.get("top_k", 0),
-        min_p=options.get("min_p", 0.0),
-        repeat_penalty=options.get("repeat_penalty", 1.0),
-        stop=() if stop is None else stop,
-        n=options.get("n", 1),
-        seed=options.get("seed"),
-        logit_bias=_logit_bias(options.get("logit_bias")),
-        presence_penalty=options.get("presence_penalty", 0.0),
-        frequency_penalty=options.get("frequency_penalty", 0.0),
-        logprobs=_logprobs(options, chat=chat),
-        grammar=options.get("grammar"),
-        json_schema=_response_schema(options.get("response_format")),
-        speculative=_speculative(options.get("speculative")),
-    )
+    special = _SPECIAL
+    defaults = openai_defaults(SamplingParams)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(SamplingParams):  # in field order, as errors are raised
+        if f.name in special:
+            kwargs[f.name] = special[f.name](options, chat)
+        elif f.name in defaults:
+            kwargs[f.name] = options.get(f.name, defaults[f.name])
+    return SamplingParams(**kwargs)
 
 
 def _speculative(value: object) -> bool | PromptLookup | None:
@@ -134,7 +136,7 @@ def _speculative(value: object) -> bool | PromptLookup | None:
         raise InvalidParameterError(
             f"speculative must be a bool or an object, got {type(value).__name__}"
         )
-    known = {"max_draft", "ngram_max", "ngram_min"}
+    known = {f.name for f in dataclasses.fields(PromptLookup)}
     unknown = sorted(set(value) - known)
     if unknown:
         raise InvalidParameterError(
@@ -209,3 +211,19 @@ def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, 
     raise InvalidParameterError(
         f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
     )
+
+
+def _stop(options: CompletionOptions, chat: bool) -> Sequence[str]:
+    stop = options.get("stop")
+    return () if stop is None else stop
+
+
+_SPECIAL: dict[str, Callable[[CompletionOptions, bool], Any]] = {
+    "stop": _stop,
+    "logit_bias": lambda options, chat: _logit_bias(options.get("logit_bias")),
+    "logprobs": lambda options, chat: _logprobs(options, chat=chat),
+    "json_schema": lambda options, chat: _response_schema(options.get("response_format")),
+    "speculative": lambda options, chat: _speculative(options.get("speculative")),
+}
+"""``SamplingParams`` fields whose OpenAI shape differs, and how each is read from the
+options; every other OpenAI option is passed on as it is, with its OpenAI default."""

@@ -13,12 +13,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
-from ..chat.messages import validate_messages
-from ..chat.truncation import drop_oldest_turns
 from ..errors import ContextLengthError, InvalidParameterError
 from ..handle import RequestHandle
 from ..params import SamplingParams
 from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
+from ..templates.messages import validate_messages
+from ..templates.truncation import drop_oldest_turns
 from ..tools import (
     ToolCallStreamParser,
     ToolPlan,
@@ -39,7 +39,7 @@ from .shapes import (
 )
 
 if TYPE_CHECKING:
-    from ..context import Context
+    from .. import Context
 
 __all__ = [
     "AsyncChunkStream",

@@ -7,9 +7,13 @@ import contextlib
 import json
 import signal
 import threading
+from typing import Any
 
 import ray
 from ray import serve
+
+import llamax
+from llamax.optionspec import add_option_flags, option_values
 
 from .builder import deployment
 
@@ -35,9 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-replica", type=float, default=0)
     parser.add_argument("--routing", choices=["prefix", "default"], default="prefix")
     parser.add_argument(
-        "--context-options", type=json.loads, default={}, help="llamax.Context options (JSON)"
+        "--context-options",
+        type=json.loads,
+        default={},
+        help="llamax.Context options (JSON); the flags below override them",
     )
+    add_option_flags(parser, llamax.ContextConfig)
     args = parser.parse_args(argv)
+    context_options: Any = {**args.context_options, **option_values(args, llamax.ContextConfig)}
     ray.init(address=args.address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = deployment(
@@ -45,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         num_replicas=args.replicas,
         num_cpus_per_replica=args.cpus_per_replica,
         num_gpus_per_replica=args.gpus_per_replica,
-        context_options=args.context_options,
+        context_options=context_options,
         routing=args.routing,
     )
     serve.run(app, name="llamax", route_prefix="/")

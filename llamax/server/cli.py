@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 import llamax
+from llamax.optionspec import add_option_flags, option_values
 
 from .app import create_app
 
@@ -32,40 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="GGUF file (default: $LLAMAX_MODEL, else SmolLM2)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    p.add_argument("--n-ctx", type=int, default=4096, help="KV cells shared by all requests")
-    p.add_argument("--n-seq-max", type=int, default=16, help="sequences computed at once")
-    p.add_argument(
-        "--n-ctx-seq",
-        type=int,
-        default=None,
-        help="most tokens one request may hold (default: n_ctx); when n_ctx_seq * n_seq_max "
-        "<= n_ctx, each sequence gets its own KV stream (see docs/kv-cache.md)",
-    )
-    p.add_argument(
-        "--kv-layout",
-        choices=("auto", "unified", "streams"),
-        default="auto",
-        help="KV cache layout (default: auto: one stream per sequence while each fits "
-        "n_ctx / n_seq_max cells, unified while one needs more; see docs/kv-cache.md)",
-    )
-    p.add_argument(
-        "--max-step-ms",
-        type=float,
-        default=250.0,
-        help="latency target of a step while requests stream; 0 for fixed n_batch chunks",
-    )
-    p.add_argument(
-        "--speculative",
-        type=int,
-        default=0,
-        metavar="MAX_DRAFT",
-        help="prompt-lookup speculative decoding for every request, drafting up to MAX_DRAFT "
-        'tokens (default: 0, off; a request may still ask with "speculative": true)',
-    )
-    p.add_argument("--n-batch", type=int, default=512, help="tokens per decode step")
-    p.add_argument("--n-threads", type=int, default=None, help="CPU threads (default: all)")
-    p.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1: all)")
-    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template to use instead")
+    add_option_flags(p, llamax.ContextConfig)
     p.add_argument(
         "--api-key",
         default=os.environ.get("LLAMAX_API_KEY") or None,
@@ -109,26 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _context_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {
-        "n_ctx": args.n_ctx,
-        "n_seq_max": args.n_seq_max,
-        "n_batch": args.n_batch,
-        "n_gpu_layers": args.n_gpu_layers,
-        "n_ctx_seq": args.n_ctx_seq,
-        "kv_layout": args.kv_layout,
-        "max_step_ms": args.max_step_ms or None,
-    }
-    if args.speculative:
-        options["speculative"] = llamax.PromptLookup(max_draft=args.speculative)
-    if args.n_threads is not None:
-        options["n_threads"] = args.n_threads
-    if args.chat_template:
-        with open(args.chat_template, encoding="utf-8") as f:
-            options["chat_template"] = f.read()
-    return options
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``llamax serve`` with ``argv`` (default: ``sys.argv[1:]``; a leading ``serve`` is
     skipped, so the ``llamax`` command can pass its arguments through).
@@ -150,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     log.setLevel(ns.log_level.upper())
     try:
-        options = _context_options(ns)
+        options = option_values(ns, llamax.ContextConfig)
         app_options = {
             "api_key": ns.api_key,
             "max_queue": ns.max_queue,

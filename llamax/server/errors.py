@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import llamax
-from llamax.chat import InvalidMessageError, TemplateError
+from llamax.templates import InvalidMessageError, TemplateError
 
 __all__ = ["APIError", "error_response", "from_exception", "handle_api_error"]
 

@@ -7,10 +7,15 @@ field), so the two layers never disagree about what is valid.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, Literal, TypeVar
+import types
+import typing
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from llamax import SamplingParams
 
 from .errors import APIError
 
@@ -45,29 +50,41 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Fields chat and text completions share; ``None`` means llamax's OpenAI default."""
+_WIRE_TYPES: dict[str, Any] = {
+    "stop": str | list[str] | None,
+    "logit_bias": dict[str, float] | None,
+    "speculative": bool | dict[str, int] | None,
+}
+"""JSON shapes of the OpenAI options whose Python type is not a plain scalar."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
-    user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    grammar: str | None = None
-    speculative: bool | dict[str, int] | None = None
-    """llamax extension: speculative decoding on, off, or ``{"max_draft": 8}``."""
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _wire_type(name: str, hint: Any) -> Any:
+    """``hint | None`` for a scalar option; a non-scalar one needs :data:`_WIRE_TYPES`.
+
+    Raises:
+        TypeError: a non-scalar option has no JSON shape.
+    """
+    if name in _WIRE_TYPES:
+        return _WIRE_TYPES[name]
+    parts = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else ()
+    if hint in _SCALARS or (parts and all(p in _SCALARS for p in parts)):
+        return hint | None
+    raise TypeError(f"the OpenAI option {name!r} ({hint}) needs a JSON shape in _WIRE_TYPES")
+
+
+class _SamplingBase(_Strict):
+    """Fields chat and text completions share; ``None`` means llamax's OpenAI default.
+
+    The sampling fields are derived from :class:`~llamax.SamplingParams` (those with an
+    OpenAI default), by :func:`sampling_fields`.
+    """
+
+    if TYPE_CHECKING:  # the fields this class's own methods read
+        stop: str | list[str] | None
+        stream: bool | None
+        stream_options: StreamOptions | None
 
     @property
     def is_stream(self) -> bool:
@@ -93,6 +110,40 @@ class _SamplingFields(_Strict):
                 code="invalid_value",
             )
         return self.model_dump(exclude_none=True, exclude=set(_NOT_OPTIONS))
+
+
+def sampling_fields(params: type[SamplingParams] = SamplingParams) -> type[_SamplingBase]:
+    """The request model of the fields chat and text completions share: ``model``, each
+    OpenAI option of ``params`` (typed ``T | None``, default ``None``), then the server's own.
+
+    Args:
+        params: ``SamplingParams`` or a subclass with more options.
+
+    Returns:
+        A pydantic model class deriving from the shared base.
+    """
+    hints = typing.get_type_hints(params)
+    fields: dict[str, Any] = {"model": (str | None, None)}
+    for f in dataclasses.fields(params):
+        spec = f.metadata.get("llamax")  # an option's spec (llamax.optionspec)
+        if spec is not None and spec.is_openai:
+            fields[f.name] = (_wire_type(f.name, hints[f.name]), None)
+    fields |= {
+        "stream": (bool | None, None),
+        "stream_options": (StreamOptions | None, None),
+        "response_format": (dict[str, Any] | None, None),
+        "user": (str | None, None),
+    }
+    model: type[_SamplingBase] = create_model(
+        "_SamplingFields", __base__=_SamplingBase, __module__=__name__, **fields
+    )
+    return model
+
+
+if TYPE_CHECKING:
+    _SamplingFields = _SamplingBase
+else:
+    _SamplingFields = sampling_fields()
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -13,7 +13,7 @@ Pure Python over the public API. The pieces, in the order a chat completion uses
 See docs/tools.md.
 """
 
-from .grammar import CALL_CLOSE, CALL_OPEN, MAX_PARALLEL_CALLS, tool_call_grammar
+from .call_grammar import CALL_CLOSE, CALL_OPEN, MAX_PARALLEL_CALLS, tool_call_grammar
 from .parse import (
     ParsedReply,
     ToolCall,

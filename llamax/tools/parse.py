@@ -18,7 +18,7 @@ from typing import Any, Literal, TypedDict
 
 from typing_extensions import NotRequired
 
-from .grammar import CALL_CLOSE, CALL_OPEN
+from .call_grammar import CALL_CLOSE, CALL_OPEN
 from .spec import ToolPlan
 
 __all__ = [

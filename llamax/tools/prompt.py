@@ -15,12 +15,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..chat import ChatTemplate, InvalidMessageError, TemplateError, validate_messages
-from .grammar import CALL_CLOSE, CALL_OPEN
+from ..templates import ChatTemplate, InvalidMessageError, TemplateError, validate_messages
+from .call_grammar import CALL_CLOSE, CALL_OPEN
 from .spec import ToolPlan
 
 if TYPE_CHECKING:
-    from ..context import Context
+    from .. import Context
 
 __all__ = [
     "fallback_messages",

@@ -85,7 +85,7 @@ _SCALE = np.array([1.0, 1e-2, 1e-5, 1e-5])  # keeps the least-squares problem we
 _PRIOR = np.array([0.004, 0.003, 1e-6, 2e-6]) / _SCALE
 _MIN_OBSERVATIONS = 4
 _MAX_VARIANCE = 1.0  # bound on the covariance's eigenvalues: the prior's
-_log = logging.getLogger("llamax.step_budget")
+_log = logging.getLogger("llamax.engine.step_budget")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The run loop: one thread at a time owns the backend and the scheduler.
 
 Other threads only touch the inbox (new requests), the cancel queue and the operation queue
-(:mod:`llamax.kvops`), under one lock; all three are drained at the start of every step.
+(:mod:`llamax.engine.kvops`), under one lock; all three are drained at the start of every step.
 A step is::
 
     plan = scheduler.schedule() -> status = backend.decode(plan) -> sample rows
@@ -21,20 +21,21 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
-from enum import Enum
 from typing import Any, TypeVar
 
-from .backend.base import Backend, DecodeStatus
-from .errors import (
+from ..backend.base import Backend, DecodeStatus
+from ..errors import (
     ContextClosedError,
     DeadlockError,
     EngineError,
     InvalidRequestError,
     LoopOwnershipError,
 )
+from ..results import TokenLogprob
+from ..stats import ContextStats
 from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
+from .phase import EngineState, LoopPhase, next_phase
 from .plan import StepPlan, StepResult
-from .results import TokenLogprob
 from .sampling import (
     BatchLogitsProcessor,
     keep_interrupt,
@@ -46,7 +47,6 @@ from .scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
 from .speculative import PromptLookup
-from .stats import ContextStats
 from .step_budget import StepFeatures
 
 __all__ = ["Engine", "EngineState"]
@@ -58,15 +58,6 @@ _MAX_SHRINKS_PER_STEP = 64
 # what may still run while the context closes: operations that free room or only read
 _WHILE_CLOSING = (ReleaseSession, ReadSession, SaveSession, ClearCache, Audit)
 _MAX_STALLED_STEPS = 16
-
-
-class EngineState(Enum):
-    """Lifecycle of an engine (and its context)."""
-
-    RUNNING = "running"
-    CLOSING = "closing"
-    CLOSED = "closed"
-    FAILED = "failed"
 
 
 class Engine:
@@ -98,16 +89,14 @@ class Engine:
         self._cancels: list[Request] = []
         self._ops: list[tuple[KVOp[Any], Future[Any]]] = []
         self._live: dict[str, Request] = {}  # every submitted request until it is settled
-        self._state = EngineState.RUNNING
-        self._failure: BaseException | None = None
+        self._phase = LoopPhase.RUNNING  # changed by _move only, under _lock
+        self._failure: BaseException | None = None  # what failed the engine (FAILED phases)
         self._step_lock = threading.Lock()
         self._local = threading.local()  # .in_step / .stepping, per thread
         self._teardown_lock = threading.Lock()
-        self._torn_down = False
         self._stalled_steps = 0
         self._is_stuck = False  # the last step had nothing to do: wait for news, not spin
         self._close_error: BaseException | None = None  # backend.close raised; close() says so
-        self._draining = False
         self.num_steps = 0
         self._snapshot = self._count()
         self._thread: threading.Thread | None = None
@@ -119,7 +108,7 @@ class Engine:
     @property
     def state(self) -> EngineState:
         """The current lifecycle state."""
-        return self._state
+        return self._phase.state
 
     @property
     def is_background(self) -> bool:
@@ -130,7 +119,7 @@ class Engine:
         """The counters published after the latest step or operation, with the live state."""
         with self._lock:
             return dataclasses.replace(
-                self._snapshot, state=self._state.value, num_unsettled=len(self._live)
+                self._snapshot, state=self._phase.state.value, num_unsettled=len(self._live)
             )
 
     def submit(self, request: Request) -> None:
@@ -153,7 +142,7 @@ class Engine:
     def cancel(self, request: Request) -> None:
         """Queue a cancellation; applied at the next step boundary."""
         with self._lock:
-            if self._state is EngineState.RUNNING or self._state is EngineState.CLOSING:
+            if self._phase.state in (EngineState.RUNNING, EngineState.CLOSING):
                 self._cancels.append(request)
                 self._wakeup.notify()
 
@@ -229,25 +218,26 @@ class Engine:
             ContextClosedError: the engine is closed.
             EngineError: llama.cpp failed; every pending request failed and the engine closed.
         """
-        if self._state in (EngineState.CLOSED, EngineState.FAILED):
-            raise ContextClosedError(f"the context is {self._state.value}")
+        if self._phase.state in (EngineState.CLOSED, EngineState.FAILED):
+            raise ContextClosedError(f"the context is {self._phase.state.value}")
         if self._thread is not None:
             raise LoopOwnershipError(
                 "process() cannot be called while the background loop runs; "
                 "create the context with autostart=False to drive it yourself"
             )
         self.check_wait()
-        if self._torn_down:
-            raise ContextClosedError(f"the context is {self._state.value}")
+        if self._phase.is_torn_down:
+            raise ContextClosedError(f"the context is {self._phase.state.value}")
         if not self._step_lock.acquire(blocking=False):
             raise LoopOwnershipError("process() is already running in another thread")
-        if self._state in (EngineState.CLOSED, EngineState.FAILED) or self._torn_down:
+        if self._phase.is_torn_down or self._phase is LoopPhase.FAILED:
             self._step_lock.release()
-            raise ContextClosedError(f"the context is {self._state.value}")
+            raise ContextClosedError(f"the context is {self._phase.state.value}")
         computed = self._step_locked_then_publish()
         with self._lock:
-            finished = self._state is EngineState.CLOSING and not (
-                self._draining and (self._inbox or self.scheduler.has_work)
+            phase = self._phase
+            finished = phase in (LoopPhase.CLOSING, LoopPhase.TEARING_DOWN) or (
+                phase is LoopPhase.DRAINING and not (self._inbox or self.scheduler.has_work)
             )
         if finished:  # close() was called inside this step, or a drain has just ended
             self._teardown()
@@ -277,9 +267,8 @@ class Engine:
             TimeoutError: the loop (or a manual drain) did not finish within ``timeout``.
         """
         with self._lock:
-            if self._state is EngineState.RUNNING:
-                self._state = EngineState.CLOSING
-            self._draining = drain
+            if self._phase in (LoopPhase.RUNNING, LoopPhase.CLOSING, LoopPhase.DRAINING):
+                self._move(LoopPhase.DRAINING if drain else LoopPhase.CLOSING)
             self._wakeup.notify_all()
         if getattr(self._local, "in_step", False):
             return  # inside a step: the step ends first; its process() (or loop) tears down
@@ -304,11 +293,14 @@ class Engine:
     def _drain_here(self, timeout: float | None) -> None:
         """Step a manual context in this thread until nothing is left (``close(drain=True)``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._state is EngineState.CLOSING and self.has_work():
+        while self._phase.state is EngineState.CLOSING and self.has_work():
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError("the context did not drain in time; close() again to cancel")
             if not self._step_lock.acquire(timeout=0.05):
                 continue  # another thread steps (process() or a waiting handle)
+            if self._phase.is_torn_down:  # another thread's teardown won the step lock first
+                self._step_lock.release()
+                return
             try:
                 computed = self._step_locked_then_publish()
             except EngineError:
@@ -324,11 +316,11 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._inbox or self._cancels or self._ops or self._can_step()) and (
-                    self._state is EngineState.RUNNING
+                    self._phase is LoopPhase.RUNNING
                 ):
                     self._wakeup.wait()
-                stop = self._state is not EngineState.RUNNING and not (
-                    self._draining and (self._inbox or self._can_step())
+                stop = self._phase is not LoopPhase.RUNNING and not (
+                    self._phase is LoopPhase.DRAINING and (self._inbox or self._can_step())
                 )
             if stop:
                 break
@@ -444,7 +436,7 @@ class Engine:
     def _count(self) -> ContextStats:
         s = self.scheduler
         return ContextStats(
-            state=self._state.value,
+            state=self._phase.state.value,
             num_waiting=s.num_waiting,
             num_running=s.num_running,
             num_retained=s.prefix.num_retained,
@@ -497,7 +489,8 @@ class Engine:
 
     def _fail_all(self, error: EngineError) -> StepResult:
         with self._lock:
-            self._state = EngineState.FAILED
+            torn_down = self._phase is LoopPhase.TEARING_DOWN
+            self._move(LoopPhase.FAILED_TEARDOWN if torn_down else LoopPhase.FAILED)
             self._failure = error
             self._inbox, self._cancels = [], []
             live = list(self._live.values())
@@ -513,10 +506,11 @@ class Engine:
         so a done-callback that calls back into the context sees it closed."""
         result = StepResult()
         with self._teardown_lock:  # a second caller waits until the memory is freed
-            if self._torn_down:
-                return
-            self._torn_down = True  # under _lock too below: run() refuses new operations
-            with self._lock:
+            with self._lock:  # from here run() refuses every operation
+                if self._phase.is_torn_down:
+                    return
+                failed = self._phase is LoopPhase.FAILED
+                self._move(LoopPhase.FAILED_TEARDOWN if failed else LoopPhase.TEARING_DOWN)
                 inbox, self._inbox = self._inbox, []
                 self._cancels = []
                 ops, self._ops = self._ops, []
@@ -546,22 +540,24 @@ class Engine:
                         self._close_error = exc
                 finally:
                     with self._lock:
-                        if self._state is not EngineState.FAILED:
-                            self._state = EngineState.CLOSED
+                        if self._phase is LoopPhase.TEARING_DOWN:
+                            self._move(LoopPhase.CLOSED)
         self._publish(result)
+
+    def _move(self, phase: LoopPhase) -> None:
+        """Change phase as :data:`~llamax.engine.phase.MOVES` allows; the caller holds
+        ``_lock``."""
+        self._phase = next_phase(self._phase, phase)
 
     def _raise_if_not_running(self, op: KVOp[Any] | None = None) -> None:
         """Raise unless the engine runs, or closes (not yet torn down) and ``op`` may still
         run then (``_WHILE_CLOSING``). The caller holds ``_lock``."""
-        if self._state is EngineState.FAILED:
+        phase = self._phase
+        if phase.state is EngineState.FAILED:
             raise ContextClosedError("the context failed and is closed") from self._failure
-        if (
-            self._state is EngineState.CLOSING
-            and isinstance(op, _WHILE_CLOSING)
-            and not self._torn_down
-        ):
+        if phase in (LoopPhase.CLOSING, LoopPhase.DRAINING) and isinstance(op, _WHILE_CLOSING):
             return
-        if self._state is not EngineState.RUNNING:
+        if phase is not LoopPhase.RUNNING:
             raise ContextClosedError("the context has been closed")
 
 

@@ -1,5 +1,5 @@
 """Prefix reuse: which slot holds the longest prefix of a prompt, and which finished slots
-are kept for that (LRU retention). Pure Python, over :class:`~llamax.kvcache.KVCache`.
+are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kvcache.KVCache`.
 
 A finished sequence's slot is *retained*: its cells stay in KV so a later prompt that starts
 the same way copies them instead of computing them. Retained slots are evicted least
@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
-from .tokens import common_prefix_len
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 
@@ -64,7 +64,7 @@ class PrefixCache:
         if slot.pinned:
             return
         if self._retain and slot.tokens:
-            slot.state = SlotState.RETAINED
+            slot.move(SlotState.RETAINED)
             self._retained[slot.seq_id] = slot
             self._retained.move_to_end(slot.seq_id)
         else:
@@ -73,7 +73,7 @@ class PrefixCache:
     def adopt(self, slot: Slot) -> None:
         """Make a retained slot active again (a new sequence takes it over)."""
         del self._retained[slot.seq_id]
-        slot.state = SlotState.ACTIVE
+        slot.move(SlotState.ACTIVE)
 
     def touch(self, slot: Slot) -> None:
         """Mark ``slot`` as just used (a prefix was copied from it)."""

@@ -19,7 +19,7 @@ try:
     import jinja2
     from jinja2.exceptions import SecurityError
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("llamax.chat needs jinja2: pip install 'llamax[chat]'") from exc
+    raise ImportError("llamax.templates needs jinja2: pip install 'llamax[chat]'") from exc
 
 from ..errors import InvalidParameterError, LlamaxError
 from .sandbox import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
@@ -138,7 +138,7 @@ class ChatTemplate:
         """Render ``messages`` into the prompt text.
 
         Args:
-            messages: OpenAI-style messages (see :func:`llamax.chat.validate_messages`).
+            messages: OpenAI-style messages (see :func:`llamax.templates.validate_messages`).
             add_generation_prompt: End with the header that opens the assistant's turn.
             tools: Tool (function) schemas, for templates that support tool calling.
             **kwargs: Extra template variables (e.g. ``enable_thinking``, ``documents``);

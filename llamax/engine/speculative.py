@@ -26,14 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
-from .errors import InvalidParameterError
+from ..errors import InvalidParameterError
 
 __all__ = [
     "DecodeCost",
+    "DraftMethod",
     "DraftState",
     "Drafter",
     "PromptLookup",
@@ -85,6 +86,16 @@ class PromptLookup:
 
 Speculative: TypeAlias = PromptLookup
 """The drafting methods a context or a request can ask for (a draft model may join later)."""
+
+
+@runtime_checkable
+class DraftMethod(Protocol):
+    """A drafting method (such as :class:`PromptLookup`): makes each sequence's draft state.
+    Callers check for this protocol, not for a class, so a new method touches no caller."""
+
+    def new_state(self, shared: SharedAcceptance | None = None) -> DraftState:
+        """Per-sequence state whose acceptance record starts from (and feeds) ``shared``."""
+        ...
 
 
 class Drafter(Protocol):

@@ -5,20 +5,20 @@ Run through ``Context.audit()``; tests run it after every test (``llamax.testing
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
 
-from .kvcache import Slot, SlotState
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from ..backend.base import Backend, Inspectable
+from .kvcache import KVCache, Slot, SlotState
+from .sequence import Sequence as Seq
 
 __all__ = ["audit"]
 
 
-def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
-    """Every inconsistency between the bookkeeping and the memory, as sentences."""
-    backend, kv = scheduler.backend, scheduler.kv
+def audit(
+    backend: Backend, kv: KVCache, sequences: Sequence[Seq], session_slots: Iterable[Slot]
+) -> list[str]:
+    """Every inconsistency between the bookkeeping (``kv``, the waiting and running
+    ``sequences``, the sessions' slots) and ``backend``'s memory, as sentences."""
     problems: list[str] = []
     slots = {slot.seq_id: slot for slot in kv.slots()}
     pinned = {slot.seq_id for slot in session_slots}
@@ -26,8 +26,8 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
         problems.append(
             f"{len(slots)} held + {kv.num_free_seq_ids} free sequence ids != {backend.n_seq_max}"
         )
-    tokens_of = getattr(backend, "seq_tokens", None)  # test backends can show KV contents
-    owners = {s.slot.seq_id for s in scheduler.all_sequences() if s.slot is not None}
+    inspectable = backend if isinstance(backend, Inspectable) else None
+    owners = {s.slot.seq_id for s in sequences if s.slot is not None}
     for seq_id in range(backend.n_seq_max):
         slot = slots.get(seq_id)
         extent = backend.seq_pos_max(seq_id)
@@ -37,20 +37,24 @@ def audit(scheduler: Scheduler, session_slots: Iterable[Slot]) -> list[str]:
             continue
         if slot.pinned and seq_id not in pinned:
             problems.append(f"{slot!r} is pinned but no session holds it")
-        if not slot.pinned and slot.state is SlotState.ACTIVE and seq_id not in owners:
+        if slot.state is SlotState.ACTIVE and seq_id not in owners:
             problems.append(f"{slot!r} is active but no sequence owns it")
         if extent != len(slot.tokens) - 1:
             problems.append(f"{slot!r} but KV holds positions up to {extent}")
-        elif tokens_of is not None and list(tokens_of(seq_id)) != slot.tokens:
-            problems.append(f"{slot!r} but KV holds other tokens")
-    for seq in scheduler.all_sequences():
+        elif inspectable is not None:
+            held_tokens = inspectable.seq_tokens(seq_id)
+            if held_tokens is not None and list(held_tokens) != slot.tokens:
+                problems.append(f"{slot!r} but KV holds other tokens")
+    for seq in sequences:
         if seq.slot is not None and seq.slot.tokens != seq.token_ids[: seq.num_computed]:
             problems.append(f"sequence {seq.request.request_id}/{seq.index} diverged from its slot")
-    cells = getattr(backend, "num_cells_used", None)
+    if inspectable is None:
+        return problems
+    cells = inspectable.num_cells_used
     if cells is not None and cells != kv.num_cells_used:
         problems.append(f"backend holds {cells} cells, the cache accounts {kv.num_cells_used}")
-    samplers = getattr(backend, "num_live_samplers", None)
-    held = sum(1 for s in scheduler.all_sequences() if s.sampler is not None)
-    if samplers is not None and samplers != held:
+    samplers = inspectable.num_live_samplers
+    held = sum(1 for s in sequences if s.sampler is not None)
+    if samplers != held:
         problems.append(f"backend holds {samplers} samplers, sequences hold {held}")
     return problems

@@ -15,7 +15,7 @@ With ``kv_layout="auto"`` the memory can move between the two (:meth:`KVCache.re
 every sequence then holds cells of its own, in either layout, until it is copied again.
 
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
-and which is evicted first, is :mod:`llamax.prefix`'s business; who may change a slot at
+and which is evicted first, is :mod:`llamax.engine.prefix`'s business; who may change a slot at
 all is the scheduler's (see docs/architecture.md).
 """
 
@@ -26,36 +26,88 @@ import itertools
 from collections.abc import Sequence
 from enum import Enum
 
-from .backend.base import KVMemory
-from .errors import InvalidParameterError
+from ..backend.base import KVMemory
+from ..errors import InvalidParameterError
 
-__all__ = ["KVCache", "Slot", "SlotState"]
+__all__ = ["LAYOUT_MOVES", "KVCache", "LayoutState", "Slot", "SlotState"]
+
+
+class LayoutState(Enum):
+    """Where the KV layout stands; :data:`LAYOUT_MOVES` lists where it may go."""
+
+    FIXED = "fixed"
+    """``kv_layout="unified"`` or ``"streams"``: the layout never moves."""
+    STREAMS = "streams"
+    """``kv_layout="auto"``, one stream per sequence now."""
+    UNIFIED = "unified"
+    """``kv_layout="auto"``, one buffer now."""
+    STUCK = "stuck"
+    """``kv_layout="auto"``, but a move failed: the layout stays as it is from now on."""
+
+
+LAYOUT_MOVES: dict[LayoutState, frozenset[LayoutState]] = {
+    LayoutState.FIXED: frozenset(),
+    LayoutState.STREAMS: frozenset({LayoutState.UNIFIED, LayoutState.STUCK}),
+    LayoutState.UNIFIED: frozenset({LayoutState.STREAMS, LayoutState.STUCK}),
+    LayoutState.STUCK: frozenset(),
+}
+"""The layout's explicit transitions (:meth:`KVCache.relayout`, :meth:`KVCache.fail_relayout`)."""
 
 
 class SlotState(Enum):
-    """Who holds a slot."""
+    """Who holds a slot. A slot is born ACTIVE or PINNED; only an ACTIVE slot may be
+    retained and only a RETAINED one adopted again (:data:`SLOT_MOVES`). A PINNED slot
+    keeps its state until its session frees it."""
 
     ACTIVE = "active"
-    """A running sequence or an open session."""
+    """A running sequence."""
     RETAINED = "retained"
-    """A finished sequence kept for its prefix (see :mod:`llamax.prefix`)."""
+    """A finished sequence kept for its prefix (see :mod:`llamax.engine.prefix`)."""
+    PINNED = "pinned"
+    """Held by a session: never retained nor evicted, released only by the session."""
+
+
+SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
+    SlotState.ACTIVE: frozenset({SlotState.RETAINED}),
+    SlotState.RETAINED: frozenset({SlotState.ACTIVE}),
+    SlotState.PINNED: frozenset(),
+}
+"""The moves a slot may make; freeing a slot ends it from any state."""
 
 
 class Slot:
     """A sequence id and the tokens it holds in KV."""
 
-    __slots__ = ("cells", "pinned", "seq_id", "state", "tokens")
+    __slots__ = ("_state", "cells", "seq_id", "tokens")
 
     def __init__(self, seq_id: int, *, pinned: bool = False) -> None:
         self.seq_id = seq_id
         self.tokens: list[int] = []
         self.cells: list[int] = []
-        self.state = SlotState.ACTIVE
-        self.pinned = pinned
-        """Held by a session: never retained nor evicted, released only by the session."""
+        self._state = SlotState.PINNED if pinned else SlotState.ACTIVE
+
+    @property
+    def state(self) -> SlotState:
+        """Who holds the slot."""
+        return self._state
+
+    @property
+    def pinned(self) -> bool:
+        """Whether a session holds the slot."""
+        return self._state is SlotState.PINNED
+
+    def move(self, state: SlotState) -> None:
+        """Change who holds the slot.
+
+        Raises:
+            RuntimeError: :data:`SLOT_MOVES` does not allow the move.
+        """
+        if state not in SLOT_MOVES[self._state]:
+            raise RuntimeError(f"{self!r} cannot become {state.value}")
+        self._state = state
 
     def __repr__(self) -> str:
-        return f"<Slot {self.seq_id} {self.state.value} {len(self.tokens)} tokens>"
+        return f"<Slot {self.seq_id} {self._state.value} {len(self.tokens)} tokens>"
 
 
 class KVCache:
@@ -64,7 +116,10 @@ class KVCache:
     def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
         self._memory = memory
         self._shares_cells = memory.is_unified
-        self._may_relayout = True
+        self._layout = LayoutState.FIXED
+        if memory.can_relayout:
+            self._layout = LayoutState.UNIFIED if memory.is_unified else LayoutState.STREAMS
+        self._relayout_failure: str | None = None
         self._free_ids = list(range(n_seq_max))  # a min-heap: the lowest free id goes first
         self._slots: dict[int, Slot] = {}
         self._refs: dict[int, int] = {}
@@ -96,13 +151,33 @@ class KVCache:
         return self._memory.n_ctx_stream
 
     @property
+    def layout(self) -> LayoutState:
+        """Where the layout stands (see :data:`LAYOUT_MOVES`)."""
+        return self._layout
+
+    @property
     def can_relayout(self) -> bool:
         """Whether :meth:`relayout` may switch layouts."""
-        return self._may_relayout and self._memory.can_relayout
+        return self._layout is LayoutState.STREAMS or self._layout is LayoutState.UNIFIED
 
-    def disable_relayout(self) -> None:
-        """Stay in the current layout from now on (a relayout failed)."""
-        self._may_relayout = False
+    @property
+    def relayout_failure(self) -> str | None:
+        """Why the layout is :attr:`LayoutState.STUCK` (None in any other state)."""
+        return self._relayout_failure
+
+    def fail_relayout(self, reason: str) -> None:
+        """Stay in the current layout from now on: a move failed because of ``reason``.
+
+        Raises:
+            RuntimeError: The layout is not ``kv_layout="auto"``'s, or already stuck.
+        """
+        self._move(LayoutState.STUCK)
+        self._relayout_failure = reason
+
+    def _move(self, to: LayoutState) -> None:
+        if to not in LAYOUT_MOVES[self._layout]:
+            raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
+        self._layout = to
 
     def is_intact(self, slot: Slot) -> bool:
         """Whether the memory still holds the slot's first cells (sliding windows drop them)."""
@@ -122,10 +197,19 @@ class KVCache:
 
     def relayout(self, unified: bool) -> None:
         """Move every slot into the other layout (``KVMemory.relayout``). The memory gives
-        each sequence cells of its own, so shared cells are counted once per slot after."""
+        each sequence cells of its own, so shared cells are counted once per slot after.
+
+        Raises:
+            RuntimeError: The layout may not move (:attr:`can_relayout` is False).
+            RequestFailedError: The memory could not move (nothing changed).
+        """
         if unified == self._shares_cells:
             return
+        to = LayoutState.UNIFIED if unified else LayoutState.STREAMS
+        if to not in LAYOUT_MOVES[self._layout]:
+            raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
         self._memory.relayout(unified)
+        self._move(to)
         self._shares_cells = unified
         self._refs.clear()
         for slot in self._slots.values():

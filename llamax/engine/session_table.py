@@ -1,5 +1,5 @@
 """The scheduler's side of sessions and cache-wide operations: it applies every
-:mod:`llamax.kvops` operation on the loop thread, between steps.
+:mod:`llamax.engine.kvops` operation on the loop thread, between steps.
 
 A session is a pinned slot known by a session id. Its requests are admitted into that slot
 (keeping the common prefix of what it holds); ``ReleaseSession`` first cancels a request
@@ -9,11 +9,12 @@ of the session that is still queued or running, so closing never waits on the lo
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..backend.base import Backend
+from ..errors import InvalidParameterError, SessionError, SessionLoadError
 from .audit import audit
-from .errors import InvalidParameterError, SessionError, SessionLoadError
-from .kvcache import Slot
+from .kvcache import KVCache, Slot
 from .kvops import (
     Audit,
     ClearCache,
@@ -28,17 +29,41 @@ from .kvops import (
     ShiftSession,
 )
 from .plan import StepResult
+from .prefix import PrefixCache
+from .sequence import Request, Sequence
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+__all__ = ["SessionOwner", "SessionTable"]
 
-__all__ = ["SessionTable"]
+
+class SessionOwner(Protocol):
+    """What the session table needs of the scheduler that owns it."""
+
+    kv: KVCache
+    prefix: PrefixCache
+
+    @property
+    def backend(self) -> Backend:
+        """The backend the scheduler drives."""
+        ...
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens the running sequences still have to compute."""
+        ...
+
+    def all_sequences(self) -> list[Sequence]:
+        """Every waiting and running sequence."""
+        ...
+
+    def abort(self, request: Request, result: StepResult) -> None:
+        """Cancel every unfinished sequence of ``request``, freeing its KV cells now."""
+        ...
 
 
 class SessionTable:
     """Pinned slots by session id, and the operations that change the cache."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SessionOwner) -> None:
         self._scheduler = scheduler
         self._slots: dict[int, Slot] = {}
         self._ids = itertools.count(1)
@@ -104,7 +129,10 @@ class SessionTable:
             case ClearCache():
                 return self._scheduler.prefix.evict_all()
             case Audit():
-                return audit(self._scheduler, self._slots.values())
+                scheduler = self._scheduler
+                return audit(
+                    scheduler.backend, scheduler.kv, scheduler.all_sequences(), self._slots.values()
+                )
         raise TypeError(f"unknown KV operation {op!r}")
 
     # ------------------------------------------------------------------ operations

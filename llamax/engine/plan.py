@@ -13,8 +13,8 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .backend.base import BatchItem
-from .results import TokenEvent
+from ..backend.base import BatchItem
+from ..results import TokenEvent
 from .sequence import TERMINAL_STATES, Request
 from .sequence import Sequence as Seq
 
@@ -34,7 +34,7 @@ class ScheduledSequence:
     draft: tuple[int, ...] = ()
     """Speculative draft tokens fed after the sequence's pending token; the item then asks
     for logits at the pending token and at every draft token (see
-    :mod:`llamax.speculative`)."""
+    :mod:`llamax.engine.speculative`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Engine-side request and sequence records, and their state machine.
 
-Only :mod:`llamax.scheduler` changes ``Sequence.state``. A :class:`Request` holds one
+Only :mod:`llamax.engine.scheduler` changes ``Sequence.state``. A :class:`Request` holds one
 :class:`Sequence` per requested choice (``n``); each sequence owns its own KV sequence id,
 sampler, detokenizer and stop matcher.
 """
@@ -11,13 +11,13 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from .params import SamplingParams
-from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, Usage
-from .text import Detokenizer, StopMatcher, StopStrings
+from ..params import SamplingParams
+from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, Usage
+from ..text import Detokenizer, StopMatcher, StopStrings
 
 if TYPE_CHECKING:
-    from .backend.base import Sampler
-    from .handle import RequestHandle
+    from ..backend.base import Sampler
+    from ..handle import RequestHandle
     from .kvcache import Slot
     from .speculative import DraftState
 

@@ -118,7 +118,7 @@ def tokenize_conversation(
     Args:
         backend: The model's tokenizer.
         template: The chat template.
-        messages: Messages as :func:`~llamax.chat.validate_messages` returns them.
+        messages: Messages as :func:`~llamax.templates.validate_messages` returns them.
         add_generation_prompt: End with the header that opens the assistant's turn.
         parse_special_in_content: Parse special-token text in content too (the old way).
         **template_vars: Extra template variables.

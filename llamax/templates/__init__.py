@@ -2,7 +2,7 @@
 
 Needs ``jinja2`` (``pip install 'llamax[chat]'``).
 
->>> from llamax.chat import ChatTemplate
+>>> from llamax.templates import ChatTemplate
 >>> template = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}")
 >>> template.render([{"role": "user", "content": "Hi"}])
 'user: Hi\\n'

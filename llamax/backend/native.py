@@ -1,0 +1,426 @@
+"""One small class per llama.cpp handle: model, context, batch and sampler.
+
+Each class owns one native pointer, wraps the calls made on it in one-line methods and frees
+it in an idempotent ``close()``, like llama-cpp-python's ``_internals.py``. Their owners
+(:class:`~llamax.backend.llama_cpp.LlamaCppBackend`, the embeddings backend, ``llamax info``)
+free them in the reverse order of creation: samplers, then the batch, then the context,
+then the model, since a context uses its model's weights and a sampler its vocabulary.
+Only the backend package touches ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import InvalidRequestError, ModelLoadError
+from .platform import default_use_extra_bufts
+
+__all__ = [
+    "NativeBatch",
+    "NativeContext",
+    "NativeModel",
+    "NativeSampler",
+    "bindings",
+    "check_gguf",
+    "context_params",
+    "utf8",
+]
+
+_log = logging.getLogger("llamax.llama_cpp")
+# ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line)
+_LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
+_CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+
+
+def bindings() -> Any:
+    """llama-cpp-python's raw bindings, with llama.cpp's log routed to ``logging`` once.
+
+    Raises:
+        ModelLoadError: llama-cpp-python is not installed.
+    """
+    try:
+        import llama_cpp.llama_cpp as C
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ModelLoadError(
+            "llama-cpp-python is not installed; run scripts/bootstrap.sh or "
+            "`pip install llama-cpp-python`"
+        ) from exc
+    if not getattr(bindings, "log_callback", None):
+        # llama-cpp-python prints every native log line to stderr; route them to logging.
+        last = [logging.DEBUG]
+
+        @C.llama_log_callback  # type: ignore[untyped-decorator]
+        def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            if level != 5:
+                last[0] = _LEVELS.get(level, logging.DEBUG)
+            if _log.isEnabledFor(last[0]):
+                _log.log(last[0], "%s", text.decode("utf-8", "replace").rstrip())
+
+        C.llama_log_set(forward, ctypes.c_void_p(0))
+        C.llama_backend_init()
+        bindings.log_callback = forward  # type: ignore[attr-defined]  # keep alive
+    return C
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a missing file or one without GGUF's magic bytes before llama.cpp reads it.
+
+    Raises:
+        ModelLoadError: the file is missing, unreadable or not a GGUF.
+    """
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read model file {path}: {exc}") from exc
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF model file (magic bytes {magic!r})")
+
+
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8, for the tokenizer.
+
+    Raises:
+        InvalidRequestError: ``text`` holds a lone surrogate (``"\\ud800"``).
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"text holds a lone surrogate ({text[exc.start]!a} at index {exc.start}), "
+            "which is not valid Unicode text"
+        ) from exc
+
+
+def context_params(C: Any, **fields: Any) -> Any:
+    """``llama_context_default_params()`` with ``fields`` set (``n_ctx=...``, ...)."""
+    cparams = C.llama_context_default_params()
+    for name, value in fields.items():
+        setattr(cparams, name, value)
+    return cparams
+
+
+class NativeModel:
+    """A ``llama_model`` and its vocabulary; freed by :meth:`close`, after its contexts."""
+
+    __slots__ = ("C", "ptr", "vocab")
+
+    def __init__(
+        self,
+        C: Any,
+        path: Path,
+        *,
+        n_gpu_layers: int,
+        use_mmap: bool = True,
+        use_extra_bufts: bool | None = None,
+    ) -> None:
+        """Check and load a GGUF file (``use_extra_bufts=None``: off where AMX crashes).
+
+        Raises:
+            ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it.
+        """
+        check_gguf(path)
+        mparams = C.llama_model_default_params()
+        mparams.n_gpu_layers = n_gpu_layers
+        mparams.use_mmap = use_mmap
+        mparams.use_extra_bufts = (
+            default_use_extra_bufts() if use_extra_bufts is None else use_extra_bufts
+        )
+        ptr = C.llama_model_load_from_file(str(path).encode(), mparams)
+        if not ptr:
+            raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
+        self.C, self.ptr = C, ptr
+        self.vocab = C.llama_model_get_vocab(ptr)
+
+    def close(self) -> None:
+        """``llama_model_free``; idempotent."""
+        ptr, self.ptr = self.ptr, None
+        if ptr is not None:
+            self.C.llama_model_free(ptr)
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None."""
+        size = 1 << 16
+        buf = ctypes.create_string_buffer(size)
+        n = self.C.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
+        if n < 0:
+            return None
+        if n >= size:
+            buf = ctypes.create_string_buffer(n + 1)
+            self.C.llama_model_meta_val_str(self.ptr, key.encode(), buf, n + 1)
+        return buf.value.decode("utf-8", "replace")
+
+    def desc(self) -> str:
+        """``llama_model_desc``: architecture, size and type in a few words."""
+        buf = ctypes.create_string_buffer(256)
+        self.C.llama_model_desc(self.ptr, buf, 256)
+        return buf.value.decode("utf-8", "replace")
+
+    def n_params(self) -> int:
+        """Parameter count."""
+        return int(self.C.llama_model_n_params(self.ptr))
+
+    def size(self) -> int:
+        """Bytes of weights."""
+        return int(self.C.llama_model_size(self.ptr))
+
+    def n_ctx_train(self) -> int:
+        """Context length the model was trained with."""
+        return int(self.C.llama_model_n_ctx_train(self.ptr))
+
+    def n_embd(self) -> int:
+        """Embedding width."""
+        return int(self.C.llama_model_n_embd(self.ptr))
+
+    def n_head(self) -> int:
+        """Query heads (at least 1)."""
+        return max(1, int(self.C.llama_model_n_head(self.ptr)))
+
+    def n_head_kv(self) -> int:
+        """Key/value heads."""
+        return int(self.C.llama_model_n_head_kv(self.ptr))
+
+    def n_layer(self) -> int:
+        """Layers."""
+        return int(self.C.llama_model_n_layer(self.ptr))
+
+    def n_swa(self) -> int:
+        """Sliding-window size (0: none)."""
+        return int(self.C.llama_model_n_swa(self.ptr))
+
+    def is_recurrent(self) -> bool:
+        """Recurrent memory (no partial ranges)."""
+        return bool(self.C.llama_model_is_recurrent(self.ptr))
+
+    def is_hybrid(self) -> bool:
+        """Hybrid attention and recurrent memory."""
+        return bool(self.C.llama_model_is_hybrid(self.ptr))
+
+    def has_chat_template(self) -> bool:
+        """Whether the GGUF holds a default chat template."""
+        return bool(self.C.llama_model_chat_template(self.ptr, None))
+
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+        return int(self.C.llama_vocab_n_tokens(self.vocab))
+
+    def add_bos(self) -> bool:
+        """Whether the vocabulary adds BOS to prompts."""
+        return bool(self.C.llama_vocab_get_add_bos(self.vocab))
+
+    def bos(self) -> int:
+        """The BOS token (negative: none)."""
+        return int(self.C.llama_vocab_bos(self.vocab))
+
+    def eos(self) -> int:
+        """The EOS token (negative: none)."""
+        return int(self.C.llama_vocab_eos(self.vocab))
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation."""
+        return bool(self.C.llama_vocab_is_eog(self.vocab, token))
+
+    def tokenize(self, data: bytes, *, add_special: bool, parse_special: bool) -> list[int]:
+        """``llama_tokenize`` on UTF-8 ``data``, growing the buffer as llama.cpp asks."""
+        cap = len(data) + 8
+        while True:
+            buf = (ctypes.c_int32 * cap)()
+            n = self.C.llama_tokenize(
+                self.vocab, data, len(data), buf, cap, add_special, parse_special
+            )
+            if n >= 0:
+                return list(buf[:n])
+            cap = -n
+
+    def piece(self, token: int, *, special: bool, size: int = 64) -> bytes:
+        """``llama_token_to_piece``: the token's bytes (special tokens rendered if
+        ``special``), growing the buffer as llama.cpp asks."""
+        buf = ctypes.create_string_buffer(size)
+        n = self.C.llama_token_to_piece(self.vocab, token, buf, size, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.C.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def grammar_sampler(self, grammar: str) -> Any:
+        """``llama_sampler_init_grammar`` with root ``root``; NULL (falsy) for invalid GBNF."""
+        return self.C.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+
+
+class NativeContext:
+    """A ``llama_context`` and its memory; freed by :meth:`close`, before its model."""
+
+    __slots__ = ("C", "memory", "ptr")
+
+    def __init__(self, C: Any, ptr: Any) -> None:
+        self.C, self.ptr = C, ptr
+        self.memory = C.llama_get_memory(ptr)
+
+    @classmethod
+    def create(cls, model: NativeModel, cparams: Any) -> NativeContext | None:
+        """``llama_init_from_model``, or None when llama.cpp refuses (out of memory?)."""
+        ptr = model.C.llama_init_from_model(model.ptr, cparams)
+        return cls(model.C, ptr) if ptr else None
+
+    def close(self) -> None:
+        """``llama_free``; idempotent."""
+        ptr, self.ptr = self.ptr, None
+        if ptr is not None:
+            self.C.llama_free(ptr)
+
+    def n_ctx(self) -> int:
+        """KV cells granted."""
+        return int(self.C.llama_n_ctx(self.ptr))
+
+    def n_ctx_seq(self) -> int:
+        """Cells one sequence may hold."""
+        return int(self.C.llama_n_ctx_seq(self.ptr))
+
+    def n_seq_max(self) -> int:
+        """Sequence ids."""
+        return int(self.C.llama_n_seq_max(self.ptr))
+
+    def n_batch(self) -> int:
+        """Most tokens per decode."""
+        return int(self.C.llama_n_batch(self.ptr))
+
+    def pooling_type(self) -> int:
+        """``llama_pooling_type`` in force."""
+        return int(self.C.llama_pooling_type(self.ptr))
+
+    def decode(self, batch: NativeBatch) -> int:
+        """``llama_decode``: 0 on success."""
+        return int(self.C.llama_decode(self.ptr, batch.ptr))
+
+    def logits(self, row: int, n_vocab: int) -> npt.NDArray[np.float32]:
+        """Zero-copy view of output ``row``'s logits."""
+        ptr = self.C.llama_get_logits_ith(self.ptr, row)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
+    def all_logits(self, num_rows: int, n_vocab: int) -> npt.NDArray[np.float32]:
+        """Zero-copy view of every output's logits, in batch order."""
+        ptr = self.C.llama_get_logits(self.ptr)
+        return np.ctypeslib.as_array(ptr, shape=(num_rows, n_vocab))
+
+    def embeddings(self, num_rows: int, n_embd: int) -> npt.NDArray[np.float32]:
+        """Zero-copy view of every token's embedding (no pooling)."""
+        ptr = self.C.llama_get_embeddings(self.ptr)
+        return np.ctypeslib.as_array(ptr, shape=(num_rows, n_embd))
+
+    def seq_embedding(self, seq_id: int, n_embd: int) -> npt.NDArray[np.float32] | None:
+        """Zero-copy view of ``seq_id``'s pooled embedding, or None when none was pooled."""
+        ptr = self.C.llama_get_embeddings_seq(self.ptr, seq_id)
+        return np.ctypeslib.as_array(ptr, shape=(n_embd,)) if ptr else None
+
+    def can_shift(self) -> bool:
+        """``llama_memory_can_shift``."""
+        return bool(self.C.llama_memory_can_shift(self.memory))
+
+    def clear(self) -> None:
+        """``llama_memory_clear`` (data too)."""
+        self.C.llama_memory_clear(self.memory, True)
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """``llama_memory_seq_rm``."""
+        return bool(self.C.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``llama_memory_seq_cp``."""
+        self.C.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """``llama_memory_seq_add``."""
+        self.C.llama_memory_seq_add(self.memory, seq_id, p0, p1, delta)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """``llama_memory_seq_pos_min``."""
+        return int(self.C.llama_memory_seq_pos_min(self.memory, seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """``llama_memory_seq_pos_max``."""
+        return int(self.C.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """``llama_state_seq_get_data``: one sequence's state, as llama.cpp writes it."""
+        size = int(self.C.llama_state_seq_get_size(self.ptr, seq_id))
+        buf = (ctypes.c_uint8 * size)()
+        written = int(self.C.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
+        return bytes(buf[:written])
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """``llama_state_seq_set_data``; False when llama.cpp refuses it."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return int(self.C.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id)) > 0
+
+
+class NativeBatch:
+    """A ``llama_batch`` of ``n_tokens`` rows, one sequence id each, with numpy views of its
+    token, position and output-flag arrays; freed by :meth:`close`, before its context."""
+
+    __slots__ = ("C", "logits", "pos", "ptr", "seq_rows", "tokens")
+
+    def __init__(self, C: Any, n_tokens: int) -> None:
+        self.C = C
+        self.ptr = ptr = C.llama_batch_init(n_tokens, 0, 1)
+        self.tokens = np.ctypeslib.as_array(ptr.token, shape=(n_tokens,))
+        self.pos = np.ctypeslib.as_array(ptr.pos, shape=(n_tokens,))
+        self.logits = np.ctypeslib.as_array(ptr.logits, shape=(n_tokens,))
+        np.ctypeslib.as_array(ptr.n_seq_id, shape=(n_tokens,))[:] = 1
+        self.seq_rows = [ptr.seq_id[i] for i in range(n_tokens)]
+        """Row ``i``'s sequence ids: write its one id at ``seq_rows[i][0]``."""
+
+    def set_n_tokens(self, n: int) -> None:
+        """How many rows the next decode reads."""
+        self.ptr.n_tokens = n
+
+    def close(self) -> None:
+        """``llama_batch_free``; idempotent."""
+        ptr, self.ptr = self.ptr, None
+        if ptr is not None:
+            self.C.llama_batch_free(ptr)
+
+
+class NativeSampler:
+    """One sequence's sampler chain, plus its grammar sampler kept outside the chain (see
+    :meth:`LlamaCppBackend.sample <llamax.backend.llama_cpp.LlamaCppBackend.sample>`);
+    freed by :meth:`close`, before the model whose vocabulary the grammar reads."""
+
+    __slots__ = ("C", "banned", "candidates", "chain", "grammar")
+
+    def __init__(self, C: Any, chain: Any, grammar: Any, banned: list[int], n_vocab: int) -> None:
+        self.C, self.chain, self.grammar = C, chain, grammar
+        self.banned = np.asarray(banned, dtype=np.int64)
+        self.candidates: npt.NDArray[np.void] | None = None
+        if grammar is not None:
+            self.candidates = np.zeros(n_vocab, dtype=_CANDIDATE)
+            self.candidates["id"] = np.arange(n_vocab, dtype=np.int32)
+
+    def sample(self, context: NativeContext, row: int) -> int:
+        """``llama_sampler_sample`` with the chain (which also accepts the token)."""
+        return int(self.C.llama_sampler_sample(self.chain, context.ptr, row))
+
+    def accept_grammar(self, token: int) -> None:
+        """Advance the grammar past ``token``."""
+        self.C.llama_sampler_accept(self.grammar, token)
+
+    def apply_grammar(self, data: Any) -> None:
+        """``llama_sampler_apply`` of the grammar to a ``llama_token_data_array``."""
+        self.C.llama_sampler_apply(self.grammar, ctypes.byref(data))
+
+    def close(self) -> None:
+        """Free the chain, then the grammar; idempotent."""
+        chain, grammar, self.chain, self.grammar = self.chain, self.grammar, None, None
+        try:
+            if chain is not None:
+                self.C.llama_sampler_free(chain)
+        finally:
+            if grammar is not None:
+                self.C.llama_sampler_free(grammar)

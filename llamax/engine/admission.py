@@ -1,0 +1,151 @@
+"""Admission's side of the KV cache: which slot a newcomer gets and how much it reuses.
+
+A newcomer copies the longest prefix any slot holds (``seq_cp``: shared cells, no compute).
+If a sequence still prefilling will hold a prefix at least :data:`WAIT_FOR_PREFIX_MIN`
+tokens longer (a burst with one system prompt), the newcomer waits for it instead of
+computing it again. A session's request, or one taking over the retained slot that holds
+its prefix (when only that slot holds the sequence id or the cells it needs: admission
+never evicts the slot it copies from), keeps the slot's common prefix and drops the rest.
+In a unified cache a newcomer fits only if ``cells_used + pending tokens + its new cells
+<= n_ctx``, after evicting retained slots (never its source).
+
+:class:`SlotPlacer` changes slots only (through the KV and prefix caches) and returns a
+:class:`Placement`, which the scheduler applies to the sequence; :func:`should_wait` and
+:func:`num_to_keep` decide on plain numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from ..tokens import common_prefix_len
+from .kvcache import KVCache, Slot, SlotState
+from .prefix import PrefixCache
+
+__all__ = [
+    "WAIT_FOR_PREFIX_MIN",
+    "Outcome",
+    "Placement",
+    "SlotPlacer",
+    "num_to_keep",
+    "should_wait",
+]
+
+WAIT_FOR_PREFIX_MIN = 16
+"""A newcomer waits for an in-flight prefix only if it would save at least this many tokens."""
+
+
+class Outcome(Enum):
+    """What became of one try to admit a sequence."""
+
+    ADMITTED = "admitted"
+    WAIT_PREFIX = "wait_prefix"
+    NO_ROOM = "no_room"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The answer to one try to admit a sequence."""
+
+    outcome: Outcome
+    slot: Slot | None = None
+    """The slot the sequence runs in (only when admitted)."""
+    num_reused: int = 0
+    """Tokens of the sequence that slot holds already."""
+
+
+def should_wait(num_now: int, num_later: int) -> bool:
+    """Whether to wait for a prefix that gives ``num_later`` tokens once computed, rather
+    than take the ``num_now`` tokens the best slot gives now."""
+    return num_later - num_now >= WAIT_FOR_PREFIX_MIN
+
+
+def num_to_keep(num_common: int, num_tokens: int) -> int:
+    """Tokens a reused slot keeps of a ``num_tokens`` prompt it shares ``num_common`` tokens
+    with: never the prompt's last token, which is computed again for its logits."""
+    return min(num_common, num_tokens - 1)
+
+
+class SlotPlacer:
+    """Finds the slot for a newcomer, reusing what the cache holds.
+
+    Args:
+        kv: The KV cells.
+        prefix: Retained prefixes.
+        n_ctx: Cells of the unified cache.
+    """
+
+    def __init__(self, kv: KVCache, prefix: PrefixCache, n_ctx: int) -> None:
+        self._kv = kv
+        self._prefix = prefix
+        self._n_ctx = n_ctx
+
+    def place(
+        self, token_ids: Sequence[int], in_flight: Mapping[int, Sequence[int]], num_pending: int
+    ) -> Placement:
+        """Place a newcomer with the longest prefix a slot gives it.
+
+        Args:
+            token_ids: The sequence's tokens.
+            in_flight: For each slot of a sequence still prefilling, by sequence id, its
+                whole prompt.
+            num_pending: Tokens the running sequences still have to compute.
+        """
+        match = self._prefix.match(token_ids, in_flight)
+        source, now = match.slot, match.num_now
+        if should_wait(now, match.num_later):
+            return Placement(Outcome.WAIT_PREFIX)
+        if self._kv.num_free_seq_ids == 0 and not self._prefix.evict_one(keep=source):
+            return self._take_over(source, token_ids, num_pending)
+        if not self.fits(len(token_ids) - now, num_pending, keep=source):
+            return self._take_over(source, token_ids, num_pending)
+        slot = self._prefix.allocate(keep=source)
+        assert slot is not None
+        if now and source is not None:
+            self._kv.copy_prefix(source, slot, now)
+            self._prefix.touch(source)
+        return Placement(Outcome.ADMITTED, slot, now)
+
+    def reuse(self, slot: Slot, token_ids: Sequence[int], num_pending: int) -> Placement:
+        """Place a sequence in ``slot`` (a session's, or one taken over): keep the common
+        prefix, drop the diverging tail (everything, if the slot cannot be cut)."""
+        keep = num_to_keep(common_prefix_len(slot.tokens, token_ids), len(token_ids))
+        kv = self._kv
+        if not self._prefix.is_enabled or not kv.truncate(slot, keep) or not kv.is_intact(slot):
+            kv.clear(slot)
+        num_reused = len(slot.tokens)
+        if not self.fits(len(token_ids) - num_reused, num_pending):
+            return Placement(Outcome.NO_ROOM)
+        return Placement(Outcome.ADMITTED, slot, num_reused)
+
+    def _take_over(
+        self, source: Slot | None, token_ids: Sequence[int], num_pending: int
+    ) -> Placement:
+        """Reuse the retained slot holding the prefix; if even that does not fit, it is
+        retained again."""
+        if source is None or source.state is not SlotState.RETAINED:
+            return Placement(Outcome.NO_ROOM)
+        self._prefix.adopt(source)
+        placement = self.reuse(source, token_ids, num_pending)
+        if placement.outcome is not Outcome.ADMITTED:
+            self._prefix.retire(source)
+        return placement
+
+    def fork(self, leader: Slot) -> Slot:
+        """A new slot sharing every cell of ``leader`` (an ``n > 1`` choice)."""
+        slot = self._prefix.allocate(keep=leader)
+        assert slot is not None, "fork planned without a free sequence id"
+        self._kv.copy_prefix(leader, slot, len(leader.tokens))
+        return slot
+
+    def fits(self, num_new: int, num_pending: int, *, keep: Slot | None = None) -> bool:
+        """Whether ``num_new`` more cells fit beside the pending tokens, evicting retained
+        slots (never ``keep``) as needed. Streams always fit: each holds a sequence."""
+        if not self._kv.is_unified:
+            return True
+        while self._kv.num_cells_used + num_pending + num_new > self._n_ctx:
+            if not self._prefix.evict_one(keep=keep):
+                return False
+        return True

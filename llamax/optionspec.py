@@ -1,0 +1,284 @@
+"""One source per option list: dataclass fields that carry their own docs.
+
+Each option of :class:`~llamax.SamplingParams` and :class:`~llamax.ContextConfig` is a
+dataclass field whose metadata (made by :func:`spec`) holds an :class:`OptionSpec`: a one-line
+doc, and how the option appears on the command line and in OpenAI requests. Everything else
+is derived from the fields: the server's request model (``llamax/server/schemas.py``), the
+OpenAI mapping (``llamax/openai/options.py``), the command-line flags (``llamax/cli.py``) and
+the options tables of the docs (:func:`markdown_table`, kept current by a test; regenerate
+them with ``python scripts/option_tables.py``). So a new option is one field plus its doc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import typing
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "NOT_OPENAI",
+    "OptionSpec",
+    "add_option_flags",
+    "markdown_table",
+    "openai_defaults",
+    "option_values",
+    "options_of",
+    "spec",
+]
+
+KEY = "llamax"
+"""The metadata key of a field's :class:`OptionSpec`."""
+
+
+class _NotOpenAI:
+    def __repr__(self) -> str:
+        return "NOT_OPENAI"
+
+
+NOT_OPENAI: Any = _NotOpenAI()
+"""``OptionSpec.openai`` of an option OpenAI requests do not carry under its own name."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptionSpec:
+    """How one option is documented and offered, beside its dataclass field."""
+
+    doc: str
+    """One line of Markdown: what the option does (the docs tables and ``--help`` show it)."""
+    default_doc: str | None = None
+    """The default as the docs say it, where the value says too little (``"all cores"``)."""
+    flag: bool = False
+    """Whether the command lines offer it, as ``--name-with-dashes``."""
+    flag_type: Callable[[str], Any] | None = None
+    """Parses the flag's text (default: from the field's type)."""
+    metavar: str | None = None
+    """The flag's value in ``--help`` (``FILE``)."""
+    aliases: tuple[str, ...] = ()
+    """Older spellings of the flag: still accepted, hidden from ``--help``."""
+    from_flag: Callable[[Any], Any] | None = None
+    """Turns the parsed flag into the field's value (``0`` into ``None``, a path into text)."""
+    flag_default_doc: str | None = None
+    """The flag's default as ``--help`` and the docs say it (default: :attr:`default_doc`)."""
+    openai: Any = NOT_OPENAI
+    """The default in OpenAI requests, which carry the option under its own name, or
+    :data:`NOT_OPENAI`."""
+    openai_doc: str | None = None
+    """What the option means in OpenAI requests, where that differs from :attr:`doc`."""
+
+    @property
+    def is_openai(self) -> bool:
+        """Whether OpenAI requests carry the option under its own name."""
+        return self.openai is not NOT_OPENAI
+
+
+def spec(**fields: Any) -> dict[str, OptionSpec]:
+    """Field metadata holding an :class:`OptionSpec`: ``field(default=4096,
+    metadata=spec(doc="KV cells", flag=True))``.
+
+    Args:
+        **fields: The :class:`OptionSpec` fields; ``doc`` is required.
+
+    Returns:
+        The metadata mapping for ``dataclasses.field``.
+    """
+    return {KEY: OptionSpec(**fields)}
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One option as the derived artefacts see it: the field's name, type, default, spec."""
+
+    name: str
+    type: Any
+    """The field's resolved type hint."""
+    default: Any
+    """The field's default (``dataclasses.MISSING`` for a factory or none)."""
+    spec: OptionSpec
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag: ``--n-ctx`` for ``n_ctx``."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def default_text(self) -> str:
+        """The default as the docs show it."""
+        if self.spec.default_doc is not None:
+            return self.spec.default_doc
+        return _code(self.default)
+
+
+def options_of(cls: type) -> list[Option]:
+    """The options of a dataclass, in field order (fields without a spec are left out)."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        spec = f.metadata.get(KEY)
+        if isinstance(spec, OptionSpec):
+            found.append(Option(f.name, hints[f.name], f.default, spec))
+    return found
+
+
+def openai_defaults(cls: type) -> dict[str, Any]:
+    """``{name: OpenAI default}`` of the options OpenAI requests carry under their own name."""
+    return {o.name: o.spec.openai for o in options_of(cls) if o.spec.is_openai}
+
+
+def _code(value: Any) -> str:
+    return f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+Table = Literal["fields", "flags", "openai"]
+
+
+def markdown_table(
+    cls: type,
+    table: Table,
+    *,
+    skip: tuple[str, ...] = (),
+    defaults: dict[str, str] | None = None,
+) -> str:
+    """The docs table of ``cls``'s options.
+
+    Args:
+        cls: ``SamplingParams``, ``ContextConfig`` (or a subclass with more options).
+        table: ``"fields"`` (every option, Python names and defaults), ``"flags"`` (the
+            command-line flags) or ``"openai"`` (OpenAI request names and defaults).
+        skip: Option names to leave out.
+        defaults: Flag defaults that differ from the options' own (as the command sets them).
+
+    Returns:
+        A Markdown table, ending in a newline.
+    """
+    header = {"fields": "option", "flags": "flag", "openai": "option"}[table]
+    rows = [f"| {header} | default | meaning |", "| --- | --- | --- |"]
+    for o in options_of(cls):
+        if o.name in skip:
+            continue
+        if table == "fields":
+            rows.append(f"| `{o.name}` | {o.default_text} | {_cell(o.spec.doc)} |")
+        elif table == "flags" and o.spec.flag:
+            name = f"{o.flag} {o.spec.metavar}" if o.spec.metavar else o.flag
+            default = (defaults or {}).get(o.name) or o.spec.flag_default_doc or o.default_text
+            rows.append(f"| `{name}` | {default} | {_cell(o.spec.doc)} |")
+        elif table == "openai" and o.spec.is_openai:
+            doc = o.spec.openai_doc or o.spec.doc
+            rows.append(f"| `{o.name}` | {_code(o.spec.openai)} | {_cell(doc)} |")
+    return "\n".join(rows) + "\n"
+
+
+_BLOCK = re.compile(
+    r"(<!-- options: (?P<cls>\w+) (?P<table>\w+)(?P<args>(?: [-\w.=]+)*) -->\n)"
+    r"(?P<body>.*?)(<!-- /options -->)",
+    re.DOTALL,
+)
+"""A generated block: ``<!-- options: Class table [-skipped] [name=default] -->``, the
+table, ``<!-- /options -->``."""
+
+
+def _table_for(m: re.Match[str], classes: Mapping[str, type]) -> str:
+    args = m["args"].split()
+    skip = tuple(a[1:] for a in args if a.startswith("-"))
+    defaults = {k: f"`{v}`" for k, v in (a.split("=", 1) for a in args if "=" in a)}
+    table = typing.cast(Table, m["table"])
+    return markdown_table(classes[m["cls"]], table, skip=skip, defaults=defaults)
+
+
+def generated_blocks(text: str, classes: Mapping[str, type]) -> Iterator[tuple[str, str]]:
+    """``(current, wanted)`` for each generated options block of a Markdown ``text``;
+    ``classes`` maps the class names the blocks use to the classes."""
+    for m in _BLOCK.finditer(text):
+        yield m["body"], _table_for(m, classes)
+
+
+def regenerate(text: str, classes: Mapping[str, type]) -> str:
+    """``text`` with every generated options block replaced by its current table."""
+    return _BLOCK.sub(lambda m: m[1] + _table_for(m, classes) + m[6], text)
+
+
+def add_option_flags(
+    parser: argparse.ArgumentParser,
+    options: type,
+    *,
+    skip: Sequence[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Add a flag for each option of ``options`` whose spec asks for one (``--n-ctx`` for
+    ``n_ctx``; a bool gets ``--name``/``--no-name``), with the option's doc as its help.
+    An option's older spellings are accepted too, hidden from ``--help``. Read the values
+    back with :func:`option_values`.
+
+    Args:
+        parser: The parser (or argument group) to add the flags to.
+        options: ``llamax.ContextConfig`` or ``llamax.SamplingParams`` (or a subclass).
+        skip: Options to leave out (one a command sets itself).
+        defaults: Flag defaults that differ from the options' own.
+    """
+    hints = typing.get_type_hints(options)
+    defaults = defaults or {}
+    for f in dataclasses.fields(options):
+        spec = f.metadata.get("llamax")  # an option's spec (llamax.optionspec)
+        if spec is None or not spec.flag or f.name in skip:
+            continue
+        shown = (
+            str(defaults[f.name])
+            if f.name in defaults
+            else spec.flag_default_doc or spec.default_doc or str(f.default)
+        )
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": defaults.get(f.name),
+            "help": _plain(f"{spec.doc} (default: {shown})"),
+            **_flag_kind(spec.flag_type, hints[f.name]),
+        }
+        if spec.metavar:
+            kwargs["metavar"] = spec.metavar
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        for alias in spec.aliases:
+            parser.add_argument(
+                alias, **{**kwargs, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
+            )
+
+
+def option_values(ns: argparse.Namespace, options: type) -> dict[str, Any]:
+    """The options given by the flags of :func:`add_option_flags` (those left out are not
+    in the result, so the options' own defaults apply), as keyword arguments of ``options``.
+
+    Raises:
+        OSError: a flag names a file (``--chat-template FILE``) that cannot be read.
+    """
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        spec = f.metadata.get("llamax")
+        value = getattr(ns, f.name, None)
+        if spec is None or not spec.flag or value is None:
+            continue
+        values[f.name] = spec.from_flag(value) if spec.from_flag else value
+    return values
+
+
+def _flag_kind(flag_type: Any, hint: Any) -> dict[str, Any]:
+    """argparse's ``type``/``action``/``choices`` for an option of type ``hint``."""
+    if flag_type is not None:
+        return {"type": flag_type}
+    parts = [p for p in typing.get_args(hint) or (hint,) if p is not type(None)]
+    if typing.get_origin(hint) is Literal:
+        return {"choices": typing.get_args(hint)}
+    if parts == [bool]:
+        return {"action": argparse.BooleanOptionalAction}
+    if len(parts) == 1 and parts[0] in (int, float, str):
+        return {"type": parts[0]}
+    raise TypeError(f"an option of type {hint} needs a flag_type to be a flag")
+
+
+def _plain(text: str) -> str:
+    """Markdown doc text as ``--help`` shows it."""
+    return text.replace("`", "").replace("%", "%%")

@@ -1,0 +1,28 @@
+"""Regenerate the options tables of the docs from the option fields (see llamax.optionspec).
+
+Usage: ``python scripts/option_tables.py [FILE.md ...]`` (default: ``docs/*.md``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from llamax.optionspec import regenerate
+from llamax.params import OPTION_LISTS
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite the options tables of the given Markdown files (default: ``docs/*.md``)."""
+    paths = [Path(a) for a in argv] or sorted(Path("docs").glob("*.md"))
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        new = regenerate(text, OPTION_LISTS)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            print(f"updated {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,218 @@
+"""The layers of docs/architecture.md, checked on the package's static import graph.
+
+The graph has one node per module of ``llamax`` (a package is its ``__init__``) and an edge
+for every import that runs when the module is imported: the module-level statements,
+including those under a plain ``if``/``try``, but not imports inside a function (lazy
+imports, as ``Context.chat()`` does) nor those under ``if TYPE_CHECKING:`` (annotations
+only). Importing ``a.b.c`` also runs ``a.b``: that parent is an edge too, except the root
+``llamax``, which Python has always started before any of its modules, so only an explicit
+``import llamax`` / ``from llamax import X`` is an edge to it.
+
+The facade (``llamax.context`` and ``llamax.session``) sits below the layers built on its
+public API, so neither may reach them at import time, and no import cycle may pass
+through it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import llamax
+
+PACKAGE = Path(llamax.__file__).resolve().parent
+ROOT = "llamax"
+FACADE = ("llamax.context", "llamax.session")
+# Built on the public API (docs/architecture.md): nothing the facade imports may be here.
+ABOVE_THE_FACADE = (
+    "llamax.openai",
+    "llamax.tools",
+    "llamax.conversation",
+    "llamax.batch",
+    "llamax.pipeline",
+    "llamax.server",
+    "llamax.ray",
+    "llamax.cli",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _module_level(
+    body: list[ast.stmt], *, typing: bool = False
+) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements that run when a module with this body is imported (with
+    ``typing``, also those a type checker reads under ``if TYPE_CHECKING:``)."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            if typing or not _is_type_checking(node.test):
+                yield from _module_level(node.body, typing=typing)
+            yield from _module_level(node.orelse, typing=typing)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody):
+                yield from _module_level(block, typing=typing)
+            for handler in node.handlers:
+                yield from _module_level(handler.body, typing=typing)
+        elif isinstance(node, (ast.With, ast.ClassDef)):  # a class body runs at import
+            yield from _module_level(node.body, typing=typing)
+
+
+def _with_parents(name: str) -> set[str]:
+    """``name`` and the packages Python imports first, but not the root (see above)."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(2, len(parts) + 1)} | {name}
+
+
+def _every_import(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement, lazy and ``TYPE_CHECKING`` ones included."""
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                yield node
+
+
+def import_edges(
+    name: str,
+    path: Path,
+    modules: dict[str, Path],
+    *,
+    lazy: bool = False,
+    typing: bool = False,
+) -> set[str]:
+    """The modules of ``llamax`` that importing module ``name`` imports directly (with
+    ``lazy``, also those it imports in functions or for type checking only; with
+    ``typing``, also those it imports for type checking only)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    body = ast.parse(path.read_text()).body
+    nodes = _every_import(body) if lazy else _module_level(body, typing=typing)
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        for target in targets:
+            if target == ROOT:
+                found.add(ROOT)
+            elif target in modules:
+                found |= _with_parents(target)
+    return found - {name}
+
+
+def import_graph(*, lazy: bool = False, typing: bool = False) -> dict[str, set[str]]:
+    modules = package_modules()
+    return {
+        name: import_edges(name, path, modules, lazy=lazy, typing=typing)
+        for name, path in modules.items()
+    }
+
+
+def _path(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """A shortest import chain from ``start`` to ``goal`` (breadth first), or None."""
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == goal:
+                chain = [nxt, node]
+                while chain[-1] != start:
+                    chain.append(came_from[chain[-1]])
+                return chain[::-1]
+            if nxt not in came_from and nxt != start:
+                came_from[nxt] = node
+                queue.append(nxt)
+    return None
+
+
+def _above(name: str) -> bool:
+    return name == ROOT or any(name == a or name.startswith(f"{a}.") for a in ABOVE_THE_FACADE)
+
+
+def test_the_graph_sees_the_imports_it_should() -> None:
+    """Guards the parser: a test that finds no edges would pass vacuously."""
+    graph = import_graph()
+    assert "llamax.engine.loop" in graph["llamax.context"]
+    assert {"llamax.server", "llamax.ray.keys"} <= graph["llamax.ray.deployment"]
+    assert ROOT in graph["llamax.server.app"]  # ``import llamax``
+    assert "llamax.openai.requests" in graph["llamax.openai.api"]  # relative, one level
+    assert "llamax.tools" in graph["llamax.openai.api"]  # relative, two levels
+    assert "llamax.templates" in graph["llamax.openai.requests"]  # parent of templates.messages
+    assert "llamax.conversation" not in graph["llamax.context"]  # lazy, inside chat()
+
+
+def test_no_import_cycle_passes_through_the_facade() -> None:
+    graph = import_graph()
+    for facade in FACADE:
+        cycle = _path(graph, facade, facade)
+        assert cycle is None, "import cycle through the facade: " + " -> ".join(cycle)
+
+
+def test_no_module_imports_itself_back_even_for_type_checking() -> None:
+    """Regression (issue 23): the static graph, ``TYPE_CHECKING`` imports included, had
+    three cycles: ``session`` -> ``context`` (for ``Session.load``'s annotation) ->
+    ``session``; ``session_table`` / ``audit`` -> ``scheduler`` -> ``session_table``; and
+    ``optionspec`` -> ``params`` -> ``optionspec``. Lazy imports inside functions are the
+    sanctioned way down (``Context.chat`` ...), so they do not count; nor does the edge from a
+    module to its own parent package, which Python has started before the module. The root
+    package is left out: the layers above import it as the public API by design, and the
+    facade names their return types (``ChatCompletion``, ``Chat``) for annotations only."""
+    graph = {
+        name: {t for t in targets if t != ROOT and not name.startswith(f"{t}.")}
+        for name, targets in import_graph(typing=True).items()
+        if name != ROOT
+    }
+    for name in sorted(graph):
+        for target in sorted(graph[name]):
+            chain = _path(graph, target, name)
+            assert chain is None, "import cycle: " + " -> ".join([name, *chain])
+
+
+def test_the_facade_reaches_nothing_above_it_at_import_time() -> None:
+    graph = import_graph()
+    for facade in FACADE:
+        for name in sorted(graph):
+            if _above(name):
+                chain = _path(graph, facade, name)
+                assert chain is None, f"{facade} imports a layer above it: " + " -> ".join(chain)
+
+
+def test_what_the_facade_imports_never_needs_the_facade_back() -> None:
+    """The issue's cycle: ``Context`` inherited mixins (``llamax.openai.methods``,
+    ``llamax.pipeline``) that imported ``Context`` back to cast ``self`` to it, under
+    ``TYPE_CHECKING`` or lazily. Whatever the facade imports at import time is below it, so
+    it needs neither ``llamax.context``/``llamax.session`` nor the package in any way."""
+    graph, every = import_graph(), import_graph(lazy=True)
+    wanted = {*FACADE, ROOT}
+    for facade in FACADE:
+        for name in sorted(graph):
+            if name in wanted or not (every[name] & wanted):
+                continue
+            chain = _path(graph, facade, name)
+            back = sorted(every[name] & wanted)
+            assert chain is None, (
+                f"import cycle through the facade: {' -> '.join(chain)} -> {back} "
+                "(lazily or for type checking)"
+            )
