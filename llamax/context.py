@@ -22,7 +22,7 @@ from .models import default_model_path
 from .params import ContextConfig, ContextOptions, SamplingParams
 from .prompts import Prompt, build_request, prompt_token_ids
 from .results import Completion
-from .session import Session, SessionPort
+from .session import Session, SessionPort, restore_session
 from .stats import ContextStats
 
 if TYPE_CHECKING:  # the layers above, for annotations only: the methods import them lazily
@@ -230,7 +230,7 @@ class Context:
         """
         if self.closed:
             raise ContextClosedError("cannot load a session: the context has been closed")
-        return Session.restore(
+        return restore_session(
             self._session_port(), path, n_vocab=self.n_vocab, n_ctx_seq=self.n_ctx_seq
         )
 

@@ -42,7 +42,7 @@ from .handle import RequestHandle
 from .params import SamplingParams
 from .prompts import Prompt
 
-__all__ = ["Session", "SessionLoader", "SessionPort"]
+__all__ = ["Session", "SessionLoader", "SessionPort", "restore_session"]
 
 T = TypeVar("T")
 _MAGIC = b"LLAMAXS1"
@@ -245,43 +245,6 @@ class Session:
         """
         return ctx.load_session(path)
 
-    @classmethod
-    def restore(
-        cls, port: SessionPort, path: str | os.PathLike[str], *, n_vocab: int, n_ctx_seq: int
-    ) -> Session:
-        """Restore the session saved in ``path`` through ``port`` (the context's side of
-        :meth:`load`: it checks that the context is open and passes its vocabulary size and
-        ``n_ctx_seq``).
-
-        Raises:
-            SessionLoadError, ContextClosedError, OSError: as :meth:`load`.
-        """
-        data = Path(path).read_bytes()
-        saved_model, tokens, state = _parse(data, path)
-        current = port.model_identity
-        if saved_model != current:
-            raise SessionLoadError(
-                f"{path} was saved with model {saved_model} but this context runs {current}"
-            )
-        for token in tokens:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
-                raise SessionLoadError(
-                    f"{path} lists token {token!r}, not an id of this vocabulary [0, {n_vocab})"
-                )
-        if len(tokens) > n_ctx_seq:
-            raise SessionLoadError(
-                f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
-                f"(n_ctx_seq={n_ctx_seq})"
-            )
-        try:
-            session_id = port.run(RestoreSession(tuple(tokens), state))
-        except SessionLoadError as exc:
-            raise SessionLoadError(
-                f"{path} is damaged: its KV state is not whole or does not hold exactly "
-                f"the {len(tokens)} tokens its header lists"
-            ) from exc
-        return cls(port, session_id)
-
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Cancel a running request and free the session's cells and sequence id.
@@ -375,3 +338,40 @@ def _parse(data: bytes, path: object) -> tuple[Any, list[Any], bytes]:
             f"{path} is not a llamax session file (its header has no model or token list)"
         )
     return header["model"], header["tokens"], data[_HEADER.size + size :]
+
+
+def restore_session(
+    port: SessionPort, path: str | os.PathLike[str], *, n_vocab: int, n_ctx_seq: int
+) -> Session:
+    """Restore the session saved in ``path`` through ``port`` (the context's side of
+    :meth:`Session.load`: it checks that the context is open and passes its vocabulary size and
+    ``n_ctx_seq``).
+
+    Raises:
+        SessionLoadError, ContextClosedError, OSError: as :meth:`Session.load`.
+    """
+    data = Path(path).read_bytes()
+    saved_model, tokens, state = _parse(data, path)
+    current = port.model_identity
+    if saved_model != current:
+        raise SessionLoadError(
+            f"{path} was saved with model {saved_model} but this context runs {current}"
+        )
+    for token in tokens:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
+            raise SessionLoadError(
+                f"{path} lists token {token!r}, not an id of this vocabulary [0, {n_vocab})"
+            )
+    if len(tokens) > n_ctx_seq:
+        raise SessionLoadError(
+            f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
+            f"(n_ctx_seq={n_ctx_seq})"
+        )
+    try:
+        session_id = port.run(RestoreSession(tuple(tokens), state))
+    except SessionLoadError as exc:
+        raise SessionLoadError(
+            f"{path} is damaged: its KV state is not whole or does not hold exactly "
+            f"the {len(tokens)} tokens its header lists"
+        ) from exc
+    return Session(port, session_id)

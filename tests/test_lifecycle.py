@@ -406,6 +406,7 @@ def _context_calls(ctx: llamax.Context, tmp_path: Path) -> dict[str, Callable[[]
         "acompletion": lambda: asyncio.run(ctx.acompletion("abc")),
         "achat_completion": lambda: asyncio.run(ctx.achat_completion(messages)),
         "Session.load": lambda: llamax.Session.load(ctx, tmp_path / "saved.llamax"),
+        "load_session": lambda: ctx.load_session(tmp_path / "saved.llamax"),
     }
 
 
