@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import types
 from collections.abc import Iterator
@@ -20,7 +21,15 @@ FAST = ["--threads", "1", "--n-ctx", "1024"]
 
 def spawn(*args: str, timeout: float = 120) -> object:
     assert SCRIPT.is_file(), "the llamax console script is not installed (pip install -e .)"
-    child = pexpect.spawn(str(SCRIPT), list(args), encoding="utf-8", timeout=timeout)
+    # as from a terminal: a shell without job control starts ``cmd &`` with SIGINT ignored,
+    # the child would inherit that, and Python then installs no KeyboardInterrupt handler
+    child = pexpect.spawn(
+        str(SCRIPT),
+        list(args),
+        encoding="utf-8",
+        timeout=timeout,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     child.setwinsize(40, 200)
     return child
 
