@@ -231,15 +231,12 @@ class Session:
     @classmethod
     def load(cls, ctx: SessionLoader, path: str | os.PathLike[str]) -> Session:
         """Restore a session saved by :meth:`save` into ``ctx``: the same as
-        ``ctx.load_session(path)`` (:meth:`Context.load_session <llamax.Context.load_session>`).
-
-        A file is input: its header must name this model, its tokens must be ids of this
-        vocabulary that fit one sequence (``n_ctx_seq``), and its KV state must be whole and
-        hold exactly those tokens' positions. Nothing reaches the KV cache otherwise.
+        ``ctx.load_session(path)``, where the checks a file must pass are listed
+        (:meth:`Context.load_session <llamax.Context.load_session>`).
 
         Raises:
-            SessionLoadError: the file is damaged, truncated, lies about its contents, or
-                was saved with a different model.
+            SessionLoadError: the file is damaged, lies about its contents, or was saved
+                with a different model.
             ContextClosedError: the context is closed.
             OSError: the file cannot be read.
         """

@@ -214,7 +214,10 @@ def test_sessions_beyond_sequence_ids_raise(make_fake: MakeFake) -> None:
         ctx.session()
 
 
-def test_session_save_and_load_round_trip(make_fake: MakeFake, tmp_path: Path) -> None:
+@pytest.mark.parametrize("spelling", ["Session.load", "Context.load_session"])
+def test_session_save_and_load_round_trip(
+    make_fake: MakeFake, tmp_path: Path, spelling: str
+) -> None:
     ctx, _ = make_fake(n_ctx=1024)
     path = tmp_path / "chat.llamax"
     with ctx.session() as session:
@@ -223,7 +226,8 @@ def test_session_save_and_load_round_trip(make_fake: MakeFake, tmp_path: Path) -
         session.save(path)
         expected = session.add_request(SYSTEM + "next", GREEDY)
         run(ctx)
-    with llamax.Session.load(ctx, path) as loaded:
+    load = llamax.Session.load if spelling == "Session.load" else type(ctx).load_session
+    with load(ctx, path) as loaded:
         before = ctx.stats().num_prefill_tokens
         again = loaded.add_request(SYSTEM + "next", GREEDY)
         run(ctx)
