@@ -417,15 +417,15 @@ class LlamaCppBackend:
         *,
         grammar: str | None = None,
     ) -> Any:
-        """Build the native sampler chain for one sequence (none for greedy alone: see
-        :class:`~llamax.backend.native.NativeSampler`)."""
+        """Build the native sampler chain for one sequence (none for greedy with at most a
+        bias: see :class:`~llamax.backend.native.NativeSampler`)."""
         C = self._C
         bias = dict(params.logit_bias)
         if params.ignore_eos:
             bias.update(dict.fromkeys(self._eog, float("-inf")))
         bias = {t: b for t, b in bias.items() if t < self._n_vocab}
-        if params.is_greedy and not bias and not params.has_penalties and grammar is None:
-            greedy = NativeSampler(C, None, None, [], self._n_vocab, argmax=True)
+        if params.is_greedy and not params.has_penalties and grammar is None:
+            greedy = NativeSampler(C, None, None, [], self._n_vocab, argmax=True, bias=bias)
             self._samplers[id(greedy)] = greedy
             return greedy
         chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())

@@ -388,18 +388,43 @@ class NativeBatch:
             self.C.llama_batch_free(ptr)
 
 
+def first_max(logits: npt.NDArray[np.float32], sampler: NativeSampler) -> int:
+    """The first index of the largest ``logits + bias`` (``sampler``'s bias), reading
+    ``logits`` without changing it."""
+    best = int(np.argmax(logits))
+    if not sampler.bias_ids.size or (sampler.bias_lowers and best not in sampler.bias_ids):
+        return best  # a lowered token cannot overtake, nor tie earlier than, the maximum
+    biased = logits.copy()
+    biased[sampler.bias_ids] += sampler.bias_values
+    return int(np.argmax(biased))
+
+
 class NativeSampler:
     """One sequence's sampler chain, plus its grammar sampler kept outside the chain (see
     :meth:`LlamaCppBackend.sample <llamax.backend.llama_cpp.LlamaCppBackend.sample>`);
     freed by :meth:`close`, before the model whose vocabulary the grammar reads.
 
-    A chain of greedy alone (no bias, penalties or grammar: ``chain`` None, ``argmax``)
-    is not built: its token is the logits row's first maximum, which is what llama.cpp's
-    greedy sampler picks, read with one vectorised pass instead of a candidate array of
-    ``n_vocab`` entries per row.
+    Greedy with at most a logit bias (no penalties or grammar: ``chain`` None, ``argmax``)
+    builds no chain: its token is the first maximum of the biased row, which is what
+    llama.cpp's ``logit_bias`` then ``greedy`` samplers pick, read with one vectorised pass
+    over the logits instead of a candidate array of ``n_vocab`` entries per row. When
+    every bias lowers its token (banned tokens, ``ignore_eos``) and the row's maximum is
+    not one of them, that maximum is the answer; otherwise a biased copy of the row is
+    searched.
     """
 
-    __slots__ = ("C", "argmax", "banned", "candidates", "chain", "grammar", "n_vocab")
+    __slots__ = (
+        "C",
+        "argmax",
+        "banned",
+        "bias_ids",
+        "bias_lowers",
+        "bias_values",
+        "candidates",
+        "chain",
+        "grammar",
+        "n_vocab",
+    )
 
     def __init__(
         self,
@@ -410,10 +435,15 @@ class NativeSampler:
         n_vocab: int,
         *,
         argmax: bool = False,
+        bias: dict[int, float] | None = None,
     ) -> None:
         self.C, self.chain, self.grammar = C, chain, grammar
         self.argmax, self.n_vocab = argmax, n_vocab
         self.banned = np.asarray(banned, dtype=np.int64)
+        bias = bias or {}
+        self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias))
+        self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        self.bias_lowers = bool(np.all(self.bias_values < 0))
         self.candidates: npt.NDArray[np.void] | None = None
         if grammar is not None:
             self.candidates = np.zeros(n_vocab, dtype=_CANDIDATE)
@@ -421,10 +451,10 @@ class NativeSampler:
 
     def sample(self, context: NativeContext, row: int) -> int:
         """``llama_sampler_sample`` with the chain (which also accepts the token), or the
-        row's first maximum for a greedy-only sampler."""
-        if self.argmax:
-            return int(np.argmax(context.logits(row, self.n_vocab)))
-        return int(self.C.llama_sampler_sample(self.chain, context.ptr, row))
+        biased row's first maximum for a greedy sampler without a chain."""
+        if not self.argmax:
+            return int(self.C.llama_sampler_sample(self.chain, context.ptr, row))
+        return first_max(context.logits(row, self.n_vocab), self)
 
     def accept_grammar(self, token: int) -> None:
         """Advance the grammar past ``token``."""
