@@ -145,6 +145,7 @@ class FakeBackend:
         attention_tiles: tuple[int, int] | None = None,
         stream_cells: int | None = None,
         log_decodes: bool = True,
+        step_seconds: Callable[[Sequence[BatchItem]], float] | None = None,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
@@ -177,6 +178,8 @@ class FakeBackend:
         """Every successful decode's items, in order (empty with ``log_decodes=False``,
         which soak tests use: the log grows with every step)."""
         self._log_decodes = log_decodes
+        self._step_seconds = step_seconds
+        self._clock = 0.0
         self.forced_statuses: deque[int] = deque()
         """Statuses to return from the next decodes instead of running them."""
         self.fault: Callable[[str], object] | None = None
@@ -395,7 +398,17 @@ class FakeBackend:
             offset += len(item.token_ids)
         if self._log_decodes:
             self.decode_log.append(tuple(items))
+        if self._step_seconds is not None:
+            self._clock += self._step_seconds(items)
         return DecodeStatus.OK
+
+    def clock(self) -> float:
+        """Seconds on the engine's clock: with ``step_seconds``, the simulated time of every
+        successful decode so far (what each cost), and nothing else; without it, the real
+        ``time.perf_counter()``. (:class:`~llamax.backend.base.Clocked`)"""
+        if self._step_seconds is None:
+            return time.perf_counter()
+        return self._clock
 
     def _row_logits(self, token: int) -> npt.NDArray[np.float32]:
         """The model's token scores 10; three neighbours 9.5, 9 and 8.5; the rest -10."""

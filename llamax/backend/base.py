@@ -281,6 +281,18 @@ class Backend(LoadedModel, BatchDecoder, SamplerFactory, KVMemory, Protocol):
 
 
 @runtime_checkable
+class Clocked(Protocol):
+    """Optional: a backend that keeps its own time, such as
+    :class:`llamax.testing.FakeBackend` with simulated step costs. The engine times its
+    steps with :meth:`clock` instead of ``time.perf_counter`` (what the step-cost models
+    learn from), so a test can give the engine any machine's costs, deterministically."""
+
+    def clock(self) -> float:
+        """Seconds on the backend's clock (only differences are read)."""
+        ...
+
+
+@runtime_checkable
 class Inspectable(Protocol):
     """Optional: what a backend can show of its own state, for ``Context.audit()``.
 

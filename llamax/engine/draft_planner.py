@@ -89,8 +89,9 @@ class DraftPlanner:
                 decoding sequence that may draft.
             num_tokens: Tokens each sequence of the step feeds without drafts.
             room: The most draft tokens the step may add (batch and KV room).
-            priced: Keep only drafts worth their compute (:meth:`price`); if False, every
-                proposal is verified as far as ``room`` allows.
+            priced: Keep only drafts worth their compute (:meth:`price`) from sequences the
+                guard lets draft (:meth:`audit`); if False, every proposal is verified as
+                far as ``room`` allows.
 
         Returns:
             The drafts to feed, by key; candidates without one are absent.
@@ -99,7 +100,10 @@ class DraftPlanner:
         position: dict[K, int] = {}
         for key, state, token_ids, limit in candidates:
             draft = state.propose(token_ids, limit)
-            if draft:
+            state.tick()
+            if draft and state.paused and priced:  # the guard stopped it: only learn
+                state.skipped(len(token_ids), draft)
+            elif draft:
                 proposals.append((key, state, draft))
                 position[key] = len(token_ids)
         if not proposals:
@@ -119,6 +123,27 @@ class DraftPlanner:
             else:
                 state.skipped(position[key], draft)
         return drafts
+
+    def audit(
+        self, num_rows: int, seconds: float, drafted: Sequence[tuple[DraftState, int]]
+    ) -> None:
+        """Check what the drafts of one measured decode-only step realized (the guard).
+
+        The step decoded ``num_rows`` sequences, ``drafted`` are the states of those that
+        fed drafts and how many tokens each, and it took ``seconds``. Without drafts it
+        would have taken the measured cost of ``num_rows`` rows
+        (:meth:`~llamax.engine.speculative.DecodeCost.plain`); the difference is what the
+        drafts cost, shared in proportion to their tokens. Each accepted token saved one
+        row's share of that plain step: a token the sequence would otherwise have waited a
+        step for. Each state weighs the two (:meth:`~llamax.engine.speculative.DraftState.audit`).
+        """
+        total = sum(num for _, num in drafted)
+        if total <= 0:
+            return
+        plain = self.decode_cost.plain(num_rows)
+        extra = max(0.0, seconds - plain)
+        for state, num in drafted:
+            state.audit(state.last_accepted * plain / num_rows, extra * num / total)
 
     def price(
         self, num_tokens: Sequence[int], proposals: Sequence[Proposal[K]], room: int

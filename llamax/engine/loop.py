@@ -386,7 +386,7 @@ class Engine:
             for request, error in sampled.failed.values():
                 self.scheduler.fail(request, error, result)
             self.scheduler.update(part, sampled.tokens, sampled.logprobs, result, self._verify)
-            self.scheduler.observe(part, features, time.perf_counter() - started)
+            self.scheduler.observe(part, features, self.scheduler.clock() - started)
             result.computed = True
         if result.computed:
             self.num_steps += 1
@@ -400,7 +400,7 @@ class Engine:
         """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
         cost features and when its decode started."""
         for _ in range(_MAX_SHRINKS_PER_STEP):
-            features, started = self.scheduler.features(plan), time.perf_counter()
+            features, started = self.scheduler.features(plan), self.scheduler.clock()
             status = self.backend.decode(plan.items)
             if status == DecodeStatus.OK:
                 self._stalled_steps = 0

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar, cast
 
-from ..backend.base import Backend
+from ..backend.base import Backend, Clocked
 from ..errors import KVCapacityError, RequestFailedError
 from ..results import TokenEvent, TokenLogprob
 from .admission import Outcome
@@ -69,6 +69,8 @@ class Scheduler(SchedulerView):
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
         self.price_drafts = True  # tests turn it off to verify every proposal
+        self.clock = backend.clock if isinstance(backend, Clocked) else time.perf_counter
+        """What steps are timed with (a :class:`~llamax.backend.base.Clocked` backend's)."""
 
     # ------------------------------------------------------------------ changes
     def add(self, request: Request) -> None:
@@ -160,7 +162,7 @@ class Scheduler(SchedulerView):
         """Move the cache to the other layout. If that fails, stay in this layout from now
         on; when moving to unified, fail the sequences that outgrew their streams."""
         if self.kv.layout is not LayoutState.STUCK:
-            started = time.perf_counter()
+            started = self.clock()
             if unified:
                 self._make_room_to_unify()
             try:
@@ -170,7 +172,7 @@ class Scheduler(SchedulerView):
             else:
                 self.layout.restart_count()
                 self.num_relayouts += 1
-                self.budget.note_pause(time.perf_counter() - started)
+                self.budget.note_pause(self.clock() - started)
                 return
         if not unified:
             return
@@ -336,6 +338,13 @@ class Scheduler(SchedulerView):
         """Learn the step cost from a measured step (and the decode cost, if it decoded only)."""
         self.step_cost.observe(features, seconds)
         if all(len(e.item.token_ids) - len(e.draft) == 1 for e in plan.entries):
+            drafted = [
+                (state, len(e.draft))
+                for e in plan.entries
+                if e.draft and (state := e.seq.draft_state) is not None
+            ]
+            if drafted:  # a step with drafts: was it worth them? (before it is learned)
+                self.drafts.audit(len(plan.entries), seconds, drafted)
             self.drafts.decode_cost.observe(plan.num_tokens, seconds)
 
     def abort(self, request: Request, result: StepResult) -> None:

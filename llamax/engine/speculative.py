@@ -148,11 +148,14 @@ class SharedAcceptance:
     expects before it has a record of its own. Decays slowly (0.98 per observation), so it
     follows the context's workload (copy-heavy or free text)."""
 
-    __slots__ = ("successes", "trials")
+    __slots__ = ("pause", "successes", "trials")
 
     def __init__(self) -> None:
         # [not copying, copying]: a prior acceptance rate of 0.3 and 0.8
         self.successes, self.trials = [1.5, 4.0], [5.0, 5.0]
+        self.pause = 0
+        """Steps a new sequence waits before drafting: the guard's last verdict
+        (:meth:`DraftState.audit`), 0 after drafts that paid."""
 
     def rate(self, hot: bool) -> float:
         """The context's acceptance rate in one regime."""
@@ -166,6 +169,10 @@ class SharedAcceptance:
 
 _PSEUDO_TRIALS = 3.0
 """How many trials the context's rate counts for in a sequence's own estimate."""
+_AUDITED_STEPS = 3
+"""Verified steps the guard weighs together, each time, before it judges them."""
+_FIRST_PAUSE, _LONGEST_PAUSE = 8, 1024
+"""Steps without drafting after the guard stops it the first time, and at most."""
 
 
 class DraftState:
@@ -185,14 +192,21 @@ class DraftState:
     """
 
     __slots__ = (
+        "_audits",
+        "_backoff",
+        "_cost_s",
+        "_gain_s",
         "_hot",
+        "_paused",
         "_shadow",
         "_shared",
         "_successes",
         "_trials",
         "drafter",
+        "last_accepted",
         "num_accepted",
         "num_drafted",
+        "num_pauses",
     )
 
     def __init__(self, drafter: Drafter, shared: SharedAcceptance | None = None) -> None:
@@ -203,6 +217,53 @@ class DraftState:
         self._shadow: tuple[int, int] | None = None  # (position, first proposed token)
         self.num_drafted = 0
         self.num_accepted = 0
+        self.last_accepted = 0
+        """Draft tokens accepted at the last verification."""
+        # the realized-gain guard (:meth:`audit`), starting where the context's stands
+        self._gain_s = self._cost_s = 0.0
+        self._audits = 0
+        self._paused = self._shared.pause  # steps left without drafting
+        self._backoff = max(self._shared.pause, _FIRST_PAUSE)
+        self.num_pauses = 0
+        """How many times the guard stopped this sequence's drafting."""
+
+    @property
+    def paused(self) -> bool:
+        """Whether the guard keeps this sequence from drafting now (:meth:`audit`)."""
+        return self._paused > 0
+
+    def tick(self) -> None:
+        """One step passed in which this sequence could have drafted."""
+        if self._paused:
+            self._paused -= 1
+
+    def audit(self, gain_s: float, cost_s: float) -> None:
+        """Check one verified step's realized worth: the accepted tokens saved ``gain_s``
+        seconds (what decoding them one step at a time would have cost) and the draft
+        tokens added ``cost_s`` seconds to the step (measured, against the measured cost of
+        the same step without drafts). When the costs of the last few such steps exceed
+        their gains, drafting stops for a while, twice as long each time it stops again
+        (and back to short after steps that paid; a retry after a pause is judged on its
+        first step), whatever the acceptance rate and the
+        pricing line promised: speculation never keeps losing time. The context remembers
+        the last verdict, so its next sequence starts paused after a loss."""
+        self._gain_s += gain_s
+        self._cost_s += cost_s
+        self._audits += 1
+        # after a pause one step decides (a retry costs one step), else a few together
+        if self._audits < (1 if self._backoff > _FIRST_PAUSE else _AUDITED_STEPS):
+            return
+        shared = self._shared
+        if self._cost_s > self._gain_s:
+            self._paused = self._backoff
+            self._backoff = min(2 * self._backoff, _LONGEST_PAUSE)
+            self.num_pauses += 1
+            shared.pause = self._backoff  # a new sequence of this context waits too
+        else:
+            self._backoff = _FIRST_PAUSE
+            shared.pause = 0
+        self._gain_s = self._cost_s = 0.0
+        self._audits = 0
 
     @property
     def acceptance(self) -> float:
@@ -234,6 +295,7 @@ class DraftState:
             return
         self.num_drafted += drafted
         self.num_accepted += accepted
+        self.last_accepted = accepted
         self._learn(accepted, accepted + (accepted < drafted), hot=accepted == drafted)
 
     def _learn(self, successes: int, trials: int, *, hot: bool) -> None:
@@ -278,6 +340,15 @@ class DecodeCost:
             seconds if mean is None else mean + self._smoothing * (seconds - mean)
         )
         self._count[num_tokens] = self._count.get(num_tokens, 0) + 1
+
+    def plain(self, num_tokens: int) -> float:
+        """Seconds a step of ``num_tokens`` decode rows takes: its measured average when
+        such steps were seen, else the local line's prediction."""
+        mean = self._mean.get(num_tokens)
+        if mean is not None:
+            return mean
+        base, per_token = self.line(window(num_tokens))
+        return base + per_token * num_tokens
 
     def line(self, up_to: int) -> tuple[float, float]:
         """``(base, per_token)`` seconds, fitted to the steps of at most ``up_to`` tokens.
