@@ -36,6 +36,7 @@ __all__ = [
     "in_fresh_thread",
     "load_average",
     "log",
+    "machine",
     "model_path",
     "percentile",
     "ratio",
@@ -125,6 +126,43 @@ def cpu_advertises_amx() -> bool:
             )
     except OSError:
         return False
+
+
+SIMD_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
+    "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16",
+    "asimd", "sve", "neon",
+)  # fmt: skip
+"""The /proc/cpuinfo flags that decide which ggml kernels run (x86 and Arm)."""
+
+
+def machine() -> dict[str, Any]:
+    """What every figure depends on: the CPU model, its SIMD flags (as /proc/cpuinfo lists
+    them, like ``scripts/cmake_flags.sh`` reads them), the cores, and what the loaded
+    llama.cpp was built for (``llama_print_system_info``; a build may use fewer
+    instructions than the CPU has)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model name") and model == "unknown":
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    system_info = llama_cpp.llama_print_system_info()
+    return {
+        "cpu_model": model,
+        "simd_flags": [f for f in SIMD_FLAGS if f in flags],
+        "cores": os.cpu_count(),
+        "llama_cpp_system_info": (
+            system_info.decode(errors="replace") if isinstance(system_info, bytes) else system_info
+        ).strip(),
+        "llama_cpp_lib_path": os.environ.get("LLAMA_CPP_LIB_PATH"),
+    }
 
 
 def greedy(max_tokens: int, *, ignore_eos: bool = True) -> llamax.SamplingParams:
@@ -282,8 +320,9 @@ def base_config(
 
 
 def emit_report(report: dict[str, Any], stdout: TextIO, json_out: Path | None) -> None:
-    """Write the JSON report to the real stdout, and to ``json_out`` when given."""
-    text = json.dumps(report, indent=2)
+    """Write the JSON report, with the :func:`machine` it ran on first, to the real stdout,
+    and to ``json_out`` when given."""
+    text = json.dumps({"machine": machine(), **report}, indent=2)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(text + "\n")

@@ -1,89 +1,188 @@
-"""The latency frontier of ggml's CPU kernels: worst gap against TTFT, with perfect steps.
+"""The latency frontier on this machine: worst gap against TTFT, with perfect steps.
 
-A model, not a measurement: it asks what the best scheduler could do on this machine if
-every step took exactly its predicted time. Four streams decode while a 3,414-token prompt
-prefills; each step takes the largest chunk whose step fits ``G`` seconds, and the prompt's
-time under load is compared with its lone prefill in 512-token chunks. A step costs
+A model, not a measurement: it asks what the best scheduler could do here if every step
+took exactly its predicted time. Four streams decode while a 3,414-token prompt prefills in
+the unified cache (as in ``latency.py``); for each bound ``G`` on a step, every step takes
+the prompt chunk that makes progress fastest among those whose step fits ``G``, and the
+prompt's time under load is compared with its lone prefill in 512-token chunks. A step is
+priced as the engine prices it (``llamax.engine.step_budget``: fixed + tokens + attended
+cells, tiles padded as ggml pads them, + cells attended row by row under 64 rows) with
+*this machine's* coefficients: the model's calibration (``Context.calibration``: a few
+timed steps, attention over up to 2,048 cells of filler), measured here unless
+``--coefficients`` gives them. So the frontier is drawn for the CPU the script runs on; a
+target beyond it (say TTFT <= 1.35x at G = 0.6 s) is out of reach on that CPU for any
+scheduler, and ``latency.py``'s measured point can be compared with it.
 
-    fixed + rows x per_row + tiles(rows) x kv_tiles x per_tile_pair
-
-where ``tiles`` counts ggml's padded 64-row query tiles (``llamax.engine.step_budget``'s
-``tile_waste_table``, 9 heads, 2 threads) and ``kv_tiles`` the 64-cell KV tiles the rows
-attend. The coefficients are fitted (least squares, relative errors) to the 283 measured
-steps of ``latency_fair_at_end_trace.json`` and ``latency_final_trace.json`` (AMD EPYC, 2
-threads; lone prefills in 512-token chunks, and chunks beside 4 decode rows): 2.6 ms a row,
-0.33 ms a tile pair (all 30 layers), 0.16 ms a row and KV tile when computed row by row
-(under 64 rows), 3 ms a step, and 150 cells of the streams' own. They price those steps
-within 5% (one standard deviation) and their sums within 1%. An earlier hand fit (3 ms a
-row, 0.3 ms a tile pair, 6 ms a step, 400 stream cells) priced loaded steps 11% and lone
-ones 7.5% too high, so the frontier it drew was about 0.04 too pessimistic.
+Also reported, ``scheduler``: what the engine's own chunk policy (``ChunkBudget``, with
+``max_step_ms=250``) does under the same prices, so its distance to the frontier shows.
 
 ::
 
     .venv/bin/python benchmarks/latency_frontier.py
+    .venv/bin/python benchmarks/latency_frontier.py --coefficients 0.004 0.003 1e-6 2e-6
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
+import sys
+import time
 
-from llamax.engine.step_budget import TILE_ROWS, tile_waste_table
+import _common as bench
 
-PROMPT, DECODE_ROWS, STREAM_CELLS, N_HEAD, N_THREADS = 3414, 4, 150, 9, 2
-FIXED_S, ROW_S, TILE_PAIR_S, ROW_PAIR_S = 0.003, 0.0026, 0.00033, 0.00016
-WASTE = tile_waste_table(1024, N_HEAD, N_THREADS)
+import llamax
+from llamax.engine.chunk_budget import ChunkBudget
+from llamax.engine.step_budget import (
+    StepCostModel,
+    StepFeatures,
+    micro_batch,
+    step_with_chunk,
+    tile_waste_table,
+)
 
-
-def tiles(rows: int) -> float:
-    """Padded query tiles of a micro-batch of 64 rows or more."""
-    return (WASTE[rows] + 1) * rows * N_HEAD / TILE_ROWS
-
-
-def step_s(position: int, chunk: int) -> float:
-    """A chunk at ``position`` beside the decode rows, in the unified cache."""
-    rows = chunk + DECODE_ROWS
-    kv_tiles = (position + chunk + STREAM_CELLS) / 64
-    if rows < TILE_ROWS:  # row by row
-        return FIXED_S + rows * ROW_S + rows * kv_tiles * ROW_PAIR_S
-    return FIXED_S + rows * ROW_S + tiles(rows) * kv_tiles * TILE_PAIR_S
+PROMPT, DECODE_ROWS, N_BATCH, N_THREADS = 3414, 4, 512, bench.N_THREADS
+BOUNDS = (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8)
 
 
-def lone_s(chunk: int = 512) -> float:
-    """The prompt alone, in ``chunk``-token steps (causal: each query tile sees the cells up
-    to its own end, so a chunk's tiles see ``position + 64``, ``+ 128``, ... cells)."""
+def lone_s(cost: StepCostModel) -> float:
+    """The prompt alone, in 512-token chunks (unified: each chunk attends to the span)."""
     total, position = 0.0, 0
     while position < PROMPT:
-        n = min(chunk, PROMPT - position)
-        q_tiles = math.ceil(n / TILE_ROWS)
-        kv_tiles = sum((position + TILE_ROWS * (j + 1)) / 64 for j in range(q_tiles)) / q_tiles
-        total += FIXED_S + n * ROW_S + tiles(n) * kv_tiles * TILE_PAIR_S
+        n = min(N_BATCH, PROMPT - position)
+        total += cost.predict(
+            step_with_chunk(StepFeatures(), n, position, unified=True, waste=cost.waste)
+        )
         position += n
     return total
 
 
-def under_load(bound_s: float) -> tuple[float, int]:
-    """Prefill time and steps when every step takes the largest chunk that fits."""
-    total, position, steps = 0.0, 0, 0
+def decode_rows(cost: StepCostModel, position: int) -> StepFeatures:
+    """The streams' decode rows beside a prompt at ``position`` (their own ~100 cells)."""
+    return micro_batch(DECODE_ROWS, DECODE_ROWS * (position + 400), waste=cost.waste)
+
+
+def under_load(cost: StepCostModel, bound_s: float) -> tuple[float, int, float]:
+    """Prefill seconds, steps and the worst step when every step takes the chunk that
+    advances fastest within ``bound_s`` (the cheapest step when none fits)."""
+    total, position, steps, worst = 0.0, 0, 0, 0.0
     while position < PROMPT:
-        fits = [
-            c for c in range(1, min(512, PROMPT - position) + 1) if step_s(position, c) <= bound_s
+        fixed = decode_rows(cost, position)
+        sizes = range(1, min(N_BATCH, PROMPT - position) + 1)
+        priced = [
+            (cost.predict(step_with_chunk(fixed, c, position, unified=True, waste=cost.waste)), c)
+            for c in sizes
         ]
-        chunk = fits[-1] if fits else 1
-        total += step_s(position, chunk)
-        position, steps = position + chunk, steps + 1
-    return total, steps
+        fits = [(c / s, c, s) for s, c in priced if s <= bound_s]
+        _, chunk, seconds = max(fits) if fits else max((c / s, c, s) for s, c in priced)
+        total, position, steps = total + seconds, position + chunk, steps + 1
+        worst = max(worst, seconds)
+    return total, steps, worst
+
+
+def scheduler(cost: StepCostModel, max_step_ms: float) -> tuple[float, int, float]:
+    """The engine's chunk policy under the same prices: prefill seconds, steps, worst step."""
+    budget = ChunkBudget(N_BATCH, max_step_ms, waste=cost.waste)
+    budget.cost = cost
+    total, position, steps, worst = 0.0, 0, 0, 0.0
+    while position < PROMPT:
+        computed = [position // 8 + 100] * DECODE_ROWS
+        fixed = budget.start_step(computed, unified=True)
+        chunk, features = budget.chunk(
+            fixed,
+            min(N_BATCH - DECODE_ROWS, PROMPT - position),
+            num_pending=PROMPT - position,
+            num_computed=position,
+            num_cells_used=position + 400,
+            num_decode=DECODE_ROWS,
+            unified=True,
+        )
+        assert features is not None
+        seconds = cost.predict(features)
+        total, position, steps = total + seconds, position + chunk, steps + 1
+        worst = max(worst, seconds)
+    return total, steps, worst
+
+
+def coefficients(args: argparse.Namespace) -> tuple[tuple[float, float, float, float], str]:
+    if args.coefficients:
+        a, b, c, d = args.coefficients
+        return (a, b, c, d), "--coefficients"
+    bench.log("calibrating the model on this machine ...")
+    started = time.perf_counter()
+    with llamax.Context(
+        bench.model_path(args.model),
+        n_ctx=8192,
+        n_seq_max=1,
+        n_threads=N_THREADS,
+        calibrate=True,
+    ) as ctx:
+        calibration = ctx.calibration
+    if calibration is None:
+        sys.exit("this model could not be calibrated")
+    bench.log(f"  {calibration} ({time.perf_counter() - started:.2f} s with the load)")
+    return calibration.coefficients, f"calibration (depth {calibration.depth})"
 
 
 def main() -> None:
-    lone = lone_s()
-    rows = []
-    for bound in (0.45, 0.5, 0.55, 0.6, 0.65, 0.7):
-        loaded, steps = under_load(bound)
-        rows.append(
-            {"worst_step_s": bound, "ttft_over_lone": round(loaded / lone, 3), "steps": steps}
-        )
-    print(json.dumps({"lone_prefill_s": round(lone, 2), "frontier": rows}, indent=1))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.add_common_args(parser)
+    parser.add_argument(
+        "--coefficients",
+        type=float,
+        nargs=4,
+        metavar=("FIXED", "TOKEN", "CELL", "ROW_CELL"),
+        help="seconds, instead of calibrating",
+    )
+    parser.add_argument(
+        "--n-head", type=int, default=9, help="the model's attention heads (tile waste; SmolLM2: 9)"
+    )
+    args = parser.parse_args()
+    load = bench.load_average()
+    with bench.stdout_to_stderr() as stdout:
+        theta, source = coefficients(args)
+        cost = StepCostModel(waste=tile_waste_table(N_BATCH, args.n_head, N_THREADS))
+        cost.start_from(theta)
+        lone = lone_s(cost)
+        rows = []
+        for bound in BOUNDS:
+            loaded, steps, worst = under_load(cost, bound)
+            rows.append(
+                {
+                    "bound_s": bound,
+                    "worst_step_s": round(worst, 3),
+                    "ttft_over_lone": round(loaded / lone, 3),
+                    "steps": steps,
+                }
+            )
+        engine_s, engine_steps, engine_worst = scheduler(cost, 250.0)
+        report = {
+            "config": bench.base_config(args, load, coefficients_from=source),
+            "coefficients_s": {
+                "fixed": theta[0],
+                "token": theta[1],
+                "cell": theta[2],
+                "row_cell": theta[3],
+            },
+            "lone_prefill_s": round(lone, 2),
+            "frontier": rows,
+            "scheduler": {
+                "max_step_ms": 250,
+                "worst_step_s": round(engine_worst, 3),
+                "ttft_over_lone": round(engine_s / lone, 3),
+                "steps": engine_steps,
+            },
+            "targets": {
+                "worst_gap_s": 0.6,
+                "ttft_over_lone": 1.35,
+                "reachable": any(
+                    r["worst_step_s"] <= 0.6 and r["ttft_over_lone"] <= 1.35 for r in rows
+                ),
+            },
+        }
+        if not math.isfinite(lone):
+            sys.exit("no prediction")
+        bench.emit_report(report, stdout, args.json_out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any
 
 import openai
 import ray
-from _common import load_average, log, ratio, stdout_to_stderr
+from _common import load_average, log, machine, ratio, stdout_to_stderr
 from ray import serve
 
 import llamax.ray
@@ -99,6 +99,7 @@ def main() -> None:
     with stdout_to_stderr() as real_stdout:  # Ray's raylet prints to stdout at shutdown
         prefix, default = run_both(args, port)
         report = {
+            "machine": machine(),
             "config": {**vars(args), "replicas": 2, "threads_per_replica": 1,
                        "system_prompts": len(TOPICS), "load_average_end": load_average()},
             "prefix": prefix,

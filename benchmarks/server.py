@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import machine
 
 import llamax
 
@@ -284,6 +285,7 @@ def main() -> int:
     args = p.parse_args()
     model = args.model or str(llamax.default_model_path())
     report: dict[str, Any] = {
+        "machine": machine(),
         "benchmark": "server",
         "model": Path(model).name,
         "config": {k: v for k, v in vars(args).items() if k != "model"},

@@ -10,6 +10,7 @@ from importlib import metadata as _metadata
 from .context import Context
 from .conversation import Chat, TurnStats
 from .embeddings import Embedder
+from .engine.calibration import Calibration
 from .engine.sampling import BatchLogitsProcessor, LogitsRow
 from .engine.speculative import PromptLookup
 from .errors import (
@@ -46,6 +47,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 
 __all__ = [
     "BatchLogitsProcessor",
+    "Calibration",
     "Chat",
     "Choice",
     "Completion",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from typing_extensions import Self, Unpack
 
 from .backend.base import Backend
+from .engine.calibration import Calibration
 from .engine.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
 from .engine.sampling import BatchLogitsProcessor
@@ -86,20 +87,28 @@ class Context:
             else:
                 path = model_path or f"<{type(backend).__name__}>"
             config = ContextConfig.from_options(os.fspath(path), options)
+        owned = backend is None
+        calibrate = config.calibrate if config.calibrate is not None else owned
         if backend is None:
             from .backend.llama_cpp import LlamaCppBackend
 
             backend = LlamaCppBackend(config)
         self._config: ContextConfig = config
         self._backend = backend
-        self._engine = Engine(
-            backend,
-            autostart=autostart,
-            prefix_cache=config.prefix_cache,
-            max_step_ms=config.max_step_ms,
-            batch_processor=batch_logits_processor,
-            speculative=config.speculative,
-        )
+        try:
+            self._engine = Engine(
+                backend,
+                autostart=autostart,
+                prefix_cache=config.prefix_cache,
+                max_step_ms=config.max_step_ms,
+                batch_processor=batch_logits_processor,
+                speculative=config.speculative,
+                calibrate=calibrate,
+            )
+        except BaseException:
+            if owned:  # the model and context it loaded are freed
+                backend.close()
+            raise
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
@@ -119,6 +128,14 @@ class Context:
         is what the current layout holds: with ``kv_layout="auto"`` in streams it may be up
         to twice as many, as llama.cpp rounds each stream up to 256 cells."""
         return self._backend.n_ctx
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """This machine's step costs, timed at load or read from the cache, which the
+        time-budgeted steps and the pricing of speculative drafts started from; None when
+        the context was not calibrated (``calibrate=False``, a ``backend=`` passed in, or a
+        backend that cannot be). See docs/throughput.md."""
+        return self._engine.calibration
 
     @property
     def n_seq_max(self) -> int:

@@ -498,6 +498,16 @@ class ContextConfig:
             default_doc="auto", doc="flash attention (auto: llama.cpp decides)", flag=True
         ),
     )
+    calibrate: bool | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="auto",
+            doc="time a few steps at load (a fraction of a second, cached by model and machine) "
+            "so step budgets and draft pricing start from this machine's costs (auto: for "
+            "llama.cpp models, not for a `backend=` passed in; docs/throughput.md)",
+            flag=True,
+        ),
+    )
     prefix_cache: bool = field(
         default=True,
         metadata=spec(
@@ -608,7 +618,9 @@ class ContextConfig:
             _require(
                 value is None or _is_int(value), f"{name} must be an int or None, got {value!r}"
             )
-        for name in ("use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn"):
+        for name in (
+            "use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate"
+        ):  # fmt: skip
             value = getattr(self, name)
             _require(
                 value is None or isinstance(value, bool), f"{name} must be a bool, got {value!r}"
@@ -643,6 +655,7 @@ class ContextOptions(TypedDict, total=False):
     use_mmap: bool
     use_extra_bufts: bool | None
     flash_attn: bool | None
+    calibrate: bool | None
     prefix_cache: bool
     chat_template: str | None
     rpc_servers: str | None

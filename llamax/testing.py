@@ -56,6 +56,7 @@ FAULT_POINTS = (
     "state_seq_get",
     "state_seq_set",
     "relayout",
+    "fill_cells",
     "close",
 )
 """Every backend call that :attr:`FakeBackend.fault` can make fail, by the name it is
@@ -586,6 +587,30 @@ class FakeBackend:
         ):
             return False
         self._store(seq_id, tokens)
+        return True
+
+    def calibration_key(self) -> str | None:
+        """None: a fake's calibration is never cached (its costs are the test's).
+        (:class:`~llamax.backend.base.Calibratable`)"""
+        return None
+
+    def fill_cells(self, seq_id: int, num_cells: int) -> bool:
+        """Grow ``seq_id`` to ``num_cells`` cells, its tokens repeated; False when they do
+        not fit. (:class:`~llamax.backend.base.Calibratable`)"""
+        if self._fault("fill_cells") is not None:
+            return False
+        held = self.cells[seq_id]
+        more = num_cells - len(held)
+        if (
+            not held
+            or None in held
+            or more < 0
+            or num_cells > self.n_ctx_stream
+            or self.num_cells_used + more > self._n_ctx
+        ):
+            return False
+        tokens = [t for t in held if t is not None]
+        self._store(seq_id, [tokens[i % len(tokens)] for i in range(len(held), num_cells)])
         return True
 
     def _store(self, seq_id: int, tokens: Sequence[int]) -> None:

@@ -22,6 +22,8 @@ __all__ = [
     "Backend",
     "BatchDecoder",
     "BatchItem",
+    "Calibratable",
+    "Clocked",
     "DecodeStatus",
     "Inspectable",
     "KVMemory",
@@ -289,6 +291,25 @@ class Clocked(Protocol):
 
     def clock(self) -> float:
         """Seconds on the backend's clock (only differences are read)."""
+        ...
+
+
+@runtime_checkable
+class Calibratable(Protocol):
+    """Optional: a backend whose step costs :mod:`llamax.engine.calibration` may measure
+    before the engine starts (both :class:`~llamax.backend.llama_cpp.LlamaCppBackend` and
+    :class:`llamax.testing.FakeBackend` are)."""
+
+    def calibration_key(self) -> str | None:
+        """Everything step costs depend on (the model, the build and settings of the
+        library, the machine), as one string to cache a calibration under; None: do not
+        cache."""
+        ...
+
+    def fill_cells(self, seq_id: int, num_cells: int) -> bool:
+        """Grow ``seq_id``, which holds cells at positions ``0..n-1``, to ``num_cells`` cells
+        without computing them: filler K/V, repeated from its own cells, that attention
+        costs the same over (its values mean nothing). False when the backend cannot."""
         ...
 
 

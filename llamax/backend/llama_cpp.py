@@ -35,8 +35,9 @@ from .native import (
     context_params,
     utf8,
 )
+from .platform import cpu_description
 from .rpc import register_rpc_servers
-from .seq_state import cell_positions, restream
+from .seq_state import cell_positions, restream, tile
 
 __all__ = ["MAX_STREAMS_MEMORY", "LlamaCppBackend"]
 
@@ -73,6 +74,7 @@ class LlamaCppBackend:
             _log.addHandler(logging.StreamHandler())
             _log.setLevel(logging.DEBUG)
         path = Path(config.model_path)
+        self._config = config
         self._samplers: dict[int, NativeSampler] = {}
         self._pieces: dict[int, bytes] = {}
         if config.rpc_servers is not None:
@@ -560,6 +562,43 @@ class LlamaCppBackend:
         with self._entered():
             data = self._context.state_seq_get(seq_id)
         return restream(data, 1) if self._plain_kv and data else data
+
+    def calibration_key(self) -> str | None:
+        """The model, llama.cpp's build and version, the settings step costs depend on, and
+        the CPU (model and SIMD flags). (:class:`~llamax.backend.base.Calibratable`)"""
+        import json
+
+        import llama_cpp
+
+        c = self._config
+        system = self._C.llama_print_system_info()
+        return json.dumps(
+            {
+                "model": self.model_identity,
+                "llama_cpp": [llama_cpp.__version__, bytes(system or b"").decode(errors="replace")],
+                "cpu": cpu_description(),
+                "settings": [
+                    c.n_batch, c.n_ubatch, c.n_threads, c.n_threads_batch, c.flash_attn,
+                    c.n_gpu_layers, c.rpc_servers, self._is_unified, self.n_ctx_stream,
+                    self._n_seq_max, self._cpu_attention,
+                ],
+            },
+            sort_keys=True,
+            default=str,
+        )  # fmt: skip
+
+    def fill_cells(self, seq_id: int, num_cells: int) -> bool:
+        """Grow ``seq_id`` to ``num_cells`` cells of its own K/V rows repeated
+        (:func:`~llamax.backend.seq_state.tile`); a plain KV cache only.
+        (:class:`~llamax.backend.base.Calibratable`)"""
+        if not self._plain_kv or num_cells > self.n_ctx_stream:
+            return False
+        try:
+            data = tile(self.state_seq_get(seq_id), num_cells)
+        except ValueError:
+            return False
+        self.seq_rm(seq_id)
+        return self.state_seq_set(seq_id, data)
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """Load a state from :meth:`state_seq_get` into ``seq_id``; False if refused.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
 
-__all__ = ["cpu_advertises_amx", "default_use_extra_bufts"]
+__all__ = ["cpu_advertises_amx", "cpu_description", "default_use_extra_bufts"]
 
 
 def cpu_advertises_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -21,6 +22,29 @@ def cpu_advertises_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     except OSError:
         return False
     return False
+
+
+def cpu_description(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, object]:
+    """The CPU's model name and flags (from ``/proc/cpuinfo`` where there is one, else what
+    :mod:`platform` says) and the cores: what step costs depend on besides the model."""
+    model, flags = "", ""
+    try:
+        with cpuinfo.open() as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model name") and not model:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return {
+        "model": model or platform.processor() or platform.machine(),
+        "flags": flags,
+        "cores": os.cpu_count(),
+        "system": sys.platform,
+    }
 
 
 def default_use_extra_bufts() -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["cell_positions", "restream"]
+__all__ = ["cell_positions", "restream", "tile"]
 
 _HEADER = struct.Struct("<IiI")
 _EMPTY = b"\0\0\0\0"
@@ -130,3 +130,65 @@ def restream(data: bytes, n_stream: int) -> bytes:
     if end <= offset or any(data[end:]):
         raise ValueError("a sequence state whose cells are in more than one stream")
     return _HEADER.pack(magic, seq_id, n_stream) + data[offset:end] + _EMPTY * (n_stream - 1)
+
+
+def tile(data: bytes, num_cells: int) -> bytes:
+    """``data`` (one sequence's state of a plain KV cache) grown to ``num_cells`` cells at
+    positions ``0..num_cells-1``, each cell's K/V rows those of a cell of ``data`` (taken in
+    turn): filler whose attention costs what real cells' does, for timing steps over a long
+    context without computing one (:mod:`llamax.engine.calibration`). Its values mean
+    nothing.
+
+    Raises:
+        ValueError: ``data`` is not one sequence of a plain KV cache with cells.
+    """
+    cell_positions(data)  # checks the whole state
+    magic, seq_id, n_stream = _HEADER.unpack_from(data)
+    offset = _HEADER.size
+    index = 0
+    while data[offset : offset + 4] == _EMPTY:
+        index, offset = index + 1, offset + 4
+    (count,) = _U32.unpack_from(data, offset)
+    offset += 4
+    end = len(data) - 4 * (n_stream - index - 1)
+    for cell_size in _CELL_SIZES:
+        try:
+            _cells(data, offset, count, cell_size, end)
+            break
+        except (ValueError, struct.error):
+            continue
+    picks = [i % count for i in range(num_cells)]
+    out = [_HEADER.pack(magic, seq_id, n_stream), _EMPTY * index, _U32.pack(num_cells)]
+    cells = [data[offset + i * cell_size : offset + (i + 1) * cell_size] for i in range(count)]
+    for pos, pick in enumerate(picks):
+        out.append(struct.pack("<i", pos) + cells[pick][4:])
+    offset += count * cell_size
+    v_trans, n_layer = struct.unpack_from("<II", data, offset)
+    out.append(data[offset : offset + 8])
+    offset += 8
+
+    def rows(width: int) -> None:
+        nonlocal offset
+        block = data[offset : offset + width * count]
+        out.append(b"".join(block[p * width : (p + 1) * width] for p in picks))
+        offset += width * count
+
+    for _ in range(n_layer):  # K rows
+        _type, row = struct.unpack_from("<iQ", data, offset)
+        out.append(data[offset : offset + 12])
+        offset += 12
+        rows(row)
+    for _ in range(n_layer):  # V rows, or V columns when transposed
+        if v_trans:
+            _type, elem, n_embd = struct.unpack_from("<iII", data, offset)
+            out.append(data[offset : offset + 12])
+            offset += 12
+            for _ in range(n_embd):
+                rows(elem)
+        else:
+            _type, row = struct.unpack_from("<iQ", data, offset)
+            out.append(data[offset : offset + 12])
+            offset += 12
+            rows(row)
+    out.append(_EMPTY * (n_stream - index - 1))
+    return b"".join(out)

@@ -148,7 +148,7 @@ class ChunkBudget:
         end = attend + num_pending - limit
         if end <= attend:
             return False
-        at_end = cost.largest_chunk(fixed, end, limit, self._step_s, unified=unified)
+        at_end = cost.largest_chunk(fixed, end, limit, self._step_s, unified=unified, overrun=False)
         return cost.fair_chunk(fixed, end, limit, lone, unified=unified) > at_end
 
     def decode_features(self, decode_computed: Sequence[int], *, unified: bool) -> StepFeatures:

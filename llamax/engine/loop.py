@@ -33,6 +33,8 @@ from ..errors import (
 )
 from ..results import TokenLogprob
 from ..stats import ContextStats
+from .calibration import apply as apply_calibration
+from .calibration import calibrate as calibrate_backend
 from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .phase import EngineState, LoopPhase, next_phase
 from .plan import StepPlan, StepResult
@@ -72,6 +74,7 @@ class Engine:
         max_step_ms: float | None = None,
         batch_processor: BatchLogitsProcessor | None = None,
         speculative: PromptLookup | None = None,
+        calibrate: bool = False,
     ) -> None:
         self.backend = backend
         self._batch_processor = batch_processor
@@ -83,6 +86,12 @@ class Engine:
             speculative=speculative,
             allow_drafts=batch_processor is None,
         )
+        self.calibration = calibrate_backend(backend) if calibrate else None
+        """This machine's measured step costs the scheduler started from, or None."""
+        if self.calibration is not None:
+            apply_calibration(
+                self.calibration, self.scheduler.step_cost, self.scheduler.drafts.decode_cost
+            )
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []

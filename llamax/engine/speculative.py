@@ -329,6 +329,9 @@ class DecodeCost:
     PRIOR = (0.006, 0.008)
 
     def __init__(self, *, smoothing: float = 0.1) -> None:
+        self.prior = self.PRIOR
+        """``(base, per_token)`` before two token counts were measured: :attr:`PRIOR`, or
+        this machine's (:mod:`llamax.engine.calibration`)."""
         self._smoothing = smoothing
         self._mean: dict[int, float] = {}
         self._count: dict[int, int] = {}
@@ -357,13 +360,13 @@ class DecodeCost:
         unified cache attends over thousands of cells, and a line through it would price a
         one-sequence step as if it had no base cost at all.
         """
-        prior_base, prior_slope = self.PRIOR
+        prior_base, prior_slope = self.prior
         seen = [n for n in self._mean if n <= up_to]
         if not seen and self._mean:
             seen = [min(self._mean)]
         if len(seen) <= 1:
             if not seen:
-                return self.PRIOR
+                return self.prior
             n = seen[0]
             scale = self._mean[n] / (prior_base + prior_slope * n)
             return prior_base * scale, prior_slope * scale

@@ -56,6 +56,8 @@ __all__ = [
     "FAIR_SLOWDOWN",
     "MAX_STRETCH",
     "MIN_CHUNK",
+    "MIN_PROGRESS",
+    "PRIOR_COEFFICIENTS",
     "TILE_ROWS",
     "StepCostModel",
     "StepFeatures",
@@ -65,7 +67,12 @@ __all__ = [
 ]
 
 MIN_CHUNK = 32
-"""Fewest prompt tokens a prefilling sequence gets in a step that has decode rows."""
+"""Fewest prompt tokens a prefilling sequence gets in a step that has decode rows (but a
+prompt's last :data:`TILE_ROWS` tokens may go in smaller chunks that fit the budget; see
+:meth:`StepCostModel.largest_chunk`)."""
+MIN_PROGRESS = 8
+"""Fewest prompt tokens of such a smaller chunk."""
+_OVERRUN, _FASTER = 1.1, 1.5  # a chunk this much faster may be predicted this far over budget
 FAIR_SLOWDOWN = 1.25
 """A long prompt's chunk keeps its prefill at most this much slower than alone (predicted)."""
 MAX_STRETCH = 2.0
@@ -81,10 +88,15 @@ Waste = npt.NDArray[np.float64]
 micro-batch of ``n`` rows (zero below :data:`TILE_ROWS`); see :func:`tile_waste_table`."""
 
 _SCALE = np.array([1.0, 1e-2, 1e-5, 1e-5])  # keeps the least-squares problem well conditioned
-# 2-thread CPU, SmolLM2: 4 ms + 3 ms/token + 1 µs/attended cell, +2 µs when row by row
-_PRIOR = np.array([0.004, 0.003, 1e-6, 2e-6]) / _SCALE
+PRIOR_COEFFICIENTS = (0.004, 0.003, 1e-6, 2e-6)
+"""Seconds a step costs, fixed, per token, per attended cell and per cell attended row by
+row, before anything was measured: a 2-thread CPU and SmolLM2-135M. A calibrated context
+starts from its machine's own (:mod:`llamax.engine.calibration`)."""
+_PRIOR = np.array(PRIOR_COEFFICIENTS) / _SCALE
 _MIN_OBSERVATIONS = 4
 _MAX_VARIANCE = 1.0  # bound on the covariance's eigenvalues: the prior's
+_CALIBRATED_VARIANCE = 0.25  # a calibrated start is trusted more than the prior
+_MIN_SPREAD, _OUTLIER_SPREADS = 0.05, 3.0
 _log = logging.getLogger("llamax.engine.step_budget")
 
 
@@ -110,20 +122,29 @@ class StepFeatures:
             self.tile_waste + other.tile_waste,
         )
 
-    def vector(self) -> npt.NDArray[np.float64]:
-        """``[1, tokens, attention + tile_waste, row_attention]``, scaled."""
+    def vector(self, *, scaled: bool = True) -> npt.NDArray[np.float64]:
+        """``[1, tokens, attention + tile_waste, row_attention]``, scaled (as the fit works)
+        or not (to multiply with coefficients in seconds)."""
         values = [
             1.0,
             self.num_tokens,
             self.attention + self.tile_waste,
             self.row_attention,
         ]
-        vector: npt.NDArray[np.float64] = np.array(values) * _SCALE
-        return vector
+        vector: npt.NDArray[np.float64] = np.array(values, dtype=np.float64)
+        return vector * _SCALE if scaled else vector
 
 
 class StepCostModel:
-    """Online fit of step seconds from :class:`StepFeatures`."""
+    """Online fit of step seconds from :class:`StepFeatures`.
+
+    The fit is robust to spikes (a step 1.3-1.6x slower than its neighbours, seen on busy
+    machines): once it is ready, a step slower than predicted counts at most three times
+    the errors' running mean size, so one slow step moves the coefficients no more than a
+    typical one would, while a machine that really became slower still moves them, step
+    after step. From the prior that mean starts large (the first steps are far off and
+    are learned from in full); from a calibration (:meth:`start_from`), small.
+    """
 
     def __init__(self, *, forgetting: float = 0.95, waste: Waste | None = None) -> None:
         self._theta = _PRIOR.copy()
@@ -131,7 +152,25 @@ class StepCostModel:
         """The tiled kernel's waste by micro-batch rows (:func:`tile_waste_table`), or None."""
         self._p = np.eye(len(_PRIOR))  # prior uncertainty, in scaled units
         self._forgetting = forgetting
+        self._spread = 1.0  # running mean of |relative error|: from the prior, no clipping yet
         self.num_observations = 0
+        self.num_clipped = 0
+        """Steps whose error was clipped as outliers."""
+
+    def start_from(self, coefficients: tuple[float, float, float, float]) -> None:
+        """Start from measured coefficients (seconds: fixed, per token, per attended cell,
+        per cell attended row by row) instead of the prior, and trust them more."""
+        self._theta = np.asarray(coefficients, dtype=np.float64) / _SCALE
+        self._p = np.eye(len(_PRIOR)) * _CALIBRATED_VARIANCE
+        self._spread = 0.1
+        self.num_observations = max(self.num_observations, _MIN_OBSERVATIONS)
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """The current coefficients in seconds (fixed, per token, per attended cell, per
+        cell attended row by row), clamped at zero as predictions use them."""
+        theta = np.maximum(self._theta, 0.0) * _SCALE
+        return (float(theta[0]), float(theta[1]), float(theta[2]), float(theta[3]))
 
     @property
     def is_ready(self) -> bool:
@@ -157,9 +196,16 @@ class StepCostModel:
             )
         weight = 1.0 / max(seconds, 1e-4)
         x = features.vector() * weight
+        error = seconds * weight - x @ self._theta  # relative: (measured - predicted) / measured
+        if self.is_ready:  # a spike is a slow step: only errors that way are clipped
+            bound = max(_MIN_SPREAD, _OUTLIER_SPREADS * self._spread)
+            if error > bound:
+                self.num_clipped += 1
+                error = bound
+            self._spread += 0.05 * (min(abs(error), bound) - self._spread)
         px = self._p @ x
         gain = px / (self._forgetting + x @ px)
-        self._theta = self._theta + gain * (seconds * weight - x @ self._theta)
+        self._theta = self._theta + gain * error
         self._p = (self._p - np.outer(gain, px)) / self._forgetting
         if float(np.trace(self._p)) > _MAX_VARIANCE:
             # no wind-up in the directions recent steps did not excite
@@ -180,10 +226,15 @@ class StepCostModel:
         *,
         unified: bool,
         floor: int = MIN_CHUNK,
+        overrun: bool = True,
     ) -> int:
         """The most prompt tokens (at most ``limit``) a chunk attending to ``attend`` cells
         can add to a step already holding ``fixed`` while the predicted time stays within
-        ``budget_s``; at least ``floor`` (or ``limit``).
+        ``budget_s``, or (with ``overrun``) a chunk that makes progress at least 1.5x
+        faster and is predicted within 1.1x the budget. When fewer than ``floor`` (or
+        ``limit``) tokens fit: the cheapest step with at least ``floor``, so the prompt
+        always advances; or, for a tail of at most :data:`TILE_ROWS` tokens (computed row
+        by row whatever its size), the chunk that fits if it has :data:`MIN_PROGRESS`.
 
         In a unified cache every token attends to the whole used span, so ``attend`` is
         that span (cells used plus the tokens already in the step) and it grows with the
@@ -194,7 +245,29 @@ class StepCostModel:
             return 0
         k, step = self._chunk_costs(fixed, attend, limit, unified=unified)
         fits = np.flatnonzero(step <= budget_s)
-        return max(int(k[fits[-1]]) if fits.size else 0, min(limit, floor))
+        best = int(fits[-1]) if fits.size else -1  # an index into k
+        # Past the tiled kernel's threshold a chunk can make progress several times faster
+        # than the largest that fits (over a long context, 60 tokens beside 4 decode rows
+        # are computed in tiles, 20 row by row): such a chunk may overrun the budget a bit.
+        if overrun:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rate = k / np.maximum(step, 1e-12)
+            near = np.flatnonzero(step <= _OVERRUN * budget_s)
+            if near.size:
+                fastest = int(near[np.argmax(rate[near])])
+                if best < 0 or rate[fastest] >= _FASTER * rate[best]:
+                    best = fastest
+        floor = min(limit, floor)
+        if best >= 0 and k[best] >= floor:
+            return int(k[best])
+        if floor == 0:
+            return 0
+        if best >= 0 and limit <= TILE_ROWS and k[best] >= MIN_PROGRESS:
+            return int(k[best])  # a prompt's row-by-row tail: smaller steps that fit
+        # Nothing of ``floor`` tokens fits: the cheapest step with at least that many (not
+        # always the floor itself: a tiled chunk can cost less), the larger of equals.
+        rest = step[floor - 1 :]
+        return int(k[floor - 1 + int(np.flatnonzero(rest <= rest.min() * (1 + 1e-9))[-1])])
 
     def fair_chunk(
         self,
