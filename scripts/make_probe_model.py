@@ -6,7 +6,8 @@ and the Python engine. The weights are random (seeded), so its text is noise; th
 vocabulary, chat template and special tokens are SmolLM2's own, read from its GGUF.
 
 Usage: ``python scripts/make_probe_model.py [OUT.gguf]`` (default:
-``benchmarks/fixtures/probe-1x64.gguf``). Needs the ``gguf`` package (``pip install gguf``).
+``benchmarks/fixtures/probe-1x64.gguf``). Needs the ``gguf`` package (the ``bench`` and
+``dev`` extras: ``pip install -e .[bench]``).
 """
 
 from __future__ import annotations

@@ -413,6 +413,7 @@ def _context_calls(ctx: llamax.Context, tmp_path: Path) -> dict[str, Callable[[]
 # public names that keep answering after close(): facts known at load, state, close itself
 STILL_ANSWER = {
     "config",
+    "calibration",
     "n_ctx",
     "n_seq_max",
     "n_ctx_seq",
