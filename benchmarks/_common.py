@@ -22,6 +22,7 @@ from typing import Any, TextIO, TypeVar
 import llama_cpp
 
 import llamax
+from llamax.backend.platform import cpu_description
 
 __all__ = [
     "TokenTimes",
@@ -141,21 +142,11 @@ def machine() -> dict[str, Any]:
     them, like ``scripts/cmake_flags.sh`` reads them), the cores, and what the loaded
     llama.cpp was built for (``llama_print_system_info``; a build may use fewer
     instructions than the CPU has)."""
-    model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Model name") and model == "unknown":
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
+    cpu = cpu_description()
+    flags = set(str(cpu["flags"]).split())
     system_info = llama_cpp.llama_print_system_info()
     return {
-        "cpu_model": model,
+        "cpu_model": cpu["model"],
         "simd_flags": [f for f in SIMD_FLAGS if f in flags],
         "cores": os.cpu_count(),
         "llama_cpp_system_info": (
