@@ -70,9 +70,14 @@ def test_waiting_on_the_loop_thread_raises_instead_of_hanging(
 ) -> None:
     ctx, _ = make_fake(autostart=autostart, n_ctx=4096)
     registered, called = threading.Event(), threading.Event()
+    late: list[str] = []
 
     def gate(_ids: Any, _row: Any) -> None:
-        registered.wait(5)  # the loop cannot finish ``short`` before its callback is added
+        # the loop cannot finish ``short`` before its callback is added; if the wait ran
+        # out, ``short`` finished first, the callback ran on this test's thread and the
+        # checks below would read a failure of the test's timing as one of the library
+        if not registered.wait(60):
+            late.append("the callback was not added within 60 s")
 
     long = ctx.add_request("long", llamax.SamplingParams(max_tokens=3000, temperature=0))
     short = ctx.add_request(
@@ -92,11 +97,12 @@ def test_waiting_on_the_loop_thread_raises_instead_of_hanging(
         short.future.add_done_callback(callback)
         registered.set()
         short.result()
-        assert called.wait(5)
+        assert called.wait(60)
         long.cancel()
         long.result()
 
-    in_thread(scenario)
+    in_thread(scenario, timeout=120)
+    assert not late, late
     assert len(errors) == 2, errors
     assert all(isinstance(e, llamax.DeadlockError) for e in errors), errors
     assert "loop thread" in str(errors[0])
