@@ -216,8 +216,8 @@ SESSION_TOKENS = 64
 """A session longer than this is rewound before its next turn. Half the threads hold a
 session, so sessions pin at most ~``num_threads / 2 * 140`` cells: every request always
 fits beside them, and one that waits forever is a bug, not the load. (With sessions of
-600 tokens, 38 of them pinned 7,928 of the fake's 8,192 cells (its size then) and the soak wedged with 94
-sequences waiting and nothing running: issue 22, item 3.)"""
+600 tokens, 38 of them pinned 7,928 of the fake's 8,192 cells, its size then, and the soak
+wedged with 94 sequences waiting and nothing running: issue 22, item 3.)"""
 
 
 BURST = 72
