@@ -49,7 +49,10 @@ __all__ = [
     "text_of_tokens",
 ]
 
-N_THREADS = 2
+N_THREADS = int(os.environ.get("LLAMAX_BENCH_THREADS", "2"))
+"""Threads of every system (2, the cores of the machines these benchmarks were written on).
+``LLAMAX_BENCH_THREADS=1`` runs everything on one core: a slower machine of the same
+kind, for checking that a policy learned its speed rather than carrying it."""
 T = TypeVar("T")
 
 

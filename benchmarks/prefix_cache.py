@@ -23,6 +23,12 @@ against the first ``--alone`` prompts run alone on a fresh no-cache context.
 ::
 
     .venv/bin/python benchmarks/prefix_cache.py --repeats 3 --json-out prefix_cache.json
+
+``--n-ctx 32768`` gives every one of the 16 sequences a stream of 2,048 cells, which holds
+the whole prompt: the default ``kv_layout="auto"`` then starts in streams, where a prefix hit
+copies a whole stream, and moves to the unified layout to share the prefix
+(``llamax.engine.layout_policy``). The default 8,192 gives streams of 512 cells, which the
+prompt outgrows, so the burst is unified from the start.
 """
 
 from __future__ import annotations
@@ -287,6 +293,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="runs per system (medians)")
     parser.add_argument("--alone", type=int, default=4, help="prompts also run alone (no cache)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEM_NAMES, default=list(SYSTEM_NAMES))
+    parser.add_argument(
+        "--n-ctx", type=int, default=N_CTX, help="KV cells of llamax and the ideal loop"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or not 0 <= args.alone <= N_REQUESTS:
         parser.error(f"--repeats must be >= 1 and --alone in [0, {N_REQUESTS}]")
@@ -295,7 +304,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global N_CTX  # the systems read it: one value per run
     args = parse_args(argv)
+    N_CTX = args.n_ctx
     load = load_average()
     log(f"load average: {load}")
     with stdout_to_stderr() as stdout:
