@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import llamax
+from llamax.engine.layout_policy import SHARING_KEEPS_UNIFIED
 from llamax.engine.scheduler import RELAYOUT_COOLDOWN_STEPS
 from llamax.errors import RequestFailedError
 from llamax.testing import FakeBackend, assert_idle
@@ -118,6 +119,62 @@ def test_shared_cells_are_counted_per_stream_after_moving_back() -> None:
         assert ctx.stats().kv_cells_used == backend.num_cells_used
         drain(ctx)
         assert len(handle.result().choices) == 3
+        assert_idle(ctx)
+
+
+PREFIX = "The one system prompt that every request of the burst starts with, " * 2  # 134
+
+
+def make_wide(layout: str = "auto") -> tuple[llamax.Context, FakeBackend]:
+    """Streams of 256 cells: the burst's prompts fit one, and a prefix hit copies it."""
+    backend = FakeBackend(n_ctx=1024, n_seq_max=4, n_batch=256, kv_layout=layout)  # type: ignore[arg-type]
+    return llamax.Context(backend=backend, autostart=False, max_step_ms=None), backend
+
+
+def test_a_burst_on_one_long_prefix_shares_it_in_the_unified_layout() -> None:
+    """Streams would copy the whole source stream for each hit and hold the prefix four
+    times: the burst moves to the unified layout first, and stays there while its
+    sequences share the prefix, past the cooldown (the old code stayed in streams)."""
+    params = llamax.SamplingParams(
+        max_tokens=RELAYOUT_COOLDOWN_STEPS + 8, ignore_eos=True, temperature=0.0
+    )
+    prompts = [f"{PREFIX}q{i}" for i in range(4)]
+    ctx, backend = make_wide()
+    with ctx:
+        assert ctx.kv_layout == "streams"
+        handles = [ctx.add_request(p, params) for p in prompts]
+        ctx.process()
+        assert ctx.kv_layout == "unified" and backend.num_relayouts == 1
+        while ctx.has_work():
+            ctx.process()
+            assert ctx.audit() == []
+            assert ctx.kv_layout == "unified"  # past the cooldown: they still share
+            stats = ctx.stats()
+            if stats.num_running == 4:
+                held = sum(len(backend.cells[i]) for i in range(4))
+                assert held >= SHARING_KEEPS_UNIFIED * stats.kv_cells_used
+        texts = [h.result().text for h in handles]
+        assert ctx.stats().num_cached_tokens == 3 * len(PREFIX + "q")
+        assert ctx.stats().num_steps > RELAYOUT_COOLDOWN_STEPS
+        # independent traffic afterwards goes back to streams once the cooldown is over
+        others = [ctx.add_request(f"own prompt {i}", params) for i in range(2)]
+        while ctx.kv_layout == "unified" and ctx.has_work():
+            ctx.process()
+        assert ctx.kv_layout == "streams" and backend.num_relayouts == 2
+        drain(ctx)
+        assert all(h.result().finish_reason == "length" for h in others)
+        assert_idle(ctx)
+    unified, _ = make_wide("unified")
+    with unified:
+        assert run(unified, prompts, params) == texts
+
+
+def test_a_short_shared_prefix_stays_in_streams() -> None:
+    prompts = [f"{PREFIX[:40]} q{i}" for i in range(4)]  # under a quarter stream (64)
+    ctx, backend = make_wide()
+    with ctx:
+        run(ctx, prompts)
+        assert ctx.kv_layout == "streams" and backend.num_relayouts == 0
         assert_idle(ctx)
 
 

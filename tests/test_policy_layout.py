@@ -152,3 +152,76 @@ def test_next_layout_unifies_streams_only_for_a_sequence_beyond_its_stream() -> 
         cooldown_steps=0,
     )
     assert no_split is None and len(counted) == 2
+
+
+def test_waiting_sequences_that_would_copy_one_long_prefix_ask_for_the_unified_layout() -> None:
+    policy = LayoutPolicy(64)  # a prefix of 16 tokens or more counts
+    assert policy.shared_prefix_min == 16
+    shared = list(range(20))
+    one, two, three = shared + [100], shared + [101], shared + [102]
+    # two waiting sequences: the first computes the prefix, the second copies it once
+    assert not policy.should_unify_to_share([one, two], held=[])
+    assert policy.should_unify_to_share([one, two, three], held=[])
+    # a slot holds it already: two copies
+    assert policy.should_unify_to_share([one, two], held=[shared])
+    assert not policy.should_unify_to_share([one], held=[shared])
+    # a prefix shorter than a quarter stream is cheap to copy
+    short = list(range(15))
+    assert not policy.should_unify_to_share([short + [i] for i in range(8)], held=[])
+    # a prompt that is only the prefix has nothing to compute after the copy, and
+    # prompts that part before 16 tokens share nothing
+    assert not policy.should_unify_to_share([shared[:16]] * 2 + [one], held=[])
+    assert not policy.should_unify_to_share([[i] + shared for i in range(8)], held=[])
+    assert not policy.should_unify_to_share([], held=[shared])
+
+
+def test_the_unified_layout_stays_while_sequences_share_their_cells() -> None:
+    policy = cooled(64)
+
+    def split(num_tokens: int, num_cells: int) -> bool:
+        return policy.should_split(
+            num_decoding=4,
+            cells_to_come=[40],
+            session_cells=[],
+            sharing=lambda: (num_tokens, num_cells),
+        )
+
+    assert not split(300, 200)  # 1.5x: a move would copy what they share
+    assert split(299, 200)
+    assert split(0, 0)  # nothing held yet
+    calls: list[int] = []
+
+    def counted() -> tuple[int, int]:
+        calls.append(1)
+        return 0, 0
+
+    young = LayoutPolicy(64)  # the cooldown is not over: sharing is not even counted
+    assert not young.should_split(
+        num_decoding=4, cells_to_come=[40], session_cells=[], sharing=counted
+    )
+    assert not policy.should_split(
+        num_decoding=4, cells_to_come=[65], session_cells=[], sharing=counted
+    )
+    assert calls == []
+
+
+def test_next_layout_unifies_streams_for_a_shared_prefix_only_when_nothing_outgrew() -> None:
+    policy = LayoutPolicy(stream_cells=100)
+    asked: list[int] = []
+
+    def to_share() -> bool:
+        asked.append(1)
+        return True
+
+    def move(*seqs: tuple[int, int, int | None]) -> bool | None:
+        return policy.next_layout(
+            unified=False,
+            can_split=True,
+            sequences=iter(seqs),
+            num_decoding=lambda: 4,
+            session_cells=[],
+            to_share=to_share,
+        )
+
+    assert move((101, 0, None)) is True and asked == []
+    assert move((50, 0, None)) is True and asked == [1]

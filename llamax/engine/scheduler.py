@@ -150,6 +150,8 @@ class Scheduler(SchedulerView):
             num_decoding=lambda: sum(1 for s in self._running if s.num_pending == 1),
             session_cells=(len(slot.tokens) for slot in self.kv.slots() if slot.pinned),
             cooldown_steps=RELAYOUT_COOLDOWN_STEPS,  # this module's, which tests may patch
+            to_share=self._would_copy_a_prefix,
+            sharing=self._sharing,
         )
         if move is False:  # retained prefixes longer than a stream go
             for slot in self.prefix.retained():
@@ -157,6 +159,26 @@ class Scheduler(SchedulerView):
                     self.prefix.evict(slot)
         if move is not None:
             self._relayout(move, result)
+
+    def _would_copy_a_prefix(self) -> bool:
+        """In streams: whether the waiting sequences that may start next would copy one
+        long prefix into several streams (:meth:`LayoutPolicy.should_unify_to_share`)."""
+        if not self._waiting or not self.prefix.is_enabled:
+            return False
+        next_up = [
+            seq.token_ids
+            for seq in self._waiting[: self._backend.n_seq_max]
+            if seq.request.session_id is None
+        ]
+        return self.layout.should_unify_to_share(next_up, (s.tokens for s in self.kv.slots()))
+
+    def _sharing(self) -> tuple[int, int]:
+        """Tokens the unfinished sequences hold, and the distinct cells they use."""
+        slots = [s.slot for s in self.all_sequences() if s.slot is not None]
+        cells: set[int] = set()
+        for slot in slots:
+            cells.update(slot.cells)
+        return sum(len(slot.tokens) for slot in slots), len(cells)
 
     def _relayout(self, unified: bool, result: StepResult) -> None:
         """Move the cache to the other layout. If that fails, stay in this layout from now
