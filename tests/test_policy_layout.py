@@ -158,7 +158,7 @@ def test_waiting_sequences_that_would_copy_one_long_prefix_ask_for_the_unified_l
     policy = LayoutPolicy(64)  # a prefix of 16 tokens or more counts
     assert policy.shared_prefix_min == 16
     shared = list(range(20))
-    one, two, three = shared + [100], shared + [101], shared + [102]
+    one, two, three = [*shared, 100], [*shared, 101], [*shared, 102]
     # two waiting sequences: the first computes the prefix, the second copies it once
     assert not policy.should_unify_to_share([one, two], held=[])
     assert policy.should_unify_to_share([one, two, three], held=[])
@@ -167,11 +167,11 @@ def test_waiting_sequences_that_would_copy_one_long_prefix_ask_for_the_unified_l
     assert not policy.should_unify_to_share([one], held=[shared])
     # a prefix shorter than a quarter stream is cheap to copy
     short = list(range(15))
-    assert not policy.should_unify_to_share([short + [i] for i in range(8)], held=[])
+    assert not policy.should_unify_to_share([[*short, i] for i in range(8)], held=[])
     # a prompt that is only the prefix has nothing to compute after the copy, and
     # prompts that part before 16 tokens share nothing
     assert not policy.should_unify_to_share([shared[:16]] * 2 + [one], held=[])
-    assert not policy.should_unify_to_share([[i] + shared for i in range(8)], held=[])
+    assert not policy.should_unify_to_share([[i, *shared] for i in range(8)], held=[])
     assert not policy.should_unify_to_share([], held=[shared])
 
 
