@@ -169,6 +169,23 @@ def test_a_burst_on_one_long_prefix_shares_it_in_the_unified_layout() -> None:
         assert run(unified, prompts, params) == texts
 
 
+class HugeCells(FakeBackend):
+    """A KV cache so large that a first move is expected to cost more than the copies."""
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        return 10**9
+
+
+def test_a_burst_stays_in_streams_when_a_move_would_cost_more_than_its_copies() -> None:
+    backend = HugeCells(n_ctx=1024, n_seq_max=4, n_batch=256, kv_layout="auto")
+    with llamax.Context(backend=backend, autostart=False, max_step_ms=None) as ctx:
+        run(ctx, [f"{PREFIX}q{i}" for i in range(4)])
+        assert ctx.kv_layout == "streams" and backend.num_relayouts == 0
+        assert backend.num_copies == 3  # whole streams, as before
+        assert_idle(ctx)
+
+
 def test_a_short_shared_prefix_stays_in_streams() -> None:
     prompts = [f"{PREFIX[:40]} q{i}" for i in range(4)]  # under a quarter stream (64)
     ctx, backend = make_wide()

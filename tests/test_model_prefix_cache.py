@@ -351,10 +351,6 @@ def test_burst_with_shared_prefix_computes_it_once(make_real: MakeReal, cold: Co
     assert prefill <= n_sys + question_tokens + 16, (prefill, n_sys, question_tokens)
     assert cached >= 15 * n_sys - 16, (cached, n_sys)
     assert after.num_preemptions == before.num_preemptions
-    # streams of 512 cells hold every prompt, but 15 whole-stream copies of the prefix
-    # would cost more than sharing its cells: kv_layout="auto" unified the cache first
-    assert max(len(p) for p in prompts) + GREEDY.max_tokens <= after.kv_cells_per_stream
-    assert after.kv_layout == "unified" and after.num_relayouts == before.num_relayouts + 1
     assert sum(r.usage.cached_tokens for r in results) == cached
     assert sum(r.usage.cached_tokens >= n_sys - 3 for r in results) >= 15  # all but the leader
     for p, r in zip(prompts, results, strict=True):

@@ -9,6 +9,7 @@ import pytest
 
 from llamax.engine.kvcache import LAYOUT_MOVES, KVCache, LayoutState
 from llamax.engine.layout_policy import (
+    COPIED_TOKEN_COST,
     RELAYOUT_COOLDOWN_STEPS,
     RELAYOUT_MIN_DECODING,
     LayoutPolicy,
@@ -225,3 +226,15 @@ def test_next_layout_unifies_streams_for_a_shared_prefix_only_when_nothing_outgr
 
     assert move((101, 0, None)) is True and asked == []
     assert move((50, 0, None)) is True and asked == [1]
+
+
+def test_sharing_unifies_only_when_the_copies_cost_more_than_the_move() -> None:
+    policy = LayoutPolicy(64)
+    shared = list(range(40))
+    waiting = [[*shared, 100 + i] for i in range(5)]  # 4 copies of 40 tokens
+    gain = 4 * 40 * 0.003 * COPIED_TOKEN_COST
+    assert policy.should_unify_to_share(waiting, [], token_s=0.003, move_s=gain * 0.9)
+    assert not policy.should_unify_to_share(waiting, [], token_s=0.003, move_s=gain * 1.1)
+    # the gain counts the tokens the group really shares, not only the quarter stream
+    parted = [[*shared[:16], 200 + i, *shared[16:]] for i in range(5)]
+    assert not policy.should_unify_to_share(parted, [], token_s=0.003, move_s=gain * 0.9)

@@ -12,10 +12,15 @@ prefix's cells; between streams llama.cpp copies the whole source stream (a part
 aborts), and every stream then holds, and every decode reads, its own copy. A burst of 16
 requests on one 1,312-token prompt took 11.6 s in streams of 2,048 cells and 8.8 s
 unified (SmolLM2, 2 threads; the raw loop's ideal, 8.5 s): its 15 suffixes took 2.3 s
-against 1.5 s and each decode step 0.134 s against 0.105 s. So streams move to the unified
-layout before waiting sequences would copy one prefix of at least a quarter stream into
-:data:`SHARED_PREFIX_MIN_COPIES` streams or more, and the unified layout stays while the
-unfinished sequences hold :data:`SHARING_KEEPS_UNIFIED` times more tokens than cells.
+against 1.5 s and each decode step 0.134 s against 0.105 s. But the move itself costs a
+new llama.cpp context: 0.08 s for 8,192 cells and, for 32,768 (720 MiB), 1.7-2.3 s the
+first time and 0.3 s after; there the move lost more than sharing gained. So streams move
+to the unified layout before waiting sequences would copy one prefix of at least a quarter
+stream into :data:`SHARED_PREFIX_MIN_COPIES` streams or more, only if what the copies
+would cost (:data:`COPIED_TOKEN_COST`) exceeds what a move costs: the last move this
+context timed, or before any, :data:`MOVE_PRIOR_S_PER_BYTE` of the KV cache. The unified
+layout then stays while the unfinished sequences hold :data:`SHARING_KEEPS_UNIFIED` times
+more tokens than cells.
 
 :class:`LayoutPolicy` decides on numbers (token counts); the layout's state and its moves
 belong to :class:`~llamax.engine.kvcache.KVCache` (:class:`~llamax.engine.kvcache.LayoutState`);
@@ -30,6 +35,8 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
 __all__ = [
+    "COPIED_TOKEN_COST",
+    "MOVE_PRIOR_S_PER_BYTE",
     "RELAYOUT_COOLDOWN_STEPS",
     "RELAYOUT_MIN_DECODING",
     "SHARED_PREFIX_MIN_COPIES",
@@ -44,6 +51,14 @@ RELAYOUT_MIN_DECODING = 2
 SHARED_PREFIX_MIN_COPIES = 2
 """Streams move to the unified layout before admitting waiting sequences would copy one
 prefix (of a quarter stream or more) into this many streams."""
+COPIED_TOKEN_COST = 0.03
+"""What a prefix token copied into one more stream costs later (duplicated cells in every
+suffix chunk and decode), as a fraction of computing a token: measured 0.030 and 0.035 on
+SmolLM2 (16 requests on 291- and 1,312-token prefixes, 2 threads)."""
+MOVE_PRIOR_S_PER_BYTE = 3e-9
+"""Seconds a layout move costs per byte of KV cache before this context timed one: the
+worst first move measured (32,768 cells, 720 MiB: 1.7-2.3 s). Later moves are judged by
+the last one's time."""
 SHARING_KEEPS_UNIFIED = 1.5
 """The unified layout stays while the unfinished sequences hold this many times more tokens
 than the distinct cells they use (a move to streams would copy what they share)."""
@@ -76,24 +91,39 @@ class LayoutPolicy:
         return max(1, self.stream_cells // 4)
 
     def should_unify_to_share(
-        self, waiting: Iterable[Tokens[int]], held: Iterable[Tokens[int]]
+        self,
+        waiting: Iterable[Tokens[int]],
+        held: Iterable[Tokens[int]],
+        *,
+        token_s: float = 0.0,
+        move_s: float = 0.0,
     ) -> bool:
         """Whether admitting ``waiting`` into streams would copy one prefix of at least
-        :attr:`shared_prefix_min` tokens into :data:`SHARED_PREFIX_MIN_COPIES` streams.
+        :attr:`shared_prefix_min` tokens into :data:`SHARED_PREFIX_MIN_COPIES` streams, at
+        a cost above a move's.
 
         Args:
             waiting: The prompts of the waiting sequences that may be admitted next.
             held: The tokens of every slot holding cells now (a source to copy from).
+            token_s: Seconds computing one prompt token costs (the step-cost model's).
+            move_s: Seconds a move to the unified layout is expected to cost.
         """
         size = self.shared_prefix_min
-        wanted = Counter(tuple(t[:size]) for t in waiting if len(t) > size)
-        if not wanted or max(wanted.values()) < SHARED_PREFIX_MIN_COPIES:
+        groups: dict[tuple[int, ...], list[Tokens[int]]] = {}
+        for tokens in waiting:
+            if len(tokens) > size:
+                groups.setdefault(tuple(tokens[:size]), []).append(tokens)
+        if not groups or max(len(g) for g in groups.values()) < SHARED_PREFIX_MIN_COPIES:
             return False  # not even the waiting sequences share one
-        sources = {tuple(t[:size]) for t in held if len(t) >= size}
-        return any(
-            num - (prefix not in sources) >= SHARED_PREFIX_MIN_COPIES
-            for prefix, num in wanted.items()
-        )
+        sources = Counter(tuple(t[:size]) for t in held if len(t) >= size)
+        for prefix, group in groups.items():
+            num_copies = len(group) - (prefix not in sources)
+            if num_copies < SHARED_PREFIX_MIN_COPIES:
+                continue
+            shared = _common_prefix_len(group)
+            if num_copies * shared * token_s * COPIED_TOKEN_COST >= move_s:
+                return True
+        return False
 
     def cells_to_come(self, num_tokens: int, num_generated: int, max_tokens: int | None) -> int:
         """Cells a sequence will hold within a quarter stream of growth (or its
@@ -179,3 +209,15 @@ class LayoutPolicy:
             sharing=sharing,
         )
         return False if split else None
+
+
+def _common_prefix_len(token_lists: list[Tokens[int]]) -> int:
+    """Tokens every list starts with."""
+    first = token_lists[0]
+    num = min(len(t) for t in token_lists)
+    for tokens in token_lists[1:]:
+        i = 0
+        while i < num and tokens[i] == first[i]:
+            i += 1
+        num = i
+    return num

@@ -35,7 +35,7 @@ from .chunk_budget import halve_newest_chunk
 from .draft_planner import confirms, draft_limit, drafting_method
 from .kvcache import LayoutState
 from .kvops import KVOp, RestoreSession
-from .layout_policy import RELAYOUT_COOLDOWN_STEPS
+from .layout_policy import MOVE_PRIOR_S_PER_BYTE, RELAYOUT_COOLDOWN_STEPS
 from .plan import ScheduledSequence, StepPlan, StepResult
 from .scheduler_view import SchedulerView, num_cells
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
@@ -170,7 +170,16 @@ class Scheduler(SchedulerView):
             for seq in self._waiting[: self._backend.n_seq_max]
             if seq.request.session_id is None
         ]
-        return self.layout.should_unify_to_share(next_up, (s.tokens for s in self.kv.slots()))
+        move_s = self._move_s
+        if move_s is None:
+            kv_bytes = self._backend.kv_cells * self._backend.kv_bytes_per_cell
+            move_s = kv_bytes * MOVE_PRIOR_S_PER_BYTE
+        return self.layout.should_unify_to_share(
+            next_up,
+            (s.tokens for s in self.kv.slots()),
+            token_s=self.budget.cost.coefficients[1],
+            move_s=move_s,
+        )
 
     def _sharing(self) -> tuple[int, int]:
         """Tokens the unfinished sequences hold, and the distinct cells they use."""
@@ -194,7 +203,8 @@ class Scheduler(SchedulerView):
             else:
                 self.layout.restart_count()
                 self.num_relayouts += 1
-                self.budget.note_pause(self.clock() - started)
+                self._move_s = self.clock() - started
+                self.budget.note_pause(self._move_s)
                 return
         if not unified:
             return

@@ -72,6 +72,7 @@ class SchedulerView:
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
         self.num_relayouts = 0
+        self._move_s: float | None = None  # what the last layout move took
 
     @property
     def backend(self) -> Backend:
