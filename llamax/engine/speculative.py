@@ -24,6 +24,7 @@ later; verification, acceptance and rollback stay the scheduler's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
@@ -148,7 +149,7 @@ class SharedAcceptance:
     expects before it has a record of its own. Decays slowly (0.98 per observation), so it
     follows the context's workload (copy-heavy or free text)."""
 
-    __slots__ = ("pause", "successes", "trials")
+    __slots__ = ("loss_acceptance", "pause", "successes", "trials")
 
     def __init__(self) -> None:
         # [not copying, copying]: a prior acceptance rate of 0.3 and 0.8
@@ -156,6 +157,11 @@ class SharedAcceptance:
         self.pause = 0
         """Steps a new sequence waits before drafting: the guard's last verdict
         (:meth:`DraftState.audit`), 0 after drafts that paid."""
+        self.loss_acceptance = 1.0
+        """The acceptance rate (of a draft token, given the ones before it) of the sequence
+        whose drafts lost last. A new sequence ends the pause it inherits early only on a
+        run of right first guesses that rate would make unlikely (:func:`_hits_to_retry`):
+        its text then copies more than the loser's did."""
 
     def rate(self, hot: bool) -> float:
         """The context's acceptance rate in one regime."""
@@ -173,6 +179,20 @@ _AUDITED_STEPS = 3
 """Verified steps the guard weighs together, each time, before it judges them."""
 _FIRST_PAUSE, _LONGEST_PAUSE = 8, 1024
 """Steps without drafting after the guard stops it the first time, and at most."""
+_RETRY_CHANCE = 0.01
+"""How likely a run of right first guesses that ends an inherited pause may be at the
+acceptance rate of the drafts that lost (see :func:`_hits_to_retry`)."""
+
+
+def _hits_to_retry(loss_acceptance: float) -> int:
+    """Consecutive right first guesses (checked for free while paused) that end a pause a
+    new sequence inherited, when the drafts that lost were accepted at ``loss_acceptance``:
+    a run that rate gives with chance :data:`_RETRY_CHANCE` at most (4 at least; 13 for
+    0.7, 6 for 0.4; never for 0.99 and above)."""
+    if loss_acceptance >= 0.99:
+        return 10**9
+    rate = min(max(loss_acceptance, 0.05), 0.99)
+    return max(4, math.ceil(math.log(_RETRY_CHANCE) / math.log(rate)))
 
 
 class DraftState:
@@ -197,9 +217,12 @@ class DraftState:
         "_cost_s",
         "_gain_s",
         "_hot",
+        "_inherited",
         "_paused",
+        "_retry_after",
         "_shadow",
         "_shared",
+        "_streak",
         "_successes",
         "_trials",
         "drafter",
@@ -224,6 +247,12 @@ class DraftState:
         self._audits = 0
         self._paused = self._shared.pause  # steps left without drafting
         self._backoff = max(self._shared.pause, _FIRST_PAUSE)
+        # a pause inherited from the context ends early once this sequence's own text shows
+        # it copies (see :meth:`propose`): a story's losing drafts once kept the next
+        # request, copy-heavy code, from drafting for 512 steps
+        self._inherited = self._paused > 0
+        self._retry_after = _hits_to_retry(self._shared.loss_acceptance)
+        self._streak = 0
         self.num_pauses = 0
         """How many times the guard stopped this sequence's drafting."""
 
@@ -243,10 +272,14 @@ class DraftState:
         tokens added ``cost_s`` seconds to the step (measured, against the measured cost of
         the same step without drafts). When the costs of the last few such steps exceed
         their gains, drafting stops for a while, twice as long each time it stops again
-        (and back to short after steps that paid; a retry after a pause is judged on its
-        first step), whatever the acceptance rate and the
-        pricing line promised: speculation never keeps losing time. The context remembers
-        the last verdict, so its next sequence starts paused after a loss."""
+        (half as long after steps that paid; a retry after a pause is judged on its first
+        step), whatever the acceptance rate and the pricing line promised: speculation
+        never keeps losing time. The context remembers
+        the last verdict: after a loss its next sequence starts paused and is judged on its
+        first verified step. The pause ends early once the new sequence's own text shows it
+        copies more than the loser's did (a run of right first guesses, checked for free,
+        that the loser's acceptance rate makes unlikely: :func:`_hits_to_retry`)."""
+        self._inherited = False  # judged on its own steps from now on
         self._gain_s += gain_s
         self._cost_s += cost_s
         self._audits += 1
@@ -259,8 +292,9 @@ class DraftState:
             self._backoff = min(2 * self._backoff, _LONGEST_PAUSE)
             self.num_pauses += 1
             shared.pause = self._backoff  # a new sequence of this context waits too
-        else:
-            self._backoff = _FIRST_PAUSE
+            shared.loss_acceptance = sum(self._successes) / max(1e-9, sum(self._trials))
+        else:  # paid: forgiven by halves (a text that paid once may still stop paying)
+            self._backoff = max(_FIRST_PAUSE, self._backoff // 2)
             shared.pause = 0
         self._gain_s = self._cost_s = 0.0
         self._audits = 0
@@ -278,6 +312,11 @@ class DraftState:
         if shadow is not None and shadow[0] < len(token_ids):
             hit = token_ids[shadow[0]] == shadow[1]
             self._learn(int(hit), 1, hot=hit)
+            self._streak = self._streak + 1 if hit else 0
+            if self._inherited and self._paused and self._streak >= self._retry_after:
+                # this text copies: try it now, one step decides; if it loses, the pause
+                # skipped now is served twice over
+                self._paused = 0
         return self.drafter.propose(token_ids, limit)
 
     def expected_gain(self, j: int) -> float:
