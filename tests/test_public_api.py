@@ -65,6 +65,15 @@ PUBLIC_MODULES = {
     "llamax.embeddings": ["Embedder", "Pooling"],
     "llamax.info": ["ModelInfo", "model_info"],
     "llamax.cli": ["main"],
+    "llamax.reasoning": [
+        "THINK_CLOSE",
+        "THINK_OPEN",
+        "ReasoningFormat",
+        "ReasoningSplitter",
+        "check_reasoning_format",
+        "opens_thinking",
+        "split_reasoning",
+    ],
 }
 
 
@@ -156,6 +165,7 @@ PUBLIC_API = {
     "llamax.prompts",
     "llamax.tokens",
     "llamax.grammar",
+    "llamax.reasoning",
     "llamax.info",
     "llamax.models",
     "llamax.embeddings",

@@ -44,13 +44,22 @@ def _chat(
     if plan.is_active or _mentions_tools(messages):
         if opts.get("truncate", "none") != "none":
             raise InvalidParameterError("truncate is not supported together with tools")
-        return prepare_tool_chat(ctx, messages, params, plan)
+        return prepare_tool_chat(
+            ctx,
+            messages,
+            params,
+            plan,
+            reasoning_format=opts.get("reasoning_format", "auto"),
+            enable_thinking=opts.get("enable_thinking"),
+        )
     return prepare_chat(
         ctx,
         messages,
         params,
         truncate=opts.get("truncate", "none"),
         parse_special_in_content=opts.get("parse_special_in_content", False),
+        reasoning_format=opts.get("reasoning_format", "auto"),
+        enable_thinking=opts.get("enable_thinking"),
     )
 
 

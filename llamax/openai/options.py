@@ -17,6 +17,7 @@ from ..errors import InvalidParameterError
 from ..grammar import JSON_OBJECT_SCHEMA
 from ..optionspec import openai_defaults
 from ..params import SamplingParams
+from ..reasoning import ReasoningFormat
 
 __all__ = [
     "ChatOptions",
@@ -87,6 +88,13 @@ class ChatOptions(CompletionOptions, total=False):
     """``"none"``, ``"auto"`` (default with tools), ``"required"`` or a named function."""
     parallel_tool_calls: bool | None
     """Whether one reply may hold several calls (default True with tools)."""
+    reasoning_format: ReasoningFormat
+    """llamax/llama-server extension: ``"auto"`` (default) puts a thinking model's
+    ``<think>…</think>`` in ``message.reasoning_content``; ``"none"`` leaves it in
+    ``content`` (:mod:`llamax.reasoning`)."""
+    enable_thinking: bool | None
+    """llamax extension: passed to chat templates that take it (Qwen3: ``False`` renders an
+    empty thinking, so the model answers at once); default: the template's."""
 
 
 OPENAI_ONLY = frozenset(

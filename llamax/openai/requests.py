@@ -16,6 +16,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 from ..errors import ContextLengthError, InvalidParameterError
 from ..handle import RequestHandle
 from ..params import SamplingParams
+from ..reasoning import (
+    ReasoningFormat,
+    ReasoningSplitter,
+    check_reasoning_format,
+    opens_thinking,
+    split_reasoning,
+)
 from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from ..templates.messages import validate_messages
 from ..templates.truncation import drop_oldest_turns
@@ -148,6 +155,18 @@ class OpenAIRequest:
     created: int
     tools: ToolPlan = field(default_factory=ToolPlan)
     """Tool calling asked for (``mode="none"``: replies are plain text)."""
+    reasoning_format: ReasoningFormat = "none"
+    """How the reply's thinking is reported (:mod:`llamax.reasoning`; chat only)."""
+    thinking_opened: bool = False
+    """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
+
+    @property
+    def splits_reasoning(self) -> bool:
+        """Whether the reply's thinking goes to ``reasoning_content``."""
+        return self.kind == "chat" and self.reasoning_format != "none"
+
+    def _splitter(self) -> ReasoningSplitter | None:
+        return ReasoningSplitter(inside=self.thinking_opened) if self.splits_reasoning else None
 
     @property
     def response_id(self) -> str:
@@ -199,13 +218,21 @@ class OpenAIRequest:
         The parser sees the raw finish reason, so a call cut off by a cancel is dropped
         rather than returned as content with its markup."""
         finish = _finish_reason(choice.finish_reason) or "stop"
+        text, reasoning = choice.text, None
+        if self.splits_reasoning:
+            reasoning, text = split_reasoning(text, inside=self.thinking_opened)
         if not self.tools.is_active:
-            return {"role": "assistant", "content": choice.text}, finish
-        parsed = parse_tool_calls(choice.text, self.tools, str(choice.finish_reason))
-        message: ChatCompletionMessage = {"role": "assistant", "content": parsed.content}
-        if parsed.tool_calls:
-            message["tool_calls"] = list(parsed.tool_calls)
-        return message, "tool_calls" if parsed.finish_reason == "tool_calls" else finish
+            message: ChatCompletionMessage = {"role": "assistant", "content": text}
+        else:
+            parsed = parse_tool_calls(text, self.tools, str(choice.finish_reason))
+            message = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                message["tool_calls"] = list(parsed.tool_calls)
+            if parsed.finish_reason == "tool_calls":
+                finish = "tool_calls"
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message, finish
 
     def result(self) -> ChatCompletion | TextCompletion:
         """Wait (a manual context steps in this thread) and return the full response."""
@@ -232,7 +259,7 @@ class OpenAIRequest:
     def _chunks(
         self, include_usage: bool
     ) -> Generator[ChatCompletionChunk | TextCompletion, None, None]:
-        started: dict[int, ToolCallStreamParser] = {}
+        started: dict[int, _ChoiceStream] = {}
         try:
             for event in self.handle:
                 yield from self._event_chunks(event, started)
@@ -244,7 +271,7 @@ class OpenAIRequest:
     async def _achunks(
         self, include_usage: bool
     ) -> AsyncGenerator[ChatCompletionChunk | TextCompletion, None]:
-        started: dict[int, ToolCallStreamParser] = {}
+        started: dict[int, _ChoiceStream] = {}
         try:
             async for event in self.handle:
                 for chunk in self._event_chunks(event, started):
@@ -255,7 +282,7 @@ class OpenAIRequest:
             self.handle.cancel()
 
     def _event_chunks(
-        self, event: TokenEvent, started: dict[int, ToolCallStreamParser]
+        self, event: TokenEvent, started: dict[int, _ChoiceStream]
     ) -> Iterator[ChatCompletionChunk | TextCompletion]:
         finish = _finish_reason(event.finish_reason)
         if self.kind == "text":
@@ -268,15 +295,23 @@ class OpenAIRequest:
                     chunk["choices"][0]["logprobs"] = _text_logprobs(choice)
                 yield chunk
             return
-        if self.tools.is_active:
-            yield from self._tool_event_chunks(event, started)
-            return
         delta: ChatDelta = {}
         if event.index not in started:
-            started[event.index] = ToolCallStreamParser(self.tools)
+            started[event.index] = _ChoiceStream(ToolCallStreamParser(self.tools), self._splitter())
             delta = {"role": "assistant", "content": ""}
-        if event.text:
-            delta["content"] = event.text
+        stream = started[event.index]
+        reasoning, text = stream.split(event.text, finished=finish is not None)
+        if self.tools.is_active:
+            if delta:
+                yield self._delta_chunk(event.index, delta)
+            if reasoning:
+                yield self._delta_chunk(event.index, {"reasoning_content": reasoning})
+            yield from self._tool_event_chunks(event, stream.parser, text)
+            return
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text:
+            delta["content"] = text
         if delta or event.logprobs:  # held-back text still reports its tokens' logprobs
             logprobs = (
                 {"content": [_chat_token(lp, lp.top_logprobs) for lp in event.logprobs]}
@@ -299,16 +334,13 @@ class OpenAIRequest:
             )
 
     def _tool_event_chunks(
-        self, event: TokenEvent, parsers: dict[int, ToolCallStreamParser]
+        self, event: TokenEvent, parser: ToolCallStreamParser, text: str
     ) -> Iterator[ChatCompletionChunk]:
         """Chunks of a reply that may call tools: content and ``tool_calls`` deltas, with
-        the call markup parsed away as it streams."""
+        the call markup parsed away as it streams (``text``: the event's content, after
+        the reasoning split)."""
         index = event.index
-        if index not in parsers:
-            parsers[index] = ToolCallStreamParser(self.tools)
-            yield self._delta_chunk(index, {"role": "assistant", "content": ""})
-        parser = parsers[index]
-        deltas = parser.feed(event.text)
+        deltas = parser.feed(text)
         finish = _finish_reason(event.finish_reason)
         if finish:
             deltas += parser.close()
@@ -354,6 +386,36 @@ class OpenAIRequest:
         return chunk  # type: ignore[no-any-return]
 
 
+@dataclass(slots=True)
+class _ChoiceStream:
+    """One streamed choice's parsers: tool-call markup and the reasoning split."""
+
+    parser: ToolCallStreamParser
+    splitter: ReasoningSplitter | None
+
+    def split(self, text: str, *, finished: bool) -> tuple[str, str]:
+        """``(reasoning, content)`` of an event's text (everything held, at the end)."""
+        if self.splitter is None:
+            return "", text
+        reasoning, content = self.splitter.feed(text)
+        if finished:
+            more_reasoning, more_content = self.splitter.flush()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
+
+def _template_vars(enable_thinking: bool | None) -> dict[str, Any]:
+    if enable_thinking is None:
+        return {}
+    if not isinstance(enable_thinking, bool):
+        raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+    return {"enable_thinking": enable_thinking}
+
+
+def _thinking_opened(ctx: Context, tokens: Sequence[int]) -> bool:
+    return opens_thinking(ctx.detokenize(list(tokens[-8:])))
+
+
 def prepare_chat(
     ctx: Context,
     messages: Sequence[Mapping[str, Any]],
@@ -361,11 +423,15 @@ def prepare_chat(
     *,
     truncate: Truncate = "none",
     parse_special_in_content: bool = False,
+    reasoning_format: ReasoningFormat = "auto",
+    enable_thinking: bool | None = None,
 ) -> OpenAIRequest:
     """Validate, render, fit and submit a chat request.
 
     With ``truncate="oldest_messages"`` the cut is found by a binary search over turn
     boundaries (a few renders, whatever the length); each rendering is tokenized once.
+    ``reasoning_format`` says how the reply's thinking is reported (:mod:`llamax.reasoning`);
+    ``enable_thinking`` (None: the template's default) goes to templates that take it.
     """
     if truncate not in ("none", "oldest_messages"):
         raise InvalidParameterError(
@@ -375,6 +441,8 @@ def prepare_chat(
         raise InvalidParameterError(
             f"parse_special_in_content must be a bool, got {parse_special_in_content!r}"
         )
+    reasoning_format = check_reasoning_format(reasoning_format)
+    template_vars = _template_vars(enable_thinking)
     msgs = validate_messages(messages)
     params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
     reserve = params.max_tokens or 1
@@ -384,7 +452,7 @@ def prepare_chat(
     def render(kept: list[dict[str, Any]]) -> list[int]:
         if len(kept) not in rendered:
             rendered[len(kept)] = ctx.chat_prompt(
-                kept, parse_special_in_content=parse_special_in_content
+                kept, parse_special_in_content=parse_special_in_content, **template_vars
             )
         return rendered[len(kept)]
 
@@ -399,7 +467,9 @@ def prepare_chat(
                 n_ctx=ctx.n_ctx_seq,
             )
         tokens = render(drop_oldest_turns(msgs, lambda m: len(render(m)), budget))
-    return _submit(ctx, tokens, params, "chat")
+    request = _submit(ctx, tokens, params, "chat")
+    opened = reasoning_format != "none" and _thinking_opened(ctx, tokens)
+    return dataclasses.replace(request, reasoning_format=reasoning_format, thinking_opened=opened)
 
 
 def _limit(ctx: Context) -> str:
@@ -414,14 +484,20 @@ def prepare_tool_chat(
     messages: Sequence[Mapping[str, Any]],
     params: SamplingParams,
     plan: ToolPlan,
+    *,
+    reasoning_format: ReasoningFormat = "auto",
+    enable_thinking: bool | None = None,
 ) -> OpenAIRequest:
     """Render a conversation with tools (or with earlier tool calls and results), constrain
-    the reply with the tool-call grammar, and submit it.
+    the reply with the tool-call grammar, and submit it. ``reasoning_format`` and
+    ``enable_thinking``: as :func:`prepare_chat`'s; the calls parse after the thinking.
 
     Raises:
         InvalidParameterError: tools together with ``grammar`` or ``response_format``.
         ContextLengthError: the conversation does not fit.
     """
+    reasoning_format = check_reasoning_format(reasoning_format)
+    template_vars = _template_vars(enable_thinking)
     grammar = tool_call_grammar(plan)
     if grammar is not None and (params.grammar is not None or params.json_schema is not None):
         raise InvalidParameterError(
@@ -431,7 +507,7 @@ def prepare_tool_chat(
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
-    tokens = tool_prompt_tokens(ctx, messages, plan)
+    tokens = tool_prompt_tokens(ctx, messages, plan, **template_vars)
     reserve = params.max_tokens or 1
     if len(tokens) + reserve > ctx.n_ctx_seq:
         raise ContextLengthError(
@@ -441,7 +517,10 @@ def prepare_tool_chat(
             n_ctx=ctx.n_ctx_seq,
         )
     request = _submit(ctx, tokens, params, "chat")
-    return dataclasses.replace(request, tools=plan)
+    opened = reasoning_format != "none" and _thinking_opened(ctx, tokens)
+    return dataclasses.replace(
+        request, tools=plan, reasoning_format=reasoning_format, thinking_opened=opened
+    )
 
 
 def prepare_text(

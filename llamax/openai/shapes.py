@@ -41,6 +41,8 @@ class ChatCompletionMessage(TypedDict):
     role: Literal["assistant"]
     content: str | None
     tool_calls: NotRequired[list[ToolCall]]
+    reasoning_content: NotRequired[str]
+    """The reply's thinking (``<think>…</think>``), when it thought (llamax.reasoning)."""
 
 
 class ChatCompletionChoice(TypedDict):
@@ -69,6 +71,7 @@ class ChatDelta(TypedDict, total=False):
     role: Literal["assistant"]
     content: str
     tool_calls: list[ToolCallDelta]
+    reasoning_content: str
 
 
 class ChatCompletionChunkChoice(TypedDict):

@@ -158,10 +158,31 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
+    """llamax/llama-server extension: where a thinking model's thinking goes."""
+    enable_thinking: bool | None = None
+    """llamax extension: passed to chat templates that take it."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's and llama-server's way to say ``enable_thinking`` (the only key taken)."""
 
     def options(self) -> dict[str, Any]:
-        """As the base class, with ``max_completion_tokens`` read as ``max_tokens``."""
+        """As the base class, with ``max_completion_tokens`` read as ``max_tokens`` and
+        ``chat_template_kwargs.enable_thinking`` as ``enable_thinking``."""
         options = super().options()
+        kwargs = options.pop("chat_template_kwargs", None)
+        if kwargs is not None:
+            unknown = sorted(set(kwargs) - {"enable_thinking"})
+            thinking = kwargs.get("enable_thinking")
+            if unknown or not isinstance(thinking, bool | None):
+                raise APIError(
+                    400,
+                    "chat_template_kwargs takes only enable_thinking (a boolean)"
+                    + (f"; got {', '.join(unknown)}" if unknown else ""),
+                    param="chat_template_kwargs",
+                    code="invalid_value",
+                )
+            if thinking is not None:
+                options.setdefault("enable_thinking", thinking)
         newer = options.pop("max_completion_tokens", None)
         if newer is not None:
             if "max_tokens" in options:

@@ -208,12 +208,13 @@ def render_tool_prompt(
 
 
 def tool_prompt_tokens(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], plan: ToolPlan
+    ctx: Context, messages: Sequence[Mapping[str, Any]], plan: ToolPlan, **template_vars: Any
 ) -> list[int]:
     """The prompt tokens of :func:`render_tool_prompt` with ``ctx``'s template.
 
     The fallback goes through ``ctx.chat_prompt``, so its tokens (and prefix-cache hits)
-    are those of an ordinary chat with the same messages.
+    are those of an ordinary chat with the same messages. ``template_vars``
+    (``enable_thinking=...``) are passed to the template.
 
     Raises:
         InvalidMessageError: a message is malformed.
@@ -221,9 +222,10 @@ def tool_prompt_tokens(
     """
     template = ctx.chat_template
     if not template_supports_tools(template):
-        return ctx.chat_prompt(fallback_messages(messages, plan))
+        return ctx.chat_prompt(fallback_messages(messages, plan), **template_vars)
     tools = [f.as_openai() for f in plan.callable_functions] or None
-    return ctx.chat_prompt(native_messages(messages), tools=tools)  # content stays text
+    # content stays text
+    return ctx.chat_prompt(native_messages(messages), tools=tools, **template_vars)
 
 
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
