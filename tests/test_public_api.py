@@ -65,6 +65,7 @@ PUBLIC_MODULES = {
     "llamax.embeddings": ["Embedder", "Pooling"],
     "llamax.info": ["ModelInfo", "model_info"],
     "llamax.cli": ["main"],
+    "llamax.anthropic": ["REQUEST_FIELDS", "amessages", "count_tokens", "messages"],
     "llamax.reasoning": [
         "THINK_CLOSE",
         "THINK_OPEN",
@@ -143,6 +144,7 @@ UPPER_LAYERS = {
     "server": ({"llamax.server"}, set()),
     "ray": ({"llamax.ray"}, {"llamax.server"}),
     "cli": ({"llamax.cli"}, {"llamax.server", "llamax.batch"}),
+    "anthropic": ({"llamax.anthropic"}, {"llamax.openai", "llamax.tools"}),
     "openai": ({"llamax.openai"}, {"llamax.tools"}),
     "tools": ({"llamax.tools"}, set()),
     "conversation": ({"llamax.conversation"}, set()),

@@ -4,8 +4,16 @@
 their first argument; the shapes are ``TypedDict`` s matching OpenAI's responses.
 """
 
-from .api import achat_completion, acompletion, chat_completion, completion
+from .api import (
+    achat_completion,
+    acompletion,
+    chat_completion,
+    chat_prompt_tokens,
+    completion,
+    submit_chat,
+)
 from .options import ChatOptions, CompletionOptions, StreamOptions
+from .requests import OpenAIRequest
 from .shapes import ChatCompletion, ChatCompletionChunk, CompletionUsage, TextCompletion
 
 __all__ = [
@@ -14,10 +22,13 @@ __all__ = [
     "ChatOptions",
     "CompletionOptions",
     "CompletionUsage",
+    "OpenAIRequest",
     "StreamOptions",
     "TextCompletion",
     "achat_completion",
     "acompletion",
     "chat_completion",
+    "chat_prompt_tokens",
     "completion",
+    "submit_chat",
 ]

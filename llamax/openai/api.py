@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameterError
-from ..tools import prepare_tools
+from ..tools import prepare_tools, tool_prompt_tokens
 from .options import (
     CHAT_OPTIONS,
     COMPLETION_OPTIONS,
@@ -29,7 +29,48 @@ from .shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 if TYPE_CHECKING:
     from .. import Context
 
-__all__ = ["achat_completion", "acompletion", "chat_completion", "completion"]
+__all__ = [
+    "achat_completion",
+    "acompletion",
+    "chat_completion",
+    "chat_prompt_tokens",
+    "completion",
+    "submit_chat",
+]
+
+
+def submit_chat(
+    ctx: Context, messages: Sequence[Mapping[str, Any]], **options: Any
+) -> OpenAIRequest:
+    """The submitted request behind :func:`chat_completion`: its handle, and the methods
+    that shape its results. For layers that build other shapes on it (``llamax.anthropic``).
+    ``stream`` and ``stream_options`` are not options here (the caller chooses).
+
+    Raises:
+        InvalidRequestError: an option or a message is invalid (nothing was enqueued).
+        ContextLengthError: the conversation does not fit.
+    """
+    return _chat(ctx, messages, options)
+
+
+def chat_prompt_tokens(
+    ctx: Context, messages: Sequence[Mapping[str, Any]], **options: Any
+) -> list[int]:
+    """The prompt tokens :func:`chat_completion` would submit for ``messages`` (tools and
+    ``enable_thinking`` included), without submitting anything: for token counting.
+
+    Raises:
+        InvalidRequestError: an option or a message is invalid.
+    """
+    check_option_names(options, CHAT_OPTIONS, "chat_prompt_tokens")
+    plan = prepare_tools(
+        options.get("tools"), options.get("tool_choice"), options.get("parallel_tool_calls")
+    )
+    thinking = options.get("enable_thinking")
+    template_vars = {} if thinking is None else {"enable_thinking": thinking}
+    if plan.is_active or _mentions_tools(messages):
+        return tool_prompt_tokens(ctx, messages, plan, **template_vars)
+    return ctx.chat_prompt(messages, **template_vars)
 
 
 def _chat(

@@ -159,6 +159,8 @@ class OpenAIRequest:
     """How the reply's thinking is reported (:mod:`llamax.reasoning`; chat only)."""
     thinking_opened: bool = False
     """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
+    num_prompt_tokens: int = 0
+    """Tokens of the rendered prompt (chat; 0 for a text prompt given as a string)."""
 
     @property
     def splits_reasoning(self) -> bool:
@@ -534,4 +536,7 @@ def _submit(
     ctx: Context, prompt: str | Sequence[int], params: SamplingParams, kind: Literal["chat", "text"]
 ) -> OpenAIRequest:
     handle = ctx.add_request(prompt, params, request_id=f"req-{uuid.uuid4().hex[:24]}")
-    return OpenAIRequest(ctx, handle, kind, ctx.model_name, int(time.time()))
+    num = 0 if isinstance(prompt, str) else len(prompt)
+    return OpenAIRequest(
+        ctx, handle, kind, ctx.model_name, int(time.time()), num_prompt_tokens=num
+    )

@@ -1,0 +1,422 @@
+"""Anthropic's Messages API on top of :mod:`llamax.openai`: the request is mapped to a chat
+request (system, text, ``tool_use`` and ``tool_result`` blocks, tools, ``thinking``), and
+the result back to Anthropic's shapes: content blocks (``thinking``, ``text``,
+``tool_use``), ``stop_reason``, ``usage``, and the streamed event sequence.
+
+Supported and not, plainly:
+
+- Content blocks: ``text`` everywhere, ``tool_use`` (assistant) and ``tool_result``
+  (user, with text content) and ``thinking`` (assistant; dropped from the prompt: the
+  template sees the text). ``image`` and ``document`` blocks are refused
+  (:class:`~llamax.InvalidRequestError`).
+- Options: ``max_tokens`` (required), ``system``, ``temperature``, ``top_p``, ``top_k``,
+  ``stop_sequences``, ``tools`` (``input_schema``), ``tool_choice`` (``auto``, ``any``,
+  ``tool``, ``none``, and ``disable_parallel_tool_use``), ``thinking`` (``enabled`` or
+  ``disabled``: passed to templates as ``enable_thinking``; ``budget_tokens`` is not
+  enforced), ``metadata`` (accepted and ignored), ``stream``. Any other field is refused.
+- One reply per request (Anthropic has no ``n``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidParameterError, InvalidRequestError
+from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat
+from ..results import Completion, FinishReason
+
+if TYPE_CHECKING:
+    from .. import Context
+
+__all__ = ["amessages", "count_tokens", "messages"]
+
+REQUEST_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "metadata",
+        "stream",
+    }
+)
+"""The Messages request fields this layer takes."""
+_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def messages(ctx: Context, request: Mapping[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+    """Answer one Messages request: the ``message`` object, or with ``stream: true`` an
+    iterator of its events (closing it cancels the request).
+
+    Raises:
+        InvalidRequestError: the request is malformed (nothing was enqueued).
+        ContextLengthError: the conversation does not fit.
+    """
+    submitted, stops = _submit(ctx, request)
+    if request.get("stream"):
+        return _events(submitted, stops)
+    return _message(submitted, submitted.handle.result(), stops)
+
+
+async def amessages(
+    ctx: Context, request: Mapping[str, Any]
+) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    """Async twin of :func:`messages` (needs the context's background loop)."""
+    submitted, stops = _submit(ctx, request)
+    if request.get("stream"):
+        return _aevents(submitted, stops)
+    return _message(submitted, await submitted.handle, stops)
+
+
+def count_tokens(ctx: Context, request: Mapping[str, Any]) -> dict[str, int]:
+    """``POST /v1/messages/count_tokens``: the prompt tokens of the request's conversation
+    (system, messages and tools), as :func:`messages` would render them."""
+    _check_fields(request, _COUNT_FIELDS, "count_tokens")
+    chat, options = _chat_request({**request, "max_tokens": 1})
+    options.pop("max_tokens")
+    return {"input_tokens": len(chat_prompt_tokens(ctx, chat, **options))}
+
+
+# ---------------------------------------------------------------------- the request
+def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
+    if not isinstance(request, Mapping):
+        raise InvalidRequestError(f"a {where} request must be an object")
+    unknown = sorted(set(request) - allowed)
+    if unknown:
+        raise InvalidRequestError(f"{where}: unsupported field(s): {', '.join(unknown)}")
+
+
+def _submit(ctx: Context, request: Mapping[str, Any]) -> tuple[OpenAIRequest, list[str]]:
+    _check_fields(request, REQUEST_FIELDS, "messages")
+    chat, options = _chat_request(request)
+    return submit_chat(ctx, chat, **options), list(options.get("stop") or [])
+
+
+def _chat_request(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The chat messages and options of a Messages request."""
+    max_tokens = request.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidParameterError(f"max_tokens is required, a positive integer: {max_tokens!r}")
+    chat: list[dict[str, Any]] = []
+    system = request.get("system")
+    if system is not None:
+        chat.append({"role": "system", "content": _text_of(system, "system")})
+    turns = request.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise InvalidRequestError("messages must be a non-empty list")
+    for i, turn in enumerate(turns):
+        chat += _turn(turn, i)
+    options: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k"):
+        if request.get(name) is not None:
+            options[name] = request[name]
+    stops = request.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise InvalidParameterError("stop_sequences must be a list of non-empty strings")
+        options["stop"] = stops
+    if request.get("tools"):
+        options["tools"] = [_tool(t) for t in _list(request["tools"], "tools")]
+    if request.get("tool_choice") is not None:
+        options.update(_tool_choice(request["tool_choice"]))
+    thinking = request.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+        if kind not in ("enabled", "disabled"):
+            raise InvalidParameterError("thinking.type must be 'enabled' or 'disabled'")
+        options["enable_thinking"] = kind == "enabled"
+    return chat, options
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be a list")
+    return value
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A string, or the joined text of a list of ``text`` blocks."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in _list(content, where):
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            raise InvalidRequestError(f"{where}: only text blocks are supported here")
+        if not isinstance(block.get("text"), str):
+            raise InvalidRequestError(f"{where}: a text block needs a string 'text'")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
+    """One Messages turn as chat messages (a user turn with tool results becomes ``tool``
+    messages, then the user's text, if any)."""
+    where = f"messages[{i}]"
+    if not isinstance(turn, Mapping) or turn.get("role") not in ("user", "assistant"):
+        raise InvalidRequestError(f"{where}: role must be 'user' or 'assistant'")
+    role, content = turn["role"], turn.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(_list(content, f"{where}.content")):
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
+                raise InvalidRequestError(f"{at}: a tool_use block needs an id and a name")
+            arguments = json.dumps(block.get("input", {}))
+            function = {"name": block["name"], "arguments": arguments}
+            calls.append({"id": block["id"], "type": "function", "function": function})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise InvalidRequestError(f"{at}: a tool_result block needs a tool_use_id")
+            text = _text_of(block.get("content", ""), f"{at}.content")
+            if block.get("is_error"):
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # the template renders what the model answered, not what it thought
+        else:
+            raise InvalidRequestError(f"{at}: unsupported content block {kind!r} for {role}")
+    if role == "assistant":
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
+    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+
+
+def _tool(tool: Any) -> dict[str, Any]:
+    if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
+        raise InvalidRequestError("a tool needs a 'name' and an 'input_schema'")
+    schema = tool.get("input_schema")
+    if not isinstance(schema, Mapping):
+        raise InvalidRequestError(f"tool {tool['name']!r}: input_schema must be an object")
+    function: dict[str, Any] = {"name": tool["name"], "parameters": dict(schema)}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: Any) -> dict[str, Any]:
+    kind = choice.get("type") if isinstance(choice, Mapping) else None
+    mapped: dict[str, Any]
+    if kind == "auto":
+        mapped = {"tool_choice": "auto"}
+    elif kind == "any":
+        mapped = {"tool_choice": "required"}
+    elif kind == "none":
+        mapped = {"tool_choice": "none"}
+    elif kind == "tool" and isinstance(choice.get("name"), str):
+        mapped = {"tool_choice": {"type": "function", "function": {"name": choice["name"]}}}
+    else:
+        raise InvalidParameterError(
+            "tool_choice.type must be auto, any, tool (with a name) or none"
+        )
+    if choice.get("disable_parallel_tool_use") and kind != "none":
+        mapped["parallel_tool_calls"] = False
+    return mapped
+
+
+# ---------------------------------------------------------------------- the response
+def _message_id(submitted: OpenAIRequest) -> str:
+    return "msg_" + submitted.handle.request_id.removeprefix("req-")
+
+
+def _stop(submitted: OpenAIRequest, completion: Completion, stops: Sequence[str]) -> str | None:
+    """The stop sequence the reply ended at, if one did."""
+    choice = completion.choices[0]
+    if choice.finish_reason is not FinishReason.STOP or not stops:
+        return None
+    rest = submitted.ctx.detokenize(choice.token_ids)[len(choice.text) :]
+    return next((s for s in stops if rest.startswith(s)), None)
+
+
+def _usage(completion: Completion, output_tokens: int | None = None) -> dict[str, int]:
+    usage = completion.usage
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": usage.completion_tokens if output_tokens is None else output_tokens,
+    }
+
+
+def _message(
+    submitted: OpenAIRequest, completion: Completion, stops: Sequence[str]
+) -> dict[str, Any]:
+    choice = submitted.response(completion)["choices"][0]
+    message: Any = choice["message"]  # type: ignore[typeddict-item]
+    content: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        content.append(
+            {"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}
+        )
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls", []):
+        function = call["function"]
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": function["name"],
+                "input": json.loads(function["arguments"]),
+            }
+        )
+    stop_sequence = _stop(submitted, completion, stops)
+    return {
+        "id": _message_id(submitted),
+        "type": "message",
+        "role": "assistant",
+        "model": submitted.model,
+        "content": content,
+        "stop_reason": "stop_sequence"
+        if stop_sequence
+        else _STOP_REASONS.get(str(choice["finish_reason"]), "end_turn"),
+        "stop_sequence": stop_sequence,
+        "usage": _usage(completion),
+    }
+
+
+class _EventBuilder:
+    """Turns a chat request's chunks into Messages stream events, one content block at a
+    time: ``thinking``, then ``text``, then each ``tool_use``."""
+
+    def __init__(self, submitted: OpenAIRequest, stops: Sequence[str]) -> None:
+        self._submitted, self._stops = submitted, stops
+        self._index = -1
+        self._open: str | None = None
+        self._finish: str | None = None
+
+    def start(self) -> list[dict[str, Any]]:
+        submitted = self._submitted
+        usage = {
+            "input_tokens": submitted.num_prompt_tokens,
+            "cache_read_input_tokens": 0,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": 0,
+        }
+        message: dict[str, Any] = {
+            "id": _message_id(submitted),
+            "type": "message",
+            "role": "assistant",
+            "model": submitted.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+        return [{"type": "message_start", "message": message}, {"type": "ping"}]
+
+    def _block(self, kind: str, block: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._close()
+        self._index += 1
+        self._open = kind
+        events.append({"type": "content_block_start", "index": self._index, "content_block": block})
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [{"type": "content_block_stop", "index": self._index}]
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self._index, "delta": delta}
+
+    def chunk(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for choice in chunk.get("choices", []):
+            delta = choice["delta"]
+            if delta.get("reasoning_content"):
+                if self._open != "thinking":
+                    events += self._block(
+                        "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                    )
+                events.append(
+                    self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
+                )
+            if delta.get("content"):
+                if self._open != "text":
+                    events += self._block("text", {"type": "text", "text": ""})
+                events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls", []):
+                function = call.get("function", {})
+                if call.get("id"):
+                    block = {
+                        "type": "tool_use",
+                        "id": call["id"],
+                        "name": function.get("name", ""),
+                        "input": {},
+                    }
+                    events += self._block("tool_use", block)
+                if function.get("arguments"):
+                    events.append(
+                        self._delta(
+                            {"type": "input_json_delta", "partial_json": function["arguments"]}
+                        )
+                    )
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+                events += self._close()
+        return events
+
+    def end(self, completion: Completion) -> list[dict[str, Any]]:
+        stop_sequence = _stop(self._submitted, completion, self._stops)
+        reason = (
+            "stop_sequence"
+            if stop_sequence
+            else _STOP_REASONS.get(self._finish or "stop", "end_turn")
+        )
+        usage = _usage(completion)
+        return [
+            *self._close(),
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                "usage": {"output_tokens": usage["output_tokens"]},
+            },
+            {"type": "message_stop"},
+        ]
+
+
+def _events(submitted: OpenAIRequest, stops: Sequence[str]) -> Iterator[dict[str, Any]]:
+    builder = _EventBuilder(submitted, stops)
+    chunks = submitted.chunks(include_usage=False)
+    try:
+        yield from builder.start()
+        for chunk in chunks:
+            yield from builder.chunk(chunk)
+        yield from builder.end(submitted.handle.result())
+    finally:
+        chunks.close()
+
+
+async def _aevents(submitted: OpenAIRequest, stops: Sequence[str]) -> AsyncIterator[dict[str, Any]]:
+    builder = _EventBuilder(submitted, stops)
+    chunks = submitted.achunks(include_usage=False)
+    try:
+        for event in builder.start():
+            yield event
+        async for chunk in chunks:
+            for event in builder.chunk(chunk):
+                yield event
+        for event in builder.end(await submitted.handle):
+            yield event
+    finally:
+        await chunks.aclose()

@@ -1,0 +1,227 @@
+"""Anthropic Messages shapes built on the public API (llamax.anthropic, issue 25 items 2
+and 4), fake backend, checked against the ``anthropic`` SDK's own types."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from anthropic.types import Message, RawMessageStreamEvent
+from pydantic import TypeAdapter
+from test_chat import make
+from test_chat_reasoning import QWEN3, THOUGHT
+
+import llamax
+from llamax.anthropic import amessages, count_tokens, messages
+from llamax.testing import assert_idle
+
+EVENTS = TypeAdapter(RawMessageStreamEvent)
+HI = [{"role": "user", "content": "Hi!"}]
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"location": {"type": "string"}},
+        "required": ["location"],
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>'
+
+
+def ask(ctx: llamax.Context, **request: Any) -> dict[str, Any]:
+    reply = messages(ctx, {"messages": HI, "max_tokens": 64, "temperature": 0, **request})
+    assert isinstance(reply, dict)
+    Message.model_validate(reply)
+    return reply
+
+
+def events(ctx: llamax.Context, **request: Any) -> list[dict[str, Any]]:
+    stream = messages(
+        ctx, {"messages": HI, "max_tokens": 64, "temperature": 0, "stream": True, **request}
+    )
+    assert not isinstance(stream, dict)
+    out = list(stream)
+    for event in out:
+        if event["type"] != "ping":  # a keep-alive the SDK skips; not among its types
+            EVENTS.validate_python(event)
+    return out
+
+
+def blocks_of(stream: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The content blocks a client assembles from the events."""
+    blocks: list[dict[str, Any]] = []
+    for event in stream:
+        if event["type"] == "content_block_start":
+            blocks.append(dict(event["content_block"]))
+        elif event["type"] == "content_block_delta":
+            delta, block = event["delta"], blocks[event["index"]]
+            if delta["type"] == "text_delta":
+                block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "input_json_delta":
+                block["partial"] = block.get("partial", "") + delta["partial_json"]
+    for block in blocks:
+        if block["type"] == "tool_use":
+            block["input"] = json.loads(block.pop("partial"))
+    return blocks
+
+
+def test_a_text_reply() -> None:
+    with make("Hello there!") as ctx:
+        reply = ask(ctx)
+        assert reply["content"] == [{"type": "text", "text": "Hello there!"}]
+        assert reply["stop_reason"] == "end_turn" and reply["stop_sequence"] is None
+        assert reply["role"] == "assistant" and reply["id"].startswith("msg_")
+        prompt = len(ctx.chat_prompt(HI))
+        assert reply["usage"]["input_tokens"] + reply["usage"]["cache_read_input_tokens"] == prompt
+        assert reply["usage"]["output_tokens"] == len("Hello there!")
+        stream = events(ctx)
+        kinds = [e["type"] for e in stream]
+        assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+        assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+        assert blocks_of(stream) == [{"type": "text", "text": "Hello there!"}]
+        assert stream[-2]["delta"]["stop_reason"] == "end_turn"
+        assert stream[-2]["usage"]["output_tokens"] == len("Hello there!")
+        assert_idle(ctx)
+
+
+def test_system_prompts_and_count_tokens() -> None:
+    with make("Hello there!") as ctx:
+        system = [{"role": "system", "content": "Be brief."}, *HI]
+        expected = len(ctx.chat_prompt(system))
+        for given in (
+            "Be brief.",
+            [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        ):
+            counted = count_tokens(ctx, {"messages": HI, "system": given})
+            assert counted == {"input_tokens": expected}
+            reply = ask(ctx, system=given)
+            usage = reply["usage"]
+            assert usage["input_tokens"] + usage["cache_read_input_tokens"] == expected
+        assert count_tokens(ctx, {"messages": HI})["input_tokens"] == len(ctx.chat_prompt(HI))
+
+
+def test_stop_sequences_and_max_tokens() -> None:
+    with make("Hello there!") as ctx:
+        reply = ask(ctx, stop_sequences=["zzz", "there"])
+        assert reply["content"] == [{"type": "text", "text": "Hello "}]
+        assert (reply["stop_reason"], reply["stop_sequence"]) == ("stop_sequence", "there")
+        stream = events(ctx, stop_sequences=["there"])
+        assert stream[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "there"}
+        cut = ask(ctx, max_tokens=3)
+        assert cut["content"] == [{"type": "text", "text": "Hel"}]
+        assert cut["stop_reason"] == "max_tokens"
+
+
+def test_thinking_comes_back_as_a_thinking_block() -> None:
+    with make(THOUGHT, template=QWEN3) as ctx:
+        reply = ask(ctx, max_tokens=128)
+        assert [b["type"] for b in reply["content"]] == ["thinking", "text"]
+        assert reply["content"][0]["thinking"] == "The user greets me. I greet back."
+        assert reply["content"][1]["text"] == "Hello there!"
+        stream = events(ctx, max_tokens=128)
+        assert [(b["type"], b.get("text") or b.get("thinking")) for b in blocks_of(stream)] == [
+            ("thinking", "The user greets me. I greet back."),
+            ("text", "Hello there!"),
+        ]
+        off = count_tokens(ctx, {"messages": HI, "thinking": {"type": "disabled"}})
+        assert off["input_tokens"] == len(ctx.chat_prompt(HI, enable_thinking=False))
+
+
+def test_a_tool_round_trip() -> None:
+    with make(f"Let me look.\n{CALL}") as ctx:
+        reply = ask(ctx, max_tokens=200, tools=[WEATHER])
+        assert reply["stop_reason"] == "tool_use"
+        text, use = reply["content"]
+        assert text == {"type": "text", "text": "Let me look."}
+        assert use["type"] == "tool_use" and use["name"] == "get_weather"
+        assert use["input"] == {"location": "Paris"}
+        stream = events(ctx, max_tokens=200, tools=[WEATHER])
+        streamed = blocks_of(stream)
+        assert [b["type"] for b in streamed] == ["text", "tool_use"]
+        assert (
+            streamed[1]["input"] == {"location": "Paris"} and streamed[1]["name"] == "get_weather"
+        )
+        assert stream[-2]["delta"]["stop_reason"] == "tool_use"
+        follow_up = [
+            *HI,
+            {"role": "assistant", "content": reply["content"]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use["id"], "content": "18 C, sunny"},
+                    {"type": "text", "text": "And tomorrow?"},
+                ],
+            },
+        ]
+        assert count_tokens(ctx, {"messages": follow_up, "tools": [WEATHER]})["input_tokens"] > 0
+        answer = messages(
+            ctx, {"messages": follow_up, "max_tokens": 8, "tools": [WEATHER], "temperature": 0}
+        )
+        assert isinstance(answer, dict)
+        Message.model_validate(answer)
+        forced = ask(
+            ctx,
+            max_tokens=200,
+            tools=[WEATHER],
+            tool_choice={"type": "tool", "name": "get_weather"},
+        )
+        assert forced["stop_reason"] in ("tool_use", "max_tokens")
+        assert_idle(ctx)
+
+
+BAD_REQUESTS = [
+    ({"messages": HI}, "max_tokens"),
+    ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+    ({"messages": HI, "max_tokens": 8, "n": 2}, "unsupported field"),
+    ({"messages": [], "max_tokens": 8}, "non-empty"),
+    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 8}, "role"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}
+            ],
+            "max_tokens": 8,
+        },
+        "unsupported content block 'image'",
+    ),
+    ({"messages": HI, "max_tokens": 8, "tool_choice": {"type": "maybe"}}, "tool_choice"),
+    ({"messages": HI, "max_tokens": 8, "thinking": {"type": "sometimes"}}, "thinking"),
+    ({"messages": HI, "max_tokens": 8, "stop_sequences": "END"}, "stop_sequences"),
+    ({"messages": HI, "max_tokens": 8, "tools": [{"name": "f"}]}, "input_schema"),
+    ({"messages": HI, "max_tokens": 8, "system": [{"type": "image"}]}, "text blocks"),
+]
+
+
+@pytest.mark.parametrize(("request_body", "message"), BAD_REQUESTS)
+def test_bad_requests_are_typed_errors_and_enqueue_nothing(
+    request_body: dict[str, Any], message: str
+) -> None:
+    with make("Hello there!") as ctx:
+        with pytest.raises(llamax.InvalidRequestError, match=message):
+            messages(ctx, request_body)
+        assert ctx.stats().num_waiting == 0 and ctx.stats().num_running == 0
+
+
+def test_async_and_an_early_close_frees_the_request() -> None:
+    async def main(ctx: llamax.Context) -> tuple[dict[str, Any], list[str]]:
+        reply = await amessages(ctx, {"messages": HI, "max_tokens": 64, "temperature": 0})
+        assert isinstance(reply, dict)
+        stream = await amessages(ctx, {"messages": HI, "max_tokens": 64, "stream": True})
+        assert not isinstance(stream, dict)
+        kinds = [event["type"] async for event in stream]
+        return reply, kinds
+
+    with make("Hello there!", autostart=True) as ctx:
+        reply, kinds = asyncio.run(main(ctx))
+        assert reply["content"][0]["text"] == "Hello there!"
+        assert kinds[-1] == "message_stop"
+        stream = messages(ctx, {"messages": HI, "max_tokens": 512, "stream": True})
+        assert not isinstance(stream, dict)
+        next(stream), next(stream)  # message_start, ping
+        stream.close()  # type: ignore[attr-defined]
+        assert_idle(ctx)
