@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -225,3 +226,123 @@ def test_async_and_an_early_close_frees_the_request() -> None:
         next(stream), next(stream)  # message_start, ping
         stream.close()  # type: ignore[attr-defined]
         assert_idle(ctx)
+
+
+# ---------------------------------------------------------------------- over HTTP
+def test_the_anthropic_client_against_the_server() -> None:
+    import anthropic
+    import httpx
+
+    from llamax.server import BackgroundServer, create_app
+
+    reply = f"Let me look.\n{CALL}"
+    with (
+        make(reply, autostart=True) as ctx,
+        BackgroundServer(create_app(ctx, api_key="sekrit")) as server,
+    ):
+        client = anthropic.Anthropic(base_url=server.url, api_key="sekrit")
+        message = client.messages.create(
+            model="fake",
+            max_tokens=200,
+            extra_body={"temperature": 0},
+            system="Be brief.",
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[WEATHER],  # type: ignore[list-item]
+        )
+        assert message.stop_reason == "tool_use"
+        text, use = message.content
+        assert text.type == "text" and text.text == "Let me look."
+        assert use.type == "tool_use" and use.input == {"location": "Paris"}
+        follow_up = client.messages.create(
+            model="fake",
+            max_tokens=8,
+            extra_body={"temperature": 0},
+            messages=[
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": message.content},  # type: ignore[typeddict-item]
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}],
+                },
+            ],
+            tools=[WEATHER],  # type: ignore[list-item]
+        )
+        assert follow_up.stop_reason == "max_tokens" and follow_up.usage.output_tokens == 8
+        with client.messages.stream(
+            model="fake",
+            max_tokens=200,
+            extra_body={"temperature": 0},
+            messages=HI,
+            tools=[WEATHER],  # type: ignore[arg-type,list-item]
+        ) as stream:
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == ["text", "tool_use"]
+        assert final.content[1].input == {"location": "Paris"}  # type: ignore[union-attr]
+        stopped = client.messages.create(
+            model="fake",
+            max_tokens=64,
+            extra_body={"temperature": 0},
+            messages=HI,
+            stop_sequences=["look"],
+        )
+        assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "look")
+        counted = client.messages.count_tokens(model="fake", messages=HI, system="Be brief.")
+        system = [{"role": "system", "content": "Be brief."}, *HI]
+        assert counted.input_tokens == len(ctx.chat_prompt(system))
+        # errors, in Anthropic's shape, through the client's typed exceptions
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            client.messages.create(
+                model="fake",
+                max_tokens=8,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "url", "url": "http://x"}}
+                        ],
+                    }
+                ],  # type: ignore[list-item]
+            )
+        assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        assert "image" in bad.value.body["error"]["message"]  # type: ignore[index]
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=server.url, api_key="wrong").messages.create(
+                model="fake", max_tokens=8, messages=HI
+            )
+        raw = httpx.post(
+            server.url + "/v1/messages",
+            headers={"x-api-key": "sekrit"},
+            content=b'{"messages": [{"role": "user", "content": "x"}]}',
+        )
+        assert raw.status_code == 400
+        assert raw.json() == {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": raw.json()["error"]["message"]},
+        }
+        assert "max_tokens" in raw.json()["error"]["message"]
+        not_json = httpx.post(
+            server.url + "/v1/messages", headers={"x-api-key": "sekrit"}, content=b"{nope"
+        )
+        assert not_json.status_code == 400 and not_json.json()["type"] == "error"
+        # a client that leaves mid-stream frees its sequence
+        long = make_long_request(server.url)
+        assert long == "message_start"
+        deadline = time.monotonic() + 10
+        while ctx.stats().num_running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ctx.stats().num_running == 0
+    assert_idle(ctx)
+
+
+def make_long_request(url: str) -> str:
+    """Open a long stream, read its first event and leave."""
+    import httpx
+
+    body = {"messages": HI, "max_tokens": 900, "stream": True, "temperature": 0}
+    with httpx.stream(
+        "POST", url + "/v1/messages", headers={"x-api-key": "sekrit"}, json=body
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                return line.removeprefix("event: ")
+    return ""

@@ -27,6 +27,7 @@ ROOT = "llamax"
 FACADE = ("llamax.context", "llamax.session")
 # Built on the public API (docs/architecture.md): nothing the facade imports may be here.
 ABOVE_THE_FACADE = (
+    "llamax.anthropic",
     "llamax.openai",
     "llamax.tools",
     "llamax.conversation",

@@ -141,7 +141,7 @@ def _imported_modules(path: Path) -> set[str]:
 # facade (context, session, templates); the engine and the backend.
 UPPER_LAYERS = {
     # layer: (its modules, the upper layers below it that it may also use)
-    "server": ({"llamax.server"}, set()),
+    "server": ({"llamax.server"}, {"llamax.anthropic"}),
     "ray": ({"llamax.ray"}, {"llamax.server"}),
     "cli": ({"llamax.cli"}, {"llamax.server", "llamax.batch"}),
     "anthropic": ({"llamax.anthropic"}, {"llamax.openai", "llamax.tools"}),

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameterError, InvalidRequestError
-from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat
+from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
 from ..results import Completion, FinishReason
 
 if TYPE_CHECKING:
@@ -71,8 +71,9 @@ def messages(ctx: Context, request: Mapping[str, Any]) -> dict[str, Any] | Itera
 async def amessages(
     ctx: Context, request: Mapping[str, Any]
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
-    """Async twin of :func:`messages` (needs the context's background loop)."""
-    submitted, stops = _submit(ctx, request)
+    """Async twin of :func:`messages` (needs the context's background loop). Mapping,
+    rendering and tokenizing run in a worker thread, so the event loop stays free."""
+    submitted, stops = await submit_in_worker(lambda: _submit(ctx, request), lambda s: s[0])
     if request.get("stream"):
         return _aevents(submitted, stops)
     return _message(submitted, await submitted.handle, stops)

@@ -11,6 +11,7 @@ from .api import (
     chat_prompt_tokens,
     completion,
     submit_chat,
+    submit_in_worker,
 )
 from .options import ChatOptions, CompletionOptions, StreamOptions
 from .requests import OpenAIRequest
@@ -31,4 +32,5 @@ __all__ = [
     "chat_prompt_tokens",
     "completion",
     "submit_chat",
+    "submit_in_worker",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import InvalidParameterError
 from ..tools import prepare_tools, tool_prompt_tokens
@@ -29,6 +29,8 @@ from .shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 if TYPE_CHECKING:
     from .. import Context
 
+T = TypeVar("T")
+
 __all__ = [
     "achat_completion",
     "acompletion",
@@ -36,6 +38,7 @@ __all__ = [
     "chat_prompt_tokens",
     "completion",
     "submit_chat",
+    "submit_in_worker",
 ]
 
 
@@ -168,7 +171,12 @@ async def acompletion(
 
 
 async def _off_the_loop(prepare: Callable[[], OpenAIRequest]) -> OpenAIRequest:
-    """Run ``prepare`` (render, tokenize, submit) in the loop's default executor.
+    return await submit_in_worker(prepare, lambda request: request)
+
+
+async def submit_in_worker(prepare: Callable[[], T], request_of: Callable[[T], OpenAIRequest]) -> T:
+    """Run ``prepare`` (render, tokenize, submit) in the loop's default executor, so the
+    event loop stays free; ``request_of`` finds the submitted request in its result.
 
     Cancelling the caller does not stop the worker; the request it submits is cancelled
     as soon as it exists, so nothing runs for a caller that has gone.
@@ -177,10 +185,10 @@ async def _off_the_loop(prepare: Callable[[], OpenAIRequest]) -> OpenAIRequest:
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        future.add_done_callback(_cancel_submitted)
+        future.add_done_callback(lambda done: _cancel_submitted(done, request_of))
         raise
 
 
-def _cancel_submitted(future: asyncio.Future[OpenAIRequest]) -> None:
+def _cancel_submitted(future: asyncio.Future[T], request_of: Callable[[T], OpenAIRequest]) -> None:
     if not future.cancelled() and future.exception() is None:
-        future.result().handle.cancel()
+        request_of(future.result()).handle.cancel()

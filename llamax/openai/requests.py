@@ -537,6 +537,4 @@ def _submit(
 ) -> OpenAIRequest:
     handle = ctx.add_request(prompt, params, request_id=f"req-{uuid.uuid4().hex[:24]}")
     num = 0 if isinstance(prompt, str) else len(prompt)
-    return OpenAIRequest(
-        ctx, handle, kind, ctx.model_name, int(time.time()), num_prompt_tokens=num
-    )
+    return OpenAIRequest(ctx, handle, kind, ctx.model_name, int(time.time()), num_prompt_tokens=num)

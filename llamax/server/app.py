@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 
+from .anthropic_routes import anthropic_routes
 from .errors import APIError, error_response, handle_api_error
 from .info import info_routes, public_routes
 from .routes import api_routes
@@ -76,14 +77,15 @@ def create_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _internal_error)
-    for router in (public_routes(state), info_routes(state), api_routes(state)):
+    routers = (public_routes(state), info_routes(state), api_routes(state), anthropic_routes(state))
+    for router in routers:
         app.include_router(router)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(cors_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
     return app
 

@@ -16,7 +16,14 @@ from starlette.responses import JSONResponse
 import llamax
 from llamax.templates import InvalidMessageError, TemplateError
 
-__all__ = ["APIError", "error_response", "from_exception", "handle_api_error"]
+__all__ = [
+    "APIError",
+    "anthropic_body",
+    "anthropic_error_response",
+    "error_response",
+    "from_exception",
+    "handle_api_error",
+]
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -60,6 +67,29 @@ class APIError(Exception):
         kind = _STATUS_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code}}  # fmt: skip
+
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_body(error: APIError) -> dict[str, object]:
+    """``error`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``
+    (what the ``anthropic`` client turns into its typed exceptions)."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def anthropic_error_response(error: APIError) -> JSONResponse:
+    """The HTTP response for ``error`` on an Anthropic route."""
+    return JSONResponse(anthropic_body(error), status_code=error.status, headers=error.headers)
 
 
 def error_response(error: APIError) -> JSONResponse:

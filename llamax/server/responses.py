@@ -24,7 +24,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .errors import from_exception
+from .errors import APIError, anthropic_body, from_exception
 from .metrics import ServerMetrics, TokenClock
 
 __all__ = ["CompletionJob", "CompletionResponse", "outcome_of"]
@@ -46,6 +46,9 @@ class CompletionJob:
     include_usage: bool = False
     fields: frozenset[str] = frozenset()
     prompt_field: str = "messages"
+    anthropic: bool = False
+    """Anthropic's shapes: errors as ``{"type": "error", ...}``, events as ``event: NAME``
+    lines with no ``[DONE]``, usage as ``input_tokens``/``output_tokens``."""
     started: float = field(default_factory=time.perf_counter)
 
     def finish(self, outcome: str) -> None:
@@ -64,8 +67,21 @@ def outcome_of(status: int) -> str:
     return "client_error" if status < 500 else "server_error"
 
 
-def _sse(payload: object) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+def _sse(payload: object, event: str | None = None) -> bytes:
+    data = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
+
+
+def _openai_usage(usage: Any) -> dict[str, Any] | None:
+    """An Anthropic ``usage`` as the OpenAI one the metrics count."""
+    if not usage:
+        return None
+    cached = usage.get("cache_read_input_tokens", 0)
+    return {
+        "prompt_tokens": usage.get("input_tokens", 0) + cached,
+        "completion_tokens": usage.get("output_tokens", 0),
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 _SSE_HEADERS = [
@@ -105,9 +121,12 @@ class CompletionResponse(Response):
         finally:
             self.job.finish(outcome)
 
+    def _error_body(self, error: APIError) -> object:
+        return anthropic_body(error) if self.job.anthropic else error.body()
+
     async def _error(self, send: Send, exc: Exception) -> str:
         error = from_exception(exc, self.job.fields, self.job.prompt_field)
-        await _send_json(send, error.status, error.body(), error.headers)
+        await _send_json(send, error.status, self._error_body(error), error.headers)
         return outcome_of(error.status)
 
     async def _whole(self, send: Send) -> str:
@@ -115,7 +134,8 @@ class CompletionResponse(Response):
             result = await self.job.start()
         except Exception as exc:
             return await self._error(send, exc)
-        self.job.metrics.record_usage(result.get("usage"))
+        usage = result.get("usage")
+        self.job.metrics.record_usage(_openai_usage(usage) if self.job.anthropic else usage)
         await _send_json(send, 200, result, {})
         return "success"
 
@@ -142,14 +162,18 @@ class CompletionResponse(Response):
             await self._send_chunk(send, first, clock)
             async for chunk in chunks:
                 await self._send_chunk(send, chunk, clock)
-            tail = b"data: [DONE]\n\n"
+            tail = b"" if self.job.anthropic else b"data: [DONE]\n\n"
         except Exception as exc:
             error = from_exception(exc, self.job.fields, self.job.prompt_field)
-            outcome, tail = outcome_of(error.status), _sse(error.body())
+            event = "error" if self.job.anthropic else None
+            outcome, tail = outcome_of(error.status), _sse(self._error_body(error), event)
         await send({"type": "http.response.body", "body": tail})
         return outcome
 
     async def _send_chunk(self, send: Send, chunk: dict[str, Any], clock: TokenClock) -> None:
+        if self.job.anthropic:
+            await self._send_event(send, chunk, clock)
+            return
         if not chunk["choices"]:  # the usage chunk
             self.job.metrics.record_usage(chunk.get("usage"))
             if not self.job.include_usage:
@@ -158,6 +182,18 @@ class CompletionResponse(Response):
             if choice.get("text") or (choice.get("delta") or {}).get("content"):
                 clock.tick(choice["index"])
         await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
+
+    async def _send_event(self, send: Send, event: dict[str, Any], clock: TokenClock) -> None:
+        """One Anthropic stream event, as ``event: TYPE`` and its ``data:``."""
+        if event["type"] == "content_block_delta":
+            clock.tick(0)
+        elif event["type"] == "message_start":
+            self.job.metrics.record_usage(_openai_usage(event["message"]["usage"]))
+        elif event["type"] == "message_delta":
+            usage = {"input_tokens": 0, **event.get("usage", {})}
+            self.job.metrics.record_usage(_openai_usage(usage))
+        body = _sse(event, event["type"])
+        await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

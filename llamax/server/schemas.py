@@ -230,6 +230,27 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object body, checked as :func:`parse_body` checks one (JSON, depth, text),
+    without a model: for requests whose fields another layer checks (``/v1/messages``).
+
+    Raises:
+        APIError: 400, as :func:`parse_body`.
+    """
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise APIError(
+            400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from exc
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    _check_tree(data)
+    return data
+
+
 def parse_body(model: type[RequestT], raw: bytes) -> RequestT:
     """Parse and validate a JSON request body.
 
@@ -246,17 +267,7 @@ def parse_body(model: type[RequestT], raw: bytes) -> RequestT:
             is valid JSON but not Unicode text), an unknown field (named in ``param``) or
             a field of the wrong type.
     """
-    try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    except RecursionError as exc:  # nesting deeper than the interpreter's stack
-        raise APIError(
-            400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
-        ) from exc
-    if not isinstance(data, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_json")
-    _check_tree(data)
+    data = parse_object(raw)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -104,12 +104,12 @@ class ServerState:
         if self.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), self.api_key.encode()
-        ):
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")  # Anthropic's clients send this
+        if not given or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise APIError(
-                401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                code="invalid_api_key",
+                401, "missing or wrong API key (send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>')", code="invalid_api_key",
             )  # fmt: skip
 
 
