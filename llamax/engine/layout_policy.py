@@ -20,7 +20,7 @@ stream into :data:`SHARED_PREFIX_MIN_COPIES` streams or more, only if what the c
 would cost (:data:`COPIED_TOKEN_COST`) exceeds what a move costs: the last move this
 context timed, or before any, :data:`MOVE_PRIOR_S_PER_BYTE` of the KV cache. The unified
 layout then stays while the unfinished sequences hold :data:`SHARING_KEEPS_UNIFIED` times
-more tokens than cells.
+more tokens than the cache has cells in use.
 
 :class:`LayoutPolicy` decides on numbers (token counts); the layout's state and its moves
 belong to :class:`~llamax.engine.kvcache.KVCache` (:class:`~llamax.engine.kvcache.LayoutState`);
@@ -61,7 +61,7 @@ worst first move measured (32,768 cells, 720 MiB: 1.7-2.3 s). Later moves are ju
 the last one's time."""
 SHARING_KEEPS_UNIFIED = 1.5
 """The unified layout stays while the unfinished sequences hold this many times more tokens
-than the distinct cells they use (a move to streams would copy what they share)."""
+than the cache has cells in use (a move to streams would copy what they share)."""
 
 
 @dataclass(slots=True)
@@ -156,8 +156,8 @@ class LayoutPolicy:
                 if the cooldown is over and enough sequences decode).
             session_cells: Tokens each open session holds (it would have to fit a stream).
             cooldown_steps: Steps to stay in the unified layout after a move.
-            sharing: Gives the tokens the unfinished sequences hold and the distinct cells
-                they use (called last, only if everything else allows the move).
+            sharing: Gives the tokens the unfinished sequences hold and the cells in use
+                (called last, only if everything else allows the move).
         """
         if self.num_steps_in_layout < cooldown_steps or num_decoding < RELAYOUT_MIN_DECODING:
             return False

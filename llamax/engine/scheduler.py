@@ -162,8 +162,11 @@ class Scheduler(SchedulerView):
 
     def _would_copy_a_prefix(self) -> bool:
         """In streams: whether the waiting sequences that may start next would copy one
-        long prefix into several streams (:meth:`LayoutPolicy.should_unify_to_share`)."""
+        long prefix into several streams (:meth:`LayoutPolicy.should_unify_to_share`).
+        Skipped while no sequence id can be had (a backlog would pay the check each step)."""
         if not self._waiting or not self.prefix.is_enabled:
+            return False
+        if self.kv.num_free_seq_ids == 0 and self.prefix.num_retained == 0:
             return False
         next_up = [
             seq.token_ids
@@ -182,12 +185,10 @@ class Scheduler(SchedulerView):
         )
 
     def _sharing(self) -> tuple[int, int]:
-        """Tokens the unfinished sequences hold, and the distinct cells they use."""
-        slots = [s.slot for s in self.all_sequences() if s.slot is not None]
-        cells: set[int] = set()
-        for slot in slots:
-            cells.update(slot.cells)
-        return sum(len(slot.tokens) for slot in slots), len(cells)
+        """Tokens the unfinished sequences hold, and the cells in use (the KV cache's own
+        count: no walk over every cell each step)."""
+        held = sum(len(s.slot.tokens) for s in self.all_sequences() if s.slot is not None)
+        return held, self.kv.num_cells_used
 
     def _relayout(self, unified: bool, result: StepResult) -> None:
         """Move the cache to the other layout. If that fails, stay in this layout from now
