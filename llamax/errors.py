@@ -9,7 +9,8 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
     │   ├── InvalidParameterError   a SamplingParams / config field is out of range
     │   ├── EmptyPromptError
     │   ├── ContextLengthError      the prompt cannot fit in the context
-    │   └── GrammarError            the grammar or JSON schema cannot be used
+    │   ├── GrammarError            the grammar or JSON schema cannot be used
+    │   └── NotFoundError (also LookupError)   a stored item it names does not exist
     ├── ContextClosedError (also RuntimeError)
     ├── LoopOwnershipError (also RuntimeError)   process() called where it must not be
     ├── EngineError                 llama.cpp failed; the context is closed
@@ -35,6 +36,7 @@ __all__ = [
     "LlamaxError",
     "LoopOwnershipError",
     "ModelLoadError",
+    "NotFoundError",
     "RequestFailedError",
     "SessionBusyError",
     "SessionError",
@@ -77,6 +79,11 @@ class ContextLengthError(InvalidRequestError):
 
 class GrammarError(InvalidRequestError):
     """A GBNF grammar does not parse, or a JSON schema cannot be converted to one."""
+
+
+class NotFoundError(InvalidRequestError, LookupError):
+    """Something the request names by id (a stored response's ``previous_response_id``)
+    does not exist, or no longer: HTTP layers answer it with 404."""
 
 
 class ContextClosedError(LlamaxError, RuntimeError):

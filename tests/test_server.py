@@ -166,6 +166,45 @@ def test_chat_json_schema(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
 
 
+def test_responses_json_schema_and_a_follow_up(client: openai.OpenAI) -> None:
+    """The Responses API on the real model: ``text.format`` json_schema constrains the
+    output, and ``previous_response_id`` continues on the prefix the cache holds."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    reply = client.responses.create(
+        model="any",
+        instructions="You answer in JSON.",
+        input="Describe a person.",
+        max_output_tokens=64,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema}},
+    )
+    assert reply.status == "completed"
+    jsonschema.validate(json.loads(reply.output_text), schema)
+    follow = client.responses.create(
+        model="any",
+        instructions="You answer in JSON.",
+        previous_response_id=reply.id,
+        input="Now a shorter name.",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert follow.usage is not None and reply.usage is not None
+    assert follow.usage.input_tokens > reply.usage.input_tokens + reply.usage.output_tokens
+    # the whole first turn (its prompt and the reply) is read from the cache
+    assert follow.usage.input_tokens_details.cached_tokens >= reply.usage.input_tokens
+    with client.responses.stream(  # the SDK's helper wants response.completed: no cut
+        model="any", input="Say hello.", max_output_tokens=200, temperature=0
+    ) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text and final.output_text == text
+
+
 def test_chat_logprobs_and_llama_extensions(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model="any", messages=HELLO, max_tokens=6, temperature=0.7, seed=1, logprobs=True,  # type: ignore[arg-type]

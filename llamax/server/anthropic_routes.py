@@ -59,7 +59,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             stream=bool(body.get("stream")),
             fields=REQUEST_FIELDS,
             prompt_field="messages",
-            anthropic=True,
+            flavour="anthropic",
         )
         return CompletionResponse(job)
 

@@ -13,10 +13,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 import llamax
+from llamax.openai import ResponseStore
 
 from .anthropic_routes import anthropic_routes
 from .errors import APIError, error_response, handle_api_error
 from .info import info_routes, public_routes
+from .responses_routes import responses_routes
 from .routes import api_routes
 from .state import ServerState
 
@@ -34,6 +36,7 @@ def create_app(
     cors_origins: Sequence[str] | None = None,
     retry_after_seconds: int = 1,
     parse_special_in_content: bool = False,
+    max_stored_responses: int = 1024,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -54,22 +57,32 @@ def create_app(
         parse_special_in_content: Let special-token text in chat message content act as
             special tokens (llama-server's way; lets a user forge turns and roles). Off by
             default: content is plain text, only the template's markers are special.
+        max_stored_responses: Most responses the Responses API keeps for
+            ``previous_response_id`` (least recently used go first; their conversations
+            are also bounded to 64 MiB of text).
 
     Returns:
         A FastAPI application.
 
     Raises:
-        ValueError: ``max_queue``, ``max_body_bytes`` or ``retry_after_seconds`` is not
-            positive, or ``api_key`` is empty.
+        ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds`` or
+            ``max_stored_responses`` is not positive, or ``api_key`` is empty.
     """
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
-                        ("retry_after_seconds", retry_after_seconds)):  # fmt: skip
+                        ("retry_after_seconds", retry_after_seconds),
+                        ("max_stored_responses", max_stored_responses)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
     state = ServerState(
-        ctx, api_key, max_queue, max_body_bytes, retry_after_seconds, parse_special_in_content
+        ctx,
+        api_key,
+        max_queue,
+        max_body_bytes,
+        retry_after_seconds,
+        parse_special_in_content,
+        ResponseStore(max_stored_responses),
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state
@@ -77,14 +90,20 @@ def create_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _internal_error)
-    routers = (public_routes(state), info_routes(state), api_routes(state), anthropic_routes(state))
+    routers = (
+        public_routes(state),
+        info_routes(state),
+        api_routes(state),
+        anthropic_routes(state),
+        responses_routes(state),
+    )
     for router in routers:
         app.include_router(router)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(cors_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
     return app

@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body; larger get 413 (default: 8 MiB)",
     )
     p.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1024,
+        help="most responses /v1/responses keeps for previous_response_id (default: 1024)",
+    )
+    p.add_argument(
         "--cors-origin",
         action="append",
         default=None,
@@ -105,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_body_bytes": ns.max_body_bytes,
             "cors_origins": ns.cors_origin,
             "parse_special_in_content": ns.parse_special_in_content,
+            "max_stored_responses": ns.max_stored_responses,
         }
         with ThreadPoolExecutor(1, thread_name_prefix="llamax-load") as pool:
             loading = pool.submit(llamax.Context, ns.model, **options)

@@ -124,7 +124,8 @@ def from_exception(
 
     Returns:
         400 for a request llamax refused (context overflow with its token counts, bad
-        messages, grammars, parameters), 503 when the context is closed, 500 otherwise.
+        messages, grammars, parameters), 404 for an id that names nothing stored, 503
+        when the context is closed, 500 otherwise.
     """
     if isinstance(exc, APIError):
         return exc
@@ -139,6 +140,8 @@ def from_exception(
         return APIError(400, message, param="grammar", code="invalid_grammar")
     if isinstance(exc, TemplateError):
         return APIError(400, f"chat template: {message}", param="messages", code="template_error")
+    if isinstance(exc, llamax.NotFoundError):
+        return APIError(404, message, param=_param_named_in(message, fields), code="not_found")
     if isinstance(exc, llamax.InvalidRequestError):
         return APIError(400, message, param=_param_named_in(message, fields), code="invalid_value")
     if isinstance(exc, llamax.ContextClosedError):

@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from starlette.responses import Response
@@ -46,9 +46,12 @@ class CompletionJob:
     include_usage: bool = False
     fields: frozenset[str] = frozenset()
     prompt_field: str = "messages"
-    anthropic: bool = False
-    """Anthropic's shapes: errors as ``{"type": "error", ...}``, events as ``event: NAME``
-    lines with no ``[DONE]``, usage as ``input_tokens``/``output_tokens``."""
+    flavour: Literal["openai", "anthropic", "responses"] = "openai"
+    """The stream's shapes. ``openai``: ``data:`` chunks ending with ``[DONE]``.
+    ``anthropic``: errors as ``{"type": "error", ...}``, events as ``event: NAME`` lines
+    with no ``[DONE]``, usage as ``input_tokens``/``output_tokens``. ``responses``: OpenAI's
+    Responses events (``event: response.created`` ...), no ``[DONE]``, errors in OpenAI's
+    shape (an ``error`` event once streaming)."""
     started: float = field(default_factory=time.perf_counter)
 
     def finish(self, outcome: str) -> None:
@@ -73,9 +76,16 @@ def _sse(payload: object, event: str | None = None) -> bytes:
 
 
 def _openai_usage(usage: Any) -> dict[str, Any] | None:
-    """An Anthropic ``usage`` as the OpenAI one the metrics count."""
+    """An Anthropic or Responses ``usage`` as the OpenAI one the metrics count."""
     if not usage:
         return None
+    if "input_tokens_details" in usage:  # Responses: input_tokens counts the cached ones
+        cached = (usage["input_tokens_details"] or {}).get("cached_tokens", 0)
+        return {
+            "prompt_tokens": usage.get("input_tokens", 0),
+            "completion_tokens": usage.get("output_tokens", 0),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
     cached = usage.get("cache_read_input_tokens", 0)
     return {
         "prompt_tokens": usage.get("input_tokens", 0) + cached,
@@ -109,6 +119,7 @@ class CompletionResponse(Response):
     def __init__(self, job: CompletionJob) -> None:
         super().__init__()
         self.job = job
+        self._sequence = 0  # the next Responses event's number
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "cancelled"  # unless the work ends on its own: disconnect or shutdown
@@ -122,7 +133,7 @@ class CompletionResponse(Response):
             self.job.finish(outcome)
 
     def _error_body(self, error: APIError) -> object:
-        return anthropic_body(error) if self.job.anthropic else error.body()
+        return anthropic_body(error) if self.job.flavour == "anthropic" else error.body()
 
     async def _error(self, send: Send, exc: Exception) -> str:
         error = from_exception(exc, self.job.fields, self.job.prompt_field)
@@ -135,7 +146,8 @@ class CompletionResponse(Response):
         except Exception as exc:
             return await self._error(send, exc)
         usage = result.get("usage")
-        self.job.metrics.record_usage(_openai_usage(usage) if self.job.anthropic else usage)
+        openai = self.job.flavour == "openai"
+        self.job.metrics.record_usage(usage if openai else _openai_usage(usage))
         await _send_json(send, 200, result, {})
         return "success"
 
@@ -162,17 +174,30 @@ class CompletionResponse(Response):
             await self._send_chunk(send, first, clock)
             async for chunk in chunks:
                 await self._send_chunk(send, chunk, clock)
-            tail = b"" if self.job.anthropic else b"data: [DONE]\n\n"
+            tail = b"data: [DONE]\n\n" if self.job.flavour == "openai" else b""
         except Exception as exc:
             error = from_exception(exc, self.job.fields, self.job.prompt_field)
-            event = "error" if self.job.anthropic else None
-            outcome, tail = outcome_of(error.status), _sse(self._error_body(error), event)
+            outcome, tail = outcome_of(error.status), self._error_event(error)
         await send({"type": "http.response.body", "body": tail})
         return outcome
 
+    def _error_event(self, error: APIError) -> bytes:
+        """The last event of a stream that failed after it began."""
+        if self.job.flavour == "openai":
+            return _sse(error.body())
+        if self.job.flavour == "anthropic":
+            return _sse(anthropic_body(error), "error")
+        body = error.body()["error"]
+        event = {"type": "error", "code": body["code"], "message": body["message"],
+                 "param": body["param"], "sequence_number": self._sequence}  # fmt: skip
+        return _sse(event, "error")
+
     async def _send_chunk(self, send: Send, chunk: dict[str, Any], clock: TokenClock) -> None:
-        if self.job.anthropic:
+        if self.job.flavour == "anthropic":
             await self._send_event(send, chunk, clock)
+            return
+        if self.job.flavour == "responses":
+            await self._send_response_event(send, chunk, clock)
             return
         if not chunk["choices"]:  # the usage chunk
             self.job.metrics.record_usage(chunk.get("usage"))
@@ -194,6 +219,27 @@ class CompletionResponse(Response):
             self.job.metrics.record_usage(_openai_usage(usage))
         body = _sse(event, event["type"])
         await send({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def _send_response_event(
+        self, send: Send, event: dict[str, Any], clock: TokenClock
+    ) -> None:
+        """One Responses stream event, as ``event: TYPE`` and its ``data:``."""
+        self._sequence = event.get("sequence_number", self._sequence) + 1
+        if event["type"] in _RESPONSE_DELTAS:
+            clock.tick(0)
+        elif event["type"] in ("response.completed", "response.incomplete"):
+            self.job.metrics.record_usage(_openai_usage(event["response"].get("usage")))
+        body = _sse(event, event["type"])
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+_RESPONSE_DELTAS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

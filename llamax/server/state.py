@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 import llamax
+from llamax.openai import ResponseStore
 
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -29,6 +30,7 @@ class ServerState:
         retry_after_seconds: The ``Retry-After`` of a 503.
         parse_special_in_content: Chat message content may hold special tokens (unsafe;
             off by default, see docs/chat.md).
+        responses: The Responses API's store of recent responses (``previous_response_id``).
     """
 
     source: llamax.Context | Future[llamax.Context]
@@ -37,6 +39,7 @@ class ServerState:
     max_body_bytes: int = 8 << 20
     retry_after_seconds: int = 1
     parse_special_in_content: bool = False
+    responses: ResponseStore = field(default_factory=ResponseStore)
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 

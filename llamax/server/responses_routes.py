@@ -1,0 +1,81 @@
+"""OpenAI's Responses API over HTTP: ``POST /v1/responses``, ``GET /v1/responses/{id}`` and
+``DELETE /v1/responses/{id}``, thin over :mod:`llamax.openai`'s :func:`acreate_response`.
+
+Responses are kept in the app's bounded :class:`~llamax.openai.ResponseStore` (unless a
+request says ``store: false``), so ``previous_response_id`` continues a conversation on a
+prefix the KV cache already holds; an id the store does not hold gets a 404. A streamed
+reply is sent as ``event: TYPE`` / ``data: {...}`` pairs with no ``[DONE]``. The request is
+parsed, mapped, rendered and tokenized in a worker thread, and a client that leaves cancels
+it (see :class:`~llamax.server.responses.CompletionResponse`).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import JSONResponse, Response
+
+from llamax.openai import RESPONSE_FIELDS, acreate_response
+
+from .errors import APIError, error_response, from_exception
+from .responses import CompletionJob, CompletionResponse, outcome_of
+from .schemas import parse_object
+from .state import ServerState, read_body
+
+__all__ = ["responses_routes"]
+
+_ENDPOINT = "responses"
+
+
+def responses_routes(state: ServerState) -> APIRouter:
+    """The Responses routes (behind the API key)."""
+
+    def require_key(request: Request) -> None:
+        state.check_api_key(request)
+
+    router = APIRouter(dependencies=[Depends(require_key)])
+
+    @router.post("/v1/responses")
+    async def create_route(request: Request) -> Response:
+        admitted = False
+        try:
+            raw = await read_body(request, state.max_body_bytes)
+            state.admit()
+            admitted = True
+            body = await run_in_threadpool(parse_object, raw)
+            ctx = state.context()
+        except APIError as error:
+            state.metrics.requests.labels(_ENDPOINT, outcome_of(error.status)).inc()
+            if admitted:
+                state.release()
+            return error_response(error)
+        except BaseException:
+            if admitted:
+                state.release()
+            raise
+        job = CompletionJob(
+            endpoint=_ENDPOINT,
+            start=lambda: acreate_response(ctx, body, store=state.responses),
+            metrics=state.metrics,
+            release=state.release,
+            stream=bool(body.get("stream")),
+            fields=RESPONSE_FIELDS,
+            prompt_field="input",
+            flavour="responses",
+        )
+        return CompletionResponse(job)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_route(response_id: str) -> JSONResponse:
+        try:
+            return JSONResponse(state.responses.get(response_id))
+        except LookupError as exc:
+            raise from_exception(exc, RESPONSE_FIELDS) from exc
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_route(response_id: str) -> JSONResponse:
+        if not state.responses.delete(response_id):
+            raise APIError(404, f"no stored response has id {response_id!r}", code="not_found")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    return router
