@@ -22,6 +22,7 @@ from .handle import RequestHandle
 from .models import default_model_path
 from .params import ContextConfig, ContextOptions, SamplingParams
 from .prompts import Prompt, build_request, prompt_token_ids
+from .reasoning import ReasoningFormat
 from .results import Completion
 from .session import Session, SessionPort, restore_session
 from .stats import ContextStats
@@ -405,18 +406,31 @@ class Context:
         messages: Sequence[Mapping[str, Any]] = (),
         max_context: int | None = None,
         params: SamplingParams | None = None,
+        reasoning_format: ReasoningFormat = "auto",
+        enable_thinking: bool | None = None,
     ) -> Chat:
         """Open a :class:`~llamax.Chat`: a conversation whose KV cache stays resident and
         whose oldest turns are dropped by shifting the cache when it outgrows
-        ``max_context`` (default ``n_ctx``).
+        ``max_context`` (default ``n_ctx``). A reply's thinking is kept in the history's
+        ``reasoning_content`` unless ``reasoning_format="none"``; ``enable_thinking`` goes
+        to templates that take it.
 
         Raises:
             ContextClosedError: the context is closed.
+            InvalidParameterError: an argument is out of range.
         """
         from .conversation import Chat
 
         self._check_open("open a chat")
-        return Chat(self, system=system, messages=messages, max_context=max_context, params=params)
+        return Chat(
+            self,
+            system=system,
+            messages=messages,
+            max_context=max_context,
+            params=params,
+            reasoning_format=reasoning_format,
+            enable_thinking=enable_thinking,
+        )
 
     # ------------------------------------------------------------------ OpenAI shapes
     # Thin delegations to :mod:`llamax.openai.api`, a layer above that uses only the public

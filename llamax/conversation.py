@@ -11,6 +11,12 @@ shifted cells and the tokenized shortened conversation and recomputes from the f
 difference, so a template that renders differently once old messages are gone still gives
 correct output. Where the memory cannot shift (``llama_memory_can_shift`` is false), the
 dropped turns and everything after them are recomputed.
+
+A reply that thinks (``<think>...</think>``, see :mod:`llamax.reasoning`) goes into the
+history as its answer in ``content`` and its thinking in ``reasoning_content``, the shape
+thinking templates expect: they decide what of it the next turn's prompt shows (Qwen3's
+drops the thinking of finished turns), and the session recomputes from the first token
+that differs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing_extensions import Self
 from .errors import InvalidParameterError
 from .handle import RequestHandle
 from .params import SamplingParams
+from .reasoning import ReasoningFormat, check_reasoning_format, opens_thinking, split_reasoning
 from .results import Completion, TokenEvent
 from .templates.messages import validate_messages
 from .templates.truncation import drop_oldest_turns, leading_system_count
@@ -45,6 +52,7 @@ class _Turn:
     prompt_tokens: int
     dropped: int
     shifted: int
+    thinking_opened: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,15 @@ class Chat:
         messages: earlier messages to start from.
         max_context: token budget of the conversation (prompt plus reply); default n_ctx.
         params: default sampling parameters for :meth:`send` and :meth:`stream`.
+        reasoning_format: ``"auto"`` (default) or ``"deepseek"``: a reply's thinking is
+            kept apart from its answer in the history (``reasoning_content``); ``"none"``:
+            the reply's whole text is the history's ``content``.
+        enable_thinking: passed to templates that take it (Qwen3's thinking switch);
+            ``None``: the template's default.
+
+    Raises:
+        InvalidParameterError: ``max_context`` is below 16, or ``reasoning_format`` or
+            ``enable_thinking`` is not one.
     """
 
     def __init__(
@@ -82,7 +99,15 @@ class Chat:
         messages: Sequence[Mapping[str, Any]] = (),
         max_context: int | None = None,
         params: SamplingParams | None = None,
+        reasoning_format: ReasoningFormat = "auto",
+        enable_thinking: bool | None = None,
     ) -> None:
+        self._reasoning_format = check_reasoning_format(reasoning_format)
+        if enable_thinking is not None and not isinstance(enable_thinking, bool):
+            raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+        self._template_vars: dict[str, Any] = {}
+        if enable_thinking is not None:
+            self._template_vars["enable_thinking"] = enable_thinking
         start = ([{"role": "system", "content": system}] if system is not None else []) + list(
             messages
         )
@@ -134,15 +159,24 @@ class Chat:
         params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
         wanted = [*self._messages, *validate_messages([{"role": "user", "content": content}])]
         budget = self._max_context - (params.max_tokens or 1)
-        kept = drop_oldest_turns(wanted, lambda m: len(self._ctx.chat_prompt(m)), budget)
+        kept = drop_oldest_turns(wanted, lambda m: len(self._render(m)), budget)
         dropped = len(wanted) - len(kept)
         shifted = self._shift(kept, dropped) if dropped else 0
-        prompt = self._ctx.chat_prompt(kept)
+        prompt = self._render(kept)
+        opened = opens_thinking(self._ctx.detokenize(prompt[-8:]))
         handle = self._session.add_request(prompt, params)
-        return _Turn(handle, kept, len(prompt), dropped, shifted)
+        return _Turn(handle, kept, len(prompt), dropped, shifted, opened)
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
+        return self._ctx.chat_prompt(messages, **options, **self._template_vars)
 
     def _end_turn(self, turn: _Turn, completion: Completion) -> None:
-        self._messages = [*turn.kept, {"role": "assistant", "content": completion.text}]
+        reply: Message = {"role": "assistant", "content": completion.text}
+        if self._reasoning_format != "none":
+            reasoning, content = split_reasoning(completion.text, inside=turn.thinking_opened)
+            if reasoning is not None:
+                reply = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        self._messages = [*turn.kept, reply]
         reused = completion.usage.cached_tokens
         computed = turn.prompt_tokens - reused
         self.last_turn = TurnStats(turn.prompt_tokens, reused, computed, turn.dropped, turn.shifted)
@@ -161,10 +195,8 @@ class Chat:
         head = leading_system_count(old)
         if not self._ctx.can_shift or head + num_dropped >= len(old):
             return 0  # nothing of the old history survives: plain truncation does the job
-        old_tokens = self._ctx.chat_prompt(
-            old[: head + num_dropped + 1], add_generation_prompt=False
-        )
-        new_tokens = self._ctx.chat_prompt(kept[: head + 1], add_generation_prompt=False)
+        old_tokens = self._render(old[: head + num_dropped + 1], add_generation_prompt=False)
+        new_tokens = self._render(kept[: head + 1], add_generation_prompt=False)
         removed = len(old_tokens) - len(new_tokens)
         session = self._session
         if removed <= 0 or tuple(old_tokens) != session.token_ids[: len(old_tokens)]:

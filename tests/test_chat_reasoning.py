@@ -219,3 +219,42 @@ def test_the_server_splits_for_the_openai_client() -> None:
         assert off.usage is not None
         assert off.usage.prompt_tokens == len(ctx.chat_prompt(USER, enable_thinking=False))
         assert_idle(ctx)
+
+
+def test_a_chat_keeps_the_thinking_apart_in_its_history() -> None:
+    """``Chat`` stores the answer as ``content`` and the thinking as ``reasoning_content``;
+    the template (Qwen3's way) drops the thinking of finished turns, and the next turn
+    recomputes from the first token that differs."""
+    user = {"role": "user", "content": "Hi!"}
+    params = llamax.SamplingParams(max_tokens=128, temperature=0)
+    with make(THOUGHT, template=QWEN3) as ctx:
+        with ctx.chat(params=params) as chat:
+            first = chat.send("Hi!")
+            assert first.text == THOUGHT  # the Completion is the raw reply
+            assert chat.messages == [
+                user,
+                {
+                    "role": "assistant",
+                    "content": "Hello there!",
+                    "reasoning_content": "The user greets me. I greet back.",
+                },
+            ]
+            chat.send("Again")
+            stats = chat.last_turn
+            assert stats is not None
+            history = chat.messages[:-1]
+            prompt = ctx.chat_prompt(history)
+            assert stats.prompt_tokens == len(prompt)
+            assert "greets" not in ctx.detokenize(prompt)
+            # the cache held the thought: reuse stops where the answer starts
+            assert stats.reused_tokens == len(ctx.chat_prompt([user]))
+        with ctx.chat(params=params, reasoning_format="none") as raw:
+            raw.send("Hi!")
+            assert raw.messages[-1] == {"role": "assistant", "content": THOUGHT}
+        with ctx.chat(params=params, enable_thinking=False) as off:
+            off.send("Hi!")
+            assert off.last_turn is not None
+            assert off.last_turn.prompt_tokens == len(ctx.chat_prompt([user], enable_thinking=False))
+        with pytest.raises(llamax.InvalidParameterError):
+            ctx.chat(reasoning_format="maybe")  # type: ignore[arg-type]
+        assert_idle(ctx)
