@@ -254,7 +254,8 @@ def test_a_chat_keeps_the_thinking_apart_in_its_history() -> None:
         with ctx.chat(params=params, enable_thinking=False) as off:
             off.send("Hi!")
             assert off.last_turn is not None
-            assert off.last_turn.prompt_tokens == len(ctx.chat_prompt([user], enable_thinking=False))
+            unthinking = ctx.chat_prompt([user], enable_thinking=False)
+            assert off.last_turn.prompt_tokens == len(unthinking)
         with pytest.raises(llamax.InvalidParameterError):
             ctx.chat(reasoning_format="maybe")  # type: ignore[arg-type]
         assert_idle(ctx)
