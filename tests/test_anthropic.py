@@ -8,15 +8,16 @@ import json
 import time
 from typing import Any
 
+import httpx
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from test_chat import make
+from test_chat import SPECIALS, TEMPLATE, make, replies
 from test_chat_reasoning import QWEN3, THOUGHT
 
 import llamax
 from llamax.anthropic import amessages, count_tokens, messages
-from llamax.testing import assert_idle
+from llamax.testing import FakeBackend, assert_idle
 
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 HI = [{"role": "user", "content": "Hi!"}]
@@ -331,6 +332,48 @@ def test_the_anthropic_client_against_the_server() -> None:
         while ctx.stats().num_running and time.monotonic() < deadline:
             time.sleep(0.02)
         assert ctx.stats().num_running == 0
+    assert_idle(ctx)
+
+
+def test_a_quiet_stream_gets_pings_on_a_timer() -> None:
+    """A stream that sends nothing for ``stream_ping_seconds`` (here: a model slower than
+    that per token) gets ``ping`` events between its deltas, and still ends well-formed."""
+    import anthropic
+
+    from llamax.server import BackgroundServer, create_app
+
+    quick = replies("Hi!")
+
+    def slow(history: Any) -> int:
+        time.sleep(0.25)
+        return int(quick(history))
+
+    backend = FakeBackend(
+        n_ctx=1024,
+        next_token=slow,
+        metadata={"tokenizer.chat_template": TEMPLATE},
+        special_tokens=SPECIALS,
+    )
+    with (
+        llamax.Context(backend=backend, autostart=True) as ctx,
+        BackgroundServer(create_app(ctx, stream_ping_seconds=0.1)) as server,
+    ):
+        body = {"messages": HI, "max_tokens": 8, "stream": True, "temperature": 0}
+        with httpx.stream("POST", server.url + "/v1/messages", json=body) as response:
+            kinds = [
+                line.removeprefix("event: ")
+                for line in response.iter_lines()
+                if line.startswith("event: ")
+            ]
+        deltas = [i for i, kind in enumerate(kinds) if kind == "content_block_delta"]
+        assert len(deltas) == 3 and kinds[-1] == "message_stop"
+        pings_between = kinds[deltas[0] : deltas[-1]].count("ping")
+        assert pings_between >= 2, kinds
+        client = anthropic.Anthropic(base_url=server.url, api_key="unused")
+        with client.messages.stream(
+            model="fake", max_tokens=8, messages=HI, extra_body={"temperature": 0}
+        ) as stream:
+            assert stream.get_final_message().content[0].text == "Hi!"  # type: ignore[union-attr]
     assert_idle(ctx)
 
 

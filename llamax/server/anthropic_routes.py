@@ -60,6 +60,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             fields=REQUEST_FIELDS,
             prompt_field="messages",
             flavour="anthropic",
+            ping_seconds=state.stream_ping_seconds,
         )
         return CompletionResponse(job)
 

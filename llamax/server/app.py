@@ -37,6 +37,7 @@ def create_app(
     retry_after_seconds: int = 1,
     parse_special_in_content: bool = False,
     max_stored_responses: int = 1024,
+    stream_ping_seconds: float = 10.0,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -60,19 +61,25 @@ def create_app(
         max_stored_responses: Most responses the Responses API keeps for
             ``previous_response_id`` (least recently used go first; their conversations
             are also bounded to 64 MiB of text).
+        stream_ping_seconds: An Anthropic Messages stream that has sent nothing for this
+            long (a long prefill, a slow step) gets a ``ping`` event, as Anthropic's API
+            sends, so that idle timeouts along the way do not cut it.
 
     Returns:
         A FastAPI application.
 
     Raises:
         ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds`` or
-            ``max_stored_responses`` is not positive, or ``api_key`` is empty.
+            ``max_stored_responses`` or ``stream_ping_seconds`` is not positive, or
+            ``api_key`` is empty.
     """
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
                         ("retry_after_seconds", retry_after_seconds),
                         ("max_stored_responses", max_stored_responses)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if not stream_ping_seconds > 0:
+        raise ValueError(f"stream_ping_seconds must be > 0, got {stream_ping_seconds}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
     state = ServerState(
@@ -83,6 +90,7 @@ def create_app(
         retry_after_seconds,
         parse_special_in_content,
         ResponseStore(max_stored_responses),
+        stream_ping_seconds,
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state

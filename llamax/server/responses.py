@@ -52,6 +52,9 @@ class CompletionJob:
     with no ``[DONE]``, usage as ``input_tokens``/``output_tokens``. ``responses``: OpenAI's
     Responses events (``event: response.created`` ...), no ``[DONE]``, errors in OpenAI's
     shape (an ``error`` event once streaming)."""
+    ping_seconds: float | None = None
+    """Send an Anthropic ``ping`` event whenever the stream has been quiet this long (a
+    long prefill, a slow step), so that proxies and clients with idle timeouts wait."""
     started: float = field(default_factory=time.perf_counter)
 
     def finish(self, outcome: str) -> None:
@@ -160,7 +163,14 @@ class CompletionResponse(Response):
             return await self._error(send, exc)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            return await self._send_chunks(send, first, chunks)
+            if self.job.ping_seconds is None:
+                return await self._send_chunks(send, first, chunks)
+            pinged = _PingedSender(send, self.job.ping_seconds)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(pinged.ping_while_quiet)
+                outcome = await self._send_chunks(pinged.send, first, chunks)
+                tasks.cancel_scope.cancel()
+            return outcome
         finally:
             with anyio.CancelScope(shield=True):
                 await chunks.aclose()
@@ -240,6 +250,38 @@ _RESPONSE_DELTAS = frozenset(
         "response.function_call_arguments.delta",
     }
 )
+
+
+_PING = _sse({"type": "ping"}, "ping")
+
+
+class _PingedSender:
+    """Wraps an ASGI ``send`` so that a sibling task can slip a ``ping`` event in whenever
+    nothing has been sent for ``interval`` seconds; never after the last body message."""
+
+    def __init__(self, send: Send, interval: float) -> None:
+        self._send, self._interval = send, interval
+        self._lock = anyio.Lock()
+        self._last = time.monotonic()
+        self._ended = False
+
+    async def send(self, message: Any) -> None:
+        async with self._lock:
+            await self._send(message)
+            self._last = time.monotonic()
+            self._ended = not message.get("more_body", False)
+
+    async def ping_while_quiet(self) -> None:
+        while True:
+            await anyio.sleep(max(0.0, self._last + self._interval - time.monotonic()))
+            async with self._lock:
+                if self._ended:
+                    return
+                if time.monotonic() - self._last >= self._interval:
+                    await self._send(
+                        {"type": "http.response.body", "body": _PING, "more_body": True}
+                    )
+                    self._last = time.monotonic()
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

@@ -31,6 +31,7 @@ class ServerState:
         parse_special_in_content: Chat message content may hold special tokens (unsafe;
             off by default, see docs/chat.md).
         responses: The Responses API's store of recent responses (``previous_response_id``).
+        stream_ping_seconds: An Anthropic stream quiet this long gets a ``ping`` event.
     """
 
     source: llamax.Context | Future[llamax.Context]
@@ -40,6 +41,7 @@ class ServerState:
     retry_after_seconds: int = 1
     parse_special_in_content: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)
+    stream_ping_seconds: float = 10.0
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 
