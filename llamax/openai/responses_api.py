@@ -26,7 +26,6 @@ Supported and not, plainly:
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -78,11 +77,23 @@ class _Stored:
     size: int
 
 
+def _chars(value: Any) -> int:
+    """The characters of text in a message (its strings, nested), counted without
+    serializing it: a store on the server's event loop stays cheap."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_chars(v) for v in value)
+    return 8
+
+
 class ResponseStore:
     """A bounded, thread-safe store of recent responses, for ``previous_response_id``.
 
     Least recently used entries go first once there are more than ``max_responses`` or
-    their conversations hold more than ``max_chars`` characters of JSON (each entry keeps
+    their conversations hold more than ``max_chars`` characters of text (each entry keeps
     its whole conversation, so a long chain costs what its longest member holds).
 
     Args:
@@ -135,7 +146,7 @@ class ResponseStore:
         recently used entries past the bounds. An entry larger than ``max_chars`` alone is
         not kept."""
         frozen = tuple(dict(m) for m in conversation)
-        size = len(json.dumps(frozen, ensure_ascii=False))
+        size = sum(_chars(m) for m in frozen)
         if size > self.max_chars:
             return
         with self._lock:
