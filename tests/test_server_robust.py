@@ -95,9 +95,22 @@ def test_truncating_2000_messages_takes_a_bounded_number_of_renders(
     assert len(renders) <= 2 * (math.ceil(math.log2(1001)) + 3), len(renders)
 
 
+HEAVY_BODIES = {
+    "/v1/chat/completions": lambda: {
+        "messages": conversation(200), "max_tokens": 1, "truncate": "oldest_messages"
+    },
+    "/v1/messages": lambda: {"system": "Be brief.", "messages": conversation(200)[1:],
+                             "max_tokens": 1},
+    "/v1/responses": lambda: {"input": conversation(200), "max_output_tokens": 1,
+                              "truncation": "auto"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(HEAVY_BODIES))
 def test_health_answers_while_a_chat_renders(
-    ctx: llamax.Context, monkeypatch: pytest.MonkeyPatch
+    ctx: llamax.Context, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
+    """Every chat-shaped route renders in a worker: /health answers meanwhile."""
     gate, render = Gate(), ChatTemplate.render
 
     def slow(self: ChatTemplate, messages: Any, **kwargs: Any) -> str:
@@ -106,10 +119,10 @@ def test_health_answers_while_a_chat_renders(
         return render(self, messages, **kwargs)
 
     monkeypatch.setattr(ChatTemplate, "render", slow)
-    body = {"messages": conversation(200), "max_tokens": 1, "truncate": "oldest_messages"}
+    body = HEAVY_BODIES[path]()
     with BackgroundServer(create_app(ctx)) as server:
         heavy = threading.Thread(
-            target=httpx.post, args=(server.url + "/v1/chat/completions",),
+            target=httpx.post, args=(server.url + path,),
             kwargs={"json": body, "timeout": 2 * WAIT},
         )  # fmt: skip
         heavy.start()
