@@ -88,6 +88,9 @@ def test_a_text_reply() -> None:
         assert blocks_of(stream) == [{"type": "text", "text": "Hello there!"}]
         assert stream[-2]["delta"]["stop_reason"] == "end_turn"
         assert stream[-2]["usage"]["output_tokens"] == len("Hello there!")
+        final = stream[-2]["usage"]  # the cache's share is known by the end
+        assert final["input_tokens"] + final["cache_read_input_tokens"] == prompt
+        assert final["cache_read_input_tokens"] > 0  # the same prompt, asked again
         assert_idle(ctx)
 
 

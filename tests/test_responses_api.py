@@ -424,3 +424,44 @@ def leave_mid_stream(url: str) -> str:
             if line.startswith("event: "):
                 return line.removeprefix("event: ")
     return ""
+
+
+def test_metrics_count_the_tokens_of_messages_and_responses_streams() -> None:
+    """/metrics counts what the final usage says for both flavours, cache hits included,
+    whole or streamed (the prompt once, at the end)."""
+    import httpx
+
+    from llamax.server import BackgroundServer, create_app
+
+    def counters(url: str) -> dict[str, float]:
+        wanted = ("llamax_prompt_tokens_total", "llamax_generated_tokens_total",
+                  "llamax_cached_prompt_tokens_total")  # fmt: skip
+        values = {}
+        for line in httpx.get(url + "/metrics").text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in wanted:
+                values[name] = float(value)
+        return values
+
+    with (
+        make("Hello there!", autostart=True) as ctx,
+        BackgroundServer(create_app(ctx)) as server,
+    ):
+        user = [{"role": "user", "content": HI}]
+        prompt = len(ctx.chat_prompt(user))
+        bodies = [
+            ("/v1/messages", {"messages": user, "max_tokens": 64, "temperature": 0}),
+            ("/v1/responses", {"input": HI, "max_output_tokens": 64, "temperature": 0}),
+        ]
+        httpx.post(server.url + bodies[0][0], json=bodies[0][1])  # the prompt, cached after
+        for path, body in bodies:
+            for stream in (False, True):
+                before = counters(server.url)
+                reply = httpx.post(server.url + path, json={**body, "stream": stream})
+                assert reply.status_code == 200, reply.text
+                after = counters(server.url)
+                change = {name: after[name] - before.get(name, 0.0) for name in after}
+                assert change["llamax_prompt_tokens_total"] == prompt, (path, stream)
+                assert change["llamax_generated_tokens_total"] == 12, (path, stream)
+                assert change["llamax_cached_prompt_tokens_total"] > 0, (path, stream)
+    assert_idle(ctx)

@@ -390,7 +390,7 @@ class _EventBuilder:
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                "usage": {"output_tokens": usage["output_tokens"]},
+                "usage": usage,
             },
             {"type": "message_stop"},
         ]

@@ -222,11 +222,8 @@ class CompletionResponse(Response):
         """One Anthropic stream event, as ``event: TYPE`` and its ``data:``."""
         if event["type"] == "content_block_delta":
             clock.tick(0)
-        elif event["type"] == "message_start":
-            self.job.metrics.record_usage(_openai_usage(event["message"]["usage"]))
-        elif event["type"] == "message_delta":
-            usage = {"input_tokens": 0, **event.get("usage", {})}
-            self.job.metrics.record_usage(_openai_usage(usage))
+        elif event["type"] == "message_delta":  # the final usage, cache hits included
+            self.job.metrics.record_usage(_openai_usage(event.get("usage")))
         body = _sse(event, event["type"])
         await send({"type": "http.response.body", "body": body, "more_body": True})
 
