@@ -19,9 +19,9 @@ from starlette.responses import JSONResponse, Response
 from llamax.anthropic import REQUEST_FIELDS, amessages, count_tokens
 
 from .errors import APIError, anthropic_error_response, from_exception
-from .responses import CompletionJob, CompletionResponse, outcome_of
+from .responses import CompletionJob, CompletionResponse
 from .schemas import parse_object
-from .state import ServerState, read_body
+from .state import ServerState, admit_parsed, read_body
 
 __all__ = ["anthropic_routes"]
 
@@ -34,23 +34,13 @@ def anthropic_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/messages")
     async def messages_route(request: Request) -> Response:
-        admitted = False
         try:
-            state.check_api_key(request)
-            raw = await read_body(request, state.max_body_bytes)
-            state.admit()
-            admitted = True
-            body = await run_in_threadpool(parse_object, raw)
-            ctx = state.context()
+            body, ctx = await admit_parsed(
+                state, request, _ENDPOINT, lambda raw: (parse_object(raw), state.context()),
+                check_key=True,
+            )  # fmt: skip
         except APIError as error:
-            state.metrics.requests.labels(_ENDPOINT, outcome_of(error.status)).inc()
-            if admitted:
-                state.release()
             return anthropic_error_response(error)
-        except BaseException:
-            if admitted:
-                state.release()
-            raise
         job = CompletionJob(
             endpoint=_ENDPOINT,
             start=lambda: amessages(ctx, body),

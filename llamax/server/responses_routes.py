@@ -12,15 +12,14 @@ it (see :class:`~llamax.server.responses.CompletionResponse`).
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from llamax.openai import RESPONSE_FIELDS, acreate_response
 
 from .errors import APIError, error_response, from_exception
-from .responses import CompletionJob, CompletionResponse, outcome_of
+from .responses import CompletionJob, CompletionResponse
 from .schemas import parse_object
-from .state import ServerState, read_body
+from .state import ServerState, admit_parsed
 
 __all__ = ["responses_routes"]
 
@@ -37,22 +36,12 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/responses")
     async def create_route(request: Request) -> Response:
-        admitted = False
         try:
-            raw = await read_body(request, state.max_body_bytes)
-            state.admit()
-            admitted = True
-            body = await run_in_threadpool(parse_object, raw)
-            ctx = state.context()
+            body, ctx = await admit_parsed(
+                state, request, _ENDPOINT, lambda raw: (parse_object(raw), state.context())
+            )
         except APIError as error:
-            state.metrics.requests.labels(_ENDPOINT, outcome_of(error.status)).inc()
-            if admitted:
-                state.release()
             return error_response(error)
-        except BaseException:
-            if admitted:
-                state.release()
-            raise
         job = CompletionJob(
             endpoint=_ENDPOINT,
             start=lambda: acreate_response(ctx, body, store=state.responses),

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, from_exception
-from .responses import CompletionJob, CompletionResponse, outcome_of
+from .responses import CompletionJob, CompletionResponse
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,7 +22,7 @@ from .schemas import (
     TokenizeRequest,
     parse_body,
 )
-from .state import ServerState, read_body
+from .state import ServerState, admit_parsed, read_body
 
 __all__ = ["api_routes"]
 
@@ -162,21 +162,7 @@ async def _admit(
         body = parse_body(model, raw)
         return body, make_start(body)
 
-    admitted = False
-    try:
-        raw = await read_body(request, state.max_body_bytes)
-        state.admit()
-        admitted = True
-        body, start = await run_in_threadpool(parse, raw)
-    except APIError as error:
-        state.metrics.requests.labels(endpoint, outcome_of(error.status)).inc()
-        if admitted:
-            state.release()
-        raise
-    except BaseException:
-        if admitted:
-            state.release()
-        raise
+    body, start = await admit_parsed(state, request, endpoint, parse)
     job = CompletionJob(
         endpoint=endpoint,
         start=start,

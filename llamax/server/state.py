@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 import llamax
@@ -13,8 +16,11 @@ from llamax.openai import ResponseStore
 
 from .errors import APIError
 from .metrics import ServerMetrics
+from .responses import outcome_of
 
-__all__ = ["ServerState", "read_body"]
+__all__ = ["ServerState", "admit_parsed", "read_body"]
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -134,3 +140,39 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise too_large
     return bytes(body)
+
+
+async def admit_parsed(
+    state: ServerState,
+    request: Request,
+    endpoint: str,
+    parse: Callable[[bytes], T],
+    *,
+    check_key: bool = False,
+) -> T:
+    """Check the key (``check_key``: for routes that answer in their own error shape), read
+    the body, take an admission slot and run ``parse(body)`` in a worker: what a route
+    that builds a :class:`~llamax.server.responses.CompletionJob` does first. The slot is
+    then held until the job releases it.
+
+    Raises:
+        APIError: 401, 413, 503, or what ``parse`` raises; counted under ``endpoint``, its
+            slot given back.
+    """
+    admitted = False
+    try:
+        if check_key:
+            state.check_api_key(request)
+        raw = await read_body(request, state.max_body_bytes)
+        state.admit()
+        admitted = True
+        return await run_in_threadpool(parse, raw)
+    except APIError as error:
+        state.metrics.requests.labels(endpoint, outcome_of(error.status)).inc()
+        if admitted:
+            state.release()
+        raise
+    except BaseException:
+        if admitted:
+            state.release()
+        raise
