@@ -73,6 +73,7 @@ PUBLIC_MODULES = {
         "ChatOptions",
         "CompletionOptions",
         "CompletionUsage",
+        "EventBuilder",
         "OpenAIRequest",
         "RESPONSE_FIELDS",
         "ResponseStore",

@@ -64,7 +64,7 @@ def messages(ctx: Context, request: Mapping[str, Any]) -> dict[str, Any] | Itera
     """
     submitted, stops = _submit(ctx, request)
     if request.get("stream"):
-        return _events(submitted, stops)
+        return submitted.events(_EventBuilder(submitted, stops))
     return _message(submitted, submitted.handle.result(), stops)
 
 
@@ -75,7 +75,7 @@ async def amessages(
     rendering and tokenizing run in a worker thread, so the event loop stays free."""
     submitted, stops = await submit_in_worker(lambda: _submit(ctx, request), lambda s: s[0])
     if request.get("stream"):
-        return _aevents(submitted, stops)
+        return submitted.aevents(_EventBuilder(submitted, stops))
     return _message(submitted, await submitted.handle, stops)
 
 
@@ -394,30 +394,3 @@ class _EventBuilder:
             },
             {"type": "message_stop"},
         ]
-
-
-def _events(submitted: OpenAIRequest, stops: Sequence[str]) -> Iterator[dict[str, Any]]:
-    builder = _EventBuilder(submitted, stops)
-    chunks = submitted.chunks(include_usage=False)
-    try:
-        yield from builder.start()
-        for chunk in chunks:
-            yield from builder.chunk(chunk)
-        yield from builder.end(submitted.handle.result())
-    finally:
-        chunks.close()
-
-
-async def _aevents(submitted: OpenAIRequest, stops: Sequence[str]) -> AsyncIterator[dict[str, Any]]:
-    builder = _EventBuilder(submitted, stops)
-    chunks = submitted.achunks(include_usage=False)
-    try:
-        for event in builder.start():
-            yield event
-        async for chunk in chunks:
-            for event in builder.chunk(chunk):
-                yield event
-        for event in builder.end(await submitted.handle):
-            yield event
-    finally:
-        await chunks.aclose()

@@ -14,7 +14,7 @@ from .api import (
     submit_in_worker,
 )
 from .options import ChatOptions, CompletionOptions, StreamOptions
-from .requests import OpenAIRequest
+from .requests import EventBuilder, OpenAIRequest
 from .responses_api import RESPONSE_FIELDS, ResponseStore, acreate_response, create_response
 from .shapes import ChatCompletion, ChatCompletionChunk, CompletionUsage, TextCompletion
 
@@ -25,6 +25,7 @@ __all__ = [
     "ChatOptions",
     "CompletionOptions",
     "CompletionUsage",
+    "EventBuilder",
     "OpenAIRequest",
     "ResponseStore",
     "StreamOptions",

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from ..errors import ContextLengthError, InvalidParameterError
 from ..handle import RequestHandle
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncChunkStream",
     "ChunkStream",
+    "EventBuilder",
     "OpenAIRequest",
     "prepare_chat",
     "prepare_text",
@@ -142,6 +143,20 @@ class AsyncChunkStream(AsyncIterator[T]):
         """Stop the stream and cancel the request (a no-op once it has ended)."""
         self._handle.cancel()
         await self._chunks.aclose()
+
+
+class EventBuilder(Protocol):
+    """Turns a chat request's chunks into another API's stream events (Anthropic's,
+    Responses'): see :meth:`OpenAIRequest.events`."""
+
+    def start(self) -> list[dict[str, Any]]:
+        """The events before the first chunk."""
+
+    def chunk(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The events of one ``chat.completion.chunk``."""
+
+    def end(self, completion: Completion) -> list[dict[str, Any]]:
+        """The last events, once the request has finished."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +272,31 @@ class OpenAIRequest:
     ) -> AsyncChunkStream[ChatCompletionChunk | TextCompletion]:
         """Async twin of :meth:`chunks`; ``aclose()`` cancels the request."""
         return AsyncChunkStream(self._achunks(include_usage), self.handle)
+
+    def events(self, builder: EventBuilder) -> Iterator[dict[str, Any]]:
+        """A chat request's stream as ``builder``'s events; closing it cancels the request."""
+        chunks = self.chunks(include_usage=False)
+        try:
+            yield from builder.start()
+            for chunk in chunks:
+                yield from builder.chunk(chunk)
+            yield from builder.end(self.handle.result())
+        finally:
+            chunks.close()
+
+    async def aevents(self, builder: EventBuilder) -> AsyncIterator[dict[str, Any]]:
+        """Async twin of :meth:`events`; ``aclose()`` cancels the request."""
+        chunks = self.achunks(include_usage=False)
+        try:
+            for event in builder.start():
+                yield event
+            async for chunk in chunks:
+                for event in builder.chunk(chunk):
+                    yield event
+            for event in builder.end(await self.handle):
+                yield event
+        finally:
+            await chunks.aclose()
 
     def _chunks(
         self, include_usage: bool

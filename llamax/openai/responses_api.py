@@ -191,7 +191,7 @@ def create_response(
     """
     job = _submit(ctx, request, store)
     if request.get("stream"):
-        return _events(job)
+        return job.submitted.events(_EventBuilder(job))
     return job.finish(job.submitted.handle.result())
 
 
@@ -203,7 +203,7 @@ async def acreate_response(
     free."""
     job = await submit_in_worker(lambda: _submit(ctx, request, store), lambda j: j.submitted)
     if request.get("stream"):
-        return _aevents(job)
+        return job.submitted.aevents(_EventBuilder(job))
     return job.finish(await job.submitted.handle)
 
 
@@ -697,30 +697,3 @@ class _EventBuilder:
         response = job.done(job.response(status, self.output, usage))
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, job.event(kind, response=response)]
-
-
-def _events(job: _Job) -> Iterator[dict[str, Any]]:
-    builder = _EventBuilder(job)
-    chunks = job.submitted.chunks(include_usage=False)
-    try:
-        yield from builder.start()
-        for chunk in chunks:
-            yield from builder.chunk(chunk)
-        yield from builder.end(job.submitted.handle.result())
-    finally:
-        chunks.close()
-
-
-async def _aevents(job: _Job) -> AsyncIterator[dict[str, Any]]:
-    builder = _EventBuilder(job)
-    chunks = job.submitted.achunks(include_usage=False)
-    try:
-        for event in builder.start():
-            yield event
-        async for chunk in chunks:
-            for event in builder.chunk(chunk):
-                yield event
-        for event in builder.end(await job.submitted.handle):
-            yield event
-    finally:
-        await chunks.aclose()
