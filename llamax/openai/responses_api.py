@@ -424,7 +424,7 @@ class _Job:
 
     def reasoning_item(self, index: int, text: str, status: str) -> dict[str, Any]:
         summary = [{"type": "summary_text", "text": text}] if self._summary_wanted() else []
-        content = [{"type": "reasoning_text", "text": text}] if text else []
+        content = [_part("reasoning", text)] if text else []
         return {
             "type": "reasoning",
             "id": self._item_id("rs", index),
@@ -548,6 +548,15 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _part(kind: str, text: str) -> dict[str, Any] | None:
+    """The content part an output item of ``kind`` streams into (a function call has none)."""
+    if kind == "message":
+        return _text_part(text)
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return None
+
+
 def _status(completion: Completion) -> str:
     reason = completion.choices[0].finish_reason
     return "incomplete" if reason is FinishReason.LENGTH else "completed"
@@ -583,15 +592,8 @@ class _EventBuilder:
         item = make(index)
         self._open, self._text = item, ""
         events.append(self.job.event("response.output_item.added", output_index=index, item=item))
-        if item["type"] == "message":
-            part = _text_part("")
-            events.append(
-                self.job.event(
-                    "response.content_part.added", **self._where(), content_index=0, part=part
-                )
-            )
-        elif item["type"] == "reasoning":
-            part = {"type": "reasoning_text", "text": ""}
+        part = _part(item["type"], "")
+        if part is not None:
             events.append(
                 self.job.event(
                     "response.content_part.added", **self._where(), content_index=0, part=part
@@ -605,23 +607,19 @@ class _EventBuilder:
             return []
         job, where, text = self.job, self._where(), self._text
         events = []
-        if item["type"] == "message":
+        kind = item["type"]
+        if kind == "message":
             item = job.message_item(len(self.output), text, status)
-            events += [
+            events.append(
                 job.event(
                     "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
-                ),
-                job.event(
-                    "response.content_part.done", **where, content_index=0, part=_text_part(text)
-                ),
-            ]
-        elif item["type"] == "reasoning":
+                )
+            )
+        elif kind == "reasoning":
             item = job.reasoning_item(len(self.output), text, status)
-            part = {"type": "reasoning_text", "text": text}
-            events += [
-                job.event("response.reasoning_text.done", **where, content_index=0, text=text),
-                job.event("response.content_part.done", **where, content_index=0, part=part),
-            ]
+            events.append(
+                job.event("response.reasoning_text.done", **where, content_index=0, text=text)
+            )
         else:
             item = {**item, "arguments": text, "status": "completed"}
             events.append(
@@ -631,6 +629,11 @@ class _EventBuilder:
                     name=item["name"],
                     arguments=text,
                 )
+            )
+        part = _part(kind, text)
+        if part is not None:
+            events.append(
+                job.event("response.content_part.done", **where, content_index=0, part=part)
             )
         events.append(
             job.event("response.output_item.done", output_index=len(self.output), item=item)
