@@ -329,12 +329,9 @@ def test_the_anthropic_client_against_the_server() -> None:
         )
         assert not_json.status_code == 400 and not_json.json()["type"] == "error"
         # a client that leaves mid-stream frees its sequence
-        long = make_long_request(server.url)
-        assert long == "message_start"
-        deadline = time.monotonic() + 10
-        while ctx.stats().num_running and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ctx.stats().num_running == 0
+        long = {"messages": HI, "max_tokens": 900, "stream": True, "temperature": 0}
+        url = server.url + "/v1/messages"
+        assert leave_mid_stream(ctx, url, long, {"x-api-key": "sekrit"}) == "message_start"
     assert_idle(ctx)
 
 
@@ -346,6 +343,12 @@ def test_a_quiet_stream_gets_pings_on_a_timer() -> None:
     from llamax.server import BackgroundServer, create_app
 
     quick = replies("Hi!")
+    with make() as unserved:
+        for bad in (0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match="stream_ping_seconds"):
+                create_app(unserved, stream_ping_seconds=bad)
+        with pytest.raises(ValueError, match="max_stored_responses"):
+            create_app(unserved, max_stored_responses=0)
 
     def slow(history: Any) -> int:
         time.sleep(0.25)
@@ -380,15 +383,19 @@ def test_a_quiet_stream_gets_pings_on_a_timer() -> None:
     assert_idle(ctx)
 
 
-def make_long_request(url: str) -> str:
-    """Open a long stream, read its first event and leave."""
-    import httpx
-
-    body = {"messages": HI, "max_tokens": 900, "stream": True, "temperature": 0}
-    with httpx.stream(
-        "POST", url + "/v1/messages", headers={"x-api-key": "sekrit"}, json=body
-    ) as response:
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                return line.removeprefix("event: ")
-    return ""
+def leave_mid_stream(
+    ctx: llamax.Context, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> str:
+    """Open a long stream, read its first event, leave, and check that the sequence is
+    freed (within 10 s); return the first event's name."""
+    with httpx.stream("POST", url, headers=headers, json=body) as response:
+        first = next(
+            line.removeprefix("event: ")
+            for line in response.iter_lines()
+            if line.startswith("event: ")
+        )
+    deadline = time.monotonic() + 10
+    while ctx.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ctx.stats().num_running == 0
+    return first

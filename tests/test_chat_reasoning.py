@@ -258,4 +258,6 @@ def test_a_chat_keeps_the_thinking_apart_in_its_history() -> None:
             assert off.last_turn.prompt_tokens == len(unthinking)
         with pytest.raises(llamax.InvalidParameterError):
             ctx.chat(reasoning_format="maybe")  # type: ignore[arg-type]
+        with pytest.raises(llamax.InvalidParameterError, match="enable_thinking"):
+            ctx.chat(enable_thinking="yes")  # type: ignore[arg-type]
         assert_idle(ctx)

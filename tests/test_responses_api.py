@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
+from test_anthropic import leave_mid_stream
 from test_chat import make
 from test_chat_reasoning import QWEN3, THOUGHT
 
@@ -404,26 +404,11 @@ def test_the_openai_client_against_the_server() -> None:
         )
         assert not_json.status_code == 400 and "error" in not_json.json()
         # a client that leaves mid-stream frees its sequence
-        assert leave_mid_stream(server.url) == "response.created"
-        deadline = time.monotonic() + 10
-        while ctx.stats().num_running and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ctx.stats().num_running == 0
+        long = {"input": HI, "max_output_tokens": 900, "stream": True, "temperature": 0}
+        key = {"authorization": "Bearer sekrit"}
+        url = server.url + "/v1/responses"
+        assert leave_mid_stream(ctx, url, long, key) == "response.created"
     assert_idle(ctx)
-
-
-def leave_mid_stream(url: str) -> str:
-    """Open a long stream, read its first event and leave."""
-    import httpx
-
-    body = {"input": HI, "max_output_tokens": 900, "stream": True, "temperature": 0}
-    with httpx.stream(
-        "POST", url + "/v1/responses", headers={"authorization": "Bearer sekrit"}, json=body
-    ) as response:
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                return line.removeprefix("event: ")
-    return ""
 
 
 def test_metrics_count_the_tokens_of_messages_and_responses_streams() -> None:
