@@ -6,8 +6,12 @@ options a thinking model would take, and shows that a reply without thinking is 
 content."""
 
 import llamax
-from llamax.reasoning import ReasoningSplitter
+from llamax.reasoning import ReasoningSplitter, split_reasoning
 
+GPT_OSS = (
+    "<|channel|>analysis<|message|>17 * 23 = 391.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>391"
+)
 REPLY = "<think>\nThe user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51.\n</think>\n\n391"
 
 
@@ -20,6 +24,7 @@ def main() -> None:
     r, c = splitter.flush()
     print(f"reasoning_content: {reasoning + r!r}")
     print(f"content:           {content + c!r}")
+    print(f"gpt-oss channels:  {split_reasoning(GPT_OSS)!r}")
 
     with llamax.Context(n_ctx=1024, n_seq_max=1) as ctx:
         response = ctx.chat_completion(

@@ -173,7 +173,11 @@ class Chat:
     def _end_turn(self, turn: _Turn, completion: Completion) -> None:
         reply: Message = {"role": "assistant", "content": completion.text}
         if self._reasoning_format != "none":
-            reasoning, content = split_reasoning(completion.text, inside=turn.thinking_opened)
+            reasoning, content = split_reasoning(
+                completion.text,
+                inside=turn.thinking_opened,
+                cut=completion.finish_reason != "stop",
+            )
             if reasoning is not None:
                 reply = {"role": "assistant", "content": content, "reasoning_content": reasoning}
         self._messages = [*turn.kept, reply]

@@ -171,7 +171,12 @@ class FakeBackend:
         self._can_shift_positions = can_shift
         self._metadata = dict(metadata or {})
         self._specials = dict(special_tokens or {})
-        self._pieces.update(dict.fromkeys(self._specials.values(), b""))
+        # a special token renders as nothing (a control token), unless ``extra_pieces``
+        # gives its text (a user-defined token, such as gpt-oss's ``<|channel|>``);
+        # llama.cpp parses such a token's text even without ``parse_special``, as the fake does
+        shown = set(extra_pieces or {})
+        self._pieces.update({t: b"" for t in self._specials.values() if t not in shown})
+        self._user_defined = {text: t for text, t in self._specials.items() if t in shown}
         self._eog = frozenset(eog_token_ids)
         self.num_copies = 0
         self.num_shifts = 0
@@ -333,20 +338,22 @@ class FakeBackend:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
     ) -> list[int]:
-        """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``."""
+        """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``
+        (user-defined ones, those ``extra_pieces`` renders, always)."""
         self._check_open()
         self._fault("tokenize")
         utf8(text)  # a lone surrogate is refused as by the real tokenizer
-        if not (parse_special and self._specials):
+        specials = self._specials if parse_special else self._user_defined
+        if not specials:
             return [b + 1 for b in text.encode("utf-8")]
         tokens: list[int] = []
         while text:
-            hits = [(text.find(s), s) for s in self._specials if s in text]
+            hits = [(text.find(s), s) for s in specials if s in text]
             if not hits:
                 tokens += [b + 1 for b in text.encode("utf-8")]
                 break
             at, special = min(hits)
-            tokens += [b + 1 for b in text[:at].encode("utf-8")] + [self._specials[special]]
+            tokens += [b + 1 for b in text[:at].encode("utf-8")] + [specials[special]]
             text = text[at + len(special) :]
         return tokens
 

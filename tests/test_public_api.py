@@ -90,6 +90,7 @@ PUBLIC_MODULES = {
         "submit_in_worker",
     ],
     "llamax.reasoning": [
+        "CHANNEL",
         "THINK_CLOSE",
         "THINK_OPEN",
         "ReasoningFormat",

@@ -47,6 +47,31 @@ REPLIES = [
     ),
     ("<think>\n\n", False, "", ""),
     ("<think>x</think>\n\n", False, "x", ""),
+    # gpt-oss (harmony) channels
+    (
+        "<|channel|>analysis<|message|>Think.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Answer.",
+        False,
+        "Think.",
+        "Answer.",
+    ),
+    ("<|start|>assistant<|channel|>final<|message|> Only. ", False, None, "Only."),
+    ("<|channel|>analysis<|message|> a <|en", False, "a <|en", ""),
+    (
+        "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>commentary"
+        "<|message|>Let me check.<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+        False,
+        "x",
+        "Let me check.\nDone.",
+    ),
+    (
+        "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}",
+        False,
+        None,
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+    ),
+    ("<|channel|>analysis", False, None, "<|channel|>analysis"),
+    ("<|nope|>x", False, None, "<|nope|>x"),
 ]
 
 
@@ -118,3 +143,15 @@ def test_reasoning_format_is_checked() -> None:
         assert check_reasoning_format(value) == value
     with pytest.raises(InvalidParameterError, match="reasoning_format must be one of"):
         check_reasoning_format("deepseek-legacy")
+
+
+def test_a_gpt_oss_call_cut_off_is_left_open_for_the_parser_to_drop() -> None:
+    call = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1'
+    opened = '<tool_call>\n{"name": "f", "arguments": {"a": 1'
+    assert split_reasoning(call, cut=True) == (None, opened)
+    assert split_reasoning(call) == (None, opened + "}\n</tool_call>")
+
+
+def test_a_gpt_oss_header_that_never_ends_is_content() -> None:
+    header = "<|channel|>analysis" + " x" * 200
+    assert split_reasoning(header + "<|message|>y") == (None, header + "<|message|>y")

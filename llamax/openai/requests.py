@@ -237,7 +237,8 @@ class OpenAIRequest:
         finish = _finish_reason(choice.finish_reason) or "stop"
         text, reasoning = choice.text, None
         if self.splits_reasoning:
-            reasoning, text = split_reasoning(text, inside=self.thinking_opened)
+            cut = choice.finish_reason != "stop"
+            reasoning, text = split_reasoning(text, inside=self.thinking_opened, cut=cut)
         if not self.tools.is_active:
             message: ChatCompletionMessage = {"role": "assistant", "content": text}
         else:
@@ -342,7 +343,9 @@ class OpenAIRequest:
             started[event.index] = _ChoiceStream(ToolCallStreamParser(self.tools), self._splitter())
             delta = {"role": "assistant", "content": ""}
         stream = started[event.index]
-        reasoning, text = stream.split(event.text, finished=finish is not None)
+        reasoning, text = stream.split(
+            event.text, finished=finish is not None, cut=event.finish_reason != "stop"
+        )
         if self.tools.is_active:
             if delta:
                 yield self._delta_chunk(event.index, delta)
@@ -435,13 +438,14 @@ class _ChoiceStream:
     parser: ToolCallStreamParser
     splitter: ReasoningSplitter | None
 
-    def split(self, text: str, *, finished: bool) -> tuple[str, str]:
-        """``(reasoning, content)`` of an event's text (everything held, at the end)."""
+    def split(self, text: str, *, finished: bool, cut: bool) -> tuple[str, str]:
+        """``(reasoning, content)`` of an event's text (everything held, at the end;
+        ``cut``: the reply was cut off)."""
         if self.splitter is None:
             return "", text
         reasoning, content = self.splitter.feed(text)
         if finished:
-            more_reasoning, more_content = self.splitter.flush()
+            more_reasoning, more_content = self.splitter.flush(cut=cut)
             reasoning, content = reasoning + more_reasoning, content + more_content
         return reasoning, content
 

@@ -41,12 +41,17 @@ def load_template(backend: Backend, override: str | None, model_name: str) -> Ch
 
 
 def end_of_turn_ids(backend: Backend, template: ChatTemplate) -> tuple[int, ...]:
-    """The end-of-turn markers found in the template's source that are single tokens."""
+    """The end-of-turn markers found in the template's source that are single control tokens.
+
+    A marker whose token renders as text is skipped: gpt-oss's ``<|end|>`` ends a message
+    *inside* the reply (the thinking, before the answer), and llama.cpp makes it a
+    user-defined token, shown in the text and not an end of generation, for that reason.
+    """
     found = []
     for marker in END_OF_TURN_MARKERS:
         if marker in template.source:
             ids = backend.tokenize(marker, add_special=False, parse_special=True)
-            if len(ids) == 1:
+            if len(ids) == 1 and backend.token_to_piece(ids[0]) == b"":
                 found.append(ids[0])
     return tuple(found)
 
