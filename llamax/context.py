@@ -110,6 +110,14 @@ class Context:
             if owned:  # the model and context it loaded are freed
                 backend.close()
             raise
+        self._adapters: dict[str, str] = {}  # name -> path, in load order
+        self._adapter_lock = threading.Lock()
+        try:
+            for name, path in (config.lora or {}).items():
+                self.load_adapter(name, path)
+        except BaseException:
+            self._engine.close()  # frees the backend too
+            raise
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
@@ -276,6 +284,7 @@ class Context:
             priority=priority,
             arrival=arrival,
             session_id=session_id,
+            adapters=self._adapter_set(params),
         )
         engine = self._engine
         handle._bind(
@@ -285,6 +294,72 @@ class Context:
         )
         engine.submit(request)
         return handle
+
+    # ------------------------------------------------------------------ LoRA adapters
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters loaded, name -> path, in load order (a request's
+        ``SamplingParams.lora`` may also name one by its index here)."""
+        return dict(self._adapters)
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the LoRA adapter GGUF at ``path`` under ``name``. It changes nothing until a
+        request asks for it (``SamplingParams(lora={name: scale})``); requests under
+        different adapter sets run in separate steps (see docs/lora.md). An adapter stays
+        loaded until the context closes (llama.cpp frees it with the model).
+
+        Raises:
+            InvalidParameterError: ``name`` is empty, taken, or not a str.
+            ModelLoadError: the file is missing or not a LoRA adapter for this model.
+            ContextClosedError: the context is closed.
+        """
+        from .backend.base import LoraHost
+
+        self._check_open("load a LoRA adapter")
+        if not isinstance(name, str) or not name:
+            raise InvalidParameterError(f"an adapter name must be a non-empty str, got {name!r}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise InvalidParameterError(f"an adapter path must be a path, got {path!r}")
+        if not isinstance(self._backend, LoraHost):
+            raise InvalidParameterError(
+                f"this backend ({type(self._backend).__name__}) cannot load LoRA adapters"
+            )
+        with self._adapter_lock:
+            if name in self._adapters:
+                raise InvalidParameterError(f"a LoRA adapter named {name!r} is already loaded")
+            self._backend.load_adapter(name, os.fspath(path))
+            self._adapters[name] = os.fspath(path)
+
+    def _adapter_set(self, params: SamplingParams | None) -> tuple[tuple[str, float], ...]:
+        """``params.lora`` as the engine's adapter set: names resolved, scale-0 entries
+        dropped (the base model), sorted by name.
+
+        Raises:
+            InvalidParameterError: an adapter that is not loaded, or one named twice.
+        """
+        lora = params.lora if isinstance(params, SamplingParams) else None
+        if not lora:
+            return ()
+        names = list(self._adapters)
+        scales: dict[str, float] = {}
+        for key, scale in lora.items():
+            if isinstance(key, int):
+                if key >= len(names):
+                    raise InvalidParameterError(
+                        f"lora: no adapter with index {key}; {len(names)} loaded"
+                    )
+                name = names[key]
+            elif key in self._adapters:
+                name = key
+            else:
+                loaded = ", ".join(repr(n) for n in names) or "none"
+                raise InvalidParameterError(
+                    f"lora: no adapter named {key!r} is loaded (loaded: {loaded})"
+                )
+            if name in scales:
+                raise InvalidParameterError(f"lora: adapter {name!r} is given twice")
+            scales[name] = scale
+        return tuple(sorted((n, s) for n, s in scales.items() if s != 0))
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:

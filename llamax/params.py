@@ -21,6 +21,7 @@ from .optionspec import spec
 __all__ = [
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
+    "AdapterSet",
     "ContextConfig",
     "ContextOptions",
     "KVLayout",
@@ -251,7 +252,19 @@ class SamplingParams:
         ),
     )
 
+    lora: Mapping[str | int, float] | None = field(
+        default=None,
+        metadata=spec(
+            doc="LoRA adapters for this request, by name (or load index) with their scales; "
+            "`None` or `{}`: the base model (see docs/lora.md)",
+            openai=None,
+            openai_doc='adapters as llama-server takes them: `[{"name": "a", "scale": 1.0}]` '
+            '(or `"id"`: the load index), or `{"a": 1.0}`',
+        ),
+    )
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lora", _lora(self.lora))
         _require(
             self.speculative is None or isinstance(self.speculative, (bool, DraftMethod)),
             "speculative must be None, a bool or a llamax.PromptLookup, "
@@ -525,6 +538,13 @@ class ContextConfig:
             from_flag=_read_text,
         ),
     )
+    lora: Mapping[str, str] | None = field(
+        default=None,
+        metadata=spec(
+            doc="LoRA adapters to load, name -> GGUF path; requests pick them by name "
+            "(`SamplingParams.lora`)",
+        ),
+    )
     rpc_servers: str | None = field(
         default=None,
         metadata=spec(
@@ -637,6 +657,43 @@ class ContextConfig:
             self.chat_template is None or isinstance(self.chat_template, str),
             f"chat_template must be a str or None, got {type(self.chat_template).__name__}",
         )
+        _require(
+            self.lora is None
+            or (
+                isinstance(self.lora, Mapping)
+                and all(isinstance(k, str) and k and _is_pathlike(v) for k, v in self.lora.items())
+            ),
+            f"lora must be a dict of adapter name -> GGUF path, got {self.lora!r}",
+        )
+
+
+AdapterSet = tuple[tuple[str, float], ...]
+"""A set of LoRA adapters with their scales, sorted by name, none at scale 0: ``()`` is the
+base model. One decode runs under one set."""
+
+
+def _is_pathlike(value: object) -> bool:
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
+
+
+def _lora(value: object) -> Mapping[str | int, float] | None:
+    """``SamplingParams.lora`` checked: adapter names (or load indices) to finite scales."""
+    if value is None:
+        return None
+    _require(isinstance(value, Mapping), f"lora must be a dict of name -> scale, got {value!r}")
+    assert isinstance(value, Mapping)
+    checked: dict[str | int, float] = {}
+    for key, scale in value.items():
+        _require(
+            (isinstance(key, str) and key != "") or (_is_int(key) and key >= 0),
+            f"lora keys must be adapter names or load indices >= 0, got {key!r}",
+        )
+        _require(
+            _is_real(scale) and math.isfinite(scale),
+            f"lora scale for {key!r} must be a finite number, got {scale!r}",
+        )
+        checked[key] = float(scale)
+    return checked
 
 
 class ContextOptions(TypedDict, total=False):
@@ -661,6 +718,7 @@ class ContextOptions(TypedDict, total=False):
     rpc_servers: str | None
     speculative: Speculative | None
     verbose: bool
+    lora: Mapping[str, str] | None
 
 
 OPTION_LISTS: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}

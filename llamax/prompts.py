@@ -152,6 +152,7 @@ def build_request(
     priority: int,
     arrival: int,
     session_id: int | None = None,
+    adapters: tuple[tuple[str, float], ...] = (),
 ) -> Request:
     """Check everything about a request that can be known before it runs, and build it.
 
@@ -182,4 +183,5 @@ def build_request(
         num_choices=params.n,
         session_id=session_id,
         grammar=grammar,
+        adapters=adapters,
     )

@@ -19,6 +19,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +27,7 @@ import numpy.typing as npt
 from .backend.base import BatchItem, DecodeStatus
 from .backend.native import utf8
 from .context import Context
-from .errors import ContextClosedError, RequestFailedError
+from .errors import ContextClosedError, ModelLoadError, RequestFailedError
 from .params import SamplingParams
 
 __all__ = [
@@ -178,6 +179,11 @@ class FakeBackend:
         self._pieces.update({t: b"" for t in self._specials.values() if t not in shown})
         self._user_defined = {text: t for text, t in self._specials.items() if t in shown}
         self._eog = frozenset(eog_token_ids)
+        self._adapter_order: dict[str, int] = {}  # name -> load index
+        self._adapter_set: tuple[tuple[str, float], ...] = ()
+        self._cell_tag: dict[int, tuple[tuple[str, float], ...] | None] = {}
+        self.decode_adapters: list[tuple[tuple[str, float], ...]] = []
+        """The adapter set of every successful decode, in order (with ``log_decodes``)."""
         self.num_copies = 0
         self.num_shifts = 0
         self.decode_log: list[tuple[BatchItem, ...]] = []
@@ -259,7 +265,7 @@ class FakeBackend:
         self._refs.clear()
         for seq_id, tokens in held.items():
             self.cells[seq_id], self._cell_ids[seq_id] = [], []
-            self._store(seq_id, [t for t in tokens if t is not None])
+            self._store(seq_id, [t for t in tokens if t is not None], tags=None)
         self._is_unified = unified
         self.num_relayouts += 1
 
@@ -396,19 +402,61 @@ class FakeBackend:
                     f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}"
                 )
             known = [t for t in cells if t is not None]
+            for cell in self._cell_ids[item.seq_id]:
+                tag = self._cell_tag.get(cell) if cell is not None else None
+                if tag is not None and tag != self._adapter_set:
+                    raise AssertionError(
+                        f"seq {item.seq_id}: KV computed under adapters {tag} is read under "
+                        f"{self._adapter_set}"
+                    )
             for row in item.rows:
                 if not offset <= row < offset + len(item.token_ids):
                     raise AssertionError(f"row {row} is outside its item {item!r}")
                 history = known + list(item.token_ids[: row - offset + 1])
                 self._rows[row] = len(self._rows)
-                self._logits[len(self._rows) - 1] = self._row_logits(self._next_token(history))
+                token = self._adapted(self._next_token(history))
+                self._logits[len(self._rows) - 1] = self._row_logits(token)
             self._store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
         if self._log_decodes:
             self.decode_log.append(tuple(items))
+            self.decode_adapters.append(self._adapter_set)
         if self._step_seconds is not None:
             self._clock += self._step_seconds(items)
         return DecodeStatus.OK
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Accept any file that starts with ``GGUF`` as an adapter; under it, lower-case
+        letters the model picks move ``k`` places along the alphabet, ``k`` being the sum
+        of ``load index + 1`` over the set's adapters whose scale is not 0.
+        (:class:`~llamax.backend.base.LoraHost`)
+
+        Raises:
+            ModelLoadError: no such file, or it does not start with ``GGUF``.
+        """
+        self._fault("load_adapter")
+        try:
+            with open(path, "rb") as file:
+                magic = file.read(4)
+        except OSError as exc:
+            raise ModelLoadError(f"LoRA adapter {name!r}: cannot read {path}: {exc}") from exc
+        if magic != b"GGUF":
+            raise ModelLoadError(f"LoRA adapter {name!r}: {path} is not a GGUF file")
+        self._adapter_order.setdefault(name, len(self._adapter_order))
+
+    def set_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """Run the next decodes under ``adapters``."""
+        self._fault("set_adapters")
+        unknown = [name for name, _ in adapters if name not in self._adapter_order]
+        if unknown:
+            raise AssertionError(f"set_adapters with adapters never loaded: {unknown}")
+        self._adapter_set = adapters
+
+    def _adapted(self, token: int) -> int:
+        shift = sum(self._adapter_order[n] + 1 for n, scale in self._adapter_set if scale != 0)
+        if shift % 26 and ord("a") <= token - 1 <= ord("z"):
+            return 1 + ord("a") + (token - 1 - ord("a") + shift) % 26
+        return token
 
     def clock(self) -> float:
         """Seconds on the engine's clock: with ``step_seconds``, the simulated time of every
@@ -545,7 +593,8 @@ class FakeBackend:
         if not self._is_unified:
             if p0 != -1 or p1 != -1 or self.cells[dst]:
                 raise AssertionError(f"partial seq_cp {src}->{dst} between streams aborts")
-            self._store(dst, [t for t in self.cells[src] if t is not None])
+            tags = [self._cell_tag.get(c) for c in self._cell_ids[src] if c is not None]
+            self._store(dst, [t for t in self.cells[src] if t is not None], tags=tags)
             self.num_copies += 1
             return
         p0 = max(p0, 0)
@@ -593,7 +642,7 @@ class FakeBackend:
             or len(tokens) > self.n_ctx_stream
         ):
             return False
-        self._store(seq_id, tokens)
+        self._store(seq_id, tokens, tags=None)
         return True
 
     def calibration_key(self) -> str | None:
@@ -620,11 +669,24 @@ class FakeBackend:
         self._store(seq_id, [tokens[i % len(tokens)] for i in range(len(held), num_cells)])
         return True
 
-    def _store(self, seq_id: int, tokens: Sequence[int]) -> None:
+    def _store(
+        self,
+        seq_id: int,
+        tokens: Sequence[int],
+        tags: Sequence[tuple[tuple[str, float], ...] | None] | Literal["current"] | None = (
+            "current"
+        ),
+    ) -> None:
+        """Append ``tokens`` in new cells, tagged with the adapter set they were computed
+        under (``"current"``: the current one; None: unknown, never checked)."""
         self.cells[seq_id].extend(tokens)
-        for _ in tokens:
+        for i in range(len(tokens)):
             self._refs[self._next_cell] = 1
             self._cell_ids[seq_id].append(self._next_cell)
+            if tags == "current":
+                self._cell_tag[self._next_cell] = self._adapter_set
+            elif tags is not None:
+                self._cell_tag[self._next_cell] = tags[i]
             self._next_cell += 1
 
     def seq_tokens(self, seq_id: int) -> list[int | None]:

@@ -32,17 +32,22 @@ def assert_greedy_agrees(
     got: Sequence[int],
     *,
     nats: float = NEAR_TIE_NATS,
+    lora: dict[str, float] | None = None,
 ) -> None:
     """``got`` equals ``expected`` (both greedy continuations of ``prompt``), or parts from
     it at a near tie measured on ``probe`` (a context with nothing cached; left idle).
 
     Raises:
         AssertionError: they part where the picks are not nearly tied.
+
+    ``lora``: the adapters both outputs ran under (the probe runs under them too).
     """
     i = parting(expected, got)
     if i is None:
         return
-    params = llamax.SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=False)
+    params = llamax.SamplingParams(
+        max_tokens=1, temperature=0.0, logprobs=5, ignore_eos=False, lora=lora
+    )
     done = probe.add_request([*prompt, *expected[:i]], params).result(timeout=240)
     probe.clear_cache()
     logprobs = done.choices[0].logprobs or ()

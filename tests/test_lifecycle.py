@@ -392,6 +392,7 @@ def _context_calls(ctx: llamax.Context, tmp_path: Path) -> dict[str, Callable[[]
         "session": lambda: ctx.session(),
         "process": lambda: ctx.process(),
         "clear_cache": lambda: ctx.clear_cache(),
+        "load_adapter": lambda: ctx.load_adapter("x", tmp_path / "x.gguf"),
         "audit": lambda: ctx.audit(),
         "chat_template": lambda: ctx.chat_template,
         "end_of_turn_token_ids": lambda: ctx.end_of_turn_token_ids,
@@ -425,6 +426,7 @@ STILL_ANSWER = {
     "stats",
     "has_work",
     "close",
+    "adapters",
 }
 
 

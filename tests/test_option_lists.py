@@ -144,6 +144,7 @@ OLD_SAMPLING_FIELDS: dict[str, Any] = {  # the hand-written model, in its order
     "repeat_penalty": float | None,
     "grammar": str | None,
     "speculative": bool | dict[str, int] | None,
+    "lora": list[dict[str, str | int | float]] | dict[str, float] | None,
 }
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "Inspectable",
     "KVMemory",
     "LoadedModel",
+    "LoraHost",
     "Sampler",
     "SamplerFactory",
 ]
@@ -310,6 +311,27 @@ class Calibratable(Protocol):
         """Grow ``seq_id``, which holds cells at positions ``0..n-1``, to ``num_cells`` cells
         without computing them: filler K/V, repeated from its own cells, that attention
         costs the same over (its values mean nothing). False when the backend cannot."""
+        ...
+
+
+@runtime_checkable
+class LoraHost(Protocol):
+    """Optional: a backend that loads LoRA adapters and runs each decode under a set of
+    them (both :class:`~llamax.backend.llama_cpp.LlamaCppBackend` and
+    :class:`llamax.testing.FakeBackend` are). llama.cpp applies adapters to a whole
+    context, so one decode carries one set; the scheduler groups its steps by set."""
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the LoRA GGUF at ``path`` under ``name`` (not applied until a set names it).
+
+        Raises:
+            ModelLoadError: the file is missing or not an adapter for this model.
+        """
+        ...
+
+    def set_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """Run the next decodes under ``adapters`` (loaded names with their scales; ``()``:
+        the base model). Cheap when the set is the current one."""
         ...
 
 

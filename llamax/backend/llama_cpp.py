@@ -13,7 +13,9 @@ step lock, after the last step.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -150,6 +152,8 @@ class LlamaCppBackend:
         self._eog = frozenset(t for t in range(self._n_vocab) if model.is_eog(t))
         self._model_name = self.metadata("general.name") or path.stem
         self._model_path = path
+        self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora*, freed with the model
+        self._adapter_set: tuple[tuple[str, float], ...] | None = ()  # None: not yet applied
 
     # ------------------------------------------------------------------ facts
     @property
@@ -222,6 +226,7 @@ class LlamaCppBackend:
             raise
         old, self._context, self._is_unified = self._context, new, unified
         old.close()
+        self._adapter_set = None  # the new context has none applied yet
         self._kv_cells = new.n_ctx()
         if unified:
             self._n_ctx = self._kv_cells
@@ -366,6 +371,43 @@ class LlamaCppBackend:
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation."""
         return token in self._eog
+
+    # ------------------------------------------------------------------ adapters
+    def load_adapter(self, name: str, path: str) -> None:
+        """``llama_adapter_lora_init``: load a LoRA GGUF for this model under ``name``
+        (:class:`~llamax.backend.base.LoraHost`). llama.cpp frees it with the model.
+
+        Raises:
+            ModelLoadError: the file is missing, or llama.cpp refused it (not a LoRA, another
+                architecture, shapes that do not fit the model); its log says why.
+        """
+        if not Path(path).is_file():
+            raise ModelLoadError(f"LoRA adapter {name!r}: no file at {path}")
+        with self._entered():
+            adapter = self._C.llama_adapter_lora_init(self._model.ptr, os.fsencode(path))
+        if not adapter:
+            raise ModelLoadError(
+                f"LoRA adapter {name!r}: llama.cpp could not load {path} for this model "
+                "(not a LoRA GGUF, another architecture, or tensors of the wrong shape; "
+                "verbose=True shows llama.cpp's reason)"
+            )
+        self._adapters[name] = adapter
+
+    def set_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+        """``llama_set_adapters_lora`` for the next decodes; nothing when already applied."""
+        if adapters == self._adapter_set:
+            return
+        C = self._C
+        n = len(adapters)
+        handles = (C.llama_adapter_lora_p_ctypes * max(n, 1))(
+            *(self._adapters[name] for name, _ in adapters)
+        )
+        scales = (ctypes.c_float * max(n, 1))(*(scale for _, scale in adapters))
+        status = C.llama_set_adapters_lora(self._context.ptr, handles if n else None, n, scales)
+        if status != 0:
+            self._adapter_set = None
+            raise RequestFailedError(f"llama_set_adapters_lora failed with status {status}")
+        self._adapter_set = adapters
 
     # ------------------------------------------------------------------ engine thread
     def decode(self, items: Sequence[BatchItem]) -> int:

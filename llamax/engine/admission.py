@@ -83,7 +83,11 @@ class SlotPlacer:
         self._n_ctx = n_ctx
 
     def place(
-        self, token_ids: Sequence[int], in_flight: Mapping[int, Sequence[int]], num_pending: int
+        self,
+        token_ids: Sequence[int],
+        in_flight: Mapping[int, Sequence[int]],
+        num_pending: int,
+        adapters: tuple[tuple[str, float], ...] = (),
     ) -> Placement:
         """Place a newcomer with the longest prefix a slot gives it.
 
@@ -92,43 +96,63 @@ class SlotPlacer:
             in_flight: For each slot of a sequence still prefilling, by sequence id, its
                 whole prompt.
             num_pending: Tokens the running sequences still have to compute.
+            adapters: The sequence's LoRA adapter set: only a slot of the same set gives
+                it a prefix.
         """
-        match = self._prefix.match(token_ids, in_flight)
+        match = self._prefix.match(token_ids, in_flight, adapters)
         source, now = match.slot, match.num_now
         if should_wait(now, match.num_later):
             return Placement(Outcome.WAIT_PREFIX)
         if self._kv.num_free_seq_ids == 0 and not self._prefix.evict_one(keep=source):
-            return self._take_over(source, token_ids, num_pending)
+            return self._take_over(source, token_ids, num_pending, adapters)
         if not self.fits(len(token_ids) - now, num_pending, keep=source):
-            return self._take_over(source, token_ids, num_pending)
+            return self._take_over(source, token_ids, num_pending, adapters)
         slot = self._prefix.allocate(keep=source)
         assert slot is not None
+        slot.adapters = adapters
         if now and source is not None:
             self._kv.copy_prefix(source, slot, now)
             self._prefix.touch(source)
         return Placement(Outcome.ADMITTED, slot, now)
 
-    def reuse(self, slot: Slot, token_ids: Sequence[int], num_pending: int) -> Placement:
+    def reuse(
+        self,
+        slot: Slot,
+        token_ids: Sequence[int],
+        num_pending: int,
+        adapters: tuple[tuple[str, float], ...] = (),
+    ) -> Placement:
         """Place a sequence in ``slot`` (a session's, or one taken over): keep the common
-        prefix, drop the diverging tail (everything, if the slot cannot be cut)."""
+        prefix, drop the diverging tail (everything, if the slot cannot be cut or its
+        cells were computed under another adapter set)."""
         keep = num_to_keep(common_prefix_len(slot.tokens, token_ids), len(token_ids))
         kv = self._kv
-        if not self._prefix.is_enabled or not kv.truncate(slot, keep) or not kv.is_intact(slot):
+        if (
+            not self._prefix.is_enabled
+            or slot.adapters != adapters
+            or not kv.truncate(slot, keep)
+            or not kv.is_intact(slot)
+        ):
             kv.clear(slot)
+        slot.adapters = adapters
         num_reused = len(slot.tokens)
         if not self.fits(len(token_ids) - num_reused, num_pending):
             return Placement(Outcome.NO_ROOM)
         return Placement(Outcome.ADMITTED, slot, num_reused)
 
     def _take_over(
-        self, source: Slot | None, token_ids: Sequence[int], num_pending: int
+        self,
+        source: Slot | None,
+        token_ids: Sequence[int],
+        num_pending: int,
+        adapters: tuple[tuple[str, float], ...],
     ) -> Placement:
         """Reuse the retained slot holding the prefix; if even that does not fit, it is
         retained again."""
         if source is None or source.state is not SlotState.RETAINED:
             return Placement(Outcome.NO_ROOM)
         self._prefix.adopt(source)
-        placement = self.reuse(source, token_ids, num_pending)
+        placement = self.reuse(source, token_ids, num_pending, adapters)
         if placement.outcome is not Outcome.ADMITTED:
             self._prefix.retire(source)
         return placement
@@ -137,6 +161,7 @@ class SlotPlacer:
         """A new slot sharing every cell of ``leader`` (an ``n > 1`` choice)."""
         slot = self._prefix.allocate(keep=leader)
         assert slot is not None, "fork planned without a free sequence id"
+        slot.adapters = leader.adapters
         self._kv.copy_prefix(leader, slot, len(leader.tokens))
         return slot
 

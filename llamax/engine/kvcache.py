@@ -78,12 +78,15 @@ SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
 class Slot:
     """A sequence id and the tokens it holds in KV."""
 
-    __slots__ = ("_state", "cells", "seq_id", "tokens")
+    __slots__ = ("_state", "adapters", "cells", "seq_id", "tokens")
 
     def __init__(self, seq_id: int, *, pinned: bool = False) -> None:
         self.seq_id = seq_id
         self.tokens: list[int] = []
         self.cells: list[int] = []
+        self.adapters: tuple[tuple[str, float], ...] = ()
+        """The LoRA adapter set its cells were computed under (``()``: the base model);
+        a prefix is shared only between sequences of the same set."""
         self._state = SlotState.PINNED if pinned else SlotState.ACTIVE
 
     @property

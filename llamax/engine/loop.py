@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
-from ..backend.base import Backend, DecodeStatus
+from ..backend.base import Backend, DecodeStatus, LoraHost
 from ..errors import (
     ContextClosedError,
     DeadlockError,
@@ -408,6 +408,11 @@ class Engine:
     def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float]:
         """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
         cost features and when its decode started."""
+        if isinstance(self.backend, LoraHost):
+            adapters = {entry.seq.request.adapters for entry in plan.entries}
+            if len(adapters) != 1:  # the scheduler plans each step within one set
+                raise EngineError(f"a step mixes LoRA adapter sets: {sorted(adapters)}")
+            self.backend.set_adapters(adapters.pop())
         for _ in range(_MAX_SHRINKS_PER_STEP):
             features, started = self.scheduler.features(plan), self.scheduler.clock()
             status = self.backend.decode(plan.items)

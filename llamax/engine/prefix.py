@@ -111,19 +111,29 @@ class PrefixCache:
         return slot
 
     # ------------------------------------------------------------------ matching
-    def match(self, prompt: Sequence[int], in_flight: Mapping[int, Sequence[int]]) -> PrefixMatch:
-        """The slot holding the longest prefix of ``prompt`` (all but its last token).
+    def match(
+        self,
+        prompt: Sequence[int],
+        in_flight: Mapping[int, Sequence[int]],
+        adapters: tuple[tuple[str, float], ...] = (),
+    ) -> PrefixMatch:
+        """The slot holding the longest prefix of ``prompt`` (all but its last token)
+        computed under the same LoRA ``adapters`` (a prefix computed under one adapter set
+        is never reused under another).
 
         Args:
             prompt: the new sequence's tokens.
             in_flight: for slots of sequences still prefilling, by seq id, every token the
                 owner knows (its whole prompt); they give ``num_later`` tokens.
+            adapters: the new sequence's adapter set.
         """
         if not self._retain:
             return PrefixMatch()
         limit = len(prompt) - 1  # the last prompt token is computed for its logits
         best = PrefixMatch()
         for slot in self._cache.slots():
+            if slot.adapters != adapters:
+                continue
             known = in_flight.get(slot.seq_id)
             if not slot.tokens and known is None:
                 continue

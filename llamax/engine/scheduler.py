@@ -46,6 +46,7 @@ from .step_budget import StepFeatures
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
 T = TypeVar("T")
+AdapterSet = tuple[tuple[str, float], ...]
 
 Verify = Callable[[Sequence, int], tuple[int, TokenLogprob | None]]
 """Samples a sequence's token from one batch row (speculative verification, row by row)."""
@@ -69,6 +70,8 @@ class Scheduler(SchedulerView):
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
         self.price_drafts = True  # tests turn it off to verify every proposal
+        self._last_group: AdapterSet | None = None
+        """The adapter set the last step ran (see :meth:`_adapter_groups`)."""
         self.clock = backend.clock if isinstance(backend, Clocked) else time.perf_counter
         """What steps are timed with (a :class:`~llamax.backend.base.Clocked` backend's)."""
 
@@ -103,21 +106,51 @@ class Scheduler(SchedulerView):
         self._adapt_layout(result)
         self._make_room_for_growth()
         self._share_sequence_ids()
-        decode = [seq for seq in self._running if seq.num_pending == 1][: self._n_batch]
+        for group in self._adapter_groups():
+            plan = self._plan_group(group)
+            if not plan.is_empty:
+                self._last_group = group
+                return plan
+        return StepPlan()
+
+    def _adapter_groups(self) -> list[AdapterSet | None]:
+        """The LoRA adapter sets to try this step, in turn (``[None]``: one set, no filter).
+
+        llama.cpp applies adapters to a whole context, so a step carries one set. The sets
+        with work take turns, one step each, starting after the last one served: none
+        starves, and the next set is tried when one has nothing it can run."""
+        sets = {seq.request.adapters for seq in self._running}
+        sets.update(seq.request.adapters for seq in self._waiting)
+        if len(sets) <= 1:
+            return [None]
+        order = sorted(sets)
+        last = self._last_group
+        start = next((i for i, key in enumerate(order) if last is not None and key > last), 0)
+        return [*order[start:], *order[:start]]
+
+    def _plan_group(self, group: AdapterSet | None) -> StepPlan:
+        """Plan the step over the sequences of adapter set ``group`` (None: all)."""
+
+        def ours(seq: Sequence) -> bool:
+            return group is None or seq.request.adapters == group
+
+        running = [seq for seq in self._running if ours(seq)]
+        decode = [seq for seq in running if seq.num_pending == 1][: self._n_batch]
         slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
         budget = self._n_batch - len(decode)
         fixed = self.budget.start_step(
             [seq.num_computed for seq in decode], unified=self.kv.is_unified
         )
-        for seq in self._running:
+        for seq in running:
             if seq.num_pending > 1 and budget > 0:
                 take, fixed = self._chunk(seq, min(seq.num_pending, budget), fixed, len(decode))
                 if take:
                     slots.append((seq, take))
                     budget -= take
         # requests below their share first; those at it take the ids left (no id idles)
-        over = [seq for seq in self._waiting if self.fair.is_over(seq.request)]
-        under = [seq for seq in self._waiting if not self.fair.is_over(seq.request)]
+        waiting = [seq for seq in self._waiting if ours(seq)]
+        over = [seq for seq in waiting if self.fair.is_over(seq.request)]
+        under = [seq for seq in waiting if not self.fair.is_over(seq.request)]
         for seq in under + over:
             if budget <= 0:
                 break
@@ -409,14 +442,18 @@ class Scheduler(SchedulerView):
         """Place ``seq`` in a slot (:class:`~llamax.engine.admission.SlotPlacer`) and start it."""
         if seq.request.session_id is not None:
             pinned = self.sessions.slot(seq.request.session_id)
-            placement = self.placer.reuse(pinned, seq.token_ids, self.num_pending_tokens)
+            placement = self.placer.reuse(
+                pinned, seq.token_ids, self.num_pending_tokens, seq.request.adapters
+            )
         else:
             in_flight = {
                 s.slot.seq_id: s.token_ids
                 for s in self._running
                 if s.slot is not None and s.state is SequenceState.PREFILLING
             }
-            placement = self.placer.place(seq.token_ids, in_flight, self.num_pending_tokens)
+            placement = self.placer.place(
+                seq.token_ids, in_flight, self.num_pending_tokens, seq.request.adapters
+            )
         if placement.slot is not None:
             seq.slot = placement.slot
             self.num_cached_tokens += placement.num_reused

@@ -59,6 +59,7 @@ class Request:
     """One ``add_request`` call as the engine sees it."""
 
     __slots__ = (
+        "adapters",
         "arrival",
         "grammar",
         "handle",
@@ -87,8 +88,11 @@ class Request:
         num_choices: int = 1,
         session_id: int | None = None,
         grammar: str | None = None,
+        adapters: tuple[tuple[str, float], ...] = (),
     ) -> None:
         self.request_id = request_id
+        self.adapters = adapters
+        """The LoRA adapter set every step of the request runs under (``()``: none)."""
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.handle = handle

@@ -72,6 +72,9 @@ class CompletionOptions(TypedDict, total=False):
     speculative: bool | Mapping[str, int] | None
     """llamax extension: speculative decoding on (``true``), off (``false``), or on with
     :class:`~llamax.PromptLookup` settings (``{"max_draft": 8}``); default: the context's."""
+    lora: Sequence[Mapping[str, Any]] | Mapping[str, float] | None
+    """llama-server extension: LoRA adapters for this request, ``[{"name": "a", "scale":
+    1.0}]`` (or ``"id"``: the adapter's load index), or ``{"a": 1.0}``; see docs/lora.md."""
 
 
 class ChatOptions(CompletionOptions, total=False):
@@ -135,6 +138,32 @@ def sampling_params(options: CompletionOptions, *, chat: bool) -> SamplingParams
         elif f.name in defaults:
             kwargs[f.name] = options.get(f.name, defaults[f.name])
     return SamplingParams(**kwargs)
+
+
+def _lora(value: object) -> dict[str | int, float] | None:
+    """llama-server's ``[{"id" | "name", "scale"}]`` (or a name -> scale object) as
+    ``SamplingParams.lora``."""
+    if value is None or isinstance(value, Mapping):
+        return None if value is None else dict(value)
+    if not isinstance(value, list):
+        raise InvalidParameterError(f"lora must be a list of adapters, got {type(value).__name__}")
+    adapters: dict[str | int, float] = {}
+    for index, entry in enumerate(value):
+        where = f"lora[{index}]"
+        if not isinstance(entry, Mapping):
+            raise InvalidParameterError(f"{where} must be an object, got {entry!r}")
+        unknown = sorted(set(entry) - {"id", "name", "scale"})
+        if unknown:
+            raise InvalidParameterError(f"{where} has unknown field {unknown[0]!r}")
+        if ("id" in entry) == ("name" in entry):
+            raise InvalidParameterError(f"{where} needs one of 'id' or 'name'")
+        key = entry["id"] if "id" in entry else entry["name"]
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise InvalidParameterError(f"{where}: id must be an int and name a str")
+        if key in adapters:
+            raise InvalidParameterError(f"{where}: adapter {key!r} is given twice")
+        adapters[key] = entry.get("scale", 1.0)
+    return adapters
 
 
 def _speculative(value: object) -> bool | PromptLookup | None:
@@ -232,6 +261,7 @@ _SPECIAL: dict[str, Callable[[CompletionOptions, bool], Any]] = {
     "logprobs": lambda options, chat: _logprobs(options, chat=chat),
     "json_schema": lambda options, chat: _response_schema(options.get("response_format")),
     "speculative": lambda options, chat: _speculative(options.get("speculative")),
+    "lora": lambda options, chat: _lora(options.get("lora")),
 }
 """``SamplingParams`` fields whose OpenAI shape differs, and how each is read from the
 options; every other OpenAI option is passed on as it is, with its OpenAI default."""

@@ -78,9 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to let requests finish after SIGTERM (default: 30)",
     )
     p.add_argument(
+        "--lora",
+        action="append",
+        type=_name_path,
+        default=[],
+        metavar="NAME=PATH",
+        help="load a LoRA adapter GGUF under NAME (repeatable); a request picks it with "
+        '"lora": [{"name": NAME, "scale": 1.0}]',
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     return p
+
+
+def _name_path(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,6 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.setLevel(ns.log_level.upper())
     try:
         options = option_values(ns, llamax.ContextConfig)
+        if ns.lora:
+            names = [name for name, _ in ns.lora]
+            if len(set(names)) != len(names):
+                raise ValueError(f"--lora names must differ, got {names}")
+            options["lora"] = dict(ns.lora)
         app_options = {
             "api_key": ns.api_key,
             "max_queue": ns.max_queue,

@@ -72,6 +72,10 @@ def info_routes(state: ServerState) -> APIRouter:
             "created": _STARTED,
             "owned_by": "llamax",
             "meta": {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max},
+            "adapters": [
+                {"id": index, "name": name, "path": path}
+                for index, (name, path) in enumerate(ctx.adapters.items())
+            ],
         }
         return JSONResponse({"object": "list", "data": [model]})
 

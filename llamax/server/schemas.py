@@ -54,6 +54,7 @@ _WIRE_TYPES: dict[str, Any] = {
     "stop": str | list[str] | None,
     "logit_bias": dict[str, float] | None,
     "speculative": bool | dict[str, int] | None,
+    "lora": list[dict[str, str | int | float]] | dict[str, float] | None,
 }
 """JSON shapes of the OpenAI options whose Python type is not a plain scalar."""
 
