@@ -339,3 +339,45 @@ def test_a_zero_budget_tier_stores_nothing() -> None:
     t = PrefixRamTier(0)
     assert not t.is_enabled and not t.store(list(range(100)), b"x")
     assert t.num_entries == 0
+
+
+# ---------------------------------------------------------------------- server
+def _call(app: Any, method: str, path: str, **kwargs: Any) -> Any:
+    import asyncio
+
+    import httpx
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("route", ["/reset_prefix_cache", "/flush_cache"])
+def test_the_server_clears_both_tiers_and_shows_them_in_metrics(route: str) -> None:
+    from llamax.server import create_app
+
+    ctx = llamax.Context(backend=FakeBackend(n_ctx=512, n_seq_max=1), prefix_ram_bytes=MB)
+    try:
+        app = create_app(ctx, api_key="secret")
+        for i in range(3):
+            ctx.add_request(system(i) + "?", GREEDY).result(10)
+        ctx.add_request(system(0) + "!", GREEDY).result(10)  # a restore
+        key = {"Authorization": "Bearer secret"}
+        metrics = _call(app, "GET", "/metrics", headers=key).text
+        assert "llamax_prefix_ram_entries 2.0" in metrics
+        assert "llamax_prefix_ram_restores_total 1.0" in metrics
+        assert "llamax_prefix_ram_hits_total 1.0" in metrics
+        assert "llamax_prefix_ram_bytes " in metrics
+        assert "llamax_prefix_ram_restore_seconds_total" in metrics
+        assert _call(app, "POST", route).status_code == 401
+        reply = _call(app, "POST", route, headers=key)
+        assert reply.status_code == 200 and reply.json() == {"status": "ok", "freed_sequences": 1}
+        stats = ctx.stats()
+        assert (stats.num_retained, stats.prefix_ram_entries, stats.prefix_ram_bytes) == (0, 0, 0)
+        assert "llamax_prefix_ram_entries 0.0" in _call(app, "GET", "/metrics", headers=key).text
+        assert_idle(ctx)
+    finally:
+        ctx.close()
