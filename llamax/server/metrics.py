@@ -49,7 +49,7 @@ class _EngineCollector(Collector):
         }  # fmt: skip
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
-        counters: dict[str, tuple[str, float]] = {
+        counters = {
             "llamax_engine_steps": ("Decodes run", stats.num_steps),
             "llamax_engine_prefill_tokens": ("Prompt tokens computed", stats.num_prefill_tokens),
             "llamax_engine_decode_tokens": ("Generated tokens computed", stats.num_decode_tokens),
@@ -66,8 +66,8 @@ class _EngineCollector(Collector):
             "llamax_prefix_ram_restore_seconds": ("Time spent restoring prefixes from host RAM",
                                                   stats.prefix_ram_restore_seconds),
         }  # fmt: skip
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+        for name, (doc, total) in counters.items():
+            yield CounterMetricFamily(name, doc, value=total)
 
 
 class ServerMetrics:
