@@ -381,3 +381,14 @@ def test_the_server_clears_both_tiers_and_shows_them_in_metrics(route: str) -> N
         assert_idle(ctx)
     finally:
         ctx.close()
+
+
+def test_an_entry_given_back_stays_within_the_budget() -> None:
+    t = tier(10)
+    t.store([1, 1], b"x" * 6)
+    m = t.match([1, 1, 0])
+    assert m is not None
+    entry = t.take(m)
+    t.store([2, 2], b"y" * 6)  # stored while the entry was out (an eviction to make room)
+    t.put(entry)  # the restore did not happen: back in, the oldest other entry out
+    assert [e.tokens for e in t.entries()] == [(1, 1)] and t.audit() == []

@@ -153,21 +153,21 @@ class PrefixRamTier:
         the least recently used ones beyond the budget; False if it alone exceeds it."""
         if not self.wants(len(tokens)) or len(data) > self.budget_bytes:
             return False
-        entry = RamEntry(adapters, tuple(tokens), data)
-        self.remove(entry.key)
-        while self._entries and self._num_bytes + len(data) > self.budget_bytes:
-            _, oldest = self._entries.popitem(last=False)
-            self._num_bytes -= len(oldest.data)
-            self.num_dropped += 1
-        self.put(entry)
+        self.put(RamEntry(adapters, tuple(tokens), data))
         self.num_stored += 1
         return True
 
     def put(self, entry: RamEntry) -> None:
-        """Hold ``entry`` again as the most recently used (one :meth:`take` gave out)."""
+        """Hold ``entry`` (new, or one :meth:`take` gave out) as the most recently used,
+        dropping the least recently used entries beyond the budget."""
         self.remove(entry.key)
-        self._entries[entry.key] = entry
-        self._num_bytes += len(entry.data)
+        while self._entries and self._num_bytes + len(entry.data) > self.budget_bytes:
+            _, oldest = self._entries.popitem(last=False)
+            self._num_bytes -= len(oldest.data)
+            self.num_dropped += 1
+        if len(entry.data) <= self.budget_bytes:
+            self._entries[entry.key] = entry
+            self._num_bytes += len(entry.data)
 
     def remove(self, key: Key) -> RamEntry | None:
         """Drop the entry under ``key``, if any; return it."""
