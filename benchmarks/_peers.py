@@ -164,17 +164,26 @@ class LlamaServerPeer:
     """A ``llama-server`` process on 127.0.0.1, driven over its native ``/completion``.
 
     Started with ``-m MODEL -np N -c N_CTX -t 2`` (so ``N`` slots of ``N_CTX / N`` cells in
-    per-slot KV streams, llama-server's layout when ``-np`` is given). Requests set
-    ``cache_prompt: false`` (no reuse of a slot's previous prompt) and ``ignore_eos``.
+    per-slot KV streams, llama-server's layout when ``-np`` is given) and ``extra_args``.
+    Requests set ``ignore_eos`` and ``cache_prompt`` (default false: no reuse of a slot's
+    previous prompt, nor of ``--cache-ram``'s stored prompts).
     """
 
     def __init__(
-        self, binary: Path, model_path: Path, *, n_parallel: int, n_ctx: int = 8192
+        self,
+        binary: Path,
+        model_path: Path,
+        *,
+        n_parallel: int,
+        n_ctx: int = 8192,
+        extra_args: Sequence[str] = (),
+        cache_prompt: bool = False,
     ) -> None:
         self.port = free_port()
+        self.cache_prompt = cache_prompt
         self.argv = [
             str(binary), "-m", str(model_path), "-np", str(n_parallel), "-c", str(n_ctx),
-            "-t", str(N_THREADS), "--host", "127.0.0.1", "--port", str(self.port),
+            "-t", str(N_THREADS), "--host", "127.0.0.1", "--port", str(self.port), *extra_args,
         ]  # fmt: skip
         self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115  # closed in close()
             prefix="llama-server-", suffix=".log", delete=False
@@ -212,14 +221,13 @@ class LlamaServerPeer:
         finally:
             conn.close()
 
-    @staticmethod
-    def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    def _body(self, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
         return {
             "prompt": prompt,
             "n_predict": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
-            "cache_prompt": False,
+            "cache_prompt": self.cache_prompt,
             "stream": stream,
         }
 

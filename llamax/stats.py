@@ -63,3 +63,21 @@ class ContextStats:
     fixed layout, the cells one sequence may hold in it."""
     num_relayouts: int = 0
     """Moves between the two layouts (``kv_layout="auto"``)."""
+    prefix_ram_bytes: int = 0
+    """Bytes of evicted prefixes' KV state held in host RAM (docs/prefix_ram.md)."""
+    prefix_ram_budget_bytes: int = 0
+    """The most bytes the RAM tier may hold (0: the tier is off)."""
+    prefix_ram_entries: int = 0
+    """Evicted prefixes held in host RAM."""
+    num_prefix_ram_stores: int = 0
+    """Evicted prefixes stored in host RAM."""
+    num_prefix_ram_hits: int = 0
+    """Prompts whose longest prefix was in host RAM (a restore was tried)."""
+    num_prefix_ram_restores: int = 0
+    """Restores from host RAM that succeeded."""
+    num_prefix_ram_refused: int = 0
+    """Restores refused (the state did not load or did not match): recomputed instead."""
+    num_prefix_ram_tokens: int = 0
+    """Prompt tokens restored from host RAM (also counted in ``num_cached_tokens``)."""
+    prefix_ram_restore_seconds: float = 0.0
+    """Time spent restoring states from host RAM."""

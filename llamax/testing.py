@@ -629,11 +629,16 @@ class FakeBackend:
         return json.dumps(self.cells[seq_id]).encode()
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
-        """Load tokens from :meth:`state_seq_get` into an empty sequence."""
+        """Load tokens from :meth:`state_seq_get` into an empty sequence; False (nothing
+        loaded) for a state that is not a list of tokens at positions ``0 .. n-1`` (one
+        with a removed cell, as llama.cpp's own check refuses) or does not fit."""
         if self._fault("state_seq_set") is not None:
             return False
         try:
-            tokens = [int(t) for t in json.loads(data)]
+            held = json.loads(data)
+            if not isinstance(held, list) or not all(type(t) is int for t in held):
+                return False
+            tokens = [int(t) for t in held]
         except ValueError:
             return False
         if (
@@ -740,6 +745,11 @@ def assert_idle(ctx: Context, timeout: float = 10.0, *, clear_cache: bool = True
         if stats.kv_cells_used or stats.num_retained:
             problems.append(
                 f"{stats.kv_cells_used} cells in {stats.num_retained} retained sequences "
+                "after clear_cache()"
+            )
+        if stats.prefix_ram_entries or stats.prefix_ram_bytes:
+            problems.append(
+                f"{stats.prefix_ram_bytes} bytes in {stats.prefix_ram_entries} RAM prefixes "
                 "after clear_cache()"
             )
     if problems:

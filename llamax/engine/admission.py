@@ -9,6 +9,11 @@ never evicts the slot it copies from), keeps the slot's common prefix and drops 
 In a unified cache a newcomer fits only if ``cells_used + pending tokens + its new cells
 <= n_ctx``, after evicting retained slots (never its source).
 
+When the host-RAM tier (:mod:`llamax.engine.prefix_ram`) holds a longer prefix than any
+slot, the newcomer gets a fresh slot with that state restored and cut to the shared prefix;
+if the memory refuses it (or it does not hold what it claims), the entry is dropped and the
+newcomer is placed as if the tier were empty.
+
 :class:`SlotPlacer` changes slots only (through the KV and prefix caches) and returns a
 :class:`Placement`, which the scheduler applies to the sequence; :func:`should_wait` and
 :func:`num_to_keep` decide on plain numbers.
@@ -16,6 +21,7 @@ In a unified cache a newcomer fits only if ``cells_used + pending tokens + its n
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -23,6 +29,7 @@ from enum import Enum
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix import PrefixCache
+from .prefix_ram import RamMatch
 
 __all__ = [
     "WAIT_FOR_PREFIX_MIN",
@@ -101,8 +108,15 @@ class SlotPlacer:
         """
         match = self._prefix.match(token_ids, in_flight, adapters)
         source, now = match.slot, match.num_now
-        if should_wait(now, match.num_later):
+        ram = self._prefix.ram.match(
+            token_ids, longer_than=now, max_tokens=self._kv.cells_per_seq, adapters=adapters
+        )
+        if should_wait(now if ram is None else ram.num_common, match.num_later):
             return Placement(Outcome.WAIT_PREFIX)
+        if ram is not None:
+            restored = self._restore(ram, token_ids, num_pending, keep=source, adapters=adapters)
+            if restored is not None:
+                return restored
         if self._kv.num_free_seq_ids == 0 and not self._prefix.evict_one(keep=source):
             return self._take_over(source, token_ids, num_pending, adapters)
         if not self.fits(len(token_ids) - now, num_pending, keep=source):
@@ -114,6 +128,42 @@ class SlotPlacer:
             self._kv.copy_prefix(source, slot, now)
             self._prefix.touch(source)
         return Placement(Outcome.ADMITTED, slot, now)
+
+    def _restore(
+        self,
+        ram: RamMatch,
+        token_ids: Sequence[int],
+        num_pending: int,
+        *,
+        keep: Slot | None,
+        adapters: tuple[tuple[str, float], ...],
+    ) -> Placement | None:
+        """Admit with the RAM tier's matched state in a fresh slot; None (the entry gone if
+        it was refused) when there is no room for it or the memory would not take it."""
+        tier = self._prefix.ram
+        entry = tier.take(ram)  # out of the tier first: the evictions below spill into it
+        need = max(len(entry.tokens), len(token_ids))  # the whole state lands before the cut
+        has_id = self._kv.num_free_seq_ids > 0 or self._prefix.evict_one(keep=keep)
+        if not has_id or not self.fits(need, num_pending, keep=keep):
+            tier.put(entry)
+            return None
+        slot = self._prefix.allocate(keep=keep)
+        assert slot is not None
+        slot.adapters = adapters
+        started = time.perf_counter()
+        try:
+            ok = (
+                self._kv.restore(slot, entry.tokens, entry.data)
+                and self._kv.truncate(slot, ram.num_common)
+                and self._kv.is_intact(slot)
+            )
+        except Exception:  # a failed restore costs the entry, never the engine
+            ok = False
+        tier.record_restore(ram.num_common if ok else 0, time.perf_counter() - started)
+        if not ok:
+            self._kv.release(slot)
+            return None
+        return Placement(Outcome.ADMITTED, slot, ram.num_common)
 
     def reuse(
         self,
@@ -147,10 +197,13 @@ class SlotPlacer:
         num_pending: int,
         adapters: tuple[tuple[str, float], ...],
     ) -> Placement:
-        """Reuse the retained slot holding the prefix; if even that does not fit, it is
-        retained again."""
+        """Reuse the retained slot holding the prefix (its state kept in the RAM tier first,
+        if that takes it); if even that does not fit, it is retained again."""
         if source is None or source.state is not SlotState.RETAINED:
             return Placement(Outcome.NO_ROOM)
+        keep = num_to_keep(common_prefix_len(source.tokens, token_ids), len(token_ids))
+        if keep < len(source.tokens):  # the tail about to be cut goes to the RAM tier
+            self._prefix.spill(source)
         self._prefix.adopt(source)
         placement = self.reuse(source, token_ids, num_pending, adapters)
         if placement.outcome is not Outcome.ADMITTED:

@@ -75,6 +75,7 @@ class Engine:
         batch_processor: BatchLogitsProcessor | None = None,
         speculative: PromptLookup | None = None,
         calibrate: bool = False,
+        prefix_ram_bytes: int = 0,
     ) -> None:
         self.backend = backend
         self._batch_processor = batch_processor
@@ -85,6 +86,7 @@ class Engine:
             max_step_ms=max_step_ms,
             speculative=speculative,
             allow_drafts=batch_processor is None,
+            prefix_ram_bytes=prefix_ram_bytes,
         )
         self.calibration = calibrate_backend(backend) if calibrate else None
         """This machine's measured step costs the scheduler started from, or None."""
@@ -472,6 +474,15 @@ class Engine:
             num_accepted_tokens=s.num_accepted_tokens,
             kv_cells_per_stream=s.stream_cells,
             num_relayouts=s.num_relayouts,
+            prefix_ram_bytes=s.prefix.ram.num_bytes,
+            prefix_ram_budget_bytes=s.prefix.ram.budget_bytes,
+            prefix_ram_entries=s.prefix.ram.num_entries,
+            num_prefix_ram_stores=s.prefix.ram.num_stored,
+            num_prefix_ram_hits=s.prefix.ram.num_hits,
+            num_prefix_ram_restores=s.prefix.ram.num_restores,
+            num_prefix_ram_refused=s.prefix.ram.num_refused,
+            num_prefix_ram_tokens=s.prefix.ram.num_restored_tokens,
+            prefix_ram_restore_seconds=s.prefix.ram.restore_seconds,
         )
 
     def _publish_snapshot(self) -> None:

@@ -4,7 +4,9 @@ are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kvca
 A finished sequence's slot is *retained*: its cells stay in KV so a later prompt that starts
 the same way copies them instead of computing them. Retained slots are evicted least
 recently used first whenever a sequence id or cells are needed; active and pinned (session)
-slots never are.
+slots never are. An evicted slot's state goes to the host-RAM tier below
+(:mod:`llamax.engine.prefix_ram`) when one is enabled; ``evict_all`` (``clear_cache``)
+empties both tiers.
 
 Matching considers every slot, including those of running sequences. A running sequence
 that is still prefilling will soon hold more of its prompt than it holds now: ``match``
@@ -13,14 +15,18 @@ reports both, so a newcomer can wait for an in-flight prefix instead of computin
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
+from .prefix_ram import PrefixRamTier
 
 __all__ = ["PrefixCache", "PrefixMatch"]
+
+_log = logging.getLogger("llamax")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +42,24 @@ class PrefixMatch:
 
 
 class PrefixCache:
-    """LRU retention of finished slots and longest-prefix matching over all slots."""
+    """LRU retention of finished slots and longest-prefix matching over all slots.
 
-    def __init__(self, cache: KVCache, *, retain: bool = True) -> None:
+    Args:
+        cache: The KV cells.
+        retain: Whether finished slots are kept for their prefix.
+        ram: Where evicted slots' states go (none when ``retain`` is False).
+    """
+
+    def __init__(
+        self, cache: KVCache, *, retain: bool = True, ram: PrefixRamTier | None = None
+    ) -> None:
         self._cache = cache
         self._retain = retain
         self._retained: OrderedDict[int, Slot] = OrderedDict()  # seq id -> slot, LRU first
+        self.ram = ram if ram is not None and retain else PrefixRamTier(0)
+        """The host-RAM tier below (disabled: a budget of 0)."""
         self.num_evictions = 0
+        self.num_spill_failures = 0
 
     @property
     def is_enabled(self) -> bool:
@@ -82,26 +99,41 @@ class PrefixCache:
 
     def evict_one(self, *, keep: Slot | None = None) -> bool:
         """Release the least recently used retained slot (never ``keep``)."""
-        for seq_id, slot in self._retained.items():
+        for slot in self._retained.values():
             if slot is not keep:
-                del self._retained[seq_id]
-                self._cache.release(slot)
-                self.num_evictions += 1
+                self.evict(slot)
                 return True
         return False
 
     def evict(self, slot: Slot) -> None:
-        """Release one retained slot."""
+        """Release one retained slot, its state kept in the RAM tier if it takes it."""
         del self._retained[slot.seq_id]
+        self.spill(slot)
         self._cache.release(slot)
         self.num_evictions += 1
 
     def evict_all(self) -> int:
-        """Release every retained slot; return how many."""
-        count = 0
-        while self.evict_one():
-            count += 1
+        """Release every retained slot and empty the RAM tier; return how many slots."""
+        count = len(self._retained)
+        for slot in self._retained.values():
+            self._cache.release(slot)
+        self._retained.clear()
+        self.num_evictions += count
+        self.ram.clear()
         return count
+
+    def spill(self, slot: Slot) -> None:
+        """Save ``slot``'s state into the RAM tier (before it is released, or cut by a
+        newcomer that takes it over). A save that fails loses only the entry."""
+        if not self.ram.wants(len(slot.tokens)) or not self._cache.is_intact(slot):
+            return
+        try:
+            data = self._cache.save(slot)
+        except Exception as exc:  # the cache entry is lost, never the engine
+            self.num_spill_failures += 1
+            _log.warning("could not keep an evicted prefix in RAM: %s", exc)
+            return
+        self.ram.store(slot.tokens, data, slot.adapters)
 
     def allocate(self, *, pinned: bool = False, keep: Slot | None = None) -> Slot | None:
         """Take a free sequence id, evicting a retained slot (never ``keep``) if needed."""

@@ -63,8 +63,14 @@ class Scheduler(SchedulerView):
         max_step_ms: float | None = None,
         speculative: Speculative | None = None,
         allow_drafts: bool = True,
+        prefix_ram_bytes: int = 0,
     ) -> None:
-        super().__init__(backend, prefix_cache=prefix_cache, max_step_ms=max_step_ms)
+        super().__init__(
+            backend,
+            prefix_cache=prefix_cache,
+            max_step_ms=max_step_ms,
+            prefix_ram_bytes=prefix_ram_bytes,
+        )
         self.sessions = SessionTable(self)
         self._speculative = speculative
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do

@@ -11,6 +11,7 @@ subclass :class:`~llamax.engine.scheduler.Scheduler` makes every change, as
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 from ..backend.base import Backend
@@ -22,6 +23,7 @@ from .kvcache import KVCache, Slot
 from .layout_policy import LayoutPolicy
 from .plan import StepPlan, build_plan, split_plan
 from .prefix import PrefixCache
+from .prefix_ram import PrefixRamTier
 from .sequence import Request, Sequence, SequenceState
 from .session_room import SessionRoom
 from .speculative import DecodeCost, DraftState
@@ -41,12 +43,20 @@ class SchedulerView:
         backend: The backend the scheduler drives.
         prefix_cache: Whether finished slots are retained for their prefix.
         max_step_ms: The time prompt chunks may add to a step's decode rows.
+        prefix_ram_bytes: The host-RAM tier's budget for evicted prefixes (0: none).
     """
 
     sessions: SessionTable
     """Open sessions (built by the scheduler, which applies their operations)."""
 
-    def __init__(self, backend: Backend, *, prefix_cache: bool, max_step_ms: float | None):
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        prefix_cache: bool,
+        max_step_ms: float | None,
+        prefix_ram_bytes: int = 0,
+    ):
         self._backend = backend
         self._n_batch = backend.n_batch
         tiles = backend.attention_tiles
@@ -59,7 +69,10 @@ class SchedulerView:
         self.fair: FairShare[Request] = FairShare(backend.n_seq_max)
         self.kv = KVCache(backend, backend.n_seq_max)
         self.layout = LayoutPolicy(self.kv.cells_per_seq)  # "auto" starts with streams
-        self.prefix = PrefixCache(self.kv, retain=prefix_cache and backend.can_share_prefix)
+        retain = prefix_cache and backend.can_share_prefix
+        model = json.dumps(backend.model_identity, sort_keys=True, default=str)
+        ram = PrefixRamTier(prefix_ram_bytes if retain else 0, model=model)
+        self.prefix = PrefixCache(self.kv, retain=retain, ram=ram)
         self.placer = SlotPlacer(self.kv, self.prefix, backend.n_ctx)
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []

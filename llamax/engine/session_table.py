@@ -130,8 +130,14 @@ class SessionTable:
                 return self._scheduler.prefix.evict_all()
             case Audit():
                 scheduler = self._scheduler
-                return audit(
-                    scheduler.backend, scheduler.kv, scheduler.all_sequences(), self._slots.values()
+                return (
+                    audit(
+                        scheduler.backend,
+                        scheduler.kv,
+                        scheduler.all_sequences(),
+                        self._slots.values(),
+                    )
+                    + scheduler.prefix.ram.audit()
                 )
         raise TypeError(f"unknown KV operation {op!r}")
 

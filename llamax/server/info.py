@@ -1,4 +1,4 @@
-"""The chat page, ``/health``, ``/v1/models`` and ``/metrics``."""
+"""The chat page, ``/health``, ``/v1/models``, ``/metrics`` and the prefix-cache reset."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Depends
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
@@ -56,7 +57,8 @@ def _health(state: ServerState, status: str) -> dict[str, Any]:
 
 
 def info_routes(state: ServerState) -> APIRouter:
-    """``/v1/models`` and ``/metrics``, behind the API key when one is set."""
+    """``/v1/models``, ``/metrics`` and ``POST /reset_prefix_cache`` (vLLM's name; SGLang's
+    ``POST /flush_cache`` is the same), behind the API key when one is set."""
 
     def require_key(request: Request) -> None:
         state.check_api_key(request)
@@ -82,5 +84,12 @@ def info_routes(state: ServerState) -> APIRouter:
     @router.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @router.post("/reset_prefix_cache")
+    @router.post("/flush_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        ctx = state.context()
+        freed = await run_in_threadpool(ctx.clear_cache)  # waits for the loop between steps
+        return JSONResponse({"status": "ok", "freed_sequences": freed})
 
     return router

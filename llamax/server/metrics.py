@@ -40,6 +40,12 @@ class _EngineCollector(Collector):
                                           stats.num_retained),
             "llamax_kv_cells_used": ("KV cells in use", stats.kv_cells_used),
             "llamax_kv_cells_total": ("KV cells in the context", stats.kv_cells_total),
+            "llamax_prefix_ram_bytes": ("Bytes of evicted prefixes kept in host RAM",
+                                        stats.prefix_ram_bytes),
+            "llamax_prefix_ram_budget_bytes": ("The host-RAM prefix tier's budget",
+                                               stats.prefix_ram_budget_bytes),
+            "llamax_prefix_ram_entries": ("Evicted prefixes kept in host RAM",
+                                          stats.prefix_ram_entries),
         }  # fmt: skip
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -49,9 +55,19 @@ class _EngineCollector(Collector):
             "llamax_engine_decode_tokens": ("Generated tokens computed", stats.num_decode_tokens),
             "llamax_engine_preemptions": ("Sequences preempted", stats.num_preemptions),
             "llamax_kv_relayouts": ("Moves between KV layouts", stats.num_relayouts),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+            "llamax_prefix_ram_hits": ("Prompts whose longest prefix was in host RAM",
+                                       stats.num_prefix_ram_hits),
+            "llamax_prefix_ram_restores": ("Prefixes restored from host RAM",
+                                           stats.num_prefix_ram_restores),
+            "llamax_prefix_ram_refused": ("Restores from host RAM refused (recomputed)",
+                                          stats.num_prefix_ram_refused),
+            "llamax_prefix_ram_restored_tokens": ("Prompt tokens restored from host RAM",
+                                                  stats.num_prefix_ram_tokens),
+            "llamax_prefix_ram_restore_seconds": ("Time spent restoring prefixes from host RAM",
+                                                  stats.prefix_ram_restore_seconds),
+        }  # fmt: skip
+        for name, (doc, total) in counters.items():
+            yield CounterMetricFamily(name, doc, value=total)
 
 
 class ServerMetrics:

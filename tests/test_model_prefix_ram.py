@@ -1,0 +1,64 @@
+"""The host-RAM prefix tier on the real model, in both KV layouts.
+
+A prefix evicted from KV and restored from RAM holds the very K/V values it held in KV, so
+a request served by a restore must give the same greedy tokens as the same request served
+by a KV hit of the same prefix (same batch composition: the prefix computed as part of the
+first prompt, the rest in one chunk), and a restore must compute only what follows the
+prefix. Outputs are also checked against a cold run with the near-tie rule of
+test_model_prefix_cache.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from near_tie import assert_greedy_agrees
+from test_model_prefix_cache import QUESTIONS, SYS, user
+
+import llamax
+
+pytestmark = pytest.mark.model
+
+MakeReal = Callable[..., llamax.Context]
+TIMEOUT = 240.0
+GREEDY = llamax.SamplingParams(temperature=0.0, max_tokens=16)
+OTHER = [
+    f"<|im_start|>system\nYou are helper {i}. Reply in one word.<|im_end|>\n" for i in range(3)
+]
+
+
+@pytest.mark.parametrize("kv_layout", ["unified", "streams"])
+def test_a_restored_prefix_gives_the_output_of_a_kv_hit(
+    make_real: MakeReal, kv_layout: str
+) -> None:
+    options = {"n_ctx": 2048, "n_seq_max": 2, "kv_layout": kv_layout, "n_batch": 512}
+    first, second = SYS + user(QUESTIONS[0]), SYS + user(QUESTIONS[1])
+
+    kv_hit = make_real(prefix_ram_bytes=0, **options)
+    kv_hit.add_request(first, GREEDY).result(TIMEOUT)
+    reference = kv_hit.add_request(second, GREEDY).result(TIMEOUT)
+    assert reference.usage.cached_tokens > 200
+    kv_hit.close()
+
+    ctx = make_real(prefix_ram_bytes=256 << 20, **options)
+    ctx.add_request(first, GREEDY).result(TIMEOUT)
+    for other in OTHER[:2]:  # two more prompts: the first one's slot is evicted to RAM
+        ctx.add_request(other + "Hi", GREEDY).result(TIMEOUT)
+    stats = ctx.stats()
+    assert stats.num_prefix_ram_stores >= 1 and stats.prefix_ram_entries >= 1
+    before = ctx.stats()
+    restored = ctx.add_request(second, GREEDY).result(TIMEOUT)
+    after = ctx.stats()
+    assert after.num_prefix_ram_restores - before.num_prefix_ram_restores == 1
+    assert after.num_prefix_ram_refused == 0
+    assert restored.usage.cached_tokens == reference.usage.cached_tokens
+    computed = after.num_prefill_tokens - before.num_prefill_tokens
+    assert computed == restored.usage.prompt_tokens - restored.usage.cached_tokens
+    assert computed < 40  # only the question, not the ~290-token system prompt
+    assert (restored.token_ids, restored.text) == (reference.token_ids, reference.text)
+
+    cold = make_real(n_ctx=2048, n_seq_max=1, prefix_cache=False)
+    prompt = cold.tokenize(second)
+    alone = cold.add_request(prompt, GREEDY).result(TIMEOUT)
+    assert_greedy_agrees(cold, prompt, alone.token_ids, restored.token_ids, nats=0.2)
