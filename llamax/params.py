@@ -252,7 +252,7 @@ class SamplingParams:
         ),
     )
 
-    lora: Mapping[str | int, float] | None = field(
+    lora: Mapping[str, float] | Mapping[int, float] | Mapping[str | int, float] | None = field(
         default=None,
         metadata=spec(
             doc="LoRA adapters for this request, by name (or load index) with their scales; "
@@ -676,7 +676,7 @@ def _is_pathlike(value: object) -> bool:
     return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
 
 
-def _lora(value: object) -> Mapping[str | int, float] | None:
+def _lora(value: object) -> dict[str | int, float] | None:
     """``SamplingParams.lora`` checked: adapter names (or load indices) to finite scales."""
     if value is None:
         return None
