@@ -263,6 +263,7 @@ class FakeBackend:
                 raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
         held = {seq_id: list(cells) for seq_id, cells in self.cells.items()}
         self._refs.clear()
+        self._cell_tag.clear()
         for seq_id, tokens in held.items():
             self.cells[seq_id], self._cell_ids[seq_id] = [], []
             self._store(seq_id, [t for t in tokens if t is not None], tags=None)
@@ -560,6 +561,7 @@ class FakeBackend:
             self._refs[cell] -= 1
             if not self._refs[cell]:
                 del self._refs[cell]
+                self._cell_tag.pop(cell, None)
         if p1 == len(cells):
             del cells[p0:], ids[p0:]
         else:

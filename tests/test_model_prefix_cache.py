@@ -410,7 +410,9 @@ PREFIXES = (  # distinct first tokens: no two share a prefix
 
 
 def test_retained_prefixes_are_evicted_lru(make_real: MakeReal, cold: Cold) -> None:
-    ctx = make_real(n_ctx=2048, n_seq_max=2)
+    # the KV tier alone: with the host-RAM tier an evicted prefix comes back from RAM
+    # (tests/test_model_prefix_ram.py)
+    ctx = make_real(n_ctx=2048, n_seq_max=2, prefix_ram_bytes=0)
 
     def ask(prefix: str, question: str) -> tuple[llamax.Completion, list[int]]:
         prompt = ctx.tokenize(prefix + "Question: " + question + "\nAnswer:")
