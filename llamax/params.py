@@ -21,7 +21,6 @@ from .optionspec import spec
 __all__ = [
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
-    "AdapterSet",
     "ContextConfig",
     "ContextOptions",
     "KVLayout",
@@ -665,11 +664,6 @@ class ContextConfig:
             ),
             f"lora must be a dict of adapter name -> GGUF path, got {self.lora!r}",
         )
-
-
-AdapterSet = tuple[tuple[str, float], ...]
-"""A set of LoRA adapters with their scales, sorted by name, none at scale 0: ``()`` is the
-base model. One decode runs under one set."""
 
 
 def _is_pathlike(value: object) -> bool:

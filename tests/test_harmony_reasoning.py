@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from test_chat_reasoning import WEATHER
 
 import llamax
 from llamax.anthropic import messages
@@ -39,18 +40,6 @@ CALLING = (
     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
     '<|message|>{"location": "Paris"}<|call|>'
 )
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"location": {"type": "string"}},
-            "required": ["location"],
-        },
-    },
-}
 
 
 def script(reply: str) -> list[int]:

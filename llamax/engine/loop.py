@@ -78,6 +78,8 @@ class Engine:
         prefix_ram_bytes: int = 0,
     ) -> None:
         self.backend = backend
+        self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
+        # runtime Protocol check walks every method, too slow for each step
         self._batch_processor = batch_processor
         # the batch hook sees one row per sequence, so with one installed nobody drafts
         self.scheduler = Scheduler(
@@ -410,11 +412,11 @@ class Engine:
     def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float]:
         """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
         cost features and when its decode started."""
-        if isinstance(self.backend, LoraHost):
+        if self._lora is not None:
             adapters = {entry.seq.request.adapters for entry in plan.entries}
             if len(adapters) != 1:  # the scheduler plans each step within one set
                 raise EngineError(f"a step mixes LoRA adapter sets: {sorted(adapters)}")
-            self.backend.set_adapters(adapters.pop())
+            self._lora.set_adapters(adapters.pop())
         for _ in range(_MAX_SHRINKS_PER_STEP):
             features, started = self.scheduler.features(plan), self.scheduler.clock()
             status = self.backend.decode(plan.items)
