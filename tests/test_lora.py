@@ -206,3 +206,12 @@ def test_a_failing_set_adapters_fails_the_engine_cleanly(adapter_files: dict[str
         handle.result(timeout=10)
     ctx.close()
     assert backend.closed
+
+
+def test_serve_refuses_bad_lora_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from llamax.server.cli import main
+
+    assert main(["--lora", "no-equals-sign"]) == 2
+    assert "expected NAME=PATH" in capsys.readouterr().err
+    assert main(["--lora", "a=x.gguf", "--lora", "a=y.gguf"]) == 2
+    assert main(["--lora", "=x.gguf"]) == 2
