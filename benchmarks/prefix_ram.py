@@ -30,6 +30,7 @@ of ``llamax_ram`` with ``llamax_noram`` (token ids) on every request.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -205,9 +206,11 @@ def main() -> None:
         log("llamax_ram")
         ram, tier = in_fresh_thread(lambda: run_llamax(model, systems, rounds, RAM_BYTES))
         systems_report["llamax_ram"] = {**summary(ram), "tier": tier}
+        log(json.dumps({"llamax_ram": systems_report["llamax_ram"]}))
         log("llamax_noram")
         noram, base = in_fresh_thread(lambda: run_llamax(model, systems, rounds, 0))
         systems_report["llamax_noram"] = {**summary(noram), "tier": base}
+        log(json.dumps({"llamax_noram": systems_report["llamax_noram"]}))
         if args.llama_server is not None:
             log("llama_server_cache_ram")
             server = in_fresh_thread(lambda: run_server(args.llama_server, model, systems, rounds))
