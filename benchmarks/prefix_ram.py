@@ -196,6 +196,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (the first is cold)")
     parser.add_argument("--quick", action="store_true", help="two rounds (one repeat)")
     parser.add_argument("--llama-server", type=Path, default=default_llama_server())
+    parser.add_argument("--no-llama-server", action="store_true", help="skip llama-server")
     args = parser.parse_args()
     rounds = 2 if args.quick else max(2, args.rounds)
     load_at_start = load_average()
@@ -211,7 +212,7 @@ def main() -> None:
         noram, base = in_fresh_thread(lambda: run_llamax(model, systems, rounds, 0))
         systems_report["llamax_noram"] = {**summary(noram), "tier": base}
         log(json.dumps({"llamax_noram": systems_report["llamax_noram"]}))
-        if args.llama_server is not None:
+        if args.llama_server is not None and not args.no_llama_server:
             log("llama_server_cache_ram")
             server = in_fresh_thread(lambda: run_server(args.llama_server, model, systems, rounds))
             systems_report["llama_server_cache_ram"] = summary(server)
