@@ -30,6 +30,7 @@ of ``llamax_ram`` with ``llamax_noram`` (token ids) on every request.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -195,6 +196,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds (the first is cold)")
     parser.add_argument("--quick", action="store_true", help="two rounds (one repeat)")
     parser.add_argument("--llama-server", type=Path, default=default_llama_server())
+    parser.add_argument("--no-llama-server", action="store_true", help="skip llama-server")
     args = parser.parse_args()
     rounds = 2 if args.quick else max(2, args.rounds)
     load_at_start = load_average()
@@ -205,10 +207,12 @@ def main() -> None:
         log("llamax_ram")
         ram, tier = in_fresh_thread(lambda: run_llamax(model, systems, rounds, RAM_BYTES))
         systems_report["llamax_ram"] = {**summary(ram), "tier": tier}
+        log(json.dumps({"llamax_ram": systems_report["llamax_ram"]}))
         log("llamax_noram")
         noram, base = in_fresh_thread(lambda: run_llamax(model, systems, rounds, 0))
         systems_report["llamax_noram"] = {**summary(noram), "tier": base}
-        if args.llama_server is not None:
+        log(json.dumps({"llamax_noram": systems_report["llamax_noram"]}))
+        if args.llama_server is not None and not args.no_llama_server:
             log("llama_server_cache_ram")
             server = in_fresh_thread(lambda: run_server(args.llama_server, model, systems, rounds))
             systems_report["llama_server_cache_ram"] = summary(server)
