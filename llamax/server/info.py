@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from .models import ModelPool
 from .state import ServerState
 
 __all__ = ["info_routes", "public_routes"]
@@ -39,6 +40,8 @@ def _health(state: ServerState, status: str) -> dict[str, Any]:
         "status": status,
         "queue": {"in_flight": state.num_in_flight, "max_queue": state.max_queue},
     }
+    if state.pool is not None:
+        body["models"] = {m.name: m.state.value for m in state.pool.models()}
     ctx = state.loaded()
     if ctx is None:
         return body
@@ -65,6 +68,8 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
+        if state.pool is not None:
+            return JSONResponse({"object": "list", "data": _pool_models(state.pool)})
         ctx = state.context()
         model = {
             "id": ctx.model_name,
@@ -80,3 +85,25 @@ def info_routes(state: ServerState) -> APIRouter:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return router
+
+
+def _pool_models(pool: ModelPool) -> list[dict[str, Any]]:
+    """Every model of a pool, with ``status.value`` ``loaded``, ``loading``, ``unloading``
+    or ``unloaded`` (llama-server's router says it so), and ``meta`` while loaded."""
+    listed = []
+    for info in pool.models():
+        model: dict[str, Any] = {
+            "id": info.name,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": "llamax",
+            "status": {"value": info.state.value},
+        }
+        if info.last_error is not None:
+            model["status"]["last_error"] = info.last_error
+        if info.context is not None:
+            ctx = info.context
+            model["meta"] = {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max,
+                             "model_name": ctx.model_name}  # fmt: skip
+        listed.append(model)
+    return listed
