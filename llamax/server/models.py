@@ -237,8 +237,8 @@ class ModelPool:
         with self._cond:
             loaded = [e for e in self._entries.values() if e.state is ModelState.LOADED]
             contexts = [self._begin_unload(entry) for entry in loaded]
-        for ctx in contexts:
-            ctx.close(timeout=timeout)
+        for entry, ctx in zip(loaded, contexts, strict=True):
+            self._finish_unload(entry, ctx, timeout)
         for entry in self._entries.values():
             entry.closed.wait()
 
@@ -270,10 +270,12 @@ class ModelPool:
         return False, min(idle, key=lambda e: e.last_used, default=None)
 
     # -------------------------------------------------------------- worker threads
-    def _finish_unload(self, entry: _Entry, ctx: llamax.Context) -> None:
+    def _finish_unload(
+        self, entry: _Entry, ctx: llamax.Context, timeout: float | None = None
+    ) -> None:
         log.info("unloading model %r", entry.name)
         try:
-            ctx.close()
+            ctx.close(timeout=timeout)
         finally:
             with self._cond:
                 if entry.state is ModelState.UNLOADING:
