@@ -180,7 +180,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         models = _model_pool(ns, options)
         if models is not None:
-            return _serve_pool(create_app(models, **app_options), models, ns)
+            try:
+                app = create_app(models, **app_options)
+            except BaseException:
+                models.close()
+                raise
+            return _serve_pool(app, models, ns)
         with ThreadPoolExecutor(1, thread_name_prefix="llamax-load") as pool:
             loading = pool.submit(llamax.Context, ns.model, **options)
             app = create_app(loading, **app_options)
