@@ -13,15 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
+import llamax
 from llamax.anthropic import REQUEST_FIELDS, amessages, count_tokens
 
 from .errors import APIError, anthropic_error_response, from_exception
 from .responses import CompletionJob, CompletionResponse
 from .schemas import parse_object
-from .state import ServerState, admit_parsed, read_body
+from .state import ServerState, admit_leased, run_leased
 
 __all__ = ["anthropic_routes"]
 
@@ -35,17 +35,16 @@ def anthropic_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/messages")
     async def messages_route(request: Request) -> Response:
         try:
-            body, ctx = await admit_parsed(
-                state, request, _ENDPOINT, lambda raw: (parse_object(raw), state.context()),
-                check_key=True,
-            )  # fmt: skip
+            body, lease = await admit_leased(
+                state, request, _ENDPOINT, parse_object, _model_of, check_key=True
+            )
         except APIError as error:
             return anthropic_error_response(error)
         job = CompletionJob(
             endpoint=_ENDPOINT,
-            start=lambda: amessages(ctx, body),
+            start=lambda: lease.run(lambda ctx: amessages(ctx, body)),
             metrics=state.metrics,
-            release=state.release,
+            release=lease.release,
             stream=bool(body.get("stream")),
             fields=REQUEST_FIELDS,
             prompt_field="messages",
@@ -56,23 +55,22 @@ def anthropic_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens_route(request: Request) -> Response:
-        def work(raw: bytes) -> dict[str, Any]:
+        def work(body: dict[str, Any], ctx: llamax.Context) -> dict[str, Any]:
             try:
-                return count_tokens(state.context(), parse_object(raw))
+                return count_tokens(ctx, body)
             except Exception as exc:
                 raise from_exception(exc, REQUEST_FIELDS, "messages") from exc
 
         try:
-            state.check_api_key(request)
-            raw = await read_body(request, state.max_body_bytes)
-            state.admit()
+            counted = await run_leased(
+                state, request, parse_object, _model_of, work, check_key=True
+            )
         except APIError as error:
             return anthropic_error_response(error)
-        try:
-            return JSONResponse(await run_in_threadpool(work, raw))
-        except APIError as error:
-            return anthropic_error_response(error)
-        finally:
-            state.release()
+        return JSONResponse(counted)
 
     return router
+
+
+def _model_of(body: dict[str, Any]) -> object:
+    return body.get("model")

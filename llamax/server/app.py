@@ -18,6 +18,7 @@ from llamax.openai import ResponseStore
 from .anthropic_routes import anthropic_routes
 from .errors import APIError, error_response, handle_api_error
 from .info import info_routes, public_routes
+from .models import ModelPool
 from .responses_routes import responses_routes
 from .routes import api_routes
 from .state import ServerState
@@ -28,7 +29,7 @@ logger = logging.getLogger("llamax.server")
 
 
 def create_app(
-    ctx: llamax.Context | Future[llamax.Context],
+    ctx: llamax.Context | Future[llamax.Context] | ModelPool,
     *,
     api_key: str | None = None,
     max_queue: int = 256,
@@ -46,7 +47,9 @@ def create_app(
 
     Args:
         ctx: The context to serve, or a future that will hold it once it has loaded (the
-            server answers ``/health`` with ``loading`` and inference with 503 until then).
+            server answers ``/health`` with ``loading`` and inference with 503 until then),
+            or a :class:`~llamax.server.ModelPool` of named models: each request's
+            ``model`` picks one (docs/models.md). The app closes neither.
         api_key: When set, every endpoint but ``/`` and ``/health`` needs
             ``Authorization: Bearer <api_key>`` (else 401).
         max_queue: Most requests in flight at once (completions, embeddings, tokenize and

@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -18,6 +19,7 @@ import llamax
 from llamax.optionspec import add_option_flags, option_values
 
 from .app import create_app
+from .models import ModelPool
 
 __all__ = ["build_parser", "main"]
 
@@ -77,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30,
         help="seconds to let requests finish after SIGTERM (default: 30)",
     )
+    _add_model_flags(p)
     p.add_argument(
         "--lora",
         action="append",
@@ -99,11 +102,66 @@ def _name_path(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of several models behind one server (docs/models.md)."""
+    p.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        type=_name_path,
+        metavar="NAME=PATH",
+        help="serve this GGUF under NAME (repeatable; requests pick one by their 'model')",
+    )
+    p.add_argument(
+        "--models-dir", metavar="DIR", help="serve every *.gguf in DIR, named by file stem"
+    )
+    p.add_argument(
+        "--models-max",
+        type=int,
+        metavar="K",
+        help="most models loaded at once; the least recently used idle one is unloaded to "
+        "load another (default: no bound)",
+    )
+    p.add_argument(
+        "--idle-unload",
+        type=float,
+        metavar="SECONDS",
+        help="unload a model no request has used for this long (default: never)",
+    )
+
+
+def _model_pool(ns: argparse.Namespace, options: dict[str, Any]) -> ModelPool | None:
+    """The pool the flags ask for, or ``None`` for the single-model form.
+
+    Raises:
+        ValueError: a path as well as ``--model``/``--models-dir``, a name given twice, no
+            model in the directory, or a bad bound.
+    """
+    if not ns.models and ns.models_dir is None:
+        if ns.models_max is not None or ns.idle_unload is not None:
+            raise ValueError("--models-max and --idle-unload need --model or --models-dir")
+        return None
+    if ns.model is not None:
+        raise ValueError("give a MODEL path, or --model/--models-dir, not both")
+    paths: dict[str, str | os.PathLike[str]] = {}
+    if ns.models_dir is not None:
+        paths |= {p.stem: p for p in sorted(Path(ns.models_dir).glob("*.gguf"))}
+        if not paths:
+            raise ValueError(f"no .gguf file in {ns.models_dir!r}")
+    for name, path in ns.models or []:
+        if name in paths:
+            raise ValueError(f"model name {name!r} is given twice")
+        paths[name] = path
+    return ModelPool(paths, max_loaded=ns.models_max, idle_unload_seconds=ns.idle_unload, **options)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``llamax serve`` with ``argv`` (default: ``sys.argv[1:]``; a leading ``serve`` is
     skipped, so the ``llamax`` command can pass its arguments through).
 
-    The server listens at once; ``/health`` says ``loading`` until the model is ready. On
+    The server listens at once; ``/health`` says ``loading`` until the model is ready.
+    With ``--model NAME=PATH`` or ``--models-dir`` it serves several models, each loaded
+    when a request first names it (docs/models.md). On
     SIGINT or SIGTERM it stops accepting connections, lets requests in flight finish for
     ``--shutdown-timeout`` seconds, cancels the rest, then closes the context.
 
@@ -134,6 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "parse_special_in_content": ns.parse_special_in_content,
             "max_stored_responses": ns.max_stored_responses,
         }
+        models = _model_pool(ns, options)
+        if models is not None:
+            try:
+                app = create_app(models, **app_options)
+            except BaseException:
+                models.close()
+                raise
+            return _serve_pool(app, models, ns)
         with ThreadPoolExecutor(1, thread_name_prefix="llamax-load") as pool:
             loading = pool.submit(llamax.Context, ns.model, **options)
             app = create_app(loading, **app_options)
@@ -167,6 +233,25 @@ def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) ->
                 log.info("closing the model")
                 loading.result().close(timeout=ns.shutdown_timeout)
     return 1 if loading.exception() is not None else 0
+
+
+def _serve_pool(app: Any, models: ModelPool, ns: argparse.Namespace) -> int:
+    """Serve a pool (its models load on demand) until a signal; then close every model."""
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        timeout_graceful_shutdown=ns.shutdown_timeout,
+    )
+    log.info("serving models: %s", ", ".join(models.names))
+    with _signals_after_shutdown_ignored():
+        try:
+            uvicorn.Server(config).run()
+        finally:
+            log.info("closing the models")
+            models.close(timeout=ns.shutdown_timeout)
+    return 0
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from importlib import resources
 from typing import Any
@@ -11,6 +12,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+import llamax
+
+from .models import ModelPool
 from .state import ServerState
 
 __all__ = ["info_routes", "public_routes"]
@@ -40,6 +44,8 @@ def _health(state: ServerState, status: str) -> dict[str, Any]:
         "status": status,
         "queue": {"in_flight": state.num_in_flight, "max_queue": state.max_queue},
     }
+    if state.pool is not None:
+        body["models"] = {m.name: m.state.value for m in state.pool.models()}
     ctx = state.loaded()
     if ctx is None:
         return body
@@ -67,6 +73,8 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
+        if state.pool is not None:
+            return JSONResponse({"object": "list", "data": _pool_models(state.pool)})
         ctx = state.context()
         model = {
             "id": ctx.model_name,
@@ -74,10 +82,7 @@ def info_routes(state: ServerState) -> APIRouter:
             "created": _STARTED,
             "owned_by": "llamax",
             "meta": {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max},
-            "adapters": [
-                {"id": index, "name": name, "path": path}
-                for index, (name, path) in enumerate(ctx.adapters.items())
-            ],
+            "adapters": _adapters(ctx),
         }
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -88,8 +93,53 @@ def info_routes(state: ServerState) -> APIRouter:
     @router.post("/reset_prefix_cache")
     @router.post("/flush_cache")
     async def reset_prefix_cache() -> JSONResponse:
-        ctx = state.context()
-        freed = await run_in_threadpool(ctx.clear_cache)  # waits for the loop between steps
+        if state.pool is not None:  # every loaded model's
+            freed = await run_in_threadpool(_clear_pool_caches, state.pool)
+        else:
+            ctx = state.context()
+            freed = await run_in_threadpool(ctx.clear_cache)  # waits for the loop between steps
         return JSONResponse({"status": "ok", "freed_sequences": freed})
 
     return router
+
+
+def _pool_models(pool: ModelPool) -> list[dict[str, Any]]:
+    """Every model of a pool, with ``status.value`` ``loaded``, ``loading``, ``unloading``
+    or ``unloaded`` (llama-server's router says it so), and ``meta`` while loaded."""
+    listed = []
+    for info in pool.models():
+        model: dict[str, Any] = {
+            "id": info.name,
+            "object": "model",
+            "created": _STARTED,
+            "owned_by": "llamax",
+            "status": {"value": info.state.value},
+        }
+        if info.last_error is not None:
+            model["status"]["last_error"] = info.last_error
+        if info.context is not None:
+            ctx = info.context
+            model["meta"] = {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max,
+                             "model_name": ctx.model_name}  # fmt: skip
+            model["adapters"] = _adapters(ctx)
+        listed.append(model)
+    return listed
+
+
+def _adapters(ctx: llamax.Context) -> list[dict[str, Any]]:
+    """A context's LoRA adapters as ``/v1/models`` lists them (``id``: the load order)."""
+    return [
+        {"id": index, "name": name, "path": path}
+        for index, (name, path) in enumerate(ctx.adapters.items())
+    ]
+
+
+def _clear_pool_caches(pool: ModelPool) -> int:
+    """Clear both prefix tiers of every model of ``pool`` loaded now; return the KV
+    sequences freed in all. A model that closes meanwhile (unloaded) has nothing to clear."""
+    freed = 0
+    for info in pool.models():
+        if info.context is not None:
+            with contextlib.suppress(llamax.ContextClosedError):
+                freed += info.context.clear_cache()
+    return freed

@@ -19,7 +19,7 @@ from llamax.openai import RESPONSE_FIELDS, acreate_response
 from .errors import APIError, error_response, from_exception
 from .responses import CompletionJob, CompletionResponse
 from .schemas import parse_object
-from .state import ServerState, admit_parsed
+from .state import ServerState, admit_leased
 
 __all__ = ["responses_routes"]
 
@@ -37,16 +37,16 @@ def responses_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/responses")
     async def create_route(request: Request) -> Response:
         try:
-            body, ctx = await admit_parsed(
-                state, request, _ENDPOINT, lambda raw: (parse_object(raw), state.context())
+            body, lease = await admit_leased(
+                state, request, _ENDPOINT, parse_object, lambda body: body.get("model")
             )
         except APIError as error:
             return error_response(error)
         job = CompletionJob(
             endpoint=_ENDPOINT,
-            start=lambda: acreate_response(ctx, body, store=state.responses),
+            start=lambda: lease.run(lambda ctx: acreate_response(ctx, body, store=state.responses)),
             metrics=state.metrics,
-            release=state.release,
+            release=lease.release,
             stream=bool(body.get("stream")),
             fields=RESPONSE_FIELDS,
             prompt_field="input",

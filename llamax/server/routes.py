@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+import llamax
 
 from .errors import APIError, from_exception
 from .responses import CompletionJob, CompletionResponse
@@ -19,10 +20,11 @@ from .schemas import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RequestT,
     TokenizeRequest,
     parse_body,
 )
-from .state import ServerState, admit_parsed, read_body
+from .state import ServerState, admit_leased, run_leased
 
 __all__ = ["api_routes"]
 
@@ -42,27 +44,29 @@ def api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        def job(body: ChatCompletionRequest) -> Callable[[], Awaitable[Any]]:
-            ctx, options = state.context(), _stream_options(body)
+        def options(body: ChatCompletionRequest) -> dict[str, Any]:
+            options = _stream_options(body)
             if state.parse_special_in_content:
                 options["parse_special_in_content"] = True
-            return lambda: ctx.achat_completion(body.messages, **options)
+            return options
 
-        return await _admit(state, request, "chat", ChatCompletionRequest, job)
+        def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
+            return ctx.achat_completion(body.messages, **options)
+
+        return await _admit(state, request, "chat", ChatCompletionRequest, options, start)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        def job(body: CompletionRequest) -> Callable[[], Awaitable[Any]]:
-            ctx, options = state.context(), _stream_options(body)
-            return lambda: ctx.acompletion(body.prompt, **options)
+        def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
+            return ctx.acompletion(body.prompt, **options)
 
-        return await _admit(state, request, "completions", CompletionRequest, job)
+        return await _admit(
+            state, request, "completions", CompletionRequest, _stream_options, start
+        )
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        def work(raw: bytes) -> Response:
-            body = parse_body(EmbeddingRequest, raw)
-            ctx = state.context()
+        def work(body: EmbeddingRequest, ctx: llamax.Context) -> Response:
             texts = [body.input] if isinstance(body.input, str) else body.input
             try:
                 vectors = ctx.embed(texts)
@@ -78,13 +82,11 @@ def api_routes(state: ServerState) -> APIRouter:
                 {"object": "list", "data": data, "model": ctx.model_name, "usage": usage}
             )
 
-        return await _in_worker(state, request, work)
+        return await _in_worker(state, request, EmbeddingRequest, work)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        def work(raw: bytes) -> Response:
-            body = parse_body(TokenizeRequest, raw)
-            ctx = state.context()
+        def work(body: TokenizeRequest, ctx: llamax.Context) -> Response:
             try:
                 tokens = ctx.tokenize(body.content, add_special=body.add_special)
             except Exception as exc:
@@ -94,13 +96,11 @@ def api_routes(state: ServerState) -> APIRouter:
             pieces = [{"id": t, "piece": ctx.detokenize([t])} for t in tokens]
             return JSONResponse({"tokens": pieces})
 
-        return await _in_worker(state, request, work)
+        return await _in_worker(state, request, TokenizeRequest, work)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        def work(raw: bytes) -> Response:
-            body = parse_body(DetokenizeRequest, raw)
-            ctx = state.context()
+        def work(body: DetokenizeRequest, ctx: llamax.Context) -> Response:
             size = ctx.n_vocab
             bad = [t for t in body.tokens if not 0 <= t < size]
             if bad:
@@ -108,9 +108,14 @@ def api_routes(state: ServerState) -> APIRouter:
                                param="tokens", code="invalid_value")  # fmt: skip
             return JSONResponse({"content": ctx.detokenize(body.tokens)})
 
-        return await _in_worker(state, request, work)
+        return await _in_worker(state, request, DetokenizeRequest, work)
 
     return router
+
+
+def _model_of(body: Any) -> object:
+    """The ``model`` a parsed body names (``None``: the default)."""
+    return getattr(body, "model", None)
 
 
 def _encode(vector: Any, encoding_format: str) -> list[float] | str:
@@ -129,21 +134,20 @@ def _stream_options(body: ChatCompletionRequest | CompletionRequest) -> dict[str
 
 
 async def _in_worker(
-    state: ServerState, request: Request, work: Callable[[bytes], Response]
+    state: ServerState,
+    request: Request,
+    schema: type[RequestT],
+    work: Callable[[RequestT, llamax.Context], Response],
 ) -> Response:
-    """Read the body, take an admission slot, and run ``work(body)`` (parsing, tokenizing,
-    building the response) in a worker thread, so the event loop stays free.
+    """Read the body, take an admission slot, parse it in a worker, wait for the model it
+    names, and run ``work(body, ctx)`` (tokenizing, building the response) in a worker
+    thread, so the event loop stays free.
 
     Raises:
         APIError: 413 for a body too large, 503 when ``max_queue`` requests are in flight,
-            or what ``work`` raises.
+            404 for an unknown model, or what ``work`` raises.
     """
-    raw = await read_body(request, state.max_body_bytes)
-    state.admit()
-    try:
-        return await run_in_threadpool(work, raw)
-    finally:
-        state.release()
+    return await run_leased(state, request, lambda raw: parse_body(schema, raw), _model_of, work)
 
 
 async def _admit(
@@ -151,23 +155,28 @@ async def _admit(
     request: Request,
     endpoint: str,
     model: type[Any],
-    make_start: Callable[[Any], Callable[[], Awaitable[Any]]],
+    options: Callable[[Any], dict[str, Any]],
+    start: Callable[[llamax.Context, Any, dict[str, Any]], Awaitable[Any]],
 ) -> Response:
     """Admit a completion request, parse and check it in a worker, then hand it to its
-    ASGI response (which renders and tokenizes in a worker too, see ``achat_completion``).
-    The admission slot is held from the moment the body has arrived until the response
-    ends, so ``max_queue`` bounds the parsing and rendering as well as the inference."""
+    ASGI response, which waits for the model it names and starts it (rendering and
+    tokenizing in a worker too, see ``achat_completion``). The admission slot is held from
+    the moment the body has arrived until the response ends, so ``max_queue`` bounds the
+    parsing, the wait for a model's load and the rendering as well as the inference; a
+    client that leaves while its model loads stops waiting."""
 
-    def parse(raw: bytes) -> tuple[Any, Callable[[], Awaitable[Any]]]:
+    def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
         body = parse_body(model, raw)
-        return body, make_start(body)
+        return body, options(body)
 
-    body, start = await admit_parsed(state, request, endpoint, parse)
+    (body, opts), lease = await admit_leased(
+        state, request, endpoint, parse, lambda parsed: _model_of(parsed[0])
+    )
     job = CompletionJob(
         endpoint=endpoint,
-        start=start,
+        start=lambda: lease.run(lambda ctx: start(ctx, body, opts)),
         metrics=state.metrics,
-        release=state.release,
+        release=lease.release,
         stream=body.is_stream,
         include_usage=body.include_usage,
         fields=_CHAT_FIELDS if endpoint == "chat" else _TEXT_FIELDS,

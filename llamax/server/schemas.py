@@ -219,12 +219,15 @@ class TokenizeRequest(_Strict):
     content: str
     add_special: bool = True
     with_pieces: bool = False
+    model: str | None = None
+    """Which model's tokenizer, when the server has several (docs/models.md)."""
 
 
 class DetokenizeRequest(_Strict):
     """``POST /detokenize``."""
 
     tokens: list[int]
+    model: str | None = None
 
 
 def _reject_constant(name: str) -> float:

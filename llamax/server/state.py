@@ -1,9 +1,11 @@
-"""What one app holds: the context (or its loading future), limits, metrics and guards."""
+"""What one app holds: the context (or its loading future, or a pool of named models),
+limits, metrics and guards; and :class:`ContextLease`, how a request gets its context."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -16,11 +18,20 @@ from llamax.openai import ResponseStore
 
 from .errors import APIError
 from .metrics import ServerMetrics
+from .models import ModelPool
 from .responses import outcome_of
 
-__all__ = ["ServerState", "admit_parsed", "read_body"]
+__all__ = [
+    "ContextLease",
+    "ServerState",
+    "admit_leased",
+    "admit_parsed",
+    "read_body",
+    "run_leased",
+]
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(eq=False)
@@ -28,7 +39,8 @@ class ServerState:
     """Per-app state; routes close over it (no globals, so apps never share anything).
 
     Args:
-        source: The context, or a future that will hold it once the model has loaded.
+        source: The context, or a future that will hold it once the model has loaded, or
+            a pool of named models (each request's ``model`` picks one; docs/models.md).
         api_key: The key clients must send as ``Authorization: Bearer ...``; ``None``: none.
         max_queue: Most requests admitted at once (being parsed, tokenized, rendered,
             running or waiting, tokenize and embeddings requests included); more get 503.
@@ -40,7 +52,7 @@ class ServerState:
         stream_ping_seconds: An Anthropic stream quiet this long gets a ``ping`` event.
     """
 
-    source: llamax.Context | Future[llamax.Context]
+    source: llamax.Context | Future[llamax.Context] | ModelPool
     api_key: str | None = None
     max_queue: int = 256
     max_body_bytes: int = 8 << 20
@@ -53,17 +65,50 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.stats)
+        if self.pool is not None:
+            self.metrics.registry.register(self.pool.collector())
+
+    @property
+    def pool(self) -> ModelPool | None:
+        """The pool of named models, when the app serves several."""
+        return self.source if isinstance(self.source, ModelPool) else None
+
+    def lease(self, model: object) -> ContextLease:
+        """The context a request for ``model`` (its ``model`` field) runs on. Cheap: with
+        a pool it pins the model and starts its load if needed; the caller then awaits
+        :meth:`ContextLease.context` and must call :meth:`ContextLease.release`.
+
+        Raises:
+            APIError: 400 for a ``model`` that is not a string, 404 for one the pool does
+                not hold, 503 (one model) while it loads or once it is closed.
+        """
+        if self.pool is None:
+            return ContextLease(self, None, None, self.context())
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, f"model must be a string, got {type(model).__name__}",
+                           param="model", code="invalid_value")  # fmt: skip
+        try:
+            return ContextLease(self, model, self.pool.acquire(model), None)
+        except llamax.NotFoundError as exc:
+            raise APIError(404, str(exc), param="model", code="model_not_found") from exc
+        except llamax.ContextClosedError as exc:
+            raise APIError(503, f"the server is closing: {exc}", code="model_unavailable") from exc
 
     def loaded(self) -> llamax.Context | None:
-        """The context once loaded (``None`` while loading or if loading failed)."""
+        """The context once loaded (``None`` while loading or if loading failed); with a
+        pool, the default model's while it is loaded."""
         if isinstance(self.source, llamax.Context):
             return self.source
+        if isinstance(self.source, ModelPool):
+            return self.source.loaded()
         if self.source.done() and self.source.exception() is None:
             return self.source.result()
         return None
 
     def status(self) -> str:
         """``ok``, ``loading``, ``failed`` (the model did not load) or ``closed``."""
+        if isinstance(self.source, ModelPool):  # models load on demand
+            return "closed" if self.source.closed else "ok"
         ctx = self.loaded()
         if ctx is not None:
             return "closed" if ctx.closed else "ok"
@@ -84,8 +129,9 @@ class ServerState:
         return ctx
 
     def stats(self) -> llamax.ContextStats | None:
-        """The context's stats, or ``None`` while loading."""
-        ctx = self.loaded()
+        """The context's stats, or ``None`` while loading (and with a pool: its figures
+        are per model, see :meth:`ModelPool.collector`)."""
+        ctx = None if self.pool is not None else self.loaded()
         return None if ctx is None else ctx.stats()
 
     def admit(self) -> None:
@@ -176,3 +222,123 @@ async def admit_parsed(
         if admitted:
             state.release()
         raise
+
+
+class ContextLease:
+    """One request's hold on the context it runs on: with a pool, its model stays pinned
+    (never unloaded) until :meth:`release`, which also gives back the admission slot.
+
+    Args:
+        state: The app's state.
+        model: The model named (``None``: the default).
+        loading: With a pool, the future of the model's context; else ``None``.
+        ctx: Without a pool, the context.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        model: str | None,
+        loading: Future[llamax.Context] | None,
+        ctx: llamax.Context | None,
+    ) -> None:
+        self._state, self._model, self._loading, self._ctx = state, model, loading, ctx
+        self._released = False
+
+    async def context(self) -> llamax.Context:
+        """The context, once its model has loaded (awaited: the load runs in a worker).
+
+        Raises:
+            APIError: 500 ``model_load_failed`` when the model did not load (the next
+                request tries again), 503 when its context or the pool is closed.
+        """
+        if self._loading is not None:
+            try:
+                self._ctx = await asyncio.wrap_future(self._loading)
+            except llamax.ContextClosedError as exc:
+                raise APIError(503, f"the model is not available: {exc}",
+                               code="model_unavailable") from exc  # fmt: skip
+            except Exception as exc:
+                name = self._model or "the default model"
+                raise APIError(
+                    500, f"model {name!r} failed to load ({type(exc).__name__}; the server "
+                    "log says why); a later request tries again", code="model_load_failed",
+                ) from exc  # fmt: skip
+        assert self._ctx is not None
+        if self._ctx.closed:
+            retry = {"Retry-After": str(self._state.retry_after_seconds)}
+            raise APIError(503, "the model is not available (closed)", code="model_closed",
+                           headers=retry)  # fmt: skip
+        return self._ctx
+
+    async def run(self, start: Callable[[llamax.Context], Awaitable[R]]) -> R:
+        """``await start(ctx)`` once the context is ready (a job's ``start``)."""
+        return await start(await self.context())
+
+    def release(self) -> None:
+        """Unpin the model and give back the admission slot. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        pool = self._state.pool
+        if pool is not None and self._loading is not None:
+            pool.release(self._model)
+        self._state.release()
+
+
+async def admit_leased(
+    state: ServerState,
+    request: Request,
+    endpoint: str,
+    parse: Callable[[bytes], T],
+    model_of: Callable[[T], object],
+    *,
+    check_key: bool = False,
+) -> tuple[T, ContextLease]:
+    """:func:`admit_parsed`, then the lease on the model the body names: what a route that
+    builds a :class:`~llamax.server.responses.CompletionJob` does first (the job's
+    ``release`` is the lease's).
+
+    Raises:
+        APIError: as :func:`admit_parsed`, or 400/404/503 from :meth:`ServerState.lease`.
+    """
+    body = await admit_parsed(state, request, endpoint, parse, check_key=check_key)
+    try:
+        return body, state.lease(model_of(body))
+    except APIError as error:
+        state.metrics.requests.labels(endpoint, outcome_of(error.status)).inc()
+        state.release()
+        raise
+
+
+async def run_leased(
+    state: ServerState,
+    request: Request,
+    parse: Callable[[bytes], T],
+    model_of: Callable[[T], object],
+    work: Callable[[T, llamax.Context], R],
+    *,
+    check_key: bool = False,
+) -> R:
+    """Read the body, take an admission slot, ``parse`` it in a worker, wait for the model
+    it names, and run ``work(body, ctx)`` (tokenizing, embedding, building the response) in
+    a worker, so the event loop stays free. The slot and the model are held throughout.
+
+    Raises:
+        APIError: 401, 413, 503, what ``parse`` or ``work`` raise, or a lease's errors.
+    """
+    if check_key:
+        state.check_api_key(request)
+    raw = await read_body(request, state.max_body_bytes)
+    state.admit()
+    lease: ContextLease | None = None
+    try:
+        body = await run_in_threadpool(parse, raw)
+        lease = state.lease(model_of(body))
+        ctx = await lease.context()
+        return await run_in_threadpool(work, body, ctx)
+    finally:
+        if lease is not None:
+            lease.release()
+        else:
+            state.release()

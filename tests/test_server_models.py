@@ -1,0 +1,473 @@
+"""Several models behind one server (``ModelPool``): the pool's logic on fake contexts, then
+two real models (SmolLM2 under two names) through the ``openai`` client.
+
+After each test every loaded context is idle (nothing leaked) and the pool is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+import llamax
+from llamax.server import BackgroundServer, ModelPool, create_app, main
+from llamax.testing import FakeBackend, assert_idle
+
+TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()
+SPECIALS = {"<|im_start|>": 300, "<|im_end|>": 301}
+HELLO = [{"role": "user", "content": "Hi"}]
+TEXT = {"prompt": "abc", "max_tokens": 2, "temperature": 0}
+
+
+class Factory:
+    """Builds fake contexts and counts them; ``gate`` (when set) holds every load until it
+    opens, ``fail`` makes the next loads raise."""
+
+    def __init__(self, gate: threading.Event | None = None, fail: int = 0) -> None:
+        self.gate, self.fail = gate, fail
+        self.started = threading.Event()
+        self.num_calls = 0
+        self.made: list[llamax.Context] = []
+
+    def __call__(self) -> llamax.Context:
+        self.num_calls += 1
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(10), "the test never opened the gate"
+        if self.fail:
+            self.fail -= 1
+            raise FileNotFoundError("no such file: /models/bad.gguf")
+        backend = FakeBackend(
+            n_ctx=1024, metadata={"tokenizer.chat_template": TEMPLATE}, special_tokens=SPECIALS
+        )
+        ctx = llamax.Context(backend=backend)
+        self.made.append(ctx)
+        return ctx
+
+
+@pytest.fixture
+def pools() -> Iterator[Callable[..., ModelPool]]:
+    """Build pools; after the test each loaded context is idle, then every pool is closed
+    and its contexts with it."""
+    made: list[ModelPool] = []
+
+    def make(models: dict[str, Any], **options: Any) -> ModelPool:
+        pool = ModelPool(models, **options)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        assert_pool_idle(pool)
+        pool.close()
+        assert all(info.context is None for info in pool.models())
+
+
+def assert_pool_idle(pool: ModelPool) -> None:
+    """No model pinned; each loaded one idle (pinned while checked, so that the unloader
+    cannot close it meanwhile). A response's last byte goes out just before its request
+    unpins the model, so this waits a little for that."""
+    wait_for(lambda: all(info.num_users == 0 for info in pool.models()))
+    for info in pool.models():
+        if info.context is None or pool.closed:
+            continue
+        ctx = pool.acquire(info.name).result(60)
+        try:
+            assert_idle(ctx, timeout=60)
+        finally:
+            pool.release(info.name)
+
+
+async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
+    return await client.post(path, json=body)
+
+
+def run(app: Any, scenario: Callable[[httpx.AsyncClient], Any]) -> Any:
+    async def go() -> Any:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await scenario(client)
+
+    return asyncio.run(go())
+
+
+def states(pool: ModelPool) -> dict[str, str]:
+    return {info.name: info.state.value for info in pool.models()}
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# --- the pool on fake contexts --------------------------------------------------------------
+
+
+def test_each_route_goes_to_the_model_it_names(pools: Callable[..., ModelPool]) -> None:
+    a, b = Factory(), Factory()
+    pool = pools({"a": a, "b": b})
+    app = create_app(pool)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert [(m["id"], m["status"]["value"]) for m in listed] == [
+            ("a", "unloaded"), ("b", "unloaded"),
+        ]  # fmt: skip
+        assert (await post(client, "/v1/completions", {**TEXT, "model": "b"})).is_success
+        assert a.num_calls == 0 and b.num_calls == 1
+        chat = {"model": "a", "messages": HELLO, "max_tokens": 2}
+        assert (await post(client, "/v1/chat/completions", chat)).is_success
+        messages = {"model": "b", "messages": HELLO, "max_tokens": 2}
+        assert (await post(client, "/v1/messages", messages)).is_success
+        counted = await post(client, "/v1/messages/count_tokens", {"model": "b", "messages": HELLO})
+        assert counted.json()["input_tokens"] > 0
+        assert (await post(client, "/v1/responses", {"model": "a", "input": "Hi"})).is_success
+        assert (await post(client, "/tokenize", {"content": "ab", "model": "b"})).is_success
+        assert (await post(client, "/detokenize", {"tokens": [97], "model": "a"})).is_success
+        default = await post(client, "/v1/completions", TEXT)  # no model: the first
+        assert default.is_success
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert all(m["status"]["value"] == "loaded" and "n_ctx" in m["meta"] for m in listed)
+        health = (await client.get("/health")).json()
+        assert health["status"] == "ok" and health["models"] == {"a": "loaded", "b": "loaded"}
+
+    run(app, scenario)
+    assert a.num_calls == b.num_calls == 1
+
+
+def test_an_unknown_model_is_404_on_every_route(pools: Callable[..., ModelPool]) -> None:
+    pool = pools({"a": Factory()})
+    app = create_app(pool)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        for path, body in [
+            ("/v1/completions", {**TEXT, "model": "zz"}),
+            ("/v1/chat/completions", {"model": "zz", "messages": HELLO}),
+            ("/v1/responses", {"model": "zz", "input": "Hi"}),
+            ("/v1/embeddings", {"model": "zz", "input": "Hi"}),
+            ("/tokenize", {"model": "zz", "content": "Hi"}),
+        ]:
+            reply = await post(client, path, body)
+            assert reply.status_code == 404, path
+            error = reply.json()["error"]
+            assert error["code"] == "model_not_found" and error["param"] == "model"
+            assert "'zz'" in error["message"] and "a" in error["message"]
+        anthropic = await post(client, "/v1/messages", {"model": "zz", "messages": HELLO})
+        assert anthropic.status_code == 404
+        assert anthropic.json()["error"]["type"] == "not_found_error"
+        wrong = await post(client, "/v1/completions", {**TEXT, "model": 3})
+        assert wrong.status_code == 400
+
+    run(app, scenario)
+    assert states(pool) == {"a": "unloaded"}
+    metrics = run(app, lambda client: client.get("/metrics")).text
+    assert 'llamax_requests_total{endpoint="completions",outcome="client_error"} 2.0' in metrics
+    assert "llamax_requests_in_flight 0.0" in metrics
+
+
+def test_models_max_unloads_the_least_recently_used(pools: Callable[..., ModelPool]) -> None:
+    factories = {name: Factory() for name in "abc"}
+    pool = pools(factories, max_loaded=2)
+    app = create_app(pool)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        for name in ["a", "b", "a", "c"]:  # b is the least recently used when c loads
+            assert (await post(client, "/v1/completions", {**TEXT, "model": name})).is_success
+        assert states(pool) == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+        assert (await post(client, "/v1/completions", {**TEXT, "model": "b"})).is_success
+        assert states(pool) == {"a": "unloaded", "b": "loaded", "c": "loaded"}
+
+    run(app, scenario)
+    assert [f.num_calls for f in factories.values()] == [1, 2, 1]
+    assert all(ctx.closed for ctx in factories["a"].made[:1] + factories["b"].made[:1])
+    metrics = run(app, lambda client: client.get("/metrics")).text
+    assert 'llamax_model_loaded{model="b"} 1.0' in metrics
+    assert 'llamax_model_loaded{model="a"} 0.0' in metrics
+    assert 'llamax_model_unloads_total{model="a"} 1.0' in metrics
+    assert 'llamax_model_loads_total{model="b",outcome="success"} 2.0' in metrics
+
+
+def test_a_model_in_use_is_never_unloaded_to_make_room(pools: Callable[..., ModelPool]) -> None:
+    pool = pools({"a": Factory(), "b": Factory()}, max_loaded=1)
+    held = pool.acquire("a")
+    ctx_a = held.result(10)
+    waiting = pool.acquire("b")  # must wait: a is in use and the bound is 1
+    time.sleep(0.2)
+    assert not waiting.done() and states(pool)["a"] == "loaded"
+    pool.release("a")
+    ctx_b = waiting.result(10)
+    assert ctx_a.closed and not ctx_b.closed and states(pool) == {"a": "unloaded", "b": "loaded"}
+    pool.release("b")
+
+
+def test_idle_models_unload_by_the_clock(pools: Callable[..., ModelPool]) -> None:
+    now = [1000.0]
+    pool = pools({"a": Factory(), "b": Factory()}, idle_unload_seconds=60, clock=lambda: now[0])
+    app = create_app(pool)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        assert (await post(client, "/v1/completions", {**TEXT, "model": "a"})).is_success
+        now[0] += 30
+        assert (await post(client, "/v1/completions", {**TEXT, "model": "b"})).is_success
+
+    run(app, scenario)
+    assert pool.unload_idle() == []
+    now[0] += 31  # a: idle 61 s, b: 31 s
+    assert pool.unload_idle() == ["a"]
+    assert states(pool) == {"a": "unloaded", "b": "loaded"}
+    now[0] += 30
+    assert pool.unload_idle() == ["b"]
+
+
+def test_the_unloader_thread_unloads_idle_models(pools: Callable[..., ModelPool]) -> None:
+    factory = Factory()
+    pool = pools({"a": factory}, idle_unload_seconds=0.2)
+    app = create_app(pool)
+    assert run(app, lambda client: post(client, "/v1/completions", TEXT)).is_success
+    wait_for(lambda: states(pool) == {"a": "unloaded"})
+    assert factory.made[0].closed
+    assert run(app, lambda client: post(client, "/v1/completions", TEXT)).is_success
+    assert factory.num_calls == 2
+
+
+def test_a_slow_load_blocks_neither_the_loop_nor_another_model(
+    pools: Callable[..., ModelPool],
+) -> None:
+    gate = threading.Event()
+    slow, fast = Factory(gate), Factory()
+    pool = pools({"slow": slow, "fast": fast})
+    app = create_app(pool)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        waiting = [
+            asyncio.create_task(post(client, "/v1/completions", {**TEXT, "model": "slow"}))
+            for _ in range(4)
+        ]
+        while not slow.started.is_set():
+            await asyncio.sleep(0.01)
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert listed[0]["status"]["value"] == "loading"
+        for _ in range(3):  # served while slow loads
+            assert (await post(client, "/v1/completions", {**TEXT, "model": "fast"})).is_success
+        assert (await client.get("/health")).status_code == 200
+        assert not any(task.done() for task in waiting)
+        gate.set()
+        replies = await asyncio.gather(*waiting)
+        assert all(reply.is_success for reply in replies)
+
+    run(app, scenario)
+    assert slow.num_calls == 1  # four concurrent first requests, one load
+
+
+def test_requests_waiting_for_a_load_count_against_max_queue(
+    pools: Callable[..., ModelPool],
+) -> None:
+    gate = threading.Event()
+    slow = Factory(gate)
+    pool = pools({"slow": slow, "fast": Factory()})
+    app = create_app(pool, max_queue=2)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        waiting = [
+            asyncio.create_task(post(client, "/v1/completions", {**TEXT, "model": "slow"}))
+            for _ in range(2)
+        ]
+        while pool.models()[0].num_users < 2:
+            await asyncio.sleep(0.01)
+        full = await post(client, "/v1/completions", {**TEXT, "model": "fast"})
+        assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+        gate.set()
+        assert all(reply.is_success for reply in await asyncio.gather(*waiting))
+
+    run(app, scenario)
+
+
+def test_a_load_failure_is_that_requests_error_and_is_retried(
+    pools: Callable[..., ModelPool],
+) -> None:
+    bad, good = Factory(fail=1), Factory()
+    pool = pools({"bad": bad, "good": good})
+    app = create_app(pool)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        failed = await post(client, "/v1/chat/completions", {"model": "bad", "messages": HELLO})
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert error["code"] == "model_load_failed" and "FileNotFoundError" in error["message"]
+        assert "/models/bad.gguf" not in error["message"]  # the path stays in the server log
+        listed = (await client.get("/v1/models")).json()["data"]
+        assert listed[0]["status"] == {
+            "value": "unloaded", "last_error": "FileNotFoundError: no such file: /models/bad.gguf"
+        }  # fmt: skip
+        assert (await post(client, "/v1/completions", {**TEXT, "model": "good"})).is_success
+        stream = {"model": "bad", "messages": HELLO, "max_tokens": 2, "stream": True}
+        streamed = await post(client, "/v1/messages", stream)
+        assert streamed.is_success  # the second load works
+        assert (await post(client, "/tokenize", {"content": "a", "model": "bad"})).is_success
+
+    run(app, scenario)
+    assert bad.num_calls == 2 and good.num_calls == 1
+
+
+def test_a_client_leaving_while_its_model_loads(pools: Callable[..., ModelPool]) -> None:
+    gate = threading.Event()
+    slow = Factory(gate)
+    pool = pools({"slow": slow})
+    with BackgroundServer(create_app(pool)) as server:
+        body = {**TEXT, "model": "slow", "stream": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+        wait_for(lambda: pool.models()[0].num_users == 0)  # the wait was cancelled
+        gate.set()
+        wait_for(lambda: states(pool) == {"slow": "loaded"})
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'outcome="cancelled"} 1.0' in metrics and "llamax_requests_in_flight 0.0" in metrics
+        assert httpx.post(server.url + "/v1/completions", json=TEXT).is_success
+
+
+def test_closing_the_pool_refuses_requests(pools: Callable[..., ModelPool]) -> None:
+    pool = pools({"a": Factory()})
+    app = create_app(pool)
+    assert run(app, lambda client: post(client, "/v1/completions", TEXT)).is_success
+    pool.close()
+    refused = run(app, lambda client: post(client, "/v1/completions", TEXT))
+    assert refused.status_code == 503
+    assert run(app, lambda client: client.get("/health")).json()["status"] == "closed"
+
+
+def test_pool_lists_adapters_and_resets_every_loaded_prefix_cache(
+    pools: Callable[..., ModelPool], tmp_path: Path
+) -> None:
+    adapter = tmp_path / "a.gguf"
+    adapter.write_bytes(b"GGUF fake adapter")
+    a, b, c = Factory(), Factory(), Factory()
+    pool = pools({"a": a, "b": b, "c": c})
+    app = create_app(pool)
+    assert run(
+        app, lambda client: post(client, "/v1/completions", TEXT | {"model": "a"})
+    ).is_success
+    assert run(
+        app, lambda client: post(client, "/v1/completions", TEXT | {"model": "b"})
+    ).is_success
+    a.made[0].load_adapter("style", adapter)
+    listed = {m["id"]: m for m in run(app, lambda client: client.get("/v1/models")).json()["data"]}
+    assert listed["a"]["adapters"] == [{"id": 0, "name": "style", "path": str(adapter)}]
+    assert listed["b"]["adapters"] == [] and "adapters" not in listed["c"]  # c is not loaded
+    assert a.made[0].stats().num_retained == b.made[0].stats().num_retained == 1
+    reset = run(app, lambda client: client.post("/flush_cache"))
+    assert reset.json() == {"status": "ok", "freed_sequences": 2}  # a's and b's
+    assert a.made[0].stats().num_retained == b.made[0].stats().num_retained == 0
+    assert c.num_calls == 0  # resetting loads nothing
+
+
+def test_pool_and_cli_refuse_bad_configurations(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        ModelPool({})
+    with pytest.raises(ValueError, match="max_loaded"):
+        ModelPool({"a": Factory()}, max_loaded=0)
+    with pytest.raises(ValueError, match="idle_unload_seconds"):
+        ModelPool({"a": Factory()}, idle_unload_seconds=0)
+    with pytest.raises(ValueError, match=r"no \.gguf"):
+        ModelPool.from_dir(tmp_path)
+    quiet = ["--port", "0", "--log-level", "critical"]
+    assert main(["--model", "no-equals-sign", *quiet]) == 2
+    assert main(["--models-dir", str(tmp_path), *quiet]) == 2
+    assert main(["m.gguf", "--model", "a=b.gguf", *quiet]) == 2
+    assert main(["--model", "a=x.gguf", "--model", "a=y.gguf", *quiet]) == 2
+    assert main(["--models-max", "2", *quiet]) == 2
+
+
+def test_models_dir_names_models_by_stem(tmp_path: Path) -> None:
+    for name in ["zeta.gguf", "alpha.gguf", "notes.txt"]:
+        (tmp_path / name).write_text("")
+    pool = ModelPool.from_dir(tmp_path)
+    try:
+        assert pool.names == ["alpha", "zeta"] and pool.default == "alpha"
+    finally:
+        pool.close()
+
+
+# --- two real models through the openai client ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_pool(model_path: Path) -> Iterator[ModelPool]:
+    """SmolLM2 as ``smol-a`` and ``smol-b``, and a bad path; small contexts, one thread."""
+    models = {"smol-a": model_path, "smol-b": model_path, "broken": "/no/such/model.gguf"}
+    pool = ModelPool(models, idle_unload_seconds=2.0, n_ctx=512, n_seq_max=2, n_threads=1,
+                     calibrate=False)  # fmt: skip
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def real_server(real_pool: ModelPool) -> Iterator[BackgroundServer]:
+    with BackgroundServer(create_app(real_pool)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(real_server: BackgroundServer, real_pool: ModelPool) -> Iterator[openai.OpenAI]:
+    yield openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
+    assert_pool_idle(real_pool)
+
+
+@pytest.mark.model
+def test_two_real_models_interleaved(client: openai.OpenAI, real_pool: ModelPool) -> None:
+    def ask(model: str) -> str:
+        reply = client.chat.completions.create(
+            model=model,
+            messages=HELLO,
+            max_tokens=8,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        return reply.choices[0].message.content or ""
+
+    answers: dict[str, list[str]] = {"smol-a": [], "smol-b": []}
+    threads = [threading.Thread(target=lambda m=m: answers[m].append(ask(m)))
+               for m in ["smol-a", "smol-b"] * 3]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(answers["smol-a"]) == len(answers["smol-b"]) == 3
+    assert set(answers["smol-a"]) == set(answers["smol-b"]) and answers["smol-a"][0]  # greedy
+    listed = {m.id: m.model_extra for m in client.models.list()}
+    assert list(listed) == ["smol-a", "smol-b", "broken"]
+    assert listed["smol-a"]["status"]["value"] == "loaded"  # type: ignore[index]
+    assert listed["broken"]["status"]["value"] == "unloaded"  # type: ignore[index]
+    contexts = [info.context for info in real_pool.models()[:2]]
+    assert contexts[0] is not contexts[1]  # each model its own context
+
+
+@pytest.mark.model
+def test_a_bad_path_leaves_the_others_serving(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.completions.create(model="broken", prompt="Hi", max_tokens=2)
+    assert failed.value.code == "model_load_failed"
+    reply = client.completions.create(model="smol-b", prompt="Hi", max_tokens=2)
+    assert reply.choices[0].text is not None
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+
+
+@pytest.mark.model
+def test_a_real_model_unloads_when_idle(client: openai.OpenAI, real_pool: ModelPool) -> None:
+    client.completions.create(model="smol-a", prompt="Hi", max_tokens=2)
+    loaded = real_pool.loaded("smol-a")
+    assert loaded is not None
+    wait_for(lambda: real_pool.models()[0].state.value == "unloaded", timeout=20)
+    assert loaded.closed
+    listed = {m.id: m.model_extra for m in client.models.list()}
+    assert listed["smol-a"]["status"]["value"] == "unloaded"  # type: ignore[index]
+    client.completions.create(model="smol-a", prompt="Hi", max_tokens=2)  # loads again
