@@ -65,9 +65,6 @@ class Context:
         backend: an already built backend (e.g. :class:`llamax.testing.FakeBackend`).
         batch_logits_processor: ``fn(rows, logits)`` called once per step with a zero-copy
             ``(rows, n_vocab)`` view of every row about to be sampled, for vectorised work.
-        prefix_ram_bytes: the host-RAM tier's budget for prefixes evicted from the KV cache
-            (docs/prefix_ram.md). ``None``: a quarter of the memory available at load, at
-            most 8 GiB; ``0``: no tier.
         **options: fields of :class:`ContextConfig` (``n_ctx``, ``n_seq_max``, ...).
 
     Raises:
@@ -84,10 +81,8 @@ class Context:
         config: ContextConfig | None = None,
         backend: Backend | None = None,
         batch_logits_processor: BatchLogitsProcessor | None = None,
-        prefix_ram_bytes: int | None = None,
         **options: Unpack[ContextOptions],
     ) -> None:
-        ram_bytes = _ram_budget(prefix_ram_bytes)
         if config is None:
             if backend is None:
                 path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
@@ -111,7 +106,9 @@ class Context:
                 batch_processor=batch_logits_processor,
                 speculative=config.speculative,
                 calibrate=calibrate,
-                prefix_ram_bytes=ram_bytes,
+                prefix_ram_bytes=(
+                    default_budget() if config.prefix_ram_bytes is None else config.prefix_ram_bytes
+                ),
             )
         except BaseException:
             if owned:  # the model and context it loaded are freed
@@ -837,20 +834,3 @@ class _SessionPort:
         self, prompt: Prompt, params: SamplingParams | None, *, session_id: int
     ) -> RequestHandle:
         return self._ctx._submit(prompt, params, session_id=session_id)
-
-
-def _ram_budget(prefix_ram_bytes: object) -> int:
-    """``prefix_ram_bytes`` checked, or the default budget for None.
-
-    Raises:
-        InvalidParameterError: not None nor an int >= 0.
-    """
-    if prefix_ram_bytes is None:
-        return default_budget()
-    if isinstance(prefix_ram_bytes, bool) or not isinstance(prefix_ram_bytes, int):
-        raise InvalidParameterError(
-            f"prefix_ram_bytes must be None or an int >= 0, got {prefix_ram_bytes!r}"
-        )
-    if prefix_ram_bytes < 0:
-        raise InvalidParameterError(f"prefix_ram_bytes must be >= 0, got {prefix_ram_bytes}")
-    return prefix_ram_bytes

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -403,6 +405,22 @@ def _read_text(path: str) -> str:
         return f.read()
 
 
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """A byte count from ``"1073741824"``, ``"512M"``, ``"512MiB"``, ``"2g"`` or ``"1.5GB"``
+    (``K``/``M``/``G``/``T`` are powers of 1,024, with or without ``B``/``iB``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, or a negative one (argparse shows its text).
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 2G)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+
+
 def _prompt_lookup(max_draft: int) -> PromptLookup | None:
     return PromptLookup(max_draft=max_draft) if max_draft else None
 
@@ -544,6 +562,17 @@ class ContextConfig:
             "(`SamplingParams.lora`)",
         ),
     )
+    prefix_ram_bytes: int | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="a quarter of the memory available at load, at most 8 GiB",
+            doc="the host-RAM tier's budget for prefixes evicted from the KV cache, in bytes "
+            "(flag: also `512M`, `2G`, `1.5GiB`); `0`: no tier (docs/prefix_ram.md)",
+            flag=True,
+            flag_type=_byte_size,
+            metavar="BYTES",
+        ),
+    )
     rpc_servers: str | None = field(
         default=None,
         metadata=spec(
@@ -645,6 +674,11 @@ class ContextConfig:
                 value is None or isinstance(value, bool), f"{name} must be a bool, got {value!r}"
             )
         _require(
+            self.prefix_ram_bytes is None
+            or (_is_int(self.prefix_ram_bytes) and self.prefix_ram_bytes >= 0),
+            f"prefix_ram_bytes must be None or an int >= 0, got {self.prefix_ram_bytes!r}",
+        )
+        _require(
             self.max_step_ms is None or _is_real(self.max_step_ms),
             f"max_step_ms must be a number or None, got {self.max_step_ms!r}",
         )
@@ -713,6 +747,7 @@ class ContextOptions(TypedDict, total=False):
     speculative: Speculative | None
     verbose: bool
     lora: Mapping[str, str] | None
+    prefix_ram_bytes: int | None
 
 
 OPTION_LISTS: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}

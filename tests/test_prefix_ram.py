@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 import llamax
-from llamax.engine.prefix_ram import PrefixRamTier, default_budget
+from llamax.engine.prefix_ram import MAX_DEFAULT_BYTES, PrefixRamTier, default_budget
+from llamax.optionspec import option_values
 from llamax.testing import FakeBackend, assert_idle
 
 GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)
@@ -392,3 +393,32 @@ def test_an_entry_given_back_stays_within_the_budget() -> None:
     t.store([2, 2], b"y" * 6)  # stored while the entry was out (an eviction to make room)
     t.put(entry)  # the restore did not happen: back in, the oldest other entry out
     assert [e.tokens for e in t.entries()] == [(1, 1)] and t.audit() == []
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("0", 0), ("1048576", 1 << 20), ("512M", 512 << 20), ("2g", 2 << 30),
+     ("1.5GiB", 3 << 29), ("64 KB", 64 << 10), ("1T", 1 << 40)],
+)  # fmt: skip
+def test_the_flag_takes_bytes_or_a_size_with_a_unit(text: str, size: int) -> None:
+    from llamax.server.cli import build_parser
+
+    ns = build_parser().parse_args(["m.gguf", "--prefix-ram-bytes", text])
+    assert option_values(ns, llamax.ContextConfig)["prefix_ram_bytes"] == size
+    assert llamax.ContextConfig("m.gguf", prefix_ram_bytes=size).prefix_ram_bytes == size
+
+
+def test_a_bad_flag_is_refused_and_no_flag_is_the_default(capsys: Any) -> None:
+    from llamax.server.cli import build_parser, main
+
+    for bad in ["-1", "lots", "1X", "1.5.2G"]:
+        assert main(["m.gguf", "--prefix-ram-bytes", bad, "--log-level", "critical"]) == 2
+        assert "--prefix-ram-bytes: not a byte size" in capsys.readouterr().err
+    assert "prefix_ram_bytes" not in option_values(
+        build_parser().parse_args(["m.gguf"]), llamax.ContextConfig
+    )
+    with llamax.Context(backend=FakeBackend(), autostart=False) as ctx:  # None: the default
+        assert 0 < ctx.stats().prefix_ram_budget_bytes <= MAX_DEFAULT_BYTES
+    config = llamax.ContextConfig("<fake>", prefix_ram_bytes=MB)
+    with llamax.Context(backend=FakeBackend(), config=config, autostart=False) as ctx:
+        assert ctx.stats().prefix_ram_budget_bytes == MB
