@@ -353,7 +353,8 @@ class NativeContext:
         size = int(self.C.llama_state_seq_get_size(self.ptr, seq_id))
         buf = (ctypes.c_uint8 * size)()
         written = int(self.C.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
-        return bytes(buf[:written])
+        # one copy: slicing the ctypes array would build a list of ints (0.5 s for 28 MB)
+        return ctypes.string_at(buf, written)
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """``llama_state_seq_set_data``; False when llama.cpp refuses it."""
