@@ -221,8 +221,10 @@ class LlamaServerPeer:
         finally:
             conn.close()
 
-    def _body(self, prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
-        return {
+    def _body(
+        self, prompt: str, max_tokens: int, stream: bool, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return (extra or {}) | {
             "prompt": prompt,
             "n_predict": max_tokens,
             "temperature": 0.0,
@@ -239,16 +241,21 @@ class LlamaServerPeer:
         return int(json.loads(data)["tokens_predicted"])
 
     def stream(
-        self, prompt: str, max_tokens: int, stop: threading.Event | None = None
+        self,
+        prompt: str,
+        max_tokens: int,
+        stop: threading.Event | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> Iterator[str]:
         """One streamed greedy completion: yields each token's text as it arrives.
 
         Setting ``stop`` ends the stream at the next token and closes the connection, which
-        makes llama-server cancel the request.
+        makes llama-server cancel the request. ``extra`` adds body fields (``lora`` ...).
         """
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
-            conn.request("POST", "/completion", json.dumps(self._body(prompt, max_tokens, True)))
+            body = self._body(prompt, max_tokens, True, extra)
+            conn.request("POST", "/completion", json.dumps(body))
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"llama-server answered {response.status}")

@@ -19,7 +19,8 @@ banned). Systems, each run on a thread of its own, one after another:
 Round 0 is cold everywhere (every system prompt is new); the later rounds are repeat hits.
 Per system and repeat round: TTFT p50/p95; their medians over rounds. Ratio
 ``llamax_ram.hit_ttft_p50 / llamax_noram.hit_ttft_p50`` (target <= 1/3). Greedy agreement
-of ``llamax_ram`` with ``llamax_noram`` (token ids) on every request.
+of ``llamax_ram`` with ``llamax_noram`` (token ids) on every request; where they part, a
+cold probe's logprobs of the two picks (a near tie is < 0.1 nats apart, as in the tests).
 
 ::
 
@@ -174,6 +175,47 @@ def run_server(binary: Path, model: Path, systems: list[str], rounds: int) -> An
         peer.close()
 
 
+NEAR_TIE_NATS = 0.1
+"""tests/near_tie.py's rule: two greedy picks closer than this on a cold probe are a tie
+that llama.cpp's batch-shape rounding may break either way."""
+
+
+def probe_partings(
+    model: Path, texts: list[str], pairs: list[tuple[Timed, Timed]]
+) -> list[dict[str, Any]]:
+    """Where ``llamax_ram`` and ``llamax_noram`` part, the two picks' logprobs on a cold
+    probe of the common prefix (a fresh context, nothing cached, computed whole)."""
+    partings: list[dict[str, Any]] = []
+    differing = [i for i, (a, b) in enumerate(pairs) if a[1] != b[1]]
+    if not differing:
+        return partings
+    params = llamax.SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    with llamax.Context(
+        model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_threads=N_THREADS, prefix_ram_bytes=0
+    ) as probe:
+        for i in differing:
+            ram_ids, noram_ids = pairs[i][0][1], pairs[i][1][1]
+            at = next(
+                (k for k, (x, y) in enumerate(zip(ram_ids, noram_ids, strict=False)) if x != y),
+                min(len(ram_ids), len(noram_ids)),
+            )
+            tokens = probe.tokenize(texts[i]) + list(noram_ids[:at])
+            done = probe.add_request(tokens, params).result()
+            probe.clear_cache()
+            logprobs = done.choices[0].logprobs or ()
+            top = {t.token_id: t.logprob for t in logprobs[0].top_logprobs} if logprobs else {}
+            picks = [ids[at] if at < len(ids) else None for ids in (ram_ids, noram_ids)]
+            known = [top[p] for p in picks if p in top]
+            margin = abs(known[0] - known[1]) if len(known) == 2 else None
+            partings.append({
+                "request": i, "at_token": at, "picks": picks,
+                "margin_nats": None if margin is None else round(margin, 4),
+                "near_tie": margin is not None and margin < NEAR_TIE_NATS,
+            })  # fmt: skip
+            log(f"  request {i} parts at token {at}: {partings[-1]}")
+    return partings
+
+
 def summary(results: list[list[Timed]]) -> dict[str, Any]:
     """TTFT of the cold round and of every repeat round (p50/p95), and their medians."""
     ttft = [[t for t, _, _ in round_] for round_ in results]
@@ -220,6 +262,8 @@ def main() -> None:
             (a, b) for ra, rb in zip(ram, noram, strict=True) for a, b in zip(ra, rb, strict=True)
         ]
         same = sum(a[1] == b[1] for a, b in pairs)
+        texts = [prompt(system, r) for r in range(rounds) for system in systems]
+        partings = in_fresh_thread(lambda: probe_partings(model, texts, pairs))
         ratios = {
             "llamax_ram_hit_ttft_p50_over_noram": ratio(
                 systems_report["llamax_ram"]["hit_ttft_p50"],
@@ -250,7 +294,12 @@ def main() -> None:
             "systems": systems_report,
             "ratios": ratios,
             "targets": targets(ratios, LIMITS, at_least=False),
-            "greedy_agreement": {"same_token_ids": same, "requests": len(pairs)},
+            "greedy_agreement": {
+                "same_token_ids": same,
+                "requests": len(pairs),
+                "partings": partings,
+                "all_partings_near_ties": all(p["near_tie"] for p in partings),
+            },
         }
         emit_report(report, stdout, args.json_out)
 
