@@ -35,6 +35,7 @@ H100: llamax >= 1.0x llama-server at every N >= 16.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -236,34 +237,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def report(
+    args: argparse.Namespace, load: list[float], ns: Sequence[int], shapes: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON report: config, every shape's results, and the targets."""
+    values = {
+        f"{name}_llamax_vs_llama_server_N{n}": result["ratios"][f"llamax_over_{SERVER}"].get(str(n))
+        for name, result in shapes.items()
+        for n in ns
+        if n >= 16
+    }
+    config = base_config(
+        args, load, cells_per_seq=CELLS_PER_SEQ, n_batch=N_BATCH, n_gpu_layers=0 if args.cpu else -1
+    )
+    config.pop("models", None)
+    return {
+        "config": config,
+        "shapes": shapes,
+        "targets": targets(values, dict.fromkeys(values, 1.0), at_least=True),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     ns = sorted(set(args.n))
     load = load_average()
+    shapes: dict[str, dict[str, Any]] = {}
     with stdout_to_stderr() as stdout:
-        shapes = {name: bench_shape(args, name, path, ns) for name, path in args.models.items()}
-        values = {
-            f"{name}_llamax_vs_llama_server_N{n}": shapes[name]["ratios"][
-                f"llamax_over_{SERVER}"
-            ].get(str(n))
-            for name in shapes
-            for n in ns
-            if n >= 16
-        }
-        config = base_config(
-            args,
-            load,
-            cells_per_seq=CELLS_PER_SEQ,
-            n_batch=N_BATCH,
-            n_gpu_layers=0 if args.cpu else -1,
-        )
-        config.pop("models", None)
-        report = {
-            "config": config,
-            "shapes": shapes,
-            "targets": targets(values, dict.fromkeys(values, 1.0), at_least=True),
-        }
-        emit_report(report, stdout, args.json_out)
+        for name, path in args.models.items():
+            shapes[name] = bench_shape(args, name, path, ns)
+            if args.json_out:  # a run cut short keeps the shapes it finished
+                args.json_out.write_text(json.dumps(report(args, load, ns, shapes), indent=2))
+        emit_report(report(args, load, ns, shapes), stdout, args.json_out)
     return 0
 
 

@@ -10,6 +10,11 @@
 #   .gpu_carry/wheels/            pure-Python wheels the device image lacks: gguf (the
 #                                 random-model writer) and diskcache (llama_cpp.llama
 #                                 imports it); numpy, pyyaml, jinja2, pytest... are there
+#   .gpu_carry/smollm2-tokenizer.gguf
+#                                 SmolLM2's tokenizer without weights (~1.8 MB), for
+#                                 scripts/make_random_model.py --tokenizer-from (SmolLM2
+#                                 itself, 93 MB, does not fit); needs $PYTHON to have
+#                                 gguf, llamax and the default model (bootstrap's venv)
 #   .gpu_carry/SIZES              the measured sizes
 #
 # The sdist is 76.6 MB packed and ~180 MB unpacked; the carry must stay well under the
@@ -18,7 +23,7 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-python=${PYTHON:-python3}
+python=${PYTHON:-$repo/.venv/bin/python}
 llama_version=0.3.36
 carry=$repo/.gpu_carry
 
@@ -75,6 +80,10 @@ log "downloading wheels for the device (Python 3.12, manylinux x86_64)"
   --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$carry/wheels" "gguf==${GGUF_VERSION:-0.19.0}" "diskcache==5.6.3"
+
+log "writing SmolLM2's tokenizer (no weights)"
+PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} "$python" "$repo/scripts/make_random_model.py" \
+  "$carry/smollm2-tokenizer.gguf" --tokenizer-only >&2
 
 {
   printf 'llama-cpp-python (stripped) %s bytes\n' "$(du -sb "$carry/llama-cpp-python" | cut -f1)"
