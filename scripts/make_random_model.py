@@ -25,8 +25,10 @@ the quantized blocks directly (a scale and 32 int8 values per block, as ggml lay
 which is the same format ``gguf.quants`` produces, without its per-element float work.
 
 Tensors are written one at a time (``GGUFWriter.add_tensor_info`` for all, then
-``write_tensor_data`` per tensor), so the peak memory is about the largest tensor (the
-8B's 49,152 x 4,096 embedding: ~0.8 GB in F16, ~0.2 GB of int8 draws), not the file.
+``write_tensor_data`` per tensor; ``add_tensor`` would hold every tensor in memory until
+``write_tensors_to_file``), so the peak memory is about the largest tensor, not the file:
+for the 8B's 49,152 x 4,096 output matrix, measured 0.44 GB of peak RSS in Q8_0 and 0.62 GB
+in F16 (1.8 s and 2.4 s on this 2-core machine).
 
 Usage: ``python scripts/make_random_model.py OUT.gguf --shape tiny [--dtype q8_0] [--seed N]
 [--tokenizer-from GGUF]``; ``--tokenizer-only`` writes just the tokenizer (~1 MB), which
