@@ -73,28 +73,37 @@ setup_python() {
 }
 
 cuda_fallbacks() {
-  # Images whose CUDA toolkit has nvcc but no cuBLAS: take cuBLAS (and its headers) from
-  # the pip packages PyTorch brings, and libcuda from the driver's folders.
-  local toolkit lib inc drv
-  toolkit=$(dirname "$(dirname "$(command -v nvcc)")")
-  if ls "$toolkit"/lib64/libcublas.so* "$toolkit"/targets/*/lib/libcublas.so* >/dev/null 2>&1; then
-    return
+  # Images whose CUDA toolkit has nvcc but no cuBLAS or no libcuda stub (this workplace's
+  # CPU machines have such a toolkit): take cuBLAS and its headers from wherever they are
+  # (PyTorch's pip packages), and libcuda from the driver's folders.
+  local toolkit lib inc drv libdir
+  toolkit=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  local -a roots=("$toolkit" /usr/local/cuda /usr/local/cuda-*)
+  if ! ls "${roots[@]/%//lib64/libcublas.so}" "${roots[@]/%//targets/x86_64-linux/lib/libcublas.so}" \
+    >/dev/null 2>&1; then
+    lib=$(find / -xdev -name 'libcublas.so*' -not -path '/proc/*' 2>/dev/null | sort | head -1)
+    inc=$(find / -xdev -name cublas_v2.h -not -path '/proc/*' 2>/dev/null | head -1)
+    log "build: no cuBLAS in ${roots[*]}; using $lib and $inc"
+    [ -n "$lib" ] && [ -n "$inc" ] || { log "build: no cuBLAS anywhere"; exit 1; }
+    libdir=$(dirname "$lib")
+    cmake_extra+=(
+      "-DCUDA_cublas_LIBRARY=$lib"
+      "-DCUDA_cublasLt_LIBRARY=$(ls "$libdir"/libcublasLt.so* | head -1)"
+      "-DCMAKE_CUDA_FLAGS=-I$(dirname "$inc")"
+      "-DCMAKE_CXX_FLAGS=-I$(dirname "$inc")"
+    )
+    export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   fi
-  lib=$(find / -xdev -name 'libcublas.so*' -not -path '*/proc/*' 2>/dev/null | sort | head -1)
-  inc=$(find / -xdev -name cublas_v2.h -not -path '*/proc/*' 2>/dev/null | head -1)
-  drv=$(find /usr/local/nvidia /usr/lib /usr/lib64 -name 'libcuda.so*' 2>/dev/null | head -1)
-  log "no cuBLAS in $toolkit: using lib=$lib include=$inc libcuda=$drv"
-  [ -n "$lib" ] && [ -n "$inc" ] || { log "no cuBLAS anywhere"; exit 1; }
-  local libdir
-  libdir=$(dirname "$lib")
-  cmake_extra+=(
-    "-DCUDA_cublas_LIBRARY=$(ls "$libdir"/libcublas.so* | head -1)"
-    "-DCUDA_cublasLt_LIBRARY=$(ls "$libdir"/libcublasLt.so* | head -1)"
-    "-DCMAKE_CUDA_FLAGS=-I$(dirname "$inc")"
-    "-DCMAKE_CXX_FLAGS=-I$(dirname "$inc")"
-  )
-  [ -n "$drv" ] && cmake_extra+=("-DCUDA_cuda_driver_LIBRARY=$drv")
-  export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if ! ls "${roots[@]/%//lib64/stubs/libcuda.so}" \
+    "${roots[@]/%//targets/x86_64-linux/lib/stubs/libcuda.so}" >/dev/null 2>&1; then
+    drv=$(find /usr/local/nvidia /usr/lib /usr/lib64 -name 'libcuda.so*' 2>/dev/null | sort | head -1)
+    log "build: no libcuda stub in ${roots[*]}; using ${drv:-none (GGML_CUDA_NO_VMM=ON)}"
+    if [ -n "$drv" ]; then
+      cmake_extra+=("-DCUDA_cuda_driver_LIBRARY=$drv")
+    else
+      cmake_extra+=(-DGGML_CUDA_NO_VMM=ON)
+    fi
+  fi
 }
 
 phase_probe() {
