@@ -33,15 +33,17 @@ def test_tiny_random_model_generates_with_smollm2_tokens(tmp_path: Path, model_p
     assert tokenizer.stat().st_size < 4_000_000
     tiny = script.write_random_model(tmp_path / "tiny.gguf", shape="tiny", tokenizer_from=tokenizer)
     again = script.write_random_model(
-        tmp_path / "again.gguf", shape="tiny", tokenizer_from=model_path
+        tmp_path / "again.gguf", shape="tiny", tokenizer_from=tokenizer
     )
-    assert tiny.read_bytes() == again.read_bytes()  # seeded, and the tokenizer copy is whole
+    assert tiny.read_bytes() == again.read_bytes()  # seeded
     params = llamax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     with llamax.Context(model_path, n_ctx=256, n_seq_max=1, n_threads=1) as smol:
         expected = smol.tokenize("Once upon a time")
+        template = smol.chat_template
     with llamax.Context(tiny, n_ctx=256, n_seq_max=2, n_threads=1) as ctx:
         assert ctx.tokenize("Once upon a time") == expected
         assert ctx.n_vocab == 49152
+        assert ctx.chat_template == template  # source, BOS and EOS texts
         done = ctx.add_request("Once upon a time", params).result(timeout=60)
     assert len(done.token_ids) == 8 and len(set(done.token_ids)) > 1
     logprobs = [t.logprob for t in done.choices[0].logprobs or ()]
