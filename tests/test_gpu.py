@@ -14,6 +14,7 @@ expected to agree token for token; the test says how many did.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -25,6 +26,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from near_tie import assert_greedy_agrees
 
@@ -54,6 +56,7 @@ N_STREAMS = 16
 N_STORM = 64
 TIMEOUT = 300.0
 MAX_TOKENS = 32
+FORCED = 3  # tokens of the model's earlier reply forced in the speculative test
 GREEDY = llamax.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SYS = (
     "You are the support assistant of a small outdoor shop. The store opens at nine and "
@@ -185,9 +188,14 @@ def test_cache_hit_equals_cold(ctx: llamax.Context, probe: llamax.Context) -> No
     other = ctx.tokenize(SYS + "How much is a kayak?")
     shared = ctx.add_request(other, GREEDY).result(TIMEOUT)
     assert shared.usage.cached_tokens > len(prompt) // 2
-    alone = probe.add_request(other, GREEDY).result(TIMEOUT)
+    # cold, split where the hit split it: a one-chunk prefill may part from a chunked one
+    # by more than a near tie (on SmolLM2 on this AVX2 CPU, 0.31 nats), in llama.cpp alone
+    cut = shared.usage.cached_tokens
+    probe.add_request(other[:cut], llamax.SamplingParams(max_tokens=1)).result(TIMEOUT)
+    reference = probe.add_request(other, GREEDY).result(TIMEOUT)
     probe.clear_cache()
-    assert_greedy_agrees(probe, other, alone.token_ids, shared.token_ids)
+    assert reference.usage.cached_tokens == cut
+    assert_greedy_agrees(probe, other, reference.token_ids, shared.token_ids)
 
 
 def test_session_save_load_round_trip(ctx: llamax.Context, gpu_model: Path, tmp_path: Path) -> None:
@@ -233,27 +241,44 @@ def test_grammar_output_is_unchanged(ctx: llamax.Context) -> None:
 def test_speculative_output_is_unchanged(ctx: llamax.Context, probe: llamax.Context) -> None:
     """Prompt lookup drafts the model's own earlier reply; greedy output stays the plain one.
 
-    Drafts are not priced here (``scheduler.price_drafts``): a random model rarely copies,
-    so the pricing would (rightly) draft little, and the test is about verification."""
+    The prompt is a question, the model's reply to it and the question again, and the first
+    ``FORCED`` tokens of the reply are forced (a logits processor, in both runs): then the
+    last two tokens have occurred before and a draft follows, whatever the model picks
+    after that, so the verification runs even on a random model that copies nothing.
+    Drafts are not priced here (``scheduler.price_drafts``): the pricing would rightly
+    draft little for a model that rarely copies, and the test is about verification.
+    """
     base = SYS + "Tell me about the kayak rentals."
-    first = ctx.add_request(base, GREEDY).result(TIMEOUT)
-    prompt = [*ctx.tokenize(base), *first.token_ids, *ctx.tokenize(base, add_special=False)]
+    first = ctx.add_request(base, GREEDY).result(TIMEOUT).token_ids
+    prompt = [*ctx.tokenize(base), *first, *ctx.tokenize(base, add_special=False)]
     ctx.clear_cache()
-    plain = ctx.add_request(prompt, GREEDY).result(TIMEOUT)
-    ctx.clear_cache()
+
+    def lead(token_ids: np.ndarray, logits: np.ndarray) -> np.ndarray | None:
+        j = len(token_ids) - len(prompt)
+        if j >= FORCED:
+            return None
+        row = np.full_like(logits, -np.inf)
+        row[first[j]] = 0.0
+        return row
+
     params = llamax.SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, speculative=True
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logits_processors=[lead]
     )
+    plain = ctx.add_request(prompt, params).result(TIMEOUT)
+    ctx.clear_cache()
     scheduler = ctx._engine.scheduler
     scheduler.price_drafts = False
     try:
-        spec = ctx.add_request(prompt, params).result(TIMEOUT)
+        spec = ctx.add_request(prompt, dataclasses.replace(params, speculative=True))
+        done = spec.result(TIMEOUT)
     finally:
         scheduler.price_drafts = True
     ctx.clear_cache()
-    print(f"drafted {spec.usage.drafted_tokens}, accepted {spec.usage.accepted_tokens}")
-    assert spec.usage.drafted_tokens > 0
-    assert_greedy_agrees(probe, prompt, plain.token_ids, spec.token_ids)
+    print(f"drafted {done.usage.drafted_tokens}, accepted {done.usage.accepted_tokens}")
+    assert done.usage.drafted_tokens > 0
+    assert done.token_ids[:FORCED] == first[:FORCED]
+    forced = [*prompt, *first[:FORCED]]
+    assert_greedy_agrees(probe, forced, plain.token_ids[FORCED:], done.token_ids[FORCED:])
 
 
 def test_cancel_storm_leaves_audit_clean(ctx: llamax.Context) -> None:
