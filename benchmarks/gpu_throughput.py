@@ -1,0 +1,276 @@
+"""GPU throughput: llamax against llama-server of the same llama.cpp build, per model shape.
+
+For each ``--shape NAME=GGUF`` (``scripts/make_random_model.py`` writes them: ``tiny``,
+whose decode costs almost nothing, then ``1b`` and ``8b``) and each N in ``--n`` (default
+1, 16, 64, 128), N distinct short prompts are completed with ``--max-tokens`` (128) greedy
+tokens each, end-of-generation banned. Score: generated tokens / wall time. Systems:
+
+``llamax``
+    One ``llamax.Context(n_gpu_layers=-1)`` built for the largest N (KV streams, one per
+    sequence), N ``add_request`` calls, then every result; cache cleared before each run.
+``raw_streams``
+    ``_loops.RawLoop`` on the same model (one KV stream per sequence): the floor.
+``llama_server``
+    ``llama-server -np N -c N*256 -ngl 99`` of the same build (``--llama-server PATH``), one
+    process per N, N concurrent ``/completion`` requests.
+
+Then the overhead model at ``--overhead-n`` (64): one llamax run with ``backend.decode``
+followed by ``llama_synchronize`` (CUDA's ``llama_decode`` returns before the GPU is done,
+and the first logits read would wait instead) and ``backend.sample`` timed; per step,
+``decode_ms`` (GPU and graph work), ``sample_ms`` (llama.cpp's samplers and reading the
+logits), and ``python_ms``, the rest of the step's wall time (scheduling, detokenizing,
+futures, the engine thread's hand-offs). The synchronize moves the GPU wait from sampling
+into decode; it does not add a wait.
+
+``--cpu`` runs everything with ``n_gpu_layers=0`` and ``-ngl 0`` (a smoke run on a machine
+without a GPU); ``--quick`` runs N = 1 and 16 with 32 tokens and one repeat. Targets, on an
+H100: llamax >= 1.0x llama-server at every N >= 16.
+
+::
+
+    python benchmarks/gpu_throughput.py --llama-server /tmp/llamax-gpu-build/bin/llama-server \\
+        --shape 1b=/tmp/llamax-gpu-models/1b.gguf --shape 8b=/tmp/llamax-gpu-models/8b.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    N_THREADS,
+    base_config,
+    emit_report,
+    greedy,
+    load_average,
+    log,
+    ratio,
+    short_prompts,
+    stdout_to_stderr,
+    targets,
+)
+from _loops import RawLoop
+from _peers import LlamaServerPeer
+
+import llamax
+
+CELLS_PER_SEQ = 256  # a short prompt (~11 tokens) and 128 generated fit with room
+N_BATCH = 2048  # every prompt of N = 128 prefills in one batch
+LLAMAX, RAW, SERVER = "llamax", "raw_streams", "llama_server"
+Run = Callable[[Sequence[str], int], tuple[int, float]]
+
+
+def llamax_run(ctx: llamax.Context) -> Run:
+    """N requests on the context at once; ``(tokens, seconds)``."""
+
+    def run(prompts: Sequence[str], max_tokens: int) -> tuple[int, float]:
+        ctx.clear_cache()
+        params = greedy(max_tokens)
+        start = time.perf_counter()
+        handles = [ctx.add_request(p, params) for p in prompts]
+        tokens = sum(h.result().usage.completion_tokens for h in handles)
+        return tokens, time.perf_counter() - start
+
+    return run
+
+
+def raw_run(loop: RawLoop) -> Run:
+    """The raw loop: every prompt in one batch, then one token per sequence per step."""
+
+    def run(prompts: Sequence[str], max_tokens: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        out = loop.generate(prompts, max_tokens)
+        return sum(len(t) for t in out.token_ids), time.perf_counter() - start
+
+    return run
+
+
+def server_run(binary: Path, model: Path, ngl: int, closers: list[Callable[[], None]]) -> Run:
+    """llama-server with ``-np N``, started on first use for each N (kept until the end)."""
+    servers: dict[int, LlamaServerPeer] = {}
+
+    def run(prompts: Sequence[str], max_tokens: int) -> tuple[int, float]:
+        n = len(prompts)
+        if n not in servers:
+            extra = ["-ngl", str(ngl), "-b", str(N_BATCH)]
+            servers[n] = LlamaServerPeer(
+                binary, model, n_parallel=n, n_ctx=n * CELLS_PER_SEQ, extra_args=extra
+            )
+            closers.append(servers[n].close)
+            servers[n].run_batch(prompts, 4)  # warm-up
+        start = time.perf_counter()
+        tokens = servers[n].run_batch(prompts, max_tokens)
+        return tokens, time.perf_counter() - start
+
+    return run
+
+
+def overhead(ctx: llamax.Context, n: int, max_tokens: int) -> dict[str, float]:
+    """Where a step's time goes at ``n`` streams: decode, sampling and the rest (Python)."""
+    backend = ctx._engine.backend
+    sync = backend._context.C.llama_synchronize
+    decode, sample = backend.decode, backend.sample
+    spent = {"decode": 0.0, "sample": 0.0}
+
+    def timed_decode(items: Any) -> int:
+        t = time.perf_counter()
+        status: int = decode(items)
+        sync(backend._context.ptr)
+        spent["decode"] += time.perf_counter() - t
+        return status
+
+    def timed_sample(sampler: Any, row: int) -> int:
+        t = time.perf_counter()
+        token: int = sample(sampler, row)
+        spent["sample"] += time.perf_counter() - t
+        return token
+
+    backend.decode, backend.sample = timed_decode, timed_sample
+    try:
+        steps = ctx.stats().num_steps
+        tokens, seconds = llamax_run(ctx)(short_prompts(n), max_tokens)
+        steps = ctx.stats().num_steps - steps
+    finally:
+        del backend.decode, backend.sample  # the class's methods again
+    per_step = {k: round(v / steps * 1e3, 3) for k, v in spent.items()}
+    wall = seconds / steps * 1e3
+    return {
+        "n": n,
+        "steps": steps,
+        "tokens_per_s": round(tokens / seconds, 1),
+        "step_ms": round(wall, 3),
+        "decode_ms": per_step["decode"],
+        "sample_ms": per_step["sample"],
+        "python_ms": round(wall - per_step["decode"] - per_step["sample"], 3),
+        "python_share": round(1 - (spent["decode"] + spent["sample"]) / seconds, 4),
+    }
+
+
+def bench_shape(
+    args: argparse.Namespace, name: str, model: Path, ns: Sequence[int]
+) -> dict[str, Any]:
+    """Every system at every N on one model, interleaved; then the overhead model."""
+    log(f"== {name}: {model}")
+    closers: list[Callable[[], None]] = []
+    ngl = 0 if args.cpu else -1
+    n_max = max([*ns, args.overhead_n])
+    options = dict(n_ctx=n_max * CELLS_PER_SEQ, n_seq_max=n_max, n_batch=N_BATCH)
+    try:
+        ctx = llamax.Context(
+            model, n_gpu_layers=ngl, n_threads=N_THREADS, kv_layout="streams", **options
+        )
+        closers.append(ctx.close)
+        systems: dict[str, Run] = {LLAMAX: llamax_run(ctx)}
+        if RAW not in args.skip:
+            loop = RawLoop(model, kv_unified=False, **options)
+            closers.append(loop.close)
+            systems[RAW] = raw_run(loop)
+        if args.llama_server is not None:
+            systems[SERVER] = server_run(args.llama_server, model, 0 if args.cpu else 99, closers)
+        for system, run in systems.items():
+            if system != SERVER:
+                run(short_prompts(min(2, n_max)), 4)  # warm-up (the server warms per N)
+        samples: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
+        for repeat in range(args.repeats):
+            for n in ns:
+                order = (
+                    list(systems)[repeat % len(systems) :] + list(systems)[: repeat % len(systems)]
+                )
+                for system in order:
+                    tokens, seconds = systems[system](short_prompts(n), args.max_tokens)
+                    if tokens != n * args.max_tokens:
+                        log(f"  warning: {system} made {tokens} != {n * args.max_tokens} tokens")
+                    samples[system].setdefault(str(n), []).append(round(tokens / seconds, 2))
+                    log(f"{name} N={n:<3} {system:<12} {tokens / seconds:9.1f} tok/s")
+        breakdown = overhead(ctx, args.overhead_n, args.max_tokens)
+        log(f"{name} overhead at N={args.overhead_n}: {breakdown}")
+    finally:
+        for close in reversed(closers):
+            close()
+    med = {s: {n: statistics.median(v) for n, v in by_n.items()} for s, by_n in samples.items()}
+    return {
+        "model": str(model),
+        "model_bytes": model.stat().st_size,
+        "median_tokens_per_s": {s: {n: round(v, 2) for n, v in m.items()} for s, m in med.items()},
+        "ratios": {
+            f"llamax_over_{other}": {
+                str(n): ratio(med[LLAMAX].get(str(n)), med.get(other, {}).get(str(n))) for n in ns
+            }
+            for other in (SERVER, RAW)
+        },
+        "overhead": breakdown,
+        "samples": samples,
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--json-out", type=Path, help="also write the JSON report here")
+    parser.add_argument(
+        "--shape", action="append", default=[], metavar="NAME=GGUF", help="a model (repeatable)"
+    )
+    parser.add_argument("--n", type=int, nargs="+", default=[1, 16, 64, 128])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--overhead-n", type=int, default=64)
+    parser.add_argument("--llama-server", help="llama-server binary of the same build, or 'none'")
+    parser.add_argument("--skip", nargs="*", default=[], help="systems not to run (raw_streams)")
+    parser.add_argument("--cpu", action="store_true", help="n_gpu_layers=0 and -ngl 0")
+    parser.add_argument("--quick", action="store_true", help="N = 1 16, 32 tokens, 1 repeat")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.max_tokens, args.repeats = [1, 16], 32, 1
+        args.overhead_n = min(args.overhead_n, 16)
+    if not args.shape:
+        args.shape = [f"default={llamax.default_model_path()}"]
+    try:
+        args.models = {k: Path(v) for k, v in (s.split("=", 1) for s in args.shape)}
+    except ValueError:
+        parser.error("--shape takes NAME=GGUF")
+    server = args.llama_server
+    args.llama_server = None if server in (None, "none") else Path(server)
+    return args
+
+
+def report(
+    args: argparse.Namespace, load: list[float], ns: Sequence[int], shapes: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON report: config, every shape's results, and the targets."""
+    values = {
+        f"{name}_llamax_vs_llama_server_N{n}": result["ratios"][f"llamax_over_{SERVER}"].get(str(n))
+        for name, result in shapes.items()
+        for n in ns
+        if n >= 16
+    }
+    config = base_config(
+        args, load, cells_per_seq=CELLS_PER_SEQ, n_batch=N_BATCH, n_gpu_layers=0 if args.cpu else -1
+    )
+    config.pop("models", None)
+    return {
+        "config": config,
+        "shapes": shapes,
+        "targets": targets(values, dict.fromkeys(values, 1.0), at_least=True),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    ns = sorted(set(args.n))
+    load = load_average()
+    shapes: dict[str, dict[str, Any]] = {}
+    with stdout_to_stderr() as stdout:
+        for name, path in args.models.items():
+            shapes[name] = bench_shape(args, name, path, ns)
+            if args.json_out:  # a run cut short keeps the shapes it finished
+                args.json_out.write_text(json.dumps(report(args, load, ns, shapes), indent=2))
+        emit_report(report(args, load, ns, shapes), stdout, args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# Build llama.cpp for CUDA from the source llama-cpp-python 0.3.36 vendors, run the GPU test
+# tier and the GPU benchmark: on a lent GPU machine (no network), from the repo's root, with
+# .gpu_carry carried (scripts/carry_llama_cpp.sh makes it; docs/gpu.md has the calls).
+#
+#   bash scripts/gpu_check.sh [--cpu] [probe] [build] [models] [test] [bench] [bench-quick]
+#
+# Phases (default: build models test bench), in the order given:
+#   probe        what the machine has: GPU, nvcc, cuBLAS, Python packages
+#   build        cmake + ninja, targets llama and llama-server, every core, into
+#                $LLAMAX_GPU_BUILD (default /tmp/llamax-gpu-build); skipped when libllama.so
+#                and llama-server are already there (a warm machine keeps /tmp between calls)
+#   models       scripts/make_random_model.py: tiny, 1b (F16) and 8b (Q8_0) into /tmp
+#   test         pytest -m gpu on the random 1B, then on SmolLM2-sized tiny (short)
+#   bench        benchmarks/gpu_throughput.py on tiny, 1b and 8b, llama-server of this build
+#   bench-quick  the same at N = 1, 16 and 64 tokens each, tiny and 1b only (a smoke run)
+# --cpu builds without CUDA (a dry run of every phase on a machine without a GPU).
+#
+# Everything the phases write comes back under $OUT (at most 8 files): build.log,
+# pytest.log, junit.xml, gpu_throughput.json, bench.log, probe.txt, summary.txt.
+#
+# llama-cpp-python's Python package is used from the carry (PYTHONPATH), its ctypes loader
+# pointed at this build's libllama.so by LLAMA_CPP_LIB_PATH (llama_cpp/llama_cpp.py: it
+# loads "$LLAMA_CPP_LIB_PATH/libllama.so"; libggml*.so come by the library's RUNPATH, and
+# LD_LIBRARY_PATH names the same folder), so llamax and llama-server run the same build.
+set -uo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+carry=$repo/.gpu_carry
+src=$carry/llama-cpp-python/vendor/llama.cpp
+out=${OUT:-/tmp/llamax-gpu-out}
+mkdir -p "$out"
+models=${LLAMAX_GPU_MODELS:-/tmp/llamax-gpu-models}
+python=${PYTHON:-python3}
+cuda=ON
+phases=()
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) cuda=OFF ;;
+    probe | build | models | test | bench | bench-quick) phases+=("$arg") ;;
+    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+[ ${#phases[@]} -gt 0 ] || phases=(build models test bench)
+if [ "$cuda" = ON ]; then
+  build=${LLAMAX_GPU_BUILD:-/tmp/llamax-gpu-build}
+else
+  build=${LLAMAX_GPU_BUILD:-/tmp/llamax-cpu-build}
+fi
+lib_dir=$build/bin
+jobs=$(nproc 2>/dev/null || echo 2)
+
+log() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$out/summary.txt" >&2; }
+
+setup_python() {
+  # the carry's wheels (gguf, diskcache) and llama_cpp package; pip needs no network here
+  local site=/tmp/llamax-gpu-site
+  if [ ! -d "$site/gguf" ]; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$carry"/wheels/*.whl || exit 1
+  fi
+  export PYTHONPATH=$repo:$repo/benchmarks:$carry/llama-cpp-python:$site${PYTHONPATH:+:$PYTHONPATH}
+  export LLAMA_CPP_LIB_PATH=$lib_dir
+  export LD_LIBRARY_PATH=$lib_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PYTHONUNBUFFERED=1
+  # CPU threads of llamax, the raw loop and llama-server alike (benchmarks/_common.py)
+  if [ "$cuda" = ON ]; then
+    export LLAMAX_BENCH_THREADS=${LLAMAX_BENCH_THREADS:-8}
+  else
+    export LLAMAX_BENCH_THREADS=${LLAMAX_BENCH_THREADS:-2}
+  fi
+}
+
+cuda_fallbacks() {
+  # Images whose CUDA toolkit has nvcc but no cuBLAS or no libcuda stub (this workplace's
+  # CPU machines have such a toolkit): take cuBLAS and its headers from wherever they are
+  # (PyTorch's pip packages), and libcuda from the driver's folders.
+  local toolkit lib inc drv libdir
+  toolkit=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  local -a roots=("$toolkit" /usr/local/cuda /usr/local/cuda-*)
+  if ! ls "${roots[@]/%//lib64/libcublas.so}" "${roots[@]/%//targets/x86_64-linux/lib/libcublas.so}" \
+    >/dev/null 2>&1; then
+    lib=$(find / -xdev -name 'libcublas.so*' -not -path '/proc/*' 2>/dev/null | sort | head -1)
+    inc=$(find / -xdev -name cublas_v2.h -not -path '/proc/*' 2>/dev/null | head -1)
+    log "build: no cuBLAS in ${roots[*]}; using $lib and $inc"
+    [ -n "$lib" ] && [ -n "$inc" ] || { log "build: no cuBLAS anywhere"; exit 1; }
+    libdir=$(dirname "$lib")
+    cmake_extra+=(
+      "-DCUDA_cublas_LIBRARY=$lib"
+      "-DCUDA_cublasLt_LIBRARY=$(ls "$libdir"/libcublasLt.so* | head -1)"
+      "-DCMAKE_CUDA_FLAGS=-I$(dirname "$inc")"
+      "-DCMAKE_CXX_FLAGS=-I$(dirname "$inc")"
+    )
+    export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  fi
+  if ! ls "${roots[@]/%//lib64/stubs/libcuda.so}" \
+    "${roots[@]/%//targets/x86_64-linux/lib/stubs/libcuda.so}" >/dev/null 2>&1; then
+    drv=$(find /usr/local/nvidia /usr/lib /usr/lib64 -name 'libcuda.so*' 2>/dev/null | sort | head -1)
+    log "build: no libcuda stub in ${roots[*]}; using ${drv:-none (GGML_CUDA_NO_VMM=ON)}"
+    if [ -n "$drv" ]; then
+      cmake_extra+=("-DCUDA_cuda_driver_LIBRARY=$drv")
+    else
+      cmake_extra+=(-DGGML_CUDA_NO_VMM=ON)
+    fi
+  fi
+}
+
+phase_probe() {
+  {
+    nvidia-smi || true
+    command -v nvcc && nvcc --version
+    cmake --version | head -1
+    ninja --version
+    "$python" --version
+    find / -xdev \( -name 'libcublas.so*' -o -name cublas_v2.h \) 2>/dev/null | head
+    "$python" -m pip list 2>/dev/null | grep -iE '^(numpy|jinja2|pytest|pyyaml|typing.ext|hypothesis) '
+    df -h /tmp
+  } >"$out/probe.txt" 2>&1
+  cat "$out/probe.txt"
+}
+
+phase_build() {
+  if [ -f "$lib_dir/libllama.so" ] && [ -x "$lib_dir/llama-server" ]; then
+    log "build: $build is there, skipped"
+    return
+  fi
+  [ -f "$src/CMakeLists.txt" ] || { log "no $src: carry .gpu_carry"; exit 1; }
+  local -a cmake_extra=()
+  if [ "$cuda" = ON ]; then
+    cmake_extra+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
+    cuda_fallbacks
+  else
+    # shellcheck disable=SC2207  # a list of flags
+    cmake_extra+=($(bash "$repo/scripts/cmake_flags.sh"))
+  fi
+  log "build: configuring (GGML_CUDA=$cuda) into $build"
+  local start=$SECONDS
+  cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_CCACHE=OFF \
+    "${cmake_extra[@]}" >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  log "build: ninja -j$jobs llama llama-server"
+  cmake --build "$build" --target llama llama-server --parallel "$jobs" >>"$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; exit 1; }
+  log "build: done in $((SECONDS - start)) s: $(cd "$lib_dir" && ls libllama.so libggml*.so llama-server | xargs)"
+}
+
+phase_models() {
+  # the shapes named (default: all a run of this kind uses); each written once
+  mkdir -p "$models"
+  local shapes=("$@")
+  if [ ${#shapes[@]} -eq 0 ]; then
+    shapes=(tiny 1b 8b)
+    [ "$cuda" = OFF ] && shapes=(tiny small)
+  fi
+  for shape in "${shapes[@]}"; do
+    if [ ! -f "$models/$shape.gguf" ]; then
+      local start=$SECONDS
+      # a file cut short by a call's time limit must not pass for a model next time
+      "$python" scripts/make_random_model.py "$models/$shape.gguf.part" --shape "$shape" \
+        --tokenizer-from "$carry/smollm2-tokenizer.gguf" >&2 || exit 1
+      mv "$models/$shape.gguf.part" "$models/$shape.gguf"
+      log "models: $shape.gguf $(du -h "$models/$shape.gguf" | cut -f1) in $((SECONDS - start)) s"
+    fi
+  done
+}
+
+phase_test() {
+  local model=$models/1b.gguf
+  [ "$cuda" = OFF ] && model=$models/small.gguf
+  local -a env_extra=()
+  [ "$cuda" = OFF ] && env_extra=(LLAMAX_GPU_TIER_ON_CPU=1)
+  log "test: pytest -m gpu on $model"
+  env "${env_extra[@]}" LLAMAX_GPU_MODEL="$model" "$python" -m pytest -m gpu tests/test_gpu.py \
+    -q -rs -s -p no:cacheprovider --junitxml="$out/junit.xml" -o addopts="" >"$out/pytest.log" 2>&1
+  local rc=$?
+  tail -15 "$out/pytest.log"
+  log "test: pytest exit $rc"
+}
+
+phase_bench() {
+  local quick=$1
+  local -a args=(--llama-server "$lib_dir/llama-server" --json-out "$out/gpu_throughput.json")
+  if [ "$cuda" = OFF ]; then
+    args+=(--quick --cpu --shape tiny="$models/tiny.gguf")
+  elif [ "$quick" = 1 ]; then
+    args+=(--quick --shape 1b="$models/1b.gguf" --shape tiny="$models/tiny.gguf")
+  else
+    # the report is rewritten after each shape: a run cut short keeps the shapes it finished
+    args+=(--shape 1b="$models/1b.gguf" --shape 8b="$models/8b.gguf" --shape tiny="$models/tiny.gguf")
+  fi
+  log "bench: benchmarks/gpu_throughput.py ${args[*]}"
+  "$python" benchmarks/gpu_throughput.py "${args[@]}" >/dev/null 2>"$out/bench.log"
+  local rc=$?
+  tail -25 "$out/bench.log"
+  log "bench: exit $rc"
+}
+
+setup_python
+log "phases: ${phases[*]} (GGML_CUDA=$cuda, build $build, $jobs cores)"
+for phase in "${phases[@]}"; do
+  case "$phase" in
+    probe) phase_probe ;;
+    build) phase_build ;;
+    models) phase_models ;;
+    test) if [ "$cuda" = ON ]; then phase_models 1b; else phase_models small; fi && phase_test ;;
+    bench) if [ "$cuda" = ON ]; then phase_models 1b 8b tiny; else phase_models tiny; fi \
+      && phase_bench 0 ;;
+    bench-quick) phase_models 1b tiny && phase_bench 1 ;;
+  esac
+done
