@@ -102,6 +102,15 @@ def test_text_completion_shapes(ctx: llamax.Context) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == response["choices"][0]["text"]
 
 
+def test_a_model_option_is_echoed_as_the_responses_model(ctx: llamax.Context) -> None:
+    assert ctx.chat_completion(USER, max_tokens=2, model="my-model")["model"] == "my-model"
+    chunks = list(ctx.chat_completion(USER, max_tokens=2, model="my-model", stream=True))
+    assert {c["model"] for c in chunks} == {"my-model"}
+    assert ctx.completion("abc", max_tokens=2, model="my-model")["model"] == "my-model"
+    for model in (None, ""):  # none given: the GGUF's name
+        assert ctx.chat_completion(USER, max_tokens=2, model=model)["model"] == "fake"
+
+
 def test_async_twins_inside_a_running_loop() -> None:
     context = make(autostart=True)
 

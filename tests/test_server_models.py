@@ -7,6 +7,7 @@ After each test every loaded context is idle (nothing leaked) and the pool is cl
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -368,6 +369,32 @@ def test_pool_lists_adapters_and_resets_every_loaded_prefix_cache(
     assert reset.json() == {"status": "ok", "freed_sequences": 2}  # a's and b's
     assert a.made[0].stats().num_retained == b.made[0].stats().num_retained == 0
     assert c.num_calls == 0  # resetting loads nothing
+
+
+def test_responses_name_the_model_the_request_named(pools: Callable[..., ModelPool]) -> None:
+    pool = pools({"a": Factory(), "b": Factory()})
+    app = create_app(pool)
+    chat = {"messages": HELLO, "max_tokens": 2}
+
+    async def scenario(client: httpx.AsyncClient) -> list[Any]:
+        named = await post(client, "/v1/chat/completions", chat | {"model": "b"})
+        default = await post(client, "/v1/chat/completions", chat)
+        text = await post(client, "/v1/completions", TEXT | {"model": "b"})
+        streamed = await post(client, "/v1/chat/completions",
+                              chat | {"model": "b", "stream": True})  # fmt: skip
+        messages = await post(client, "/v1/messages",
+                              {"model": "b", "max_tokens": 2, "messages": HELLO})  # fmt: skip
+        responses = await post(client, "/v1/responses",
+                               {"model": "b", "input": "Hi", "max_output_tokens": 2})  # fmt: skip
+        return [named, default, text, streamed, messages, responses]
+
+    named, default, text, streamed, messages, responses = run(app, scenario)
+    assert named.json()["model"] == "b" and default.json()["model"] == "a"
+    assert text.json()["model"] == "b"
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    assert chunks and {c["model"] for c in chunks} == {"b"}
+    assert messages.json()["model"] == "b" and responses.json()["model"] == "b"
 
 
 def test_pool_and_cli_refuse_bad_configurations(tmp_path: Path) -> None:

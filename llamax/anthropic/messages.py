@@ -100,7 +100,8 @@ def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: st
 def _submit(ctx: Context, request: Mapping[str, Any]) -> tuple[OpenAIRequest, list[str]]:
     _check_fields(request, REQUEST_FIELDS, "messages")
     chat, options = _chat_request(request)
-    return submit_chat(ctx, chat, **options), list(options.get("stop") or [])
+    submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
+    return submitted, list(options.get("stop") or [])
 
 
 def _chat_request(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

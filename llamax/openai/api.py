@@ -79,6 +79,12 @@ def chat_prompt_tokens(
 def _chat(
     ctx: Context, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
 ) -> OpenAIRequest:
+    return _submit_chat(ctx, messages, options).named(options.get("model"))
+
+
+def _submit_chat(
+    ctx: Context, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
+) -> OpenAIRequest:
     check_option_names(options, CHAT_OPTIONS, "chat_completion")
     opts: ChatOptions = options  # type: ignore[assignment]
     params = sampling_params(opts, chat=True)
@@ -118,7 +124,8 @@ def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
 def _text(ctx: Context, prompt: str | Sequence[int], options: Mapping[str, Any]) -> OpenAIRequest:
     check_option_names(options, COMPLETION_OPTIONS, "completion")
     opts: CompletionOptions = options  # type: ignore[assignment]
-    return prepare_text(ctx, prompt, sampling_params(opts, chat=False))
+    request = prepare_text(ctx, prompt, sampling_params(opts, chat=False))
+    return request.named(opts.get("model"))
 
 
 def _include_usage(options: Mapping[str, Any]) -> bool:

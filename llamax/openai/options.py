@@ -57,6 +57,7 @@ class CompletionOptions(TypedDict, total=False):
     frequency_penalty: float
     stream_options: StreamOptions | None
     model: str | None
+    """Echoed as the response's ``model`` (default: the GGUF's name); picks nothing."""
     user: str | None
     logprobs: bool | int | None
     top_logprobs: int | None

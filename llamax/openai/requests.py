@@ -177,6 +177,13 @@ class OpenAIRequest:
     num_prompt_tokens: int = 0
     """Tokens of the rendered prompt (chat; 0 for a text prompt given as a string)."""
 
+    def named(self, model: object) -> OpenAIRequest:
+        """This request answering as ``model`` when that is a non-empty str (a request's
+        own ``model`` field is echoed, as OpenAI and llama-server do); else unchanged."""
+        if isinstance(model, str) and model:
+            return dataclasses.replace(self, model=model)
+        return self
+
     @property
     def splits_reasoning(self) -> bool:
         """Whether the reply's thinking goes to ``reasoning_content``."""

@@ -232,7 +232,7 @@ def _submit(ctx: Context, request: Mapping[str, Any], store: ResponseStore | Non
             raise InvalidParameterError("instructions must be a string")
         chat.insert(0, {"role": "system", "content": instructions})
     options = _options(request)
-    submitted = submit_chat(ctx, chat, **options)
+    submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
     keep = store if request.get("store", True) is not False else None
     return _Job(submitted, dict(request), history + turn, keep, options.get("max_tokens"))
 

@@ -51,14 +51,14 @@ def api_routes(state: ServerState) -> APIRouter:
             return options
 
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            return ctx.achat_completion(body.messages, **options)
+            return ctx.achat_completion(body.messages, **options, **_echo(state, body))
 
         return await _admit(state, request, "chat", ChatCompletionRequest, options, start)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            return ctx.acompletion(body.prompt, **options)
+            return ctx.acompletion(body.prompt, **options, **_echo(state, body))
 
         return await _admit(
             state, request, "completions", CompletionRequest, _stream_options, start
@@ -78,9 +78,8 @@ def api_routes(state: ServerState) -> APIRouter:
                 for i, v in enumerate(vectors)
             ]
             usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-            return JSONResponse(
-                {"object": "list", "data": data, "model": ctx.model_name, "usage": usage}
-            )
+            model = _echo(state, body).get("model", ctx.model_name)
+            return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage})
 
         return await _in_worker(state, request, EmbeddingRequest, work)
 
@@ -116,6 +115,16 @@ def api_routes(state: ServerState) -> APIRouter:
 def _model_of(body: Any) -> object:
     """The ``model`` a parsed body names (``None``: the default)."""
     return getattr(body, "model", None)
+
+
+def _echo(state: ServerState, body: Any) -> dict[str, Any]:
+    """The ``model`` option that makes a response name the model as the request did (as
+    OpenAI and llama-server do); with several models, a request naming none gets the
+    default model's name. Empty: the GGUF's name."""
+    model = body.model
+    if model is None and state.pool is not None:
+        model = state.pool.default
+    return {} if model is None else {"model": model}
 
 
 def _encode(vector: Any, encoding_format: str) -> list[float] | str:

@@ -37,7 +37,8 @@ MAX_STOP_STRINGS = 400
 """Most ``stop`` strings one request may give over HTTP."""
 
 _NOT_OPTIONS = frozenset({"model", "user", "stream", "stream_options", "messages", "prompt"})
-"""Fields the server handles itself (``model`` and ``user`` are accepted and ignored)."""
+"""Fields the server handles itself (``model`` picks the model and is echoed; ``user`` is
+accepted and ignored)."""
 
 
 class _Strict(BaseModel):
