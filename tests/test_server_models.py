@@ -196,6 +196,13 @@ def test_models_max_unloads_the_least_recently_used(pools: Callable[..., ModelPo
     assert 'llamax_model_loaded{model="a"} 0.0' in metrics
     assert 'llamax_model_unloads_total{model="a"} 1.0' in metrics
     assert 'llamax_model_loads_total{model="b",outcome="success"} 2.0' in metrics
+    # each loaded model's engine figures, labelled; none for the unloaded one
+    cells = factories["b"].made[-1].stats().kv_cells_total
+    assert f'llamax_kv_cells_total{{model="b"}} {float(cells)}' in metrics
+    assert 'llamax_engine_steps_total{model="c"}' in metrics
+    assert 'llamax_prefix_ram_bytes{model="c"}' in metrics
+    engine_lines = [line for line in metrics.splitlines() if '{model="a"}' in line]
+    assert all(line.startswith("llamax_model_") for line in engine_lines), engine_lines
 
 
 def test_a_model_in_use_is_never_unloaded_to_make_room(pools: Callable[..., ModelPool]) -> None:

@@ -8,7 +8,7 @@ scrape by a collector, so they are never stale.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 import llamax
 
-__all__ = ["ServerMetrics", "TokenClock"]
+__all__ = ["ServerMetrics", "TokenClock", "engine_metrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -31,43 +31,53 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
-        if stats is None:
-            return
-        gauges = {
-            "llamax_queue_waiting_sequences": ("Sequences queued", stats.num_waiting),
-            "llamax_running_sequences": ("Sequences being computed", stats.num_running),
-            "llamax_retained_sequences": ("Finished sequences kept for their prefix",
-                                          stats.num_retained),
-            "llamax_kv_cells_used": ("KV cells in use", stats.kv_cells_used),
-            "llamax_kv_cells_total": ("KV cells in the context", stats.kv_cells_total),
-            "llamax_prefix_ram_bytes": ("Bytes of evicted prefixes kept in host RAM",
-                                        stats.prefix_ram_bytes),
-            "llamax_prefix_ram_budget_bytes": ("The host-RAM prefix tier's budget",
-                                               stats.prefix_ram_budget_bytes),
-            "llamax_prefix_ram_entries": ("Evicted prefixes kept in host RAM",
-                                          stats.prefix_ram_entries),
-        }  # fmt: skip
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
-            "llamax_engine_steps": ("Decodes run", stats.num_steps),
-            "llamax_engine_prefill_tokens": ("Prompt tokens computed", stats.num_prefill_tokens),
-            "llamax_engine_decode_tokens": ("Generated tokens computed", stats.num_decode_tokens),
-            "llamax_engine_preemptions": ("Sequences preempted", stats.num_preemptions),
-            "llamax_kv_relayouts": ("Moves between KV layouts", stats.num_relayouts),
-            "llamax_prefix_ram_hits": ("Prompts whose longest prefix was in host RAM",
-                                       stats.num_prefix_ram_hits),
-            "llamax_prefix_ram_restores": ("Prefixes restored from host RAM",
-                                           stats.num_prefix_ram_restores),
-            "llamax_prefix_ram_refused": ("Restores from host RAM refused (recomputed)",
-                                          stats.num_prefix_ram_refused),
-            "llamax_prefix_ram_restored_tokens": ("Prompt tokens restored from host RAM",
-                                                  stats.num_prefix_ram_tokens),
-            "llamax_prefix_ram_restore_seconds": ("Time spent restoring prefixes from host RAM",
-                                                  stats.prefix_ram_restore_seconds),
-        }  # fmt: skip
-        for name, (doc, total) in counters.items():
-            yield CounterMetricFamily(name, doc, value=total)
+        if stats is not None:
+            yield from engine_metrics([((), stats)])
+
+
+def engine_metrics(
+    rows: Sequence[tuple[Sequence[str], llamax.ContextStats]], labels: Sequence[str] = ()
+) -> Iterator[Metric]:
+    """The engine's gauges and counters (``llamax_kv_cells_used`` ...), one sample per row:
+    its label values (for ``labels``: ``("model",)`` with several models) and its stats."""
+    gauges = {
+        "llamax_queue_waiting_sequences": ("Sequences queued", "num_waiting"),
+        "llamax_running_sequences": ("Sequences being computed", "num_running"),
+        "llamax_retained_sequences": ("Finished sequences kept for their prefix", "num_retained"),
+        "llamax_kv_cells_used": ("KV cells in use", "kv_cells_used"),
+        "llamax_kv_cells_total": ("KV cells in the context", "kv_cells_total"),
+        "llamax_prefix_ram_bytes": ("Bytes of evicted prefixes kept in host RAM",
+                                    "prefix_ram_bytes"),
+        "llamax_prefix_ram_budget_bytes": ("The host-RAM prefix tier's budget",
+                                           "prefix_ram_budget_bytes"),
+        "llamax_prefix_ram_entries": ("Evicted prefixes kept in host RAM", "prefix_ram_entries"),
+    }  # fmt: skip
+    counters = {
+        "llamax_engine_steps": ("Decodes run", "num_steps"),
+        "llamax_engine_prefill_tokens": ("Prompt tokens computed", "num_prefill_tokens"),
+        "llamax_engine_decode_tokens": ("Generated tokens computed", "num_decode_tokens"),
+        "llamax_engine_preemptions": ("Sequences preempted", "num_preemptions"),
+        "llamax_kv_relayouts": ("Moves between KV layouts", "num_relayouts"),
+        "llamax_prefix_ram_hits": ("Prompts whose longest prefix was in host RAM",
+                                   "num_prefix_ram_hits"),
+        "llamax_prefix_ram_restores": ("Prefixes restored from host RAM",
+                                       "num_prefix_ram_restores"),
+        "llamax_prefix_ram_refused": ("Restores from host RAM refused (recomputed)",
+                                      "num_prefix_ram_refused"),
+        "llamax_prefix_ram_restored_tokens": ("Prompt tokens restored from host RAM",
+                                              "num_prefix_ram_tokens"),
+        "llamax_prefix_ram_restore_seconds": ("Time spent restoring prefixes from host RAM",
+                                              "prefix_ram_restore_seconds"),
+    }  # fmt: skip
+    kinds: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], dict[str, Any]]] = [
+        (GaugeMetricFamily, gauges), (CounterMetricFamily, counters)
+    ]  # fmt: skip
+    for family, table in kinds:
+        for name, (doc, field) in table.items():
+            metric = family(name, doc, labels=list(labels))
+            for values, stats in rows:
+                metric.add_metric(list(values), getattr(stats, field))
+            yield metric
 
 
 class ServerMetrics:

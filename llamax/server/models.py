@@ -27,6 +27,8 @@ from prometheus_client.registry import Collector
 
 import llamax
 
+from .metrics import engine_metrics
+
 __all__ = ["ModelInfo", "ModelPool", "ModelState"]
 
 log = logging.getLogger("llamax.server")
@@ -381,3 +383,8 @@ class _PoolCollector(Collector):
                 loads.add_metric([name, outcome], count)
             unloads.add_metric([name], num_unloads)
         yield from (loaded, users, loads, unloads)
+        engines = []  # each loaded model's engine figures, labelled by model
+        for info in self._pool.models():
+            if info.context is not None:
+                engines.append(((info.name,), info.context.stats()))
+        yield from engine_metrics(engines, ("model",))
