@@ -215,3 +215,37 @@ def test_serve_refuses_bad_lora_flags(capsys: pytest.CaptureFixture[str]) -> Non
     assert "expected NAME=PATH" in capsys.readouterr().err
     assert main(["--lora", "a=x.gguf", "--lora", "a=y.gguf"]) == 2
     assert main(["--lora", "=x.gguf"]) == 2
+
+
+def test_a_request_lacking_room_is_not_overtaken_by_another_sets_newcomers(
+    adapter_files: dict[str, str],
+) -> None:
+    # two sequence ids, held by the base model and by set b; a request under a waits for
+    # one, and three later base requests arrive. The sets take turns, the base model first
+    # after b, so when b's request ended the base newcomers took its id, and each id freed
+    # after, and the a request waited for all of them.
+    backend = FakeBackend(n_ctx=1024, n_seq_max=2, n_batch=256)
+    ctx = llamax.Context(backend=backend, lora=adapter_files, autostart=False, prefix_cache=False)
+    with ctx:
+        running = [
+            ctx.add_request("base", greedy(40)),
+            ctx.add_request("b", greedy(4, lora={"b": 1})),
+        ]
+        ctx.process()  # a step plans one set: the base model's, then b's
+        ctx.process()
+        tuned = ctx.add_request("a", greedy(4, lora={"a": 1}))
+        late = [ctx.add_request(f"late {i}", greedy(4)) for i in range(3)]
+        handles = (*running, tuned, *late)
+        finished: list[Any] = []
+        for _ in range(400):
+            if len(finished) == len(handles):
+                break
+            ctx.process()
+            finished += [h for h in handles if h.done() and h not in finished]
+        names = {
+            id(h): n for h, n in zip(handles, ["base", "b", "a", "l0", "l1", "l2"], strict=True)
+        }
+        order = [names[id(h)] for h in finished]
+        assert order.index("a") < min(order.index(n) for n in ("l0", "l1", "l2")), order
+        assert all(h.result().usage.completion_tokens > 0 for h in handles)
+        assert_idle(ctx)

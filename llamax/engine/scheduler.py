@@ -78,6 +78,9 @@ class Scheduler(SchedulerView):
         self.price_drafts = True  # tests turn it off to verify every proposal
         self._last_group: AdapterSet | None = None
         """The adapter set the last step ran (see :meth:`_adapter_groups`)."""
+        self._room_waiter: Sequence | None = None
+        """With several adapter sets: the first request in queue order that lacked room
+        on its set's turn; no later request of another set takes room before it."""
         self.clock = backend.clock if isinstance(backend, Clocked) else time.perf_counter
         """What steps are timed with (a :class:`~llamax.backend.base.Clocked` backend's)."""
 
@@ -134,6 +137,19 @@ class Scheduler(SchedulerView):
         start = next((i for i, key in enumerate(order) if last is not None and key > last), 0)
         return [*order[start:], *order[:start]]
 
+    def _room_blocker(self, group: AdapterSet | None) -> Sequence | None:
+        """The request of another adapter set than ``group`` that lacked room and still
+        waits (:attr:`_room_waiter`), or None. Sets take turns (:meth:`_adapter_groups`),
+        so without this a set's newcomers could take, on its turns, the room that an
+        earlier request of another set waits for, again and again."""
+        waiter = self._room_waiter
+        if waiter is None:
+            return None
+        if not any(seq is waiter for seq in self._waiting):  # admitted, or gone
+            self._room_waiter = None
+            return None
+        return waiter if group is not None and waiter.request.adapters != group else None
+
     def _plan_group(self, group: AdapterSet | None) -> StepPlan:
         """Plan the step over the sequences of adapter set ``group`` (None: all)."""
 
@@ -157,13 +173,19 @@ class Scheduler(SchedulerView):
         waiting = [seq for seq in self._waiting if ours(seq)]
         over = [seq for seq in waiting if self.fair.is_over(seq.request)]
         under = [seq for seq in waiting if not self.fair.is_over(seq.request)]
+        blocker = self._room_blocker(group)
         for seq in under + over:
             if budget <= 0:
                 break
+            if blocker is not None and seq.sort_key > blocker.sort_key:
+                continue  # another set's earlier request lacks room: it goes first
             if self._is_fork_candidate(seq):
                 continue
             outcome = self._try_admit(seq)
             if outcome is Outcome.NO_ROOM:
+                waiter = self._room_waiter
+                if group is not None and (waiter is None or seq.sort_key < waiter.sort_key):
+                    self._room_waiter = seq
                 break  # first come, first served: nobody overtakes a request that lacks room
             if outcome is Outcome.ADMITTED:
                 self.fair.add(seq.request)
