@@ -264,7 +264,9 @@ class LlamaServerPeer:
                     return
                 if line.startswith(b"data: "):
                     event = json.loads(line[6:])
-                    if event.get("stop"):
+                    if event.get("stop"):  # it may carry the last token's text
+                        if event.get("content"):
+                            yield str(event["content"])
                         return
                     yield str(event.get("content", ""))
         finally:

@@ -205,7 +205,9 @@ def measure(
     for repeat in range(repeats):
         for workload in WORKLOADS:
             times = system(workload, max_tokens)
-            if any(len(t) != max_tokens for t in times):
+            # llama-server may send the last token in its closing event, which the peer
+            # does not count: one short is fine, anything else is a failure
+            if any(not max_tokens - 1 <= len(t) <= max_tokens for t in times):
                 raise RuntimeError(f"{label}: a stream made {[len(t) for t in times]} tokens")
             rates[workload].append(round(steady_rate(times), 2))
             log(f"{label} {workload} repeat {repeat}: {rates[workload][-1]} tok/s "

@@ -21,6 +21,11 @@ Per system and repeat round: TTFT p50/p95; their medians over rounds. Ratio
 ``llamax_ram.hit_ttft_p50 / llamax_noram.hit_ttft_p50`` (target <= 1/3). Greedy agreement
 of ``llamax_ram`` with ``llamax_noram`` (token ids) on every request; where they part, a
 cold probe's logprobs of the two picks (a near tie is < 0.1 nats apart, as in the tests).
+Those two compute the repeat's user turn in different batch shapes (one chunk after the
+restored prefix; inside the last chunk of a whole prefill), so they may part. The exact
+check is ``restores_identical_to_kv_hits``: each repeat served as a KV hit of the same
+prefix (computed the same way, the user turn then computed alone) on the same context
+settings must give the very tokens the restore gave.
 
 ::
 
@@ -160,6 +165,25 @@ def run_llamax(model: Path, systems: list[str], rounds: int, ram: int) -> tuple[
     return results, tier
 
 
+def run_kv_hits(model: Path, systems: list[str], rounds: int) -> list[list[tuple[int, ...]]]:
+    """The repeat rounds' outputs when each is a KV hit instead of a restore: the same
+    context, each system prompt's cold round-0 prompt and then its repeat prompt at once,
+    so the prefix was computed exactly as ``llamax_ram`` computed it before storing it, and
+    the repeat computes only its user turn, as after a restore. A restore puts back the
+    very K/V values, so the outputs must be identical token for token."""
+    with llamax.Context(
+        model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_threads=N_THREADS, prefix_ram_bytes=0
+    ) as ctx:
+        run = llamax_runner(ctx)
+        run("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")  # as cycle() does
+        outputs: list[list[tuple[int, ...]]] = [[] for _ in range(1, rounds)]
+        for system in systems:
+            run(prompt(system, 0))
+            for r in range(1, rounds):
+                outputs[r - 1].append(run(prompt(system, r))[1])
+    return outputs
+
+
 def run_server(binary: Path, model: Path, systems: list[str], rounds: int) -> Any:
     peer = LlamaServerPeer(
         binary,
@@ -254,6 +278,14 @@ def main() -> None:
         noram, base = in_fresh_thread(lambda: run_llamax(model, systems, rounds, 0))
         systems_report["llamax_noram"] = {**summary(noram), "tier": base}
         log(json.dumps({"llamax_noram": systems_report["llamax_noram"]}))
+        log("llamax_kv_hit (the repeats as KV hits, for the output check)")
+        kv_hits = in_fresh_thread(lambda: run_kv_hits(model, systems, rounds))
+        restored = [[ids for _, ids, _ in round_] for round_ in ram[1:]]
+        same_as_kv_hit = sum(
+            a == b for ra, rb in zip(restored, kv_hits, strict=True)
+            for a, b in zip(ra, rb, strict=True)
+        )  # fmt: skip
+        log(f"  restores identical to KV hits: {same_as_kv_hit} of {N_SYSTEMS * (rounds - 1)}")
         if args.llama_server is not None and not args.no_llama_server:
             log("llama_server_cache_ram")
             server = in_fresh_thread(lambda: run_server(args.llama_server, model, systems, rounds))
@@ -294,6 +326,10 @@ def main() -> None:
             "systems": systems_report,
             "ratios": ratios,
             "targets": targets(ratios, LIMITS, at_least=False),
+            "restores_identical_to_kv_hits": {
+                "identical": same_as_kv_hit,
+                "repeats": N_SYSTEMS * (rounds - 1),
+            },
             "greedy_agreement": {
                 "same_token_ids": same,
                 "requests": len(pairs),
