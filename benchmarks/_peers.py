@@ -246,15 +246,22 @@ class LlamaServerPeer:
         max_tokens: int,
         stop: threading.Event | None = None,
         extra: dict[str, Any] | None = None,
+        *,
+        per_token: bool = False,
     ) -> Iterator[str]:
         """One streamed greedy completion: yields each token's text as it arrives.
 
         Setting ``stop`` ends the stream at the next token and closes the connection, which
         makes llama-server cancel the request. ``extra`` adds body fields (``lora`` ...).
+        llama-server holds back text that may still become a stop string or is not whole
+        UTF-8, so an event may carry several tokens; ``per_token`` asks for their ids
+        (``return_tokens``) and yields once per token (the text with its event's first).
         """
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
             body = self._body(prompt, max_tokens, True, extra)
+            if per_token:
+                body["return_tokens"] = True
             conn.request("POST", "/completion", json.dumps(body))
             response = conn.getresponse()
             if response.status != 200:
@@ -264,11 +271,14 @@ class LlamaServerPeer:
                     return
                 if line.startswith(b"data: "):
                     event = json.loads(line[6:])
-                    if event.get("stop"):  # it may carry the last token's text
-                        if event.get("content"):
-                            yield str(event["content"])
+                    text = str(event.get("content", ""))
+                    if per_token:
+                        for i in range(len(event.get("tokens") or ())):
+                            yield text if i == 0 else ""
+                    elif not event.get("stop") or text:  # a closing event may carry text
+                        yield text
+                    if event.get("stop"):
                         return
-                    yield str(event.get("content", ""))
         finally:
             conn.close()
 
