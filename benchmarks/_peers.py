@@ -246,22 +246,37 @@ class LlamaServerPeer:
         max_tokens: int,
         stop: threading.Event | None = None,
         extra: dict[str, Any] | None = None,
-        *,
-        per_token: bool = False,
     ) -> Iterator[str]:
         """One streamed greedy completion: yields each token's text as it arrives.
 
         Setting ``stop`` ends the stream at the next token and closes the connection, which
         makes llama-server cancel the request. ``extra`` adds body fields (``lora`` ...).
-        llama-server holds back text that may still become a stop string or is not whole
-        UTF-8, so an event may carry several tokens; ``per_token`` asks for their ids
-        (``return_tokens``) and yields once per token (the text with its event's first).
+        llama-server sends no event for a token whose text it holds back (not whole UTF-8,
+        or maybe a stop string), so count tokens with :meth:`stream_progress`.
         """
+        for event in self._events(prompt, max_tokens, stop, extra):
+            text = str(event.get("content", ""))
+            if not event.get("stop") or text:  # a closing event may carry text
+                yield text
+
+    def stream_progress(
+        self, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
+    ) -> Iterator[int]:
+        """One streamed greedy completion: yields, at each event, how many tokens it has
+        generated so far (``tokens_predicted``), the last time at the closing event."""
+        for event in self._events(prompt, max_tokens, None, extra):
+            yield int(event.get("tokens_predicted", 0))
+
+    def _events(
+        self,
+        prompt: str,
+        max_tokens: int,
+        stop: threading.Event | None,
+        extra: dict[str, Any] | None,
+    ) -> Iterator[dict[str, Any]]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
             body = self._body(prompt, max_tokens, True, extra)
-            if per_token:
-                body["return_tokens"] = True
             conn.request("POST", "/completion", json.dumps(body))
             response = conn.getresponse()
             if response.status != 200:
@@ -271,12 +286,7 @@ class LlamaServerPeer:
                     return
                 if line.startswith(b"data: "):
                     event = json.loads(line[6:])
-                    text = str(event.get("content", ""))
-                    if per_token:
-                        for i in range(len(event.get("tokens") or ())):
-                            yield text if i == 0 else ""
-                    elif not event.get("stop") or text:  # a closing event may carry text
-                        yield text
+                    yield event
                     if event.get("stop"):
                         return
         finally:

@@ -22,12 +22,16 @@ Systems, one after another, every workload ``--repeats`` times (interleaved):
     ``llama-server -np 16 -c 4096 --lora A --lora B --lora-init-without-apply``; each
     request's ``lora`` field picks its scales.
 
-Reported per system and workload: steady-state tokens/s (every stream's tokens between the
-moment the last stream had its first token and the moment the first stream ended, over
-that time), each repeat and their median; ``mixed_over_one`` (the cost of mixing) and
-``one_over_base`` (the cost of an adapter) per system; llamax over the raw loop and over
-llama-server per workload. The adapters are scripts/make_lora_adapter.py's (rank 8 on
-attn_q, attn_v and ffn_down of every block; random weights).
+Reported per system and workload, each repeat and their median: ``steady_tok_s`` (every
+stream's tokens between the moment the last stream had its first token and the moment the
+first stream ended, over that time; None when one set's streams all ended before another's
+began, as llama-server runs them), ``total_tok_s`` (all tokens over the time from the first
+request to the last token) and ``last_first_token_s`` (when the stream that waited longest
+had its first token: how fairly the sets share the steps). Then ``mixed_over_one`` (the
+cost of mixing) and ``one_over_base`` (the cost of an adapter) per system, and llamax over
+the raw loop and over llama-server per workload. The adapters are
+scripts/make_lora_adapter.py's (rank 8 on attn_q, attn_v and ffn_down of every block;
+random weights).
 
 ::
 
@@ -45,6 +49,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +83,27 @@ WORKLOADS: dict[str, list[str | None]] = {
 """Each stream's adapter (``None``: the base model)."""
 
 
-def steady_rate(times: Sequence[Sequence[float]]) -> float:
+Progress = list[tuple[float, int]]
+"""One stream: at each arrival, its time and how many tokens the stream has made so far."""
+
+
+def steady_rate(streams: Sequence[Progress]) -> float:
     """Tokens per second of every stream between the last first token and the first end."""
-    begin = max(t[0] for t in times)
-    end = min(t[-1] for t in times)
+    begin = max(p[0][0] for p in streams)
+    end = min(p[-1][0] for p in streams)
     if end <= begin:
         raise RuntimeError("no steady state: a stream ended before the last one started")
-    tokens = sum(sum(1 for x in t if begin < x <= end) for t in times)
+
+    def made_by(progress: Progress, moment: float) -> int:
+        return max((count for at, count in progress if at <= moment), default=0)
+
+    tokens = sum(made_by(p, end) - made_by(p, begin) for p in streams)
     return tokens / (end - begin)
+
+
+def per_token(times: Sequence[float]) -> Progress:
+    """The progress of a stream timed token by token."""
+    return [(at, i + 1) for i, at in enumerate(times)]
 
 
 def make_adapters(model: Path, directory: Path) -> dict[str, Path]:
@@ -101,20 +119,18 @@ def make_adapters(model: Path, directory: Path) -> dict[str, Path]:
     }
 
 
-def llamax_system(
-    model: Path, adapters: dict[str, Path]
-) -> Callable[[str, int], list[list[float]]]:
+def llamax_system(model: Path, adapters: dict[str, Path]) -> Callable[[str, int], list[Progress]]:
     ctx = llamax.Context(model, lora={k: str(v) for k, v in adapters.items()},
                          n_ctx=N_CTX, n_seq_max=N_STREAMS, n_threads=2)  # fmt: skip
     prompts = short_prompts(N_STREAMS)
 
-    def run(workload: str, max_tokens: int) -> list[list[float]]:
+    def run(workload: str, max_tokens: int) -> list[Progress]:
         handles = []
         for prompt, name in zip(prompts, WORKLOADS[workload], strict=True):
             params = dataclasses.replace(greedy(max_tokens), lora={name: 1.0} if name else None)
             handles.append(ctx.add_request(prompt, params))
         consumers = [TokenTimes(h) for h in handles]
-        times = [c.wait() for c in consumers]
+        times = [per_token(c.wait()) for c in consumers]
         ctx.clear_cache()  # every repeat prefills its prompts again, as the others do
         return times
 
@@ -147,7 +163,7 @@ class RawLora:
             raise RuntimeError(f"llama_set_adapters_lora failed with status {status}")
         self.applied = name
 
-    def __call__(self, workload: str, max_tokens: int) -> list[list[float]]:
+    def __call__(self, workload: str, max_tokens: int) -> list[Progress]:
         loop, names = self.loop, WORKLOADS[workload]
         groups: dict[str | None, list[int]] = {}
         for seq, name in enumerate(names):
@@ -176,47 +192,72 @@ class RawLora:
         finally:
             for chain in chains:
                 C.llama_sampler_free(chain)
-        return times
+        return [per_token(t) for t in times]
 
     def close(self) -> None:
         self.loop.close()  # the adapters are freed with the model
 
 
-def server_system(peer: LlamaServerPeer) -> Callable[[str, int], list[list[float]]]:
+def server_system(peer: LlamaServerPeer) -> Callable[[str, int], list[Progress]]:
     prompts = short_prompts(N_STREAMS)
 
-    def run(workload: str, max_tokens: int) -> list[list[float]]:
-        consumers = []
-        for prompt, name in zip(prompts, WORKLOADS[workload], strict=True):
-            lora = [{"id": 0, "scale": float(name == "a")}, {"id": 1, "scale": float(name == "b")}]
-            stream = peer.stream(prompt, max_tokens, extra={"lora": lora}, per_token=True)
-            consumers.append(TokenTimes(stream))
-        return [c.wait() for c in consumers]
+    def follow(prompt: str, name: str | None, max_tokens: int) -> Progress:
+        # llama-server sends no event for a token whose text it holds back (random
+        # adapters make broken UTF-8), so count with each event's tokens_predicted
+        lora = [{"id": 0, "scale": float(name == "a")}, {"id": 1, "scale": float(name == "b")}]
+        stream = peer.stream_progress(prompt, max_tokens, extra={"lora": lora})
+        return [(time.perf_counter(), count) for count in stream]
+
+    def run(workload: str, max_tokens: int) -> list[Progress]:
+        with ThreadPoolExecutor(N_STREAMS) as pool:
+            names = WORKLOADS[workload]
+            futures = [pool.submit(follow, prompt, name, max_tokens)
+                       for prompt, name in zip(prompts, names, strict=True)]  # fmt: skip
+            return [f.result() for f in futures]
 
     return run
 
 
 def measure(
-    system: Callable[[str, int], list[list[float]]], repeats: int, max_tokens: int, label: str
+    system: Callable[[str, int], list[Progress]], repeats: int, max_tokens: int, label: str
 ) -> dict[str, Any]:
     """Warm up once per workload, then every workload ``repeats`` times, interleaved."""
-    rates: dict[str, list[float]] = {w: [] for w in WORKLOADS}
+    figures: dict[str, dict[str, list[float | None]]] = {
+        w: {"steady_tok_s": [], "total_tok_s": [], "last_first_token_s": []} for w in WORKLOADS
+    }
     for workload in WORKLOADS:
         system(workload, 8)
     for repeat in range(repeats):
         for workload in WORKLOADS:
-            times = system(workload, max_tokens)
-            if any(len(t) != max_tokens for t in times):
-                raise RuntimeError(f"{label}: a stream made {[len(t) for t in times]} tokens")
-            rates[workload].append(round(steady_rate(times), 2))
-            log(f"{label} {workload} repeat {repeat}: {rates[workload][-1]} tok/s "
-                f"(load {load_average()})")  # fmt: skip
+            started = time.perf_counter()
+            streams = system(workload, max_tokens)
+            if any(p[-1][1] != max_tokens for p in streams):
+                raise RuntimeError(f"{label}: streams made {[p[-1][1] for p in streams]} tokens")
+            try:
+                steady: float | None = round(steady_rate(streams), 2)
+            except RuntimeError:  # one set's streams all ended before the other's began
+                steady = None
+            ended = max(p[-1][0] for p in streams)
+            mine = figures[workload]
+            mine["steady_tok_s"].append(steady)
+            mine["total_tok_s"].append(round(len(streams) * max_tokens / (ended - started), 2))
+            mine["last_first_token_s"].append(round(max(p[0][0] for p in streams) - started, 3))
+            log(f"{label} {workload} repeat {repeat}: "
+                f"{ {k: v[-1] for k, v in mine.items()} } (load {load_average()})")  # fmt: skip
     out: dict[str, Any] = {
-        w: {"steady_tok_s": statistics.median(r), "repeats_tok_s": r} for w, r in rates.items()
+        w: {k: _median(v) for k, v in table.items()} | {"repeats": table}
+        for w, table in figures.items()
     }
-    out["mixed_over_one"] = ratio(out["mixed"]["steady_tok_s"], out["one"]["steady_tok_s"])
-    out["one_over_base"] = ratio(out["one"]["steady_tok_s"], out["base"]["steady_tok_s"])
+    for key in ("steady_tok_s", "total_tok_s"):
+        out[f"mixed_over_one_{key}"] = ratio(out["mixed"][key], out["one"][key])
+        out[f"one_over_base_{key}"] = ratio(out["one"][key], out["base"][key])
     return out
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    """The median, or None when any repeat had no value (no steady state)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) else None
 
 
 def main() -> None:
@@ -269,12 +310,13 @@ def main() -> None:
             "config": base_config(args, load_at_start, n_streams=N_STREAMS, n_ctx=N_CTX),
             "results": results,
             "ratios": {
-                f"llamax_over_{peer_name}_{w}": ratio(
-                    results["llamax"][w]["steady_tok_s"], results[peer_name][w]["steady_tok_s"]
+                f"llamax_over_{peer_name}_{w}_{key}": ratio(
+                    results["llamax"][w][key], results[peer_name][w][key]
                 )
                 for peer_name in ("raw", "llama_server")
                 if peer_name in results
                 for w in WORKLOADS
+                for key in ("steady_tok_s", "total_tok_s")
             },
         }
         emit_report(report, stdout, args.json_out)
