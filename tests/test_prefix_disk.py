@@ -314,6 +314,24 @@ def test_the_scan_keeps_the_newest_files_within_the_budget(tmp_path: Path) -> No
         small.close()
 
 
+def test_the_scan_deletes_leftover_temporary_files_and_duplicates(tmp_path: Path) -> None:
+    tier = PrefixDiskTier(str(tmp_path), MB)
+    assert tier.store([7] * 40, b"s" * 100)
+    (path,) = [Path(e.path) for e in tier.entries()]
+    tier.close()
+    temp = path.parent / f".tmp-1-{path.name}"  # a crash between the write and the rename
+    temp.write_bytes(path.read_bytes())
+    copy = path.parent / ("0" * 32 + ".kv")  # the same tokens under another name, older
+    copy.write_bytes(path.read_bytes())
+    os.utime(copy, (1000, 1000))
+    again = PrefixDiskTier(str(tmp_path), MB)
+    try:
+        assert [Path(e.path) for e in again.entries()] == [path]
+        assert not temp.exists() and not copy.exists() and again.audit() == []
+    finally:
+        again.close()
+
+
 # ---------------------------------------------------------------------- disk errors
 @pytest.mark.parametrize("where", ["open", "replace"])
 def test_a_failed_write_loses_only_the_entry(

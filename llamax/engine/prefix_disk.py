@@ -372,13 +372,21 @@ class PrefixDiskTier:
             if name == _LOCK:
                 continue
             path = os.path.join(self.directory, name)
-            entry = self._read_entry(path) if name.endswith(_SUFFIX) else None
-            if entry is None or entry.tokens in {e.tokens for _, e in found}:
+            is_entry = name.endswith(_SUFFIX) and not name.startswith(".")  # not a temp file
+            entry = self._read_entry(path) if is_entry else None
+            mtime = None
+            if entry is not None:
+                with contextlib.suppress(OSError):
+                    mtime = os.stat(path).st_mtime
+            if entry is None or mtime is None:
                 _remove(path)
                 continue
-            with contextlib.suppress(OSError):
-                found.append((os.stat(path).st_mtime, entry))
+            found.append((mtime, entry))
         for _, entry in sorted(found, key=lambda pair: pair[0]):
+            held = self._entries.pop(entry.tokens, None)  # the same tokens twice: the newer
+            if held is not None:
+                self._num_bytes -= held.num_bytes
+                _remove(held.path)
             self._entries[entry.tokens] = entry
             self._num_bytes += entry.num_bytes
         self._make_room(0)
