@@ -16,6 +16,7 @@ from .backend.base import Backend
 from .engine.calibration import Calibration
 from .engine.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
+from .engine.prefix_disk import default_disk_budget
 from .engine.prefix_ram import default_budget
 from .engine.sampling import BatchLogitsProcessor
 from .errors import ContextClosedError, InvalidParameterError, InvalidRequestError
@@ -109,6 +110,8 @@ class Context:
                 prefix_ram_bytes=(
                     default_budget() if config.prefix_ram_bytes is None else config.prefix_ram_bytes
                 ),
+                prefix_disk_dir=config.prefix_disk_dir,
+                prefix_disk_bytes=_disk_budget(config),
             )
         except BaseException:
             if owned:  # the model and context it loaded are freed
@@ -389,8 +392,9 @@ class Context:
         return self._engine.stats()
 
     def clear_cache(self) -> int:
-        """Drop every retained prefix from the KV cache and every prefix kept in host RAM
-        (``prefix_ram_bytes``); return how many KV sequences were freed.
+        """Drop every retained prefix from the KV cache, every prefix kept in host RAM
+        (``prefix_ram_bytes``) and every file of the disk tier (``prefix_disk_dir``);
+        return how many KV sequences were freed.
 
         Running requests and open sessions keep their cells.
 
@@ -834,3 +838,12 @@ class _SessionPort:
         self, prompt: Prompt, params: SamplingParams | None, *, session_id: int
     ) -> RequestHandle:
         return self._ctx._submit(prompt, params, session_id=session_id)
+
+
+def _disk_budget(config: ContextConfig) -> int:
+    """The disk tier's budget: as configured, else the default for its directory."""
+    if config.prefix_disk_dir is None:
+        return 0
+    if config.prefix_disk_bytes is not None:
+        return config.prefix_disk_bytes
+    return default_disk_budget(config.prefix_disk_dir)

@@ -573,6 +573,27 @@ class ContextConfig:
             metavar="BYTES",
         ),
     )
+    prefix_disk_dir: str | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="no disk tier",
+            doc="a directory for a disk tier below the host-RAM tier: prefixes that tier drops "
+            "are kept there in files, across restarts (docs/prefix_ram.md#disk-tier)",
+            flag=True,
+            metavar="DIR",
+        ),
+    )
+    prefix_disk_bytes: int | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="8 GiB, at most half the free space of its filesystem at load",
+            doc="the disk tier's budget, in bytes (flag: also `512M`, `2G`, `1.5GiB`); `0`: "
+            "no disk tier",
+            flag=True,
+            flag_type=_byte_size,
+            metavar="BYTES",
+        ),
+    )
     rpc_servers: str | None = field(
         default=None,
         metadata=spec(
@@ -679,6 +700,16 @@ class ContextConfig:
             f"prefix_ram_bytes must be None or an int >= 0, got {self.prefix_ram_bytes!r}",
         )
         _require(
+            self.prefix_disk_bytes is None
+            or (_is_int(self.prefix_disk_bytes) and self.prefix_disk_bytes >= 0),
+            f"prefix_disk_bytes must be None or an int >= 0, got {self.prefix_disk_bytes!r}",
+        )
+        _require(
+            self.prefix_disk_dir is None
+            or (isinstance(self.prefix_disk_dir, str) and self.prefix_disk_dir != ""),
+            f"prefix_disk_dir must be None or a directory path, got {self.prefix_disk_dir!r}",
+        )
+        _require(
             self.max_step_ms is None or _is_real(self.max_step_ms),
             f"max_step_ms must be a number or None, got {self.max_step_ms!r}",
         )
@@ -748,6 +779,8 @@ class ContextOptions(TypedDict, total=False):
     verbose: bool
     lora: Mapping[str, str] | None
     prefix_ram_bytes: int | None
+    prefix_disk_dir: str | None
+    prefix_disk_bytes: int | None
 
 
 OPTION_LISTS: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}

@@ -81,3 +81,21 @@ class ContextStats:
     """Prompt tokens restored from host RAM (also counted in ``num_cached_tokens``)."""
     prefix_ram_restore_seconds: float = 0.0
     """Time spent restoring states from host RAM."""
+    prefix_disk_bytes: int = 0
+    """Bytes of files the disk tier below the RAM tier holds (docs/prefix_ram.md)."""
+    prefix_disk_budget_bytes: int = 0
+    """The disk tier's budget (0: no disk tier)."""
+    prefix_disk_entries: int = 0
+    """Evicted prefixes kept on disk."""
+    num_prefix_disk_stores: int = 0
+    """Prefixes written to disk (dropped from RAM, or evicted with no RAM tier)."""
+    num_prefix_disk_hits: int = 0
+    """Prompts whose longest stored prefix was on disk (restores tried)."""
+    num_prefix_disk_restores: int = 0
+    """Prefixes restored from disk."""
+    num_prefix_disk_refused: int = 0
+    """Files that did not read back as written, or states refused: deleted, recomputed."""
+    num_prefix_disk_tokens: int = 0
+    """Prompt tokens restored from disk instead of computed."""
+    prefix_disk_restore_seconds: float = 0.0
+    """Time spent reading and restoring prefixes from disk."""

@@ -754,6 +754,11 @@ def assert_idle(ctx: Context, timeout: float = 10.0, *, clear_cache: bool = True
                 f"{stats.prefix_ram_bytes} bytes in {stats.prefix_ram_entries} RAM prefixes "
                 "after clear_cache()"
             )
+        if stats.prefix_disk_entries or stats.prefix_disk_bytes:
+            problems.append(
+                f"{stats.prefix_disk_bytes} bytes in {stats.prefix_disk_entries} disk prefixes "
+                "after clear_cache()"
+            )
     if problems:
         raise AssertionError("engine not idle: " + "; ".join(problems))
 

@@ -12,7 +12,9 @@ In a unified cache a newcomer fits only if ``cells_used + pending tokens + its n
 When the host-RAM tier (:mod:`llamax.engine.prefix_ram`) holds a longer prefix than any
 slot, the newcomer gets a fresh slot with that state restored and cut to the shared prefix;
 if the memory refuses it (or it does not hold what it claims), the entry is dropped and the
-newcomer is placed as if the tier were empty.
+newcomer is placed as if the tier were empty. The disk tier (:mod:`llamax.engine.prefix_disk`)
+is tried first when it holds a longer prefix still, the same way; a file that does not read
+back as written is deleted and the newcomer placed as if the disk tier were empty.
 
 :class:`SlotPlacer` changes slots only (through the KV and prefix caches) and returns a
 :class:`Placement`, which the scheduler applies to the sequence; :func:`should_wait` and
@@ -29,6 +31,7 @@ from enum import Enum
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix import PrefixCache
+from .prefix_disk import DiskMatch
 from .prefix_ram import RamMatch
 
 __all__ = [
@@ -108,11 +111,26 @@ class SlotPlacer:
         """
         match = self._prefix.match(token_ids, in_flight, adapters)
         source, now = match.slot, match.num_now
+        cells = self._kv.cells_per_seq
         ram = self._prefix.ram.match(
-            token_ids, longer_than=now, max_tokens=self._kv.cells_per_seq, adapters=adapters
+            token_ids, longer_than=now, max_tokens=cells, adapters=adapters
         )
-        if should_wait(now if ram is None else ram.num_common, match.num_later):
+        best = now if ram is None else ram.num_common
+        disk = self._prefix.disk
+        on_disk = (
+            None
+            if disk is None
+            else disk.match(token_ids, adapters, longer_than=best, max_tokens=cells)
+        )
+        if should_wait(best if on_disk is None else on_disk.num_common, match.num_later):
             return Placement(Outcome.WAIT_PREFIX)
+        if on_disk is not None:
+            restored = self._restore_disk(on_disk, token_ids, num_pending, keep=source)
+            if restored is not None:
+                return restored
+            ram = self._prefix.ram.match(  # what the evictions for the try left in RAM
+                token_ids, longer_than=now, max_tokens=cells, adapters=adapters
+            )
         if ram is not None:
             restored = self._restore(ram, token_ids, num_pending, keep=source, adapters=adapters)
             if restored is not None:
@@ -142,28 +160,72 @@ class SlotPlacer:
         it was refused) when there is no room for it or the memory would not take it."""
         tier = self._prefix.ram
         entry = tier.take(ram)  # out of the tier first: the evictions below spill into it
-        need = max(len(entry.tokens), len(token_ids))  # the whole state lands before the cut
+        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, keep, adapters)
+        if slot is None:
+            tier.put(entry)
+            return None
+        started = time.perf_counter()
+        ok = self._load(slot, entry.tokens, entry.data, ram.num_common)
+        tier.record_restore(ram.num_common if ok else 0, time.perf_counter() - started)
+        return Placement(Outcome.ADMITTED, slot, ram.num_common) if ok else None
+
+    def _restore_disk(
+        self, found: DiskMatch, token_ids: Sequence[int], num_pending: int, *, keep: Slot | None
+    ) -> Placement | None:
+        """Admit with the disk tier's matched state in a fresh slot, as :meth:`_restore`
+        does; the file stays (the disk is a cache), unless it or its state is refused."""
+        tier = self._prefix.disk
+        if tier is None:
+            return None
+        entry = found.entry
+        tier.touch(entry)  # the evictions below may push files out: not this one first
+        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, keep, ())
+        if slot is None:
+            return None
+        started = time.perf_counter()
+        data = tier.load(entry)
+        ok = data is not None and self._load(slot, entry.tokens, data, found.num_common)
+        if data is None:
+            self._kv.release(slot)
+        elif not ok:
+            tier.refuse(entry)
+        tier.record_restore(found.num_common if ok else 0, time.perf_counter() - started)
+        return Placement(Outcome.ADMITTED, slot, found.num_common) if ok else None
+
+    def _fresh_slot(
+        self,
+        num_stored: int,
+        token_ids: Sequence[int],
+        num_pending: int,
+        keep: Slot | None,
+        adapters: tuple[tuple[str, float], ...],
+    ) -> Slot | None:
+        """A free slot with room for a stored state of ``num_stored`` tokens and the prompt
+        (the whole state lands before the cut), evicting retained slots (never ``keep``)."""
+        need = max(num_stored, len(token_ids))
         has_id = self._kv.num_free_seq_ids > 0 or self._prefix.evict_one(keep=keep)
         if not has_id or not self.fits(need, num_pending, keep=keep):
-            tier.put(entry)
             return None
         slot = self._prefix.allocate(keep=keep)
         assert slot is not None
         slot.adapters = adapters
-        started = time.perf_counter()
+        return slot
+
+    def _load(self, slot: Slot, tokens: tuple[int, ...], data: bytes, num_common: int) -> bool:
+        """Restore ``data`` (the state of ``tokens``) into the fresh ``slot`` and cut it to
+        ``num_common`` tokens; False (the slot released) if the memory refuses it or it
+        does not hold what it claims."""
         try:
             ok = (
-                self._kv.restore(slot, entry.tokens, entry.data)
-                and self._kv.truncate(slot, ram.num_common)
+                self._kv.restore(slot, tokens, data)
+                and self._kv.truncate(slot, num_common)
                 and self._kv.is_intact(slot)
             )
         except Exception:  # a failed restore costs the entry, never the engine
             ok = False
-        tier.record_restore(ram.num_common if ok else 0, time.perf_counter() - started)
         if not ok:
             self._kv.release(slot)
-            return None
-        return Placement(Outcome.ADMITTED, slot, ram.num_common)
+        return ok
 
     def reuse(
         self,

@@ -38,6 +38,7 @@ from .calibration import calibrate as calibrate_backend
 from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .phase import EngineState, LoopPhase, next_phase
 from .plan import StepPlan, StepResult
+from .prefix_disk import PrefixDiskTier
 from .sampling import (
     BatchLogitsProcessor,
     keep_interrupt,
@@ -76,6 +77,8 @@ class Engine:
         speculative: PromptLookup | None = None,
         calibrate: bool = False,
         prefix_ram_bytes: int = 0,
+        prefix_disk_dir: str | None = None,
+        prefix_disk_bytes: int = 0,
     ) -> None:
         self.backend = backend
         self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
@@ -89,8 +92,14 @@ class Engine:
             speculative=speculative,
             allow_drafts=batch_processor is None,
             prefix_ram_bytes=prefix_ram_bytes,
+            prefix_disk_dir=prefix_disk_dir,
+            prefix_disk_bytes=prefix_disk_bytes,
         )
-        self.calibration = calibrate_backend(backend) if calibrate else None
+        try:
+            self.calibration = calibrate_backend(backend) if calibrate else None
+        except BaseException:
+            self._close_disk()  # the directory is free for the next context
+            raise
         """This machine's measured step costs the scheduler started from, or None."""
         if self.calibration is not None:
             apply_calibration(
@@ -485,6 +494,7 @@ class Engine:
             num_prefix_ram_refused=s.prefix.ram.num_refused,
             num_prefix_ram_tokens=s.prefix.ram.num_restored_tokens,
             prefix_ram_restore_seconds=s.prefix.ram.restore_seconds,
+            **_disk_stats(s.prefix.disk),
         )
 
     def _publish_snapshot(self) -> None:
@@ -566,10 +576,17 @@ class Engine:
                     with self._lock:
                         self._close_error = exc
                 finally:
+                    self._close_disk()
                     with self._lock:
                         if self._phase is LoopPhase.TEARING_DOWN:
                             self._move(LoopPhase.CLOSED)
         self._publish(result)
+
+    def _close_disk(self) -> None:
+        """Release the disk tier's directory (its files stay for the next context)."""
+        disk = self.scheduler.prefix.disk
+        if disk is not None:
+            disk.close()
 
     def _move(self, phase: LoopPhase) -> None:
         """Change phase as :data:`~llamax.engine.phase.MOVES` allows; the caller holds
@@ -586,6 +603,23 @@ class Engine:
             return
         if phase is not LoopPhase.RUNNING:
             raise ContextClosedError("the context has been closed")
+
+
+def _disk_stats(disk: PrefixDiskTier | None) -> dict[str, Any]:
+    """The disk tier's fields of :class:`ContextStats` (zeros without one)."""
+    if disk is None:
+        return {}
+    return {
+        "prefix_disk_bytes": disk.num_bytes,
+        "prefix_disk_budget_bytes": disk.budget_bytes,
+        "prefix_disk_entries": disk.num_entries,
+        "num_prefix_disk_stores": disk.num_stored,
+        "num_prefix_disk_hits": disk.num_hits,
+        "num_prefix_disk_restores": disk.num_restores,
+        "num_prefix_disk_refused": disk.num_refused,
+        "num_prefix_disk_tokens": disk.num_restored_tokens,
+        "prefix_disk_restore_seconds": disk.restore_seconds,
+    }
 
 
 def _settle(

@@ -5,8 +5,10 @@ A finished sequence's slot is *retained*: its cells stay in KV so a later prompt
 the same way copies them instead of computing them. Retained slots are evicted least
 recently used first whenever a sequence id or cells are needed; active and pinned (session)
 slots never are. An evicted slot's state goes to the host-RAM tier below
-(:mod:`llamax.engine.prefix_ram`) when one is enabled; ``evict_all`` (``clear_cache``)
-empties both tiers.
+(:mod:`llamax.engine.prefix_ram`) when one is enabled, and what that tier drops to stay
+within its budget goes to the disk tier (:mod:`llamax.engine.prefix_disk`), if any (with
+no RAM tier, evicted slots go there directly); ``evict_all`` (``clear_cache``) empties
+every tier.
 
 Matching considers every slot, including those of running sequences. A running sequence
 that is still prefilling will soon hold more of its prompt than it holds now: ``match``
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
-from .prefix_ram import PrefixRamTier
+from .prefix_disk import PrefixDiskTier
+from .prefix_ram import PrefixRamTier, RamEntry
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 
@@ -48,16 +51,26 @@ class PrefixCache:
         cache: The KV cells.
         retain: Whether finished slots are kept for their prefix.
         ram: Where evicted slots' states go (none when ``retain`` is False).
+        disk: Where the RAM tier's dropped entries go (or evicted slots' states, with no
+            RAM tier); none when ``retain`` is False.
     """
 
     def __init__(
-        self, cache: KVCache, *, retain: bool = True, ram: PrefixRamTier | None = None
+        self,
+        cache: KVCache,
+        *,
+        retain: bool = True,
+        ram: PrefixRamTier | None = None,
+        disk: PrefixDiskTier | None = None,
     ) -> None:
         self._cache = cache
         self._retain = retain
         self._retained: OrderedDict[int, Slot] = OrderedDict()  # seq id -> slot, LRU first
         self.ram = ram if ram is not None and retain else PrefixRamTier(0)
         """The host-RAM tier below (disabled: a budget of 0)."""
+        self.disk = disk if retain else None
+        """The disk tier below the RAM tier, if any."""
+        self.ram.on_drop = self._drop_to_disk
         self.num_evictions = 0
         self.num_spill_failures = 0
 
@@ -120,12 +133,21 @@ class PrefixCache:
         self._retained.clear()
         self.num_evictions += count
         self.ram.clear()
+        if self.disk is not None:
+            self.disk.clear()
         return count
 
     def spill(self, slot: Slot) -> None:
-        """Save ``slot``'s state into the RAM tier (before it is released, or cut by a
-        newcomer that takes it over). A save that fails loses only the entry."""
-        if not self.ram.wants(len(slot.tokens)) or not self._cache.is_intact(slot):
+        """Save ``slot``'s state into the RAM tier, or the disk tier when there is no RAM
+        tier or the state alone exceeds its budget (before the slot is released, or cut by
+        a newcomer that takes it over). A save that fails loses only the entry."""
+        num_tokens = len(slot.tokens)
+        disk = (
+            self.disk
+            if self.disk is not None and self.disk.wants(num_tokens, slot.adapters)
+            else None
+        )
+        if not (self.ram.wants(num_tokens) or disk) or not self._cache.is_intact(slot):
             return
         try:
             data = self._cache.save(slot)
@@ -133,7 +155,13 @@ class PrefixCache:
             self.num_spill_failures += 1
             _log.warning("could not keep an evicted prefix in RAM: %s", exc)
             return
-        self.ram.store(slot.tokens, data, slot.adapters)
+        if not self.ram.store(slot.tokens, data, slot.adapters) and disk is not None:
+            disk.store(slot.tokens, data, slot.adapters)
+
+    def _drop_to_disk(self, entry: RamEntry) -> None:
+        """The RAM tier dropped ``entry`` to stay within its budget: keep it on disk."""
+        if self.disk is not None:
+            self.disk.store(entry.tokens, entry.data, entry.adapters)
 
     def allocate(self, *, pinned: bool = False, keep: Slot | None = None) -> Slot | None:
         """Take a free sequence id, evicting a retained slot (never ``keep``) if needed."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..tokens import common_prefix_len
@@ -109,6 +109,8 @@ class PrefixRamTier:
         self.min_tokens = min_tokens
         self._entries: OrderedDict[Key, RamEntry] = OrderedDict()  # LRU first
         self._num_bytes = 0
+        self.on_drop: Callable[[RamEntry], None] | None = None
+        """Called with each entry dropped to stay within the budget (the disk tier takes it)."""
         self.num_stored = 0
         """States stored (on eviction from KV)."""
         self.num_dropped = 0
@@ -165,6 +167,8 @@ class PrefixRamTier:
             _, oldest = self._entries.popitem(last=False)
             self._num_bytes -= len(oldest.data)
             self.num_dropped += 1
+            if self.on_drop is not None:
+                self.on_drop(oldest)
         if len(entry.data) <= self.budget_bytes:
             self._entries[entry.key] = entry
             self._num_bytes += len(entry.data)

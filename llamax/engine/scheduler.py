@@ -64,12 +64,16 @@ class Scheduler(SchedulerView):
         speculative: Speculative | None = None,
         allow_drafts: bool = True,
         prefix_ram_bytes: int = 0,
+        prefix_disk_dir: str | None = None,
+        prefix_disk_bytes: int = 0,
     ) -> None:
         super().__init__(
             backend,
             prefix_cache=prefix_cache,
             max_step_ms=max_step_ms,
             prefix_ram_bytes=prefix_ram_bytes,
+            prefix_disk_dir=prefix_disk_dir,
+            prefix_disk_bytes=prefix_disk_bytes,
         )
         self.sessions = SessionTable(self)
         self._speculative = speculative

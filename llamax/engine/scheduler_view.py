@@ -23,6 +23,7 @@ from .kvcache import KVCache, Slot
 from .layout_policy import LayoutPolicy
 from .plan import StepPlan, build_plan, split_plan
 from .prefix import PrefixCache
+from .prefix_disk import PrefixDiskTier
 from .prefix_ram import PrefixRamTier
 from .sequence import Request, Sequence, SequenceState
 from .session_room import SessionRoom
@@ -44,6 +45,11 @@ class SchedulerView:
         prefix_cache: Whether finished slots are retained for their prefix.
         max_step_ms: The time prompt chunks may add to a step's decode rows.
         prefix_ram_bytes: The host-RAM tier's budget for evicted prefixes (0: none).
+        prefix_disk_dir: The disk tier's directory (None: no disk tier).
+        prefix_disk_bytes: The disk tier's budget (0: no disk tier).
+
+    Raises:
+        InvalidParameterError: the disk tier's directory cannot be used (or is in use).
     """
 
     sessions: SessionTable
@@ -56,6 +62,8 @@ class SchedulerView:
         prefix_cache: bool,
         max_step_ms: float | None,
         prefix_ram_bytes: int = 0,
+        prefix_disk_dir: str | None = None,
+        prefix_disk_bytes: int = 0,
     ):
         self._backend = backend
         self._n_batch = backend.n_batch
@@ -72,7 +80,12 @@ class SchedulerView:
         retain = prefix_cache and backend.can_share_prefix
         model = json.dumps(backend.model_identity, sort_keys=True, default=str)
         ram = PrefixRamTier(prefix_ram_bytes if retain else 0, model=model)
-        self.prefix = PrefixCache(self.kv, retain=retain, ram=ram)
+        disk = (
+            PrefixDiskTier(prefix_disk_dir, prefix_disk_bytes, model=model)
+            if retain and prefix_disk_dir is not None and prefix_disk_bytes > 0
+            else None
+        )
+        self.prefix = PrefixCache(self.kv, retain=retain, ram=ram, disk=disk)
         self.placer = SlotPlacer(self.kv, self.prefix, backend.n_ctx)
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []

@@ -138,6 +138,7 @@ class SessionTable:
                         self._slots.values(),
                     )
                     + scheduler.prefix.ram.audit()
+                    + (scheduler.prefix.disk.audit() if scheduler.prefix.disk is not None else [])
                 )
         raise TypeError(f"unknown KV operation {op!r}")
 

@@ -51,6 +51,11 @@ def engine_metrics(
         "llamax_prefix_ram_budget_bytes": ("The host-RAM prefix tier's budget",
                                            "prefix_ram_budget_bytes"),
         "llamax_prefix_ram_entries": ("Evicted prefixes kept in host RAM", "prefix_ram_entries"),
+        "llamax_prefix_disk_bytes": ("Bytes of evicted prefixes kept on disk",
+                                     "prefix_disk_bytes"),
+        "llamax_prefix_disk_budget_bytes": ("The disk prefix tier's budget",
+                                            "prefix_disk_budget_bytes"),
+        "llamax_prefix_disk_entries": ("Evicted prefixes kept on disk", "prefix_disk_entries"),
     }  # fmt: skip
     counters = {
         "llamax_engine_steps": ("Decodes run", "num_steps"),
@@ -68,6 +73,17 @@ def engine_metrics(
                                               "num_prefix_ram_tokens"),
         "llamax_prefix_ram_restore_seconds": ("Time spent restoring prefixes from host RAM",
                                               "prefix_ram_restore_seconds"),
+        "llamax_prefix_disk_stores": ("Prefixes written to disk", "num_prefix_disk_stores"),
+        "llamax_prefix_disk_hits": ("Prompts whose longest prefix was on disk",
+                                    "num_prefix_disk_hits"),
+        "llamax_prefix_disk_restores": ("Prefixes restored from disk",
+                                        "num_prefix_disk_restores"),
+        "llamax_prefix_disk_refused": ("Files or states from disk refused (recomputed)",
+                                       "num_prefix_disk_refused"),
+        "llamax_prefix_disk_restored_tokens": ("Prompt tokens restored from disk",
+                                               "num_prefix_disk_tokens"),
+        "llamax_prefix_disk_restore_seconds": ("Time spent restoring prefixes from disk",
+                                               "prefix_disk_restore_seconds"),
     }  # fmt: skip
     kinds: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], dict[str, Any]]] = [
         (GaugeMetricFamily, gauges), (CounterMetricFamily, counters)

@@ -1,0 +1,451 @@
+"""The disk tier below the host-RAM prefix tier. Pure Python (files, no native calls).
+
+Prefixes the RAM tier (:mod:`llamax.engine.prefix_ram`) drops to stay within its budget
+are written here, one file per entry, within a byte budget; with the RAM tier disabled,
+prefixes evicted from KV come here directly. A prompt whose longest stored prefix is on
+disk gets that state restored into a fresh slot, as from RAM.
+
+Design note: a restored entry's file stays (the disk is a cache; the KV slot holds the
+prefix too, and when that slot is evicted again the same tokens' file is only marked
+recently used, not written again). Entries are keyed by their tokens alone: only states
+computed without LoRA adapters are stored, since an adapter's name is not a stable
+identity across restarts. Files live in ``<directory>/<model key>/``, the key a short hash
+of the model's identity, so another model never reads them. Writes go to a temporary file
+renamed into place (atomic); nothing is fsynced, so a crash may lose recent entries, never
+leave a half-written one under an entry's name.
+
+File format: :data:`MAGIC`, the format version and the header's length (two little-endian
+``u32``), the header (JSON: ``tokens``, ``size`` and ``crc32`` of the state), the state.
+Files that lie (another magic or version, an unreadable header, a length or checksum that
+does not match) are deleted when found and never reach the backend.
+
+One context uses a directory at a time: it holds an exclusive ``flock`` on
+``<model key>/.lock`` until it closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from ..errors import InvalidParameterError
+from ..tokens import common_prefix_len
+from .prefix_ram import MIN_STORED_TOKENS
+
+__all__ = [
+    "MAGIC",
+    "MAX_DEFAULT_BYTES",
+    "VERSION",
+    "DiskEntry",
+    "DiskMatch",
+    "PrefixDiskTier",
+    "default_disk_budget",
+]
+
+_log = logging.getLogger("llamax")
+
+MAGIC = b"LLAMAXKV"
+"""The first 8 bytes of every entry's file."""
+VERSION = 1
+"""The file format's version."""
+MAX_DEFAULT_BYTES = 8 << 30
+"""The default budget (at most half the free space of the directory's filesystem)."""
+
+_PREAMBLE = struct.Struct("<8sII")  # magic, version, header length
+_MAX_HEADER = 64 << 20
+_SUFFIX = ".kv"
+_LOCK = ".lock"
+
+
+def default_disk_budget(directory: str) -> int:
+    """The default byte budget for ``directory``: :data:`MAX_DEFAULT_BYTES`, at most half
+    the free space of its filesystem now (0 when that cannot be read)."""
+    path = directory
+    while not os.path.exists(path):  # the directory is created later: ask its parent
+        parent = os.path.dirname(os.path.abspath(path))
+        if parent == path:
+            break
+        path = parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return 0
+    return max(0, min(free // 2, MAX_DEFAULT_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class DiskEntry:
+    """One evicted prefix's state in a file."""
+
+    tokens: tuple[int, ...]
+    """The tokens the state holds, at positions ``0 .. len(tokens) - 1``."""
+    path: str
+    """The file."""
+    num_bytes: int
+    """The file's size (header and state)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiskMatch:
+    """A stored entry and how many of a prompt's tokens it gives."""
+
+    entry: DiskEntry
+    num_common: int
+    """Prompt tokens the entry holds (its common prefix with the prompt, less the last)."""
+
+
+def _encode(tokens: Sequence[int], data: bytes) -> bytes:
+    header = json.dumps(
+        {"tokens": list(tokens), "size": len(data), "crc32": zlib.crc32(data)},
+        separators=(",", ":"),
+    ).encode()
+    return _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
+
+
+def _read_header(file: IO[bytes]) -> tuple[tuple[int, ...], int, int, int] | None:
+    """``(tokens, size, crc32, offset of the state)`` from an open file, or None if the
+    preamble or header is not exactly what :func:`_encode` writes."""
+    preamble = file.read(_PREAMBLE.size)
+    if len(preamble) != _PREAMBLE.size:
+        return None
+    magic, version, length = _PREAMBLE.unpack(preamble)
+    if magic != MAGIC or version != VERSION or not 0 < length <= _MAX_HEADER:
+        return None
+    raw = file.read(length)
+    if len(raw) != length:
+        return None
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(header, dict) or set(header) != {"tokens", "size", "crc32"}:
+        return None
+    tokens, size, crc = header["tokens"], header["size"], header["crc32"]
+    if not (
+        isinstance(tokens, list)
+        and tokens
+        and all(type(t) is int and t >= 0 for t in tokens)
+        and type(size) is int
+        and size > 0
+        and type(crc) is int
+        and 0 <= crc < 1 << 32
+    ):
+        return None
+    return tuple(tokens), size, crc, _PREAMBLE.size + length
+
+
+def _remove(path: str) -> None:
+    """Delete a file (or a directory in its place); never raises."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+class PrefixDiskTier:
+    """Evicted prefixes' states in files, least recently used first out, by bytes.
+
+    Args:
+        directory: Where the files go (``<directory>/<model key>/``; created if missing).
+        budget_bytes: The most bytes of files kept (0 disables the tier).
+        model: The identity of the model every entry was computed with.
+        min_tokens: Shorter prefixes are not stored.
+
+    Raises:
+        InvalidParameterError: the directory cannot be created or opened, or another
+            context uses it.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        budget_bytes: int,
+        *,
+        model: str = "",
+        min_tokens: int = MIN_STORED_TOKENS,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.model = model
+        self.min_tokens = min_tokens
+        key = hashlib.sha256(model.encode()).hexdigest()[:16]
+        self.directory = os.path.join(os.path.abspath(directory), key)
+        self._entries: OrderedDict[tuple[int, ...], DiskEntry] = OrderedDict()  # LRU first
+        self._num_bytes = 0
+        self._has_warned = False
+        self._lock_file: IO[bytes] | None = None
+        self.num_stored = 0
+        """States written (dropped from RAM, or evicted from KV with no RAM tier)."""
+        self.num_dropped = 0
+        """Files deleted to stay within the budget."""
+        self.num_store_failures = 0
+        """Writes that failed (the entry is lost)."""
+        self.num_hits = 0
+        """Prompts that found a longer prefix here than in KV or RAM (restores tried)."""
+        self.num_restores = 0
+        """Restores that succeeded."""
+        self.num_refused = 0
+        """Files that did not read back as written, or states the memory refused."""
+        self.num_restored_tokens = 0
+        """Prompt tokens restored instead of computed."""
+        self.restore_seconds = 0.0
+        """Time spent reading and restoring (successful or not)."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            lock = open(os.path.join(self.directory, _LOCK), "ab")  # noqa: SIM115 (held open)
+        except OSError as exc:
+            raise InvalidParameterError(
+                f"prefix_disk_dir {directory!r} cannot be used: {exc}"
+            ) from exc
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            lock.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise InvalidParameterError(
+                    f"prefix_disk_dir {directory!r} is in use by another context "
+                    "(one context per directory and model)"
+                ) from None
+            raise InvalidParameterError(
+                f"prefix_disk_dir {directory!r} cannot be locked: {exc}"
+            ) from exc
+        self._lock_file = lock
+        self._scan()
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether anything may be stored."""
+        return self.budget_bytes > 0 and self._lock_file is not None
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of files held."""
+        return self._num_bytes
+
+    @property
+    def num_entries(self) -> int:
+        """Entries held."""
+        return len(self._entries)
+
+    def entries(self) -> list[DiskEntry]:
+        """Entries, least recently used first."""
+        return list(self._entries.values())
+
+    def close(self) -> None:
+        """Release the directory (the files stay for the next context). Idempotent."""
+        lock, self._lock_file = self._lock_file, None
+        if lock is not None:
+            lock.close()  # closing the descriptor releases the flock
+
+    # ------------------------------------------------------------------ changes
+    def wants(self, num_tokens: int, adapters: tuple[object, ...] = ()) -> bool:
+        """Whether a prefix of ``num_tokens`` tokens computed under ``adapters`` would be
+        stored (before saving it)."""
+        return self.is_enabled and adapters == () and num_tokens >= self.min_tokens
+
+    def store(self, tokens: Sequence[int], data: bytes, adapters: tuple[object, ...] = ()) -> bool:
+        """Write ``data`` (the state of ``tokens``) as the most recently used entry,
+        deleting the least recently used files beyond the budget. False if it is not
+        wanted, alone exceeds the budget, or cannot be written (the entry is lost, logged
+        once); a file already holding these tokens is only marked recently used."""
+        key = tuple(tokens)
+        if not self.wants(len(key), adapters) or not data:
+            return False
+        held = self._entries.get(key)
+        if held is not None:
+            self._entries.move_to_end(key)
+            return True
+        head = _encode(key, data)
+        size = len(head) + len(data)
+        if size > self.budget_bytes:
+            return False
+        self._make_room(size)
+        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + _SUFFIX
+        path = os.path.join(self.directory, name)
+        temp = os.path.join(self.directory, f".tmp-{os.getpid()}-{name}")
+        try:
+            with open(temp, "wb") as file:
+                file.write(head)
+                file.write(data)
+            os.replace(temp, path)
+        except OSError as exc:
+            _remove(temp)
+            self.num_store_failures += 1
+            if not self._has_warned:
+                self._has_warned = True
+                _log.warning("could not keep an evicted prefix on disk (%s): %s", path, exc)
+            return False
+        self._entries[key] = DiskEntry(key, path, size)
+        self._num_bytes += size
+        self.num_stored += 1
+        return True
+
+    def _make_room(self, size: int) -> None:
+        while self._entries and self._num_bytes + size > self.budget_bytes:
+            _, oldest = self._entries.popitem(last=False)
+            self._num_bytes -= oldest.num_bytes
+            _remove(oldest.path)
+            self.num_dropped += 1
+
+    def remove(self, entry: DiskEntry) -> None:
+        """Forget ``entry`` and delete its file."""
+        if self._entries.get(entry.tokens) is entry:
+            del self._entries[entry.tokens]
+            self._num_bytes -= entry.num_bytes
+        _remove(entry.path)
+
+    def touch(self, entry: DiskEntry) -> None:
+        """Mark ``entry`` as just used."""
+        if entry.tokens in self._entries:
+            self._entries.move_to_end(entry.tokens)
+
+    def load(self, entry: DiskEntry) -> bytes | None:
+        """The state in ``entry``'s file (counted as a hit). None if the entry is gone, or
+        its file does not read back as written (deleted, counted refused)."""
+        if self._entries.get(entry.tokens) is not entry:
+            return None
+        self.num_hits += 1
+        try:
+            with open(entry.path, "rb") as file:
+                header = _read_header(file)
+                data = file.read() if header is not None else b""
+        except OSError:
+            header = None
+        if (
+            header is None
+            or header[0] != entry.tokens
+            or len(data) != header[1]
+            or zlib.crc32(data) != header[2]
+            or header[3] + len(data) != entry.num_bytes
+        ):
+            self.remove(entry)
+            self.num_refused += 1
+            return None
+        self._entries.move_to_end(entry.tokens)
+        return data
+
+    def record_restore(self, num_tokens: int, seconds: float) -> None:
+        """A restore gave ``num_tokens`` prompt tokens (0: the memory refused the state,
+        or the file did not read back) in ``seconds``."""
+        self.restore_seconds += seconds
+        if num_tokens:
+            self.num_restores += 1
+            self.num_restored_tokens += num_tokens
+
+    def refuse(self, entry: DiskEntry) -> None:
+        """The memory refused ``entry``'s state: delete it, count it refused."""
+        self.remove(entry)
+        self.num_refused += 1
+
+    def clear(self) -> int:
+        """Delete every entry's file; return how many."""
+        count = len(self._entries)
+        for entry in self._entries.values():
+            _remove(entry.path)
+        self._entries.clear()
+        self._num_bytes = 0
+        return count
+
+    def _scan(self) -> None:
+        """Index the valid files already in the directory (headers only), oldest first;
+        delete the others and those beyond the budget."""
+        found: list[tuple[float, DiskEntry]] = []
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            names = []
+        for name in names:
+            if name == _LOCK:
+                continue
+            path = os.path.join(self.directory, name)
+            is_entry = name.endswith(_SUFFIX) and not name.startswith(".")  # not a temp file
+            entry = self._read_entry(path) if is_entry else None
+            mtime = None
+            if entry is not None:
+                with contextlib.suppress(OSError):
+                    mtime = os.stat(path).st_mtime
+            if entry is None or mtime is None:
+                _remove(path)
+                continue
+            found.append((mtime, entry))
+        for _, entry in sorted(found, key=lambda pair: pair[0]):
+            held = self._entries.pop(entry.tokens, None)  # the same tokens twice: the newer
+            if held is not None:
+                self._num_bytes -= held.num_bytes
+                _remove(held.path)
+            self._entries[entry.tokens] = entry
+            self._num_bytes += entry.num_bytes
+        self._make_room(0)
+
+    def _read_entry(self, path: str) -> DiskEntry | None:
+        try:
+            if not os.path.isfile(path) or os.path.islink(path):
+                return None
+            size = os.path.getsize(path)
+            with open(path, "rb") as file:
+                header = _read_header(file)
+        except OSError:
+            return None
+        if header is None or header[3] + header[1] != size:
+            return None
+        return DiskEntry(header[0], path, size)
+
+    # ------------------------------------------------------------------ queries
+    def match(
+        self,
+        prompt: Sequence[int],
+        adapters: tuple[object, ...] = (),
+        *,
+        longer_than: int = 0,
+        max_tokens: int | None = None,
+    ) -> DiskMatch | None:
+        """The entry giving the most of ``prompt`` (all but its last token), if it gives
+        more than ``longer_than`` tokens and at least :attr:`min_tokens`; among equals the
+        shortest entry. Only a prompt without adapters matches (see the module's note)."""
+        limit = len(prompt) - 1
+        if not self._entries or adapters != () or limit <= longer_than:
+            return None
+        best: DiskMatch | None = None
+        prompt = tuple(prompt)
+        head = prompt[0]
+        for entry in self._entries.values():
+            if entry.tokens[0] != head:
+                continue
+            if max_tokens is not None and len(entry.tokens) > max_tokens:
+                continue
+            common = min(common_prefix_len(entry.tokens, prompt), limit)
+            if common <= longer_than or common < self.min_tokens:
+                continue
+            if best is None or (common, -len(entry.tokens)) > (
+                best.num_common,
+                -len(best.entry.tokens),
+            ):
+                best = DiskMatch(entry, common)
+        return best
+
+    def audit(self) -> list[str]:
+        """Inconsistencies in the tier's bookkeeping, as sentences."""
+        problems = []
+        held = sum(e.num_bytes for e in self._entries.values())
+        if held != self._num_bytes:
+            problems.append(f"the disk tier accounts {self._num_bytes} bytes, entries hold {held}")
+        if self._num_bytes > self.budget_bytes:
+            problems.append(f"the disk tier holds {self._num_bytes} bytes > {self.budget_bytes}")
+        for key, entry in self._entries.items():
+            if key != entry.tokens:
+                problems.append(f"a disk entry of {len(entry.tokens)} tokens is filed elsewhere")
+        return problems
