@@ -72,15 +72,21 @@ def test_mixed_requests_run_together_give_what_each_gives_alone(
     assert len(alone) == len(set(alone)) * 2
 
 
-def test_the_sets_take_turns_and_none_starves(
-    lora_ctx: tuple[llamax.Context, FakeBackend],
-) -> None:
-    ctx, backend = lora_ctx
-    backend.decode_adapters.clear()
-    base = [ctx.add_request(f"{i} base", greedy(40)) for i in range(5)]
-    tuned = ctx.add_request("tuned", greedy(40, lora={"a": 1}))
-    for handle in (*base, tuned):
-        handle.result()
+def test_the_sets_take_turns_and_none_starves(adapter_files: dict[str, str]) -> None:
+    # the caller drives the loop, so every request is queued before the first step (with
+    # the background loop, a loaded CI machine ran base steps before "tuned" arrived)
+    backend = FakeBackend(n_ctx=1024, n_seq_max=8, n_batch=256)
+    ctx = llamax.Context(backend=backend, lora=adapter_files, autostart=False)
+    with ctx:
+        base = [ctx.add_request(f"{i} base", greedy(40)) for i in range(5)]
+        tuned = ctx.add_request("tuned", greedy(40, lora={"a": 1}))
+        for _ in range(1000):
+            if all(h.done() for h in (*base, tuned)):
+                break
+            ctx.process()
+        for handle in (*base, tuned):
+            handle.result()
+        assert_idle(ctx)
     steps = backend.decode_adapters
     # while both sets had work, no set ran two steps in a row
     both = steps[: 2 * 40]
