@@ -223,8 +223,15 @@ class KVCache:
                 slot.cells.append(cell)
 
     def release(self, slot: Slot) -> None:
-        """Drop every cell of ``slot`` and free its sequence id."""
-        self._memory.seq_rm(slot.seq_id, -1, -1)
+        """Drop every cell of ``slot`` and free its sequence id.
+
+        A ``seq_rm`` that raises is tried once more (removing a whole sequence is
+        idempotent); if it raises again the slot stays registered, and the caller's
+        bookkeeping must keep holding it."""
+        try:
+            self._memory.seq_rm(slot.seq_id, -1, -1)
+        except Exception:  # a transient fault: a session closed on it leaked its slot
+            self._memory.seq_rm(slot.seq_id, -1, -1)
         self._drop_cells(slot, 0)
         del self._slots[slot.seq_id]
         heapq.heappush(self._free_ids, slot.seq_id)
