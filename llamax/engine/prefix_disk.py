@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ..errors import InvalidParameterError
-from ..tokens import common_prefix_len
-from .prefix_ram import MIN_STORED_TOKENS
+from .prefix_ram import MIN_STORED_TOKENS, best_prefix
 
 __all__ = [
     "MAGIC",
@@ -416,26 +415,16 @@ class PrefixDiskTier:
         """The entry giving the most of ``prompt`` (all but its last token), if it gives
         more than ``longer_than`` tokens and at least :attr:`min_tokens`; among equals the
         shortest entry. Only a prompt without adapters matches (see the module's note)."""
-        limit = len(prompt) - 1
-        if not self._entries or adapters != () or limit <= longer_than:
+        if adapters != ():
             return None
-        best: DiskMatch | None = None
-        prompt = tuple(prompt)
-        head = prompt[0]
-        for entry in self._entries.values():
-            if entry.tokens[0] != head:
-                continue
-            if max_tokens is not None and len(entry.tokens) > max_tokens:
-                continue
-            common = min(common_prefix_len(entry.tokens, prompt), limit)
-            if common <= longer_than or common < self.min_tokens:
-                continue
-            if best is None or (common, -len(entry.tokens)) > (
-                best.num_common,
-                -len(best.entry.tokens),
-            ):
-                best = DiskMatch(entry, common)
-        return best
+        found = best_prefix(
+            self._entries.values(),
+            prompt,
+            longer_than=longer_than,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+        )
+        return None if found is None else DiskMatch(*found)
 
     def audit(self) -> list[str]:
         """Inconsistencies in the tier's bookkeeping, as sentences."""

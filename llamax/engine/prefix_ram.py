@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from ..tokens import common_prefix_len
 
@@ -33,6 +34,7 @@ __all__ = [
     "PrefixRamTier",
     "RamEntry",
     "RamMatch",
+    "best_prefix",
     "default_budget",
 ]
 
@@ -90,6 +92,46 @@ class RamMatch:
     entry: RamEntry
     num_common: int
     """Prompt tokens the entry holds (its common prefix with the prompt, less the last)."""
+
+
+E = TypeVar("E", bound="_HasTokens")
+
+
+class _HasTokens(Protocol):
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+
+def best_prefix(
+    entries: Iterable[E],
+    prompt: Sequence[int],
+    *,
+    longer_than: int,
+    max_tokens: int | None,
+    min_tokens: int,
+) -> tuple[E, int] | None:
+    """The stored entry giving the most of ``prompt`` (all but its last token) and how
+    many tokens, if more than ``longer_than`` and at least ``min_tokens``; among equals the
+    shortest entry. Entries holding more than ``max_tokens`` are skipped. (The RAM and disk
+    tiers' match.)"""
+    limit = len(prompt) - 1
+    if limit <= longer_than or not prompt:
+        return None
+    best: tuple[E, int] | None = None
+    prompt = tuple(prompt)  # slices of a tuple and a list never compare equal
+    head = prompt[0]
+    for entry in entries:
+        tokens = entry.tokens
+        if not tokens or tokens[0] != head:
+            continue
+        if max_tokens is not None and len(tokens) > max_tokens:
+            continue
+        common = min(common_prefix_len(tokens, prompt), limit)
+        if common <= longer_than or common < min_tokens:
+            continue
+        if best is None or (common, -len(tokens)) > (best[1], -len(best[0].tokens)):
+            best = (entry, common)
+    return best
 
 
 class PrefixRamTier:
@@ -221,26 +263,14 @@ class PrefixRamTier:
             longer_than: Tokens the KV tier gives already.
             max_tokens: Entries holding more tokens are skipped (a stream could not hold them).
         """
-        limit = len(prompt) - 1
-        if not self._entries or limit <= longer_than:
-            return None
-        best: RamMatch | None = None
-        prompt = tuple(prompt)  # slices of a tuple and a list never compare equal
-        head = prompt[0]
-        for entry in self._entries.values():
-            if entry.adapters != adapters or not entry.tokens or entry.tokens[0] != head:
-                continue
-            if max_tokens is not None and len(entry.tokens) > max_tokens:
-                continue
-            common = min(common_prefix_len(entry.tokens, prompt), limit)
-            if common <= longer_than or common < self.min_tokens:
-                continue
-            if best is None or (common, -len(entry.tokens)) > (
-                best.num_common,
-                -len(best.entry.tokens),
-            ):
-                best = RamMatch(entry, common)
-        return best
+        found = best_prefix(
+            (e for e in self._entries.values() if e.adapters == adapters),
+            prompt,
+            longer_than=longer_than,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+        )
+        return None if found is None else RamMatch(*found)
 
     def audit(self) -> list[str]:
         """Inconsistencies in the tier's bookkeeping, as sentences."""
