@@ -7,6 +7,15 @@ greedy output is batch-invariant by construction. It checks what the engine send
 decode must continue each sequence at the next position, never exceed ``n_batch`` and
 never exceed ``n_ctx`` cells (it answers NO_SLOT, like llama.cpp).
 
+It is no kinder than llama.cpp about KV. With one stream per sequence a ``seq_cp`` updates
+the destination's cells at once but copies the source stream's buffer only at the next
+decode (or :meth:`FakeBackend.run_queued_copies`), while state reads and writes act at
+once; a partial copy between streams aborts. And every cell records its *provenance*: the
+history it was computed from (a hash chain over the tokens at positions ``0..p``), the
+model's weights and the LoRA adapter set. Every decode checks that each sequence attends
+only to cells computed from its own tokens, by this model, under the current adapter set,
+and raises ``AssertionError`` naming the first that is not.
+
     ctx = llamax.Context(backend=FakeBackend(), autostart=False)
 """
 
@@ -19,7 +28,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -54,6 +62,7 @@ FAULT_POINTS = (
     "seq_cp",
     "seq_add",
     "seq_pos_min",
+    "run_queued_copies",
     "state_seq_get",
     "state_seq_set",
     "relayout",
@@ -62,6 +71,23 @@ FAULT_POINTS = (
 )
 """Every backend call that :attr:`FakeBackend.fault` can make fail, by the name it is
 given. The protocol has no ``seq_keep`` and no abort callback: llamax calls neither."""
+
+
+_AdapterSet = tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Computed:
+    """What a cell's K/V came from (its data): the hash chain of the tokens at positions
+    ``0..p`` when it was computed, the model's weights and the adapter set."""
+
+    chain: int
+    model: str
+    adapters: _AdapterSet
+
+
+def _chain(previous: int, token: int) -> int:
+    return hash((previous, token))
 
 
 def alphabet_model(history: Sequence[int]) -> int:
@@ -148,6 +174,7 @@ class FakeBackend:
         stream_cells: int | None = None,
         log_decodes: bool = True,
         step_seconds: Callable[[Sequence[BatchItem]], float] | None = None,
+        weights: str = "w0",
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
@@ -162,9 +189,18 @@ class FakeBackend:
         self._next_token = next_token
         self._pieces = {0: b""} | {b + 1: bytes([b]) for b in range(256)} | dict(extra_pieces or {})
         self._model_name = model_name
+        self._weights = weights
         self.cells: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
         """Tokens each sequence id holds in the fake KV cache, by position."""
         self._cell_ids: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
+        self._chains: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
+        # what each cell's data should come from: the chain over the sequence's tokens
+        self._data: dict[int, _Computed | None] = {}  # unified: cell id -> its data
+        self._buffers: dict[int, dict[int, _Computed | None]] = {i: {} for i in range(n_seq_max)}
+        # streams: each sequence's buffer by position; it outlives seq_rm, as llama.cpp's
+        self._queued: list[tuple[int, int]] = []  # stream copies the next decode runs
+        self.num_queue_runs = 0
+        """Times the queued stream copies ran (at a decode or :meth:`run_queued_copies`)."""
         self._refs: dict[int, int] = {}
         self._next_cell = 0
         self._can_share = can_share_prefix
@@ -181,7 +217,6 @@ class FakeBackend:
         self._eog = frozenset(eog_token_ids)
         self._adapter_order: dict[str, int] = {}  # name -> load index
         self._adapter_set: tuple[tuple[str, float], ...] = ()
-        self._cell_tag: dict[int, tuple[tuple[str, float], ...] | None] = {}
         self.decode_adapters: list[tuple[tuple[str, float], ...]] = []
         """The adapter set of every successful decode, in order (with ``log_decodes``)."""
         self.num_copies = 0
@@ -251,6 +286,7 @@ class FakeBackend:
         self._fault("relayout")
         if unified == self._is_unified:
             return
+        # a new context: each state is read as it is now (a queued copy never runs there)
         limit = self._n_ctx if unified else self._stream_cells
         held_cells = 0
         for seq_id, cells in self.cells.items():
@@ -261,13 +297,16 @@ class FakeBackend:
             held_cells += len(cells)
             if unified and held_cells > self._n_ctx:
                 raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
-        held = {seq_id: list(cells) for seq_id, cells in self.cells.items()}
+        held = {seq_id: (list(held), self._read_all(seq_id)) for seq_id, held in self.cells.items()}
         self._refs.clear()
-        self._cell_tag.clear()
-        for seq_id, tokens in held.items():
-            self.cells[seq_id], self._cell_ids[seq_id] = [], []
-            self._store(seq_id, [t for t in tokens if t is not None], tags=None)
+        self._data.clear()
+        self._queued.clear()
+        for seq_id in held:
+            self._buffers[seq_id] = {}
+            self.cells[seq_id], self._cell_ids[seq_id], self._chains[seq_id] = [], [], []
         self._is_unified = unified
+        for seq_id, (tokens, data) in held.items():
+            self._store(seq_id, [t for t in tokens if t is not None], data)
         self.num_relayouts += 1
 
     @property
@@ -381,12 +420,15 @@ class FakeBackend:
         status = self._fault("decode")
         if status is not None:
             assert isinstance(status, int), f"a decode fault must be a status, got {status!r}"
+            if status in (DecodeStatus.OK, DecodeStatus.NO_SLOT, DecodeStatus.ABORTED):
+                self._run_queue()  # llama.cpp's memory update comes before these
             return status
+        num = sum(len(i.token_ids) for i in items)
+        if not num or num > self._n_batch or len({i.seq_id for i in items}) != len(items):
+            return -1
+        self._run_queue()
         if self.forced_statuses:
             return self.forced_statuses.popleft()
-        num = sum(len(i.token_ids) for i in items)
-        if num > self._n_batch or len({i.seq_id for i in items}) != len(items):
-            return -1
         if self.num_cells_used + num > self.kv_cells or any(
             len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
         ):
@@ -403,13 +445,7 @@ class FakeBackend:
                     f"seq {item.seq_id}: decode at {item.start_pos}, KV holds {len(cells)}"
                 )
             known = [t for t in cells if t is not None]
-            for cell in self._cell_ids[item.seq_id]:
-                tag = self._cell_tag.get(cell) if cell is not None else None
-                if tag is not None and tag != self._adapter_set:
-                    raise AssertionError(
-                        f"seq {item.seq_id}: KV computed under adapters {tag} is read under "
-                        f"{self._adapter_set}"
-                    )
+            self._check_provenance(item.seq_id)
             for row in item.rows:
                 if not offset <= row < offset + len(item.token_ids):
                     raise AssertionError(f"row {row} is outside its item {item!r}")
@@ -425,6 +461,52 @@ class FakeBackend:
         if self._step_seconds is not None:
             self._clock += self._step_seconds(items)
         return DecodeStatus.OK
+
+    def run_queued_copies(self) -> None:
+        """Run the queued stream copies now, as the next decode would."""
+        self._fault("run_queued_copies")
+        self._run_queue()
+
+    def _run_queue(self) -> None:
+        """Copy each queued source stream's buffer, as it is now, into its destination."""
+        if self._queued:
+            for src, dst in self._queued:
+                self._buffers[dst] = dict(self._buffers[src])
+            self._queued.clear()
+            self.num_queue_runs += 1
+
+    def _read(self, seq_id: int, pos: int) -> _Computed | None:
+        """The data the memory holds for ``seq_id``'s cell at ``pos`` (None: garbage)."""
+        if self._is_unified:
+            cell = self._cell_ids[seq_id][pos]
+            return None if cell is None else self._data.get(cell)
+        return self._buffers[seq_id].get(pos)
+
+    def _read_all(self, seq_id: int) -> list[_Computed | None]:
+        return [self._read(seq_id, p) for p, t in enumerate(self.cells[seq_id]) if t is not None]
+
+    def _check_provenance(self, seq_id: int) -> None:
+        """Every cell ``seq_id`` attends to was computed from its own tokens, by this model,
+        under the current adapter set."""
+        for pos, expected in enumerate(self._chains[seq_id]):
+            if expected is None:
+                continue
+            data = self._read(seq_id, pos)
+            if data is None or data.chain != expected:
+                raise AssertionError(
+                    f"seq {seq_id} reads KV at position {pos} that was not computed from its "
+                    f"own tokens ({'garbage' if data is None else 'another history'})"
+                )
+            if data.model != self._weights:
+                raise AssertionError(
+                    f"seq {seq_id}: KV at position {pos} was computed by model {data.model!r}, "
+                    f"read by {self._weights!r}"
+                )
+            if data.adapters != self._adapter_set:
+                raise AssertionError(
+                    f"seq {seq_id}: KV computed under adapters {data.adapters} is read under "
+                    f"{self._adapter_set}"
+                )
 
     def load_adapter(self, name: str, path: str) -> None:
         """Accept any file that starts with ``GGUF`` as an adapter; under it, lower-case
@@ -555,18 +637,20 @@ class FakeBackend:
         p1 = len(cells) if p1 < 0 else min(p1, len(cells))
         if p0 > 0 and not self._can_share:
             return False
+        chains = self._chains[seq_id]
         for cell in ids[p0:p1]:
             if cell is None:
                 continue
             self._refs[cell] -= 1
             if not self._refs[cell]:
                 del self._refs[cell]
-                self._cell_tag.pop(cell, None)
+                self._data.pop(cell, None)
         if p1 == len(cells):
-            del cells[p0:], ids[p0:]
+            del cells[p0:], ids[p0:], chains[p0:]
         else:
             cells[p0:p1] = [None] * (p1 - p0)
             ids[p0:p1] = [None] * (p1 - p0)
+            chains[p0:p1] = [None] * (p1 - p0)
         return True
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
@@ -577,7 +661,30 @@ class FakeBackend:
             raise AssertionError("the fake only shifts whole tails")
         if delta > 0 or any(c is not None for c in cells[p0 + delta : p0]):
             raise AssertionError(f"seq_add {seq_id} [{p0}, end) by {delta} overwrites cells")
+        if self._is_unified and any(c is not None and self._refs[c] > 1 for c in ids[p0:]):
+            raise AssertionError(f"seq_add {seq_id} moves cells another sequence holds too")
+        # the moved cells keep their K/V, re-rotated: a shift is a deliberate approximation,
+        # so cells that were right before stand for the shifted history after
+        moved = [
+            (data, data is not None and data.chain == chain)
+            for data, chain in zip(
+                [self._read(seq_id, p) for p in range(p0, len(cells))],
+                self._chains[seq_id][p0:],
+                strict=True,
+            )
+        ]
         del cells[p0 + delta : p0], ids[p0 + delta : p0]
+        self._chains[seq_id] = self._chain_of(cells)
+        if not self._is_unified:
+            kept = {p: d for p, d in self._buffers[seq_id].items() if p < p0 + delta}
+            self._buffers[seq_id] = kept
+        for offset, (data, was_right) in enumerate(moved):
+            pos = p0 + delta + offset
+            if data is not None and was_right:
+                chain = self._chains[seq_id][pos]
+                assert chain is not None
+                data = _Computed(chain, data.model, data.adapters)
+            self._write(seq_id, pos, data)
         self.num_shifts += 1
 
     @property
@@ -595,8 +702,17 @@ class FakeBackend:
         if not self._is_unified:
             if p0 != -1 or p1 != -1 or self.cells[dst]:
                 raise AssertionError(f"partial seq_cp {src}->{dst} between streams aborts")
-            tags = [self._cell_tag.get(c) for c in self._cell_ids[src] if c is not None]
-            self._store(dst, [t for t in self.cells[src] if t is not None], tags=tags)
+            if None in self.cells[src]:
+                raise AssertionError(f"seq_cp {src}->{dst} copies a hole")
+            # the cells now, the buffer at the next decode (whatever the source holds then)
+            tokens = [t for t in self.cells[src] if t is not None]
+            self.cells[dst].extend(tokens)
+            self._chains[dst] = list(self._chains[src])
+            for _ in tokens:
+                self._refs[self._next_cell] = 1
+                self._cell_ids[dst].append(self._next_cell)
+                self._next_cell += 1
+            self._queued.append((src, dst))
             self.num_copies += 1
             return
         p0 = max(p0, 0)
@@ -610,6 +726,7 @@ class FakeBackend:
             assert cell is not None
             self._refs[cell] += 1
             self._cell_ids[dst].append(cell)
+        self._chains[dst].extend(self._chains[src][p0:p1])
         self.num_copies += 1
 
     def seq_pos_min(self, seq_id: int) -> int:
@@ -622,13 +739,30 @@ class FakeBackend:
 
     @property
     def model_identity(self) -> dict[str, object]:
-        """The fake model's identity."""
-        return {"name": self._model_name, "n_vocab": self.n_vocab}
+        """The fake model's identity, its weights included."""
+        return {"name": self._model_name, "n_vocab": self.n_vocab, "weights": self._weights}
 
     def state_seq_get(self, seq_id: int) -> bytes:
-        """The sequence's tokens as JSON."""
+        """The sequence's state as JSON: a header, then its tokens by position (null for a
+        removed cell). The header names the model and adapter set the cells were computed
+        by and lists the cells whose buffer holds anything else (``[position, chain, model,
+        adapters]``, chain null for garbage: a copy still queued has not filled it)."""
         self._fault("state_seq_get")
-        return json.dumps(self.cells[seq_id]).encode()
+        tokens = self.cells[seq_id]
+        found = [d for p, t in enumerate(tokens) if t is not None and (d := self._read(seq_id, p))]
+        model, adapters = (found[0].model, found[0].adapters) if found else (self._weights, ())
+        expected = self._chain_of(tokens)
+        odd: list[object] = []
+        for pos, token in enumerate(tokens):
+            if token is None:
+                continue
+            data = self._read(seq_id, pos)
+            if data is None:
+                odd.append([pos, None, None, []])
+            elif (data.chain, data.model, data.adapters) != (expected[pos], model, adapters):
+                odd.append([pos, data.chain, data.model, [list(a) for a in data.adapters]])
+        header = {"m": model, "a": [list(a) for a in adapters], "x": odd}
+        return json.dumps([header, *tokens]).encode()
 
     def state_seq_set(self, seq_id: int, data: bytes) -> bool:
         """Load tokens from :meth:`state_seq_get` into an empty sequence; False (nothing
@@ -637,19 +771,23 @@ class FakeBackend:
         if self._fault("state_seq_set") is not None:
             return False
         try:
-            held = json.loads(data)
-            if not isinstance(held, list) or not all(type(t) is int for t in held):
-                return False
-            tokens = [int(t) for t in held]
-        except ValueError:
+            parsed = _parse_state(json.loads(data))
+        except (ValueError, TypeError, KeyError, IndexError):
             return False
+        if parsed is None:
+            return False
+        tokens, computed = parsed
         if (
             self.cells[seq_id]
             or self.num_cells_used + len(tokens) > self._n_ctx
             or len(tokens) > self.n_ctx_stream
         ):
             return False
-        self._store(seq_id, tokens, tags=None)
+        computed = [  # a hand-written cell (no model named): this model's
+            _Computed(c.chain, self._weights, ()) if c is not None and not c.model else c
+            for c in computed
+        ]
+        self._store(seq_id, tokens, computed)
         return True
 
     def calibration_key(self) -> str | None:
@@ -680,21 +818,44 @@ class FakeBackend:
         self,
         seq_id: int,
         tokens: Sequence[int],
-        tags: Sequence[tuple[tuple[str, float], ...] | None] | Literal["current"] | None = (
-            "current"
-        ),
+        data: Sequence[_Computed | None] | None = None,
     ) -> None:
-        """Append ``tokens`` in new cells, tagged with the adapter set they were computed
-        under (``"current"``: the current one; None: unknown, never checked)."""
-        self.cells[seq_id].extend(tokens)
-        for i in range(len(tokens)):
-            self._refs[self._next_cell] = 1
-            self._cell_ids[seq_id].append(self._next_cell)
-            if tags == "current":
-                self._cell_tag[self._next_cell] = self._adapter_set
-            elif tags is not None:
-                self._cell_tag[self._next_cell] = tags[i]
+        """Append ``tokens`` in new cells holding ``data`` (None: computed now, from the
+        sequence's own history, by this model under the current adapter set)."""
+        chains = self._chains[seq_id]
+        previous = chains[-1] if chains and chains[-1] is not None else 0
+        for i, token in enumerate(tokens):
+            previous = _chain(previous, token)
+            chains.append(previous)
+            cell = self._next_cell
             self._next_cell += 1
+            self._refs[cell] = 1
+            self.cells[seq_id].append(token)
+            self._cell_ids[seq_id].append(cell)
+            computed = (
+                _Computed(previous, self._weights, self._adapter_set) if data is None else data[i]
+            )
+            self._write(seq_id, len(self.cells[seq_id]) - 1, computed)
+
+    def _write(self, seq_id: int, pos: int, data: _Computed | None) -> None:
+        if self._is_unified:
+            cell = self._cell_ids[seq_id][pos]
+            assert cell is not None
+            self._data[cell] = data
+        else:
+            self._buffers[seq_id][pos] = data
+
+    @staticmethod
+    def _chain_of(tokens: Sequence[int | None]) -> list[int | None]:
+        chains: list[int | None] = []
+        previous = 0
+        for token in tokens:
+            if token is None:
+                chains.append(None)
+                continue
+            previous = _chain(previous, token)
+            chains.append(previous)
+        return chains
 
     def seq_tokens(self, seq_id: int) -> list[int | None]:
         """The tokens ``seq_id`` holds, by position (``None`` where a cell was removed)."""
@@ -721,6 +882,42 @@ class FakeBackend:
     def _check_open(self) -> None:
         if self.closed:
             raise ContextClosedError("the context is closed: its (fake) model has been freed")
+
+
+def _adapter_set(raw: object) -> _AdapterSet:
+    if not isinstance(raw, list):
+        raise TypeError("not an adapter set")
+    return tuple((str(name), float(scale)) for name, scale in raw)
+
+
+def _parse_state(held: object) -> tuple[list[int], list[_Computed | None]] | None:
+    """A state from :meth:`FakeBackend.state_seq_get`: its tokens and cell data. A bare
+    list of tokens (a hand-written state) stands for cells computed from those tokens
+    under no adapters by the model that loads it (model ``""``). None: not a state (a
+    removed cell, a wrong type)."""
+    if not isinstance(held, list):
+        return None
+    model: str = ""
+    adapters: _AdapterSet = ()
+    odd: dict[int, _Computed | None] = {}
+    if held and isinstance(held[0], dict):
+        header, *held = held
+        model, adapters = str(header["m"]), _adapter_set(header["a"])
+        for pos, chain, other, other_adapters in header["x"]:
+            odd[int(pos)] = (
+                None
+                if chain is None
+                else _Computed(int(chain), str(other), _adapter_set(other_adapters))
+            )
+    if not all(type(t) is int for t in held):
+        return None
+    tokens = [int(t) for t in held]
+    computed: list[_Computed | None] = []
+    previous = 0
+    for pos, token in enumerate(tokens):
+        previous = _chain(previous, token)
+        computed.append(odd[pos] if pos in odd else _Computed(previous, model, adapters))
+    return tokens, computed
 
 
 def assert_idle(ctx: Context, timeout: float = 10.0, *, clear_cache: bool = True) -> None:

@@ -399,6 +399,8 @@ def mixed_load(
             with session.fork() as fork:
                 if rng.random() < 0.5:
                     fork.rewind(min(held, 3))
+                elif held:  # saved at once: between streams its copy is still queued
+                    fork.save(tmp / f"f{k}-{rng.randrange(10**9)}.llamax")
         elif action == "shift" and held > 4:
             session.shift(1, rng.randint(2, held - 1))
         elif action == "save" and held:
@@ -506,11 +508,15 @@ MUST_SURVIVE = {"sample", "new_sampler"}
 
 
 def _mixed_context(
-    make_fake: MakeFake, request: pytest.FixtureRequest, *, batch_hook: bool = False
+    make_fake: MakeFake,
+    request: pytest.FixtureRequest,
+    *,
+    batch_hook: bool = False,
+    kv_layout: str = "auto",
 ) -> tuple[llamax.Context, FakeBackend]:
     """An auto-layout context with speculation; with ``batch_hook`` a batch logits
     processor too (the only user of ``batch_logits``; it turns drafting off)."""
-    options = {"n_ctx": 1024, "n_seq_max": 8, "n_batch": 64, "kv_layout": "auto"}
+    options = {"n_ctx": 1024, "n_seq_max": 8, "n_batch": 64, "kv_layout": kv_layout}
     if not batch_hook:
         return make_fake(autostart=True, speculative=llamax.PromptLookup(), **options)
     backend = FakeBackend(**options)  # type: ignore[arg-type]
@@ -541,7 +547,13 @@ def test_fault_at_every_backend_call(
     a result, a cancellation or a typed error; the engine survives with a clean audit, or
     fails every pending request with EngineError caused by the fault itself. Faults must
     have fired and most requests must have completed before them."""
-    ctx, backend = _mixed_context(make_fake, request, batch_hook=where == "batch_logits")
+    ctx, backend = _mixed_context(
+        make_fake,
+        request,
+        batch_hook=where == "batch_logits",
+        # in streams every fork is a queued copy, which a fork saved at once must run
+        kv_layout="streams" if where == "run_queued_copies" else "auto",
+    )
     ctx._engine.scheduler.price_drafts = False  # verify every proposal: drafts every step
     # A run where everything is merely refused proves nothing: a third of the load runs
     # first without faults, and a fault that may end the engine fires once, somewhere in

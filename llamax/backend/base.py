@@ -240,7 +240,14 @@ class KVMemory(Protocol):
         ...
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Tag the cells of ``src`` in ``[p0, p1)`` with ``dst`` too (no new cells)."""
+        """Tag the cells of ``src`` in ``[p0, p1)`` with ``dst`` too (no new cells). Between
+        streams: copy the whole stream, the buffer only at the next decode (or
+        :meth:`run_queued_copies`), as llama.cpp does."""
+        ...
+
+    def run_queued_copies(self) -> None:
+        """Run the cross-stream buffer copies queued by :meth:`seq_cp` now, as the next
+        decode would (see :mod:`llamax.engine.stream_copies`)."""
         ...
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:

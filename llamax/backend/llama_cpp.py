@@ -432,6 +432,38 @@ class LlamaCppBackend:
         batch.set_n_tokens(n)
         return self._context.decode(batch)
 
+    def run_queued_copies(self) -> None:
+        """Run the cross-stream copies llama.cpp has queued (see
+        :mod:`~llamax.engine.stream_copies`). llama.cpp runs them only at the start of a
+        decode, so this decodes one token, with no output, into an empty sequence (or past
+        the end of one with room) and removes it again. The last decode's logits are gone
+        afterwards.
+
+        Raises:
+            RequestFailedError: no sequence has room for the token, or the decode failed.
+        """
+        found = next(
+            (
+                (seq_id, pos + 1)
+                for seq_id in sorted(range(self._n_seq_max), key=self.seq_pos_max)
+                if (pos := self.seq_pos_max(seq_id)) + 1 < self.n_ctx_stream
+            ),
+            None,
+        )
+        if found is None:
+            raise RequestFailedError("no KV room to run llama.cpp's queued stream copies")
+        seq_id, pos = found
+        batch = self._batch
+        batch.tokens[0] = max(self._model.bos(), 0)
+        batch.pos[0] = pos
+        batch.logits[0] = 0
+        batch.seq_rows[0][0] = seq_id
+        batch.set_n_tokens(1)
+        status = self._context.decode(batch)
+        self._context.seq_rm(seq_id, pos, -1)
+        if status not in (0, 1, 2):  # these three come after the memory update
+            raise RequestFailedError(f"llama_decode failed with status {status}")
+
     def check_grammar(self, grammar: str) -> str | None:
         """Build and free a grammar sampler: llama.cpp returns NULL for invalid GBNF.
 
@@ -564,7 +596,8 @@ class LlamaCppBackend:
         return self._context.seq_rm(seq_id, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """``llama_memory_seq_cp``; the cache is always unified, where partial copies are safe."""
+        """``llama_memory_seq_cp``. Between streams llama.cpp updates the cells at once but
+        queues the buffer copy until the next decode (:meth:`run_queued_copies`)."""
         self._context.seq_cp(src, dst, p0, p1)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:

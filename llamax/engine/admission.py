@@ -10,7 +10,8 @@ In a unified cache a newcomer fits only if ``cells_used + pending tokens + its n
 <= n_ctx``, after evicting retained slots (never its source).
 
 When the host-RAM tier (:mod:`llamax.engine.prefix_ram`) holds a longer prefix than any
-slot, the newcomer gets a fresh slot with that state restored and cut to the shared prefix;
+slot, the newcomer gets a fresh slot with that state restored and cut to the shared prefix
+(evicting retained slots for it, the one that gives the shorter prefix included);
 if the memory refuses it (or it does not hold what it claims), the entry is dropped and the
 newcomer is placed as if the tier were empty. The disk tier (:mod:`llamax.engine.prefix_disk`)
 is tried first when it holds a longer prefix still, the same way; a file that does not read
@@ -124,17 +125,23 @@ class SlotPlacer:
         )
         if should_wait(best if on_disk is None else on_disk.num_common, match.num_later):
             return Placement(Outcome.WAIT_PREFIX)
+        # a tier's longer prefix may evict the slot that gives the shorter one (every chat
+        # prompt shares its template's head with some slot: protecting that slot left the
+        # tiers unused whenever sequence ids were scarce); a failed try looks again
         if on_disk is not None:
-            restored = self._restore_disk(on_disk, token_ids, num_pending, keep=source)
+            restored = self._restore_disk(on_disk, token_ids, num_pending)
             if restored is not None:
                 return restored
             ram = self._prefix.ram.match(  # what the evictions for the try left in RAM
                 token_ids, longer_than=now, max_tokens=cells, adapters=adapters
             )
         if ram is not None:
-            restored = self._restore(ram, token_ids, num_pending, keep=source, adapters=adapters)
+            restored = self._restore(ram, token_ids, num_pending, adapters=adapters)
             if restored is not None:
                 return restored
+        if on_disk is not None or ram is not None:  # the tries may have evicted the source
+            match = self._prefix.match(token_ids, in_flight, adapters)
+            source, now = match.slot, match.num_now
         if self._kv.num_free_seq_ids == 0 and not self._prefix.evict_one(keep=source):
             return self._take_over(source, token_ids, num_pending, adapters)
         if not self.fits(len(token_ids) - now, num_pending, keep=source):
@@ -153,14 +160,13 @@ class SlotPlacer:
         token_ids: Sequence[int],
         num_pending: int,
         *,
-        keep: Slot | None,
         adapters: tuple[tuple[str, float], ...],
     ) -> Placement | None:
         """Admit with the RAM tier's matched state in a fresh slot; None (the entry gone if
         it was refused) when there is no room for it or the memory would not take it."""
         tier = self._prefix.ram
         entry = tier.take(ram)  # out of the tier first: the evictions below spill into it
-        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, keep, adapters)
+        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, adapters)
         if slot is None:
             tier.put(entry)
             return None
@@ -170,7 +176,7 @@ class SlotPlacer:
         return Placement(Outcome.ADMITTED, slot, ram.num_common) if ok else None
 
     def _restore_disk(
-        self, found: DiskMatch, token_ids: Sequence[int], num_pending: int, *, keep: Slot | None
+        self, found: DiskMatch, token_ids: Sequence[int], num_pending: int
     ) -> Placement | None:
         """Admit with the disk tier's matched state in a fresh slot, as :meth:`_restore`
         does; the file stays (the disk is a cache), unless it or its state is refused."""
@@ -179,7 +185,7 @@ class SlotPlacer:
             return None
         entry = found.entry
         tier.touch(entry)  # the evictions below may push files out: not this one first
-        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, keep, ())
+        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, ())
         if slot is None:
             return None
         started = time.perf_counter()
@@ -197,16 +203,15 @@ class SlotPlacer:
         num_stored: int,
         token_ids: Sequence[int],
         num_pending: int,
-        keep: Slot | None,
         adapters: tuple[tuple[str, float], ...],
     ) -> Slot | None:
         """A free slot with room for a stored state of ``num_stored`` tokens and the prompt
-        (the whole state lands before the cut), evicting retained slots (never ``keep``)."""
+        (the whole state lands before the cut), evicting retained slots as needed."""
         need = max(num_stored, len(token_ids))
-        has_id = self._kv.num_free_seq_ids > 0 or self._prefix.evict_one(keep=keep)
-        if not has_id or not self.fits(need, num_pending, keep=keep):
+        has_id = self._kv.num_free_seq_ids > 0 or self._prefix.evict_one()
+        if not has_id or not self.fits(need, num_pending):
             return None
-        slot = self._prefix.allocate(keep=keep)
+        slot = self._prefix.allocate()
         assert slot is not None
         slot.adapters = adapters
         return slot

@@ -14,6 +14,10 @@ llama.cpp. The two layouts differ only in :meth:`KVCache.copy_prefix`:
 With ``kv_layout="auto"`` the memory can move between the two (:meth:`KVCache.relayout`);
 every sequence then holds cells of its own, in either layout, until it is copied again.
 
+Between streams llama.cpp runs a copy's buffer transfer only at the next decode
+(:mod:`llamax.engine.stream_copies`); before a state read or write that would see the
+difference, the queue is run first, so every call here acts at once.
+
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
 and which is evicted first, is :mod:`llamax.engine.prefix`'s business; who may change a slot at
 all is the scheduler's (see docs/architecture.md).
@@ -26,10 +30,14 @@ import itertools
 from collections.abc import Sequence
 from enum import Enum
 
-from ..backend.base import KVMemory
+from ..backend.base import DecodeStatus, KVMemory
 from ..errors import InvalidParameterError
+from .stream_copies import QueuedCopies
 
 __all__ = ["LAYOUT_MOVES", "KVCache", "LayoutState", "Slot", "SlotState"]
+
+
+_AFTER_MEMORY_UPDATE = frozenset({DecodeStatus.OK, DecodeStatus.NO_SLOT, DecodeStatus.ABORTED})
 
 
 class LayoutState(Enum):
@@ -127,6 +135,9 @@ class KVCache:
         self._slots: dict[int, Slot] = {}
         self._refs: dict[int, int] = {}
         self._next_cell = itertools.count()
+        self._queued = QueuedCopies()
+        self.num_queue_runs = 0
+        """Times a state call had to run the memory's queued stream copies first."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -182,6 +193,23 @@ class KVCache:
             raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
         self._layout = to
 
+    @property
+    def num_queued_copies(self) -> int:
+        """Cross-stream copies the memory has queued for its next decode."""
+        return len(self._queued)
+
+    def decoded(self, status: int) -> None:
+        """The backend ran a decode that returned ``status``: llama.cpp ran its queued
+        copies first unless the batch was refused before that (a negative status)."""
+        if status in _AFTER_MEMORY_UPDATE:
+            self._queued.ran()
+
+    def _run_queue(self) -> None:
+        """Have the memory run its queued copies now (a state call is about to see them)."""
+        self._memory.run_queued_copies()
+        self._queued.ran()
+        self.num_queue_runs += 1
+
     def is_intact(self, slot: Slot) -> bool:
         """Whether the memory still holds the slot's first cells (sliding windows drop them)."""
         return not slot.tokens or self._memory.seq_pos_min(slot.seq_id) <= 0
@@ -211,6 +239,8 @@ class KVCache:
         to = LayoutState.UNIFIED if unified else LayoutState.STREAMS
         if to not in LAYOUT_MOVES[self._layout]:
             raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
+        if self._queued:  # the move reads every state, and the old context's queue never runs
+            self._run_queue()
         self._memory.relayout(unified)
         self._move(to)
         self._shares_cells = unified
@@ -249,6 +279,7 @@ class KVCache:
                 self._refs[cell] += 1
             return
         self._memory.seq_cp(src.seq_id, dst.seq_id, -1, -1)
+        self._queued.add(src.seq_id, dst.seq_id)
         if num < len(src.tokens) and not self._memory.seq_rm(dst.seq_id, num, -1):
             self._memory.seq_rm(dst.seq_id, -1, -1)
             raise ValueError(f"the memory cannot cut a copied stream to {num} tokens")
@@ -267,6 +298,8 @@ class KVCache:
         or it does not hold exactly ``len(tokens)`` positions (then nothing is kept)."""
         if slot.tokens:
             raise ValueError(f"restore into a non-empty slot {slot!r}")
+        if self._queued.blocks_write(slot.seq_id):
+            self._run_queue()
         if not self._memory.state_seq_set(slot.seq_id, state):
             return False
         if self._memory.seq_pos_max(slot.seq_id) != len(tokens) - 1:
@@ -277,6 +310,8 @@ class KVCache:
 
     def save(self, slot: Slot) -> bytes:
         """Serialise ``slot``'s KV state."""
+        if self._queued.blocks_read(slot.seq_id):
+            self._run_queue()
         return self._memory.state_seq_get(slot.seq_id)
 
     def truncate(self, slot: Slot, num: int) -> bool:

@@ -429,6 +429,7 @@ class Engine:
         for _ in range(_MAX_SHRINKS_PER_STEP):
             features, started = self.scheduler.features(plan), self.scheduler.clock()
             status = self.backend.decode(plan.items)
+            self.scheduler.kv.decoded(status)
             if status == DecodeStatus.OK:
                 self._stalled_steps = 0
                 return plan, features, started
