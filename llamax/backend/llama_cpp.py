@@ -28,6 +28,7 @@ import numpy.typing as npt
 from ..errors import ContextClosedError, ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
+from .lora_file import check_lora_file
 from .native import (
     NativeBatch,
     NativeContext,
@@ -377,12 +378,21 @@ class LlamaCppBackend:
         """``llama_adapter_lora_init``: load a LoRA GGUF for this model under ``name``
         (:class:`~llamax.backend.base.LoraHost`). llama.cpp frees it with the model.
 
+        The file is checked first (:func:`~llamax.backend.lora_file.check_lora_file`):
+        llama.cpp loads tensor types it cannot multiply and NaN weights, and crashes or
+        answers nothing later.
+
         Raises:
-            ModelLoadError: the file is missing, or llama.cpp refused it (not a LoRA, another
-                architecture, shapes that do not fit the model); its log says why.
+            ModelLoadError: the file is missing, fails those checks (the message names the
+                tensor or key), or llama.cpp refused it (not a LoRA, another architecture,
+                shapes that do not fit the model); its log says why.
         """
         if not Path(path).is_file():
             raise ModelLoadError(f"LoRA adapter {name!r}: no file at {path}")
+        try:
+            check_lora_file(path)  # what llama.cpp lets through and then crashes on
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"LoRA adapter {name!r}: could not load {path}: {exc}") from None
         with self._entered():
             adapter = self._C.llama_adapter_lora_init(self._model.ptr, os.fsencode(path))
         if not adapter:
