@@ -11,8 +11,8 @@ Layout (little-endian; llama.cpp's ``gguf.cpp`` reads the same)::
 where a string is ``u64 length | bytes`` and an array value is ``u32 element type | u64
 count | elements``. The whole header is read into memory and parsed with bounds checks, so
 a file that lies about its counts or lengths is refused with a ValueError, never read past
-its end. Used to check a LoRA adapter before llama.cpp sees it
-(:mod:`llamax.backend.lora_file`).
+its end. Used to fingerprint a model's weights (:mod:`llamax.backend.fingerprint`) and to
+check a LoRA adapter before llama.cpp sees it (:mod:`llamax.backend.lora_file`).
 """
 
 from __future__ import annotations
