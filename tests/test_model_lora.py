@@ -134,6 +134,40 @@ def test_the_openai_client_picks_an_adapter(lora_ctx: llamax.Context) -> None:
     assert_idle(lora_ctx)
 
 
+# ---------------------------------------------------------------------- issue 36, item 2
+def test_a_fork_or_a_loaded_session_never_gives_its_adapter_kv_to_base_requests(
+    lora_ctx: llamax.Context,
+    make_real: Callable[..., llamax.Context],
+    adapters: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Regression: a fork, and a session loaded from a file, lost the adapter set their
+    cells were computed under: a base request on them, and another user's plain request
+    sharing the prompt, reused the adapter's KV and answered from it."""
+    lora_ctx.clear_cache()
+    cold = lora_ctx.add_request(PROMPT, greedy()).result()
+    lora_ctx.clear_cache()
+    path = tmp_path / "warm.llamax"
+    with lora_ctx.session() as session:
+        session.add_request(PROMPT, greedy(lora={"warm": 1.0})).result()
+        session.save(path)
+        with session.fork() as fork:
+            plain = lora_ctx.add_request(PROMPT, greedy()).result()
+            on_fork = fork.add_request(PROMPT, greedy()).result()
+    lora_ctx.clear_cache()
+    with lora_ctx.load_session(path) as loaded:
+        plain_after_load = lora_ctx.add_request(PROMPT, greedy()).result()
+        on_loaded = loaded.add_request(PROMPT, greedy()).result()
+    lora_ctx.clear_cache()
+    probe = make_real(n_ctx=1024, n_seq_max=1, lora=adapters)
+    for done in (plain, on_fork, plain_after_load, on_loaded):
+        assert done.usage.cached_tokens == 0
+        assert_greedy_agrees(
+            probe, lora_ctx.tokenize(PROMPT), cold.choices[0].token_ids, done.choices[0].token_ids
+        )
+    assert_idle(lora_ctx)
+
+
 # ---------------------------------------------------------------------- issue 36, item 4
 @pytest.mark.parametrize(
     ("options", "match"),
