@@ -13,13 +13,19 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from typing_extensions import Self, Unpack
 
 from .backend.base import Backend
+from .backend.fingerprint import weights_fingerprint
 from .engine.calibration import Calibration
 from .engine.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
 from .engine.prefix_disk import default_disk_budget
 from .engine.prefix_ram import default_budget
 from .engine.sampling import BatchLogitsProcessor
-from .errors import ContextClosedError, InvalidParameterError, InvalidRequestError
+from .errors import (
+    ContextClosedError,
+    InvalidParameterError,
+    InvalidRequestError,
+    ModelLoadError,
+)
 from .handle import RequestHandle
 from .models import default_model_path
 from .params import ContextConfig, ContextOptions, SamplingParams
@@ -118,6 +124,7 @@ class Context:
                 backend.close()
             raise
         self._adapters: dict[str, str] = {}  # name -> path, in load order
+        self._adapter_weights: dict[str, str] = {}  # name -> the file's weights_fingerprint
         self._adapter_lock = threading.Lock()
         try:
             for name, path in (config.lora or {}).items():
@@ -251,13 +258,16 @@ class Context:
         """Restore a session saved by :meth:`Session.save <llamax.Session.save>` (the same as
         ``llamax.Session.load(ctx, path)``).
 
-        A file is input: its header must name this model, its tokens must be ids of this
-        vocabulary that fit one sequence (``n_ctx_seq``), and its KV state must be whole and
-        hold exactly those tokens' positions. Nothing reaches the KV cache otherwise.
+        A file is input: its header must name this model (weights included), its tokens
+        must be ids of this vocabulary that fit one sequence (``n_ctx_seq``), the LoRA
+        adapters it was saved under must be loaded here under the same names, from the same
+        files, and its KV state must be whole and hold exactly those tokens' positions.
+        Nothing reaches the KV cache otherwise. The session's cells keep that adapter set:
+        only requests under the same set reuse them (see docs/lora.md).
 
         Raises:
             SessionLoadError: the file is damaged, truncated, lies about its contents, or
-                was saved with a different model.
+                was saved with a different model or under adapters not loaded here.
             ContextClosedError: the context is closed.
             OSError: the file cannot be read.
         """
@@ -335,7 +345,12 @@ class Context:
             if name in self._adapters:
                 raise InvalidParameterError(f"a LoRA adapter named {name!r} is already loaded")
             self._backend.load_adapter(name, os.fspath(path))
+            try:  # saved sessions record it (Session.save)
+                weights = weights_fingerprint(path)
+            except OSError as exc:
+                raise ModelLoadError(f"LoRA adapter {name!r}: cannot read {path}: {exc}") from exc
             self._adapters[name] = os.fspath(path)
+            self._adapter_weights[name] = weights
 
     def _adapter_set(self, params: SamplingParams | None) -> tuple[tuple[str, float], ...]:
         """``params.lora`` as the engine's adapter set: names resolved, scale-0 entries
@@ -830,6 +845,10 @@ class _SessionPort:
     @property
     def model_identity(self) -> dict[str, object]:
         return self._ctx._backend.model_identity
+
+    @property
+    def adapter_weights(self) -> dict[str, str]:
+        return dict(self._ctx._adapter_weights)
 
     def run(self, op: KVOp[T]) -> T:
         return self._ctx._engine.run(op)

@@ -70,6 +70,13 @@ class SessionPort(Protocol):
         """
         ...
 
+    @property
+    def adapter_weights(self) -> dict[str, str]:
+        """The LoRA adapters the context has loaded, name -> fingerprint of the file's
+        weights: :meth:`Session.save` writes those of the session's adapter set, and a
+        load checks them."""
+        ...
+
     def run(self, op: KVOp[T]) -> T:
         """Apply the KV operation ``op`` between two steps and return its result.
 
@@ -204,7 +211,9 @@ class Session:
         return self._apply(lambda session_id: ShiftSession(session_id, start, end))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the session's tokens, KV state and model identity to ``path``.
+        """Write the session's tokens, KV state, model identity and the LoRA adapter set
+        its cells were computed under (each adapter's name, scale and weights' fingerprint)
+        to ``path``.
 
         The file is written next to ``path`` and renamed into place, so a crash never
         leaves a half-written session under that name.
@@ -215,9 +224,19 @@ class Session:
             ContextClosedError: the context is closed.
             OSError: the file cannot be written.
         """
-        tokens, state = self._apply(SaveSession)
+        tokens, state, adapters = self._apply(SaveSession)
         identity = self._port.model_identity
-        header = json.dumps({"model": identity, "tokens": list(tokens)}).encode()
+        weights = self._port.adapter_weights
+        header = json.dumps(
+            {
+                "model": identity,
+                "tokens": list(tokens),
+                "adapters": [
+                    {"name": name, "scale": scale, "weights": weights.get(name)}
+                    for name, scale in adapters
+                ],
+            }
+        ).encode()
         target = Path(path)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
@@ -236,7 +255,7 @@ class Session:
 
         Raises:
             SessionLoadError: the file is damaged, lies about its contents, or was saved
-                with a different model.
+                with a different model or under LoRA adapters the context has not loaded.
             ContextClosedError: the context is closed.
             OSError: the file cannot be read.
         """
@@ -306,8 +325,8 @@ class Session:
         return f"<llamax.Session {'closed' if self.closed else self._id}>"
 
 
-def _parse(data: bytes, path: object) -> tuple[Any, list[Any], bytes]:
-    """The saved model identity, token list and KV state of a session file.
+def _parse(data: bytes, path: object) -> tuple[Any, list[Any], list[Any], bytes]:
+    """The saved model identity, token list, adapter list and KV state of a session file.
 
     Raises:
         SessionLoadError: not a session file, or its header is damaged or truncated.
@@ -329,12 +348,55 @@ def _parse(data: bytes, path: object) -> tuple[Any, list[Any], bytes]:
     if (
         not isinstance(header, dict)
         or not isinstance(header.get("tokens"), list)
+        or not isinstance(header.get("adapters"), list)
         or "model" not in header
     ):
         raise SessionLoadError(
-            f"{path} is not a llamax session file (its header has no model or token list)"
+            f"{path} is not a llamax session file (its header has no model, token list or "
+            "adapter list)"
         )
-    return header["model"], header["tokens"], data[_HEADER.size + size :]
+    return header["model"], header["tokens"], header["adapters"], data[_HEADER.size + size :]
+
+
+def _saved_adapters(
+    saved: list[Any], port: SessionPort, path: object
+) -> tuple[tuple[str, float], ...]:
+    """The adapter set a session file's cells were computed under, each adapter checked
+    against the context's: loaded under that name, from a file with the same weights.
+
+    Design note: a session saved under adapters is refused where they are missing, rather
+    than loaded with its cells marked for a set no request can name: its KV is worth
+    nothing without them, and the error says what to load first.
+
+    Raises:
+        SessionLoadError: an entry is not ``{"name", "scale", "weights"}``, or the context
+            has not loaded that adapter, or has loaded another file under its name.
+    """
+    loaded = port.adapter_weights
+    adapters: dict[str, float] = {}
+    for entry in saved:
+        if (
+            not isinstance(entry, dict)
+            or set(entry) != {"name", "scale", "weights"}
+            or not isinstance(entry["name"], str)
+            or isinstance(entry["scale"], bool)
+            or not isinstance(entry["scale"], (int, float))
+            or entry["name"] in adapters
+        ):
+            raise SessionLoadError(f"{path} is damaged: its adapter list holds {entry!r}")
+        name, scale = entry["name"], float(entry["scale"])
+        if name not in loaded:
+            raise SessionLoadError(
+                f"{path} was saved under LoRA adapter {name!r} (scale {scale}), which this "
+                "context has not loaded: load it under that name first (Context.load_adapter)"
+            )
+        if loaded[name] != entry["weights"]:
+            raise SessionLoadError(
+                f"{path} was saved under LoRA adapter {name!r}, but this context's "
+                f"{name!r} is another file (other weights)"
+            )
+        adapters[name] = scale
+    return tuple(sorted(adapters.items()))
 
 
 def restore_session(
@@ -348,12 +410,13 @@ def restore_session(
         SessionLoadError, ContextClosedError, OSError: as :meth:`Session.load`.
     """
     data = Path(path).read_bytes()
-    saved_model, tokens, state = _parse(data, path)
+    saved_model, tokens, saved_adapters, state = _parse(data, path)
     current = port.model_identity
     if saved_model != current:
         raise SessionLoadError(
             f"{path} was saved with model {saved_model} but this context runs {current}"
         )
+    adapters = _saved_adapters(saved_adapters, port, path)
     for token in tokens:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
             raise SessionLoadError(
@@ -365,7 +428,7 @@ def restore_session(
             f"(n_ctx_seq={n_ctx_seq})"
         )
     try:
-        session_id = port.run(RestoreSession(tuple(tokens), state))
+        session_id = port.run(RestoreSession(tuple(tokens), state, adapters))
     except SessionLoadError as exc:
         raise SessionLoadError(
             f"{path} is damaged: its KV state is not whole or does not hold exactly "

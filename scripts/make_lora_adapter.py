@@ -33,10 +33,14 @@ def write_lora_adapter(
     seed: int = 0,
     strength: float = 1.0,
     rank: int = RANK,
+    dtype: str = "float32",
+    alpha: float = ALPHA,
 ) -> Path:
     """Write the adapter for ``model`` (default: the default model) to ``out``.
 
-    ``strength`` scales ``lora_b``: 0 writes an adapter that changes nothing.
+    ``strength`` scales ``lora_b``: 0 writes an adapter that changes nothing. ``dtype``
+    is the numpy type of the tensors and ``alpha`` the ``adapter.lora.alpha`` written
+    (tests write adapters llama.cpp must not be given: int8 tensors, NaN alphas).
     """
     import gguf
 
@@ -49,7 +53,7 @@ def write_lora_adapter(
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", ALPHA)
+    writer.add_float32("adapter.lora.alpha", alpha)
     writer.add_name(f"llamax test LoRA (rank {rank}, seed {seed}, strength {strength})")
     rng = np.random.default_rng(seed)
     for block in range(blocks):
@@ -57,8 +61,8 @@ def write_lora_adapter(
             n_in, n_out = shapes[f"blk.{block}.{target}.weight"]
             a = rng.standard_normal((rank, n_in)) / np.sqrt(n_in)  # ne = [n_in, r]
             b = strength * rng.standard_normal((n_out, rank)) / np.sqrt(rank)  # ne = [r, n_out]
-            writer.add_tensor(f"blk.{block}.{target}.weight.lora_a", a.astype(np.float32))
-            writer.add_tensor(f"blk.{block}.{target}.weight.lora_b", b.astype(np.float32))
+            writer.add_tensor(f"blk.{block}.{target}.weight.lora_a", a.astype(dtype))
+            writer.add_tensor(f"blk.{block}.{target}.weight.lora_b", b.astype(dtype))
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

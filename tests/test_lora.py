@@ -255,3 +255,65 @@ def test_a_request_lacking_room_is_not_overtaken_by_another_sets_newcomers(
         assert order.index("a") < min(order.index(n) for n in ("l0", "l1", "l2")), order
         assert all(h.result().usage.completion_tokens > 0 for h in handles)
         assert_idle(ctx)
+
+
+# ---------------------------------------------------------------------- issue 36, item 2
+def test_a_fork_keeps_the_adapter_set_its_cells_were_computed_under(
+    lora_ctx: tuple[llamax.Context, FakeBackend],
+) -> None:
+    """Regression (issue 36, item 2): a fork copied the cells of a session that ran under
+    adapter a but not their mark, so a base request on the fork (and another user's plain
+    request sharing the prefix) read adapter a's KV (the fake fails such a decode)."""
+    ctx, _ = lora_ctx
+    with ctx.session() as session:
+        session.add_request(LONG, greedy(4, lora={"a": 1})).result()
+        with session.fork() as fork:
+            plain = ctx.add_request(LONG + "other", greedy(4)).result()
+            base = fork.add_request(LONG + "more", greedy(4)).result()
+            tuned = fork.add_request(LONG + "more", greedy(4, lora={"a": 1})).result()
+    assert base.usage.cached_tokens == 0
+    assert plain.usage.cached_tokens == 0
+    assert tuned.usage.cached_tokens == 0  # the base request on the fork replaced its cells
+    assert base.text == ctx.add_request(LONG + "more", greedy(4)).result().text
+
+
+def test_a_loaded_session_keeps_its_adapter_set(
+    lora_ctx: tuple[llamax.Context, FakeBackend], tmp_path: Path
+) -> None:
+    """Regression (issue 36, item 2): the session file stored no adapter set, so a loaded
+    session's adapter cells were reused by base requests, its own and other users'."""
+    ctx, _ = lora_ctx
+    path = tmp_path / "tuned.llamax"
+    with ctx.session() as session:
+        session.add_request(LONG, greedy(4, lora={"a": 1})).result()
+        session.save(path)
+    ctx.clear_cache()
+    with ctx.load_session(path) as loaded:
+        plain = ctx.add_request(LONG + "other", greedy(4)).result()
+        base = loaded.add_request(LONG + "more", greedy(4)).result()
+    with ctx.load_session(path) as loaded:
+        tuned = loaded.add_request(LONG + "more", greedy(4, lora={"a": 1})).result()
+    assert plain.usage.cached_tokens == 0
+    assert base.usage.cached_tokens == 0
+    assert tuned.usage.cached_tokens > 0
+
+
+def test_a_session_saved_under_adapters_is_refused_where_they_are_not_loaded(
+    adapter_files: dict[str, str], tmp_path: Path
+) -> None:
+    path = tmp_path / "tuned.llamax"
+    with llamax.Context(backend=FakeBackend(n_ctx=1024), lora=adapter_files) as ctx:
+        with ctx.session() as session:
+            session.add_request(LONG, greedy(4, lora={"a": 0.5})).result()
+            session.save(path)
+        assert_idle(ctx)
+    with llamax.Context(backend=FakeBackend(n_ctx=1024)) as bare:
+        with pytest.raises(llamax.SessionLoadError, match=r"adapter 'a' \(scale 0.5\).*not loaded"):
+            bare.load_session(path)
+        assert bare.add_request(LONG, greedy(4)).result().text  # still serving
+        other = tmp_path / "other.gguf"
+        other.write_bytes(b"GGUF another adapter")
+        bare.load_adapter("a", other)
+        with pytest.raises(llamax.SessionLoadError, match="'a' is another file"):
+            bare.load_session(path)
+        assert_idle(bare)

@@ -132,3 +132,63 @@ def test_the_openai_client_picks_an_adapter(lora_ctx: llamax.Context) -> None:
             ask(lora=[{"scale": 1.0}])
         assert ask() == base
     assert_idle(lora_ctx)
+
+
+# ---------------------------------------------------------------------- issue 36, item 2
+def test_a_fork_or_a_loaded_session_never_gives_its_adapter_kv_to_base_requests(
+    lora_ctx: llamax.Context,
+    make_real: Callable[..., llamax.Context],
+    adapters: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """Regression: a fork, and a session loaded from a file, lost the adapter set their
+    cells were computed under: a base request on them, and another user's plain request
+    sharing the prompt, reused the adapter's KV and answered from it."""
+    lora_ctx.clear_cache()
+    cold = lora_ctx.add_request(PROMPT, greedy()).result()
+    lora_ctx.clear_cache()
+    path = tmp_path / "warm.llamax"
+    with lora_ctx.session() as session:
+        session.add_request(PROMPT, greedy(lora={"warm": 1.0})).result()
+        session.save(path)
+        with session.fork() as fork:
+            plain = lora_ctx.add_request(PROMPT, greedy()).result()
+            on_fork = fork.add_request(PROMPT, greedy()).result()
+    lora_ctx.clear_cache()
+    with lora_ctx.load_session(path) as loaded:
+        plain_after_load = lora_ctx.add_request(PROMPT, greedy()).result()
+        on_loaded = loaded.add_request(PROMPT, greedy()).result()
+    lora_ctx.clear_cache()
+    probe = make_real(n_ctx=1024, n_seq_max=1, lora=adapters)
+    for done in (plain, on_fork, plain_after_load, on_loaded):
+        assert done.usage.cached_tokens == 0
+        assert_greedy_agrees(
+            probe, lora_ctx.tokenize(PROMPT), cold.choices[0].token_ids, done.choices[0].token_ids
+        )
+    assert_idle(lora_ctx)
+
+
+# ---------------------------------------------------------------------- issue 36, item 4
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"dtype": "int8"}, r"'blk.0.attn_q.weight.lora_a' is I8; a LoRA tensor must be"),
+        ({"dtype": "int32"}, r"'blk.0.attn_q.weight.lora_a' is I32"),
+        ({"dtype": "float64"}, r"'blk.0.attn_q.weight.lora_a' is F64"),
+        ({"strength": float("nan")}, r"'blk.0.attn_q.weight.lora_b' holds NaN"),
+        ({"alpha": float("nan")}, r"'adapter.lora.alpha' is nan"),
+    ],
+    ids=["int8", "int32", "float64", "nan-weights", "nan-alpha"],
+)
+def test_an_adapter_llama_cpp_would_crash_or_fail_on_is_refused_at_load(
+    lora_ctx: llamax.Context, tmp_path: Path, options: dict[str, Any], match: str
+) -> None:
+    """Regression: these loaded; the first request under an int8, int32 or float64 adapter
+    killed the process in llama_decode, and NaN weights or alpha gave empty output."""
+    path = _writer()(tmp_path / "bad.gguf", seed=3, **options)
+    with pytest.raises(llamax.ModelLoadError, match=rf"'bad': could not load .*bad.gguf.*{match}"):
+        lora_ctx.load_adapter("bad", path)
+    assert list(lora_ctx.adapters) == ["warm", "cold"]
+    assert lora_ctx.add_request(PROMPT, greedy(lora={"warm": 1.0})).result().text
+    assert lora_ctx.add_request(PROMPT, greedy()).result().text
+    assert_idle(lora_ctx)

@@ -37,10 +37,11 @@ class RecordingPort:
         self.submitted: list[tuple[object, object, int]] = []
         self.ended = False
         self.model_identity: dict[str, object] = {"name": "recording"}
+        self.adapter_weights: dict[str, str] = {"tuned": "f00d"}
         self.answers: dict[type, object] = {
             ReadSession: (1, 2, 3),
             ForkSession: 7,
-            SaveSession: ((1, 2), b"state"),
+            SaveSession: ((1, 2), b"state", (("tuned", 0.5),)),
         }
 
     def run(self, op: KVOp[T]) -> T:
@@ -72,6 +73,9 @@ def test_every_session_method_goes_through_the_port(tmp_path: Path) -> None:
     session.save(tmp_path / "s.bin")
     assert (tmp_path / "s.bin").read_bytes().endswith(b"state")
     assert b'"recording"' in (tmp_path / "s.bin").read_bytes()
+    assert (
+        b'{"name": "tuned", "scale": 0.5, "weights": "f00d"}' in (tmp_path / "s.bin").read_bytes()
+    )
     session.close()
     assert session.closed
     assert port.ops == [

@@ -28,6 +28,9 @@ import numpy.typing as npt
 from ..errors import ContextClosedError, ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
+from .fingerprint import weights_fingerprint
+from .gguf_file import GGML_TYPE_NAMES
+from .lora_file import check_lora_file
 from .native import (
     NativeBatch,
     NativeContext,
@@ -90,6 +93,10 @@ class LlamaCppBackend:
                 use_extra_bufts=config.use_extra_bufts,
             )
             stack.callback(model.close)
+            try:
+                self._weights = weights_fingerprint(path)
+            except OSError as exc:
+                raise ModelLoadError(f"cannot read {path} to fingerprint it: {exc}") from exc
             # one KV section (no sliding window, no recurrent state): a sequence's saved
             # state can move between layouts (seq_state.restream)
             self._plain_kv = not (model.is_recurrent() or model.is_hybrid() or model.n_swa() > 0)
@@ -152,6 +159,9 @@ class LlamaCppBackend:
         self._eog = frozenset(t for t in range(self._n_vocab) if model.is_eog(t))
         self._model_name = self.metadata("general.name") or path.stem
         self._model_path = path
+        self._kv_types = "/".join(
+            GGML_TYPE_NAMES.get(t, str(t)) for t in (self._cparams.type_k, self._cparams.type_v)
+        )
         self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora*, freed with the model
         self._adapter_set: tuple[tuple[str, float], ...] | None = ()  # None: not yet applied
 
@@ -377,12 +387,21 @@ class LlamaCppBackend:
         """``llama_adapter_lora_init``: load a LoRA GGUF for this model under ``name``
         (:class:`~llamax.backend.base.LoraHost`). llama.cpp frees it with the model.
 
+        The file is checked first (:func:`~llamax.backend.lora_file.check_lora_file`):
+        llama.cpp loads tensor types it cannot multiply and NaN weights, and crashes or
+        answers nothing later.
+
         Raises:
-            ModelLoadError: the file is missing, or llama.cpp refused it (not a LoRA, another
-                architecture, shapes that do not fit the model); its log says why.
+            ModelLoadError: the file is missing, fails those checks (the message names the
+                tensor or key), or llama.cpp refused it (not a LoRA, another architecture,
+                shapes that do not fit the model); its log says why.
         """
         if not Path(path).is_file():
             raise ModelLoadError(f"LoRA adapter {name!r}: no file at {path}")
+        try:
+            check_lora_file(path)  # what llama.cpp lets through and then crashes on
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"LoRA adapter {name!r}: could not load {path}: {exc}") from None
         with self._entered():
             adapter = self._C.llama_adapter_lora_init(self._model.ptr, os.fsencode(path))
         if not adapter:
@@ -616,7 +635,9 @@ class LlamaCppBackend:
 
     @property
     def model_identity(self) -> dict[str, object]:
-        """What a saved session must match: name, description, sizes, vocabulary."""
+        """What a saved session and the disk tier's entries must match: name, description,
+        sizes, vocabulary, a fingerprint of the weights
+        (:func:`~llamax.backend.fingerprint.weights_fingerprint`) and the KV cache's types."""
         with self._entered():
             desc, n_params, size = self._model.desc(), self._model.n_params(), self._model.size()
         return {
@@ -625,6 +646,8 @@ class LlamaCppBackend:
             "n_params": n_params,
             "size": size,
             "n_vocab": self._n_vocab,
+            "weights": self._weights,
+            "kv_cache": self._kv_types,
         }
 
     def state_seq_get(self, seq_id: int) -> bytes:

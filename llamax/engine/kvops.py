@@ -75,18 +75,22 @@ class ReadSession(KVOp[tuple[int, ...]]):
 
 
 @dataclass(frozen=True, slots=True)
-class SaveSession(KVOp[tuple[tuple[int, ...], bytes]]):
-    """A session's tokens and serialised KV state."""
+class SaveSession(KVOp[tuple[tuple[int, ...], bytes, tuple[tuple[str, float], ...]]]):
+    """A session's tokens, serialised KV state, and the LoRA adapter set its cells were
+    computed under (``()``: the base model)."""
 
     session_id: int
 
 
 @dataclass(frozen=True, slots=True)
 class RestoreSession(KVOp[int]):
-    """Open a session holding ``tokens`` from a state saved by :class:`SaveSession`."""
+    """Open a session holding ``tokens`` from a state saved by :class:`SaveSession`, its
+    cells marked as computed under ``adapters`` (so a request under another set never
+    reuses them)."""
 
     tokens: tuple[int, ...]
     state: bytes = field(repr=False)
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

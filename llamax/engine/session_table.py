@@ -120,9 +120,9 @@ class SessionTable:
                 return tuple(self.slot(session_id).tokens)
             case SaveSession(session_id):
                 slot = self.slot(session_id)
-                return tuple(slot.tokens), kv.save(slot)
-            case RestoreSession(tokens, state):
-                return self._restore(tokens, state)
+                return tuple(slot.tokens), kv.save(slot), slot.adapters
+            case RestoreSession(tokens, state, adapters):
+                return self._restore(tokens, state, adapters)
             case ReleaseSession(session_id):
                 self._release(session_id, result)
                 return None
@@ -145,6 +145,7 @@ class SessionTable:
     # ------------------------------------------------------------------ operations
     def _fork(self, source: Slot) -> int:
         session_id = self._open(keep=source, purpose="the fork")
+        self._slots[session_id].adapters = source.adapters  # the cells' mark goes with them
         if source.tokens:
             try:
                 self._scheduler.kv.copy_prefix(source, self._slots[session_id], len(source.tokens))
@@ -161,9 +162,12 @@ class SessionTable:
         if not self._scheduler.kv.truncate(slot, len(slot.tokens) - num_tokens):
             self._scheduler.kv.clear(slot)
 
-    def _restore(self, tokens: tuple[int, ...], state: bytes) -> int:
+    def _restore(
+        self, tokens: tuple[int, ...], state: bytes, adapters: tuple[tuple[str, float], ...]
+    ) -> int:
         session_id = self._open(purpose="the loaded session")
         slot = self._slots[session_id]
+        slot.adapters = adapters
         try:
             self._make_room(len(tokens))
             restored = self._scheduler.kv.restore(slot, tokens, state)
