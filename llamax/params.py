@@ -492,7 +492,8 @@ class ContextConfig:
         ),
     )
     n_batch: int = field(
-        default=512, metadata=spec(doc="most tokens one decode step carries", flag=True)
+        default=512,
+        metadata=spec(doc="most tokens one decode step carries (at least `n_seq_max`)", flag=True),
     )
     n_ubatch: int | None = field(
         default=None,
@@ -646,6 +647,18 @@ class ContextConfig:
         _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
         _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         _require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
+        # llama.cpp reserves one output row per sequence in a batch of min(n_ctx, n_batch)
+        # rows, and aborts the process (GGML_ASSERT) when they do not fit
+        _require(
+            self.n_batch >= self.n_seq_max,
+            f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): "
+            "llama.cpp needs room for one token of every sequence in a batch",
+        )
+        _require(
+            self.n_ctx >= self.n_seq_max,
+            f"n_ctx ({self.n_ctx}) must be >= n_seq_max ({self.n_seq_max}): "
+            "llama.cpp needs room for one token of every sequence in a batch",
+        )
         _require(
             self.kv_layout in ("auto", "unified", "streams"),
             f"kv_layout must be 'auto', 'unified' or 'streams', got {self.kv_layout!r}",

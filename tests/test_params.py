@@ -85,3 +85,19 @@ def test_greedy_and_penalty_flags() -> None:
 def test_bad_context_config_names_the_field(field: str, value: int) -> None:
     with pytest.raises(llamax.InvalidParameterError, match=field):
         llamax.ContextConfig(model_path="m.gguf", **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"n_batch": 4, "n_seq_max": 8}, r"n_batch \(4\) must be >= n_seq_max \(8\)"),
+        ({"n_ctx": 32, "n_seq_max": 64}, r"n_ctx \(32\) must be >= n_seq_max \(64\)"),
+    ],
+)
+def test_fewer_batch_rows_than_sequences_names_both(options: dict[str, int], message: str) -> None:
+    """llama.cpp aborts the process on these (see test_model_lifecycle.py)."""
+    with pytest.raises(llamax.InvalidParameterError, match=message):
+        llamax.ContextConfig(model_path="m.gguf", **options)  # type: ignore[arg-type]
+    with pytest.raises(llamax.InvalidParameterError, match="n_seq_max"):
+        llamax.Embedder("missing.gguf", n_ctx=16, n_seq_max=64)
+    assert llamax.ContextConfig(model_path="m.gguf", n_batch=8, n_seq_max=8).n_batch == 8
