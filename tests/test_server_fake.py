@@ -165,3 +165,47 @@ def test_cli_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--n-seq-max" in capsys.readouterr().out
     assert main(["--port", "not-a-port"]) == 2
     assert main(["/no/such/model.gguf", "--port", "0", "--log-level", "critical"]) == 1
+
+
+NOT_BOOLEANS = [
+    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 4, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 4, "stream": True,
+                              "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "stream": "no"}, "stream"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 4, "stream": "yes"}, "stream"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 4, "store": "no"}, "store"),
+    ("/v1/responses", {"input": "Hi", "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ("/v1/messages", {"messages": HELLO, "max_tokens": 4, "stream": "no"}, "stream"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "field"), NOT_BOOLEANS)
+def test_a_flag_that_is_not_a_json_boolean_is_400_naming_it(
+    ctx: llamax.Context, path: str, body: dict[str, Any], field: str
+) -> None:
+    """Regression (issue 36, item 9): ``stream: "yes"`` streamed and ``store: "no"`` stored."""
+    app = create_app(ctx)
+    response = call(app, "POST", path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json")  # not a stream
+    if path == "/v1/messages":
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(field)
+    else:
+        assert response.json()["error"]["param"] == field
+    assert ctx.stats().num_waiting == ctx.stats().num_running == 0
+    assert call(app, "GET", "/v1/responses/anything").status_code == 404  # nothing stored
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"input": "Hi", "temperature": 10**400}),
+        ("/v1/messages", {"messages": HELLO, "max_tokens": 4, "temperature": 10**400}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 10**400}),
+    ],
+)
+def test_a_huge_number_is_400_not_500(ctx: llamax.Context, path: str, body: dict[str, Any]) -> None:
+    """Regression (issue 36, item 9): ``float()`` of a huge int raised OverflowError (a 500)."""
+    response = call(create_app(ctx), "POST", path, json=body)
+    assert response.status_code == 400, response.text
