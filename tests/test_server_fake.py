@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -209,3 +212,53 @@ def test_a_huge_number_is_400_not_500(ctx: llamax.Context, path: str, body: dict
     """Regression (issue 36, item 9): ``float()`` of a huge int raised OverflowError (a 500)."""
     response = call(create_app(ctx), "POST", path, json=body)
     assert response.status_code == 400, response.text
+
+
+def test_requests_cut_by_the_shutdown_timeout_get_a_503_in_their_shape(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression (issue 36, item 9): uvicorn cancels what still runs when the shutdown
+    timeout ends, and answered it with a plain-text 500 and a logged traceback."""
+    from llamax.server import BackgroundServer
+
+    backend = FakeBackend(
+        n_ctx=4096, metadata={"tokenizer.chat_template": TEMPLATE}, special_tokens=SPECIALS
+    )
+    ctx = llamax.Context(backend=backend)
+    backend.fault = lambda where: time.sleep(0.02) if where == "decode" else None  # ~50 tok/s
+    server = BackgroundServer(create_app(ctx), shutdown_timeout=1)
+    server.start()
+    requests = {
+        "/v1/completions": {"prompt": "Hi", "max_tokens": 1000},
+        "/v1/messages": {"messages": HELLO, "max_tokens": 1000},
+    }
+    replies: dict[str, httpx.Response] = {}
+    threads = [
+        threading.Thread(
+            target=lambda p=path, b=body: replies.update(
+                {p: httpx.post(server.url + p, json=b, timeout=30)}
+            )
+        )
+        for path, body in requests.items()
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while ctx.stats().num_running < 2:
+            assert time.monotonic() < deadline, "the requests never ran"
+            time.sleep(0.01)
+        with caplog.at_level(logging.INFO):
+            server.stop()
+        for thread in threads:
+            thread.join(30)
+        openai, anthropic = replies["/v1/completions"], replies["/v1/messages"]
+        assert (openai.status_code, anthropic.status_code) == (503, 503), openai.text
+        assert openai.json()["error"]["code"] == "server_shutting_down"
+        assert anthropic.json()["type"] == "error"
+        assert anthropic.json()["error"]["type"] == "overloaded_error"
+        assert "Exception in ASGI application" not in caplog.text
+    finally:
+        backend.fault = None
+        assert_idle(ctx)  # the cut requests were cancelled, their cells freed
+        ctx.close()
