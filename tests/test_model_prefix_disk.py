@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,9 +90,7 @@ def test_a_fifo_in_a_files_place_is_refused_at_once_and_the_files_are_private(
     for path in paths:  # nobody writes to them: a blocking open would stall the loop
         path.unlink()
         os.mkfifo(path)
-    started = time.monotonic()
-    with deadline(60):
+    with deadline(TIMEOUT):  # an open that waits for a writer would wait forever
         done = ctx.add_request(prompt, GREEDY).result(TIMEOUT)
-    assert time.monotonic() - started < 30
     assert ctx.stats().num_prefix_disk_refused == 1
     assert (done.token_ids, done.text) == (reference.token_ids, reference.text)

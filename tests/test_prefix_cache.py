@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -261,10 +260,8 @@ def test_a_fifo_or_device_as_a_session_file_is_refused_without_blocking(
     ctx, _ = make_fake()
     fifo = tmp_path / "s.llamax"
     os.mkfifo(fifo)  # nobody writes to it: reading would wait forever
-    started = time.monotonic()
-    with deadline(5), pytest.raises(llamax.SessionLoadError, match="not a regular file"):
-        ctx.load_session(fifo)
-    assert time.monotonic() - started < 2.5
+    with deadline(30), pytest.raises(llamax.SessionLoadError, match="not a regular file"):
+        ctx.load_session(fifo)  # an open that waits for a writer would wait forever
     with pytest.raises(llamax.SessionLoadError, match="not a regular file"):
         ctx.load_session("/dev/zero")  # would be read until memory runs out
 
