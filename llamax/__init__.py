@@ -14,6 +14,7 @@ from .engine.calibration import Calibration
 from .engine.sampling import BatchLogitsProcessor, LogitsRow
 from .engine.speculative import PromptLookup
 from .errors import (
+    CacheClearError,
     ContextClosedError,
     ContextLengthError,
     DeadlockError,
@@ -48,6 +49,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 
 __all__ = [
     "BatchLogitsProcessor",
+    "CacheClearError",
     "Calibration",
     "Chat",
     "Choice",

@@ -414,6 +414,8 @@ class Context:
         Running requests and open sessions keep their cells.
 
         Raises:
+            CacheClearError: some files of the disk tier could not be deleted (a read-only
+                filesystem): the KV cache and the RAM tier were cleared, the files stay.
             ContextClosedError: the context is closed (it still runs while closing).
         """
         return self._engine.run(ClearCache())

@@ -77,8 +77,13 @@ class Embedder:
         if pooling not in _POOLINGS:
             raise InvalidParameterError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
         for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidParameterError(f"{name} must be an int >= 1, got {value!r}")
+        if n_seq_max > min(n_ctx, 256):  # llama.cpp aborts the process, or refuses > 256
+            raise InvalidParameterError(
+                f"n_seq_max ({n_seq_max}) must be <= n_ctx ({n_ctx}) and <= 256: a decode "
+                "holds one token of every sequence at least"
+            )
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise InvalidParameterError(f"n_threads must be an int >= 1, got {n_threads!r}")
         path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()

@@ -14,6 +14,7 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
     ├── ContextClosedError (also RuntimeError)
     ├── LoopOwnershipError (also RuntimeError)   process() called where it must not be
     ├── EngineError                 llama.cpp failed; the context is closed
+    ├── CacheClearError             clear_cache could not delete every disk-tier file
     ├── RequestFailedError          one request failed; the engine keeps serving others
     │   └── KVCapacityError         it can never fit beside the open sessions
     └── SessionError                a session cannot do what was asked
@@ -24,6 +25,7 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
 from __future__ import annotations
 
 __all__ = [
+    "CacheClearError",
     "ContextClosedError",
     "ContextLengthError",
     "DefaultModelNotInstalledError",
@@ -101,6 +103,12 @@ class DeadlockError(LoopOwnershipError):
 
 class EngineError(LlamaxError):
     """llama.cpp reported a fatal error. Every pending request fails with it."""
+
+
+class CacheClearError(LlamaxError):
+    """``clear_cache`` emptied the KV cache and the RAM tier, but some files of the disk
+    tier could not be deleted (a read-only filesystem ...). They stay on disk, and the next
+    context on that directory would use them again; the message says how many and where."""
 
 
 class RequestFailedError(LlamaxError):

@@ -21,6 +21,7 @@ from .errors import InvalidParameterError
 from .optionspec import spec
 
 __all__ = [
+    "MAX_LORA_SCALE",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "ContextConfig",
@@ -53,6 +54,31 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+
+
+_MAX_INT_BITS = 63
+"""No parameter means anything past a signed 64-bit int; larger ints are refused before any
+check converts (``float()`` raises OverflowError) or shows them (``repr`` raises ValueError
+past 4,300 digits)."""
+
+
+def _refuse_huge_ints(owner: object, names: Sequence[str]) -> None:
+    """Raise InvalidParameterError, naming the field, if a field of ``owner`` in ``names``
+    is (or holds, as a list item or a dict key or value) an int of more than 63 bits."""
+    for name in names:
+        value = getattr(owner, name)
+        if isinstance(value, Mapping):
+            items: list[Any] = [*value.keys(), *value.values()]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            items = [value]
+        for item in items:
+            if _is_int(item) and item.bit_length() > _MAX_INT_BITS:
+                raise InvalidParameterError(
+                    f"{name} is out of range: it holds an int of {item.bit_length()} bits "
+                    f"(at most {_MAX_INT_BITS})"
+                )
 
 
 def _iterable(name: str, value: Any) -> tuple[Any, ...]:
@@ -102,6 +128,25 @@ _REAL_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
 )
+
+
+_NUMBER_FIELDS = (
+    *_REAL_FIELDS,
+    "max_tokens",
+    "n",
+    "top_k",
+    "penalty_last_n",
+    "seed",
+    "logprobs",
+    "logit_bias",
+    "stop_token_ids",
+    "lora",
+)
+"""The fields of :class:`SamplingParams` that are (or hold) numbers."""
+
+MAX_LORA_SCALE = 100.0
+"""A request's LoRA scales lie in ``[-MAX_LORA_SCALE, MAX_LORA_SCALE]`` (llama.cpp takes them
+as ``float32``: ``1e39`` would run as infinity, and far smaller ones give only noise)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +310,7 @@ class SamplingParams:
     )
 
     def __post_init__(self) -> None:
+        _refuse_huge_ints(self, _NUMBER_FIELDS)
         object.__setattr__(self, "lora", _lora(self.lora))
         _require(
             self.speculative is None or isinstance(self.speculative, (bool, DraftMethod)),
@@ -425,6 +471,22 @@ def _prompt_lookup(max_draft: int) -> PromptLookup | None:
     return PromptLookup(max_draft=max_draft) if max_draft else None
 
 
+_CONFIG_NUMBER_FIELDS = (
+    "n_ctx",
+    "n_seq_max",
+    "n_ctx_seq",
+    "max_step_ms",
+    "n_batch",
+    "n_ubatch",
+    "n_threads",
+    "n_threads_batch",
+    "n_gpu_layers",
+    "prefix_ram_bytes",
+    "prefix_disk_bytes",
+)
+"""The fields of :class:`ContextConfig` that are numbers."""
+
+
 @dataclass(frozen=True, slots=True)
 class ContextConfig:
     """What the user chose for a :class:`llamax.Context`. Load-time facts live on the engine.
@@ -492,7 +554,8 @@ class ContextConfig:
         ),
     )
     n_batch: int = field(
-        default=512, metadata=spec(doc="most tokens one decode step carries", flag=True)
+        default=512,
+        metadata=spec(doc="most tokens one decode step carries (at least `n_seq_max`)", flag=True),
     )
     n_ubatch: int | None = field(
         default=None,
@@ -642,10 +705,23 @@ class ContextConfig:
         return "streams" if fits and self.n_seq_max > 1 else "unified"
 
     def __post_init__(self) -> None:
+        _refuse_huge_ints(self, _CONFIG_NUMBER_FIELDS)
         self._check_types()
         _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
         _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         _require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
+        # llama.cpp reserves one output row per sequence in a batch of min(n_ctx, n_batch)
+        # rows, and aborts the process (GGML_ASSERT) when they do not fit
+        _require(
+            self.n_batch >= self.n_seq_max,
+            f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): "
+            "llama.cpp needs room for one token of every sequence in a batch",
+        )
+        _require(
+            self.n_ctx >= self.n_seq_max,
+            f"n_ctx ({self.n_ctx}) must be >= n_seq_max ({self.n_seq_max}): "
+            "llama.cpp needs room for one token of every sequence in a batch",
+        )
         _require(
             self.kv_layout in ("auto", "unified", "streams"),
             f"kv_layout must be 'auto', 'unified' or 'streams', got {self.kv_layout!r}",
@@ -748,8 +824,9 @@ def _lora(value: object) -> dict[str | int, float] | None:
             f"lora keys must be adapter names or load indices >= 0, got {key!r}",
         )
         _require(
-            _is_real(scale) and math.isfinite(scale),
-            f"lora scale for {key!r} must be a finite number, got {scale!r}",
+            _is_real(scale) and math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE,
+            f"lora scale for {key!r} must be a finite number in [-{MAX_LORA_SCALE:g}, "
+            f"{MAX_LORA_SCALE:g}], got {scale!r}",
         )
         checked[key] = float(scale)
     return checked

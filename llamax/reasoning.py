@@ -120,7 +120,7 @@ class _Channels:
         self._kind: str | None = None  # None: reading a header; else reasoning/content/call
         self._held = ""
         self._body_started = False
-        self._pending_ws = ""
+        self._pending_ws: list[str] = []  # pieces, joined once: a long run stays linear
         self._said = {"reasoning": False, "content": False}
         self.saw_reasoning = False
 
@@ -178,7 +178,7 @@ class _Channels:
         channel = header.partition(CHANNEL)[2].split(_CONSTRAIN)[0].split()
         name = channel[0] if channel else ""
         recipient = _RECIPIENT.search(header)
-        self._body_started, self._pending_ws = False, ""
+        self._body_started, self._pending_ws = False, []
         if recipient and recipient.group(1).startswith("functions."):
             function = recipient.group(1).removeprefix("functions.")
             self._kind = "call"
@@ -201,23 +201,24 @@ class _Channels:
                 text = "\n" + text  # a second body on this side
         if final:
             if text := text.rstrip():
-                out[side].append(self._pending_ws + text)
-            self._pending_ws = ""
+                out[side].append("".join(self._pending_ws) + text)
+            self._pending_ws = []
             return
-        body = self._pending_ws + text
-        trimmed = body.rstrip()
-        self._pending_ws = body[len(trimmed) :]
-        if trimmed:
-            out[side].append(trimmed)
-            if kind != "call":
-                self._said[kind] = True
+        trimmed = text.rstrip()
+        if not trimmed:  # whitespace only: held until text follows (or dropped at the end)
+            self._pending_ws.append(text)
+            return
+        out[side].append("".join(self._pending_ws) + trimmed)
+        self._pending_ws = [text[len(trimmed) :]]
+        if kind != "call":
+            self._said[kind] = True
 
     def _close(self, out: dict[str, list[str]]) -> None:
         if self._kind == "call":
             out["content"].append(f"}}{_CALL_CLOSE}")
         elif self._kind is not None and self._body_started:
             self._said[self._kind] = True
-        self._kind, self._pending_ws = None, ""
+        self._kind, self._pending_ws = None, []
 
 
 class ReasoningSplitter:
@@ -229,7 +230,7 @@ class ReasoningSplitter:
     followed the closing tag.
     """
 
-    __slots__ = ("_channels", "_held", "_reasoning_started", "_state", "saw_reasoning")
+    __slots__ = ("_channels", "_held", "_reasoning_started", "_state", "_ws", "saw_reasoning")
 
     def __init__(self, *, inside: bool = False) -> None:
         """
@@ -237,7 +238,13 @@ class ReasoningSplitter:
             inside: The prompt opened the thinking: the reply starts inside it.
         """
         self._state = _INSIDE if inside else _START
+        # Design note: what is held back is split in two, so that a long run of whitespace
+        # costs linear time: ``_held``, a few characters that may still become a tag (an
+        # opening one at the start, ``</think>`` inside), looked at again with each piece;
+        # and ``_ws``, the whitespace before them (leading the reply, or trailing the
+        # thinking so far), kept as pieces and joined once, when text follows it.
         self._held = ""
+        self._ws: list[str] = []
         self._reasoning_started = False
         self._channels: _Channels | None = None
         self.saw_reasoning = inside
@@ -258,11 +265,14 @@ class ReasoningSplitter:
         content: list[str] = []
         while buf:
             if self._state == _START:
-                stripped = buf.lstrip()
+                stripped = buf.lstrip()  # _held, if any, starts with a non-space
+                if len(stripped) < len(buf):
+                    self._ws.append(buf[: len(buf) - len(stripped)])
                 harmony = _starts_harmony(stripped)
                 if not stripped or THINK_OPEN.startswith(stripped) or harmony is None:
-                    self._held = buf  # whitespace, or an opening tag not yet whole
+                    self._held = stripped  # an opening tag not yet whole (a few characters)
                     break
+                lead, self._ws = "".join(self._ws), []
                 if harmony:
                     self._state, self._channels, buf = _HARMONY, _Channels(), stripped
                     continue
@@ -270,7 +280,7 @@ class ReasoningSplitter:
                     self._state, self.saw_reasoning = _INSIDE, True
                     buf = stripped[len(THINK_OPEN) :]
                     continue
-                self._state = _CONTENT  # no thinking: everything is content
+                self._state, buf = _CONTENT, lead + stripped  # no thinking: all is content
             elif self._state == _INSIDE:
                 if not self._reasoning_started:
                     buf = buf.lstrip()
@@ -279,15 +289,20 @@ class ReasoningSplitter:
                     self._reasoning_started = True
                 end = buf.find(THINK_CLOSE)
                 if end >= 0:
-                    reasoning.append(buf[:end].rstrip())
+                    self._say(buf[:end].rstrip(), reasoning)  # the whitespace before is dropped
+                    self._ws = []
                     self._state = _AFTER
                     buf = buf[end + len(THINK_CLOSE) :]
                     continue
                 keep = _held_prefix(buf, THINK_CLOSE)
                 body = buf[: len(buf) - keep]
                 trimmed = body.rstrip()  # whitespace before a closing tag is dropped
-                reasoning.append(trimmed)
-                self._held = body[len(trimmed) :] + buf[len(buf) - keep :]
+                if trimmed:
+                    self._say(trimmed, reasoning)
+                    self._ws = [body[len(trimmed) :]]
+                else:
+                    self._ws.append(body)
+                self._held = buf[len(buf) - keep :]
                 break
             elif self._state == _AFTER:
                 buf = buf.lstrip()
@@ -306,6 +321,13 @@ class ReasoningSplitter:
                 break
         return "".join(reasoning), "".join(content)
 
+    def _say(self, text: str, out: list[str]) -> None:
+        """Send ``text`` (not empty, or nothing is sent), after the whitespace held before
+        it."""
+        if text:
+            out.append("".join(self._ws) + text)
+            self._ws = []
+
     def flush(self, *, cut: bool = False) -> tuple[str, str]:
         """The ``(reasoning, content)`` held back at the end of the reply.
 
@@ -313,7 +335,8 @@ class ReasoningSplitter:
             cut: The reply was cut off (``max_tokens``, a cancel): a gpt-oss tool call it
                 ended inside is left unclosed, for the tool-call parser to drop.
         """
-        held, self._held = self._held, ""
+        held = "".join(self._ws) + self._held
+        self._held, self._ws = "", []
         if self._state == _HARMONY:
             assert self._channels is not None
             out: dict[str, list[str]] = {"reasoning": [], "content": []}

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from typing_extensions import Self
 
@@ -325,24 +326,43 @@ class Session:
         return f"<llamax.Session {'closed' if self.closed else self._id}>"
 
 
-def _parse(data: bytes, path: object) -> tuple[Any, list[Any], list[Any], bytes]:
-    """The saved model identity, token list, adapter list and KV state of a session file.
+def _open_nonblocking(path: str, flags: int) -> int:
+    """An ``open`` opener that never blocks: a FIFO in a session's place opens at once."""
+    return os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+
+
+def _read_header(
+    file: BinaryIO, path: object, max_size: int
+) -> tuple[Any, list[Any], list[Any], int]:
+    """The saved model identity, token list and adapter list of an open session file, and
+    the size of the KV state that follows; the state is not read yet.
 
     Raises:
-        SessionLoadError: not a session file, or its header is damaged or truncated.
+        SessionLoadError: not a regular file, not a session file, or its header is damaged,
+            truncated, or longer than ``max_size`` bytes.
     """
-    if len(data) < _HEADER.size:
+    info = os.fstat(file.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        raise SessionLoadError(f"{path} is not a llamax session file (not a regular file)")
+    preamble = file.read(_HEADER.size)
+    if len(preamble) < _HEADER.size:
         raise SessionLoadError(f"{path} is not a llamax session file (too short)")
-    magic, size = _HEADER.unpack_from(data)
+    magic, size = _HEADER.unpack(preamble)
     if magic != _MAGIC:
         raise SessionLoadError(f"{path} is not a llamax session file")
-    if size > len(data) - _HEADER.size:
+    following = info.st_size - _HEADER.size
+    if size > following:
         raise SessionLoadError(
             f"{path} is not a llamax session file (truncated: its header claims {size} "
-            f"bytes, {len(data) - _HEADER.size} follow)"
+            f"bytes, {following} follow)"
+        )
+    if size > max_size:
+        raise SessionLoadError(
+            f"{path} is not a session of this context: its header of {size} bytes is longer "
+            f"than this model's name and n_ctx_seq tokens take ({max_size})"
         )
     try:
-        header = json.loads(data[_HEADER.size : _HEADER.size + size])
+        header = json.loads(file.read(size))
     except (ValueError, RecursionError) as exc:
         raise SessionLoadError(f"{path} is not a llamax session file ({exc})") from None
     if (
@@ -355,7 +375,7 @@ def _parse(data: bytes, path: object) -> tuple[Any, list[Any], list[Any], bytes]
             f"{path} is not a llamax session file (its header has no model, token list or "
             "adapter list)"
         )
-    return header["model"], header["tokens"], header["adapters"], data[_HEADER.size + size :]
+    return header["model"], header["tokens"], header["adapters"], following - size
 
 
 def _saved_adapters(
@@ -409,14 +429,40 @@ def restore_session(
     Raises:
         SessionLoadError, ContextClosedError, OSError: as :meth:`Session.load`.
     """
-    data = Path(path).read_bytes()
-    saved_model, tokens, saved_adapters, state = _parse(data, path)
     current = port.model_identity
+    max_header = 2 * len(json.dumps({"model": current})) + (len(str(n_vocab)) + 2) * n_ctx_seq
+    with open(path, "rb", opener=_open_nonblocking) as file:
+        saved_model, tokens, saved_adapters, state_size = _read_header(
+            file, path, max_header + 1024
+        )
+        _check_header(path, saved_model, tokens, current, n_vocab, n_ctx_seq)
+        adapters = _saved_adapters(saved_adapters, port, path)
+        state = file.read(state_size)  # only now: a header that does not fit reads no state
+    if len(state) != state_size:
+        raise SessionLoadError(f"{path} changed while it was read")
+    try:
+        session_id = port.run(RestoreSession(tuple(tokens), state, adapters))
+    except SessionLoadError as exc:
+        raise SessionLoadError(
+            f"{path} is damaged: its KV state is not whole or does not hold exactly "
+            f"the {len(tokens)} tokens its header lists"
+        ) from exc
+    return Session(port, session_id)
+
+
+def _check_header(
+    path: object,
+    saved_model: object,
+    tokens: list[Any],
+    current: object,
+    n_vocab: int,
+    n_ctx_seq: int,
+) -> None:
+    """Raise SessionLoadError unless a session file's header fits this context."""
     if saved_model != current:
         raise SessionLoadError(
             f"{path} was saved with model {saved_model} but this context runs {current}"
         )
-    adapters = _saved_adapters(saved_adapters, port, path)
     for token in tokens:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
             raise SessionLoadError(
@@ -427,11 +473,3 @@ def restore_session(
             f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
             f"(n_ctx_seq={n_ctx_seq})"
         )
-    try:
-        session_id = port.run(RestoreSession(tuple(tokens), state, adapters))
-    except SessionLoadError as exc:
-        raise SessionLoadError(
-            f"{path} is damaged: its KV state is not whole or does not hold exactly "
-            f"the {len(tokens)} tokens its header lists"
-        ) from exc
-    return Session(port, session_id)

@@ -1,10 +1,12 @@
 """Adversaries the robustness tests share: a logits processor that fails on a schedule, and
-a runner that turns a hang into a failure."""
+runners that turn a hang into a failure."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -39,3 +41,24 @@ def in_thread(fn: Callable[[], Any], timeout: float = 10.0) -> Any:
 
     threading.Thread(target=body, daemon=True).start()
     return out.result(timeout)
+
+
+class Blocked(Exception):
+    """Not an OSError: code that refuses unreadable files must not swallow it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Raise :class:`Blocked` in this (the main) thread if the block runs longer: a blocking
+    ``open`` of a FIFO is interrupted, so a regression fails instead of hanging the suite."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise Blocked(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -199,6 +199,17 @@ BAD_REQUESTS = [
     ({"messages": HI, "max_tokens": 8, "stop_sequences": "END"}, "stop_sequences"),
     ({"messages": HI, "max_tokens": 8, "tools": [{"name": "f"}]}, "input_schema"),
     ({"messages": HI, "max_tokens": 8, "system": [{"type": "image"}]}, "text blocks"),
+    ({"messages": HI, "max_tokens": 8, "stream": "no"}, "stream must be a boolean"),
+    (
+        {
+            "messages": HI,
+            "max_tokens": 8,
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"},
+        },
+        "disable_parallel_tool_use must be a boolean",
+    ),
+    ({"messages": HI, "max_tokens": 8, "temperature": 10**400}, "temperature"),
+    ({"messages": HI, "max_tokens": 10**400}, "max_tokens"),
 ]
 
 

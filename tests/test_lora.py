@@ -148,6 +148,11 @@ def test_an_adapter_that_is_not_loaded_is_refused(
     [
         ({"a": float("nan")}, "finite number"),
         ({"a": "1"}, "finite number"),
+        ({"a": 1e39}, r"finite number in \[-100, 100\]"),  # a float32 infinity in llama.cpp
+        ({"a": -1e39}, r"finite number in \[-100, 100\]"),
+        ({"a": 100.5}, r"finite number in \[-100, 100\]"),
+        ({"a": 10**400}, "lora is out of range"),  # float() would raise OverflowError
+        ({10**400: 1.0}, "lora is out of range"),
         ({"": 1.0}, "adapter names or load indices"),
         ({-1: 1.0}, "adapter names or load indices"),
         (["a"], "dict of name -> scale"),
@@ -156,6 +161,10 @@ def test_an_adapter_that_is_not_loaded_is_refused(
 def test_bad_lora_params_are_refused(lora: Any, match: str) -> None:
     with pytest.raises(llamax.InvalidParameterError, match=match):
         llamax.SamplingParams(lora=lora)
+
+
+def test_lora_scales_at_the_bound_are_accepted() -> None:
+    assert llamax.SamplingParams(lora={"a": 100, "b": -100.0}).lora == {"a": 100.0, "b": -100.0}
 
 
 def test_bad_adapter_files_and_names_get_typed_errors(

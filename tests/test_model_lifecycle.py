@@ -156,6 +156,34 @@ def test_calls_racing_close_from_eight_threads_never_crash(
     assert lines[-2:] == ["unexpected []", "end"], lines
 
 
+FEWER_ROWS_THAN_SEQUENCES = """
+    import llamax
+
+    for make in (
+        lambda: llamax.Context(n_ctx=1024, n_batch=4, n_seq_max=8),
+        lambda: llamax.Context(n_ctx=32, n_seq_max=64),
+        lambda: llamax.Context(n_ctx=32, n_seq_max=64, kv_layout="unified"),
+        lambda: llamax.Embedder(n_ctx=16, n_seq_max=64),
+    ):
+        try:
+            make().close()
+            print("loaded")
+        except llamax.InvalidParameterError as exc:
+            print("refused", "n_seq_max" in str(exc))
+    print("end")
+"""
+
+
+def test_fewer_batch_rows_than_sequences_is_refused_not_an_abort(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """Regression (issue 36, item 9): ``n_batch`` (or ``n_ctx``, which caps it) below
+    ``n_seq_max`` aborted the process in ``llama_init_from_model`` (GGML_ASSERT
+    ``n_outputs_max``); the config now refuses it before any native call."""
+    lines = _run(FEWER_ROWS_THAN_SEQUENCES, model_path, tmp_path)
+    assert lines[-5:] == ["refused True"] * 4 + ["end"], lines
+
+
 # ---------------------------------------------------------------------- item 6
 @pytest.fixture(scope="module")
 def lie_ctx(model_path: Path) -> Iterator[llamax.Context]:

@@ -8,10 +8,13 @@ in the context that wrote the file and in the next context on the directory.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from adversaries import deadline
 from test_model_prefix_cache import QUESTIONS, SYS, user
 from test_model_prefix_ram import GREEDY, OTHER, TIMEOUT
 
@@ -65,3 +68,29 @@ def test_a_prefix_restored_from_disk_gives_the_output_of_a_kv_hit(
     restarted = _restore(again, second)
     assert restarted.usage.cached_tokens == reference.usage.cached_tokens
     assert (restarted.token_ids, restarted.text) == (reference.token_ids, reference.text)
+
+
+def test_a_fifo_in_a_files_place_is_refused_at_once_and_the_files_are_private(
+    make_real: MakeReal, tmp_path: Path
+) -> None:
+    options = {"n_ctx": 2048, "n_seq_max": 2, "n_batch": 512, "prefix_ram_bytes": 0}
+    prompt = SYS + user(QUESTIONS[1])
+    cold = make_real(**options)
+    reference = cold.add_request(prompt, GREEDY).result(TIMEOUT)
+    cold.close()
+
+    ctx = make_real(prefix_disk_dir=str(tmp_path / "tier"), prefix_disk_bytes=1 << 30, **options)
+    ctx.add_request(SYS + user(QUESTIONS[0]), GREEDY).result(TIMEOUT)
+    for other in OTHER[:2]:  # SYS's slot is evicted to disk
+        ctx.add_request(other + "Hi", GREEDY).result(TIMEOUT)
+    (folder,) = (tmp_path / "tier").iterdir()
+    paths = sorted(folder.glob("*.kv"))
+    assert paths and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in paths} == {0o600}
+    for path in paths:  # nobody writes to them: a blocking open would stall the loop
+        path.unlink()
+        os.mkfifo(path)
+    with deadline(TIMEOUT):  # an open that waits for a writer would wait forever
+        done = ctx.add_request(prompt, GREEDY).result(TIMEOUT)
+    assert ctx.stats().num_prefix_disk_refused == 1
+    assert (done.token_ids, done.text) == (reference.token_ids, reference.text)

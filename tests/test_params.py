@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
@@ -85,3 +86,72 @@ def test_greedy_and_penalty_flags() -> None:
 def test_bad_context_config_names_the_field(field: str, value: int) -> None:
     with pytest.raises(llamax.InvalidParameterError, match=field):
         llamax.ContextConfig(model_path="m.gguf", **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"n_batch": 4, "n_seq_max": 8}, r"n_batch \(4\) must be >= n_seq_max \(8\)"),
+        ({"n_ctx": 32, "n_seq_max": 64}, r"n_ctx \(32\) must be >= n_seq_max \(64\)"),
+    ],
+)
+def test_fewer_batch_rows_than_sequences_names_both(options: dict[str, int], message: str) -> None:
+    """llama.cpp aborts the process on these (see test_model_lifecycle.py)."""
+    with pytest.raises(llamax.InvalidParameterError, match=message):
+        llamax.ContextConfig(model_path="m.gguf", **options)  # type: ignore[arg-type]
+    with pytest.raises(llamax.InvalidParameterError, match="n_seq_max"):
+        llamax.Embedder("missing.gguf", n_ctx=16, n_seq_max=64)
+    assert llamax.ContextConfig(model_path="m.gguf", n_batch=8, n_seq_max=8).n_batch == 8
+
+
+HUGE = [10**400, -(10**400), 10**5000, 2**63]  # float() overflows; repr fails past 4,300 digits
+NUMBER_FIELDS = [
+    "max_tokens", "temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
+    "presence_penalty", "frequency_penalty", "top_k", "penalty_last_n", "seed", "n", "logprobs",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", HUGE, ids=["1e400", "-1e400", "1e5000", "2**63"])
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+def test_a_huge_int_is_a_typed_error_naming_the_field(field: str, value: int) -> None:
+    with pytest.raises(llamax.InvalidParameterError, match=f"^{field} "):
+        llamax.SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", HUGE, ids=["1e400", "-1e400", "1e5000", "2**63"])
+@pytest.mark.parametrize(
+    ("field", "wrap"),
+    [
+        ("logit_bias", lambda v: {1: v}),
+        ("logit_bias", lambda v: {v: 1.0}),
+        ("stop_token_ids", lambda v: [7, v]),
+        ("lora", lambda v: {"a": v}),
+    ],
+)
+def test_a_huge_int_inside_a_field_is_a_typed_error(
+    field: str, wrap: Callable[[int], object], value: int
+) -> None:
+    with pytest.raises(llamax.InvalidParameterError, match=f"^{field} "):
+        llamax.SamplingParams(**{field: wrap(value)})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", HUGE, ids=["1e400", "-1e400", "1e5000", "2**63"])
+@pytest.mark.parametrize(
+    "field",
+    ["n_ctx", "n_seq_max", "n_ctx_seq", "max_step_ms", "n_batch", "n_ubatch", "n_threads",
+     "n_threads_batch", "n_gpu_layers", "prefix_ram_bytes", "prefix_disk_bytes"],
+)  # fmt: skip
+def test_a_huge_int_in_the_context_config_is_a_typed_error(field: str, value: int) -> None:
+    with pytest.raises(llamax.InvalidParameterError, match=f"^{field} "):
+        llamax.ContextConfig(model_path="m.gguf", **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [10**400, 10**5000], ids=["1e400", "1e5000"])
+def test_a_huge_int_in_prompt_lookup_is_a_typed_error(value: int) -> None:
+    with pytest.raises(llamax.InvalidParameterError, match="max_draft"):
+        llamax.PromptLookup(max_draft=value)
+
+
+def test_the_largest_ints_that_mean_something_are_still_taken() -> None:
+    assert llamax.SamplingParams(max_tokens=2**63 - 1).max_tokens == 2**63 - 1
+    assert llamax.SamplingParams(seed=2**32 - 1, logit_bias={2**31: -1}).seed == 2**32 - 1

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import struct
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from adversaries import deadline
 
 import llamax
 from llamax.testing import FakeBackend
@@ -248,6 +252,36 @@ def test_loading_into_another_model_is_refused(make_fake: MakeFake, tmp_path: Pa
     (tmp_path / "junk").write_bytes(b"not a session")
     with pytest.raises(llamax.SessionLoadError, match="not a llamax session"):
         llamax.Session.load(ctx, tmp_path / "junk")
+
+
+def test_a_fifo_or_device_as_a_session_file_is_refused_without_blocking(
+    make_fake: MakeFake, tmp_path: Path
+) -> None:
+    ctx, _ = make_fake()
+    fifo = tmp_path / "s.llamax"
+    os.mkfifo(fifo)  # nobody writes to it: reading would wait forever
+    with deadline(30), pytest.raises(llamax.SessionLoadError, match="not a regular file"):
+        ctx.load_session(fifo)  # an open that waits for a writer would wait forever
+    with pytest.raises(llamax.SessionLoadError, match="not a regular file"):
+        ctx.load_session("/dev/zero")  # would be read until memory runs out
+
+
+def test_a_session_header_too_long_for_the_model_is_refused_unread(
+    make_fake: MakeFake, tmp_path: Path
+) -> None:
+    ctx, _ = make_fake()
+    path = tmp_path / "big.llamax"
+    size = 32 << 20
+    with open(path, "wb") as file:  # the magic, a 32 MiB "header", nothing else
+        file.write(b"LLAMAXS1" + struct.pack("<I", size) + b" " * size)
+    tracemalloc.start()
+    try:
+        with pytest.raises(llamax.SessionLoadError, match="header"):
+            ctx.load_session(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes allocated to refuse it"
 
 
 def test_single_sequence_id_reuses_its_retained_prefix(make_fake: MakeFake) -> None:

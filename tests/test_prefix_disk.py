@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from adversaries import deadline
 
 import llamax
 from llamax.engine import prefix_disk
@@ -391,6 +393,193 @@ def test_a_state_the_memory_refuses_is_deleted_and_recomputed(make: Make, tmp_pa
     stats = ctx.stats()
     assert (stats.num_prefix_disk_hits, stats.num_prefix_disk_refused) == (1, 1)
     assert stats.prefix_disk_entries == 1 == len(files(tmp_path))  # system(1) only
+
+
+# ---------------------------------------------------------------------- files are input
+def test_a_fifo_in_an_entrys_place_is_refused_without_blocking(make: Make, tmp_path: Path) -> None:
+    ctx = make()
+    complete(ctx, system(0) + "A1?")
+    complete(ctx, system(1) + "B2?")
+    (path,) = files(tmp_path)
+    path.unlink()
+    os.mkfifo(path)  # nobody ever writes to it: an open for reading would wait forever
+    with deadline(30):  # an open that waits for a writer would wait forever
+        done, num = computed(ctx, system(0) + "C3?")
+    assert num == len(system(0)) + 3
+    assert done.token_ids == cold(system(0) + "C3?").token_ids
+    assert ctx.stats().num_prefix_disk_refused == 1
+    assert not path.exists()  # deleted when refused
+
+
+class _CountingFile:
+    """A file whose reads are counted into ``read``."""
+
+    def __init__(self, file: Any, read: list[int]) -> None:
+        self._file, self._read = file, read
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._file.read(size)
+        self._read.append(len(data))
+        return bytes(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+    def __enter__(self) -> _CountingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+def test_a_file_larger_than_its_entry_is_refused_before_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = PrefixDiskTier(str(tmp_path), 64 * MB)
+    try:
+        assert tier.store([5] * 40, b"s" * 1000)
+        (entry,) = tier.entries()
+        with open(entry.path, "ab") as file:
+            file.write(b"\0" * (16 * MB))  # junk behind a valid header and state
+        read: list[int] = []
+        monkeypatch.setattr(
+            prefix_disk,
+            "open",
+            lambda *a, **k: _CountingFile(open(*a, **k), read),  # noqa: SIM115
+            raising=False,
+        )
+        assert tier.load(entry) is None
+        assert sum(read) < 64 << 10, "the junk was read"
+        assert tier.num_refused == 1 and tier.entries() == []
+        assert not os.path.exists(entry.path)
+    finally:
+        tier.close()
+
+
+def test_a_restore_reads_only_the_entrys_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = PrefixDiskTier(str(tmp_path), MB)
+    try:
+        assert tier.store([5] * 40, b"s" * 1000)
+        (entry,) = tier.entries()
+        read: list[int] = []
+        monkeypatch.setattr(
+            prefix_disk,
+            "open",
+            lambda *a, **k: _CountingFile(open(*a, **k), read),  # noqa: SIM115
+            raising=False,
+        )
+        assert tier.load(entry) == b"s" * 1000
+        assert sum(read) == entry.num_bytes
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_files_and_folders_are_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    directory = tmp_path / "new" / "cache"
+    previous = os.umask(umask)
+    try:
+        tier = PrefixDiskTier(str(directory), MB)
+        try:
+            assert tier.store([5] * 40, b"s" * 100)
+            (entry,) = tier.entries()
+            assert tier.load(entry) == b"s" * 100
+        finally:
+            tier.close()
+    finally:
+        os.umask(previous)
+    mode = lambda p: stat.S_IMODE(os.lstat(p).st_mode)  # noqa: E731
+    assert mode(directory) == 0o700  # made by the tier
+    assert mode(tier.directory) == 0o700
+    assert mode(entry.path) == 0o600
+    assert mode(os.path.join(tier.directory, ".lock")) == 0o600
+
+
+def test_an_existing_tier_folder_is_made_private(tmp_path: Path) -> None:
+    tier = PrefixDiskTier(str(tmp_path), MB)
+    folder = tier.directory
+    tier.close()
+    os.chmod(folder, 0o755)  # as an older llamax made it
+    os.chmod(tmp_path, 0o751)
+    again = PrefixDiskTier(str(tmp_path), MB)
+    try:
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(tmp_path).st_mode) == 0o751  # the user's folder: as is
+    finally:
+        again.close()
+
+
+def _read_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make deleting fail as on a read-only filesystem (chmod does not stop root)."""
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    for name in ("unlink", "remove", "rmdir"):
+        monkeypatch.setattr(prefix_disk.os, name, refuse)
+
+
+def test_clear_cache_on_a_read_only_filesystem_says_the_files_stay(
+    make: Make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctx = make()
+    for i in range(3):
+        complete(ctx, system(i) + "?")
+    kept = files(tmp_path)
+    assert len(kept) == 2
+    _read_only(monkeypatch)
+    with pytest.raises(llamax.CacheClearError, match=r"2 of 2 files .* stay") as caught:
+        ctx.clear_cache()
+    monkeypatch.undo()
+    assert "Read-only file system" in str(caught.value)
+    assert files(tmp_path) == kept  # still there: so the call did not succeed
+    stats = ctx.stats()
+    assert (stats.num_retained, stats.prefix_disk_entries) == (0, 0)  # the rest was cleared
+    _, num = computed(ctx, system(0) + "!")  # this context does not use them any more
+    assert num == len(system(0)) + 1
+    assert ctx.clear_cache() == 1  # writable again: a retry deletes what stayed
+    assert files(tmp_path) == []
+    ctx.close()
+    again = make()
+    assert again.stats().prefix_disk_entries == 0  # nothing comes back at the next start
+
+
+def test_the_server_says_when_clearing_left_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import httpx
+
+    from llamax.server import create_app
+
+    ctx = llamax.Context(
+        backend=FakeBackend(n_ctx=512, n_seq_max=1),
+        prefix_ram_bytes=0,
+        prefix_disk_dir=str(tmp_path),
+        prefix_disk_bytes=MB,
+    )
+    try:
+        for i in range(2):
+            ctx.add_request(system(i) + "?", GREEDY).result(10)
+
+        async def reset() -> httpx.Response:
+            transport = httpx.ASGITransport(app=create_app(ctx))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                return await client.post("/reset_prefix_cache")
+
+        _read_only(monkeypatch)
+        response = asyncio.run(reset())
+        monkeypatch.undo()
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["code"] == "cache_clear_failed" and "stay" in error["message"]
+        assert len(files(tmp_path)) == 1
+        assert_idle(ctx)
+    finally:
+        ctx.close()
 
 
 # ---------------------------------------------------------------------- lifecycle

@@ -16,6 +16,7 @@ PACKAGE = Path(llamax.__file__).resolve().parent
 
 EXPECTED_ALL = [
     "BatchLogitsProcessor",
+    "CacheClearError",
     "Calibration",
     "Chat",
     "Choice",

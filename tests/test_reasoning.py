@@ -4,6 +4,8 @@ can be cut into streamed pieces, and replies cut off inside their thinking."""
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -155,3 +157,37 @@ def test_a_gpt_oss_call_cut_off_is_left_open_for_the_parser_to_drop() -> None:
 def test_a_gpt_oss_header_that_never_ends_is_content() -> None:
     header = "<|channel|>analysis" + " x" * 200
     assert split_reasoning(header + "<|message|>y") == (None, header + "<|message|>y")
+
+
+@pytest.mark.parametrize(
+    ("opening", "space", "closing", "expected"),
+    [  # inside the thinking; leading the reply; in a gpt-oss (harmony) thinking body
+        ("<think>Hmm", " ", "x</think>x", lambda ws: ("Hmm" + ws + "x", "x")),
+        ("", " ", "x", lambda ws: ("", ws + "x")),
+        ("<|channel|>analysis<|message|>Hmm", "\n", "x", lambda ws: ("Hmm" + ws + "x", "")),
+    ],
+    ids=["inside-think", "leading", "harmony-body"],
+)
+def test_a_long_run_of_whitespace_costs_linear_time(
+    opening: str, space: str, closing: str, expected: Callable[[str], tuple[str, str]]
+) -> None:
+    """Regression (issue 36, item 9): each piece re-read all the whitespace held before it
+    (40,000 whitespace tokens inside ``<think>``: 4.2 s). Sixteen times the pieces must cost
+    about sixteen times the time, not 256 times: the bound is a ratio of this thread's CPU
+    times with 2.5x slack, so it holds on a slow or busy machine."""
+
+    def cost(num_pieces: int) -> float:
+        best = float("inf")
+        for _ in range(2):
+            splitter = ReasoningSplitter()
+            started = time.thread_time()
+            said = [splitter.feed(opening)]
+            said += [splitter.feed(space) for _ in range(num_pieces)]
+            said += [splitter.feed(closing), splitter.flush()]
+            best = min(best, time.thread_time() - started)
+            joined = ("".join(r for r, _ in said), "".join(c for _, c in said))
+            assert joined == expected(space * num_pieces)
+        return max(best, 1e-6)
+
+    small, large = cost(5_000), cost(80_000)
+    assert large / small < 40, f"{large / small:.1f}x the time for 16x the whitespace"

@@ -296,6 +296,10 @@ BAD_REQUESTS = [
     ({"input": HI, "truncation": "sometimes"}, "truncation"),
     ({"input": HI, "instructions": 3}, "instructions"),
     ({"input": HI, "previous_response_id": 3}, "previous_response_id"),
+    ({"input": HI, "stream": "yes"}, "stream must be a boolean"),  # "no" would stream too
+    ({"input": HI, "store": "no"}, "store must be a boolean"),  # and would store
+    ({"input": HI, "parallel_tool_calls": 0}, "parallel_tool_calls must be a boolean"),
+    ({"input": HI, "temperature": 10**400}, "temperature"),  # float() would overflow
 ]
 
 
@@ -304,9 +308,11 @@ def test_bad_requests_are_typed_errors_and_enqueue_nothing(
     request_body: dict[str, Any], message: str
 ) -> None:
     with make("Hello there!") as ctx:
+        store = ResponseStore()
         with pytest.raises(llamax.InvalidRequestError, match=message):
-            create_response(ctx, request_body, store=ResponseStore())
+            create_response(ctx, request_body, store=store)
         assert ctx.stats().num_waiting == 0 and ctx.stats().num_running == 0
+        assert len(store) == 0
 
 
 def test_async_and_an_early_close_frees_the_request() -> None:

@@ -480,6 +480,30 @@ def test_graceful_shutdown_lets_streams_finish(server_ctx: llamax.Context) -> No
         httpx.get(running.url + "/health")
 
 
+def test_a_request_cut_by_the_shutdown_timeout_gets_a_503(server_ctx: llamax.Context) -> None:
+    """Regression (issue 36, item 9): a plain-text 500 (and a traceback in the log)."""
+    running = BackgroundServer(create_app(server_ctx), shutdown_timeout=1)
+    running.start()
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
+            "logit_bias": NO_EOS}  # fmt: skip
+    replies: list[httpx.Response] = []
+    client = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(running.url + "/v1/completions", json=body, timeout=60)
+        )
+    )
+    client.start()
+    deadline = time.monotonic() + 60
+    while server_ctx.stats().num_running == 0:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.01)
+    running.stop()
+    client.join(60)
+    (reply,) = replies
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["code"] == "server_shutting_down"
+
+
 def test_cli_serves_then_shuts_down_gracefully_on_sigterm(model_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -165,3 +168,97 @@ def test_cli_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--n-seq-max" in capsys.readouterr().out
     assert main(["--port", "not-a-port"]) == 2
     assert main(["/no/such/model.gguf", "--port", "0", "--log-level", "critical"]) == 1
+
+
+NOT_BOOLEANS = [
+    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 4, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 4, "stream": True,
+                              "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 4, "stream": "no"}, "stream"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 4, "stream": "yes"}, "stream"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 4, "store": "no"}, "store"),
+    ("/v1/responses", {"input": "Hi", "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ("/v1/messages", {"messages": HELLO, "max_tokens": 4, "stream": "no"}, "stream"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "field"), NOT_BOOLEANS)
+def test_a_flag_that_is_not_a_json_boolean_is_400_naming_it(
+    ctx: llamax.Context, path: str, body: dict[str, Any], field: str
+) -> None:
+    """Regression (issue 36, item 9): ``stream: "yes"`` streamed and ``store: "no"`` stored."""
+    app = create_app(ctx)
+    response = call(app, "POST", path, json=body)
+    assert response.status_code == 400, response.text
+    assert response.headers["content-type"].startswith("application/json")  # not a stream
+    if path == "/v1/messages":
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"].startswith(field)
+    else:
+        assert response.json()["error"]["param"] == field
+    assert ctx.stats().num_waiting == ctx.stats().num_running == 0
+    assert call(app, "GET", "/v1/responses/anything").status_code == 404  # nothing stored
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"input": "Hi", "temperature": 10**400}),
+        ("/v1/messages", {"messages": HELLO, "max_tokens": 4, "temperature": 10**400}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 10**400}),
+    ],
+)
+def test_a_huge_number_is_400_not_500(ctx: llamax.Context, path: str, body: dict[str, Any]) -> None:
+    """Regression (issue 36, item 9): ``float()`` of a huge int raised OverflowError (a 500)."""
+    response = call(create_app(ctx), "POST", path, json=body)
+    assert response.status_code == 400, response.text
+
+
+def test_requests_cut_by_the_shutdown_timeout_get_a_503_in_their_shape(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression (issue 36, item 9): uvicorn cancels what still runs when the shutdown
+    timeout ends, and answered it with a plain-text 500 and a logged traceback."""
+    from llamax.server import BackgroundServer
+
+    backend = FakeBackend(
+        n_ctx=4096, metadata={"tokenizer.chat_template": TEMPLATE}, special_tokens=SPECIALS
+    )
+    ctx = llamax.Context(backend=backend)
+    backend.fault = lambda where: time.sleep(0.02) if where == "decode" else None  # ~50 tok/s
+    server = BackgroundServer(create_app(ctx), shutdown_timeout=1)
+    server.start()
+    requests = {
+        "/v1/completions": {"prompt": "Hi", "max_tokens": 1000},
+        "/v1/messages": {"messages": HELLO, "max_tokens": 1000},
+    }
+    replies: dict[str, httpx.Response] = {}
+    threads = [
+        threading.Thread(
+            target=lambda p=path, b=body: replies.update(
+                {p: httpx.post(server.url + p, json=b, timeout=30)}
+            )
+        )
+        for path, body in requests.items()
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 10
+        while ctx.stats().num_running < 2:
+            assert time.monotonic() < deadline, "the requests never ran"
+            time.sleep(0.01)
+        with caplog.at_level(logging.INFO):
+            server.stop()
+        for thread in threads:
+            thread.join(30)
+        openai, anthropic = replies["/v1/completions"], replies["/v1/messages"]
+        assert (openai.status_code, anthropic.status_code) == (503, 503), openai.text
+        assert openai.json()["error"]["code"] == "server_shutting_down"
+        assert anthropic.json()["type"] == "error"
+        assert anthropic.json()["error"]["type"] == "overloaded_error"
+        assert "Exception in ASGI application" not in caplog.text
+    finally:
+        backend.fault = None
+        assert_idle(ctx)  # the cut requests were cancelled, their cells freed
+        ctx.close()

@@ -378,6 +378,33 @@ def test_pool_lists_adapters_and_resets_every_loaded_prefix_cache(
     assert c.num_calls == 0  # resetting loads nothing
 
 
+def test_one_gguf_under_two_names_gets_a_disk_tier_each(
+    pools: Callable[..., ModelPool], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (issue 36, item 9): the second name's load failed (500
+    model_load_failed) on the first one's lock of the shared disk tier folder."""
+    real_context = llamax.Context
+
+    def load(path: str, **options: Any) -> llamax.Context:  # the same model for every path
+        backend = FakeBackend(
+            n_ctx=1024, metadata={"tokenizer.chat_template": TEMPLATE}, special_tokens=SPECIALS
+        )
+        return real_context(backend=backend, **options)
+
+    monkeypatch.setattr(llamax, "Context", load)
+    names = ["a", "b", "../odd name"]
+    disk = {"prefix_disk_dir": str(tmp_path), "prefix_disk_bytes": 1 << 20}
+    pool = pools(dict.fromkeys(names, "same.gguf"), **disk)
+    app = create_app(pool)
+    for name in names:
+        reply = run(app, lambda c, n=name: post(c, "/v1/completions", TEXT | {"model": n}))
+        assert reply.status_code == 200, reply.text
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert folders[:2] == ["a", "b"] and folders[2].startswith("model-") and len(folders) == 3
+    for folder in tmp_path.iterdir():  # each its own tier, keyed inside by the model
+        assert [p.name for p in folder.iterdir()] == [p.name for p in (tmp_path / "a").iterdir()]
+
+
 def test_responses_name_the_model_the_request_named(pools: Callable[..., ModelPool]) -> None:
     pool = pools({"a": Factory(), "b": Factory()})
     app = create_app(pool)
@@ -505,3 +532,24 @@ def test_a_real_model_unloads_when_idle(client: openai.OpenAI, real_pool: ModelP
     listed = {m.id: m.model_extra for m in client.models.list()}
     assert listed["smol-a"]["status"]["value"] == "unloaded"  # type: ignore[index]
     client.completions.create(model="smol-a", prompt="Hi", max_tokens=2)  # loads again
+
+
+@pytest.mark.model
+def test_one_real_gguf_under_two_names_with_a_disk_tier(model_path: Path, tmp_path: Path) -> None:
+    """Regression (issue 36, item 9): ``--prefix-disk-dir`` with one GGUF under two names
+    gave the second name 500 ``model_load_failed`` (the tier folder's lock)."""
+    pool = ModelPool({"smol-a": model_path, "smol-b": model_path}, n_ctx=512, n_seq_max=2,
+                     n_threads=1, calibrate=False, prefix_disk_dir=str(tmp_path),
+                     prefix_disk_bytes=64 << 20)  # fmt: skip
+    try:
+        app = create_app(pool)
+        texts = []
+        for name in ("smol-a", "smol-b"):
+            reply = run(app, lambda c, n=name: post(c, "/v1/completions", TEXT | {"model": n}))
+            assert reply.status_code == 200, reply.text
+            texts.append(reply.json()["choices"][0]["text"])
+        assert texts[0] == texts[1]  # greedy, the same weights
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["smol-a", "smol-b"]
+        assert_pool_idle(pool)
+    finally:
+        pool.close()

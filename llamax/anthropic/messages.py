@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParameterError, InvalidRequestError
 from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
+from ..openai.options import check_flag
 from ..results import Completion, FinishReason
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: st
 
 def _submit(ctx: Context, request: Mapping[str, Any]) -> tuple[OpenAIRequest, list[str]]:
     _check_fields(request, REQUEST_FIELDS, "messages")
+    check_flag(request.get("stream"), "stream")  # "no" must not stream
     chat, options = _chat_request(request)
     submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
     return submitted, list(options.get("stop") or [])
@@ -229,7 +231,8 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
         raise InvalidParameterError(
             "tool_choice.type must be auto, any, tool (with a name) or none"
         )
-    if choice.get("disable_parallel_tool_use") and kind != "none":
+    disable = check_flag(choice.get("disable_parallel_tool_use"), "disable_parallel_tool_use")
+    if disable and kind != "none":
         mapped["parallel_tool_calls"] = False
     return mapped
 

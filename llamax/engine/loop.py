@@ -183,15 +183,19 @@ class Engine:
             raise DeadlockError("KV operations cannot run inside a step (a logits processor)")
         if self._thread is None or self._thread is threading.current_thread():
             result = StepResult()
-            with self._step_lock:
-                with self._lock:
-                    self._raise_if_not_running(op)
-                    inbox, self._inbox = self._inbox, []
-                for request in inbox:  # an op may concern a request submitted just before
-                    self.scheduler.add(request)
-                value = self.scheduler.apply(op, result)
-                self._publish_snapshot()
-            self._publish(result)
+            try:
+                with self._step_lock:
+                    with self._lock:
+                        self._raise_if_not_running(op)
+                        inbox, self._inbox = self._inbox, []
+                    for request in inbox:  # an op may concern a request submitted just before
+                        self.scheduler.add(request)
+                    try:
+                        value = self.scheduler.apply(op, result)
+                    finally:  # an op that raises may have changed things (clear_cache)
+                        self._publish_snapshot()
+            finally:
+                self._publish(result)
             return value
         future: Future[T] = Future()
         with self._lock:

@@ -126,7 +126,12 @@ class PrefixCache:
         self.num_evictions += 1
 
     def evict_all(self) -> int:
-        """Release every retained slot and empty the RAM tier; return how many slots."""
+        """Release every retained slot and empty both tiers; return how many slots.
+
+        Raises:
+            CacheClearError: files of the disk tier could not be deleted (everything else
+                was cleared).
+        """
         count = len(self._retained)
         for slot in self._retained.values():
             self._cache.release(slot)

@@ -21,6 +21,15 @@ does not match) are deleted when found and never reach the backend.
 
 One context uses a directory at a time: it holds an exclusive ``flock`` on
 ``<model key>/.lock`` until it closes.
+
+Files are input, and they hold a conversation's tokens in clear. The tier's folder is made
+``0700`` and its files ``0600`` (set explicitly, whatever the umask). A file is opened
+without following a link and without blocking (a FIFO put in its place answers nothing),
+and refused unless it is a regular file of exactly the size the index recorded, before a
+byte of it is read; then exactly that many bytes are read. ``clear`` deletes every file in
+the tier's folder and raises :class:`~llamax.errors.CacheClearError` naming those that
+stay (a read-only filesystem): they would be found again by the next context's scan, so
+reporting success would be a lie.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import struct
 import zlib
 from collections import OrderedDict
@@ -40,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from ..errors import InvalidParameterError
+from ..errors import CacheClearError, InvalidParameterError
 from .prefix_ram import MIN_STORED_TOKENS, best_prefix
 
 __all__ = [
@@ -66,6 +76,46 @@ _PREAMBLE = struct.Struct("<8sII")  # magic, version, header length
 _MAX_HEADER = 64 << 20
 _SUFFIX = ".kv"
 _LOCK = ".lock"
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_for_reading(path: str, flags: int) -> int:
+    """An ``open`` opener: never follows a link, never blocks on a FIFO or device."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
+
+
+def _open_private(path: str, flags: int) -> int:
+    """An ``open`` opener for a new file: ``0600`` whatever the umask, never through a
+    link."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | _CLOEXEC, _FILE_MODE)
+    try:
+        os.fchmod(fd, _FILE_MODE)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _make_private_dir(path: str) -> None:
+    """Create ``path`` (and missing parents) with mode ``0700``; an existing folder is
+    set to ``0700`` too. A link in its place is refused.
+
+    Raises:
+        OSError: it cannot be made, is not a folder, or is a link.
+    """
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+        os.chmod(parent, _DIR_MODE)  # made by us: nobody else needs to list it
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, _DIR_MODE)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder (or a link)", path)
+    if stat.S_IMODE(info.st_mode) != _DIR_MODE:
+        os.chmod(path, _DIR_MODE)
 
 
 def default_disk_budget(directory: str) -> int:
@@ -145,15 +195,56 @@ def _read_header(file: IO[bytes]) -> tuple[tuple[int, ...], int, int, int] | Non
     return tuple(tokens), size, crc, _PREAMBLE.size + length
 
 
-def _remove(path: str) -> None:
-    """Delete a file (or a directory in its place); never raises."""
+def _remove(path: str) -> OSError | None:
+    """Delete a file (or a directory in its place); never raises: the error, if any (a
+    file already gone is no error)."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path)
         else:
             os.unlink(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _read_entry(path: str) -> tuple[float, DiskEntry] | None:
+    """``(mtime, entry)`` of the file at ``path`` from its header alone, or None if it is
+    not a regular file whose header says what its size is."""
+    try:
+        with open(path, "rb", opener=_open_for_reading) as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                return None
+            header = _read_header(file)
     except OSError:
-        pass
+        return None
+    if header is None or header[3] + header[1] != info.st_size:
+        return None
+    return info.st_mtime, DiskEntry(header[0], path, info.st_size)
+
+
+def _read_state(entry: DiskEntry) -> bytes | None:
+    """The state in ``entry``'s file, or None if the file is not a regular file of
+    ``entry.num_bytes`` bytes (checked before reading), or does not hold what its header
+    says (``entry``'s tokens, its state's size and checksum)."""
+    try:
+        with open(entry.path, "rb", opener=_open_for_reading) as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size != entry.num_bytes:
+                return None
+            header = _read_header(file)
+            if header is None or header[3] + header[1] != entry.num_bytes:
+                return None
+            data = file.read(header[1])
+    except OSError:
+        return None
+    tokens, size, crc, _ = header
+    if tokens != entry.tokens or len(data) != size or zlib.crc32(data) != crc:
+        return None
+    return data
 
 
 class PrefixDiskTier:
@@ -186,7 +277,7 @@ class PrefixDiskTier:
         self._entries: OrderedDict[tuple[int, ...], DiskEntry] = OrderedDict()  # LRU first
         self._num_bytes = 0
         self._has_warned = False
-        self._lock_file: IO[bytes] | None = None
+        self._lock_fd: int | None = None
         self.num_stored = 0
         """States written (dropped from RAM, or evicted from KV with no RAM tier)."""
         self.num_dropped = 0
@@ -204,16 +295,16 @@ class PrefixDiskTier:
         self.restore_seconds = 0.0
         """Time spent reading and restoring (successful or not)."""
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            lock = open(os.path.join(self.directory, _LOCK), "ab")  # noqa: SIM115 (held open)
+            _make_private_dir(self.directory)
+            lock = _open_private(os.path.join(self.directory, _LOCK), os.O_RDWR | os.O_CREAT)
         except OSError as exc:
             raise InvalidParameterError(
                 f"prefix_disk_dir {directory!r} cannot be used: {exc}"
             ) from exc
         try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            lock.close()
+            os.close(lock)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise InvalidParameterError(
                     f"prefix_disk_dir {directory!r} is in use by another context "
@@ -222,13 +313,13 @@ class PrefixDiskTier:
             raise InvalidParameterError(
                 f"prefix_disk_dir {directory!r} cannot be locked: {exc}"
             ) from exc
-        self._lock_file = lock
+        self._lock_fd = lock
         self._scan()
 
     @property
     def is_enabled(self) -> bool:
         """Whether anything may be stored."""
-        return self.budget_bytes > 0 and self._lock_file is not None
+        return self.budget_bytes > 0 and self._lock_fd is not None
 
     @property
     def num_bytes(self) -> int:
@@ -246,9 +337,9 @@ class PrefixDiskTier:
 
     def close(self) -> None:
         """Release the directory (the files stay for the next context). Idempotent."""
-        lock, self._lock_file = self._lock_file, None
+        lock, self._lock_fd = self._lock_fd, None
         if lock is not None:
-            lock.close()  # closing the descriptor releases the flock
+            os.close(lock)  # closing the descriptor releases the flock
 
     # ------------------------------------------------------------------ changes
     def wants(self, num_tokens: int, adapters: tuple[object, ...] = ()) -> bool:
@@ -277,7 +368,7 @@ class PrefixDiskTier:
         path = os.path.join(self.directory, name)
         temp = os.path.join(self.directory, f".tmp-{os.getpid()}-{name}")
         try:
-            with open(temp, "wb") as file:
+            with open(temp, "wb", opener=_open_private) as file:
                 file.write(head)
                 file.write(data)
             os.replace(temp, path)
@@ -314,23 +405,14 @@ class PrefixDiskTier:
 
     def load(self, entry: DiskEntry) -> bytes | None:
         """The state in ``entry``'s file (counted as a hit). None if the entry is gone, or
-        its file does not read back as written (deleted, counted refused)."""
+        its file does not read back as written (deleted, counted refused): not a regular
+        file, or not of the size recorded (checked before reading; then only that many
+        bytes are read), or another header, length or checksum."""
         if self._entries.get(entry.tokens) is not entry:
             return None
         self.num_hits += 1
-        try:
-            with open(entry.path, "rb") as file:
-                header = _read_header(file)
-                data = file.read() if header is not None else b""
-        except OSError:
-            header = None
-        if (
-            header is None
-            or header[0] != entry.tokens
-            or len(data) != header[1]
-            or zlib.crc32(data) != header[2]
-            or header[3] + len(data) != entry.num_bytes
-        ):
+        data = _read_state(entry)
+        if data is None:
             self.remove(entry)
             self.num_refused += 1
             return None
@@ -351,18 +433,42 @@ class PrefixDiskTier:
         self.num_refused += 1
 
     def clear(self) -> int:
-        """Delete every entry's file; return how many."""
+        """Forget every entry and delete every file in the tier's folder (the lock's
+        aside); return how many entries there were.
+
+        Raises:
+            CacheClearError: some files could not be deleted (a read-only filesystem);
+                the message names how many and the first error. They are forgotten here
+                but stay on disk, where the next context would find them again.
+        """
         count = len(self._entries)
-        for entry in self._entries.values():
-            _remove(entry.path)
         self._entries.clear()
         self._num_bytes = 0
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return count
+        except OSError as exc:
+            raise CacheClearError(
+                f"the disk prefix tier {self.directory} could not be listed to clear it: {exc}"
+            ) from exc
+        failures = [
+            error
+            for name in names
+            if name != _LOCK and (error := _remove(os.path.join(self.directory, name)))
+        ]
+        if failures:
+            raise CacheClearError(
+                f"{len(failures)} of {len(names) - (_LOCK in names)} files of the disk prefix "
+                f"tier could not be deleted and stay in {self.directory} (the next context "
+                f"would use them again; delete them by hand): {failures[0]}"
+            )
         return count
 
     def _scan(self) -> None:
         """Index the valid files already in the directory (headers only), oldest first;
         delete the others and those beyond the budget."""
-        found: list[tuple[float, DiskEntry]] = []
+        found: list[tuple[float, DiskEntry]] = []  # (mtime, entry)
         try:
             names = os.listdir(self.directory)
         except OSError:
@@ -372,15 +478,11 @@ class PrefixDiskTier:
                 continue
             path = os.path.join(self.directory, name)
             is_entry = name.endswith(_SUFFIX) and not name.startswith(".")  # not a temp file
-            entry = self._read_entry(path) if is_entry else None
-            mtime = None
-            if entry is not None:
-                with contextlib.suppress(OSError):
-                    mtime = os.stat(path).st_mtime
-            if entry is None or mtime is None:
+            read = _read_entry(path) if is_entry else None
+            if read is None:
                 _remove(path)
                 continue
-            found.append((mtime, entry))
+            found.append(read)
         for _, entry in sorted(found, key=lambda pair: pair[0]):
             held = self._entries.pop(entry.tokens, None)  # the same tokens twice: the newer
             if held is not None:
@@ -389,19 +491,6 @@ class PrefixDiskTier:
             self._entries[entry.tokens] = entry
             self._num_bytes += entry.num_bytes
         self._make_room(0)
-
-    def _read_entry(self, path: str) -> DiskEntry | None:
-        try:
-            if not os.path.isfile(path) or os.path.islink(path):
-                return None
-            size = os.path.getsize(path)
-            with open(path, "rb") as file:
-                header = _read_header(file)
-        except OSError:
-            return None
-        if header is None or header[3] + header[1] != size:
-            return None
-        return DiskEntry(header[0], path, size)
 
     # ------------------------------------------------------------------ queries
     def match(

@@ -69,6 +69,10 @@ class PromptLookup:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidParameterError(f"PromptLookup.{name} must be an int, got {value!r}")
+            if value.bit_length() > 63:  # before any message shows it (repr past 4,300 digits)
+                raise InvalidParameterError(
+                    f"PromptLookup.{name} is out of range: an int of {value.bit_length()} bits"
+                )
         if not 1 <= self.max_draft <= MAX_DRAFT:
             raise InvalidParameterError(
                 f"PromptLookup.max_draft must be in [1, {MAX_DRAFT}], got {self.max_draft}"

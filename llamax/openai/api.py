@@ -20,6 +20,7 @@ from .options import (
     COMPLETION_OPTIONS,
     ChatOptions,
     CompletionOptions,
+    check_flag,
     check_option_names,
     sampling_params,
 )
@@ -129,7 +130,12 @@ def _text(ctx: Context, prompt: str | Sequence[int], options: Mapping[str, Any])
 
 
 def _include_usage(options: Mapping[str, Any]) -> bool:
-    return bool((options.get("stream_options") or {}).get("include_usage", False))
+    stream_options = options.get("stream_options") or {}
+    if not isinstance(stream_options, Mapping):
+        raise InvalidParameterError(
+            f"stream_options must be an object, got {type(stream_options).__name__}"
+        )
+    return check_flag(stream_options.get("include_usage"), "stream_options.include_usage")
 
 
 def chat_completion(
@@ -139,6 +145,7 @@ def chat_completion(
     ``stream=True`` (first delta carries the role, the last chunk of each choice its
     ``finish_reason``; ``stream_options={"include_usage": True}`` adds a usage chunk).
     Closing the iterator early cancels the request."""
+    stream = check_flag(stream, "stream")
     request = _chat(ctx, messages, options)
     if stream:
         return request.chunks(_include_usage(options))  # type: ignore[return-value]
@@ -149,6 +156,7 @@ def completion(
     ctx: Context, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
 ) -> TextCompletion | Iterator[TextCompletion]:
     """A ``text_completion`` dict, or an iterator of them when ``stream=True``."""
+    stream = check_flag(stream, "stream")
     request = _text(ctx, prompt, options)
     if stream:
         return request.chunks(_include_usage(options))  # type: ignore[return-value]
@@ -161,6 +169,7 @@ async def achat_completion(
     """Async twin of :func:`chat_completion` (needs the background loop); ``aclose()`` on the
     returned iterator cancels the request. Rendering, truncation and tokenizing run in a
     worker thread, so the event loop stays free."""
+    stream = check_flag(stream, "stream")
     request = await _off_the_loop(lambda: _chat(ctx, messages, options))
     if stream:
         return request.achunks(_include_usage(options))  # type: ignore[return-value]
@@ -171,6 +180,7 @@ async def acompletion(
     ctx: Context, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
 ) -> TextCompletion | AsyncIterator[TextCompletion]:
     """Async twin of :func:`completion`; tokenizing runs in a worker thread."""
+    stream = check_flag(stream, "stream")
     request = await _off_the_loop(lambda: _text(ctx, prompt, options))
     if stream:
         return request.achunks(_include_usage(options))  # type: ignore[return-value]

@@ -24,6 +24,7 @@ __all__ = [
     "CompletionOptions",
     "StreamOptions",
     "Truncate",
+    "check_flag",
     "check_option_names",
     "sampling_params",
 ]
@@ -107,6 +108,21 @@ OPENAI_ONLY = frozenset(
 """Completion options that are OpenAI's own shapes rather than ``SamplingParams`` fields."""
 COMPLETION_OPTIONS = frozenset(openai_defaults(SamplingParams)) | OPENAI_ONLY
 CHAT_OPTIONS = frozenset(ChatOptions.__annotations__) | COMPLETION_OPTIONS
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` (a request's ``stream``, ``store`` ...) as a bool: it must be one (or
+    ``None``, False). A string such as ``"no"`` is truthy, so taking it would stream or store
+    what the client asked not to.
+
+    Raises:
+        InvalidParameterError: ``value`` is neither a bool nor None.
+    """
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidParameterError(f"{name} must be a boolean, got {type(value).__name__}")
+    return value
 
 
 def check_option_names(options: Collection[str], allowed: Collection[str], where: str) -> None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidParameterError, InvalidRequestError, NotFoundError
 from ..results import Completion, FinishReason
 from .api import submit_chat, submit_in_worker
+from .options import check_flag
 from .requests import OpenAIRequest
 
 if TYPE_CHECKING:
@@ -214,6 +215,8 @@ def _submit(ctx: Context, request: Mapping[str, Any], store: ResponseStore | Non
     unknown = sorted(set(request) - RESPONSE_FIELDS)
     if unknown:
         raise InvalidRequestError(f"responses: unsupported field(s): {', '.join(unknown)}")
+    for flag in ("stream", "store", "parallel_tool_calls"):  # "no" must not mean yes
+        check_flag(request.get(flag), flag)
     history: list[dict[str, Any]] = []
     previous = request.get("previous_response_id")
     if previous is not None:

@@ -45,7 +45,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             start=lambda: lease.run(lambda ctx: amessages(ctx, body)),
             metrics=state.metrics,
             release=lease.release,
-            stream=bool(body.get("stream")),
+            stream=body.get("stream") is True,  # a non-boolean is refused when the job starts
             fields=REQUEST_FIELDS,
             prompt_field="messages",
             flavour="anthropic",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -11,12 +13,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import llamax
 from llamax.openai import ResponseStore
 
 from .anthropic_routes import anthropic_routes
-from .errors import APIError, error_response, handle_api_error
+from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .info import info_routes, public_routes
 from .models import ModelPool
 from .responses_routes import responses_routes
@@ -110,6 +113,7 @@ def create_app(
     )
     for router in routers:
         app.include_router(router)
+    app.add_middleware(_AnswerCutRequests)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -135,3 +139,51 @@ async def _client_left(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+class _AnswerCutRequests:
+    """Answer a request that the server's shutdown timeout cuts short with a 503 in its
+    API's error shape (Anthropic's on ``/v1/messages``), rather than uvicorn's plain-text
+    500 and a logged traceback.
+
+    uvicorn cancels the tasks still running when ``timeout_graceful_shutdown`` ends (its
+    only use of ``Task.cancel``; a client that leaves is noticed otherwise). Cancelling the
+    task also cancels the llamax request it awaits, which frees its KV cells. A response
+    already started (a stream) is ended where it is.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # answered: the cut is handled here
+            logger.info("cut by the shutdown timeout: %s %s", scope["method"], scope["path"])
+            if started:
+                await send({"type": "http.response.body", "body": b""})
+                return
+            error = APIError(
+                503,
+                "the server shut down before the request finished (its shutdown timeout "
+                "ran out); send it again",
+                code="server_shutting_down",
+            )
+            anthropic = scope["path"].rstrip("/").endswith(("/v1/messages", "/count_tokens"))
+            body = anthropic_body(error) if anthropic else error.body()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": json.dumps(body).encode()})

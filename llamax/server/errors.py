@@ -146,6 +146,8 @@ def from_exception(
         return APIError(400, message, param=_param_named_in(message, fields), code="invalid_value")
     if isinstance(exc, llamax.ContextClosedError):
         return APIError(503, f"the model is not available: {message}", code="model_unavailable")
+    if isinstance(exc, llamax.CacheClearError):
+        return APIError(500, message, code="cache_clear_failed")
     if isinstance(exc, (llamax.EngineError, llamax.RequestFailedError)):
         return APIError(500, f"inference failed: {message}", code="engine_error")
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")

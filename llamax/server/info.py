@@ -14,6 +14,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 import llamax
 
+from .errors import error_response, from_exception
 from .models import ModelPool
 from .state import ServerState
 
@@ -93,11 +94,14 @@ def info_routes(state: ServerState) -> APIRouter:
     @router.post("/reset_prefix_cache")
     @router.post("/flush_cache")
     async def reset_prefix_cache() -> JSONResponse:
-        if state.pool is not None:  # every loaded model's
-            freed = await run_in_threadpool(_clear_pool_caches, state.pool)
-        else:
-            ctx = state.context()
-            freed = await run_in_threadpool(ctx.clear_cache)  # waits for the loop between steps
+        try:
+            if state.pool is not None:  # every loaded model's
+                freed = await run_in_threadpool(_clear_pool_caches, state.pool)
+            else:
+                ctx = state.context()
+                freed = await run_in_threadpool(ctx.clear_cache)  # waits for the loop
+        except llamax.CacheClearError as exc:  # files stay on disk: not "ok"
+            return error_response(from_exception(exc))
         return JSONResponse({"status": "ok", "freed_sequences": freed})
 
     return router
@@ -136,10 +140,20 @@ def _adapters(ctx: llamax.Context) -> list[dict[str, Any]]:
 
 def _clear_pool_caches(pool: ModelPool) -> int:
     """Clear both prefix tiers of every model of ``pool`` loaded now; return the KV
-    sequences freed in all. A model that closes meanwhile (unloaded) has nothing to clear."""
+    sequences freed in all. A model that closes meanwhile (unloaded) has nothing to clear.
+
+    Raises:
+        CacheClearError: a model's disk tier kept files (every model was cleared first).
+    """
     freed = 0
+    failures: list[str] = []
     for info in pool.models():
         if info.context is not None:
             with contextlib.suppress(llamax.ContextClosedError):
-                freed += info.context.clear_cache()
+                try:
+                    freed += info.context.clear_cache()
+                except llamax.CacheClearError as exc:
+                    failures.append(f"{info.name}: {exc}")
+    if failures:
+        raise llamax.CacheClearError("; ".join(failures))
     return freed

@@ -12,8 +12,10 @@ admission slot) while it waits.
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -98,7 +100,8 @@ class ModelPool:
         idle_unload_seconds: Unload a model no request has held for this long. ``None``:
             never.
         clock: Monotonic seconds (tests inject one).
-        **context_options: Options of every path's :class:`llamax.Context`.
+        **context_options: Options of every path's :class:`llamax.Context`; a
+            ``prefix_disk_dir`` gets a folder per model name inside it.
 
     Raises:
         ValueError: no models, an empty name, or a bound that is not positive.
@@ -125,7 +128,8 @@ class ModelPool:
         self.idle_unload_seconds = idle_unload_seconds
         self._clock = clock
         self._entries = {
-            name: _Entry(name, _factory(source, context_options)) for name, source in models.items()
+            name: _Entry(name, _factory(source, _options_of(name, context_options)))
+            for name, source in models.items()
         }
         self._cond = threading.Condition()
         self._closed = False
@@ -345,6 +349,25 @@ class ModelPool:
 
 def _is_idle(entry: _Entry) -> bool:
     return entry.state is ModelState.LOADED and entry.num_users == 0
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _options_of(name: str, options: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``options`` for the model named ``name``: its disk prefix tier (if any) in a folder
+    of its own, ``<prefix_disk_dir>/<name>/``, so one GGUF served under two names gets two
+    tiers rather than a lock conflict (one context per tier folder). A name that is not a
+    plain file name is folded into ``model-<hash>``."""
+    directory = options.get("prefix_disk_dir")
+    if directory is None:
+        return options
+    folder = (
+        name
+        if _PLAIN_NAME.fullmatch(name)
+        else "model-" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    )
+    return {**options, "prefix_disk_dir": os.path.join(os.fspath(directory), folder)}
 
 
 def _factory(source: ModelSource, options: Mapping[str, Any]) -> Callable[[], llamax.Context]:

@@ -47,7 +47,7 @@ def responses_routes(state: ServerState) -> APIRouter:
             start=lambda: lease.run(lambda ctx: acreate_response(ctx, body, store=state.responses)),
             metrics=state.metrics,
             release=lease.release,
-            stream=bool(body.get("stream")),
+            stream=body.get("stream") is True,  # a non-boolean is refused when the job starts
             fields=RESPONSE_FIELDS,
             prompt_field="input",
             flavour="responses",
