@@ -39,7 +39,7 @@ class Bindings:
         self._ids = itertools.count(1)
         self._results: dict[str, Any] = {
             "llama_model_default_params": lambda: SimpleNamespace(),
-            "llama_context_default_params": lambda: SimpleNamespace(),
+            "llama_context_default_params": lambda: SimpleNamespace(type_k=1, type_v=1),  # F16
             "llama_model_load_from_file": lambda: "model",
             "llama_init_from_model": lambda: f"ctx{next(self._ids)}",
             "llama_batch_init": self._batch,
