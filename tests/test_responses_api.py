@@ -300,6 +300,16 @@ BAD_REQUESTS = [
     ({"input": HI, "store": "no"}, "store must be a boolean"),  # and would store
     ({"input": HI, "parallel_tool_calls": 0}, "parallel_tool_calls must be a boolean"),
     ({"input": HI, "temperature": 10**400}, "temperature"),  # float() would overflow
+    # metadata and user, as OpenAI checks them (issue 36 item 7: ``[1, 2]`` ran the
+    # generation, then failed with a 500 building the response)
+    ({"input": HI, "metadata": [1, 2]}, "metadata must be an object"),
+    ({"input": HI, "metadata": "tag"}, "metadata must be an object"),
+    ({"input": HI, "metadata": {f"k{i}": "v" for i in range(17)}}, "17 pairs; at most 16"),
+    ({"input": HI, "metadata": {"k" * 65: "v"}}, "metadata keys"),
+    ({"input": HI, "metadata": {"k": "v" * 513}}, r"metadata\['k'\]"),
+    ({"input": HI, "metadata": {"k": 3}}, r"metadata\['k'\]"),
+    ({"input": HI, "user": 3}, "user must be a string"),
+    ({"input": HI, "user": "u" * 257}, "user must be a string of at most 256"),
 ]
 
 
@@ -311,8 +321,40 @@ def test_bad_requests_are_typed_errors_and_enqueue_nothing(
         store = ResponseStore()
         with pytest.raises(llamax.InvalidRequestError, match=message):
             create_response(ctx, request_body, store=store)
-        assert ctx.stats().num_waiting == 0 and ctx.stats().num_running == 0
+        stats = ctx.stats()
+        assert stats.num_waiting == 0 and stats.num_running == 0 and stats.num_steps == 0
         assert len(store) == 0
+
+
+def test_metadata_at_openais_bounds_is_echoed_and_stored() -> None:
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    store = ResponseStore()
+    with make("Hello there!") as ctx:
+        reply = respond(ctx, store, metadata=metadata, user="u" * 256)
+        assert reply["metadata"] == metadata and reply["user"] == "u" * 256
+        assert store.get(reply["id"])["metadata"] == metadata
+
+
+def test_the_store_counts_the_whole_response_it_keeps() -> None:
+    """Regression (issue 36 item 7): the store bounded the conversations' text only, but
+    kept each response object too, with its echoed ``metadata``: 100 requests with 4 MiB
+    of metadata each were all kept. Now the bound covers the whole entry; measured here
+    by the store's own count, not by the process's memory."""
+    metadata = {f"{i:02d}": "v" * 512 for i in range(16)}  # about 8 KiB of characters
+    store = ResponseStore(max_responses=1000, max_chars=40_000)
+    with make("Hello there!") as ctx:
+        ids = [respond(ctx, store, metadata=metadata)["id"] for _ in range(30)]
+        assert len(store) <= 40_000 // (16 * 512)  # each entry counts its metadata
+        assert 0 < store.num_chars <= store.max_chars
+        assert store.get(ids[-1])["metadata"] == metadata  # the newest are the ones kept
+        with pytest.raises(llamax.NotFoundError):
+            store.get(ids[0])
+        assert_idle(ctx)
+    lone = ResponseStore(max_chars=1000)
+    lone.put({"id": "resp_a", "instructions": "x" * 2000}, [{"role": "user", "content": "Hi"}])
+    assert len(lone) == 0 and lone.num_chars == 0  # larger than the bound alone: not kept
+    lone.put({"id": "resp_b", "metadata": {"k" * 300: "v"}}, [])  # keys count too
+    assert lone.num_chars >= 300
 
 
 def test_async_and_an_early_close_frees_the_request() -> None:
@@ -414,6 +456,32 @@ def test_the_openai_client_against_the_server() -> None:
         key = {"authorization": "Bearer sekrit"}
         url = server.url + "/v1/responses"
         assert leave_mid_stream(ctx, url, long, key) == "response.created"
+    assert_idle(ctx)
+
+
+def test_bad_metadata_over_http_is_a_400_naming_it_before_any_generation() -> None:
+    """Regression (issue 36 item 7): ``metadata: [1, 2]`` was a 500, after the generation
+    had run."""
+    import httpx
+
+    from llamax.server import BackgroundServer, create_app
+
+    with make("Hello there!", autostart=True) as ctx, BackgroundServer(create_app(ctx)) as server:
+        bad = [
+            ("metadata", [1, 2]),
+            ("metadata", {"k": "v" * 513}),
+            ("metadata", {str(i): "v" for i in range(17)}),
+            ("user", 7),
+        ]
+        for field, value in bad:
+            body = {"input": HI, "max_output_tokens": 8, field: value}
+            reply = httpx.post(server.url + "/v1/responses", json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == field and error["type"] == "invalid_request_error"
+        assert ctx.stats().num_steps == 0  # nothing reached the engine
+        good = httpx.post(server.url + "/v1/responses", json={"input": HI, "metadata": {"k": "v"}})
+        assert good.json()["metadata"] == {"k": "v"}
     assert_idle(ctx)
 
 

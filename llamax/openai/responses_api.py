@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
 __all__ = ["RESPONSE_FIELDS", "ResponseStore", "acreate_response", "create_response"]
 
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's bounds on ``metadata``: pairs, and characters of a key and of a value."""
+MAX_USER_CHARS = 256
+"""Longest ``user`` string (it is echoed in the response, and stored with it)."""
+
 RESPONSE_FIELDS = frozenset(
     {
         "model",
@@ -79,12 +84,13 @@ class _Stored:
 
 
 def _chars(value: Any) -> int:
-    """The characters of text in a message (its strings, nested), counted without
-    serializing it: a store on the server's event loop stays cheap."""
+    """The characters of a stored object (its strings, keys included, nested; 8 for any
+    other leaf), counted without serializing it: a store on the server's event loop stays
+    cheap."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, Mapping):
-        return sum(_chars(v) for v in value.values())
+        return sum(_chars(k) + _chars(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return sum(_chars(v) for v in value)
     return 8
@@ -94,12 +100,15 @@ class ResponseStore:
     """A bounded, thread-safe store of recent responses, for ``previous_response_id``.
 
     Least recently used entries go first once there are more than ``max_responses`` or
-    their conversations hold more than ``max_chars`` characters of text (each entry keeps
-    its whole conversation, so a long chain costs what its longest member holds).
+    they hold more than ``max_chars`` characters. An entry is counted whole: its
+    ``response`` object (``metadata``, ``user``, ``instructions``, ``tools`` ... as echoed)
+    and its conversation (each entry keeps its whole conversation, so a long chain costs
+    what its longest member holds); every string counts its characters, keys too, and any
+    other value 8.
 
     Args:
         max_responses: Most responses kept.
-        max_chars: Most characters kept, over all stored conversations.
+        max_chars: Most characters kept, over all stored responses and conversations.
 
     Raises:
         ValueError: a bound is not positive.
@@ -116,6 +125,12 @@ class ResponseStore:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    @property
+    def num_chars(self) -> int:
+        """The characters counted over every stored entry (at most ``max_chars``)."""
+        with self._lock:
+            return self._chars
 
     def get(self, response_id: str) -> dict[str, Any]:
         """The stored ``response`` object.
@@ -146,15 +161,16 @@ class ResponseStore:
         """Keep ``response`` (by its ``id``) with its conversation, evicting the least
         recently used entries past the bounds. An entry larger than ``max_chars`` alone is
         not kept."""
+        kept = dict(response)
         frozen = tuple(dict(m) for m in conversation)
-        size = sum(_chars(m) for m in frozen)
+        size = _chars(kept) + sum(_chars(m) for m in frozen)
         if size > self.max_chars:
             return
         with self._lock:
             old = self._entries.pop(str(response["id"]), None)
             if old is not None:
                 self._chars -= old.size
-            self._entries[str(response["id"])] = _Stored(dict(response), frozen, size)
+            self._entries[str(response["id"])] = _Stored(kept, frozen, size)
             self._chars += size
             while len(self._entries) > self.max_responses or self._chars > self.max_chars:
                 _, evicted = self._entries.popitem(last=False)
@@ -217,6 +233,10 @@ def _submit(ctx: Context, request: Mapping[str, Any], store: ResponseStore | Non
         raise InvalidRequestError(f"responses: unsupported field(s): {', '.join(unknown)}")
     for flag in ("stream", "store", "parallel_tool_calls"):  # "no" must not mean yes
         check_flag(request.get(flag), flag)
+    _check_metadata(request.get("metadata"))
+    user = request.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise InvalidParameterError(f"user must be a string of at most {MAX_USER_CHARS} characters")
     history: list[dict[str, Any]] = []
     previous = request.get("previous_response_id")
     if previous is not None:
@@ -238,6 +258,35 @@ def _submit(ctx: Context, request: Mapping[str, Any], store: ResponseStore | Non
     submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
     keep = store if request.get("store", True) is not False else None
     return _Job(submitted, dict(request), history + turn, keep, options.get("max_tokens"))
+
+
+def _check_metadata(metadata: Any) -> None:
+    """Refuse ``metadata`` that OpenAI refuses: it is echoed in the response and stored.
+
+    Raises:
+        InvalidParameterError: not an object of at most 16 string pairs, with keys of at
+            most 64 characters and values of at most 512.
+    """
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping):
+        raise InvalidParameterError(
+            f"metadata must be an object of string pairs, got {type(metadata).__name__}"
+        )
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidParameterError(
+            f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidParameterError(
+                f"metadata keys must be strings of at most {MAX_METADATA_KEY_CHARS} characters"
+            )
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidParameterError(
+                f"metadata[{key!r}] must be a string of at most {MAX_METADATA_VALUE_CHARS} "
+                "characters"
+            )
 
 
 def _input(value: Any) -> list[dict[str, Any]]:
