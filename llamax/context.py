@@ -113,9 +113,7 @@ class Context:
                 batch_processor=batch_logits_processor,
                 speculative=config.speculative,
                 calibrate=calibrate,
-                prefix_ram_bytes=(
-                    default_budget() if config.prefix_ram_bytes is None else config.prefix_ram_bytes
-                ),
+                prefix_ram_bytes=_ram_budget(config),
                 prefix_disk_dir=config.prefix_disk_dir,
                 prefix_disk_bytes=_disk_budget(config),
             )
@@ -861,10 +859,18 @@ class _SessionPort:
         return self._ctx._submit(prompt, params, session_id=session_id)
 
 
+def _ram_budget(config: ContextConfig) -> int:
+    """The RAM tier's budget: as configured, else this context's share of the default."""
+    if config.prefix_ram_bytes is not None:
+        return config.prefix_ram_bytes
+    return int(default_budget() * config.prefix_ram_share)
+
+
 def _disk_budget(config: ContextConfig) -> int:
-    """The disk tier's budget: as configured, else the default for its directory."""
+    """The disk tier's budget: as configured, else this context's share of the default for
+    its directory."""
     if config.prefix_disk_dir is None:
         return 0
     if config.prefix_disk_bytes is not None:
         return config.prefix_disk_bytes
-    return default_disk_budget(config.prefix_disk_dir)
+    return int(default_disk_budget(config.prefix_disk_dir) * config.prefix_disk_share)

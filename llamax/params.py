@@ -657,6 +657,21 @@ class ContextConfig:
             metavar="BYTES",
         ),
     )
+    prefix_ram_share: float = field(
+        default=1.0,
+        metadata=spec(
+            doc="the share, in (0, 1], of the host-RAM tier's default budget this context "
+            "takes when `prefix_ram_bytes` is not given: contexts loaded together divide one "
+            "budget rather than each taking it whole (a model pool sets it; docs/models.md)",
+        ),
+    )
+    prefix_disk_share: float = field(
+        default=1.0,
+        metadata=spec(
+            doc="the share, in (0, 1], of the disk tier's default budget this context takes "
+            "when `prefix_disk_bytes` is not given (a model pool sets it; docs/models.md)",
+        ),
+    )
     rpc_servers: str | None = field(
         default=None,
         metadata=spec(
@@ -780,6 +795,12 @@ class ContextConfig:
             or (_is_int(self.prefix_disk_bytes) and self.prefix_disk_bytes >= 0),
             f"prefix_disk_bytes must be None or an int >= 0, got {self.prefix_disk_bytes!r}",
         )
+        for name in ("prefix_ram_share", "prefix_disk_share"):
+            share = getattr(self, name)
+            _require(
+                _is_real(share) and 0 < share <= 1,
+                f"{name} must be a number in (0, 1], got {share!r}",
+            )
         _require(
             self.prefix_disk_dir is None
             or (isinstance(self.prefix_disk_dir, str) and self.prefix_disk_dir != ""),
@@ -858,6 +879,8 @@ class ContextOptions(TypedDict, total=False):
     prefix_ram_bytes: int | None
     prefix_disk_dir: str | None
     prefix_disk_bytes: int | None
+    prefix_ram_share: float
+    prefix_disk_share: float
 
 
 OPTION_LISTS: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}

@@ -81,7 +81,18 @@ def test_greedy_and_penalty_flags() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("n_ctx", 8), ("n_seq_max", 0), ("n_seq_max", 1000), ("n_batch", 0), ("n_threads", 0)],
+    [
+        ("n_ctx", 8),
+        ("n_seq_max", 0),
+        ("n_seq_max", 1000),
+        ("n_batch", 0),
+        ("n_threads", 0),
+        ("prefix_ram_share", 0),
+        ("prefix_ram_share", 1.5),
+        ("prefix_ram_share", True),
+        ("prefix_disk_share", "half"),
+        ("prefix_disk_share", float("nan")),
+    ],
 )
 def test_bad_context_config_names_the_field(field: str, value: int) -> None:
     with pytest.raises(llamax.InvalidParameterError, match=field):
