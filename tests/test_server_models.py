@@ -10,7 +10,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,11 @@ import openai
 import pytest
 
 import llamax
+from llamax.backend.base import BatchItem
 from llamax.server import BackgroundServer, ModelPool, create_app, main
-from llamax.testing import FakeBackend, assert_idle
+from llamax.server.cli import _model_pool, build_parser
+from llamax.server.models import DEFAULT_MAX_LOADED
+from llamax.testing import FakeBackend, alphabet_model, assert_idle
 
 TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()
 SPECIALS = {"<|im_start|>": 300, "<|im_end|>": 301}
@@ -28,12 +31,32 @@ HELLO = [{"role": "user", "content": "Hi"}]
 TEXT = {"prompt": "abc", "max_tokens": 2, "temperature": 0}
 
 
+class SlowBackend(FakeBackend):
+    """A fake backend whose every decode takes ``step_delay`` seconds of real time."""
+
+    def __init__(self, step_delay: float, **options: Any) -> None:
+        super().__init__(**options)
+        self.step_delay = step_delay
+
+    def decode(self, items: Sequence[BatchItem]) -> int:
+        time.sleep(self.step_delay)
+        return super().decode(items)
+
+
 class Factory:
     """Builds fake contexts and counts them; ``gate`` (when set) holds every load until it
-    opens, ``fail`` makes the next loads raise."""
+    opens, ``fail`` makes the next loads raise, ``next_token`` is the fake model, and
+    ``step_delay`` the real time each decode takes (requests then last)."""
 
-    def __init__(self, gate: threading.Event | None = None, fail: int = 0) -> None:
-        self.gate, self.fail = gate, fail
+    def __init__(
+        self,
+        gate: threading.Event | None = None,
+        fail: int = 0,
+        next_token: Callable[[Sequence[int]], int] = alphabet_model,
+        step_delay: float = 0.0,
+    ) -> None:
+        self.gate, self.fail, self.next_token = gate, fail, next_token
+        self.step_delay = step_delay
         self.started = threading.Event()
         self.num_calls = 0
         self.made: list[llamax.Context] = []
@@ -46,8 +69,13 @@ class Factory:
         if self.fail:
             self.fail -= 1
             raise FileNotFoundError("no such file: /models/bad.gguf")
-        backend = FakeBackend(
-            n_ctx=1024, metadata={"tokenizer.chat_template": TEMPLATE}, special_tokens=SPECIALS
+        backend = SlowBackend(
+            self.step_delay,
+            n_ctx=1024,
+            n_seq_max=8,
+            metadata={"tokenizer.chat_template": TEMPLATE},
+            special_tokens=SPECIALS,
+            next_token=self.next_token,
         )
         ctx = llamax.Context(backend=backend)
         self.made.append(ctx)
@@ -80,11 +108,12 @@ def assert_pool_idle(pool: ModelPool) -> None:
     for info in pool.models():
         if info.context is None or pool.closed:
             continue
-        ctx = pool.acquire(info.name).result(60)
+        held = pool.acquire(info.name)
+        ctx = held.result(60)
         try:
             assert_idle(ctx, timeout=60)
         finally:
-            pool.release(info.name)
+            pool.release(held)
 
 
 async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -211,11 +240,193 @@ def test_a_model_in_use_is_never_unloaded_to_make_room(pools: Callable[..., Mode
     ctx_a = held.result(10)
     waiting = pool.acquire("b")  # must wait: a is in use and the bound is 1
     time.sleep(0.2)
-    assert not waiting.done() and states(pool)["a"] == "loaded"
-    pool.release("a")
+    # a is drained (it takes no new request), not unloaded: its request still runs
+    assert not waiting.done() and states(pool)["a"] == "draining" and not ctx_a.closed
+    pool.release(held)
     ctx_b = waiting.result(10)
     assert ctx_a.closed and not ctx_b.closed and states(pool) == {"a": "unloaded", "b": "loaded"}
-    pool.release("b")
+    pool.release(waiting)
+
+
+def gated(gate: threading.Event) -> Callable[[Sequence[int]], int]:
+    """The alphabet model, each token once ``gate`` has opened."""
+
+    def next_token(history: Sequence[int]) -> int:
+        assert gate.wait(30), "the test never opened the gate"
+        return alphabet_model(history)
+
+    return next_token
+
+
+def test_a_waiting_load_drains_the_busy_model_then_serves_in_arrival_order(
+    pools: Callable[..., ModelPool],
+) -> None:
+    """Issue 36 item 6: a request for an unloaded model must not wait for the loaded one to
+    go idle (steady traffic never lets it): the loaded one is drained instead, and requests
+    that arrive for it meanwhile wait behind the first, for its reload."""
+    factories = {name: Factory() for name in "abc"}
+    pool = pools(factories, max_loaded=1)
+    b1 = pool.acquire("b")
+    ctx_b = b1.result(10)
+    want_a = pool.acquire("a")
+    wait_for(lambda: states(pool)["b"] == "draining")
+    b2 = pool.acquire("b")  # a newcomer for b queues behind a, for b's reload
+    want_c = pool.acquire("c")
+    time.sleep(0.1)
+    assert not any(f.done() for f in (want_a, b2, want_c)) and not ctx_b.closed
+    assert [info.num_users for info in pool.models()] == [1, 2, 1]
+    pool.release(b1)  # b's last request ends: b unloads, a loads
+    ctx_a = want_a.result(10)
+    assert ctx_b.closed
+    # b's reload is the queue's head now, so a drains in its turn
+    wait_for(lambda: states(pool) == {"a": "draining", "b": "loading", "c": "loading"})
+    time.sleep(0.1)
+    assert not b2.done() and not want_c.done()  # a is in use
+    pool.release(want_a)  # then b (it came before c), then c
+    assert b2.result(10) is not ctx_b and ctx_a.closed and not want_c.done()
+    pool.release(b2)
+    want_c.result(10)
+    pool.release(want_c)
+    assert states(pool) == {"a": "unloaded", "b": "unloaded", "c": "loaded"}
+    assert [f.num_calls for f in factories.values()] == [1, 2, 1]
+
+
+def test_a_load_nobody_waits_for_is_withdrawn_and_the_drain_called_off(
+    pools: Callable[..., ModelPool],
+) -> None:
+    a, b = Factory(), Factory()
+    pool = pools({"a": a, "b": b}, max_loaded=1)
+    b1 = pool.acquire("b")
+    ctx_b = b1.result(10)
+    want_a = pool.acquire("a")
+    wait_for(lambda: states(pool)["b"] == "draining")
+    pool.release(want_a)  # its client left (or its wait timed out) before a could load
+    assert states(pool) == {"a": "unloaded", "b": "loaded"}
+    b2 = pool.acquire("b")  # b takes requests again, on the same context
+    assert b2.result(1) is ctx_b
+    # a newcomer queued while b drained gets b's context back when the drain is called off
+    want_a = pool.acquire("a")
+    wait_for(lambda: states(pool)["b"] == "draining")
+    b3 = pool.acquire("b")
+    assert not b3.done()
+    pool.release(want_a)
+    assert b3.result(10) is ctx_b and states(pool) == {"a": "unloaded", "b": "loaded"}
+    for future in (b1, b2, b3):
+        pool.release(future)
+    assert a.num_calls == 0 and b.num_calls == 1 and not ctx_b.closed
+    with pytest.raises(ValueError, match="no pin"):
+        pool.release(b1)
+
+
+def test_pooled_models_share_the_default_prefix_budgets(
+    pools: Callable[..., ModelPool], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 36 item 6: each pooled model took the whole default RAM-tier budget (5 models:
+    125% of the memory available) and disk budget (5 x 8 GiB). The pool now divides one
+    budget: RAM among the models loaded at once, disk among all (files outlive a load)."""
+    paths = {name: f"/models/{name}.gguf" for name in "abc"}
+    assert pools(paths, max_loaded=2, n_ctx=512).context_options == {
+        "n_ctx": 512, "prefix_ram_share": 1 / 2, "prefix_disk_share": 1 / 3,
+    }  # fmt: skip
+    assert pools(paths).context_options["prefix_ram_share"] == 1 / 3  # no bound: all at once
+    given = pools(paths, prefix_ram_bytes=1 << 20, prefix_disk_bytes=1 << 30).context_options
+    assert "prefix_ram_share" not in given and "prefix_disk_share" not in given
+    monkeypatch.setattr("llamax.context.default_budget", lambda: 3000)
+    monkeypatch.setattr("llamax.context.default_disk_budget", lambda directory: 9000)
+    shared = {"prefix_ram_share": 1 / 2, "prefix_disk_share": 1 / 3}
+    with llamax.Context(backend=FakeBackend(), prefix_disk_dir=str(tmp_path), **shared) as ctx:
+        stats = ctx.stats()
+        assert (stats.prefix_ram_budget_bytes, stats.prefix_disk_budget_bytes) == (1500, 3000)
+    with llamax.Context(backend=FakeBackend(), prefix_disk_dir=str(tmp_path)) as ctx:
+        stats = ctx.stats()
+        assert (stats.prefix_ram_budget_bytes, stats.prefix_disk_budget_bytes) == (3000, 9000)
+
+
+def test_a_request_for_another_model_is_served_while_traffic_continues(
+    pools: Callable[..., ModelPool],
+) -> None:
+    """Regression (issue 36 item 6): with ``--models-max 1``, steady traffic to model b kept
+    a request for model a waiting over 60 s (b was never idle, and a load waited for an
+    idle model). Now a's request is served within a bound while b's traffic goes on, and b's
+    traffic is served again after it."""
+    pool = pools({"a": Factory(), "b": Factory(step_delay=0.005)}, max_loaded=1)
+    app = create_app(pool)
+    b_body = {**TEXT, "model": "b", "max_tokens": 40}  # 40 steps: 0.2 s or more
+
+    def users_of_b() -> int:
+        return pool.models()[1].num_users
+
+    async def traffic(client: httpx.AsyncClient, stop: asyncio.Event) -> list[httpx.Response]:
+        """A request to b every 40 ms, each lasting 0.2 s or more, the next one started
+        only once every one not finished holds b (the transport ends a request after the
+        app, so after its release): b is never idle, so the old code never loaded a."""
+        tasks: list[asyncio.Task[httpx.Response]] = []
+        while not stop.is_set():
+            tasks.append(asyncio.create_task(post(client, "/v1/completions", b_body)))
+            while users_of_b() < sum(not task.done() for task in tasks):
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.04)
+        return list(await asyncio.gather(*tasks))
+
+    async def scenario(client: httpx.AsyncClient) -> tuple[float, int, list[httpx.Response]]:
+        stop = asyncio.Event()
+        driver = asyncio.create_task(traffic(client, stop))
+        while pool.models()[1].state.value != "loaded" or users_of_b() < 2:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        for_a = asyncio.create_task(post(client, "/v1/completions", {**TEXT, "model": "a"}))
+        done, _ = await asyncio.wait({for_a}, timeout=10)
+        waited = time.monotonic() - started if done else float("inf")
+        deadline = time.monotonic() + 10  # b's traffic is served again after a's request
+        while pool.models()[1].state.value != "loaded" and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        stop.set()
+        replies = await driver
+        reply = await for_a  # the old code serves it once b's traffic stops
+        assert reply.is_success
+        return waited, len(replies), replies
+
+    waited, num_b, replies = run(app, scenario)
+    assert waited < 10, "a request for a was starved by the traffic to b"
+    assert all(reply.is_success for reply in replies) and num_b > 3
+    assert pool.models()[1].state.value == "loaded"
+
+
+def test_a_request_that_cannot_get_its_model_in_time_gets_503(
+    pools: Callable[..., ModelPool],
+) -> None:
+    """The wait for a model is bounded (``max_wait_seconds``): past it the request gets 503
+    with ``Retry-After`` in OpenAI's shape, and the drain it started is called off."""
+    gate = threading.Event()
+    a, b = Factory(), Factory(next_token=gated(gate))
+    pool = pools({"a": a, "b": b}, max_loaded=1, max_wait_seconds=0.5)
+    app = create_app(pool, retry_after_seconds=3)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        stuck = asyncio.create_task(post(client, "/v1/completions", {**TEXT, "model": "b"}))
+        while pool.models()[1].num_users == 0 or pool.models()[1].state.value != "loaded":
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        refused = await post(client, "/v1/completions", {**TEXT, "model": "a"})
+        assert 0.4 < time.monotonic() - started < 5
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "3"
+        error = refused.json()["error"]
+        assert error["code"] == "model_wait_timeout" and "'a'" in error["message"]
+        assert error["type"] == "unavailable_error"
+        anthropic = await post(client, "/v1/messages",
+                               {"model": "a", "messages": HELLO, "max_tokens": 2})  # fmt: skip
+        assert anthropic.status_code == 503 and anthropic.json()["type"] == "error"
+        assert states(pool) == {"a": "unloaded", "b": "loaded"}  # the drain is off
+        gate.set()
+        assert (await stuck).is_success
+        assert (await post(client, "/v1/completions", {**TEXT, "model": "b"})).is_success
+
+    run(app, scenario)
+    assert a.num_calls == 0 and b.num_calls == 1
+    metrics = run(app, lambda client: client.get("/metrics")).text
+    assert "llamax_requests_in_flight 0.0" in metrics
 
 
 def test_idle_models_unload_by_the_clock(pools: Callable[..., ModelPool]) -> None:
@@ -438,6 +649,8 @@ def test_pool_and_cli_refuse_bad_configurations(tmp_path: Path) -> None:
         ModelPool({"a": Factory()}, max_loaded=0)
     with pytest.raises(ValueError, match="idle_unload_seconds"):
         ModelPool({"a": Factory()}, idle_unload_seconds=0)
+    with pytest.raises(ValueError, match="max_wait_seconds"):
+        ModelPool({"a": Factory()}, max_wait_seconds=0)
     with pytest.raises(ValueError, match=r"no \.gguf"):
         ModelPool.from_dir(tmp_path)
     quiet = ["--port", "0", "--log-level", "critical"]
@@ -456,6 +669,40 @@ def test_models_dir_names_models_by_stem(tmp_path: Path) -> None:
         assert pool.names == ["alpha", "zeta"] and pool.default == "alpha"
     finally:
         pool.close()
+
+
+def test_a_models_dir_has_a_bound_on_models_loaded_by_default(tmp_path: Path) -> None:
+    """Regression (issue 36 item 6): with ``--models-dir`` and no ``--models-max``, one
+    client naming each model loaded them all (6 models: 65 -> 1,056 MiB). The default is
+    now a small constant, fewer when the largest model does not fit that often in half the
+    available memory."""
+    for i in range(6):
+        (tmp_path / f"m{i}.gguf").write_bytes(b"GGUF" + bytes(1000 * i))
+    files = sorted(tmp_path.glob("*.gguf"))
+    assert ModelPool.default_max_loaded(files, available_bytes=1 << 40) == DEFAULT_MAX_LOADED == 2
+    assert ModelPool.default_max_loaded(files, available_bytes=4 * 5004) == 2
+    assert ModelPool.default_max_loaded(files, available_bytes=3 * 5004) == 1
+    assert ModelPool.default_max_loaded(files, available_bytes=100) == 1  # at least one
+    assert ModelPool.default_max_loaded(files, available_bytes=0) == 2  # unknown: the constant
+    assert ModelPool.default_max_loaded([tmp_path / "gone.gguf"]) == 2
+    pools = [
+        _model_pool(build_parser().parse_args(["--models-dir", str(tmp_path)]), {}),
+        _model_pool(build_parser().parse_args(
+            ["--models-dir", str(tmp_path), "--models-max", "5", "--models-wait", "7"]), {}),
+        _model_pool(build_parser().parse_args(["--model", f"a={files[0]}"]), {}),
+        ModelPool.from_dir(tmp_path),
+    ]  # fmt: skip
+    try:
+        assert [(p.max_loaded, p.max_wait_seconds) for p in pools if p is not None] == [
+            (2, 60.0), (5, 7.0), (None, 60.0), (2, 60.0),
+        ]  # fmt: skip
+    finally:
+        for pool in pools:
+            assert pool is not None
+            pool.close()
+    with pytest.raises(ValueError, match="--models-wait"):
+        _model_pool(build_parser().parse_args(["--models-dir", str(tmp_path),
+                                               "--models-wait", "0"]), {})  # fmt: skip
 
 
 # --- two real models through the openai client ------------------------------------------------

@@ -19,7 +19,7 @@ import llamax
 from llamax.optionspec import add_option_flags, option_values
 
 from .app import create_app
-from .models import ModelPool
+from .models import DEFAULT_MAX_LOADED, ModelPool
 
 __all__ = ["build_parser", "main"]
 
@@ -119,8 +119,18 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "--models-max",
         type=int,
         metavar="K",
-        help="most models loaded at once; the least recently used idle one is unloaded to "
-        "load another (default: no bound)",
+        help="most models loaded at once; to load another, the least recently used idle "
+        "one is unloaded, or the least recently used busy one drained (default: no bound; "
+        f"with --models-dir: {DEFAULT_MAX_LOADED}, fewer if the largest model does not fit "
+        "that often in half the available memory)",
+    )
+    p.add_argument(
+        "--models-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest a request waits for its model to load (and for room to load it); "
+        "then 503 + Retry-After (default: 60)",
     )
     p.add_argument(
         "--idle-unload",
@@ -141,6 +151,8 @@ def _model_pool(ns: argparse.Namespace, options: dict[str, Any]) -> ModelPool | 
         if ns.models_max is not None or ns.idle_unload is not None:
             raise ValueError("--models-max and --idle-unload need --model or --models-dir")
         return None
+    if not ns.models_wait > 0:
+        raise ValueError(f"--models-wait must be > 0, got {ns.models_wait}")
     if ns.model is not None:
         raise ValueError("give a MODEL path, or --model/--models-dir, not both")
     paths: dict[str, str | os.PathLike[str]] = {}
@@ -152,7 +164,12 @@ def _model_pool(ns: argparse.Namespace, options: dict[str, Any]) -> ModelPool | 
         if name in paths:
             raise ValueError(f"model name {name!r} is given twice")
         paths[name] = path
-    return ModelPool(paths, max_loaded=ns.models_max, idle_unload_seconds=ns.idle_unload, **options)
+    max_loaded = ns.models_max
+    if max_loaded is None and ns.models_dir is not None:
+        max_loaded = ModelPool.default_max_loaded(paths.values())
+        log.info("at most %d models loaded at once (--models-max to change)", max_loaded)
+    return ModelPool(paths, max_loaded=max_loaded, idle_unload_seconds=ns.idle_unload,
+                     max_wait_seconds=ns.models_wait, **options)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

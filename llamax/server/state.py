@@ -250,11 +250,15 @@ class ContextLease:
 
         Raises:
             APIError: 500 ``model_load_failed`` when the model did not load (the next
-                request tries again), 503 when its context or the pool is closed.
+                request tries again), 503 ``model_wait_timeout`` with ``Retry-After`` when
+                it was not ready within the pool's ``max_wait_seconds``, 503 when its
+                context or the pool is closed.
         """
         if self._loading is not None:
             try:
-                self._ctx = await asyncio.wrap_future(self._loading)
+                self._ctx = await self._wait_for_load(self._loading)
+            except APIError:
+                raise
             except llamax.ContextClosedError as exc:
                 raise APIError(503, f"the model is not available: {exc}",
                                code="model_unavailable") from exc  # fmt: skip
@@ -271,6 +275,26 @@ class ContextLease:
                            headers=retry)  # fmt: skip
         return self._ctx
 
+    async def _wait_for_load(self, loading: Future[llamax.Context]) -> llamax.Context:
+        """``loading``'s context, within the pool's bound on the wait."""
+        pool = self._state.pool
+        assert pool is not None
+        waiter = asyncio.wrap_future(loading)
+        try:
+            done, _ = await asyncio.wait({waiter}, timeout=pool.max_wait_seconds)
+        finally:
+            if not waiter.done():
+                waiter.cancel()  # unhooks it; the load itself cannot be cancelled
+        if not done:
+            name = self._model or pool.default
+            raise APIError(
+                503, f"model {name!r} was not ready within {pool.max_wait_seconds:g} s (it "
+                "waits for room: requests to other models finish first); retry later",
+                code="model_wait_timeout",
+                headers={"Retry-After": str(self._state.retry_after_seconds)},
+            )  # fmt: skip
+        return waiter.result()
+
     async def run(self, start: Callable[[llamax.Context], Awaitable[R]]) -> R:
         """``await start(ctx)`` once the context is ready (a job's ``start``)."""
         return await start(await self.context())
@@ -282,7 +306,7 @@ class ContextLease:
         self._released = True
         pool = self._state.pool
         if pool is not None and self._loading is not None:
-            pool.release(self._model)
+            pool.release(self._loading)
         self._state.release()
 
 
