@@ -756,6 +756,9 @@ def test_two_real_models_interleaved(client: openai.OpenAI, real_pool: ModelPool
     assert listed["broken"]["status"]["value"] == "unloaded"  # type: ignore[index]
     contexts = [info.context for info in real_pool.models()[:2]]
     assert contexts[0] is not contexts[1]  # each model its own context
+    for ctx in contexts:  # three models, no bound: each a third of the RAM tier's default
+        assert ctx is not None and ctx.config.prefix_ram_share == pytest.approx(1 / 3)
+        assert 0 < ctx.stats().prefix_ram_budget_bytes <= (8 << 30) // 3 + 1
 
 
 @pytest.mark.model
@@ -767,6 +770,49 @@ def test_a_bad_path_leaves_the_others_serving(client: openai.OpenAI) -> None:
     assert reply.choices[0].text is not None
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+
+
+@pytest.mark.model
+def test_real_models_swap_fairly_under_traffic(model_path: Path) -> None:
+    """Issue 36 item 6 on SmolLM2 over HTTP: with one model loaded at a time, a request for
+    ``quiet`` is answered while two clients keep asking ``busy``, and ``busy`` answers
+    again after it (its requests meanwhile waited for its reload, none failed)."""
+    pool = ModelPool({"busy": model_path, "quiet": model_path}, max_loaded=1,
+                     max_wait_seconds=120, n_ctx=512, n_seq_max=2, n_threads=1,
+                     calibrate=False)  # fmt: skip
+    stop = threading.Event()
+    outcomes: list[str] = []
+    try:
+        with BackgroundServer(create_app(pool)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+
+            def keep_asking() -> None:
+                while not stop.is_set():
+                    reply = client.completions.create(
+                        model="busy", prompt="Once", max_tokens=24, temperature=0
+                    )
+                    outcomes.append(reply.choices[0].text)
+
+            workers = [threading.Thread(target=keep_asking) for _ in range(2)]
+            for worker in workers:
+                worker.start()
+            wait_for(lambda: len(outcomes) >= 2, timeout=120)
+            started = time.monotonic()
+            quiet = client.completions.create(
+                model="quiet", prompt="Once", max_tokens=4, temperature=0
+            )
+            waited = time.monotonic() - started
+            served_before = len(outcomes)
+            wait_for(lambda: len(outcomes) >= served_before + 2, timeout=120)
+            stop.set()
+            for worker in workers:
+                worker.join(120)
+        assert quiet.choices[0].text is not None and waited < 120
+        assert pool.models()[0].num_users == 0 and len(set(outcomes)) == 1  # greedy, same
+        assert_pool_idle(pool)
+    finally:
+        stop.set()
+        pool.close()
 
 
 @pytest.mark.model
