@@ -275,6 +275,9 @@ def test_a_waiting_load_drains_the_busy_model_then_serves_in_arrival_order(
     time.sleep(0.1)
     assert not any(f.done() for f in (want_a, b2, want_c)) and not ctx_b.closed
     assert [info.num_users for info in pool.models()] == [1, 2, 1]
+    gauges = {s.labels["model"]: s.value for family in pool.collector().collect()
+              if family.name == "llamax_model_loaded" for s in family.samples}  # fmt: skip
+    assert gauges == {"a": 0.0, "b": 1.0, "c": 0.0}  # draining, b is still loaded
     pool.release(b1)  # b's last request ends: b unloads, a loads
     ctx_a = want_a.result(10)
     assert ctx_b.closed

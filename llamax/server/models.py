@@ -589,7 +589,7 @@ class _PoolCollector(Collector):
             rows = [(e.name, e.state, e.num_users, dict(e.num_loads), e.num_unloads)
                     for e in entries]  # fmt: skip
         for name, state, num_users, num_loads, num_unloads in rows:
-            loaded.add_metric([name], float(state is ModelState.LOADED))
+            loaded.add_metric([name], float(state in (ModelState.LOADED, ModelState.DRAINING)))
             users.add_metric([name], num_users)
             for outcome, count in num_loads.items():
                 loads.add_metric([name, outcome], count)
