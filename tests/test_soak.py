@@ -424,7 +424,9 @@ def fill_output_buffer(ctx: llamax.Context) -> None:
     assert ctx.audit() == []
 
 
-def warm_ram_tier(ctx: llamax.Context, *, max_output: int, num_threads: int, chunk: int) -> None:
+def warm_ram_tier(
+    ctx: llamax.Context, *, max_output: int, num_threads: int, chunk: int, lora: bool = False
+) -> None:
     """Run more warm-up rounds (``chunk`` requests each, at most 8) until the host-RAM
     prefix tier has been full: it has dropped an entry to stay within its budget.
 
@@ -440,7 +442,9 @@ def warm_ram_tier(ctx: llamax.Context, *, max_output: int, num_threads: int, chu
     while ram.is_enabled and ram.num_dropped == 0:
         assert rounds < 8, f"the RAM tier did not fill in {rounds} warm-up rounds: {ctx.stats()}"
         rounds += 1
-        soak(ctx, chunk, max_output=max_output, num_threads=num_threads, seed=100 + rounds)
+        soak(
+            ctx, chunk, max_output=max_output, num_threads=num_threads, seed=100 + rounds, lora=lora
+        )
 
 
 def run_soak(
@@ -465,8 +469,11 @@ def run_soak(
     # verify every proposal: under full batches the pricing would skip most drafts, and
     # the soak is about their bookkeeping (rollbacks in sessions, splits, cancels)
     ctx._engine.scheduler.price_drafts = False
-    soak(ctx, warm, max_output=max_output, num_threads=num_threads, seed=0)
-    warm_ram_tier(ctx, max_output=max_output, num_threads=num_threads, chunk=warm)
+    # the warm-up runs the same mix (LoRA sets included: llama.cpp's graph and compute
+    # buffers under adapters reach their size there, not in the measured window)
+    lora = cold is not None
+    soak(ctx, warm, max_output=max_output, num_threads=num_threads, seed=0, lora=lora)
+    warm_ram_tier(ctx, max_output=max_output, num_threads=num_threads, chunk=warm, lora=lora)
     gc.collect()
     before = memory()
     steps_before, decodes_before = ctx.stats().num_steps, decodes.calls
@@ -478,7 +485,7 @@ def run_soak(
         num_threads=num_threads,
         seed=1,
         bursts=3 if require_split else 0,
-        lora=cold is not None,
+        lora=lora,
     )
     seconds = time.monotonic() - started
     gc.collect()
