@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,45 @@ import pytest
 
 import llamax
 from llamax.testing import FakeBackend, assert_idle
+
+NO_RAY = (
+    "{} starts (or runs beside) Ray without the `cluster` marker: a Ray cluster takes "
+    "minutes to start and does not belong in the default selection (mark the test "
+    "`@pytest.mark.cluster`)"
+)
+_RAY_INIT = pytest.StashKey[tuple[Any, Any]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """No test without the ``cluster`` marker starts Ray: ``ray.init`` fails it at once
+    (before its fixtures start a cluster), and :func:`pytest_runtest_teardown` fails it if
+    Ray was started some other way."""
+    ray = sys.modules.get("ray")
+    if ray is None or item.get_closest_marker("cluster") is not None:
+        return
+    init = ray.init
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        pytest.fail(NO_RAY.format(item.nodeid), pytrace=False)
+
+    ray.init = refuse
+    item.stash[_RAY_INIT] = (ray, init)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """Restore ``ray.init`` and fail a test without the ``cluster`` marker that left Ray
+    running (see :func:`pytest_runtest_setup`)."""
+    try:
+        yield
+    finally:
+        saved = item.stash.get(_RAY_INIT, None)
+        if saved is not None:
+            saved[0].init = saved[1]
+    ray = sys.modules.get("ray")
+    if ray is not None and item.get_closest_marker("cluster") is None and ray.is_initialized():
+        pytest.fail(NO_RAY.format(item.nodeid), pytrace=False)
 
 
 @pytest.fixture

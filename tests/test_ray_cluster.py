@@ -1,8 +1,9 @@
 """llamax on a local Ray Serve cluster: 2 replicas x 1 thread on SmolLM2, via ``openai``.
 
-Only ``test_same_system_prompt_same_replica_with_cached_tokens`` runs by default; the rest
-carry ``@pytest.mark.cluster`` (``pytest -m cluster``). The replica-kill test runs last: it
-leaves Ray restarting a replica.
+Every test carries ``@pytest.mark.cluster`` (``pytest -m cluster``): starting the cluster
+takes minutes, so none runs by default (tests/conftest.py fails a test of the default
+selection that starts Ray). The replica-kill test runs last: it leaves Ray restarting a
+replica.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 import llamax.ray  # noqa: E402
 from llamax.ray.keys import HashRing, routing_key  # noqa: E402
 
-pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.model, pytest.mark.cluster, pytest.mark.timeout(900)]
 
 EOG_BIAS = {"0": -100.0, "2": -100.0}  # SmolLM2's <|endoftext|> and <|im_end|>: never stop
 
@@ -90,7 +91,6 @@ def _replica_ids(client: openai.OpenAI) -> set[str]:
     raise AssertionError(f"only replicas {seen} answered 40 differently keyed requests")
 
 
-@pytest.mark.cluster
 def test_routes_follow_the_hash_ring(client: openai.OpenAI) -> None:
     ring = HashRing(_replica_ids(client))
     for i in range(6):
@@ -103,7 +103,6 @@ def test_routes_follow_the_hash_ring(client: openai.OpenAI) -> None:
         assert replica == ring.ranked(key)[0]
 
 
-@pytest.mark.cluster
 def test_replica_metrics(base_url: str, client: openai.OpenAI) -> None:
     _chat(client, SYSTEM, "One more?")
     rows = httpx.get(base_url + "/llamax/replicas", timeout=60).json()["data"]
@@ -115,7 +114,6 @@ def test_replica_metrics(base_url: str, client: openai.OpenAI) -> None:
         assert 0 <= row["kv_used_fraction"] <= 1
 
 
-@pytest.mark.cluster
 def test_streaming_and_completions_pass_through(client: openai.OpenAI) -> None:
     chunks = client.chat.completions.create(
         model="llamax", messages=[{"role": "user", "content": "Count to five."}],
@@ -129,7 +127,6 @@ def test_streaming_and_completions_pass_through(client: openai.OpenAI) -> None:
         client.completions.create(model="llamax", prompt="x", max_tokens=-1)
 
 
-@pytest.mark.cluster
 def test_overloaded_owner_spills_to_the_other_replica(client: openai.OpenAI) -> None:
     served: list[str] = []
 
@@ -146,7 +143,6 @@ def test_overloaded_owner_spills_to_the_other_replica(client: openai.OpenAI) -> 
     assert len(set(served)) == 2, f"one key, 8 concurrent requests, one replica: {served}"
 
 
-@pytest.mark.cluster
 def test_client_disconnect_cancels_the_request_on_its_replica(
     base_url: str, client: openai.OpenAI
 ) -> None:
@@ -181,7 +177,6 @@ def _wait_for_replicas(count: int, timeout: float = 300) -> None:
     raise AssertionError(f"Ray did not bring back {count} replicas: {serve.status()}")
 
 
-@pytest.mark.cluster
 def test_request_is_retried_when_its_replica_dies_before_answering(
     client: openai.OpenAI,
 ) -> None:
@@ -203,7 +198,6 @@ def test_request_is_retried_when_its_replica_dies_before_answering(
     _wait_for_replicas(2)
 
 
-@pytest.mark.cluster
 def test_killed_replica_fails_its_stream_and_ray_restarts_it(client: openai.OpenAI) -> None:
     with client.chat.completions.with_streaming_response.create(
         model="llamax", messages=[{"role": "user", "content": "Tell a very long story."}],
