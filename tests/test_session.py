@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -123,7 +124,7 @@ def test_session_operation_right_after_a_result_never_deadlocks() -> None:
     def turns() -> None:
         with ctx.session() as session:
             for _ in range(2000):
-                session.add_request("ab" * 3, params).result(timeout=10)
+                session.add_request("ab" * 3, params).result(timeout=60)
                 session.rewind(1)
         finished.set()
 
@@ -132,9 +133,44 @@ def test_session_operation_right_after_a_result_never_deadlocks() -> None:
     try:
         worker = threading.Thread(target=turns, daemon=True)
         worker.start()
-        worker.join(60)
+        worker.join(240)  # a deadlock waits forever; 2,000 turns take seconds, even under load
     finally:
         sys.setswitchinterval(interval)
     assert finished.is_set(), "session.rewind deadlocked with the loop thread"
     assert_idle(ctx)
     ctx.close()
+
+
+def test_stats_count_a_session_closed_on_a_running_loop_as_closed(make_fake: MakeFake) -> None:
+    """Regression: the loop applied a ``close()`` (and let it return), but published the
+    stats only at the end of that step, after its decode; a caller reading ``stats()``
+    right after ``close()`` still counted the session (``assert_idle``: "1 sessions still
+    open", seen under load). Here the step that applies the close is held in its decode."""
+    ctx, _ = make_fake(autostart=True)
+    engine = ctx._engine
+    start, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold(token_ids: object, logits: object) -> None:
+        assert start.wait(60), "the test never let the first step end"
+        if engine.scheduler.sessions.num_open == 0 and not held.is_set():  # closed this step
+            held.set()
+            assert release.wait(60), "the test never let the held step end"
+
+    session = ctx.session()
+    other = ctx.add_request("held", llamax.SamplingParams(max_tokens=4, logits_processors=[hold]))
+    closer = threading.Thread(target=session.close)
+    closer.start()
+    deadline = time.monotonic() + 60
+    while not engine._ops and closer.is_alive():  # the close is queued for the next step
+        assert time.monotonic() < deadline, "session.close() never queued its operation"
+        time.sleep(0.001)
+    start.set()
+    try:
+        assert held.wait(60), "no step applied the close"
+        closer.join(60)
+        assert session.closed and not closer.is_alive(), "close() did not return"
+        num_sessions = ctx.stats().num_sessions
+    finally:
+        release.set()
+    other.result(timeout=60)
+    assert num_sessions == 0

@@ -458,11 +458,19 @@ class Engine:
             self.scheduler.add(request)
         for request in cancels:
             self.scheduler.abort(request, result)
+        settled: list[tuple[Future[Any], Any, BaseException | None]] = []
         for op, future in ops:
             try:
-                future.set_result(self.scheduler.apply(op, result))
+                settled.append((future, self.scheduler.apply(op, result), None))
             except BaseException as exc:  # delivered to the caller's thread
-                future.set_exception(exc)
+                settled.append((future, None, exc))
+        if settled:  # a caller whose operation returned sees its effect in stats()
+            self._publish_snapshot()
+        for future, value, error in settled:
+            if error is None:
+                future.set_result(value)
+            else:
+                future.set_exception(error)
         return result
 
     def _count(self) -> ContextStats:
