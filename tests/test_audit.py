@@ -36,7 +36,7 @@ class SilentBackend(FakeBackend):
 
 
 def _retained_seq(ctx: llamax.Context, backend: FakeBackend) -> int:
-    ctx.add_request("abcdef", P(max_tokens=2, temperature=0)).result(10)
+    ctx.add_request("abcdef", P(max_tokens=2, temperature=0)).result(60)
     held = [seq_id for seq_id, cells in backend.cells.items() if cells]
     assert held, "the prefix cache retained nothing"
     return held[0]

@@ -48,7 +48,7 @@ def _duplicate_id(ctx: llamax.Context) -> object:
     tried = threading.Event()
 
     def hold(token_ids: Any, logits: Any) -> None:
-        tried.wait(timeout=10)
+        tried.wait(timeout=60)
 
     first = ctx.add_request(
         "abc", P(max_tokens=900, ignore_eos=True, logits_processors=[hold]), request_id="same"
@@ -58,7 +58,7 @@ def _duplicate_id(ctx: llamax.Context) -> object:
     finally:
         tried.set()
         first.cancel()
-        first.result(timeout=10)
+        first.result(timeout=60)
 
 
 def _generate(prompts: Any, params: Any) -> Bad:
@@ -271,6 +271,6 @@ def test_bad_input_raises_typed_error_and_context_serves(
         bad(ctx)
     assert isinstance(raised.value, (llamax.LlamaxError, TypeError)), name
     assert not ctx.closed
-    done = ctx.add_request("abc", P(max_tokens=3, temperature=0)).result(timeout=10)
+    done = ctx.add_request("abc", P(max_tokens=3, temperature=0)).result(timeout=60)
     assert done.choices[0].finish_reason in ("length", "stop")
     assert_idle(ctx)

@@ -87,7 +87,7 @@ def test_fatal_error_in_background_loop_reaches_every_future() -> None:
 
     class FailingBackend(FakeBackend):
         def decode(self, items: Sequence[BatchItem]) -> int:
-            gate.wait(5)  # fail only once every request is submitted
+            gate.wait(60)  # fail only once every request is submitted
             return -1
 
     ctx = llamax.Context(backend=FailingBackend(), autostart=True)
@@ -95,7 +95,7 @@ def test_fatal_error_in_background_loop_reaches_every_future() -> None:
     gate.set()
     for handle in handles:
         with pytest.raises(llamax.EngineError):
-            handle.result(5)
+            handle.result(60)
     assert ctx.closed
 
 
@@ -132,7 +132,7 @@ def test_close_cancels_pending_and_drain_finishes_them(make_fake: MakeFake) -> N
 def test_context_manager_closes(make_fake: MakeFake) -> None:
     backend = FakeBackend()
     with llamax.Context(backend=backend) as ctx:
-        assert ctx.add_request("abc", PARAMS).result(5).text == "defghijklm"
+        assert ctx.add_request("abc", PARAMS).result(60).text == "defghijklm"
     assert ctx.closed and backend.closed
 
 
@@ -147,14 +147,14 @@ def test_process_is_refused_from_a_second_thread(make_fake: MakeFake) -> None:
 
     def slow(history: Sequence[int]) -> int:
         entered.set()
-        release.wait(5)
+        release.wait(60)
         return alphabet_model(history)
 
     ctx, _ = make_fake(next_token=slow)
     handle = ctx.add_request("abc", llamax.SamplingParams(max_tokens=1, temperature=0))
     worker = threading.Thread(target=ctx.process)
     worker.start()
-    assert entered.wait(5)
+    assert entered.wait(60)
     with pytest.raises(llamax.LoopOwnershipError, match="another thread"):
         ctx.process()
     release.set()
@@ -164,7 +164,7 @@ def test_process_is_refused_from_a_second_thread(make_fake: MakeFake) -> None:
 
 def test_idle_background_loop_does_not_spin(make_fake: MakeFake) -> None:
     ctx, _ = make_fake(autostart=True)
-    ctx.add_request("abc", PARAMS).result(5)
+    ctx.add_request("abc", PARAMS).result(60)
     steps = ctx.stats().num_steps
     cpu = time.thread_time(), time.process_time()
     time.sleep(0.5)
@@ -190,7 +190,7 @@ def test_bad_prompts_raise_typed_errors_and_engine_keeps_serving(
     ctx, _ = make_fake(autostart=True)
     with pytest.raises(error):
         ctx.add_request(prompt, PARAMS)  # type: ignore[arg-type]
-    assert ctx.add_request("abc", PARAMS).result(5).text == "defghijklm"
+    assert ctx.add_request("abc", PARAMS).result(60).text == "defghijklm"
 
 
 def test_context_length_error_reports_sizes(make_fake: MakeFake) -> None:
@@ -267,8 +267,8 @@ def test_user_callback_errors_do_not_break_the_engine(make_fake: MakeFake) -> No
     ctx, _ = make_fake(autostart=True)
     handle = ctx.add_request("abc", PARAMS)
     handle.future.add_done_callback(lambda f: 1 / 0)
-    assert handle.result(5).text == "defghijklm"
-    assert ctx.add_request("xyz", PARAMS).result(5).finish_reason == "length"
+    assert handle.result(60).text == "defghijklm"
+    assert ctx.add_request("xyz", PARAMS).result(60).finish_reason == "length"
 
 
 def test_close_from_a_done_callback_on_the_loop_thread(make_fake: MakeFake) -> None:
@@ -276,9 +276,9 @@ def test_close_from_a_done_callback_on_the_loop_thread(make_fake: MakeFake) -> N
     first = ctx.add_request("abc", PARAMS)
     closed = threading.Event()
     first.future.add_done_callback(lambda f: (ctx.close(), closed.set()))
-    assert first.result(5).finish_reason == "length"
-    assert closed.wait(5)
-    deadline = time.monotonic() + 5
+    assert first.result(60).finish_reason == "length"
+    assert closed.wait(60)
+    deadline = time.monotonic() + 60
     while not backend.closed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert backend.closed

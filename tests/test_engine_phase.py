@@ -97,7 +97,7 @@ def test_close_walks_closing_teardown_closed(make_fake: MakeFake) -> None:
     ctx.close()
     assert seen == [Ph.CLOSING, Ph.TEARING_DOWN, Ph.CLOSED]
     assert ctx.closed and ctx.stats().state == "closed"
-    assert handle.result(1).finish_reason == "cancelled"
+    assert handle.result(60).finish_reason == "cancelled"
 
 
 def test_a_drain_then_a_cancelling_close(make_fake: MakeFake) -> None:
@@ -119,7 +119,7 @@ def test_close_with_drain_finishes_pending_requests(make_fake: MakeFake) -> None
     seen = _recorded(ctx._engine)
     handle = ctx.add_request("abc", P(max_tokens=3))
     ctx.close(drain=True)
-    assert handle.result(1).finish_reason == "length"
+    assert handle.result(60).finish_reason == "length"
     assert seen == [Ph.DRAINING, Ph.TEARING_DOWN, Ph.CLOSED]
 
 
@@ -138,7 +138,7 @@ def test_a_failed_step_fails_then_tears_down_and_stays_failed(make_fake: MakeFak
     assert seen == [Ph.FAILED, Ph.FAILED_TEARDOWN]
     assert ctx.stats().state == "failed" and backend.closed
     with pytest.raises(llamax.EngineError):
-        handle.result(1)
+        handle.result(60)
     ctx.close()  # nothing left to move: a failed engine stays failed
     assert seen == [Ph.FAILED, Ph.FAILED_TEARDOWN] and ctx.stats().state == "failed"
     with pytest.raises(llamax.ContextClosedError, match="failed and is closed") as info:
@@ -149,8 +149,8 @@ def test_a_failed_step_fails_then_tears_down_and_stays_failed(make_fake: MakeFak
 def test_a_background_engine_walks_the_same_phases(make_fake: MakeFake) -> None:
     ctx, _ = make_fake(autostart=True)
     seen = _recorded(ctx._engine)
-    ctx.add_request("abc", P(max_tokens=2)).result(10)
+    ctx.add_request("abc", P(max_tokens=2)).result(60)
     closer = threading.Thread(target=ctx.close)
     closer.start()
-    closer.join(10)
+    closer.join(60)
     assert seen == [Ph.CLOSING, Ph.TEARING_DOWN, Ph.CLOSED]

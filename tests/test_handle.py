@@ -107,4 +107,4 @@ def test_manual_driving_runs_steps_until_done() -> None:
         return True
 
     handle._bind(lambda: None, check_wait=lambda: None, drive=drive)
-    assert handle.result(5).text == "ab" and len(steps) == 3
+    assert handle.result(60).text == "ab" and len(steps) == 3

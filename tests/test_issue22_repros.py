@@ -59,7 +59,7 @@ def test_request_that_fits_is_not_held_behind_one_that_does_not(make_fake: MakeF
 def test_backend_close_failing_still_closes(make_fake: MakeFake) -> None:
     """``backend.close`` raising during teardown leaves the context "closing" for ever."""
     ctx, backend = make_fake(autostart=True)
-    ctx.add_request("abc", P(max_tokens=2)).result(10)
+    ctx.add_request("abc", P(max_tokens=2)).result(60)
 
     def fail(where: str) -> None:
         if where == "close":
@@ -73,7 +73,7 @@ def test_backend_close_failing_still_closes(make_fake: MakeFake) -> None:
 
     closer = threading.Thread(target=close)
     closer.start()
-    closer.join(10)
+    closer.join(60)
     assert ctx.stats().state == "closed"
 
 

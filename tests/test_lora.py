@@ -218,7 +218,7 @@ def test_a_failing_set_adapters_fails_the_engine_cleanly(adapter_files: dict[str
     backend.fault = fault
     handle = ctx.add_request("boom", greedy(4, lora={"a": 1}))
     with pytest.raises(llamax.EngineError, match="set_adapters"):
-        handle.result(timeout=10)
+        handle.result(timeout=60)
     ctx.close()
     assert backend.closed
 

@@ -53,7 +53,7 @@ def test_200_requests_with_clear_cache_between_bursts_while_stats_are_polled(
             ctx.clear_cache()
     finally:
         stop.set()
-        poller.join(10)
+        poller.join(60)
     assert not problems, problems
     assert done == 200 and polls > 0
 

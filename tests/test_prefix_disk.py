@@ -563,7 +563,7 @@ def test_the_server_says_when_clearing_left_files(
     )
     try:
         for i in range(2):
-            ctx.add_request(system(i) + "?", GREEDY).result(10)
+            ctx.add_request(system(i) + "?", GREEDY).result(60)
 
         async def reset() -> httpx.Response:
             transport = httpx.ASGITransport(app=create_app(ctx))
@@ -717,8 +717,8 @@ def test_the_server_clears_the_disk_tier_and_shows_it_in_metrics(tmp_path: Path)
     try:
         app = create_app(ctx)
         for i in range(3):
-            ctx.add_request(system(i) + "?", GREEDY).result(10)
-        ctx.add_request(system(0) + "!", GREEDY).result(10)  # a restore from disk
+            ctx.add_request(system(i) + "?", GREEDY).result(60)
+        ctx.add_request(system(0) + "!", GREEDY).result(60)  # a restore from disk
         metrics = asyncio.run(call(app, "GET", "/metrics")).text
         assert "llamax_prefix_disk_entries 3.0" in metrics
         assert "llamax_prefix_disk_restores_total 1.0" in metrics

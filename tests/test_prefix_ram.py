@@ -364,8 +364,8 @@ def test_the_server_clears_both_tiers_and_shows_them_in_metrics(route: str) -> N
     try:
         app = create_app(ctx, api_key="secret")
         for i in range(3):
-            ctx.add_request(system(i) + "?", GREEDY).result(10)
-        ctx.add_request(system(0) + "!", GREEDY).result(10)  # a restore
+            ctx.add_request(system(i) + "?", GREEDY).result(60)
+        ctx.add_request(system(0) + "!", GREEDY).result(60)  # a restore
         key = {"Authorization": "Bearer secret"}
         metrics = _call(app, "GET", "/metrics", headers=key).text
         assert "llamax_prefix_ram_entries 2.0" in metrics

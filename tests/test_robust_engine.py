@@ -157,12 +157,12 @@ def test_close_with_drain_finishes_beside_a_session_holding_the_cache() -> None:
     backend = FakeBackend(n_ctx=256, n_seq_max=4)
     ctx = llamax.Context(backend=backend, max_step_ms=None)
     session = ctx.session()
-    session.add_request("s" * 198, greedy(1)).result(timeout=10)
+    session.add_request("s" * 198, greedy(1)).result(timeout=60)
     big = ctx.add_request("b" * 100, greedy(4))
     small = ctx.add_request("c" * 10, greedy(4))
     closer = threading.Thread(target=lambda: ctx.close(drain=True), daemon=True)
     closer.start()
-    closer.join(10)
+    closer.join(60)
     assert not closer.is_alive(), "close(drain=True) did not return"
     assert big.done() and small.done()
     assert small.result().finish_reason == "length"
@@ -194,8 +194,8 @@ def test_a_stuck_loop_sleeps_until_something_changes() -> None:
         assert calls <= 2
         blocked = False
         other = ctx.add_request("news", greedy(4))  # news wakes the loop
-        assert other.result(timeout=10).finish_reason == "length"
-        assert handle.result(timeout=10).finish_reason == "length"
+        assert other.result(timeout=60).finish_reason == "length"
+        assert handle.result(timeout=60).finish_reason == "length"
 
 
 # ---------------------------------------------------------------- item 8: fairness
