@@ -254,12 +254,12 @@ def test_32_concurrent_clients(aclient: openai.AsyncOpenAI, server_ctx: llamax.C
     assert len(replies) == 32 and all(replies)
 
 
-def _wait_for_no_running(ctx: llamax.Context, timeout: float = 10.0) -> float:
+def _wait_for_no_running(ctx: llamax.Context, timeout: float = 60.0) -> None:
+    """Wait until no request runs or waits (a cancel reached the engine)."""
     start = time.monotonic()
     while ctx.stats().num_running or ctx.stats().num_waiting:
-        assert time.monotonic() - start < timeout, f"still running: {ctx.stats()}"
+        assert time.monotonic() - start < timeout, f"still running after {timeout} s: {ctx.stats()}"
         time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def test_disconnect_mid_stream_cancels_and_frees_kv(
@@ -275,7 +275,7 @@ def test_disconnect_mid_stream_cancels_and_frees_kv(
             assert all(not line or line.startswith("data: {") for line in received)
             assert server_ctx.stats().num_running == 1
         decoded = server_ctx.stats().num_decode_tokens
-        assert _wait_for_no_running(server_ctx) < 5
+        _wait_for_no_running(server_ctx)
     assert server_ctx.stats().num_decode_tokens - decoded < 200  # stopped long before 3000
 
 
@@ -285,7 +285,9 @@ def test_disconnect_while_waiting_for_a_whole_reply(
     body = {"messages": HELLO, "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS}
     with httpx.Client(base_url=server.url, timeout=1.0) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/chat/completions", json=body)
-    assert _wait_for_no_running(server_ctx) < 5
+    decoded = server_ctx.stats().num_decode_tokens
+    _wait_for_no_running(server_ctx)
+    assert server_ctx.stats().num_decode_tokens - decoded < 200  # stopped long before 3000
 
 
 JSON_SCHEMA_AS_TEXT = {"type": "json_schema", "json_schema": "{}"}
@@ -461,7 +463,7 @@ def test_health_metrics_models_tokenize(server: BackgroundServer, client: openai
 
 
 def test_graceful_shutdown_lets_streams_finish(server_ctx: llamax.Context) -> None:
-    running = BackgroundServer(create_app(server_ctx), shutdown_timeout=20)
+    running = BackgroundServer(create_app(server_ctx), shutdown_timeout=120)
     running.start()
     body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
             "logit_bias": NO_EOS}  # fmt: skip
