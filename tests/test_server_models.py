@@ -413,7 +413,7 @@ def test_a_request_that_cannot_get_its_model_in_time_gets_503(
             await asyncio.sleep(0.01)
         started = time.monotonic()
         refused = await post(client, "/v1/completions", {**TEXT, "model": "a"})
-        assert 0.4 < time.monotonic() - started < 5
+        assert 0.4 < time.monotonic() - started < 30  # waited 0.5 s, then gave up
         assert refused.status_code == 503, refused.text
         assert refused.headers["retry-after"] == "3"
         error = refused.json()["error"]
