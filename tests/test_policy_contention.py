@@ -10,6 +10,7 @@ from llamax.engine.contention import (
     MIN_PROBE_GAP,
     NUM_SLOW_STEPS,
     PROBE_SHARE,
+    PROBE_WIN,
     SLOWDOWN,
     ThreadPolicy,
 )
@@ -145,3 +146,38 @@ def test_one_thread_is_never_lowered() -> None:
 def test_full_must_be_positive() -> None:
     with pytest.raises(ValueError, match="full must be >= 1"):
         ThreadPolicy(0)
+
+
+def test_a_probe_faster_than_the_lower_count_wins_on_a_still_busy_machine() -> None:
+    """The other process is still there but the collapse is gone (it sleeps at barriers, or
+    shares fairly): 2 threads at 2.5x their quiet cost beat 1 thread at 3.6x."""
+    policy = ThreadPolicy(2)
+    _contend(policy)
+    for _ in range(MIN_PROBE_GAP):
+        policy.observe(STEP, STEP * 3.6)
+    assert policy.n_threads == 2  # the probe
+    verdict = policy.observe(STEP, STEP * 2.5)
+    assert verdict.n_threads == 2 and not policy.is_contended
+    policy = ThreadPolicy(2)
+    _contend(policy)
+    for _ in range(MIN_PROBE_GAP):
+        policy.observe(STEP, STEP * 3.6)
+    assert policy.observe(STEP, STEP * 3.6 * PROBE_WIN * 1.1).n_threads == 1  # not enough
+
+
+def test_after_a_busy_probe_wins_only_steps_slower_than_the_lower_count_go_back_down() -> None:
+    policy = ThreadPolicy(2)
+    _contend(policy)
+    for _ in range(MIN_PROBE_GAP):
+        policy.observe(STEP, STEP * 3.6)
+    policy.observe(STEP, STEP * 2.5)  # the probe wins
+    for _ in range(DOWN_PROBE_GAP - 1):  # 3.5x: slow by SLOWDOWN, but faster than 1 thread
+        assert policy.observe(STEP, STEP * 3.5).n_threads == 2
+    policy = ThreadPolicy(2)
+    _contend(policy)
+    for _ in range(MIN_PROBE_GAP):
+        policy.observe(STEP, STEP * 3.6)
+    policy.observe(STEP, STEP * 2.5)
+    for _ in range(NUM_SLOW_STEPS):
+        policy.observe(STEP, STEP * 20)  # the collapse is back
+    assert policy.n_threads == 1 and policy.is_contended

@@ -19,8 +19,12 @@ norm). It answers with the threads the next step should use:
   cost), and a run of steps slower than :data:`SLOWDOWN` times *that* halves them again.
 - **Probes.** Whether the other process has gone cannot be seen with fewer threads (they
   fit beside it), so now and then one step runs at twice the threads (at most ``full``):
-  within :data:`EXIT_SLOWDOWN` of its expected cost, the higher count is kept; slower, the
-  policy goes back down. A failed probe is as slow as a contended step, so probes are
+  within :data:`EXIT_SLOWDOWN` of its expected cost, or at most :data:`PROBE_WIN` times
+  the cost (relative to expected) of the steps since the last probe, the higher count is
+  kept (the machine may still be busy, without the collapse: then what is faster now
+  wins, and until the next down-probe a step counts as slow only when it is slower than
+  the lower count's steps were, over :data:`PROBE_WIN`); slower, the policy goes back
+  down. A failed probe is as slow as a contended step, so probes are
   spaced by at least :data:`MIN_PROBE_GAP` steps *and* by enough seconds that failed
   probes take at most :data:`PROBE_SHARE` of the time: the hysteresis between the two
   thresholds and the spacing keep the count from flapping.
@@ -46,6 +50,7 @@ __all__ = [
     "MIN_PROBE_GAP",
     "NUM_SLOW_STEPS",
     "PROBE_SHARE",
+    "PROBE_WIN",
     "SLOWDOWN",
     "StepVerdict",
     "ThreadPolicy",
@@ -63,6 +68,8 @@ DOWN_PROBE_GAP = 256
 """Steps at full threads between two down-probes."""
 DOWN_WIN = 0.5
 """A down-probe this much faster than the full-thread expectation means fewer threads win."""
+PROBE_WIN = 0.8
+"""A probe at most this fraction of the lower count's recent cost keeps the higher count."""
 PROBE_SHARE = 0.05
 """The most of the time spent with fewer threads that failed probes may take."""
 MIN_EXCESS_S = 0.001
@@ -105,6 +112,8 @@ class ThreadPolicy:
     _is_probe: bool = False  # the next observed step is a probe
     _num_since_probe: int = 0
     _seconds_since_probe: float = 0.0
+    _ratio_since_probe: float = 0.0  # sum of measured / expected (full threads) since then
+    _bar: float = SLOWDOWN  # slowdown of a slow step: higher after a probe won on a busy machine
     _last_probe_s: float = 0.0  # what the latest failed probe cost
     _is_down_probe: bool = False
     _num_until_down_probe: int = MIN_PROBE_GAP
@@ -126,10 +135,10 @@ class ThreadPolicy:
         n = self.n_threads
         allowed = expected_s * self.full / n  # the most fewer threads may cost, quiet
         if self._is_probe:
-            return self._end_probe(measured_s, allowed)
+            return self._end_probe(expected_s, measured_s, allowed)
         if self._is_down_probe:
             return self._end_down_probe(expected_s, measured_s)
-        is_slow = measured_s >= SLOWDOWN * allowed and measured_s - allowed >= MIN_EXCESS_S
+        is_slow = measured_s >= self._bar * allowed and measured_s - allowed >= MIN_EXCESS_S
         self.num_slow = self.num_slow + 1 if is_slow else 0
         quiet = n == self.full and not is_slow
         if self.num_slow >= NUM_SLOW_STEPS and n > 1:
@@ -141,12 +150,14 @@ class ThreadPolicy:
         if self.is_contended:
             self._num_since_probe += 1
             self._seconds_since_probe += measured_s
+            self._ratio_since_probe += measured_s / max(expected_s, 1e-9)
             if self._is_probe_due():
                 self._is_probe = True
                 self._move(min(self.full, 2 * n))
         elif n > 1:
             self._num_until_down_probe -= 1
             if self._num_until_down_probe <= 0:
+                self._bar = SLOWDOWN  # what the lower count costs may have changed
                 self._is_down_probe = True
                 self._move(n // 2)
         return StepVerdict(self.n_threads, quiet)
@@ -168,10 +179,18 @@ class ThreadPolicy:
             and self._seconds_since_probe * PROBE_SHARE >= self._last_probe_s
         )
 
-    def _end_probe(self, measured_s: float, allowed: float) -> StepVerdict:
+    def _end_probe(self, expected_s: float, measured_s: float, allowed: float) -> StepVerdict:
         self._is_probe = False
-        if measured_s <= EXIT_SLOWDOWN * allowed or measured_s - allowed < MIN_EXCESS_S:
+        lower = self._ratio_since_probe / max(self._num_since_probe, 1)  # the lower count's
+        is_faster = measured_s / max(expected_s, 1e-9) <= PROBE_WIN * lower
+        if (
+            is_faster
+            or measured_s <= EXIT_SLOWDOWN * allowed
+            or measured_s - allowed < MIN_EXCESS_S
+        ):
             self._stable = self.n_threads  # the cores are free: keep the higher count
+            # the lower count cost ``lower``: going back down is worth it only when slower
+            self._bar = max(SLOWDOWN, lower / PROBE_WIN) if is_faster else SLOWDOWN
             self._reset_probe_clock(0.0)
             self._num_until_down_probe = DOWN_PROBE_GAP
             is_full = self.n_threads == self.full
@@ -184,6 +203,7 @@ class ThreadPolicy:
         self.num_slow = 0
         self._num_since_probe = 0
         self._seconds_since_probe = 0.0
+        self._ratio_since_probe = 0.0
         self._last_probe_s = probe_s
 
     def _move(self, n_threads: int) -> None:
