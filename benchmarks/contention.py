@@ -3,7 +3,9 @@
 W1 (``--requests`` distinct short prompts, default 16, ``--tokens`` greedy tokens each,
 default 64, end-of-generation banned) is run quiet and beside busy processes: one Python
 busy loop per entry of ``--busy`` (default: 0, cores - 1 and cores), each started before
-the load's runs and killed after them by this script. Systems, each a fresh
+the load's runs and killed after them by this script (``--neighbor model``: a llamax
+process decoding 4 streams with ``n_threads=<cores>`` instead, whose workers spin too).
+Systems, each a fresh
 ``llamax.Context(n_ctx=4096, n_seq_max=requests)`` per load, warmed up by one short run:
 
 ``llamax_adaptive``
@@ -63,12 +65,29 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
+BUSY_LOOP = "while True: pass"
+MODEL_LOOP = (
+    "import llamax\n"
+    "ctx = llamax.Context(n_ctx=1024, n_seq_max=4, n_threads={cores})\n"
+    "p = llamax.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)\n"
+    "while True:\n"
+    "    [h.result() for h in [ctx.add_request(f'Count to {{i}}:', p) for i in range(4)]]\n"
+)
+
+
 @contextlib.contextmanager
-def busy_processes(count: int) -> Iterator[None]:
-    """``count`` Python busy loops, killed on exit."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+def busy_processes(count: int, neighbor: str) -> Iterator[None]:
+    """``count`` busy processes, killed on exit: Python busy loops, or (``model``) llamax
+    processes decoding 4 streams with ``n_threads=<cores>`` (spinning workers of their own)."""
+    code = BUSY_LOOP if neighbor == "loop" else MODEL_LOOP.format(cores=CORES)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        for _ in range(count)
+    ]
     try:
-        time.sleep(0.5 if count else 0.0)  # let them get their cores
+        time.sleep((0.5 if neighbor == "loop" else 5.0) if count else 0.0)  # let them start
         yield
     finally:
         for proc in procs:
@@ -90,7 +109,7 @@ def run_load(args: argparse.Namespace, model: str, busy: int) -> dict[str, Any]:
     prompts = short_prompts(args.requests)
     samples: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     threads: dict[str, dict[str, Any]] = {}
-    with busy_processes(busy):
+    with busy_processes(busy, args.neighbor):
         contexts = {
             name: llamax.Context(model, n_ctx=4096, n_seq_max=args.requests, **options)
             for name, options in SYSTEMS.items()
@@ -129,6 +148,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--busy", type=int, nargs="*", default=sorted({0, CORES - 1, CORES}))
     parser.add_argument("--quick", action="store_true", help="1 repeat of 16 x 16 tokens")
+    parser.add_argument(
+        "--neighbor", choices=["loop", "model"], default="loop",
+        help="what a busy process runs: a Python busy loop, or llamax decoding (fixed threads)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.tokens = 1, 16
