@@ -116,6 +116,7 @@ class Context:
                 prefix_ram_bytes=_ram_budget(config),
                 prefix_disk_dir=config.prefix_disk_dir,
                 prefix_disk_bytes=_disk_budget(config),
+                adapt_threads=config.adapts_threads,
             )
         except BaseException:
             if owned:  # the model and context it loaded are freed
@@ -762,7 +763,9 @@ class Context:
 
                 config = self._config
                 self._embedder = Embedder(
-                    config.model_path, n_threads=config.n_threads, n_gpu_layers=config.n_gpu_layers
+                    config.model_path,
+                    n_threads=config.resolved_n_threads,
+                    n_gpu_layers=config.n_gpu_layers,
                 )
             return self._embedder
 

@@ -561,10 +561,13 @@ class ContextConfig:
         default=None,
         metadata=spec(default_doc="`n_batch`", doc="llama.cpp's physical micro-batch", flag=True),
     )
-    n_threads: int = field(
-        default_factory=_default_threads,
+    n_threads: int | None = field(
+        default=None,
         metadata=spec(
-            default_doc="all cores", doc="CPU threads", flag=True, aliases=("--threads",)
+            default_doc="all cores, fewer while other processes hold some",
+            doc="CPU threads; a number is used as given (docs/performance.md)",
+            flag=True,
+            aliases=("--threads",),
         ),
     )
     n_threads_batch: int | None = field(
@@ -719,6 +722,17 @@ class ContextConfig:
         fits = self.n_ctx_seq is not None and self.n_ctx_seq * self.n_seq_max <= self.n_ctx
         return "streams" if fits and self.n_seq_max > 1 else "unified"
 
+    @property
+    def resolved_n_threads(self) -> int:
+        """The threads a step starts with: ``n_threads``, or every core the process may use."""
+        return self.n_threads if self.n_threads is not None else _default_threads()
+
+    @property
+    def adapts_threads(self) -> bool:
+        """Whether the engine may lower the threads while other processes hold cores (only
+        when ``n_threads`` was left to it; docs/performance.md)."""
+        return self.n_threads is None
+
     def __post_init__(self) -> None:
         _refuse_huge_ints(self, _CONFIG_NUMBER_FIELDS)
         self._check_types()
@@ -759,7 +773,10 @@ class ContextConfig:
             self.n_ubatch is None or 1 <= self.n_ubatch <= self.n_batch,
             f"n_ubatch must be in [1, n_batch], got {self.n_ubatch}",
         )
-        _require(self.n_threads >= 1, f"n_threads must be >= 1, got {self.n_threads}")
+        _require(
+            self.n_threads is None or self.n_threads >= 1,
+            f"n_threads must be >= 1, got {self.n_threads}",
+        )
         _require(
             self.rpc_servers is None or _is_endpoint_list(self.rpc_servers),
             f"rpc_servers must be 'host:port[,host:port...]', got {self.rpc_servers!r}",
@@ -770,10 +787,10 @@ class ContextConfig:
         )
 
     def _check_types(self) -> None:
-        for name in ("n_ctx", "n_seq_max", "n_batch", "n_threads", "n_gpu_layers"):
+        for name in ("n_ctx", "n_seq_max", "n_batch", "n_gpu_layers"):
             value = getattr(self, name)
             _require(_is_int(value), f"{name} must be an int, got {value!r}")
-        for name in ("n_ctx_seq", "n_ubatch", "n_threads_batch"):
+        for name in ("n_ctx_seq", "n_ubatch", "n_threads", "n_threads_batch"):
             value = getattr(self, name)
             _require(
                 value is None or _is_int(value), f"{name} must be an int or None, got {value!r}"
@@ -863,7 +880,7 @@ class ContextOptions(TypedDict, total=False):
     max_step_ms: float | None
     n_batch: int
     n_ubatch: int | None
-    n_threads: int
+    n_threads: int | None
     n_threads_batch: int | None
     n_gpu_layers: int
     use_mmap: bool

@@ -99,3 +99,11 @@ class ContextStats:
     """Prompt tokens restored from disk instead of computed."""
     prefix_disk_restore_seconds: float = 0.0
     """Time spent reading and restoring prefixes from disk."""
+    n_threads: int = 0
+    """CPU threads a step uses now (0: the backend has no say in it, e.g. a GPU-only one
+    or a fake). Fewer than ``n_threads`` asked for while :attr:`is_contended`."""
+    is_contended: bool = False
+    """Whether steps ran many times slower than this machine's quiet ones (another process
+    holds a core), so the engine computes with fewer threads (docs/performance.md)."""
+    num_thread_changes: int = 0
+    """Times the engine changed the thread count (down, back up, and probes)."""

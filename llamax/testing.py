@@ -175,6 +175,7 @@ class FakeBackend:
         log_decodes: bool = True,
         step_seconds: Callable[[Sequence[BatchItem]], float] | None = None,
         weights: str = "w0",
+        n_threads: int = 1,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
@@ -227,6 +228,9 @@ class FakeBackend:
         self._log_decodes = log_decodes
         self._step_seconds = step_seconds
         self._clock = 0.0
+        self._n_threads = n_threads
+        self.thread_log: list[int] = []
+        """Every thread count :meth:`set_n_threads` was given, in order."""
         self.forced_statuses: deque[int] = deque()
         """Statuses to return from the next decodes instead of running them."""
         self.fault: Callable[[str], object] | None = None
@@ -540,6 +544,19 @@ class FakeBackend:
         if shift % 26 and ord("a") <= token - 1 <= ord("z"):
             return 1 + ord("a") + (token - 1 - ord("a") + shift) % 26
         return token
+
+    @property
+    def n_threads(self) -> int:
+        """The threads a step uses now (``n_threads=``, then :meth:`set_n_threads`'s);
+        a ``step_seconds`` callable may read it. (:class:`~llamax.backend.base.Threaded`)"""
+        return self._n_threads
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """Record ``n_threads`` (in :attr:`thread_log`) for the next steps."""
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        self._n_threads = n_threads
+        self.thread_log.append(n_threads)
 
     def clock(self) -> float:
         """Seconds on the engine's clock: with ``step_seconds``, the simulated time of every

@@ -31,6 +31,7 @@ __all__ = [
     "LoraHost",
     "Sampler",
     "SamplerFactory",
+    "Threaded",
 ]
 
 
@@ -299,6 +300,21 @@ class Clocked(Protocol):
 
     def clock(self) -> float:
         """Seconds on the backend's clock (only differences are read)."""
+        ...
+
+
+@runtime_checkable
+class Threaded(Protocol):
+    """Optional: a CPU backend whose compute threads may change between steps (the engine
+    lowers them while another process holds a core; :mod:`llamax.engine.contention`)."""
+
+    @property
+    def n_threads(self) -> int:
+        """The threads a step uses now."""
+        ...
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """Use ``n_threads`` threads from the next step on (decode and prompt batches)."""
         ...
 
 

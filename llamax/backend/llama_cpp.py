@@ -119,8 +119,8 @@ class LlamaCppBackend:
                 n_batch=config.n_batch,
                 n_ubatch=config.n_ubatch or min(config.n_batch, 512),
                 n_seq_max=config.n_seq_max,
-                n_threads=config.n_threads,
-                n_threads_batch=config.n_threads_batch or config.n_threads,
+                n_threads=config.resolved_n_threads,
+                n_threads_batch=config.n_threads_batch or config.resolved_n_threads,
                 kv_unified=self._is_unified,
             )
             if config.flash_attn is not None:
@@ -141,7 +141,7 @@ class LlamaCppBackend:
         self._model = model
         self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
         self._attention_tiles = (
-            (model.n_head(), config.n_threads_batch or config.n_threads)
+            (model.n_head(), config.n_threads_batch or config.resolved_n_threads)
             if self._cpu_attention and config.flash_attn is not False
             else None
         )
@@ -197,6 +197,18 @@ class LlamaCppBackend:
     def n_ctx_stream(self) -> int:
         """Cells one sequence may hold in the current layout: its stream's, or ``n_ctx``."""
         return self._kv_cells if self._is_unified else self._n_ctx_stream
+
+    @property
+    def n_threads(self) -> int:
+        """The threads a single-token step uses now. (:class:`~llamax.backend.base.Threaded`)"""
+        return int(self._cparams.n_threads)
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """Use ``n_threads`` from the next step on, for prompt batches too unless
+        ``n_threads_batch`` was given. (:class:`~llamax.backend.base.Threaded`)"""
+        batch = self._config.n_threads_batch or n_threads
+        self._cparams.n_threads, self._cparams.n_threads_batch = n_threads, batch
+        self._context.set_n_threads(n_threads, batch)  # and a relayout's context, from cparams
 
     @property
     def can_relayout(self) -> bool:
@@ -676,7 +688,7 @@ class LlamaCppBackend:
                 "llama_cpp": [llama_cpp.__version__, bytes(system or b"").decode(errors="replace")],
                 "cpu": cpu_description(),
                 "settings": [
-                    c.n_batch, c.n_ubatch, c.n_threads, c.n_threads_batch, c.flash_attn,
+                    c.n_batch, c.n_ubatch, c.resolved_n_threads, c.n_threads_batch, c.flash_attn,
                     c.n_gpu_layers, c.rpc_servers, self._is_unified, self.n_ctx_stream,
                     self._n_seq_max, self._cpu_attention,
                 ],

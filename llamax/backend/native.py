@@ -296,6 +296,10 @@ class NativeContext:
         """``llama_pooling_type`` in force."""
         return int(self.C.llama_pooling_type(self.ptr))
 
+    def set_n_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        """``llama_set_n_threads``: threads for single-token and for batched micro-batches."""
+        self.C.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
+
     def decode(self, batch: NativeBatch) -> int:
         """``llama_decode``: 0 on success."""
         return int(self.C.llama_decode(self.ptr, batch.ptr))

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
-from ..backend.base import Backend, DecodeStatus, LoraHost
+from ..backend.base import Backend, DecodeStatus, LoraHost, Threaded
 from ..errors import (
     ContextClosedError,
     DeadlockError,
@@ -35,6 +35,7 @@ from ..results import TokenLogprob
 from ..stats import ContextStats
 from .calibration import apply as apply_calibration
 from .calibration import calibrate as calibrate_backend
+from .contention import ThreadPolicy
 from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .phase import EngineState, LoopPhase, next_phase
 from .plan import StepPlan, StepResult
@@ -50,7 +51,7 @@ from .scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
 from .speculative import PromptLookup
-from .step_budget import StepFeatures
+from .step_budget import StepCostModel, StepFeatures
 
 __all__ = ["Engine", "EngineState"]
 
@@ -61,6 +62,7 @@ _MAX_SHRINKS_PER_STEP = 64
 # what may still run while the context closes: operations that free room or only read
 _WHILE_CLOSING = (ReleaseSession, ReadSession, SaveSession, ClearCache, Audit)
 _MAX_STALLED_STEPS = 16
+_REFERENCE_WARMUP = 16  # quiet steps an uncalibrated reference learns before it judges
 
 
 class Engine:
@@ -79,6 +81,7 @@ class Engine:
         prefix_ram_bytes: int = 0,
         prefix_disk_dir: str | None = None,
         prefix_disk_bytes: int = 0,
+        adapt_threads: bool = False,
     ) -> None:
         self.backend = backend
         self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
@@ -105,6 +108,7 @@ class Engine:
             apply_calibration(
                 self.calibration, self.scheduler.step_cost, self.scheduler.drafts.decode_cost
             )
+        self._init_threads(adapt_threads)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -412,12 +416,63 @@ class Engine:
             for request, error in sampled.failed.values():
                 self.scheduler.fail(request, error, result)
             self.scheduler.update(part, sampled.tokens, sampled.logprobs, result, self._verify)
-            self.scheduler.observe(part, features, self.scheduler.clock() - started)
+            seconds = self.scheduler.clock() - started
+            self.scheduler.observe(part, features, seconds)
+            self._observe_threads(features, seconds)
             result.computed = True
         if result.computed:
             self.num_steps += 1
         self._publish_snapshot()
         return result
+
+    def _init_threads(self, adapt: bool) -> None:
+        """Threads follow the machine (:mod:`llamax.engine.contention`) when ``adapt`` and
+        the backend has more than one to lower. The reference model learns what steps cost
+        at full threads on a quiet machine (from the calibration, if any, then from steps
+        the policy calls quiet), so it never learns contention as the norm."""
+        self._threaded = self.backend if isinstance(self.backend, Threaded) else None
+        threaded = self._threaded
+        adapts = adapt and threaded is not None and threaded.n_threads > 1
+        self._threads = ThreadPolicy(threaded.n_threads) if adapts and threaded else None
+        self._reference = StepCostModel(waste=self.scheduler.step_cost.waste)
+        self._warmup = 0 if self.calibration is not None else _REFERENCE_WARMUP
+        if self.calibration is not None:
+            self._reference.start_from(self.calibration.coefficients)
+        self._has_warned = False
+
+    def _observe_threads(self, features: StepFeatures, seconds: float) -> None:
+        """Judge one measured step for contention and set the next step's threads."""
+        policy, backend = self._threads, self._threaded
+        if policy is None or backend is None:
+            return
+        reference = self._reference
+        if self._warmup:  # not yet known what a quiet step costs: learn, do not judge
+            self._warmup -= 1
+            reference.observe(features, seconds)
+            return
+        expected = reference.predict(features)
+        verdict = policy.observe(expected, seconds)
+        if verdict.is_quiet:
+            reference.observe(features, seconds)
+        if verdict.reference_scale != 1.0:  # it learned on a busy machine
+            fixed, token, attention, rows = (
+                c * verdict.reference_scale for c in reference.coefficients
+            )
+            reference.start_from((fixed, token, attention, rows))
+        if verdict.is_news:
+            level = logging.DEBUG if self._has_warned else logging.WARNING
+            self._has_warned = True
+            if policy.is_contended:
+                _log.log(
+                    level,
+                    "steps run many times slower with %d threads than this machine's quiet "
+                    "ones (another process holds a core?): computing with %d until it ends",
+                    policy.full, verdict.n_threads,
+                )  # fmt: skip
+            else:
+                _log.log(level, "the cores are free again: computing with %d threads", policy.full)
+        if verdict.n_threads != backend.n_threads:
+            backend.set_n_threads(verdict.n_threads)
 
     def _verify(self, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
         return sample_row(self.backend, seq, row)
@@ -507,6 +562,9 @@ class Engine:
             num_prefix_ram_refused=s.prefix.ram.num_refused,
             num_prefix_ram_tokens=s.prefix.ram.num_restored_tokens,
             prefix_ram_restore_seconds=s.prefix.ram.restore_seconds,
+            n_threads=self._threaded.n_threads if self._threaded is not None else 0,
+            is_contended=self._threads is not None and self._threads.is_contended,
+            num_thread_changes=self._threads.num_thread_changes if self._threads else 0,
             **_disk_stats(s.prefix.disk),
         )
 

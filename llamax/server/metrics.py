@@ -56,12 +56,17 @@ def engine_metrics(
         "llamax_prefix_disk_budget_bytes": ("The disk prefix tier's budget",
                                             "prefix_disk_budget_bytes"),
         "llamax_prefix_disk_entries": ("Evicted prefixes kept on disk", "prefix_disk_entries"),
+        "llamax_threads": ("CPU threads a step uses now", "n_threads"),
+        "llamax_contended": ("1 while other processes hold cores and fewer threads are used",
+                             "is_contended"),
     }  # fmt: skip
     counters = {
         "llamax_engine_steps": ("Decodes run", "num_steps"),
         "llamax_engine_prefill_tokens": ("Prompt tokens computed", "num_prefill_tokens"),
         "llamax_engine_decode_tokens": ("Generated tokens computed", "num_decode_tokens"),
         "llamax_engine_preemptions": ("Sequences preempted", "num_preemptions"),
+        "llamax_thread_changes": ("Changes of the thread count (contention)",
+                                  "num_thread_changes"),
         "llamax_kv_relayouts": ("Moves between KV layouts", "num_relayouts"),
         "llamax_prefix_ram_hits": ("Prompts whose longest prefix was in host RAM",
                                    "num_prefix_ram_hits"),

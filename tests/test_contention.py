@@ -1,0 +1,159 @@
+"""Threads that follow a busy machine, on the fake backend's simulated clock.
+
+The fake's step costs depend on the threads the engine gave it: one thread is 1.8x slower
+than two on a quiet machine, and while a simulated busy process holds a core a step at two
+threads is 20x slower (its workers spin at barriers), at one thread no slower than quiet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+import llamax
+from llamax.backend import BatchItem
+from llamax.engine.contention import DOWN_PROBE_GAP, MIN_PROBE_GAP, NUM_SLOW_STEPS, PROBE_SHARE
+from llamax.testing import FakeBackend
+
+QUIET_S = 0.004  # a 2-thread step's fixed cost
+TOKEN_S = 0.0005
+ONE_THREAD = 1.8  # a 1-thread step costs this many times a 2-thread one, quiet
+SPIN = 20.0  # a 2-thread step beside a busy process
+
+
+@dataclass
+class BusyMachine:
+    """``step_seconds``: busy for steps ``busy_from <= step < busy_until``."""
+
+    busy_from: int = 10**9
+    busy_until: int = 10**9
+    backend: FakeBackend | None = None
+    num_steps: int = 0
+    threads: list[int] = field(default_factory=list)
+    """The thread count of every step, in order."""
+
+    def __call__(self, items: Sequence[BatchItem]) -> float:
+        assert self.backend is not None
+        n = self.backend.n_threads
+        seconds = QUIET_S + TOKEN_S * sum(len(i.token_ids) for i in items)
+        busy = self.busy_from <= self.num_steps < self.busy_until
+        if n == 1:
+            seconds *= ONE_THREAD
+        elif busy:
+            seconds *= SPIN
+        self.threads.append(n)
+        self.num_steps += 1
+        return seconds
+
+
+def busy_fake(machine: BusyMachine) -> FakeBackend:
+    backend = FakeBackend(n_ctx=1024, n_seq_max=4, n_batch=64, n_threads=2, step_seconds=machine)
+    machine.backend = backend
+    return backend
+
+
+def decode_steps(ctx: llamax.Context, num_steps: int) -> None:
+    """Keep 4 streams decoding for ``num_steps`` steps."""
+    params = llamax.SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
+    handles = [ctx.add_request([2 + s, 3, 4], params) for s in range(4)]
+    for _ in range(num_steps):
+        ctx.process()
+    for handle in handles:
+        handle.cancel()
+    ctx.process()
+
+
+def test_contention_is_detected_within_a_few_steps_and_threads_return_after_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    machine = BusyMachine(busy_from=40, busy_until=200)
+    backend = busy_fake(machine)
+    with (
+        caplog.at_level(logging.WARNING, logger="llamax"),
+        llamax.Context(backend=backend, autostart=False) as ctx,
+    ):
+        decode_steps(ctx, 60)
+        stats = ctx.stats()
+        assert stats.is_contended and stats.n_threads == 1
+        decode_steps(ctx, 400)
+        stats = ctx.stats()
+    threads = machine.threads
+    assert threads[:40].count(1) <= 1  # quiet: full threads (but for a down-probe)
+    # detected within the slow steps in a row it needs (the step after them runs 1 thread)
+    assert threads[40 : 40 + NUM_SLOW_STEPS] == [2] * NUM_SLOW_STEPS
+    assert threads[40 + NUM_SLOW_STEPS] == 1
+    # while busy, almost every step runs one thread (probes excepted)
+    busy = threads[40 + NUM_SLOW_STEPS : 200]
+    assert busy.count(2) <= len(busy) // MIN_PROBE_GAP + 1
+    # after it ends, back to full threads within a probe's spacing (a failed probe costs
+    # SPIN steps, and probes take at most PROBE_SHARE of the time), and there to stay
+    back = 200 + next(i for i, n in enumerate(threads[200:]) if n == 2)
+    assert back - 200 <= MIN_PROBE_GAP + SPIN / (PROBE_SHARE * ONE_THREAD) + 1
+    assert all(n == 2 for n in threads[back:])
+    assert not stats.is_contended and stats.n_threads == 2
+    assert stats.num_thread_changes == backend.thread_log.__len__() >= 2
+    warnings = [r for r in caplog.records if "another process holds a core?" in r.message]
+    assert len(warnings) == 1  # a log line once
+
+
+def test_adapting_beats_fixed_threads_beside_a_process_busy_from_the_start() -> None:
+    """The reference learns contended steps as the norm; a down-probe finds it out."""
+
+    def busy_seconds(**options: object) -> float:
+        machine = BusyMachine(busy_from=0, busy_until=10**9)
+        backend = busy_fake(machine)
+        with llamax.Context(backend=backend, autostart=False, **options) as ctx:  # type: ignore[arg-type]
+            start = backend.clock()
+            decode_steps(ctx, 300)
+            return backend.clock() - start
+
+    adaptive, fixed = busy_seconds(), busy_seconds(n_threads=2)
+    assert adaptive < fixed / 5
+
+
+def test_an_explicit_n_threads_is_never_changed() -> None:
+    machine = BusyMachine(busy_from=20, busy_until=10**9)
+    backend = busy_fake(machine)
+    with llamax.Context(backend=backend, autostart=False, n_threads=2) as ctx:
+        decode_steps(ctx, 100)
+        stats = ctx.stats()
+    assert backend.thread_log == [] and set(machine.threads) == {2}
+    assert not stats.is_contended and stats.num_thread_changes == 0 and stats.n_threads == 2
+
+
+def test_a_quiet_machine_keeps_full_threads() -> None:
+    machine = BusyMachine()
+    backend = busy_fake(machine)
+    with llamax.Context(backend=backend, autostart=False) as ctx:
+        decode_steps(ctx, 600)
+        stats = ctx.stats()
+    assert machine.threads.count(1) <= 1 + 600 // DOWN_PROBE_GAP  # rare down-probes
+    assert not stats.is_contended and stats.n_threads == 2
+
+
+def test_metrics_show_the_threads_and_the_contention() -> None:
+    import asyncio
+
+    import httpx
+
+    from llamax.server import create_app
+
+    machine = BusyMachine(busy_from=20, busy_until=10**9)
+    backend = busy_fake(machine)
+    with llamax.Context(backend=backend, autostart=False) as ctx:
+        decode_steps(ctx, 40)
+        app = create_app(ctx)
+
+        async def scrape() -> str:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                return (await client.get("/metrics")).text
+
+        text = asyncio.run(scrape())
+        changes = ctx.stats().num_thread_changes
+    assert "llamax_threads 1.0" in text
+    assert "llamax_contended 1.0" in text
+    assert changes >= 1 and f"llamax_thread_changes_total {changes:.1f}" in text
