@@ -564,10 +564,20 @@ class ContextConfig:
     n_threads: int | None = field(
         default=None,
         metadata=spec(
-            default_doc="all cores, fewer while other processes hold some",
+            default_doc="all cores",
             doc="CPU threads; a number is used as given (docs/performance.md)",
             flag=True,
             aliases=("--threads",),
+        ),
+    )
+    adapt_threads: bool = field(
+        default=False,
+        metadata=spec(
+            doc=(
+                "experimental: with `n_threads` left to llamax, fewer threads while other "
+                "processes hold cores (docs/performance.md)"
+            ),
+            flag=True,
         ),
     )
     n_threads_batch: int | None = field(
@@ -729,9 +739,14 @@ class ContextConfig:
 
     @property
     def adapts_threads(self) -> bool:
-        """Whether the engine may lower the threads while other processes hold cores (only
-        when ``n_threads`` was left to it; docs/performance.md)."""
-        return self.n_threads is None
+        """Whether the engine may lower the threads while other processes hold cores
+        (``adapt_threads``, and only when ``n_threads`` was left to it; docs/performance.md).
+
+        Design note: off by default until it is shown to pay. In the first full test run
+        with it on, on an otherwise idle 2-core machine, it judged a step contended and
+        dropped to one thread, and an exact-output test then parted at token 16 (one
+        thread's prefill need not match two threads' bit for bit)."""
+        return self.adapt_threads and self.n_threads is None
 
     def __post_init__(self) -> None:
         _refuse_huge_ints(self, _CONFIG_NUMBER_FIELDS)
@@ -796,7 +811,8 @@ class ContextConfig:
                 value is None or _is_int(value), f"{name} must be an int or None, got {value!r}"
             )
         for name in (
-            "use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate"
+            "use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate",
+            "adapt_threads",
         ):  # fmt: skip
             value = getattr(self, name)
             _require(
@@ -882,6 +898,7 @@ class ContextOptions(TypedDict, total=False):
     n_ubatch: int | None
     n_threads: int | None
     n_threads_batch: int | None
+    adapt_threads: bool
     n_gpu_layers: int
     use_mmap: bool
     use_extra_bufts: bool | None

@@ -73,7 +73,7 @@ def test_contention_is_detected_within_a_few_steps_and_threads_return_after_it(
     backend = busy_fake(machine)
     with (
         caplog.at_level(logging.WARNING, logger="llamax"),
-        llamax.Context(backend=backend, autostart=False) as ctx,
+        llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx,
     ):
         decode_steps(ctx, 60)
         stats = ctx.stats()
@@ -105,7 +105,7 @@ def test_adapting_beats_fixed_threads_beside_a_process_busy_from_the_start() -> 
     def busy_seconds(**options: object) -> float:
         machine = BusyMachine(busy_from=0, busy_until=10**9)
         backend = busy_fake(machine)
-        with llamax.Context(backend=backend, autostart=False, **options) as ctx:  # type: ignore[arg-type]
+        with llamax.Context(backend=backend, autostart=False, adapt_threads=True, **options) as ctx:  # type: ignore[arg-type]
             start = backend.clock()
             decode_steps(ctx, 300)
             return backend.clock() - start
@@ -117,7 +117,7 @@ def test_adapting_beats_fixed_threads_beside_a_process_busy_from_the_start() -> 
 def test_an_explicit_n_threads_is_never_changed() -> None:
     machine = BusyMachine(busy_from=20, busy_until=10**9)
     backend = busy_fake(machine)
-    with llamax.Context(backend=backend, autostart=False, n_threads=2) as ctx:
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True, n_threads=2) as ctx:
         decode_steps(ctx, 100)
         stats = ctx.stats()
     assert backend.thread_log == [] and set(machine.threads) == {2}
@@ -127,7 +127,7 @@ def test_an_explicit_n_threads_is_never_changed() -> None:
 def test_a_quiet_machine_keeps_full_threads() -> None:
     machine = BusyMachine()
     backend = busy_fake(machine)
-    with llamax.Context(backend=backend, autostart=False) as ctx:
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
         decode_steps(ctx, 600)
         stats = ctx.stats()
     assert machine.threads.count(1) <= 1 + 600 // DOWN_PROBE_GAP  # rare down-probes
@@ -143,7 +143,7 @@ def test_metrics_show_the_threads_and_the_contention() -> None:
 
     machine = BusyMachine(busy_from=20, busy_until=10**9)
     backend = busy_fake(machine)
-    with llamax.Context(backend=backend, autostart=False) as ctx:
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
         decode_steps(ctx, 40)
         app = create_app(ctx)
 

@@ -34,8 +34,11 @@ def test_set_n_threads_between_steps_keeps_greedy_tokens(model_path: Path) -> No
     assert one == full == again
 
 
-def test_the_default_threads_are_every_core_and_adapt(model_path: Path) -> None:
+def test_the_default_threads_are_every_core_and_adapt_only_when_asked(model_path: Path) -> None:
     with llamax.Context(model_path, n_ctx=512, n_seq_max=2) as ctx:
+        assert ctx.config.n_threads is None and not ctx.config.adapts_threads
+        assert ctx.stats().n_threads == ctx.config.resolved_n_threads
+    with llamax.Context(model_path, n_ctx=512, n_seq_max=2, adapt_threads=True) as ctx:
         assert ctx.config.n_threads is None and ctx.config.adapts_threads
         ctx.add_request(PROMPT, GREEDY).result()
         stats = ctx.stats()
