@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from near_tie import assert_greedy_agrees
+from near_tie import assert_greedy_agrees, assert_teacher_forced, forced_regrets
 
 import llamax
 
@@ -120,3 +120,20 @@ def test_a_fork_saved_at_once_holds_the_forks_kv(
         from_file = loaded.add_request(question, greedy(12)).result(TIMEOUT)
     assert from_file.token_ids == from_fork.token_ids
     assert "tiger" in from_fork.text  # the fork itself copies list A
+
+
+def test_the_teacher_forced_check_passes_a_cold_reply_and_refuses_another_prompts(
+    make_real: MakeReal,
+) -> None:
+    # the soak's comparison of its replies with cold runs: a reply is scored, token by
+    # token, against what a cold probe would have picked there
+    probe = make_real(n_ctx=1024, n_seq_max=1, prefix_cache=False)
+    greedy = llamax.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    mine, other = "List three colours: red,", "The capital of France is"
+    own = probe.add_request(mine, greedy).result(240).token_ids
+    theirs = probe.add_request(other, greedy).result(240).token_ids
+    probe.clear_cache()
+    ids = probe.tokenize(mine)
+    assert max(forced_regrets(probe, ids, own)) == 0.0  # its own greedy picks, exactly
+    with pytest.raises(AssertionError, match="nats below the cold probe's best pick"):
+        assert_teacher_forced(probe, ids, theirs, nats=0.3)

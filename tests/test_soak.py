@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 from adversaries import FlakyProcessor
-from near_tie import assert_greedy_agrees
+from near_tie import assert_teacher_forced
 
 import llamax
 from llamax.backend.base import BatchItem
@@ -51,6 +51,18 @@ WORDS = ["apple", "river", "stone", "cloud", "music", "paper", "light", "garden"
 GRAMMARS = ["root ::= [a-m]{0,6}", "root ::= [ab]{0,3}", "root ::= [a-z ]+"]
 LORA_SETS: list[dict[str, float] | None] = [None, None, {"a": 1.0}, {"b": 0.5}, {"a": 0.5, "b": 1}]
 """The adapter sets requests pick from (a context with adapters "a" and "b" loaded)."""
+SOAK_LORA_STRENGTH = 0.1
+"""The model soak's random adapters move SmolLM2 as a fine-tune would: at 0.1 they change
+the greedy reply of 57-83% of requests under them, and batch composition moves a reply's
+teacher-forced regret by at most 0.12 nats (192 replies, prefix cache on and off). At
+strength 1.0 the random adapters make the model chaotic: batch composition alone (prefix
+cache off) parted replies from their cold runs in 19 of 48 requests, by up to 1.5 nats,
+so no tolerance separates noise from wrong KV there (issue 36's closing note)."""
+SOAK_REGRET_NATS = 0.3
+"""What a soak reply's token may lose against the cold probe's best pick: 2.5x the batch
+noise measured at :data:`SOAK_LORA_STRENGTH`; another prompt's reply loses 1.6-17 nats and a
+base reply scored under adapter ``a`` 0.15-2.5 (``benchmarks/lora_noise.py``; breaking the
+adapter check of prefix matching failed this soak at 0.40 nats)."""
 NUM_SAMPLES = 24
 """Greedy replies kept for the comparison with cold runs (a fixed number: not a leak)."""
 
@@ -115,6 +127,16 @@ def memory() -> Memory:
     return Memory(rss, live, sys.getallocatedblocks())
 
 
+@dataclass(frozen=True)
+class Sample:
+    """A greedy single-choice reply of the soak, for the comparison with cold runs."""
+
+    prompt: str
+    lora: dict[str, float] | None
+    ignore_eos: bool
+    tokens: tuple[int, ...]
+
+
 @dataclass
 class Tally:
     """What a soak did (counters only: keeping handles would look like a leak)."""
@@ -123,10 +145,8 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     session_ops: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
-    samples: list[tuple[str, dict[str, float] | None, tuple[int, ...]]] = field(
-        default_factory=list
-    )
-    """Greedy single-choice replies: the prompt, the adapter set and the tokens."""
+    samples: list[Sample] = field(default_factory=list)
+    """Greedy single-choice replies, for the comparison with cold runs."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def note(self, key: str, *, problem: str | None = None) -> None:
@@ -180,7 +200,7 @@ def settle(
     handle: llamax.RequestHandle,
     may_fail: bool,
     cancel: bool,
-    sample: tuple[str, dict[str, float] | None] | None = None,
+    sample: tuple[str, dict[str, float] | None, bool] | None = None,
 ) -> None:
     if cancel:
         if random.random() < 0.5:
@@ -205,7 +225,7 @@ def settle(
     if sample is not None and "cancelled" not in reasons:
         with tally.lock:
             if len(tally.samples) < NUM_SAMPLES:
-                tally.samples.append((*sample, tuple(done.token_ids)))
+                tally.samples.append(Sample(*sample, tuple(done.token_ids)))
 
 
 def session_turn(
@@ -317,7 +337,8 @@ def soak(
                 prompt = soak_prompt(rng)
                 handle = ctx.add_request(prompt, params, priority=rng.randint(-1, 1))
                 plain = params.is_greedy and params.n == 1 and not may_fail
-                sample = (prompt, params.lora) if plain and not params.stop else None
+                kept = plain and not params.stop
+                sample = (prompt, params.lora, params.ignore_eos) if kept else None
                 settle(tally, handle, may_fail, rng.random() < 0.25, sample)
         except BaseException as exc:
             tally.note("crashed", problem=f"worker {k}: {exc!r}")
@@ -458,7 +479,7 @@ def run_soak(
     kib_per_request: float | None = KIB_PER_REQUEST,
     fill_outputs: bool = False,
     lora: bool = False,
-    cold: Callable[[str, dict[str, float] | None, tuple[int, ...]], None] | None = None,
+    cold: Callable[[Sample], None] | None = None,
 ) -> tuple[Tally, float]:
     """Warm up with ``warm`` requests (the prefix cache, the allocator's arenas and the
     samplers reach their steady size), then run ``num_requests`` and check everything:
@@ -518,9 +539,9 @@ def run_soak(
     assert_idle(ctx, timeout=120)
     if cold is not None:  # every sampled reply is what a cold run gives
         assert len(tally.samples) >= NUM_SAMPLES // 2, len(tally.samples)
-        assert not lora or {s is not None for _, s, _ in tally.samples} == {True, False}
-        for prompt, adapters, tokens in tally.samples:
-            cold(prompt, adapters, tokens)
+        assert not lora or {s.lora is not None for s in tally.samples} == {True, False}
+        for sample in tally.samples:
+            cold(sample)
     print(  # the soak's numbers, for the closing note (run with -s)
         f"\nsoak: {num_requests} requests in {seconds:.1f} s, RSS +{grown} KiB "
         f"({grown / num_requests:.2f} KiB/request), live +{live} KiB, blocks +{blocks}, "
@@ -561,8 +582,9 @@ def fake_context() -> tuple[llamax.Context, FakeBackend]:
     return ctx, backend
 
 
-def fake_cold(prompt: str, lora: dict[str, float] | None, tokens: tuple[int, ...]) -> None:
+def fake_cold(sample: Sample) -> None:
     """The fake is batch-invariant: a reply equals the cold run's exactly."""
+    prompt, lora, tokens = sample.prompt, sample.lora, sample.tokens
     probe = llamax.Context(
         backend=FakeBackend(n_ctx=2048, n_seq_max=1), autostart=False, prefix_cache=False
     )
@@ -571,7 +593,9 @@ def fake_cold(prompt: str, lora: dict[str, float] | None, tokens: tuple[int, ...
         adapter.write_bytes(b"GGUF")
         for name in ("a", "b"):
             probe.load_adapter(name, str(adapter))
-        params = llamax.SamplingParams(max_tokens=len(tokens), temperature=0, lora=lora)
+        params = llamax.SamplingParams(
+            max_tokens=len(tokens), temperature=0, lora=lora, ignore_eos=sample.ignore_eos
+        )
         handle = probe.add_request(prompt, params)
         while probe.has_work():
             probe.process()
@@ -626,12 +650,14 @@ def test_mixed_soak_fake_full() -> None:
 
 def _real(
     make_real: Callable[..., llamax.Context], tmp: Path
-) -> tuple[llamax.Context, Callable[[str, dict[str, float] | None, tuple[int, ...]], None]]:
+) -> tuple[llamax.Context, Callable[[Sample], None]]:
     """The model soak's context (auto layout, the default: streams of 102 cells, unified and
-    split steps beyond) with two random LoRA adapters and the disk tier, and the cold check
-    of its sampled replies (a probe with the same adapters, near ties allowed)."""
+    split steps beyond) with two random LoRA adapters of :data:`SOAK_LORA_STRENGTH` and the
+    disk tier, and the cold check of its sampled replies: teacher-forced on a probe with the
+    same adapters, every token within :data:`SOAK_REGRET_NATS` of the probe's best pick."""
     adapters = {
-        name: str(_write_adapter(tmp / f"{name}.gguf", seed=k)) for k, name in enumerate("ab")
+        name: str(_write_adapter(tmp / f"{name}.gguf", seed=k, strength=SOAK_LORA_STRENGTH))
+        for k, name in enumerate("ab")
     }
     ctx = make_real(
         n_ctx=8192,
@@ -644,22 +670,26 @@ def _real(
         lora=adapters,
     )
     probe = make_real(n_ctx=1024, n_seq_max=1, n_threads=2, prefix_cache=False, lora=adapters)
+    backend = probe._engine.backend
+    eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
 
-    def cold(prompt: str, lora: dict[str, float] | None, tokens: tuple[int, ...]) -> None:
-        ids = probe.tokenize(prompt)
-        params = llamax.SamplingParams(max_tokens=len(tokens), temperature=0, lora=lora)
-        alone = probe.add_request(ids, params).result(SETTLE_S)
-        probe.clear_cache()
-        # LoRA's batch noise is larger (up to 0.14 nats measured): 0.2 as the other tests
+    def cold(sample: Sample) -> None:
         try:
-            assert_greedy_agrees(probe, ids, alone.token_ids, tokens, nats=0.2, lora=lora)
+            assert_teacher_forced(
+                probe,
+                probe.tokenize(sample.prompt),
+                sample.tokens,
+                nats=SOAK_REGRET_NATS,
+                lora=sample.lora,
+                banned=eog if sample.ignore_eos else (),
+            )
         except AssertionError as exc:
-            raise AssertionError(f"{exc} (prompt {prompt!r}, lora {lora})") from None
+            raise AssertionError(f"{exc} (prompt {sample.prompt!r})") from None
 
     return ctx, cold
 
 
-def _write_adapter(path: Path, seed: int) -> Path:
+def _write_adapter(path: Path, seed: int, strength: float = 1.0) -> Path:
     import importlib.util
 
     script = Path(__file__).parent.parent / "scripts" / "make_lora_adapter.py"
@@ -667,7 +697,7 @@ def _write_adapter(path: Path, seed: int) -> Path:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    written: Path = module.write_lora_adapter(path, seed=seed)
+    written: Path = module.write_lora_adapter(path, seed=seed, strength=strength)
     return written
 
 
@@ -675,12 +705,8 @@ def _write_adapter(path: Path, seed: int) -> Path:
 @pytest.mark.timeout(900)
 def test_mixed_soak_model(make_real: Callable[..., llamax.Context], tmp_path: Path) -> None:
     # outputs this short (to fit the suite's time) rarely put 64 rows in one step: the
-    # split is checked by the fake's soak and by the full one. The comparison of replies
-    # with cold runs is the full soak's (-m soak): in 4 runs of this one (96 samples), one
-    # LoRA reply parted from its cold run at 0.26 nats and one reply at 1.5 nats at token 1
-    # (its prompt and adapters were not recorded then; the message names them now), which
-    # is not understood yet (issue 36's closing note)
-    ctx, _ = _real(make_real, tmp_path)
+    # split is checked by the fake's soak and by the full one
+    ctx, cold = _real(make_real, tmp_path)
     run_soak(
         ctx,
         1_000,
@@ -691,6 +717,7 @@ def test_mixed_soak_model(make_real: Callable[..., llamax.Context], tmp_path: Pa
         kib_per_request=None,
         fill_outputs=True,
         lora=True,
+        cold=cold,
     )
 
 
