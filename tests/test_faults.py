@@ -620,8 +620,10 @@ def test_fault_in_teardown_still_closes(make_fake: MakeFake, tmp_path: Path, dra
     returns or raises in bounded time, every request settles, the context is closed."""
     ctx, backend = make_fake(autostart=True, n_ctx=1024, n_seq_max=8, n_batch=64)
     backend.fault = PointInjector("close", 0, chance=1.0)
-    run = mixed_load(ctx, 4, tmp_path, per_thread=10)
+    # the session first: opened after the load starts, it found every one of the 8 ids
+    # held by the load's requests and sessions on a busy machine (SessionError)
     session = ctx.session()
+    run = mixed_load(ctx, 4, tmp_path, per_thread=10)
     pending = [ctx.add_request(f"late {i}", SamplingParams(max_tokens=200)) for i in range(6)]
     closer = threading.Thread(target=_close_quietly, args=(ctx, drain))
     closer.start()
