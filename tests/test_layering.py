@@ -32,7 +32,6 @@ ABOVE_THE_FACADE = (
     "llamax.tools",
     "llamax.conversation",
     "llamax.batch",
-    "llamax.pipeline",
     "llamax.server",
     "llamax.ray",
     "llamax.cli",
