@@ -221,6 +221,7 @@ def test_what_the_facade_imports_never_needs_the_facade_back() -> None:
 # The modules of the package root that hold plain values (errors, options, results, text
 # helpers): the engine may import these and nothing else from above it.
 VALUE_MODULES = (
+    "llamax.adapters",
     "llamax.errors",
     "llamax.params",
     "llamax.optionspec",

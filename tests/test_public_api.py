@@ -192,6 +192,7 @@ PUBLIC_API = {
     "llamax.optionspec",
     "llamax.flags",
     "llamax.drafting",
+    "llamax.adapters",
     "llamax.results",
     "llamax.handle",
     "llamax.stats",

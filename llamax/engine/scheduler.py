@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar, cast
 
+from ..adapters import AdapterSet
 from ..backend.base import Backend, Clocked
 from ..drafting import Speculative
 from ..errors import KVCapacityError, RequestFailedError
@@ -47,7 +48,6 @@ from .step_budget import StepFeatures
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
 T = TypeVar("T")
-AdapterSet = tuple[tuple[str, float], ...]
 
 Verify = Callable[[Sequence, int], tuple[int, TokenLogprob | None]]
 """Samples a sequence's token from one batch row (speculative verification, row by row)."""

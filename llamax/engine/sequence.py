@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..params import SamplingParams
 from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, Usage
 from ..text import Detokenizer, StopMatcher, StopStrings
@@ -102,7 +103,7 @@ class Request:
         num_choices: int = 1,
         session_id: int | None = None,
         grammar: str | None = None,
-        adapters: tuple[tuple[str, float], ...] = (),
+        adapters: AdapterSet = NO_ADAPTERS,
     ) -> None:
         self.request_id = request_id
         self.adapters = adapters
