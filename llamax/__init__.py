@@ -9,10 +9,10 @@ from importlib import metadata as _metadata
 
 from .context import Context
 from .conversation import Chat, TurnStats
+from .drafting import PromptLookup
 from .embeddings import Embedder
 from .engine.calibration import Calibration
 from .engine.sampling import BatchLogitsProcessor, LogitsRow
-from .engine.speculative import PromptLookup
 from .errors import (
     CacheClearError,
     ContextClosedError,
@@ -22,6 +22,7 @@ from .errors import (
     EmptyPromptError,
     EngineError,
     GrammarError,
+    InvalidMessageError,
     InvalidParameterError,
     InvalidRequestError,
     KVCapacityError,
@@ -33,6 +34,9 @@ from .errors import (
     SessionBusyError,
     SessionError,
     SessionLoadError,
+    TemplateBudgetError,
+    TemplateError,
+    TemplateSecurityError,
 )
 from .handle import RequestHandle
 from .info import ModelInfo, model_info
@@ -67,6 +71,7 @@ __all__ = [
     "EngineError",
     "FinishReason",
     "GrammarError",
+    "InvalidMessageError",
     "InvalidParameterError",
     "InvalidRequestError",
     "KVCapacityError",
@@ -85,6 +90,9 @@ __all__ = [
     "SessionBusyError",
     "SessionError",
     "SessionLoadError",
+    "TemplateBudgetError",
+    "TemplateError",
+    "TemplateSecurityError",
     "TokenEvent",
     "TokenLogprob",
     "TopLogprob",

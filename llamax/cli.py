@@ -18,8 +18,8 @@ from dataclasses import asdict
 
 import llamax
 from llamax.batch import generate
+from llamax.flags import add_option_flags, option_values
 from llamax.info import ModelInfo, model_info
-from llamax.optionspec import add_option_flags, option_values
 
 __all__ = ["main"]
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from typing_extensions import Self, Unpack
 
+from .adapters import NO_ADAPTERS, AdapterSet
 from .backend.base import Backend
 from .backend.fingerprint import weights_fingerprint
 from .engine.calibration import Calibration
@@ -351,7 +352,7 @@ class Context:
             self._adapters[name] = os.fspath(path)
             self._adapter_weights[name] = weights
 
-    def _adapter_set(self, params: SamplingParams | None) -> tuple[tuple[str, float], ...]:
+    def _adapter_set(self, params: SamplingParams | None) -> AdapterSet:
         """``params.lora`` as the engine's adapter set: names resolved, scale-0 entries
         dropped (the base model), sorted by name.
 
@@ -360,7 +361,7 @@ class Context:
         """
         lora = params.lora if isinstance(params, SamplingParams) else None
         if not lora:
-            return ()
+            return NO_ADAPTERS
         names = list(self._adapters)
         scales: dict[str, float] = {}
         for key, scale in lora.items():
@@ -380,7 +381,7 @@ class Context:
             if name in scales:
                 raise InvalidParameterError(f"lora: adapter {name!r} is given twice")
             scales[name] = scale
-        return tuple(sorted((n, s) for n, s in scales.items() if s != 0))
+        return AdapterSet(sorted((n, s) for n, s in scales.items() if s != 0))
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:

@@ -32,6 +32,7 @@ __all__ = [
     "EmptyPromptError",
     "EngineError",
     "GrammarError",
+    "InvalidMessageError",
     "InvalidParameterError",
     "InvalidRequestError",
     "KVCapacityError",
@@ -43,6 +44,9 @@ __all__ = [
     "SessionBusyError",
     "SessionError",
     "SessionLoadError",
+    "TemplateBudgetError",
+    "TemplateError",
+    "TemplateSecurityError",
 ]
 
 
@@ -130,3 +134,24 @@ class SessionBusyError(SessionError):
 
 class SessionLoadError(SessionError):
     """A saved session belongs to another model, or its file is damaged."""
+
+
+class InvalidMessageError(InvalidRequestError):
+    """A chat message is malformed. ``index`` and ``field`` say where (when known)."""
+
+    def __init__(self, message: str, *, index: int | None = None, field: str | None = None):
+        super().__init__(message)
+        self.index = index
+        self.field = field
+
+
+class TemplateError(LlamaxError):
+    """The chat template does not compile, raised an error, or failed to render."""
+
+
+class TemplateSecurityError(TemplateError):
+    """The chat template tried something the sandbox forbids (internals, mutation)."""
+
+
+class TemplateBudgetError(TemplateError):
+    """Rendering went over ``max_render_seconds`` or ``max_output_chars``."""

@@ -11,21 +11,18 @@ them with ``python scripts/option_tables.py``). So a new option is one field plu
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
     "NOT_OPENAI",
     "OptionSpec",
-    "add_option_flags",
     "markdown_table",
     "openai_defaults",
-    "option_values",
     "options_of",
     "spec",
 ]
@@ -202,83 +199,3 @@ def generated_blocks(text: str, classes: Mapping[str, type]) -> Iterator[tuple[s
 def regenerate(text: str, classes: Mapping[str, type]) -> str:
     """``text`` with every generated options block replaced by its current table."""
     return _BLOCK.sub(lambda m: m[1] + _table_for(m, classes) + m[6], text)
-
-
-def add_option_flags(
-    parser: argparse.ArgumentParser,
-    options: type,
-    *,
-    skip: Sequence[str] = (),
-    defaults: Mapping[str, Any] | None = None,
-) -> None:
-    """Add a flag for each option of ``options`` whose spec asks for one (``--n-ctx`` for
-    ``n_ctx``; a bool gets ``--name``/``--no-name``), with the option's doc as its help.
-    An option's older spellings are accepted too, hidden from ``--help``. Read the values
-    back with :func:`option_values`.
-
-    Args:
-        parser: The parser (or argument group) to add the flags to.
-        options: ``llamax.ContextConfig`` or ``llamax.SamplingParams`` (or a subclass).
-        skip: Options to leave out (one a command sets itself).
-        defaults: Flag defaults that differ from the options' own.
-    """
-    hints = typing.get_type_hints(options)
-    defaults = defaults or {}
-    for f in dataclasses.fields(options):
-        spec = f.metadata.get("llamax")  # an option's spec (llamax.optionspec)
-        if spec is None or not spec.flag or f.name in skip:
-            continue
-        shown = (
-            str(defaults[f.name])
-            if f.name in defaults
-            else spec.flag_default_doc or spec.default_doc or str(f.default)
-        )
-        kwargs: dict[str, Any] = {
-            "dest": f.name,
-            "default": defaults.get(f.name),
-            "help": _plain(f"{spec.doc} (default: {shown})"),
-            **_flag_kind(spec.flag_type, hints[f.name]),
-        }
-        if spec.metavar:
-            kwargs["metavar"] = spec.metavar
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-        for alias in spec.aliases:
-            parser.add_argument(
-                alias, **{**kwargs, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
-            )
-
-
-def option_values(ns: argparse.Namespace, options: type) -> dict[str, Any]:
-    """The options given by the flags of :func:`add_option_flags` (those left out are not
-    in the result, so the options' own defaults apply), as keyword arguments of ``options``.
-
-    Raises:
-        OSError: a flag names a file (``--chat-template FILE``) that cannot be read.
-    """
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(options):
-        spec = f.metadata.get("llamax")
-        value = getattr(ns, f.name, None)
-        if spec is None or not spec.flag or value is None:
-            continue
-        values[f.name] = spec.from_flag(value) if spec.from_flag else value
-    return values
-
-
-def _flag_kind(flag_type: Any, hint: Any) -> dict[str, Any]:
-    """argparse's ``type``/``action``/``choices`` for an option of type ``hint``."""
-    if flag_type is not None:
-        return {"type": flag_type}
-    parts = [p for p in typing.get_args(hint) or (hint,) if p is not type(None)]
-    if typing.get_origin(hint) is Literal:
-        return {"choices": typing.get_args(hint)}
-    if parts == [bool]:
-        return {"action": argparse.BooleanOptionalAction}
-    if len(parts) == 1 and parts[0] in (int, float, str):
-        return {"type": parts[0]}
-    raise TypeError(f"an option of type {hint} needs a flag_type to be a flag")
-
-
-def _plain(text: str) -> str:
-    """Markdown doc text as ``--help`` shows it."""
-    return text.replace("`", "").replace("%", "%%")

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol, TypeAlias, TypedDict
 import numpy as np
 import numpy.typing as npt
 
-from .engine.speculative import DraftMethod, PromptLookup, Speculative
+from .drafting import DraftMethod, PromptLookup, Speculative
 from .errors import InvalidParameterError
 from .optionspec import spec
 

@@ -10,6 +10,7 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
+from .adapters import NO_ADAPTERS, AdapterSet
 from .backend.base import Backend
 from .engine.sequence import Request
 from .errors import (
@@ -152,7 +153,7 @@ def build_request(
     priority: int,
     arrival: int,
     session_id: int | None = None,
-    adapters: tuple[tuple[str, float], ...] = (),
+    adapters: AdapterSet = NO_ADAPTERS,
 ) -> Request:
     """Check everything about a request that can be known before it runs, and build it.
 

@@ -128,10 +128,6 @@ class _Channels:
     def in_reasoning(self) -> bool:
         return self._kind == "reasoning"
 
-    @property
-    def in_call(self) -> bool:
-        return self._kind == "call"
-
     def feed(self, text: str, out: dict[str, list[str]]) -> bool:
         """Route ``text`` into ``out``; False when the header is not harmony after all
         (everything held so far is then given back in ``out["content"]``)."""

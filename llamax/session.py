@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 
 from typing_extensions import Self
 
+from .adapters import AdapterSet
 from .engine.kvops import (
     ForkSession,
     KVOp,
@@ -380,7 +381,7 @@ def _read_header(
 
 def _saved_adapters(
     saved: list[Any], port: SessionPort, path: object
-) -> tuple[tuple[str, float], ...]:
+) -> AdapterSet:
     """The adapter set a session file's cells were computed under, each adapter checked
     against the context's: loaded under that name, from a file with the same weights.
 
@@ -416,7 +417,7 @@ def _saved_adapters(
                 f"{name!r} is another file (other weights)"
             )
         adapters[name] = scale
-    return tuple(sorted(adapters.items()))
+    return AdapterSet(sorted(adapters.items()))
 
 
 def restore_session(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from .adapters import NO_ADAPTERS, AdapterSet
 from .backend.base import BatchItem, DecodeStatus
 from .backend.native import utf8
 from .context import Context
@@ -73,7 +74,6 @@ FAULT_POINTS = (
 given. The protocol has no ``seq_keep`` and no abort callback: llamax calls neither."""
 
 
-_AdapterSet = tuple[tuple[str, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,7 @@ class _Computed:
 
     chain: int
     model: str
-    adapters: _AdapterSet
+    adapters: AdapterSet
 
 
 def _chain(previous: int, token: int) -> int:
@@ -217,8 +217,8 @@ class FakeBackend:
         self._user_defined = {text: t for text, t in self._specials.items() if t in shown}
         self._eog = frozenset(eog_token_ids)
         self._adapter_order: dict[str, int] = {}  # name -> load index
-        self._adapter_set: tuple[tuple[str, float], ...] = ()
-        self.decode_adapters: list[tuple[tuple[str, float], ...]] = []
+        self._adapter_set: AdapterSet = NO_ADAPTERS
+        self.decode_adapters: list[AdapterSet] = []
         """The adapter set of every successful decode, in order (with ``log_decodes``)."""
         self.num_copies = 0
         self.num_shifts = 0
@@ -531,7 +531,7 @@ class FakeBackend:
             raise ModelLoadError(f"LoRA adapter {name!r}: {path} is not a GGUF file")
         self._adapter_order.setdefault(name, len(self._adapter_order))
 
-    def set_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+    def set_adapters(self, adapters: AdapterSet) -> None:
         """Run the next decodes under ``adapters``."""
         self._fault("set_adapters")
         unknown = [name for name, _ in adapters if name not in self._adapter_order]
@@ -801,7 +801,7 @@ class FakeBackend:
         ):
             return False
         computed = [  # a hand-written cell (no model named): this model's
-            _Computed(c.chain, self._weights, ()) if c is not None and not c.model else c
+            _Computed(c.chain, self._weights, NO_ADAPTERS) if c is not None and not c.model else c
             for c in computed
         ]
         self._store(seq_id, tokens, computed)
@@ -901,10 +901,10 @@ class FakeBackend:
             raise ContextClosedError("the context is closed: its (fake) model has been freed")
 
 
-def _adapter_set(raw: object) -> _AdapterSet:
+def _adapter_set(raw: object) -> AdapterSet:
     if not isinstance(raw, list):
         raise TypeError("not an adapter set")
-    return tuple((str(name), float(scale)) for name, scale in raw)
+    return AdapterSet((str(name), float(scale)) for name, scale in raw)
 
 
 def _parse_state(held: object) -> tuple[list[int], list[_Computed | None]] | None:
@@ -915,7 +915,7 @@ def _parse_state(held: object) -> tuple[list[int], list[_Computed | None]] | Non
     if not isinstance(held, list):
         return None
     model: str = ""
-    adapters: _AdapterSet = ()
+    adapters: AdapterSet = NO_ADAPTERS
     odd: dict[int, _Computed | None] = {}
     if held and isinstance(held[0], dict):
         header, *held = held

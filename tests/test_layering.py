@@ -32,7 +32,6 @@ ABOVE_THE_FACADE = (
     "llamax.tools",
     "llamax.conversation",
     "llamax.batch",
-    "llamax.pipeline",
     "llamax.server",
     "llamax.ray",
     "llamax.cli",
@@ -217,3 +216,82 @@ def test_what_the_facade_imports_never_needs_the_facade_back() -> None:
                 f"import cycle through the facade: {' -> '.join(chain)} -> {back} "
                 "(lazily or for type checking)"
             )
+
+
+# The modules of the package root that hold plain values (errors, options, results, text
+# helpers): the engine may import these and nothing else from above it.
+VALUE_MODULES = (
+    "llamax.adapters",
+    "llamax.errors",
+    "llamax.params",
+    "llamax.optionspec",
+    "llamax.drafting",
+    "llamax.results",
+    "llamax.stats",
+    "llamax.tokens",
+    "llamax.text",
+)
+# What the layers built on the public API (server, Ray, the CLI) may import: the package
+# itself (``llamax.X`` of ``llamax.__all__``), the modules docs/api.md lists as public under
+# their own names, and the public subpackages.
+PUBLIC_MODULES = (
+    "llamax.batch",
+    "llamax.embeddings",
+    "llamax.info",
+    "llamax.cli",
+    "llamax.drafting",
+    "llamax.flags",
+    "llamax.openai",
+    "llamax.anthropic",
+    "llamax.tools",
+    "llamax.server",
+    "llamax.ray",
+)
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(f"{p}.") for p in prefixes)
+
+
+def test_the_engine_imports_only_value_modules_from_the_package_root() -> None:
+    """Regression (issue 39): ``engine.sequence`` named the facade's ``RequestHandle`` (for
+    its annotations); the engine now asks for a ``Receiver`` protocol of its own. Every
+    import counts here, lazy and ``TYPE_CHECKING`` ones included."""
+    graph = import_graph(lazy=True)
+    below = ("llamax.engine", "llamax.backend")
+    for name in sorted(graph):
+        if not _within(name, ("llamax.engine",)):
+            continue
+        for target in sorted(graph[name]):
+            assert _within(target, below + VALUE_MODULES), (
+                f"{name} imports {target}: the engine imports only the value modules "
+                f"{VALUE_MODULES} from above it"
+            )
+
+
+def test_params_and_config_import_nothing_from_the_engine() -> None:
+    """Regression (issue 39): ``params`` imported ``engine.speculative`` for
+    ``PromptLookup``, the one arrow that ran back up at runtime; the drafting methods now
+    live in ``llamax.drafting``, below the engine."""
+    graph = import_graph(lazy=True)
+    for name in ("llamax.params", "llamax.optionspec", "llamax.drafting"):
+        for target in sorted(graph[name]):
+            assert not _within(target, ("llamax.engine", "llamax.backend")), (
+                f"{name} imports {target}"
+            )
+
+
+def test_server_ray_and_cli_import_only_the_public_api() -> None:
+    """Regression (issue 39): ``server.cli``, ``ray.__main__`` and ``cli`` imported flag
+    building from ``optionspec``, ``ray.builder`` ``ContextOptions`` from ``params``,
+    ``server.errors`` the template errors from ``templates``. Flags now have a public home
+    (``llamax.flags``) and the errors are top-level names."""
+    graph = import_graph(lazy=True)
+    for layer in ("llamax.server", "llamax.ray", "llamax.cli"):
+        for name in sorted(graph):
+            if not _within(name, (layer,)):
+                continue
+            for target in sorted(graph[name]):
+                assert target == ROOT or _within(target, (layer, *PUBLIC_MODULES)), (
+                    f"{name} imports {target}, which is not public API"
+                )

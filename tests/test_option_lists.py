@@ -18,8 +18,8 @@ import pydantic
 import pytest
 
 import llamax
-from llamax import cli, optionspec
-from llamax.engine.speculative import DraftMethod, DraftState, SharedAcceptance
+from llamax import cli, flags
+from llamax.drafting import Drafter, DraftMethod
 from llamax.openai import options as openai_options
 from llamax.openai.options import CompletionOptions, sampling_params
 from llamax.optionspec import generated_blocks, markdown_table, openai_defaults, spec
@@ -65,14 +65,14 @@ def test_a_new_sampling_option_reaches_the_openai_mapping(monkeypatch: pytest.Mo
 
 def test_a_new_sampling_option_reaches_the_command_line() -> None:
     parser = argparse.ArgumentParser()
-    optionspec.add_option_flags(parser, WithTailFree)
+    flags.add_option_flags(parser, WithTailFree)
     help_text = " ".join(parser.format_help().split())
     assert "--tfs-z TFS_Z tail-free sampling; 1 disables it (default: 1.0)" in help_text
     ns = parser.parse_args(["--tfs-z", "0.25", "--top-k", "5"])
-    values = optionspec.option_values(ns, WithTailFree)
+    values = flags.option_values(ns, WithTailFree)
     assert values == {"tfs_z": 0.25, "top_k": 5}
     assert WithTailFree(**values).tfs_z == 0.25
-    assert optionspec.option_values(parser.parse_args([]), WithTailFree) == {}
+    assert flags.option_values(parser.parse_args([]), WithTailFree) == {}
 
 
 def test_a_new_sampling_option_reaches_the_docs_tables() -> None:
@@ -329,12 +329,12 @@ def test_serve_flags_keep_their_names_and_defaults() -> None:
         "kv_layout": "auto",
         "max_step_ms": 250.0,
     }
-    given = optionspec.option_values(parser.parse_args([]), ContextConfig)
+    given = flags.option_values(parser.parse_args([]), ContextConfig)
     assert ContextConfig("m.gguf", **given) == ContextConfig("m.gguf", **old)
     argv = "--n-ctx 8192 --n-seq-max 4 --n-ctx-seq 1024 --kv-layout streams --max-step-ms 0"
     argv += " --speculative 6 --n-batch 64 --n-threads 3 --n-gpu-layers 0"
     ns = parser.parse_args(argv.split())
-    assert optionspec.option_values(ns, ContextConfig) == {
+    assert flags.option_values(ns, ContextConfig) == {
         "n_ctx": 8192,
         "n_seq_max": 4,
         "n_ctx_seq": 1024,
@@ -353,20 +353,20 @@ def test_serve_reads_the_chat_template_file(tmp_path: Path) -> None:
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages }}", encoding="utf-8")
     ns = _serve_parser().parse_args(["--chat-template", str(template), "--no-prefix-cache"])
-    assert optionspec.option_values(ns, ContextConfig) == {
+    assert flags.option_values(ns, ContextConfig) == {
         "chat_template": "{{ messages }}",
         "prefix_cache": False,
     }
     missing = _serve_parser().parse_args(["--chat-template", str(tmp_path / "none")])
     with pytest.raises(OSError):
-        optionspec.option_values(missing, ContextConfig)
+        flags.option_values(missing, ContextConfig)
 
 
 @pytest.mark.parametrize("flag", ["--threads", "--n-threads"])
 def test_every_command_line_takes_both_thread_spellings(flag: str) -> None:
     ns = cli._parser().parse_args(["run", flag, "2", "hi"])
-    assert optionspec.option_values(ns, ContextConfig) == {"n_threads": 2}
-    assert optionspec.option_values(_serve_parser().parse_args([flag, "2"]), ContextConfig) == {
+    assert flags.option_values(ns, ContextConfig) == {"n_threads": 2}
+    assert flags.option_values(_serve_parser().parse_args([flag, "2"]), ContextConfig) == {
         "n_threads": 2
     }
     assert "threads" not in vars(cli._parser().parse_args(["bench"]))
@@ -380,7 +380,7 @@ def test_run_keeps_its_sampling_defaults() -> None:
     ns = cli._parser().parse_args(["chat", "--temperature", "0", "--top-k", "1", "--seed", "3"])
     assert cli._params(ns) == SamplingParams(max_tokens=256, temperature=0, top_k=1, seed=3)
     ns = cli._parser().parse_args(["run", "--speculative", "5", "--n-ctx", "1024", "hi"])
-    assert optionspec.option_values(ns, ContextConfig) == {
+    assert flags.option_values(ns, ContextConfig) == {
         "n_ctx": 1024,
         "speculative": llamax.PromptLookup(max_draft=5),
     }
@@ -395,7 +395,7 @@ def test_flags_need_a_parseable_type() -> None:
         extra: dict[str, int] | None = field(default=None, metadata=spec(doc="map", flag=True))
 
     with pytest.raises(TypeError, match="needs a flag_type"):
-        optionspec.add_option_flags(argparse.ArgumentParser(), WithMapping)
+        flags.add_option_flags(argparse.ArgumentParser(), WithMapping)
 
 
 # --- the drafter seam -------------------------------------------------------------------------
@@ -404,8 +404,8 @@ def test_flags_need_a_parseable_type() -> None:
 class _OtherMethod:
     """A drafting method that is not a PromptLookup: the protocol, not the class, admits it."""
 
-    def new_state(self, shared: SharedAcceptance | None = None) -> DraftState:
-        return llamax.PromptLookup().new_state(shared)
+    def new_drafter(self) -> Drafter:
+        return llamax.PromptLookup().new_drafter()
 
 
 def test_params_accept_any_draft_method() -> None:

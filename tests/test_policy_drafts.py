@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from llamax.drafting import PromptLookup
 from llamax.engine.draft_planner import DraftPlanner, confirms, draft_limit, drafting_method
-from llamax.engine.speculative import DraftState, PromptLookup
+from llamax.engine.speculative import DraftState, new_draft_state
 
 REPEATING = [1, 2, 3, 4, 5] * 6  # prompt lookup proposes the continuation of the cycle
 
 
 def state(hits: int, of: int = 20) -> DraftState:
     """A draft state whose single-token drafts were right ``hits`` times of ``of``."""
-    s = PromptLookup(max_draft=8).new_state()
+    s = new_draft_state(PromptLookup(max_draft=8))
     for i in range(of):
         s.record(1, 1 if i < hits else 0)
     return s

@@ -21,7 +21,7 @@ from adversaries import deadline
 import llamax
 from llamax.engine import prefix_disk
 from llamax.engine.prefix_disk import MAGIC, MAX_DEFAULT_BYTES, PrefixDiskTier, default_disk_budget
-from llamax.optionspec import option_values
+from llamax.flags import option_values
 from llamax.testing import FakeBackend, assert_idle
 
 GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)

@@ -12,7 +12,7 @@ import pytest
 
 import llamax
 from llamax.engine.prefix_ram import MAX_DEFAULT_BYTES, PrefixRamTier, default_budget
-from llamax.optionspec import option_values
+from llamax.flags import option_values
 from llamax.testing import FakeBackend, assert_idle
 
 GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)

@@ -48,8 +48,8 @@ class CollapsingMethod:
     def __init__(self, at: int, rate: float = 0.0) -> None:
         self.at, self.rate = at, rate
 
-    def new_state(self, shared: SharedAcceptance | None = None) -> DraftState:
-        return DraftState(Collapsing(self.at, self.rate), shared)
+    def new_drafter(self) -> Collapsing:
+        return Collapsing(self.at, self.rate)
 
 
 def tokens(items: Sequence[BatchItem]) -> int:

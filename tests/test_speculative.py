@@ -18,13 +18,13 @@ import pytest
 
 import llamax
 from llamax.backend import BatchItem, DecodeStatus
+from llamax.drafting import PromptLookup, PromptLookupDrafter
 from llamax.engine.scheduler import Scheduler
 from llamax.engine.speculative import (
     DecodeCost,
     DraftState,
-    PromptLookup,
-    PromptLookupDrafter,
     SharedAcceptance,
+    new_draft_state,
     window,
 )
 from llamax.testing import FakeBackend, alphabet_model
@@ -358,7 +358,7 @@ def test_prompt_lookup_proposes_the_most_recent_longest_match() -> None:
 
 
 def test_draft_state_learns_from_unverified_proposals() -> None:
-    state = PromptLookup().new_state()
+    state = new_draft_state(PromptLookup())
     prior = state.acceptance
     for _ in range(10):
         state.skipped(5, (7,))
@@ -372,17 +372,17 @@ def test_draft_state_learns_from_unverified_proposals() -> None:
 
 def test_a_new_sequence_starts_from_the_contexts_record() -> None:
     shared = SharedAcceptance()
-    fresh = PromptLookup().new_state(shared).acceptance
+    fresh = new_draft_state(PromptLookup(), shared).acceptance
     for _ in range(30):  # earlier sequences' drafts kept failing
-        state = PromptLookup().new_state(shared)
+        state = new_draft_state(PromptLookup(), shared)
         state.record(4, 0)
-    assert PromptLookup().new_state(shared).acceptance < fresh / 2
+    assert new_draft_state(PromptLookup(), shared).acceptance < fresh / 2
     copying = SharedAcceptance()
     for _ in range(30):
-        state = PromptLookup().new_state(copying)
+        state = new_draft_state(PromptLookup(), copying)
         state.record(4, 4)
         state.record(4, 4)
-    newcomer = PromptLookup().new_state(copying)
+    newcomer = new_draft_state(PromptLookup(), copying)
     newcomer.record(2, 2)  # now "copying": the context says that goes on
     assert newcomer.acceptance > 0.9
 
@@ -405,7 +405,7 @@ def _price(num_decoding: int, acceptance_hits: int) -> dict[int, int]:
     slots = []
     proposals: list[tuple[Any, DraftState, tuple[int, ...]]] = []
     for i in range(num_decoding):
-        state = PromptLookup().new_state()
+        state = new_draft_state(PromptLookup())
         for _ in range(20):
             state.record(1, 1) if _ < acceptance_hits else state.record(1, 0)
         seq = _StubSeq(i)
@@ -438,7 +438,7 @@ def test_pricing_yields_under_a_full_batch() -> None:
 def test_pricing_gives_no_drafts_next_to_a_prompt_chunk() -> None:
     backend = FakeBackend(n_ctx=4096, n_seq_max=4, n_batch=512)
     scheduler = Scheduler(backend, speculative=PromptLookup(max_draft=8))
-    state = PromptLookup().new_state()
+    state = new_draft_state(PromptLookup())
     for _ in range(20):
         state.record(4, 4)
     decoding, prefilling = _StubSeq(0), _StubSeq(1)

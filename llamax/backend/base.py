@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from ..adapters import AdapterSet
 from ..params import SamplingParams
 
 __all__ = [
@@ -352,7 +353,7 @@ class LoraHost(Protocol):
         """
         ...
 
-    def set_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+    def set_adapters(self, adapters: AdapterSet) -> None:
         """Run the next decodes under ``adapters`` (loaded names with their scales; ``()``:
         the base model). Cheap when the set is the current one."""
         ...

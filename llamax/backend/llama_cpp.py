@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..errors import ContextClosedError, ModelLoadError, RequestFailedError
 from ..params import ContextConfig, SamplingParams
 from .base import BatchItem
@@ -163,7 +164,7 @@ class LlamaCppBackend:
             GGML_TYPE_NAMES.get(t, str(t)) for t in (self._cparams.type_k, self._cparams.type_v)
         )
         self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora*, freed with the model
-        self._adapter_set: tuple[tuple[str, float], ...] | None = ()  # None: not yet applied
+        self._adapter_set: AdapterSet | None = NO_ADAPTERS  # None: not yet applied
 
     # ------------------------------------------------------------------ facts
     @property
@@ -424,7 +425,7 @@ class LlamaCppBackend:
             )
         self._adapters[name] = adapter
 
-    def set_adapters(self, adapters: tuple[tuple[str, float], ...]) -> None:
+    def set_adapters(self, adapters: AdapterSet) -> None:
         """``llama_set_adapters_lora`` for the next decodes; nothing when already applied."""
         if adapters == self._adapter_set:
             return

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix import PrefixCache
@@ -98,7 +99,7 @@ class SlotPlacer:
         token_ids: Sequence[int],
         in_flight: Mapping[int, Sequence[int]],
         num_pending: int,
-        adapters: tuple[tuple[str, float], ...] = (),
+        adapters: AdapterSet = NO_ADAPTERS,
     ) -> Placement:
         """Place a newcomer with the longest prefix a slot gives it.
 
@@ -160,7 +161,7 @@ class SlotPlacer:
         token_ids: Sequence[int],
         num_pending: int,
         *,
-        adapters: tuple[tuple[str, float], ...],
+        adapters: AdapterSet,
     ) -> Placement | None:
         """Admit with the RAM tier's matched state in a fresh slot; None (the entry gone if
         it was refused) when there is no room for it or the memory would not take it."""
@@ -185,7 +186,7 @@ class SlotPlacer:
             return None
         entry = found.entry
         tier.touch(entry)  # the evictions below may push files out: not this one first
-        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, ())
+        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, NO_ADAPTERS)
         if slot is None:
             return None
         started = time.perf_counter()
@@ -203,7 +204,7 @@ class SlotPlacer:
         num_stored: int,
         token_ids: Sequence[int],
         num_pending: int,
-        adapters: tuple[tuple[str, float], ...],
+        adapters: AdapterSet,
     ) -> Slot | None:
         """A free slot with room for a stored state of ``num_stored`` tokens and the prompt
         (the whole state lands before the cut), evicting retained slots as needed."""
@@ -237,7 +238,7 @@ class SlotPlacer:
         slot: Slot,
         token_ids: Sequence[int],
         num_pending: int,
-        adapters: tuple[tuple[str, float], ...] = (),
+        adapters: AdapterSet = NO_ADAPTERS,
     ) -> Placement:
         """Place a sequence in ``slot`` (a session's, or one taken over): keep the common
         prefix, drop the diverging tail (everything, if the slot cannot be cut or its
@@ -262,7 +263,7 @@ class SlotPlacer:
         source: Slot | None,
         token_ids: Sequence[int],
         num_pending: int,
-        adapters: tuple[tuple[str, float], ...],
+        adapters: AdapterSet,
     ) -> Placement:
         """Reuse the retained slot holding the prefix (its state kept in the RAM tier first,
         if that takes it); if even that does not fit, it is retained again."""

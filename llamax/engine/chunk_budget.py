@@ -44,11 +44,6 @@ class ChunkBudget:
         self._stretched_s = 0.0
         self._pause_s = 0.0
 
-    @property
-    def is_timed(self) -> bool:
-        """Whether chunks are sized by time (before any step is measured, the prior predicts)."""
-        return self.max_step_s is not None
-
     def note_pause(self, seconds: float) -> None:
         """The streams were just paused ``seconds`` (a KV layout move): the next step's
         chunks get that much less time."""

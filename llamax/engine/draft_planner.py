@@ -14,7 +14,8 @@ import heapq
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
-from .speculative import DecodeCost, DraftState, PromptLookup, SharedAcceptance, Speculative, window
+from ..drafting import PromptLookup, Speculative
+from .speculative import DecodeCost, DraftState, SharedAcceptance, window
 
 __all__ = ["DraftPlanner", "confirms", "draft_limit", "drafting_method"]
 

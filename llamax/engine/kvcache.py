@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Sequence
 from enum import Enum
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..backend.base import DecodeStatus, KVMemory
 from ..errors import InvalidParameterError
 from .stream_copies import QueuedCopies
@@ -92,7 +93,7 @@ class Slot:
         self.seq_id = seq_id
         self.tokens: list[int] = []
         self.cells: list[int] = []
-        self.adapters: tuple[tuple[str, float], ...] = ()
+        self.adapters: AdapterSet = NO_ADAPTERS
         """The LoRA adapter set its cells were computed under (``()``: the base model);
         a prefix is shared only between sequences of the same set."""
         self._state = SlotState.PINNED if pinned else SlotState.ACTIVE

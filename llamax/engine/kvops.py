@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from ..adapters import NO_ADAPTERS, AdapterSet
+
 __all__ = [
     "Audit",
     "ClearCache",
@@ -75,7 +77,7 @@ class ReadSession(KVOp[tuple[int, ...]]):
 
 
 @dataclass(frozen=True, slots=True)
-class SaveSession(KVOp[tuple[tuple[int, ...], bytes, tuple[tuple[str, float], ...]]]):
+class SaveSession(KVOp[tuple[tuple[int, ...], bytes, AdapterSet]]):
     """A session's tokens, serialised KV state, and the LoRA adapter set its cells were
     computed under (``()``: the base model)."""
 
@@ -90,7 +92,7 @@ class RestoreSession(KVOp[int]):
 
     tokens: tuple[int, ...]
     state: bytes = field(repr=False)
-    adapters: tuple[tuple[str, float], ...] = ()
+    adapters: AdapterSet = NO_ADAPTERS
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from ..backend.base import Backend, DecodeStatus, LoraHost, Threaded
+from ..drafting import PromptLookup
 from ..errors import (
     ContextClosedError,
     DeadlockError,
@@ -50,7 +51,6 @@ from .sampling import (
 from .scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
-from .speculative import PromptLookup
 from .step_budget import StepCostModel, StepFeatures
 
 __all__ = ["Engine", "EngineState"]

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix_disk import PrefixDiskTier
@@ -180,7 +181,7 @@ class PrefixCache:
         self,
         prompt: Sequence[int],
         in_flight: Mapping[int, Sequence[int]],
-        adapters: tuple[tuple[str, float], ...] = (),
+        adapters: AdapterSet = NO_ADAPTERS,
     ) -> PrefixMatch:
         """The slot holding the longest prefix of ``prompt`` (all but its last token)
         computed under the same LoRA ``adapters`` (a prefix computed under one adapter set

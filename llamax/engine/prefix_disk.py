@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..errors import CacheClearError, InvalidParameterError
 from .prefix_ram import MIN_STORED_TOKENS, best_prefix
 
@@ -342,12 +343,12 @@ class PrefixDiskTier:
             os.close(lock)  # closing the descriptor releases the flock
 
     # ------------------------------------------------------------------ changes
-    def wants(self, num_tokens: int, adapters: tuple[object, ...] = ()) -> bool:
+    def wants(self, num_tokens: int, adapters: AdapterSet = NO_ADAPTERS) -> bool:
         """Whether a prefix of ``num_tokens`` tokens computed under ``adapters`` would be
         stored (before saving it)."""
         return self.is_enabled and adapters == () and num_tokens >= self.min_tokens
 
-    def store(self, tokens: Sequence[int], data: bytes, adapters: tuple[object, ...] = ()) -> bool:
+    def store(self, tokens: Sequence[int], data: bytes, adapters: AdapterSet = NO_ADAPTERS) -> bool:
         """Write ``data`` (the state of ``tokens``) as the most recently used entry,
         deleting the least recently used files beyond the budget. False if it is not
         wanted, alone exceeds the budget, or cannot be written (the entry is lost, logged
@@ -496,7 +497,7 @@ class PrefixDiskTier:
     def match(
         self,
         prompt: Sequence[int],
-        adapters: tuple[object, ...] = (),
+        adapters: AdapterSet = NO_ADAPTERS,
         *,
         longer_than: int = 0,
         max_tokens: int | None = None,

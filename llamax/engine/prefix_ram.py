@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..tokens import common_prefix_len
 
 __all__ = [
@@ -72,7 +73,7 @@ def default_budget(meminfo: str = "/proc/meminfo") -> int:
 class RamEntry:
     """One evicted prefix's saved KV state."""
 
-    adapters: tuple[object, ...]
+    adapters: AdapterSet
     """The LoRA adapter set its KV was computed with (``()``: none)."""
     tokens: tuple[int, ...]
     """The tokens the state holds, at positions ``0 .. len(tokens) - 1``."""
@@ -192,7 +193,7 @@ class PrefixRamTier:
         """Whether a prefix of ``num_tokens`` tokens would be stored (before saving it)."""
         return self.is_enabled and num_tokens >= self.min_tokens
 
-    def store(self, tokens: Sequence[int], data: bytes, adapters: tuple[object, ...] = ()) -> bool:
+    def store(self, tokens: Sequence[int], data: bytes, adapters: AdapterSet = NO_ADAPTERS) -> bool:
         """Keep ``data`` (the state of ``tokens``) as the most recently used entry, dropping
         the least recently used ones beyond the budget; False if it alone exceeds it."""
         if not self.wants(len(tokens)) or len(data) > self.budget_bytes:
@@ -248,7 +249,7 @@ class PrefixRamTier:
     def match(
         self,
         prompt: Sequence[int],
-        adapters: tuple[object, ...] = (),
+        adapters: AdapterSet = NO_ADAPTERS,
         *,
         longer_than: int = 0,
         max_tokens: int | None = None,

@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar, cast
 
+from ..adapters import AdapterSet
 from ..backend.base import Backend, Clocked
+from ..drafting import Speculative
 from ..errors import KVCapacityError, RequestFailedError
 from ..results import TokenEvent, TokenLogprob
 from .admission import Outcome
@@ -40,13 +42,12 @@ from .plan import ScheduledSequence, StepPlan, StepResult
 from .scheduler_view import SchedulerView, num_cells
 from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from .session_table import SessionTable
-from .speculative import DraftState, Speculative
+from .speculative import DraftState, new_draft_state
 from .step_budget import StepFeatures
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
 T = TypeVar("T")
-AdapterSet = tuple[tuple[str, float], ...]
 
 Verify = Callable[[Sequence, int], tuple[int, TokenLogprob | None]]
 """Samples a sequence's token from one batch row (speculative verification, row by row)."""
@@ -96,7 +97,7 @@ class Scheduler(SchedulerView):
         )
         for seq in request.sequences:
             if method is not None:
-                seq.draft_state = method.new_state(self.drafts.acceptance)
+                seq.draft_state = new_draft_state(method, self.drafts.acceptance)
             bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
 
     def apply(self, op: KVOp[T], result: StepResult) -> T:

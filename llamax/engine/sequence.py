@@ -8,20 +8,35 @@ sampler, detokenizer and stop matcher.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from ..adapters import NO_ADAPTERS, AdapterSet
 from ..params import SamplingParams
 from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, Usage
 from ..text import Detokenizer, StopMatcher, StopStrings
 
 if TYPE_CHECKING:
     from ..backend.base import Sampler
-    from ..handle import RequestHandle
     from .kvcache import Slot
     from .speculative import DraftState
 
-__all__ = ["TERMINAL_STATES", "Request", "Sequence", "SequenceState"]
+__all__ = ["TERMINAL_STATES", "Receiver", "Request", "Sequence", "SequenceState"]
+
+
+class Receiver(Protocol):
+    """What the engine needs of a request's caller side (the facade's ``RequestHandle``):
+    the future it settles, and where it publishes the request's events."""
+
+    @property
+    def future(self) -> Future[Completion]:
+        """Settled with the :class:`Completion` or the request's error."""
+        ...
+
+    def _publish(self, events: list[object]) -> None:
+        """Deliver events; called on the engine thread, never under an engine lock."""
+        ...
 
 
 class SequenceState(Enum):
@@ -79,7 +94,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        handle: RequestHandle,
+        handle: Receiver,
         *,
         token_to_piece: Callable[[int], bytes],
         seed: int = 0,
@@ -88,7 +103,7 @@ class Request:
         num_choices: int = 1,
         session_id: int | None = None,
         grammar: str | None = None,
-        adapters: tuple[tuple[str, float], ...] = (),
+        adapters: AdapterSet = NO_ADAPTERS,
     ) -> None:
         self.request_id = request_id
         self.adapters = adapters

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
+from ..adapters import AdapterSet
 from ..backend.base import Backend
 from ..errors import InvalidParameterError, SessionError, SessionLoadError
 from .audit import audit
@@ -163,7 +164,7 @@ class SessionTable:
             self._scheduler.kv.clear(slot)
 
     def _restore(
-        self, tokens: tuple[int, ...], state: bytes, adapters: tuple[tuple[str, float], ...]
+        self, tokens: tuple[int, ...], state: bytes, adapters: AdapterSet
     ) -> int:
         session_id = self._open(purpose="the loaded session")
         slot = self._slots[session_id]

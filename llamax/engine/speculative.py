@@ -17,136 +17,24 @@ if ``t == d``, else emit ``t``": both accept with probability ``p(d)`` and, on r
 draw from ``p`` restricted to tokens other than ``d``. The sampler consumes one random draw
 per emitted token, as without speculation, so a seeded request is reproduced too.
 
-Only the *drafter* is pluggable: :class:`PromptLookup` matches the sequence's last n-gram
-against its own prompt and output. A small draft model can implement :class:`Drafter`
-later; verification, acceptance and rollback stay the scheduler's.
+Only the *drafter* is pluggable, and it lives below the engine, in :mod:`llamax.drafting`
+(:class:`~llamax.drafting.PromptLookup` matches the sequence's last n-gram against its own
+prompt and output; a small draft model can implement :class:`~llamax.drafting.Drafter`
+later). Verification, acceptance and rollback stay the scheduler's; this module keeps
+each sequence's acceptance record (:class:`DraftState`), the context's
+(:class:`SharedAcceptance`) and what a step with drafts costs (:class:`DecodeCost`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
-from ..errors import InvalidParameterError
+from ..drafting import Drafter, DraftMethod
 
-__all__ = [
-    "DecodeCost",
-    "DraftMethod",
-    "DraftState",
-    "Drafter",
-    "PromptLookup",
-    "PromptLookupDrafter",
-    "SharedAcceptance",
-    "Speculative",
-]
-
-MAX_DRAFT = 64
-"""The largest ``max_draft`` accepted."""
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLookup:
-    """Prompt-lookup (n-gram) drafting: no draft model, no extra memory.
-
-    At each step the sequence's last ``n`` tokens (``ngram_max`` down to ``ngram_min``) are
-    looked up in its own prompt and output; the tokens that followed their most recent
-    earlier occurrence are the draft, at most ``max_draft`` of them. The scheduler keeps only
-    the draft tokens whose expected gain, from the sequence's measured acceptance rate, pays
-    for the compute they add to the step, so the length adapts per sequence and drafting
-    yields under a full batch or a long prompt chunk.
-    """
-
-    max_draft: int = 10
-    ngram_max: int = 3
-    ngram_min: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("max_draft", "ngram_max", "ngram_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidParameterError(f"PromptLookup.{name} must be an int, got {value!r}")
-            if value.bit_length() > 63:  # before any message shows it (repr past 4,300 digits)
-                raise InvalidParameterError(
-                    f"PromptLookup.{name} is out of range: an int of {value.bit_length()} bits"
-                )
-        if not 1 <= self.max_draft <= MAX_DRAFT:
-            raise InvalidParameterError(
-                f"PromptLookup.max_draft must be in [1, {MAX_DRAFT}], got {self.max_draft}"
-            )
-        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
-            raise InvalidParameterError(
-                "PromptLookup needs 1 <= ngram_min <= ngram_max <= 16, got "
-                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}"
-            )
-
-    def new_state(self, shared: SharedAcceptance | None = None) -> DraftState:
-        """Per-sequence state: an incremental n-gram index and an acceptance record that
-        starts from (and feeds) ``shared``, the context's record."""
-        return DraftState(PromptLookupDrafter(self), shared)
-
-
-Speculative: TypeAlias = PromptLookup
-"""The drafting methods a context or a request can ask for (a draft model may join later)."""
-
-
-@runtime_checkable
-class DraftMethod(Protocol):
-    """A drafting method (such as :class:`PromptLookup`): makes each sequence's draft state.
-    Callers check for this protocol, not for a class, so a new method touches no caller."""
-
-    def new_state(self, shared: SharedAcceptance | None = None) -> DraftState:
-        """Per-sequence state whose acceptance record starts from (and feeds) ``shared``."""
-        ...
-
-
-class Drafter(Protocol):
-    """Proposes draft tokens for one sequence. Called on the engine thread only."""
-
-    def propose(self, token_ids: Sequence[int], limit: int) -> tuple[int, ...]:
-        """Up to ``limit`` tokens likely to follow ``token_ids`` (prompt plus output)."""
-        ...
-
-
-class PromptLookupDrafter:
-    """Incremental index of every n-gram of one sequence: n-gram -> where it last ended.
-
-    Indexing is O(``ngram_max - ngram_min + 1``) per new token; a lookup is one dict probe
-    per n-gram size. Only ends strictly before the sequence's last token are indexed, so the
-    final n-gram never matches itself.
-    """
-
-    __slots__ = ("_config", "_indexed", "_last_end")
-
-    def __init__(self, config: PromptLookup) -> None:
-        self._config = config
-        self._last_end: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # n-grams ending at e < _indexed are in the index
-
-    def propose(self, token_ids: Sequence[int], limit: int) -> tuple[int, ...]:
-        """The continuation of the longest suffix n-gram seen earlier (most recent wins)."""
-        length = len(token_ids)
-        limit = min(limit, self._config.max_draft)
-        if length < self._indexed:  # the sequence was cut back (never in practice)
-            self._last_end.clear()
-            self._indexed = 0
-        lo, hi = self._config.ngram_min, self._config.ngram_max
-        last_end = self._last_end
-        for end in range(self._indexed, length):  # index n-grams ending before ``length``
-            for n in range(lo, min(hi, end) + 1):
-                last_end[tuple(token_ids[end - n : end])] = end
-        self._indexed = max(self._indexed, length)
-        if limit <= 0:
-            return ()
-        for n in range(min(hi, length), lo - 1, -1):
-            found = last_end.get(tuple(token_ids[length - n :]))
-            if found is not None:
-                return tuple(token_ids[found : found + limit])
-        return ()
-
+__all__ = ["DecodeCost", "DraftState", "SharedAcceptance", "new_draft_state"]
 
 class SharedAcceptance:
     """A context's acceptance record over every sequence, by regime: what a new sequence
@@ -422,3 +310,9 @@ class DecodeCost:
         slope = max(float(slope), 1e-4)
         base = max(float(base), 0.0)
         return base, slope
+
+
+def new_draft_state(method: DraftMethod, shared: SharedAcceptance | None = None) -> DraftState:
+    """A sequence's draft state under ``method``: its own drafter and an acceptance record
+    that starts from (and feeds) ``shared``, the context's record."""
+    return DraftState(method.new_drafter(), shared)

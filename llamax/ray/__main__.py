@@ -13,7 +13,7 @@ import ray
 from ray import serve
 
 import llamax
-from llamax.optionspec import add_option_flags, option_values
+from llamax.flags import add_option_flags, option_values
 
 from .builder import deployment
 

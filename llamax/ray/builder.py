@@ -9,7 +9,7 @@ from typing import Any, Literal
 from ray import serve
 from ray.serve import Application
 
-from llamax.params import ContextOptions
+from llamax import ContextOptions
 
 from .deployment import LlamaxIngress, LlamaxReplica
 

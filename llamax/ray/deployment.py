@@ -141,11 +141,6 @@ def _respond(
     return response
 
 
-def _describe(exc: BaseException) -> str:
-    first_line = next(iter(str(exc).splitlines()), "")
-    return f"{type(exc).__name__}: {first_line[:200]}"
-
-
 def _cancel(stream: DeploymentResponseGenerator[Any]) -> None:
     stream.cancel()  # type: ignore[no-untyped-call]
 

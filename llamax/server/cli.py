@@ -16,7 +16,7 @@ from typing import Any
 import uvicorn
 
 import llamax
-from llamax.optionspec import add_option_flags, option_values
+from llamax.flags import add_option_flags, option_values
 
 from .app import create_app
 from .models import DEFAULT_MAX_LOADED, ModelPool

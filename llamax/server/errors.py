@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import llamax
-from llamax.templates import InvalidMessageError, TemplateError
+from llamax import InvalidMessageError, TemplateError
 
 __all__ = [
     "APIError",

@@ -5,21 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import InvalidRequestError
+from ..errors import InvalidMessageError
 
 __all__ = ["ROLES", "InvalidMessageError", "validate_messages"]
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 """The roles a message may have."""
-
-
-class InvalidMessageError(InvalidRequestError):
-    """A chat message is malformed. ``index`` and ``field`` say where (when known)."""
-
-    def __init__(self, message: str, *, index: int | None = None, field: str | None = None):
-        super().__init__(message)
-        self.index = index
-        self.field = field
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:

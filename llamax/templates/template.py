@@ -21,22 +21,15 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("llamax.templates needs jinja2: pip install 'llamax[chat]'") from exc
 
-from ..errors import InvalidParameterError, LlamaxError
+from ..errors import (
+    InvalidParameterError,
+    TemplateBudgetError,
+    TemplateError,
+    TemplateSecurityError,
+)
 from .sandbox import BudgetedSandbox, BudgetExceeded, RenderBudget, active_budget
 
 __all__ = ["ChatTemplate", "TemplateBudgetError", "TemplateError", "TemplateSecurityError"]
-
-
-class TemplateError(LlamaxError):
-    """The chat template does not compile, raised an error, or failed to render."""
-
-
-class TemplateSecurityError(TemplateError):
-    """The chat template tried something the sandbox forbids (internals, mutation)."""
-
-
-class TemplateBudgetError(TemplateError):
-    """Rendering went over ``max_render_seconds`` or ``max_output_chars``."""
 
 
 def raise_exception(message: Any) -> NoReturn:
