@@ -9,8 +9,8 @@ Systems, each a fresh
 ``llamax.Context(n_ctx=4096, n_seq_max=requests)`` per load, warmed up by one short run:
 
 ``llamax_adaptive``
-    ``n_threads`` left to llamax (every core, fewer while other processes hold some;
-    docs/performance.md).
+    ``adapt_threads=True`` with ``n_threads`` left to llamax (every core, fewer while other
+    processes hold some; docs/performance.md).
 ``llamax_fixed``
     ``n_threads=<cores>``: today's default threads, used as given (no adaptation).
 ``llamax_one_thread``
@@ -59,7 +59,7 @@ import llamax
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 SYSTEMS: dict[str, dict[str, Any]] = {
-    "llamax_adaptive": {},
+    "llamax_adaptive": {"adapt_threads": True},
     "llamax_fixed": {"n_threads": CORES},
     "llamax_one_thread": {"n_threads": 1},
 }
