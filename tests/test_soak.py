@@ -161,6 +161,13 @@ class Tally:
             if problem is not None and len(self.problems) < 20:
                 self.problems.append(problem)
 
+    def __repr__(self) -> str:  # the samples (token ids) would bury a failure's message
+        return (
+            f"Tally(submitted={self.submitted}, settled={sum(self.outcomes.values())}, "
+            f"outcomes={dict(self.outcomes)}, session_ops={dict(self.session_ops)}, "
+            f"problems={self.problems}, samples={len(self.samples)})"
+        )
+
 
 def output_length(rng: random.Random, max_output: int) -> int:
     """Mostly short outputs, a tenth up to ``max_output`` tokens."""
@@ -234,6 +241,17 @@ def settle(
                 tally.samples.append(Sample(*sample, tuple(done.token_ids), done.usage))
 
 
+def submit(tally: Tally, add: Callable[[], llamax.RequestHandle]) -> llamax.RequestHandle | None:
+    """``add()``, a session's submission after its last request settled: an error there
+    (busy, closed) is a problem, tallied as the request's outcome so that every submitted
+    request still settles in the count."""
+    try:
+        return add()
+    except llamax.LlamaxError as exc:
+        tally.note(type(exc).__name__, problem=f"session submission refused: {exc!r}")
+        return None
+
+
 def session_turn(
     ctx: llamax.Context, rng: random.Random, session: llamax.Session, tally: Tally, tmp: Path
 ) -> llamax.Session:
@@ -247,7 +265,9 @@ def session_turn(
     params = llamax.SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.0)
     with tally.lock:
         tally.submitted += 1
-    settle(tally, session.add_request(history + turn, params), False, rng.random() < 0.1)
+    handle = submit(tally, lambda: session.add_request(history + turn, params))
+    if handle is not None:
+        settle(tally, handle, False, rng.random() < 0.1)
     action = rng.choice(["rewind", "fork", "save", "none"])
     with tally.lock:
         tally.session_ops[action] += 1
@@ -261,7 +281,9 @@ def session_turn(
             with tally.lock:
                 tally.submitted += 1
             more = llamax.SamplingParams(max_tokens=rng.randint(1, 6), temperature=0.0)
-            settle(tally, fork.add_request([*fork.token_ids, *turn], more), False, False)
+            handle = submit(tally, lambda: fork.add_request([*fork.token_ids, *turn], more))
+            if handle is not None:
+                settle(tally, handle, False, False)
     elif action == "save" and held:
         path = tmp / f"{threading.get_ident()}-{rng.randrange(10**9)}.llamax"
         session.save(path)
@@ -333,6 +355,9 @@ def soak(
                             session.close()
                     except llamax.SessionLoadError as exc:  # a valid file: a loss
                         tally.note("load refused", problem=f"Session.load: {exc!r}")
+                    except llamax.SessionBusyError as exc:  # every request had settled
+                        with tally.lock:
+                            tally.problems.append(f"session operation refused: {exc!r}")
                     except llamax.SessionError as exc:  # every sequence id is held
                         with tally.lock:
                             tally.session_ops[type(exc).__name__] += 1
@@ -520,7 +545,7 @@ def run_soak(
     grown, live = after.rss - before.rss, after.live - before.live
     blocks = after.blocks - before.blocks
     assert not tally.problems, f"{tally.outcomes}: " + "; ".join(tally.problems)
-    assert sum(tally.outcomes.values()) == tally.submitted, tally  # every request settled
+    assert sum(tally.outcomes.values()) == tally.submitted, f"a request did not settle: {tally}"
     assert tally.outcomes["done"] > num_requests // 2, tally.outcomes
     assert tally.outcomes["cancelled"] > num_requests // 10, tally.outcomes
     for op in ("rewind", "fork", "save"):
@@ -529,7 +554,10 @@ def run_soak(
     stats = ctx.stats()
     assert stats.num_drafted_tokens > 0, stats
     split = decodes.calls - decodes_before > stats.num_steps - steps_before
-    assert split or not require_split, f"no step was split into several decodes: {tally}"
+    assert split or not require_split, (
+        f"no step was split into several decodes ({decodes.calls - decodes_before} decodes "
+        f"in {stats.num_steps - steps_before} steps): {tally}"
+    )
     assert kib_per_request is None or grown <= RSS_SLACK_KIB + kib_per_request * num_requests, (
         f"RSS grew by {grown} KiB over {num_requests} requests "
         f"({grown / num_requests:.2f} KiB per request; {before} -> {after})"
