@@ -22,11 +22,6 @@ class AdapterSet(tuple[tuple[str, float], ...]):
         """The set of these ``(name, scale)`` pairs: sorted by name, zero scales dropped."""
         return cls(sorted((name, float(scale)) for name, scale in scales if scale != 0))
 
-    @property
-    def is_base(self) -> bool:
-        """Whether this is the base model (no adapter)."""
-        return not self
-
 
 NO_ADAPTERS = AdapterSet()
 """The base model's set."""

@@ -381,7 +381,7 @@ class Context:
             if name in scales:
                 raise InvalidParameterError(f"lora: adapter {name!r} is given twice")
             scales[name] = scale
-        return AdapterSet(sorted((n, s) for n, s in scales.items() if s != 0))
+        return AdapterSet.of(scales.items())
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:

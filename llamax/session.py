@@ -417,7 +417,7 @@ def _saved_adapters(
                 f"{name!r} is another file (other weights)"
             )
         adapters[name] = scale
-    return AdapterSet(sorted(adapters.items()))
+    return AdapterSet.of(adapters.items())
 
 
 def restore_session(

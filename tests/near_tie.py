@@ -130,6 +130,17 @@ def assert_teacher_forced(
         AssertionError: some token is worse than that, naming where and by how much.
     """
     regrets = forced_regrets(probe, prompt, tokens, lora=lora, banned=banned)
+    assert_regrets_below(regrets, tokens, nats=nats, lora=lora)
+
+
+def assert_regrets_below(
+    regrets: Sequence[float],
+    tokens: Sequence[int],
+    *,
+    nats: float,
+    lora: dict[str, float] | None = None,
+) -> None:
+    """:func:`assert_teacher_forced` on regrets already measured by :func:`forced_regrets`."""
     worst = max(range(len(regrets)), key=regrets.__getitem__, default=None)
     assert worst is None or regrets[worst] < nats, (
         f"token {worst} of the reply ({tokens[worst]}) is {regrets[worst]:.3f} nats below "
