@@ -65,6 +65,10 @@ class OptionSpec:
     :data:`NOT_OPENAI`."""
     openai_doc: str | None = None
     """What the option means in OpenAI requests, where that differs from :attr:`doc`."""
+    check: Callable[[str, Any], Any] | None = None
+    """``check(name, value)`` validates the option's value when its object is built and
+    returns it as stored (frozen: a tuple for a list); it raises the owner's typed error,
+    naming the option, for a value it refuses."""
 
     @property
     def is_openai(self) -> bool:

@@ -8,7 +8,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, TypeAlias, TypedDict
@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from .drafting import DraftMethod, PromptLookup, Speculative
 from .errors import InvalidParameterError
+from .optionspec import KEY as OPTION_KEY
 from .optionspec import spec
 
 __all__ = [
@@ -89,13 +90,93 @@ def _iterable(name: str, value: Any) -> tuple[Any, ...]:
     return tuple(value)
 
 
+Check: TypeAlias = "Callable[[str, Any], Any]"
+"""``check(name, value) -> stored value`` (see :attr:`~llamax.optionspec.OptionSpec.check`)."""
+
+
+def _where(ok: Callable[[Any], bool], must: str) -> Check:
+    """A check that refuses a value unless ``ok(value)``: "``name`` ``must``, got ``value``"."""
+
+    def check(name: str, value: Any) -> Any:
+        _require(ok(value), f"{name} {must}, got {value!r}")
+        return value
+
+    return check
+
+
+def _real(ok: Callable[[Any], bool], must: str) -> Check:
+    """A check for a number field: a number (not a bool), then ``ok(value)``."""
+
+    def check(name: str, value: Any) -> Any:
+        _require(_is_real(value), f"{name} must be a number, got {value!r}")
+        _require(ok(value), f"{name} must be {must}, got {value}")
+        return value
+
+    return check
+
+
+def _of_type(ok: Callable[[Any], bool], must: str) -> Check:
+    """Like :func:`_where`, naming the refused value's type instead of showing it."""
+
+    def check(name: str, value: Any) -> Any:
+        _require(ok(value), f"{name} {must}, got {type(value).__name__}")
+        return value
+
+    return check
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    ids = _iterable(name, value)
+    for token in ids:
+        _require(
+            isinstance(token, int) and token >= 0,
+            f"{name} must hold token ids >= 0, got {token!r}",
+        )
+    return ids
+
+
+def _processors(name: str, value: Any) -> tuple[Any, ...]:
+    processors = _iterable(name, value)
+    for fn in processors:
+        _require(callable(fn), f"{name} must hold callables, got {fn!r}")
+    return processors
+
+
+def _logit_bias(name: str, value: Any) -> Mapping[int, float]:
+    _require(isinstance(value, Mapping), f"{name} must be a dict, got {type(value).__name__}")
+    bias: dict[int, float] = {}
+    for token, number in dict(value).items():
+        _require(
+            isinstance(token, int) and token >= 0,
+            f"{name} keys must be token ids >= 0, got {token!r}",
+        )
+        _require(
+            _is_real(number) and not math.isnan(float(number)),
+            f"{name} values must be numbers, got {number!r} for token {token}",
+        )
+        bias[token] = float(number)
+    return MappingProxyType(bias)
+
+
+def _speculative(name: str, value: Any) -> Any:
+    _require(
+        value is None or isinstance(value, (bool, DraftMethod)),
+        f"{name} must be None, a bool or a llamax.PromptLookup, got {type(value).__name__}",
+    )
+    return value
+
+
+def _penalty(name: str, value: Any) -> Any:
+    return _real(lambda v: math.isfinite(v) and -2 <= v <= 2, "in [-2, 2]")(name, value)
+
+
 MAX_STOP_STRINGS = 1024
 """At most this many ``stop`` strings per request."""
 MAX_STOP_CHARS = 65_536
 """At most this many characters in all of a request's ``stop`` strings together (64 Ki)."""
 
 
-def _freeze_stop(value: Any) -> tuple[str, ...]:
+def _freeze_stop(name: str, value: Any) -> tuple[str, ...]:
     """``stop`` as a tuple of non-empty strings, within the count and size caps."""
     if value is None:
         return ()
@@ -149,6 +230,27 @@ MAX_LORA_SCALE = 100.0
 as ``float32``: ``1e39`` would run as infinity, and far smaller ones give only noise)."""
 
 
+def _lora(name: str, value: object) -> dict[str | int, float] | None:
+    """``SamplingParams.lora`` checked: adapter names (or load indices) to finite scales."""
+    if value is None:
+        return None
+    _require(isinstance(value, Mapping), f"lora must be a dict of name -> scale, got {value!r}")
+    assert isinstance(value, Mapping)
+    checked: dict[str | int, float] = {}
+    for key, scale in value.items():
+        _require(
+            (isinstance(key, str) and key != "") or (_is_int(key) and key >= 0),
+            f"lora keys must be adapter names or load indices >= 0, got {key!r}",
+        )
+        _require(
+            _is_real(scale) and math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE,
+            f"lora scale for {key!r} must be a finite number in [-{MAX_LORA_SCALE:g}, "
+            f"{MAX_LORA_SCALE:g}], got {scale!r}",
+        )
+        checked[key] = float(scale)
+    return checked
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one request. Immutable; every field is validated on construction.
@@ -180,23 +282,39 @@ class SamplingParams:
     max_tokens: int | None = field(
         default=256,
         metadata=spec(
+            check=_where(
+                lambda v: v is None or (isinstance(v, int) and v >= 1),
+                "must be a positive int or None",
+            ),
             doc="most tokens to generate; `None`: until the sequence fills its context",
             flag=True,
             openai=None,
         ),
     )
     temperature: float = field(
-        default=0.8, metadata=spec(doc="`0` is greedy", flag=True, openai=1.0)
+        default=0.8,
+        metadata=spec(
+            check=_real(lambda v: math.isfinite(v) and v >= 0, ">= 0"),
+            doc="`0` is greedy",
+            flag=True,
+            openai=1.0,
+        ),
     )
     top_k: int = field(
         default=40,
         metadata=spec(
-            doc="sample among the `k` most likely tokens; `0` disables it", flag=True, openai=0
+            check=_where(
+                lambda v: _is_int(v) and 0 <= v < 2**31, "must be an int >= 0 (0 disables it)"
+            ),
+            doc="sample among the `k` most likely tokens; `0` disables it",
+            flag=True,
+            openai=0,
         ),
     )
     top_p: float = field(
         default=0.95,
         metadata=spec(
+            check=_real(lambda v: 0 < v <= 1, "in (0, 1]"),
             doc="nucleus sampling: the most likely tokens whose probabilities sum to `p`; `1` "
             "disables it",
             flag=True,
@@ -206,37 +324,53 @@ class SamplingParams:
     min_p: float = field(
         default=0.05,
         metadata=spec(
+            check=_real(lambda v: 0 <= v <= 1, "in [0, 1]"),
             doc="drop tokens less likely than `min_p` times the most likely one; `0` disables it",
             flag=True,
             openai=0.0,
         ),
     )
     typical_p: float = field(
-        default=1.0, metadata=spec(doc="locally typical sampling; `1` disables it", flag=True)
+        default=1.0,
+        metadata=spec(
+            check=_real(lambda v: 0 < v <= 1, "in (0, 1]"),
+            doc="locally typical sampling; `1` disables it",
+            flag=True,
+        ),
     )
     repeat_penalty: float = field(
         default=1.0,
         metadata=spec(
-            doc="divides the logits of recent tokens; `1` disables it", flag=True, openai=1.0
+            check=_real(lambda v: math.isfinite(v) and v > 0, "> 0"),
+            doc="divides the logits of recent tokens; `1` disables it",
+            flag=True,
+            openai=1.0,
         ),
     )
     presence_penalty: float = field(
         default=0.0,
-        metadata=spec(doc="OpenAI's presence penalty, in [-2, 2]", flag=True, openai=0.0),
+        metadata=spec(
+            check=_penalty, doc="OpenAI's presence penalty, in [-2, 2]", flag=True, openai=0.0
+        ),
     )
     frequency_penalty: float = field(
         default=0.0,
-        metadata=spec(doc="OpenAI's frequency penalty, in [-2, 2]", flag=True, openai=0.0),
+        metadata=spec(
+            check=_penalty, doc="OpenAI's frequency penalty, in [-2, 2]", flag=True, openai=0.0
+        ),
     )
     penalty_last_n: int = field(
         default=64,
         metadata=spec(
-            doc="how many recent tokens the penalties look at; `-1`: the whole context", flag=True
+            check=_where(lambda v: _is_int(v) and v >= -1, "must be an int >= -1"),
+            doc="how many recent tokens the penalties look at; `-1`: the whole context",
+            flag=True,
         ),
     )
     logit_bias: Mapping[int, float] = field(
         default_factory=lambda: MappingProxyType({}),
         metadata=spec(
+            check=_logit_bias,
             default_doc="`{}`",
             doc="`{token_id: bias}` added to the logits",
             openai=None,
@@ -247,6 +381,10 @@ class SamplingParams:
     seed: int | None = field(
         default=None,
         metadata=spec(
+            check=_where(
+                lambda v: v is None or (isinstance(v, int) and 0 <= v < 2**32),
+                "must be None or an int in [0, 2**32)",
+            ),
             doc="fixes the sampling; choice `i` of `n` uses `seed + i` (`None`: a random seed)",
             flag=True,
             openai=None,
@@ -255,6 +393,7 @@ class SamplingParams:
     stop: Sequence[str] = field(
         default=(),
         metadata=spec(
+            check=_freeze_stop,
             doc="strings that end the reply, cut from the text (at most 1,024, with 65,536 "
             "characters in all)",
             openai=None,
@@ -262,34 +401,59 @@ class SamplingParams:
         ),
     )
     stop_token_ids: Sequence[int] = field(
-        default=(), metadata=spec(doc="token ids that end the reply when sampled")
+        default=(), metadata=spec(check=_token_ids, doc="token ids that end the reply when sampled")
     )
     ignore_eos: bool = field(
         default=False,
         metadata=spec(doc="ban the end-of-generation tokens: generate `max_tokens` tokens"),
     )
     n: int = field(
-        default=1, metadata=spec(doc="choices, sharing one prompt prefill (at most 256)", openai=1)
+        default=1,
+        metadata=spec(
+            check=_where(lambda v: isinstance(v, int) and 1 <= v <= 256, "must be in [1, 256]"),
+            doc="choices, sharing one prompt prefill (at most 256)",
+            openai=1,
+        ),
     )
     logprobs: int | None = field(
         default=None,
         metadata=spec(
-            doc="report each token's log-probability and its `k` (0..20) likeliest alternatives"
+            check=_where(
+                lambda v: v is None or (isinstance(v, int) and 0 <= v <= 20),
+                "must be None or an int in [0, 20]",
+            ),
+            doc="report each token's log-probability and its `k` (0..20) likeliest alternatives",
         ),
     )
     logits_processors: Sequence[LogitsProcessor] = field(
         default=(),
-        metadata=spec(doc="`fn(token_ids, logits)` called on each logits row before sampling"),
+        metadata=spec(
+            check=_processors,
+            doc="`fn(token_ids, logits)` called on each logits row before sampling",
+        ),
     )
     grammar: str | None = field(
-        default=None, metadata=spec(doc="a GBNF grammar the output must follow", openai=None)
+        default=None,
+        metadata=spec(
+            check=_where(
+                lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
+                "must be non-empty GBNF text",
+            ),
+            doc="a GBNF grammar the output must follow",
+            openai=None,
+        ),
     )
     json_schema: Mapping[str, Any] | None = field(
-        default=None, metadata=spec(doc="a JSON schema the output must follow (not with `grammar`)")
+        default=None,
+        metadata=spec(
+            check=_of_type(lambda v: v is None or isinstance(v, Mapping), "must be a dict"),
+            doc="a JSON schema the output must follow (not with `grammar`)",
+        ),
     )
     speculative: bool | Speculative | None = field(
         default=None,
         metadata=spec(
+            check=_speculative,
             doc="speculative decoding: `None` follows the context, `True`/`False` turns it on/off, "
             "a `PromptLookup` picks the method",
             openai=None,
@@ -301,6 +465,7 @@ class SamplingParams:
     lora: Mapping[str, float] | Mapping[int, float] | Mapping[str | int, float] | None = field(
         default=None,
         metadata=spec(
+            check=_lora,
             doc="LoRA adapters for this request, by name (or load index) with their scales; "
             "`None` or `{}`: the base model (see docs/lora.md)",
             openai=None,
@@ -311,97 +476,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _refuse_huge_ints(self, _NUMBER_FIELDS)
-        object.__setattr__(self, "lora", _lora(self.lora))
-        _require(
-            self.speculative is None or isinstance(self.speculative, (bool, DraftMethod)),
-            "speculative must be None, a bool or a llamax.PromptLookup, "
-            f"got {type(self.speculative).__name__}",
-        )
-        _require(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            f"logprobs must be None or an int in [0, 20], got {self.logprobs!r}",
-        )
-        processors = _iterable("logits_processors", self.logits_processors)
-        for fn in processors:
-            _require(callable(fn), f"logits_processors must hold callables, got {fn!r}")
-        object.__setattr__(self, "logits_processors", processors)
-        _require(
-            self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
-            f"grammar must be non-empty GBNF text, got {self.grammar!r}",
-        )
-        _require(
-            self.json_schema is None or isinstance(self.json_schema, Mapping),
-            f"json_schema must be a dict, got {type(self.json_schema).__name__}",
-        )
+        for name, check in _SAMPLING_CHECKS:
+            value = getattr(self, name)
+            stored = check(name, value)
+            if stored is not value:
+                object.__setattr__(self, name, stored)
         _require(
             self.grammar is None or self.json_schema is None,
             "grammar and json_schema cannot both be set",
         )
-        _require(
-            isinstance(self.n, int) and 1 <= self.n <= 256, f"n must be in [1, 256], got {self.n!r}"
-        )
-        _require(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            f"max_tokens must be a positive int or None, got {self.max_tokens!r}",
-        )
-        for name in _REAL_FIELDS:
-            value = getattr(self, name)
-            _require(_is_real(value), f"{name} must be a number, got {value!r}")
-        _require(
-            math.isfinite(self.temperature) and self.temperature >= 0,
-            f"temperature must be >= 0, got {self.temperature}",
-        )
-        _require(
-            _is_int(self.top_k) and 0 <= self.top_k < 2**31,
-            f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}",
-        )
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _require(0 < self.typical_p <= 1, f"typical_p must be in (0, 1], got {self.typical_p}")
-        _require(
-            math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0,
-            f"repeat_penalty must be > 0, got {self.repeat_penalty}",
-        )
-        _require(
-            math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-        )
-        _require(
-            math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-        )
-        _require(
-            _is_int(self.penalty_last_n) and self.penalty_last_n >= -1,
-            f"penalty_last_n must be an int >= -1, got {self.penalty_last_n!r}",
-        )
-        _require(
-            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
-            f"seed must be None or an int in [0, 2**32), got {self.seed!r}",
-        )
-        bias: dict[int, float] = {}
-        _require(
-            isinstance(self.logit_bias, Mapping),
-            f"logit_bias must be a dict, got {type(self.logit_bias).__name__}",
-        )
-        for token, value in dict(self.logit_bias).items():
-            _require(
-                isinstance(token, int) and token >= 0,
-                f"logit_bias keys must be token ids >= 0, got {token!r}",
-            )
-            _require(
-                _is_real(value) and not math.isnan(float(value)),
-                f"logit_bias values must be numbers, got {value!r} for token {token}",
-            )
-            bias[token] = float(value)
-        object.__setattr__(self, "logit_bias", MappingProxyType(bias))
-        object.__setattr__(self, "stop", _freeze_stop(self.stop))
-        stop_ids = _iterable("stop_token_ids", self.stop_token_ids)
-        for token in stop_ids:
-            _require(
-                isinstance(token, int) and token >= 0,
-                f"stop_token_ids must hold token ids >= 0, got {token!r}",
-            )
-        object.__setattr__(self, "stop_token_ids", stop_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -423,6 +506,20 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         ) and self.penalty_last_n != 0
+
+
+def _checks(cls: type) -> tuple[tuple[str, Check], ...]:
+    """``(name, check)`` of each field of ``cls`` whose spec has a check, in field order."""
+    found = []
+    for f in dataclasses.fields(cls):
+        option = f.metadata.get(OPTION_KEY)
+        if option is not None and option.check is not None:
+            found.append((f.name, option.check))
+    return tuple(found)
+
+
+_SAMPLING_CHECKS = _checks(SamplingParams)
+"""What :meth:`SamplingParams.__post_init__` runs: every field's own check."""
 
 
 def _is_endpoint_list(servers: object) -> bool:
@@ -863,27 +960,6 @@ class ContextConfig:
 
 def _is_pathlike(value: object) -> bool:
     return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
-
-
-def _lora(value: object) -> dict[str | int, float] | None:
-    """``SamplingParams.lora`` checked: adapter names (or load indices) to finite scales."""
-    if value is None:
-        return None
-    _require(isinstance(value, Mapping), f"lora must be a dict of name -> scale, got {value!r}")
-    assert isinstance(value, Mapping)
-    checked: dict[str | int, float] = {}
-    for key, scale in value.items():
-        _require(
-            (isinstance(key, str) and key != "") or (_is_int(key) and key >= 0),
-            f"lora keys must be adapter names or load indices >= 0, got {key!r}",
-        )
-        _require(
-            _is_real(scale) and math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE,
-            f"lora scale for {key!r} must be a finite number in [-{MAX_LORA_SCALE:g}, "
-            f"{MAX_LORA_SCALE:g}], got {scale!r}",
-        )
-        checked[key] = float(scale)
-    return checked
 
 
 class ContextOptions(TypedDict, total=False):
