@@ -89,14 +89,14 @@ def create_app(
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
     state = ServerState(
-        ctx,
-        api_key,
-        max_queue,
-        max_body_bytes,
-        retry_after_seconds,
-        parse_special_in_content,
-        ResponseStore(max_stored_responses),
-        stream_ping_seconds,
+        source=ctx,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        retry_after_seconds=retry_after_seconds,
+        parse_special_in_content=parse_special_in_content,
+        responses=ResponseStore(max_stored_responses),
+        stream_ping_seconds=stream_ping_seconds,
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state

@@ -34,7 +34,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class ServerState:
     """Per-app state; routes close over it (no globals, so apps never share anything).
 
