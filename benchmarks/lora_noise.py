@@ -12,6 +12,12 @@ The model soak (``tests/test_soak.py``) takes its adapter strength and its toler
 this::
 
     .venv/bin/python benchmarks/lora_noise.py --strengths 1.0 0.1 --json-out noise.json
+
+Which layout makes the noise (``--layouts``; ``--requests`` more than 64 puts decode
+steps on ggml's tiled attention; ``--base-only`` leaves LoRA out)::
+
+    .venv/bin/python benchmarks/lora_noise.py --strengths 0.1 --layouts streams unified \
+        --requests 96 --max-tokens 32 --no-prefix-cache [--base-only]
 """
 
 from __future__ import annotations
@@ -39,21 +45,33 @@ from test_soak import soak_prompt  # noqa: E402
 SETS: list[dict[str, float] | None] = [None, {"a": 1.0}, {"b": 0.5}, {"a": 0.5, "b": 1.0}]
 
 
-def measure(strength: float, seed: int, prefix_cache: bool, n: int) -> dict[str, Any]:
+def measure(
+    strength: float,
+    seed: int,
+    prefix_cache: bool,
+    n: int,
+    *,
+    layout: str = "auto",
+    max_tokens: int = 16,
+    base_only: bool = False,
+) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="llamax-lora-noise-"))
     adapters = {
         name: str(write_lora_adapter(tmp / f"{name}.gguf", seed=k, strength=strength))
         for k, name in enumerate("ab")
     }
     rng = random.Random(seed)
-    reqs = [(soak_prompt(rng), rng.choice(SETS)) for _ in range(n)]
+    sets = [None] if base_only else SETS
+    reqs = [(soak_prompt(rng), rng.choice(sets)) for _ in range(n)]
 
     def params(lora: dict[str, float] | None) -> llamax.SamplingParams:
-        return llamax.SamplingParams(max_tokens=16, temperature=0, lora=lora, ignore_eos=True)
+        return llamax.SamplingParams(
+            max_tokens=max_tokens, temperature=0, lora=lora, ignore_eos=True
+        )
 
     with llamax.Context(
-        n_ctx=8192, n_seq_max=64, n_batch=512, lora=adapters, prefix_cache=prefix_cache,
-        prefix_ram_bytes=0,
+        n_ctx=max(8192, 128 * n), n_seq_max=max(64, n), n_batch=512, lora=adapters,
+        prefix_cache=prefix_cache, prefix_ram_bytes=0, kv_layout=layout,
     ) as ctx:  # fmt: skip
         handles = [ctx.add_request(p, params(lora)) for p, lora in reqs]
         batched = [tuple(h.result(600).token_ids) for h in handles]
@@ -87,6 +105,8 @@ def measure(strength: float, seed: int, prefix_cache: bool, n: int) -> dict[str,
         "strength": strength,
         "seed": seed,
         "prefix_cache": prefix_cache,
+        "kv_layout": layout,
+        "max_tokens": max_tokens,
         "replies": n,
         "lora_replies": sum(lora is not None for _, lora in reqs),
         "lora_replies_changed_vs_base": changed,
@@ -103,11 +123,28 @@ def main() -> None:
     parser.add_argument("--strengths", type=float, nargs="+", default=[1.0, 0.1])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--layouts", nargs="+", default=["auto"], choices=["auto", "unified", "streams"]
+    )
+    parser.add_argument(
+        "--no-prefix-cache", action="store_true", help="off in every run (default: even seeds)"
+    )
+    parser.add_argument("--base-only", action="store_true", help="every request on the base model")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     runs = [
-        measure(strength, seed, prefix_cache=seed % 2 == 0, n=args.requests)
+        measure(
+            strength,
+            seed,
+            prefix_cache=seed % 2 == 0 and not args.no_prefix_cache,
+            n=args.requests,
+            layout=layout,
+            max_tokens=args.max_tokens,
+            base_only=args.base_only,
+        )
         for strength in args.strengths
+        for layout in args.layouts
         for seed in args.seeds
     ]
     report = {"benchmark": "lora_noise", "machine": bench.machine(), "runs": runs}
