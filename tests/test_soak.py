@@ -399,6 +399,32 @@ def soak(
     return tally
 
 
+def closing_burst(ctx: llamax.Context, tally: Tally, *, seed: int) -> None:
+    """:data:`BURST` requests at once on the engine the soak has left idle, none cancelled,
+    each generating :data:`CLOSING_BURST_TOKENS`: all are decoding before the first ends,
+    so steps hold ``BURST`` decode rows, past the 64-row tile, in the fake's unified cache,
+    whose used span is then many times what a row attends to; they split by construction.
+
+    The bursts amid the mix usually split too (47-79 split steps in 16 runs beside a busy
+    process), but not always: a quiet fresh-clone run measured 4,868 decodes in 4,868 steps
+    (cause not pinned down: the workers' sequences, ``n > 1`` choices and sessions hold ids
+    and cells the bursts then wait for)."""
+    rng = random.Random(seed * 1000 - 2)
+    params = llamax.SamplingParams(
+        max_tokens=CLOSING_BURST_TOKENS, ignore_eos=True, temperature=0.7
+    )
+    with tally.lock:
+        tally.submitted += BURST
+    handles = [ctx.add_request(soak_prompt(rng), params) for _ in range(BURST)]
+    for handle in handles:
+        settle(tally, handle, False, False)
+
+
+CLOSING_BURST_TOKENS = 128
+"""More than the steps a burst's prefills take (``BURST`` prompts of at most ~90 tokens,
+at most ``n_batch`` = 256 tokens a step: under 30 steps)."""
+
+
 class DecodeCounter:
     """Wraps a backend's ``decode`` to count calls: more decodes than steps means steps
     were split."""
@@ -550,6 +576,8 @@ def run_soak(
         lora=lora,
         num_samples=num_samples,
     )
+    if require_split:
+        closing_burst(ctx, tally, seed=1)
     seconds = time.monotonic() - started
     gc.collect()
     after = memory()
