@@ -94,11 +94,15 @@ Check: TypeAlias = "Callable[[str, Any], Any]"
 """``check(name, value) -> stored value`` (see :attr:`~llamax.optionspec.OptionSpec.check`)."""
 
 
-def _where(ok: Callable[[Any], bool], must: str) -> Check:
-    """A check that refuses a value unless ``ok(value)``: "``name`` ``must``, got ``value``"."""
+def _where(ok: Callable[[Any], bool], must: str, *, show_type: bool = False) -> Check:
+    """A check that refuses a value unless ``ok(value)``: "``name`` ``must``, got ``value``".
+
+    With ``show_type`` the message names the refused value's type instead of showing it.
+    """
 
     def check(name: str, value: Any) -> Any:
-        _require(ok(value), f"{name} {must}, got {value!r}")
+        got = type(value).__name__ if show_type else repr(value)
+        _require(ok(value), f"{name} {must}, got {got}")
         return value
 
     return check
@@ -110,16 +114,6 @@ def _real(ok: Callable[[Any], bool], must: str) -> Check:
     def check(name: str, value: Any) -> Any:
         _require(_is_real(value), f"{name} must be a number, got {value!r}")
         _require(ok(value), f"{name} must be {must}, got {value}")
-        return value
-
-    return check
-
-
-def _of_type(ok: Callable[[Any], bool], must: str) -> Check:
-    """Like :func:`_where`, naming the refused value's type instead of showing it."""
-
-    def check(name: str, value: Any) -> Any:
-        _require(ok(value), f"{name} {must}, got {type(value).__name__}")
         return value
 
     return check
@@ -166,8 +160,7 @@ def _speculative(name: str, value: Any) -> Any:
     return value
 
 
-def _penalty(name: str, value: Any) -> Any:
-    return _real(lambda v: math.isfinite(v) and -2 <= v <= 2, "in [-2, 2]")(name, value)
+_penalty = _real(lambda v: math.isfinite(v) and -2 <= v <= 2, "in [-2, 2]")
 
 
 MAX_STOP_STRINGS = 1024
@@ -446,7 +439,9 @@ class SamplingParams:
     json_schema: Mapping[str, Any] | None = field(
         default=None,
         metadata=spec(
-            check=_of_type(lambda v: v is None or isinstance(v, Mapping), "must be a dict"),
+            check=_where(
+                lambda v: v is None or isinstance(v, Mapping), "must be a dict", show_type=True
+            ),
             doc="a JSON schema the output must follow (not with `grammar`)",
         ),
     )

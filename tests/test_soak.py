@@ -786,10 +786,23 @@ def _write_adapter(path: Path, seed: int, strength: float = 1.0) -> Path:
 def test_mixed_soak_model(make_real: Callable[..., llamax.Context], tmp_path: Path) -> None:
     # outputs this short (to fit the suite's time) rarely put 64 rows in one step: the
     # split is checked by the fake's soak and by the full one
-    ctx, cold = _real(make_real, tmp_path)
+    _short_model_soak(make_real, tmp_path, 1_000)
+
+
+def _short_model_soak(
+    make_real: Callable[..., llamax.Context],
+    tmp: Path,
+    num_requests: int,
+    *,
+    layout: str = "auto",
+    num_samples: int = NUM_SAMPLES,
+) -> None:
+    """The short model soak: 16-token outputs, 32 client threads, 200 warm-up requests,
+    LoRA and the cold check; no RSS bound (see :data:`FULL_MODEL_KIB_PER_REQUEST`)."""
+    ctx, cold = _real(make_real, tmp, layout=layout)
     run_soak(
         ctx,
-        1_000,
+        num_requests,
         max_output=16,
         num_threads=32,
         warm=200,
@@ -798,6 +811,7 @@ def test_mixed_soak_model(make_real: Callable[..., llamax.Context], tmp_path: Pa
         fill_outputs=True,
         lora=True,
         cold=cold,
+        num_samples=num_samples,
     )
 
 
@@ -809,20 +823,7 @@ def test_mixed_soak_model_streams(make_real: Callable[..., llamax.Context], tmp_
     path but the unified one: copies between streams, the RAM and disk tiers, sessions,
     ``n > 1``, LoRA), where batch noise is small enough to check 200 replies against their
     cold runs at :data:`SOAK_STREAMS_REGRET_NATS`."""
-    ctx, cold = _real(make_real, tmp_path, layout="streams")
-    run_soak(
-        ctx,
-        2_000,
-        max_output=16,
-        num_threads=32,
-        warm=200,
-        require_split=False,
-        kib_per_request=None,
-        fill_outputs=True,
-        lora=True,
-        cold=cold,
-        num_samples=200,
-    )
+    _short_model_soak(make_real, tmp_path, 2_000, layout="streams", num_samples=200)
 
 
 @pytest.mark.soak
