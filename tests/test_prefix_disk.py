@@ -21,6 +21,7 @@ from adversaries import deadline
 import llamax
 from llamax.engine import prefix_disk
 from llamax.engine.prefix_disk import MAGIC, MAX_DEFAULT_BYTES, PrefixDiskTier, default_disk_budget
+from llamax.engine.prefix_tier import PrefixHit
 from llamax.flags import option_values
 from llamax.testing import FakeBackend, assert_idle
 
@@ -170,6 +171,32 @@ def test_a_longer_prefix_in_ram_wins_over_disk(make: Make) -> None:
     assert stats.num_prefix_ram_restores == 1 and stats.num_prefix_disk_hits == 0
 
 
+def test_a_tier_that_fails_a_restore_falls_back_to_the_next(make: Make, tmp_path: Path) -> None:
+    """RAM and disk each hold a copy of system(0) (a restored file stays on disk); the RAM
+    copy, tried first, is refused by the memory: the disk's copy is restored instead of
+    the prefix being computed again."""
+    ctx = make(prefix_ram_bytes=700)  # room for one entry in RAM
+    for prompt in ("A1?", "B2?", "C3?"):
+        complete(ctx, system("ABC".index(prompt[0])) + prompt)  # system(0) to disk
+    complete(ctx, system(0) + "D4?")  # restored from disk (the file stays)
+    complete(ctx, system(1) + "E5?")  # system(0) + "D4?" evicted to RAM
+    before = ctx.stats()
+    assert before.prefix_ram_entries == 1 and before.num_prefix_disk_restores == 2
+    assert len(files(tmp_path)) == before.prefix_disk_entries
+    backend = ctx._backend
+    assert isinstance(backend, FakeBackend)
+    faults = iter([1])  # the first state load fails, the next ones work
+    backend.fault = lambda where: next(faults, None) if where == "state_seq_set" else None
+    done, num = computed(ctx, system(0) + "F6?")
+    backend.fault = None
+    assert num == 3  # only "F6?": the disk's copy gave system(0)
+    assert done.token_ids == cold(system(0) + "F6?").token_ids
+    after = ctx.stats()
+    assert (after.num_prefix_ram_hits, after.num_prefix_ram_refused) == (1, 1)
+    assert after.num_prefix_disk_restores == before.num_prefix_disk_restores + 1
+    assert ctx.audit() == []
+
+
 def test_the_next_context_on_the_directory_restores_from_disk(make: Make, tmp_path: Path) -> None:
     first = make()
     complete(first, system(0) + "A1?")
@@ -204,8 +231,8 @@ def test_adapter_states_are_not_written(tmp_path: Path) -> None:
     try:
         assert not tier.store(list(range(40)), b"x" * 10, adapters=(("a", 1.0),))
         assert tier.store(list(range(40)), b"x" * 10)
-        assert tier.match([*range(40), 1], (("a", 1.0),)) is None
-        assert tier.match([*range(40), 1]) is not None
+        assert tier.lookup([*range(40), 1], (("a", 1.0),)) is None
+        assert tier.lookup([*range(40), 1]) is not None
     finally:
         tier.close()
 
@@ -311,7 +338,7 @@ def test_the_scan_keeps_the_newest_files_within_the_budget(tmp_path: Path) -> No
     try:
         assert [e.path for e in small.entries()] == paths[1:]
         assert not os.path.exists(paths[0]) and small.audit() == []
-        assert small.load(small.entries()[0]) == bytes([1]) * 100
+        assert small.read(PrefixHit(small, small.entries()[0], 0)) == bytes([1]) * 100
     finally:
         small.close()
 
@@ -354,7 +381,7 @@ def test_a_failed_write_loses_only_the_entry(
     monkeypatch.undo()
     stats = ctx.stats()
     assert stats.num_prefix_disk_stores == 0 and stats.prefix_disk_entries == 0
-    assert disk_tier(ctx).num_store_failures == 2
+    assert disk_tier(ctx).stats().num_store_failures == 2
     assert list(tmp_path.glob("*/.tmp-*")) == [] and files(tmp_path) == []
     _, num = computed(ctx, system(0) + "D4?")
     assert num == len(system(0)) + 3
@@ -448,9 +475,9 @@ def test_a_file_larger_than_its_entry_is_refused_before_it_is_read(
             lambda *a, **k: _CountingFile(open(*a, **k), read),  # noqa: SIM115
             raising=False,
         )
-        assert tier.load(entry) is None
+        assert tier.read(PrefixHit(tier, entry, 0)) is None
         assert sum(read) < 64 << 10, "the junk was read"
-        assert tier.num_refused == 1 and tier.entries() == []
+        assert tier.stats().num_refused == 1 and tier.entries() == []
         assert not os.path.exists(entry.path)
     finally:
         tier.close()
@@ -470,7 +497,7 @@ def test_a_restore_reads_only_the_entrys_bytes(
             lambda *a, **k: _CountingFile(open(*a, **k), read),  # noqa: SIM115
             raising=False,
         )
-        assert tier.load(entry) == b"s" * 1000
+        assert tier.read(PrefixHit(tier, entry, 0)) == b"s" * 1000
         assert sum(read) == entry.num_bytes
     finally:
         tier.close()
@@ -485,7 +512,7 @@ def test_files_and_folders_are_private_whatever_the_umask(tmp_path: Path, umask:
         try:
             assert tier.store([5] * 40, b"s" * 100)
             (entry,) = tier.entries()
-            assert tier.load(entry) == b"s" * 100
+            assert tier.read(PrefixHit(tier, entry, 0)) == b"s" * 100
         finally:
             tier.close()
     finally:
@@ -609,9 +636,9 @@ def test_the_audit_checks_the_disk_tier(make: Make) -> None:
     complete(ctx, system(0) + "A1?")
     complete(ctx, system(1) + "B2?")
     tier = disk_tier(ctx)
-    tier._num_bytes += 1
+    tier._lru._num_bytes += 1
     assert any("disk tier accounts" in p for p in ctx.audit())
-    tier._num_bytes -= 1
+    tier._lru._num_bytes -= 1
     assert ctx.audit() == []
 
 

@@ -257,9 +257,9 @@ def test_the_audit_checks_the_tier_accounts(make: Make) -> None:
     complete(ctx, system(0) + "A1?")
     complete(ctx, system(1) + "B2?")
     tier = ctx._engine.scheduler.prefix.ram
-    tier._num_bytes += 1
+    tier._lru._num_bytes += 1
     assert any("RAM tier accounts" in p for p in ctx.audit())
-    tier._num_bytes -= 1
+    tier._lru._num_bytes -= 1
     assert ctx.audit() == []
 
 
@@ -299,13 +299,13 @@ def test_tier_match_takes_the_longest_common_prefix_and_skips_the_last_token() -
     t.store([1, 2, 3, 4], b"a")
     t.store([1, 2, 3, 9, 9], b"b")
     t.store([1, 2], b"c")
-    m = t.match([1, 2, 3, 4, 5])
+    m = t.lookup([1, 2, 3, 4, 5])
     assert m is not None and (m.entry.data, m.num_common) == (b"a", 4)
-    m = t.match([1, 2, 3, 4])  # the last prompt token is always computed
+    m = t.lookup([1, 2, 3, 4])  # the last prompt token is always computed
     assert m is not None and m.num_common == 3 and m.entry.data == b"a"  # shortest of equals
-    assert t.match([1, 2, 3, 4, 5], longer_than=4) is None  # KV gives as much
-    assert t.match([1, 2, 3, 4, 5], max_tokens=3) is not None  # only [1, 2] fits
-    assert t.match([7, 2, 3]) is None and t.match([]) is None
+    assert t.lookup([1, 2, 3, 4, 5], longer_than=4) is None  # KV gives as much
+    assert t.lookup([1, 2, 3, 4, 5], max_tokens=3) is not None  # only [1, 2] fits
+    assert t.lookup([7, 2, 3]) is None and t.lookup([]) is None
 
 
 def test_tier_keys_entries_by_adapter_set() -> None:
@@ -313,23 +313,24 @@ def test_tier_keys_entries_by_adapter_set() -> None:
     t.store([1, 2, 3], b"base")
     t.store([1, 2, 3], b"lora", adapters=(("a", 1.0),))
     assert t.num_entries == 2
-    m = t.match([1, 2, 3, 4], adapters=(("a", 1.0),))
+    m = t.lookup([1, 2, 3, 4], adapters=(("a", 1.0),))
     assert m is not None and m.entry.data == b"lora"
-    m = t.match([1, 2, 3, 4])
+    m = t.lookup([1, 2, 3, 4])
     assert m is not None and m.entry.data == b"base"
-    assert t.match([1, 2, 3, 4], adapters=(("b", 1.0),)) is None
+    assert t.lookup([1, 2, 3, 4], adapters=(("b", 1.0),)) is None
 
 
 def test_tier_evicts_by_bytes_least_recently_used_first() -> None:
     t = tier(10)
     t.store([1, 1], b"x" * 4)
     t.store([2, 2], b"x" * 4)
-    m = t.match([1, 1, 0])
+    m = t.lookup([1, 1, 0])
     assert m is not None
-    t.put(t.take(m))  # used: now the most recent
+    t.hold(m)  # a restore begins: the entry is out of the tier
+    t.release(m, refused=False)  # no room: back in, now the most recent
     t.store([3, 3], b"x" * 4)  # drops [2, 2], the least recently used
     assert [e.tokens for e in t.entries()] == [(1, 1), (3, 3)]
-    assert t.num_bytes == 8 and t.num_dropped == 1 and t.audit() == []
+    assert t.num_bytes == 8 and t.stats().num_dropped == 1 and t.audit() == []
     assert not t.store([4, 4], b"x" * 11)  # larger than the whole budget: not stored
     t.store([1, 1], b"yy")  # the same key replaces its entry
     assert t.num_bytes == 6 and t.num_entries == 2
@@ -387,11 +388,11 @@ def test_the_server_clears_both_tiers_and_shows_them_in_metrics(route: str) -> N
 def test_an_entry_given_back_stays_within_the_budget() -> None:
     t = tier(10)
     t.store([1, 1], b"x" * 6)
-    m = t.match([1, 1, 0])
+    m = t.lookup([1, 1, 0])
     assert m is not None
-    entry = t.take(m)
+    t.hold(m)
     t.store([2, 2], b"y" * 6)  # stored while the entry was out (an eviction to make room)
-    t.put(entry)  # the restore did not happen: back in, the oldest other entry out
+    t.release(m, refused=False)  # the restore did not happen: back in, the oldest other out
     assert [e.tokens for e in t.entries()] == [(1, 1)] and t.audit() == []
 
 

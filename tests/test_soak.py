@@ -526,7 +526,7 @@ def warm_ram_tier(
     a leak again."""
     ram = ctx._engine.scheduler.prefix.ram
     rounds = 0
-    while ram.is_enabled and ram.num_dropped == 0:
+    while ram.is_enabled and ram.stats().num_dropped == 0:
         assert rounds < 8, f"the RAM tier did not fill in {rounds} warm-up rounds: {ctx.stats()}"
         rounds += 1
         soak(

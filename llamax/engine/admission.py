@@ -9,13 +9,13 @@ never evicts the slot it copies from), keeps the slot's common prefix and drops 
 In a unified cache a newcomer fits only if ``cells_used + pending tokens + its new cells
 <= n_ctx``, after evicting retained slots (never its source).
 
-When the host-RAM tier (:mod:`llamax.engine.prefix_ram`) holds a longer prefix than any
-slot, the newcomer gets a fresh slot with that state restored and cut to the shared prefix
-(evicting retained slots for it, the one that gives the shorter prefix included);
-if the memory refuses it (or it does not hold what it claims), the entry is dropped and the
-newcomer is placed as if the tier were empty. The disk tier (:mod:`llamax.engine.prefix_disk`)
-is tried first when it holds a longer prefix still, the same way; a file that does not read
-back as written is deleted and the newcomer placed as if the disk tier were empty.
+When a tier below KV (:mod:`llamax.engine.prefix_tier`: host RAM, disk) holds a longer
+prefix than any slot, the newcomer gets a fresh slot with that state restored and cut to
+the shared prefix (evicting retained slots for it, the one that gives the shorter prefix
+included). The tier giving the most is tried first, the upper one among equals; if there is
+no room, or the memory refuses the state, or it does not read back or hold what it claims
+(the entry then dropped), the tiers not yet tried are asked again (the evictions for the
+try may have changed them), and at last the newcomer is placed from KV alone.
 
 :class:`SlotPlacer` changes slots only (through the KV and prefix caches) and returns a
 :class:`Placement`, which the scheduler applies to the sequence; :func:`should_wait` and
@@ -28,13 +28,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from ..adapters import NO_ADAPTERS, AdapterSet
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix import PrefixCache
-from .prefix_disk import DiskMatch
-from .prefix_ram import RamMatch
+from .prefix_tier import PrefixHit, PrefixTier
 
 __all__ = [
     "WAIT_FOR_PREFIX_MIN",
@@ -113,35 +113,21 @@ class SlotPlacer:
         """
         match = self._prefix.match(token_ids, in_flight, adapters)
         source, now = match.slot, match.num_now
-        cells = self._kv.cells_per_seq
-        ram = self._prefix.ram.match(
-            token_ids, longer_than=now, max_tokens=cells, adapters=adapters
-        )
-        best = now if ram is None else ram.num_common
-        disk = self._prefix.disk
-        on_disk = (
-            None
-            if disk is None
-            else disk.match(token_ids, adapters, longer_than=best, max_tokens=cells)
-        )
-        if should_wait(best if on_disk is None else on_disk.num_common, match.num_later):
+        untried = list(self._prefix.tiers)
+        hit = self._lookup(untried, token_ids, adapters, now)
+        if should_wait(now if hit is None else hit.num_common, match.num_later):
             return Placement(Outcome.WAIT_PREFIX)
         # a tier's longer prefix may evict the slot that gives the shorter one (every chat
         # prompt shares its template's head with some slot: protecting that slot left the
         # tiers unused whenever sequence ids were scarce); a failed try looks again
-        if on_disk is not None:
-            restored = self._restore_disk(on_disk, token_ids, num_pending)
-            if restored is not None:
-                return restored
-            ram = self._prefix.ram.match(  # what the evictions for the try left in RAM
-                token_ids, longer_than=now, max_tokens=cells, adapters=adapters
-            )
-        if ram is not None:
-            restored = self._restore(ram, token_ids, num_pending, adapters=adapters)
-            if restored is not None:
-                return restored
-        if on_disk is not None or ram is not None:  # the tries may have evicted the source
-            match = self._prefix.match(token_ids, in_flight, adapters)
+        if hit is not None:
+            while hit is not None:
+                restored = self._restore(hit, token_ids, num_pending, adapters)
+                if restored is not None:
+                    return restored
+                untried.remove(hit.tier)
+                hit = self._lookup(untried, token_ids, adapters, now)
+            match = self._prefix.match(token_ids, in_flight, adapters)  # the source may be gone
             source, now = match.slot, match.num_now
         if self._kv.num_free_seq_ids == 0 and not self._prefix.evict_one(keep=source):
             return self._take_over(source, token_ids, num_pending, adapters)
@@ -155,49 +141,54 @@ class SlotPlacer:
             self._prefix.touch(source)
         return Placement(Outcome.ADMITTED, slot, now)
 
+    def _lookup(
+        self,
+        tiers: Sequence[PrefixTier[Any]],
+        token_ids: Sequence[int],
+        adapters: AdapterSet,
+        now: int,
+    ) -> PrefixHit[Any] | None:
+        """The hit giving the most tokens past the ``now`` KV gives, among ``tiers`` (the
+        upper tier among equals)."""
+        best: PrefixHit[Any] | None = None
+        for tier in tiers:
+            hit = tier.lookup(
+                token_ids,
+                adapters,
+                longer_than=now if best is None else best.num_common,
+                max_tokens=self._kv.cells_per_seq,
+            )
+            if hit is not None:
+                best = hit
+        return best
+
     def _restore(
         self,
-        ram: RamMatch,
+        hit: PrefixHit[Any],
         token_ids: Sequence[int],
         num_pending: int,
-        *,
         adapters: AdapterSet,
     ) -> Placement | None:
-        """Admit with the RAM tier's matched state in a fresh slot; None (the entry gone if
-        it was refused) when there is no room for it or the memory would not take it."""
-        tier = self._prefix.ram
-        entry = tier.take(ram)  # out of the tier first: the evictions below spill into it
-        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, adapters)
+        """Admit with ``hit``'s state restored in a fresh slot; None when there is no room
+        for it, or its entry does not read back, or the memory would not take it (then
+        the tier drops the entry)."""
+        tier = hit.tier
+        tier.hold(hit)  # first: the evictions below spill into the tiers
+        slot = self._fresh_slot(hit.num_stored, token_ids, num_pending, adapters)
         if slot is None:
-            tier.put(entry)
+            tier.release(hit, refused=False)
             return None
         started = time.perf_counter()
-        ok = self._load(slot, entry.tokens, entry.data, ram.num_common)
-        tier.record_restore(ram.num_common if ok else 0, time.perf_counter() - started)
-        return Placement(Outcome.ADMITTED, slot, ram.num_common) if ok else None
-
-    def _restore_disk(
-        self, found: DiskMatch, token_ids: Sequence[int], num_pending: int
-    ) -> Placement | None:
-        """Admit with the disk tier's matched state in a fresh slot, as :meth:`_restore`
-        does; the file stays (the disk is a cache), unless it or its state is refused."""
-        tier = self._prefix.disk
-        if tier is None:
-            return None
-        entry = found.entry
-        tier.touch(entry)  # the evictions below may push files out: not this one first
-        slot = self._fresh_slot(len(entry.tokens), token_ids, num_pending, NO_ADAPTERS)
-        if slot is None:
-            return None
-        started = time.perf_counter()
-        data = tier.load(entry)
-        ok = data is not None and self._load(slot, entry.tokens, data, found.num_common)
+        data = tier.read(hit)
         if data is None:
             self._kv.release(slot)
-        elif not ok:
-            tier.refuse(entry)
-        tier.record_restore(found.num_common if ok else 0, time.perf_counter() - started)
-        return Placement(Outcome.ADMITTED, slot, found.num_common) if ok else None
+            ok = False
+        else:
+            ok = self._load(slot, hit.entry.tokens, data, hit.num_common)
+            if not ok:
+                tier.release(hit, refused=True)
+        tier.record_restore(hit.num_common if ok else 0, time.perf_counter() - started)
+        return Placement(Outcome.ADMITTED, slot, hit.num_common) if ok else None
 
     def _fresh_slot(
         self,

@@ -40,7 +40,7 @@ from .contention import ThreadPolicy
 from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .phase import EngineState, LoopPhase, next_phase
 from .plan import StepPlan, StepResult
-from .prefix_disk import PrefixDiskTier
+from .prefix_tier import TierStats
 from .sampling import (
     BatchLogitsProcessor,
     keep_interrupt,
@@ -101,7 +101,7 @@ class Engine:
         try:
             self.calibration = calibrate_backend(backend) if calibrate else None
         except BaseException:
-            self._close_disk()  # the directory is free for the next context
+            self._close_tiers()  # the directory is free for the next context
             raise
         """This machine's measured step costs the scheduler started from, or None."""
         if self.calibration is not None:
@@ -553,19 +553,14 @@ class Engine:
             num_accepted_tokens=s.num_accepted_tokens,
             kv_cells_per_stream=s.stream_cells,
             num_relayouts=s.num_relayouts,
-            prefix_ram_bytes=s.prefix.ram.num_bytes,
-            prefix_ram_budget_bytes=s.prefix.ram.budget_bytes,
-            prefix_ram_entries=s.prefix.ram.num_entries,
-            num_prefix_ram_stores=s.prefix.ram.num_stored,
-            num_prefix_ram_hits=s.prefix.ram.num_hits,
-            num_prefix_ram_restores=s.prefix.ram.num_restores,
-            num_prefix_ram_refused=s.prefix.ram.num_refused,
-            num_prefix_ram_tokens=s.prefix.ram.num_restored_tokens,
-            prefix_ram_restore_seconds=s.prefix.ram.restore_seconds,
             n_threads=self._threaded.n_threads if self._threaded is not None else 0,
             is_contended=self._threads is not None and self._threads.is_contended,
             num_thread_changes=self._threads.num_thread_changes if self._threads else 0,
-            **_disk_stats(s.prefix.disk),
+            **{
+                field: value
+                for name, tier in s.prefix.tier_stats().items()
+                for field, value in _tier_fields(name, tier).items()
+            },
         )
 
     def _publish_snapshot(self) -> None:
@@ -647,17 +642,15 @@ class Engine:
                     with self._lock:
                         self._close_error = exc
                 finally:
-                    self._close_disk()
+                    self._close_tiers()
                     with self._lock:
                         if self._phase is LoopPhase.TEARING_DOWN:
                             self._move(LoopPhase.CLOSED)
         self._publish(result)
 
-    def _close_disk(self) -> None:
-        """Release the disk tier's directory (its files stay for the next context)."""
-        disk = self.scheduler.prefix.disk
-        if disk is not None:
-            disk.close()
+    def _close_tiers(self) -> None:
+        """Release what the prefix tiers hold outside the process (the disk tier's directory)."""
+        self.scheduler.prefix.close()
 
     def _move(self, phase: LoopPhase) -> None:
         """Change phase as :data:`~llamax.engine.phase.MOVES` allows; the caller holds
@@ -676,20 +669,18 @@ class Engine:
             raise ContextClosedError("the context has been closed")
 
 
-def _disk_stats(disk: PrefixDiskTier | None) -> dict[str, Any]:
-    """The disk tier's fields of :class:`ContextStats` (zeros without one)."""
-    if disk is None:
-        return {}
+def _tier_fields(name: str, tier: TierStats) -> dict[str, Any]:
+    """A prefix tier's fields of :class:`ContextStats` (``prefix_<name>_bytes``, ...)."""
     return {
-        "prefix_disk_bytes": disk.num_bytes,
-        "prefix_disk_budget_bytes": disk.budget_bytes,
-        "prefix_disk_entries": disk.num_entries,
-        "num_prefix_disk_stores": disk.num_stored,
-        "num_prefix_disk_hits": disk.num_hits,
-        "num_prefix_disk_restores": disk.num_restores,
-        "num_prefix_disk_refused": disk.num_refused,
-        "num_prefix_disk_tokens": disk.num_restored_tokens,
-        "prefix_disk_restore_seconds": disk.restore_seconds,
+        f"prefix_{name}_bytes": tier.num_bytes,
+        f"prefix_{name}_budget_bytes": tier.budget_bytes,
+        f"prefix_{name}_entries": tier.num_entries,
+        f"num_prefix_{name}_stores": tier.num_stored,
+        f"num_prefix_{name}_hits": tier.num_hits,
+        f"num_prefix_{name}_restores": tier.num_restores,
+        f"num_prefix_{name}_refused": tier.num_refused,
+        f"num_prefix_{name}_tokens": tier.num_restored_tokens,
+        f"prefix_{name}_restore_seconds": tier.restore_seconds,
     }
 
 

@@ -21,12 +21,14 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ..adapters import NO_ADAPTERS, AdapterSet
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix_disk import PrefixDiskTier
 from .prefix_ram import PrefixRamTier, RamEntry
+from .prefix_tier import PrefixTier, TierStats
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 
@@ -72,6 +74,15 @@ class PrefixCache:
         self.disk = disk if retain else None
         """The disk tier below the RAM tier, if any."""
         self.ram.on_drop = self._drop_to_disk
+        self.tiers: tuple[PrefixTier[Any], ...] = (
+            (self.ram,)
+            if self.disk is None
+            else (
+                self.ram,
+                self.disk,
+            )
+        )
+        """The tiers below KV, upper first: what an upper tier drops goes to the next."""
         self.num_evictions = 0
         self.num_spill_failures = 0
 
@@ -138,22 +149,18 @@ class PrefixCache:
             self._cache.release(slot)
         self._retained.clear()
         self.num_evictions += count
-        self.ram.clear()
-        if self.disk is not None:
-            self.disk.clear()
+        for tier in self.tiers:
+            tier.clear()
         return count
 
     def spill(self, slot: Slot) -> None:
-        """Save ``slot``'s state into the RAM tier, or the disk tier when there is no RAM
-        tier or the state alone exceeds its budget (before the slot is released, or cut by
-        a newcomer that takes it over). A save that fails loses only the entry."""
+        """Save ``slot``'s state into the uppermost tier that takes it: the RAM tier, or the
+        disk tier when there is no RAM tier or the state alone exceeds its budget (before
+        the slot is released, or cut by a newcomer that takes it over). A save that fails
+        loses only the entry."""
         num_tokens = len(slot.tokens)
-        disk = (
-            self.disk
-            if self.disk is not None and self.disk.wants(num_tokens, slot.adapters)
-            else None
-        )
-        if not (self.ram.wants(num_tokens) or disk) or not self._cache.is_intact(slot):
+        wanting = [t for t in self.tiers if t.wants(num_tokens, slot.adapters)]
+        if not wanting or not self._cache.is_intact(slot):
             return
         try:
             data = self._cache.save(slot)
@@ -161,13 +168,28 @@ class PrefixCache:
             self.num_spill_failures += 1
             _log.warning("could not keep an evicted prefix in RAM: %s", exc)
             return
-        if not self.ram.store(slot.tokens, data, slot.adapters) and disk is not None:
-            disk.store(slot.tokens, data, slot.adapters)
+        for tier in wanting:
+            if tier.store(slot.tokens, data, slot.adapters):
+                return
 
     def _drop_to_disk(self, entry: RamEntry) -> None:
         """The RAM tier dropped ``entry`` to stay within its budget: keep it on disk."""
         if self.disk is not None:
             self.disk.store(entry.tokens, entry.data, entry.adapters)
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each tier's stats by its name (``ram``, ``disk``)."""
+        return {tier.name: tier.stats() for tier in self.tiers}
+
+    def audit(self) -> list[str]:
+        """Inconsistencies in the tiers' bookkeeping, as sentences."""
+        return [problem for tier in self.tiers for problem in tier.audit()]
+
+    def close(self) -> None:
+        """Release what the tiers hold outside the process (the disk tier's directory; its
+        files stay for the next context). Idempotent."""
+        for tier in self.tiers:
+            tier.close()
 
     def allocate(self, *, pinned: bool = False, keep: Slot | None = None) -> Slot | None:
         """Take a free sequence id, evicting a retained slot (never ``keep``) if needed."""

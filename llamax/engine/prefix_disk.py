@@ -45,21 +45,19 @@ import shutil
 import stat
 import struct
 import zlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
 from ..adapters import NO_ADAPTERS, AdapterSet
 from ..errors import CacheClearError, InvalidParameterError
-from .prefix_ram import MIN_STORED_TOKENS, best_prefix
+from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierCounters, TierStats, best_prefix
 
 __all__ = [
     "MAGIC",
     "MAX_DEFAULT_BYTES",
     "VERSION",
     "DiskEntry",
-    "DiskMatch",
     "PrefixDiskTier",
     "default_disk_budget",
 ]
@@ -145,15 +143,6 @@ class DiskEntry:
     """The file."""
     num_bytes: int
     """The file's size (header and state)."""
-
-
-@dataclass(frozen=True, slots=True)
-class DiskMatch:
-    """A stored entry and how many of a prompt's tokens it gives."""
-
-    entry: DiskEntry
-    num_common: int
-    """Prompt tokens the entry holds (its common prefix with the prompt, less the last)."""
 
 
 def _encode(tokens: Sequence[int], data: bytes) -> bytes:
@@ -262,6 +251,8 @@ class PrefixDiskTier:
             context uses it.
     """
 
+    name = "disk"
+
     def __init__(
         self,
         directory: str,
@@ -270,31 +261,24 @@ class PrefixDiskTier:
         model: str = "",
         min_tokens: int = MIN_STORED_TOKENS,
     ) -> None:
-        self.budget_bytes = budget_bytes
         self.model = model
         self.min_tokens = min_tokens
         key = hashlib.sha256(model.encode()).hexdigest()[:16]
         self.directory = os.path.join(os.path.abspath(directory), key)
-        self._entries: OrderedDict[tuple[int, ...], DiskEntry] = OrderedDict()  # LRU first
-        self._num_bytes = 0
+        self._lru: ByteLRU[tuple[int, ...], DiskEntry] = ByteLRU(
+            budget_bytes,
+            size=lambda e: e.num_bytes,
+            key=lambda e: e.tokens,
+            on_drop=self._dropped,
+            label="the disk tier",
+        )
         self._has_warned = False
         self._lock_fd: int | None = None
-        self.num_stored = 0
-        """States written (dropped from RAM, or evicted from KV with no RAM tier)."""
-        self.num_dropped = 0
-        """Files deleted to stay within the budget."""
-        self.num_store_failures = 0
-        """Writes that failed (the entry is lost)."""
-        self.num_hits = 0
-        """Prompts that found a longer prefix here than in KV or RAM (restores tried)."""
-        self.num_restores = 0
-        """Restores that succeeded."""
-        self.num_refused = 0
-        """Files that did not read back as written, or states the memory refused."""
-        self.num_restored_tokens = 0
-        """Prompt tokens restored instead of computed."""
-        self.restore_seconds = 0.0
-        """Time spent reading and restoring (successful or not)."""
+        self.counters = TierCounters()
+        """``num_stored``: files written (dropped from RAM, or evicted from KV with no RAM
+        tier); ``num_dropped``: files deleted to stay within the budget;
+        ``num_refused``: files that did not read back as written, or states the memory
+        refused."""
         try:
             _make_private_dir(self.directory)
             lock = _open_private(os.path.join(self.directory, _LOCK), os.O_RDWR | os.O_CREAT)
@@ -318,6 +302,11 @@ class PrefixDiskTier:
         self._scan()
 
     @property
+    def budget_bytes(self) -> int:
+        """The most bytes of files kept."""
+        return self._lru.budget_bytes
+
+    @property
     def is_enabled(self) -> bool:
         """Whether anything may be stored."""
         return self.budget_bytes > 0 and self._lock_fd is not None
@@ -325,16 +314,22 @@ class PrefixDiskTier:
     @property
     def num_bytes(self) -> int:
         """Bytes of files held."""
-        return self._num_bytes
+        return self._lru.num_bytes
 
     @property
     def num_entries(self) -> int:
         """Entries held."""
-        return len(self._entries)
+        return len(self._lru)
 
     def entries(self) -> list[DiskEntry]:
         """Entries, least recently used first."""
-        return list(self._entries.values())
+        return list(self._lru)
+
+    def stats(self) -> TierStats:
+        """Counters and sizes, frozen."""
+        return self.counters.stats(
+            num_bytes=self.num_bytes, budget_bytes=self.budget_bytes, num_entries=self.num_entries
+        )
 
     def close(self) -> None:
         """Release the directory (the files stay for the next context). Idempotent."""
@@ -356,15 +351,14 @@ class PrefixDiskTier:
         key = tuple(tokens)
         if not self.wants(len(key), adapters) or not data:
             return False
-        held = self._entries.get(key)
-        if held is not None:
-            self._entries.move_to_end(key)
+        if self._lru.get(key) is not None:
+            self._lru.touch(key)
             return True
         head = _encode(key, data)
         size = len(head) + len(data)
         if size > self.budget_bytes:
             return False
-        self._make_room(size)
+        self._lru.make_room(size)
         name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + _SUFFIX
         path = os.path.join(self.directory, name)
         temp = os.path.join(self.directory, f".tmp-{os.getpid()}-{name}")
@@ -375,63 +369,58 @@ class PrefixDiskTier:
             os.replace(temp, path)
         except OSError as exc:
             _remove(temp)
-            self.num_store_failures += 1
+            self.counters.num_store_failures += 1
             if not self._has_warned:
                 self._has_warned = True
                 _log.warning("could not keep an evicted prefix on disk (%s): %s", path, exc)
             return False
-        self._entries[key] = DiskEntry(key, path, size)
-        self._num_bytes += size
-        self.num_stored += 1
+        self._lru.put(DiskEntry(key, path, size))
+        self.counters.num_stored += 1
         return True
 
-    def _make_room(self, size: int) -> None:
-        while self._entries and self._num_bytes + size > self.budget_bytes:
-            _, oldest = self._entries.popitem(last=False)
-            self._num_bytes -= oldest.num_bytes
-            _remove(oldest.path)
-            self.num_dropped += 1
+    def _dropped(self, entry: DiskEntry) -> None:
+        _remove(entry.path)
+        self.counters.num_dropped += 1
 
-    def remove(self, entry: DiskEntry) -> None:
+    def _forget(self, entry: DiskEntry) -> None:
         """Forget ``entry`` and delete its file."""
-        if self._entries.get(entry.tokens) is entry:
-            del self._entries[entry.tokens]
-            self._num_bytes -= entry.num_bytes
+        if self._lru.get(entry.tokens) is entry:
+            self._lru.pop(entry.tokens)
         _remove(entry.path)
 
-    def touch(self, entry: DiskEntry) -> None:
-        """Mark ``entry`` as just used."""
-        if entry.tokens in self._entries:
-            self._entries.move_to_end(entry.tokens)
+    def hold(self, hit: PrefixHit[DiskEntry]) -> None:
+        """Mark the entry as just used (counted as a hit), so the evictions that make room
+        for it push other files out first; the file stays after the restore (the disk is
+        a cache)."""
+        self._lru.touch(hit.entry.tokens)
+        self.counters.num_hits += 1
 
-    def load(self, entry: DiskEntry) -> bytes | None:
-        """The state in ``entry``'s file (counted as a hit). None if the entry is gone, or
-        its file does not read back as written (deleted, counted refused): not a regular
-        file, or not of the size recorded (checked before reading; then only that many
-        bytes are read), or another header, length or checksum."""
-        if self._entries.get(entry.tokens) is not entry:
+    def read(self, hit: PrefixHit[DiskEntry]) -> bytes | None:
+        """The state in the entry's file. None if the entry is gone, or its file does not
+        read back as written (deleted, counted refused): not a regular file, or not of the
+        size recorded (checked before reading; then only that many bytes are read), or
+        another header, length or checksum."""
+        entry = hit.entry
+        if self._lru.get(entry.tokens) is not entry:
             return None
-        self.num_hits += 1
         data = _read_state(entry)
         if data is None:
-            self.remove(entry)
-            self.num_refused += 1
+            self._forget(entry)
+            self.counters.num_refused += 1
             return None
-        self._entries.move_to_end(entry.tokens)
+        self._lru.touch(entry.tokens)
         return data
 
-    def record_restore(self, num_tokens: int, seconds: float) -> None:
-        """A restore gave ``num_tokens`` prompt tokens (0: the memory refused the state,
-        or the file did not read back) in ``seconds``."""
-        self.restore_seconds += seconds
-        if num_tokens:
-            self.num_restores += 1
-            self.num_restored_tokens += num_tokens
+    def release(self, hit: PrefixHit[DiskEntry], *, refused: bool) -> None:
+        """The restore did not happen: for want of room (the file stays), or the memory
+        refused the state (the file is deleted, counted refused)."""
+        if refused:
+            self._forget(hit.entry)
+            self.counters.num_refused += 1
 
-    def refuse(self, entry: DiskEntry) -> None:
-        """The memory refused ``entry``'s state: delete it, count it refused."""
-        self.remove(entry)
-        self.num_refused += 1
+    def record_restore(self, num_tokens: int, seconds: float) -> None:
+        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
+        self.counters.record_restore(num_tokens, seconds)
 
     def clear(self) -> int:
         """Forget every entry and delete every file in the tier's folder (the lock's
@@ -442,9 +431,7 @@ class PrefixDiskTier:
                 the message names how many and the first error. They are forgotten here
                 but stay on disk, where the next context would find them again.
         """
-        count = len(self._entries)
-        self._entries.clear()
-        self._num_bytes = 0
+        count = self._lru.clear()
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
@@ -484,47 +471,37 @@ class PrefixDiskTier:
                 _remove(path)
                 continue
             found.append(read)
+        newest: dict[tuple[int, ...], DiskEntry] = {}
         for _, entry in sorted(found, key=lambda pair: pair[0]):
-            held = self._entries.pop(entry.tokens, None)  # the same tokens twice: the newer
+            held = newest.pop(entry.tokens, None)  # the same tokens twice: the newer
             if held is not None:
-                self._num_bytes -= held.num_bytes
                 _remove(held.path)
-            self._entries[entry.tokens] = entry
-            self._num_bytes += entry.num_bytes
-        self._make_room(0)
+            newest[entry.tokens] = entry
+        self._lru.fill(newest.values())
 
     # ------------------------------------------------------------------ queries
-    def match(
+    def lookup(
         self,
         prompt: Sequence[int],
         adapters: AdapterSet = NO_ADAPTERS,
         *,
         longer_than: int = 0,
         max_tokens: int | None = None,
-    ) -> DiskMatch | None:
+    ) -> PrefixHit[DiskEntry] | None:
         """The entry giving the most of ``prompt`` (all but its last token), if it gives
         more than ``longer_than`` tokens and at least :attr:`min_tokens`; among equals the
         shortest entry. Only a prompt without adapters matches (see the module's note)."""
         if adapters != ():
             return None
         found = best_prefix(
-            self._entries.values(),
+            self._lru,
             prompt,
             longer_than=longer_than,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
         )
-        return None if found is None else DiskMatch(*found)
+        return None if found is None else PrefixHit(self, *found)
 
     def audit(self) -> list[str]:
         """Inconsistencies in the tier's bookkeeping, as sentences."""
-        problems = []
-        held = sum(e.num_bytes for e in self._entries.values())
-        if held != self._num_bytes:
-            problems.append(f"the disk tier accounts {self._num_bytes} bytes, entries hold {held}")
-        if self._num_bytes > self.budget_bytes:
-            problems.append(f"the disk tier holds {self._num_bytes} bytes > {self.budget_bytes}")
-        for key, entry in self._entries.items():
-            if key != entry.tokens:
-                problems.append(f"a disk entry of {len(entry.tokens)} tokens is filed elsewhere")
-        return problems
+        return self._lru.audit()

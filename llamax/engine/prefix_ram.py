@@ -15,37 +15,31 @@ the tier when it is restored (the KV slot holds it then, and spills it again whe
 so a prefix is held by one tier at a time.
 
 Entries are keyed by ``(adapters, tokens)``; a tier belongs to one context and so to one
-model (:attr:`PrefixRamTier.model`).
+model (:attr:`PrefixRamTier.model`). The tier is one
+:class:`~llamax.engine.prefix_tier.PrefixTier`: admission looks it up and restores from it
+as from any other.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
 from ..adapters import NO_ADAPTERS, AdapterSet
-from ..tokens import common_prefix_len
+from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierCounters, TierStats, best_prefix
 
 __all__ = [
     "MAX_DEFAULT_BYTES",
-    "MIN_STORED_TOKENS",
     "PrefixRamTier",
     "RamEntry",
-    "RamMatch",
-    "best_prefix",
     "default_budget",
 ]
-
-MIN_STORED_TOKENS = 32
-"""Shorter prefixes are not kept: recomputing them costs about what restoring them does."""
 
 MAX_DEFAULT_BYTES = 8 << 30
 """The default budget's cap (llama-server's ``--cache-ram`` default is 8 GiB too)."""
 
-Key = tuple[tuple[object, ...], tuple[int, ...]]
+Key = tuple[AdapterSet, tuple[int, ...]]
 
 
 def default_budget(meminfo: str = "/proc/meminfo") -> int:
@@ -86,55 +80,6 @@ class RamEntry:
         return self.adapters, self.tokens
 
 
-@dataclass(frozen=True, slots=True)
-class RamMatch:
-    """A stored entry and how many of a prompt's tokens it gives."""
-
-    entry: RamEntry
-    num_common: int
-    """Prompt tokens the entry holds (its common prefix with the prompt, less the last)."""
-
-
-E = TypeVar("E", bound="_HasTokens")
-
-
-class _HasTokens(Protocol):
-    @property
-    def tokens(self) -> tuple[int, ...]: ...
-
-
-def best_prefix(
-    entries: Iterable[E],
-    prompt: Sequence[int],
-    *,
-    longer_than: int,
-    max_tokens: int | None,
-    min_tokens: int,
-) -> tuple[E, int] | None:
-    """The stored entry giving the most of ``prompt`` (all but its last token) and how
-    many tokens, if more than ``longer_than`` and at least ``min_tokens``; among equals the
-    shortest entry. Entries holding more than ``max_tokens`` are skipped. (The RAM and disk
-    tiers' match.)"""
-    limit = len(prompt) - 1
-    if limit <= longer_than or not prompt:
-        return None
-    best: tuple[E, int] | None = None
-    prompt = tuple(prompt)  # slices of a tuple and a list never compare equal
-    head = prompt[0]
-    for entry in entries:
-        tokens = entry.tokens
-        if not tokens or tokens[0] != head:
-            continue
-        if max_tokens is not None and len(tokens) > max_tokens:
-            continue
-        common = min(common_prefix_len(tokens, prompt), limit)
-        if common <= longer_than or common < min_tokens:
-            continue
-        if best is None or (common, -len(tokens)) > (best[1], -len(best[0].tokens)):
-            best = (entry, common)
-    return best
-
-
 class PrefixRamTier:
     """Evicted prefixes' states in host RAM, least recently used first out, by bytes.
 
@@ -144,30 +89,28 @@ class PrefixRamTier:
         min_tokens: Shorter prefixes are not stored.
     """
 
+    name = "ram"
+
     def __init__(
         self, budget_bytes: int, *, model: str = "", min_tokens: int = MIN_STORED_TOKENS
     ) -> None:
-        self.budget_bytes = budget_bytes
         self.model = model
         self.min_tokens = min_tokens
-        self._entries: OrderedDict[Key, RamEntry] = OrderedDict()  # LRU first
-        self._num_bytes = 0
+        self._lru: ByteLRU[Key, RamEntry] = ByteLRU(
+            budget_bytes,
+            size=lambda e: len(e.data),
+            key=lambda e: e.key,
+            on_drop=self._dropped,
+            label="the RAM tier",
+        )
         self.on_drop: Callable[[RamEntry], None] | None = None
         """Called with each entry dropped to stay within the budget (the disk tier takes it)."""
-        self.num_stored = 0
-        """States stored (on eviction from KV)."""
-        self.num_dropped = 0
-        """Entries dropped to stay within the budget."""
-        self.num_hits = 0
-        """Prompts that found a longer prefix here than in KV (restores tried)."""
-        self.num_restores = 0
-        """Restores that succeeded."""
-        self.num_refused = 0
-        """Restores the memory refused or whose extent did not match: recomputed."""
-        self.num_restored_tokens = 0
-        """Prompt tokens restored instead of computed."""
-        self.restore_seconds = 0.0
-        """Time spent restoring (successful or not)."""
+        self.counters = TierCounters()
+
+    @property
+    def budget_bytes(self) -> int:
+        """The most bytes of state kept."""
+        return self._lru.budget_bytes
 
     @property
     def is_enabled(self) -> bool:
@@ -177,83 +120,82 @@ class PrefixRamTier:
     @property
     def num_bytes(self) -> int:
         """Bytes of state held."""
-        return self._num_bytes
+        return self._lru.num_bytes
 
     @property
     def num_entries(self) -> int:
         """Entries held."""
-        return len(self._entries)
+        return len(self._lru)
 
     def entries(self) -> list[RamEntry]:
         """Entries, least recently used first."""
-        return list(self._entries.values())
+        return list(self._lru)
+
+    def stats(self) -> TierStats:
+        """Counters and sizes, frozen."""
+        return self.counters.stats(
+            num_bytes=self.num_bytes, budget_bytes=self.budget_bytes, num_entries=self.num_entries
+        )
 
     # ------------------------------------------------------------------ changes
-    def wants(self, num_tokens: int) -> bool:
-        """Whether a prefix of ``num_tokens`` tokens would be stored (before saving it)."""
+    def wants(self, num_tokens: int, adapters: AdapterSet = NO_ADAPTERS) -> bool:
+        """Whether a prefix of ``num_tokens`` tokens would be stored (before saving it);
+        any adapter set is."""
         return self.is_enabled and num_tokens >= self.min_tokens
 
     def store(self, tokens: Sequence[int], data: bytes, adapters: AdapterSet = NO_ADAPTERS) -> bool:
         """Keep ``data`` (the state of ``tokens``) as the most recently used entry, dropping
         the least recently used ones beyond the budget; False if it alone exceeds it."""
-        if not self.wants(len(tokens)) or len(data) > self.budget_bytes:
+        if not self.wants(len(tokens)) or not self._lru.put(
+            RamEntry(adapters, tuple(tokens), data)
+        ):
             return False
-        self.put(RamEntry(adapters, tuple(tokens), data))
-        self.num_stored += 1
+        self.counters.num_stored += 1
         return True
 
-    def put(self, entry: RamEntry) -> None:
-        """Hold ``entry`` (new, or one :meth:`take` gave out) as the most recently used,
-        dropping the least recently used entries beyond the budget."""
-        self.remove(entry.key)
-        while self._entries and self._num_bytes + len(entry.data) > self.budget_bytes:
-            _, oldest = self._entries.popitem(last=False)
-            self._num_bytes -= len(oldest.data)
-            self.num_dropped += 1
-            if self.on_drop is not None:
-                self.on_drop(oldest)
-        if len(entry.data) <= self.budget_bytes:
-            self._entries[entry.key] = entry
-            self._num_bytes += len(entry.data)
+    def _dropped(self, entry: RamEntry) -> None:
+        self.counters.num_dropped += 1
+        if self.on_drop is not None:
+            self.on_drop(entry)
 
-    def remove(self, key: Key) -> RamEntry | None:
-        """Drop the entry under ``key``, if any; return it."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._num_bytes -= len(entry.data)
-        return entry
+    def hold(self, hit: PrefixHit[RamEntry]) -> None:
+        """Move the entry out of the tier (counted as a hit): the evictions that make room
+        for it spill into this tier, and a restored prefix lives in KV, not here."""
+        self._lru.pop(hit.entry.key)
+        self.counters.num_hits += 1
 
-    def take(self, match: RamMatch) -> RamEntry:
-        """Move the matched entry out of the tier to restore it (counted as a hit)."""
-        self.remove(match.entry.key)
-        self.num_hits += 1
-        return match.entry
+    def read(self, hit: PrefixHit[RamEntry]) -> bytes:
+        """The held entry's state."""
+        return hit.entry.data
+
+    def release(self, hit: PrefixHit[RamEntry], *, refused: bool) -> None:
+        """The restore did not happen: the entry comes back as the most recently used (no
+        room), or stays out, counted refused."""
+        if refused:
+            self.counters.num_refused += 1
+        else:
+            self._lru.put(hit.entry)
 
     def record_restore(self, num_tokens: int, seconds: float) -> None:
-        """A restore gave ``num_tokens`` prompt tokens (0: refused) in ``seconds``."""
-        self.restore_seconds += seconds
-        if num_tokens:
-            self.num_restores += 1
-            self.num_restored_tokens += num_tokens
-        else:
-            self.num_refused += 1
+        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
+        self.counters.record_restore(num_tokens, seconds)
 
     def clear(self) -> int:
         """Drop every entry; return how many."""
-        count = len(self._entries)
-        self._entries.clear()
-        self._num_bytes = 0
-        return count
+        return self._lru.clear()
+
+    def close(self) -> None:
+        """Nothing to release outside the process."""
 
     # ------------------------------------------------------------------ queries
-    def match(
+    def lookup(
         self,
         prompt: Sequence[int],
         adapters: AdapterSet = NO_ADAPTERS,
         *,
         longer_than: int = 0,
         max_tokens: int | None = None,
-    ) -> RamMatch | None:
+    ) -> PrefixHit[RamEntry] | None:
         """The entry giving the most of ``prompt`` (all but its last token), if it gives
         more than ``longer_than`` tokens (what the KV tier gives) and at least
         :attr:`min_tokens`; among equals the shortest entry (fewest bytes to restore).
@@ -261,27 +203,18 @@ class PrefixRamTier:
         Args:
             prompt: The new sequence's tokens.
             adapters: Its LoRA adapter set; only entries computed with the same one match.
-            longer_than: Tokens the KV tier gives already.
+            longer_than: Tokens the tiers above give already.
             max_tokens: Entries holding more tokens are skipped (a stream could not hold them).
         """
         found = best_prefix(
-            (e for e in self._entries.values() if e.adapters == adapters),
+            (e for e in self._lru if e.adapters == adapters),
             prompt,
             longer_than=longer_than,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
         )
-        return None if found is None else RamMatch(*found)
+        return None if found is None else PrefixHit(self, *found)
 
     def audit(self) -> list[str]:
         """Inconsistencies in the tier's bookkeeping, as sentences."""
-        problems = []
-        held = sum(len(e.data) for e in self._entries.values())
-        if held != self._num_bytes:
-            problems.append(f"the RAM tier accounts {self._num_bytes} bytes, entries hold {held}")
-        if self._num_bytes > self.budget_bytes:
-            problems.append(f"the RAM tier holds {self._num_bytes} bytes > {self.budget_bytes}")
-        for key, entry in self._entries.items():
-            if key != entry.key:
-                problems.append(f"a RAM entry of {len(entry.tokens)} tokens is filed elsewhere")
-        return problems
+        return self._lru.audit()

@@ -138,8 +138,7 @@ class SessionTable:
                         scheduler.all_sequences(),
                         self._slots.values(),
                     )
-                    + scheduler.prefix.ram.audit()
-                    + (scheduler.prefix.disk.audit() if scheduler.prefix.disk is not None else [])
+                    + scheduler.prefix.audit()
                 )
         raise TypeError(f"unknown KV operation {op!r}")
 

@@ -1,0 +1,347 @@
+"""The seam under the KV prefix cache: what every tier of evicted prefixes answers. Pure Python.
+
+A tier keeps evicted prefixes' saved KV states (``llama_state_seq_get_data``) somewhere
+cheaper than KV: host RAM (:mod:`llamax.engine.prefix_ram`), files
+(:mod:`llamax.engine.prefix_disk`). Admission asks every tier one question, "how many
+tokens of this prompt can you give me" (:meth:`PrefixTier.lookup`, a :class:`PrefixHit`),
+and restores the best answer through one path (:meth:`PrefixTier.hold`, :meth:`~PrefixTier.read`,
+:meth:`~PrefixTier.release`), in the spirit of vLLM's KV connector. A tier is one class:
+its entries live in a :class:`ByteLRU` (least recently used out first, by bytes, with the
+byte audit) and it counts in :class:`TierCounters`, reported as frozen :class:`TierStats`.
+
+An entry is worth its longest common prefix with the prompt, never the prompt's last
+token (computed for its logits): :func:`best_prefix`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from ..adapters import AdapterSet
+from ..tokens import common_prefix_len
+
+__all__ = [
+    "MIN_STORED_TOKENS",
+    "ByteLRU",
+    "PrefixHit",
+    "PrefixTier",
+    "StoredPrefix",
+    "TierCounters",
+    "TierStats",
+    "best_prefix",
+]
+
+MIN_STORED_TOKENS = 32
+"""Shorter prefixes are not kept: recomputing them costs about what restoring them does."""
+
+
+class StoredPrefix(Protocol):
+    """What every tier's entry has: the tokens its state holds."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+
+E = TypeVar("E", bound=StoredPrefix)
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit(Generic[E]):
+    """A tier's answer for a prompt: a stored entry and how many of the prompt's tokens it
+    gives."""
+
+    tier: PrefixTier[E]
+    """The tier holding the entry."""
+    entry: E
+    """The entry (the tier's own type)."""
+    num_common: int
+    """Prompt tokens the entry holds (its common prefix with the prompt, less the last)."""
+
+    @property
+    def num_stored(self) -> int:
+        """Tokens the entry's state holds (all land before the cut to :attr:`num_common`)."""
+        return len(self.entry.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One tier's counters and size, as of one moment."""
+
+    num_bytes: int = 0
+    """Bytes of state held."""
+    budget_bytes: int = 0
+    """The most bytes held."""
+    num_entries: int = 0
+    """Entries held."""
+    num_stored: int = 0
+    """States stored."""
+    num_dropped: int = 0
+    """Entries dropped to stay within the budget."""
+    num_store_failures: int = 0
+    """Stores that failed (the entry is lost)."""
+    num_hits: int = 0
+    """Prompts that found a longer prefix here than above (restores tried)."""
+    num_restores: int = 0
+    """Restores that succeeded."""
+    num_refused: int = 0
+    """Entries that did not read back, or states the memory refused: recomputed."""
+    num_restored_tokens: int = 0
+    """Prompt tokens restored instead of computed."""
+    restore_seconds: float = 0.0
+    """Time spent reading and restoring (successful or not)."""
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """A tier's running counts (:class:`TierStats` without the sizes)."""
+
+    num_stored: int = 0
+    num_dropped: int = 0
+    num_store_failures: int = 0
+    num_hits: int = 0
+    num_restores: int = 0
+    num_refused: int = 0
+    num_restored_tokens: int = 0
+    restore_seconds: float = 0.0
+
+    def record_restore(self, num_tokens: int, seconds: float) -> None:
+        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
+        self.restore_seconds += seconds
+        if num_tokens:
+            self.num_restores += 1
+            self.num_restored_tokens += num_tokens
+
+    def stats(self, *, num_bytes: int, budget_bytes: int, num_entries: int) -> TierStats:
+        """These counts with the tier's sizes, frozen."""
+        return TierStats(
+            num_bytes=num_bytes,
+            budget_bytes=budget_bytes,
+            num_entries=num_entries,
+            num_stored=self.num_stored,
+            num_dropped=self.num_dropped,
+            num_store_failures=self.num_store_failures,
+            num_hits=self.num_hits,
+            num_restores=self.num_restores,
+            num_refused=self.num_refused,
+            num_restored_tokens=self.num_restored_tokens,
+            restore_seconds=self.restore_seconds,
+        )
+
+
+class PrefixTier(Protocol[E]):
+    """A tier of evicted prefixes' states below the KV prefix cache.
+
+    Admission restores a hit as: :meth:`hold` (before making room, whose evictions spill
+    into the tiers), then either :meth:`release` with ``refused=False`` (no room), or
+    :meth:`read` and the restore, :meth:`release` with ``refused=True`` when the memory
+    refused the state, and :meth:`record_restore` in every case that read.
+    """
+
+    name: str
+    """``ram``, ``disk``: the tier's name in stats and logs."""
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether anything may be stored."""
+        ...
+
+    def wants(self, num_tokens: int, adapters: AdapterSet) -> bool:
+        """Whether a prefix of ``num_tokens`` tokens computed under ``adapters`` would be
+        stored (asked before saving its state)."""
+        ...
+
+    def store(self, tokens: Sequence[int], data: bytes, adapters: AdapterSet) -> bool:
+        """Keep ``data``, the state of ``tokens``, as the most recently used entry; False
+        if not kept."""
+        ...
+
+    def lookup(
+        self,
+        prompt: Sequence[int],
+        adapters: AdapterSet,
+        *,
+        longer_than: int = 0,
+        max_tokens: int | None = None,
+    ) -> PrefixHit[E] | None:
+        """The entry computed under ``adapters`` giving the most of ``prompt`` (all but its
+        last token), if more than ``longer_than`` tokens; entries of more than
+        ``max_tokens`` tokens are skipped (a stream could not hold them)."""
+        ...
+
+    def hold(self, hit: PrefixHit[E]) -> None:
+        """A restore of ``hit`` begins (counted as a hit): keep its entry out of the way of
+        the evictions that make room for it."""
+        ...
+
+    def read(self, hit: PrefixHit[E]) -> bytes | None:
+        """The held entry's state; None if it is gone or does not read back as written
+        (then dropped and counted refused)."""
+        ...
+
+    def release(self, hit: PrefixHit[E], *, refused: bool) -> None:
+        """The restore of the held ``hit`` did not happen: for want of room (the entry
+        stays), or ``refused`` by the memory (dropped, counted refused)."""
+        ...
+
+    def record_restore(self, num_tokens: int, seconds: float) -> None:
+        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
+        ...
+
+    def stats(self) -> TierStats:
+        """Counters and sizes, frozen."""
+        ...
+
+    def audit(self) -> list[str]:
+        """Inconsistencies in the tier's bookkeeping, as sentences."""
+        ...
+
+    def clear(self) -> int:
+        """Drop every entry; return how many."""
+        ...
+
+    def close(self) -> None:
+        """Release what the tier holds outside the process (idempotent)."""
+        ...
+
+
+def best_prefix(
+    entries: Iterable[E],
+    prompt: Sequence[int],
+    *,
+    longer_than: int,
+    max_tokens: int | None,
+    min_tokens: int,
+) -> tuple[E, int] | None:
+    """The stored entry giving the most of ``prompt`` (all but its last token) and how
+    many tokens, if more than ``longer_than`` and at least ``min_tokens``; among equals the
+    shortest entry (fewest bytes to restore). Entries holding more than ``max_tokens`` are
+    skipped."""
+    limit = len(prompt) - 1
+    if limit <= longer_than or not prompt:
+        return None
+    best: tuple[E, int] | None = None
+    prompt = tuple(prompt)  # slices of a tuple and a list never compare equal
+    head = prompt[0]
+    for entry in entries:
+        tokens = entry.tokens
+        if not tokens or tokens[0] != head:
+            continue
+        if max_tokens is not None and len(tokens) > max_tokens:
+            continue
+        common = min(common_prefix_len(tokens, prompt), limit)
+        if common <= longer_than or common < min_tokens:
+            continue
+        if best is None or (common, -len(tokens)) > (best[1], -len(best[0].tokens)):
+            best = (entry, common)
+    return best
+
+
+class ByteLRU(Generic[K, V]):
+    """Entries by key, least recently used first, within a byte budget.
+
+    Args:
+        budget_bytes: The most bytes held.
+        size: An entry's bytes.
+        key: An entry's key.
+        on_drop: Called with each entry dropped to stay within the budget.
+        label: The tier's name in :meth:`audit`'s sentences ("the RAM tier").
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        size: Callable[[V], int],
+        key: Callable[[V], K],
+        on_drop: Callable[[V], None],
+        label: str,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self._size = size
+        self._key = key
+        self._on_drop = on_drop
+        self._label = label
+        self._entries: OrderedDict[K, V] = OrderedDict()  # LRU first
+        self._num_bytes = 0
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held."""
+        return self._num_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[V]:
+        """Entries, least recently used first."""
+        return iter(self._entries.values())
+
+    def get(self, key: K) -> V | None:
+        """The entry under ``key``, if any (not marked used)."""
+        return self._entries.get(key)
+
+    def touch(self, key: K) -> None:
+        """Mark the entry under ``key`` (if any) as just used."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+
+    def make_room(self, num_bytes: int) -> None:
+        """Drop least recently used entries until ``num_bytes`` more fit the budget."""
+        while self._entries and self._num_bytes + num_bytes > self.budget_bytes:
+            _, oldest = self._entries.popitem(last=False)
+            self._num_bytes -= self._size(oldest)
+            self._on_drop(oldest)
+
+    def put(self, entry: V) -> bool:
+        """Hold ``entry`` as the most recently used (replacing one under its key), dropping
+        least recently used entries beyond the budget; False (nothing dropped) if it alone
+        exceeds the budget."""
+        size = self._size(entry)
+        if size > self.budget_bytes:
+            return False
+        self.pop(self._key(entry))
+        self.make_room(size)
+        self._entries[self._key(entry)] = entry
+        self._num_bytes += size
+        return True
+
+    def fill(self, entries: Iterable[V]) -> None:
+        """Hold ``entries`` (keys unique, least recently used first) in an empty store,
+        then drop the least recently used beyond the budget."""
+        assert not self._entries, "fill() is for an empty store"
+        for entry in entries:
+            self._entries[self._key(entry)] = entry
+            self._num_bytes += self._size(entry)
+        self.make_room(0)
+
+    def pop(self, key: K) -> V | None:
+        """Forget the entry under ``key``, if any; return it."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._num_bytes -= self._size(entry)
+        return entry
+
+    def clear(self) -> int:
+        """Forget every entry; return how many."""
+        count = len(self._entries)
+        self._entries.clear()
+        self._num_bytes = 0
+        return count
+
+    def audit(self) -> list[str]:
+        """Inconsistencies between the entries, their byte count and the budget."""
+        problems = []
+        held = sum(self._size(e) for e in self._entries.values())
+        if held != self._num_bytes:
+            problems.append(f"{self._label} accounts {self._num_bytes} bytes, entries hold {held}")
+        if self._num_bytes > self.budget_bytes:
+            problems.append(f"{self._label} holds {self._num_bytes} bytes > {self.budget_bytes}")
+        for key, entry in self._entries.items():
+            if key != self._key(entry):
+                problems.append(f"an entry of {self._label} is filed under another key")
+        return problems
