@@ -18,8 +18,6 @@ from .backend.fingerprint import weights_fingerprint
 from .engine.calibration import Calibration
 from .engine.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
-from .engine.prefix_disk import default_disk_budget
-from .engine.prefix_ram import default_budget
 from .engine.sampling import BatchLogitsProcessor
 from .errors import (
     ContextClosedError,
@@ -98,7 +96,6 @@ class Context:
                 path = model_path or f"<{type(backend).__name__}>"
             config = ContextConfig.from_options(os.fspath(path), options)
         owned = backend is None
-        calibrate = config.calibrate if config.calibrate is not None else owned
         if backend is None:
             from .backend.llama_cpp import LlamaCppBackend
 
@@ -108,16 +105,9 @@ class Context:
         try:
             self._engine = Engine(
                 backend,
+                config.engine_config(owns_backend=owned),
                 autostart=autostart,
-                prefix_cache=config.prefix_cache,
-                max_step_ms=config.max_step_ms,
                 batch_processor=batch_logits_processor,
-                speculative=config.speculative,
-                calibrate=calibrate,
-                prefix_ram_bytes=_ram_budget(config),
-                prefix_disk_dir=config.prefix_disk_dir,
-                prefix_disk_bytes=_disk_budget(config),
-                adapt_threads=config.adapts_threads,
             )
         except BaseException:
             if owned:  # the model and context it loaded are freed
@@ -861,20 +851,3 @@ class _SessionPort:
         self, prompt: Prompt, params: SamplingParams | None, *, session_id: int
     ) -> RequestHandle:
         return self._ctx._submit(prompt, params, session_id=session_id)
-
-
-def _ram_budget(config: ContextConfig) -> int:
-    """The RAM tier's budget: as configured, else this context's share of the default."""
-    if config.prefix_ram_bytes is not None:
-        return config.prefix_ram_bytes
-    return int(default_budget() * config.prefix_ram_share)
-
-
-def _disk_budget(config: ContextConfig) -> int:
-    """The disk tier's budget: as configured, else this context's share of the default for
-    its directory."""
-    if config.prefix_disk_dir is None:
-        return 0
-    if config.prefix_disk_bytes is not None:
-        return config.prefix_disk_bytes
-    return int(default_disk_budget(config.prefix_disk_dir) * config.prefix_disk_share)

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "ContextConfig",
     "ContextOptions",
+    "EngineConfig",
     "KVLayout",
     "LogitsProcessor",
     "SamplingParams",
@@ -840,6 +841,22 @@ class ContextConfig:
         thread's prefill need not match two threads' bit for bit)."""
         return self.adapt_threads and self.n_threads is None
 
+    def engine_config(self, *, owns_backend: bool = True) -> EngineConfig:
+        """What the engine needs of these options (:class:`EngineConfig`); ``calibrate``
+        left to auto means "for a backend the context loads itself" (``owns_backend``)."""
+        return EngineConfig(
+            prefix_cache=self.prefix_cache,
+            max_step_ms=self.max_step_ms,
+            speculative=self.speculative,
+            calibrate=self.calibrate if self.calibrate is not None else owns_backend,
+            adapt_threads=self.adapts_threads,
+            prefix_ram_bytes=self.prefix_ram_bytes,
+            prefix_ram_share=self.prefix_ram_share,
+            prefix_disk_dir=self.prefix_disk_dir,
+            prefix_disk_bytes=self.prefix_disk_bytes,
+            prefix_disk_share=self.prefix_disk_share,
+        )
+
     def __post_init__(self) -> None:
         _refuse_huge_ints(self, _CONFIG_NUMBER_FIELDS)
         self._check_types()
@@ -955,6 +972,29 @@ class ContextConfig:
 
 def _is_pathlike(value: object) -> bool:
     return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """The engine's options, one object handed down ``Context -> Engine -> Scheduler``
+    (built by :meth:`ContextConfig.engine_config`, checked there; meanings as in
+    :class:`ContextConfig`). The defaults are an engine with every feature on and no
+    prefix tier, as tests build one."""
+
+    prefix_cache: bool = True
+    max_step_ms: float | None = None
+    speculative: Speculative | None = None
+    calibrate: bool = False
+    """Time a few steps at start (``ContextConfig.calibrate``, resolved)."""
+    adapt_threads: bool = False
+    """Lower the threads under contention (``ContextConfig.adapts_threads``)."""
+    prefix_ram_bytes: int | None = 0
+    """The RAM tier's budget; None: this context's share of the machine's default."""
+    prefix_ram_share: float = 1.0
+    prefix_disk_dir: str | None = None
+    prefix_disk_bytes: int | None = None
+    """The disk tier's budget (with a directory); None: its share of the default."""
+    prefix_disk_share: float = 1.0
 
 
 class ContextOptions(TypedDict, total=False):

@@ -379,9 +379,7 @@ def _read_header(
     return header["model"], header["tokens"], header["adapters"], following - size
 
 
-def _saved_adapters(
-    saved: list[Any], port: SessionPort, path: object
-) -> AdapterSet:
+def _saved_adapters(saved: list[Any], port: SessionPort, path: object) -> AdapterSet:
     """The adapter set a session file's cells were computed under, each adapter checked
     against the context's: loaded under that name, from a file with the same weights.
 

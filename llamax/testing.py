@@ -74,8 +74,6 @@ FAULT_POINTS = (
 given. The protocol has no ``seq_keep`` and no abort callback: llamax calls neither."""
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class _Computed:
     """What a cell's K/V came from (its data): the hash chain of the tokens at positions

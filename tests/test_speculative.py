@@ -27,6 +27,7 @@ from llamax.engine.speculative import (
     new_draft_state,
     window,
 )
+from llamax.params import EngineConfig
 from llamax.testing import FakeBackend, alphabet_model
 
 
@@ -400,7 +401,7 @@ class _FixedCost:
 def _price(num_decoding: int, acceptance_hits: int) -> dict[int, int]:
     """Plan drafts for ``num_decoding`` sequences whose drafts were right ``hits`` of 20."""
     backend = FakeBackend(n_ctx=4096, n_seq_max=64, n_batch=512)
-    scheduler = Scheduler(backend, speculative=PromptLookup(max_draft=8))
+    scheduler = Scheduler(backend, EngineConfig(speculative=PromptLookup(max_draft=8)))
     scheduler.decode_cost = _FixedCost(0.004, 0.004)  # type: ignore[assignment]
     slots = []
     proposals: list[tuple[Any, DraftState, tuple[int, ...]]] = []
@@ -437,7 +438,7 @@ def test_pricing_yields_under_a_full_batch() -> None:
 
 def test_pricing_gives_no_drafts_next_to_a_prompt_chunk() -> None:
     backend = FakeBackend(n_ctx=4096, n_seq_max=4, n_batch=512)
-    scheduler = Scheduler(backend, speculative=PromptLookup(max_draft=8))
+    scheduler = Scheduler(backend, EngineConfig(speculative=PromptLookup(max_draft=8)))
     state = new_draft_state(PromptLookup())
     for _ in range(20):
         state.record(4, 4)

@@ -24,7 +24,6 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from ..backend.base import Backend, DecodeStatus, LoraHost, Threaded
-from ..drafting import PromptLookup
 from ..errors import (
     ContextClosedError,
     DeadlockError,
@@ -32,6 +31,7 @@ from ..errors import (
     InvalidRequestError,
     LoopOwnershipError,
 )
+from ..params import EngineConfig
 from ..results import TokenLogprob
 from ..stats import ContextStats
 from .calibration import apply as apply_calibration
@@ -71,35 +71,20 @@ class Engine:
     def __init__(
         self,
         backend: Backend,
+        config: EngineConfig | None = None,
         *,
         autostart: bool = True,
-        prefix_cache: bool = True,
-        max_step_ms: float | None = None,
         batch_processor: BatchLogitsProcessor | None = None,
-        speculative: PromptLookup | None = None,
-        calibrate: bool = False,
-        prefix_ram_bytes: int = 0,
-        prefix_disk_dir: str | None = None,
-        prefix_disk_bytes: int = 0,
-        adapt_threads: bool = False,
     ) -> None:
+        config = config if config is not None else EngineConfig()
         self.backend = backend
         self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
         # runtime Protocol check walks every method, too slow for each step
         self._batch_processor = batch_processor
         # the batch hook sees one row per sequence, so with one installed nobody drafts
-        self.scheduler = Scheduler(
-            backend,
-            prefix_cache=prefix_cache,
-            max_step_ms=max_step_ms,
-            speculative=speculative,
-            allow_drafts=batch_processor is None,
-            prefix_ram_bytes=prefix_ram_bytes,
-            prefix_disk_dir=prefix_disk_dir,
-            prefix_disk_bytes=prefix_disk_bytes,
-        )
+        self.scheduler = Scheduler(backend, config, allow_drafts=batch_processor is None)
         try:
-            self.calibration = calibrate_backend(backend) if calibrate else None
+            self.calibration = calibrate_backend(backend) if config.calibrate else None
         except BaseException:
             self._close_tiers()  # the directory is free for the next context
             raise
@@ -108,7 +93,7 @@ class Engine:
             apply_calibration(
                 self.calibration, self.scheduler.step_cost, self.scheduler.drafts.decode_cost
             )
-        self._init_threads(adapt_threads)
+        self._init_threads(config.adapt_threads)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..adapters import NO_ADAPTERS, AdapterSet
+from ..params import EngineConfig
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
-from .prefix_disk import PrefixDiskTier
-from .prefix_ram import PrefixRamTier, RamEntry
+from .prefix_disk import PrefixDiskTier, default_disk_budget
+from .prefix_ram import PrefixRamTier, RamEntry, default_budget
 from .prefix_tier import PrefixTier, TierStats
 
 __all__ = ["PrefixCache", "PrefixMatch"]
@@ -176,6 +177,31 @@ class PrefixCache:
         """The RAM tier dropped ``entry`` to stay within its budget: keep it on disk."""
         if self.disk is not None:
             self.disk.store(entry.tokens, entry.data, entry.adapters)
+
+    @classmethod
+    def build(
+        cls, cache: KVCache, config: EngineConfig, *, retain: bool, model: str
+    ) -> PrefixCache:
+        """The prefix cache over ``cache`` with the tiers ``config`` asks for: a budget
+        left to the machine is this context's share of its default (a quarter of the
+        memory available, half the directory's free space, each capped at 8 GiB).
+
+        Raises:
+            InvalidParameterError: the disk tier's directory cannot be used (or is in use).
+        """
+        ram_bytes = config.prefix_ram_bytes
+        if ram_bytes is None:
+            ram_bytes = int(default_budget() * config.prefix_ram_share)
+        directory, disk_bytes = config.prefix_disk_dir, config.prefix_disk_bytes
+        if directory is not None and disk_bytes is None:
+            disk_bytes = int(default_disk_budget(directory) * config.prefix_disk_share)
+        ram = PrefixRamTier(ram_bytes if retain else 0, model=model)
+        disk = (
+            PrefixDiskTier(directory, disk_bytes, model=model)
+            if retain and directory is not None and disk_bytes
+            else None
+        )
+        return cls(cache, retain=retain, ram=ram, disk=disk)
 
     def tier_stats(self) -> dict[str, TierStats]:
         """Each tier's stats by its name (``ram``, ``disk``)."""

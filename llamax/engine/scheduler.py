@@ -29,8 +29,8 @@ from typing import TypeVar, cast
 
 from ..adapters import AdapterSet
 from ..backend.base import Backend, Clocked
-from ..drafting import Speculative
 from ..errors import KVCapacityError, RequestFailedError
+from ..params import EngineConfig
 from ..results import TokenEvent, TokenLogprob
 from .admission import Outcome
 from .chunk_budget import halve_newest_chunk
@@ -59,25 +59,14 @@ class Scheduler(SchedulerView):
     def __init__(
         self,
         backend: Backend,
+        config: EngineConfig | None = None,
         *,
-        prefix_cache: bool = True,
-        max_step_ms: float | None = None,
-        speculative: Speculative | None = None,
         allow_drafts: bool = True,
-        prefix_ram_bytes: int = 0,
-        prefix_disk_dir: str | None = None,
-        prefix_disk_bytes: int = 0,
     ) -> None:
-        super().__init__(
-            backend,
-            prefix_cache=prefix_cache,
-            max_step_ms=max_step_ms,
-            prefix_ram_bytes=prefix_ram_bytes,
-            prefix_disk_dir=prefix_disk_dir,
-            prefix_disk_bytes=prefix_disk_bytes,
-        )
+        config = config if config is not None else EngineConfig()
+        super().__init__(backend, config)
         self.sessions = SessionTable(self)
-        self._speculative = speculative
+        self._speculative = config.speculative
         # drafts are rolled back with a partial seq_rm, which recurrent memory cannot do
         self._can_draft = allow_drafts and backend.can_share_prefix
         self.price_drafts = True  # tests turn it off to verify every proposal

@@ -15,6 +15,7 @@ import json
 from typing import TYPE_CHECKING
 
 from ..backend.base import Backend
+from ..params import EngineConfig
 from .admission import SlotPlacer
 from .chunk_budget import ChunkBudget
 from .draft_planner import DraftPlanner
@@ -23,8 +24,6 @@ from .kvcache import KVCache, Slot
 from .layout_policy import LayoutPolicy
 from .plan import StepPlan, build_plan, split_plan
 from .prefix import PrefixCache
-from .prefix_disk import PrefixDiskTier
-from .prefix_ram import PrefixRamTier
 from .sequence import Request, Sequence, SequenceState
 from .session_room import SessionRoom
 from .speculative import DecodeCost, DraftState
@@ -42,11 +41,9 @@ class SchedulerView:
 
     Args:
         backend: The backend the scheduler drives.
-        prefix_cache: Whether finished slots are retained for their prefix.
-        max_step_ms: The time prompt chunks may add to a step's decode rows.
-        prefix_ram_bytes: The host-RAM tier's budget for evicted prefixes (0: none).
-        prefix_disk_dir: The disk tier's directory (None: no disk tier).
-        prefix_disk_bytes: The disk tier's budget (0: no disk tier).
+        config: The engine's options (``prefix_cache``: whether finished slots are
+            retained for their prefix; ``max_step_ms``: the time prompt chunks may add to
+            a step's decode rows; the prefix tiers' budgets and directory).
 
     Raises:
         InvalidParameterError: the disk tier's directory cannot be used (or is in use).
@@ -58,18 +55,13 @@ class SchedulerView:
     def __init__(
         self,
         backend: Backend,
-        *,
-        prefix_cache: bool,
-        max_step_ms: float | None,
-        prefix_ram_bytes: int = 0,
-        prefix_disk_dir: str | None = None,
-        prefix_disk_bytes: int = 0,
+        config: EngineConfig,
     ):
         self._backend = backend
         self._n_batch = backend.n_batch
         tiles = backend.attention_tiles
         waste = None if tiles is None else tile_waste_table(backend.n_batch, *tiles)
-        self.budget = ChunkBudget(backend.n_batch, max_step_ms, waste=waste)
+        self.budget = ChunkBudget(backend.n_batch, config.max_step_ms, waste=waste)
         self.step_cost = self.budget.cost
         self.drafts = DraftPlanner(self.budget.max_step_s)
         self.splitter = SplitPolicy(backend.cpu_attention)
@@ -77,15 +69,9 @@ class SchedulerView:
         self.fair: FairShare[Request] = FairShare(backend.n_seq_max)
         self.kv = KVCache(backend, backend.n_seq_max)
         self.layout = LayoutPolicy(self.kv.cells_per_seq)  # "auto" starts with streams
-        retain = prefix_cache and backend.can_share_prefix
+        retain = config.prefix_cache and backend.can_share_prefix
         model = json.dumps(backend.model_identity, sort_keys=True, default=str)
-        ram = PrefixRamTier(prefix_ram_bytes if retain else 0, model=model)
-        disk = (
-            PrefixDiskTier(prefix_disk_dir, prefix_disk_bytes, model=model)
-            if retain and prefix_disk_dir is not None and prefix_disk_bytes > 0
-            else None
-        )
-        self.prefix = PrefixCache(self.kv, retain=retain, ram=ram, disk=disk)
+        self.prefix = PrefixCache.build(self.kv, config, retain=retain, model=model)
         self.placer = SlotPlacer(self.kv, self.prefix, backend.n_ctx)
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []

@@ -162,9 +162,7 @@ class SessionTable:
         if not self._scheduler.kv.truncate(slot, len(slot.tokens) - num_tokens):
             self._scheduler.kv.clear(slot)
 
-    def _restore(
-        self, tokens: tuple[int, ...], state: bytes, adapters: AdapterSet
-    ) -> int:
+    def _restore(self, tokens: tuple[int, ...], state: bytes, adapters: AdapterSet) -> int:
         session_id = self._open(purpose="the loaded session")
         slot = self._slots[session_id]
         slot.adapters = adapters

@@ -36,6 +36,7 @@ from ..drafting import Drafter, DraftMethod
 
 __all__ = ["DecodeCost", "DraftState", "SharedAcceptance", "new_draft_state"]
 
+
 class SharedAcceptance:
     """A context's acceptance record over every sequence, by regime: what a new sequence
     expects before it has a record of its own. Decays slowly (0.98 per observation), so it
