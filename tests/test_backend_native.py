@@ -232,3 +232,40 @@ def test_both_backends_are_inspectable(C: Bindings, gguf: Path) -> None:
     assert isinstance(FakeBackend(), Inspectable) and isinstance(backend, Inspectable)
     assert backend.num_cells_used is None and backend.seq_tokens(0) is None
     backend.close()
+
+
+def test_two_threads_setting_up_the_bindings_at_once_install_one_live_log_callback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (issue 38): a model pool loading its first two models at once ran the
+    one-time set-up twice; one thread's log callback stayed installed after the other's
+    replaced it as the one kept alive, so it was freed, and the next native log line
+    segfaulted (``_CallPythonObject`` with a NULL callable under ``llama_log_internal``;
+    1 run in 12 of ``test_two_real_models_interleaved``)."""
+    import threading
+    import time
+
+    import llama_cpp.llama_cpp as raw
+
+    installed: list[Any] = []
+
+    def slow_log_set(callback: Any, user: Any) -> None:
+        time.sleep(0.05)  # widens the window two unserialised set-ups meet in
+        installed.append(callback)
+
+    monkeypatch.setattr(raw, "llama_log_set", slow_log_set)
+    monkeypatch.setattr(raw, "llama_backend_init", lambda: None)
+    monkeypatch.setattr(native.bindings, "log_callback", None, raising=False)  # undone after
+    barrier = threading.Barrier(2)
+
+    def set_up() -> None:
+        barrier.wait()
+        native.bindings()
+
+    threads = [threading.Thread(target=set_up) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(installed) == 1, f"the set-up ran {len(installed)} times"
+    assert installed[0] is native.bindings.log_callback  # type: ignore[attr-defined]

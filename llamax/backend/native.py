@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger("llamax.llama_cpp")
+_INIT_LOCK = threading.Lock()
+"""Serialises :func:`bindings`' one-time set-up (the log callback, ``llama_backend_init``)."""
 # ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line)
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -51,20 +54,23 @@ def bindings() -> Any:
             "llama-cpp-python is not installed; run scripts/bootstrap.sh or "
             "`pip install llama-cpp-python`"
         ) from exc
-    if not getattr(bindings, "log_callback", None):
-        # llama-cpp-python prints every native log line to stderr; route them to logging.
-        last = [logging.DEBUG]
+    with _INIT_LOCK:  # two threads loading their first models at once (a model pool)
+        if not getattr(bindings, "log_callback", None):
+            # llama-cpp-python prints every native log line to stderr; route them to logging.
+            last = [logging.DEBUG]
 
-        @C.llama_log_callback  # type: ignore[untyped-decorator]
-        def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            if level != 5:
-                last[0] = _LEVELS.get(level, logging.DEBUG)
-            if _log.isEnabledFor(last[0]):
-                _log.log(last[0], "%s", text.decode("utf-8", "replace").rstrip())
+            @C.llama_log_callback  # type: ignore[untyped-decorator]
+            def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+                if level != 5:
+                    last[0] = _LEVELS.get(level, logging.DEBUG)
+                if _log.isEnabledFor(last[0]):
+                    _log.log(last[0], "%s", text.decode("utf-8", "replace").rstrip())
 
-        C.llama_log_set(forward, ctypes.c_void_p(0))
-        C.llama_backend_init()
-        bindings.log_callback = forward  # type: ignore[attr-defined]  # keep alive
+            # kept alive before llama.cpp holds it: a callback freed while installed is a
+            # segfault in the next log line
+            bindings.log_callback = forward  # type: ignore[attr-defined]
+            C.llama_log_set(forward, ctypes.c_void_p(0))
+            C.llama_backend_init()
     return C
 
 
