@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["NO_ADAPTERS", "AdapterSet"]
+from .errors import InvalidParameterError
+
+__all__ = ["NO_ADAPTERS", "AdapterNames", "AdapterSet"]
 
 
 class AdapterSet(tuple[tuple[str, float], ...]):
@@ -25,3 +28,70 @@ class AdapterSet(tuple[tuple[str, float], ...]):
 
 NO_ADAPTERS = AdapterSet()
 """The base model's set."""
+
+
+class AdapterNames:
+    """The LoRA adapters a context has loaded, by name in load order: their paths and
+    weights fingerprints, and a request's ``lora`` resolved to an :class:`AdapterSet`."""
+
+    def __init__(self) -> None:
+        self._paths: dict[str, str] = {}
+        self._weights: dict[str, str] = {}  # name -> the file's weights fingerprint
+        self._lock = threading.Lock()
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Name -> path, in load order (a copy)."""
+        return dict(self._paths)
+
+    @property
+    def weights(self) -> dict[str, str]:
+        """Name -> the file's weights fingerprint (saved sessions record them; a copy)."""
+        return dict(self._weights)
+
+    def add(self, name: str, path: str, load: Callable[[], str]) -> None:
+        """Register ``name`` once ``load()`` (which loads the file and returns its weights
+        fingerprint) has succeeded; one name at a time.
+
+        Raises:
+            InvalidParameterError: ``name`` is taken.
+            Exception: what ``load`` raises (nothing is registered).
+        """
+        with self._lock:
+            if name in self._paths:
+                raise InvalidParameterError(f"a LoRA adapter named {name!r} is already loaded")
+            weights = load()
+            self._paths[name] = path
+            self._weights[name] = weights
+
+    def resolve(
+        self, lora: Mapping[str, float] | Mapping[int, float] | Mapping[str | int, float] | None
+    ) -> AdapterSet:
+        """A request's ``lora`` (names or load-order indexes -> scales) as an adapter set:
+        names resolved, scale-0 entries dropped (the base model), sorted by name.
+
+        Raises:
+            InvalidParameterError: an adapter that is not loaded, or one named twice.
+        """
+        if not lora:
+            return NO_ADAPTERS
+        names = list(self._paths)
+        scales: dict[str, float] = {}
+        for key, scale in lora.items():
+            if isinstance(key, int):
+                if key >= len(names):
+                    raise InvalidParameterError(
+                        f"lora: no adapter with index {key}; {len(names)} loaded"
+                    )
+                name = names[key]
+            elif key in self._paths:
+                name = key
+            else:
+                loaded = ", ".join(repr(n) for n in names) or "none"
+                raise InvalidParameterError(
+                    f"lora: no adapter named {key!r} is loaded (loaded: {loaded})"
+                )
+            if name in scales:
+                raise InvalidParameterError(f"lora: adapter {name!r} is given twice")
+            scales[name] = scale
+        return AdapterSet.of(scales.items())

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from typing_extensions import Self, Unpack
 
-from .adapters import NO_ADAPTERS, AdapterSet
+from .adapters import AdapterNames
 from .backend.base import Backend
 from .backend.fingerprint import weights_fingerprint
 from .engine.calibration import Calibration
@@ -113,9 +113,7 @@ class Context:
             if owned:  # the model and context it loaded are freed
                 backend.close()
             raise
-        self._adapters: dict[str, str] = {}  # name -> path, in load order
-        self._adapter_weights: dict[str, str] = {}  # name -> the file's weights_fingerprint
-        self._adapter_lock = threading.Lock()
+        self._adapters = AdapterNames()
         try:
             for name, path in (config.lora or {}).items():
                 self.load_adapter(name, path)
@@ -291,7 +289,9 @@ class Context:
             priority=priority,
             arrival=arrival,
             session_id=session_id,
-            adapters=self._adapter_set(params),
+            adapters=self._adapters.resolve(
+                params.lora if isinstance(params, SamplingParams) else None
+            ),
         )
         engine = self._engine
         handle._bind(
@@ -307,7 +307,7 @@ class Context:
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters loaded, name -> path, in load order (a request's
         ``SamplingParams.lora`` may also name one by its index here)."""
-        return dict(self._adapters)
+        return self._adapters.paths
 
     def load_adapter(self, name: str, path: str | os.PathLike[str]) -> None:
         """Load the LoRA adapter GGUF at ``path`` under ``name``. It changes nothing until a
@@ -331,47 +331,16 @@ class Context:
             raise InvalidParameterError(
                 f"this backend ({type(self._backend).__name__}) cannot load LoRA adapters"
             )
-        with self._adapter_lock:
-            if name in self._adapters:
-                raise InvalidParameterError(f"a LoRA adapter named {name!r} is already loaded")
-            self._backend.load_adapter(name, os.fspath(path))
+        backend = self._backend
+
+        def load() -> str:
+            backend.load_adapter(name, os.fspath(path))
             try:  # saved sessions record it (Session.save)
-                weights = weights_fingerprint(path)
+                return weights_fingerprint(path)
             except OSError as exc:
                 raise ModelLoadError(f"LoRA adapter {name!r}: cannot read {path}: {exc}") from exc
-            self._adapters[name] = os.fspath(path)
-            self._adapter_weights[name] = weights
 
-    def _adapter_set(self, params: SamplingParams | None) -> AdapterSet:
-        """``params.lora`` as the engine's adapter set: names resolved, scale-0 entries
-        dropped (the base model), sorted by name.
-
-        Raises:
-            InvalidParameterError: an adapter that is not loaded, or one named twice.
-        """
-        lora = params.lora if isinstance(params, SamplingParams) else None
-        if not lora:
-            return NO_ADAPTERS
-        names = list(self._adapters)
-        scales: dict[str, float] = {}
-        for key, scale in lora.items():
-            if isinstance(key, int):
-                if key >= len(names):
-                    raise InvalidParameterError(
-                        f"lora: no adapter with index {key}; {len(names)} loaded"
-                    )
-                name = names[key]
-            elif key in self._adapters:
-                name = key
-            else:
-                loaded = ", ".join(repr(n) for n in names) or "none"
-                raise InvalidParameterError(
-                    f"lora: no adapter named {key!r} is loaded (loaded: {loaded})"
-                )
-            if name in scales:
-                raise InvalidParameterError(f"lora: adapter {name!r} is given twice")
-            scales[name] = scale
-        return AdapterSet.of(scales.items())
+        self._adapters.add(name, os.fspath(path), load)
 
     # ------------------------------------------------------------------ the loop
     def has_work(self) -> bool:
@@ -842,7 +811,7 @@ class _SessionPort:
 
     @property
     def adapter_weights(self) -> dict[str, str]:
-        return dict(self._ctx._adapter_weights)
+        return self._ctx._adapters.weights
 
     def run(self, op: KVOp[T]) -> T:
         return self._ctx._engine.run(op)

@@ -173,8 +173,9 @@ UPPER_LAYERS = {
     "server": ({"llamax.server"}, {"llamax.anthropic", "llamax.openai"}),
     "ray": ({"llamax.ray"}, {"llamax.server"}),
     "cli": ({"llamax.cli"}, {"llamax.server", "llamax.batch"}),
-    "anthropic": ({"llamax.anthropic"}, {"llamax.openai", "llamax.tools"}),
-    "openai": ({"llamax.openai"}, {"llamax.tools"}),
+    "anthropic": ({"llamax.anthropic"}, {"llamax.openai", "llamax.tools", "llamax.chat_stream"}),
+    "openai": ({"llamax.openai"}, {"llamax.tools", "llamax.chat_stream"}),
+    "chat_stream": ({"llamax.chat_stream"}, {"llamax.tools"}),
     "tools": ({"llamax.tools"}, set()),
     "conversation": ({"llamax.conversation"}, set()),
     "batch": ({"llamax.batch", "llamax.progress"}, set()),
@@ -241,13 +242,14 @@ def _private_context_members(path: Path) -> list[str]:
 @pytest.mark.parametrize("layer", sorted(UPPER_LAYERS))
 def test_layers_above_the_core_use_only_the_public_api(layer: str) -> None:
     """Every module of a layer above the facade (server/, ray/, cli.py, openai/, tools/,
-    conversation.py, batch.py) imports from ``llamax`` only: the public API (the package
-    itself and the value modules in ``PUBLIC_API``), its own layer's modules, and the upper
-    layers below it (ray uses ``llamax.server.create_app``, cli the server and batch, openai
-    the tools). Every import counts, wherever it sits (a function, ``TYPE_CHECKING``), so it
-    never imports ``llamax.engine.*``, ``llamax.backend.*``, ``llamax.context`` or
-    ``llamax.session``; and it never touches a private member of a context (``ctx._engine``,
-    ``self._ctx._submit``) nor any ``._engine`` / ``._backend``."""
+    chat_stream.py, conversation.py, batch.py) imports from ``llamax`` only: the public API
+    (the package itself and the value modules in ``PUBLIC_API``), its own layer's modules,
+    and the upper layers below it (ray uses ``llamax.server.create_app``, cli the server and
+    batch, openai the tools and the chat stream). Every import counts, wherever it sits (a
+    function, ``TYPE_CHECKING``), so it never imports ``llamax.engine.*``,
+    ``llamax.backend.*``, ``llamax.context`` or ``llamax.session``; and it never touches a
+    private member of a context (``ctx._engine``, ``self._ctx._submit``) nor any
+    ``._engine`` / ``._backend``."""
     own, below = UPPER_LAYERS[layer]
     files = _layer_files(own)
     assert files

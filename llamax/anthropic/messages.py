@@ -23,6 +23,7 @@ import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..chat_stream import ChatPart, ContentDelta, Finished, ReasoningDelta, ToolCallDelta
 from ..errors import InvalidParameterError, InvalidRequestError
 from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
 from ..openai.options import check_flag
@@ -299,8 +300,8 @@ def _message(
 
 
 class _EventBuilder:
-    """Turns a chat request's chunks into Messages stream events, one content block at a
-    time: ``thinking``, then ``text``, then each ``tool_use``."""
+    """Encodes a chat request's typed stream as Messages stream events, one content block
+    at a time: ``thinking``, then ``text``, then each ``tool_use``."""
 
     def __init__(self, submitted: OpenAIRequest, stops: Sequence[str]) -> None:
         self._submitted, self._stops = submitted, stops
@@ -344,41 +345,31 @@ class _EventBuilder:
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return {"type": "content_block_delta", "index": self._index, "delta": delta}
 
-    def chunk(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def parts(self, parts: Sequence[ChatPart]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        for choice in chunk.get("choices", []):
-            delta = choice["delta"]
-            if delta.get("reasoning_content"):
-                if self._open != "thinking":
-                    events += self._block(
-                        "thinking", {"type": "thinking", "thinking": "", "signature": ""}
-                    )
-                events.append(
-                    self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
-                )
-            if delta.get("content"):
-                if self._open != "text":
-                    events += self._block("text", {"type": "text", "text": ""})
-                events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls", []):
-                function = call.get("function", {})
-                if call.get("id"):
-                    block = {
-                        "type": "tool_use",
-                        "id": call["id"],
-                        "name": function.get("name", ""),
-                        "input": {},
-                    }
-                    events += self._block("tool_use", block)
-                if function.get("arguments"):
-                    events.append(
-                        self._delta(
-                            {"type": "input_json_delta", "partial_json": function["arguments"]}
+        for part in parts:
+            match part:
+                case ReasoningDelta(text=text):
+                    if self._open != "thinking":
+                        events += self._block(
+                            "thinking", {"type": "thinking", "thinking": "", "signature": ""}
                         )
-                    )
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-                events += self._close()
+                    events.append(self._delta({"type": "thinking_delta", "thinking": text}))
+                case ContentDelta(text=text) if text:
+                    if self._open != "text":
+                        events += self._block("text", {"type": "text", "text": ""})
+                    events.append(self._delta({"type": "text_delta", "text": text}))
+                case ToolCallDelta(call_id=call_id, name=name, arguments=arguments):
+                    if call_id is not None:
+                        block = {"type": "tool_use", "id": call_id, "name": name or "", "input": {}}
+                        events += self._block("tool_use", block)
+                    if arguments:
+                        events.append(
+                            self._delta({"type": "input_json_delta", "partial_json": arguments})
+                        )
+                case Finished(reason=reason):
+                    self._finish = reason
+                    events += self._close()
         return events
 
     def end(self, completion: Completion) -> list[dict[str, Any]]:

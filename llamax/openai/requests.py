@@ -11,14 +11,22 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
+from ..chat_stream import (
+    ChatPart,
+    ChatStream,
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    Started,
+    ToolCallDelta,
+)
 from ..errors import ContextLengthError, InvalidParameterError
 from ..handle import RequestHandle
 from ..params import SamplingParams
 from ..reasoning import (
     ReasoningFormat,
-    ReasoningSplitter,
     check_reasoning_format,
     opens_thinking,
     split_reasoning,
@@ -27,12 +35,12 @@ from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob
 from ..templates.messages import validate_messages
 from ..templates.truncation import drop_oldest_turns
 from ..tools import (
-    ToolCallStreamParser,
     ToolPlan,
     parse_tool_calls,
     tool_call_grammar,
     tool_prompt_tokens,
 )
+from ..tools.parse import ToolCallDelta as OpenAIToolCallDelta
 from .options import Truncate
 from .shapes import (
     ChatCompletion,
@@ -146,14 +154,14 @@ class AsyncChunkStream(AsyncIterator[T]):
 
 
 class EventBuilder(Protocol):
-    """Turns a chat request's chunks into another API's stream events (Anthropic's,
-    Responses'): see :meth:`OpenAIRequest.events`."""
+    """Encodes a chat request's typed stream (:mod:`llamax.chat_stream`) as another API's
+    stream events (Anthropic's, Responses'): see :meth:`OpenAIRequest.events`."""
 
     def start(self) -> list[dict[str, Any]]:
-        """The events before the first chunk."""
+        """The events before the first part."""
 
-    def chunk(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The events of one ``chat.completion.chunk``."""
+    def parts(self, parts: Sequence[ChatPart]) -> list[dict[str, Any]]:
+        """The events of one token event's parts."""
 
     def end(self, completion: Completion) -> list[dict[str, Any]]:
         """The last events, once the request has finished."""
@@ -189,8 +197,9 @@ class OpenAIRequest:
         """Whether the reply's thinking goes to ``reasoning_content``."""
         return self.kind == "chat" and self.reasoning_format != "none"
 
-    def _splitter(self) -> ReasoningSplitter | None:
-        return ReasoningSplitter(inside=self.thinking_opened) if self.splits_reasoning else None
+    def chat_stream(self) -> ChatStream:
+        """A fresh typed stream of this chat request's parts (one per iteration)."""
+        return ChatStream(self.tools, self.splits_reasoning, self.thinking_opened)
 
     @property
     def response_id(self) -> str:
@@ -283,36 +292,36 @@ class OpenAIRequest:
 
     def events(self, builder: EventBuilder) -> Iterator[dict[str, Any]]:
         """A chat request's stream as ``builder``'s events; closing it cancels the request."""
-        chunks = self.chunks(include_usage=False)
+        stream = self.chat_stream()
         try:
             yield from builder.start()
-            for chunk in chunks:
-                yield from builder.chunk(chunk)
+            for event in self.handle:
+                yield from builder.parts(stream.parts(event))
             yield from builder.end(self.handle.result())
         finally:
-            chunks.close()
+            self.handle.cancel()
 
     async def aevents(self, builder: EventBuilder) -> AsyncIterator[dict[str, Any]]:
         """Async twin of :meth:`events`; ``aclose()`` cancels the request."""
-        chunks = self.achunks(include_usage=False)
+        stream = self.chat_stream()
         try:
-            for event in builder.start():
-                yield event
-            async for chunk in chunks:
-                for event in builder.chunk(chunk):
-                    yield event
-            for event in builder.end(await self.handle):
-                yield event
+            for encoded in builder.start():
+                yield encoded
+            async for event in self.handle:
+                for encoded in builder.parts(stream.parts(event)):
+                    yield encoded
+            for encoded in builder.end(await self.handle):
+                yield encoded
         finally:
-            await chunks.aclose()
+            self.handle.cancel()
 
     def _chunks(
         self, include_usage: bool
     ) -> Generator[ChatCompletionChunk | TextCompletion, None, None]:
-        started: dict[int, _ChoiceStream] = {}
+        stream = self.chat_stream()
         try:
             for event in self.handle:
-                yield from self._event_chunks(event, started)
+                yield from self._event_chunks(event, stream)
             if include_usage:
                 yield self._usage_chunk(self.handle.result())
         finally:
@@ -321,10 +330,10 @@ class OpenAIRequest:
     async def _achunks(
         self, include_usage: bool
     ) -> AsyncGenerator[ChatCompletionChunk | TextCompletion, None]:
-        started: dict[int, _ChoiceStream] = {}
+        stream = self.chat_stream()
         try:
             async for event in self.handle:
-                for chunk in self._event_chunks(event, started):
+                for chunk in self._event_chunks(event, stream):
                     yield chunk
             if include_usage:
                 yield self._usage_chunk(await self.handle)
@@ -332,78 +341,52 @@ class OpenAIRequest:
             self.handle.cancel()
 
     def _event_chunks(
-        self, event: TokenEvent, started: dict[int, _ChoiceStream]
+        self, event: TokenEvent, stream: ChatStream
     ) -> Iterator[ChatCompletionChunk | TextCompletion]:
+        if self.kind == "chat":
+            yield from self._encode(stream.parts(event))
+            return
         finish = _finish_reason(event.finish_reason)
-        if self.kind == "text":
-            if event.text or event.logprobs or finish:
-                chunk = self._text_chunk(event.index, event.text, finish)
-                if event.logprobs:
-                    choice = Choice(
-                        event.index, event.text, event.token_ids, FinishReason.STOP, event.logprobs
-                    )
-                    chunk["choices"][0]["logprobs"] = _text_logprobs(choice)
-                yield chunk
+        if event.text or event.logprobs or finish:
+            chunk = self._text_chunk(event.index, event.text, finish)
+            if event.logprobs:
+                choice = Choice(
+                    event.index, event.text, event.token_ids, FinishReason.STOP, event.logprobs
+                )
+                chunk["choices"][0]["logprobs"] = _text_logprobs(choice)
+            yield chunk
+
+    def _encode(self, parts: Sequence[ChatPart]) -> Iterator[ChatCompletionChunk]:
+        """One event's parts as ``chat.completion.chunk`` objects: with tools on, a chunk
+        per part; else one delta (role, thinking, content and logprobs together), then the
+        finish."""
+        if self.tools.is_active:
+            for part in parts:
+                if isinstance(part, Finished):
+                    yield self._finish_chunk(part)
+                else:
+                    yield self._delta_chunk(part.index, _delta(part))
             return
         delta: ChatDelta = {}
-        if event.index not in started:
-            started[event.index] = _ChoiceStream(ToolCallStreamParser(self.tools), self._splitter())
-            delta = {"role": "assistant", "content": ""}
-        stream = started[event.index]
-        reasoning, text = stream.split(
-            event.text, finished=finish is not None, cut=event.finish_reason != "stop"
-        )
-        if self.tools.is_active:
-            if delta:
-                yield self._delta_chunk(event.index, delta)
-            if reasoning:
-                yield self._delta_chunk(event.index, {"reasoning_content": reasoning})
-            yield from self._tool_event_chunks(event, stream.parser, text)
-            return
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if text:
-            delta["content"] = text
-        if delta or event.logprobs:  # held-back text still reports its tokens' logprobs
-            logprobs = (
-                {"content": [_chat_token(lp, lp.top_logprobs) for lp in event.logprobs]}
-                if event.logprobs
-                else None
-            )
+        logprobs: dict[str, Any] | None = None
+        for part in parts:
+            if isinstance(part, ContentDelta) and part.logprobs:
+                logprobs = {"content": [_chat_token(lp, lp.top_logprobs) for lp in part.logprobs]}
+            if not isinstance(part, Finished):
+                delta.update(_delta(part))
+        if delta or logprobs:  # held-back text still reports its tokens' logprobs
+            index = parts[0].index
             yield self._chat_chunk(
-                [
-                    {
-                        "index": event.index,
-                        "delta": delta,
-                        "finish_reason": None,
-                        "logprobs": logprobs,
-                    }
-                ]
+                [{"index": index, "delta": delta, "finish_reason": None, "logprobs": logprobs}]
             )
-        if finish:
-            yield self._chat_chunk(
-                [{"index": event.index, "delta": {}, "finish_reason": finish, "logprobs": None}]
-            )
+        for part in parts:
+            if isinstance(part, Finished):
+                yield self._finish_chunk(part)
 
-    def _tool_event_chunks(
-        self, event: TokenEvent, parser: ToolCallStreamParser, text: str
-    ) -> Iterator[ChatCompletionChunk]:
-        """Chunks of a reply that may call tools: content and ``tool_calls`` deltas, with
-        the call markup parsed away as it streams (``text``: the event's content, after
-        the reasoning split)."""
-        index = event.index
-        deltas = parser.feed(text)
-        finish = _finish_reason(event.finish_reason)
-        if finish:
-            deltas += parser.close()
-        for delta in deltas:
-            yield self._delta_chunk(index, cast(ChatDelta, delta))
-        if finish:
-            raw = parser.finish_reason(str(event.finish_reason))
-            reason: OpenAIFinishReason = "tool_calls" if raw == "tool_calls" else finish
-            yield self._chat_chunk(
-                [{"index": index, "delta": {}, "finish_reason": reason, "logprobs": None}]
-            )
+    def _finish_chunk(self, part: Finished) -> ChatCompletionChunk:
+        return self._chat_chunk(
+            [{"index": part.index, "delta": {}, "finish_reason": part.reason, "logprobs": None}]
+        )
 
     def _delta_chunk(self, index: int, delta: ChatDelta) -> ChatCompletionChunk:
         return self._chat_chunk(
@@ -438,23 +421,27 @@ class OpenAIRequest:
         return chunk  # type: ignore[no-any-return]
 
 
-@dataclass(slots=True)
-class _ChoiceStream:
-    """One streamed choice's parsers: tool-call markup and the reasoning split."""
+def _delta(part: Started | ReasoningDelta | ContentDelta | ToolCallDelta) -> ChatDelta:
+    """A part as what an OpenAI chunk's ``delta`` adds."""
+    if isinstance(part, Started):
+        return {"role": "assistant", "content": ""}
+    if isinstance(part, ReasoningDelta):
+        return {"reasoning_content": part.text}
+    if isinstance(part, ContentDelta):
+        return {"content": part.text} if part.text else {}
+    return {"tool_calls": [_call_delta(part)]}
 
-    parser: ToolCallStreamParser
-    splitter: ReasoningSplitter | None
 
-    def split(self, text: str, *, finished: bool, cut: bool) -> tuple[str, str]:
-        """``(reasoning, content)`` of an event's text (everything held, at the end;
-        ``cut``: the reply was cut off)."""
-        if self.splitter is None:
-            return "", text
-        reasoning, content = self.splitter.feed(text)
-        if finished:
-            more_reasoning, more_content = self.splitter.flush(cut=cut)
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, content
+def _call_delta(part: ToolCallDelta) -> OpenAIToolCallDelta:
+    """A tool call part as an entry of OpenAI's ``delta.tool_calls``."""
+    if part.call_id is None:
+        return {"index": part.position, "function": {"arguments": part.arguments}}
+    return {
+        "index": part.position,
+        "id": part.call_id,
+        "type": "function",
+        "function": {"name": part.name or "", "arguments": part.arguments},
+    }
 
 
 def _template_vars(enable_thinking: bool | None) -> dict[str, Any]:

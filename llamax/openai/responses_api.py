@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ..chat_stream import ChatPart, ContentDelta, ReasoningDelta, ToolCallDelta
 from ..errors import InvalidParameterError, InvalidRequestError, NotFoundError
 from ..results import Completion, FinishReason
 from .api import submit_chat, submit_in_worker
@@ -694,50 +695,56 @@ class _EventBuilder:
         self._open = None
         return events
 
-    def chunk(self, chunk: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def parts(self, parts: Sequence[ChatPart]) -> list[dict[str, Any]]:
         job, events = self.job, []
-        for choice in chunk.get("choices", []):
-            delta = choice["delta"]
-            if delta.get("reasoning_content"):
-                if self._open is None or self._open["type"] != "reasoning":
-                    events += self._begin(lambda i: job.reasoning_item(i, "", "in_progress"))
-                self._text += delta["reasoning_content"]
-                self._reasoning += delta["reasoning_content"]
-                events.append(
-                    job.event(
-                        "response.reasoning_text.delta",
-                        **self._where(),
-                        content_index=0,
-                        delta=delta["reasoning_content"],
-                    )
-                )
-            if delta.get("content"):
-                if self._open is None or self._open["type"] != "message":
-                    events += self._begin(lambda i: job.message_item(i, None, "in_progress"))
-                self._text += delta["content"]
-                events.append(
-                    job.event(
-                        "response.output_text.delta",
-                        **self._where(),
-                        content_index=0,
-                        delta=delta["content"],
-                        logprobs=[],
-                    )
-                )
-            for call in delta.get("tool_calls", []):
-                arguments = call.get("function", {}).get("arguments", "")
-                if call.get("id"):
-                    opened = {**call, "function": {**call.get("function", {}), "arguments": ""}}
-                    events += self._begin(partial(job.call_item, call=opened, status="in_progress"))
-                if arguments and self._open is not None:
-                    self._text += arguments
+        for part in parts:
+            match part:
+                case ReasoningDelta(text=text):
+                    if self._open is None or self._open["type"] != "reasoning":
+                        events += self._begin(lambda i: job.reasoning_item(i, "", "in_progress"))
+                    self._text += text
+                    self._reasoning += text
                     events.append(
                         job.event(
-                            "response.function_call_arguments.delta",
+                            "response.reasoning_text.delta",
                             **self._where(),
-                            delta=arguments,
+                            content_index=0,
+                            delta=text,
                         )
                     )
+                case ContentDelta(text=text) if text:
+                    if self._open is None or self._open["type"] != "message":
+                        events += self._begin(lambda i: job.message_item(i, None, "in_progress"))
+                    self._text += text
+                    events.append(
+                        job.event(
+                            "response.output_text.delta",
+                            **self._where(),
+                            content_index=0,
+                            delta=text,
+                            logprobs=[],
+                        )
+                    )
+                case ToolCallDelta(call_id=call_id, name=name, arguments=arguments):
+                    if call_id is not None:
+                        opened = {
+                            "index": part.position,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": name or "", "arguments": ""},
+                        }
+                        events += self._begin(
+                            partial(job.call_item, call=opened, status="in_progress")
+                        )
+                    if arguments and self._open is not None:
+                        self._text += arguments
+                        events.append(
+                            job.event(
+                                "response.function_call_arguments.delta",
+                                **self._where(),
+                                delta=arguments,
+                            )
+                        )
         return events
 
     def end(self, completion: Completion) -> list[dict[str, Any]]:

@@ -18,10 +18,10 @@ from starlette.responses import JSONResponse, Response
 import llamax
 from llamax.anthropic import REQUEST_FIELDS, amessages, count_tokens
 
+from .dialects import ANTHROPIC
 from .errors import APIError, anthropic_error_response, from_exception
-from .responses import CompletionJob, CompletionResponse
 from .schemas import parse_object
-from .state import ServerState, admit_leased, run_leased
+from .state import ServerState, admit_completion, run_leased
 
 __all__ = ["anthropic_routes"]
 
@@ -34,24 +34,20 @@ def anthropic_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/messages")
     async def messages_route(request: Request) -> Response:
-        try:
-            body, lease = await admit_leased(
-                state, request, _ENDPOINT, parse_object, _model_of, check_key=True
-            )
-        except APIError as error:
-            return anthropic_error_response(error)
-        job = CompletionJob(
-            endpoint=_ENDPOINT,
-            start=lambda: lease.run(lambda ctx: amessages(ctx, body)),
-            metrics=state.metrics,
-            release=lease.release,
-            stream=body.get("stream") is True,  # a non-boolean is refused when the job starts
+        return await admit_completion(
+            state,
+            request,
+            _ENDPOINT,
+            parse_object,
+            _model_of,
+            lambda body, ctx: amessages(ctx, body),
+            dialect=ANTHROPIC,
             fields=REQUEST_FIELDS,
             prompt_field="messages",
-            flavour="anthropic",
+            stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
+            check_key=True,
             ping_seconds=state.stream_ping_seconds,
         )
-        return CompletionResponse(job)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens_route(request: Request) -> Response:

@@ -18,13 +18,14 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .errors import APIError, anthropic_body, from_exception
+from .dialects import OPENAI, Dialect, StreamMeter, sse
+from .errors import from_exception
 from .metrics import ServerMetrics, TokenClock
 
 __all__ = ["CompletionJob", "CompletionResponse", "outcome_of"]
@@ -46,12 +47,8 @@ class CompletionJob:
     include_usage: bool = False
     fields: frozenset[str] = frozenset()
     prompt_field: str = "messages"
-    flavour: Literal["openai", "anthropic", "responses"] = "openai"
-    """The stream's shapes. ``openai``: ``data:`` chunks ending with ``[DONE]``.
-    ``anthropic``: errors as ``{"type": "error", ...}``, events as ``event: NAME`` lines
-    with no ``[DONE]``, usage as ``input_tokens``/``output_tokens``. ``responses``: OpenAI's
-    Responses events (``event: response.created`` ...), no ``[DONE]``, errors in OpenAI's
-    shape (an ``error`` event once streaming)."""
+    dialect: Dialect = OPENAI
+    """The API's shapes: stream framing, error bodies, usage (:mod:`.dialects`)."""
     ping_seconds: float | None = None
     """Send an Anthropic ``ping`` event whenever the stream has been quiet this long (a
     long prefill, a slow step), so that proxies and clients with idle timeouts wait."""
@@ -71,30 +68,6 @@ def outcome_of(status: int) -> str:
     if status == 503:
         return "rejected"
     return "client_error" if status < 500 else "server_error"
-
-
-def _sse(payload: object, event: str | None = None) -> bytes:
-    data = b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-    return data if event is None else b"event: " + event.encode() + b"\n" + data
-
-
-def _openai_usage(usage: Any) -> dict[str, Any] | None:
-    """An Anthropic or Responses ``usage`` as the OpenAI one the metrics count."""
-    if not usage:
-        return None
-    if "input_tokens_details" in usage:  # Responses: input_tokens counts the cached ones
-        cached = (usage["input_tokens_details"] or {}).get("cached_tokens", 0)
-        return {
-            "prompt_tokens": usage.get("input_tokens", 0),
-            "completion_tokens": usage.get("output_tokens", 0),
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-    cached = usage.get("cache_read_input_tokens", 0)
-    return {
-        "prompt_tokens": usage.get("input_tokens", 0) + cached,
-        "completion_tokens": usage.get("output_tokens", 0),
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
 
 
 _SSE_HEADERS = [
@@ -122,7 +95,6 @@ class CompletionResponse(Response):
     def __init__(self, job: CompletionJob) -> None:
         super().__init__()
         self.job = job
-        self._sequence = 0  # the next Responses event's number
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "cancelled"  # unless the work ends on its own: disconnect or shutdown
@@ -135,12 +107,9 @@ class CompletionResponse(Response):
         finally:
             self.job.finish(outcome)
 
-    def _error_body(self, error: APIError) -> object:
-        return anthropic_body(error) if self.job.flavour == "anthropic" else error.body()
-
     async def _error(self, send: Send, exc: Exception) -> str:
         error = from_exception(exc, self.job.fields, self.job.prompt_field)
-        await _send_json(send, error.status, self._error_body(error), error.headers)
+        await _send_json(send, error.status, self.job.dialect.error_body(error), error.headers)
         return outcome_of(error.status)
 
     async def _whole(self, send: Send) -> str:
@@ -148,9 +117,7 @@ class CompletionResponse(Response):
             result = await self.job.start()
         except Exception as exc:
             return await self._error(send, exc)
-        usage = result.get("usage")
-        openai = self.job.flavour == "openai"
-        self.job.metrics.record_usage(usage if openai else _openai_usage(usage))
+        self.job.metrics.record_usage(self.job.dialect.usage(result.get("usage")))
         await _send_json(send, 200, result, {})
         return "success"
 
@@ -178,78 +145,26 @@ class CompletionResponse(Response):
     async def _send_chunks(
         self, send: Send, first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]
     ) -> str:
-        clock = TokenClock(self.job.metrics, self.job.started)
-        outcome = "success"
+        job = self.job
+        meter = StreamMeter(job.metrics, TokenClock(job.metrics, job.started), job.include_usage)
+        outcome, tail = "success", job.dialect.done
         try:
-            await self._send_chunk(send, first, clock)
+            await self._send_chunk(send, first, meter)
             async for chunk in chunks:
-                await self._send_chunk(send, chunk, clock)
-            tail = b"data: [DONE]\n\n" if self.job.flavour == "openai" else b""
+                await self._send_chunk(send, chunk, meter)
         except Exception as exc:
-            error = from_exception(exc, self.job.fields, self.job.prompt_field)
-            outcome, tail = outcome_of(error.status), self._error_event(error)
+            error = from_exception(exc, job.fields, job.prompt_field)
+            outcome, tail = outcome_of(error.status), job.dialect.error_event(error, meter)
         await send({"type": "http.response.body", "body": tail})
         return outcome
 
-    def _error_event(self, error: APIError) -> bytes:
-        """The last event of a stream that failed after it began."""
-        if self.job.flavour == "openai":
-            return _sse(error.body())
-        if self.job.flavour == "anthropic":
-            return _sse(anthropic_body(error), "error")
-        body = error.body()["error"]
-        event = {"type": "error", "code": body["code"], "message": body["message"],
-                 "param": body["param"], "sequence_number": self._sequence}  # fmt: skip
-        return _sse(event, "error")
-
-    async def _send_chunk(self, send: Send, chunk: dict[str, Any], clock: TokenClock) -> None:
-        if self.job.flavour == "anthropic":
-            await self._send_event(send, chunk, clock)
-            return
-        if self.job.flavour == "responses":
-            await self._send_response_event(send, chunk, clock)
-            return
-        if not chunk["choices"]:  # the usage chunk
-            self.job.metrics.record_usage(chunk.get("usage"))
-            if not self.job.include_usage:
-                return
-        for choice in chunk["choices"]:
-            if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                clock.tick(choice["index"])
-        await send({"type": "http.response.body", "body": _sse(chunk), "more_body": True})
-
-    async def _send_event(self, send: Send, event: dict[str, Any], clock: TokenClock) -> None:
-        """One Anthropic stream event, as ``event: TYPE`` and its ``data:``."""
-        if event["type"] == "content_block_delta":
-            clock.tick(0)
-        elif event["type"] == "message_delta":  # the final usage, cache hits included
-            self.job.metrics.record_usage(_openai_usage(event.get("usage")))
-        body = _sse(event, event["type"])
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-
-    async def _send_response_event(
-        self, send: Send, event: dict[str, Any], clock: TokenClock
-    ) -> None:
-        """One Responses stream event, as ``event: TYPE`` and its ``data:``."""
-        self._sequence = event.get("sequence_number", self._sequence) + 1
-        if event["type"] in _RESPONSE_DELTAS:
-            clock.tick(0)
-        elif event["type"] in ("response.completed", "response.incomplete"):
-            self.job.metrics.record_usage(_openai_usage(event["response"].get("usage")))
-        body = _sse(event, event["type"])
-        await send({"type": "http.response.body", "body": body, "more_body": True})
+    async def _send_chunk(self, send: Send, chunk: dict[str, Any], meter: StreamMeter) -> None:
+        body = self.job.dialect.frame(chunk, meter)
+        if body is not None:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
-_RESPONSE_DELTAS = frozenset(
-    {
-        "response.output_text.delta",
-        "response.reasoning_text.delta",
-        "response.function_call_arguments.delta",
-    }
-)
-
-
-_PING = _sse({"type": "ping"}, "ping")
+_PING = sse({"type": "ping"}, "ping")
 
 
 class _PingedSender:

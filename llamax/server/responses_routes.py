@@ -16,10 +16,10 @@ from starlette.responses import JSONResponse, Response
 
 from llamax.openai import RESPONSE_FIELDS, acreate_response
 
-from .errors import APIError, error_response, from_exception
-from .responses import CompletionJob, CompletionResponse
+from .dialects import RESPONSES
+from .errors import APIError, from_exception
 from .schemas import parse_object
-from .state import ServerState, admit_leased
+from .state import ServerState, admit_completion
 
 __all__ = ["responses_routes"]
 
@@ -36,23 +36,18 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/responses")
     async def create_route(request: Request) -> Response:
-        try:
-            body, lease = await admit_leased(
-                state, request, _ENDPOINT, parse_object, lambda body: body.get("model")
-            )
-        except APIError as error:
-            return error_response(error)
-        job = CompletionJob(
-            endpoint=_ENDPOINT,
-            start=lambda: lease.run(lambda ctx: acreate_response(ctx, body, store=state.responses)),
-            metrics=state.metrics,
-            release=lease.release,
-            stream=body.get("stream") is True,  # a non-boolean is refused when the job starts
+        return await admit_completion(
+            state,
+            request,
+            _ENDPOINT,
+            parse_object,
+            lambda body: body.get("model"),
+            lambda body, ctx: acreate_response(ctx, body, store=state.responses),
+            dialect=RESPONSES,
             fields=RESPONSE_FIELDS,
             prompt_field="input",
-            flavour="responses",
+            stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
         )
-        return CompletionResponse(job)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_route(response_id: str) -> JSONResponse:

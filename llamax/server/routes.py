@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 
+from .dialects import OPENAI
 from .errors import APIError, from_exception
-from .responses import CompletionJob, CompletionResponse
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,7 +24,7 @@ from .schemas import (
     TokenizeRequest,
     parse_body,
 )
-from .state import ServerState, admit_leased, run_leased
+from .state import ServerState, admit_completion, run_leased
 
 __all__ = ["api_routes"]
 
@@ -167,28 +167,26 @@ async def _admit(
     options: Callable[[Any], dict[str, Any]],
     start: Callable[[llamax.Context, Any, dict[str, Any]], Awaitable[Any]],
 ) -> Response:
-    """Admit a completion request, parse and check it in a worker, then hand it to its
-    ASGI response, which waits for the model it names and starts it (rendering and
-    tokenizing in a worker too, see ``achat_completion``). The admission slot is held from
-    the moment the body has arrived until the response ends, so ``max_queue`` bounds the
-    parsing, the wait for a model's load and the rendering as well as the inference; a
-    client that leaves while its model loads stops waiting."""
+    """An OpenAI completion request through :func:`~.state.admit_completion`: the body
+    parsed and its options checked in a worker, then rendered and tokenized in a worker
+    too (see ``achat_completion``); a client that leaves while its model loads stops
+    waiting."""
 
     def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
         body = parse_body(model, raw)
         return body, options(body)
 
-    (body, opts), lease = await admit_leased(
-        state, request, endpoint, parse, lambda parsed: _model_of(parsed[0])
+    chat = endpoint == "chat"
+    return await admit_completion(
+        state,
+        request,
+        endpoint,
+        parse,
+        lambda parsed: _model_of(parsed[0]),
+        lambda parsed, ctx: start(ctx, *parsed),
+        dialect=OPENAI,
+        fields=_CHAT_FIELDS if chat else _TEXT_FIELDS,
+        prompt_field="messages" if chat else "prompt",
+        stream=lambda parsed: bool(parsed[0].is_stream),
+        include_usage=lambda parsed: bool(parsed[0].include_usage),
     )
-    job = CompletionJob(
-        endpoint=endpoint,
-        start=lambda: lease.run(lambda ctx: start(ctx, body, opts)),
-        metrics=state.metrics,
-        release=lease.release,
-        stream=body.is_stream,
-        include_usage=body.include_usage,
-        fields=_CHAT_FIELDS if endpoint == "chat" else _TEXT_FIELDS,
-        prompt_field="messages" if endpoint == "chat" else "prompt",
-    )
-    return CompletionResponse(job)

@@ -1,0 +1,179 @@
+"""One typed stream of chat deltas, under every API dialect.
+
+A chat reply streams as token events (:class:`~llamax.TokenEvent`). :class:`ChatStream`
+turns each event into typed parts, once, for every dialect: the reply's thinking split off
+(:mod:`llamax.reasoning`), tool-call markup parsed into calls (:mod:`llamax.tools`), and the
+finish reason as the reply ended. OpenAI's chunks (``llamax.openai``), Anthropic's Messages
+events (``llamax.anthropic``) and the Responses API's events are encoders over these
+parts; none of them parses text.
+
+Parts, in the order a choice streams them: :class:`Started` (first), then any of
+:class:`ReasoningDelta`, :class:`ContentDelta` and :class:`ToolCallDelta`, and
+:class:`Finished` (last).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
+
+from .reasoning import ReasoningSplitter
+from .results import FinishReason, TokenEvent, TokenLogprob
+from .tools import ToolCallStreamParser, ToolPlan
+from .tools.parse import ToolDelta
+
+__all__ = [
+    "ChatFinish",
+    "ChatPart",
+    "ChatStream",
+    "ContentDelta",
+    "Finished",
+    "ReasoningDelta",
+    "Started",
+    "ToolCallDelta",
+]
+
+ChatFinish: TypeAlias = Literal["stop", "length", "tool_calls"]
+"""Why a choice ended: a stop (end of turn, stop string or token), the token limit, or a
+stop right after tool calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A choice begins: the assistant's turn."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """More of a choice's thinking."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ContentDelta:
+    """More of a choice's answer; ``logprobs`` of the tokens the event carried (text held
+    back by the reasoning split still reports them, with empty ``text``)."""
+
+    index: int
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A tool call begins (``call_id`` and ``name`` set, ``arguments`` empty) or its
+    arguments grow (``call_id`` and ``name`` None)."""
+
+    index: int
+    position: int
+    """The call's place among the choice's calls, from 0."""
+    call_id: str | None
+    name: str | None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A choice has ended."""
+
+    index: int
+    reason: ChatFinish
+
+
+ChatPart: TypeAlias = Started | ReasoningDelta | ContentDelta | ToolCallDelta | Finished
+"""One typed delta of a streamed chat reply."""
+
+
+@dataclass(slots=True)
+class _Choice:
+    parser: ToolCallStreamParser
+    splitter: ReasoningSplitter | None
+
+
+@dataclass(slots=True)
+class ChatStream:
+    """Turns one chat request's token events into :data:`ChatPart` lists.
+
+    Args:
+        tools: The tool calling asked for (``mode="none"``: every answer is content).
+        splits_reasoning: Whether thinking is split off the answer.
+        thinking_opened: Whether the prompt left a ``<think>`` open (the reply starts
+            thinking).
+    """
+
+    tools: ToolPlan
+    splits_reasoning: bool = False
+    thinking_opened: bool = False
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def parts(self, event: TokenEvent) -> list[ChatPart]:
+        """The parts of one event, in order (a choice's first event starts with
+        :class:`Started`, its last ends with :class:`Finished`). With tools on, content
+        held back while markup may still open a call, and logprobs, are not reported."""
+        index = event.index
+        parts: list[ChatPart] = []
+        choice = self._choices.get(index)
+        if choice is None:
+            splitter = ReasoningSplitter(inside=self.thinking_opened)
+            choice = _Choice(ToolCallStreamParser(self.tools), splitter)
+            if not self.splits_reasoning:
+                choice.splitter = None
+            self._choices[index] = choice
+            parts.append(Started(index))
+        finished = event.finish_reason is not None
+        reasoning, text = _split(choice.splitter, event.text, finished, event.finish_reason)
+        if reasoning:
+            parts.append(ReasoningDelta(index, reasoning))
+        if self.tools.is_active:
+            deltas = choice.parser.feed(text)
+            if finished:
+                deltas += choice.parser.close()
+            parts += _typed(index, deltas)
+        elif text or event.logprobs:
+            parts.append(ContentDelta(index, text, tuple(event.logprobs)))
+        if event.finish_reason is not None:
+            raw = event.finish_reason
+            reason: ChatFinish = "length" if raw is FinishReason.LENGTH else "stop"
+            if self.tools.is_active and choice.parser.finish_reason(str(raw)) == "tool_calls":
+                reason = "tool_calls"  # a cancel (reported as "stop") never ends on calls
+            parts.append(Finished(index, reason))
+        return parts
+
+
+def _split(
+    splitter: ReasoningSplitter | None, text: str, finished: bool, reason: FinishReason | None
+) -> tuple[str, str]:
+    """``(reasoning, content)`` of an event's text; everything held, at the end (a reply
+    cut off, not stopped, keeps an unclosed thought as thinking)."""
+    if splitter is None:
+        return "", text
+    reasoning, content = splitter.feed(text)
+    if finished:
+        more_reasoning, more_content = splitter.flush(cut=reason is not FinishReason.STOP)
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    return reasoning, content
+
+
+def _typed(index: int, deltas: Sequence[ToolDelta]) -> list[ChatPart]:
+    """The tool-call parser's deltas as parts."""
+    parts: list[ChatPart] = []
+    for delta in deltas:
+        if delta.get("content"):
+            parts.append(ContentDelta(index, delta["content"]))
+        for call in delta.get("tool_calls", []):
+            function = call["function"]
+            parts.append(
+                ToolCallDelta(
+                    index,
+                    call["index"],
+                    call.get("id"),
+                    function.get("name"),
+                    function.get("arguments", ""),
+                )
+            )
+    return parts
