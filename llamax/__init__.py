@@ -7,6 +7,7 @@
 
 from importlib import metadata as _metadata
 
+from .config import ContextConfig, ContextOptions
 from .context import Context
 from .conversation import Chat, TurnStats
 from .drafting import PromptLookup
@@ -41,7 +42,7 @@ from .errors import (
 from .handle import RequestHandle
 from .info import ModelInfo, model_info
 from .models import default_model_path
-from .params import ContextConfig, ContextOptions, LogitsProcessor, SamplingParams
+from .params import LogitsProcessor, SamplingParams
 from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from .session import Session
 from .stats import ContextStats

@@ -15,6 +15,7 @@ from typing_extensions import Self, Unpack
 from .adapters import AdapterNames
 from .backend.base import Backend
 from .backend.fingerprint import weights_fingerprint
+from .config import ContextConfig, ContextOptions
 from .engine.calibration import Calibration
 from .engine.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
@@ -27,7 +28,7 @@ from .errors import (
 )
 from .handle import RequestHandle
 from .models import default_model_path
-from .params import ContextConfig, ContextOptions, SamplingParams
+from .params import SamplingParams
 from .prompts import Prompt, build_request, prompt_token_ids
 from .reasoning import ReasoningFormat
 from .results import Completion

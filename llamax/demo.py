@@ -19,8 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from .config import ContextOptions
 from .context import Context
-from .params import ContextOptions, SamplingParams
+from .params import SamplingParams
 from .results import Completion
 from .stats import ContextStats
 

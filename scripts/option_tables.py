@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from llamax.config import OPTION_LISTS
 from llamax.optionspec import regenerate
-from llamax.params import OPTION_LISTS
 
 
 def main(argv: list[str]) -> int:

@@ -21,8 +21,9 @@ from llamax.backend import llama_cpp as llama_cpp_module
 from llamax.backend import model_info as model_info_module
 from llamax.backend.embedding import EmbeddingBackend, EmbeddingConfig
 from llamax.backend.llama_cpp import LlamaCppBackend
+from llamax.config import ContextConfig
 from llamax.errors import ModelLoadError, RequestFailedError
-from llamax.params import ContextConfig, SamplingParams
+from llamax.params import SamplingParams
 from llamax.testing import FakeBackend
 
 FREES = ("llama_sampler_free", "llama_batch_free", "llama_free", "llama_model_free")

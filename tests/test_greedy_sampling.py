@@ -12,7 +12,8 @@ import pytest
 from llamax.backend.base import BatchItem
 from llamax.backend.llama_cpp import LlamaCppBackend
 from llamax.backend.native import NativeSampler, first_max
-from llamax.params import ContextConfig, SamplingParams
+from llamax.config import ContextConfig
+from llamax.params import SamplingParams
 
 N_VOCAB = 50
 

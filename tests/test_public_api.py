@@ -190,6 +190,7 @@ PUBLIC_API = {
     "llamax",
     "llamax.errors",
     "llamax.params",
+    "llamax.config",
     "llamax.optionspec",
     "llamax.flags",
     "llamax.drafting",

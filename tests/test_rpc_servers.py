@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import llamax
-from llamax.params import ContextConfig
+from llamax.config import ContextConfig
 
 
 @pytest.mark.parametrize("servers", ["", "host", "host:", ":50052", "a:1,b", "a:x"])

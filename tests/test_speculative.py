@@ -18,6 +18,7 @@ import pytest
 
 import llamax
 from llamax.backend import BatchItem, DecodeStatus
+from llamax.config import EngineConfig
 from llamax.drafting import PromptLookup, PromptLookupDrafter
 from llamax.engine.scheduler import Scheduler
 from llamax.engine.speculative import (
@@ -27,7 +28,6 @@ from llamax.engine.speculative import (
     new_draft_state,
     window,
 )
-from llamax.params import EngineConfig
 from llamax.testing import FakeBackend, alphabet_model
 
 

@@ -26,8 +26,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..adapters import NO_ADAPTERS, AdapterSet
+from ..config import ContextConfig
 from ..errors import ContextClosedError, ModelLoadError, RequestFailedError
-from ..params import ContextConfig, SamplingParams
+from ..params import SamplingParams
 from .base import BatchItem
 from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES

@@ -24,6 +24,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
 from ..backend.base import Backend, DecodeStatus, LoraHost, Threaded
+from ..config import EngineConfig
 from ..errors import (
     ContextClosedError,
     DeadlockError,
@@ -31,7 +32,6 @@ from ..errors import (
     InvalidRequestError,
     LoopOwnershipError,
 )
-from ..params import EngineConfig
 from ..results import TokenLogprob
 from ..stats import ContextStats
 from .calibration import apply as apply_calibration

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..adapters import NO_ADAPTERS, AdapterSet
-from ..params import EngineConfig
+from ..config import EngineConfig
 from ..tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix_disk import PrefixDiskTier, default_disk_budget

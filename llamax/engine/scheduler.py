@@ -29,8 +29,8 @@ from typing import TypeVar, cast
 
 from ..adapters import AdapterSet
 from ..backend.base import Backend, Clocked
+from ..config import EngineConfig
 from ..errors import KVCapacityError, RequestFailedError
-from ..params import EngineConfig
 from ..results import TokenEvent, TokenLogprob
 from .admission import Outcome
 from .chunk_budget import halve_newest_chunk

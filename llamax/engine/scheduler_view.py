@@ -15,7 +15,7 @@ import json
 from typing import TYPE_CHECKING
 
 from ..backend.base import Backend
-from ..params import EngineConfig
+from ..config import EngineConfig
 from .admission import SlotPlacer
 from .chunk_budget import ChunkBudget
 from .draft_planner import DraftPlanner

@@ -1,0 +1,537 @@
+"""Frozen, validated context options: :class:`ContextConfig` (what the user chose),
+:class:`ContextOptions` (its keyword form) and :class:`EngineConfig` (what the engine gets
+of it)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias, TypedDict
+
+from .drafting import DraftMethod, PromptLookup, Speculative
+from .optionspec import spec
+from .params import SamplingParams, _is_int, _is_real, _refuse_huge_ints, _require
+
+__all__ = ["OPTION_LISTS", "ContextConfig", "ContextOptions", "EngineConfig", "KVLayout"]
+
+KVLayout: TypeAlias = Literal["auto", "unified", "streams"]
+"""How KV cells are laid out: one shared buffer, one buffer per sequence, or chosen."""
+
+
+def _is_endpoint_list(servers: object) -> bool:
+    if not isinstance(servers, str):
+        return False
+    for endpoint in servers.split(","):
+        host, _, port = endpoint.strip().rpartition(":")
+        if not host or not port.isdigit():
+            return False
+    return True
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def _zero_is_none(value: float) -> float | None:
+    return value or None
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """A byte count from ``"1073741824"``, ``"512M"``, ``"512MiB"``, ``"2g"`` or ``"1.5GB"``
+    (``K``/``M``/``G``/``T`` are powers of 1,024, with or without ``B``/``iB``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, or a negative one (argparse shows its text).
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 2G)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+
+
+def _prompt_lookup(max_draft: int) -> PromptLookup | None:
+    return PromptLookup(max_draft=max_draft) if max_draft else None
+
+
+_CONFIG_NUMBER_FIELDS = (
+    "n_ctx",
+    "n_seq_max",
+    "n_ctx_seq",
+    "max_step_ms",
+    "n_batch",
+    "n_ubatch",
+    "n_threads",
+    "n_threads_batch",
+    "n_gpu_layers",
+    "prefix_ram_bytes",
+    "prefix_disk_bytes",
+)
+"""The fields of :class:`ContextConfig` that are numbers."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextConfig:
+    """What the user chose for a :class:`llamax.Context`. Load-time facts live on the engine.
+
+    ``n_ctx`` is the number of KV cells, which is what the KV cache costs in memory, in
+    every layout. ``n_ctx_seq`` is the most tokens one sequence (prompt and reply) may hold;
+    by default ``n_ctx``. ``kv_layout`` says how the cells are laid out (see
+    docs/kv-cache.md): ``"unified"``, one buffer all sequences share (any sequence may grow
+    to ``n_ctx``, but every decode attends over the whole used span); ``"streams"``, one
+    buffer of ``n_ctx // n_seq_max`` cells per sequence (each decode attends only to its
+    own cells; needs ``n_ctx_seq <= n_ctx // n_seq_max``); ``"auto"`` (default): streams
+    when ``n_ctx_seq`` is given and fits in one; otherwise streams while every sequence
+    fits ``n_ctx // n_seq_max`` cells, moving the cache to the unified layout while one
+    needs more and back when all fit again (models with one plain KV cache; others stay
+    unified). So a prompt that fits ``n_ctx_seq`` never fails because of the layout, and
+    many short sequences never attend over each other's cells. ``max_step_ms`` is the latency
+    target of one step while sequences are decoding: long prompts are prefilled in chunks
+    sized (from measured step costs) to keep every stream's tokens coming about that
+    often; ``None`` uses fixed ``n_batch`` chunks. ``n_batch`` is the per-step token budget:
+    one ``llama_decode`` never carries more, so a long prompt is prefilled in chunks of at
+    most ``n_batch`` tokens while other sequences keep streaming. ``use_extra_bufts=None``
+    picks automatically: it is turned off on CPUs that advertise AMX, where ggml's AMX
+    matmul crashes in some VMs. ``prefix_cache`` shares computed prompt prefixes between
+    sequences and keeps finished ones for reuse (LRU); turn it off to always recompute.
+    ``chat_template`` overrides the Jinja chat template of the GGUF metadata.
+    ``rpc_servers`` (``"host:port,host:port"``) adds remote llama.cpp ``rpc-server`` hosts as
+    devices the model's layers are split over (needs a ``-DGGML_RPC=ON`` build; see
+    docs/scale-out.md). ``speculative`` (a :class:`~llamax.PromptLookup`) turns speculative
+    decoding on for every request that does not say otherwise (see docs/speculative.md);
+    ``None`` (default) leaves it to each request's ``SamplingParams.speculative``.
+    """
+
+    model_path: str
+    n_ctx: int = field(
+        default=4096, metadata=spec(doc="KV cells: what the KV cache costs in memory", flag=True)
+    )
+    n_seq_max: int = field(
+        default=16,
+        metadata=spec(doc="sequences computed at once; more requests wait in the queue", flag=True),
+    )
+    n_ctx_seq: int | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="`n_ctx`",
+            doc="most tokens one sequence (prompt and reply) may hold; with `n_ctx_seq * "
+            "n_seq_max <= n_ctx` each sequence gets its own KV stream (docs/kv-cache.md)",
+            flag=True,
+        ),
+    )
+    kv_layout: KVLayout = field(
+        default="auto",
+        metadata=spec(
+            doc="`unified`, `streams` or `auto` (streams while every sequence fits "
+            "`n_ctx // n_seq_max` cells, unified while one needs more; docs/kv-cache.md)",
+            flag=True,
+        ),
+    )
+    max_step_ms: float | None = field(
+        default=250.0,
+        metadata=spec(
+            doc="latency target of a step while sequences decode (long prompts are chunked to keep "
+            "it); `None` (flag: `0`): fixed `n_batch` chunks",
+            flag=True,
+            from_flag=_zero_is_none,
+        ),
+    )
+    n_batch: int = field(
+        default=512,
+        metadata=spec(doc="most tokens one decode step carries (at least `n_seq_max`)", flag=True),
+    )
+    n_ubatch: int | None = field(
+        default=None,
+        metadata=spec(default_doc="`n_batch`", doc="llama.cpp's physical micro-batch", flag=True),
+    )
+    n_threads: int | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="all cores",
+            doc="CPU threads; a number is used as given (docs/performance.md)",
+            flag=True,
+            aliases=("--threads",),
+        ),
+    )
+    adapt_threads: bool = field(
+        default=False,
+        metadata=spec(
+            doc=(
+                "experimental: with `n_threads` left to llamax, fewer threads while other "
+                "processes hold cores (docs/performance.md)"
+            ),
+            flag=True,
+        ),
+    )
+    n_threads_batch: int | None = field(
+        default=None,
+        metadata=spec(default_doc="`n_threads`", doc="CPU threads for prompt batches", flag=True),
+    )
+    n_gpu_layers: int = field(
+        default=-1, metadata=spec(doc="layers offloaded to the GPU (`-1`: all)", flag=True)
+    )
+    use_mmap: bool = field(
+        default=True, metadata=spec(doc="map the model file instead of reading it", flag=True)
+    )
+    use_extra_bufts: bool | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="auto",
+            doc="ggml's extra (repacked) weight buffers; auto: off on CPUs with AMX",
+            flag=True,
+        ),
+    )
+    flash_attn: bool | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="auto", doc="flash attention (auto: llama.cpp decides)", flag=True
+        ),
+    )
+    calibrate: bool | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="auto",
+            doc="time a few steps at load (a fraction of a second, cached by model and machine) "
+            "so step budgets and draft pricing start from this machine's costs (auto: for "
+            "llama.cpp models, not for a `backend=` passed in; docs/throughput.md)",
+            flag=True,
+        ),
+    )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=spec(
+            doc="share computed prompt prefixes between sequences and keep finished ones (LRU)",
+            flag=True,
+        ),
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="the GGUF's",
+            doc="a Jinja chat template instead of the GGUF's (flag: a file holding it)",
+            flag=True,
+            metavar="FILE",
+            from_flag=_read_text,
+        ),
+    )
+    lora: Mapping[str, str] | None = field(
+        default=None,
+        metadata=spec(
+            doc="LoRA adapters to load, name -> GGUF path; requests pick them by name "
+            "(`SamplingParams.lora`)",
+        ),
+    )
+    prefix_ram_bytes: int | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="a quarter of the memory available at load, at most 8 GiB",
+            doc="the host-RAM tier's budget for prefixes evicted from the KV cache, in bytes "
+            "(flag: also `512M`, `2G`, `1.5GiB`); `0`: no tier (docs/prefix_ram.md)",
+            flag=True,
+            flag_type=_byte_size,
+            metavar="BYTES",
+        ),
+    )
+    prefix_disk_dir: str | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="no disk tier",
+            doc="a directory for a disk tier below the host-RAM tier: prefixes that tier drops "
+            "are kept there in files, across restarts (docs/prefix_ram.md#disk-tier)",
+            flag=True,
+            metavar="DIR",
+        ),
+    )
+    prefix_disk_bytes: int | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="8 GiB, at most half the free space of its filesystem at load",
+            doc="the disk tier's budget, in bytes (flag: also `512M`, `2G`, `1.5GiB`); `0`: "
+            "no disk tier",
+            flag=True,
+            flag_type=_byte_size,
+            metavar="BYTES",
+        ),
+    )
+    prefix_ram_share: float = field(
+        default=1.0,
+        metadata=spec(
+            doc="the share, in (0, 1], of the host-RAM tier's default budget this context "
+            "takes when `prefix_ram_bytes` is not given: contexts loaded together divide one "
+            "budget rather than each taking it whole (a model pool sets it; docs/models.md)",
+        ),
+    )
+    prefix_disk_share: float = field(
+        default=1.0,
+        metadata=spec(
+            doc="the share, in (0, 1], of the disk tier's default budget this context takes "
+            "when `prefix_disk_bytes` is not given (a model pool sets it; docs/models.md)",
+        ),
+    )
+    rpc_servers: str | None = field(
+        default=None,
+        metadata=spec(
+            doc="`host:port,...`: llama.cpp `rpc-server` hosts to split the layers over "
+            "(docs/scale-out.md)",
+            flag=True,
+        ),
+    )
+    speculative: Speculative | None = field(
+        default=None,
+        metadata=spec(
+            doc="speculative decoding for every request that does not say otherwise: a "
+            "`PromptLookup` (flag: prompt lookup drafting up to `MAX_DRAFT` tokens, `0`: off)",
+            flag=True,
+            flag_type=int,
+            metavar="MAX_DRAFT",
+            flag_default_doc="`0` (off)",
+            from_flag=_prompt_lookup,
+        ),
+    )
+    verbose: bool = field(default=False, metadata=spec(doc="llama.cpp's log on stderr", flag=True))
+
+    @classmethod
+    def from_options(cls, model_path: str, options: Mapping[str, Any]) -> ContextConfig:
+        """Build a config from keyword options, refusing unknown ones.
+
+        Raises:
+            TypeError: an unknown option, naming the closest valid one.
+            InvalidParameterError: a value is out of range.
+        """
+        known = [f.name for f in dataclasses.fields(cls) if f.name != "model_path"]
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"Context() got an unexpected keyword argument {name!r}{hint}")
+        return cls(model_path=model_path, **options)
+
+    @property
+    def resolved_kv_layout(self) -> Literal["unified", "streams"]:
+        """The layout ``"auto"`` starts from with these sizes: ``"unified"`` here means a
+        backend that can move between layouts starts with streams and adapts."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        fits = self.n_ctx_seq is not None and self.n_ctx_seq * self.n_seq_max <= self.n_ctx
+        return "streams" if fits and self.n_seq_max > 1 else "unified"
+
+    @property
+    def resolved_n_threads(self) -> int:
+        """The threads a step starts with: ``n_threads``, or every core the process may use."""
+        return self.n_threads if self.n_threads is not None else _default_threads()
+
+    @property
+    def adapts_threads(self) -> bool:
+        """Whether the engine may lower the threads while other processes hold cores
+        (``adapt_threads``, and only when ``n_threads`` was left to it; docs/performance.md).
+
+        Design note: off by default until it is shown to pay. In the first full test run
+        with it on, on an otherwise idle 2-core machine, it judged a step contended and
+        dropped to one thread, and an exact-output test then parted at token 16 (one
+        thread's prefill need not match two threads' bit for bit)."""
+        return self.adapt_threads and self.n_threads is None
+
+    def engine_config(self, *, owns_backend: bool = True) -> EngineConfig:
+        """What the engine needs of these options (:class:`EngineConfig`); ``calibrate``
+        left to auto means "for a backend the context loads itself" (``owns_backend``)."""
+        return EngineConfig(
+            prefix_cache=self.prefix_cache,
+            max_step_ms=self.max_step_ms,
+            speculative=self.speculative,
+            calibrate=self.calibrate if self.calibrate is not None else owns_backend,
+            adapt_threads=self.adapts_threads,
+            prefix_ram_bytes=self.prefix_ram_bytes,
+            prefix_ram_share=self.prefix_ram_share,
+            prefix_disk_dir=self.prefix_disk_dir,
+            prefix_disk_bytes=self.prefix_disk_bytes,
+            prefix_disk_share=self.prefix_disk_share,
+        )
+
+    def __post_init__(self) -> None:
+        _refuse_huge_ints(self, _CONFIG_NUMBER_FIELDS)
+        self._check_types()
+        _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
+        _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
+        _require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
+        # llama.cpp reserves one output row per sequence in a batch of min(n_ctx, n_batch)
+        # rows, and aborts the process (GGML_ASSERT) when they do not fit
+        _require(
+            self.n_batch >= self.n_seq_max,
+            f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): "
+            "llama.cpp needs room for one token of every sequence in a batch",
+        )
+        _require(
+            self.n_ctx >= self.n_seq_max,
+            f"n_ctx ({self.n_ctx}) must be >= n_seq_max ({self.n_seq_max}): "
+            "llama.cpp needs room for one token of every sequence in a batch",
+        )
+        _require(
+            self.kv_layout in ("auto", "unified", "streams"),
+            f"kv_layout must be 'auto', 'unified' or 'streams', got {self.kv_layout!r}",
+        )
+        _require(
+            self.n_ctx_seq is None or 16 <= self.n_ctx_seq <= self.n_ctx,
+            f"n_ctx_seq must be in [16, n_ctx={self.n_ctx}], got {self.n_ctx_seq}",
+        )
+        _require(
+            self.kv_layout != "streams" or (self.n_ctx_seq or 16) * self.n_seq_max <= self.n_ctx,
+            f"kv_layout='streams' gives each of the n_seq_max={self.n_seq_max} sequences "
+            f"n_ctx // n_seq_max = {self.n_ctx // self.n_seq_max} cells, fewer than "
+            f"n_ctx_seq={self.n_ctx_seq}; raise n_ctx or lower n_ctx_seq",
+        )
+        _require(
+            self.max_step_ms is None or self.max_step_ms > 0,
+            f"max_step_ms must be > 0 or None, got {self.max_step_ms}",
+        )
+        _require(
+            self.n_ubatch is None or 1 <= self.n_ubatch <= self.n_batch,
+            f"n_ubatch must be in [1, n_batch], got {self.n_ubatch}",
+        )
+        _require(
+            self.n_threads is None or self.n_threads >= 1,
+            f"n_threads must be >= 1, got {self.n_threads}",
+        )
+        _require(
+            self.rpc_servers is None or _is_endpoint_list(self.rpc_servers),
+            f"rpc_servers must be 'host:port[,host:port...]', got {self.rpc_servers!r}",
+        )
+        _require(
+            self.n_threads_batch is None or self.n_threads_batch >= 1,
+            f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
+        )
+
+    def _check_types(self) -> None:
+        for name in ("n_ctx", "n_seq_max", "n_batch", "n_gpu_layers"):
+            value = getattr(self, name)
+            _require(_is_int(value), f"{name} must be an int, got {value!r}")
+        for name in ("n_ctx_seq", "n_ubatch", "n_threads", "n_threads_batch"):
+            value = getattr(self, name)
+            _require(
+                value is None or _is_int(value), f"{name} must be an int or None, got {value!r}"
+            )
+        for name in (
+            "use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate",
+            "adapt_threads",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            _require(
+                value is None or isinstance(value, bool), f"{name} must be a bool, got {value!r}"
+            )
+        _require(
+            self.prefix_ram_bytes is None
+            or (_is_int(self.prefix_ram_bytes) and self.prefix_ram_bytes >= 0),
+            f"prefix_ram_bytes must be None or an int >= 0, got {self.prefix_ram_bytes!r}",
+        )
+        _require(
+            self.prefix_disk_bytes is None
+            or (_is_int(self.prefix_disk_bytes) and self.prefix_disk_bytes >= 0),
+            f"prefix_disk_bytes must be None or an int >= 0, got {self.prefix_disk_bytes!r}",
+        )
+        for name in ("prefix_ram_share", "prefix_disk_share"):
+            share = getattr(self, name)
+            _require(
+                _is_real(share) and 0 < share <= 1,
+                f"{name} must be a number in (0, 1], got {share!r}",
+            )
+        _require(
+            self.prefix_disk_dir is None
+            or (isinstance(self.prefix_disk_dir, str) and self.prefix_disk_dir != ""),
+            f"prefix_disk_dir must be None or a directory path, got {self.prefix_disk_dir!r}",
+        )
+        _require(
+            self.max_step_ms is None or _is_real(self.max_step_ms),
+            f"max_step_ms must be a number or None, got {self.max_step_ms!r}",
+        )
+        _require(
+            self.speculative is None or isinstance(self.speculative, DraftMethod),
+            f"speculative must be None or a llamax.PromptLookup, got {self.speculative!r}",
+        )
+        _require(
+            self.chat_template is None or isinstance(self.chat_template, str),
+            f"chat_template must be a str or None, got {type(self.chat_template).__name__}",
+        )
+        _require(
+            self.lora is None
+            or (
+                isinstance(self.lora, Mapping)
+                and all(isinstance(k, str) and k and _is_pathlike(v) for k, v in self.lora.items())
+            ),
+            f"lora must be a dict of adapter name -> GGUF path, got {self.lora!r}",
+        )
+
+
+def _is_pathlike(value: object) -> bool:
+    return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """The engine's options, one object handed down ``Context -> Engine -> Scheduler``
+    (built by :meth:`ContextConfig.engine_config`, checked there; meanings as in
+    :class:`ContextConfig`). The defaults are an engine with every feature on and no
+    prefix tier, as tests build one."""
+
+    prefix_cache: bool = True
+    max_step_ms: float | None = None
+    speculative: Speculative | None = None
+    calibrate: bool = False
+    """Time a few steps at start (``ContextConfig.calibrate``, resolved)."""
+    adapt_threads: bool = False
+    """Lower the threads under contention (``ContextConfig.adapts_threads``)."""
+    prefix_ram_bytes: int | None = 0
+    """The RAM tier's budget; None: this context's share of the machine's default."""
+    prefix_ram_share: float = 1.0
+    prefix_disk_dir: str | None = None
+    prefix_disk_bytes: int | None = None
+    """The disk tier's budget (with a directory); None: its share of the default."""
+    prefix_disk_share: float = 1.0
+
+
+class ContextOptions(TypedDict, total=False):
+    """Keyword options of :class:`llamax.Context`; see :class:`ContextConfig` for their meaning."""
+
+    n_ctx: int
+    n_seq_max: int
+    n_ctx_seq: int | None
+    kv_layout: KVLayout
+    max_step_ms: float | None
+    n_batch: int
+    n_ubatch: int | None
+    n_threads: int | None
+    n_threads_batch: int | None
+    adapt_threads: bool
+    n_gpu_layers: int
+    use_mmap: bool
+    use_extra_bufts: bool | None
+    flash_attn: bool | None
+    calibrate: bool | None
+    prefix_cache: bool
+    chat_template: str | None
+    rpc_servers: str | None
+    speculative: Speculative | None
+    verbose: bool
+    lora: Mapping[str, str] | None
+    prefix_ram_bytes: int | None
+    prefix_disk_dir: str | None
+    prefix_disk_bytes: int | None
+    prefix_ram_share: float
+    prefix_disk_share: float
+
+
+OPTION_LISTS: dict[str, type] = {"ContextConfig": ContextConfig, "SamplingParams": SamplingParams}
+"""The option lists by the names the docs' generated tables use (``<!-- options: … -->``)."""
