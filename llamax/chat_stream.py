@@ -109,7 +109,7 @@ class ChatStream:
     tools: ToolPlan
     splits_reasoning: bool = False
     thinking_opened: bool = False
-    _choices: dict[int, _Choice] = field(default_factory=dict)
+    _choices: dict[int, _Choice] = field(default_factory=dict, init=False, repr=False)
 
     def parts(self, event: TokenEvent) -> list[ChatPart]:
         """The parts of one event, in order (a choice's first event starts with
@@ -119,11 +119,10 @@ class ChatStream:
         parts: list[ChatPart] = []
         choice = self._choices.get(index)
         if choice is None:
-            splitter = ReasoningSplitter(inside=self.thinking_opened)
-            choice = _Choice(ToolCallStreamParser(self.tools), splitter)
-            if not self.splits_reasoning:
-                choice.splitter = None
-            self._choices[index] = choice
+            splitter = (
+                ReasoningSplitter(inside=self.thinking_opened) if self.splits_reasoning else None
+            )
+            choice = self._choices[index] = _Choice(ToolCallStreamParser(self.tools), splitter)
             parts.append(Started(index))
         finished = event.finish_reason is not None
         reasoning, text = _split(choice.splitter, event.text, finished, event.finish_reason)
