@@ -664,16 +664,18 @@ class LlamaCppBackend:
             "kv_cache": self._kv_types,
         }
 
-    def state_seq_get(self, seq_id: int) -> bytes:
+    def state_seq_get(self, seq_id: int, *, partial: bool = False) -> bytes:
         """Serialise one sequence's KV state (``llama_state_seq_get_data``); with a plain KV
-        cache, written as a unified cache would, so it loads in either layout.
+        cache, written as a unified cache would, so it loads in either layout. With
+        ``partial``, only the part that cannot be cut at a position (a recurrent state, a
+        sliding window's cells): a checkpoint, to set back with ``state_seq_set(partial=True)``.
 
         Raises:
             ContextClosedError: the backend is closed.
         """
         with self._entered():
-            data = self._context.state_seq_get(seq_id)
-        return restream(data, 1) if self._plain_kv and data else data
+            data = self._context.state_seq_get(seq_id, partial=partial)
+        return restream(data, 1) if self._plain_kv and data and not partial else data
 
     def calibration_key(self) -> str | None:
         """The model, llama.cpp's build and version, the settings step costs depend on, and
@@ -712,16 +714,21 @@ class LlamaCppBackend:
         self.seq_rm(seq_id)
         return self.state_seq_set(seq_id, data)
 
-    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+    def state_seq_set(self, seq_id: int, data: bytes, *, partial: bool = False) -> bool:
         """Load a state from :meth:`state_seq_get` into ``seq_id``; False if refused.
 
         With a plain KV cache the state is parsed first, so llama.cpp never reads a damaged
         one: it must be whole (no byte missing or left over), hold cells of one sequence in
-        one stream, at positions ``0 .. n-1`` exactly once each, and fit that stream.
+        one stream, at positions ``0 .. n-1`` exactly once each, and fit that stream. With
+        ``partial``, ``data`` is a partial state: it replaces the sequence's recurrent state
+        or window and leaves its full attention cells as they are.
 
         Raises:
             ContextClosedError: the backend is closed.
         """
+        if partial:
+            with self._entered():
+                return self._context.state_seq_set(seq_id, data, partial=True)
         if self._plain_kv:
             try:
                 positions = cell_positions(data)

@@ -358,18 +358,25 @@ class NativeContext:
         """``llama_memory_seq_pos_max``."""
         return int(self.C.llama_memory_seq_pos_max(self.memory, seq_id))
 
-    def state_seq_get(self, seq_id: int) -> bytes:
-        """``llama_state_seq_get_data``: one sequence's state, as llama.cpp writes it."""
-        size = int(self.C.llama_state_seq_get_size(self.ptr, seq_id))
+    def state_seq_get(self, seq_id: int, *, partial: bool = False) -> bytes:
+        """``llama_state_seq_get_data_ext``: one sequence's state, as llama.cpp writes it;
+        with ``partial``, only what cannot be cut at a position (``LLAMA_STATE_SEQ_FLAGS_
+        PARTIAL_ONLY``: a recurrent state, a sliding window's cells), none of the full
+        attention cells."""
+        flags = self.C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
+        size = int(self.C.llama_state_seq_get_size_ext(self.ptr, seq_id, flags))
         buf = (ctypes.c_uint8 * size)()
-        written = int(self.C.llama_state_seq_get_data(self.ptr, buf, size, seq_id))
+        written = int(self.C.llama_state_seq_get_data_ext(self.ptr, buf, size, seq_id, flags))
         # one copy: slicing the ctypes array would build a list of ints (0.5 s for 28 MB)
         return ctypes.string_at(buf, written)
 
-    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
-        """``llama_state_seq_set_data``; False when llama.cpp refuses it."""
+    def state_seq_set(self, seq_id: int, data: bytes, *, partial: bool = False) -> bool:
+        """``llama_state_seq_set_data_ext``; False when llama.cpp refuses it. With
+        ``partial``, ``data`` is a partial state (:meth:`state_seq_get`) and the sequence's
+        full attention cells are left as they are."""
+        flags = self.C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY if partial else 0
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return int(self.C.llama_state_seq_set_data(self.ptr, buf, len(data), seq_id)) > 0
+        return int(self.C.llama_state_seq_set_data_ext(self.ptr, buf, len(data), seq_id, flags)) > 0
 
 
 class NativeBatch:
