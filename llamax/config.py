@@ -42,22 +42,6 @@ def _prompt_lookup(max_draft: int) -> PromptLookup | None:
     return PromptLookup(max_draft=max_draft) if max_draft else None
 
 
-_CONFIG_NUMBER_FIELDS = (
-    "n_ctx",
-    "n_seq_max",
-    "n_ctx_seq",
-    "max_step_ms",
-    "n_batch",
-    "n_ubatch",
-    "n_threads",
-    "n_threads_batch",
-    "n_gpu_layers",
-    "prefix_ram_bytes",
-    "prefix_disk_bytes",
-)
-"""The fields of :class:`ContextConfig` that are numbers."""
-
-
 _INT = where(is_int, "must be an int")
 _INT_OR_NONE = where(lambda v: v is None or is_int(v), "must be an int or None")
 _BOOL = where(lambda v: v is None or isinstance(v, bool), "must be a bool")
@@ -377,7 +361,7 @@ class ContextConfig:
         )
 
     def __post_init__(self) -> None:
-        refuse_huge_ints(self, _CONFIG_NUMBER_FIELDS)
+        refuse_huge_ints(self, [f.name for f in dataclasses.fields(self)])  # any field
         self._check_types()
         require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
         require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
