@@ -4,33 +4,31 @@ of it)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypedDict
 
+from .checks import (
+    Check,
+    is_endpoint_list,
+    is_int,
+    is_pathlike,
+    is_real,
+    refuse_huge_ints,
+    require,
+    where,
+)
 from .drafting import DraftMethod, PromptLookup, Speculative
-from .optionspec import spec
-from .params import SamplingParams, _is_int, _is_real, _refuse_huge_ints, _require
+from .optionspec import byte_size, read_text, spec, zero_is_none
+from .params import SamplingParams
 
 __all__ = ["OPTION_LISTS", "ContextConfig", "ContextOptions", "EngineConfig", "KVLayout"]
 
 KVLayout: TypeAlias = Literal["auto", "unified", "streams"]
 """How KV cells are laid out: one shared buffer, one buffer per sequence, or chosen."""
-
-
-def _is_endpoint_list(servers: object) -> bool:
-    if not isinstance(servers, str):
-        return False
-    for endpoint in servers.split(","):
-        host, _, port = endpoint.strip().rpartition(":")
-        if not host or not port.isdigit():
-            return False
-    return True
 
 
 def _default_threads() -> int:
@@ -40,49 +38,49 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _zero_is_none(value: float) -> float | None:
-    return value or None
-
-
-def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def _byte_size(text: str) -> int:
-    """A byte count from ``"1073741824"``, ``"512M"``, ``"512MiB"``, ``"2g"`` or ``"1.5GB"``
-    (``K``/``M``/``G``/``T`` are powers of 1,024, with or without ``B``/``iB``).
-
-    Raises:
-        argparse.ArgumentTypeError: not a size, or a negative one (argparse shows its text).
-    """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 2G)")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
-
-
 def _prompt_lookup(max_draft: int) -> PromptLookup | None:
     return PromptLookup(max_draft=max_draft) if max_draft else None
 
 
-_CONFIG_NUMBER_FIELDS = (
-    "n_ctx",
-    "n_seq_max",
-    "n_ctx_seq",
-    "max_step_ms",
-    "n_batch",
-    "n_ubatch",
-    "n_threads",
-    "n_threads_batch",
-    "n_gpu_layers",
-    "prefix_ram_bytes",
-    "prefix_disk_bytes",
+_INT = where(is_int, "must be an int")
+_INT_OR_NONE = where(lambda v: v is None or is_int(v), "must be an int or None")
+_BOOL = where(lambda v: v is None or isinstance(v, bool), "must be a bool")
+_BYTES = where(lambda v: v is None or (is_int(v) and v >= 0), "must be None or an int >= 0")
+_SHARE = where(lambda v: is_real(v) and 0 < v <= 1, "must be a number in (0, 1]")
+_DIR = where(
+    lambda v: v is None or (isinstance(v, str) and v != ""), "must be None or a directory path"
 )
-"""The fields of :class:`ContextConfig` that are numbers."""
+_MS = where(lambda v: v is None or is_real(v), "must be a number or None")
+_DRAFT = where(
+    lambda v: v is None or isinstance(v, DraftMethod), "must be None or a llamax.PromptLookup"
+)
+_TEMPLATE = where(
+    lambda v: v is None or isinstance(v, str), "must be a str or None", show_type=True
+)
+_LORA = where(
+    lambda v: (
+        v is None
+        or (
+            isinstance(v, Mapping)
+            and all(isinstance(k, str) and k and is_pathlike(p) for k, p in v.items())
+        )
+    ),
+    "must be a dict of adapter name -> GGUF path",
+)
+_TYPE_CHECKS: tuple[tuple[Check, tuple[str, ...]], ...] = (
+    (_INT, ("n_ctx", "n_seq_max", "n_batch", "n_gpu_layers")),
+    (_INT_OR_NONE, ("n_ctx_seq", "n_ubatch", "n_threads", "n_threads_batch")),
+    (_BOOL, ("use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate")),
+    (_BOOL, ("adapt_threads",)),
+    (_BYTES, ("prefix_ram_bytes", "prefix_disk_bytes")),
+    (_SHARE, ("prefix_ram_share", "prefix_disk_share")),
+    (_DIR, ("prefix_disk_dir",)),
+    (_MS, ("max_step_ms",)),
+    (_DRAFT, ("speculative",)),
+    (_TEMPLATE, ("chat_template",)),
+    (_LORA, ("lora",)),
+)
+"""What :meth:`ContextConfig._check_types` runs, in order: ``(check, fields)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +146,7 @@ class ContextConfig:
             doc="latency target of a step while sequences decode (long prompts are chunked to keep "
             "it); `None` (flag: `0`): fixed `n_batch` chunks",
             flag=True,
-            from_flag=_zero_is_none,
+            from_flag=zero_is_none,
         ),
     )
     n_batch: int = field(
@@ -226,7 +224,7 @@ class ContextConfig:
             doc="a Jinja chat template instead of the GGUF's (flag: a file holding it)",
             flag=True,
             metavar="FILE",
-            from_flag=_read_text,
+            from_flag=read_text,
         ),
     )
     lora: Mapping[str, str] | None = field(
@@ -243,7 +241,7 @@ class ContextConfig:
             doc="the host-RAM tier's budget for prefixes evicted from the KV cache, in bytes "
             "(flag: also `512M`, `2G`, `1.5GiB`); `0`: no tier (docs/prefix_ram.md)",
             flag=True,
-            flag_type=_byte_size,
+            flag_type=byte_size,
             metavar="BYTES",
         ),
     )
@@ -264,7 +262,7 @@ class ContextConfig:
             doc="the disk tier's budget, in bytes (flag: also `512M`, `2G`, `1.5GiB`); `0`: "
             "no disk tier",
             flag=True,
-            flag_type=_byte_size,
+            flag_type=byte_size,
             metavar="BYTES",
         ),
     )
@@ -363,120 +361,62 @@ class ContextConfig:
         )
 
     def __post_init__(self) -> None:
-        _refuse_huge_ints(self, _CONFIG_NUMBER_FIELDS)
+        refuse_huge_ints(self, [f.name for f in dataclasses.fields(self)])  # any field
         self._check_types()
-        _require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
-        _require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
-        _require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
+        require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
+        require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
+        require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
         # llama.cpp reserves one output row per sequence in a batch of min(n_ctx, n_batch)
         # rows, and aborts the process (GGML_ASSERT) when they do not fit
-        _require(
+        require(
             self.n_batch >= self.n_seq_max,
             f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): "
             "llama.cpp needs room for one token of every sequence in a batch",
         )
-        _require(
+        require(
             self.n_ctx >= self.n_seq_max,
             f"n_ctx ({self.n_ctx}) must be >= n_seq_max ({self.n_seq_max}): "
             "llama.cpp needs room for one token of every sequence in a batch",
         )
-        _require(
+        require(
             self.kv_layout in ("auto", "unified", "streams"),
             f"kv_layout must be 'auto', 'unified' or 'streams', got {self.kv_layout!r}",
         )
-        _require(
+        require(
             self.n_ctx_seq is None or 16 <= self.n_ctx_seq <= self.n_ctx,
             f"n_ctx_seq must be in [16, n_ctx={self.n_ctx}], got {self.n_ctx_seq}",
         )
-        _require(
+        require(
             self.kv_layout != "streams" or (self.n_ctx_seq or 16) * self.n_seq_max <= self.n_ctx,
             f"kv_layout='streams' gives each of the n_seq_max={self.n_seq_max} sequences "
             f"n_ctx // n_seq_max = {self.n_ctx // self.n_seq_max} cells, fewer than "
             f"n_ctx_seq={self.n_ctx_seq}; raise n_ctx or lower n_ctx_seq",
         )
-        _require(
+        require(
             self.max_step_ms is None or self.max_step_ms > 0,
             f"max_step_ms must be > 0 or None, got {self.max_step_ms}",
         )
-        _require(
+        require(
             self.n_ubatch is None or 1 <= self.n_ubatch <= self.n_batch,
             f"n_ubatch must be in [1, n_batch], got {self.n_ubatch}",
         )
-        _require(
+        require(
             self.n_threads is None or self.n_threads >= 1,
             f"n_threads must be >= 1, got {self.n_threads}",
         )
-        _require(
-            self.rpc_servers is None or _is_endpoint_list(self.rpc_servers),
+        require(
+            self.rpc_servers is None or is_endpoint_list(self.rpc_servers),
             f"rpc_servers must be 'host:port[,host:port...]', got {self.rpc_servers!r}",
         )
-        _require(
+        require(
             self.n_threads_batch is None or self.n_threads_batch >= 1,
             f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
         )
 
     def _check_types(self) -> None:
-        for name in ("n_ctx", "n_seq_max", "n_batch", "n_gpu_layers"):
-            value = getattr(self, name)
-            _require(_is_int(value), f"{name} must be an int, got {value!r}")
-        for name in ("n_ctx_seq", "n_ubatch", "n_threads", "n_threads_batch"):
-            value = getattr(self, name)
-            _require(
-                value is None or _is_int(value), f"{name} must be an int or None, got {value!r}"
-            )
-        for name in (
-            "use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate",
-            "adapt_threads",
-        ):  # fmt: skip
-            value = getattr(self, name)
-            _require(
-                value is None or isinstance(value, bool), f"{name} must be a bool, got {value!r}"
-            )
-        _require(
-            self.prefix_ram_bytes is None
-            or (_is_int(self.prefix_ram_bytes) and self.prefix_ram_bytes >= 0),
-            f"prefix_ram_bytes must be None or an int >= 0, got {self.prefix_ram_bytes!r}",
-        )
-        _require(
-            self.prefix_disk_bytes is None
-            or (_is_int(self.prefix_disk_bytes) and self.prefix_disk_bytes >= 0),
-            f"prefix_disk_bytes must be None or an int >= 0, got {self.prefix_disk_bytes!r}",
-        )
-        for name in ("prefix_ram_share", "prefix_disk_share"):
-            share = getattr(self, name)
-            _require(
-                _is_real(share) and 0 < share <= 1,
-                f"{name} must be a number in (0, 1], got {share!r}",
-            )
-        _require(
-            self.prefix_disk_dir is None
-            or (isinstance(self.prefix_disk_dir, str) and self.prefix_disk_dir != ""),
-            f"prefix_disk_dir must be None or a directory path, got {self.prefix_disk_dir!r}",
-        )
-        _require(
-            self.max_step_ms is None or _is_real(self.max_step_ms),
-            f"max_step_ms must be a number or None, got {self.max_step_ms!r}",
-        )
-        _require(
-            self.speculative is None or isinstance(self.speculative, DraftMethod),
-            f"speculative must be None or a llamax.PromptLookup, got {self.speculative!r}",
-        )
-        _require(
-            self.chat_template is None or isinstance(self.chat_template, str),
-            f"chat_template must be a str or None, got {type(self.chat_template).__name__}",
-        )
-        _require(
-            self.lora is None
-            or (
-                isinstance(self.lora, Mapping)
-                and all(isinstance(k, str) and k and _is_pathlike(v) for k, v in self.lora.items())
-            ),
-            f"lora must be a dict of adapter name -> GGUF path, got {self.lora!r}",
-        )
-
-
-def _is_pathlike(value: object) -> bool:
-    return isinstance(value, (str, os.PathLike)) and os.fspath(value) != ""
+        for check, names in _TYPE_CHECKS:
+            for name in names:
+                check(name, getattr(self, name))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

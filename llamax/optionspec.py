@@ -11,6 +11,7 @@ them with ``python scripts/option_tables.py``). So a new option is one field plu
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import typing
@@ -21,10 +22,13 @@ from typing import Any, Literal
 __all__ = [
     "NOT_OPENAI",
     "OptionSpec",
+    "byte_size",
     "markdown_table",
     "openai_defaults",
     "options_of",
+    "read_text",
     "spec",
+    "zero_is_none",
 ]
 
 KEY = "llamax"
@@ -87,6 +91,33 @@ def spec(**fields: Any) -> dict[str, OptionSpec]:
         The metadata mapping for ``dataclasses.field``.
     """
     return {KEY: OptionSpec(**fields)}
+
+
+def zero_is_none(value: float) -> float | None:
+    """A flag's ``0`` as None (``--max-step-ms 0``: no target)."""
+    return value or None
+
+
+def read_text(path: str) -> str:
+    """The text of the file a flag names (``--chat-template FILE``)."""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+_BYTE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count from ``"1073741824"``, ``"512M"``, ``"512MiB"``, ``"2g"`` or ``"1.5GB"``
+    (``K``/``M``/``G``/``T`` are powers of 1,024, with or without ``B``/``iB``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, or a negative one (argparse shows its text).
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 1073741824, 512M, 2G)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
 
 
 @dataclass(frozen=True, slots=True)

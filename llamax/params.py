@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from .checks import field_checks, is_int, is_real, iterable, real, refuse_huge_ints, require, where
 from .drafting import DraftMethod, Speculative
-from .errors import InvalidParameterError
-from .optionspec import KEY as OPTION_KEY
 from .optionspec import spec
 
 __all__ = [
@@ -35,85 +34,10 @@ class LogitsProcessor(Protocol):
     ) -> npt.NDArray[np.float32] | None: ...
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise InvalidParameterError(message)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-
-
-_MAX_INT_BITS = 63
-"""No parameter means anything past a signed 64-bit int; larger ints are refused before any
-check converts (``float()`` raises OverflowError) or shows them (``repr`` raises ValueError
-past 4,300 digits)."""
-
-
-def _refuse_huge_ints(owner: object, names: Sequence[str]) -> None:
-    """Raise InvalidParameterError, naming the field, if a field of ``owner`` in ``names``
-    is (or holds, as a list item or a dict key or value) an int of more than 63 bits."""
-    for name in names:
-        value = getattr(owner, name)
-        if isinstance(value, Mapping):
-            items: list[Any] = [*value.keys(), *value.values()]
-        elif isinstance(value, (list, tuple)):
-            items = list(value)
-        else:
-            items = [value]
-        for item in items:
-            if _is_int(item) and item.bit_length() > _MAX_INT_BITS:
-                raise InvalidParameterError(
-                    f"{name} is out of range: it holds an int of {item.bit_length()} bits "
-                    f"(at most {_MAX_INT_BITS})"
-                )
-
-
-def _iterable(name: str, value: Any) -> tuple[Any, ...]:
-    _require(
-        isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (bytes, Mapping)),
-        f"{name} must be a list, got {type(value).__name__}",
-    )
-    return tuple(value)
-
-
-Check: TypeAlias = "Callable[[str, Any], Any]"
-"""``check(name, value) -> stored value`` (see :attr:`~llamax.optionspec.OptionSpec.check`)."""
-
-
-def _where(ok: Callable[[Any], bool], must: str, *, show_type: bool = False) -> Check:
-    """A check that refuses a value unless ``ok(value)``: "``name`` ``must``, got ``value``".
-
-    With ``show_type`` the message names the refused value's type instead of showing it.
-    """
-
-    def check(name: str, value: Any) -> Any:
-        got = type(value).__name__ if show_type else repr(value)
-        _require(ok(value), f"{name} {must}, got {got}")
-        return value
-
-    return check
-
-
-def _real(ok: Callable[[Any], bool], must: str) -> Check:
-    """A check for a number field: a number (not a bool), then ``ok(value)``."""
-
-    def check(name: str, value: Any) -> Any:
-        _require(_is_real(value), f"{name} must be a number, got {value!r}")
-        _require(ok(value), f"{name} must be {must}, got {value}")
-        return value
-
-    return check
-
-
 def _token_ids(name: str, value: Any) -> tuple[int, ...]:
-    ids = _iterable(name, value)
+    ids = iterable(name, value)
     for token in ids:
-        _require(
+        require(
             isinstance(token, int) and token >= 0,
             f"{name} must hold token ids >= 0, got {token!r}",
         )
@@ -121,22 +45,22 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
 
 
 def _processors(name: str, value: Any) -> tuple[Any, ...]:
-    processors = _iterable(name, value)
+    processors = iterable(name, value)
     for fn in processors:
-        _require(callable(fn), f"{name} must hold callables, got {fn!r}")
+        require(callable(fn), f"{name} must hold callables, got {fn!r}")
     return processors
 
 
 def _logit_bias(name: str, value: Any) -> Mapping[int, float]:
-    _require(isinstance(value, Mapping), f"{name} must be a dict, got {type(value).__name__}")
+    require(isinstance(value, Mapping), f"{name} must be a dict, got {type(value).__name__}")
     bias: dict[int, float] = {}
     for token, number in dict(value).items():
-        _require(
+        require(
             isinstance(token, int) and token >= 0,
             f"{name} keys must be token ids >= 0, got {token!r}",
         )
-        _require(
-            _is_real(number) and not math.isnan(float(number)),
+        require(
+            is_real(number) and not math.isnan(float(number)),
             f"{name} values must be numbers, got {number!r} for token {token}",
         )
         bias[token] = float(number)
@@ -144,14 +68,14 @@ def _logit_bias(name: str, value: Any) -> Mapping[int, float]:
 
 
 def _speculative(name: str, value: Any) -> Any:
-    _require(
+    require(
         value is None or isinstance(value, (bool, DraftMethod)),
         f"{name} must be None, a bool or a llamax.PromptLookup, got {type(value).__name__}",
     )
     return value
 
 
-_penalty = _real(lambda v: math.isfinite(v) and -2 <= v <= 2, "in [-2, 2]")
+_penalty = real(lambda v: math.isfinite(v) and -2 <= v <= 2, "in [-2, 2]")
 
 
 MAX_STOP_STRINGS = 1024
@@ -166,18 +90,18 @@ def _freeze_stop(name: str, value: Any) -> tuple[str, ...]:
         return ()
     if isinstance(value, str):
         value = (value,)
-    items = _iterable("stop", value)
-    _require(
+    items = iterable("stop", value)
+    require(
         len(items) <= MAX_STOP_STRINGS,
         f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(items)}",
     )
     for item in items:
-        _require(
+        require(
             isinstance(item, str) and item != "",
             f"stop must hold non-empty strings, got {item!r}",
         )
     num_chars = sum(map(len, items))
-    _require(
+    require(
         num_chars <= MAX_STOP_CHARS,
         f"stop strings may hold at most {MAX_STOP_CHARS} characters in all, got {num_chars}",
     )
@@ -218,16 +142,16 @@ def _lora(name: str, value: object) -> dict[str | int, float] | None:
     """``SamplingParams.lora`` checked: adapter names (or load indices) to finite scales."""
     if value is None:
         return None
-    _require(isinstance(value, Mapping), f"lora must be a dict of name -> scale, got {value!r}")
+    require(isinstance(value, Mapping), f"lora must be a dict of name -> scale, got {value!r}")
     assert isinstance(value, Mapping)
     checked: dict[str | int, float] = {}
     for key, scale in value.items():
-        _require(
-            (isinstance(key, str) and key != "") or (_is_int(key) and key >= 0),
+        require(
+            (isinstance(key, str) and key != "") or (is_int(key) and key >= 0),
             f"lora keys must be adapter names or load indices >= 0, got {key!r}",
         )
-        _require(
-            _is_real(scale) and math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE,
+        require(
+            is_real(scale) and math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE,
             f"lora scale for {key!r} must be a finite number in [-{MAX_LORA_SCALE:g}, "
             f"{MAX_LORA_SCALE:g}], got {scale!r}",
         )
@@ -266,7 +190,7 @@ class SamplingParams:
     max_tokens: int | None = field(
         default=256,
         metadata=spec(
-            check=_where(
+            check=where(
                 lambda v: v is None or (isinstance(v, int) and v >= 1),
                 "must be a positive int or None",
             ),
@@ -278,7 +202,7 @@ class SamplingParams:
     temperature: float = field(
         default=0.8,
         metadata=spec(
-            check=_real(lambda v: math.isfinite(v) and v >= 0, ">= 0"),
+            check=real(lambda v: math.isfinite(v) and v >= 0, ">= 0"),
             doc="`0` is greedy",
             flag=True,
             openai=1.0,
@@ -287,8 +211,8 @@ class SamplingParams:
     top_k: int = field(
         default=40,
         metadata=spec(
-            check=_where(
-                lambda v: _is_int(v) and 0 <= v < 2**31, "must be an int >= 0 (0 disables it)"
+            check=where(
+                lambda v: is_int(v) and 0 <= v < 2**31, "must be an int >= 0 (0 disables it)"
             ),
             doc="sample among the `k` most likely tokens; `0` disables it",
             flag=True,
@@ -298,7 +222,7 @@ class SamplingParams:
     top_p: float = field(
         default=0.95,
         metadata=spec(
-            check=_real(lambda v: 0 < v <= 1, "in (0, 1]"),
+            check=real(lambda v: 0 < v <= 1, "in (0, 1]"),
             doc="nucleus sampling: the most likely tokens whose probabilities sum to `p`; `1` "
             "disables it",
             flag=True,
@@ -308,7 +232,7 @@ class SamplingParams:
     min_p: float = field(
         default=0.05,
         metadata=spec(
-            check=_real(lambda v: 0 <= v <= 1, "in [0, 1]"),
+            check=real(lambda v: 0 <= v <= 1, "in [0, 1]"),
             doc="drop tokens less likely than `min_p` times the most likely one; `0` disables it",
             flag=True,
             openai=0.0,
@@ -317,7 +241,7 @@ class SamplingParams:
     typical_p: float = field(
         default=1.0,
         metadata=spec(
-            check=_real(lambda v: 0 < v <= 1, "in (0, 1]"),
+            check=real(lambda v: 0 < v <= 1, "in (0, 1]"),
             doc="locally typical sampling; `1` disables it",
             flag=True,
         ),
@@ -325,7 +249,7 @@ class SamplingParams:
     repeat_penalty: float = field(
         default=1.0,
         metadata=spec(
-            check=_real(lambda v: math.isfinite(v) and v > 0, "> 0"),
+            check=real(lambda v: math.isfinite(v) and v > 0, "> 0"),
             doc="divides the logits of recent tokens; `1` disables it",
             flag=True,
             openai=1.0,
@@ -346,7 +270,7 @@ class SamplingParams:
     penalty_last_n: int = field(
         default=64,
         metadata=spec(
-            check=_where(lambda v: _is_int(v) and v >= -1, "must be an int >= -1"),
+            check=where(lambda v: is_int(v) and v >= -1, "must be an int >= -1"),
             doc="how many recent tokens the penalties look at; `-1`: the whole context",
             flag=True,
         ),
@@ -365,7 +289,7 @@ class SamplingParams:
     seed: int | None = field(
         default=None,
         metadata=spec(
-            check=_where(
+            check=where(
                 lambda v: v is None or (isinstance(v, int) and 0 <= v < 2**32),
                 "must be None or an int in [0, 2**32)",
             ),
@@ -394,7 +318,7 @@ class SamplingParams:
     n: int = field(
         default=1,
         metadata=spec(
-            check=_where(lambda v: isinstance(v, int) and 1 <= v <= 256, "must be in [1, 256]"),
+            check=where(lambda v: isinstance(v, int) and 1 <= v <= 256, "must be in [1, 256]"),
             doc="choices, sharing one prompt prefill (at most 256)",
             openai=1,
         ),
@@ -402,7 +326,7 @@ class SamplingParams:
     logprobs: int | None = field(
         default=None,
         metadata=spec(
-            check=_where(
+            check=where(
                 lambda v: v is None or (isinstance(v, int) and 0 <= v <= 20),
                 "must be None or an int in [0, 20]",
             ),
@@ -419,7 +343,7 @@ class SamplingParams:
     grammar: str | None = field(
         default=None,
         metadata=spec(
-            check=_where(
+            check=where(
                 lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
                 "must be non-empty GBNF text",
             ),
@@ -430,7 +354,7 @@ class SamplingParams:
     json_schema: Mapping[str, Any] | None = field(
         default=None,
         metadata=spec(
-            check=_where(
+            check=where(
                 lambda v: v is None or isinstance(v, Mapping), "must be a dict", show_type=True
             ),
             doc="a JSON schema the output must follow (not with `grammar`)",
@@ -461,13 +385,13 @@ class SamplingParams:
     )
 
     def __post_init__(self) -> None:
-        _refuse_huge_ints(self, _NUMBER_FIELDS)
+        refuse_huge_ints(self, _NUMBER_FIELDS)
         for name, check in _SAMPLING_CHECKS:
             value = getattr(self, name)
             stored = check(name, value)
             if stored is not value:
                 object.__setattr__(self, name, stored)
-        _require(
+        require(
             self.grammar is None or self.json_schema is None,
             "grammar and json_schema cannot both be set",
         )
@@ -494,15 +418,5 @@ class SamplingParams:
         ) and self.penalty_last_n != 0
 
 
-def _checks(cls: type) -> tuple[tuple[str, Check], ...]:
-    """``(name, check)`` of each field of ``cls`` whose spec has a check, in field order."""
-    found = []
-    for f in dataclasses.fields(cls):
-        option = f.metadata.get(OPTION_KEY)
-        if option is not None and option.check is not None:
-            found.append((f.name, option.check))
-    return tuple(found)
-
-
-_SAMPLING_CHECKS = _checks(SamplingParams)
+_SAMPLING_CHECKS = field_checks(SamplingParams)
 """What :meth:`SamplingParams.__post_init__` runs: every field's own check."""

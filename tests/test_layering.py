@@ -222,6 +222,7 @@ def test_what_the_facade_imports_never_needs_the_facade_back() -> None:
 # helpers): the engine may import these and nothing else from above it.
 VALUE_MODULES = (
     "llamax.adapters",
+    "llamax.checks",
     "llamax.config",
     "llamax.errors",
     "llamax.params",
@@ -275,7 +276,13 @@ def test_params_and_config_import_nothing_from_the_engine() -> None:
     ``PromptLookup``, the one arrow that ran back up at runtime; the drafting methods now
     live in ``llamax.drafting``, below the engine."""
     graph = import_graph(lazy=True)
-    for name in ("llamax.params", "llamax.config", "llamax.optionspec", "llamax.drafting"):
+    for name in (
+        "llamax.params",
+        "llamax.checks",
+        "llamax.config",
+        "llamax.optionspec",
+        "llamax.drafting",
+    ):
         for target in sorted(graph[name]):
             assert not _within(target, ("llamax.engine", "llamax.backend")), (
                 f"{name} imports {target}"

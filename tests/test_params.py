@@ -150,9 +150,12 @@ def test_a_huge_int_inside_a_field_is_a_typed_error(
 @pytest.mark.parametrize(
     "field",
     ["n_ctx", "n_seq_max", "n_ctx_seq", "max_step_ms", "n_batch", "n_ubatch", "n_threads",
-     "n_threads_batch", "n_gpu_layers", "prefix_ram_bytes", "prefix_disk_bytes"],
+     "n_threads_batch", "n_gpu_layers", "prefix_ram_bytes", "prefix_disk_bytes",
+     "prefix_ram_share", "prefix_disk_share"],
 )  # fmt: skip
 def test_a_huge_int_in_the_context_config_is_a_typed_error(field: str, value: int) -> None:
+    """Regression (issue 39): the shares were missing from the list of number fields, and
+    ``repr`` of a 5,000-digit int raised ValueError from the share's own check."""
     with pytest.raises(llamax.InvalidParameterError, match=f"^{field} "):
         llamax.ContextConfig(model_path="m.gguf", **{field: value})  # type: ignore[arg-type]
 

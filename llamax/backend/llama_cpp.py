@@ -2,24 +2,17 @@
 
 The native handles (:mod:`llamax.backend.native`) are owned here and freed in a stated order
 by :meth:`LlamaCppBackend.close`: samplers, then the batch, then the context, then the model.
-
-Native lifetime: every method a user thread may reach (tokenizing, pieces, metadata, the
-model's identity, grammar checks ...) enters a guard that counts its users and raises
-:class:`~llamax.errors.ContextClosedError` once the backend is closing; :meth:`close` marks
-it closed, waits until the last user is out, and only then frees. The engine's own calls
-(decode, sample, the KV operations) need no guard: the engine closes the backend under its
-step lock, after the last step.
+The model's side, which any thread may reach behind a guard, is
+:class:`~llamax.backend.llama_model.LlamaCppModel`; this module adds the context: the KV
+layout, decoding, sampling and the KV operations.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -27,94 +20,52 @@ import numpy.typing as npt
 
 from ..adapters import NO_ADAPTERS, AdapterSet
 from ..config import ContextConfig
-from ..errors import ContextClosedError, ModelLoadError, RequestFailedError
+from ..errors import ModelLoadError, RequestFailedError
 from ..params import SamplingParams
 from .base import BatchItem
-from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES
-from .lora_file import check_lora_file
+from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
+from .llama_model import LlamaCppModel
 from .native import (
     NativeBatch,
     NativeContext,
-    NativeModel,
     NativeSampler,
     bindings,
     context_params,
-    utf8,
 )
-from .platform import cpu_description
+from .platform import calibration_key
 from .rpc import register_rpc_servers
-from .seq_state import cell_positions, restream, tile
+from .sampler_chain import constrain, new_sampler
+from .seq_state import restream, tile
 
-__all__ = ["MAX_STREAMS_MEMORY", "LlamaCppBackend"]
-
-MAX_STREAMS_MEMORY = 2
-"""``kv_layout="auto"`` adapts (starting with one stream per sequence) only if the streams
-cost at most this many times the unified cache's memory. llama.cpp rounds every stream up
-to a multiple of 256 cells, so ``n_ctx=8192, n_seq_max=64`` holds 64 x 256 = 16,384 cells
-in streams (as ``llama-server -c 8192 -np 64`` does) and 8,192 unified."""
-_PAD = 256  # llama.cpp pads n_ctx, and each stream, to a multiple of this
-
-
-def _padded(n: int) -> int:
-    return max(_PAD, -(-n // _PAD) * _PAD)
-
-
-def _streams_cells(n_ctx: int, n_seq_max: int) -> int:
-    """Cells llama.cpp allocates for ``n_seq_max`` streams out of ``n_ctx``."""
-    return _padded(_padded(n_ctx) // n_seq_max) * n_seq_max
-
+__all__ = ["LlamaCppBackend"]
 
 _log = logging.getLogger("llamax.llama_cpp")
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(LlamaCppModel):
     """One llama.cpp model + context + batch; the KV layout follows ``kv_layout``."""
 
     def __init__(self, config: ContextConfig) -> None:
         C = bindings()
-        self._C = C
-        self._gate = threading.Condition()  # guards _users and _closed
-        self._users = 0  # threads inside a native call made from outside the engine
-        self._closed = False
         if config.verbose and not _log.handlers:
             _log.addHandler(logging.StreamHandler())
             _log.setLevel(logging.DEBUG)
-        path = Path(config.model_path)
         self._config = config
         self._samplers: dict[int, NativeSampler] = {}
-        self._pieces: dict[int, bytes] = {}
         if config.rpc_servers is not None:
             register_rpc_servers(C, config.rpc_servers)
         with ExitStack() as stack:  # closes in reverse: samplers, batch, context, model
-            model = NativeModel(
-                C,
-                path,
-                n_gpu_layers=config.n_gpu_layers,
-                use_mmap=config.use_mmap,
-                use_extra_bufts=config.use_extra_bufts,
-            )
-            stack.callback(model.close)
-            try:
-                self._weights = weights_fingerprint(path)
-            except OSError as exc:
-                raise ModelLoadError(f"cannot read {path} to fingerprint it: {exc}") from exc
+            super().__init__(C, config, stack)
+            model = self._model
             # one KV section (no sliding window, no recurrent state): a sequence's saved
             # state can move between layouts (seq_state.restream)
             self._plain_kv = not (model.is_recurrent() or model.is_hybrid() or model.n_swa() > 0)
             # streams: one buffer per sequence (a partial seq_cp between them aborts the
             # process, so the KV cache copies whole streams); unified: one shared buffer.
             # "auto" without n_ctx_seq starts in streams and moves (relayout) as needed.
-            layout = config.resolved_kv_layout
-            self._can_relayout = (
-                config.kv_layout == "auto"
-                and layout == "unified"
-                and self._plain_kv
-                and config.n_seq_max > 1
-                and _streams_cells(config.n_ctx, config.n_seq_max)
-                <= MAX_STREAMS_MEMORY * max(config.n_ctx, _PAD)
-            )
-            self._is_unified = layout == "unified" and not self._can_relayout
+            self._can_relayout = adapts_layout(config, self._plain_kv)
+            self._is_unified = config.resolved_kv_layout == "unified" and not self._can_relayout
             self._cparams = context_params(
                 C,
                 n_ctx=config.n_ctx,
@@ -130,7 +81,7 @@ class LlamaCppBackend:
             context = NativeContext.create(model, self._cparams)
             if context is None:
                 raise ModelLoadError(
-                    f"llama.cpp could not create a context for {path} "
+                    f"llama.cpp could not create a context for {self._model_path} "
                     f"(n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max}); out of memory?"
                 )
             self._context = context
@@ -140,7 +91,6 @@ class LlamaCppBackend:
             stack.callback(self._batch.close)
             stack.callback(self._free_samplers)
             self._stack = stack.pop_all()
-        self._model = model
         self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
         self._attention_tiles = (
             (model.n_head(), config.n_threads_batch or config.resolved_n_threads)
@@ -149,23 +99,17 @@ class LlamaCppBackend:
         )
         self._kv_cells = context.n_ctx()
         # a unified cache's cells: what n_ctx asked for, padded as llama.cpp pads it
-        self._n_ctx = _padded(config.n_ctx) if self._can_relayout else self._kv_cells
+        self._n_ctx = padded(config.n_ctx) if self._can_relayout else self._kv_cells
         self._n_seq_max = context.n_seq_max()
         self._n_ctx_stream = context.n_ctx_seq() if not self._is_unified else self._n_ctx
         native_seq = config.n_ctx if self._can_relayout else self._n_ctx_stream
         self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
         kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
         self._kv_bytes_per_cell = 2 * 2 * kv_dim * model.n_layer()  # K+V, f16
-        self._n_vocab = model.n_vocab()
-        self._add_bos = model.add_bos()
-        self._eog = frozenset(t for t in range(self._n_vocab) if model.is_eog(t))
-        self._model_name = self.metadata("general.name") or path.stem
-        self._model_path = path
+        self._adapter_set: AdapterSet | None = NO_ADAPTERS  # None: not yet applied
         self._kv_types = "/".join(
             GGML_TYPE_NAMES.get(t, str(t)) for t in (self._cparams.type_k, self._cparams.type_v)
         )
-        self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora*, freed with the model
-        self._adapter_set: AdapterSet | None = NO_ADAPTERS  # None: not yet applied
 
     # ------------------------------------------------------------------ facts
     @property
@@ -234,17 +178,8 @@ class LlamaCppBackend:
         new = NativeContext.create(self._model, self._cparams)
         if new is None:
             raise RequestFailedError("llama.cpp could not create a context for the new KV layout")
-        n_stream = 1 if unified else self._n_seq_max
         try:
-            for seq_id in range(self._n_seq_max):
-                if self.seq_pos_max(seq_id) < 0:
-                    continue
-                try:
-                    data = restream(self._context.state_seq_get(seq_id), n_stream)
-                except ValueError as exc:
-                    raise RequestFailedError(f"sequence {seq_id}'s state: {exc}") from exc
-                if not new.state_seq_set(seq_id, data):
-                    raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
+            move_states(self._context, new, self._n_seq_max, 1 if unified else self._n_seq_max)
         except BaseException:
             new.close()
             raise
@@ -261,25 +196,6 @@ class LlamaCppBackend:
     def _free_samplers(self) -> None:
         for sampler in list(self._samplers.values()):
             self.free_sampler(sampler)
-
-    @contextmanager
-    def _entered(self) -> Iterator[None]:
-        """Count the caller as a user of the native handles for the ``with`` block.
-
-        Raises:
-            ContextClosedError: the backend is closed or closing.
-        """
-        with self._gate:
-            if self._closed:
-                raise ContextClosedError("the context is closed: its model has been freed")
-            self._users += 1
-        try:
-            yield
-        finally:
-            with self._gate:
-                self._users -= 1
-                if not self._users:
-                    self._gate.notify_all()
 
     @property
     def cpu_attention(self) -> bool:
@@ -303,29 +219,9 @@ class LlamaCppBackend:
         return self._n_batch
 
     @property
-    def n_vocab(self) -> int:
-        """Vocabulary size."""
-        return self._n_vocab
-
-    @property
-    def model_name(self) -> str:
-        """``general.name`` from the GGUF metadata, else the file name."""
-        return self._model_name
-
-    @property
-    def model_path(self) -> Path:
-        """The loaded file."""
-        return self._model_path
-
-    @property
-    def eog_token_ids(self) -> frozenset[int]:
-        """Every end-of-generation token of the vocabulary."""
-        return self._eog
-
-    @property
     def can_shift(self) -> bool:
         """Whether the memory supports position shifts (``seq_add``)."""
-        with self._entered():
+        with self._guard.entered():
             return self._context.can_shift()
 
     @property
@@ -341,90 +237,6 @@ class LlamaCppBackend:
     def seq_tokens(self, seq_id: int) -> Sequence[int | None] | None:
         """None: llama.cpp does not show a sequence's tokens (``Inspectable``)."""
         return None
-
-    @property
-    def bos_token_id(self) -> int | None:
-        """BOS when the vocabulary adds it to prompts."""
-        with self._entered():
-            bos = self._model.bos()
-        return bos if self._add_bos and bos >= 0 else None
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The EOS token, if the vocabulary has one."""
-        with self._entered():
-            eos = self._model.eos()
-        return eos if eos >= 0 else None
-
-    def token_text(self, token: int) -> str:
-        """The token's text with special tokens rendered."""
-        with self._entered():
-            return self._model.piece(token, special=True, size=256).decode("utf-8", "replace")
-
-    def metadata(self, key: str) -> str | None:
-        """A GGUF metadata value as a string, or None."""
-        with self._entered():
-            return self._model.meta(key)
-
-    # ------------------------------------------------------------------ text (any thread)
-    def tokenize(
-        self, text: str, *, add_special: bool = True, parse_special: bool = True
-    ) -> list[int]:
-        """Tokenize ``text``; read-only on the vocabulary, so safe from any thread.
-
-        Raises:
-            InvalidRequestError: ``text`` holds a lone surrogate (not encodable as UTF-8).
-            ContextClosedError: the backend is closed.
-        """
-        data = utf8(text)
-        with self._entered():
-            return self._model.tokenize(data, add_special=add_special, parse_special=parse_special)
-
-    def token_to_piece(self, token: int) -> bytes:
-        """The bytes of ``token`` (special tokens render as empty), cached per id.
-
-        Raises:
-            ContextClosedError: the backend is closed (and the piece was not cached).
-        """
-        piece = self._pieces.get(token)
-        if piece is None:
-            with self._entered():
-                piece = self._pieces[token] = self._model.piece(token, special=False)
-        return piece
-
-    def is_eog(self, token: int) -> bool:
-        """Whether ``token`` ends generation."""
-        return token in self._eog
-
-    # ------------------------------------------------------------------ adapters
-    def load_adapter(self, name: str, path: str) -> None:
-        """``llama_adapter_lora_init``: load a LoRA GGUF for this model under ``name``
-        (:class:`~llamax.backend.base.LoraHost`). llama.cpp frees it with the model.
-
-        The file is checked first (:func:`~llamax.backend.lora_file.check_lora_file`):
-        llama.cpp loads tensor types it cannot multiply and NaN weights, and crashes or
-        answers nothing later.
-
-        Raises:
-            ModelLoadError: the file is missing, fails those checks (the message names the
-                tensor or key), or llama.cpp refused it (not a LoRA, another architecture,
-                shapes that do not fit the model); its log says why.
-        """
-        if not Path(path).is_file():
-            raise ModelLoadError(f"LoRA adapter {name!r}: no file at {path}")
-        try:
-            check_lora_file(path)  # what llama.cpp lets through and then crashes on
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"LoRA adapter {name!r}: could not load {path}: {exc}") from None
-        with self._entered():
-            adapter = self._C.llama_adapter_lora_init(self._model.ptr, os.fsencode(path))
-        if not adapter:
-            raise ModelLoadError(
-                f"LoRA adapter {name!r}: llama.cpp could not load {path} for this model "
-                "(not a LoRA GGUF, another architecture, or tensors of the wrong shape; "
-                "verbose=True shows llama.cpp's reason)"
-            )
-        self._adapters[name] = adapter
 
     def set_adapters(self, adapters: AdapterSet) -> None:
         """``llama_set_adapters_lora`` for the next decodes; nothing when already applied."""
@@ -466,49 +278,16 @@ class LlamaCppBackend:
         return self._context.decode(batch)
 
     def run_queued_copies(self) -> None:
-        """Run the cross-stream copies llama.cpp has queued (see
-        :mod:`~llamax.engine.stream_copies`). llama.cpp runs them only at the start of a
-        decode, so this decodes one token, with no output, into an empty sequence (or past
-        the end of one with room) and removes it again. The last decode's logits are gone
-        afterwards.
+        """Run the cross-stream copies llama.cpp has queued, by decoding one token and
+        removing it again (:func:`~llamax.backend.kv_layout.run_queued_copies`). The last
+        decode's logits are gone afterwards.
 
         Raises:
             RequestFailedError: no sequence has room for the token, or the decode failed.
         """
-        found = next(
-            (
-                (seq_id, pos + 1)
-                for seq_id in sorted(range(self._n_seq_max), key=self.seq_pos_max)
-                if (pos := self.seq_pos_max(seq_id)) + 1 < self.n_ctx_stream
-            ),
-            None,
-        )
-        if found is None:
-            raise RequestFailedError("no KV room to run llama.cpp's queued stream copies")
-        seq_id, pos = found
-        batch = self._batch
-        batch.tokens[0] = max(self._model.bos(), 0)
-        batch.pos[0] = pos
-        batch.logits[0] = 0
-        batch.seq_rows[0][0] = seq_id
-        batch.set_n_tokens(1)
-        status = self._context.decode(batch)
-        self._context.seq_rm(seq_id, pos, -1)
-        if status not in (0, 1, 2):  # these three come after the memory update
-            raise RequestFailedError(f"llama_decode failed with status {status}")
-
-    def check_grammar(self, grammar: str) -> str | None:
-        """Build and free a grammar sampler: llama.cpp returns NULL for invalid GBNF.
-
-        Raises:
-            ContextClosedError: the backend is closed.
-        """
-        with self._entered():
-            sampler = self._model.grammar_sampler(grammar)
-            if not sampler:
-                return "llama.cpp could not parse it (its parser prints the reason to stderr)"
-            self._C.llama_sampler_free(sampler)
-        return None
+        seq_pos_max = [self._context.seq_pos_max(i) for i in range(self._n_seq_max)]
+        bos = max(self._model.bos(), 0)
+        run_queued_copies(self._context, self._batch, bos, seq_pos_max, self.n_ctx_stream)
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         """Zero-copy view of ``llama_get_logits_ith(ctx, row)``."""
@@ -526,58 +305,12 @@ class LlamaCppBackend:
         *,
         grammar: str | None = None,
     ) -> Any:
-        """Build the native sampler chain for one sequence (none for greedy with at most a
-        bias: see :class:`~llamax.backend.native.NativeSampler`)."""
-        C = self._C
-        bias = dict(params.logit_bias)
-        if params.ignore_eos:
-            bias.update(dict.fromkeys(self._eog, float("-inf")))
-        bias = {t: b for t, b in bias.items() if t < self._n_vocab}
-        if params.is_greedy and not params.has_penalties and grammar is None:
-            greedy = NativeSampler(C, None, None, [], self._n_vocab, argmax=True, bias=bias)
-            self._samplers[id(greedy)] = greedy
-            return greedy
-        chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
-        if bias:
-            arr = (C.llama_logit_bias * len(bias))(
-                *(C.llama_logit_bias(t, b) for t, b in bias.items())
-            )
-            C.llama_sampler_chain_add(
-                chain, C.llama_sampler_init_logit_bias(self._n_vocab, len(bias), arr)
-            )
-        if params.has_penalties:
-            last_n = self._n_ctx if params.penalty_last_n == -1 else params.penalty_last_n
-            penalties = C.llama_sampler_init_penalties(
-                self._n_vocab,
-                last_n,
-                params.repeat_penalty,
-                params.frequency_penalty,
-                params.presence_penalty,
-            )
-            C.llama_sampler_chain_add(chain, penalties)
-            for token in history[-last_n:]:
-                C.llama_sampler_accept(penalties, token)
-        if params.is_greedy:
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_greedy())
-        else:
-            if params.top_k > 0:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(params.top_k))
-            if params.typical_p < 1:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_typical(params.typical_p, 1))
-            if params.top_p < 1:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(params.top_p, 1))
-            if params.min_p > 0:
-                C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(params.min_p, 1))
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(params.temperature))
-            C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(seed))
-        constraint = None
-        if grammar is not None:
-            constraint = self._model.grammar_sampler(grammar)
-            if not constraint:  # checked at add_request; never hand llama.cpp a NULL sampler
-                C.llama_sampler_free(chain)
-                raise RequestFailedError("llama.cpp could not parse the grammar")
-        banned = [t for t, b in bias.items() if b == float("-inf")]
-        sampler = NativeSampler(C, chain, constraint, banned, self._n_vocab)
+        """Build the native sampler chain for one sequence
+        (:func:`~llamax.backend.sampler_chain.new_sampler`)."""
+        sampler = new_sampler(
+            self._C, self._model, params, seed, history, grammar,
+            eog=self._eog, n_vocab=self._n_vocab, n_ctx=self._n_ctx,
+        )  # fmt: skip
         self._samplers[id(sampler)] = sampler
         return sampler
 
@@ -593,31 +326,11 @@ class LlamaCppBackend:
             RequestFailedError: the grammar allows no token at this point.
         """
         if sampler.grammar is not None:
-            self._constrain(sampler, row)
+            constrain(self._C, sampler, self.logits(row))
         token: int = sampler.sample(self._context, row)
         if sampler.grammar is not None:
             sampler.accept_grammar(token)
         return token
-
-    def _constrain(self, sampler: NativeSampler, row: int) -> None:
-        C = self._C
-        logits = self.logits(row)
-        candidates = sampler.candidates
-        assert candidates is not None
-        candidates["logit"] = logits
-        data = C.llama_token_data_array(
-            candidates.ctypes.data_as(C.llama_token_data_p), self._n_vocab, -1, False
-        )
-        sampler.apply_grammar(data)
-        kept = candidates[: data.size]
-        logits[kept["id"][np.isneginf(kept["logit"])]] = -np.inf
-        alive = np.isfinite(logits)
-        alive[sampler.banned] = False
-        if not alive.any():
-            raise RequestFailedError(
-                "the grammar allows no token here (are its end-of-generation tokens banned by "
-                "ignore_eos or logit_bias, or did a logits processor remove every allowed token?)"
-            )
 
     def free_sampler(self, sampler: Any) -> None:
         """Free a sampler from :meth:`new_sampler` (its chain and grammar)."""
@@ -642,17 +355,11 @@ class LlamaCppBackend:
         return self._context.seq_pos_min(seq_id)
 
     @property
-    def can_share_prefix(self) -> bool:
-        """False for recurrent and hybrid memories, which cannot drop or copy partial ranges."""
-        with self._entered():
-            return not (self._model.is_recurrent() or self._model.is_hybrid())
-
-    @property
     def model_identity(self) -> dict[str, object]:
         """What a saved session and the disk tier's entries must match: name, description,
         sizes, vocabulary, a fingerprint of the weights
         (:func:`~llamax.backend.fingerprint.weights_fingerprint`) and the KV cache's types."""
-        with self._entered():
+        with self._guard.entered():
             desc, n_params, size = self._model.desc(), self._model.n_params(), self._model.size()
         return {
             "name": self._model_name,
@@ -673,33 +380,20 @@ class LlamaCppBackend:
         Raises:
             ContextClosedError: the backend is closed.
         """
-        with self._entered():
+        with self._guard.entered():
             data = self._context.state_seq_get(seq_id, partial=partial)
         return restream(data, 1) if self._plain_kv and data and not partial else data
 
     def calibration_key(self) -> str | None:
         """The model, llama.cpp's build and version, the settings step costs depend on, and
         the CPU (model and SIMD flags). (:class:`~llamax.backend.base.Calibratable`)"""
-        import json
-
-        import llama_cpp
-
         c = self._config
-        system = self._C.llama_print_system_info()
-        return json.dumps(
-            {
-                "model": self.model_identity,
-                "llama_cpp": [llama_cpp.__version__, bytes(system or b"").decode(errors="replace")],
-                "cpu": cpu_description(),
-                "settings": [
-                    c.n_batch, c.n_ubatch, c.resolved_n_threads, c.n_threads_batch, c.flash_attn,
-                    c.n_gpu_layers, c.rpc_servers, self._is_unified, self.n_ctx_stream,
-                    self._n_seq_max, self._cpu_attention,
-                ],
-            },
-            sort_keys=True,
-            default=str,
-        )  # fmt: skip
+        settings = [
+            c.n_batch, c.n_ubatch, c.resolved_n_threads, c.n_threads_batch, c.flash_attn,
+            c.n_gpu_layers, c.rpc_servers, self._is_unified, self.n_ctx_stream,
+            self._n_seq_max, self._cpu_attention,
+        ]  # fmt: skip
+        return calibration_key(self._C, self.model_identity, settings)
 
     def fill_cells(self, seq_id: int, num_cells: int) -> bool:
         """Grow ``seq_id`` to ``num_cells`` cells of its own K/V rows repeated
@@ -727,20 +421,15 @@ class LlamaCppBackend:
             ContextClosedError: the backend is closed.
         """
         if partial:
-            with self._entered():
+            with self._guard.entered():
                 return self._context.state_seq_set(seq_id, data, partial=True)
         if self._plain_kv:
-            try:
-                positions = cell_positions(data)
-                data = restream(data, 1 if self._is_unified else self._n_seq_max)
-            except ValueError as exc:
-                _log.warning("refused a saved sequence state: %s", exc)
+            n_stream = 1 if self._is_unified else self._n_seq_max
+            checked = loadable_state(data, n_stream, self.n_ctx_stream)
+            if checked is None:
                 return False
-            n = len(positions)
-            if n > self.n_ctx_stream or sorted(positions) != list(range(n)):
-                _log.warning("refused a saved sequence state: its positions are not 0..%d", n - 1)
-                return False
-        with self._entered():
+            data = checked
+        with self._guard.entered():
             return self._context.state_seq_set(seq_id, data)
 
     def seq_pos_max(self, seq_id: int) -> int:
@@ -753,10 +442,5 @@ class LlamaCppBackend:
         New native calls from other threads raise :class:`ContextClosedError` from now on;
         the memory is freed once the last one already inside has returned.
         """
-        with self._gate:
-            if self._closed:
-                return
-            self._closed = True
-            while self._users:
-                self._gate.wait()
-        self._stack.close()  # each handle is freed even when an earlier free raises
+        if self._guard.close():
+            self._stack.close()  # each handle is freed even when an earlier free raises

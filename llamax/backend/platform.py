@@ -5,9 +5,16 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cpu_advertises_amx", "cpu_description", "default_use_extra_bufts"]
+__all__ = [
+    "calibration_key",
+    "cpu_advertises_amx",
+    "cpu_description",
+    "default_use_extra_bufts",
+]
 
 
 def cpu_advertises_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
@@ -56,3 +63,23 @@ def default_use_extra_bufts() -> bool:
     that path and measured the same throughput, so we do it wherever AMX is advertised.
     """
     return not cpu_advertises_amx()
+
+
+def calibration_key(C: Any, identity: dict[str, object], settings: Sequence[object]) -> str:
+    """What a calibration is cached under: the model's ``identity``, llama.cpp's build and
+    version, the ``settings`` step costs depend on, and the CPU (model and SIMD flags)."""
+    import json
+
+    import llama_cpp
+
+    system = C.llama_print_system_info()
+    return json.dumps(
+        {
+            "model": identity,
+            "llama_cpp": [llama_cpp.__version__, bytes(system or b"").decode(errors="replace")],
+            "cpu": cpu_description(),
+            "settings": settings,
+        },
+        sort_keys=True,
+        default=str,
+    )

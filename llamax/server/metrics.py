@@ -17,22 +17,31 @@ from prometheus_client.registry import Collector
 
 import llamax
 
-__all__ = ["ServerMetrics", "TokenClock", "engine_metrics"]
+__all__ = [
+    "ScrapeCollector",
+    "ServerMetrics",
+    "TokenClock",
+    "engine_metrics",
+    "pool_metrics",
+]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-class _EngineCollector(Collector):
-    """Gauges and counters read from ``ctx.stats()`` when scraped."""
+class ScrapeCollector(Collector):
+    """Gauges and counters a function computes at each scrape."""
 
-    def __init__(self, stats: Callable[[], llamax.ContextStats | None]) -> None:
-        self._stats = stats
+    def __init__(self, figures: Callable[[], Iterator[Metric]]) -> None:
+        self._figures = figures
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is not None:
-            yield from engine_metrics([((), stats)])
+        yield from self._figures()
+
+
+def _engine_figures(stats: Callable[[], llamax.ContextStats | None]) -> Iterator[Metric]:
+    if (found := stats()) is not None:
+        yield from engine_metrics([((), found)])
 
 
 def engine_metrics(
@@ -136,7 +145,7 @@ class ServerMetrics:
         self.in_flight = Gauge(
             "llamax_requests_in_flight", "Requests admitted and not finished", registry=reg
         )
-        reg.register(_EngineCollector(stats))
+        reg.register(ScrapeCollector(lambda: _engine_figures(stats)))
 
     def record_usage(self, usage: Mapping[str, Any] | None) -> None:
         """Count an OpenAI ``usage`` object's tokens."""
@@ -173,3 +182,27 @@ class TokenClock:
         elif index in self._last:
             self._metrics.inter_token.observe(now - self._last[index])
         self._last[index] = now
+
+
+def pool_metrics(rows: Sequence[tuple[str, bool, int, Mapping[str, int], int]]) -> Iterator[Metric]:
+    """A model pool's figures from ``(name, loaded, num_users, num_loads by outcome,
+    num_unloads)`` rows: ``llamax_model_loaded{model}``, the requests holding each model,
+    and its loads and unloads."""
+    loaded = GaugeMetricFamily(
+        "llamax_model_loaded", "1 while the model is loaded", labels=["model"]
+    )
+    users = GaugeMetricFamily(
+        "llamax_model_requests", "Requests holding the model (running or waiting for its load)",
+        labels=["model"],
+    )  # fmt: skip
+    loads = CounterMetricFamily(
+        "llamax_model_loads", "Model loads by outcome", labels=["model", "outcome"]
+    )
+    unloads = CounterMetricFamily("llamax_model_unloads", "Model unloads", labels=["model"])
+    for name, is_loaded, num_users, num_loads, num_unloads in rows:
+        loaded.add_metric([name], float(is_loaded))
+        users.add_metric([name], num_users)
+        for outcome, count in num_loads.items():
+            loads.add_metric([name, outcome], count)
+        unloads.add_metric([name], num_unloads)
+    yield from (loaded, users, loads, unloads)

@@ -19,12 +19,9 @@ that no queued load needs any more is called off.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import hashlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -33,23 +30,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 import llamax
 
-from .metrics import engine_metrics
+from .metrics import ScrapeCollector, engine_metrics, pool_metrics
+from .model_sources import (
+    DEFAULT_MAX_LOADED,
+    ModelSource,
+    default_max_loaded,
+    factory,
+    options_of,
+    shared_budgets,
+)
 
 __all__ = ["DEFAULT_MAX_LOADED", "ModelInfo", "ModelPool", "ModelState"]
 
 log = logging.getLogger("llamax.server")
-
-DEFAULT_MAX_LOADED = 2
-"""Most models of a directory loaded at once when no bound is given (fewer when memory is
-short: :meth:`ModelPool.default_max_loaded`)."""
-
-ModelSource = str | os.PathLike[str] | Callable[[], llamax.Context]
-"""A GGUF path, or a function that builds the context (tests pass fake contexts so)."""
 
 
 class ModelState(enum.Enum):
@@ -180,9 +178,9 @@ class ModelPool:
         self.idle_unload_seconds = idle_unload_seconds
         self.max_wait_seconds = max_wait_seconds
         self._clock = clock
-        self._context_options = _shared_budgets(context_options, len(models), max_loaded)
+        self._context_options = shared_budgets(context_options, len(models), max_loaded)
         self._entries = {
-            name: _Entry(name, _factory(source, _options_of(name, self._context_options)))
+            name: _Entry(name, factory(source, options_of(name, self._context_options)))
             for name, source in models.items()
         }
         self._queue: list[_Entry] = []  # models whose load waits for room, first come first
@@ -219,18 +217,9 @@ class ModelPool:
         """The bound on models loaded at once for a directory of models whose size nobody
         gave: :data:`DEFAULT_MAX_LOADED`, or as many of the largest file as fit in half
         the memory available (``available_bytes``; default: ``MemAvailable`` now), if
-        fewer; at least 1. A context needs more than its file (KV cache, buffers), so
-        the constant is small.
+        fewer; at least 1 (:func:`~llamax.server.model_sources.default_max_loaded`).
         """
-        sizes = []
-        for path in paths:
-            with contextlib.suppress(OSError):  # a missing file fails its load, later
-                sizes.append(os.stat(path).st_size)
-        available = _available_memory() if available_bytes is None else available_bytes
-        largest = max(sizes, default=0)
-        if largest == 0 or available <= 0:
-            return DEFAULT_MAX_LOADED
-        return max(1, min(DEFAULT_MAX_LOADED, available // 2 // largest))
+        return default_max_loaded(paths, available_bytes)
 
     @property
     def names(self) -> list[str]:
@@ -352,7 +341,17 @@ class ModelPool:
 
     def collector(self) -> Collector:
         """A Prometheus collector of the per-model figures (see docs/models.md)."""
-        return _PoolCollector(self)
+        return ScrapeCollector(self._figures)
+
+    def _figures(self) -> Iterator[Metric]:
+        """The pool's figures (:func:`~llamax.server.metrics.pool_metrics`), then each loaded
+        model's engine figures, labelled by model."""
+        with self._cond:
+            rows = [(e.name, e.state in (ModelState.LOADED, ModelState.DRAINING), e.num_users,
+                     dict(e.num_loads), e.num_unloads) for e in self._entries.values()]  # fmt: skip
+        engines = [((i.name,), i.context.stats()) for i in self.models() if i.context is not None]
+        yield from pool_metrics(rows)
+        yield from engine_metrics(engines, ("model",))
 
     # -------------------------------------------------------------- under the condition
     def _info(self, entry: _Entry) -> ModelInfo:
@@ -506,97 +505,5 @@ class ModelPool:
             self.unload_idle()
 
 
-def _available_memory(meminfo: str = "/proc/meminfo") -> int:
-    """The memory available now (``MemAvailable``, else the free pages); 0 if unknown."""
-    try:
-        with open(meminfo, encoding="ascii") as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return 0
-
-
 def _is_idle(entry: _Entry) -> bool:
     return entry.state is ModelState.LOADED and entry.num_serving == 0
-
-
-def _shared_budgets(
-    options: Mapping[str, Any], num_models: int, max_loaded: int | None
-) -> dict[str, Any]:
-    """``options`` with each model's share of the prefix tiers' default budgets: the RAM
-    tier's is divided among the models loaded at once, the disk tier's among all (a
-    model's files stay on disk when it unloads)."""
-    shared = dict(options)
-    at_once = num_models if max_loaded is None else min(max_loaded, num_models)
-    if shared.get("prefix_ram_bytes") is None:
-        shared.setdefault("prefix_ram_share", 1 / at_once)
-    if shared.get("prefix_disk_bytes") is None:
-        shared.setdefault("prefix_disk_share", 1 / num_models)
-    return shared
-
-
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-
-
-def _options_of(name: str, options: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``options`` for the model named ``name``: its disk prefix tier (if any) in a folder
-    of its own, ``<prefix_disk_dir>/<name>/``, so one GGUF served under two names gets two
-    tiers rather than a lock conflict (one context per tier folder). A name that is not a
-    plain file name is folded into ``model-<hash>``."""
-    directory = options.get("prefix_disk_dir")
-    if directory is None:
-        return options
-    folder = (
-        name
-        if _PLAIN_NAME.fullmatch(name)
-        else "model-" + hashlib.sha256(name.encode()).hexdigest()[:16]
-    )
-    return {**options, "prefix_disk_dir": os.path.join(os.fspath(directory), folder)}
-
-
-def _factory(source: ModelSource, options: Mapping[str, Any]) -> Callable[[], llamax.Context]:
-    if callable(source):
-        return source
-    path = os.fspath(source)
-    return lambda: llamax.Context(path, **options)
-
-
-class _PoolCollector(Collector):
-    """``llamax_model_loaded{model}`` and the loads and unloads, read at each scrape."""
-
-    def __init__(self, pool: ModelPool) -> None:
-        self._pool = pool
-
-    def collect(self) -> Iterator[Metric]:
-        loaded = GaugeMetricFamily(
-            "llamax_model_loaded", "1 while the model is loaded", labels=["model"]
-        )
-        users = GaugeMetricFamily(
-            "llamax_model_requests", "Requests holding the model (running or waiting for its load)",
-            labels=["model"],
-        )  # fmt: skip
-        loads = CounterMetricFamily(
-            "llamax_model_loads", "Model loads by outcome", labels=["model", "outcome"]
-        )
-        unloads = CounterMetricFamily("llamax_model_unloads", "Model unloads", labels=["model"])
-        with self._pool._cond:
-            entries = list(self._pool._entries.values())
-            rows = [(e.name, e.state, e.num_users, dict(e.num_loads), e.num_unloads)
-                    for e in entries]  # fmt: skip
-        for name, state, num_users, num_loads, num_unloads in rows:
-            loaded.add_metric([name], float(state in (ModelState.LOADED, ModelState.DRAINING)))
-            users.add_metric([name], num_users)
-            for outcome, count in num_loads.items():
-                loads.add_metric([name, outcome], count)
-            unloads.add_metric([name], num_unloads)
-        yield from (loaded, users, loads, unloads)
-        engines = []  # each loaded model's engine figures, labelled by model
-        for info in self._pool.models():
-            if info.context is not None:
-                engines.append(((info.name,), info.context.stats()))
-        yield from engine_metrics(engines, ("model",))

@@ -1,0 +1,497 @@
+"""The fake backend: :class:`FakeBackend`, its checks on what the engine sends, and fault
+injection (:data:`FAULT_POINTS`). Its KV memory is :mod:`~llamax.testing.memory`, its
+vocabulary and sampling :mod:`~llamax.testing.model`."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from ..adapters import AdapterSet
+from ..backend.base import BatchItem, DecodeStatus
+from ..errors import ContextClosedError
+from ..params import SamplingParams
+from .memory import FakeMemory
+from .model import EOS, FakeAdapters, FakeSampler, FakeVocab, alphabet_model, row_logits, sample
+
+__all__ = ["FAULT_POINTS", "FakeBackend"]
+
+FAULT_POINTS = (
+    "tokenize",
+    "decode",
+    "logits",
+    "batch_logits",
+    "new_sampler",
+    "sample",
+    "free_sampler",
+    "seq_rm",
+    "seq_cp",
+    "seq_add",
+    "seq_pos_min",
+    "run_queued_copies",
+    "state_seq_get",
+    "state_seq_set",
+    "relayout",
+    "fill_cells",
+    "close",
+)
+"""Every backend call that :attr:`FakeBackend.fault` can make fail, by the name it is
+given. The protocol has no ``seq_keep`` and no abort callback: llamax calls neither."""
+
+
+class FakeBackend:
+    """Pure-Python backend with a scripted next-token function and a checked KV model.
+
+    Besides :class:`~llamax.backend.base.Backend` it implements
+    :class:`~llamax.backend.base.Inspectable` (``seq_tokens``, ``num_cells_used``,
+    ``num_live_samplers``), so ``Context.audit()`` also checks the tokens and cells it holds.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_ctx: int = 256,
+        n_seq_max: int = 4,
+        n_batch: int = 64,
+        next_token: Callable[[Sequence[int]], int] = alphabet_model,
+        extra_pieces: Mapping[int, bytes] | None = None,
+        model_name: str = "fake",
+        can_share_prefix: bool = True,
+        sliding_window: int | None = None,
+        can_shift: bool = True,
+        metadata: Mapping[str, str] | None = None,
+        special_tokens: Mapping[str, int] | None = None,
+        eog_token_ids: Sequence[int] = (EOS,),
+        kv_layout: str = "unified",
+        cpu_attention: bool = True,
+        attention_tiles: tuple[int, int] | None = None,
+        stream_cells: int | None = None,
+        log_decodes: bool = True,
+        step_seconds: Callable[[Sequence[BatchItem]], float] | None = None,
+        weights: str = "w0",
+        n_threads: int = 1,
+    ) -> None:
+        self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
+        self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
+        if kv_layout not in ("unified", "streams", "auto"):
+            raise ValueError(f"kv_layout must be 'unified', 'streams' or 'auto', got {kv_layout!r}")
+        self._can_relayout = kv_layout == "auto"
+        self._cpu_attention = cpu_attention
+        self._attention_tiles = attention_tiles
+        self._n_ctx_seq = n_ctx if kv_layout != "streams" else self._stream_cells
+        self.num_relayouts = 0
+        self._next_token = next_token
+        self._vocab = FakeVocab(extra_pieces, special_tokens)
+        self._model_name = model_name
+        self._weights = weights
+        self._memory = FakeMemory(n_seq_max, is_unified=kv_layout == "unified", model=weights)
+        self.cells = self._memory.cells
+        """Tokens each sequence id holds in the fake KV cache, by position."""
+        self._can_share = can_share_prefix
+        self._window = sliding_window
+        self._can_shift_positions = can_shift
+        self._metadata = dict(metadata or {})
+        self._eog = frozenset(eog_token_ids)
+        self._adapters = FakeAdapters()
+        self.decode_adapters: list[AdapterSet] = []
+        """The adapter set of every successful decode, in order (with ``log_decodes``)."""
+        self.decode_log: list[tuple[BatchItem, ...]] = []
+        """Every successful decode's items, in order (empty with ``log_decodes=False``,
+        which soak tests use: the log grows with every step)."""
+        self._log_decodes = log_decodes
+        self._step_seconds = step_seconds
+        self._clock = 0.0
+        self._n_threads = n_threads
+        self.thread_log: list[int] = []
+        """Every thread count :meth:`set_n_threads` was given, in order."""
+        self.forced_statuses: deque[int] = deque()
+        """Statuses to return from the next decodes instead of running them."""
+        self.fault: Callable[[str], object] | None = None
+        """Fault injection: called with the call's name (one of :data:`FAULT_POINTS`) before
+        every backend call the engine makes. It may raise to make that call fail, or return
+        a value other than None to make a call that reports failure by its result fail that
+        way: ``decode`` returns it as its status, ``state_seq_set`` and a partial ``seq_rm``
+        return False (llama.cpp never refuses a whole removal). ``None`` lets the call run."""
+        self.fault_calls: Counter[str] = Counter()
+        """How many times each fault point was reached (with or without ``fault`` set)."""
+        self.live_samplers: set[int] = set()
+        self.closed = False
+        self._rows: dict[int, int] = {}  # batch row -> output index
+        self._logits = np.zeros((0, self.n_vocab), np.float32)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def n_ctx(self) -> int:
+        """Total KV cells."""
+        return self._n_ctx
+
+    @property
+    def kv_cells(self) -> int:
+        """Cells the current layout holds: ``n_ctx``, or ``stream_cells`` per sequence with
+        streams (llama.cpp pads each stream to 256 cells, so streams may hold more)."""
+        return self._n_ctx if self._memory.is_unified else self._stream_cells * self._n_seq_max
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """``n_ctx``, or each stream's ``stream_cells`` with ``kv_layout="streams"``."""
+        return self._n_ctx_seq
+
+    @property
+    def is_unified(self) -> bool:
+        """As configured by ``kv_layout`` (``"auto"`` starts with streams)."""
+        return self._memory.is_unified
+
+    @property
+    def n_ctx_stream(self) -> int:
+        """``n_ctx`` when unified, ``stream_cells`` (``n_ctx // n_seq_max``) with streams."""
+        return self._n_ctx if self._memory.is_unified else self._stream_cells
+
+    @property
+    def can_relayout(self) -> bool:
+        """With ``kv_layout="auto"``."""
+        return self._can_relayout
+
+    def relayout(self, unified: bool) -> None:
+        """Switch layouts as llama.cpp does: every sequence gets cells of its own.
+
+        Raises:
+            RequestFailedError: the sequences hold more cells than the new layout has (as
+                llama.cpp refuses a sequence's state it cannot place).
+        """
+        if not self._can_relayout:
+            raise AssertionError("relayout without kv_layout='auto'")
+        self._fault("relayout")
+        if unified == self._memory.is_unified:
+            return
+        limit = self._n_ctx if unified else self._stream_cells
+        self._memory.relayout(unified, limit, self._n_ctx)
+        self.num_relayouts += 1
+
+    @property
+    def cpu_attention(self) -> bool:
+        """As configured by ``cpu_attention`` (True: act like ggml's CPU backend)."""
+        return self._cpu_attention
+
+    @property
+    def attention_tiles(self) -> tuple[int, int] | None:
+        """As configured by ``attention_tiles`` (None: the cost model counts no tiles)."""
+        return self._attention_tiles
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """A made-up size."""
+        return 1024
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequence ids."""
+        return self._n_seq_max
+
+    @property
+    def n_batch(self) -> int:
+        """Most tokens per decode."""
+        return self._n_batch
+
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+        return max(self._vocab.pieces) + 1
+
+    @property
+    def model_name(self) -> str:
+        """The fake model's name."""
+        return self._model_name
+
+    @property
+    def num_cells_used(self) -> int:
+        """Distinct cells held by any sequence (copied prefixes share cells)."""
+        return self._memory.num_cells_used
+
+    @property
+    def num_copies(self) -> int:
+        """``seq_cp`` calls so far."""
+        return self._memory.num_copies
+
+    @property
+    def num_shifts(self) -> int:
+        """``seq_add`` calls so far."""
+        return self._memory.num_shifts
+
+    @property
+    def can_share_prefix(self) -> bool:
+        """As configured (False mimics recurrent memory)."""
+        return self._can_share
+
+    @property
+    def num_live_samplers(self) -> int:
+        """Samplers not yet freed."""
+        return len(self.live_samplers)
+
+    # ------------------------------------------------------------------ text
+    @property
+    def bos_token_id(self) -> int | None:
+        """The fake vocabulary adds no BOS."""
+        return None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """Token 0."""
+        return EOS
+
+    def token_text(self, token: int) -> str:
+        """The token's bytes as text; special tokens by name."""
+        return self._vocab.token_text(token)
+
+    def metadata(self, key: str) -> str | None:
+        """Values passed as ``metadata=``."""
+        return self._metadata.get(key)
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """One token per UTF-8 byte; ``special_tokens`` are parsed when ``parse_special``
+        (user-defined ones, those ``extra_pieces`` renders, always)."""
+        self._check_open()
+        self._fault("tokenize")
+        return self._vocab.tokenize(text, parse_special)
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes of a token."""
+        self._check_open()
+        return self._vocab.pieces[token]
+
+    def is_eog(self, token: int) -> bool:
+        """Token 0 (and any ``eog_token_ids``) ends generation."""
+        return token in self._eog
+
+    # ------------------------------------------------------------------ compute
+    def decode(self, items: Sequence[BatchItem]) -> int:
+        """Check and apply a batch; remember the next token of every row that wants logits."""
+        if self.closed:
+            raise RuntimeError("decode on a closed FakeBackend")
+        status = self._fault("decode")
+        if status is not None:
+            assert isinstance(status, int), f"a decode fault must be a status, got {status!r}"
+            if status in (DecodeStatus.OK, DecodeStatus.NO_SLOT, DecodeStatus.ABORTED):
+                self._memory.run_queue()  # llama.cpp's memory update comes before these
+            return status
+        num = sum(len(i.token_ids) for i in items)
+        if not num or num > self._n_batch or len({i.seq_id for i in items}) != len(items):
+            return -1
+        self._memory.run_queue()
+        if self.forced_statuses:
+            return self.forced_statuses.popleft()
+        if self.num_cells_used + num > self.kv_cells or any(
+            len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
+        ):
+            return DecodeStatus.NO_SLOT
+        self._rows.clear()
+        self._logits = np.zeros((sum(len(i.rows) for i in items), self.n_vocab), np.float32)
+        offset = 0
+        for item in items:
+            known = self._memory.history(item.seq_id, item.start_pos)
+            for row in item.rows:
+                if not offset <= row < offset + len(item.token_ids):
+                    raise AssertionError(f"row {row} is outside its item {item!r}")
+                history = known + list(item.token_ids[: row - offset + 1])
+                self._rows[row] = len(self._rows)
+                token = self._adapters.shift(self._next_token(history), self._memory.adapters)
+                self._logits[len(self._rows) - 1] = row_logits(token, self.n_vocab)
+            self._memory.store(item.seq_id, item.token_ids)
+            offset += len(item.token_ids)
+        if self._log_decodes:
+            self.decode_log.append(tuple(items))
+            self.decode_adapters.append(self._memory.adapters)
+        if self._step_seconds is not None:
+            self._clock += self._step_seconds(items)
+        return DecodeStatus.OK
+
+    def run_queued_copies(self) -> None:
+        """Run the queued stream copies now, as the next decode would."""
+        self._fault("run_queued_copies")
+        self._memory.run_queue()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Accept any file that starts with ``GGUF`` as an adapter; under it, lower-case
+        letters the model picks move along the alphabet (:class:`FakeAdapters`).
+        (:class:`~llamax.backend.base.LoraHost`)
+
+        Raises:
+            ModelLoadError: no such file, or it does not start with ``GGUF``.
+        """
+        self._fault("load_adapter")
+        self._adapters.load(name, path)
+
+    def set_adapters(self, adapters: AdapterSet) -> None:
+        """Run the next decodes under ``adapters``."""
+        self._fault("set_adapters")
+        self._adapters.check(adapters)
+        self._memory.adapters = adapters
+
+    @property
+    def n_threads(self) -> int:
+        """The threads a step uses now (``n_threads=``, then :meth:`set_n_threads`'s);
+        a ``step_seconds`` callable may read it. (:class:`~llamax.backend.base.Threaded`)"""
+        return self._n_threads
+
+    def set_n_threads(self, n_threads: int) -> None:
+        """Record ``n_threads`` (in :attr:`thread_log`) for the next steps."""
+        if n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        self._n_threads = n_threads
+        self.thread_log.append(n_threads)
+
+    def clock(self) -> float:
+        """Seconds on the engine's clock: with ``step_seconds``, the simulated time of every
+        successful decode so far (what each cost), and nothing else; without it, the real
+        ``time.perf_counter()``. (:class:`~llamax.backend.base.Clocked`)"""
+        if self._step_seconds is None:
+            return time.perf_counter()
+        return self._clock
+
+    def new_sampler(
+        self,
+        params: SamplingParams,
+        seed: int,
+        history: Sequence[int],
+        *,
+        grammar: str | None = None,
+    ) -> FakeSampler:
+        """A sampler honouring greedy/temperature, logit_bias, ignore_eos and a
+        :class:`FakeGrammar` (other grammars constrain nothing)."""
+        self._fault("new_sampler")
+        sampler = FakeSampler.new(params, seed, grammar)
+        self.live_samplers.add(id(sampler))
+        return sampler
+
+    def check_grammar(self, grammar: str) -> str | None:
+        """Grammars containing the word ``INVALID`` are refused (for tests)."""
+        return "refused by the fake" if "INVALID" in grammar else None
+
+    def logits(self, row: int) -> npt.NDArray[np.float32]:
+        """The writable logits row of batch ``row`` from the last decode."""
+        self._fault("logits")
+        view: npt.NDArray[np.float32] = self._logits[self._rows[row]]
+        return view
+
+    def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
+        """Every output row of the last decode."""
+        self._fault("batch_logits")
+        return self._logits[:num_rows]
+
+    def sample(self, sampler: FakeSampler, row: int) -> int:
+        """Greedy argmax, or a softmax draw at the sampler's temperature, after logit_bias
+        and the grammar's mask (:func:`~llamax.testing.model.sample`).
+
+        Raises:
+            RequestFailedError: the grammar allows no token here (as llama.cpp's backend).
+        """
+        self._fault("sample")
+        return sample(sampler, self._logits[self._rows[row]], self._eog)
+
+    def free_sampler(self, sampler: FakeSampler) -> None:
+        """Forget a sampler."""
+        self._fault("free_sampler")
+        self.live_samplers.discard(id(sampler))
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions ``[p0, p1)``. A removal inside the sequence leaves a hole that
+        :meth:`seq_add` must close before the next decode. False for non-sharing memory."""
+        if self._fault("seq_rm") is not None and (p0 > 0 or p1 >= 0):
+            return False  # llama.cpp refuses only partial removals (never a whole one)
+        if p0 > 0 and not self._can_share:
+            return False
+        self._memory.remove(seq_id, p0, p1)
+        return True
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Shift ``[p0, end)`` left by ``-delta`` into a hole left by :meth:`seq_rm`."""
+        self._fault("seq_add")
+        self._memory.shift(seq_id, p0, p1, delta)
+
+    @property
+    def can_shift(self) -> bool:
+        """As configured."""
+        return self._can_shift_positions
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Share ``src``'s cells ``[p0, p1)`` with ``dst``, which must continue at ``p0``.
+
+        With one stream per sequence only whole copies (``p0 = p1 = -1``) exist, and they
+        duplicate the cells, as in llama.cpp, where a partial one aborts the process.
+        """
+        self._fault("seq_cp")
+        self._memory.copy(src, dst, p0, p1)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """First position still held: 0, or later once a sliding window has passed it."""
+        self._fault("seq_pos_min")
+        n = len(self.cells[seq_id])
+        if not n:
+            return -1
+        return max(0, n - self._window) if self._window else 0
+
+    @property
+    def model_identity(self) -> dict[str, object]:
+        """The fake model's identity, its weights included."""
+        return {"name": self._model_name, "n_vocab": self.n_vocab, "weights": self._weights}
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """The sequence's state as JSON: a header, then its tokens by position (null for a
+        removed cell). The header names the model and adapter set the cells were computed
+        by and lists the cells whose buffer holds anything else (``[position, chain, model,
+        adapters]``, chain null for garbage: a copy still queued has not filled it)."""
+        self._fault("state_seq_get")
+        return self._memory.state(seq_id)
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Load tokens from :meth:`state_seq_get` into an empty sequence; False (nothing
+        loaded) for a state that is not a list of tokens at positions ``0 .. n-1`` (one
+        with a removed cell, as llama.cpp's own check refuses) or does not fit."""
+        if self._fault("state_seq_set") is not None:
+            return False
+        return self._memory.load(seq_id, data, n_ctx=self._n_ctx, n_ctx_stream=self.n_ctx_stream)
+
+    def calibration_key(self) -> str | None:
+        """None: a fake's calibration is never cached (its costs are the test's).
+        (:class:`~llamax.backend.base.Calibratable`)"""
+        return None
+
+    def fill_cells(self, seq_id: int, num_cells: int) -> bool:
+        """Grow ``seq_id`` to ``num_cells`` cells, its tokens repeated; False when they do
+        not fit. (:class:`~llamax.backend.base.Calibratable`)"""
+        if self._fault("fill_cells") is not None:
+            return False
+        return self._memory.fill(
+            seq_id, num_cells, n_ctx=self._n_ctx, n_ctx_stream=self.n_ctx_stream
+        )
+
+    def seq_tokens(self, seq_id: int) -> list[int | None]:
+        """The tokens ``seq_id`` holds, by position (``None`` where a cell was removed)."""
+        return list(self.cells[seq_id])
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Last position held, or -1."""
+        return len(self.cells[seq_id]) - 1
+
+    def close(self) -> None:
+        """Mark closed; later decodes raise, and so do tokenize and token_to_piece
+        (:class:`~llamax.errors.ContextClosedError`, as the llama.cpp backend's do). A
+        ``close`` fault fires after the mark (the native memory is gone either way; the
+        caller sees the error)."""
+        self.closed = True
+        self._fault("close")
+
+    # ------------------------------------------------------------------ faults
+    def _fault(self, where: str) -> object:
+        """Count a call at fault point ``where`` and ask :attr:`fault` about it."""
+        self.fault_calls[where] += 1
+        return None if self.fault is None else self.fault(where)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ContextClosedError("the context is closed: its (fake) model has been freed")

@@ -1,0 +1,355 @@
+"""The fake backend's KV memory: the tokens each sequence holds by position, the cells they
+sit in, and what each cell's K/V was computed from (its provenance), in either layout.
+
+Unified: one buffer, cells shared between sequences by reference count. Streams: a buffer
+per sequence, by position; a copy between streams updates the destination's cells at once
+and its buffer only at the next :meth:`FakeMemory.run_queue`, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..adapters import NO_ADAPTERS, AdapterSet
+from ..errors import RequestFailedError
+
+__all__ = ["Computed", "FakeMemory"]
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """What a cell's K/V came from (its data): the hash chain of the tokens at positions
+    ``0..p`` when it was computed, the model's weights and the adapter set."""
+
+    chain: int
+    model: str
+    adapters: AdapterSet
+
+
+def _chain(previous: int, token: int) -> int:
+    return hash((previous, token))
+
+
+def _chain_of(tokens: Sequence[int | None]) -> list[int | None]:
+    chains: list[int | None] = []
+    previous = 0
+    for token in tokens:
+        if token is None:
+            chains.append(None)
+            continue
+        previous = _chain(previous, token)
+        chains.append(previous)
+    return chains
+
+
+class FakeMemory:
+    """The cells of every sequence id, with their provenance. New cells are computed by
+    :attr:`model` under :attr:`adapters`; the backend checks every decode against both."""
+
+    def __init__(self, n_seq_max: int, *, is_unified: bool, model: str) -> None:
+        self.is_unified = is_unified
+        self.model = model
+        """The weights new cells are computed by."""
+        self.adapters: AdapterSet = NO_ADAPTERS
+        """The adapter set new cells are computed under."""
+        self.cells: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
+        """Tokens each sequence id holds, by position (None: a removed cell)."""
+        self._cell_ids: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
+        self._chains: dict[int, list[int | None]] = {i: [] for i in range(n_seq_max)}
+        # what each cell's data should come from: the chain over the sequence's tokens
+        self._data: dict[int, Computed | None] = {}  # unified: cell id -> its data
+        self._buffers: dict[int, dict[int, Computed | None]] = {i: {} for i in range(n_seq_max)}
+        # streams: each sequence's buffer by position; it outlives seq_rm, as llama.cpp's
+        self._queued: list[tuple[int, int]] = []  # stream copies the next decode runs
+        self._refs: dict[int, int] = {}
+        self._next_cell = 0
+        self.num_copies = 0
+        self.num_shifts = 0
+
+    @property
+    def num_cells_used(self) -> int:
+        """Distinct cells held by any sequence (copied prefixes share cells)."""
+        return len(self._refs)
+
+    def run_queue(self) -> None:
+        """Copy each queued source stream's buffer, as it is now, into its destination."""
+        for src, dst in self._queued:
+            self._buffers[dst] = dict(self._buffers[src])
+        self._queued.clear()
+
+    def read(self, seq_id: int, pos: int) -> Computed | None:
+        """The data the memory holds for ``seq_id``'s cell at ``pos`` (None: garbage)."""
+        if self.is_unified:
+            cell = self._cell_ids[seq_id][pos]
+            return None if cell is None else self._data.get(cell)
+        return self._buffers[seq_id].get(pos)
+
+    def _read_all(self, seq_id: int) -> list[Computed | None]:
+        return [self.read(seq_id, p) for p, t in enumerate(self.cells[seq_id]) if t is not None]
+
+    def history(self, seq_id: int, start_pos: int) -> list[int]:
+        """The tokens a decode at ``start_pos`` continues, once checked: no hole, the next
+        position, and every cell computed from the sequence's own tokens, by :attr:`model`
+        under :attr:`adapters`."""
+        cells = self.cells[seq_id]
+        if None in cells:
+            raise AssertionError(f"seq {seq_id}: decode over a hole left by seq_rm")
+        if start_pos != len(cells):
+            raise AssertionError(f"seq {seq_id}: decode at {start_pos}, KV holds {len(cells)}")
+        for pos, expected in enumerate(self._chains[seq_id]):
+            if expected is None:
+                continue
+            data = self.read(seq_id, pos)
+            if data is None or data.chain != expected:
+                raise AssertionError(
+                    f"seq {seq_id} reads KV at position {pos} that was not computed from its "
+                    f"own tokens ({'garbage' if data is None else 'another history'})"
+                )
+            if data.model != self.model:
+                raise AssertionError(
+                    f"seq {seq_id}: KV at position {pos} was computed by model {data.model!r}, "
+                    f"read by {self.model!r}"
+                )
+            if data.adapters != self.adapters:
+                raise AssertionError(
+                    f"seq {seq_id}: KV computed under adapters {data.adapters} is read under "
+                    f"{self.adapters}"
+                )
+        return [t for t in cells if t is not None]
+
+    def relayout(self, unified: bool, limit: int, n_ctx: int) -> None:
+        """Give every sequence cells of its own in the other layout, each state read as it
+        is now (a queued copy never runs there); ``limit`` cells per sequence.
+
+        Raises:
+            RequestFailedError: the sequences hold more than the ``n_ctx`` cells of the
+                unified layout.
+        """
+        held_cells = 0
+        for seq_id, cells in self.cells.items():
+            if None in cells:
+                raise AssertionError(f"relayout of seq {seq_id} with a hole")
+            if len(cells) > limit:
+                raise AssertionError(f"seq {seq_id} holds {len(cells)} cells, a stream {limit}")
+            held_cells += len(cells)
+            if unified and held_cells > n_ctx:
+                raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
+        held = {seq_id: (list(held), self._read_all(seq_id)) for seq_id, held in self.cells.items()}
+        self._refs.clear()
+        self._data.clear()
+        self._queued.clear()
+        for seq_id in held:
+            self._buffers[seq_id] = {}
+            self.cells[seq_id], self._cell_ids[seq_id], self._chains[seq_id] = [], [], []
+        self.is_unified = unified
+        for seq_id, (tokens, data) in held.items():
+            self.store(seq_id, [t for t in tokens if t is not None], data)
+
+    def remove(self, seq_id: int, p0: int, p1: int) -> None:
+        """Drop positions ``[p0, p1)``; one inside the sequence leaves a hole."""
+        cells, ids = self.cells[seq_id], self._cell_ids[seq_id]
+        p0 = max(p0, 0)
+        p1 = len(cells) if p1 < 0 else min(p1, len(cells))
+        chains = self._chains[seq_id]
+        for cell in ids[p0:p1]:
+            if cell is None:
+                continue
+            self._refs[cell] -= 1
+            if not self._refs[cell]:
+                del self._refs[cell]
+                self._data.pop(cell, None)
+        if p1 == len(cells):
+            del cells[p0:], ids[p0:], chains[p0:]
+        else:
+            cells[p0:p1] = [None] * (p1 - p0)
+            ids[p0:p1] = [None] * (p1 - p0)
+            chains[p0:p1] = [None] * (p1 - p0)
+
+    def shift(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Shift ``[p0, end)`` left by ``-delta`` into a hole left by :meth:`remove`."""
+        cells, ids = self.cells[seq_id], self._cell_ids[seq_id]
+        if p1 >= 0 and p1 != len(cells):
+            raise AssertionError("the fake only shifts whole tails")
+        if delta > 0 or any(c is not None for c in cells[p0 + delta : p0]):
+            raise AssertionError(f"seq_add {seq_id} [{p0}, end) by {delta} overwrites cells")
+        if self.is_unified and any(c is not None and self._refs[c] > 1 for c in ids[p0:]):
+            raise AssertionError(f"seq_add {seq_id} moves cells another sequence holds too")
+        # the moved cells keep their K/V, re-rotated: a shift is a deliberate approximation,
+        # so cells that were right before stand for the shifted history after
+        moved = [
+            (data, data is not None and data.chain == chain)
+            for data, chain in zip(
+                [self.read(seq_id, p) for p in range(p0, len(cells))],
+                self._chains[seq_id][p0:],
+                strict=True,
+            )
+        ]
+        del cells[p0 + delta : p0], ids[p0 + delta : p0]
+        self._chains[seq_id] = _chain_of(cells)
+        if not self.is_unified:
+            kept = {p: d for p, d in self._buffers[seq_id].items() if p < p0 + delta}
+            self._buffers[seq_id] = kept
+        for offset, (data, was_right) in enumerate(moved):
+            pos = p0 + delta + offset
+            if data is not None and was_right:
+                chain = self._chains[seq_id][pos]
+                assert chain is not None
+                data = Computed(chain, data.model, data.adapters)
+            self._write(seq_id, pos, data)
+        self.num_shifts += 1
+
+    def copy(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """:meth:`FakeBackend.seq_cp <llamax.testing.FakeBackend.seq_cp>`."""
+        if not self.is_unified:
+            if p0 != -1 or p1 != -1 or self.cells[dst]:
+                raise AssertionError(f"partial seq_cp {src}->{dst} between streams aborts")
+            if None in self.cells[src]:
+                raise AssertionError(f"seq_cp {src}->{dst} copies a hole")
+            # the cells now, the buffer at the next decode (whatever the source holds then)
+            tokens = [t for t in self.cells[src] if t is not None]
+            self.cells[dst].extend(tokens)
+            self._chains[dst] = list(self._chains[src])
+            for _ in tokens:
+                self._refs[self._next_cell] = 1
+                self._cell_ids[dst].append(self._next_cell)
+                self._next_cell += 1
+            self._queued.append((src, dst))
+            self.num_copies += 1
+            return
+        p0 = max(p0, 0)
+        p1 = len(self.cells[src]) if p1 < 0 else p1
+        if len(self.cells[dst]) != p0 or p1 > len(self.cells[src]):
+            raise AssertionError(f"seq_cp {src}->{dst} [{p0}, {p1}) does not continue {dst}")
+        if None in self.cells[src][p0:p1]:
+            raise AssertionError(f"seq_cp {src}->{dst} copies a hole")
+        self.cells[dst].extend(self.cells[src][p0:p1])
+        for cell in self._cell_ids[src][p0:p1]:
+            assert cell is not None
+            self._refs[cell] += 1
+            self._cell_ids[dst].append(cell)
+        self._chains[dst].extend(self._chains[src][p0:p1])
+        self.num_copies += 1
+
+    def state(self, seq_id: int) -> bytes:
+        """:meth:`FakeBackend.state_seq_get <llamax.testing.FakeBackend.state_seq_get>`."""
+        tokens = self.cells[seq_id]
+        found = [d for p, t in enumerate(tokens) if t is not None and (d := self.read(seq_id, p))]
+        model, adapters = (found[0].model, found[0].adapters) if found else (self.model, ())
+        expected = _chain_of(tokens)
+        odd: list[object] = []
+        for pos, token in enumerate(tokens):
+            if token is None:
+                continue
+            data = self.read(seq_id, pos)
+            if data is None:
+                odd.append([pos, None, None, []])
+            elif (data.chain, data.model, data.adapters) != (expected[pos], model, adapters):
+                odd.append([pos, data.chain, data.model, [list(a) for a in data.adapters]])
+        header = {"m": model, "a": [list(a) for a in adapters], "x": odd}
+        return json.dumps([header, *tokens]).encode()
+
+    def load(self, seq_id: int, data: bytes, *, n_ctx: int, n_ctx_stream: int) -> bool:
+        """Load a :meth:`state` into an empty sequence; False (nothing loaded) for one that
+        is not a list of tokens at positions ``0 .. n-1`` or does not fit."""
+        try:
+            parsed = _parse_state(json.loads(data))
+        except (ValueError, TypeError, KeyError, IndexError):
+            return False
+        if parsed is None:
+            return False
+        tokens, computed = parsed
+        if (
+            self.cells[seq_id]
+            or self.num_cells_used + len(tokens) > n_ctx
+            or len(tokens) > n_ctx_stream
+        ):
+            return False
+        computed = [  # a hand-written cell (no model named): this model's
+            Computed(c.chain, self.model, NO_ADAPTERS) if c is not None and not c.model else c
+            for c in computed
+        ]
+        self.store(seq_id, tokens, computed)
+        return True
+
+    def fill(self, seq_id: int, num_cells: int, *, n_ctx: int, n_ctx_stream: int) -> bool:
+        """Grow ``seq_id`` to ``num_cells`` cells, its tokens repeated; False: no room."""
+        held = self.cells[seq_id]
+        more = num_cells - len(held)
+        if (
+            not held
+            or None in held
+            or more < 0
+            or num_cells > n_ctx_stream
+            or self.num_cells_used + more > n_ctx
+        ):
+            return False
+        tokens = [t for t in held if t is not None]
+        self.store(seq_id, [tokens[i % len(tokens)] for i in range(len(held), num_cells)])
+        return True
+
+    def store(
+        self,
+        seq_id: int,
+        tokens: Sequence[int],
+        data: Sequence[Computed | None] | None = None,
+    ) -> None:
+        """Append ``tokens`` in new cells holding ``data`` (None: computed now, from the
+        sequence's own history, by :attr:`model` under :attr:`adapters`)."""
+        chains = self._chains[seq_id]
+        previous = chains[-1] if chains and chains[-1] is not None else 0
+        for i, token in enumerate(tokens):
+            previous = _chain(previous, token)
+            chains.append(previous)
+            cell = self._next_cell
+            self._next_cell += 1
+            self._refs[cell] = 1
+            self.cells[seq_id].append(token)
+            self._cell_ids[seq_id].append(cell)
+            computed = Computed(previous, self.model, self.adapters) if data is None else data[i]
+            self._write(seq_id, len(self.cells[seq_id]) - 1, computed)
+
+    def _write(self, seq_id: int, pos: int, data: Computed | None) -> None:
+        if self.is_unified:
+            cell = self._cell_ids[seq_id][pos]
+            assert cell is not None
+            self._data[cell] = data
+        else:
+            self._buffers[seq_id][pos] = data
+
+
+def _adapter_set(raw: object) -> AdapterSet:
+    if not isinstance(raw, list):
+        raise TypeError("not an adapter set")
+    return AdapterSet((str(name), float(scale)) for name, scale in raw)
+
+
+def _parse_state(held: object) -> tuple[list[int], list[Computed | None]] | None:
+    """A state from :meth:`FakeMemory.state`: its tokens and cell data. A bare list of
+    tokens (a hand-written state) stands for cells computed from those tokens under no
+    adapters by the model that loads it (model ``""``). None: not a state (a removed cell,
+    a wrong type)."""
+    if not isinstance(held, list):
+        return None
+    model: str = ""
+    adapters: AdapterSet = NO_ADAPTERS
+    odd: dict[int, Computed | None] = {}
+    if held and isinstance(held[0], dict):
+        header, *held = held
+        model, adapters = str(header["m"]), _adapter_set(header["a"])
+        for pos, chain, other, other_adapters in header["x"]:
+            odd[int(pos)] = (
+                None
+                if chain is None
+                else Computed(int(chain), str(other), _adapter_set(other_adapters))
+            )
+    if not all(type(t) is int for t in held):
+        return None
+    tokens = [int(t) for t in held]
+    computed: list[Computed | None] = []
+    previous = 0
+    for pos, token in enumerate(tokens):
+        previous = _chain(previous, token)
+        computed.append(odd[pos] if pos in odd else Computed(previous, model, adapters))
+    return tokens, computed
