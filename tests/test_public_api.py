@@ -265,8 +265,8 @@ def test_layers_above_the_core_use_only_the_public_api(layer: str) -> None:
 def test_the_layering_check_sees_internals() -> None:
     """Guards the parser behind the layering test: relative imports resolve, and what the
     test must refuse is found."""
-    tree = PACKAGE / "openai" / "api.py"
-    assert {"llamax.openai.requests", "llamax.tools", "llamax.errors"} <= _imported_modules(tree)
+    tree = PACKAGE / "openai" / "prepare.py"
+    assert {"llamax.openai.options", "llamax.tools", "llamax.errors"} <= _imported_modules(tree)
     assert "llamax.engine.loop" in _imported_modules(PACKAGE / "context.py")
     assert "llamax.server" in _imported_modules(PACKAGE / "ray" / "deployment.py")
     assert _private_context_members(PACKAGE / "context.py")  # the facade's own privates
