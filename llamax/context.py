@@ -6,7 +6,7 @@ import itertools
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -28,12 +28,18 @@ from .errors import (
 )
 from .handle import RequestHandle
 from .models import default_model_path
+from .openai.api import arespond, respond, submit_in_worker
+from .openai.options import check_flag
+from .openai.prepare import Prepared, prepare_chat, prepare_text
+from .openai.requests import OpenAIRequest
+from .openai.shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 from .params import SamplingParams
 from .prompts import Prompt, build_request, prompt_token_ids
 from .reasoning import ReasoningFormat
 from .results import Completion
 from .session import Session, SessionPort, restore_session
 from .stats import ContextStats
+from .templates.binding import BoundTemplate
 
 if TYPE_CHECKING:  # the layers above, for annotations only: the methods import them lazily
     import numpy as np
@@ -42,7 +48,6 @@ if TYPE_CHECKING:  # the layers above, for annotations only: the methods import 
     from .conversation import Chat
     from .embeddings import Embedder
     from .openai.options import ChatOptions, CompletionOptions
-    from .openai.shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
     from .templates.template import ChatTemplate
 
 __all__ = ["Context"]
@@ -124,8 +129,7 @@ class Context:
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
-        self._chat_template: ChatTemplate | None = None
-        self._end_of_turn: tuple[int, ...] | None = None
+        self._chat = BoundTemplate(backend, config.chat_template)
         self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ facts
@@ -402,12 +406,7 @@ class Context:
             ContextClosedError: the context is closed.
         """
         self._check_open("read the chat template")
-        if self._chat_template is None:
-            from .templates.binding import load_template
-
-            override = self._config.chat_template
-            self._chat_template = load_template(self._backend, override, self.model_name)
-        return self._chat_template
+        return self._chat.chat_template
 
     @property
     def end_of_turn_token_ids(self) -> tuple[int, ...]:
@@ -417,11 +416,7 @@ class Context:
             ContextClosedError: the context is closed.
         """
         self._check_open("read the chat template")
-        if self._end_of_turn is None:
-            from .templates.binding import end_of_turn_ids
-
-            self._end_of_turn = end_of_turn_ids(self._backend, self.chat_template)
-        return self._end_of_turn
+        return self._chat.end_of_turn_token_ids
 
     @property
     def can_shift(self) -> bool:
@@ -449,15 +444,9 @@ class Context:
             TemplateError: the template failed, broke the sandbox or its budget.
             ContextClosedError: the context is closed.
         """
-        from .templates.binding import render_tokens
-
         self._check_open("render a chat prompt")
-        return render_tokens(
-            self._backend,
-            self.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            **template_vars,
+        return self._chat.chat_prompt(
+            messages, add_generation_prompt=add_generation_prompt, **template_vars
         )
 
     def chat(
@@ -494,8 +483,8 @@ class Context:
         )
 
     # ------------------------------------------------------------------ OpenAI shapes
-    # Thin delegations to :mod:`llamax.openai.api`, a layer above that uses only the public
-    # API: imported when called, so the facade imports nothing above it.
+    # Prepared below the facade (:mod:`llamax.openai.prepare`, on the template binding this
+    # context holds), submitted here, shaped by :class:`~llamax.openai.OpenAIRequest`.
     @overload
     def chat_completion(
         self,
@@ -527,9 +516,9 @@ class Context:
             InvalidParameterError, InvalidMessageError, ContextLengthError, TemplateError:
                 bad values, messages, or a conversation that does not fit.
         """
-        from .openai.api import chat_completion
-
-        return chat_completion(self, messages, stream=stream, **options)
+        stream = check_flag(stream, "stream")
+        request = self._openai(lambda: prepare_chat(self._chat, messages, options))
+        return respond(request, stream, options)  # type: ignore[return-value]
 
     @overload
     def completion(
@@ -560,9 +549,9 @@ class Context:
             TypeError: an unknown option.
             InvalidParameterError, ContextLengthError: bad values or a prompt that does not fit.
         """
-        from .openai.api import completion
-
-        return completion(self, prompt, stream=stream, **options)
+        stream = check_flag(stream, "stream")
+        request = self._openai(lambda: prepare_text(prompt, options))
+        return respond(request, stream, options)  # type: ignore[return-value]
 
     @overload
     async def achat_completion(
@@ -587,10 +576,13 @@ class Context:
         stream: bool = False,
         **options: Unpack[ChatOptions],
     ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
-        """Async twin of :meth:`chat_completion` (needs the background loop)."""
-        from .openai.api import achat_completion
-
-        return await achat_completion(self, messages, stream=stream, **options)
+        """Async twin of :meth:`chat_completion` (needs the background loop); rendering,
+        truncation and tokenizing run in a worker thread, so the event loop stays free."""
+        stream = check_flag(stream, "stream")
+        request = await submit_in_worker(
+            lambda: self._openai(lambda: prepare_chat(self._chat, messages, options)), _itself
+        )
+        return await arespond(request, stream, options)  # type: ignore[return-value]
 
     @overload
     async def acompletion(
@@ -616,9 +608,18 @@ class Context:
         **options: Unpack[CompletionOptions],
     ) -> TextCompletion | AsyncIterator[TextCompletion]:
         """Async twin of :meth:`completion` (needs the background loop)."""
-        from .openai.api import acompletion
+        stream = check_flag(stream, "stream")
+        request = await submit_in_worker(
+            lambda: self._openai(lambda: prepare_text(prompt, options)), _itself
+        )
+        return await arespond(request, stream, options)  # type: ignore[return-value]
 
-        return await acompletion(self, prompt, stream=stream, **options)
+    def _openai(self, prepare: Callable[[], Prepared]) -> OpenAIRequest:
+        """Prepare an OpenAI request and submit it; the returned object shapes its results."""
+        self._check_open("add a request")
+        prepared = prepare()
+        handle = self._submit(prepared.prompt, prepared.params, request_id=prepared.request_id)
+        return OpenAIRequest.of(handle, prepared, self._chat)
 
     # ------------------------------------------------------------------ notebooks, pipelines
     # ``generate`` delegates to :mod:`llamax.batch` (a layer above, imported when called);
@@ -787,6 +788,10 @@ class Context:
         """The port through which this context's sessions reach its engine
         (:meth:`Context.session`, :meth:`Session.load <llamax.Session.load>`)."""
         return _SessionPort(self)
+
+
+def _itself(request: OpenAIRequest) -> OpenAIRequest:
+    return request
 
 
 class _SessionPort:

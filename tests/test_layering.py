@@ -9,8 +9,10 @@ only). Importing ``a.b.c`` also runs ``a.b``: that parent is an edge too, except
 ``import llamax`` / ``from llamax import X`` is an edge to it.
 
 The facade (``llamax.context`` and ``llamax.session``) sits below the layers built on its
-public API, so neither may reach them at import time, and no import cycle may pass
-through it.
+public API, so neither may reach them at import time, nor climb into them lazily, and no
+import cycle may pass through it. Chat preparation and the OpenAI shapes
+(``llamax.openai``, ``llamax.tools``, ``llamax.chat_stream``) sit below the facade: they
+work on the template binding the facade hands down and never name ``Context``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ FACADE = ("llamax.context", "llamax.session")
 # Built on the public API (docs/architecture.md): nothing the facade imports may be here.
 ABOVE_THE_FACADE = (
     "llamax.anthropic",
-    "llamax.openai",
-    "llamax.tools",
     "llamax.conversation",
     "llamax.batch",
     "llamax.server",
@@ -158,8 +158,8 @@ def test_the_graph_sees_the_imports_it_should() -> None:
     assert {"llamax.server", "llamax.ray.keys"} <= graph["llamax.ray.deployment"]
     assert ROOT in graph["llamax.server.app"]  # ``import llamax``
     assert "llamax.openai.requests" in graph["llamax.openai.api"]  # relative, one level
-    assert "llamax.tools" in graph["llamax.openai.api"]  # relative, two levels
-    assert "llamax.templates" in graph["llamax.openai.requests"]  # parent of templates.messages
+    assert "llamax.tools" in graph["llamax.openai.prepare"]  # relative, two levels
+    assert "llamax.templates" in graph["llamax.openai.prepare"]  # parent of templates.messages
     assert "llamax.conversation" not in graph["llamax.context"]  # lazy, inside chat()
 
 
@@ -216,6 +216,103 @@ def test_what_the_facade_imports_never_needs_the_facade_back() -> None:
                 f"import cycle through the facade: {' -> '.join(chain)} -> {back} "
                 "(lazily or for type checking)"
             )
+
+
+def _lazy_imports(path: Path, modules: dict[str, Path]) -> dict[str, int]:
+    """The modules of ``llamax`` a module imports inside its functions, with a line each."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for func in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules or target == ROOT:
+                    found.setdefault(target, node.lineno)
+    return found
+
+
+# Chat preparation and the OpenAI shapes: the facade imports them, so they never need it.
+BELOW_THE_FACADE_CHAT = ("llamax.openai", "llamax.tools", "llamax.chat_stream", "llamax.templates")
+
+
+def _names_context(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Where a module of ``llamax`` names the facade: an import of ``Context`` (from
+    ``llamax`` or ``llamax.context``) or of the facade's modules, wherever it sits
+    (``TYPE_CHECKING`` and functions included), or ``llamax.Context`` in code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "Context":
+            if isinstance(node.value, ast.Name) and node.value.id == ROOT:
+                found.append(f"line {node.lineno}: llamax.Context")
+        elif isinstance(node, ast.Import):
+            found += [
+                f"line {node.lineno}: import {a.name}" for a in node.names if a.name in FACADE
+            ]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            targets = {base} | {f"{base}.{alias.name}" for alias in node.names}
+            if targets & {*FACADE, f"{ROOT}.Context"}:
+                found.append(f"line {node.lineno}: from {base} import ...")
+    return found
+
+
+# Lazy climbs the facade still makes: ``Context.chat`` builds a ``Chat`` (which calls the
+# context's public chat methods) and ``Context.generate`` runs ``llamax.batch`` on itself.
+# Each must go by handing down what they need, as chat preparation does; the list may
+# only shrink.
+LAZY_CLIMBS_LEFT = {("llamax.context", "llamax.conversation"), ("llamax.context", "llamax.batch")}
+
+
+def test_the_facade_makes_no_lazy_import_into_a_layer_above_it() -> None:
+    """Regression (issue 39): ``Context.chat_completion`` and its three twins imported
+    ``llamax.openai.api`` when called, which called back into the context (the chat
+    prompt, the end-of-turn ids, ``n_ctx_seq``, ``add_request``, the model's name and a
+    detokenize) six times per chat. Preparation now runs below the facade on the template
+    binding the context hands down, and the context submits the prepared request itself.
+    A module counts as above the facade when its layer is, or when it names ``Context``."""
+    modules = package_modules()
+    climbs = set()
+    for facade in FACADE:
+        for target, line in sorted(_lazy_imports(modules[facade], modules).items()):
+            # above: a layer built on the public API, or any module that names the facade
+            if _above(target) or _names_context(target, modules[target], modules):
+                climbs.add((facade, target))
+                assert (facade, target) in LAZY_CLIMBS_LEFT, (
+                    f"{facade} line {line} imports {target}, a layer above the facade"
+                )
+    assert climbs == LAZY_CLIMBS_LEFT, (
+        f"gone from the code, drop from the list: {LAZY_CLIMBS_LEFT - climbs}"
+    )
+
+
+def test_chat_preparation_never_refers_to_the_context() -> None:
+    """Regression (issue 39): ``llamax.openai`` (``api``, ``requests``, ``responses_api``)
+    and ``llamax.tools.prompt`` took a ``Context`` and called back into it. They now work
+    on small typed interfaces the facade hands down (``ChatModel``, ``PromptRenderer``;
+    ``ChatHost`` for the context-first functions), and name no ``Context``."""
+    modules = package_modules()
+    for name, path in sorted(modules.items()):
+        if _within(name, BELOW_THE_FACADE_CHAT):
+            found = _names_context(name, path, modules)
+            assert not found, f"{name} refers to Context: {found}"
+    # guards the check: ``from . import Context, Session`` under TYPE_CHECKING
+    assert _names_context("llamax.conversation", modules["llamax.conversation"], modules)
 
 
 # The modules of the package root that hold plain values (errors, options, results, text

@@ -166,8 +166,10 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 # The layers of docs/architecture.md, top down: the apps (server, ray, cli); the layers built
-# on the public API (openai with its tools, conversation, batch with its progress bar); the
-# facade (context, session, templates); the engine and the backend.
+# on the public API (anthropic, conversation, batch with its progress bar); the facade
+# (context, session); chat preparation and the OpenAI shapes (openai with its tools and the
+# chat stream: below the facade, yet using only the public API's modules too); templates;
+# the engine and the backend.
 UPPER_LAYERS = {
     # layer: (its modules, the upper layers below it that it may also use)
     "server": ({"llamax.server"}, {"llamax.anthropic", "llamax.openai"}),
@@ -242,8 +244,9 @@ def _private_context_members(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("layer", sorted(UPPER_LAYERS))
 def test_layers_above_the_core_use_only_the_public_api(layer: str) -> None:
-    """Every module of a layer above the facade (server/, ray/, cli.py, openai/, tools/,
-    chat_stream.py, conversation.py, batch.py) imports from ``llamax`` only: the public API
+    """Every module of a layer built on the public API (server/, ray/, cli.py, anthropic/,
+    conversation.py, batch.py; and openai/, tools/, chat_stream.py, which sit below the
+    facade but use nothing else) imports from ``llamax`` only: the public API
     (the package itself and the value modules in ``PUBLIC_API``), its own layer's modules,
     and the upper layers below it (ray uses ``llamax.server.create_app``, cli the server and
     batch, openai the tools and the chat stream). Every import counts, wherever it sits (a
@@ -265,8 +268,8 @@ def test_layers_above_the_core_use_only_the_public_api(layer: str) -> None:
 def test_the_layering_check_sees_internals() -> None:
     """Guards the parser behind the layering test: relative imports resolve, and what the
     test must refuse is found."""
-    tree = PACKAGE / "openai" / "api.py"
-    assert {"llamax.openai.requests", "llamax.tools", "llamax.errors"} <= _imported_modules(tree)
+    tree = PACKAGE / "openai" / "prepare.py"
+    assert {"llamax.openai.options", "llamax.tools", "llamax.errors"} <= _imported_modules(tree)
     assert "llamax.engine.loop" in _imported_modules(PACKAGE / "context.py")
     assert "llamax.server" in _imported_modules(PACKAGE / "ray" / "deployment.py")
     assert _private_context_members(PACKAGE / "context.py")  # the facade's own privates

@@ -248,7 +248,7 @@ def _stop(submitted: OpenAIRequest, completion: Completion, stops: Sequence[str]
     choice = completion.choices[0]
     if choice.finish_reason is not FinishReason.STOP or not stops:
         return None
-    rest = submitted.ctx.detokenize(choice.token_ids)[len(choice.text) :]
+    rest = submitted.chat_model.detokenize(choice.token_ids)[len(choice.text) :]
     return next((s for s in stops if rest.startswith(s)), None)
 
 

@@ -1,7 +1,10 @@
-"""OpenAI-shaped completions and responses on top of the public :class:`llamax.Context` API.
+"""OpenAI-shaped completions and responses, below the facade.
 
-``ctx.chat_completion(...)`` and friends delegate here. The functions take the context as
-their first argument; the shapes are ``TypedDict`` s matching OpenAI's responses.
+A request is prepared (:mod:`~llamax.openai.prepare`: options and messages to prompt
+tokens and :class:`~llamax.SamplingParams`) on a chat model the context hands down, never
+on the context; the context submits it and :class:`OpenAIRequest` shapes the result. The
+functions here take the context first (a :class:`~llamax.openai.api.ChatHost`) and do the
+same through its public ``add_request``; the shapes are ``TypedDict`` s matching OpenAI's.
 """
 
 from .api import (
@@ -15,7 +18,8 @@ from .api import (
 )
 from .options import ChatOptions, CompletionOptions, StreamOptions
 from .requests import EventBuilder, OpenAIRequest
-from .responses_api import RESPONSE_FIELDS, ResponseStore, acreate_response, create_response
+from .responses_api import RESPONSE_FIELDS, acreate_response, create_response
+from .responses_output import ResponseStore
 from .shapes import ChatCompletion, ChatCompletionChunk, CompletionUsage, TextCompletion
 
 __all__ = [

@@ -4,47 +4,66 @@ Every option has OpenAI's name and default (see :class:`~llamax.openai.options.C
 an unknown option raises ``TypeError``. ``truncate="oldest_messages"`` drops the oldest whole
 turns (keeping system messages and the newest turn) when the conversation does not fit;
 without it an over-long conversation raises :class:`~llamax.ContextLengthError`.
-Built only on the public API of :class:`~llamax.Context` and its handles.
+
+The functions take the context first (any :class:`ChatHost`: its chat model and its
+``add_request``); :class:`llamax.Context`'s methods of the same names prepare and submit
+the same way, on the template binding they hold. :func:`respond` and :func:`arespond`
+shape a submitted request's result for both.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..errors import InvalidParameterError
-from ..tools import prepare_tools, tool_prompt_tokens
-from .options import (
-    CHAT_OPTIONS,
-    COMPLETION_OPTIONS,
-    ChatOptions,
-    CompletionOptions,
-    check_flag,
-    check_option_names,
-    sampling_params,
-)
-from .requests import OpenAIRequest, prepare_chat, prepare_text, prepare_tool_chat
+from ..handle import RequestHandle
+from ..params import SamplingParams
+from . import prepare
+from .options import check_flag
+from .prepare import ChatModel, Prepared
+from .requests import OpenAIRequest
 from .shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
-
-if TYPE_CHECKING:
-    from .. import Context
 
 T = TypeVar("T")
 
 __all__ = [
+    "ChatHost",
     "achat_completion",
     "acompletion",
+    "arespond",
     "chat_completion",
     "chat_prompt_tokens",
     "completion",
+    "respond",
     "submit_chat",
     "submit_in_worker",
 ]
 
 
+class ChatHost(ChatModel, Protocol):
+    """What the context-first functions need: a :class:`~llamax.openai.prepare.ChatModel`
+    that takes requests (a :class:`llamax.Context`)."""
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Submit a prompt; returns its handle at once."""
+
+
+def _submitted(ctx: ChatHost, prepared: Prepared) -> OpenAIRequest:
+    handle = ctx.add_request(prepared.prompt, prepared.params, request_id=prepared.request_id)
+    return OpenAIRequest.of(handle, prepared, ctx)
+
+
 def submit_chat(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], **options: Any
+    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], **options: Any
 ) -> OpenAIRequest:
     """The submitted request behind :func:`chat_completion`: its handle, and the methods
     that shape its results. For layers that build other shapes on it (``llamax.anthropic``).
@@ -54,11 +73,11 @@ def submit_chat(
         InvalidRequestError: an option or a message is invalid (nothing was enqueued).
         ContextLengthError: the conversation does not fit.
     """
-    return _chat(ctx, messages, options)
+    return _submitted(ctx, prepare.prepare_chat(ctx, messages, options))
 
 
 def chat_prompt_tokens(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], **options: Any
+    ctx: ChatModel, messages: Sequence[Mapping[str, Any]], **options: Any
 ) -> list[int]:
     """The prompt tokens :func:`chat_completion` would submit for ``messages`` (tools and
     ``enable_thinking`` included), without submitting anything: for token counting.
@@ -66,67 +85,7 @@ def chat_prompt_tokens(
     Raises:
         InvalidRequestError: an option or a message is invalid.
     """
-    check_option_names(options, CHAT_OPTIONS, "chat_prompt_tokens")
-    plan = prepare_tools(
-        options.get("tools"), options.get("tool_choice"), options.get("parallel_tool_calls")
-    )
-    thinking = options.get("enable_thinking")
-    template_vars = {} if thinking is None else {"enable_thinking": thinking}
-    if plan.is_active or _mentions_tools(messages):
-        return tool_prompt_tokens(ctx, messages, plan, **template_vars)
-    return ctx.chat_prompt(messages, **template_vars)
-
-
-def _chat(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
-) -> OpenAIRequest:
-    return _submit_chat(ctx, messages, options).named(options.get("model"))
-
-
-def _submit_chat(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
-) -> OpenAIRequest:
-    check_option_names(options, CHAT_OPTIONS, "chat_completion")
-    opts: ChatOptions = options  # type: ignore[assignment]
-    params = sampling_params(opts, chat=True)
-    plan = prepare_tools(
-        opts.get("tools"), opts.get("tool_choice"), opts.get("parallel_tool_calls")
-    )
-    if plan.is_active or _mentions_tools(messages):
-        if opts.get("truncate", "none") != "none":
-            raise InvalidParameterError("truncate is not supported together with tools")
-        return prepare_tool_chat(
-            ctx,
-            messages,
-            params,
-            plan,
-            reasoning_format=opts.get("reasoning_format", "auto"),
-            enable_thinking=opts.get("enable_thinking"),
-        )
-    return prepare_chat(
-        ctx,
-        messages,
-        params,
-        truncate=opts.get("truncate", "none"),
-        parse_special_in_content=opts.get("parse_special_in_content", False),
-        reasoning_format=opts.get("reasoning_format", "auto"),
-        enable_thinking=opts.get("enable_thinking"),
-    )
-
-
-def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether the conversation carries tool calls or tool results to render."""
-    return any(
-        isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
-        for m in messages
-    )
-
-
-def _text(ctx: Context, prompt: str | Sequence[int], options: Mapping[str, Any]) -> OpenAIRequest:
-    check_option_names(options, COMPLETION_OPTIONS, "completion")
-    opts: CompletionOptions = options  # type: ignore[assignment]
-    request = prepare_text(ctx, prompt, sampling_params(opts, chat=False))
-    return request.named(opts.get("model"))
+    return prepare.chat_prompt_tokens(ctx, messages, options)
 
 
 def _include_usage(options: Mapping[str, Any]) -> bool:
@@ -138,57 +97,67 @@ def _include_usage(options: Mapping[str, Any]) -> bool:
     return check_flag(stream_options.get("include_usage"), "stream_options.include_usage")
 
 
+def respond(
+    request: OpenAIRequest, stream: bool, options: Mapping[str, Any]
+) -> ChatCompletion | TextCompletion | Iterator[ChatCompletionChunk | TextCompletion]:
+    """A submitted request's whole response, or with ``stream`` its chunks (with a usage
+    chunk when ``options["stream_options"]`` asks)."""
+    if stream:
+        return request.chunks(_include_usage(options))
+    return request.result()
+
+
+async def arespond(
+    request: OpenAIRequest, stream: bool, options: Mapping[str, Any]
+) -> ChatCompletion | TextCompletion | AsyncIterator[ChatCompletionChunk | TextCompletion]:
+    """Async twin of :func:`respond`."""
+    if stream:
+        return request.achunks(_include_usage(options))
+    return await request.aresult()
+
+
 def chat_completion(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
+    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
 ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
     """A ``chat.completion`` dict, or an iterator of ``chat.completion.chunk`` dicts when
     ``stream=True`` (first delta carries the role, the last chunk of each choice its
     ``finish_reason``; ``stream_options={"include_usage": True}`` adds a usage chunk).
     Closing the iterator early cancels the request."""
     stream = check_flag(stream, "stream")
-    request = _chat(ctx, messages, options)
-    if stream:
-        return request.chunks(_include_usage(options))  # type: ignore[return-value]
-    return request.result()  # type: ignore[return-value]
+    return respond(submit_chat(ctx, messages, **options), stream, options)  # type: ignore[return-value]
 
 
 def completion(
-    ctx: Context, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
+    ctx: ChatHost, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
 ) -> TextCompletion | Iterator[TextCompletion]:
     """A ``text_completion`` dict, or an iterator of them when ``stream=True``."""
     stream = check_flag(stream, "stream")
-    request = _text(ctx, prompt, options)
-    if stream:
-        return request.chunks(_include_usage(options))  # type: ignore[return-value]
-    return request.result()  # type: ignore[return-value]
+    request = _submitted(ctx, prepare.prepare_text(prompt, options))
+    return respond(request, stream, options)  # type: ignore[return-value]
 
 
 async def achat_completion(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
+    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
 ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
     """Async twin of :func:`chat_completion` (needs the background loop); ``aclose()`` on the
     returned iterator cancels the request. Rendering, truncation and tokenizing run in a
     worker thread, so the event loop stays free."""
     stream = check_flag(stream, "stream")
-    request = await _off_the_loop(lambda: _chat(ctx, messages, options))
-    if stream:
-        return request.achunks(_include_usage(options))  # type: ignore[return-value]
-    return await request.aresult()  # type: ignore[return-value]
+    request = await _off_the_loop(lambda: submit_chat(ctx, messages, **options))
+    return await arespond(request, stream, options)  # type: ignore[return-value]
 
 
 async def acompletion(
-    ctx: Context, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
+    ctx: ChatHost, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
 ) -> TextCompletion | AsyncIterator[TextCompletion]:
     """Async twin of :func:`completion`; tokenizing runs in a worker thread."""
     stream = check_flag(stream, "stream")
-    request = await _off_the_loop(lambda: _text(ctx, prompt, options))
-    if stream:
-        return request.achunks(_include_usage(options))  # type: ignore[return-value]
-    return await request.aresult()  # type: ignore[return-value]
+    request = await _off_the_loop(lambda: _submitted(ctx, prepare.prepare_text(prompt, options)))
+    return await arespond(request, stream, options)  # type: ignore[return-value]
 
 
-async def _off_the_loop(prepare: Callable[[], OpenAIRequest]) -> OpenAIRequest:
-    return await submit_in_worker(prepare, lambda request: request)
+async def _off_the_loop(submit: Callable[[], OpenAIRequest]) -> OpenAIRequest:
+    return await submit_in_worker(submit, lambda request: request)
 
 
 async def submit_in_worker(prepare: Callable[[], T], request_of: Callable[[T], OpenAIRequest]) -> T:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
-from .. import PromptLookup
+from ..drafting import PromptLookup
 from ..errors import InvalidParameterError
 from ..grammar import JSON_OBJECT_SCHEMA
 from ..optionspec import openai_defaults

@@ -1,17 +1,18 @@
-"""OpenAI-shaped requests on top of the public API: ``Context.add_request`` and handles.
+"""OpenAI-shaped results of a submitted request, below the facade.
 
-A :class:`OpenAIRequest` turns a handle's :class:`~llamax.Completion` into a
-``chat.completion`` / ``text_completion`` dict, and its events into chunks.
+A :class:`OpenAIRequest` is a handle and what its :class:`~llamax.openai.prepare.Prepared`
+request said; it turns the handle's :class:`~llamax.Completion` into a ``chat.completion``
+/ ``text_completion`` dict, and its events into chunks (or, through an
+:class:`EventBuilder`, another API's events).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from ..chat_stream import (
     ChatPart,
@@ -22,26 +23,12 @@ from ..chat_stream import (
     Started,
     ToolCallDelta,
 )
-from ..errors import ContextLengthError, InvalidParameterError
 from ..handle import RequestHandle
-from ..params import SamplingParams
-from ..reasoning import (
-    ReasoningFormat,
-    check_reasoning_format,
-    opens_thinking,
-    split_reasoning,
-)
+from ..reasoning import ReasoningFormat, split_reasoning
 from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
-from ..templates.messages import validate_messages
-from ..templates.truncation import drop_oldest_turns
-from ..tools import (
-    ToolPlan,
-    parse_tool_calls,
-    tool_call_grammar,
-    tool_prompt_tokens,
-)
+from ..tools import ToolPlan, parse_tool_calls
 from ..tools.parse import ToolCallDelta as OpenAIToolCallDelta
-from .options import Truncate
+from .prepare import ChatModel, Prepared
 from .shapes import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -53,18 +40,7 @@ from .shapes import (
     TextCompletion,
 )
 
-if TYPE_CHECKING:
-    from .. import Context
-
-__all__ = [
-    "AsyncChunkStream",
-    "ChunkStream",
-    "EventBuilder",
-    "OpenAIRequest",
-    "prepare_chat",
-    "prepare_text",
-    "prepare_tool_chat",
-]
+__all__ = ["AsyncChunkStream", "ChunkStream", "EventBuilder", "OpenAIRequest"]
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
@@ -171,7 +147,8 @@ class EventBuilder(Protocol):
 class OpenAIRequest:
     """A submitted OpenAI-style request: the handle plus what the response needs."""
 
-    ctx: Context
+    chat_model: ChatModel
+    """The model's tokenizer (another API's encoder counts or reads tokens with it)."""
     handle: RequestHandle
     kind: Literal["chat", "text"]
     model: str
@@ -184,6 +161,21 @@ class OpenAIRequest:
     """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
     num_prompt_tokens: int = 0
     """Tokens of the rendered prompt (chat; 0 for a text prompt given as a string)."""
+
+    @classmethod
+    def of(cls, handle: RequestHandle, prepared: Prepared, chat_model: ChatModel) -> OpenAIRequest:
+        """The request ``prepared`` became once submitted as ``handle``."""
+        return cls(
+            chat_model,
+            handle,
+            prepared.kind,
+            prepared.model or chat_model.model_name,
+            int(time.time()),
+            prepared.tools,
+            prepared.reasoning_format,
+            prepared.thinking_opened,
+            prepared.num_prompt_tokens,
+        )
 
     def named(self, model: object) -> OpenAIRequest:
         """This request answering as ``model`` when that is a non-empty str (a request's
@@ -442,137 +434,3 @@ def _call_delta(part: ToolCallDelta) -> OpenAIToolCallDelta:
         "type": "function",
         "function": {"name": part.name or "", "arguments": part.arguments},
     }
-
-
-def _template_vars(enable_thinking: bool | None) -> dict[str, Any]:
-    if enable_thinking is None:
-        return {}
-    if not isinstance(enable_thinking, bool):
-        raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
-    return {"enable_thinking": enable_thinking}
-
-
-def _thinking_opened(ctx: Context, tokens: Sequence[int]) -> bool:
-    return opens_thinking(ctx.detokenize(list(tokens[-8:])))
-
-
-def prepare_chat(
-    ctx: Context,
-    messages: Sequence[Mapping[str, Any]],
-    params: SamplingParams,
-    *,
-    truncate: Truncate = "none",
-    parse_special_in_content: bool = False,
-    reasoning_format: ReasoningFormat = "auto",
-    enable_thinking: bool | None = None,
-) -> OpenAIRequest:
-    """Validate, render, fit and submit a chat request.
-
-    With ``truncate="oldest_messages"`` the cut is found by a binary search over turn
-    boundaries (a few renders, whatever the length); each rendering is tokenized once.
-    ``reasoning_format`` says how the reply's thinking is reported (:mod:`llamax.reasoning`);
-    ``enable_thinking`` (None: the template's default) goes to templates that take it.
-    """
-    if truncate not in ("none", "oldest_messages"):
-        raise InvalidParameterError(
-            f"truncate must be 'none' or 'oldest_messages', got {truncate!r}"
-        )
-    if not isinstance(parse_special_in_content, bool):
-        raise InvalidParameterError(
-            f"parse_special_in_content must be a bool, got {parse_special_in_content!r}"
-        )
-    reasoning_format = check_reasoning_format(reasoning_format)
-    template_vars = _template_vars(enable_thinking)
-    msgs = validate_messages(messages)
-    params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
-    reserve = params.max_tokens or 1
-    budget = ctx.n_ctx_seq - reserve
-    rendered: dict[int, list[int]] = {}  # by the number of messages kept
-
-    def render(kept: list[dict[str, Any]]) -> list[int]:
-        if len(kept) not in rendered:
-            rendered[len(kept)] = ctx.chat_prompt(
-                kept, parse_special_in_content=parse_special_in_content, **template_vars
-            )
-        return rendered[len(kept)]
-
-    tokens = render(msgs)
-    if len(tokens) > budget:
-        if truncate == "none":
-            raise ContextLengthError(
-                f"the conversation needs {len(tokens)} prompt tokens + {reserve} for the reply, "
-                f"more than a sequence may hold ({_limit(ctx)}); "
-                "pass truncate='oldest_messages' to drop old turns",
-                num_prompt_tokens=len(tokens),
-                n_ctx=ctx.n_ctx_seq,
-            )
-        tokens = render(drop_oldest_turns(msgs, lambda m: len(render(m)), budget))
-    request = _submit(ctx, tokens, params, "chat")
-    opened = reasoning_format != "none" and _thinking_opened(ctx, tokens)
-    return dataclasses.replace(request, reasoning_format=reasoning_format, thinking_opened=opened)
-
-
-def _limit(ctx: Context) -> str:
-    """``n_ctx=4096``, or ``n_ctx_seq=512`` when a sequence may hold less than ``n_ctx``."""
-    if ctx.n_ctx_seq == ctx.n_ctx:
-        return f"n_ctx={ctx.n_ctx}"
-    return f"n_ctx_seq={ctx.n_ctx_seq}"
-
-
-def prepare_tool_chat(
-    ctx: Context,
-    messages: Sequence[Mapping[str, Any]],
-    params: SamplingParams,
-    plan: ToolPlan,
-    *,
-    reasoning_format: ReasoningFormat = "auto",
-    enable_thinking: bool | None = None,
-) -> OpenAIRequest:
-    """Render a conversation with tools (or with earlier tool calls and results), constrain
-    the reply with the tool-call grammar, and submit it. ``reasoning_format`` and
-    ``enable_thinking``: as :func:`prepare_chat`'s; the calls parse after the thinking.
-
-    Raises:
-        InvalidParameterError: tools together with ``grammar`` or ``response_format``.
-        ContextLengthError: the conversation does not fit.
-    """
-    reasoning_format = check_reasoning_format(reasoning_format)
-    template_vars = _template_vars(enable_thinking)
-    grammar = tool_call_grammar(plan)
-    if grammar is not None and (params.grammar is not None or params.json_schema is not None):
-        raise InvalidParameterError(
-            "tools cannot be combined with grammar or response_format: the tool-call grammar "
-            "already constrains the reply"
-        )
-    if grammar is not None:
-        params = dataclasses.replace(params, grammar=grammar)
-    params = params.with_stop_token_ids(ctx.end_of_turn_token_ids)
-    tokens = tool_prompt_tokens(ctx, messages, plan, **template_vars)
-    reserve = params.max_tokens or 1
-    if len(tokens) + reserve > ctx.n_ctx_seq:
-        raise ContextLengthError(
-            f"the conversation with its tools needs {len(tokens)} prompt tokens + {reserve} "
-            f"for the reply, more than a sequence may hold ({_limit(ctx)})",
-            num_prompt_tokens=len(tokens),
-            n_ctx=ctx.n_ctx_seq,
-        )
-    request = _submit(ctx, tokens, params, "chat")
-    opened = reasoning_format != "none" and _thinking_opened(ctx, tokens)
-    return dataclasses.replace(
-        request, tools=plan, reasoning_format=reasoning_format, thinking_opened=opened
-    )
-
-
-def prepare_text(
-    ctx: Context, prompt: str | Sequence[int], params: SamplingParams
-) -> OpenAIRequest:
-    """Submit a text completion request."""
-    return _submit(ctx, prompt, params, "text")
-
-
-def _submit(
-    ctx: Context, prompt: str | Sequence[int], params: SamplingParams, kind: Literal["chat", "text"]
-) -> OpenAIRequest:
-    handle = ctx.add_request(prompt, params, request_id=f"req-{uuid.uuid4().hex[:24]}")
-    num = 0 if isinstance(prompt, str) else len(prompt)
-    return OpenAIRequest(ctx, handle, kind, ctx.model_name, int(time.time()), num_prompt_tokens=num)

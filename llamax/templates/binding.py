@@ -1,4 +1,10 @@
-"""A chat template bound to a model: which template, its end-of-turn tokens, prompt tokens."""
+"""A chat template bound to a model: which template, its end-of-turn tokens, prompt tokens.
+
+:class:`BoundTemplate` is what a context hands down to chat preparation
+(:mod:`llamax.openai.prepare`, :mod:`llamax.tools`): the template loaded once, the tokens a
+turn ends at, rendering to prompt tokens, and the sizes a request is fitted to. Nothing in
+it calls back into the context.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from .template import ChatTemplate, TemplateError
 
 __all__ = [
     "END_OF_TURN_MARKERS",
+    "BoundTemplate",
     "end_of_turn_ids",
     "load_template",
     "render_tokens",
@@ -21,6 +28,86 @@ __all__ = [
 
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 """Markers templates end a turn with; those that are single tokens become stop tokens."""
+
+
+class BoundTemplate:
+    """A model's chat side: its chat template (the ``chat_template=`` override or the
+    GGUF's, compiled on first use and kept), its end-of-turn tokens, rendering messages to
+    prompt tokens, and the facts a chat request is fitted to. Built once per context; the
+    backend guards its own lifetime (a call after close raises
+    :class:`~llamax.ContextClosedError`).
+
+    Args:
+        backend: The model's tokenizer and metadata.
+        override: Jinja source to use instead of the GGUF's template.
+    """
+
+    __slots__ = ("_backend", "_end_of_turn", "_override", "_template")
+
+    def __init__(self, backend: Backend, override: str | None = None) -> None:
+        self._backend, self._override = backend, override
+        self._template: ChatTemplate | None = None
+        self._end_of_turn: tuple[int, ...] | None = None
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The template, compiled on first use (a race compiles it twice, harmlessly).
+
+        Raises:
+            TemplateError: the model has no template and none was given.
+        """
+        if self._template is None:
+            self._template = load_template(self._backend, self._override, self.model_name)
+        return self._template
+
+    @property
+    def end_of_turn_token_ids(self) -> tuple[int, ...]:
+        """Special tokens the template ends a turn with: chat stops there."""
+        if self._end_of_turn is None:
+            self._end_of_turn = end_of_turn_ids(self._backend, self.chat_template)
+        return self._end_of_turn
+
+    @property
+    def model_name(self) -> str:
+        """The model's name from its metadata."""
+        return self._backend.model_name
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells granted."""
+        return self._backend.n_ctx
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """The most tokens one sequence (prompt plus reply) may hold."""
+        return self._backend.n_ctx_seq
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_vars: Any,
+    ) -> list[int]:
+        """Validate, render and tokenize ``messages`` (see :func:`render_tokens`)."""
+        return render_tokens(
+            self._backend,
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            **template_vars,
+        )
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Tokenize ``text`` as a prompt would be."""
+        return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Join the pieces of ``token_ids`` (ids the model produced or tokenized)."""
+        pieces = b"".join(self._backend.token_to_piece(t) for t in token_ids)
+        return pieces.decode("utf-8", "replace")
 
 
 def load_template(backend: Backend, override: str | None, model_name: str) -> ChatTemplate:

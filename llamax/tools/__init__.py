@@ -1,6 +1,8 @@
 """Tool (function) calling for chat: OpenAI's ``tools`` on any chat model.
 
-Pure Python over the public API. The pieces, in the order a chat completion uses them:
+Pure Python, below the facade: it renders through a :class:`PromptRenderer` (a context,
+or the template binding a context hands down), never a context's internals. The pieces, in
+the order a chat completion uses them:
 
 1. :func:`prepare_tools` checks ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
    into a :class:`ToolPlan`;
@@ -24,6 +26,7 @@ from .parse import (
     parse_tool_calls,
 )
 from .prompt import (
+    PromptRenderer,
     fallback_messages,
     native_messages,
     render_tool_prompt,
@@ -38,6 +41,7 @@ __all__ = [
     "CALL_OPEN",
     "MAX_PARALLEL_CALLS",
     "ParsedReply",
+    "PromptRenderer",
     "ToolCall",
     "ToolCallDelta",
     "ToolCallStreamParser",

@@ -13,16 +13,14 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..templates import ChatTemplate, InvalidMessageError, TemplateError, validate_messages
 from .call_grammar import CALL_CLOSE, CALL_OPEN
 from .spec import ToolPlan
 
-if TYPE_CHECKING:
-    from .. import Context
-
 __all__ = [
+    "PromptRenderer",
     "fallback_messages",
     "native_messages",
     "render_tool_prompt",
@@ -54,6 +52,24 @@ _PROBE_CONVERSATION: list[dict[str, Any]] = [
     },
     {"role": "tool", "tool_call_id": "call_probe", "content": "llamax_probe_result"},
 ]
+
+
+class PromptRenderer(Protocol):
+    """A chat template with its tokenizer: a :class:`llamax.Context` is one, and so is the
+    template binding a context hands down to chat preparation."""
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The compiled chat template."""
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_vars: Any,
+    ) -> list[int]:
+        """Validate, render and tokenize ``messages``."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -208,9 +224,13 @@ def render_tool_prompt(
 
 
 def tool_prompt_tokens(
-    ctx: Context, messages: Sequence[Mapping[str, Any]], plan: ToolPlan, **template_vars: Any
+    ctx: PromptRenderer,
+    messages: Sequence[Mapping[str, Any]],
+    plan: ToolPlan,
+    **template_vars: Any,
 ) -> list[int]:
-    """The prompt tokens of :func:`render_tool_prompt` with ``ctx``'s template.
+    """The prompt tokens of :func:`render_tool_prompt` with ``ctx``'s template (``ctx``: a
+    context, or anything else that renders chat prompts).
 
     The fallback goes through ``ctx.chat_prompt``, so its tokens (and prefix-cache hits)
     are those of an ordinary chat with the same messages. ``template_vars``

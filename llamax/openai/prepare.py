@@ -1,0 +1,277 @@
+"""A chat or text request's preparation, below the facade: OpenAI options and messages in,
+a :class:`Prepared` request out (prompt tokens, :class:`~llamax.SamplingParams` and what
+the stream's parser needs). Nothing is submitted here, and no context is called: the work
+runs on a :class:`ChatModel` (the template binding a context hands down, or a context
+itself), and the caller submits ``prepared.prompt`` with ``prepared.params``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from ..errors import ContextLengthError, InvalidParameterError
+from ..params import SamplingParams
+from ..reasoning import ReasoningFormat, check_reasoning_format, opens_thinking
+from ..templates.messages import validate_messages
+from ..templates.truncation import drop_oldest_turns
+from ..tools import PromptRenderer, ToolPlan, prepare_tools, tool_call_grammar, tool_prompt_tokens
+from .options import (
+    CHAT_OPTIONS,
+    COMPLETION_OPTIONS,
+    ChatOptions,
+    CompletionOptions,
+    Truncate,
+    check_option_names,
+    sampling_params,
+)
+
+__all__ = ["ChatModel", "Prepared", "chat_prompt_tokens", "prepare_chat", "prepare_text"]
+
+
+class ChatModel(PromptRenderer, Protocol):
+    """What chat preparation needs of a model: its template and tokenizer, the tokens a
+    turn ends at and the sizes a request must fit (a :class:`llamax.Context` is one, and so
+    is the :class:`~llamax.templates.binding.BoundTemplate` it hands down)."""
+
+    @property
+    def end_of_turn_token_ids(self) -> tuple[int, ...]:
+        """Special tokens the template ends a turn with: chat stops there."""
+
+    @property
+    def model_name(self) -> str:
+        """The model's name from its metadata."""
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells granted."""
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """The most tokens one sequence (prompt plus reply) may hold."""
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Tokenize ``text``."""
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Join the pieces of ``token_ids`` into text."""
+
+
+def _new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked request, ready to submit: ``add_request(prompt, params, request_id=...)``."""
+
+    prompt: str | Sequence[int]
+    """The prompt tokens (chat), or the text completion's prompt as given."""
+    params: SamplingParams
+    """Sampling, with the template's end-of-turn tokens as stops (chat)."""
+    kind: Literal["chat", "text"]
+    model: str | None = None
+    """The request's own ``model`` (echoed in the response); None: the model's name."""
+    tools: ToolPlan = field(default_factory=ToolPlan)
+    """Tool calling asked for (``mode="none"``: replies are plain text)."""
+    reasoning_format: ReasoningFormat = "none"
+    """How the reply's thinking is reported (:mod:`llamax.reasoning`; chat only)."""
+    thinking_opened: bool = False
+    """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
+    request_id: str = field(default_factory=_new_request_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens of the prompt (0 for a text prompt given as a string)."""
+        return 0 if isinstance(self.prompt, str) else len(self.prompt)
+
+
+def prepare_chat(
+    model: ChatModel, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
+) -> Prepared:
+    """Check a chat request's options, render and fit its messages (with tools, tool calls
+    or tool results through :mod:`llamax.tools`), and say how its reply is parsed.
+    ``stream`` and ``stream_options`` are not options here (the caller chooses).
+
+    Raises:
+        TypeError: an unknown option (the message names the closest valid one).
+        InvalidParameterError, InvalidMessageError, TemplateError: bad values or messages.
+        ContextLengthError: the conversation does not fit (and ``truncate`` is not set).
+    """
+    check_option_names(options, CHAT_OPTIONS, "chat_completion")
+    opts: ChatOptions = options  # type: ignore[assignment]
+    params = sampling_params(opts, chat=True)
+    plan = prepare_tools(
+        opts.get("tools"), opts.get("tool_choice"), opts.get("parallel_tool_calls")
+    )
+    reasoning_format = check_reasoning_format(opts.get("reasoning_format", "auto"))
+    template_vars = _template_vars(opts.get("enable_thinking"))
+    if plan.is_active or _mentions_tools(messages):
+        if opts.get("truncate", "none") != "none":
+            raise InvalidParameterError("truncate is not supported together with tools")
+        params, tokens = _tool_chat(model, messages, params, plan, template_vars)
+    else:
+        tokens = _plain_chat(
+            model,
+            messages,
+            params,
+            opts.get("truncate", "none"),
+            opts.get("parse_special_in_content", False),
+            template_vars,
+        )
+    opened = reasoning_format != "none" and opens_thinking(model.detokenize(tokens[-8:]))
+    return Prepared(
+        tokens,
+        params.with_stop_token_ids(model.end_of_turn_token_ids),
+        "chat",
+        _model(opts.get("model")),
+        plan,
+        reasoning_format,
+        opened,
+    )
+
+
+def prepare_text(prompt: str | Sequence[int], options: Mapping[str, Any]) -> Prepared:
+    """Check a text completion's options.
+
+    Raises:
+        TypeError: an unknown option.
+        InvalidParameterError: a bad value.
+    """
+    check_option_names(options, COMPLETION_OPTIONS, "completion")
+    opts: CompletionOptions = options  # type: ignore[assignment]
+    return Prepared(prompt, sampling_params(opts, chat=False), "text", _model(opts.get("model")))
+
+
+def chat_prompt_tokens(
+    model: ChatModel, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
+) -> list[int]:
+    """The prompt tokens :func:`prepare_chat` renders for ``messages`` (tools and
+    ``enable_thinking`` included), unfitted: for token counting.
+
+    Raises:
+        InvalidRequestError: an option or a message is invalid.
+    """
+    check_option_names(options, CHAT_OPTIONS, "chat_prompt_tokens")
+    plan = prepare_tools(
+        options.get("tools"), options.get("tool_choice"), options.get("parallel_tool_calls")
+    )
+    thinking = options.get("enable_thinking")
+    template_vars = {} if thinking is None else {"enable_thinking": thinking}
+    if plan.is_active or _mentions_tools(messages):
+        return tool_prompt_tokens(model, messages, plan, **template_vars)
+    return model.chat_prompt(messages, **template_vars)
+
+
+def _model(name: object) -> str | None:
+    """A request's own ``model`` when it is a non-empty str (OpenAI and llama-server echo it)."""
+    return name if isinstance(name, str) and name else None
+
+
+def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the conversation carries tool calls or tool results to render."""
+    return any(
+        isinstance(m, Mapping) and (m.get("role") == "tool" or m.get("tool_calls"))
+        for m in messages
+    )
+
+
+def _template_vars(enable_thinking: bool | None) -> dict[str, Any]:
+    if enable_thinking is None:
+        return {}
+    if not isinstance(enable_thinking, bool):
+        raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+    return {"enable_thinking": enable_thinking}
+
+
+def _plain_chat(
+    model: ChatModel,
+    messages: Sequence[Mapping[str, Any]],
+    params: SamplingParams,
+    truncate: Truncate,
+    parse_special_in_content: bool,
+    template_vars: dict[str, Any],
+) -> list[int]:
+    """Validate, render and fit a conversation: its prompt tokens.
+
+    With ``truncate="oldest_messages"`` the cut is found by a binary search over turn
+    boundaries (a few renders, whatever the length); each rendering is tokenized once.
+    """
+    if truncate not in ("none", "oldest_messages"):
+        raise InvalidParameterError(
+            f"truncate must be 'none' or 'oldest_messages', got {truncate!r}"
+        )
+    if not isinstance(parse_special_in_content, bool):
+        raise InvalidParameterError(
+            f"parse_special_in_content must be a bool, got {parse_special_in_content!r}"
+        )
+    msgs = validate_messages(messages)
+    reserve = params.max_tokens or 1
+    budget = model.n_ctx_seq - reserve
+    rendered: dict[int, list[int]] = {}  # by the number of messages kept
+
+    def render(kept: list[dict[str, Any]]) -> list[int]:
+        if len(kept) not in rendered:
+            rendered[len(kept)] = model.chat_prompt(
+                kept, parse_special_in_content=parse_special_in_content, **template_vars
+            )
+        return rendered[len(kept)]
+
+    tokens = render(msgs)
+    if len(tokens) > budget:
+        if truncate == "none":
+            raise ContextLengthError(
+                f"the conversation needs {len(tokens)} prompt tokens + {reserve} for the reply, "
+                f"more than a sequence may hold ({_limit(model)}); "
+                "pass truncate='oldest_messages' to drop old turns",
+                num_prompt_tokens=len(tokens),
+                n_ctx=model.n_ctx_seq,
+            )
+        tokens = render(drop_oldest_turns(msgs, lambda m: len(render(m)), budget))
+    return tokens
+
+
+def _tool_chat(
+    model: ChatModel,
+    messages: Sequence[Mapping[str, Any]],
+    params: SamplingParams,
+    plan: ToolPlan,
+    template_vars: dict[str, Any],
+) -> tuple[SamplingParams, list[int]]:
+    """Render a conversation with tools (or with earlier tool calls and results) and
+    constrain the reply with the tool-call grammar: its params and prompt tokens.
+
+    Raises:
+        InvalidParameterError: tools together with ``grammar`` or ``response_format``.
+        ContextLengthError: the conversation does not fit.
+    """
+    grammar = tool_call_grammar(plan)
+    if grammar is not None and (params.grammar is not None or params.json_schema is not None):
+        raise InvalidParameterError(
+            "tools cannot be combined with grammar or response_format: the tool-call grammar "
+            "already constrains the reply"
+        )
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
+    tokens = tool_prompt_tokens(model, messages, plan, **template_vars)
+    reserve = params.max_tokens or 1
+    if len(tokens) + reserve > model.n_ctx_seq:
+        raise ContextLengthError(
+            f"the conversation with its tools needs {len(tokens)} prompt tokens + {reserve} "
+            f"for the reply, more than a sequence may hold ({_limit(model)})",
+            num_prompt_tokens=len(tokens),
+            n_ctx=model.n_ctx_seq,
+        )
+    return params, tokens
+
+
+def _limit(model: ChatModel) -> str:
+    """``n_ctx=4096``, or ``n_ctx_seq=512`` when a sequence may hold less than ``n_ctx``."""
+    if model.n_ctx_seq == model.n_ctx:
+        return f"n_ctx={model.n_ctx}"
+    return f"n_ctx_seq={model.n_ctx_seq}"
