@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import llamax
-from llamax.engine import scheduler as scheduler_module
+from llamax.engine import relayout as relayout_module
 from llamax.testing import FakeBackend, assert_idle
 
 PREFIXES = ["", "system prompt one. ", "system prompt two, longer than one. "]
@@ -342,14 +342,14 @@ class AutoMachine(EngineMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._cooldown = scheduler_module.RELAYOUT_COOLDOWN_STEPS
-        scheduler_module.RELAYOUT_COOLDOWN_STEPS = 2
+        self._cooldown = relayout_module.RELAYOUT_COOLDOWN_STEPS
+        relayout_module.RELAYOUT_COOLDOWN_STEPS = 2
 
     def teardown(self) -> None:
         try:
             super().teardown()
         finally:
-            scheduler_module.RELAYOUT_COOLDOWN_STEPS = self._cooldown
+            relayout_module.RELAYOUT_COOLDOWN_STEPS = self._cooldown
 
 
 class FailureMachine(EngineMachine):

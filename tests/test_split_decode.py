@@ -48,7 +48,7 @@ def test_unrelated_decode_rows_run_in_batches_under_a_tile() -> None:
     with ctx:
         split = run(ctx, prompts)
     whole_ctx, whole_backend = unified()
-    whole_ctx._engine.scheduler.split = lambda plan: [plan]  # type: ignore[method-assign]
+    whole_ctx._engine.scheduler.planner.split = lambda plan: [plan]  # type: ignore[method-assign]
     with whole_ctx:
         whole = run(whole_ctx, prompts)
     assert split == whole  # same tokens, sampled from the same logits

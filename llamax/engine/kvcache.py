@@ -127,7 +127,6 @@ class KVCache:
 
     def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
         self._memory = memory
-        self._shares_cells = memory.is_unified
         self._layout = LayoutState.FIXED
         if memory.can_relayout:
             self._layout = LayoutState.UNIFIED if memory.is_unified else LayoutState.STREAMS
@@ -157,8 +156,9 @@ class KVCache:
 
     @property
     def is_unified(self) -> bool:
-        """Whether all sequences share one buffer now (copied prefixes share cells)."""
-        return self._shares_cells
+        """Whether all sequences share one buffer now (copied prefixes share cells): the
+        memory's own answer, the one record of which layout the cells are in."""
+        return self._memory.is_unified
 
     @property
     def cells_per_seq(self) -> int:
@@ -235,7 +235,7 @@ class KVCache:
             RuntimeError: The layout may not move (:attr:`can_relayout` is False).
             RequestFailedError: The memory could not move (nothing changed).
         """
-        if unified == self._shares_cells:
+        if unified == self._memory.is_unified:
             return
         to = LayoutState.UNIFIED if unified else LayoutState.STREAMS
         if to not in LAYOUT_MOVES[self._layout]:
@@ -244,7 +244,6 @@ class KVCache:
             self._run_queue()
         self._memory.relayout(unified)
         self._move(to)
-        self._shares_cells = unified
         self._refs.clear()
         for slot in self._slots.values():
             slot.cells = []
@@ -272,7 +271,7 @@ class KVCache:
         them: shared cells in a unified cache, a copied stream otherwise."""
         if dst.tokens:
             raise ValueError(f"copy into a non-empty slot {dst!r}")
-        if self._shares_cells:
+        if self._memory.is_unified:
             self._memory.seq_cp(src.seq_id, dst.seq_id, 0, num)
             dst.tokens = src.tokens[:num]
             dst.cells = src.cells[:num]

@@ -91,7 +91,9 @@ class Engine:
         """This machine's measured step costs the scheduler started from, or None."""
         if self.calibration is not None:
             apply_calibration(
-                self.calibration, self.scheduler.step_cost, self.scheduler.drafts.decode_cost
+                self.calibration,
+                self.scheduler.step_cost,
+                self.scheduler.drafts.planner.decode_cost,
             )
         self._init_threads(config.adapt_threads)
         self._lock = threading.Lock()
@@ -390,7 +392,7 @@ class Engine:
         plan = self.scheduler.schedule(result)
         self._is_stuck = plan.is_empty and not (result.events or result.finished or result.failed)
         # a batch logits processor sees the whole step at once, so its steps stay whole
-        parts = [plan] if self._batch_processor is not None else self.scheduler.split(plan)
+        parts = [plan] if self._batch_processor is not None else self.scheduler.planner.split(plan)
         for part in parts:
             part = part.without_ended()  # a request that failed in an earlier part is gone
             if not part.is_empty:
@@ -471,7 +473,7 @@ class Engine:
                 raise EngineError(f"a step mixes LoRA adapter sets: {sorted(adapters)}")
             self._lora.set_adapters(adapters.pop())
         for _ in range(_MAX_SHRINKS_PER_STEP):
-            features, started = self.scheduler.features(plan), self.scheduler.clock()
+            features, started = self.scheduler.planner.features(plan), self.scheduler.clock()
             status = self.backend.decode(plan.items)
             self.scheduler.kv.decoded(status)
             if status == DecodeStatus.OK:
@@ -514,30 +516,32 @@ class Engine:
         return result
 
     def _count(self) -> ContextStats:
+        """The stats now, composed from each component's own."""
         s = self.scheduler
+        own, drafts, layout = s.stats(), s.drafts.stats(), s.layout.stats()
         return ContextStats(
             state=self._phase.state.value,
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
+            num_waiting=own.num_waiting,
+            num_running=own.num_running,
             num_retained=s.prefix.num_retained,
             num_sessions=s.sessions.num_open,
             num_unsettled=0,
             kv_cells_used=s.kv.num_cells_used,
             kv_cells_total=self.backend.kv_cells,
             kv_cells_per_seq=self.backend.n_ctx_seq,
-            kv_layout="unified" if self.backend.is_unified else "streams",
+            kv_layout="unified" if s.kv.is_unified else "streams",
             kv_bytes_total=self.backend.kv_cells * self.backend.kv_bytes_per_cell,
             num_free_seq_ids=s.kv.num_free_seq_ids,
             num_steps=self.num_steps,
-            num_prefill_tokens=s.num_prefill_tokens,
-            num_decode_tokens=s.num_decode_tokens,
-            num_cached_tokens=s.num_cached_tokens,
-            num_preemptions=s.num_preemptions,
+            num_prefill_tokens=own.num_prefill_tokens,
+            num_decode_tokens=own.num_decode_tokens,
+            num_cached_tokens=own.num_cached_tokens,
+            num_preemptions=own.num_preemptions,
             num_evictions=s.prefix.num_evictions,
-            num_drafted_tokens=s.num_drafted_tokens,
-            num_accepted_tokens=s.num_accepted_tokens,
-            kv_cells_per_stream=s.stream_cells,
-            num_relayouts=s.num_relayouts,
+            num_drafted_tokens=drafts.num_drafted_tokens,
+            num_accepted_tokens=drafts.num_accepted_tokens,
+            kv_cells_per_stream=layout.kv_cells_per_stream,
+            num_relayouts=layout.num_relayouts,
             n_threads=self._threaded.n_threads if self._threaded is not None else 0,
             is_contended=self._threads is not None and self._threads.is_contended,
             num_thread_changes=self._threads.num_thread_changes if self._threads else 0,
