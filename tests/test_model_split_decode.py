@@ -10,7 +10,7 @@ import pytest
 from near_tie import assert_greedy_agrees
 
 import llamax
-from llamax.engine.step_budget import TILE_ROWS
+from llamax.engine.timing.step_budget import TILE_ROWS
 
 pytestmark = pytest.mark.model
 

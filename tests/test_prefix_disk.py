@@ -1,4 +1,4 @@
-"""The disk prefix tier (llamax.engine.prefix_disk) against the fake backend: prefixes the
+"""The disk prefix tier (llamax.engine.kv.prefix_disk) against the fake backend: prefixes the
 RAM tier drops (or, with no RAM tier, KV evictions) are written to files within a byte
 budget, restored instead of recomputed (by the next context on the directory too), and a
 file that lies is deleted and the prompt recomputed."""
@@ -19,9 +19,14 @@ import pytest
 from adversaries import deadline
 
 import llamax
-from llamax.engine import prefix_disk
-from llamax.engine.prefix_disk import MAGIC, MAX_DEFAULT_BYTES, PrefixDiskTier, default_disk_budget
-from llamax.engine.prefix_tier import PrefixHit
+from llamax.engine.kv import prefix_disk
+from llamax.engine.kv.prefix_disk import (
+    MAGIC,
+    MAX_DEFAULT_BYTES,
+    PrefixDiskTier,
+    default_disk_budget,
+)
+from llamax.engine.kv.prefix_tier import PrefixHit
 from llamax.flags import option_values
 from llamax.testing import FakeBackend, assert_idle
 

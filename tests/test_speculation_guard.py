@@ -13,7 +13,7 @@ import pytest
 
 import llamax
 from llamax.backend.base import BatchItem
-from llamax.engine.speculative import DraftState, SharedAcceptance
+from llamax.engine.spec.speculative import DraftState, SharedAcceptance
 from llamax.testing import FakeBackend, alphabet_model
 
 PROMPT = "abcdefghij" * 3

@@ -20,8 +20,8 @@ import llamax
 from llamax.backend import BatchItem, DecodeStatus
 from llamax.config import EngineConfig
 from llamax.drafting import PromptLookup, PromptLookupDrafter
-from llamax.engine.scheduler import Scheduler
-from llamax.engine.speculative import (
+from llamax.engine.sched.scheduler import Scheduler
+from llamax.engine.spec.speculative import (
     DecodeCost,
     DraftState,
     SharedAcceptance,

@@ -1,5 +1,5 @@
 """Many decode rows of unrelated sequences in a unified cache run as several smaller
-batches (see :meth:`llamax.engine.scheduler.Scheduler.split`); everything else runs as one."""
+batches (see :meth:`llamax.engine.sched.scheduler.Scheduler.split`); everything else runs as one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import llamax
 from llamax.backend.base import BatchItem
 from llamax.engine.plan import ScheduledSequence, StepPlan, split_plan
-from llamax.engine.step_budget import TILE_ROWS
+from llamax.engine.timing.step_budget import TILE_ROWS
 from llamax.testing import FakeBackend, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]

@@ -467,7 +467,7 @@ class LlamaCppBackend:
 
     def run_queued_copies(self) -> None:
         """Run the cross-stream copies llama.cpp has queued (see
-        :mod:`~llamax.engine.stream_copies`). llama.cpp runs them only at the start of a
+        :mod:`~llamax.engine.kv.stream_copies`). llama.cpp runs them only at the start of a
         decode, so this decodes one token, with no output, into an empty sequence (or past
         the end of one with room) and removes it again. The last decode's logits are gone
         afterwards.

@@ -1,7 +1,7 @@
 """The run loop: one thread at a time owns the backend and the scheduler.
 
 Other threads only touch the inbox (new requests), the cancel queue and the operation queue
-(:mod:`llamax.engine.kvops`), under one lock; all three are drained at the start of every step.
+(:mod:`llamax.engine.kv.kvops`), under one lock; all three are drained at the start of every step.
 A step is::
 
     plan = scheduler.schedule() -> status = backend.decode(plan) -> sample rows
@@ -34,24 +34,24 @@ from ..errors import (
 )
 from ..results import TokenLogprob
 from ..stats import ContextStats
-from .calibration import apply as apply_calibration
-from .calibration import calibrate as calibrate_backend
-from .contention import ThreadPolicy
-from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
+from .kv.kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
+from .kv.prefix_tier import TierStats
 from .phase import EngineState, LoopPhase, next_phase
 from .plan import StepPlan, StepResult
-from .prefix_tier import TierStats
-from .sampling import (
+from .sched.sampling import (
     BatchLogitsProcessor,
     keep_interrupt,
     pop_interrupt,
     sample_plan,
     sample_row,
 )
-from .scheduler import Scheduler
+from .sched.scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
-from .step_budget import StepCostModel, StepFeatures
+from .timing.calibration import apply as apply_calibration
+from .timing.calibration import calibrate as calibrate_backend
+from .timing.contention import ThreadPolicy
+from .timing.step_budget import StepCostModel, StepFeatures
 
 __all__ = ["Engine", "EngineState"]
 
@@ -413,7 +413,7 @@ class Engine:
         return result
 
     def _init_threads(self, adapt: bool) -> None:
-        """Threads follow the machine (:mod:`llamax.engine.contention`) when ``adapt`` and
+        """Threads follow the machine (:mod:`llamax.engine.timing.contention`) when ``adapt`` and
         the backend has more than one to lower. The reference model learns what steps cost
         at full threads on a quiet machine (from the calibration, if any, then from steps
         the policy calls quiet), so it never learns contention as the norm."""

@@ -1,23 +1,23 @@
 """The shape of a step: prompt chunks within the time budget, forks, drafts' room, batches.
 
-:class:`StepPlanner` owns the :class:`~llamax.engine.chunk_budget.ChunkBudget` (and its
-learned step cost) and the :class:`~llamax.engine.split_policy.SplitPolicy`; it reads the
+:class:`StepPlanner` owns the :class:`~llamax.engine.timing.chunk_budget.ChunkBudget` (and its
+learned step cost) and the :class:`~llamax.engine.sched.split_policy.SplitPolicy`; it reads the
 KV cells and the fair shares, and builds the frozen :class:`~llamax.engine.plan.StepPlan`
 from the sequences and token counts the scheduler chose. It changes no sequence.
 """
 
 from __future__ import annotations
 
-from ..backend.base import Backend
-from .chunk_budget import ChunkBudget
+from ...backend.base import Backend
+from ..kv.kvcache import KVCache
+from ..kv.prefix import PrefixCache
+from ..plan import StepPlan, build_plan, split_plan
+from ..sequence import Request, SequenceState
+from ..sequence import Sequence as Seq
+from ..timing.chunk_budget import ChunkBudget
+from ..timing.step_budget import StepFeatures, tile_waste_table
 from .fair_share import FairShare
-from .kvcache import KVCache
-from .plan import StepPlan, build_plan, split_plan
-from .prefix import PrefixCache
-from .sequence import Request, SequenceState
-from .sequence import Sequence as Seq
 from .split_policy import SplitPolicy
-from .step_budget import StepFeatures, tile_waste_table
 
 __all__ = ["StepPlanner"]
 
@@ -85,7 +85,7 @@ class StepPlanner:
 
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache on the CPU,
-        many decode rows go in smaller batches (:mod:`llamax.engine.split_policy`)."""
+        many decode rows go in smaller batches (:mod:`llamax.engine.sched.split_policy`)."""
         groups = self.splitter.groups(
             [len(e.item.token_ids) for e in plan.entries],
             [e.seq.num_computed for e in plan.entries],
@@ -95,7 +95,8 @@ class StepPlanner:
         return [plan] if groups is None else split_plan(plan, groups)
 
     def features(self, plan: StepPlan) -> StepFeatures:
-        """What ``plan`` costs, in the terms of :mod:`llamax.engine.step_budget`'s cost model."""
+        """What ``plan`` costs, in the terms of the cost model
+        (:mod:`llamax.engine.timing.step_budget`)."""
         entries = [
             (len(e.item.token_ids), e.item.start_pos, e.seq.num_computed) for e in plan.entries
         ]

@@ -3,7 +3,7 @@
 :class:`Room` counts the open sessions no running sequence uses (their slots, ids and cells,
 which no eviction or preemption frees) once a step, and answers from them what a sequence
 may hold and, for one that can never fit, why; the numbers are
-:class:`~llamax.engine.session_room.SessionRoom`'s.
+:class:`~llamax.engine.kv.session_room.SessionRoom`'s.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator
 
-from ..backend.base import Backend
+from ...backend.base import Backend
+from ..sequence import TERMINAL_STATES, SequenceState
+from ..sequence import Sequence as Seq
 from .kvcache import KVCache, Slot
 from .relayout import Relayout
-from .sequence import TERMINAL_STATES, SequenceState
-from .sequence import Sequence as Seq
 from .session_room import SessionRoom
 from .session_table import SessionTable
 

@@ -1,8 +1,8 @@
 """The KV layout's moves (``kv_layout="auto"``): when to move, and the move itself.
 
-:class:`Relayout` owns the :class:`~llamax.engine.layout_policy.LayoutPolicy`, the time the
+:class:`Relayout` owns the :class:`~llamax.engine.kv.layout_policy.LayoutPolicy`, the time the
 last move took and the count of moves; it reads the sequences it is shown and moves the
-:class:`~llamax.engine.kvcache.KVCache` (whose :class:`~llamax.engine.kvcache.LayoutState`
+:class:`~llamax.engine.kv.kvcache.KVCache` (whose :class:`~llamax.engine.kv.kvcache.LayoutState`
 is the one record of where the layout stands). What a move does to sequences, making room
 before it and failing those that outgrew their streams after a failed one, is the
 scheduler's.
@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..backend.base import Backend
-from ..errors import RequestFailedError
+from ...backend.base import Backend
+from ...errors import RequestFailedError
+from ..sequence import Sequence as Seq
 from .kvcache import KVCache, LayoutState
 from .layout_policy import MOVE_PRIOR_S_PER_BYTE, RELAYOUT_COOLDOWN_STEPS, LayoutPolicy
 from .prefix import PrefixCache
-from .sequence import Sequence as Seq
 
 __all__ = ["LayoutStats", "Relayout"]
 
@@ -72,7 +72,7 @@ class Relayout:
         self, waiting: Sequence[Seq], running: Sequence[Seq], *, token_s: float
     ) -> bool | None:
         """The layout to move to now (True: unified, False: streams, None: stay), as
-        :mod:`~llamax.engine.layout_policy` says; before a move to streams, the retained
+        :mod:`~llamax.engine.kv.layout_policy` says; before a move to streams, the retained
         prefixes longer than a stream go. ``token_s`` is what a prompt token costs."""
         if self._kv.layout is LayoutState.FIXED:
             return None

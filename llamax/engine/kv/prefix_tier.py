@@ -1,8 +1,8 @@
 """The seam under the KV prefix cache: what every tier of evicted prefixes answers. Pure Python.
 
 A tier keeps evicted prefixes' saved KV states (``llama_state_seq_get_data``) somewhere
-cheaper than KV: host RAM (:mod:`llamax.engine.prefix_ram`), files
-(:mod:`llamax.engine.prefix_disk`). Admission asks every tier one question, "how many
+cheaper than KV: host RAM (:mod:`llamax.engine.kv.prefix_ram`), files
+(:mod:`llamax.engine.kv.prefix_disk`). Admission asks every tier one question, "how many
 tokens of this prompt can you give me" (:meth:`PrefixTier.lookup`, a :class:`PrefixHit`),
 and restores the best answer through one path (:meth:`PrefixTier.hold`, :meth:`~PrefixTier.read`,
 :meth:`~PrefixTier.release`), in the spirit of vLLM's KV connector. A tier is one class:
@@ -20,8 +20,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from ..adapters import AdapterSet
-from ..tokens import common_prefix_len
+from ...adapters import AdapterSet
+from ...tokens import common_prefix_len
 
 __all__ = [
     "MIN_STORED_TOKENS",

@@ -15,11 +15,11 @@ With ``kv_layout="auto"`` the memory can move between the two (:meth:`KVCache.re
 every sequence then holds cells of its own, in either layout, until it is copied again.
 
 Between streams llama.cpp runs a copy's buffer transfer only at the next decode
-(:mod:`llamax.engine.stream_copies`); before a state read or write that would see the
+(:mod:`llamax.engine.kv.stream_copies`); before a state read or write that would see the
 difference, the queue is run first, so every call here acts at once.
 
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
-and which is evicted first, is :mod:`llamax.engine.prefix`'s business; who may change a slot at
+and which is evicted first, is :mod:`llamax.engine.kv.prefix`'s business; who may change a slot at
 all is the scheduler's (see docs/architecture.md).
 """
 
@@ -30,9 +30,9 @@ import itertools
 from collections.abc import Sequence
 from enum import Enum
 
-from ..adapters import NO_ADAPTERS, AdapterSet
-from ..backend.base import DecodeStatus, KVMemory
-from ..errors import InvalidParameterError
+from ...adapters import NO_ADAPTERS, AdapterSet
+from ...backend.base import DecodeStatus, KVMemory
+from ...errors import InvalidParameterError
 from .stream_copies import QueuedCopies
 
 __all__ = ["LAYOUT_MOVES", "KVCache", "LayoutState", "Slot", "SlotState"]
@@ -71,7 +71,7 @@ class SlotState(Enum):
     ACTIVE = "active"
     """A running sequence."""
     RETAINED = "retained"
-    """A finished sequence kept for its prefix (see :mod:`llamax.engine.prefix`)."""
+    """A finished sequence kept for its prefix (see :mod:`llamax.engine.kv.prefix`)."""
     PINNED = "pinned"
     """Held by a session: never retained nor evicted, released only by the session."""
 

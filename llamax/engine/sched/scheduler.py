@@ -9,10 +9,10 @@ cells and re-queues; its prompt plus generated tokens are recomputed, so greedy 
 continues unchanged. ``n > 1`` choices fork from the leader's last prompt row: they share
 its cells and sample their first token from the same logits.
 
-KV accounting: cells are counted exactly by :class:`~llamax.engine.kvcache.KVCache`. In a
+KV accounting: cells are counted exactly by :class:`~llamax.engine.kv.kvcache.KVCache`. In a
 unified cache a step may start only if ``cells_used + pending tokens <= n_ctx``; retained
 slots are evicted first, then the newest running sequence is preempted (LIFO). Changes
-asked for from outside a step arrive as typed operations (:mod:`llamax.engine.kvops`)
+asked for from outside a step arrive as typed operations (:mod:`llamax.engine.kv.kvops`)
 through :meth:`Scheduler.apply`.
 
 The scheduler decides and changes the state of sequences; the components it holds own
@@ -33,25 +33,25 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
-from ..adapters import AdapterSet
-from ..backend.base import Backend, Clocked
-from ..config import EngineConfig
-from ..errors import KVCapacityError, RequestFailedError
-from ..results import TokenEvent, TokenLogprob
+from ...adapters import AdapterSet
+from ...backend.base import Backend, Clocked
+from ...config import EngineConfig
+from ...errors import KVCapacityError, RequestFailedError
+from ...results import TokenEvent, TokenLogprob
+from ..kv.admission import Outcome, SlotPlacer
+from ..kv.kvcache import KVCache
+from ..kv.kvops import KVOp, RestoreSession
+from ..kv.prefix import PrefixCache
+from ..kv.relayout import Relayout
+from ..kv.room import Room
+from ..kv.session_table import SessionTable
+from ..plan import ScheduledSequence, StepPlan, StepResult
+from ..sequence import TERMINAL_STATES, Request, Sequence, SequenceState
+from ..spec.drafts import Drafting, Verify
+from ..timing.chunk_budget import halve_newest_chunk
+from ..timing.step_budget import StepFeatures
 from .adapter_turns import AdapterTurns
-from .admission import Outcome, SlotPlacer
-from .chunk_budget import halve_newest_chunk
-from .drafts import Drafting, Verify
 from .fair_share import FairShare
-from .kvcache import KVCache
-from .kvops import KVOp, RestoreSession
-from .plan import ScheduledSequence, StepPlan, StepResult
-from .prefix import PrefixCache
-from .relayout import Relayout
-from .room import Room
-from .sequence import TERMINAL_STATES, Request, Sequence, SequenceState
-from .session_table import SessionTable
-from .step_budget import StepFeatures
 from .step_planner import StepPlanner
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerStats", "StepPlan", "StepResult"]
@@ -163,7 +163,7 @@ class Scheduler:
 
     def schedule(self, result: StepResult) -> StepPlan:
         """Choose the KV layout, make room, admit what fits, and plan one step: decode rows
-        first, then prompt chunks (:mod:`~llamax.engine.chunk_budget`). Requests that cannot
+        first, then prompt chunks (:mod:`~llamax.engine.timing.chunk_budget`). Requests that cannot
         go on end with their events in ``result``."""
         self.room.count_idle(self._running)
         self._end_what_cannot_fit(result)
@@ -244,7 +244,7 @@ class Scheduler:
     # ------------------------------------------------------------------ fairness
     def _share_sequence_ids(self) -> None:
         """Preempt for each deprived waiting request one sequence of the richest request
-        (:mod:`llamax.engine.fair_share`)."""
+        (:mod:`llamax.engine.sched.fair_share`)."""
         fair = self.fair
         fair.count((s.request for s in self._running), (s.request for s in self._waiting))
         for request in fair.deprived:
@@ -353,7 +353,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def _try_admit(self, seq: Sequence) -> Outcome:
-        """Place ``seq`` in a slot (:class:`~llamax.engine.admission.SlotPlacer`) and start it."""
+        """Place ``seq`` in a slot (:class:`~llamax.engine.kv.admission.SlotPlacer`), start it."""
         if seq.request.session_id is not None:
             pinned = self.sessions.slot(seq.request.session_id)
             placement = self.placer.reuse(

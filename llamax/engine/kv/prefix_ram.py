@@ -1,6 +1,6 @@
 """The host-RAM tier below the KV prefix cache. Pure Python.
 
-When :class:`~llamax.engine.prefix.PrefixCache` evicts a retained slot, its saved KV state
+When :class:`~llamax.engine.kv.prefix.PrefixCache` evicts a retained slot, its saved KV state
 (``llama_state_seq_get_data``) is kept here, within a byte budget, instead of being lost.
 A later prompt that shares a longer prefix with a stored entry than with any KV slot gets
 that state restored into a fresh slot (``llama_state_seq_set_data``), cut to the shared
@@ -16,7 +16,7 @@ so a prefix is held by one tier at a time.
 
 Entries are keyed by ``(adapters, tokens)``; a tier belongs to one context and so to one
 model (:attr:`PrefixRamTier.model`). The tier is one
-:class:`~llamax.engine.prefix_tier.PrefixTier`: admission looks it up and restores from it
+:class:`~llamax.engine.kv.prefix_tier.PrefixTier`: admission looks it up and restores from it
 as from any other.
 """
 
@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..adapters import NO_ADAPTERS, AdapterSet
+from ...adapters import NO_ADAPTERS, AdapterSet
 from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierCounters, TierStats, best_prefix
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The scheduler's speculative drafting: who drafts, a step's drafts, their verification.
 
-:class:`Drafting` owns the :class:`~llamax.engine.draft_planner.DraftPlanner` (the learned
+:class:`Drafting` owns the :class:`~llamax.engine.spec.draft_planner.DraftPlanner` (the learned
 decode cost, the shared acceptance record) and the draft counters. The scheduler asks it
 for a step's drafts when it plans, and hands it each drafted entry after the decode: the
 longest prefix of the draft that sampling confirms is accepted, plus the token sampled
@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..backend.base import Backend
-from ..drafting import Speculative
-from ..errors import RequestFailedError
-from ..results import TokenLogprob
+from ...backend.base import Backend
+from ...drafting import Speculative
+from ...errors import RequestFailedError
+from ...results import TokenLogprob
+from ..kv.kvcache import KVCache
+from ..plan import ScheduledSequence, StepPlan
+from ..sequence import TERMINAL_STATES, Request, SequenceState
+from ..sequence import Sequence as Seq
 from .draft_planner import DraftPlanner, confirms, draft_limit, drafting_method
-from .kvcache import KVCache
-from .plan import ScheduledSequence, StepPlan
-from .sequence import TERMINAL_STATES, Request, SequenceState
-from .sequence import Sequence as Seq
 from .speculative import DraftState, new_draft_state
 
 __all__ = ["DraftStats", "Drafting", "Verify"]
@@ -92,9 +92,10 @@ class Drafting:
         num_pending: Callable[[], int],
         capacity: Callable[[Seq], int],
     ) -> dict[Seq, tuple[int, ...]]:
-        """Draft tokens for the step's decoding sequences (:mod:`~llamax.engine.draft_planner`),
-        within the batch's ``budget``, the free cells of a unified cache (beside the
-        running sequences' ``num_pending`` tokens) and each sequence's ``capacity``."""
+        """Draft tokens for the step's decoding sequences
+        (:mod:`~llamax.engine.spec.draft_planner`), within the batch's ``budget``, the free
+        cells of a unified cache (beside the running sequences' ``num_pending`` tokens) and
+        each sequence's ``capacity``."""
         if not self.can_draft:
             return {}
         room, kv = budget, self._kv

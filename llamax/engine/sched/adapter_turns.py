@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..adapters import AdapterSet
-from .sequence import Sequence as Seq
+from ...adapters import AdapterSet
+from ..sequence import Sequence as Seq
 
 __all__ = ["AdapterTurns"]
 

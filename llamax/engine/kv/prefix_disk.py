@@ -1,6 +1,6 @@
 """The disk tier below the host-RAM prefix tier. Pure Python (files, no native calls).
 
-Prefixes the RAM tier (:mod:`llamax.engine.prefix_ram`) drops to stay within its budget
+Prefixes the RAM tier (:mod:`llamax.engine.kv.prefix_ram`) drops to stay within its budget
 are written here, one file per entry, within a byte budget; with the RAM tier disabled,
 prefixes evicted from KV come here directly. A prompt whose longest stored prefix is on
 disk gets that state restored into a fresh slot, as from RAM.
@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from ..adapters import NO_ADAPTERS, AdapterSet
-from ..errors import CacheClearError, InvalidParameterError
+from ...adapters import NO_ADAPTERS, AdapterSet
+from ...errors import CacheClearError, InvalidParameterError
 from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierCounters, TierStats, best_prefix
 
 __all__ = [

@@ -1,12 +1,12 @@
 """Prefix reuse: which slot holds the longest prefix of a prompt, and which finished slots
-are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kvcache.KVCache`.
+are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kv.kvcache.KVCache`.
 
 A finished sequence's slot is *retained*: its cells stay in KV so a later prompt that starts
 the same way copies them instead of computing them. Retained slots are evicted least
 recently used first whenever a sequence id or cells are needed; active and pinned (session)
 slots never are. An evicted slot's state goes to the host-RAM tier below
-(:mod:`llamax.engine.prefix_ram`) when one is enabled, and what that tier drops to stay
-within its budget goes to the disk tier (:mod:`llamax.engine.prefix_disk`), if any (with
+(:mod:`llamax.engine.kv.prefix_ram`) when one is enabled, and what that tier drops to stay
+within its budget goes to the disk tier (:mod:`llamax.engine.kv.prefix_disk`), if any (with
 no RAM tier, evicted slots go there directly); ``evict_all`` (``clear_cache``) empties
 every tier.
 
@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..adapters import NO_ADAPTERS, AdapterSet
-from ..config import EngineConfig
-from ..tokens import common_prefix_len
+from ...adapters import NO_ADAPTERS, AdapterSet
+from ...config import EngineConfig
+from ...tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix_disk import PrefixDiskTier, default_disk_budget
 from .prefix_ram import PrefixRamTier, RamEntry, default_budget
