@@ -14,107 +14,45 @@ of the model's identity, so another model never reads them. Writes go to a tempo
 renamed into place (atomic); nothing is fsynced, so a crash may lose recent entries, never
 leave a half-written one under an entry's name.
 
-File format: :data:`MAGIC`, the format version and the header's length (two little-endian
-``u32``), the header (JSON: ``tokens``, ``size`` and ``crc32`` of the state), the state.
-Files that lie (another magic or version, an unreadable header, a length or checksum that
-does not match) are deleted when found and never reach the backend.
-
 One context uses a directory at a time: it holds an exclusive ``flock`` on
 ``<model key>/.lock`` until it closes.
 
-Files are input, and they hold a conversation's tokens in clear. The tier's folder is made
-``0700`` and its files ``0600`` (set explicitly, whatever the umask). A file is opened
-without following a link and without blocking (a FIFO put in its place answers nothing),
-and refused unless it is a regular file of exactly the size the index recorded, before a
-byte of it is read; then exactly that many bytes are read. ``clear`` deletes every file in
-the tier's folder and raises :class:`~llamax.errors.CacheClearError` naming those that
-stay (a read-only filesystem): they would be found again by the next context's scan, so
-reporting success would be a lie.
+The files themselves (their format, and how they are written, read and deleted without
+trusting what is on disk) are :mod:`llamax.engine.kv.disk_files`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
-import stat
-import struct
-import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import IO
 
 from ...adapters import NO_ADAPTERS, AdapterSet
 from ...errors import CacheClearError, InvalidParameterError
-from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierCounters, TierStats, best_prefix
+from .disk_files import (
+    LOCK,
+    DiskEntry,
+    encode,
+    make_private_dir,
+    open_private,
+    read_state,
+    remove,
+    scan,
+    write_entry,
+)
+from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierStats, best_prefix
 
-__all__ = [
-    "MAGIC",
-    "MAX_DEFAULT_BYTES",
-    "VERSION",
-    "DiskEntry",
-    "PrefixDiskTier",
-    "default_disk_budget",
-]
+__all__ = ["MAX_DEFAULT_BYTES", "PrefixDiskTier", "default_disk_budget"]
 
 _log = logging.getLogger("llamax")
 
-MAGIC = b"LLAMAXKV"
-"""The first 8 bytes of every entry's file."""
-VERSION = 1
-"""The file format's version."""
 MAX_DEFAULT_BYTES = 8 << 30
 """The default budget (at most half the free space of the directory's filesystem)."""
-
-_PREAMBLE = struct.Struct("<8sII")  # magic, version, header length
-_MAX_HEADER = 64 << 20
-_SUFFIX = ".kv"
-_LOCK = ".lock"
-_DIR_MODE = 0o700
-_FILE_MODE = 0o600
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def _open_for_reading(path: str, flags: int) -> int:
-    """An ``open`` opener: never follows a link, never blocks on a FIFO or device."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC)
-
-
-def _open_private(path: str, flags: int) -> int:
-    """An ``open`` opener for a new file: ``0600`` whatever the umask, never through a
-    link."""
-    fd = os.open(path, flags | os.O_NOFOLLOW | _CLOEXEC, _FILE_MODE)
-    try:
-        os.fchmod(fd, _FILE_MODE)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _make_private_dir(path: str) -> None:
-    """Create ``path`` (and missing parents) with mode ``0700``; an existing folder is
-    set to ``0700`` too. A link in its place is refused.
-
-    Raises:
-        OSError: it cannot be made, is not a folder, or is a link.
-    """
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
-        os.chmod(parent, _DIR_MODE)  # made by us: nobody else needs to list it
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, _DIR_MODE)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a folder (or a link)", path)
-    if stat.S_IMODE(info.st_mode) != _DIR_MODE:
-        os.chmod(path, _DIR_MODE)
 
 
 def default_disk_budget(directory: str) -> int:
@@ -131,110 +69,6 @@ def default_disk_budget(directory: str) -> int:
     except OSError:
         return 0
     return max(0, min(free // 2, MAX_DEFAULT_BYTES))
-
-
-@dataclass(frozen=True, slots=True)
-class DiskEntry:
-    """One evicted prefix's state in a file."""
-
-    tokens: tuple[int, ...]
-    """The tokens the state holds, at positions ``0 .. len(tokens) - 1``."""
-    path: str
-    """The file."""
-    num_bytes: int
-    """The file's size (header and state)."""
-
-
-def _encode(tokens: Sequence[int], data: bytes) -> bytes:
-    header = json.dumps(
-        {"tokens": list(tokens), "size": len(data), "crc32": zlib.crc32(data)},
-        separators=(",", ":"),
-    ).encode()
-    return _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
-
-
-def _read_header(file: IO[bytes]) -> tuple[tuple[int, ...], int, int, int] | None:
-    """``(tokens, size, crc32, offset of the state)`` from an open file, or None if the
-    preamble or header is not exactly what :func:`_encode` writes."""
-    preamble = file.read(_PREAMBLE.size)
-    if len(preamble) != _PREAMBLE.size:
-        return None
-    magic, version, length = _PREAMBLE.unpack(preamble)
-    if magic != MAGIC or version != VERSION or not 0 < length <= _MAX_HEADER:
-        return None
-    raw = file.read(length)
-    if len(raw) != length:
-        return None
-    try:
-        header = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(header, dict) or set(header) != {"tokens", "size", "crc32"}:
-        return None
-    tokens, size, crc = header["tokens"], header["size"], header["crc32"]
-    if not (
-        isinstance(tokens, list)
-        and tokens
-        and all(type(t) is int and t >= 0 for t in tokens)
-        and type(size) is int
-        and size > 0
-        and type(crc) is int
-        and 0 <= crc < 1 << 32
-    ):
-        return None
-    return tuple(tokens), size, crc, _PREAMBLE.size + length
-
-
-def _remove(path: str) -> OSError | None:
-    """Delete a file (or a directory in its place); never raises: the error, if any (a
-    file already gone is no error)."""
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return exc
-    return None
-
-
-def _read_entry(path: str) -> tuple[float, DiskEntry] | None:
-    """``(mtime, entry)`` of the file at ``path`` from its header alone, or None if it is
-    not a regular file whose header says what its size is."""
-    try:
-        with open(path, "rb", opener=_open_for_reading) as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                return None
-            header = _read_header(file)
-    except OSError:
-        return None
-    if header is None or header[3] + header[1] != info.st_size:
-        return None
-    return info.st_mtime, DiskEntry(header[0], path, info.st_size)
-
-
-def _read_state(entry: DiskEntry) -> bytes | None:
-    """The state in ``entry``'s file, or None if the file is not a regular file of
-    ``entry.num_bytes`` bytes (checked before reading), or does not hold what its header
-    says (``entry``'s tokens, its state's size and checksum)."""
-    try:
-        with open(entry.path, "rb", opener=_open_for_reading) as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_size != entry.num_bytes:
-                return None
-            header = _read_header(file)
-            if header is None or header[3] + header[1] != entry.num_bytes:
-                return None
-            data = file.read(header[1])
-    except OSError:
-        return None
-    tokens, size, crc, _ = header
-    if tokens != entry.tokens or len(data) != size or zlib.crc32(data) != crc:
-        return None
-    return data
 
 
 class PrefixDiskTier:
@@ -274,14 +108,14 @@ class PrefixDiskTier:
         )
         self._has_warned = False
         self._lock_fd: int | None = None
-        self.counters = TierCounters()
+        self.counts = TierStats()
         """``num_stored``: files written (dropped from RAM, or evicted from KV with no RAM
         tier); ``num_dropped``: files deleted to stay within the budget;
         ``num_refused``: files that did not read back as written, or states the memory
         refused."""
         try:
-            _make_private_dir(self.directory)
-            lock = _open_private(os.path.join(self.directory, _LOCK), os.O_RDWR | os.O_CREAT)
+            make_private_dir(self.directory)
+            lock = open_private(os.path.join(self.directory, LOCK), os.O_RDWR | os.O_CREAT)
         except OSError as exc:
             raise InvalidParameterError(
                 f"prefix_disk_dir {directory!r} cannot be used: {exc}"
@@ -299,7 +133,7 @@ class PrefixDiskTier:
                 f"prefix_disk_dir {directory!r} cannot be locked: {exc}"
             ) from exc
         self._lock_fd = lock
-        self._scan()
+        self._lru.fill(scan(self.directory))  # what an earlier context left
 
     @property
     def budget_bytes(self) -> int:
@@ -327,8 +161,11 @@ class PrefixDiskTier:
 
     def stats(self) -> TierStats:
         """Counters and sizes, frozen."""
-        return self.counters.stats(
-            num_bytes=self.num_bytes, budget_bytes=self.budget_bytes, num_entries=self.num_entries
+        return dataclasses.replace(
+            self.counts,
+            num_bytes=self.num_bytes,
+            budget_bytes=self.budget_bytes,
+            num_entries=self.num_entries,
         )
 
     def close(self) -> None:
@@ -354,46 +191,39 @@ class PrefixDiskTier:
         if self._lru.get(key) is not None:
             self._lru.touch(key)
             return True
-        head = _encode(key, data)
+        head = encode(key, data)
         size = len(head) + len(data)
         if size > self.budget_bytes:
             return False
         self._lru.make_room(size)
-        name = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + _SUFFIX
-        path = os.path.join(self.directory, name)
-        temp = os.path.join(self.directory, f".tmp-{os.getpid()}-{name}")
         try:
-            with open(temp, "wb", opener=_open_private) as file:
-                file.write(head)
-                file.write(data)
-            os.replace(temp, path)
+            entry = write_entry(self.directory, key, head, data)
         except OSError as exc:
-            _remove(temp)
-            self.counters.num_store_failures += 1
+            self.counts = self.counts.counted(num_store_failures=1)
             if not self._has_warned:
                 self._has_warned = True
-                _log.warning("could not keep an evicted prefix on disk (%s): %s", path, exc)
+                _log.warning("could not keep an evicted prefix on disk: %s", exc)
             return False
-        self._lru.put(DiskEntry(key, path, size))
-        self.counters.num_stored += 1
+        self._lru.put(entry)
+        self.counts = self.counts.counted(num_stored=1)
         return True
 
     def _dropped(self, entry: DiskEntry) -> None:
-        _remove(entry.path)
-        self.counters.num_dropped += 1
+        remove(entry.path)
+        self.counts = self.counts.counted(num_dropped=1)
 
     def _forget(self, entry: DiskEntry) -> None:
         """Forget ``entry`` and delete its file."""
         if self._lru.get(entry.tokens) is entry:
             self._lru.pop(entry.tokens)
-        _remove(entry.path)
+        remove(entry.path)
 
     def hold(self, hit: PrefixHit[DiskEntry]) -> None:
         """Mark the entry as just used (counted as a hit), so the evictions that make room
         for it push other files out first; the file stays after the restore (the disk is
         a cache)."""
         self._lru.touch(hit.entry.tokens)
-        self.counters.num_hits += 1
+        self.counts = self.counts.counted(num_hits=1)
 
     def read(self, hit: PrefixHit[DiskEntry]) -> bytes | None:
         """The state in the entry's file. None if the entry is gone, or its file does not
@@ -403,10 +233,10 @@ class PrefixDiskTier:
         entry = hit.entry
         if self._lru.get(entry.tokens) is not entry:
             return None
-        data = _read_state(entry)
+        data = read_state(entry)
         if data is None:
             self._forget(entry)
-            self.counters.num_refused += 1
+            self.counts = self.counts.counted(num_refused=1)
             return None
         self._lru.touch(entry.tokens)
         return data
@@ -416,11 +246,11 @@ class PrefixDiskTier:
         refused the state (the file is deleted, counted refused)."""
         if refused:
             self._forget(hit.entry)
-            self.counters.num_refused += 1
+            self.counts = self.counts.counted(num_refused=1)
 
     def record_restore(self, num_tokens: int, seconds: float) -> None:
         """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
-        self.counters.record_restore(num_tokens, seconds)
+        self.counts = self.counts.with_restore(num_tokens, seconds)
 
     def clear(self) -> int:
         """Forget every entry and delete every file in the tier's folder (the lock's
@@ -443,41 +273,15 @@ class PrefixDiskTier:
         failures = [
             error
             for name in names
-            if name != _LOCK and (error := _remove(os.path.join(self.directory, name)))
+            if name != LOCK and (error := remove(os.path.join(self.directory, name)))
         ]
         if failures:
             raise CacheClearError(
-                f"{len(failures)} of {len(names) - (_LOCK in names)} files of the disk prefix "
+                f"{len(failures)} of {len(names) - (LOCK in names)} files of the disk prefix "
                 f"tier could not be deleted and stay in {self.directory} (the next context "
                 f"would use them again; delete them by hand): {failures[0]}"
             )
         return count
-
-    def _scan(self) -> None:
-        """Index the valid files already in the directory (headers only), oldest first;
-        delete the others and those beyond the budget."""
-        found: list[tuple[float, DiskEntry]] = []  # (mtime, entry)
-        try:
-            names = os.listdir(self.directory)
-        except OSError:
-            names = []
-        for name in names:
-            if name == _LOCK:
-                continue
-            path = os.path.join(self.directory, name)
-            is_entry = name.endswith(_SUFFIX) and not name.startswith(".")  # not a temp file
-            read = _read_entry(path) if is_entry else None
-            if read is None:
-                _remove(path)
-                continue
-            found.append(read)
-        newest: dict[tuple[int, ...], DiskEntry] = {}
-        for _, entry in sorted(found, key=lambda pair: pair[0]):
-            held = newest.pop(entry.tokens, None)  # the same tokens twice: the newer
-            if held is not None:
-                _remove(held.path)
-            newest[entry.tokens] = entry
-        self._lru.fill(newest.values())
 
     # ------------------------------------------------------------------ queries
     def lookup(

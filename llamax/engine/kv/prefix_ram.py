@@ -22,12 +22,13 @@ as from any other.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ...adapters import NO_ADAPTERS, AdapterSet
-from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierCounters, TierStats, best_prefix
+from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierStats, best_prefix
 
 __all__ = [
     "MAX_DEFAULT_BYTES",
@@ -105,7 +106,7 @@ class PrefixRamTier:
         )
         self.on_drop: Callable[[RamEntry], None] | None = None
         """Called with each entry dropped to stay within the budget (the disk tier takes it)."""
-        self.counters = TierCounters()
+        self.counts = TierStats()
 
     @property
     def budget_bytes(self) -> int:
@@ -133,8 +134,11 @@ class PrefixRamTier:
 
     def stats(self) -> TierStats:
         """Counters and sizes, frozen."""
-        return self.counters.stats(
-            num_bytes=self.num_bytes, budget_bytes=self.budget_bytes, num_entries=self.num_entries
+        return dataclasses.replace(
+            self.counts,
+            num_bytes=self.num_bytes,
+            budget_bytes=self.budget_bytes,
+            num_entries=self.num_entries,
         )
 
     # ------------------------------------------------------------------ changes
@@ -150,11 +154,11 @@ class PrefixRamTier:
             RamEntry(adapters, tuple(tokens), data)
         ):
             return False
-        self.counters.num_stored += 1
+        self.counts = self.counts.counted(num_stored=1)
         return True
 
     def _dropped(self, entry: RamEntry) -> None:
-        self.counters.num_dropped += 1
+        self.counts = self.counts.counted(num_dropped=1)
         if self.on_drop is not None:
             self.on_drop(entry)
 
@@ -162,7 +166,7 @@ class PrefixRamTier:
         """Move the entry out of the tier (counted as a hit): the evictions that make room
         for it spill into this tier, and a restored prefix lives in KV, not here."""
         self._lru.pop(hit.entry.key)
-        self.counters.num_hits += 1
+        self.counts = self.counts.counted(num_hits=1)
 
     def read(self, hit: PrefixHit[RamEntry]) -> bytes:
         """The held entry's state."""
@@ -172,13 +176,13 @@ class PrefixRamTier:
         """The restore did not happen: the entry comes back as the most recently used (no
         room), or stays out, counted refused."""
         if refused:
-            self.counters.num_refused += 1
+            self.counts = self.counts.counted(num_refused=1)
         else:
             self._lru.put(hit.entry)
 
     def record_restore(self, num_tokens: int, seconds: float) -> None:
         """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
-        self.counters.record_restore(num_tokens, seconds)
+        self.counts = self.counts.with_restore(num_tokens, seconds)
 
     def clear(self) -> int:
         """Drop every entry; return how many."""

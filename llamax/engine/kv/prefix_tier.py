@@ -7,7 +7,8 @@ tokens of this prompt can you give me" (:meth:`PrefixTier.lookup`, a :class:`Pre
 and restores the best answer through one path (:meth:`PrefixTier.hold`, :meth:`~PrefixTier.read`,
 :meth:`~PrefixTier.release`), in the spirit of vLLM's KV connector. A tier is one class:
 its entries live in a :class:`ByteLRU` (least recently used out first, by bytes, with the
-byte audit) and it counts in :class:`TierCounters`, reported as frozen :class:`TierStats`.
+byte audit) and it counts in a frozen :class:`TierStats` (:meth:`TierStats.counted`),
+reported with its sizes.
 
 An entry is worth its longest common prefix with the prompt, never the prompt's last
 token (computed for its logits): :func:`best_prefix`.
@@ -15,6 +16,7 @@ token (computed for its logits): :func:`best_prefix`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,7 +31,6 @@ __all__ = [
     "PrefixHit",
     "PrefixTier",
     "StoredPrefix",
-    "TierCounters",
     "TierStats",
     "best_prefix",
 ]
@@ -95,42 +96,19 @@ class TierStats:
     restore_seconds: float = 0.0
     """Time spent reading and restoring (successful or not)."""
 
-
-@dataclass(slots=True)
-class TierCounters:
-    """A tier's running counts (:class:`TierStats` without the sizes)."""
-
-    num_stored: int = 0
-    num_dropped: int = 0
-    num_store_failures: int = 0
-    num_hits: int = 0
-    num_restores: int = 0
-    num_refused: int = 0
-    num_restored_tokens: int = 0
-    restore_seconds: float = 0.0
-
-    def record_restore(self, num_tokens: int, seconds: float) -> None:
-        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
-        self.restore_seconds += seconds
-        if num_tokens:
-            self.num_restores += 1
-            self.num_restored_tokens += num_tokens
-
-    def stats(self, *, num_bytes: int, budget_bytes: int, num_entries: int) -> TierStats:
-        """These counts with the tier's sizes, frozen."""
-        return TierStats(
-            num_bytes=num_bytes,
-            budget_bytes=budget_bytes,
-            num_entries=num_entries,
-            num_stored=self.num_stored,
-            num_dropped=self.num_dropped,
-            num_store_failures=self.num_store_failures,
-            num_hits=self.num_hits,
-            num_restores=self.num_restores,
-            num_refused=self.num_refused,
-            num_restored_tokens=self.num_restored_tokens,
-            restore_seconds=self.restore_seconds,
+    def counted(self, **deltas: float) -> TierStats:
+        """These stats with ``deltas`` added to the counters they name (a tier keeps its
+        counts in a :class:`TierStats` and reports it with its sizes)."""
+        return dataclasses.replace(
+            self, **{name: getattr(self, name) + delta for name, delta in deltas.items()}
         )
+
+    def with_restore(self, num_tokens: int, seconds: float) -> TierStats:
+        """These stats after a restore gave ``num_tokens`` prompt tokens (0: none) in
+        ``seconds``."""
+        if not num_tokens:
+            return self.counted(restore_seconds=seconds)
+        return self.counted(restore_seconds=seconds, num_restores=1, num_restored_tokens=num_tokens)
 
 
 class PrefixTier(Protocol[E]):
