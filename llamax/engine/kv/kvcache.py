@@ -127,9 +127,7 @@ class KVCache:
 
     def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
         self._memory = memory
-        self._layout = LayoutState.FIXED
-        if memory.can_relayout:
-            self._layout = LayoutState.UNIFIED if memory.is_unified else LayoutState.STREAMS
+        self._is_adaptive = memory.can_relayout  # kv_layout="auto"
         self._relayout_failure: str | None = None
         self._free_ids = list(range(n_seq_max))  # a min-heap: the lowest free id goes first
         self._slots: dict[int, Slot] = {}
@@ -167,13 +165,18 @@ class KVCache:
 
     @property
     def layout(self) -> LayoutState:
-        """Where the layout stands (see :data:`LAYOUT_MOVES`)."""
-        return self._layout
+        """Where the layout stands (see :data:`LAYOUT_MOVES`): derived, not stored, from
+        whether it may move, whether a move failed, and which layout the memory holds."""
+        if not self._is_adaptive:
+            return LayoutState.FIXED
+        if self._relayout_failure is not None:
+            return LayoutState.STUCK
+        return LayoutState.UNIFIED if self._memory.is_unified else LayoutState.STREAMS
 
     @property
     def can_relayout(self) -> bool:
         """Whether :meth:`relayout` may switch layouts."""
-        return self._layout is LayoutState.STREAMS or self._layout is LayoutState.UNIFIED
+        return self._is_adaptive and self._relayout_failure is None
 
     @property
     def relayout_failure(self) -> str | None:
@@ -186,13 +189,13 @@ class KVCache:
         Raises:
             RuntimeError: The layout is not ``kv_layout="auto"``'s, or already stuck.
         """
-        self._move(LayoutState.STUCK)
+        self._check_move(LayoutState.STUCK)
         self._relayout_failure = reason
 
-    def _move(self, to: LayoutState) -> None:
-        if to not in LAYOUT_MOVES[self._layout]:
-            raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
-        self._layout = to
+    def _check_move(self, to: LayoutState) -> None:
+        layout = self.layout
+        if to not in LAYOUT_MOVES[layout]:
+            raise RuntimeError(f"the KV layout cannot move from {layout.value} to {to.value}")
 
     @property
     def num_queued_copies(self) -> int:
@@ -237,13 +240,10 @@ class KVCache:
         """
         if unified == self._memory.is_unified:
             return
-        to = LayoutState.UNIFIED if unified else LayoutState.STREAMS
-        if to not in LAYOUT_MOVES[self._layout]:
-            raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
+        self._check_move(LayoutState.UNIFIED if unified else LayoutState.STREAMS)
         if self._queued:  # the move reads every state, and the old context's queue never runs
             self._run_queue()
         self._memory.relayout(unified)
-        self._move(to)
         self._refs.clear()
         for slot in self._slots.values():
             slot.cells = []
