@@ -83,11 +83,17 @@ class Room:
             relayout_failure=self._kv.relayout_failure,
         )
 
-    def stream_reason(self, seq: Seq) -> str:
-        """Why ``seq`` cannot grow beyond its stream (a move to unified failed)."""
-        return self.policy.stream_reason(
-            len(seq.token_ids), self._relayout.policy.stream_cells, self._kv.relayout_failure
-        )
+    def outgrew_streams(self, sequences: Iterable[Seq]) -> Iterator[tuple[Seq, str]]:
+        """The unfinished sequences of ``sequences`` that outgrew a stream while the move
+        to the unified layout failed, each with why. Read lazily: ending one may end its
+        siblings."""
+        cap = self._relayout.policy.stream_cells
+        for seq in sequences:
+            if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
+                reason = self.policy.stream_reason(
+                    len(seq.token_ids), cap, self._kv.relayout_failure
+                )
+                yield seq, reason
 
     def _own_session_slot(self, seq: Seq) -> Slot | None:
         session_id = seq.request.session_id

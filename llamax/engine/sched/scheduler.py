@@ -27,7 +27,6 @@ answer.
 from __future__ import annotations
 
 import bisect
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -97,9 +96,7 @@ class Scheduler:
         """The backend this scheduler drives."""
         self._n_batch = backend.n_batch
         self.kv = KVCache(backend, backend.n_seq_max)
-        retain = config.prefix_cache and backend.can_share_prefix
-        model = json.dumps(backend.model_identity, sort_keys=True, default=str)
-        self.prefix = PrefixCache.build(self.kv, config, retain=retain, model=model)
+        self.prefix = PrefixCache.build(self.kv, config, backend)
         self.placer = SlotPlacer(self.kv, self.prefix, backend.n_ctx)
         self.fair: FairShare[Request] = FairShare(backend.n_seq_max)
         self.planner = StepPlanner(backend, config.max_step_ms, self.kv, self.prefix, self.fair)
@@ -233,13 +230,9 @@ class Scheduler:
         seconds = self.layout.move(unified, self.clock, self._make_room_to_unify)
         if seconds is not None:
             self.budget.note_pause(seconds)
-            return
-        if not unified:
-            return
-        cap = self.layout.policy.stream_cells
-        for seq in self.all_sequences():
-            if len(seq.token_ids) > cap and seq.state not in TERMINAL_STATES:
-                self.fail(seq.request, RequestFailedError(self.room.stream_reason(seq)), result)
+        elif unified:
+            for seq, reason in self.room.outgrew_streams(self.all_sequences()):
+                self.fail(seq.request, RequestFailedError(reason), result)
 
     # ------------------------------------------------------------------ fairness
     def _share_sequence_ids(self) -> None:
