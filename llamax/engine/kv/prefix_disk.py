@@ -23,7 +23,6 @@ trusting what is on disk) are :mod:`llamax.engine.kv.disk_files`'s.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -45,7 +44,7 @@ from .disk_files import (
     scan,
     write_entry,
 )
-from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierStats, best_prefix
+from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, StoredTier, best_prefix
 
 __all__ = ["MAX_DEFAULT_BYTES", "PrefixDiskTier", "default_disk_budget"]
 
@@ -71,7 +70,7 @@ def default_disk_budget(directory: str) -> int:
     return max(0, min(free // 2, MAX_DEFAULT_BYTES))
 
 
-class PrefixDiskTier:
+class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
     """Evicted prefixes' states in files, least recently used first out, by bytes.
 
     Args:
@@ -95,24 +94,21 @@ class PrefixDiskTier:
         model: str = "",
         min_tokens: int = MIN_STORED_TOKENS,
     ) -> None:
-        self.model = model
-        self.min_tokens = min_tokens
         key = hashlib.sha256(model.encode()).hexdigest()[:16]
         self.directory = os.path.join(os.path.abspath(directory), key)
-        self._lru: ByteLRU[tuple[int, ...], DiskEntry] = ByteLRU(
+        lru: ByteLRU[tuple[int, ...], DiskEntry] = ByteLRU(
             budget_bytes,
             size=lambda e: e.num_bytes,
             key=lambda e: e.tokens,
             on_drop=self._dropped,
             label="the disk tier",
         )
+        # counts: num_stored files written (dropped from RAM, or evicted from KV with no
+        # RAM tier); num_dropped deleted to stay within the budget; num_refused did not
+        # read back as written, or the memory refused their state
+        super().__init__(lru, model=model, min_tokens=min_tokens)
         self._has_warned = False
         self._lock_fd: int | None = None
-        self.counts = TierStats()
-        """``num_stored``: files written (dropped from RAM, or evicted from KV with no RAM
-        tier); ``num_dropped``: files deleted to stay within the budget;
-        ``num_refused``: files that did not read back as written, or states the memory
-        refused."""
         try:
             make_private_dir(self.directory)
             lock = open_private(os.path.join(self.directory, LOCK), os.O_RDWR | os.O_CREAT)
@@ -136,37 +132,9 @@ class PrefixDiskTier:
         self._lru.fill(scan(self.directory))  # what an earlier context left
 
     @property
-    def budget_bytes(self) -> int:
-        """The most bytes of files kept."""
-        return self._lru.budget_bytes
-
-    @property
     def is_enabled(self) -> bool:
         """Whether anything may be stored."""
         return self.budget_bytes > 0 and self._lock_fd is not None
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of files held."""
-        return self._lru.num_bytes
-
-    @property
-    def num_entries(self) -> int:
-        """Entries held."""
-        return len(self._lru)
-
-    def entries(self) -> list[DiskEntry]:
-        """Entries, least recently used first."""
-        return list(self._lru)
-
-    def stats(self) -> TierStats:
-        """Counters and sizes, frozen."""
-        return dataclasses.replace(
-            self.counts,
-            num_bytes=self.num_bytes,
-            budget_bytes=self.budget_bytes,
-            num_entries=self.num_entries,
-        )
 
     def close(self) -> None:
         """Release the directory (the files stay for the next context). Idempotent."""
@@ -248,10 +216,6 @@ class PrefixDiskTier:
             self._forget(hit.entry)
             self.counts = self.counts.counted(num_refused=1)
 
-    def record_restore(self, num_tokens: int, seconds: float) -> None:
-        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
-        self.counts = self.counts.with_restore(num_tokens, seconds)
-
     def clear(self) -> int:
         """Forget every entry and delete every file in the tier's folder (the lock's
         aside); return how many entries there were.
@@ -305,7 +269,3 @@ class PrefixDiskTier:
             min_tokens=self.min_tokens,
         )
         return None if found is None else PrefixHit(self, *found)
-
-    def audit(self) -> list[str]:
-        """Inconsistencies in the tier's bookkeeping, as sentences."""
-        return self._lru.audit()

@@ -22,13 +22,12 @@ as from any other.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ...adapters import NO_ADAPTERS, AdapterSet
-from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierStats, best_prefix
+from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, StoredTier, best_prefix
 
 __all__ = [
     "MAX_DEFAULT_BYTES",
@@ -81,7 +80,7 @@ class RamEntry:
         return self.adapters, self.tokens
 
 
-class PrefixRamTier:
+class PrefixRamTier(StoredTier[Key, RamEntry]):
     """Evicted prefixes' states in host RAM, least recently used first out, by bytes.
 
     Args:
@@ -95,51 +94,21 @@ class PrefixRamTier:
     def __init__(
         self, budget_bytes: int, *, model: str = "", min_tokens: int = MIN_STORED_TOKENS
     ) -> None:
-        self.model = model
-        self.min_tokens = min_tokens
-        self._lru: ByteLRU[Key, RamEntry] = ByteLRU(
+        lru: ByteLRU[Key, RamEntry] = ByteLRU(
             budget_bytes,
             size=lambda e: len(e.data),
             key=lambda e: e.key,
             on_drop=self._dropped,
             label="the RAM tier",
         )
+        super().__init__(lru, model=model, min_tokens=min_tokens)
         self.on_drop: Callable[[RamEntry], None] | None = None
         """Called with each entry dropped to stay within the budget (the disk tier takes it)."""
-        self.counts = TierStats()
-
-    @property
-    def budget_bytes(self) -> int:
-        """The most bytes of state kept."""
-        return self._lru.budget_bytes
 
     @property
     def is_enabled(self) -> bool:
         """Whether anything may be stored."""
         return self.budget_bytes > 0
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of state held."""
-        return self._lru.num_bytes
-
-    @property
-    def num_entries(self) -> int:
-        """Entries held."""
-        return len(self._lru)
-
-    def entries(self) -> list[RamEntry]:
-        """Entries, least recently used first."""
-        return list(self._lru)
-
-    def stats(self) -> TierStats:
-        """Counters and sizes, frozen."""
-        return dataclasses.replace(
-            self.counts,
-            num_bytes=self.num_bytes,
-            budget_bytes=self.budget_bytes,
-            num_entries=self.num_entries,
-        )
 
     # ------------------------------------------------------------------ changes
     def wants(self, num_tokens: int, adapters: AdapterSet = NO_ADAPTERS) -> bool:
@@ -180,10 +149,6 @@ class PrefixRamTier:
         else:
             self._lru.put(hit.entry)
 
-    def record_restore(self, num_tokens: int, seconds: float) -> None:
-        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
-        self.counts = self.counts.with_restore(num_tokens, seconds)
-
     def clear(self) -> int:
         """Drop every entry; return how many."""
         return self._lru.clear()
@@ -218,7 +183,3 @@ class PrefixRamTier:
             min_tokens=self.min_tokens,
         )
         return None if found is None else PrefixHit(self, *found)
-
-    def audit(self) -> list[str]:
-        """Inconsistencies in the tier's bookkeeping, as sentences."""
-        return self._lru.audit()

@@ -8,7 +8,7 @@ and restores the best answer through one path (:meth:`PrefixTier.hold`, :meth:`~
 :meth:`~PrefixTier.release`), in the spirit of vLLM's KV connector. A tier is one class:
 its entries live in a :class:`ByteLRU` (least recently used out first, by bytes, with the
 byte audit) and it counts in a frozen :class:`TierStats` (:meth:`TierStats.counted`),
-reported with its sizes.
+reported with its sizes; :class:`StoredTier` holds both for every tier.
 
 An entry is worth its longest common prefix with the prompt, never the prompt's last
 token (computed for its logits): :func:`best_prefix`.
@@ -31,6 +31,7 @@ __all__ = [
     "PrefixHit",
     "PrefixTier",
     "StoredPrefix",
+    "StoredTier",
     "TierStats",
     "best_prefix",
 ]
@@ -323,3 +324,58 @@ class ByteLRU(Generic[K, V]):
             if key != self._key(entry):
                 problems.append(f"an entry of {self._label} is filed under another key")
         return problems
+
+
+class StoredTier(Generic[K, E]):
+    """What every tier shares: its entries in a :class:`ByteLRU`, its counts in a
+    :class:`TierStats`, and the queries over both. A tier adds where its entries live
+    (:meth:`PrefixTier.store`, ``hold``, ``read``, ``release``, ``lookup``).
+
+    Args:
+        lru: The tier's entries.
+        model: The identity of the model every entry was computed with.
+        min_tokens: Shorter prefixes are not stored.
+    """
+
+    def __init__(self, lru: ByteLRU[K, E], *, model: str, min_tokens: int) -> None:
+        self.model = model
+        self.min_tokens = min_tokens
+        self._lru = lru
+        self.counts = TierStats()
+        """The counters (:meth:`stats` adds the sizes)."""
+
+    @property
+    def budget_bytes(self) -> int:
+        """The most bytes kept."""
+        return self._lru.budget_bytes
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held."""
+        return self._lru.num_bytes
+
+    @property
+    def num_entries(self) -> int:
+        """Entries held."""
+        return len(self._lru)
+
+    def entries(self) -> list[E]:
+        """Entries, least recently used first."""
+        return list(self._lru)
+
+    def stats(self) -> TierStats:
+        """Counters and sizes, frozen."""
+        return dataclasses.replace(
+            self.counts,
+            num_bytes=self.num_bytes,
+            budget_bytes=self.budget_bytes,
+            num_entries=self.num_entries,
+        )
+
+    def record_restore(self, num_tokens: int, seconds: float) -> None:
+        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
+        self.counts = self.counts.with_restore(num_tokens, seconds)
+
+    def audit(self) -> list[str]:
+        """Inconsistencies in the tier's bookkeeping, as sentences."""
+        return self._lru.audit()
