@@ -54,14 +54,14 @@ HEAD = "Read the notes below carefully, then summarise the three most important 
 
 
 class StepTrace(logging.Handler):
-    """Every step llamax measures (``llamax.engine.step_budget`` debug records), with phase marks:
-    tokens, attention (all, and row by row), predicted and measured seconds, and when it was
-    observed."""
+    """Every step llamax measures (``llamax.engine.timing.step_budget`` debug records), with
+    phase marks: tokens, attention (all, and row by row), predicted and measured seconds,
+    and when it was observed."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.rows: list[dict[str, Any]] = []
-        logger = logging.getLogger("llamax.engine.step_budget")
+        logger = logging.getLogger("llamax.engine.timing.step_budget")
         logger.setLevel(logging.DEBUG)
         logger.addHandler(self)
 

@@ -5,7 +5,7 @@ took exactly its predicted time. Four streams decode while a 3,414-token prompt 
 the unified cache (as in ``latency.py``); for each bound ``G`` on a step, every step takes
 the prompt chunk that makes progress fastest among those whose step fits ``G``, and the
 prompt's time under load is compared with its lone prefill in 512-token chunks. A step is
-priced as the engine prices it (``llamax.engine.step_budget``: fixed + tokens + attended
+priced as the engine prices it (``llamax.engine.timing.step_budget``: fixed + tokens + attended
 cells, tiles padded as ggml pads them, + cells attended row by row under 64 rows) with
 *this machine's* coefficients: the model's calibration (``Context.calibration``: a few
 timed steps, attention over up to 2,048 cells of filler), measured here unless
@@ -32,8 +32,8 @@ import time
 import _common as bench
 
 import llamax
-from llamax.engine.chunk_budget import ChunkBudget
-from llamax.engine.step_budget import (
+from llamax.engine.timing.chunk_budget import ChunkBudget
+from llamax.engine.timing.step_budget import (
     StepCostModel,
     StepFeatures,
     micro_batch,

@@ -27,7 +27,7 @@ against the first ``--alone`` prompts run alone on a fresh no-cache context.
 ``--n-ctx 32768`` gives every one of the 16 sequences a stream of 2,048 cells, which holds
 the whole prompt: the default ``kv_layout="auto"`` then starts in streams, where a prefix hit
 copies a whole stream, and moves to the unified layout to share the prefix
-(``llamax.engine.layout_policy``). The default 8,192 gives streams of 512 cells, which the
+(``llamax.engine.kv.layout_policy``). The default 8,192 gives streams of 512 cells, which the
 prompt outgrows, so the burst is unified from the start.
 """
 

@@ -12,8 +12,8 @@ from .context import Context
 from .conversation import Chat, TurnStats
 from .drafting import PromptLookup
 from .embeddings import Embedder
-from .engine.calibration import Calibration
-from .engine.sampling import BatchLogitsProcessor, LogitsRow
+from .engine.sched.sampling import BatchLogitsProcessor, LogitsRow
+from .engine.timing.calibration import Calibration
 from .errors import (
     CacheClearError,
     ContextClosedError,

@@ -16,10 +16,10 @@ from .adapters import AdapterNames
 from .backend.base import Backend
 from .backend.fingerprint import weights_fingerprint
 from .config import ContextConfig, ContextOptions
-from .engine.calibration import Calibration
-from .engine.kvops import Audit, ClearCache, KVOp, OpenSession
+from .engine.kv.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
-from .engine.sampling import BatchLogitsProcessor
+from .engine.sched.sampling import BatchLogitsProcessor
+from .engine.timing.calibration import Calibration
 from .errors import (
     ContextClosedError,
     InvalidParameterError,

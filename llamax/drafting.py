@@ -4,7 +4,7 @@ the engine.
 :class:`PromptLookup` is the method llamax ships (prompt-lookup, n-gram drafting; see
 docs/speculative.md); a method is anything that makes each sequence a :class:`Drafter`
 (:class:`DraftMethod`). Verification, acceptance and rollback are the engine's
-(``llamax.engine.speculative``): a drafter only proposes tokens.
+(``llamax.engine.spec.speculative``): a drafter only proposes tokens.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 from typing_extensions import Self
 
 from .adapters import AdapterSet
-from .engine.kvops import (
+from .engine.kv.kvops import (
     ForkSession,
     KVOp,
     ReadSession,

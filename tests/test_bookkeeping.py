@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import llamax
-from llamax.engine import scheduler as scheduler_module
+from llamax.engine.kv import relayout as relayout_module
 from llamax.testing import FakeBackend, assert_idle
 
 PREFIXES = ["", "system prompt one. ", "system prompt two, longer than one. "]
@@ -342,14 +342,14 @@ class AutoMachine(EngineMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._cooldown = scheduler_module.RELAYOUT_COOLDOWN_STEPS
-        scheduler_module.RELAYOUT_COOLDOWN_STEPS = 2
+        self._cooldown = relayout_module.RELAYOUT_COOLDOWN_STEPS
+        relayout_module.RELAYOUT_COOLDOWN_STEPS = 2
 
     def teardown(self) -> None:
         try:
             super().teardown()
         finally:
-            scheduler_module.RELAYOUT_COOLDOWN_STEPS = self._cooldown
+            relayout_module.RELAYOUT_COOLDOWN_STEPS = self._cooldown
 
 
 class FailureMachine(EngineMachine):
@@ -360,7 +360,7 @@ class FailureMachine(EngineMachine):
 
 class SplitMachine(EngineMachine):
     """Steps of 64 decode rows or more: the unified layout with CPU attention splits them
-    into several decodes (:meth:`llamax.engine.scheduler.Scheduler.split`). Bursts of requests
+    into several decodes (:meth:`llamax.engine.sched.scheduler.Scheduler.split`). Bursts of requests
     with n up to 8, failing processors and dead-end grammars, so a request fails in one
     part of a split step while its siblings are in another."""
 

@@ -22,13 +22,13 @@ import pytest
 import llamax
 from llamax.backend.base import BatchItem
 from llamax.backend.seq_state import cell_positions, tile
-from llamax.engine.calibration import (
+from llamax.engine.timing.calibration import (
     Calibration,
     CalibrationCache,
     calibrate,
     fit_coefficients,
 )
-from llamax.engine.step_budget import PRIOR_COEFFICIENTS, StepCostModel, StepFeatures
+from llamax.engine.timing.step_budget import PRIOR_COEFFICIENTS, StepCostModel, StepFeatures
 from llamax.testing import FakeBackend, assert_idle
 
 LONG, STREAMS, N_CTX, N_SEQ_MAX = 3400, 4, 8192, 8

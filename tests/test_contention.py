@@ -15,7 +15,12 @@ import pytest
 
 import llamax
 from llamax.backend import BatchItem
-from llamax.engine.contention import DOWN_PROBE_GAP, MIN_PROBE_GAP, NUM_SLOW_STEPS, PROBE_SHARE
+from llamax.engine.timing.contention import (
+    DOWN_PROBE_GAP,
+    MIN_PROBE_GAP,
+    NUM_SLOW_STEPS,
+    PROBE_SHARE,
+)
 from llamax.testing import FakeBackend
 
 QUIET_S = 0.004  # a 2-thread step's fixed cost

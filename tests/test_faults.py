@@ -554,7 +554,7 @@ def test_fault_at_every_backend_call(
         # in streams every fork is a queued copy, which a fork saved at once must run
         kv_layout="streams" if where == "run_queued_copies" else "auto",
     )
-    ctx._engine.scheduler.price_drafts = False  # verify every proposal: drafts every step
+    ctx._engine.scheduler.drafts.priced = False  # verify every proposal: drafts every step
     # A run where everything is merely refused proves nothing: a third of the load runs
     # first without faults, and a fault that may end the engine fires once, somewhere in
     # the first half of the calls the rest would make there; the others fire often.

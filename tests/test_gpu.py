@@ -245,7 +245,7 @@ def test_speculative_output_is_unchanged(ctx: llamax.Context, probe: llamax.Cont
     ``FORCED`` tokens of the reply are forced (a logits processor, in both runs): then the
     last two tokens have occurred before and a draft follows, whatever the model picks
     after that, so the verification runs even on a random model that copies nothing.
-    Drafts are not priced here (``scheduler.price_drafts``): the pricing would rightly
+    Drafts are not priced here (``scheduler.drafts.priced``): the pricing would rightly
     draft little for a model that rarely copies, and the test is about verification.
     """
     base = SYS + "Tell me about the kayak rentals."
@@ -267,12 +267,12 @@ def test_speculative_output_is_unchanged(ctx: llamax.Context, probe: llamax.Cont
     plain = ctx.add_request(prompt, params).result(TIMEOUT)
     ctx.clear_cache()
     scheduler = ctx._engine.scheduler
-    scheduler.price_drafts = False
+    scheduler.drafts.priced = False
     try:
         spec = ctx.add_request(prompt, dataclasses.replace(params, speculative=True))
         done = spec.result(TIMEOUT)
     finally:
-        scheduler.price_drafts = True
+        scheduler.drafts.priced = True
     ctx.clear_cache()
     print(f"drafted {done.usage.drafted_tokens}, accepted {done.usage.accepted_tokens}")
     assert done.usage.drafted_tokens > 0

@@ -21,7 +21,7 @@ import pytest
 
 import llamax
 from llamax.backend.base import BatchItem
-from llamax.engine.kvcache import KVCache
+from llamax.engine.kv.kvcache import KVCache
 from llamax.testing import FakeBackend, assert_idle
 
 GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)
@@ -190,9 +190,7 @@ def test_n_choices_survive_a_layout_move_before_their_copy_ran(make: Make, guard
         ctx.close()
 
 
-def test_a_fork_saved_at_once_holds_the_forks_kv(
-    make: Make, guard: bool, tmp_path: Path
-) -> None:
+def test_a_fork_saved_at_once_holds_the_forks_kv(make: Make, guard: bool, tmp_path: Path) -> None:
     ctx = make(FakeBackend(n_ctx=1024, n_seq_max=4, kv_layout="streams"))
 
     def body() -> None:

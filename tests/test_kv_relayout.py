@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 import llamax
-from llamax.engine.layout_policy import SHARING_KEEPS_UNIFIED
-from llamax.engine.scheduler import RELAYOUT_COOLDOWN_STEPS
+from llamax.engine.kv.layout_policy import RELAYOUT_COOLDOWN_STEPS, SHARING_KEEPS_UNIFIED
 from llamax.errors import RequestFailedError
 from llamax.testing import FakeBackend, assert_idle
 

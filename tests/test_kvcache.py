@@ -1,11 +1,11 @@
-"""KV-cell accounting (llamax.engine.kvcache) against the fake backend's memory, no engine."""
+"""KV-cell accounting (llamax.engine.kv.kvcache) against the fake backend's memory, no engine."""
 
 from __future__ import annotations
 
 import pytest
 
 from llamax.backend import BatchItem
-from llamax.engine.kvcache import KVCache, Slot, SlotState
+from llamax.engine.kv.kvcache import KVCache, Slot, SlotState
 from llamax.testing import FakeBackend
 
 
@@ -83,7 +83,7 @@ def test_save_and_restore_a_slot() -> None:
 
 def test_a_slot_moves_only_as_slot_moves_allows() -> None:
     """A slot is born ACTIVE or PINNED; ACTIVE and RETAINED swap; PINNED never moves."""
-    from llamax.engine.kvcache import SLOT_MOVES
+    from llamax.engine.kv.kvcache import SLOT_MOVES
 
     for start in SlotState:
         for end in SlotState:

@@ -368,6 +368,35 @@ def test_the_engine_imports_only_value_modules_from_the_package_root() -> None:
             )
 
 
+ENGINE_WINGS = ("kv", "spec", "timing", "sched")
+"""The engine's subpackages (docs/architecture.md); its root holds the loop and the
+vocabulary every wing shares (``sequence``, ``plan``, ``phase``)."""
+
+
+def test_the_engine_wings_import_each_other_downhill() -> None:
+    """Issue 39: the engine's wings form no cycle at import time (``sched`` may use
+    ``kv``, ``spec`` and ``timing``; ``timing`` may use ``spec``; ``spec`` may use ``kv``),
+    and no wing imports the loop. A wing imports another if any of its modules does."""
+    graph = import_graph()
+    wings: dict[str, set[str]] = {wing: set() for wing in ENGINE_WINGS}
+    for name in sorted(graph):
+        for wing in ENGINE_WINGS:
+            if not _within(name, (f"llamax.engine.{wing}",)):
+                continue
+            for target in graph[name]:
+                assert target != "llamax.engine.loop", f"{name} imports the loop"
+                wings[wing] |= {
+                    other
+                    for other in ENGINE_WINGS
+                    if other != wing and _within(target, (f"llamax.engine.{other}",))
+                }
+    for wing in ENGINE_WINGS:
+        chain = _path(
+            {f"w.{k}": {f"w.{t}" for t in v} for k, v in wings.items()}, f"w.{wing}", f"w.{wing}"
+        )
+        assert chain is None, "the engine's wings import each other back: " + " -> ".join(chain)
+
+
 def test_params_and_config_import_nothing_from_the_engine() -> None:
     """Regression (issue 39): ``params`` imported ``engine.speculative`` for
     ``PromptLookup``, the one arrow that ran back up at runtime; the drafting methods now

@@ -120,12 +120,12 @@ def test_long_prompt_arriving_while_others_stream(make_real: MakeReal) -> None:
     """Decode rows go first: every stream samples in every step of a long prompt's chunked
     prefill (counted in steps, not seconds, so it holds on a busy machine)."""
     ctx = make_real(n_ctx=4096, n_seq_max=8, n_batch=256)
-    engine = ctx._engine
+    steps = ctx._engine.stepper
     sampled_at: list[list[int]] = [[] for _ in range(5)]  # the steps each request sampled in
 
     def recorder(i: int) -> llamax.SamplingParams:
         def record(token_ids: object, logits: object) -> None:
-            sampled_at[i].append(engine.num_steps)  # steps before this one: the same all step
+            sampled_at[i].append(steps.num_steps)  # steps before this one: the same all step
 
         return llamax.SamplingParams(
             max_tokens=48, temperature=0, ignore_eos=True, logits_processors=[record]

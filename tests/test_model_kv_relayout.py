@@ -12,7 +12,7 @@ import pytest
 from near_tie import assert_greedy_agrees
 
 import llamax
-from llamax.engine.scheduler import RELAYOUT_COOLDOWN_STEPS
+from llamax.engine.kv.layout_policy import RELAYOUT_COOLDOWN_STEPS
 
 pytestmark = pytest.mark.model
 

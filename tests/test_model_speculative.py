@@ -103,7 +103,7 @@ def drafting(ctx: llamax.Context) -> llamax.Context:
     they must not depend on whether the measured-cost pricing finds that drafts pay on this
     machine at this moment (under load it may find they do not, and nothing is drafted).
     The pricing has its own tests on given cost curves (tests/test_policy_drafts.py)."""
-    ctx._engine.scheduler.price_drafts = False
+    ctx._engine.scheduler.drafts.priced = False
     return ctx
 
 

@@ -10,7 +10,7 @@ import pytest
 from near_tie import assert_greedy_agrees
 
 import llamax
-from llamax.engine.step_budget import TILE_ROWS
+from llamax.engine.timing.step_budget import TILE_ROWS
 
 pytestmark = pytest.mark.model
 
@@ -51,7 +51,7 @@ def test_many_streams_decode_in_batches_under_a_tile(make_real: MakeReal) -> Non
     assert split_ctx.kv_layout == "unified"
     split, split_rows = run(split_ctx, tokens)
     whole_ctx = make_real(**options)
-    whole_ctx._engine.scheduler.split = lambda plan: [plan]  # type: ignore[method-assign]
+    whole_ctx._engine.scheduler.planner.split = lambda plan: [plan]  # type: ignore[method-assign]
     whole, whole_rows = run(whole_ctx, tokens)
     assert max(whole_rows) == N and max(split_rows) < TILE_ROWS and N // 2 in split_rows
     probe = make_real(n_ctx=256, n_seq_max=1, n_threads=2)

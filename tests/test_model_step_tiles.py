@@ -1,6 +1,6 @@
 """On SmolLM2 (CPU flash attention), the step cost model counts the tiles ggml pads, seen
-through the ``llamax.engine.step_budget`` debug log: steps of 64 rows or more carry padded-tile
-attention, smaller ones none; with ``flash_attn=False`` no step does.
+through the ``llamax.engine.timing.step_budget`` debug log: steps of 64 rows or more carry
+padded-tile attention, smaller ones none; with ``flash_attn=False`` no step does.
 
 The chunks are fixed (``max_step_ms=None``, ``n_batch=100``) so the step sizes do not
 depend on how fast the machine is: a timed budget on a slow CI machine chose chunks under
@@ -35,14 +35,14 @@ def test_steps_beside_a_stream_count_padded_tiles(
         n_batch=100,
     )
     stream_params = llamax.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    with caplog.at_level(logging.DEBUG, logger="llamax.engine.step_budget"):
+    with caplog.at_level(logging.DEBUG, logger="llamax.engine.timing.step_budget"):
         stream = ctx.add_request("Count: 1, 2, 3,", stream_params)
         next(iter(stream))  # decoding before the long prompt arrives
         long = ctx.add_request(LONG, llamax.SamplingParams(max_tokens=1))
         assert long.result(timeout=120).finish_reason == "length"
         stream.cancel()
         stream.result(timeout=60)
-    steps = [r.args for r in caplog.records if r.name == "llamax.engine.step_budget"]
+    steps = [r.args for r in caplog.records if r.name == "llamax.engine.timing.step_budget"]
     assert isinstance(steps[0], tuple)
     tiled = [s for s in steps if isinstance(s, tuple) and s[0] >= 64]
     small = [s for s in steps if isinstance(s, tuple) and s[0] < 64]

@@ -1,18 +1,18 @@
-"""Admission's side of the KV cache (:mod:`llamax.engine.admission`): the decisions on plain
+"""Admission's side of the KV cache (:mod:`llamax.engine.kv.admission`): the decisions on plain
 numbers, and the slot placer on a fake backend's KV memory (no scheduler, no sequences)."""
 
 from __future__ import annotations
 
 from llamax.backend.base import BatchItem
-from llamax.engine.admission import (
+from llamax.engine.kv.admission import (
     WAIT_FOR_PREFIX_MIN,
     Outcome,
     SlotPlacer,
     num_to_keep,
     should_wait,
 )
-from llamax.engine.kvcache import KVCache, Slot, SlotState
-from llamax.engine.prefix import PrefixCache
+from llamax.engine.kv.kvcache import KVCache, Slot, SlotState
+from llamax.engine.kv.prefix import PrefixCache
 from llamax.testing import FakeBackend
 
 

@@ -1,11 +1,11 @@
-"""The chunk budget on plain numbers (:mod:`llamax.engine.chunk_budget`): no backend."""
+"""The chunk budget on plain numbers (:mod:`llamax.engine.timing.chunk_budget`): no backend."""
 
 from __future__ import annotations
 
 import pytest
 
-from llamax.engine.chunk_budget import ChunkBudget, halve_newest_chunk
-from llamax.engine.step_budget import MIN_CHUNK, StepFeatures
+from llamax.engine.timing.chunk_budget import ChunkBudget, halve_newest_chunk
+from llamax.engine.timing.step_budget import MIN_CHUNK, StepFeatures
 
 DECODE = [100, 200, 300, 400]  # tokens each decoding sequence holds
 

@@ -1,10 +1,10 @@
-"""The thread policy on plain numbers (:mod:`llamax.engine.contention`)."""
+"""The thread policy on plain numbers (:mod:`llamax.engine.timing.contention`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from llamax.engine.contention import (
+from llamax.engine.timing.contention import (
     DOWN_PROBE_GAP,
     EXIT_SLOWDOWN,
     MIN_PROBE_GAP,

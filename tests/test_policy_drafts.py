@@ -1,10 +1,10 @@
-"""The draft planner on plain numbers (:mod:`llamax.engine.draft_planner`): no backend."""
+"""The draft planner on plain numbers (:mod:`llamax.engine.spec.draft_planner`): no backend."""
 
 from __future__ import annotations
 
 from llamax.drafting import PromptLookup
-from llamax.engine.draft_planner import DraftPlanner, confirms, draft_limit, drafting_method
-from llamax.engine.speculative import DraftState, new_draft_state
+from llamax.engine.spec.draft_planner import DraftPlanner, confirms, draft_limit, drafting_method
+from llamax.engine.spec.speculative import DraftState, new_draft_state
 
 REPEATING = [1, 2, 3, 4, 5] * 6  # prompt lookup proposes the continuation of the cycle
 

@@ -1,8 +1,8 @@
-"""The fair share of sequence ids on plain keys (:mod:`llamax.engine.fair_share`)."""
+"""The fair share of sequence ids on plain keys (:mod:`llamax.engine.sched.fair_share`)."""
 
 from __future__ import annotations
 
-from llamax.engine.fair_share import FairShare
+from llamax.engine.sched.fair_share import FairShare
 
 
 def test_the_share_is_the_ids_over_the_requests_with_work() -> None:

@@ -1,5 +1,5 @@
-"""The KV layout policy on plain numbers (:mod:`llamax.engine.layout_policy`), and the
-layout's state machine in :class:`llamax.engine.kvcache.KVCache`."""
+"""The KV layout policy on plain numbers (:mod:`llamax.engine.kv.layout_policy`), and the
+layout's state machine in :class:`llamax.engine.kv.kvcache.KVCache`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from llamax.engine.kvcache import LAYOUT_MOVES, KVCache, LayoutState
-from llamax.engine.layout_policy import (
+from llamax.engine.kv.kvcache import LAYOUT_MOVES, KVCache, LayoutState
+from llamax.engine.kv.layout_policy import (
     COPIED_TOKEN_COST,
     RELAYOUT_COOLDOWN_STEPS,
     RELAYOUT_MIN_DECODING,

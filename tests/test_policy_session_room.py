@@ -1,9 +1,9 @@
-"""What idle open sessions leave other sequences (:mod:`llamax.engine.session_room`), on
+"""What idle open sessions leave other sequences (:mod:`llamax.engine.kv.session_room`), on
 plain numbers."""
 
 from __future__ import annotations
 
-from llamax.engine.session_room import SessionRoom
+from llamax.engine.kv.session_room import SessionRoom
 
 ROOM = SessionRoom(n_ctx=1024, n_ctx_seq=1024, n_seq_max=4)
 

@@ -1,9 +1,9 @@
-"""The CPU decode split policy on plain numbers (:mod:`llamax.engine.split_policy`)."""
+"""The CPU decode split policy on plain numbers (:mod:`llamax.engine.sched.split_policy`)."""
 
 from __future__ import annotations
 
-from llamax.engine.split_policy import SPLIT_SPAN_RATIO, SplitPolicy
-from llamax.engine.step_budget import TILE_ROWS
+from llamax.engine.sched.split_policy import SPLIT_SPAN_RATIO, SplitPolicy
+from llamax.engine.timing.step_budget import TILE_ROWS
 
 CPU = SplitPolicy(cpu_attention=True)
 

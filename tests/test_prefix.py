@@ -1,10 +1,10 @@
-"""Prefix matching and LRU retention (llamax.engine.prefix) over a KVCache, no engine."""
+"""Prefix matching and LRU retention (llamax.engine.kv.prefix) over a KVCache, no engine."""
 
 from __future__ import annotations
 
 from llamax.backend import BatchItem
-from llamax.engine.kvcache import KVCache, Slot, SlotState
-from llamax.engine.prefix import PrefixCache, PrefixMatch
+from llamax.engine.kv.kvcache import KVCache, Slot, SlotState
+from llamax.engine.kv.prefix import PrefixCache, PrefixMatch
 from llamax.testing import FakeBackend
 
 

@@ -1,4 +1,4 @@
-"""The disk prefix tier (llamax.engine.prefix_disk) against the fake backend: prefixes the
+"""The disk prefix tier (llamax.engine.kv.prefix_disk) against the fake backend: prefixes the
 RAM tier drops (or, with no RAM tier, KV evictions) are written to files within a byte
 budget, restored instead of recomputed (by the next context on the directory too), and a
 file that lies is deleted and the prompt recomputed."""
@@ -19,9 +19,10 @@ import pytest
 from adversaries import deadline
 
 import llamax
-from llamax.engine import prefix_disk
-from llamax.engine.prefix_disk import MAGIC, MAX_DEFAULT_BYTES, PrefixDiskTier, default_disk_budget
-from llamax.engine.prefix_tier import PrefixHit
+from llamax.engine.kv import disk_files, prefix_disk
+from llamax.engine.kv.disk_files import MAGIC
+from llamax.engine.kv.prefix_disk import MAX_DEFAULT_BYTES, PrefixDiskTier, default_disk_budget
+from llamax.engine.kv.prefix_tier import PrefixHit
 from llamax.flags import option_values
 from llamax.testing import FakeBackend, assert_idle
 
@@ -372,9 +373,9 @@ def test_a_failed_write_loses_only_the_entry(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if where == "open":
-        monkeypatch.setattr(prefix_disk, "open", fail, raising=False)
+        monkeypatch.setattr(disk_files, "open", fail, raising=False)
     else:
-        monkeypatch.setattr(prefix_disk.os, "replace", fail)
+        monkeypatch.setattr(disk_files.os, "replace", fail)
     complete(ctx, system(0) + "A1?")
     complete(ctx, system(1) + "B2?")
     complete(ctx, system(2) + "C3?")
@@ -399,7 +400,7 @@ def test_an_unreadable_file_is_refused(
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(prefix_disk, "open", fail, raising=False)
+    monkeypatch.setattr(disk_files, "open", fail, raising=False)
     _, num = computed(ctx, system(0) + "C3?")
     monkeypatch.undo()
     assert num == len(system(0)) + 3
@@ -470,7 +471,7 @@ def test_a_file_larger_than_its_entry_is_refused_before_it_is_read(
             file.write(b"\0" * (16 * MB))  # junk behind a valid header and state
         read: list[int] = []
         monkeypatch.setattr(
-            prefix_disk,
+            disk_files,
             "open",
             lambda *a, **k: _CountingFile(open(*a, **k), read),  # noqa: SIM115
             raising=False,
@@ -492,7 +493,7 @@ def test_a_restore_reads_only_the_entrys_bytes(
         (entry,) = tier.entries()
         read: list[int] = []
         monkeypatch.setattr(
-            prefix_disk,
+            disk_files,
             "open",
             lambda *a, **k: _CountingFile(open(*a, **k), read),  # noqa: SIM115
             raising=False,
@@ -545,7 +546,7 @@ def _read_only(monkeypatch: pytest.MonkeyPatch) -> None:
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
     for name in ("unlink", "remove", "rmdir"):
-        monkeypatch.setattr(prefix_disk.os, name, refuse)
+        monkeypatch.setattr(disk_files.os, name, refuse)
 
 
 def test_clear_cache_on_a_read_only_filesystem_says_the_files_stay(

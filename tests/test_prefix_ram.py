@@ -1,4 +1,4 @@
-"""The host-RAM prefix tier (llamax.engine.prefix_ram) against the fake backend: evicted
+"""The host-RAM prefix tier (llamax.engine.kv.prefix_ram) against the fake backend: evicted
 prefixes are stored, restored instead of recomputed, kept within their byte budget, and a
 state that does not load or does not hold what it claims is refused and recomputed."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import llamax
-from llamax.engine.prefix_ram import MAX_DEFAULT_BYTES, PrefixRamTier, default_budget
+from llamax.engine.kv.prefix_ram import MAX_DEFAULT_BYTES, PrefixRamTier, default_budget
 from llamax.flags import option_values
 from llamax.testing import FakeBackend, assert_idle
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from llamax.adapters import NO_ADAPTERS, AdapterSet
-from llamax.engine.prefix_disk import PrefixDiskTier
-from llamax.engine.prefix_ram import PrefixRamTier
-from llamax.engine.prefix_tier import ByteLRU, PrefixTier
+from llamax.engine.kv.prefix_disk import PrefixDiskTier
+from llamax.engine.kv.prefix_ram import PrefixRamTier
+from llamax.engine.kv.prefix_tier import ByteLRU, PrefixTier
 
 MB = 1 << 20
 

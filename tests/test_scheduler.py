@@ -8,7 +8,7 @@ import pytest
 
 import llamax
 from llamax.engine.plan import StepResult
-from llamax.engine.scheduler import Scheduler
+from llamax.engine.sched.scheduler import Scheduler
 from llamax.engine.sequence import Request, Sequence, SequenceState
 from llamax.testing import FakeBackend
 

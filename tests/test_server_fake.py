@@ -78,7 +78,7 @@ def test_speculative_extension_reports_prediction_tokens(ctx: llamax.Context) ->
     body = {"prompt": "abcdefghijklmnopqrstuvwxyz" * 2, "max_tokens": 30, "temperature": 0}
     plain = call(app, "POST", "/v1/completions", json=body).json()
     assert "completion_tokens_details" not in plain["usage"]
-    ctx._engine.scheduler.price_drafts = False  # verify every proposal (timings are fake)
+    ctx._engine.scheduler.drafts.priced = False  # verify every proposal (timings are fake)
     spec = call(app, "POST", "/v1/completions", json={**body, "speculative": {"max_draft": 4}})
     assert spec.status_code == 200, spec.text
     usage = spec.json()["usage"]

@@ -335,8 +335,8 @@ def test_pooled_models_share_the_default_prefix_budgets(
     assert pools(paths).context_options["prefix_ram_share"] == 1 / 3  # no bound: all at once
     given = pools(paths, prefix_ram_bytes=1 << 20, prefix_disk_bytes=1 << 30).context_options
     assert "prefix_ram_share" not in given and "prefix_disk_share" not in given
-    monkeypatch.setattr("llamax.engine.prefix.default_budget", lambda: 3000)
-    monkeypatch.setattr("llamax.engine.prefix.default_disk_budget", lambda directory: 9000)
+    monkeypatch.setattr("llamax.engine.kv.prefix.default_budget", lambda: 3000)
+    monkeypatch.setattr("llamax.engine.kv.prefix.default_disk_budget", lambda directory: 9000)
     shared = {"prefix_ram_share": 1 / 2, "prefix_disk_share": 1 / 3}
     with llamax.Context(backend=FakeBackend(), prefix_disk_dir=str(tmp_path), **shared) as ctx:
         stats = ctx.stats()

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import pytest
 
 import llamax
-from llamax.engine.kvops import (
+from llamax.engine.kv.kvops import (
     ForkSession,
     KVOp,
     ReadSession,

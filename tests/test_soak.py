@@ -557,7 +557,7 @@ def run_soak(
     decodes = DecodeCounter(ctx._engine.backend)
     # verify every proposal: under full batches the pricing would skip most drafts, and
     # the soak is about their bookkeeping (rollbacks in sessions, splits, cancels)
-    ctx._engine.scheduler.price_drafts = False
+    ctx._engine.scheduler.drafts.priced = False
     # the warm-up runs the same mix (LoRA sets included: llama.cpp's graph and compute
     # buffers under adapters reach their size there, not in the measured window)
     soak(ctx, warm, max_output=max_output, num_threads=num_threads, seed=0, lora=lora)

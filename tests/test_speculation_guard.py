@@ -13,7 +13,7 @@ import pytest
 
 import llamax
 from llamax.backend.base import BatchItem
-from llamax.engine.speculative import DraftState, SharedAcceptance
+from llamax.engine.spec.speculative import DraftState, SharedAcceptance
 from llamax.testing import FakeBackend, alphabet_model
 
 PROMPT = "abcdefghij" * 3
@@ -198,7 +198,7 @@ def test_a_request_after_losing_ones_drafts_again_when_its_text_copies() -> None
             ctx.add_request(PROMPT, losing)
             while ctx.has_work():
                 ctx.process()
-        assert ctx._engine.scheduler.drafts.acceptance.pause >= 256  # the losing verdicts
+        assert ctx._engine.scheduler.drafts.planner.acceptance.pause >= 256  # the losing verdicts
         after = paying_seconds(backend, ctx)
         assert ctx.audit() == []
     plain, _, _, _ = run(cost, None)

@@ -20,8 +20,8 @@ import llamax
 from llamax.backend import BatchItem, DecodeStatus
 from llamax.config import EngineConfig
 from llamax.drafting import PromptLookup, PromptLookupDrafter
-from llamax.engine.scheduler import Scheduler
-from llamax.engine.speculative import (
+from llamax.engine.sched.scheduler import Scheduler
+from llamax.engine.spec.speculative import (
     DecodeCost,
     DraftState,
     SharedAcceptance,
@@ -56,7 +56,7 @@ def make_spec(make_fake: MakeSpec) -> MakeSpec:
     def make(*, price: bool = False, **options: Any) -> tuple[llamax.Context, FakeBackend]:
         options.setdefault("n_ctx", 512)
         ctx, backend = make_fake(**options)
-        ctx._engine.scheduler.price_drafts = price
+        ctx._engine.scheduler.drafts.priced = price
         return ctx, backend
 
     return make
@@ -323,7 +323,7 @@ def test_batch_logits_processor_turns_drafting_off() -> None:
     with llamax.Context(
         backend=backend, autostart=False, batch_logits_processor=hook, speculative=PromptLookup()
     ) as ctx:
-        ctx._engine.scheduler.price_drafts = False
+        ctx._engine.scheduler.drafts.priced = False
         params = llamax.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         handle = ctx.add_request(ALPHABET, params)
         run(ctx)
@@ -402,7 +402,7 @@ def _price(num_decoding: int, acceptance_hits: int) -> dict[int, int]:
     """Plan drafts for ``num_decoding`` sequences whose drafts were right ``hits`` of 20."""
     backend = FakeBackend(n_ctx=4096, n_seq_max=64, n_batch=512)
     scheduler = Scheduler(backend, EngineConfig(speculative=PromptLookup(max_draft=8)))
-    scheduler.decode_cost = _FixedCost(0.004, 0.004)  # type: ignore[assignment]
+    scheduler.drafts.planner.decode_cost = _FixedCost(0.004, 0.004)  # type: ignore[assignment]
     slots = []
     proposals: list[tuple[Any, DraftState, tuple[int, ...]]] = []
     for i in range(num_decoding):
@@ -412,7 +412,7 @@ def _price(num_decoding: int, acceptance_hits: int) -> dict[int, int]:
         seq = _StubSeq(i)
         slots.append((seq, 1))
         proposals.append((seq, state, tuple(range(8))))
-    keep = scheduler._price_drafts(slots, proposals, room=512)  # type: ignore[arg-type]
+    keep = scheduler.drafts.planner.price([n for _, n in slots], proposals, room=512)
     return {seq.i: n for seq, n in keep.items()}  # type: ignore[attr-defined]
 
 
@@ -444,7 +444,9 @@ def test_pricing_gives_no_drafts_next_to_a_prompt_chunk() -> None:
         state.record(4, 4)
     decoding, prefilling = _StubSeq(0), _StubSeq(1)
     slots = [(decoding, 1), (prefilling, 64)]
-    keep = scheduler._price_drafts(slots, [(decoding, state, (1, 2, 3))], room=100)  # type: ignore[arg-type]
+    keep = scheduler.drafts.planner.price(
+        [n for _, n in slots], [(decoding, state, (1, 2, 3))], room=100
+    )
     assert keep == {}
 
 

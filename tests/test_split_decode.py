@@ -1,5 +1,5 @@
 """Many decode rows of unrelated sequences in a unified cache run as several smaller
-batches (see :meth:`llamax.engine.scheduler.Scheduler.split`); everything else runs as one."""
+batches (see :meth:`llamax.engine.sched.scheduler.Scheduler.split`); everything else runs as one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import llamax
 from llamax.backend.base import BatchItem
 from llamax.engine.plan import ScheduledSequence, StepPlan, split_plan
-from llamax.engine.step_budget import TILE_ROWS
+from llamax.engine.timing.step_budget import TILE_ROWS
 from llamax.testing import FakeBackend, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
@@ -48,7 +48,7 @@ def test_unrelated_decode_rows_run_in_batches_under_a_tile() -> None:
     with ctx:
         split = run(ctx, prompts)
     whole_ctx, whole_backend = unified()
-    whole_ctx._engine.scheduler.split = lambda plan: [plan]  # type: ignore[method-assign]
+    whole_ctx._engine.scheduler.planner.split = lambda plan: [plan]  # type: ignore[method-assign]
     with whole_ctx:
         whole = run(whole_ctx, prompts)
     assert split == whole  # same tokens, sampled from the same logits

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 import llamax
-from llamax.engine.step_budget import (
+from llamax.engine.timing.step_budget import (
     FAIR_SLOWDOWN,
     MIN_CHUNK,
     TILE_ROWS,

@@ -166,7 +166,7 @@ class BatchDecoder(Protocol):
     def attention_tiles(self) -> tuple[int, int] | None:
         """``(query heads, threads)`` when ggml's CPU flash attention computes micro-batches
         of 64 rows or more in tiles, whose padding the step cost model counts
-        (:func:`llamax.engine.step_budget.tile_waste_table`); ``None`` otherwise."""
+        (:func:`llamax.engine.timing.step_budget.tile_waste_table`); ``None`` otherwise."""
         ...
 
     def decode(self, items: Sequence[BatchItem]) -> int:
@@ -207,7 +207,7 @@ class SamplerFactory(Protocol):
 
 
 class KVMemory(Protocol):
-    """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.engine.kvcache` calls
+    """llama.cpp's KV memory, addressed by sequence id. Only :mod:`llamax.engine.kv.kvcache` calls
     these, on the engine thread."""
 
     @property
@@ -249,7 +249,7 @@ class KVMemory(Protocol):
 
     def run_queued_copies(self) -> None:
         """Run the cross-stream buffer copies queued by :meth:`seq_cp` now, as the next
-        decode would (see :mod:`llamax.engine.stream_copies`)."""
+        decode would (see :mod:`llamax.engine.kv.stream_copies`)."""
         ...
 
     def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
@@ -307,7 +307,7 @@ class Clocked(Protocol):
 @runtime_checkable
 class Threaded(Protocol):
     """Optional: a CPU backend whose compute threads may change between steps (the engine
-    lowers them while another process holds a core; :mod:`llamax.engine.contention`)."""
+    lowers them while another process holds a core; :mod:`llamax.engine.timing.contention`)."""
 
     @property
     def n_threads(self) -> int:
@@ -321,7 +321,7 @@ class Threaded(Protocol):
 
 @runtime_checkable
 class Calibratable(Protocol):
-    """Optional: a backend whose step costs :mod:`llamax.engine.calibration` may measure
+    """Optional: a backend whose step costs :mod:`llamax.engine.timing.calibration` may measure
     before the engine starts (both :class:`~llamax.backend.llama_cpp.LlamaCppBackend` and
     :class:`llamax.testing.FakeBackend` are)."""
 
@@ -363,7 +363,7 @@ class LoraHost(Protocol):
 class Inspectable(Protocol):
     """Optional: what a backend can show of its own state, for ``Context.audit()``.
 
-    :func:`llamax.engine.audit.audit` checks ``isinstance(backend, Inspectable)`` and compares
+    :func:`llamax.engine.kv.audit.audit` checks ``isinstance(backend, Inspectable)`` and compares
     each answer that is not None with the scheduler's bookkeeping. Both
     :class:`~llamax.backend.llama_cpp.LlamaCppBackend` and :class:`llamax.testing.FakeBackend`
     implement it; a backend without it is audited on ``seq_pos_max`` alone.

@@ -90,7 +90,7 @@ def run_queued_copies(
     context: NativeContext, batch: NativeBatch, bos: int, seq_pos_max: Sequence[int], room: int
 ) -> None:
     """Run the cross-stream copies llama.cpp has queued (see
-    :mod:`~llamax.engine.stream_copies`). llama.cpp runs them only at the start of a decode,
+    :mod:`~llamax.engine.kv.stream_copies`). llama.cpp runs them only at the start of a decode,
     so this decodes ``bos``, with no output, into an empty sequence (or past the end of one
     with room: fewer than ``room`` cells, by each sequence's ``seq_pos_max``) and removes it
     again. The last decode's logits are gone afterwards.

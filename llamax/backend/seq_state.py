@@ -136,7 +136,7 @@ def tile(data: bytes, num_cells: int) -> bytes:
     """``data`` (one sequence's state of a plain KV cache) grown to ``num_cells`` cells at
     positions ``0..num_cells-1``, each cell's K/V rows those of a cell of ``data`` (taken in
     turn): filler whose attention costs what real cells' does, for timing steps over a long
-    context without computing one (:mod:`llamax.engine.calibration`). Its values mean
+    context without computing one (:mod:`llamax.engine.timing.calibration`). Its values mean
     nothing.
 
     Raises:

@@ -1,7 +1,7 @@
 """The run loop: one thread at a time owns the backend and the scheduler.
 
 Other threads only touch the inbox (new requests), the cancel queue and the operation queue
-(:mod:`llamax.engine.kvops`), under one lock; all three are drained at the start of every step.
+(:mod:`llamax.engine.kv.kvops`), under one lock; all three are drained at the start of every step.
 A step is::
 
     plan = scheduler.schedule() -> status = backend.decode(plan) -> sample rows
@@ -20,10 +20,10 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from ..backend.base import Backend, DecodeStatus, LoraHost, Threaded
+from ..backend.base import Backend
 from ..config import EngineConfig
 from ..errors import (
     ContextClosedError,
@@ -32,37 +32,25 @@ from ..errors import (
     InvalidRequestError,
     LoopOwnershipError,
 )
-from ..results import TokenLogprob
 from ..stats import ContextStats
-from .calibration import apply as apply_calibration
-from .calibration import calibrate as calibrate_backend
-from .contention import ThreadPolicy
-from .kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
+from .kv.kvops import Audit, ClearCache, KVOp, ReadSession, ReleaseSession, SaveSession
 from .phase import EngineState, LoopPhase, next_phase
-from .plan import StepPlan, StepResult
-from .prefix_tier import TierStats
-from .sampling import (
-    BatchLogitsProcessor,
-    keep_interrupt,
-    pop_interrupt,
-    sample_plan,
-    sample_row,
-)
-from .scheduler import Scheduler
+from .plan import StepResult
+from .sched.sampling import BatchLogitsProcessor, pop_interrupt
+from .sched.scheduler import Scheduler
 from .sequence import Request
-from .sequence import Sequence as Seq
-from .step_budget import StepCostModel, StepFeatures
+from .step import Stepper, deliver, settle
+from .timing.calibration import apply as apply_calibration
+from .timing.calibration import calibrate as calibrate_backend
+from .timing.threads import ThreadAdapter
 
 __all__ = ["Engine", "EngineState"]
 
 _log = logging.getLogger("llamax")
 T = TypeVar("T")
 
-_MAX_SHRINKS_PER_STEP = 64
 # what may still run while the context closes: operations that free room or only read
 _WHILE_CLOSING = (ReleaseSession, ReadSession, SaveSession, ClearCache, Audit)
-_MAX_STALLED_STEPS = 16
-_REFERENCE_WARMUP = 16  # quiet steps an uncalibrated reference learns before it judges
 
 
 class Engine:
@@ -78,8 +66,6 @@ class Engine:
     ) -> None:
         config = config if config is not None else EngineConfig()
         self.backend = backend
-        self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
-        # runtime Protocol check walks every method, too slow for each step
         self._batch_processor = batch_processor
         # the batch hook sees one row per sequence, so with one installed nobody drafts
         self.scheduler = Scheduler(backend, config, allow_drafts=batch_processor is None)
@@ -91,9 +77,18 @@ class Engine:
         """This machine's measured step costs the scheduler started from, or None."""
         if self.calibration is not None:
             apply_calibration(
-                self.calibration, self.scheduler.step_cost, self.scheduler.drafts.decode_cost
+                self.calibration,
+                self.scheduler.step_cost,
+                self.scheduler.drafts.planner.decode_cost,
             )
-        self._init_threads(config.adapt_threads)
+        threads = ThreadAdapter(
+            backend,
+            adapt=config.adapt_threads,
+            waste=self.scheduler.step_cost.waste,
+            calibration=self.calibration,
+        )
+        self.stepper = Stepper(backend, self.scheduler, threads, batch_processor)
+        """Runs each step and composes the stats."""
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -105,11 +100,9 @@ class Engine:
         self._step_lock = threading.Lock()
         self._local = threading.local()  # .in_step / .stepping, per thread
         self._teardown_lock = threading.Lock()
-        self._stalled_steps = 0
         self._is_stuck = False  # the last step had nothing to do: wait for news, not spin
         self._close_error: BaseException | None = None  # backend.close raised; close() says so
-        self.num_steps = 0
-        self._snapshot = self._count()
+        self._snapshot = self.stepper.stats(self._phase.state.value)
         self._thread: threading.Thread | None = None
         if autostart:
             self._thread = threading.Thread(target=self._run, name="llamax-engine", daemon=True)
@@ -387,106 +380,9 @@ class Engine:
 
     def _step(self) -> StepResult:
         result = self._drain_queues()
-        plan = self.scheduler.schedule(result)
-        self._is_stuck = plan.is_empty and not (result.events or result.finished or result.failed)
-        # a batch logits processor sees the whole step at once, so its steps stay whole
-        parts = [plan] if self._batch_processor is not None else self.scheduler.split(plan)
-        for part in parts:
-            part = part.without_ended()  # a request that failed in an earlier part is gone
-            if not part.is_empty:
-                part, features, started = self._decode(part)
-            if part.is_empty:
-                continue
-            sampled = sample_plan(self.backend, part.sampled_entries(), self._batch_processor)
-            for request, error in sampled.failed.values():
-                self.scheduler.fail(request, error, result)
-            self.scheduler.update(part, sampled.tokens, sampled.logprobs, result, self._verify)
-            seconds = self.scheduler.clock() - started
-            self.scheduler.observe(part, features, seconds)
-            self._observe_threads(features, seconds)
-            result.computed = True
-        if result.computed:
-            self.num_steps += 1
+        self._is_stuck = self.stepper.run(result)
         self._publish_snapshot()
         return result
-
-    def _init_threads(self, adapt: bool) -> None:
-        """Threads follow the machine (:mod:`llamax.engine.contention`) when ``adapt`` and
-        the backend has more than one to lower. The reference model learns what steps cost
-        at full threads on a quiet machine (from the calibration, if any, then from steps
-        the policy calls quiet), so it never learns contention as the norm."""
-        self._threaded = self.backend if isinstance(self.backend, Threaded) else None
-        threaded = self._threaded
-        adapts = adapt and threaded is not None and threaded.n_threads > 1
-        self._threads = ThreadPolicy(threaded.n_threads) if adapts and threaded else None
-        self._reference = StepCostModel(waste=self.scheduler.step_cost.waste)
-        self._warmup = 0 if self.calibration is not None else _REFERENCE_WARMUP
-        if self.calibration is not None:
-            self._reference.start_from(self.calibration.coefficients)
-        self._has_warned = False
-
-    def _observe_threads(self, features: StepFeatures, seconds: float) -> None:
-        """Judge one measured step for contention and set the next step's threads."""
-        policy, backend = self._threads, self._threaded
-        if policy is None or backend is None:
-            return
-        reference = self._reference
-        if self._warmup:  # not yet known what a quiet step costs: learn, do not judge
-            self._warmup -= 1
-            reference.observe(features, seconds)
-            return
-        expected = reference.predict(features)
-        verdict = policy.observe(expected, seconds)
-        if verdict.is_quiet:
-            reference.observe(features, seconds)
-        if verdict.reference_scale != 1.0:  # it learned on a busy machine
-            fixed, token, attention, rows = (
-                c * verdict.reference_scale for c in reference.coefficients
-            )
-            reference.start_from((fixed, token, attention, rows))
-        if verdict.is_news:
-            level = logging.DEBUG if self._has_warned else logging.WARNING
-            self._has_warned = True
-            if policy.is_contended:
-                _log.log(
-                    level,
-                    "steps run many times slower with %d threads than this machine's quiet "
-                    "ones (another process holds a core?): computing with %d until it ends",
-                    policy.full, verdict.n_threads,
-                )  # fmt: skip
-            else:
-                _log.log(level, "the cores are free again: computing with %d threads", policy.full)
-        if verdict.n_threads != backend.n_threads:
-            backend.set_n_threads(verdict.n_threads)
-
-    def _verify(self, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
-        return sample_row(self.backend, seq, row)
-
-    def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float]:
-        """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
-        cost features and when its decode started."""
-        if self._lora is not None:
-            adapters = {entry.seq.request.adapters for entry in plan.entries}
-            if len(adapters) != 1:  # the scheduler plans each step within one set
-                raise EngineError(f"a step mixes LoRA adapter sets: {sorted(adapters)}")
-            self._lora.set_adapters(adapters.pop())
-        for _ in range(_MAX_SHRINKS_PER_STEP):
-            features, started = self.scheduler.features(plan), self.scheduler.clock()
-            status = self.backend.decode(plan.items)
-            self.scheduler.kv.decoded(status)
-            if status == DecodeStatus.OK:
-                self._stalled_steps = 0
-                return plan, features, started
-            if status != DecodeStatus.NO_SLOT:
-                raise EngineError(f"llama_decode failed with status {status}")
-            _log.debug("llama_decode found no KV slot for %d tokens; shrinking", plan.num_tokens)
-            plan = self.scheduler.shrink(plan)
-            if plan.is_empty:
-                break
-        self._stalled_steps += 1
-        if self._stalled_steps > _MAX_STALLED_STEPS:
-            raise EngineError("llama_decode found no KV slot even for a single token")
-        return StepPlan(), StepFeatures(), 0.0
 
     def _drain_queues(self) -> StepResult:
         with self._lock:
@@ -513,63 +409,21 @@ class Engine:
                 future.set_exception(error)
         return result
 
-    def _count(self) -> ContextStats:
-        s = self.scheduler
-        return ContextStats(
-            state=self._phase.state.value,
-            num_waiting=s.num_waiting,
-            num_running=s.num_running,
-            num_retained=s.prefix.num_retained,
-            num_sessions=s.sessions.num_open,
-            num_unsettled=0,
-            kv_cells_used=s.kv.num_cells_used,
-            kv_cells_total=self.backend.kv_cells,
-            kv_cells_per_seq=self.backend.n_ctx_seq,
-            kv_layout="unified" if self.backend.is_unified else "streams",
-            kv_bytes_total=self.backend.kv_cells * self.backend.kv_bytes_per_cell,
-            num_free_seq_ids=s.kv.num_free_seq_ids,
-            num_steps=self.num_steps,
-            num_prefill_tokens=s.num_prefill_tokens,
-            num_decode_tokens=s.num_decode_tokens,
-            num_cached_tokens=s.num_cached_tokens,
-            num_preemptions=s.num_preemptions,
-            num_evictions=s.prefix.num_evictions,
-            num_drafted_tokens=s.num_drafted_tokens,
-            num_accepted_tokens=s.num_accepted_tokens,
-            kv_cells_per_stream=s.stream_cells,
-            num_relayouts=s.num_relayouts,
-            n_threads=self._threaded.n_threads if self._threaded is not None else 0,
-            is_contended=self._threads is not None and self._threads.is_contended,
-            num_thread_changes=self._threads.num_thread_changes if self._threads else 0,
-            **{
-                field: value
-                for name, tier in s.prefix.tier_stats().items()
-                for field, value in _tier_fields(name, tier).items()
-            },
-        )
-
     def _publish_snapshot(self) -> None:
-        snapshot = self._count()
+        snapshot = self.stepper.stats(self._phase.state.value)
         with self._lock:
             self._snapshot = snapshot
 
     # ------------------------------------------------------------------ endings
     def _publish(self, result: StepResult) -> None:
         """Deliver events and settle futures; never under an engine lock."""
-        by_request: dict[str, tuple[Request, list[object]]] = {}
-        for request, event in result.events:
-            by_request.setdefault(request.request_id, (request, []))[1].append(event)
-        for request, events in by_request.values():
-            request.handle._publish(events)
+        deliver(result)
         with self._lock:  # forget first: a settled future may wake a leak check at once
             for request in result.finished:
                 self._forget(request)
             for request, _ in result.failed:
                 self._forget(request)
-        for request in result.finished:
-            _settle(request, completion=True)
-        for request, error in result.failed:
-            _settle(request, error=error)
+        settle(result)
 
     def _forget(self, request: Request) -> None:
         if self._live.get(request.request_id) is request:
@@ -652,34 +506,3 @@ class Engine:
             return
         if phase is not LoopPhase.RUNNING:
             raise ContextClosedError("the context has been closed")
-
-
-def _tier_fields(name: str, tier: TierStats) -> dict[str, Any]:
-    """A prefix tier's fields of :class:`ContextStats` (``prefix_<name>_bytes``, ...)."""
-    return {
-        f"prefix_{name}_bytes": tier.num_bytes,
-        f"prefix_{name}_budget_bytes": tier.budget_bytes,
-        f"prefix_{name}_entries": tier.num_entries,
-        f"num_prefix_{name}_stores": tier.num_stored,
-        f"num_prefix_{name}_hits": tier.num_hits,
-        f"num_prefix_{name}_restores": tier.num_restores,
-        f"num_prefix_{name}_refused": tier.num_refused,
-        f"num_prefix_{name}_tokens": tier.num_restored_tokens,
-        f"prefix_{name}_restore_seconds": tier.restore_seconds,
-    }
-
-
-def _settle(
-    request: Request, *, completion: bool = False, error: BaseException | None = None
-) -> None:
-    future = request.handle.future
-    try:
-        if error is not None:
-            future.set_exception(error)
-        elif completion:
-            future.set_result(request.completion())
-    except InvalidStateError:  # the user cancelled the future itself; nothing to deliver
-        pass
-    except BaseException as exc:  # a done-callback raised past Future's own `except Exception`
-        _log.exception("a done-callback of request %s raised", request.request_id)
-        keep_interrupt(exc)  # process() re-raises a KeyboardInterrupt after the step

@@ -34,7 +34,7 @@ class ScheduledSequence:
     draft: tuple[int, ...] = ()
     """Speculative draft tokens fed after the sequence's pending token; the item then asks
     for logits at the pending token and at every draft token (see
-    :mod:`llamax.engine.speculative`)."""
+    :mod:`llamax.engine.spec.speculative`)."""
 
 
 @dataclass(frozen=True, slots=True)

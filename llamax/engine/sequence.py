@@ -1,6 +1,6 @@
 """Engine-side request and sequence records, and their state machine.
 
-Only :mod:`llamax.engine.scheduler` changes ``Sequence.state``. A :class:`Request` holds one
+Only :mod:`llamax.engine.sched.scheduler` changes ``Sequence.state``. A :class:`Request` holds one
 :class:`Sequence` per requested choice (``n``); each sequence owns its own KV sequence id,
 sampler, detokenizer and stop matcher.
 """
@@ -19,8 +19,8 @@ from ..text import Detokenizer, StopMatcher, StopStrings
 
 if TYPE_CHECKING:
     from ..backend.base import Sampler
-    from .kvcache import Slot
-    from .speculative import DraftState
+    from .kv.kvcache import Slot
+    from .spec.speculative import DraftState
 
 __all__ = ["TERMINAL_STATES", "Receiver", "Request", "Sequence", "SequenceState"]
 

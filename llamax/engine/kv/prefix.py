@@ -1,12 +1,12 @@
 """Prefix reuse: which slot holds the longest prefix of a prompt, and which finished slots
-are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kvcache.KVCache`.
+are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kv.kvcache.KVCache`.
 
 A finished sequence's slot is *retained*: its cells stay in KV so a later prompt that starts
 the same way copies them instead of computing them. Retained slots are evicted least
 recently used first whenever a sequence id or cells are needed; active and pinned (session)
 slots never are. An evicted slot's state goes to the host-RAM tier below
-(:mod:`llamax.engine.prefix_ram`) when one is enabled, and what that tier drops to stay
-within its budget goes to the disk tier (:mod:`llamax.engine.prefix_disk`), if any (with
+(:mod:`llamax.engine.kv.prefix_ram`) when one is enabled, and what that tier drops to stay
+within its budget goes to the disk tier (:mod:`llamax.engine.kv.prefix_disk`), if any (with
 no RAM tier, evicted slots go there directly); ``evict_all`` (``clear_cache``) empties
 every tier.
 
@@ -17,15 +17,17 @@ reports both, so a newcomer can wait for an in-flight prefix instead of computin
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..adapters import NO_ADAPTERS, AdapterSet
-from ..config import EngineConfig
-from ..tokens import common_prefix_len
+from ...adapters import NO_ADAPTERS, AdapterSet
+from ...backend.base import Backend
+from ...config import EngineConfig
+from ...tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix_disk import PrefixDiskTier, default_disk_budget
 from .prefix_ram import PrefixRamTier, RamEntry, default_budget
@@ -179,16 +181,18 @@ class PrefixCache:
             self.disk.store(entry.tokens, entry.data, entry.adapters)
 
     @classmethod
-    def build(
-        cls, cache: KVCache, config: EngineConfig, *, retain: bool, model: str
-    ) -> PrefixCache:
-        """The prefix cache over ``cache`` with the tiers ``config`` asks for: a budget
-        left to the machine is this context's share of its default (a quarter of the
-        memory available, half the directory's free space, each capped at 8 GiB).
+    def build(cls, cache: KVCache, config: EngineConfig, backend: Backend) -> PrefixCache:
+        """The prefix cache over ``cache`` with the tiers ``config`` asks for, if it asks
+        for one (``prefix_cache``) and ``backend``'s memory can share a prefix; entries
+        are marked with the backend's model identity. A budget left to the machine is this
+        context's share of its default (a quarter of the memory available, half the
+        directory's free space, each capped at 8 GiB).
 
         Raises:
             InvalidParameterError: the disk tier's directory cannot be used (or is in use).
         """
+        retain = config.prefix_cache and backend.can_share_prefix
+        model = json.dumps(backend.model_identity, sort_keys=True, default=str)
         ram_bytes = config.prefix_ram_bytes
         if ram_bytes is None:
             ram_bytes = int(default_budget() * config.prefix_ram_share)

@@ -1,7 +1,7 @@
 """Step costs measured on the machine the engine runs on, before its first request.
 
-The time-budgeted steps (:mod:`llamax.engine.step_budget`) and the pricing of speculative
-drafts (:class:`~llamax.engine.speculative.DecodeCost`) predict what a step will cost. They
+The time-budgeted steps (:mod:`llamax.engine.timing.step_budget`) and the pricing of speculative
+drafts (:class:`~llamax.engine.spec.speculative.DecodeCost`) predict what a step will cost. They
 learn online from measured steps, but their first predictions came from coefficients
 fitted on one machine (a 2-thread AVX-512 CPU and SmolLM2-135M). On a CPU whose prefill is
 1.6x slower the first chunks of a long prompt overran their budget, and the decode rows
@@ -42,10 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backend.base import Backend, BatchItem, Calibratable, Clocked, DecodeStatus
-from ..errors import EngineError
+from ...backend.base import Backend, BatchItem, Calibratable, Clocked, DecodeStatus
+from ...errors import EngineError
+from ..spec.speculative import DecodeCost
 from .chunk_budget import ChunkBudget
-from .speculative import DecodeCost
 from .step_budget import PRIOR_COEFFICIENTS, StepCostModel, StepFeatures
 
 __all__ = [
@@ -68,7 +68,7 @@ MAX_DEPTH = 2048
 MAX_DECODE_ROWS = 8
 """The most sequences whose decode rows are timed together."""
 _RIDGE = 0.05  # pull, per coefficient, toward the prior scaled to this machine
-_log = logging.getLogger("llamax.engine.calibration")
+_log = logging.getLogger("llamax.engine.timing.calibration")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,7 @@ class Calibration:
     """What each attended KV cell adds, per token."""
     row_attention_s: float
     """What each cell adds on top when attended row by row (micro-batches of fewer than 64
-    rows, see :mod:`llamax.engine.step_budget`)."""
+    rows, see :mod:`llamax.engine.timing.step_budget`)."""
     decode_base_s: float
     """A decode-only step's fixed cost (the line draft tokens are priced with)."""
     decode_token_s: float
@@ -104,7 +104,7 @@ class Calibration:
     @property
     def coefficients(self) -> tuple[float, float, float, float]:
         """``(fixed_s, token_s, attention_s, row_attention_s)``, as
-        :class:`~llamax.engine.step_budget.StepCostModel` takes them."""
+        :class:`~llamax.engine.timing.step_budget.StepCostModel` takes them."""
         return (self.fixed_s, self.token_s, self.attention_s, self.row_attention_s)
 
     def to_json(self) -> str:

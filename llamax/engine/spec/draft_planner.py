@@ -1,11 +1,11 @@
 """Draft planning: which speculative draft tokens a step verifies.
 
-:class:`DraftPlanner` asks each candidate's :class:`~llamax.engine.speculative.DraftState`
+:class:`DraftPlanner` asks each candidate's :class:`~llamax.engine.spec.speculative.DraftState`
 for a proposal and cuts it to the tokens worth computing, from the sequences' measured
 acceptance rates and the learned cost of a decode token
-(:class:`~llamax.engine.speculative.DecodeCost`). It sees numbers and draft states only;
+(:class:`~llamax.engine.spec.speculative.DecodeCost`). It sees numbers and draft states only;
 the scheduler says who may draft and how far (KV room, ``max_tokens``), puts the drafts in
-the plan, and verifies them after the decode (:meth:`llamax.engine.scheduler.Scheduler.update`).
+the plan, and :class:`~llamax.engine.spec.drafts.Drafting` verifies them after the decode.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
-from ..drafting import PromptLookup, Speculative
+from ...drafting import PromptLookup, Speculative
 from .speculative import DecodeCost, DraftState, SharedAcceptance, window
 
 __all__ = ["DraftPlanner", "confirms", "draft_limit", "drafting_method"]
@@ -82,7 +82,7 @@ class DraftPlanner:
         """The draft tokens each candidate feeds this step.
 
         What is proposed but not verified is remembered by the candidate's draft state
-        (:meth:`~llamax.engine.speculative.DraftState.skipped`), to learn its acceptance
+        (:meth:`~llamax.engine.spec.speculative.DraftState.skipped`), to learn its acceptance
         rate anyway.
 
         Args:
@@ -133,10 +133,11 @@ class DraftPlanner:
         The step decoded ``num_rows`` sequences, ``drafted`` are the states of those that
         fed drafts and how many tokens each, and it took ``seconds``. Without drafts it
         would have taken the measured cost of ``num_rows`` rows
-        (:meth:`~llamax.engine.speculative.DecodeCost.plain`); the difference is what the
+        (:meth:`~llamax.engine.spec.speculative.DecodeCost.plain`); the difference is what the
         drafts cost, shared in proportion to their tokens. Each accepted token saved one
         row's share of that plain step: a token the sequence would otherwise have waited a
-        step for. Each state weighs the two (:meth:`~llamax.engine.speculative.DraftState.audit`).
+        step for. Each state weighs the two
+        (:meth:`~llamax.engine.spec.speculative.DraftState.audit`).
         """
         total = sum(num for _, num in drafted)
         if total <= 0:
@@ -154,7 +155,7 @@ class DraftPlanner:
 
         The ``j``-th draft token of a sequence is accepted with probability ``a**j`` (its
         measured rate ``a``) and costs what one more token adds to a step of decode rows
-        (:class:`~llamax.engine.speculative.DecodeCost`). Tokens are taken greedily, best
+        (:class:`~llamax.engine.spec.speculative.DecodeCost`). Tokens are taken greedily, best
         gain per second first, while each raises the step's expected tokens per second:
         under a full batch a token already costs its full share, so drafting yields unless
         nearly certain; a step with prompt chunks is compute-bound and gets no drafts. The

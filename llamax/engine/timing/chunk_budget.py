@@ -1,10 +1,11 @@
 """Time-budgeted chunking: how many prompt tokens each step computes beside its decode rows.
 
-:class:`ChunkBudget` turns ``max_step_ms`` and :class:`~llamax.engine.step_budget.StepCostModel`'s
-prediction into chunk sizes (the idea and the measurements are in
-:mod:`llamax.engine.step_budget`). It sees numbers only (tokens, cells, positions); the
-scheduler asks it once per step (:meth:`ChunkBudget.start_step`) and once per prompt chunk
-(:meth:`ChunkBudget.chunk`), and applies the answers.
+:class:`ChunkBudget` turns ``max_step_ms`` and
+:class:`~llamax.engine.timing.step_budget.StepCostModel`'s prediction into chunk sizes (the
+idea and the measurements are in :mod:`llamax.engine.timing.step_budget`). It sees numbers
+only (tokens, cells, positions); the scheduler asks it once per step
+(:meth:`ChunkBudget.start_step`) and once per prompt chunk (:meth:`ChunkBudget.chunk`), and
+applies the answers.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class ChunkBudget:
         max_step_ms: The time prompt chunks may add to a step's decode rows; None gives
             every chunk what the batch has room for.
         waste: The backend's tile waste table
-            (:func:`~llamax.engine.step_budget.tile_waste_table`).
+            (:func:`~llamax.engine.timing.step_budget.tile_waste_table`).
     """
 
     def __init__(self, n_batch: int, max_step_ms: float | None, *, waste: Waste | None = None):

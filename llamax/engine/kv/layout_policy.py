@@ -23,8 +23,9 @@ layout then stays while the unfinished sequences hold :data:`SHARING_KEEPS_UNIFI
 more tokens than the cache has cells in use.
 
 :class:`LayoutPolicy` decides on numbers (token counts); the layout's state and its moves
-belong to :class:`~llamax.engine.kvcache.KVCache` (:class:`~llamax.engine.kvcache.LayoutState`);
-the scheduler makes room before a move and performs it.
+belong to :class:`~llamax.engine.kv.kvcache.KVCache`
+(:class:`~llamax.engine.kv.kvcache.LayoutState`); :class:`~llamax.engine.kv.relayout.Relayout`
+asks the policy and makes the move, the scheduler makes room before it.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..backend.base import Backend, Inspectable
+from ...backend.base import Backend, Inspectable
+from ..sequence import Sequence as Seq
 from .kvcache import KVCache, Slot, SlotState
-from .sequence import Sequence as Seq
 
 __all__ = ["audit"]
 

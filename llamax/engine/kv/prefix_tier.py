@@ -1,13 +1,14 @@
 """The seam under the KV prefix cache: what every tier of evicted prefixes answers. Pure Python.
 
 A tier keeps evicted prefixes' saved KV states (``llama_state_seq_get_data``) somewhere
-cheaper than KV: host RAM (:mod:`llamax.engine.prefix_ram`), files
-(:mod:`llamax.engine.prefix_disk`). Admission asks every tier one question, "how many
+cheaper than KV: host RAM (:mod:`llamax.engine.kv.prefix_ram`), files
+(:mod:`llamax.engine.kv.prefix_disk`). Admission asks every tier one question, "how many
 tokens of this prompt can you give me" (:meth:`PrefixTier.lookup`, a :class:`PrefixHit`),
 and restores the best answer through one path (:meth:`PrefixTier.hold`, :meth:`~PrefixTier.read`,
 :meth:`~PrefixTier.release`), in the spirit of vLLM's KV connector. A tier is one class:
 its entries live in a :class:`ByteLRU` (least recently used out first, by bytes, with the
-byte audit) and it counts in :class:`TierCounters`, reported as frozen :class:`TierStats`.
+byte audit) and it counts in a frozen :class:`TierStats` (:meth:`TierStats.counted`),
+reported with its sizes; :class:`StoredTier` holds both for every tier.
 
 An entry is worth its longest common prefix with the prompt, never the prompt's last
 token (computed for its logits): :func:`best_prefix`.
@@ -15,13 +16,14 @@ token (computed for its logits): :func:`best_prefix`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from ..adapters import AdapterSet
-from ..tokens import common_prefix_len
+from ...adapters import AdapterSet
+from ...tokens import common_prefix_len
 
 __all__ = [
     "MIN_STORED_TOKENS",
@@ -29,7 +31,7 @@ __all__ = [
     "PrefixHit",
     "PrefixTier",
     "StoredPrefix",
-    "TierCounters",
+    "StoredTier",
     "TierStats",
     "best_prefix",
 ]
@@ -95,42 +97,19 @@ class TierStats:
     restore_seconds: float = 0.0
     """Time spent reading and restoring (successful or not)."""
 
-
-@dataclass(slots=True)
-class TierCounters:
-    """A tier's running counts (:class:`TierStats` without the sizes)."""
-
-    num_stored: int = 0
-    num_dropped: int = 0
-    num_store_failures: int = 0
-    num_hits: int = 0
-    num_restores: int = 0
-    num_refused: int = 0
-    num_restored_tokens: int = 0
-    restore_seconds: float = 0.0
-
-    def record_restore(self, num_tokens: int, seconds: float) -> None:
-        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
-        self.restore_seconds += seconds
-        if num_tokens:
-            self.num_restores += 1
-            self.num_restored_tokens += num_tokens
-
-    def stats(self, *, num_bytes: int, budget_bytes: int, num_entries: int) -> TierStats:
-        """These counts with the tier's sizes, frozen."""
-        return TierStats(
-            num_bytes=num_bytes,
-            budget_bytes=budget_bytes,
-            num_entries=num_entries,
-            num_stored=self.num_stored,
-            num_dropped=self.num_dropped,
-            num_store_failures=self.num_store_failures,
-            num_hits=self.num_hits,
-            num_restores=self.num_restores,
-            num_refused=self.num_refused,
-            num_restored_tokens=self.num_restored_tokens,
-            restore_seconds=self.restore_seconds,
+    def counted(self, **deltas: float) -> TierStats:
+        """These stats with ``deltas`` added to the counters they name (a tier keeps its
+        counts in a :class:`TierStats` and reports it with its sizes)."""
+        return dataclasses.replace(
+            self, **{name: getattr(self, name) + delta for name, delta in deltas.items()}
         )
+
+    def with_restore(self, num_tokens: int, seconds: float) -> TierStats:
+        """These stats after a restore gave ``num_tokens`` prompt tokens (0: none) in
+        ``seconds``."""
+        if not num_tokens:
+            return self.counted(restore_seconds=seconds)
+        return self.counted(restore_seconds=seconds, num_restores=1, num_restored_tokens=num_tokens)
 
 
 class PrefixTier(Protocol[E]):
@@ -345,3 +324,58 @@ class ByteLRU(Generic[K, V]):
             if key != self._key(entry):
                 problems.append(f"an entry of {self._label} is filed under another key")
         return problems
+
+
+class StoredTier(Generic[K, E]):
+    """What every tier shares: its entries in a :class:`ByteLRU`, its counts in a
+    :class:`TierStats`, and the queries over both. A tier adds where its entries live
+    (:meth:`PrefixTier.store`, ``hold``, ``read``, ``release``, ``lookup``).
+
+    Args:
+        lru: The tier's entries.
+        model: The identity of the model every entry was computed with.
+        min_tokens: Shorter prefixes are not stored.
+    """
+
+    def __init__(self, lru: ByteLRU[K, E], *, model: str, min_tokens: int) -> None:
+        self.model = model
+        self.min_tokens = min_tokens
+        self._lru = lru
+        self.counts = TierStats()
+        """The counters (:meth:`stats` adds the sizes)."""
+
+    @property
+    def budget_bytes(self) -> int:
+        """The most bytes kept."""
+        return self._lru.budget_bytes
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes held."""
+        return self._lru.num_bytes
+
+    @property
+    def num_entries(self) -> int:
+        """Entries held."""
+        return len(self._lru)
+
+    def entries(self) -> list[E]:
+        """Entries, least recently used first."""
+        return list(self._lru)
+
+    def stats(self) -> TierStats:
+        """Counters and sizes, frozen."""
+        return dataclasses.replace(
+            self.counts,
+            num_bytes=self.num_bytes,
+            budget_bytes=self.budget_bytes,
+            num_entries=self.num_entries,
+        )
+
+    def record_restore(self, num_tokens: int, seconds: float) -> None:
+        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
+        self.counts = self.counts.with_restore(num_tokens, seconds)
+
+    def audit(self) -> list[str]:
+        """Inconsistencies in the tier's bookkeeping, as sentences."""
+        return self._lru.audit()

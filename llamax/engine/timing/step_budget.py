@@ -91,13 +91,13 @@ _SCALE = np.array([1.0, 1e-2, 1e-5, 1e-5])  # keeps the least-squares problem we
 PRIOR_COEFFICIENTS = (0.004, 0.003, 1e-6, 2e-6)
 """Seconds a step costs, fixed, per token, per attended cell and per cell attended row by
 row, before anything was measured: a 2-thread CPU and SmolLM2-135M. A calibrated context
-starts from its machine's own (:mod:`llamax.engine.calibration`)."""
+starts from its machine's own (:mod:`llamax.engine.timing.calibration`)."""
 _PRIOR = np.array(PRIOR_COEFFICIENTS) / _SCALE
 _MIN_OBSERVATIONS = 4
 _MAX_VARIANCE = 1.0  # bound on the covariance's eigenvalues: the prior's
 _CALIBRATED_VARIANCE = 0.25  # a calibrated start is trusted more than the prior
 _MIN_SPREAD, _OUTLIER_SPREADS = 0.05, 3.0
-_log = logging.getLogger("llamax.engine.step_budget")
+_log = logging.getLogger("llamax.engine.timing.step_budget")
 
 
 @dataclass(frozen=True, slots=True)

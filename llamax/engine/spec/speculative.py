@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..drafting import Drafter, DraftMethod
+from ...drafting import Drafter, DraftMethod
 
 __all__ = ["DecodeCost", "DraftState", "SharedAcceptance", "new_draft_state"]
 
@@ -263,7 +263,7 @@ class DecodeCost:
     def __init__(self, *, smoothing: float = 0.1) -> None:
         self.prior = self.PRIOR
         """``(base, per_token)`` before two token counts were measured: :attr:`PRIOR`, or
-        this machine's (:mod:`llamax.engine.calibration`)."""
+        this machine's (:mod:`llamax.engine.timing.calibration`)."""
         self._smoothing = smoothing
         self._mean: dict[int, float] = {}
         self._count: dict[int, int] = {}

@@ -15,11 +15,11 @@ With ``kv_layout="auto"`` the memory can move between the two (:meth:`KVCache.re
 every sequence then holds cells of its own, in either layout, until it is copied again.
 
 Between streams llama.cpp runs a copy's buffer transfer only at the next decode
-(:mod:`llamax.engine.stream_copies`); before a state read or write that would see the
+(:mod:`llamax.engine.kv.stream_copies`); before a state read or write that would see the
 difference, the queue is run first, so every call here acts at once.
 
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
-and which is evicted first, is :mod:`llamax.engine.prefix`'s business; who may change a slot at
+and which is evicted first, is :mod:`llamax.engine.kv.prefix`'s business; who may change a slot at
 all is the scheduler's (see docs/architecture.md).
 """
 
@@ -30,9 +30,9 @@ import itertools
 from collections.abc import Sequence
 from enum import Enum
 
-from ..adapters import NO_ADAPTERS, AdapterSet
-from ..backend.base import DecodeStatus, KVMemory
-from ..errors import InvalidParameterError
+from ...adapters import NO_ADAPTERS, AdapterSet
+from ...backend.base import DecodeStatus, KVMemory
+from ...errors import InvalidParameterError
 from .stream_copies import QueuedCopies
 
 __all__ = ["LAYOUT_MOVES", "KVCache", "LayoutState", "Slot", "SlotState"]
@@ -71,7 +71,7 @@ class SlotState(Enum):
     ACTIVE = "active"
     """A running sequence."""
     RETAINED = "retained"
-    """A finished sequence kept for its prefix (see :mod:`llamax.engine.prefix`)."""
+    """A finished sequence kept for its prefix (see :mod:`llamax.engine.kv.prefix`)."""
     PINNED = "pinned"
     """Held by a session: never retained nor evicted, released only by the session."""
 
@@ -127,10 +127,7 @@ class KVCache:
 
     def __init__(self, memory: KVMemory, n_seq_max: int) -> None:
         self._memory = memory
-        self._shares_cells = memory.is_unified
-        self._layout = LayoutState.FIXED
-        if memory.can_relayout:
-            self._layout = LayoutState.UNIFIED if memory.is_unified else LayoutState.STREAMS
+        self._is_adaptive = memory.can_relayout  # kv_layout="auto"
         self._relayout_failure: str | None = None
         self._free_ids = list(range(n_seq_max))  # a min-heap: the lowest free id goes first
         self._slots: dict[int, Slot] = {}
@@ -157,8 +154,9 @@ class KVCache:
 
     @property
     def is_unified(self) -> bool:
-        """Whether all sequences share one buffer now (copied prefixes share cells)."""
-        return self._shares_cells
+        """Whether all sequences share one buffer now (copied prefixes share cells): the
+        memory's own answer, the one record of which layout the cells are in."""
+        return self._memory.is_unified
 
     @property
     def cells_per_seq(self) -> int:
@@ -167,13 +165,18 @@ class KVCache:
 
     @property
     def layout(self) -> LayoutState:
-        """Where the layout stands (see :data:`LAYOUT_MOVES`)."""
-        return self._layout
+        """Where the layout stands (see :data:`LAYOUT_MOVES`): derived, not stored, from
+        whether it may move, whether a move failed, and which layout the memory holds."""
+        if not self._is_adaptive:
+            return LayoutState.FIXED
+        if self._relayout_failure is not None:
+            return LayoutState.STUCK
+        return LayoutState.UNIFIED if self._memory.is_unified else LayoutState.STREAMS
 
     @property
     def can_relayout(self) -> bool:
         """Whether :meth:`relayout` may switch layouts."""
-        return self._layout is LayoutState.STREAMS or self._layout is LayoutState.UNIFIED
+        return self._is_adaptive and self._relayout_failure is None
 
     @property
     def relayout_failure(self) -> str | None:
@@ -186,13 +189,13 @@ class KVCache:
         Raises:
             RuntimeError: The layout is not ``kv_layout="auto"``'s, or already stuck.
         """
-        self._move(LayoutState.STUCK)
+        self._check_move(LayoutState.STUCK)
         self._relayout_failure = reason
 
-    def _move(self, to: LayoutState) -> None:
-        if to not in LAYOUT_MOVES[self._layout]:
-            raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
-        self._layout = to
+    def _check_move(self, to: LayoutState) -> None:
+        layout = self.layout
+        if to not in LAYOUT_MOVES[layout]:
+            raise RuntimeError(f"the KV layout cannot move from {layout.value} to {to.value}")
 
     @property
     def num_queued_copies(self) -> int:
@@ -235,16 +238,12 @@ class KVCache:
             RuntimeError: The layout may not move (:attr:`can_relayout` is False).
             RequestFailedError: The memory could not move (nothing changed).
         """
-        if unified == self._shares_cells:
+        if unified == self._memory.is_unified:
             return
-        to = LayoutState.UNIFIED if unified else LayoutState.STREAMS
-        if to not in LAYOUT_MOVES[self._layout]:
-            raise RuntimeError(f"the KV layout cannot move from {self._layout.value} to {to.value}")
+        self._check_move(LayoutState.UNIFIED if unified else LayoutState.STREAMS)
         if self._queued:  # the move reads every state, and the old context's queue never runs
             self._run_queue()
         self._memory.relayout(unified)
-        self._move(to)
-        self._shares_cells = unified
         self._refs.clear()
         for slot in self._slots.values():
             slot.cells = []
@@ -272,7 +271,7 @@ class KVCache:
         them: shared cells in a unified cache, a copied stream otherwise."""
         if dst.tokens:
             raise ValueError(f"copy into a non-empty slot {dst!r}")
-        if self._shares_cells:
+        if self._memory.is_unified:
             self._memory.seq_cp(src.seq_id, dst.seq_id, 0, num)
             dst.tokens = src.tokens[:num]
             dst.cells = src.cells[:num]

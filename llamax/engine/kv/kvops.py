@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from ..adapters import NO_ADAPTERS, AdapterSet
+from ...adapters import NO_ADAPTERS, AdapterSet
 
 __all__ = [
     "Audit",

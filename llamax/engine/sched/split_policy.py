@@ -9,7 +9,7 @@ least :data:`SPLIT_SPAN_RATIO` times what a decode row attends to on average: ro
 share a long prefix keep the tiled kernel. Only on the CPU: a GPU would read the weights
 once per call and gain nothing.
 
-Pure numbers in, row groups out; :meth:`llamax.engine.scheduler.Scheduler.split` applies them.
+Pure numbers in, row groups out; :meth:`llamax.engine.sched.scheduler.Scheduler.split` applies them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .step_budget import TILE_ROWS
+from ..timing.step_budget import TILE_ROWS
 
 __all__ = ["SPLIT_SPAN_RATIO", "SplitPolicy"]
 

@@ -9,7 +9,7 @@ never evicts the slot it copies from), keeps the slot's common prefix and drops 
 In a unified cache a newcomer fits only if ``cells_used + pending tokens + its new cells
 <= n_ctx``, after evicting retained slots (never its source).
 
-When a tier below KV (:mod:`llamax.engine.prefix_tier`: host RAM, disk) holds a longer
+When a tier below KV (:mod:`llamax.engine.kv.prefix_tier`: host RAM, disk) holds a longer
 prefix than any slot, the newcomer gets a fresh slot with that state restored and cut to
 the shared prefix (evicting retained slots for it, the one that gives the shorter prefix
 included). The tier giving the most is tried first, the upper one among equals; if there is
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..adapters import NO_ADAPTERS, AdapterSet
-from ..tokens import common_prefix_len
+from ...adapters import NO_ADAPTERS, AdapterSet
+from ...tokens import common_prefix_len
 from .kvcache import KVCache, Slot, SlotState
 from .prefix import PrefixCache
 from .prefix_tier import PrefixHit, PrefixTier

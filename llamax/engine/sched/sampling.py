@@ -21,13 +21,13 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..backend.base import Backend
-from ..errors import RequestFailedError
-from ..params import LogitsProcessor
-from ..results import TokenLogprob, TopLogprob
-from .plan import ScheduledSequence
-from .sequence import Request
-from .sequence import Sequence as Seq
+from ...backend.base import Backend
+from ...errors import RequestFailedError
+from ...params import LogitsProcessor
+from ...results import TokenLogprob, TopLogprob
+from ..plan import ScheduledSequence
+from ..sequence import Request
+from ..sequence import Sequence as Seq
 
 __all__ = [
     "BatchLogitsProcessor",

@@ -1,5 +1,5 @@
 """The scheduler's side of sessions and cache-wide operations: it applies every
-:mod:`llamax.engine.kvops` operation on the loop thread, between steps.
+:mod:`llamax.engine.kv.kvops` operation on the loop thread, between steps.
 
 A session is a pinned slot known by a session id. Its requests are admitted into that slot
 (keeping the common prefix of what it holds); ``ReleaseSession`` first cancels a request
@@ -11,9 +11,11 @@ from __future__ import annotations
 import itertools
 from typing import Protocol
 
-from ..adapters import AdapterSet
-from ..backend.base import Backend
-from ..errors import InvalidParameterError, SessionError, SessionLoadError
+from ...adapters import AdapterSet
+from ...backend.base import Backend
+from ...errors import InvalidParameterError, SessionError, SessionLoadError
+from ..plan import StepResult
+from ..sequence import Request, Sequence
 from .audit import audit
 from .kvcache import KVCache, Slot
 from .kvops import (
@@ -29,9 +31,7 @@ from .kvops import (
     SaveSession,
     ShiftSession,
 )
-from .plan import StepResult
 from .prefix import PrefixCache
-from .sequence import Request, Sequence
 
 __all__ = ["SessionOwner", "SessionTable"]
 

@@ -1,6 +1,6 @@
 """The host-RAM tier below the KV prefix cache. Pure Python.
 
-When :class:`~llamax.engine.prefix.PrefixCache` evicts a retained slot, its saved KV state
+When :class:`~llamax.engine.kv.prefix.PrefixCache` evicts a retained slot, its saved KV state
 (``llama_state_seq_get_data``) is kept here, within a byte budget, instead of being lost.
 A later prompt that shares a longer prefix with a stored entry than with any KV slot gets
 that state restored into a fresh slot (``llama_state_seq_set_data``), cut to the shared
@@ -16,7 +16,7 @@ so a prefix is held by one tier at a time.
 
 Entries are keyed by ``(adapters, tokens)``; a tier belongs to one context and so to one
 model (:attr:`PrefixRamTier.model`). The tier is one
-:class:`~llamax.engine.prefix_tier.PrefixTier`: admission looks it up and restores from it
+:class:`~llamax.engine.kv.prefix_tier.PrefixTier`: admission looks it up and restores from it
 as from any other.
 """
 
@@ -26,8 +26,8 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..adapters import NO_ADAPTERS, AdapterSet
-from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, TierCounters, TierStats, best_prefix
+from ...adapters import NO_ADAPTERS, AdapterSet
+from .prefix_tier import MIN_STORED_TOKENS, ByteLRU, PrefixHit, StoredTier, best_prefix
 
 __all__ = [
     "MAX_DEFAULT_BYTES",
@@ -80,7 +80,7 @@ class RamEntry:
         return self.adapters, self.tokens
 
 
-class PrefixRamTier:
+class PrefixRamTier(StoredTier[Key, RamEntry]):
     """Evicted prefixes' states in host RAM, least recently used first out, by bytes.
 
     Args:
@@ -94,48 +94,21 @@ class PrefixRamTier:
     def __init__(
         self, budget_bytes: int, *, model: str = "", min_tokens: int = MIN_STORED_TOKENS
     ) -> None:
-        self.model = model
-        self.min_tokens = min_tokens
-        self._lru: ByteLRU[Key, RamEntry] = ByteLRU(
+        lru: ByteLRU[Key, RamEntry] = ByteLRU(
             budget_bytes,
             size=lambda e: len(e.data),
             key=lambda e: e.key,
             on_drop=self._dropped,
             label="the RAM tier",
         )
+        super().__init__(lru, model=model, min_tokens=min_tokens)
         self.on_drop: Callable[[RamEntry], None] | None = None
         """Called with each entry dropped to stay within the budget (the disk tier takes it)."""
-        self.counters = TierCounters()
-
-    @property
-    def budget_bytes(self) -> int:
-        """The most bytes of state kept."""
-        return self._lru.budget_bytes
 
     @property
     def is_enabled(self) -> bool:
         """Whether anything may be stored."""
         return self.budget_bytes > 0
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes of state held."""
-        return self._lru.num_bytes
-
-    @property
-    def num_entries(self) -> int:
-        """Entries held."""
-        return len(self._lru)
-
-    def entries(self) -> list[RamEntry]:
-        """Entries, least recently used first."""
-        return list(self._lru)
-
-    def stats(self) -> TierStats:
-        """Counters and sizes, frozen."""
-        return self.counters.stats(
-            num_bytes=self.num_bytes, budget_bytes=self.budget_bytes, num_entries=self.num_entries
-        )
 
     # ------------------------------------------------------------------ changes
     def wants(self, num_tokens: int, adapters: AdapterSet = NO_ADAPTERS) -> bool:
@@ -150,11 +123,11 @@ class PrefixRamTier:
             RamEntry(adapters, tuple(tokens), data)
         ):
             return False
-        self.counters.num_stored += 1
+        self.counts = self.counts.counted(num_stored=1)
         return True
 
     def _dropped(self, entry: RamEntry) -> None:
-        self.counters.num_dropped += 1
+        self.counts = self.counts.counted(num_dropped=1)
         if self.on_drop is not None:
             self.on_drop(entry)
 
@@ -162,7 +135,7 @@ class PrefixRamTier:
         """Move the entry out of the tier (counted as a hit): the evictions that make room
         for it spill into this tier, and a restored prefix lives in KV, not here."""
         self._lru.pop(hit.entry.key)
-        self.counters.num_hits += 1
+        self.counts = self.counts.counted(num_hits=1)
 
     def read(self, hit: PrefixHit[RamEntry]) -> bytes:
         """The held entry's state."""
@@ -172,13 +145,9 @@ class PrefixRamTier:
         """The restore did not happen: the entry comes back as the most recently used (no
         room), or stays out, counted refused."""
         if refused:
-            self.counters.num_refused += 1
+            self.counts = self.counts.counted(num_refused=1)
         else:
             self._lru.put(hit.entry)
-
-    def record_restore(self, num_tokens: int, seconds: float) -> None:
-        """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
-        self.counters.record_restore(num_tokens, seconds)
 
     def clear(self) -> int:
         """Drop every entry; return how many."""
@@ -214,7 +183,3 @@ class PrefixRamTier:
             min_tokens=self.min_tokens,
         )
         return None if found is None else PrefixHit(self, *found)
-
-    def audit(self) -> list[str]:
-        """Inconsistencies in the tier's bookkeeping, as sentences."""
-        return self._lru.audit()

@@ -12,7 +12,7 @@ stream's buffer holds *then*. State reads and writes (``llama_state_seq_get_data
 - a move to a new context (a relayout) reads stale destinations, and the old context's
   queue never runs.
 
-:class:`~llamax.engine.kvcache.KVCache`, the one place that emits memory calls, records each
+:class:`~llamax.engine.kv.kvcache.KVCache`, the one place that emits memory calls, records each
 queued copy here and, before such a call, asks :meth:`QueuedCopies.blocks_read` /
 :meth:`~QueuedCopies.blocks_write` and has the memory run its queue first
 (``KVMemory.run_queued_copies``: llama.cpp has no call for that but a decode). Every

@@ -1,0 +1,468 @@
+"""Continuous-batching scheduler. Pure Python: the one owner of every sequence and KV slot.
+
+Design note: there is no separate prefill phase and decode phase. Every running sequence
+has ``num_computed`` tokens in its KV slot and ``num_pending`` tokens still to compute; a
+step gives each running sequence up to ``num_pending`` tokens under one token budget.
+Sequences with one pending token (decoding) go first, so long prompts are chunked around
+them and never stall streams for more than one chunk. A preempted sequence drops its
+cells and re-queues; its prompt plus generated tokens are recomputed, so greedy output
+continues unchanged. ``n > 1`` choices fork from the leader's last prompt row: they share
+its cells and sample their first token from the same logits.
+
+KV accounting: cells are counted exactly by :class:`~llamax.engine.kv.kvcache.KVCache`. In a
+unified cache a step may start only if ``cells_used + pending tokens <= n_ctx``; retained
+slots are evicted first, then the newest running sequence is preempted (LIFO). Changes
+asked for from outside a step arrive as typed operations (:mod:`llamax.engine.kv.kvops`)
+through :meth:`Scheduler.apply`.
+
+The scheduler decides and changes the state of sequences; the components it holds own
+the rest and compute, on numbers where they can: the KV cells (``kv``), the prefix cache
+and its tiers (``prefix``), slot placement (``placer``), the layout's moves (``layout``),
+the room beside open sessions (``room``), the sessions (``sessions``), the step's time
+budget and shape (``planner``), drafting (``drafts``), LoRA turns (``turns``) and fair
+shares of sequence ids (``fair``). Read-only questions go to the component that owns the
+answer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+from ...adapters import AdapterSet
+from ...backend.base import Backend, Clocked
+from ...config import EngineConfig
+from ...errors import KVCapacityError, RequestFailedError
+from ...results import TokenEvent, TokenLogprob
+from ..kv.admission import Outcome, SlotPlacer
+from ..kv.kvcache import KVCache
+from ..kv.kvops import KVOp, RestoreSession
+from ..kv.prefix import PrefixCache
+from ..kv.relayout import Relayout
+from ..kv.room import Room
+from ..kv.session_table import SessionTable
+from ..plan import ScheduledSequence, StepPlan, StepResult
+from ..sequence import TERMINAL_STATES, Request, Sequence, SequenceState
+from ..spec.drafts import Drafting, Verify
+from ..timing.chunk_budget import halve_newest_chunk
+from ..timing.step_budget import StepFeatures
+from .adapter_turns import AdapterTurns
+from .fair_share import FairShare
+from .step_planner import StepPlanner
+
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerStats", "StepPlan", "StepResult"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The scheduler's own counters (their meaning: :class:`~llamax.stats.ContextStats`)."""
+
+    num_waiting: int
+    num_running: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """Owns every state change of every sequence and slot. Driven by one thread at a time.
+
+    Args:
+        backend: The backend the scheduler drives.
+        config: The engine's options (``prefix_cache``: whether finished slots are
+            retained for their prefix; ``max_step_ms``: the time prompt chunks may add to
+            a step's decode rows; the prefix tiers' budgets and directory; ``speculative``).
+        allow_drafts: Whether sequences may draft at all.
+
+    Raises:
+        InvalidParameterError: the disk tier's directory cannot be used (or is in use).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        config: EngineConfig | None = None,
+        *,
+        allow_drafts: bool = True,
+    ) -> None:
+        config = config if config is not None else EngineConfig()
+        self.backend = backend
+        """The backend this scheduler drives."""
+        self._n_batch = backend.n_batch
+        self.kv = KVCache(backend, backend.n_seq_max)
+        self.prefix = PrefixCache.build(self.kv, config, backend)
+        self.placer = SlotPlacer(self.kv, self.prefix, backend.n_ctx)
+        self.fair: FairShare[Request] = FairShare(backend.n_seq_max)
+        self.planner = StepPlanner(backend, config.max_step_ms, self.kv, self.prefix, self.fair)
+        self.budget = self.planner.budget
+        self.step_cost = self.budget.cost
+        """What a step costs (learned from measured steps; the planner's time budget's)."""
+        self.drafts = Drafting(
+            backend, self.kv, config.speculative, self.budget.max_step_s, allow=allow_drafts
+        )
+        self.turns = AdapterTurns()
+        self.layout = Relayout(backend, self.kv, self.prefix)
+        self.sessions = SessionTable(self)
+        self.room = Room(backend, self.kv, self.layout, self.sessions)
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_cached_tokens = 0
+        self.clock = backend.clock if isinstance(backend, Clocked) else time.perf_counter
+        """What steps are timed with (a :class:`~llamax.backend.base.Clocked` backend's)."""
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens the running sequences still have to compute."""
+        return sum(seq.num_pending for seq in self._running)
+
+    def all_sequences(self) -> list[Sequence]:
+        """Every waiting and running sequence."""
+        return self._waiting + self._running
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's own counters now."""
+        return SchedulerStats(
+            len(self._waiting),
+            len(self._running),
+            self.num_prefill_tokens,
+            self.num_decode_tokens,
+            self.num_cached_tokens,
+            self.num_preemptions,
+        )
+
+    # ------------------------------------------------------------------ changes
+    def add(self, request: Request) -> None:
+        """Queue every sequence of a new request."""
+        self.drafts.start(request)
+        for seq in request.sequences:
+            bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
+
+    def apply(self, op: KVOp[T], result: StepResult) -> T:
+        """Apply a KV operation between steps; events it causes go into ``result``."""
+        if isinstance(op, RestoreSession) and self.layout.should_unify_for(len(op.tokens)):
+            self._relayout(True, result)  # a saved session beyond a stream
+        return cast(T, self.sessions.apply(op, result))
+
+    def schedule(self, result: StepResult) -> StepPlan:
+        """Choose the KV layout, make room, admit what fits, and plan one step: decode rows
+        first, then prompt chunks (:mod:`~llamax.engine.timing.chunk_budget`). Requests that cannot
+        go on end with their events in ``result``."""
+        self.room.count_idle(self._running)
+        self._end_what_cannot_fit(result)
+        move = self.layout.next_move(
+            self._waiting, self._running, token_s=self.budget.cost.coefficients[1]
+        )
+        if move is not None:
+            self._relayout(move, result)
+        if self.kv.is_unified:
+            self._make_room(lambda: self.kv.num_cells_used, keep=1)
+        self._share_sequence_ids()
+        for group in self.turns.order([*self._running, *self._waiting]):
+            plan = self._plan_group(group)
+            if not plan.is_empty:
+                self.turns.served(group)
+                return plan
+        return StepPlan()
+
+    def _plan_group(self, group: AdapterSet | None) -> StepPlan:
+        """Plan the step over the sequences of adapter set ``group`` (None: all)."""
+
+        def ours(seq: Sequence) -> bool:
+            return group is None or seq.request.adapters == group
+
+        running = [seq for seq in self._running if ours(seq)]
+        decode = [seq for seq in running if seq.num_pending == 1][: self._n_batch]
+        slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
+        budget = self._n_batch - len(decode)
+        fixed = self.planner.start(decode)
+        for seq in running:
+            if seq.num_pending > 1 and budget > 0:
+                take, fixed = self.planner.chunk(seq, budget, fixed, len(decode))
+                if take:
+                    slots.append((seq, take))
+                    budget -= take
+        # requests below their share first; those at it take the ids left (no id idles)
+        waiting = [seq for seq in self._waiting if ours(seq)]
+        over = [seq for seq in waiting if self.fair.is_over(seq.request)]
+        under = [seq for seq in waiting if not self.fair.is_over(seq.request)]
+        blocker = self.turns.blocker(group, self._waiting)
+        for seq in under + over:
+            if budget <= 0:
+                break
+            if blocker is not None and seq.sort_key > blocker.sort_key:
+                continue  # another set's earlier request lacks room: it goes first
+            if self.planner.is_fork_candidate(seq):
+                continue
+            outcome = self._try_admit(seq)
+            if outcome is Outcome.NO_ROOM:
+                self.turns.lacked_room(seq, group)
+                break  # first come, first served: nobody overtakes a request that lacks room
+            if outcome is Outcome.ADMITTED:
+                self.fair.add(seq.request)
+                take, fixed = self.planner.chunk(seq, budget, fixed, len(decode))
+                if take:
+                    slots.append((seq, take))
+                    budget -= take
+        drafts = self.drafts.plan(
+            slots, budget, lambda: self.num_pending_tokens, self.room.capacity
+        )
+        return self.planner.build(slots, drafts)
+
+    # ------------------------------------------------------------------ layout
+    def _relayout(self, unified: bool, result: StepResult) -> None:
+        """Move the cache to the other layout. If that fails, stay in this layout from now
+        on; when moving to unified, fail the sequences that outgrew their streams."""
+        seconds = self.layout.move(unified, self.clock, self._make_room_to_unify)
+        if seconds is not None:
+            self.budget.note_pause(seconds)
+        elif unified:
+            for seq, reason in self.room.outgrew_streams(self.all_sequences()):
+                self.fail(seq.request, RequestFailedError(reason), result)
+
+    # ------------------------------------------------------------------ fairness
+    def _share_sequence_ids(self) -> None:
+        """Preempt for each deprived waiting request one sequence of the richest request
+        (:mod:`llamax.engine.sched.fair_share`)."""
+        fair = self.fair
+        fair.count((s.request for s in self._running), (s.request for s in self._waiting))
+        for request in fair.deprived:
+            if request.session_id is not None:
+                continue
+            if self.kv.num_free_seq_ids or self.prefix.num_retained:
+                break  # an id is there, or comes from an eviction at admission
+            richest = fair.richest()
+            if richest is None:
+                break
+            mine = [s for s in self._running if s.request is richest]
+            victim = min(reversed(mine), key=lambda s: s.num_computed)  # cheapest to redo
+            self._preempt(victim)
+            fair.add(richest, -1)
+
+    def _end_what_cannot_fit(self, result: StepResult) -> None:
+        """End the sequences that can never get the cells they need beside the idle open
+        sessions: with ``length`` if they have output, else with a KVCapacityError."""
+        for seq, reason in self.room.never_fit(self.all_sequences()):
+            if seq.num_generated:
+                self._finish(seq, SequenceState.FINISHED_LENGTH, result)
+            else:
+                self.fail(seq.request, KVCapacityError(reason()), result)
+
+    def shrink(self, plan: StepPlan) -> StepPlan:
+        """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else
+        evict a retained prefix, else preempt the newest sequence."""
+        slots = [(e.seq, len(e.item.token_ids) - len(e.draft)) for e in plan.entries]
+        halved = None if plan.num_drafted else halve_newest_chunk([n for _, n in slots])
+        if halved is not None:
+            slots = [(seq, n) for (seq, _), n in zip(slots, halved, strict=True) if n]
+        elif not plan.num_drafted and not self.prefix.evict_one() and slots:
+            victim = max((seq for seq, _ in slots), key=self._running.index)
+            self._preempt(victim)
+            slots = [(seq, n) for seq, n in slots if seq is not victim]
+        return self.planner.build(slots)
+
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[Sequence, int],
+        logprobs: Mapping[Sequence, TokenLogprob],
+        result: StepResult,
+        verify: Verify | None = None,
+    ) -> None:
+        """Record a successful decode of ``plan`` and the tokens sampled for it (drafted
+        entries are verified row by row with ``verify``). Sequences that ended while their
+        row was sampled are skipped: their cells are already released."""
+        for entry in plan.entries:
+            seq = entry.seq
+            if seq.state in TERMINAL_STATES:
+                continue
+            if entry.draft:
+                assert verify is not None, "a drafted plan needs a verify function"
+                accepted = self.drafts.verify(
+                    entry,
+                    verify,
+                    lambda s, token, lp: self._accept(s, token, result, lp),
+                    lambda s, error: self.fail(s.request, error, result),
+                )
+                self.num_decode_tokens += 1 + accepted
+                continue
+            num = len(entry.item.token_ids)
+            assert seq.slot is not None
+            is_decode = num == 1 and seq.num_generated > 0 and seq.num_pending == 1
+            self.kv.append(seq.slot, entry.item.token_ids)
+            if is_decode:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += num  # prompt chunks, and recomputation after preemption
+            if entry.item.row is None:
+                continue
+            for fork in entry.forks:
+                self._fork_from(seq, fork)
+            for s in (*entry.forks, seq):
+                self._accept(s, sampled[s], result, logprobs.get(s))
+
+    def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
+        """Learn the step cost from a measured step (and the decode cost, if it decoded only)."""
+        self.step_cost.observe(features, seconds)
+        self.drafts.observe(plan, seconds)
+
+    def abort(self, request: Request, result: StepResult) -> None:
+        """Cancel every unfinished sequence of ``request``, freeing its KV cells now."""
+        for seq in request.sequences:
+            if seq.state not in TERMINAL_STATES:
+                self._finish(seq, SequenceState.FINISHED_CANCELLED, result)
+
+    def fail(self, request: Request, error: BaseException, result: StepResult) -> None:
+        """End ``request`` with ``error``; other requests are untouched."""
+        for seq in request.sequences:
+            if seq.state not in TERMINAL_STATES:
+                slot = seq.slot
+                self._release(seq)
+                if slot is not None and slot.pinned:  # a session keeps its slot: the step's
+                    self.kv.drop_unrecorded(slot)  # unrecorded decode must not stay behind
+                seq.state = SequenceState.FINISHED_ERROR
+        result.failed.append((request, error))
+
+    def fail_all(self, error: BaseException) -> StepResult:
+        """End every request with ``error`` (used when the engine cannot go on)."""
+        result = StepResult()
+        for request in {s.request.request_id: s.request for s in self.all_sequences()}.values():
+            self.fail(request, error, result)
+        return result
+
+    # ------------------------------------------------------------------ admission
+    def _try_admit(self, seq: Sequence) -> Outcome:
+        """Place ``seq`` in a slot (:class:`~llamax.engine.kv.admission.SlotPlacer`), start it."""
+        if seq.request.session_id is not None:
+            pinned = self.sessions.slot(seq.request.session_id)
+            placement = self.placer.reuse(
+                pinned, seq.token_ids, self.num_pending_tokens, seq.request.adapters
+            )
+        else:
+            in_flight = {
+                s.slot.seq_id: s.token_ids
+                for s in self._running
+                if s.slot is not None and s.state is SequenceState.PREFILLING
+            }
+            placement = self.placer.place(
+                seq.token_ids, in_flight, self.num_pending_tokens, seq.request.adapters
+            )
+        if placement.slot is not None:
+            seq.slot = placement.slot
+            self.num_cached_tokens += placement.num_reused
+            if seq.index == 0 and seq.num_generated == 0:
+                seq.request.num_cached_tokens = placement.num_reused
+            self._waiting.remove(seq)
+            seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
+            self._running.append(seq)
+        return placement.outcome
+
+    def _fork_from(self, leader: Sequence, fork: Sequence) -> None:
+        assert leader.slot is not None
+        slot = self.placer.fork(leader.slot)
+        self._waiting.remove(fork)
+        fork.slot = slot
+        self.num_cached_tokens += len(slot.tokens)
+        self._running.append(fork)
+        fork.state = SequenceState.PREFILLING
+
+    def _make_room_to_unify(self) -> None:
+        """Before a move to the unified layout (no cells shared, ``n_ctx`` of them)."""
+        self._make_room(lambda: sum(len(slot.tokens) for slot in self.kv.slots()), keep=0)
+
+    def _make_room(self, num_cells: Callable[[], int], *, keep: int) -> None:
+        """Evict retained prefixes, then preempt the newest running sequence (while more
+        than ``keep`` run), until ``num_cells()`` and the pending tokens fit ``n_ctx``."""
+        while num_cells() + self.num_pending_tokens > self.backend.n_ctx:
+            if self.prefix.evict_one():
+                continue
+            if len(self._running) <= keep:
+                return  # before a move, open sessions alone hold more: it fails and says so
+            self._preempt(self._running[-1])
+
+    def _preempt(self, seq: Sequence) -> None:
+        slot = seq.slot
+        if slot is not None:
+            self._running.remove(seq)
+            if slot.pinned:
+                self.kv.clear(slot)
+            else:
+                self.kv.release(slot)
+                seq.slot = None
+        seq.state = SequenceState.WAITING
+        bisect.insort(self._waiting, seq, key=lambda s: s.sort_key)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ results
+    def _accept(
+        self, seq: Sequence, token: int, result: StepResult, logprob: TokenLogprob | None
+    ) -> None:
+        params = seq.request.params
+        if seq.state is SequenceState.PREFILLING:
+            seq.state = SequenceState.DECODING
+        is_eog = not params.ignore_eos and self.backend.is_eog(token)
+        if is_eog or token in params.stop_token_ids:
+            self._finish(seq, SequenceState.FINISHED_STOPPED, result)
+            return
+        text, matched = seq.push_token(token)
+        lps: tuple[TokenLogprob, ...] = ()
+        if logprob is not None and seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+            lps = (logprob,)
+        at_limit = params.max_tokens is not None and seq.num_generated >= params.max_tokens
+        if matched:
+            self._finish(
+                seq, SequenceState.FINISHED_STOPPED, result, text, (token,), lps, drain=False
+            )
+        elif at_limit or len(seq.token_ids) >= self.room.capacity(seq):
+            self._finish(seq, SequenceState.FINISHED_LENGTH, result, text, (token,), lps)
+        else:
+            result.events.append((seq.request, TokenEvent(text, (token,), seq.index, None, lps)))
+
+    def _finish(
+        self,
+        seq: Sequence,
+        state: SequenceState,
+        result: StepResult,
+        text: str = "",
+        token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
+        *,
+        drain: bool = True,
+    ) -> None:
+        if drain:
+            text += seq.drain_text()
+        self._release(seq, keep_cache=state is not SequenceState.FINISHED_CANCELLED)
+        seq.state = state
+        result.events.append((seq.request, seq.final_event(text, token_ids, logprobs)))
+        if seq.request.is_finished:
+            result.finished.append(seq.request)
+
+    def _release(self, seq: Sequence, *, keep_cache: bool = False) -> None:
+        if seq.state is SequenceState.WAITING:
+            self._waiting.remove(seq)
+        elif seq in self._running:
+            self._running.remove(seq)
+        slot, seq.slot = seq.slot, None
+        if slot is not None and not slot.pinned:
+            if keep_cache:
+                self.prefix.retire(slot)
+            else:
+                self.kv.release(slot)
+        if seq.sampler is not None:
+            self.backend.free_sampler(seq.sampler)
+            seq.sampler = None

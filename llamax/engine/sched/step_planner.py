@@ -1,0 +1,129 @@
+"""The shape of a step: prompt chunks within the time budget, forks, drafts' room, batches.
+
+:class:`StepPlanner` owns the :class:`~llamax.engine.timing.chunk_budget.ChunkBudget` (and its
+learned step cost) and the :class:`~llamax.engine.sched.split_policy.SplitPolicy`; it reads the
+KV cells and the fair shares, and builds the frozen :class:`~llamax.engine.plan.StepPlan`
+from the sequences and token counts the scheduler chose. It changes no sequence.
+"""
+
+from __future__ import annotations
+
+from ...backend.base import Backend
+from ..kv.kvcache import KVCache
+from ..kv.prefix import PrefixCache
+from ..plan import StepPlan, build_plan, split_plan
+from ..sequence import Request, SequenceState
+from ..sequence import Sequence as Seq
+from ..timing.chunk_budget import ChunkBudget
+from ..timing.step_budget import StepFeatures, tile_waste_table
+from .fair_share import FairShare
+from .split_policy import SplitPolicy
+
+__all__ = ["StepPlanner"]
+
+
+class StepPlanner:
+    """Chunks, forks and batches of a step.
+
+    Args:
+        backend: Its batch size, attention tiles and CPU attention shape the steps.
+        max_step_ms: The time prompt chunks may add to a step's decode rows (None: no bound).
+        kv: The cells a step attends over.
+        prefix: Forks share a prefix, so only while the prefix cache is enabled.
+        fair: The fair shares of sequence ids (forks stay within theirs).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        max_step_ms: float | None,
+        kv: KVCache,
+        prefix: PrefixCache,
+        fair: FairShare[Request],
+    ) -> None:
+        tiles = backend.attention_tiles
+        waste = None if tiles is None else tile_waste_table(backend.n_batch, *tiles)
+        self.budget = ChunkBudget(backend.n_batch, max_step_ms, waste=waste)
+        self.splitter = SplitPolicy(backend.cpu_attention)
+        self._kv = kv
+        self._prefix = prefix
+        self._fair = fair
+
+    def start(self, decode: list[Seq]) -> StepFeatures | None:
+        """Start a step with the decode rows of ``decode`` (:meth:`ChunkBudget.start_step`)."""
+        return self.budget.start_step(
+            [seq.num_computed for seq in decode], unified=self._kv.is_unified
+        )
+
+    def chunk(
+        self, seq: Seq, budget: int, fixed: StepFeatures | None, num_decode: int
+    ) -> tuple[int, StepFeatures | None]:
+        """The prompt chunk ``seq`` computes this step, within ``budget`` tokens, and the
+        step's features with it (:meth:`ChunkBudget.chunk`)."""
+        return self.budget.chunk(
+            fixed,
+            min(seq.num_pending, budget),
+            num_pending=seq.num_pending,
+            num_computed=seq.num_computed,
+            num_cells_used=self._kv.num_cells_used,
+            num_decode=num_decode,
+            unified=self._kv.is_unified,
+        )
+
+    def build(
+        self, slots: list[tuple[Seq, int]], drafts: dict[Seq, tuple[int, ...]] | None = None
+    ) -> StepPlan:
+        """The plan that feeds each ``(sequence, tokens)`` of ``slots`` (and ``drafts``),
+        with the waiting siblings that fork from a leader's last prompt row."""
+        return build_plan(
+            slots,
+            self._kv.num_free_seq_ids,
+            self._forkable_siblings,
+            by_seq_id=not self._kv.is_unified,
+            drafts=drafts,
+        )
+
+    def split(self, plan: StepPlan) -> list[StepPlan]:
+        """The batches that compute ``plan``: usually one; in a unified cache on the CPU,
+        many decode rows go in smaller batches (:mod:`llamax.engine.sched.split_policy`)."""
+        groups = self.splitter.groups(
+            [len(e.item.token_ids) for e in plan.entries],
+            [e.seq.num_computed for e in plan.entries],
+            self._kv.num_cells_used,
+            unified=self._kv.is_unified,
+        )
+        return [plan] if groups is None else split_plan(plan, groups)
+
+    def features(self, plan: StepPlan) -> StepFeatures:
+        """What ``plan`` costs, in the terms of the cost model
+        (:mod:`llamax.engine.timing.step_budget`)."""
+        entries = [
+            (len(e.item.token_ids), e.item.start_pos, e.seq.num_computed) for e in plan.entries
+        ]
+        return self.budget.step_features(
+            entries, self._kv.num_cells_used, unified=self._kv.is_unified
+        )
+
+    def is_fork_candidate(self, seq: Seq) -> bool:
+        """An n>1 sibling whose leader is prefilling the same prompt waits to fork from it."""
+        if seq.index == 0 or seq.num_generated:
+            return False
+        leader = seq.request.sequences[0]
+        return leader.state is SequenceState.PREFILLING and self._prefix.is_enabled
+
+    def _forkable_siblings(self, seq: Seq, free_ids: int) -> tuple[Seq, ...]:
+        """The waiting siblings that fork from ``seq``'s last prompt row, within its share."""
+        if seq.index != 0 or seq.num_generated or not self._prefix.is_enabled:
+            return ()
+        fair = self._fair
+        others = fair.others_deprived(seq.request)
+        num_others = sum(
+            1 for r in others if any(s.state is SequenceState.WAITING for s in r.sequences)
+        )
+        free_ids = fair.num_forkable(seq.request, free_ids, num_others)
+        siblings = [
+            s
+            for s in seq.request.sequences[1:]
+            if s.state is SequenceState.WAITING and s.num_generated == 0
+        ]
+        return tuple(siblings[:free_ids])

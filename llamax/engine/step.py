@@ -1,0 +1,208 @@
+"""One step of the engine, and what it publishes.
+
+:class:`Stepper` runs a step on the thread that holds the step lock::
+
+    plan = scheduler.schedule() -> backend.decode(plan) (shrunk on NO_SLOT) -> sample rows
+         -> scheduler.update(plan, sampled) -> learn the step's cost and threads
+
+and composes :class:`~llamax.stats.ContextStats` from each component's own stats.
+:func:`deliver` and :func:`settle` hand a step's events and endings to the requests'
+handles and futures; the loop calls them outside every engine lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import InvalidStateError
+from typing import Any
+
+from ..backend.base import Backend, DecodeStatus, LoraHost
+from ..errors import EngineError
+from ..results import TokenLogprob
+from ..stats import ContextStats
+from .kv.prefix_tier import TierStats
+from .plan import StepPlan, StepResult
+from .sched.sampling import BatchLogitsProcessor, keep_interrupt, sample_plan, sample_row
+from .sched.scheduler import Scheduler
+from .sequence import Request
+from .sequence import Sequence as Seq
+from .timing.step_budget import StepFeatures
+from .timing.threads import ThreadAdapter
+
+__all__ = ["Stepper", "deliver", "settle"]
+
+_log = logging.getLogger("llamax")
+
+_MAX_SHRINKS_PER_STEP = 64
+_MAX_STALLED_STEPS = 16
+
+
+class Stepper:
+    """Runs steps over a scheduler and a backend.
+
+    Args:
+        backend: What decodes and samples.
+        scheduler: What plans and records each step.
+        threads: The thread count under contention.
+        batch_processor: A logits hook over a whole step (its steps stay whole, undrafted).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        scheduler: Scheduler,
+        threads: ThreadAdapter,
+        batch_processor: BatchLogitsProcessor | None,
+    ) -> None:
+        self._backend = backend
+        self._scheduler = scheduler
+        self.threads = threads
+        self._batch_processor = batch_processor
+        self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
+        # runtime Protocol check walks every method, too slow for each step
+        self._stalled_steps = 0
+        self.num_steps = 0
+        """Steps that computed something."""
+
+    def run(self, result: StepResult) -> bool:
+        """Plan, decode, sample and record one step into ``result``; whether it was stuck
+        (it planned nothing and ended nothing: repeat it only after news)."""
+        scheduler = self._scheduler
+        plan = scheduler.schedule(result)
+        is_stuck = plan.is_empty and not (result.events or result.finished or result.failed)
+        # a batch logits processor sees the whole step at once, so its steps stay whole
+        parts = [plan] if self._batch_processor is not None else scheduler.planner.split(plan)
+        for part in parts:
+            part = part.without_ended()  # a request that failed in an earlier part is gone
+            if not part.is_empty:
+                part, features, started = self._decode(part)
+            if part.is_empty:
+                continue
+            sampled = sample_plan(self._backend, part.sampled_entries(), self._batch_processor)
+            for request, error in sampled.failed.values():
+                scheduler.fail(request, error, result)
+            scheduler.update(part, sampled.tokens, sampled.logprobs, result, self._verify)
+            seconds = scheduler.clock() - started
+            scheduler.observe(part, features, seconds)
+            self.threads.observe(features, seconds)
+            result.computed = True
+        if result.computed:
+            self.num_steps += 1
+        return is_stuck
+
+    def _verify(self, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
+        return sample_row(self._backend, seq, row)
+
+    def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float]:
+        """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
+        cost features and when its decode started."""
+        scheduler = self._scheduler
+        if self._lora is not None:
+            adapters = {entry.seq.request.adapters for entry in plan.entries}
+            if len(adapters) != 1:  # the scheduler plans each step within one set
+                raise EngineError(f"a step mixes LoRA adapter sets: {sorted(adapters)}")
+            self._lora.set_adapters(adapters.pop())
+        for _ in range(_MAX_SHRINKS_PER_STEP):
+            features, started = scheduler.planner.features(plan), scheduler.clock()
+            status = self._backend.decode(plan.items)
+            scheduler.kv.decoded(status)
+            if status == DecodeStatus.OK:
+                self._stalled_steps = 0
+                return plan, features, started
+            if status != DecodeStatus.NO_SLOT:
+                raise EngineError(f"llama_decode failed with status {status}")
+            _log.debug("llama_decode found no KV slot for %d tokens; shrinking", plan.num_tokens)
+            plan = scheduler.shrink(plan)
+            if plan.is_empty:
+                break
+        self._stalled_steps += 1
+        if self._stalled_steps > _MAX_STALLED_STEPS:
+            raise EngineError("llama_decode found no KV slot even for a single token")
+        return StepPlan(), StepFeatures(), 0.0
+
+    def stats(self, state: str) -> ContextStats:
+        """The stats now (the engine in ``state``), composed from each component's own."""
+        s, backend = self._scheduler, self._backend
+        own, drafts, layout = s.stats(), s.drafts.stats(), s.layout.stats()
+        threads = self.threads.stats()
+        return ContextStats(
+            state=state,
+            num_waiting=own.num_waiting,
+            num_running=own.num_running,
+            num_retained=s.prefix.num_retained,
+            num_sessions=s.sessions.num_open,
+            num_unsettled=0,
+            kv_cells_used=s.kv.num_cells_used,
+            kv_cells_total=backend.kv_cells,
+            kv_cells_per_seq=backend.n_ctx_seq,
+            kv_layout="unified" if s.kv.is_unified else "streams",
+            kv_bytes_total=backend.kv_cells * backend.kv_bytes_per_cell,
+            num_free_seq_ids=s.kv.num_free_seq_ids,
+            num_steps=self.num_steps,
+            num_prefill_tokens=own.num_prefill_tokens,
+            num_decode_tokens=own.num_decode_tokens,
+            num_cached_tokens=own.num_cached_tokens,
+            num_preemptions=own.num_preemptions,
+            num_evictions=s.prefix.num_evictions,
+            num_drafted_tokens=drafts.num_drafted_tokens,
+            num_accepted_tokens=drafts.num_accepted_tokens,
+            kv_cells_per_stream=layout.kv_cells_per_stream,
+            num_relayouts=layout.num_relayouts,
+            n_threads=threads.n_threads,
+            is_contended=threads.is_contended,
+            num_thread_changes=threads.num_thread_changes,
+            **{
+                field: value
+                for name, tier in s.prefix.tier_stats().items()
+                for field, value in _tier_fields(name, tier).items()
+            },
+        )
+
+
+def _tier_fields(name: str, tier: TierStats) -> dict[str, Any]:
+    """A prefix tier's fields of :class:`ContextStats` (``prefix_<name>_bytes``, ...)."""
+    return {
+        f"prefix_{name}_bytes": tier.num_bytes,
+        f"prefix_{name}_budget_bytes": tier.budget_bytes,
+        f"prefix_{name}_entries": tier.num_entries,
+        f"num_prefix_{name}_stores": tier.num_stored,
+        f"num_prefix_{name}_hits": tier.num_hits,
+        f"num_prefix_{name}_restores": tier.num_restores,
+        f"num_prefix_{name}_refused": tier.num_refused,
+        f"num_prefix_{name}_tokens": tier.num_restored_tokens,
+        f"prefix_{name}_restore_seconds": tier.restore_seconds,
+    }
+
+
+def deliver(result: StepResult) -> None:
+    """Hand each request its events of the step, in order (never under an engine lock)."""
+    by_request: dict[str, tuple[Request, list[object]]] = {}
+    for request, event in result.events:
+        by_request.setdefault(request.request_id, (request, []))[1].append(event)
+    for request, events in by_request.values():
+        request.handle._publish(events)
+
+
+def settle(result: StepResult) -> None:
+    """Settle the futures of the requests that finished or failed in the step (never
+    under an engine lock: a done-callback may call back into the context)."""
+    for request in result.finished:
+        _settle(request, completion=True)
+    for request, error in result.failed:
+        _settle(request, error=error)
+
+
+def _settle(
+    request: Request, *, completion: bool = False, error: BaseException | None = None
+) -> None:
+    future = request.handle.future
+    try:
+        if error is not None:
+            future.set_exception(error)
+        elif completion:
+            future.set_result(request.completion())
+    except InvalidStateError:  # the user cancelled the future itself; nothing to deliver
+        pass
+    except BaseException as exc:  # a done-callback raised past Future's own `except Exception`
+        _log.exception("a done-callback of request %s raised", request.request_id)
+        keep_interrupt(exc)  # process() re-raises a KeyboardInterrupt after the step

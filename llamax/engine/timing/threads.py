@@ -1,0 +1,107 @@
+"""The engine's thread count, following the machine (:mod:`llamax.engine.timing.contention`).
+
+:class:`ThreadAdapter` judges each measured step against a reference cost model that
+learns what steps cost at full threads on a quiet machine (from the calibration, if any,
+then from the steps the policy calls quiet), so it never learns contention as the norm; it
+sets the backend's threads for the next step and reports its own stats.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ...backend.base import Backend, Threaded
+from .calibration import Calibration
+from .contention import ThreadPolicy
+from .step_budget import StepCostModel, StepFeatures, Waste
+
+__all__ = ["ThreadAdapter", "ThreadStats"]
+
+_log = logging.getLogger("llamax")
+_REFERENCE_WARMUP = 16  # quiet steps an uncalibrated reference learns before it judges
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStats:
+    """What the thread count reports to :class:`~llamax.stats.ContextStats`."""
+
+    n_threads: int
+    """Threads the backend computes with now (0: it has no thread count)."""
+    is_contended: bool
+    """Whether the policy runs fewer threads because another process holds a core."""
+    num_thread_changes: int
+    """Times the policy changed the thread count."""
+
+
+class ThreadAdapter:
+    """Threads for the machine as it is now, when ``adapt`` and the backend has more than
+    one to lower.
+
+    Args:
+        backend: The backend whose threads change (if it is :class:`Threaded`).
+        adapt: Whether to adapt at all (``adapt_threads``).
+        waste: The step cost model's tile waste (the reference model counts it alike).
+        calibration: This machine's measured step costs, which the reference starts from.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        adapt: bool,
+        waste: Waste | None,
+        calibration: Calibration | None,
+    ) -> None:
+        self._threaded = backend if isinstance(backend, Threaded) else None
+        threaded = self._threaded
+        adapts = adapt and threaded is not None and threaded.n_threads > 1
+        self._policy = ThreadPolicy(threaded.n_threads) if adapts and threaded else None
+        self._reference = StepCostModel(waste=waste)
+        self._warmup = 0 if calibration is not None else _REFERENCE_WARMUP
+        if calibration is not None:
+            self._reference.start_from(calibration.coefficients)
+        self._has_warned = False
+
+    def stats(self) -> ThreadStats:
+        """The thread count and the policy's counters now."""
+        policy = self._policy
+        return ThreadStats(
+            self._threaded.n_threads if self._threaded is not None else 0,
+            policy is not None and policy.is_contended,
+            policy.num_thread_changes if policy is not None else 0,
+        )
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """Judge one measured step for contention and set the next step's threads."""
+        policy, backend = self._policy, self._threaded
+        if policy is None or backend is None:
+            return
+        reference = self._reference
+        if self._warmup:  # not yet known what a quiet step costs: learn, do not judge
+            self._warmup -= 1
+            reference.observe(features, seconds)
+            return
+        expected = reference.predict(features)
+        verdict = policy.observe(expected, seconds)
+        if verdict.is_quiet:
+            reference.observe(features, seconds)
+        if verdict.reference_scale != 1.0:  # it learned on a busy machine
+            fixed, token, attention, rows = (
+                c * verdict.reference_scale for c in reference.coefficients
+            )
+            reference.start_from((fixed, token, attention, rows))
+        if verdict.is_news:
+            level = logging.DEBUG if self._has_warned else logging.WARNING
+            self._has_warned = True
+            if policy.is_contended:
+                _log.log(
+                    level,
+                    "steps run many times slower with %d threads than this machine's quiet "
+                    "ones (another process holds a core?): computing with %d until it ends",
+                    policy.full, verdict.n_threads,
+                )  # fmt: skip
+            else:
+                _log.log(level, "the cores are free again: computing with %d threads", policy.full)
+        if verdict.n_threads != backend.n_threads:
+            backend.set_n_threads(verdict.n_threads)
