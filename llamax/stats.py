@@ -99,6 +99,13 @@ class ContextStats:
     """Prompt tokens restored from disk instead of computed."""
     prefix_disk_restore_seconds: float = 0.0
     """Time spent reading and restoring prefixes from disk."""
+    num_checkpoints: int = 0
+    """Checkpoints taken of a memory that cannot be cut (recurrent or hybrid models,
+    docs/kv-cache.md): the prefix cache cuts and copies such sequences only at these."""
+    num_checkpoint_restores: int = 0
+    """Cuts and prefix copies that set a checkpoint back."""
+    checkpoint_bytes: int = 0
+    """Bytes the retained and running sequences' checkpoints hold."""
     n_threads: int = 0
     """CPU threads a step uses now (0: the backend has no say in it, e.g. a GPU-only one
     or a fake). Fewer than ``n_threads`` asked for while :attr:`is_contended`."""

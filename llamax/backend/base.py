@@ -271,15 +271,27 @@ class KVMemory(Protocol):
 
     @property
     def can_share_prefix(self) -> bool:
-        """Whether partial ``seq_rm``/``seq_cp`` work (not for recurrent or hybrid memory)."""
+        """Whether partial ``seq_rm``/``seq_cp`` work (not for recurrent or hybrid memory,
+        which the engine cuts at checkpoints instead: :meth:`state_seq_set` with
+        ``partial``)."""
         ...
 
-    def state_seq_get(self, seq_id: int) -> bytes:
-        """Serialise one sequence's KV state."""
+    @property
+    def can_checkpoint(self) -> bool:
+        """Whether a memory that cannot be cut (:attr:`can_share_prefix` False) reads and
+        writes checkpoints (:meth:`state_seq_get` with ``partial``), so the engine can cut
+        a sequence where it took one."""
         ...
 
-    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
-        """Restore a serialised state into ``seq_id`` (empty); False if refused."""
+    def state_seq_get(self, seq_id: int, *, partial: bool = False) -> bytes:
+        """Serialise one sequence's KV state; with ``partial``, only the part that cannot
+        be cut at a position (a recurrent state, a sliding window's cells): a checkpoint."""
+        ...
+
+    def state_seq_set(self, seq_id: int, data: bytes, *, partial: bool = False) -> bool:
+        """Restore a serialised state into ``seq_id`` (empty); False if refused. With
+        ``partial``, a checkpoint replaces the sequence's recurrent state (or window) and
+        leaves its other cells as they are."""
         ...
 
 

@@ -223,3 +223,9 @@ class LlamaCppModel:
         """False for recurrent and hybrid memories, which cannot drop or copy partial ranges."""
         with self._guard.entered():
             return not (self._model.is_recurrent() or self._model.is_hybrid())
+
+    @property
+    def can_checkpoint(self) -> bool:
+        """True for recurrent and hybrid memories: llama.cpp reads and writes their partial
+        state (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``)."""
+        return not self.can_share_prefix

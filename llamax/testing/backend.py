@@ -61,6 +61,7 @@ class FakeBackend:
         extra_pieces: Mapping[int, bytes] | None = None,
         model_name: str = "fake",
         can_share_prefix: bool = True,
+        recurrent: bool = False,
         sliding_window: int | None = None,
         can_shift: bool = True,
         metadata: Mapping[str, str] | None = None,
@@ -88,10 +89,12 @@ class FakeBackend:
         self._vocab = FakeVocab(extra_pieces, special_tokens)
         self._model_name = model_name
         self._weights = weights
-        self._memory = FakeMemory(n_seq_max, is_unified=kv_layout == "unified", model=weights)
+        self._memory = FakeMemory(
+            n_seq_max, is_unified=kv_layout == "unified", model=weights, recurrent=recurrent
+        )
         self.cells = self._memory.cells
         """Tokens each sequence id holds in the fake KV cache, by position."""
-        self._can_share = can_share_prefix
+        self._can_share = can_share_prefix and not recurrent
         self._window = sliding_window
         self._can_shift_positions = can_shift
         self._metadata = dict(metadata or {})
@@ -220,6 +223,11 @@ class FakeBackend:
     def num_shifts(self) -> int:
         """``seq_add`` calls so far."""
         return self._memory.num_shifts
+
+    @property
+    def can_checkpoint(self) -> bool:
+        """True with ``recurrent``: a checkpoint sets a sequence's state back."""
+        return self._memory.recurrent
 
     @property
     def can_share_prefix(self) -> bool:
@@ -403,7 +411,9 @@ class FakeBackend:
         :meth:`seq_add` must close before the next decode. False for non-sharing memory."""
         if self._fault("seq_rm") is not None and (p0 > 0 or p1 >= 0):
             return False  # llama.cpp refuses only partial removals (never a whole one)
-        if p0 > 0 and not self._can_share:
+        if (p0 > 0 and not self._can_share and not self._memory.recurrent) or not (
+            self._memory.can_remove(seq_id, p0, p1)
+        ):
             return False
         self._memory.remove(seq_id, p0, p1)
         return True
@@ -430,9 +440,11 @@ class FakeBackend:
     def seq_pos_min(self, seq_id: int) -> int:
         """First position still held: 0, or later once a sliding window has passed it."""
         self._fault("seq_pos_min")
-        n = len(self.cells[seq_id])
+        n, state = len(self.cells[seq_id]), self._memory.position_bounds(seq_id)
         if not n:
             return -1
+        if state is not None:
+            return state[0]
         return max(0, n - self._window) if self._window else 0
 
     @property
@@ -440,20 +452,22 @@ class FakeBackend:
         """The fake model's identity, its weights included."""
         return {"name": self._model_name, "n_vocab": self.n_vocab, "weights": self._weights}
 
-    def state_seq_get(self, seq_id: int) -> bytes:
+    def state_seq_get(self, seq_id: int, *, partial: bool = False) -> bytes:
         """The sequence's state as JSON: a header, then its tokens by position (null for a
         removed cell). The header names the model and adapter set the cells were computed
         by and lists the cells whose buffer holds anything else (``[position, chain, model,
         adapters]``, chain null for garbage: a copy still queued has not filled it)."""
         self._fault("state_seq_get")
-        return self._memory.state(seq_id)
+        return self._memory.partial_state(seq_id) if partial else self._memory.state(seq_id)
 
-    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+    def state_seq_set(self, seq_id: int, data: bytes, *, partial: bool = False) -> bool:
         """Load tokens from :meth:`state_seq_get` into an empty sequence; False (nothing
         loaded) for a state that is not a list of tokens at positions ``0 .. n-1`` (one
         with a removed cell, as llama.cpp's own check refuses) or does not fit."""
         if self._fault("state_seq_set") is not None:
             return False
+        if partial:  # a checkpoint: the recurrent state only, the cells stay
+            return self._memory.set_partial_state(seq_id, data)
         return self._memory.load(seq_id, data, n_ctx=self._n_ctx, n_ctx_stream=self.n_ctx_stream)
 
     def calibration_key(self) -> str | None:
@@ -475,8 +489,14 @@ class FakeBackend:
         return list(self.cells[seq_id])
 
     def seq_pos_max(self, seq_id: int) -> int:
-        """Last position held, or -1."""
-        return len(self.cells[seq_id]) - 1
+        """Last position held, or -1 (with a recurrent state: the earlier of its cells'
+        and its state's, as llama.cpp's hybrid memory answers)."""
+        state = self._memory.position_bounds(seq_id)
+        return (
+            len(self.cells[seq_id]) - 1
+            if state is None
+            else min(len(self.cells[seq_id]) - 1, state[1])
+        )
 
     def close(self) -> None:
         """Mark closed; later decodes raise, and so do tokenize and token_to_piece

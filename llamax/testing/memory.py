@@ -46,10 +46,20 @@ def _chain_of(tokens: Sequence[int | None]) -> list[int | None]:
 
 class FakeMemory:
     """The cells of every sequence id, with their provenance. New cells are computed by
-    :attr:`model` under :attr:`adapters`; the backend checks every decode against both."""
+    :attr:`model` under :attr:`adapters`; the backend checks every decode against both.
 
-    def __init__(self, n_seq_max: int, *, is_unified: bool, model: str) -> None:
+    With ``recurrent``, each sequence also has a state holding every token it consumed, as
+    llama.cpp's recurrent memory: a cut before it is refused, a copy shares it whatever the
+    range, a partial state (a checkpoint) sets it back, and every decode checks that it is
+    the state the sequence's own cells lead to."""
+
+    def __init__(
+        self, n_seq_max: int, *, is_unified: bool, model: str, recurrent: bool = False
+    ) -> None:
         self.is_unified = is_unified
+        self.recurrent = recurrent
+        self._states: dict[int, tuple[int, Computed] | None] = dict.fromkeys(range(n_seq_max))
+        # recurrent: each sequence's state, as (tokens it consumed, what it came from)
         self.model = model
         """The weights new cells are computed by."""
         self.adapters: AdapterSet = NO_ADAPTERS
@@ -117,7 +127,76 @@ class FakeMemory:
                     f"seq {seq_id}: KV computed under adapters {data.adapters} is read under "
                     f"{self.adapters}"
                 )
+        self._check_state(seq_id)
         return [t for t in cells if t is not None]
+
+    def _check_state(self, seq_id: int) -> None:
+        """Recurrent: the sequence's state is the one its cells' tokens lead to (a state left
+        at another position, or from other tokens, would answer from the wrong history)."""
+        if not self.recurrent:
+            return
+        state, chains = self._states[seq_id], self._chains[seq_id]
+        if not chains:
+            if state is not None:
+                raise AssertionError(f"seq {seq_id} holds no cells but a recurrent state")
+            return
+        if state is None or state[0] != len(chains):
+            at = None if state is None else state[0]
+            raise AssertionError(
+                f"seq {seq_id} holds {len(chains)} cells but its recurrent state is at {at}"
+            )
+        if (state[1].chain, state[1].model, state[1].adapters) != (
+            chains[-1],
+            self.model,
+            self.adapters,
+        ):
+            raise AssertionError(f"seq {seq_id}'s recurrent state came from another history")
+
+    def can_remove(self, seq_id: int, p0: int, p1: int) -> bool:
+        """Recurrent: whether :meth:`remove` may drop ``[p0, p1)`` (a whole sequence, or the
+        cells past its state); clears the state of a whole removal."""
+        if not self.recurrent:
+            return True
+        n = len(self.cells[seq_id])
+        p0, p1 = max(p0, 0), n if p1 < 0 else min(p1, n)
+        state = self._states[seq_id]
+        if p0 == 0 and p1 == n:
+            self._states[seq_id] = None
+            return True
+        return p1 == n and p0 >= (0 if state is None else state[0])
+
+    def position_bounds(self, seq_id: int) -> tuple[int, int] | None:
+        """Recurrent: the first and last position the state holds (llama.cpp's hybrid memory
+        answers the later first and the earlier last of its two parts); None: no state."""
+        state = self._states[seq_id] if self.recurrent else None
+        return None if state is None else (state[0] - 1, state[0] - 1)
+
+    def partial_state(self, seq_id: int) -> bytes:
+        """A checkpoint: the sequence's recurrent state only."""
+        state = self._states[seq_id]
+        held = None if state is None else [state[0], *_computed_json(state[1])]
+        return json.dumps({"r": held}).encode()
+
+    def set_partial_state(self, seq_id: int, data: bytes) -> bool:
+        """Set a :meth:`partial_state` back (the cells stay); False if it is not one."""
+        try:
+            held = json.loads(data)
+            return self.recurrent and isinstance(held, dict) and self._set_state(seq_id, held["r"])
+        except (ValueError, TypeError, KeyError):
+            return False
+
+    def _set_state(self, seq_id: int, held: object) -> bool:
+        if held is None:
+            self._states[seq_id] = None
+            return True
+        if not isinstance(held, list) or len(held) != 4:
+            return False
+        length, chain, model, adapters = held
+        self._states[seq_id] = (
+            int(length),
+            Computed(int(chain), str(model), _adapter_set(adapters)),
+        )
+        return True
 
     def relayout(self, unified: bool, limit: int, n_ctx: int) -> None:
         """Give every sequence cells of its own in the other layout, each state read as it
@@ -216,6 +295,7 @@ class FakeMemory:
                 self._cell_ids[dst].append(self._next_cell)
                 self._next_cell += 1
             self._queued.append((src, dst))
+            self._states[dst] = self._states[src]
             self.num_copies += 1
             return
         p0 = max(p0, 0)
@@ -230,6 +310,7 @@ class FakeMemory:
             self._refs[cell] += 1
             self._cell_ids[dst].append(cell)
         self._chains[dst].extend(self._chains[src][p0:p1])
+        self._states[dst] = self._states[src]  # recurrent: shared whatever the range
         self.num_copies += 1
 
     def state(self, seq_id: int) -> bytes:
@@ -247,14 +328,18 @@ class FakeMemory:
                 odd.append([pos, None, None, []])
             elif (data.chain, data.model, data.adapters) != (expected[pos], model, adapters):
                 odd.append([pos, data.chain, data.model, [list(a) for a in data.adapters]])
-        header = {"m": model, "a": [list(a) for a in adapters], "x": odd}
+        header: dict[str, object] = {"m": model, "a": [list(a) for a in adapters], "x": odd}
+        if self.recurrent:
+            state = self._states[seq_id]
+            header["r"] = None if state is None else [state[0], *_computed_json(state[1])]
         return json.dumps([header, *tokens]).encode()
 
     def load(self, seq_id: int, data: bytes, *, n_ctx: int, n_ctx_stream: int) -> bool:
         """Load a :meth:`state` into an empty sequence; False (nothing loaded) for one that
         is not a list of tokens at positions ``0 .. n-1`` or does not fit."""
         try:
-            parsed = _parse_state(json.loads(data))
+            loaded = json.loads(data)
+            parsed = _parse_state(loaded)
         except (ValueError, TypeError, KeyError, IndexError):
             return False
         if parsed is None:
@@ -270,6 +355,10 @@ class FakeMemory:
             Computed(c.chain, self.model, NO_ADAPTERS) if c is not None and not c.model else c
             for c in computed
         ]
+        if self.recurrent:  # its state must come with its cells
+            header = loaded[0] if loaded and isinstance(loaded[0], dict) else {}
+            if "r" not in header or not self._set_state(seq_id, header["r"]):
+                return False
         self.store(seq_id, tokens, computed)
         return True
 
@@ -309,6 +398,9 @@ class FakeMemory:
             self._cell_ids[seq_id].append(cell)
             computed = Computed(previous, self.model, self.adapters) if data is None else data[i]
             self._write(seq_id, len(self.cells[seq_id]) - 1, computed)
+        if self.recurrent and data is None and tokens:  # computed now: the state moves on
+            now = Computed(previous, self.model, self.adapters)
+            self._states[seq_id] = (len(self.cells[seq_id]), now)
 
     def _write(self, seq_id: int, pos: int, data: Computed | None) -> None:
         if self.is_unified:
@@ -317,6 +409,10 @@ class FakeMemory:
             self._data[cell] = data
         else:
             self._buffers[seq_id][pos] = data
+
+
+def _computed_json(data: Computed) -> list[object]:
+    return [data.chain, data.model, [list(a) for a in data.adapters]]
 
 
 def _adapter_set(raw: object) -> AdapterSet:

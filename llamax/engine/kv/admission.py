@@ -137,8 +137,10 @@ class SlotPlacer:
         assert slot is not None
         slot.adapters = adapters
         if now and source is not None:
-            self._kv.copy_prefix(source, slot, now)
-            self._prefix.touch(source)
+            if self._kv.copy_prefix(source, slot, now):
+                self._prefix.touch(source)
+            else:  # the memory refused the source's checkpoint: computed instead
+                now = 0
         return Placement(Outcome.ADMITTED, slot, now)
 
     def _lookup(
@@ -158,7 +160,9 @@ class SlotPlacer:
                 longer_than=now if best is None else best.num_common,
                 max_tokens=self._kv.cells_per_seq,
             )
-            if hit is not None:
+            if hit is not None and (
+                hit.num_common == hit.num_stored or not self._kv.cuts_at_checkpoints
+            ):  # a stored state of a memory cut at checkpoints is restored whole
                 best = hit
         return best
 
@@ -234,8 +238,9 @@ class SlotPlacer:
         """Place a sequence in ``slot`` (a session's, or one taken over): keep the common
         prefix, drop the diverging tail (everything, if the slot cannot be cut or its
         cells were computed under another adapter set)."""
-        keep = num_to_keep(common_prefix_len(slot.tokens, token_ids), len(token_ids))
         kv = self._kv
+        keep = num_to_keep(common_prefix_len(slot.tokens, token_ids), len(token_ids))
+        keep = kv.usable(slot, keep)  # cut at a checkpoint, where it must be
         if (
             not self._prefix.is_enabled
             or slot.adapters != adapters
@@ -261,7 +266,8 @@ class SlotPlacer:
         if source is None or source.state is not SlotState.RETAINED:
             return Placement(Outcome.NO_ROOM)
         keep = num_to_keep(common_prefix_len(source.tokens, token_ids), len(token_ids))
-        if keep < len(source.tokens):  # the tail about to be cut goes to the RAM tier
+        # the tail about to be cut goes to the RAM tier
+        if self._kv.usable(source, keep) < len(source.tokens):
             self._prefix.spill(source)
         self._prefix.adopt(source)
         placement = self.reuse(source, token_ids, num_pending, adapters)

@@ -18,6 +18,12 @@ Between streams llama.cpp runs a copy's buffer transfer only at the next decode
 (:mod:`llamax.engine.kv.stream_copies`); before a state read or write that would see the
 difference, the queue is run first, so every call here acts at once.
 
+A recurrent or hybrid memory cannot be cut (``can_share_prefix`` False); if it takes
+checkpoints (``can_checkpoint``), a slot keeps them (:meth:`KVCache.checkpoint`, at the
+positions :mod:`llamax.engine.kv.checkpoints` chooses) and is cut, or copied in part, only at
+one: the checkpoint set back (``state_seq_set(partial=True)``), then the cells past it
+removed. :meth:`KVCache.usable` says how much of a slot a cut or copy can keep.
+
 This module only counts and emits the memory calls. Which slots are kept for their prefix,
 and which is evicted first, is :mod:`llamax.engine.kv.prefix`'s business; who may change a slot at
 all is the scheduler's (see docs/architecture.md).
@@ -87,7 +93,7 @@ SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
 class Slot:
     """A sequence id and the tokens it holds in KV."""
 
-    __slots__ = ("_state", "adapters", "cells", "seq_id", "tokens")
+    __slots__ = ("_state", "adapters", "cells", "checkpoints", "seq_id", "tokens")
 
     def __init__(self, seq_id: int, *, pinned: bool = False) -> None:
         self.seq_id = seq_id
@@ -96,6 +102,8 @@ class Slot:
         self.adapters: AdapterSet = NO_ADAPTERS
         """The LoRA adapter set its cells were computed under (``()``: the base model);
         a prefix is shared only between sequences of the same set."""
+        self.checkpoints: dict[int, bytes] = {}
+        """Partial states by position (a memory that cannot be cut: see the module)."""
         self._state = SlotState.PINNED if pinned else SlotState.ACTIVE
 
     @property
@@ -136,6 +144,11 @@ class KVCache:
         self._queued = QueuedCopies()
         self.num_queue_runs = 0
         """Times a state call had to run the memory's queued stream copies first."""
+        self._at_checkpoints = not memory.can_share_prefix and memory.can_checkpoint
+        self.num_checkpoints = 0
+        """Checkpoints taken."""
+        self.num_checkpoint_restores = 0
+        """Cuts and copies that set a checkpoint back."""
 
     # ------------------------------------------------------------------ queries
     @property
@@ -214,8 +227,58 @@ class KVCache:
         self._queued.ran()
         self.num_queue_runs += 1
 
+    @property
+    def cuts_at_checkpoints(self) -> bool:
+        """Whether the memory is cut only where a slot took a checkpoint."""
+        return self._at_checkpoints
+
+    def usable(self, slot: Slot, num: int) -> int:
+        """How many of ``slot``'s first ``num`` tokens a cut or copy can keep: all of them,
+        unless the memory is cut at checkpoints (then the last one at or before ``num``, or
+        the whole slot)."""
+        num = min(num, len(slot.tokens))
+        if not self._at_checkpoints or num == len(slot.tokens):
+            return num
+        return max((p for p in slot.checkpoints if p <= num), default=0)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes the slots' checkpoints hold (a checkpoint shared by copies counted once)."""
+        seen = {id(d): len(d) for slot in self._slots.values() for d in slot.checkpoints.values()}
+        return sum(seen.values())
+
+    def checkpoint(self, slot: Slot, max_kept: int) -> None:
+        """Take a checkpoint of ``slot`` at its current length, keeping at most
+        ``max_kept`` (the oldest dropped). A memory that refuses it costs the checkpoint."""
+        num = len(slot.tokens)
+        if not self._at_checkpoints or not num or num in slot.checkpoints:
+            return
+        if self._queued.blocks_read(slot.seq_id):
+            self._run_queue()
+        data = self._memory.state_seq_get(slot.seq_id, partial=True)
+        slot.checkpoints[num] = data
+        self.num_checkpoints += 1
+        while len(slot.checkpoints) > max_kept:
+            del slot.checkpoints[min(slot.checkpoints)]
+
+    def _set_back(self, slot: Slot, num: int, data: bytes) -> bool:
+        """Set ``slot``'s checkpoint at ``num`` back and remove the cells past it; False
+        (the memory may have lost the sequence: clear it) if the memory refused."""
+        if self._queued.blocks_write(slot.seq_id):
+            self._run_queue()
+        if not self._memory.state_seq_set(slot.seq_id, data, partial=True):
+            return False
+        if not self._memory.seq_rm(slot.seq_id, num, -1):
+            return False
+        self.num_checkpoint_restores += 1
+        return True
+
     def is_intact(self, slot: Slot) -> bool:
-        """Whether the memory still holds the slot's first cells (sliding windows drop them)."""
+        """Whether the memory still holds the slot's first cells (sliding windows drop them).
+        A memory cut at checkpoints is: its attention cache is full size, and its recurrent
+        state, which holds only its last position, is what the checkpoints are for."""
+        if self._at_checkpoints:
+            return True
         return not slot.tokens or self._memory.seq_pos_min(slot.seq_id) <= 0
 
     # ------------------------------------------------------------------ changes
@@ -266,24 +329,39 @@ class KVCache:
         del self._slots[slot.seq_id]
         heapq.heappush(self._free_ids, slot.seq_id)
 
-    def copy_prefix(self, src: Slot, dst: Slot, num: int) -> None:
+    def copy_prefix(self, src: Slot, dst: Slot, num: int) -> bool:
         """Make ``dst`` (empty) hold the first ``num`` tokens of ``src`` without computing
-        them: shared cells in a unified cache, a copied stream otherwise."""
+        them: shared cells in a unified cache, a copied stream otherwise. A memory cut at
+        checkpoints copies at ``src``'s checkpoint at ``num`` (or the whole slot); False,
+        ``dst`` left empty, if it refuses that checkpoint."""
         if dst.tokens:
             raise ValueError(f"copy into a non-empty slot {dst!r}")
+        checkpoint = None
+        if self._at_checkpoints and num < len(src.tokens):
+            checkpoint = src.checkpoints.get(num)
+            if checkpoint is None:
+                raise ValueError(f"{src!r} has no checkpoint at {num} tokens to copy")
+        dst.checkpoints = {p: d for p, d in src.checkpoints.items() if p <= num}
         if self._memory.is_unified:
             self._memory.seq_cp(src.seq_id, dst.seq_id, 0, num)
             dst.tokens = src.tokens[:num]
             dst.cells = src.cells[:num]
             for cell in dst.cells:
                 self._refs[cell] += 1
-            return
-        self._memory.seq_cp(src.seq_id, dst.seq_id, -1, -1)
-        self._queued.add(src.seq_id, dst.seq_id)
-        if num < len(src.tokens) and not self._memory.seq_rm(dst.seq_id, num, -1):
-            self._memory.seq_rm(dst.seq_id, -1, -1)
-            raise ValueError(f"the memory cannot cut a copied stream to {num} tokens")
-        self.append(dst, src.tokens[:num])
+        else:
+            self._memory.seq_cp(src.seq_id, dst.seq_id, -1, -1)
+            self._queued.add(src.seq_id, dst.seq_id)
+            cut = checkpoint is None and num < len(src.tokens)
+            if cut and not self._memory.seq_rm(dst.seq_id, num, -1):
+                self._memory.seq_rm(dst.seq_id, -1, -1)
+                dst.checkpoints = {}
+                raise ValueError(f"the memory cannot cut a copied stream to {num} tokens")
+            self.append(dst, src.tokens[:num])
+        # a recurrent state is shared whole whatever the range: set the copy's back
+        if checkpoint is not None and not self._set_back(dst, num, checkpoint):
+            self.clear(dst)
+            return False
+        return True
 
     def append(self, slot: Slot, tokens: Sequence[int]) -> None:
         """Record that ``tokens`` were computed at the end of ``slot`` in fresh cells."""
@@ -315,10 +393,19 @@ class KVCache:
         return self._memory.state_seq_get(slot.seq_id)
 
     def truncate(self, slot: Slot, num: int) -> bool:
-        """Keep only the first ``num`` tokens of ``slot``; False if the memory refused."""
+        """Keep only the first ``num`` tokens of ``slot``; False if the memory refused. A
+        memory cut at checkpoints is cut only where the slot took one (else False, nothing
+        changed); if it refuses the checkpoint, the slot is cleared."""
         if num >= len(slot.tokens):
             return True
-        if not self._memory.seq_rm(slot.seq_id, num, -1):
+        if self._at_checkpoints and num:
+            checkpoint = slot.checkpoints.get(num)
+            if checkpoint is None:
+                return False
+            if not self._set_back(slot, num, checkpoint):
+                self.clear(slot)
+                return False
+        elif not self._memory.seq_rm(slot.seq_id, num, -1):
             return False
         self._drop_cells(slot, num)
         return True
@@ -367,6 +454,8 @@ class KVCache:
             self._unref(cell)
         del slot.cells[keep:]
         del slot.tokens[keep:]
+        if slot.checkpoints:
+            slot.checkpoints = {p: d for p, d in slot.checkpoints.items() if p <= keep}
 
     def _unref(self, cell: int) -> None:
         left = self._refs[cell] - 1

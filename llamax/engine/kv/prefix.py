@@ -28,6 +28,7 @@ from ...adapters import NO_ADAPTERS, AdapterSet
 from ...backend.base import Backend
 from ...config import EngineConfig
 from ...tokens import common_prefix_len
+from .checkpoints import planned_checkpoint
 from .kvcache import KVCache, Slot, SlotState
 from .prefix_disk import PrefixDiskTier, default_disk_budget
 from .prefix_ram import PrefixRamTier, RamEntry, default_budget
@@ -191,7 +192,7 @@ class PrefixCache:
         Raises:
             InvalidParameterError: the disk tier's directory cannot be used (or is in use).
         """
-        retain = config.prefix_cache and backend.can_share_prefix
+        retain = config.prefix_cache and (backend.can_share_prefix or backend.can_checkpoint)
         model = json.dumps(backend.model_identity, sort_keys=True, default=str)
         ram_bytes = config.prefix_ram_bytes
         if ram_bytes is None:
@@ -258,11 +259,13 @@ class PrefixCache:
             later = min(
                 common_prefix_len(known if known is not None else slot.tokens, prompt), limit
             )
-            now = min(later, len(slot.tokens))
+            now = self._cache.usable(slot, later)  # cut at a checkpoint, where it must be
             if now and not self._cache.is_intact(slot):
                 continue
             if known is None:
                 later = now
+            elif self._cache.cuts_at_checkpoints:
+                later = max(now, planned_checkpoint(later, len(known)))
             if (now, later) > (best.num_now, best.num_later):
                 best = PrefixMatch(slot, now, later)
         return best

@@ -159,8 +159,10 @@ class SessionTable:
             raise InvalidParameterError(
                 f"cannot rewind {num_tokens} tokens: the session holds {len(slot.tokens)}"
             )
-        if not self._scheduler.kv.truncate(slot, len(slot.tokens) - num_tokens):
-            self._scheduler.kv.clear(slot)
+        kv = self._scheduler.kv
+        keep = kv.usable(slot, len(slot.tokens) - num_tokens)  # a memory cut at checkpoints
+        if not kv.truncate(slot, keep):  # goes back to the last one (the rest is recomputed)
+            kv.clear(slot)
 
     def _restore(self, tokens: tuple[int, ...], state: bytes, adapters: AdapterSet) -> int:
         session_id = self._open(purpose="the loaded session")

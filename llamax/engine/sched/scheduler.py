@@ -27,6 +27,7 @@ answer.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from ...config import EngineConfig
 from ...errors import KVCapacityError, RequestFailedError
 from ...results import TokenEvent, TokenLogprob
 from ..kv.admission import Outcome, SlotPlacer
+from ..kv.checkpoints import MAX_CHECKPOINTS, checkpoint_positions
 from ..kv.kvcache import KVCache
 from ..kv.kvops import KVOp, RestoreSession
 from ..kv.prefix import PrefixCache
@@ -56,6 +58,7 @@ from .step_planner import StepPlanner
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerStats", "StepPlan", "StepResult"]
 
 T = TypeVar("T")
+_log = logging.getLogger("llamax.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +226,19 @@ class Scheduler:
         )
         return self.planner.build(slots, drafts)
 
+    def _take_checkpoint(self, seq: Sequence) -> None:
+        """After a prompt chunk: take ``seq``'s checkpoint if the chunk ended at one (a
+        checkpoint the memory refuses to give is only a lost shortcut)."""
+        slot = seq.slot
+        assert slot is not None
+        num = len(slot.tokens)
+        if num > seq.num_prompt_tokens or num not in checkpoint_positions(seq.num_prompt_tokens):
+            return
+        try:
+            self.kv.checkpoint(slot, MAX_CHECKPOINTS)
+        except Exception as exc:  # the checkpoint is lost, never the request
+            _log.warning("could not take a checkpoint at %d tokens: %s", num, exc)
+
     # ------------------------------------------------------------------ layout
     def _relayout(self, unified: bool, result: StepResult) -> None:
         """Move the cache to the other layout. If that fails, stay in this layout from now
@@ -308,6 +324,8 @@ class Scheduler:
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += num  # prompt chunks, and recomputation after preemption
+                if self.kv.cuts_at_checkpoints and self.prefix.is_enabled:
+                    self._take_checkpoint(seq)
             if entry.item.row is None:
                 continue
             for fork in entry.forks:

@@ -9,6 +9,7 @@ from the sequences and token counts the scheduler chose. It changes no sequence.
 from __future__ import annotations
 
 from ...backend.base import Backend
+from ..kv.checkpoints import next_checkpoint
 from ..kv.kvcache import KVCache
 from ..kv.prefix import PrefixCache
 from ..plan import StepPlan, build_plan, split_plan
@@ -59,10 +60,16 @@ class StepPlanner:
         self, seq: Seq, budget: int, fixed: StepFeatures | None, num_decode: int
     ) -> tuple[int, StepFeatures | None]:
         """The prompt chunk ``seq`` computes this step, within ``budget`` tokens, and the
-        step's features with it (:meth:`ChunkBudget.chunk`)."""
+        step's features with it (:meth:`ChunkBudget.chunk`). Where the memory is cut only
+        at checkpoints, the chunk ends at the sequence's next one."""
+        limit = min(seq.num_pending, budget)
+        if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
+            following = next_checkpoint(seq.num_computed, seq.num_prompt_tokens)
+            if following is not None:
+                limit = min(limit, following - seq.num_computed)
         return self.budget.chunk(
             fixed,
-            min(seq.num_pending, budget),
+            limit,
             num_pending=seq.num_pending,
             num_computed=seq.num_computed,
             num_cells_used=self._kv.num_cells_used,

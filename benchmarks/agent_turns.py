@@ -1,0 +1,293 @@
+"""Multi-turn agent workload (issue 40): what each turn recomputes, with and without checkpoints.
+
+``--conversations`` agents (default 4) run at once, each a ``--turns``-turn chat (default
+12): a system prompt of about 300 tokens, then per turn a tool result of about
+``--turn-tokens`` tokens (default 200) as the user message and a greedy reply of
+``--max-tokens`` tokens (default 24, end-of-generation ignored), so the context grows to
+about 3,000 tokens. Each turn's prompt is the whole conversation rendered with the model's
+chat template (``Context.chat_prompt``), as a chat client sends it, so the reply comes back
+re-tokenized from its text: where that differs from the tokens generated, the cache can
+reuse only up to the turn's start.
+
+Systems, per model (each built, run and freed in turn; ``N_THREADS`` threads):
+
+``llamax``
+    ``llamax.Context(n_ctx, n_seq_max=conversations)``: prefix reuse, on a recurrent or
+    hybrid model through checkpoints (docs/kv-cache.md).
+``llamax_nocache``
+    the same with ``prefix_cache=False``: every turn computes its whole prompt (what
+    llamax did for recurrent and hybrid models before checkpoints).
+``llama_server``
+    with ``--llama-server PATH`` (``benchmarks/peers.sh`` builds one from the vendored
+    llama.cpp): ``-np conversations -c n_ctx`` and its default context checkpoints,
+    ``cache_prompt: true``, the same rendered prompts on ``/completion``.
+
+Models: ``--model`` (default SmolLM2) and ``--memory-kind`` (default ``hybrid``: a random
+LFM2 written by ``scripts/make_memory_model.py``; ``none`` skips it). Per system, model and
+turn: the median over conversations of the prompt tokens computed (llamax: ``prompt -
+cached``; llama-server: ``timings.prompt_n``) and of the TTFT; and the median TTFT from
+turn 4 on against ``llamax_nocache``'s and llama-server's.
+
+::
+
+    .venv/bin/python benchmarks/agent_turns.py --json-out agent_turns.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    N_THREADS,
+    add_common_args,
+    base_config,
+    emit_report,
+    filler_sentences,
+    load_average,
+    log,
+    model_path,
+    ratio,
+    stdout_to_stderr,
+)
+
+import llamax
+
+Turn = tuple[int, int, float]
+"""One turn of one conversation: prompt tokens, tokens computed, TTFT in seconds."""
+Submit = Callable[[int, list[int]], tuple[list[int], int, float]]
+"""``(conversation, prompt tokens) -> (reply tokens, tokens computed, TTFT)``."""
+
+
+def _tool_result(conversation: int, turn: int, count: Callable[[str], int], target: int) -> str:
+    lines = [f"Tool result {turn + 1} for agent {conversation + 1}:"]
+    sentences = filler_sentences(f"Record {conversation}.{turn}")
+    while count("\n".join(lines)) < target:
+        lines.append(next(sentences))
+    return "\n".join(lines)
+
+
+def run_conversations(
+    ctx: llamax.Context, submit: Submit, args: argparse.Namespace
+) -> list[list[Turn]]:
+    """Every conversation at once, one thread each; each conversation's turns in order."""
+    system = "\n".join(
+        ["You are an operations agent. Follow the handbook below."]
+        + [s for _, s in zip(range(14), filler_sentences("Rule"), strict=False)]
+    )
+
+    def count(text: str) -> int:
+        return len(ctx.tokenize(text, add_special=False))
+
+    turns: list[list[Turn]] = [[] for _ in range(args.conversations)]
+    errors: list[BaseException] = []
+
+    def one(c: int) -> None:
+        try:
+            messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+            for t in range(args.turns):
+                messages.append(
+                    {"role": "user", "content": _tool_result(c, t, count, args.turn_tokens)}
+                )
+                prompt = ctx.chat_prompt(messages)
+                reply, computed, ttft = submit(c, prompt)
+                turns[c].append((len(prompt), computed, ttft))
+                messages.append({"role": "assistant", "content": ctx.detokenize(reply)})
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(c,)) for c in range(args.conversations)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return turns
+
+
+def llamax_submit(ctx: llamax.Context, max_tokens: int) -> Submit:
+    params = llamax.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def submit(_c: int, prompt: list[int]) -> tuple[list[int], int, float]:
+        start = time.perf_counter()
+        handle = ctx.add_request(prompt, params)
+        ttft = None
+        for _ in handle:
+            if ttft is None:
+                ttft = time.perf_counter() - start
+        done = handle.result(timeout=600)
+        usage = done.usage
+        return done.token_ids, usage.prompt_tokens - usage.cached_tokens, ttft or 0.0
+
+    return submit
+
+
+def server_submit(port: int, max_tokens: int) -> Submit:
+    def submit(_c: int, prompt: list[int]) -> tuple[list[int], int, float]:
+        body = {
+            "prompt": prompt,
+            "n_predict": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_prompt": True,
+            "stream": True,
+            "return_tokens": True,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        start = time.perf_counter()
+        ttft = None
+        tokens: list[int] = []
+        computed = len(prompt)
+        try:
+            conn.request("POST", "/completion", json.dumps(body))
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"llama-server answered {response.status}")
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                event = json.loads(line[6:])
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                tokens.extend(event.get("tokens") or [])
+                if event.get("stop"):
+                    timings = event.get("timings") or {}
+                    computed = int(timings.get("prompt_n", computed))
+                    break
+        finally:
+            conn.close()
+        return tokens, computed, ttft or 0.0
+
+    return submit
+
+
+def summarize(turns: list[list[Turn]]) -> dict[str, Any]:
+    """Per turn: the medians over conversations (prompt tokens, tokens computed, TTFT)."""
+    per_turn = []
+    for t in range(len(turns[0])):
+        column = [conversation[t] for conversation in turns]
+        per_turn.append(
+            {
+                "turn": t + 1,
+                "prompt_tokens": statistics.median(c[0] for c in column),
+                "computed_tokens": statistics.median(c[1] for c in column),
+                "ttft_s": round(statistics.median(c[2] for c in column), 4),
+            }
+        )
+    late = [p for p in per_turn if p["turn"] >= 4]
+    return {
+        "per_turn": per_turn,
+        "computed_by_conversation": [[c[1] for c in conversation] for conversation in turns],
+        "computed_tokens_total": sum(c[1] for conversation in turns for c in conversation),
+        "ttft_median_from_turn_4_s": round(statistics.median(p["ttft_s"] for p in late), 4),
+    }
+
+
+def run_llamax(path: Path, args: argparse.Namespace, *, cache: bool) -> dict[str, Any]:
+    with llamax.Context(
+        path,
+        n_ctx=args.n_ctx,
+        n_seq_max=args.conversations,
+        n_threads=N_THREADS,
+        prefix_cache=cache,
+    ) as ctx:
+        started = time.perf_counter()
+        turns = run_conversations(ctx, llamax_submit(ctx, args.max_tokens), args)
+        out = summarize(turns)
+        stats = ctx.stats()
+        out |= {
+            "wall_s": round(time.perf_counter() - started, 2),
+            "num_checkpoints": stats.num_checkpoints,
+            "num_checkpoint_restores": stats.num_checkpoint_restores,
+            "checkpoint_bytes": stats.checkpoint_bytes,
+        }
+        return out
+
+
+def run_server(binary: Path, path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _peers import LlamaServerPeer
+
+    peer = LlamaServerPeer(
+        binary, path, n_parallel=args.conversations, n_ctx=args.n_ctx, cache_prompt=True
+    )
+    try:
+        with llamax.Context(path, n_ctx=512, n_seq_max=1, n_threads=1) as tokenizer:
+            started = time.perf_counter()
+            turns = run_conversations(tokenizer, server_submit(peer.port, args.max_tokens), args)
+        return summarize(turns) | {"wall_s": round(time.perf_counter() - started, 2)}
+    finally:
+        peer.close()
+
+
+def memory_model(kind: str, tokenizer_from: Path, folder: Path) -> Path:
+    script = Path(__file__).parent.parent / "scripts" / "make_memory_model.py"
+    spec = importlib.util.spec_from_file_location("make_memory_model", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    path: Path = module.write_memory_model(
+        folder / f"{kind}.gguf", kind=kind, tokenizer_from=tokenizer_from
+    )
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser)
+    parser.add_argument("--memory-kind", default="hybrid", choices=("hybrid", "recurrent", "none"))
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=12)
+    parser.add_argument("--turn-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--n-ctx", type=int, default=16384)
+    parser.add_argument("--llama-server", type=Path, help="a llama-server binary (peers.sh)")
+    args = parser.parse_args()
+    load_at_start = load_average()
+    with stdout_to_stderr() as stdout, tempfile.TemporaryDirectory() as folder:
+        smol = model_path(args.model)
+        models = {"default": smol}
+        if args.memory_kind != "none":
+            models[args.memory_kind] = memory_model(args.memory_kind, smol, Path(folder))
+        results: dict[str, Any] = {}
+        for name, path in models.items():
+            log(f"{name}: llamax")
+            row = {"llamax": run_llamax(path, args, cache=True)}
+            log(f"{name}: llamax without the prefix cache")
+            row["llamax_nocache"] = run_llamax(path, args, cache=False)
+            if args.llama_server is not None:
+                log(f"{name}: llama-server")
+                row["llama_server"] = run_server(args.llama_server, path, args)
+            base = row["llamax_nocache"]["ttft_median_from_turn_4_s"]
+            row["ratios"] = {
+                f"{system}_ttft_from_turn_4_vs_nocache": ratio(
+                    row[system]["ttft_median_from_turn_4_s"], base
+                )
+                for system in row
+                if system != "llamax_nocache"
+            }
+            if "llama_server" in row:
+                row["ratios"]["llamax_ttft_from_turn_4_vs_llama_server"] = ratio(
+                    row["llamax"]["ttft_median_from_turn_4_s"],
+                    row["llama_server"]["ttft_median_from_turn_4_s"],
+                )
+            results[name] = row
+        emit_report(
+            {"config": base_config(args, load_at_start), "results": results}, stdout, args.json_out
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Where a sequence whose memory cannot be cut takes checkpoints. Pure functions.
+
+A recurrent or hybrid memory (Mamba, LFM2, Qwen3-Next...) cannot drop the end of a
+sequence: its recurrent state holds every token it has seen. The engine cuts such a
+sequence only where it took a checkpoint, a copy of that state
+(``KVMemory.state_seq_get(partial=True)``) at a position: set back, it takes the sequence
+back to that position exactly, the full-attention cells past it removed
+(:meth:`~llamax.engine.kvcache.KVCache.truncate`).
+
+A prompt's checkpoints are taken at its last token but one, which serves the two ways a
+later prompt reuses it (the same prompt again, whose last token is computed again for its
+logits, and a longer one, a chat's next turn), and every :data:`CHECKPOINT_INTERVAL`
+tokens before that, so a prompt that shares only part of a long one recomputes at most one
+interval. The scheduler ends prompt chunks at these positions (:func:`next_checkpoint`)
+and takes each checkpoint after the decode that reached it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CHECKPOINT_INTERVAL",
+    "MAX_CHECKPOINTS",
+    "checkpoint_positions",
+    "next_checkpoint",
+    "planned_checkpoint",
+]
+
+CHECKPOINT_INTERVAL = 1024
+"""Tokens between a long prompt's checkpoints."""
+
+MAX_CHECKPOINTS = 8
+"""Checkpoints one slot keeps (the oldest goes first)."""
+
+
+def checkpoint_positions(num_prompt: int, interval: int | None = None) -> list[int]:
+    """Where a prompt of ``num_prompt`` tokens takes checkpoints, in order: every
+    ``interval`` tokens (default :data:`CHECKPOINT_INTERVAL`), and its last token but one."""
+    interval = interval or CHECKPOINT_INTERVAL
+    last = num_prompt - 1
+    if last < 1:
+        return []
+    return [*range(interval, last, interval), last]
+
+
+def next_checkpoint(num_computed: int, num_prompt: int, interval: int | None = None) -> int | None:
+    """The first checkpoint past ``num_computed`` tokens (None: none is left), where the
+    next prompt chunk must end."""
+    interval = interval or CHECKPOINT_INTERVAL
+    last = num_prompt - 1
+    if num_computed >= last:
+        return None
+    following = (num_computed // interval + 1) * interval
+    return min(following, last)
+
+
+def planned_checkpoint(num: int, num_prompt: int, interval: int | None = None) -> int:
+    """The last checkpoint at or before ``num`` tokens that a prompt of ``num_prompt``
+    tokens will have taken once computed (0: none)."""
+    interval = interval or CHECKPOINT_INTERVAL
+    last = num_prompt - 1
+    if num >= last >= 1:
+        return last
+    return min(num // interval * interval, max(last, 0))

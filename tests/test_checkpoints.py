@@ -1,0 +1,204 @@
+"""Checkpoints (issue 40): prefix reuse on a memory that cannot be cut, against the fake.
+
+``FakeBackend(recurrent=True)`` models a recurrent memory as llama.cpp has it: a sequence
+has a state that holds every token it consumed; ``seq_rm`` refuses to cut before it,
+``seq_cp`` shares it whatever the range, and a partial state (``state_seq_get/set`` with
+``partial``) sets it back. At every decode the fake checks that each sequence's state is
+the one its own cells' tokens lead to, so a reuse that forgot to set a checkpoint back
+fails loudly instead of answering from the wrong history.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import llamax
+from llamax.backend.base import BatchItem
+from llamax.engine.kv import checkpoints
+from llamax.engine.kv.checkpoints import checkpoint_positions, next_checkpoint, planned_checkpoint
+from llamax.engine.kv.kvcache import KVCache
+from llamax.testing import FakeBackend
+
+MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
+GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0)
+SYSTEM = "You are a helpful assistant. " * 4  # 116 tokens on the byte-level fake
+
+
+@pytest.fixture(params=["unified", "streams"])
+def kv_layout(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def run(ctx: llamax.Context) -> None:
+    while ctx.has_work():
+        ctx.process()
+
+
+def cold(prompt: str, params: llamax.SamplingParams = GREEDY) -> list[int]:
+    with llamax.Context(backend=FakeBackend(n_ctx=2048, n_seq_max=1), autostart=False) as ctx:
+        handle = ctx.add_request(prompt, params)
+        run(ctx)
+        return handle.result(0).token_ids
+
+
+def complete(ctx: llamax.Context, prompt: str, params: llamax.SamplingParams = GREEDY) -> Any:
+    handle = ctx.add_request(prompt, params)
+    run(ctx)
+    return handle.result(0)
+
+
+# ---------------------------------------------------------------------- positions
+def test_a_prompt_takes_checkpoints_every_interval_and_at_its_last_token_but_one() -> None:
+    assert checkpoint_positions(10, 4) == [4, 8, 9]
+    assert checkpoint_positions(9, 4) == [4, 8]
+    assert checkpoint_positions(2, 4) == [1]
+    assert checkpoint_positions(1, 4) == [] == checkpoint_positions(0, 4)
+    chunk_ends = []
+    done = 0
+    while (end := next_checkpoint(done, 10, 4)) is not None:
+        chunk_ends.append(end)
+        done = end
+    assert chunk_ends == checkpoint_positions(10, 4)
+    assert next_checkpoint(5, 10, 4) == 8 and next_checkpoint(9, 10, 4) is None
+    assert [planned_checkpoint(n, 10, 4) for n in (0, 3, 4, 7, 8, 9, 10)] == [0, 0, 4, 4, 8, 9, 9]
+
+
+# ---------------------------------------------------------------------- the fake's memory
+def _decode(backend: FakeBackend, seq_id: int, tokens: list[int], start: int) -> None:
+    assert backend.decode([BatchItem(seq_id, tokens, start, (len(tokens) - 1,))]) == 0
+
+
+def test_the_fake_recurrent_memory_refuses_a_cut_and_catches_a_stale_state() -> None:
+    backend = FakeBackend(recurrent=True)
+    _decode(backend, 0, [5, 6, 7, 8], 0)
+    assert not backend.seq_rm(0, 2, -1)  # its state holds all four tokens
+    checkpoint = json.loads(backend.state_seq_get(0, partial=True))
+    assert checkpoint["r"][0] == 4
+    backend.seq_cp(0, 1, 0, 2)  # the cells [0, 2), and the state at 4, shared
+    with pytest.raises(AssertionError, match="recurrent state is at 4"):
+        _decode(backend, 1, [9], 2)
+
+
+def test_a_checkpoint_set_back_cuts_the_fake_exactly() -> None:
+    backend = FakeBackend(recurrent=True)
+    kv = KVCache(backend, backend.n_seq_max)
+    slot = kv.allocate()
+    assert slot is not None
+    _decode(backend, slot.seq_id, [5, 6], 0)
+    kv.append(slot, [5, 6])
+    kv.checkpoint(slot, 8)
+    _decode(backend, slot.seq_id, [7, 8], 2)
+    kv.append(slot, [7, 8])
+    assert kv.usable(slot, 3) == 2 and kv.usable(slot, 4) == 4 and kv.usable(slot, 1) == 0
+    assert not kv.truncate(slot, 3) and slot.tokens == [5, 6, 7, 8]  # no checkpoint at 3
+    assert kv.truncate(slot, 2) and slot.tokens == [5, 6]
+    _decode(backend, slot.seq_id, [9], 2)  # continues from the checkpoint's state
+    assert kv.num_checkpoint_restores == 1 and kv.checkpoint_bytes > 0
+    kv.release(slot)
+    assert kv.checkpoint_bytes == 0
+
+
+# ---------------------------------------------------------------------- the engine
+def test_a_shared_system_prompt_is_reused_from_a_checkpoint(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    first = complete(ctx, SYSTEM + "A1")
+    second = complete(ctx, SYSTEM + "B2?")
+    assert first.token_ids == cold(SYSTEM + "A1")
+    assert second.token_ids == cold(SYSTEM + "B2?")
+    # the first prompt's checkpoints: at its last token but one, nothing shorter
+    assert second.usage.cached_tokens == 0
+    stats = ctx.stats()
+    assert stats.num_checkpoints >= 1 and stats.checkpoint_bytes > 0
+
+
+def test_a_chat_turn_reuses_the_whole_previous_turn(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    turn1 = SYSTEM + "Q1"
+    first = complete(ctx, turn1)
+    turn2 = turn1 + first.text + "Q2"
+    second = complete(ctx, turn2)
+    assert second.usage.cached_tokens >= len(turn1) - 1
+    assert second.token_ids == cold(turn2)
+
+
+def test_the_same_prompt_again_recomputes_only_its_last_token(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    complete(ctx, SYSTEM)
+    again = complete(ctx, SYSTEM)
+    assert again.usage.cached_tokens == len(SYSTEM) - 1
+    assert again.token_ids == cold(SYSTEM)
+    assert ctx.stats().num_checkpoint_restores >= 1
+
+
+def test_a_long_shared_prefix_is_reused_up_to_its_last_interval(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_INTERVAL", 32)
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    complete(ctx, SYSTEM + "A1")
+    second = complete(ctx, SYSTEM + "B2?")
+    assert second.usage.cached_tokens == len(SYSTEM) // 32 * 32  # 96 of the 116 shared
+    assert second.token_ids == cold(SYSTEM + "B2?")
+
+
+def test_n_choices_fork_from_the_leader(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024, recurrent=True)
+    params = llamax.SamplingParams(max_tokens=6, temperature=0, n=3)
+    done = complete(ctx, SYSTEM + "n?", params)
+    expected = cold(SYSTEM + "n?")
+    assert [c.token_ids for c in done.choices] == [expected] * 3
+    assert backend.num_copies >= 2
+    assert done.usage.prompt_tokens == len(SYSTEM + "n?")
+
+
+def test_a_session_continues_and_rewinds_to_its_checkpoints(make_fake: MakeFake) -> None:
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    session = ctx.session()
+    first = session.add_request(SYSTEM + "Q1", GREEDY)
+    run(ctx)
+    turn2 = SYSTEM + "Q1" + first.result(0).text + "Q2"
+    second = session.add_request(turn2, GREEDY)
+    run(ctx)
+    assert second.result(0).usage.cached_tokens >= len(SYSTEM + "Q1") - 1
+    assert second.result(0).token_ids == cold(turn2)
+    held = len(session.token_ids)
+    session.rewind(3)  # no checkpoint there: back to the last one before it
+    assert len(session.token_ids) < held - 3
+    third = session.add_request(turn2, GREEDY)
+    run(ctx)
+    assert third.result(0).token_ids == cold(turn2)
+    session.close()
+
+
+def test_a_lost_checkpoint_only_costs_the_reuse(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024, recurrent=True)
+
+    def refuse_checkpoints(where: str) -> object:
+        return "refused" if where == "state_seq_set" else None
+
+    complete(ctx, SYSTEM)
+    backend.fault = refuse_checkpoints
+    again = complete(ctx, SYSTEM)
+    backend.fault = None
+    assert again.token_ids == cold(SYSTEM)
+    assert again.usage.cached_tokens == 0
+
+
+def test_a_checkpoint_that_cannot_be_taken_only_costs_the_reuse(make_fake: MakeFake) -> None:
+    ctx, backend = make_fake(n_ctx=1024, recurrent=True)
+
+    def fail_reads(where: str) -> object:
+        if where == "state_seq_get":
+            raise RuntimeError("no memory for the checkpoint")
+        return None
+
+    backend.fault = fail_reads
+    first = complete(ctx, SYSTEM)
+    backend.fault = None
+    again = complete(ctx, SYSTEM)
+    assert first.token_ids == again.token_ids == cold(SYSTEM)
+    assert ctx.stats().num_checkpoints == 1  # only the second prompt's

@@ -1,0 +1,128 @@
+"""Checkpoints (issue 40) through the public API, on random hybrid and recurrent models.
+
+``scripts/make_memory_model.py`` writes an LFM2 (hybrid) and a Mamba2 (recurrent) model
+with SmolLM2's tokenizer. On each, in both KV layouts: a prompt that shares part of an
+earlier one is served from the earlier one's checkpoints, and its greedy output agrees
+with a context that has nothing cached (:mod:`near_tie`; random weights make a wrong state
+show at once); ``n > 1`` forks; a session continues across turns.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from near_tie import assert_greedy_agrees
+
+import llamax
+from llamax.engine.kv import checkpoints
+from llamax.testing import assert_idle
+
+pytest.importorskip("gguf")
+pytestmark = pytest.mark.model
+
+INTERVAL = 64
+GREEDY = llamax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _script() -> object:
+    path = Path(__file__).parent.parent / "scripts" / "make_memory_model.py"
+    spec = importlib.util.spec_from_file_location("make_memory_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", params=["hybrid", "recurrent"])
+def memory_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_path: Path
+) -> Path:
+    kind = str(request.param)
+    folder = tmp_path_factory.mktemp(f"checkpoint_{kind}")
+    path: Path = _script().write_memory_model(  # type: ignore[attr-defined]
+        folder / f"{kind}.gguf", kind=kind, tokenizer_from=model_path
+    )
+    return path
+
+
+@pytest.fixture(params=["unified", "streams"])
+def ctx(
+    request: pytest.FixtureRequest, memory_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[llamax.Context]:
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_INTERVAL", INTERVAL)
+    made = llamax.Context(
+        memory_model, n_ctx=4096, n_seq_max=4, n_batch=256, n_threads=1, kv_layout=request.param
+    )
+    yield made
+    assert_idle(made)
+    made.close()
+
+
+@pytest.fixture
+def probe(memory_model: Path) -> Iterator[llamax.Context]:
+    made = llamax.Context(memory_model, n_ctx=2048, n_seq_max=1, n_threads=1, prefix_cache=False)
+    yield made
+    made.close()
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, 40_000, n).tolist()
+
+
+def test_a_prompt_sharing_part_of_another_is_served_from_its_checkpoint(
+    ctx: llamax.Context, probe: llamax.Context
+) -> None:
+    first = _tokens(1, 300)
+    ctx.add_request(first, GREEDY).result(timeout=120)
+    second = first[:250] + _tokens(2, 40)
+    done = ctx.add_request(second, GREEDY).result(timeout=120)
+    assert done.usage.cached_tokens == 192  # the last checkpoint before token 250
+    assert_greedy_agrees(probe, second, probe_run(probe, second), done.token_ids)
+    stats = ctx.stats()
+    assert stats.num_checkpoints >= 5 and stats.num_checkpoint_restores >= 1
+
+
+def probe_run(probe: llamax.Context, prompt: list[int]) -> list[int]:
+    return probe.add_request(prompt, GREEDY).result(timeout=120).token_ids
+
+
+def test_the_same_prompt_again_and_a_next_turn_reuse_it(
+    ctx: llamax.Context, probe: llamax.Context
+) -> None:
+    prompt = _tokens(3, 200)
+    first = ctx.add_request(prompt, GREEDY).result(timeout=120)
+    again = ctx.add_request(prompt, GREEDY).result(timeout=120)
+    assert again.usage.cached_tokens == len(prompt) - 1
+    assert_greedy_agrees(probe, prompt, first.token_ids, again.token_ids)
+    turn = [*prompt, *first.token_ids, *_tokens(4, 30)]
+    done = ctx.add_request(turn, GREEDY).result(timeout=120)
+    assert done.usage.cached_tokens >= len(prompt) - 1
+    assert_greedy_agrees(probe, turn, probe_run(probe, turn), done.token_ids)
+
+
+def test_n_choices_share_the_prompt(ctx: llamax.Context, probe: llamax.Context) -> None:
+    prompt = _tokens(5, 120)
+    params = llamax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3)
+    done = ctx.add_request(prompt, params).result(timeout=120)
+    expected = probe_run(probe, prompt)
+    for choice in done.choices:
+        assert_greedy_agrees(probe, prompt, expected, choice.token_ids)
+    assert done.usage.prompt_tokens == len(prompt)
+    assert ctx.stats().num_prefill_tokens == len(prompt)  # computed once, then forked
+
+
+def test_a_session_is_reused_across_turns(ctx: llamax.Context, probe: llamax.Context) -> None:
+    session = ctx.session()
+    prompt = _tokens(6, 150)
+    first = session.add_request(prompt, GREEDY).result(timeout=120)
+    turn = [*prompt, *first.token_ids, *_tokens(7, 20)]
+    second = session.add_request(turn, GREEDY).result(timeout=120)
+    assert second.usage.cached_tokens >= len(prompt) + len(first.token_ids) - 1
+    assert_greedy_agrees(probe, turn, probe_run(probe, turn), second.token_ids)
+    session.close()
