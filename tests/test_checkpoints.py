@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,13 @@ import pytest
 import llamax
 from llamax.backend.base import BatchItem
 from llamax.engine.kv import checkpoints
-from llamax.engine.kv.checkpoints import checkpoint_positions, next_checkpoint, planned_checkpoint
+from llamax.engine.kv.checkpoints import (
+    checkpoint_positions,
+    next_checkpoint,
+    pack_state,
+    planned_checkpoint,
+    unpack_state,
+)
 from llamax.engine.kv.kvcache import KVCache
 from llamax.testing import FakeBackend
 
@@ -202,3 +209,54 @@ def test_a_checkpoint_that_cannot_be_taken_only_costs_the_reuse(make_fake: MakeF
     again = complete(ctx, SYSTEM)
     assert first.token_ids == again.token_ids == cold(SYSTEM)
     assert ctx.stats().num_checkpoints == 1  # only the second prompt's
+
+
+# ---------------------------------------------------------------------- saved states
+def test_a_saved_state_carries_its_checkpoints() -> None:
+    blob = pack_state(b"state", {7: b"seven", 3: b"three"})
+    assert unpack_state(blob) == (b"state", {3: b"three", 7: b"seven"})
+    assert unpack_state(b"a bare state") == (b"a bare state", {})
+    for damaged in (blob[:-1], blob + b"x", blob[:12], blob.replace(b'"state"', b'"stat"')):
+        with pytest.raises(ValueError, match="damaged"):
+            unpack_state(damaged)
+
+
+def test_an_evicted_conversation_comes_back_from_ram_to_its_checkpoint(
+    kv_layout: str,
+) -> None:
+    backend = FakeBackend(
+        n_ctx=1024 if kv_layout == "unified" else 2048,
+        n_seq_max=2,
+        recurrent=True,
+        kv_layout=kv_layout,
+    )
+    with llamax.Context(backend=backend, autostart=False, prefix_ram_bytes=1 << 20) as ctx:
+        turn1 = SYSTEM + "Q1"
+        first = complete(ctx, turn1)
+        for other in ("B", "C", "D"):  # two slots: the first conversation's goes to RAM
+            complete(ctx, other * 40)
+        assert ctx.stats().prefix_ram_entries >= 1
+        turn2 = turn1 + first.text[:-2] + "!Q2"  # parts inside the reply: a cut is needed
+        second = complete(ctx, turn2)
+        assert second.usage.cached_tokens == len(turn1) - 1  # the prompt's checkpoint
+        assert second.token_ids == cold(turn2)
+        assert ctx.stats().num_prefix_ram_restores == 1
+
+
+def test_a_saved_session_loads_with_its_checkpoints(make_fake: MakeFake, tmp_path: Path) -> None:
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    session = ctx.session()
+    session.add_request(SYSTEM + "Q1", GREEDY)
+    run(ctx)
+    session.save(tmp_path / "s.llamax")
+    held = session.token_ids
+    session.close()
+    loaded = ctx.load_session(tmp_path / "s.llamax")
+    assert loaded.token_ids == held
+    loaded.rewind(len(held) - len(SYSTEM + "Q1") + 1)  # to the prompt's checkpoint
+    assert len(loaded.token_ids) == len(SYSTEM + "Q1") - 1
+    again = loaded.add_request(SYSTEM + "Q1", GREEDY)
+    run(ctx)
+    assert again.result(0).usage.cached_tokens == len(SYSTEM + "Q1") - 1
+    assert again.result(0).token_ids == cold(SYSTEM + "Q1")
+    loaded.close()

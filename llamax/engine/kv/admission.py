@@ -160,9 +160,7 @@ class SlotPlacer:
                 longer_than=now if best is None else best.num_common,
                 max_tokens=self._kv.cells_per_seq,
             )
-            if hit is not None and (
-                hit.num_common == hit.num_stored or not self._kv.cuts_at_checkpoints
-            ):  # a stored state of a memory cut at checkpoints is restored whole
+            if hit is not None:
                 best = hit
         return best
 
@@ -184,15 +182,18 @@ class SlotPlacer:
             return None
         started = time.perf_counter()
         data = tier.read(hit)
+        kept = None
         if data is None:
             self._kv.release(slot)
-            ok = False
         else:
-            ok = self._load(slot, hit.entry.tokens, data, hit.num_common)
-            if not ok:
+            kept = self._load(slot, hit.entry.tokens, data, hit.num_common)
+            if kept is None:
                 tier.release(hit, refused=True)
-        tier.record_restore(hit.num_common if ok else 0, time.perf_counter() - started)
-        return Placement(Outcome.ADMITTED, slot, hit.num_common) if ok else None
+            elif not kept:  # sound, but no checkpoint in the shared part: kept for later
+                tier.release(hit, refused=False)
+        ok = bool(kept)
+        tier.record_restore(kept or 0, time.perf_counter() - started)
+        return Placement(Outcome.ADMITTED, slot, kept or 0) if ok else None
 
     def _fresh_slot(
         self,
@@ -212,21 +213,26 @@ class SlotPlacer:
         slot.adapters = adapters
         return slot
 
-    def _load(self, slot: Slot, tokens: tuple[int, ...], data: bytes, num_common: int) -> bool:
+    def _load(
+        self, slot: Slot, tokens: tuple[int, ...], data: bytes, num_common: int
+    ) -> int | None:
         """Restore ``data`` (the state of ``tokens``) into the fresh ``slot`` and cut it to
-        ``num_common`` tokens; False (the slot released) if the memory refuses it or it
-        does not hold what it claims."""
+        ``num_common`` tokens (a memory cut at checkpoints: to the last checkpoint the state
+        holds at or before that); the tokens kept, 0 (the slot released) when that is
+        none, None (released) if the memory refuses it or it does not hold what it claims."""
         try:
-            ok = (
-                self._kv.restore(slot, tokens, data)
-                and self._kv.truncate(slot, num_common)
-                and self._kv.is_intact(slot)
-            )
+            kept: int | None = None
+            if self._kv.restore(slot, tokens, data):
+                keep = self._kv.usable(slot, num_common)
+                if not keep:
+                    kept = 0
+                elif self._kv.truncate(slot, keep) and self._kv.is_intact(slot):
+                    kept = keep
         except Exception:  # a failed restore costs the entry, never the engine
-            ok = False
-        if not ok:
+            kept = None
+        if not kept:
             self._kv.release(slot)
-        return ok
+        return kept
 
     def reuse(
         self,

@@ -17,12 +17,18 @@ and takes each checkpoint after the decode that reached it.
 
 from __future__ import annotations
 
+import json
+import struct
+from collections.abc import Mapping
+
 __all__ = [
     "CHECKPOINT_INTERVAL",
     "MAX_CHECKPOINTS",
     "checkpoint_positions",
     "next_checkpoint",
+    "pack_state",
     "planned_checkpoint",
+    "unpack_state",
 ]
 
 CHECKPOINT_INTERVAL = 1024
@@ -61,3 +67,46 @@ def planned_checkpoint(num: int, num_prompt: int, interval: int | None = None) -
     if num >= last >= 1:
         return last
     return min(num // interval * interval, max(last, 0))
+
+
+_MAGIC = b"LLAMAXCK1"
+_LENGTH = struct.Struct("<I")
+
+
+def pack_state(state: bytes, checkpoints: Mapping[int, bytes]) -> bytes:
+    """A saved sequence state with its checkpoints, as one blob (a prefix tier's entry, a
+    session file): :data:`_MAGIC`, a JSON header's length and the header (the state's
+    length, each checkpoint's position and length), the state, the checkpoints."""
+    positions = sorted(checkpoints)
+    header = json.dumps(
+        {"state": len(state), "checkpoints": [[p, len(checkpoints[p])] for p in positions]}
+    ).encode()
+    parts = [_MAGIC, _LENGTH.pack(len(header)), header, state]
+    return b"".join(parts + [checkpoints[p] for p in positions])
+
+
+def unpack_state(blob: bytes) -> tuple[bytes, dict[int, bytes]]:
+    """The state and checkpoints of a :func:`pack_state` blob; a blob without the mark is
+    a bare state (no checkpoints).
+
+    Raises:
+        ValueError: the blob has the mark but does not parse, or its lengths do not add up.
+    """
+    if not blob.startswith(_MAGIC):
+        return blob, {}
+    try:
+        start = len(_MAGIC) + _LENGTH.size
+        (size,) = _LENGTH.unpack_from(blob, len(_MAGIC))
+        header = json.loads(blob[start : start + size])
+        offset = start + size
+        state = blob[offset : offset + int(header["state"])]
+        offset += len(state)
+        checkpoints: dict[int, bytes] = {}
+        for position, length in header["checkpoints"]:
+            checkpoints[int(position)] = blob[offset : offset + int(length)]
+            offset += int(length)
+    except (struct.error, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"a damaged state with checkpoints: {exc}") from exc
+    if offset != len(blob) or len(state) != int(header["state"]):
+        raise ValueError("a damaged state with checkpoints: its lengths do not add up")
+    return state, checkpoints

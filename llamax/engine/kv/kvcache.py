@@ -39,6 +39,7 @@ from enum import Enum
 from ...adapters import NO_ADAPTERS, AdapterSet
 from ...backend.base import DecodeStatus, KVMemory
 from ...errors import InvalidParameterError
+from .checkpoints import pack_state, unpack_state
 from .stream_copies import QueuedCopies
 
 __all__ = ["LAYOUT_MOVES", "KVCache", "LayoutState", "Slot", "SlotState"]
@@ -373,9 +374,18 @@ class KVCache:
 
     def restore(self, slot: Slot, tokens: Sequence[int], state: bytes) -> bool:
         """Load a saved sequence state into ``slot`` (empty); False if llama.cpp refused it
-        or it does not hold exactly ``len(tokens)`` positions (then nothing is kept)."""
+        or it does not hold exactly ``len(tokens)`` positions (then nothing is kept). A
+        memory cut at checkpoints gets the slot's checkpoints back from it too."""
         if slot.tokens:
             raise ValueError(f"restore into a non-empty slot {slot!r}")
+        checkpoints: dict[int, bytes] = {}
+        if self._at_checkpoints:
+            try:
+                state, checkpoints = unpack_state(state)
+            except ValueError:
+                return False
+            if any(not 0 < p <= len(tokens) for p in checkpoints):
+                return False
         if self._queued.blocks_write(slot.seq_id):
             self._run_queue()
         if not self._memory.state_seq_set(slot.seq_id, state):
@@ -384,13 +394,17 @@ class KVCache:
             self._memory.seq_rm(slot.seq_id, -1, -1)
             return False
         self.append(slot, tokens)
+        slot.checkpoints = checkpoints
         return True
 
     def save(self, slot: Slot) -> bytes:
-        """Serialise ``slot``'s KV state."""
+        """Serialise ``slot``'s KV state (a memory cut at checkpoints: with the slot's
+        checkpoints, :func:`~llamax.engine.kv.checkpoints.pack_state`, which :meth:`restore`
+        reads back)."""
         if self._queued.blocks_read(slot.seq_id):
             self._run_queue()
-        return self._memory.state_seq_get(slot.seq_id)
+        state = self._memory.state_seq_get(slot.seq_id)
+        return pack_state(state, slot.checkpoints) if self._at_checkpoints else state
 
     def truncate(self, slot: Slot, num: int) -> bool:
         """Keep only the first ``num`` tokens of ``slot``; False if the memory refused. A
