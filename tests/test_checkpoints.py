@@ -260,3 +260,15 @@ def test_a_saved_session_loads_with_its_checkpoints(make_fake: MakeFake, tmp_pat
     assert again.result(0).usage.cached_tokens == len(SYSTEM + "Q1") - 1
     assert again.result(0).token_ids == cold(SYSTEM + "Q1")
     loaded.close()
+
+
+def test_checkpoints_stay_within_the_ram_budget(kv_layout: str) -> None:
+    options = {"n_ctx": 2048} if kv_layout == "unified" else {"n_ctx": 4096}
+    backend = FakeBackend(n_seq_max=4, recurrent=True, kv_layout=kv_layout, **options)
+    one = len(backend.state_seq_get(0, partial=True)) + 40  # a checkpoint's size, at most
+    with llamax.Context(backend=backend, autostart=False, prefix_ram_bytes=3 * one) as ctx:
+        for i in range(6):
+            complete(ctx, f"{i}" * 20 + SYSTEM)
+            assert 0 < ctx.stats().checkpoint_bytes <= 3 * one
+        again = complete(ctx, "5" * 20 + SYSTEM)  # the newest prompt kept its checkpoint
+        assert again.usage.cached_tokens == len(SYSTEM) + 19

@@ -262,6 +262,16 @@ class KVCache:
         while len(slot.checkpoints) > max_kept:
             del slot.checkpoints[min(slot.checkpoints)]
 
+    def trim_checkpoints(self, budget: int, keep: Slot) -> None:
+        """Drop checkpoints until they hold at most ``budget`` bytes: the oldest of the slot
+        holding most first, ``keep``'s last of all, and never ``keep``'s newest."""
+        while self.checkpoint_bytes > budget:
+            holders = [s for s in self._slots.values() if len(s.checkpoints) > (s is keep)]
+            if not holders:
+                return
+            slot = max(holders, key=lambda s: (s is not keep, len(s.checkpoints)))
+            del slot.checkpoints[min(slot.checkpoints)]
+
     def _set_back(self, slot: Slot, num: int, data: bytes) -> bool:
         """Set ``slot``'s checkpoint at ``num`` back and remove the cells past it; False
         (the memory may have lost the sequence: clear it) if the memory refused."""

@@ -88,6 +88,9 @@ class PrefixCache:
         )
         """The tiers below KV, upper first: what an upper tier drops goes to the next."""
         self.num_evictions = 0
+        self.checkpoint_budget = ram.budget_bytes if ram is not None else 0
+        """The most bytes the slots' checkpoints may hold (a memory cut at checkpoints):
+        the RAM tier's budget, or the default one's share if the tier is off."""
         self.num_spill_failures = 0
 
     @property
@@ -206,7 +209,10 @@ class PrefixCache:
             if retain and directory is not None and disk_bytes
             else None
         )
-        return cls(cache, retain=retain, ram=ram, disk=disk)
+        made = cls(cache, retain=retain, ram=ram, disk=disk)
+        if not made.checkpoint_budget:
+            made.checkpoint_budget = int(default_budget() * config.prefix_ram_share)
+        return made
 
     def tier_stats(self) -> dict[str, TierStats]:
         """Each tier's stats by its name (``ram``, ``disk``)."""

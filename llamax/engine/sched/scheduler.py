@@ -238,6 +238,8 @@ class Scheduler:
             self.kv.checkpoint(slot, MAX_CHECKPOINTS)
         except Exception as exc:  # the checkpoint is lost, never the request
             _log.warning("could not take a checkpoint at %d tokens: %s", num, exc)
+            return
+        self.kv.trim_checkpoints(self.prefix.checkpoint_budget, keep=slot)
 
     # ------------------------------------------------------------------ layout
     def _relayout(self, unified: bool, result: StepResult) -> None:
