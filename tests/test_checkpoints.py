@@ -272,3 +272,25 @@ def test_checkpoints_stay_within_the_ram_budget(kv_layout: str) -> None:
             assert 0 < ctx.stats().checkpoint_bytes <= 3 * one
         again = complete(ctx, "5" * 20 + SYSTEM)  # the newest prompt kept its checkpoint
         assert again.usage.cached_tokens == len(SYSTEM) + 19
+
+
+def test_a_history_shift_is_refused_where_the_state_would_keep_the_dropped_tokens(
+    make_fake: MakeFake,
+) -> None:
+    """Regression: llama.cpp's recurrent memory accepts a ``seq_rm`` in the middle of a
+    sequence and leaves its state as it is, so ``Session.shift`` returned True and the
+    next decode read a state that still held the dropped tokens (the fake now answers as
+    llama.cpp does, and caught it). A shift is refused instead; the next request computes
+    the shortened history."""
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    session = ctx.session()
+    session.add_request(SYSTEM + "Q1", GREEDY)
+    run(ctx)
+    held = session.token_ids
+    assert not session.shift(10, 40)
+    assert session.token_ids == held
+    shortened = SYSTEM[:10] + SYSTEM[40:] + "Q1"
+    again = session.add_request(shortened, GREEDY)
+    run(ctx)
+    assert again.result(0).token_ids == cold(shortened)
+    session.close()

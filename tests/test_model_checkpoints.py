@@ -9,11 +9,10 @@ show at once); ``n > 1`` forks; a session continues across turns.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import memory_model_files
 import numpy as np
 import pytest
 from near_tie import assert_greedy_agrees
@@ -29,26 +28,12 @@ INTERVAL = 64
 GREEDY = llamax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def _script() -> object:
-    path = Path(__file__).parent.parent / "scripts" / "make_memory_model.py"
-    spec = importlib.util.spec_from_file_location("make_memory_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module", params=["hybrid", "recurrent"])
 def memory_model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_path: Path
 ) -> Path:
     kind = str(request.param)
-    folder = tmp_path_factory.mktemp(f"checkpoint_{kind}")
-    path: Path = _script().write_memory_model(  # type: ignore[attr-defined]
-        folder / f"{kind}.gguf", kind=kind, tokenizer_from=model_path
-    )
-    return path
+    return memory_model_files.write(tmp_path_factory.mktemp(f"checkpoint_{kind}"), kind, model_path)
 
 
 @pytest.fixture(params=["unified", "streams"])
@@ -125,4 +110,20 @@ def test_a_session_is_reused_across_turns(ctx: llamax.Context, probe: llamax.Con
     second = session.add_request(turn, GREEDY).result(timeout=120)
     assert second.usage.cached_tokens >= len(prompt) + len(first.token_ids) - 1
     assert_greedy_agrees(probe, turn, probe_run(probe, turn), second.token_ids)
+    session.close()
+
+
+def test_a_history_shift_is_refused_on_a_recurrent_state(
+    ctx: llamax.Context, probe: llamax.Context
+) -> None:
+    """Regression: llama.cpp accepts removing a span from the middle of a recurrent or
+    hybrid sequence but keeps the span in its recurrent state; ``Session.shift`` returned
+    True and the conversation went on from the dropped tokens."""
+    session = ctx.session()
+    prompt = _tokens(8, 120)
+    session.add_request(prompt, GREEDY).result(timeout=120)
+    assert not session.shift(10, 40)
+    shortened = prompt[:10] + prompt[40:]
+    done = session.add_request(shortened, GREEDY).result(timeout=120)
+    assert_greedy_agrees(probe, shortened, probe_run(probe, shortened), done.token_ids)
     session.close()

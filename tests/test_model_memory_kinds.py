@@ -16,12 +16,10 @@ KV layouts, through :class:`~llamax.backend.llama_cpp.LlamaCppBackend`:
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+import memory_model_files
 import numpy as np
 import pytest
 
@@ -37,26 +35,10 @@ KINDS = ("hybrid", "recurrent", "sliding_window")
 P, N, TAIL = 96, 160, 24  # checkpoint position, where the sequence went on to, tokens after P
 
 
-def _script() -> Any:
-    path = Path(__file__).parent.parent / "scripts" / "make_memory_model.py"
-    spec = importlib.util.spec_from_file_location("make_memory_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def memory_models(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("memory_models")
-    script = _script()
-    return {
-        kind: script.write_memory_model(
-            folder / f"{kind}.gguf", kind=kind, tokenizer_from=model_path
-        )
-        for kind in KINDS
-    }
+    return {kind: memory_model_files.write(folder, kind, model_path) for kind in KINDS}
 
 
 @pytest.fixture(params=["unified", "streams"])
@@ -99,12 +81,12 @@ def test_the_written_models_are_the_memory_kinds_they_claim(
         "sliding_window": ("gemma3", False, False, 32),
     }
     assert all(path.stat().st_size < 10_000_000 for path in memory_models.values())
-    again = _script().write_memory_model(
+    again = memory_model_files.script().write_memory_model(
         memory_models["hybrid"].with_name("again.gguf"), kind="hybrid", tokenizer_from=model_path
     )
     assert again.read_bytes() == memory_models["hybrid"].read_bytes()  # seeded
     with pytest.raises(ValueError, match="kind must be one of"):
-        _script().write_memory_model(again, kind="rwkv")
+        memory_model_files.script().write_memory_model(again, kind="rwkv")
 
 
 def _tokens(seed: int, n: int) -> list[int]:

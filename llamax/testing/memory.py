@@ -9,6 +9,7 @@ and its buffer only at the next :meth:`FakeMemory.run_queue`, as llama.cpp does.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -153,17 +154,21 @@ class FakeMemory:
             raise AssertionError(f"seq {seq_id}'s recurrent state came from another history")
 
     def can_remove(self, seq_id: int, p0: int, p1: int) -> bool:
-        """Recurrent: whether :meth:`remove` may drop ``[p0, p1)`` (a whole sequence, or the
-        cells past its state); clears the state of a whole removal."""
+        """Recurrent: whether :meth:`remove` may drop ``[p0, p1)``, as llama.cpp's recurrent
+        memory answers: not a range that starts inside the state's tokens and ends past
+        them (a cut before the state); anything else, even a range in the middle, which
+        leaves the state as it is (so a history shift keeps the dropped tokens in it). A
+        range from 0 through the state clears it."""
         if not self.recurrent:
             return True
-        n = len(self.cells[seq_id])
-        p0, p1 = max(p0, 0), n if p1 < 0 else min(p1, n)
         state = self._states[seq_id]
-        if p0 == 0 and p1 == n:
+        last = -1 if state is None else state[0] - 1
+        p0, end = max(p0, 0), p1 if p1 >= 0 else sys.maxsize
+        if 0 < p0 <= last < end:
+            return False
+        if p0 <= last < end:
             self._states[seq_id] = None
-            return True
-        return p1 == n and p0 >= (0 if state is None else state[0])
+        return True
 
     def position_bounds(self, seq_id: int) -> tuple[int, int] | None:
         """Recurrent: the first and last position the state holds (llama.cpp's hybrid memory

@@ -438,7 +438,8 @@ class KVCache:
         """Remove tokens ``[start, end)`` and move the rest back by ``end - start`` positions
         (``seq_rm`` + ``seq_add``): the kept cells are reused, not recomputed.
 
-        Returns False (nothing changed) when the memory refuses a partial removal.
+        Returns False (nothing changed) when the memory refuses a partial removal, or
+        cannot shift a recurrent state (it would keep the removed tokens).
         """
         if not 0 <= start <= end <= len(slot.tokens):
             raise InvalidParameterError(
@@ -448,6 +449,10 @@ class KVCache:
             return True
         if end == len(slot.tokens):
             return self.truncate(slot, start)
+        if not self._memory.can_share_prefix:
+            # a recurrent state holds the span: llama.cpp accepts the removal and keeps
+            # the state as it was, which would answer from the dropped tokens
+            return False
         if not self._memory.seq_rm(slot.seq_id, start, end):
             return False
         try:
