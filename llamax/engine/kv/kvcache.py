@@ -245,6 +245,8 @@ class KVCache:
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes the slots' checkpoints hold (a checkpoint shared by copies counted once)."""
+        if not self._at_checkpoints:  # read for every step's stats: nothing to count
+            return 0
         seen = {id(d): len(d) for slot in self._slots.values() for d in slot.checkpoints.values()}
         return sum(seen.values())
 
