@@ -162,3 +162,32 @@ def test_metrics_show_the_threads_and_the_contention() -> None:
     assert "llamax_threads 1.0" in text
     assert "llamax_contended 1.0" in text
     assert changes >= 1 and f"llamax_thread_changes_total {changes:.1f}" in text
+
+
+def test_a_slow_logits_callback_is_not_contention() -> None:
+    """Sampling and callbacks run on the engine's own thread after the decode: a callback
+    that takes 25x a quiet step is the request's own cost, not another process; the
+    threads are judged by the decode alone."""
+    machine = BusyMachine()
+    backend = busy_fake(machine)
+
+    def slow(token_ids: Sequence[int], logits: object) -> None:
+        backend.pass_time(0.1)
+
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
+        params = llamax.SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
+        handles = [ctx.add_request([2 + s, 3, 4], params) for s in range(3)]
+        for _ in range(40):
+            ctx.process()
+        slow_params = llamax.SamplingParams(
+            max_tokens=10_000, ignore_eos=True, temperature=0.0, logits_processors=[slow]
+        )
+        handles.append(ctx.add_request([9, 3, 4], slow_params))
+        for _ in range(60):
+            ctx.process()
+        stats = ctx.stats()
+        for handle in handles:
+            handle.cancel()
+        ctx.process()
+    assert machine.threads[40:].count(1) <= 1  # a down-probe at most
+    assert not stats.is_contended and stats.n_threads == 2

@@ -75,7 +75,7 @@ class Stepper:
         for part in parts:
             part = part.without_ended()  # a request that failed in an earlier part is gone
             if not part.is_empty:
-                part, features, started = self._decode(part)
+                part, features, started, decoded = self._decode(part)
             if part.is_empty:
                 continue
             sampled = sample_plan(self._backend, part.sampled_entries(), self._batch_processor)
@@ -84,7 +84,9 @@ class Stepper:
             scheduler.update(part, sampled.tokens, sampled.logprobs, result, self._verify)
             seconds = scheduler.clock() - started
             scheduler.observe(part, features, seconds)
-            self.threads.observe(features, seconds)
+            # threads are judged by the decode alone: sampling, grammars and logits
+            # callbacks run on this thread, and a slow one is not another process
+            self.threads.observe(features, decoded - started)
             result.computed = True
         if result.computed:
             self.num_steps += 1
@@ -93,9 +95,9 @@ class Stepper:
     def _verify(self, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
         return sample_row(self._backend, seq, row)
 
-    def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float]:
+    def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float, float]:
         """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
-        cost features and when its decode started."""
+        cost features, and when its decode started and ended."""
         scheduler = self._scheduler
         if self._lora is not None:
             adapters = {entry.seq.request.adapters for entry in plan.entries}
@@ -108,7 +110,7 @@ class Stepper:
             scheduler.kv.decoded(status)
             if status == DecodeStatus.OK:
                 self._stalled_steps = 0
-                return plan, features, started
+                return plan, features, started, scheduler.clock()
             if status != DecodeStatus.NO_SLOT:
                 raise EngineError(f"llama_decode failed with status {status}")
             _log.debug("llama_decode found no KV slot for %d tokens; shrinking", plan.num_tokens)
@@ -118,7 +120,7 @@ class Stepper:
         self._stalled_steps += 1
         if self._stalled_steps > _MAX_STALLED_STEPS:
             raise EngineError("llama_decode found no KV slot even for a single token")
-        return StepPlan(), StepFeatures(), 0.0
+        return StepPlan(), StepFeatures(), 0.0, 0.0
 
     def stats(self, state: str) -> ContextStats:
         """The stats now (the engine in ``state``), composed from each component's own."""

@@ -355,11 +355,21 @@ class FakeBackend:
 
     def clock(self) -> float:
         """Seconds on the engine's clock: with ``step_seconds``, the simulated time of every
-        successful decode so far (what each cost), and nothing else; without it, the real
-        ``time.perf_counter()``. (:class:`~llamax.backend.base.Clocked`)"""
+        successful decode so far (what each cost) and what :meth:`pass_time` added, nothing
+        else; without it, the real ``time.perf_counter()``.
+        (:class:`~llamax.backend.base.Clocked`)"""
         if self._step_seconds is None:
             return time.perf_counter()
         return self._clock
+
+    def pass_time(self, seconds: float) -> None:
+        """Let ``seconds`` pass on the simulated clock outside any decode, as a slow logits
+        callback or grammar would (only with ``step_seconds``)."""
+        if self._step_seconds is None:
+            raise ValueError("pass_time needs a simulated clock (step_seconds)")
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
+        self._clock += seconds
 
     def new_sampler(
         self,
