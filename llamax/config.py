@@ -38,6 +38,25 @@ def _default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_ENV_ADAPT = "LLAMAX_ADAPT_THREADS"
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def adapt_threads_default() -> bool:
+    """``adapt_threads`` when it is not given: ``$LLAMAX_ADAPT_THREADS`` (``0``/``1``,
+    ``false``/``true``, ``no``/``yes``, ``off``/``on``), else on.
+
+    Raises:
+        InvalidParameterError: the variable holds anything else.
+    """
+    value = os.environ.get(_ENV_ADAPT, "1").strip().lower()
+    require(
+        value in _OFF + _ON,
+        f"${_ENV_ADAPT} must be one of {', '.join(_OFF + _ON)}, got {value!r}",
+    )
+    return value in _ON
+
+
 def _prompt_lookup(max_draft: int) -> PromptLookup | None:
     return PromptLookup(max_draft=max_draft) if max_draft else None
 
@@ -166,12 +185,13 @@ class ContextConfig:
             aliases=("--threads",),
         ),
     )
-    adapt_threads: bool = field(
-        default=False,
+    adapt_threads: bool | None = field(
+        default=None,
         metadata=spec(
+            default_doc="on (`$LLAMAX_ADAPT_THREADS=0`: off)",
             doc=(
-                "experimental: with `n_threads` left to llamax, fewer threads while other "
-                "processes hold cores (docs/performance.md)"
+                "with `n_threads` left to llamax, fewer threads while other processes "
+                "hold cores (docs/performance.md)"
             ),
             flag=True,
         ),
@@ -336,13 +356,17 @@ class ContextConfig:
     @property
     def adapts_threads(self) -> bool:
         """Whether the engine may lower the threads while other processes hold cores
-        (``adapt_threads``, and only when ``n_threads`` was left to it; docs/performance.md).
+        (``adapt_threads``, else :func:`adapt_threads_default`; and only when
+        ``n_threads`` was left to it; docs/performance.md).
 
-        Design note: off by default until it is shown to pay. In the first full test run
-        with it on, on an otherwise idle 2-core machine, it judged a step contended and
-        dropped to one thread, and an exact-output test then parted at token 16 (one
-        thread's prefill need not match two threads' bit for bit)."""
-        return self.adapt_threads and self.n_threads is None
+        Design note: on by default since the engine asks the OS whether the machine is
+        crowded before it judges a step (issue 37): on a quiet machine the thread count
+        never changes, so outputs stay those of one count (a thread count changes
+        llama.cpp's sums in some shapes: a decode over 300 cells parted by 0.53 in a
+        logit between 1 and 2 threads)."""
+        if self.n_threads is not None:
+            return False
+        return self.adapt_threads if self.adapt_threads is not None else adapt_threads_default()
 
     def engine_config(self, *, owns_backend: bool = True) -> EngineConfig:
         """What the engine needs of these options (:class:`EngineConfig`); ``calibrate``
@@ -454,7 +478,7 @@ class ContextOptions(TypedDict, total=False):
     n_ubatch: int | None
     n_threads: int | None
     n_threads_batch: int | None
-    adapt_threads: bool
+    adapt_threads: bool | None
     n_gpu_layers: int
     use_mmap: bool
     use_extra_bufts: bool | None

@@ -3,6 +3,9 @@
 The fake's step costs depend on the threads the engine gave it: one thread is 1.8x slower
 than two on a quiet machine, and while a simulated busy process holds a core a step at two
 threads is 20x slower (its workers spin at barriers), at one thread no slower than quiet.
+Unless a test says otherwise the simulated OS does not tell how many tasks are runnable
+(the engine judges by step times alone, as on a machine without ``/proc/loadavg``); with
+``tells_load`` it does, as Linux does: this process's threads, plus one while busy.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class BusyMachine:
 
     busy_from: int = 10**9
     busy_until: int = 10**9
+    spin: float = SPIN
+    """How many times slower a 2-thread step runs while busy."""
     backend: FakeBackend | None = None
     num_steps: int = 0
     threads: list[int] = field(default_factory=list)
@@ -48,14 +53,29 @@ class BusyMachine:
         if n == 1:
             seconds *= ONE_THREAD
         elif busy:
-            seconds *= SPIN
+            seconds *= self.spin
         self.threads.append(n)
         self.num_steps += 1
         return seconds
 
 
-def busy_fake(machine: BusyMachine) -> FakeBackend:
-    backend = FakeBackend(n_ctx=1024, n_seq_max=4, n_batch=64, n_threads=2, step_seconds=machine)
+    def runnable_tasks(self) -> int:
+        """What the OS would say right after the last step: this process's threads, and
+        the busy process while it runs."""
+        assert self.backend is not None
+        busy = self.busy_from <= self.num_steps - 1 < self.busy_until
+        return self.backend.n_threads + busy
+
+
+def busy_fake(machine: BusyMachine, *, tells_load: bool = False) -> FakeBackend:
+    backend = FakeBackend(
+        n_ctx=1024,
+        n_seq_max=4,
+        n_batch=64,
+        n_threads=2,
+        step_seconds=machine,
+        runnable_tasks=machine.runnable_tasks if tells_load else None,
+    )
     machine.backend = backend
     return backend
 
@@ -191,3 +211,99 @@ def test_a_slow_logits_callback_is_not_contention() -> None:
         ctx.process()
     assert machine.threads[40:].count(1) <= 1  # a down-probe at most
     assert not stats.is_contended and stats.n_threads == 2
+
+
+@pytest.mark.parametrize("tells_load", [False, True])
+def test_contention_is_handled_whether_or_not_the_os_tells(tells_load: bool) -> None:
+    machine = BusyMachine(busy_from=40, busy_until=200)
+    backend = busy_fake(machine, tells_load=tells_load)
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
+        decode_steps(ctx, 60)
+        stats = ctx.stats()
+        assert stats.is_contended and stats.n_threads == 1
+        decode_steps(ctx, 400)
+        stats = ctx.stats()
+    threads = machine.threads
+    assert threads[40 + NUM_SLOW_STEPS] == 1
+    assert all(n == 2 for n in threads[-100:])
+    assert not stats.is_contended
+
+
+def test_a_quiet_machine_that_says_so_never_changes_threads() -> None:
+    """No down-probe either: a thread count changes llama.cpp's sums in some shapes, so on
+    a quiet machine the outputs stay those of one thread count."""
+    machine = BusyMachine()
+    backend = busy_fake(machine, tells_load=True)
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
+        decode_steps(ctx, 600)
+        stats = ctx.stats()
+    assert backend.thread_log == [] and set(machine.threads) == {2}
+    assert not stats.is_contended and stats.num_thread_changes == 0
+
+
+def test_slow_steps_on_a_machine_that_is_not_crowded_are_not_contention() -> None:
+    """Steps 20x slower with no other task runnable (swapping, a throttled CPU, a
+    reference that mispredicts): fewer threads would not help, so none are taken away."""
+    machine = BusyMachine(busy_from=40, busy_until=200)
+    backend = FakeBackend(
+        n_ctx=1024,
+        n_seq_max=4,
+        n_batch=64,
+        n_threads=2,
+        step_seconds=machine,
+        runnable_tasks=lambda: 2,  # the OS sees only this process's threads
+    )
+    machine.backend = backend
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
+        decode_steps(ctx, 300)
+        stats = ctx.stats()
+    assert backend.thread_log == [] and stats.num_thread_changes == 0
+
+
+def test_a_crowded_machine_that_slows_steps_3x_gets_fewer_threads() -> None:
+    """Measured on 2 cores beside one busy process: 2-thread steps 2.9x their quiet cost,
+    1-thread steps no slower than quiet. Under the 3x bar of
+    a machine that does not tell its load; the OS saying it is crowded lowers the bar."""
+    def busy_seconds(**options: object) -> float:
+        machine = BusyMachine(busy_from=20, busy_until=10**9, spin=2.9)
+        backend = busy_fake(machine, tells_load=True)
+        with llamax.Context(backend=backend, autostart=False, **options) as ctx:  # type: ignore[arg-type]
+            start = backend.clock()
+            decode_steps(ctx, 300)
+            return backend.clock() - start
+
+    adaptive, fixed = busy_seconds(adapt_threads=True), busy_seconds(n_threads=2)
+    assert adaptive < fixed * 0.75
+
+
+@pytest.mark.parametrize(
+    ("env", "given", "n_threads", "adapts"),
+    [
+        (None, None, None, True),  # the default: on
+        ("0", None, None, False),
+        ("off", None, None, False),
+        ("YES", None, None, True),
+        ("0", True, None, True),  # given wins over the variable
+        ("1", False, None, False),
+        ("1", True, 2, False),  # a number of threads is used as given
+    ],
+)
+def test_adapt_threads_default_and_its_variable(
+    monkeypatch: pytest.MonkeyPatch,
+    env: str | None,
+    given: bool | None,
+    n_threads: int | None,
+    adapts: bool,
+) -> None:
+    if env is None:
+        monkeypatch.delenv("LLAMAX_ADAPT_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("LLAMAX_ADAPT_THREADS", env)
+    config = llamax.ContextConfig("m.gguf", adapt_threads=given, n_threads=n_threads)
+    assert config.adapts_threads is adapts
+
+
+def test_a_bad_adapt_threads_variable_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMAX_ADAPT_THREADS", "maybe")
+    with pytest.raises(llamax.InvalidParameterError, match="LLAMAX_ADAPT_THREADS"):
+        llamax.Context(backend=FakeBackend(n_threads=2), autostart=False)

@@ -34,12 +34,36 @@ def test_set_n_threads_between_steps_keeps_greedy_tokens(model_path: Path) -> No
     assert one == full == again
 
 
-def test_the_default_threads_are_every_core_and_adapt_only_when_asked(model_path: Path) -> None:
+def test_the_default_threads_are_every_core_and_adapt_unless_turned_off(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLAMAX_ADAPT_THREADS", raising=False)
     with llamax.Context(model_path, n_ctx=512, n_seq_max=2) as ctx:
-        assert ctx.config.n_threads is None and not ctx.config.adapts_threads
-        assert ctx.stats().n_threads == ctx.config.resolved_n_threads
-    with llamax.Context(model_path, n_ctx=512, n_seq_max=2, adapt_threads=True) as ctx:
         assert ctx.config.n_threads is None and ctx.config.adapts_threads
+        assert ctx.stats().n_threads == ctx.config.resolved_n_threads
         ctx.add_request(PROMPT, GREEDY).result()
         stats = ctx.stats()
-    assert stats.n_threads >= 1 and stats.n_threads <= ctx.config.resolved_n_threads
+    assert 1 <= stats.n_threads <= ctx.config.resolved_n_threads
+    monkeypatch.setenv("LLAMAX_ADAPT_THREADS", "0")
+    with llamax.Context(model_path, n_ctx=512, n_seq_max=2) as ctx:
+        assert not ctx.config.adapts_threads
+    with llamax.Context(model_path, n_ctx=512, n_seq_max=2, adapt_threads=True) as ctx:
+        assert ctx.config.adapts_threads
+
+
+def test_a_machine_the_os_calls_quiet_keeps_its_threads(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the real machine's load, when the OS says only this process runs, no step
+    is judged and no probe runs: 64 decode steps of 4 streams at full threads."""
+    from llamax.engine.timing import threads
+
+    monkeypatch.setattr(threads, "runnable_tasks", lambda: 1)
+    params = llamax.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    with llamax.Context(model_path, n_ctx=1024, n_seq_max=4, adapt_threads=True) as ctx:
+        handles = [ctx.add_request(f"{PROMPT} {i}", params) for i in range(4)]
+        for handle in handles:
+            handle.result(timeout=600)
+        stats = ctx.stats()
+    assert stats.num_thread_changes == 0 and not stats.is_contended
+    assert stats.n_threads == ctx.config.resolved_n_threads

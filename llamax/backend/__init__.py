@@ -10,6 +10,7 @@ from .base import (
     Inspectable,
     KVMemory,
     LoadedModel,
+    MachineLoad,
     Sampler,
     SamplerFactory,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "Inspectable",
     "KVMemory",
     "LoadedModel",
+    "MachineLoad",
     "Sampler",
     "SamplerFactory",
 ]

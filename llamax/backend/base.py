@@ -30,6 +30,7 @@ __all__ = [
     "KVMemory",
     "LoadedModel",
     "LoraHost",
+    "MachineLoad",
     "Sampler",
     "SamplerFactory",
     "Threaded",
@@ -328,6 +329,19 @@ class Threaded(Protocol):
 
     def set_n_threads(self, n_threads: int) -> None:
         """Use ``n_threads`` threads from the next step on (decode and prompt batches)."""
+        ...
+
+
+@runtime_checkable
+class MachineLoad(Protocol):
+    """Optional: a backend that simulates the machine it runs on, such as
+    :class:`llamax.testing.FakeBackend` with ``runnable_tasks=``. The engine asks it, instead
+    of the operating system, how many tasks are runnable right now, to tell a crowded
+    machine from a quiet one (:mod:`llamax.engine.timing.contention`)."""
+
+    def runnable_tasks(self) -> int | None:
+        """Tasks runnable on the machine now, this backend's own threads included (None:
+        unknown)."""
         ...
 
 

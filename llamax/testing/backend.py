@@ -75,6 +75,7 @@ class FakeBackend:
         step_seconds: Callable[[Sequence[BatchItem]], float] | None = None,
         weights: str = "w0",
         n_threads: int = 1,
+        runnable_tasks: Callable[[], int | None] | None = None,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
@@ -109,6 +110,7 @@ class FakeBackend:
         self._step_seconds = step_seconds
         self._clock = 0.0
         self._n_threads = n_threads
+        self._runnable_tasks = runnable_tasks
         self.thread_log: list[int] = []
         """Every thread count :meth:`set_n_threads` was given, in order."""
         self.forced_statuses: deque[int] = deque()
@@ -361,6 +363,12 @@ class FakeBackend:
         if self._step_seconds is None:
             return time.perf_counter()
         return self._clock
+
+    def runnable_tasks(self) -> int | None:
+        """Tasks runnable on the simulated machine now: what ``runnable_tasks=`` says, else
+        None (unknown: the engine judges by step times alone, never by the real machine's
+        load). (:class:`~llamax.backend.base.MachineLoad`)"""
+        return self._runnable_tasks() if self._runnable_tasks is not None else None
 
     def pass_time(self, seconds: float) -> None:
         """Let ``seconds`` pass on the simulated clock outside any decode, as a slow logits

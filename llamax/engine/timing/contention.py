@@ -10,7 +10,17 @@ thread fewer than the cores left is faster than all of them.
 :class:`ThreadPolicy` takes plain numbers: each step's measured seconds and what a quiet
 machine's step of that shape costs at full threads (the engine's reference cost model,
 which learns only from steps this policy calls quiet, so contention never becomes the
-norm). It answers with the threads the next step should use:
+norm), and, where the operating system tells (Linux's ``/proc/loadavg``), whether the
+machine is **crowded**: more tasks runnable than it has cores, so another process wants
+one of this process's cores. It answers with the threads the next step should use:
+
+- **Not crowded** (the OS says so): a slow step is not another process (a cold cache,
+  a page fault, a large batch the reference mispredicts), so nothing is judged and no
+  probe runs: on a quiet machine the thread count never changes, and outputs stay what
+  that count computes (a thread count changes llama.cpp's sums in some shapes).
+- **Crowded**: a step counts as slow at :data:`CROWDED_SLOWDOWN` times its expected cost
+  instead of :data:`SLOWDOWN` (the OS already says why it may be slow; beside one busy
+  process on 2 cores a 2-thread step measured 2.9x its quiet cost, under the old bar).
 
 - **Quiet** (full threads): :data:`NUM_SLOW_STEPS` steps in a row at least
   :data:`SLOWDOWN` times their expected cost mean contention: the threads are halved.
@@ -43,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "CROWDED_SLOWDOWN",
     "DOWN_PROBE_GAP",
     "DOWN_WIN",
     "EXIT_SLOWDOWN",
@@ -57,7 +68,10 @@ __all__ = [
 ]
 
 SLOWDOWN = 3.0
-"""A step at least this many times slower than expected is a slow step."""
+"""A step at least this many times slower than expected is a slow step (where the OS does
+not tell whether the machine is crowded)."""
+CROWDED_SLOWDOWN = 1.5
+"""The same on a machine the OS says is crowded."""
 NUM_SLOW_STEPS = 3
 """Slow steps in a row that mean contention."""
 EXIT_SLOWDOWN = 1.5
@@ -84,7 +98,7 @@ class StepVerdict:
     n_threads: int
     """Threads the next step should use."""
     is_quiet: bool
-    """The step ran at full threads within :data:`SLOWDOWN` of its expected cost: a
+    """The step ran at full threads, not slow, on a machine not known to be crowded: a
     reference model may learn from it."""
     is_news: bool = False
     """This step started or ended contention (worth a log line)."""
@@ -113,7 +127,7 @@ class ThreadPolicy:
     _num_since_probe: int = 0
     _seconds_since_probe: float = 0.0
     _ratio_since_probe: float = 0.0  # sum of measured / expected (full threads) since then
-    _bar: float = SLOWDOWN  # slowdown of a slow step: higher after a probe won on a busy machine
+    _bar: float = 0.0  # a higher slowdown bar after a probe won on a busy machine (0: none)
     _last_probe_s: float = 0.0  # what the latest failed probe cost
     _is_down_probe: bool = False
     _num_until_down_probe: int = MIN_PROBE_GAP
@@ -129,18 +143,26 @@ class ThreadPolicy:
         """Whether the policy has moved below full threads (a probe step included)."""
         return self._stable < self.full
 
-    def observe(self, expected_s: float, measured_s: float) -> StepVerdict:
+    def observe(
+        self, expected_s: float, measured_s: float, crowded: bool | None = None
+    ) -> StepVerdict:
         """Judge one step run at :attr:`n_threads` that a quiet machine would run in
-        ``expected_s`` at full threads; return the threads for the next one."""
+        ``expected_s`` at full threads, ``crowded`` as the OS told right after it (None:
+        it does not tell); return the threads for the next one."""
         n = self.n_threads
         allowed = expected_s * self.full / n  # the most fewer threads may cost, quiet
         if self._is_probe:
             return self._end_probe(expected_s, measured_s, allowed)
         if self._is_down_probe:
             return self._end_down_probe(expected_s, measured_s)
-        is_slow = measured_s >= self._bar * allowed and measured_s - allowed >= MIN_EXCESS_S
+        bar = max(self._bar, CROWDED_SLOWDOWN if crowded else SLOWDOWN)
+        is_slow = (
+            crowded is not False
+            and measured_s >= bar * allowed
+            and measured_s - allowed >= MIN_EXCESS_S
+        )
         self.num_slow = self.num_slow + 1 if is_slow else 0
-        quiet = n == self.full and not is_slow
+        quiet = n == self.full and not is_slow and not crowded
         if self.num_slow >= NUM_SLOW_STEPS and n > 1:
             was_contended = self.is_contended
             self._move(max(1, n // 2))
@@ -154,10 +176,10 @@ class ThreadPolicy:
             if self._is_probe_due():
                 self._is_probe = True
                 self._move(min(self.full, 2 * n))
-        elif n > 1:
+        elif n > 1 and crowded is not False:  # a quiet machine is never probed
             self._num_until_down_probe -= 1
             if self._num_until_down_probe <= 0:
-                self._bar = SLOWDOWN  # what the lower count costs may have changed
+                self._bar = 0.0  # what the lower count costs may have changed
                 self._is_down_probe = True
                 self._move(n // 2)
         return StepVerdict(self.n_threads, quiet)
@@ -190,7 +212,7 @@ class ThreadPolicy:
         ):
             self._stable = self.n_threads  # the cores are free: keep the higher count
             # the lower count cost ``lower``: going back down is worth it only when slower
-            self._bar = max(SLOWDOWN, lower / PROBE_WIN) if is_faster else SLOWDOWN
+            self._bar = lower / PROBE_WIN if is_faster else 0.0
             self._reset_probe_clock(0.0)
             self._num_until_down_probe = DOWN_PROBE_GAP
             is_full = self.n_threads == self.full

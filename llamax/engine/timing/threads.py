@@ -3,7 +3,10 @@
 :class:`ThreadAdapter` judges each measured step against a reference cost model that
 learns what steps cost at full threads on a quiet machine (from the calibration, if any,
 then from the steps the policy calls quiet), so it never learns contention as the norm; it
-sets the backend's threads for the next step and reports its own stats.
+sets the backend's threads for the next step and reports its own stats. Whether the
+machine is crowded comes from the backend if it simulates a machine
+(:class:`~llamax.backend.base.MachineLoad`, as the fake does), else from
+:func:`runnable_tasks`.
 """
 
 from __future__ import annotations
@@ -11,15 +14,27 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ...backend.base import Backend, Threaded
+from ...backend.base import Backend, MachineLoad, Threaded
 from .calibration import Calibration
 from .contention import ThreadPolicy
 from .step_budget import StepCostModel, StepFeatures, Waste
 
-__all__ = ["ThreadAdapter", "ThreadStats"]
+__all__ = ["ThreadAdapter", "ThreadStats", "runnable_tasks"]
 
 _log = logging.getLogger("llamax")
 _REFERENCE_WARMUP = 16  # quiet steps an uncalibrated reference learns before it judges
+_LOADAVG = "/proc/loadavg"
+
+
+def runnable_tasks() -> int | None:
+    """Tasks runnable on this machine right now (Linux: ``/proc/loadavg``'s fourth field,
+    ``running/total``; this process's own spinning workers included), or None where the
+    OS does not tell."""
+    try:
+        with open(_LOADAVG, "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +72,9 @@ class ThreadAdapter:
         threaded = self._threaded
         adapts = adapt and threaded is not None and threaded.n_threads > 1
         self._policy = ThreadPolicy(threaded.n_threads) if adapts and threaded else None
+        self._runnable = backend.runnable_tasks if isinstance(backend, MachineLoad) else None
+        if self._runnable is None and runnable_tasks() is not None:
+            self._runnable = runnable_tasks
         self._reference = StepCostModel(waste=waste)
         self._warmup = 0 if calibration is not None else _REFERENCE_WARMUP
         if calibration is not None:
@@ -83,7 +101,10 @@ class ThreadAdapter:
             reference.observe(features, seconds)
             return
         expected = reference.predict(features)
-        verdict = policy.observe(expected, seconds)
+        runnable = self._runnable() if self._runnable is not None else None
+        # more tasks want to run than there are cores: another process wants one of ours
+        crowded = None if runnable is None else runnable > policy.full
+        verdict = policy.observe(expected, seconds, crowded)
         if verdict.is_quiet:
             reference.observe(features, seconds)
         if verdict.reference_scale != 1.0:  # it learned on a busy machine
