@@ -15,13 +15,18 @@ Systems, each a fresh
     ``n_threads=<cores>``: today's default threads, used as given (no adaptation).
 ``llamax_one_thread``
     ``n_threads=1``: what the issue's target compares against (quiet).
+``llama_server``
+    llama-server from the vendored llama.cpp (``--llama-server``, default: the binary
+    ``peers.sh`` built, skipped when there is none), ``-np <requests> -t <cores>``, the same
+    W1 over its ``/completion``, one client thread per request; started once, before the
+    loads.
 
 The score is generated tokens / wall time from the first submit to the last result; each
 repeat runs every system, the order rotating. The report holds the medians of the repeats,
 every repeat, the ``stats()`` thread fields after each system's runs, and the ratios the
 targets name (``adaptive_busy1_over_one_thread_quiet`` >= 0.8 beside one busy process,
-``adaptive_quiet_over_fixed_quiet`` >= 0.98). llama-server is not run here (see
-``throughput.py`` for it quiet). ``--quick``: 1 repeat of 16 x 16 tokens.
+``adaptive_quiet_over_fixed_quiet`` >= 0.98, ``adaptive_busy1_over_llama_server_busy1``
+>= 5). ``--quick``: 1 repeat of 16 x 16 tokens.
 
 ::
 
@@ -39,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from _common import (
@@ -54,6 +60,7 @@ from _common import (
     stdout_to_stderr,
     targets,
 )
+from _peers import LlamaServerPeer, default_llama_server
 
 import llamax
 
@@ -105,9 +112,19 @@ def w1(ctx: llamax.Context, prompts: list[str], tokens: int) -> float:
     return made / (time.perf_counter() - start)
 
 
-def run_load(args: argparse.Namespace, model: str, busy: int) -> dict[str, Any]:
+def server_w1(server: LlamaServerPeer, prompts: list[str], tokens: int) -> float:
+    """Tokens/s of one W1 run on llama-server."""
+    start = time.perf_counter()
+    made = server.run_batch(prompts, tokens)
+    return made / (time.perf_counter() - start)
+
+
+def run_load(
+    args: argparse.Namespace, model: str, busy: int, server: LlamaServerPeer | None
+) -> dict[str, Any]:
     prompts = short_prompts(args.requests)
-    samples: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    names = list(SYSTEMS) + (["llama_server"] if server is not None else [])
+    samples: dict[str, list[float]] = {name: [] for name in names}
     threads: dict[str, dict[str, Any]] = {}
     with busy_processes(busy, args.neighbor):
         contexts = {
@@ -117,10 +134,15 @@ def run_load(args: argparse.Namespace, model: str, busy: int) -> dict[str, Any]:
         try:
             for ctx in contexts.values():
                 w1(ctx, prompts[:2], 4)  # warm-up
-            names = list(SYSTEMS)
+            if server is not None:
+                server_w1(server, prompts[:2], 4)
             for repeat in range(args.repeats):
                 for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-                    samples[name].append(w1(contexts[name], prompts, args.tokens))
+                    if name == "llama_server":
+                        assert server is not None
+                        samples[name].append(server_w1(server, prompts, args.tokens))
+                    else:
+                        samples[name].append(w1(contexts[name], prompts, args.tokens))
                     log(f"busy={busy} {name}: {samples[name][-1]:.1f} tok/s")
             for name, ctx in contexts.items():
                 stats = ctx.stats()
@@ -152,13 +174,34 @@ def main() -> None:
         "--neighbor", choices=["loop", "model"], default="loop",
         help="what a busy process runs: a Python busy loop, or llamax decoding (fixed threads)",
     )  # fmt: skip
+    parser.add_argument(
+        "--llama-server", default="auto",
+        help="llama-server binary, 'auto' (the one peers.sh built, if any) or 'none'",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.tokens = 1, 16
     load_at_start = load_average()
     with stdout_to_stderr() as stdout:
         model = str(model_path(args.model))
-        loads = {f"busy{b}": run_load(args, model, b) for b in args.busy}
+        choice = args.llama_server
+        binary = (
+            None
+            if choice == "none"
+            else default_llama_server()
+            if choice == "auto"
+            else Path(choice)
+        )
+        server = (
+            LlamaServerPeer(binary, Path(model), n_parallel=args.requests, n_ctx=4096)
+            if binary is not None
+            else None
+        )
+        try:
+            loads = {f"busy{b}": run_load(args, model, b, server) for b in args.busy}
+        finally:
+            if server is not None:
+                server.close()
         med = {k: v["median_tokens_per_s"] for k, v in loads.items()}
         get = lambda load, name: med.get(load, {}).get(name)  # noqa: E731
         ratios = {
@@ -167,6 +210,9 @@ def main() -> None:
             ),
             "adaptive_quiet_over_fixed_quiet": ratio(
                 get("busy0", "llamax_adaptive"), get("busy0", "llamax_fixed")
+            ),
+            "adaptive_busy1_over_llama_server_busy1": ratio(
+                get("busy1", "llamax_adaptive"), get("busy1", "llama_server")
             ),
             **{
                 f"adaptive_over_fixed_{load}": ratio(
@@ -185,6 +231,7 @@ def main() -> None:
                 {
                     "adaptive_busy1_over_one_thread_quiet": 0.8,
                     "adaptive_quiet_over_fixed_quiet": 0.98,
+                    "adaptive_busy1_over_llama_server_busy1": 5.0,
                 },
                 at_least=True,
             ),
