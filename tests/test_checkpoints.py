@@ -22,6 +22,7 @@ from llamax.backend.base import BatchItem
 from llamax.engine.kv import checkpoints
 from llamax.engine.kv.checkpoints import (
     checkpoint_positions,
+    least_needed,
     next_checkpoint,
     pack_state,
     planned_checkpoint,
@@ -120,6 +121,59 @@ def test_a_shared_system_prompt_is_reused_from_a_checkpoint(make_fake: MakeFake)
     assert second.usage.cached_tokens == 0
     stats = ctx.stats()
     assert stats.num_checkpoints >= 1 and stats.checkpoint_bytes > 0
+
+
+def test_a_third_prompt_with_the_same_head_reuses_it_where_the_second_parted(
+    make_fake: MakeFake,
+) -> None:
+    """The second prompt finds the first one's cells share its head but hold no
+    checkpoint there: it takes one where the two part, and every later prompt with that
+    head reuses it (the regression: on the old code the third computed everything)."""
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    head = len(ctx.tokenize(SYSTEM))
+    complete(ctx, SYSTEM + "A1")
+    second = complete(ctx, SYSTEM + "B2?")
+    taken = ctx.stats().num_checkpoints
+    third = complete(ctx, SYSTEM + "C3!")
+    fourth = complete(ctx, SYSTEM + "D4.")
+    assert second.usage.cached_tokens == 0
+    assert third.usage.cached_tokens == fourth.usage.cached_tokens == head
+    assert third.token_ids == cold(SYSTEM + "C3!")
+    assert fourth.token_ids == cold(SYSTEM + "D4.")
+    assert ctx.stats().num_checkpoint_restores >= 2 and taken >= 3
+
+
+def test_a_short_shared_head_takes_no_branch_checkpoint(make_fake: MakeFake) -> None:
+    """A head shorter than MIN_BRANCH_GAIN is cheaper to recompute than to hold."""
+    ctx, _ = make_fake(n_ctx=1024, recurrent=True)
+    head = "Be brief. "  # 10 tokens on the byte-level fake
+    complete(ctx, head + "A1" * 40)
+    before = ctx.stats().num_checkpoints
+    complete(ctx, head + "B2" * 40)
+    third = complete(ctx, head + "C3" * 40)
+    assert ctx.stats().num_checkpoints - before == 2  # each prompt's own, nothing at the head
+    assert third.usage.cached_tokens == 0
+
+
+def test_least_needed_keeps_the_head_and_the_newest_and_thins_the_densest() -> None:
+    assert least_needed([300, 1024, 2048, 2100, 3000]) == 2100  # 52 after 2048
+    assert least_needed([300, 1024, 1100, 2048, 3000]) == 1100
+    assert least_needed([5, 6, 7]) == 6  # never the first or the last
+    assert least_needed([300, 3000]) == 300 and least_needed([42]) == 42
+
+
+def test_a_full_slot_drops_the_least_needed_checkpoint_not_the_head(make_fake: MakeFake) -> None:
+    """A conversation that outgrows MAX_CHECKPOINTS keeps the shared head it branched at
+    (the old code dropped the lowest first)."""
+    ctx, _ = make_fake(n_ctx=2048, recurrent=True)
+    complete(ctx, SYSTEM + "A1")
+    text = SYSTEM + "B2?"
+    for turn in range(12):  # each turn adds its last token but one
+        text += complete(ctx, text).text + f" turn {turn} " * 6
+    kv = ctx._engine.scheduler.kv
+    longest = max(kv.slots(), key=lambda slot: len(slot.tokens))
+    assert len(longest.checkpoints) == checkpoints.MAX_CHECKPOINTS
+    assert len(ctx.tokenize(SYSTEM)) in longest.checkpoints
 
 
 def test_a_chat_turn_reuses_the_whole_previous_turn(make_fake: MakeFake) -> None:

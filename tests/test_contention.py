@@ -58,7 +58,6 @@ class BusyMachine:
         self.num_steps += 1
         return seconds
 
-
     def runnable_tasks(self) -> int:
         """What the OS would say right after the last step: this process's threads, and
         the busy process while it runs."""
@@ -264,6 +263,7 @@ def test_a_crowded_machine_that_slows_steps_3x_gets_fewer_threads() -> None:
     """Measured on 2 cores beside one busy process: 2-thread steps 2.9x their quiet cost,
     1-thread steps no slower than quiet. Under the 3x bar of
     a machine that does not tell its load; the OS saying it is crowded lowers the bar."""
+
     def busy_seconds(**options: object) -> float:
         machine = BusyMachine(busy_from=20, busy_until=10**9, spin=2.9)
         backend = busy_fake(machine, tells_load=True)

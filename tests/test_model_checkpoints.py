@@ -73,6 +73,21 @@ def test_a_prompt_sharing_part_of_another_is_served_from_its_checkpoint(
     assert stats.num_checkpoints >= 5 and stats.num_checkpoint_restores >= 1
 
 
+def test_a_head_two_prompts_share_is_reused_from_where_they_part(
+    ctx: llamax.Context, probe: llamax.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second prompt of a head takes a checkpoint where it parts from the first; the
+    third is served from it, and agrees with a cold run."""
+    monkeypatch.setattr(checkpoints, "MIN_BRANCH_GAIN", 16)  # 250 - 192 reused by the interval
+    head = _tokens(5, 250)
+    ctx.add_request(head + _tokens(6, 30), GREEDY).result(timeout=120)
+    second = ctx.add_request(head + _tokens(7, 30), GREEDY).result(timeout=120)
+    third_prompt = head + _tokens(8, 30)
+    third = ctx.add_request(third_prompt, GREEDY).result(timeout=120)
+    assert second.usage.cached_tokens == 192 and third.usage.cached_tokens == 250
+    assert_greedy_agrees(probe, third_prompt, probe_run(probe, third_prompt), third.token_ids)
+
+
 def probe_run(probe: llamax.Context, prompt: list[int]) -> list[int]:
     return probe.add_request(prompt, GREEDY).result(timeout=120).token_ids
 

@@ -146,6 +146,7 @@ class Sequence:
     """One continuation being generated. ``token_ids`` is prompt + generated so far."""
 
     __slots__ = (
+        "branch_at",
         "detokenizer",
         "draft_state",
         "index",
@@ -171,6 +172,10 @@ class Sequence:
         self.sampler: Sampler | None = None
         self.draft_state: DraftState | None = None
         """Set by the scheduler when the sequence may draft (speculative decoding)."""
+        self.branch_at = 0
+        """Where the prompt parts from a prefix another slot holds but cannot be cut at (a
+        memory cut only at checkpoints): the prompt takes a checkpoint there too, so the
+        next prompt that shares it reuses it (0: none; set at admission)."""
         self.state = SequenceState.WAITING
         self.detokenizer = Detokenizer(token_to_piece)
         self.stop_matcher = StopMatcher(request.stop_strings)

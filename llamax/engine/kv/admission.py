@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
@@ -66,6 +66,9 @@ class Placement:
     """The slot the sequence runs in (only when admitted)."""
     num_reused: int = 0
     """Tokens of the sequence that slot holds already."""
+    num_shared: int = 0
+    """The most computed tokens the sequence shares with a slot or a tier's entry, whether
+    or not they could be reused (:attr:`PrefixMatch.num_shared`)."""
 
 
 def should_wait(num_now: int, num_later: int) -> bool:
@@ -111,6 +114,21 @@ class SlotPlacer:
             adapters: The sequence's LoRA adapter set: only a slot of the same set gives
                 it a prefix.
         """
+        if not self._kv.cuts_at_checkpoints:
+            return self._place(token_ids, in_flight, num_pending, adapters)
+        match = self._prefix.match(token_ids, in_flight, adapters)  # before any eviction
+        hit = self._lookup(self._prefix.tiers, token_ids, adapters, 0)
+        shared = max(match.num_shared, hit.num_common if hit is not None else 0)
+        placement = self._place(token_ids, in_flight, num_pending, adapters)
+        return replace(placement, num_shared=min(shared, len(token_ids) - 1))
+
+    def _place(
+        self,
+        token_ids: Sequence[int],
+        in_flight: Mapping[int, Sequence[int]],
+        num_pending: int,
+        adapters: AdapterSet,
+    ) -> Placement:
         match = self._prefix.match(token_ids, in_flight, adapters)
         source, now = match.slot, match.num_now
         untried = list(self._prefix.tiers)

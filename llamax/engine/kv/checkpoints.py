@@ -13,18 +13,29 @@ logits, and a longer one, a chat's next turn), and every :data:`CHECKPOINT_INTER
 tokens before that, so a prompt that shares only part of a long one recomputes at most one
 interval. The scheduler ends prompt chunks at these positions (:func:`next_checkpoint`)
 and takes each checkpoint after the decode that reached it.
+
+One more where prompts **branch**: a prompt that shares more tokens with a cached one
+than a checkpoint lets it reuse (two chats with the same system prompt, tools and
+examples part where their first user message does) takes a checkpoint where the two part
+(:func:`branch_point`), so every later prompt that shares that head reuses it. The first
+prompt of a head pays its prefill, and the second, which finds where they part; from the
+third on the head is a hit. In a chat the point lies at a message boundary or inside the
+first message that differs; no template is consulted.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 __all__ = [
     "CHECKPOINT_INTERVAL",
     "MAX_CHECKPOINTS",
+    "MIN_BRANCH_GAIN",
+    "branch_point",
     "checkpoint_positions",
+    "least_needed",
     "next_checkpoint",
     "pack_state",
     "planned_checkpoint",
@@ -36,6 +47,29 @@ CHECKPOINT_INTERVAL = 1024
 
 MAX_CHECKPOINTS = 8
 """Checkpoints one slot keeps (the oldest goes first)."""
+
+
+MIN_BRANCH_GAIN = 64
+"""Fewest tokens a branch checkpoint must save a later prompt (a shorter shared head is
+cheaper to recompute than to hold a state for)."""
+
+
+def branch_point(num_reused: int, num_shared: int) -> int:
+    """Where a prompt that reuses ``num_reused`` tokens but shares ``num_shared`` computed
+    ones with a cached prompt takes a branch checkpoint (0: none)."""
+    return num_shared if num_shared - num_reused >= MIN_BRANCH_GAIN else 0
+
+
+def least_needed(positions: Collection[int]) -> int:
+    """Which of a slot's checkpoints to drop first: of all but its first (a head other
+    prompts branch from) and its last (where the sequence goes on), the one nearest the
+    checkpoint before it (the fewest tokens to recompute without it; the older among
+    equals). With two or fewer, the first."""
+    ordered = sorted(positions)
+    if len(ordered) <= 2:
+        return ordered[0]
+    gaps = [(ordered[i] - ordered[i - 1], ordered[i]) for i in range(1, len(ordered) - 1)]
+    return min(gaps)[1]
 
 
 def checkpoint_positions(num_prompt: int, interval: int | None = None) -> list[int]:

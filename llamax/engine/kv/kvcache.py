@@ -39,7 +39,7 @@ from enum import Enum
 from ...adapters import NO_ADAPTERS, AdapterSet
 from ...backend.base import DecodeStatus, KVMemory
 from ...errors import InvalidParameterError
-from .checkpoints import pack_state, unpack_state
+from .checkpoints import least_needed, pack_state, unpack_state
 from .stream_copies import QueuedCopies
 
 __all__ = ["LAYOUT_MOVES", "KVCache", "LayoutState", "Slot", "SlotState"]
@@ -252,7 +252,8 @@ class KVCache:
 
     def checkpoint(self, slot: Slot, max_kept: int) -> None:
         """Take a checkpoint of ``slot`` at its current length, keeping at most
-        ``max_kept`` (the oldest dropped). A memory that refuses it costs the checkpoint."""
+        ``max_kept`` (:func:`~llamax.engine.kv.checkpoints.least_needed` dropped first). A
+        memory that refuses it costs the checkpoint."""
         num = len(slot.tokens)
         if not self._at_checkpoints or not num or num in slot.checkpoints:
             return
@@ -262,17 +263,18 @@ class KVCache:
         slot.checkpoints[num] = data
         self.num_checkpoints += 1
         while len(slot.checkpoints) > max_kept:
-            del slot.checkpoints[min(slot.checkpoints)]
+            del slot.checkpoints[least_needed(slot.checkpoints)]
 
     def trim_checkpoints(self, budget: int, keep: Slot) -> None:
-        """Drop checkpoints until they hold at most ``budget`` bytes: the oldest of the slot
-        holding most first, ``keep``'s last of all, and never ``keep``'s newest."""
+        """Drop checkpoints until they hold at most ``budget`` bytes: the least needed of
+        the slot holding most first, ``keep``'s last of all, and never ``keep``'s newest."""
         while self.checkpoint_bytes > budget:
             holders = [s for s in self._slots.values() if len(s.checkpoints) > (s is keep)]
             if not holders:
                 return
             slot = max(holders, key=lambda s: (s is not keep, len(s.checkpoints)))
-            del slot.checkpoints[min(slot.checkpoints)]
+            newest = max(slot.checkpoints) if slot is keep else None
+            del slot.checkpoints[least_needed([p for p in slot.checkpoints if p != newest])]
 
     def _set_back(self, slot: Slot, num: int, data: bytes) -> bool:
         """Set ``slot``'s checkpoint at ``num`` back and remove the cells past it; False

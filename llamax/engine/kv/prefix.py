@@ -21,7 +21,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...adapters import NO_ADAPTERS, AdapterSet
@@ -49,6 +49,10 @@ class PrefixMatch:
     """Prompt tokens that slot can give now."""
     num_later: int = 0
     """Prompt tokens it will give once its running owner has computed what it knows."""
+    num_shared: int = field(default=0, compare=False)
+    """The most computed tokens the prompt shares with any slot of its adapter set (but
+    its last one), whether or not a cut can keep them: where a memory cut only at
+    checkpoints has none, the prompt's own checkpoint there serves the next one."""
 
 
 class PrefixCache:
@@ -256,15 +260,18 @@ class PrefixCache:
             return PrefixMatch()
         limit = len(prompt) - 1  # the last prompt token is computed for its logits
         best = PrefixMatch()
+        shared = 0
         for slot in self._cache.slots():
             if slot.adapters != adapters:
                 continue
             known = in_flight.get(slot.seq_id)
             if not slot.tokens and known is None:
                 continue
-            later = min(
-                common_prefix_len(known if known is not None else slot.tokens, prompt), limit
-            )
+            if known is None:
+                later = min(common_prefix_len(slot.tokens, prompt), limit)
+                shared = max(shared, later)
+            else:
+                later = min(common_prefix_len(known, prompt), limit)
             now = self._cache.usable(slot, later)  # cut at a checkpoint, where it must be
             if now and not self._cache.is_intact(slot):
                 continue
@@ -274,4 +281,4 @@ class PrefixCache:
                 later = max(now, planned_checkpoint(later, len(known)))
             if (now, later) > (best.num_now, best.num_later):
                 best = PrefixMatch(slot, now, later)
-        return best
+        return replace(best, num_shared=shared)

@@ -39,7 +39,7 @@ from ...config import EngineConfig
 from ...errors import KVCapacityError, RequestFailedError
 from ...results import TokenEvent, TokenLogprob
 from ..kv.admission import Outcome, SlotPlacer
-from ..kv.checkpoints import MAX_CHECKPOINTS, checkpoint_positions
+from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions
 from ..kv.kvcache import KVCache
 from ..kv.kvops import KVOp, RestoreSession
 from ..kv.prefix import PrefixCache
@@ -232,7 +232,9 @@ class Scheduler:
         slot = seq.slot
         assert slot is not None
         num = len(slot.tokens)
-        if num > seq.num_prompt_tokens or num not in checkpoint_positions(seq.num_prompt_tokens):
+        if num > seq.num_prompt_tokens:
+            return
+        if num != seq.branch_at and num not in checkpoint_positions(seq.num_prompt_tokens):
             return
         try:
             self.kv.checkpoint(slot, MAX_CHECKPOINTS)
@@ -383,6 +385,7 @@ class Scheduler:
             )
         if placement.slot is not None:
             seq.slot = placement.slot
+            seq.branch_at = branch_point(placement.num_reused, placement.num_shared)
             self.num_cached_tokens += placement.num_reused
             if seq.index == 0 and seq.num_generated == 0:
                 seq.request.num_cached_tokens = placement.num_reused

@@ -65,6 +65,8 @@ class StepPlanner:
         limit = min(seq.num_pending, budget)
         if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
             following = next_checkpoint(seq.num_computed, seq.num_prompt_tokens)
+            if seq.num_computed < seq.branch_at < (following or seq.num_prompt_tokens):
+                following = seq.branch_at
             if following is not None:
                 limit = min(limit, following - seq.num_computed)
         return self.budget.chunk(
