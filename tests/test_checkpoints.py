@@ -348,3 +348,23 @@ def test_a_history_shift_is_refused_where_the_state_would_keep_the_dropped_token
     run(ctx)
     assert again.result(0).token_ids == cold(shortened)
     session.close()
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_conversations_on_every_sequence_id_each_go_on_in_their_own_slot(
+    make_fake: MakeFake, recurrent: bool
+) -> None:
+    """Two chats on two sequence ids, turns alternating: each next turn goes on in the slot
+    its last turn left, and never evicts the other chat's (the old code evicted the other
+    chat to copy this one's slot, so every turn but the first of each computed all)."""
+    ctx, _ = make_fake(n_ctx=1024, n_seq_max=2, recurrent=recurrent)
+    texts = ["Chat A says hello. ", "Chat B has a question. "]
+    held = [0, 0]  # what each chat's last turn left computed: its prompt and reply
+    for turn in range(4):
+        for c in range(2):
+            done = complete(ctx, texts[c])
+            if turn:  # all of it, but on the recurrent memory the last reply token
+                assert done.usage.cached_tokens >= held[c] - 1, (turn, c)
+            held[c] = done.usage.prompt_tokens + done.usage.completion_tokens - 1
+            texts[c] += done.text + f" turn {turn} of chat {c}. "
+    assert ctx.stats().num_evictions == 0

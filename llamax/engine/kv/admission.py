@@ -147,6 +147,14 @@ class SlotPlacer:
                 hit = self._lookup(untried, token_ids, adapters, now)
             match = self._prefix.match(token_ids, in_flight, adapters)  # the source may be gone
             source, now = match.slot, match.num_now
+        if (
+            source is not None
+            and source.state is SlotState.RETAINED
+            and now == len(source.tokens)
+            and self._kv.num_free_seq_ids == 0
+        ):  # a continuation of a retained slot (a chat's next turn) goes on in it, rather
+            # than evict another conversation's slot to copy this one's into
+            return self._take_over(source, token_ids, num_pending, adapters)
         if self._kv.num_free_seq_ids == 0 and not self._prefix.evict_one(keep=source):
             return self._take_over(source, token_ids, num_pending, adapters)
         if not self.fits(len(token_ids) - now, num_pending, keep=source):
