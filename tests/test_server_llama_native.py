@@ -260,3 +260,77 @@ def test_save_erase_restore_round_trip_continues_from_the_cache(fim: Any, tmp_sl
     assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
     assert again["timings"]["prompt_n"] == 1 and again["content"] == first["content"]
     call(app, "POST", "/slots/0?action=erase")
+
+
+# ---------------------------------------------------------------------- the router
+def fake_model() -> llamax.Context:
+    return llamax.Context(backend=FakeBackend(n_ctx=256, n_seq_max=2))
+
+
+def test_router_loads_lists_and_unloads_models() -> None:
+    from llamax.server import ModelPool
+
+    pool = ModelPool({"a": fake_model, "b": fake_model})
+    app = create_app(pool)
+
+    async def scenario(client: httpx.AsyncClient) -> None:
+        async def status(name: str) -> str:
+            listed = (await client.get("/models")).json()
+            assert listed["object"] == "list"
+            model = next(m for m in listed["data"] if m["id"] == name)
+            assert {"aliases", "tags", "architecture", "object", "created"} <= set(model)
+            return str(model["status"]["value"])
+
+        assert await status("a") == "unloaded" and await status("b") == "unloaded"
+        loaded = await client.post("/models/load", json={"model": "b"})
+        assert loaded.status_code == 200 and loaded.json() == {"success": True}
+        for _ in range(500):
+            if await status("b") == "loaded":
+                break
+            await asyncio.sleep(0.01)
+        assert await status("b") == "loaded" and await status("a") == "unloaded"
+        again = await client.post("/models/load", json={"model": "b"})
+        assert is_llama_error(again, 400, "invalid_request_error")
+        unknown = await client.post("/models/load", json={"model": "zzz"})
+        assert is_llama_error(unknown, 404, "not_found_error")
+        for body in ({}, {"model": 3}, {"model": ""}):
+            bad = await client.post("/models/load", json=body)
+            assert is_llama_error(bad, 400, "invalid_request_error")
+        gone = await client.post("/models/unload", json={"model": "zzz"})
+        assert is_llama_error(gone, 400, "invalid_request_error")
+        unloaded = await client.post("/models/unload", json={"model": "b"})
+        assert unloaded.status_code == 200 and unloaded.json() == {"success": True}
+        assert await status("b") == "unloaded"
+        twice = await client.post("/models/unload", json={"model": "b"})
+        assert is_llama_error(twice, 400, "invalid_request_error")
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await scenario(client)
+
+    try:
+        asyncio.run(go())
+    finally:
+        pool.close()
+
+
+def test_an_unload_while_requests_hold_the_model_is_refused() -> None:
+    from llamax.server import ModelPool
+
+    pool = ModelPool({"a": fake_model})
+    held = pool.acquire("a")
+    try:
+        held.result(60)
+        with pytest.raises(llamax.InvalidRequestError, match="in use by 1 requests"):
+            pool.unload("a")
+    finally:
+        pool.release(held)
+    pool.unload("a")
+    assert [m.state.value for m in pool.models()] == ["unloaded"]
+    pool.close()
+
+
+def test_one_model_has_no_router_routes(fim: Any) -> None:
+    ctx, _ = fim
+    assert call(create_app(ctx), "POST", "/models/load", json={"model": "x"}).status_code == 404
