@@ -289,6 +289,9 @@ def test_router_loads_lists_and_unloads_models() -> None:
                 break
             await asyncio.sleep(0.01)
         assert await status("b") == "loaded" and await status("a") == "unloaded"
+        assert [s["id"] for s in (await client.get("/slots?model=b")).json()] == [0, 1]
+        assert (await client.get("/slots?model=a")).json() == []  # not loaded: no slots
+        assert is_llama_error(await client.get("/slots?model=zzz"), 404, "not_found_error")
         again = await client.post("/models/load", json={"model": "b"})
         assert is_llama_error(again, 400, "invalid_request_error")
         unknown = await client.post("/models/load", json={"model": "zzz"})
@@ -334,3 +337,32 @@ def test_an_unload_while_requests_hold_the_model_is_refused() -> None:
 def test_one_model_has_no_router_routes(fim: Any) -> None:
     ctx, _ = fim
     assert call(create_app(ctx), "POST", "/models/load", json={"model": "x"}).status_code == 404
+
+
+def test_a_client_that_leaves_a_stream_frees_its_request_and_slot(tmp_path: Path) -> None:
+    import time
+
+    from llamax.server import BackgroundServer
+
+    backend = FakeBackend(n_ctx=4096, n_seq_max=4, special_tokens=FIM)
+    backend.fault = lambda where: time.sleep(0.02) if where == "decode" else None
+    ctx = llamax.Context(backend=backend)
+    server = BackgroundServer(create_app(ctx, slot_save_path=tmp_path))
+    server.start()
+    try:
+        body = BODY | {"n_predict": 2000, "stream": True, "id_slot": 1, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/infill", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+        deadline = time.monotonic() + 30
+        while (
+            ctx.stats().num_running or httpx.get(server.url + "/slots").json()[1]["is_processing"]
+        ):
+            assert time.monotonic() < deadline, "the request outlived its client"
+            time.sleep(0.02)
+        erased = httpx.post(server.url + "/slots/1?action=erase", timeout=30).json()
+        assert 0 < erased["n_erased"] < 2000  # the slot's lock was given back
+    finally:
+        server.stop()
+        assert_idle(ctx)
+        ctx.close()

@@ -38,7 +38,6 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 
-from .errors import APIError
 from .llama_native import (
     LlamaError,
     as_llama_error,
@@ -205,10 +204,11 @@ def slot_routes(
     async def get_slots(request: Request) -> Response:
         try:
             state.check_api_key(request)
-            async with leased(state, request.query_params.get("model")) as ctx:
-                slots = table_of(tables, ctx).to_json()
-        except APIError as error:
-            return llama_error_response(error)
+            ctx = _serving(state, request.query_params.get("model"))
+            # reading a session's tokens waits for the loop's next step: in a worker
+            slots = [] if ctx is None else await run_in_threadpool(table_of(tables, ctx).to_json)
+        except Exception as exc:
+            return llama_error_response(as_llama_error(exc))
         if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in slots):
             return llama_error_response(LlamaError(503, "no slot available"))
         return JSONResponse(slots)
@@ -230,6 +230,22 @@ def slot_routes(
             return llama_error_response(as_llama_error(exc))
 
     return router
+
+
+def _serving(state: ServerState, model: str | None) -> llamax.Context | None:
+    """The context whose slots ``GET /slots`` lists, without an admission slot or a load
+    (monitoring must answer while the server is busy): with several models, the one named
+    (the default for ``None``) while it is loaded, else ``None`` (no slots).
+
+    Raises:
+        APIError: 503 while the one model loads, 404 for a model the pool does not hold.
+    """
+    pool = state.pool
+    if pool is None:
+        return state.context()
+    if model is not None and model not in pool.names:
+        raise LlamaError(404, f"model {model!r} is not served here")
+    return pool.loaded(model)
 
 
 async def _act(
