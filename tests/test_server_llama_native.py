@@ -190,6 +190,8 @@ def test_get_slots_lists_each_slot_in_llama_servers_shape(fim: Any, tmp_path: Pa
     assert [s["id"] for s in slots] == list(range(ctx.n_seq_max))
     assert all(s["n_ctx"] == ctx.n_ctx_seq and s["is_processing"] is False for s in slots)
     assert slots[2]["params"]["n_predict"] == 4 and slots[2]["next_token"][0]["n_decoded"] == 4
+    assert slots[2]["n_prompt_tokens_processed"] == slots[2]["n_prompt_tokens"] > 0
+    assert slots[2]["n_prompt_tokens_cache"] == 0
     assert slots[2]["n_cached_tokens"] > 0 and "params" not in slots[1]
     assert call(app, "POST", "/slots/2?action=erase").json()["n_erased"] > 0
 

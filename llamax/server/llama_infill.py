@@ -282,6 +282,10 @@ class _Job:
     async def _final(self, content: str) -> dict[str, Any]:
         result = await self.handle
         self.timings.end = time.perf_counter()
+        if self.slot is not None and self.slot.task is not None:
+            usage = result.usage
+            self.slot.task["n_prompt_tokens_cache"] = usage.cached_tokens
+            self.slot.task["n_prompt_tokens_processed"] = usage.prompt_tokens - usage.cached_tokens
         choice = result.choices[0]
         full_text, prompt = await run_in_threadpool(
             lambda: (self.ctx.detokenize(choice.token_ids), self.ctx.detokenize(self.tokens))

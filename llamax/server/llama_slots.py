@@ -139,6 +139,8 @@ class SlotTable:
                 entry |= {
                     "id_task": task["id_task"],
                     "n_prompt_tokens": task["n_prompt_tokens"],
+                    "n_prompt_tokens_processed": task.get("n_prompt_tokens_processed", 0),
+                    "n_prompt_tokens_cache": task.get("n_prompt_tokens_cache", 0),
                     "params": task["params"],
                     "next_token": [{
                         "has_next_token": slot.is_processing,
