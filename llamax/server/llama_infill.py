@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -186,13 +186,16 @@ def infill_routes(
     state: ServerState, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable]
 ) -> APIRouter:
     """``POST /infill``."""
-    router = APIRouter()
+
+    def require_key(request: Request) -> None:  # 401 in OpenAI's shape, as every route
+        state.check_api_key(request)
+
+    router = APIRouter(dependencies=[Depends(require_key)])
 
     @router.post("/infill")
     async def infill(request: Request) -> Response:
         stack = AsyncExitStack()
         try:
-            state.check_api_key(request)
             raw = await read_body(request, state.max_body_bytes)
             body, params = await run_in_threadpool(_parse, raw)
             ctx = await stack.enter_async_context(leased(state, body.get("model")))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -34,14 +34,17 @@ __all__ = ["router_routes"]
 
 def router_routes(state: ServerState) -> APIRouter:
     """The router's routes (none when the app serves one model)."""
-    router = APIRouter()
+
+    def require_key(request: Request) -> None:  # 401 in OpenAI's shape, as every route
+        state.check_api_key(request)
+
+    router = APIRouter(dependencies=[Depends(require_key)])
     pool = state.pool
     if pool is None:
         return router
     loads: set[asyncio.Task[None]] = set()
 
     async def model_named(request: Request) -> str:
-        state.check_api_key(request)
         body = parse_object(await read_body(request, state.max_body_bytes))
         name = body.get("model")
         if not isinstance(name, str) or not name:
@@ -79,13 +82,9 @@ def router_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"success": True})
 
     @router.get("/models")
-    async def models(request: Request) -> Response:
-        try:
-            state.check_api_key(request)
-        except Exception as exc:
-            return llama_error_response(as_llama_error(exc))
-        return JSONResponse({"object": "list", "data": [_router_fields(m)
-                                                        for m in _pool_models(pool)]})  # fmt: skip
+    async def models() -> Response:
+        listed = [_router_fields(model) for model in _pool_models(pool)]
+        return JSONResponse({"object": "list", "data": listed})
 
     return router
 

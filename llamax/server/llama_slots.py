@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -200,12 +200,15 @@ def slot_routes(
     save_path: Path | None,
 ) -> APIRouter:
     """``GET /slots`` and ``POST /slots/{id_slot}``."""
-    router = APIRouter()
+
+    def require_key(request: Request) -> None:  # 401 in OpenAI's shape, as every route
+        state.check_api_key(request)
+
+    router = APIRouter(dependencies=[Depends(require_key)])
 
     @router.get("/slots")
     async def get_slots(request: Request) -> Response:
         try:
-            state.check_api_key(request)
             ctx = _serving(state, request.query_params.get("model"))
             # reading a session's tokens waits for the loop's next step: in a worker
             slots = [] if ctx is None else await run_in_threadpool(table_of(tables, ctx).to_json)
@@ -218,7 +221,6 @@ def slot_routes(
     @router.post("/slots/{id_slot}")
     async def post_slot(request: Request, id_slot: str) -> Response:
         try:
-            state.check_api_key(request)
             if save_path is None:
                 raise LlamaError(501, "This server does not support slots action. Start it "
                                  "with `--slot-save-path`")  # fmt: skip
