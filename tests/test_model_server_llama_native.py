@@ -114,3 +114,35 @@ def test_slot_round_trip_on_smollm2(fim_ctx: llamax.Context, tmp_path: Path) -> 
     assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
     assert again["timings"]["prompt_n"] == 1 and again["content"] == first["content"]
     post(app, "/slots/0?action=erase")
+
+
+def test_router_load_and_unload_on_smollm2(model_path: Path) -> None:
+    from llamax.server import ModelPool
+
+    pool = ModelPool({"a": model_path, "b": model_path}, n_ctx=512, n_seq_max=2)
+    app = create_app(pool)
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+
+            async def status(name: str) -> str:
+                listed = (await c.get("/models")).json()["data"]
+                return str(next(m for m in listed if m["id"] == name)["status"]["value"])
+
+            assert (await c.post("/models/load", json={"model": "b"})).json() == {"success": True}
+            for _ in range(1200):
+                if await status("b") == "loaded":
+                    break
+                await asyncio.sleep(0.05)
+            assert await status("b") == "loaded" and await status("a") == "unloaded"
+            text = await c.post("/v1/completions", json={"model": "b", "prompt": "Hi",
+                                                         "max_tokens": 2})  # fmt: skip
+            assert text.status_code == 200 and text.json()["model"] == "b"
+            assert (await c.post("/models/unload", json={"model": "b"})).status_code == 200
+            assert await status("b") == "unloaded"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()

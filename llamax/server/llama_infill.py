@@ -9,9 +9,11 @@ repository-level pattern of Qwen2.5-Coder, arXiv 2409.12186)::
 
 with the same budget: at most ``3/4 n_batch`` prefix tokens (the last ones), ``n_batch/4
 - 2 - len(prompt)`` suffix tokens (the first ones), and the extra chunks' last tokens
-in what is left of the sequence after ``n_batch + 2 n_predict``. The files an editor sends
-before the cursor come first, so requests over one project share their prefix, which
-llamax computes once and copies (``timings.cache_n``), and batches in the same steps.
+in what is left of the sequence after ``n_batch + 2 n_predict`` (llamax's ``n_batch`` and
+the request's ``n_predict``; llama-server takes its own ``-b`` and ``--n-predict``). The
+files an editor sends before the cursor come first, so requests over one project share
+their prefix, which llamax computes once and copies (``timings.cache_n``), and batches in
+the same steps.
 
 A model without FIM prefix, suffix and middle tokens is refused with llama-server's 501.
 """
