@@ -368,3 +368,10 @@ def test_a_client_that_leaves_a_stream_frees_its_request_and_slot(tmp_path: Path
         server.stop()
         assert_idle(ctx)
         ctx.close()
+
+
+def test_an_infill_past_the_context_is_llama_servers_exceed_context_size_error(fim: Any) -> None:
+    ctx, backend = fim
+    response = call(create_app(ctx), "POST", "/infill", json=BODY | {"prompt": "x" * 2000})
+    assert is_llama_error(response, 400, "exceed_context_size_error"), response.text
+    assert backend.decode_log == []
