@@ -247,6 +247,7 @@ def test_bad_slot_ids_and_actions(fim: Any, tmp_slots: Path) -> None:
 def test_save_erase_restore_round_trip_continues_from_the_cache(fim: Any, tmp_slots: Path) -> None:
     ctx, _ = fim
     app = create_app(ctx, slot_save_path=tmp_slots)
+    assert call(app, "POST", "/infill", json=BODY | {"id_slot": None}).json()["id_slot"] == 0
     first = call(app, "POST", "/infill", json=BODY | {"id_slot": 1}).json()
     assert first["timings"]["cache_n"] == 0
     saved = call(app, "POST", "/slots/1?action=save", json={"filename": "s1.bin"}).json()

@@ -51,7 +51,7 @@ from .llama_slots import Slot, SlotTable, table_of
 from .responses import outcome_of
 from .state import ServerState, read_body
 
-__all__ = ["infill_routes", "infill_tokens"]
+__all__ = ["NativeJob", "infill_routes", "infill_tokens"]
 
 _SNIPPET = "\n\n--- snippet ---\n\n"
 """What separates extra chunks on a model without a file separator token (llama-server's)."""
@@ -201,7 +201,12 @@ def infill_routes(
             raw = await read_body(request, state.max_body_bytes)
             body, params = await run_in_threadpool(_parse, raw)
             ctx = await stack.enter_async_context(leased(state, body.get("model")))
-            job = await _Job.start(ctx, tables, body, params, stack)
+            n_predict = -1 if params.max_tokens is None else params.max_tokens
+            tokens = await run_in_threadpool(
+                infill_tokens, ctx, body["input_prefix"], body["input_suffix"],
+                body.get("input_extra", []), body.get("prompt", ""), n_predict=n_predict,
+            )  # fmt: skip
+            job = await NativeJob.start(ctx, table_of(tables, ctx), body, params, tokens, stack)
         except Exception as exc:
             await stack.aclose()
             error = as_llama_error(exc)
@@ -224,8 +229,10 @@ def _parse(raw: bytes) -> tuple[dict[str, Any], llamax.SamplingParams]:
     return body, sampling_params(body)
 
 
-class _Job:
-    """One ``/infill`` request once admitted: its slot, handle and clock."""
+class NativeJob:
+    """One request of llama-server's native API once admitted: its slot, handle and clock,
+    and its answer in ``/completion``'s shape (whole or streamed). ``/infill`` builds one;
+    ``/completion`` with ``id_slot`` can build one the same way."""
 
     def __init__(
         self, ctx: llamax.Context, slots: SlotTable, slot: Slot | None, body: dict[str, Any],
@@ -239,21 +246,20 @@ class _Job:
 
     @classmethod
     async def start(
-        cls, ctx: llamax.Context, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable],
-        body: dict[str, Any], params: llamax.SamplingParams, stack: AsyncExitStack,
-    ) -> _Job:  # fmt: skip
-        """Build the prompt (in a worker), take the slot and submit.
+        cls, ctx: llamax.Context, slots: SlotTable, body: dict[str, Any],
+        params: llamax.SamplingParams, tokens: list[int], stack: AsyncExitStack,
+    ) -> NativeJob:  # fmt: skip
+        """Take the slot ``body["id_slot"]`` names (waiting while another request holds
+        it; ``-1`` or none: any sequence) and submit ``tokens``. What ``stack`` holds (the
+        lease on the model, the slot) is given back when the job ends.
 
         Raises:
-            LlamaError, APIError, llamax errors: refused before anything reached the engine.
+            LlamaError: 400 for a bad ``id_slot``, 503 when the slot cannot open its
+                sequence; llamax's errors for a prompt it refuses, before anything reaches
+                the engine.
         """
-        n_predict = -1 if params.max_tokens is None else params.max_tokens
-        tokens = await run_in_threadpool(
-            infill_tokens, ctx, body["input_prefix"], body["input_suffix"],
-            body.get("input_extra", []), body.get("prompt", ""), n_predict=n_predict,
-        )  # fmt: skip
-        slots = table_of(tables, ctx)
-        id_slot = body.get("id_slot", -1)
+        id_slot = body.get("id_slot")
+        id_slot = -1 if id_slot is None else id_slot  # null: llama-server's default
         session, slot = None, None
         if id_slot != -1:
             slot = slots.get(id_slot)
