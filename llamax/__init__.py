@@ -46,6 +46,7 @@ from .params import LogitsProcessor, SamplingParams
 from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
 from .session import Session
 from .stats import ContextStats
+from .tokens import FimTokens
 
 try:
     __version__ = _metadata.version("llamax")
@@ -70,6 +71,7 @@ __all__ = [
     "Embedder",
     "EmptyPromptError",
     "EngineError",
+    "FimTokens",
     "FinishReason",
     "GrammarError",
     "InvalidMessageError",

@@ -40,6 +40,7 @@ from .results import Completion
 from .session import Session, SessionPort, restore_session
 from .stats import ContextStats
 from .templates.binding import BoundTemplate
+from .tokens import FimTokens
 
 if TYPE_CHECKING:  # the layers above, for annotations only: the methods import them lazily
     import numpy as np
@@ -178,6 +179,12 @@ class Context:
     def model_name(self) -> str:
         """The model's name from its metadata."""
         return self._backend.model_name
+
+    @property
+    def fim_tokens(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens (``fim_tokens.can_infill``: whether it has
+        the prefix, suffix and middle tokens that code infill needs)."""
+        return self._backend.fim_tokens
 
     @property
     def closed(self) -> bool:

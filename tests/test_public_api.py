@@ -32,6 +32,7 @@ EXPECTED_ALL = [
     "Embedder",
     "EmptyPromptError",
     "EngineError",
+    "FimTokens",
     "FinishReason",
     "GrammarError",
     "InvalidMessageError",

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from ..adapters import AdapterSet
 from ..params import SamplingParams
+from ..tokens import FimTokens
 
 __all__ = [
     "Backend",
@@ -119,6 +120,11 @@ class LoadedModel(Protocol):
 
     def check_grammar(self, grammar: str) -> str | None:
         """Parse a GBNF grammar; return why it is invalid, or None. Safe from any thread."""
+        ...
+
+    @property
+    def fim_tokens(self) -> FimTokens:
+        """The vocabulary's fill-in-the-middle tokens."""
         ...
 
     @property

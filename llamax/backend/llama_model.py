@@ -19,11 +19,16 @@ from typing import Any
 
 from ..config import ContextConfig
 from ..errors import ContextClosedError, ModelLoadError
+from ..tokens import FimTokens
 from .fingerprint import weights_fingerprint
 from .lora_file import check_lora_file
 from .native import NativeModel, utf8
 
 __all__ = ["LlamaCppModel", "NativeGuard"]
+
+_FIM_ROLES = {"prefix": "pre", "suffix": "suf", "middle": "mid", "pad": "pad", "repo": "rep",
+              "separator": "sep"}  # fmt: skip
+"""``FimTokens`` field -> the ``llama_vocab_fim_*`` function's suffix."""
 
 
 class NativeGuard:
@@ -100,6 +105,8 @@ class LlamaCppModel:
         self._n_vocab = model.n_vocab()
         self._add_bos = model.add_bos()
         self._eog = frozenset(t for t in range(self._n_vocab) if model.is_eog(t))
+        fim = {name: model.fim(role) for name, role in _FIM_ROLES.items()}
+        self._fim = FimTokens(**{name: t if t >= 0 else None for name, t in fim.items()})
         self._model_name = self.metadata("general.name") or path.stem
         self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora*, freed with the model
 
@@ -122,6 +129,11 @@ class LlamaCppModel:
     def eog_token_ids(self) -> frozenset[int]:
         """Every end-of-generation token of the vocabulary."""
         return self._eog
+
+    @property
+    def fim_tokens(self) -> FimTokens:
+        """The vocabulary's fill-in-the-middle tokens."""
+        return self._fim
 
     @property
     def bos_token_id(self) -> int | None:

@@ -234,6 +234,11 @@ class NativeModel:
         """Whether ``token`` ends generation."""
         return bool(self.C.llama_vocab_is_eog(self.vocab, token))
 
+    def fim(self, role: str) -> int:
+        """The fill-in-the-middle token of ``role`` (``pre``, ``suf``, ``mid``, ``pad``,
+        ``rep``, ``sep``; negative: none)."""
+        return int(getattr(self.C, f"llama_vocab_fim_{role}")(self.vocab))
+
     def tokenize(self, data: bytes, *, add_special: bool, parse_special: bool) -> list[int]:
         """``llama_tokenize`` on UTF-8 ``data``, growing the buffer as llama.cpp asks."""
         cap = len(data) + 8

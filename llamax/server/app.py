@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -21,6 +23,9 @@ from llamax.openai import ResponseStore
 from .anthropic_routes import anthropic_routes
 from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .info import info_routes, public_routes
+from .llama_infill import infill_routes
+from .llama_router import router_routes
+from .llama_slots import slot_routes, slot_tables
 from .models import ModelPool
 from .responses_routes import responses_routes
 from .routes import api_routes
@@ -42,6 +47,7 @@ def create_app(
     parse_special_in_content: bool = False,
     max_stored_responses: int = 1024,
     stream_ping_seconds: float = 10.0,
+    slot_save_path: str | os.PathLike[str] | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -70,14 +76,17 @@ def create_app(
         stream_ping_seconds: An Anthropic Messages stream that has sent nothing for this
             long (a long prefill, a slow step) gets a ``ping`` event, as Anthropic's API
             sends, so that idle timeouts along the way do not cut it.
+        slot_save_path: The folder where llama-server's ``POST /slots/{id}?action=save``
+            writes and ``restore`` reads (file names only, no paths); ``None``: those
+            actions are refused with 501, as llama-server does without ``--slot-save-path``.
 
     Returns:
         A FastAPI application.
 
     Raises:
         ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds`` or
-            ``max_stored_responses`` or ``stream_ping_seconds`` is not positive, or
-            ``api_key`` is empty.
+            ``max_stored_responses`` or ``stream_ping_seconds`` is not positive,
+            ``api_key`` is empty, or ``slot_save_path`` is not a folder.
     """
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
                         ("retry_after_seconds", retry_after_seconds),
@@ -88,6 +97,8 @@ def create_app(
         raise ValueError(f"stream_ping_seconds must be > 0, got {stream_ping_seconds}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
+    if slot_save_path is not None and not Path(slot_save_path).is_dir():
+        raise ValueError(f"slot_save_path must be an existing folder, got {slot_save_path!r}")
     state = ServerState(
         source=ctx,
         api_key=api_key,
@@ -104,12 +115,17 @@ def create_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _internal_error)
+    slots = slot_tables()  # llama-server's native routes (docs/server.md)
+    save_path = None if slot_save_path is None else Path(slot_save_path)
     routers = (
         public_routes(state),
         info_routes(state),
         api_routes(state),
         anthropic_routes(state),
         responses_routes(state),
+        infill_routes(state, slots),
+        slot_routes(state, slots, save_path),
+        router_routes(state),
     )
     for router in routers:
         app.include_router(router)

@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow this origin by CORS (repeatable; '*' for any; default: off)",
     )
     p.add_argument(
+        "--slot-save-path",
+        metavar="DIR",
+        default=None,
+        help="folder for llama-server's POST /slots/ID?action=save|restore (created if "
+        "missing; default: those actions are refused with 501)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=int,
         default=30,
@@ -208,7 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cors_origins": ns.cors_origin,
             "parse_special_in_content": ns.parse_special_in_content,
             "max_stored_responses": ns.max_stored_responses,
+            "slot_save_path": ns.slot_save_path,
         }
+        if ns.slot_save_path is not None:
+            os.makedirs(ns.slot_save_path, exist_ok=True)
         models = _model_pool(ns, options)
         if models is not None:
             try:

@@ -305,6 +305,30 @@ class ModelPool:
         with self._cond:
             return self._info(self._entries[self.default if name is None else name]).context
 
+    def unload(self, name: str) -> None:
+        """Unload model ``name`` now (llama-server's ``POST /models/unload``); a later
+        request loads it again.
+
+        Raises:
+            NotFoundError: no model has that name.
+            InvalidRequestError: it is not loaded, or requests hold it (they would lose
+                their context: unload it once they finish).
+        """
+        with self._cond:
+            entry = self._entries.get(name)
+            if entry is None:
+                raise llamax.NotFoundError(f"model {name!r} is not served here")
+            if entry.state is not ModelState.LOADED:
+                raise llamax.InvalidRequestError(f"model {name!r} is not running "
+                                                 f"({entry.state.value})")  # fmt: skip
+            if entry.num_users:
+                raise llamax.InvalidRequestError(
+                    f"model {name!r} is in use by {entry.num_users} requests; unload it once "
+                    "they finish"
+                )
+            ctx = self._begin_unload(entry)
+        self._finish_unload(entry, ctx)
+
     def unload_idle(self) -> list[str]:
         """Unload now every model that no request has held for ``idle_unload_seconds``
         (the unloader thread calls this; tests with an injected clock may too).

@@ -15,6 +15,7 @@ from ..adapters import AdapterSet
 from ..backend.base import BatchItem, DecodeStatus
 from ..errors import ContextClosedError
 from ..params import SamplingParams
+from ..tokens import FimTokens
 from .memory import FakeMemory
 from .model import EOS, FakeAdapters, FakeSampler, FakeVocab, alphabet_model, row_logits, sample
 
@@ -41,6 +42,9 @@ FAULT_POINTS = (
 )
 """Every backend call that :attr:`FakeBackend.fault` can make fail, by the name it is
 given. The protocol has no ``seq_keep`` and no abort callback: llamax calls neither."""
+
+_FIM_TEXTS = (("prefix", "fim_prefix"), ("suffix", "fim_suffix"), ("middle", "fim_middle"),
+              ("pad", "fim_pad"), ("repo", "repo_name"), ("separator", "file_sep"))  # fmt: skip
 
 
 class FakeBackend:
@@ -259,6 +263,13 @@ class FakeBackend:
     def metadata(self, key: str) -> str | None:
         """Values passed as ``metadata=``."""
         return self._metadata.get(key)
+
+    @property
+    def fim_tokens(self) -> FimTokens:
+        """Found by their text among ``special_tokens`` (``<fim_prefix>``, ``<fim_suffix>``,
+        ``<fim_middle>``, ``<fim_pad>``, ``<repo_name>``, ``<file_sep>``), as llama.cpp does."""
+        found = {name: self._vocab.specials.get(f"<{text}>") for name, text in _FIM_TEXTS}
+        return FimTokens(**found)
 
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True

@@ -1,0 +1,148 @@
+"""llama-server's ``/infill`` and ``/slots`` over HTTP on SmolLM2 (issue 41, part B).
+
+SmolLM2-135M-Instruct has no FIM tokens, so ``/infill`` on it is refused (501, as
+llama-server refuses it); the other tests run on a copy whose metadata names three of its
+unused control tokens as FIM tokens (``scripts/make_fim_model.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import llamax
+from llamax.server import create_app
+from llamax.testing import assert_idle
+
+pytest.importorskip("gguf")
+pytestmark = pytest.mark.model
+
+HEADER = "".join(f"int helper_{i}(int x) {{ return x * {i}; }}\n" for i in range(24))
+BODY = {"input_prefix": '#include "lib.h"\n\nint main() {\n', "input_suffix": "}\n",
+        "prompt": "    int n = helper_", "n_predict": 8, "temperature": 0}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fim_model(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
+    path = Path(__file__).parent.parent / "scripts" / "make_fim_model.py"
+    spec = importlib.util.spec_from_file_location("make_fim_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    out: Path = module.write_fim_model(tmp_path_factory.mktemp("fim") / "fim.gguf", model_path)
+    return out
+
+
+@pytest.fixture
+def fim_ctx(fim_model: Path) -> Iterator[llamax.Context]:
+    ctx = llamax.Context(fim_model, n_ctx=8192, n_seq_max=16, n_batch=512)
+    yield ctx
+    assert_idle(ctx)
+    ctx.close()
+
+
+async def post_all(app: Any, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=600) as client:
+        return await asyncio.gather(*(client.post("/infill", json=b) for b in bodies))
+
+
+def post(app: Any, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(go())
+
+
+def test_infill_is_refused_on_smollm2(real_ctx: llamax.Context) -> None:
+    assert not real_ctx.fim_tokens.can_infill and real_ctx.fim_tokens.repo is not None
+    before = real_ctx.stats().num_steps
+    response = post(create_app(real_ctx), "/infill", BODY)
+    assert response.status_code == 501
+    assert response.json() == {"error": {
+        "code": 501, "type": "not_supported_error",
+        "message": "Infill is not supported by this model: prefix token is missing. suffix "
+                   "token is missing. middle token is missing. ",
+    }}  # fmt: skip
+    assert real_ctx.stats().num_steps == before
+
+
+def test_32_editor_requests_are_batched_and_share_the_file_prefix(
+    fim_ctx: llamax.Context,
+) -> None:
+    app = create_app(fim_ctx)
+    extra = [{"filename": "lib.h", "text": HEADER}]
+    bodies = [BODY | {"input_extra": extra, "prompt": f"    int n{i} = helper_{i % 24}("}
+              for i in range(32)]  # fmt: skip
+    before = fim_ctx.stats()
+    responses = asyncio.run(post_all(app, bodies))
+    after = fim_ctx.stats()
+    assert all(r.status_code == 200 for r in responses), responses[0].text
+    answers = [r.json() for r in responses]
+    assert all(a["stop"] and a["tokens_predicted"] == 8 for a in answers)
+    prompt_n = [a["tokens_evaluated"] for a in answers]
+    cached = [a["timings"]["cache_n"] for a in answers]
+    assert min(prompt_n) > 300  # the shared file is most of each prompt
+    assert sum(c > 300 for c in cached) >= 31, cached  # all but the first copy the prefix
+    steps = after.num_steps - before.num_steps
+    decoded = after.num_decode_tokens - before.num_decode_tokens
+    assert decoded / steps > 2, (decoded, steps)  # several sequences per step
+
+
+def test_slot_round_trip_on_smollm2(fim_ctx: llamax.Context, tmp_path: Path) -> None:
+    app = create_app(fim_ctx, slot_save_path=tmp_path)
+    first = post(app, "/infill", BODY | {"id_slot": 1, "cache_prompt": True}).json()
+    assert first["timings"]["cache_n"] == 0 and first["id_slot"] == 1
+    saved = post(app, "/slots/1?action=save", {"filename": "slot1.bin"}).json()
+    assert saved["n_saved"] == first["tokens_evaluated"] + first["tokens_predicted"] - 1
+    assert post(app, "/slots/1?action=erase").json()["n_erased"] == saved["n_saved"]
+    bad = post(app, "/slots/0?action=restore", {"filename": "../slot1.bin"})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "Invalid filename"
+    restored = post(app, "/slots/0?action=restore", {"filename": "slot1.bin"}).json()
+    assert restored["n_restored"] == saved["n_saved"]
+    again = post(app, "/infill", BODY | {"id_slot": 0, "cache_prompt": True}).json()
+    assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+    assert again["timings"]["prompt_n"] == 1 and again["content"] == first["content"]
+    post(app, "/slots/0?action=erase")
+
+
+def test_router_load_and_unload_on_smollm2(model_path: Path) -> None:
+    from llamax.server import ModelPool
+
+    pool = ModelPool({"a": model_path, "b": model_path}, n_ctx=512, n_seq_max=2)
+    app = create_app(pool)
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+
+            async def status(name: str) -> str:
+                listed = (await c.get("/models")).json()["data"]
+                return str(next(m for m in listed if m["id"] == name)["status"]["value"])
+
+            assert (await c.post("/models/load", json={"model": "b"})).json() == {"success": True}
+            for _ in range(1200):
+                if await status("b") == "loaded":
+                    break
+                await asyncio.sleep(0.05)
+            assert await status("b") == "loaded" and await status("a") == "unloaded"
+            text = await c.post("/v1/completions", json={"model": "b", "prompt": "Hi",
+                                                         "max_tokens": 2})  # fmt: skip
+            assert text.status_code == 200 and text.json()["model"] == "b"
+            assert (await c.post("/models/unload", json={"model": "b"})).status_code == 200
+            assert await status("b") == "unloaded"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
