@@ -21,6 +21,11 @@ def _cache_control(name: str, value: Any) -> None:
         raise InvalidParameterError(f'{name} must be {{"type": "ephemeral"}} (with a ttl)')
 
 
+def _object(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise InvalidParameterError(f"{name} must be an object, got {type(value).__name__}")
+
+
 def _one_of(*values: str) -> Any:
     def check(name: str, value: Any) -> None:
         if value is not None and value not in values:
@@ -73,6 +78,9 @@ MESSAGES = (
     RequestField(
         "inference_geo", HINT, "no effect: the model runs where the server runs", check_text
     ),
+    RequestField("speed", HINT, "no effect: there is one speed", _one_of("standard", "fast")),
+    RequestField("diagnostics", HINT, "no effect: no cache-miss diagnostics are returned", _object),
+    RequestField("user_profile_id", HINT, "no effect: requests are not attributed", check_text),
     RequestField("container", R, "code-execution containers are not supported"),
     RequestField("context_management", R, "server-side context editing is not supported"),
     RequestField(

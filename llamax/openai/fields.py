@@ -227,6 +227,7 @@ _SAMPLING = (
     RequestField("lora", H, "LoRA adapters for this request (docs/lora.md)", extension=True),
 )
 
+_MODERATION = "no moderation model runs here, so no moderation policy can be applied"
 _CACHE_HINT = "no effect: llamax's prefix cache reuses every shared prefix on its own"
 _TIER_HINT = "no effect: one local server has one tier"
 _SAFETY_HINT = "no effect: no abuse monitoring is done (a string of at most 256 characters)"
@@ -281,7 +282,9 @@ CHAT = (
         "no effect on the output: OpenAI's predicted outputs only speed a reply up; llamax's own speculation drafts from the prompt (`speculative`)",
         _object,
     ),
+    RequestField("prompt_cache_options", HINT, _CACHE_HINT, _object),
     RequestField("audio", R, "audio output is not supported (llamax produces text)"),
+    RequestField("moderation", R, _MODERATION),
     RequestField("web_search_options", R, "web search is a hosted tool llamax does not run"),
     RequestField(
         "functions",
@@ -398,6 +401,10 @@ RESPONSES = (
         "no effect: it bounds built-in tool calls, and llamax runs none",
         _positive_int,
     ),
+    RequestField("prompt_cache_options", HINT, _CACHE_HINT, _object),
+    RequestField(
+        "image", HINT, "no effect: options of image generation, which llamax does not do", _object
+    ),
     RequestField(
         "top_logprobs",
         R,
@@ -425,6 +432,9 @@ RESPONSES = (
         R,
         "stored prompt templates live on OpenAI's platform: send `instructions` and `input`",
     ),
+    RequestField("background_options", R, "background mode is not supported"),
+    RequestField("moderation", R, _MODERATION),
+    RequestField("access_programs", R, "OpenAI's access programs do not exist here"),
 )
 
 ROUTES: dict[str, tuple[RequestField, ...]] = {

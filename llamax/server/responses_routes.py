@@ -14,7 +14,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
-from llamax.openai import RESPONSE_FIELDS, acreate_response
+from llamax.openai import acreate_response
+from llamax.openai.fields import RESPONSES as RESPONSE_TABLE
 
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
@@ -22,6 +23,9 @@ from .schemas import parse_object
 from .state import ServerState, admit_completion
 
 __all__ = ["responses_routes"]
+
+_FIELDS = frozenset(f.name for f in RESPONSE_TABLE)
+"""Every field of the table, so a 400 about a refused one names it in ``param``."""
 
 _ENDPOINT = "responses"
 
@@ -44,7 +48,7 @@ def responses_routes(state: ServerState) -> APIRouter:
             lambda body: body.get("model"),
             lambda body, ctx: acreate_response(ctx, body, store=state.responses),
             dialect=RESPONSES,
-            fields=RESPONSE_FIELDS,
+            fields=_FIELDS,
             prompt_field="input",
             stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
         )
@@ -54,7 +58,7 @@ def responses_routes(state: ServerState) -> APIRouter:
         try:
             return JSONResponse(state.responses.get(response_id))
         except LookupError as exc:
-            raise from_exception(exc, RESPONSE_FIELDS) from exc
+            raise from_exception(exc, _FIELDS) from exc
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_route(response_id: str) -> JSONResponse:

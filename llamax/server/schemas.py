@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from llamax import InvalidParameterError, SamplingParams
-from llamax.openai.fields import CHAT, COMPLETIONS, EMBEDDINGS, RequestField, accept_fields
+from llamax.anthropic.fields import MESSAGES
+from llamax.openai.fields import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    ROUTES,
+    RequestField,
+    accept_fields,
+)
 
 from .errors import APIError
 
@@ -336,6 +344,9 @@ _TABLES: dict[type[BaseModel], tuple[RequestField, ...]] = {
     EmbeddingRequest: EMBEDDINGS,
 }
 """Each OpenAI request model's field table (:mod:`llamax.openai.fields`)."""
+
+FIELD_TABLES: dict[str, tuple[RequestField, ...]] = {**ROUTES, "messages": MESSAGES}
+"""Every route's field table, by the name the docs blocks use (``<!-- fields: chat -->``)."""
 
 
 def _check_tree(data: dict[str, Any]) -> None:
