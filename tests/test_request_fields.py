@@ -497,3 +497,117 @@ def test_dimensions_truncate_and_renormalise() -> None:
     with pytest.raises(APIError, match="dimensions must be at most 3"):
         _shortened(vectors, 4)
     assert all(f.support is not Support.REFUSED for f in EMBEDDINGS)
+
+
+# --- schemas with bounds: integer ranges enforced as llama.cpp does ---------------------------
+def _gbnf_regex(expression: str) -> str:
+    """The range rules' GBNF (literals, classes, groups, ``|``, ``{m,n}``) as a Python regex."""
+    import re
+
+    out, i = [], 0
+    while i < len(expression):
+        c = expression[i]
+        if c == '"':
+            end = expression.index('"', i + 1)
+            out.append(re.escape(expression[i + 1 : end]))
+            i = end + 1
+            continue
+        if c == "[":
+            end = expression.index("]", i)
+            out.append(expression[i : end + 1])
+            i = end + 1
+            continue
+        if c != " ":
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [
+        (18, 130),
+        (0, 9),
+        (-15, 7),
+        (-120, -3),
+        (1, 1),
+        (5, None),
+        (0, None),
+        (-7, None),
+        (123, None),
+        (None, 42),
+        (None, -11),
+        (None, 0),
+        (7, 1000),
+    ],
+)
+def test_integer_ranges_match_exactly_the_integers_in_range(
+    low: int | None, high: int | None
+) -> None:
+    import re
+
+    from llamax.grammar_ranges import int_range_rule
+
+    pattern = re.compile(_gbnf_regex(int_range_rule(low, high)))
+    for n in range(-1200, 1200):
+        inside = (low is None or n >= low) and (high is None or n <= high)
+        assert bool(pattern.fullmatch(str(n))) == inside, (n, low, high)
+    assert not pattern.fullmatch("007") and not pattern.fullmatch("+5")
+
+
+def test_bounded_schemas_are_taken_and_integer_bounds_enforced() -> None:
+    from llamax.grammar import integer_bounds, schema_to_gbnf
+
+    age = {"type": "integer", "minimum": 18, "exclusiveMaximum": 130}
+    price = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6, "multipleOf": 0.01}
+    grammar = schema_to_gbnf(
+        json.dumps({"type": "object", "properties": {"age": age, "price": price}})
+    )
+    assert "age ::= (" in grammar and "[1] ([8-9])" in grammar  # 18..129, not any integer
+    assert integer_bounds({"minimum": 0.5, "maximum": 9.5}) == (1, 9)
+    with pytest.raises(llamax.GrammarError, match="no integer"):
+        integer_bounds({"exclusiveMinimum": 2, "exclusiveMaximum": 3})
+
+
+def test_a_pydantic_tool_with_bounds_and_a_malformed_one_over_http(
+    server: tuple[llamax.Context, str],
+) -> None:
+    _, url = server
+    bounded = {
+        "type": "function",
+        "function": {
+            "name": "set_age",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "age": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 150},
+                    "score": {"type": "number", "minimum": 0, "maximum": 1},
+                },
+                "required": ["age"],
+            },
+        },
+    }
+    ok = post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 3, "tools": [bounded]})
+    assert ok.status_code == 200, ok.text
+    malformed = {
+        "type": "function",
+        "function": {"name": "foo", "parameters": {"type": "object", "properties": {"bar": "baz"}}},
+    }
+    bad = post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 3, "tools": [malformed]})
+    assert bad.status_code == 400
+    message = bad.json()["error"]["message"]
+    assert "'foo'" in message and "properties.bar must be a schema" in message
+    assert "attribute" not in message
+    anthropic_bad = post(
+        url,
+        "/v1/messages",
+        {
+            "messages": HI,
+            "max_tokens": 3,
+            "tools": [
+                {"name": "foo", "input_schema": {"type": "object", "properties": {"bar": "baz"}}}
+            ],
+        },
+    )
+    assert anthropic_bad.status_code == 400
+    assert "properties.bar must be a schema" in anthropic_bad.json()["error"]["message"]
