@@ -273,6 +273,17 @@ def test_messages_take_every_reference_field(server: tuple[llamax.Context, str])
     assert added >= len("Notes\nParis is sunny.")  # the document reached the prompt (bytes)
     stream = post(url, "/v1/messages", {**body, "stream": True})
     assert stream.status_code == 200 and "message_stop" in stream.text
+    counted = post(
+        url,
+        "/v1/messages/count_tokens",
+        {
+            "messages": [turn],
+            "system": "Be brief.",
+            "cache_control": {"type": "ephemeral"},
+            "thinking": {"type": "adaptive"},
+        },
+    )
+    assert counted.status_code == 200, counted.text
 
 
 # --- refusals: named, in each route's error shape ---------------------------------------------

@@ -69,6 +69,9 @@ async def amessages(
 def count_tokens(ctx: Context, request: Mapping[str, Any]) -> dict[str, int]:
     """``POST /v1/messages/count_tokens``: the prompt tokens of the request's conversation
     (system, messages and tools), as :func:`messages` would render them."""
+    if not isinstance(request, Mapping):
+        raise InvalidRequestError("a count_tokens request must be an object")
+    request = accept_fields(MESSAGES, request)  # hints such as cache_control change nothing
     _check_fields(request, _COUNT_FIELDS, "count_tokens")
     chat, options = _chat_request({**request, "max_tokens": 1})
     options.pop("max_tokens")
