@@ -622,3 +622,10 @@ def test_a_pydantic_tool_with_bounds_and_a_malformed_one_over_http(
     )
     assert anthropic_bad.status_code == 400
     assert "properties.bar must be a schema" in anthropic_bad.json()["error"]["message"]
+
+
+def test_an_unknown_response_id_is_a_404_about_the_id(server: tuple[llamax.Context, str]) -> None:
+    reply = httpx.get(server[1] + "/v1/responses/resp_nope")
+    error = reply.json()["error"]
+    assert reply.status_code == 404 and error["param"] is None
+    assert error["message"].startswith("no stored response has id 'resp_nope'")

@@ -18,7 +18,7 @@ from llamax.openai import acreate_response
 from llamax.openai.fields import RESPONSES as RESPONSE_TABLE
 
 from .dialects import RESPONSES
-from .errors import APIError, from_exception
+from .errors import APIError
 from .schemas import parse_object
 from .state import ServerState, admit_completion
 
@@ -57,8 +57,13 @@ def responses_routes(state: ServerState) -> APIRouter:
     async def retrieve_route(response_id: str) -> JSONResponse:
         try:
             return JSONResponse(state.responses.get(response_id))
-        except LookupError as exc:
-            raise from_exception(exc, _FIELDS) from exc
+        except LookupError as exc:  # the store's text is about previous_response_id
+            raise APIError(
+                404,
+                f"no stored response has id {response_id!r} (it was never stored, was "
+                "deleted, or the store evicted it)",
+                code="not_found",
+            ) from exc
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_route(response_id: str) -> JSONResponse:
