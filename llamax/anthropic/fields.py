@@ -26,6 +26,14 @@ def _object(name: str, value: Any) -> None:
         raise InvalidParameterError(f"{name} must be an object, got {type(value).__name__}")
 
 
+def _metadata(name: str, value: Any) -> None:
+    _object(name, value)
+    for key, item in (value or {}).items():
+        if key != "user_id":
+            raise InvalidParameterError(f"{name} has unknown field {key!r}")
+        check_text(f"{name}.user_id", item)
+
+
 def _one_of(*values: str) -> Any:
     def check(name: str, value: Any) -> None:
         if value is not None and value not in values:
@@ -61,7 +69,9 @@ MESSAGES = (
         H,
         "`format` (`json_schema`) constrains the text by a grammar; `effort` has no effect",
     ),
-    RequestField("metadata", H, "accepted and ignored (`user_id`)"),
+    RequestField(
+        "metadata", HINT, "no effect: not stored (an object; `user_id` a string)", _metadata
+    ),
     RequestField("stream", H, "the typed stream events"),
     RequestField(
         "cache_control",

@@ -216,7 +216,7 @@ _SAMPLING = (
     ),
     RequestField("temperature", H, "in [0, 2]"),
     RequestField("top_p", H, "nucleus sampling"),
-    RequestField("user", H, "accepted and ignored (at most 256 characters)"),
+    RequestField("user", H, "accepted and ignored"),
     RequestField("top_k", H, "top-k sampling (0: off, OpenAI's behaviour)", extension=True),
     RequestField("min_p", H, "min-p sampling (0: off)", extension=True),
     RequestField("repeat_penalty", H, "llama.cpp's repeat penalty (1: off)", extension=True),
@@ -342,7 +342,7 @@ EMBEDDINGS = (
         H,
         "the first `dimensions` components, renormalised to length 1 (meaningful for Matryoshka-trained models); more than the model has is a 400",
     ),
-    RequestField("user", H, "accepted and ignored (at most 256 characters)"),
+    RequestField("user", H, "accepted and ignored"),
 )
 
 RESPONSES = (
