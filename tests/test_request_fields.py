@@ -629,3 +629,17 @@ def test_an_unknown_response_id_is_a_404_about_the_id(server: tuple[llamax.Conte
     error = reply.json()["error"]
     assert reply.status_code == 404 and error["param"] is None
     assert error["message"].startswith("no stored response has id 'resp_nope'")
+
+
+def test_an_anthropic_assistant_prefill_is_continued(server: tuple[llamax.Context, str]) -> None:
+    turns = [*HI, {"role": "assistant", "content": "Hel"}]
+    body = {"messages": turns, "max_tokens": 20, "temperature": 0}
+    message = post(server[1], "/v1/messages", body).json()
+    assert message["content"] == [{"type": "text", "text": "lo there!"}]  # not "Hello there!"
+    stream = post(server[1], "/v1/messages", {**body, "stream": True}).text
+    deltas = [
+        json.loads(line[6:])["delta"]["text"]
+        for line in stream.split("\n")
+        if line.startswith("data: ") and "text_delta" in line
+    ]
+    assert "".join(deltas) == "lo there!"

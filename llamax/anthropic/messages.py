@@ -94,7 +94,12 @@ def _submit(ctx: Context, request: Mapping[str, Any]) -> tuple[OpenAIRequest, li
     _check_fields(request, REQUEST_FIELDS, "messages")
     check_flag(request.get("stream"), "stream")  # "no" must not stream
     chat, options = _chat_request(request)
-    submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
+    prefill = ""
+    last = chat[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls") and len(chat) > 1:
+        prefill = (last.get("content") or "").rstrip()  # Anthropic refuses trailing space
+        chat = chat[:-1]
+    submitted = submit_chat(ctx, chat, prefill=prefill, **options).named(request.get("model"))
     return submitted, list(options.get("stop") or [])
 
 
