@@ -643,3 +643,13 @@ def test_an_anthropic_assistant_prefill_is_continued(server: tuple[llamax.Contex
         if line.startswith("data: ") and "text_delta" in line
     ]
     assert "".join(deltas) == "lo there!"
+
+
+def test_a_streamed_retrieve_is_refused_not_empty(server: tuple[llamax.Context, str]) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=server[1] + "/v1", api_key="-", max_retries=0)
+    response = client.responses.create(model="m", input="Hi!", max_output_tokens=3)
+    assert client.responses.retrieve(response.id).id == response.id
+    with pytest.raises(openai.BadRequestError, match="stream is not supported on a retrieve"):
+        list(client.responses.retrieve(response.id, stream=True))

@@ -54,7 +54,15 @@ def responses_routes(state: ServerState) -> APIRouter:
         )
 
     @router.get("/v1/responses/{response_id}")
-    async def retrieve_route(response_id: str) -> JSONResponse:
+    async def retrieve_route(response_id: str, request: Request) -> JSONResponse:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0", ""):
+            raise APIError(  # what the openai client's retrieve(stream=True) sends
+                400,
+                "stream is not supported on a retrieve: a stored response is complete "
+                "(background mode, whose events a retrieve replays, is not supported)",
+                param="stream",
+                code="unsupported_parameter",
+            )
         try:
             return JSONResponse(state.responses.get(response_id))
         except LookupError as exc:  # the store's text is about previous_response_id
