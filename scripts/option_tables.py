@@ -1,4 +1,5 @@
-"""Regenerate the options tables of the docs from the option fields (see llamax.optionspec).
+"""Regenerate the options tables of the docs from the option fields (see llamax.optionspec)
+and the request-field tables from the route tables (see llamax.openai.fields).
 
 Usage: ``python scripts/option_tables.py [FILE.md ...]`` (default: ``docs/*.md``).
 """
@@ -9,15 +10,18 @@ import sys
 from pathlib import Path
 
 from llamax.config import OPTION_LISTS
+from llamax.openai import fields
 from llamax.optionspec import regenerate
+from llamax.server.schemas import FIELD_TABLES
 
 
 def main(argv: list[str]) -> int:
-    """Rewrite the options tables of the given Markdown files (default: ``docs/*.md``)."""
+    """Rewrite the options and request-field tables of the given Markdown files (default:
+    ``docs/*.md``)."""
     paths = [Path(a) for a in argv] or sorted(Path("docs").glob("*.md"))
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        new = regenerate(text, OPTION_LISTS)
+        new = fields.regenerate(regenerate(text, OPTION_LISTS), FIELD_TABLES)
         if new != text:
             path.write_text(new, encoding="utf-8")
             print(f"updated {path}")

@@ -327,11 +327,26 @@ def test_json_schema_output_matches_the_schema(real_ctx: llamax.Context) -> None
         jsonschema.validate(json.loads(done.text), PERSON_SCHEMA)
 
 
-def test_json_schema_numeric_bounds_are_refused_not_ignored(real_ctx: llamax.Context) -> None:
-    # llama-cpp-python's converter cannot enforce them, so llamax refuses them at submission.
-    bounded = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 18}}}
-    with pytest.raises(llamax.GrammarError, match="minimum"):
-        real_ctx.add_request("x", llamax.SamplingParams(json_schema=bounded))
+def test_json_schema_integer_bounds_are_enforced(real_ctx: llamax.Context) -> None:
+    # Integer ranges become grammar rules, as in llama.cpp's converter (issue 44): every
+    # sampled age is in range, however hot the sampling.
+    bounded = {
+        "type": "object",
+        "properties": {"age": {"type": "integer", "minimum": 18, "exclusiveMaximum": 31}},
+        "required": ["age"],
+    }
+    prompt = real_ctx.chat_prompt([{"role": "user", "content": "Reply in JSON with an age."}])
+    handles = [
+        real_ctx.add_request(
+            prompt,
+            llamax.SamplingParams(max_tokens=24, temperature=1.5, seed=seed, json_schema=bounded),
+        )
+        for seed in range(12)
+    ]
+    for handle in handles:
+        done = handle.result(TIMEOUT)
+        assert done.finish_reason == "stop", done.text
+        assert 18 <= json.loads(done.text)["age"] <= 30, done.text
 
 
 def test_json_schema_keeps_the_property_order(real_ctx: llamax.Context) -> None:

@@ -168,9 +168,10 @@ def test_the_server_schema_equals_the_hand_written_one() -> None:
                 "reasoning_format",
                 "enable_thinking",
                 "chat_template_kwargs",
+                "reasoning_effort",
             },
         ),
-        (CompletionRequest, {"prompt", "logprobs"}),
+        (CompletionRequest, {"prompt", "logprobs", "echo"}),
     ):
         fields = model.model_fields
         assert set(fields) == set(expected) | own

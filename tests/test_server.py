@@ -335,7 +335,7 @@ BAD_BODIES: list[tuple[str, bytes | dict[str, Any], str | None]] = [
     ("completions", {"prompt": "x", "speculative": {"draft": 4}}, None),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": [1, -4]}, None),
-    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),  # echo is honoured (issue 44)
     ("completions", {"prompt": "x", "stop": 3}, "stop"),
     ("completions", {"prompt": "x" * 40000, "max_tokens": 1}, "prompt"),
     # issue 22: these were 500s
@@ -620,6 +620,17 @@ def test_embeddings_over_http(client: openai.OpenAI) -> None:
     assert len(floats.data[0].embedding) == len(vectors[0])
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="x", input="")
+
+
+def test_embedding_dimensions_truncate_and_renormalise(client: openai.OpenAI) -> None:
+    full = client.embeddings.create(model="x", input="The cat sat.").data[0].embedding
+    short = client.embeddings.create(model="x", input="The cat sat.", dimensions=64)
+    vector = short.data[0].embedding
+    assert len(vector) == 64 and abs(sum(x * x for x in vector) - 1) < 1e-4
+    norm = sum(x * x for x in full[:64]) ** 0.5
+    assert all(abs(a - b / norm) < 1e-4 for a, b in zip(vector, full[:64], strict=True))
+    with pytest.raises(openai.BadRequestError, match="dimensions must be at most"):
+        client.embeddings.create(model="x", input="x", dimensions=len(full) + 1)
 
 
 @pytest.mark.parametrize("flag", [False, True])

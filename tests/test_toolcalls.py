@@ -74,9 +74,19 @@ BAD_OPTIONS = [
     ({"tools": _function(strict="yes")}, "strict must be a bool"),
     ({"tools": _function(parameters=[])}, "parameters must be a JSON schema dict"),
     ({"tools": _function(parameters={"type": "array"})}, "must describe an object"),
+    (  # the SDK tests' shape: a property that is not a schema names the tool and the place
+        {"tools": _function(parameters={"properties": {"foo": "bar"}})},
+        r"tools\[0\]\.function \('\w+'\)\.parameters: properties\.foo must be a schema",
+    ),
     (
-        {"tools": _function(parameters={"properties": {"n": {"type": "integer", "minimum": 1}}})},
-        r"tools\[0\]\.function\.parameters: .*minimum",
+        {
+            "tools": _function(
+                parameters={
+                    "properties": {"n": {"type": "integer", "minimum": 5, "exclusiveMaximum": 5}}
+                }
+            )
+        },
+        r"tools\[0\]\.function \('\w+'\)\.parameters: no integer is between",
     ),
     ({"tools": [WEATHER, WEATHER]}, r"tools\[1\]\.function\.name 'get_weather' is declared twice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice must be"),

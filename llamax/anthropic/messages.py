@@ -6,14 +6,13 @@ the result back to Anthropic's shapes: content blocks (``thinking``, ``text``,
 Supported and not, plainly:
 
 - Content blocks: ``text`` everywhere, ``tool_use`` (assistant) and ``tool_result``
-  (user, with text content) and ``thinking`` (assistant; dropped from the prompt: the
-  template sees the text). ``image`` and ``document`` blocks are refused
-  (:class:`~llamax.InvalidRequestError`).
-- Options: ``max_tokens`` (required), ``system``, ``temperature``, ``top_p``, ``top_k``,
-  ``stop_sequences``, ``tools`` (``input_schema``), ``tool_choice`` (``auto``, ``any``,
-  ``tool``, ``none``, and ``disable_parallel_tool_use``), ``thinking`` (``enabled`` or
-  ``disabled``: passed to templates as ``enable_thinking``; ``budget_tokens`` is not
-  enforced), ``metadata`` (accepted and ignored), ``stream``. Any other field is refused.
+  (user, with text content), text ``document`` blocks (user) and ``thinking`` (assistant;
+  dropped from the prompt: the template sees the text). ``image`` blocks and PDF or URL
+  documents are refused (:class:`~llamax.InvalidRequestError`).
+- Fields: the table :data:`llamax.anthropic.fields.MESSAGES` says which are honoured,
+  accepted as hints (no effect) or refused, and why; any other field is refused.
+  ``thinking`` (``enabled``, ``adaptive`` or ``disabled``) is passed to templates as
+  ``enable_thinking``; ``budget_tokens`` is not enforced.
 - One reply per request (Anthropic has no ``n``).
 """
 
@@ -26,31 +25,17 @@ from typing import TYPE_CHECKING, Any
 from ..chat_stream import ChatPart, ContentDelta, Finished, ReasoningDelta, ToolCallDelta
 from ..errors import InvalidParameterError, InvalidRequestError
 from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
+from ..openai.fields import accept_fields, honoured
 from ..openai.options import check_flag
 from ..results import Completion, FinishReason
+from .fields import MESSAGES
 
 if TYPE_CHECKING:
     from .. import Context
 
 __all__ = ["amessages", "count_tokens", "messages"]
 
-REQUEST_FIELDS = frozenset(
-    {
-        "model",
-        "messages",
-        "max_tokens",
-        "system",
-        "temperature",
-        "top_p",
-        "top_k",
-        "stop_sequences",
-        "tools",
-        "tool_choice",
-        "thinking",
-        "metadata",
-        "stream",
-    }
-)
+REQUEST_FIELDS = honoured(MESSAGES)
 """The Messages request fields this layer takes."""
 _COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -84,6 +69,9 @@ async def amessages(
 def count_tokens(ctx: Context, request: Mapping[str, Any]) -> dict[str, int]:
     """``POST /v1/messages/count_tokens``: the prompt tokens of the request's conversation
     (system, messages and tools), as :func:`messages` would render them."""
+    if not isinstance(request, Mapping):
+        raise InvalidRequestError("a count_tokens request must be an object")
+    request = accept_fields(MESSAGES, request)  # hints such as cache_control change nothing
     _check_fields(request, _COUNT_FIELDS, "count_tokens")
     chat, options = _chat_request({**request, "max_tokens": 1})
     options.pop("max_tokens")
@@ -100,10 +88,18 @@ def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: st
 
 
 def _submit(ctx: Context, request: Mapping[str, Any]) -> tuple[OpenAIRequest, list[str]]:
+    if not isinstance(request, Mapping):
+        raise InvalidRequestError("a messages request must be an object")
+    request = accept_fields(MESSAGES, request)
     _check_fields(request, REQUEST_FIELDS, "messages")
     check_flag(request.get("stream"), "stream")  # "no" must not stream
     chat, options = _chat_request(request)
-    submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
+    prefill = ""
+    last = chat[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls") and len(chat) > 1:
+        prefill = (last.get("content") or "").rstrip()  # Anthropic refuses trailing space
+        chat = chat[:-1]
+    submitted = submit_chat(ctx, chat, prefill=prefill, **options).named(request.get("model"))
     return submitted, list(options.get("stop") or [])
 
 
@@ -125,22 +121,53 @@ def _chat_request(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dic
     for name in ("temperature", "top_p", "top_k"):
         if request.get(name) is not None:
             options[name] = request[name]
+    temperature = options.get("temperature")
+    if isinstance(temperature, (int, float)) and not 0 <= temperature <= 1:
+        raise InvalidParameterError(f"temperature must be in [0, 1], got {temperature}")
     stops = request.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise InvalidParameterError("stop_sequences must be a list of non-empty strings")
         options["stop"] = stops
     if request.get("tools"):
-        options["tools"] = [_tool(t) for t in _list(request["tools"], "tools")]
+        tools = _list(request["tools"], "tools")
+        options["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
     if request.get("tool_choice") is not None:
         options.update(_tool_choice(request["tool_choice"]))
     thinking = request.get("thinking")
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, Mapping) else None
-        if kind not in ("enabled", "disabled"):
-            raise InvalidParameterError("thinking.type must be 'enabled' or 'disabled'")
-        options["enable_thinking"] = kind == "enabled"
+        if kind not in ("enabled", "adaptive", "disabled"):
+            raise InvalidParameterError("thinking.type must be 'enabled', 'adaptive' or 'disabled'")
+        options["enable_thinking"] = kind != "disabled"
+    options.update(_output_config(request.get("output_config")))
     return chat, options
+
+
+def _output_config(config: Any) -> dict[str, Any]:
+    """``output_config``: ``format`` as a JSON-schema ``response_format``; ``effort`` checked
+    and otherwise without effect."""
+    if config is None:
+        return {}
+    if not isinstance(config, Mapping):
+        raise InvalidParameterError("output_config must be an object")
+    unknown = sorted(set(config) - {"effort", "format"})
+    if unknown:
+        raise InvalidParameterError(f"output_config has unknown field {unknown[0]!r}")
+    if config.get("effort") not in (None, "low", "medium", "high", "max"):
+        raise InvalidParameterError(
+            f"output_config.effort must be low, medium, high or max, got {config['effort']!r}"
+        )
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
+        raise InvalidParameterError("output_config.format must be {'type': 'json_schema', ...}")
+    schema = fmt.get("schema")
+    if not isinstance(schema, Mapping):
+        raise InvalidParameterError("output_config.format needs a 'schema' object")
+    wrapper = {"name": "output", "schema": dict(schema)}
+    return {"response_format": {"type": "json_schema", "json_schema": wrapper}}
 
 
 def _list(value: Any, where: str) -> list[Any]:
@@ -180,6 +207,8 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
         at = f"{where}.content[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind == "document" and role == "user":
+            texts.append(_document(block, at))
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
                 raise InvalidRequestError(f"{at}: a tool_use block needs an id and a name")
@@ -205,13 +234,39 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
     return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
 
 
-def _tool(tool: Any) -> dict[str, Any]:
+def _document(block: Mapping[str, Any], where: str) -> str:
+    """A text ``document`` block's text (its title, when it has one, on the line before);
+    PDF, image and URL sources are refused."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if kind == "text" and isinstance(source, Mapping) and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif kind == "content" and isinstance(source, Mapping):
+        text = _text_of(source.get("content"), f"{where}.source.content")
+    else:
+        raise InvalidRequestError(
+            f"{where}: only text documents are supported (source type 'text' or 'content'), "
+            f"not {kind!r}"
+        )
+    title = block.get("title")
+    return f"{title}\n{text}" if isinstance(title, str) and title else text
+
+
+def _tool(tool: Any, index: int) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if kind not in (None, "custom"):
+        raise InvalidRequestError(
+            f"tools[{index}]: server tool {kind!r} is not supported (llamax runs no server "
+            "tools; declare a custom tool with an input_schema and run it yourself)"
+        )
     if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
         raise InvalidRequestError("a tool needs a 'name' and an 'input_schema'")
     schema = tool.get("input_schema")
     if not isinstance(schema, Mapping):
         raise InvalidRequestError(f"tool {tool['name']!r}: input_schema must be an object")
     function: dict[str, Any] = {"name": tool["name"], "parameters": dict(schema)}
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
     if tool.get("description") is not None:
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
@@ -239,6 +294,11 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- the response
+def _tool_use_id(call_id: str) -> str:
+    """Anthropic's ``toolu_`` id for a chat tool call's ``call_`` id."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _message_id(submitted: OpenAIRequest) -> str:
     return "msg_" + submitted.handle.request_id.removeprefix("req-")
 
@@ -279,7 +339,7 @@ def _message(
         content.append(
             {
                 "type": "tool_use",
-                "id": call["id"],
+                "id": _tool_use_id(call["id"]),
                 "name": function["name"],
                 "input": json.loads(function["arguments"]),
             }
@@ -361,7 +421,12 @@ class _EventBuilder:
                     events.append(self._delta({"type": "text_delta", "text": text}))
                 case ToolCallDelta(call_id=call_id, name=name, arguments=arguments):
                     if call_id is not None:
-                        block = {"type": "tool_use", "id": call_id, "name": name or "", "input": {}}
+                        block = {
+                            "type": "tool_use",
+                            "id": _tool_use_id(call_id),
+                            "name": name or "",
+                            "input": {},
+                        }
                         events += self._block("tool_use", block)
                     if arguments:
                         events.append(

@@ -14,6 +14,7 @@ shape a submitted request's result for both.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -63,17 +64,29 @@ def _submitted(ctx: ChatHost, prepared: Prepared) -> OpenAIRequest:
 
 
 def submit_chat(
-    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], **options: Any
+    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], *, prefill: str = "", **options: Any
 ) -> OpenAIRequest:
     """The submitted request behind :func:`chat_completion`: its handle, and the methods
     that shape its results. For layers that build other shapes on it (``llamax.anthropic``).
     ``stream`` and ``stream_options`` are not options here (the caller chooses).
 
+    Args:
+        ctx: The context.
+        messages: The conversation.
+        prefill: The start of the reply (Anthropic's assistant prefill): put after the
+            opened assistant turn as plain text, so the model continues it; the result
+            holds only what follows it.
+        **options: Chat options.
+
     Raises:
         InvalidRequestError: an option or a message is invalid (nothing was enqueued).
         ContextLengthError: the conversation does not fit.
     """
-    return _submitted(ctx, prepare.prepare_chat(ctx, messages, options))
+    prepared = prepare.prepare_chat(ctx, messages, options)
+    if prefill:
+        tail = ctx.tokenize(prefill, add_special=False, parse_special=False)
+        prepared = dataclasses.replace(prepared, prompt=[*prepared.prompt, *tail])
+    return _submitted(ctx, prepared)
 
 
 def chat_prompt_tokens(

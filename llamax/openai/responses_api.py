@@ -10,18 +10,16 @@ Supported and not, plainly:
   ``function_call``, ``function_call_output`` and ``reasoning`` (dropped from the prompt:
   the template sees the text). Images, files, audio and item references are refused
   (:class:`~llamax.InvalidRequestError`).
-- Options: ``instructions``, ``tools`` (``function`` tools only; built-in tools such as web
-  search are refused), ``tool_choice`` (``auto``, ``none``, ``required`` or one function),
-  ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
-  ``text.format`` (``text``, ``json_object``, ``json_schema``), ``reasoning`` (``effort``
-  ``none``/``minimal`` turns thinking off, other efforts on, through the template's
-  ``enable_thinking``; ``summary`` returns the thinking as the reasoning item's summary),
-  ``truncation`` (``auto`` drops the oldest turns), ``previous_response_id``, ``store``,
-  ``metadata``, ``user``, ``stream``. Any other field is refused.
+- Fields: the table :data:`llamax.openai.fields.RESPONSES` says which are honoured,
+  accepted as hints (no effect) or refused, and why; any other field is refused. Built-in
+  tools such as web search are refused; ``reasoning.effort`` ``none``/``minimal`` turns
+  thinking off, other efforts on, through the template's ``enable_thinking``; ``summary``
+  returns the thinking as the reasoning item's summary; ``truncation: auto`` drops the
+  oldest turns.
 - ``previous_response_id`` needs a :class:`ResponseStore`: the follow-up's conversation is
   the stored one plus its own input (a prefix the cache already holds). The earlier
   response's ``instructions`` are not carried over, as with OpenAI.
-- One output per request (no ``n``), no background mode, no ``include``.
+- One output per request (no ``n``), no background mode.
 """
 
 from __future__ import annotations
@@ -31,38 +29,15 @@ from typing import Any
 
 from ..errors import InvalidParameterError, InvalidRequestError, NotFoundError
 from .api import ChatHost, submit_chat, submit_in_worker
+from .fields import MAX_USER_CHARS, RESPONSES, accept_fields, check_metadata, honoured
 from .options import check_flag
 from .responses_output import ResponseEvents, ResponseJob, ResponseStore
 
 __all__ = ["RESPONSE_FIELDS", "ResponseStore", "acreate_response", "create_response"]
 
-MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
-"""OpenAI's bounds on ``metadata``: pairs, and characters of a key and of a value."""
-MAX_USER_CHARS = 256
-"""Longest ``user`` string (it is echoed in the response, and stored with it)."""
-
-RESPONSE_FIELDS = frozenset(
-    {
-        "model",
-        "input",
-        "instructions",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "text",
-        "reasoning",
-        "truncation",
-        "previous_response_id",
-        "store",
-        "metadata",
-        "user",
-        "stream",
-    }
-)
-"""The Responses request fields this layer takes."""
+RESPONSE_FIELDS = honoured(RESPONSES)
+"""The Responses request fields this layer takes (the honoured ones of
+:data:`llamax.openai.fields.RESPONSES`)."""
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -108,12 +83,13 @@ async def acreate_response(
 def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | None) -> ResponseJob:
     if not isinstance(request, Mapping):
         raise InvalidRequestError("a responses request must be an object")
+    request = accept_fields(RESPONSES, request)
     unknown = sorted(set(request) - RESPONSE_FIELDS)
     if unknown:
         raise InvalidRequestError(f"responses: unsupported field(s): {', '.join(unknown)}")
     for flag in ("stream", "store", "parallel_tool_calls"):  # "no" must not mean yes
         check_flag(request.get(flag), flag)
-    _check_metadata(request.get("metadata"))
+    check_metadata("metadata", request.get("metadata"))
     user = request.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise InvalidParameterError(f"user must be a string of at most {MAX_USER_CHARS} characters")
@@ -138,35 +114,6 @@ def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | No
     submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
     keep = store if request.get("store", True) is not False else None
     return ResponseJob(submitted, dict(request), history + turn, keep, options.get("max_tokens"))
-
-
-def _check_metadata(metadata: Any) -> None:
-    """Refuse ``metadata`` that OpenAI refuses: it is echoed in the response and stored.
-
-    Raises:
-        InvalidParameterError: not an object of at most 16 string pairs, with keys of at
-            most 64 characters and values of at most 512.
-    """
-    if metadata is None:
-        return
-    if not isinstance(metadata, Mapping):
-        raise InvalidParameterError(
-            f"metadata must be an object of string pairs, got {type(metadata).__name__}"
-        )
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise InvalidParameterError(
-            f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed"
-        )
-    for key, value in metadata.items():
-        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY_CHARS:
-            raise InvalidParameterError(
-                f"metadata keys must be strings of at most {MAX_METADATA_KEY_CHARS} characters"
-            )
-        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
-            raise InvalidParameterError(
-                f"metadata[{key!r}] must be a string of at most {MAX_METADATA_VALUE_CHARS} "
-                "characters"
-            )
 
 
 def _input(value: Any) -> list[dict[str, Any]]:
@@ -246,10 +193,15 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise InvalidParameterError(f"max_output_tokens must be a positive integer: {limit!r}")
         options["max_tokens"] = limit
-    for name in ("temperature", "top_p", "user", "parallel_tool_calls"):
+    for name in ("temperature", "top_p", "user"):
         if request.get(name) is not None:
             options[name] = request[name]
+    temperature = options.get("temperature")
+    if isinstance(temperature, (int, float)) and not 0 <= temperature <= 2:
+        raise InvalidParameterError(f"temperature must be in [0, 2], got {temperature}")
     if request.get("tools"):
+        if request.get("parallel_tool_calls") is not None:
+            options["parallel_tool_calls"] = request["parallel_tool_calls"]
         tools = request["tools"]
         if not isinstance(tools, list):
             raise InvalidRequestError("tools must be a list")

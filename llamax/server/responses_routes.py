@@ -14,14 +14,18 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
-from llamax.openai import RESPONSE_FIELDS, acreate_response
+from llamax.openai import acreate_response
+from llamax.openai.fields import RESPONSES as RESPONSE_TABLE
 
 from .dialects import RESPONSES
-from .errors import APIError, from_exception
+from .errors import APIError
 from .schemas import parse_object
 from .state import ServerState, admit_completion
 
 __all__ = ["responses_routes"]
+
+_FIELDS = frozenset(f.name for f in RESPONSE_TABLE)
+"""Every field of the table, so a 400 about a refused one names it in ``param``."""
 
 _ENDPOINT = "responses"
 
@@ -44,17 +48,30 @@ def responses_routes(state: ServerState) -> APIRouter:
             lambda body: body.get("model"),
             lambda body, ctx: acreate_response(ctx, body, store=state.responses),
             dialect=RESPONSES,
-            fields=RESPONSE_FIELDS,
+            fields=_FIELDS,
             prompt_field="input",
             stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
         )
 
     @router.get("/v1/responses/{response_id}")
-    async def retrieve_route(response_id: str) -> JSONResponse:
+    async def retrieve_route(response_id: str, request: Request) -> JSONResponse:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0", ""):
+            raise APIError(  # what the openai client's retrieve(stream=True) sends
+                400,
+                "stream is not supported on a retrieve: a stored response is complete "
+                "(background mode, whose events a retrieve replays, is not supported)",
+                param="stream",
+                code="unsupported_parameter",
+            )
         try:
             return JSONResponse(state.responses.get(response_id))
-        except LookupError as exc:
-            raise from_exception(exc, RESPONSE_FIELDS) from exc
+        except LookupError as exc:  # the store's text is about previous_response_id
+            raise APIError(
+                404,
+                f"no stored response has id {response_id!r} (it was never stored, was "
+                "deleted, or the store evicted it)",
+                code="not_found",
+            ) from exc
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_route(response_id: str) -> JSONResponse:

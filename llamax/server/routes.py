@@ -4,9 +4,10 @@ and tokenization."""
 from __future__ import annotations
 
 import base64
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -57,8 +58,12 @@ def api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            return ctx.acompletion(body.prompt, **options, **_echo(state, body))
+        async def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Any:
+            result = await ctx.acompletion(body.prompt, **options, **_echo(state, body))
+            if not body.echo:
+                return result
+            prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
+            return _with_prompt(result, prompt)
 
         return await _admit(
             state, request, "completions", CompletionRequest, _stream_options, start
@@ -69,7 +74,7 @@ def api_routes(state: ServerState) -> APIRouter:
         def work(body: EmbeddingRequest, ctx: llamax.Context) -> Response:
             texts = [body.input] if isinstance(body.input, str) else body.input
             try:
-                vectors = ctx.embed(texts)
+                vectors = _shortened(ctx.embed(texts), body.dimensions)
                 num_tokens = sum(len(ctx.tokenize(text)) for text in texts)
             except Exception as exc:  # too long, empty, model refused: OpenAI's error shape
                 raise from_exception(exc, _EMBED_FIELDS, "input") from exc
@@ -125,6 +130,52 @@ def _echo(state: ServerState, body: Any) -> dict[str, Any]:
     if model is None and state.pool is not None:
         model = state.pool.default
     return {} if model is None else {"model": model}
+
+
+def _shortened(vectors: Any, dimensions: int | None) -> Any:
+    """The first ``dimensions`` components of each vector, renormalised to length 1 (how
+    Matryoshka-trained models are shortened; OpenAI's ``dimensions``).
+
+    Raises:
+        APIError: 400 for more dimensions than the model's.
+    """
+    if dimensions is None:
+        return vectors
+    size = len(vectors[0]) if len(vectors) else 0
+    if dimensions > size:
+        raise APIError(400, f"dimensions must be at most {size} (the model's), got {dimensions}",
+                       param="dimensions", code="invalid_value")  # fmt: skip
+    shortened = []
+    for vector in vectors:
+        kept = np.asarray(vector[:dimensions], dtype=np.float32)
+        norm = float(np.linalg.norm(kept))
+        shortened.append(kept / norm if norm > 0 else kept)
+    return shortened
+
+
+def _with_prompt(result: Any, prompt: str) -> Any:
+    """A text completion (or its stream) with ``prompt`` before each choice's text
+    (``echo``)."""
+    if isinstance(result, dict):
+        for choice in result["choices"]:
+            choice["text"] = prompt + choice["text"]
+        return result
+    return _echoed_stream(result, prompt)
+
+
+async def _echoed_stream(chunks: AsyncIterator[Any], prompt: str) -> AsyncIterator[Any]:
+    started: set[int] = set()
+    try:
+        async for chunk in chunks:
+            for choice in chunk["choices"]:
+                if choice["index"] not in started:
+                    started.add(choice["index"])
+                    choice["text"] = prompt + choice["text"]
+            yield chunk
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def _encode(vector: Any, encoding_format: str) -> list[float] | str:

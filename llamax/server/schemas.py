@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 import typing
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from llamax import SamplingParams
+from llamax import InvalidParameterError, SamplingParams
+from llamax.anthropic.fields import MESSAGES
+from llamax.openai.fields import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    ROUTES,
+    RequestField,
+    accept_fields,
+)
 
 from .errors import APIError
 
@@ -49,6 +59,12 @@ class StreamOptions(_Strict):
     """OpenAI's ``stream_options``."""
 
     include_usage: bool = False
+    include_obfuscation: bool = False
+    """Accepted; no obfuscation padding is ever sent."""
+
+
+MAX_TEMPERATURE = 2.0
+"""OpenAI's largest ``temperature``."""
 
 
 _WIRE_TYPES: dict[str, Any] = {
@@ -102,8 +118,17 @@ class _SamplingBase(_Strict):
         """The keyword options for ``Context.achat_completion`` / ``acompletion``.
 
         Raises:
-            APIError: 400 for more than :data:`MAX_STOP_STRINGS` stop strings.
+            APIError: 400 for more than :data:`MAX_STOP_STRINGS` stop strings, or a
+                ``temperature`` above OpenAI's :data:`MAX_TEMPERATURE`.
         """
+        temperature = getattr(self, "temperature", None)
+        if temperature is not None and temperature > MAX_TEMPERATURE:
+            raise APIError(
+                400,
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}",
+                param="temperature",
+                code="invalid_value",
+            )
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise APIError(
                 400,
@@ -166,11 +191,18 @@ class ChatCompletionRequest(_SamplingFields):
     """llamax extension: passed to chat templates that take it."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's and llama-server's way to say ``enable_thinking`` (the only key taken)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """OpenAI's effort, mapped to the template's thinking switch (``none``/``minimal``: off)."""
 
     def options(self) -> dict[str, Any]:
-        """As the base class, with ``max_completion_tokens`` read as ``max_tokens`` and
-        ``chat_template_kwargs.enable_thinking`` as ``enable_thinking``."""
+        """As the base class, with ``max_completion_tokens`` read as ``max_tokens``,
+        ``chat_template_kwargs.enable_thinking`` and ``reasoning_effort`` as
+        ``enable_thinking``, and ``parallel_tool_calls`` dropped without tools (where it
+        means nothing)."""
         options = super().options()
+        effort = options.pop("reasoning_effort", None)
+        if not self.tools:
+            options.pop("parallel_tool_calls", None)
         kwargs = options.pop("chat_template_kwargs", None)
         if kwargs is not None:
             unknown = sorted(set(kwargs) - {"enable_thinking"})
@@ -185,6 +217,8 @@ class ChatCompletionRequest(_SamplingFields):
                 )
             if thinking is not None:
                 options.setdefault("enable_thinking", thinking)
+        if effort is not None:
+            options.setdefault("enable_thinking", effort not in ("none", "minimal"))
         newer = options.pop("max_completion_tokens", None)
         if newer is not None:
             if "max_tokens" in options:
@@ -198,11 +232,25 @@ class ChatCompletionRequest(_SamplingFields):
         return options
 
 
+DEFAULT_COMPLETION_TOKENS = 16
+"""``/v1/completions``' ``max_tokens`` when a request gives none (OpenAI's default)."""
+
+
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: str | list[int]
     logprobs: int | None = None
+    echo: bool | None = None
+    """Put the prompt's text before each choice's text."""
+
+    def options(self) -> dict[str, Any]:
+        """As the base class, with OpenAI's default of 16 ``max_tokens`` and without
+        ``echo`` (the route applies it)."""
+        options = super().options()
+        options.pop("echo", None)
+        options.setdefault("max_tokens", DEFAULT_COMPLETION_TOKENS)
+        return options
 
 
 class EmbeddingRequest(_Strict):
@@ -212,6 +260,8 @@ class EmbeddingRequest(_Strict):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+    """Keep the first ``dimensions`` components, renormalised to length 1."""
 
 
 class TokenizeRequest(_Strict):
@@ -273,10 +323,30 @@ def parse_body(model: type[RequestT], raw: bytes) -> RequestT:
             a field of the wrong type.
     """
     data = parse_object(raw)
+    table = _TABLES.get(model)
+    if table is not None:
+        try:
+            data = accept_fields(table, data)
+        except InvalidParameterError as exc:
+            message = str(exc)
+            param = re.match(r"[a-z_]+", message)
+            code = "unsupported_parameter" if " is not supported: " in message else "invalid_value"
+            raise APIError(400, message, param=param and param[0], code=code) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
+
+
+_TABLES: dict[type[BaseModel], tuple[RequestField, ...]] = {
+    ChatCompletionRequest: CHAT,
+    CompletionRequest: COMPLETIONS,
+    EmbeddingRequest: EMBEDDINGS,
+}
+"""Each OpenAI request model's field table (:mod:`llamax.openai.fields`)."""
+
+FIELD_TABLES: dict[str, tuple[RequestField, ...]] = {**ROUTES, "messages": MESSAGES}
+"""Every route's field table, by the name the docs blocks use (``<!-- fields: chat -->``)."""
 
 
 def _check_tree(data: dict[str, Any]) -> None:

@@ -161,7 +161,7 @@ def _function(index: int, tool: Any) -> ToolFunction:
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise InvalidParameterError(f"{where}.strict must be a bool, got {strict!r}")
-    parameters = _parameters(where, function.get("parameters"))
+    parameters = _parameters(f"{where} ({name!r})", function.get("parameters"))
     return ToolFunction(name, description or "", parameters)
 
 

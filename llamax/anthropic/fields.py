@@ -1,0 +1,100 @@
+# ruff: noqa: E501  (the tables hold one-line docs)
+"""The Messages request fields: what llamax does with each (see :mod:`llamax.openai.fields`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import InvalidParameterError
+from ..openai.fields import RequestField, Support, check_text
+
+__all__ = ["MESSAGES"]
+
+H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
+
+
+def _cache_control(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping) or value.get("type") != "ephemeral":
+        raise InvalidParameterError(f'{name} must be {{"type": "ephemeral"}} (with a ttl)')
+
+
+def _object(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise InvalidParameterError(f"{name} must be an object, got {type(value).__name__}")
+
+
+def _metadata(name: str, value: Any) -> None:
+    _object(name, value)
+    for key, item in (value or {}).items():
+        if key != "user_id":
+            raise InvalidParameterError(f"{name} has unknown field {key!r}")
+        check_text(f"{name}.user_id", item)
+
+
+def _one_of(*values: str) -> Any:
+    def check(name: str, value: Any) -> None:
+        if value is not None and value not in values:
+            raise InvalidParameterError(f"{name} must be one of {', '.join(values)}; got {value!r}")
+
+    return check
+
+
+MESSAGES = (
+    RequestField("model", H, "echoed; picks a model when the server has several"),
+    RequestField(
+        "messages",
+        H,
+        "`text`, `tool_use`, `tool_result`, `thinking` and text `document` blocks (docs/anthropic.md)",
+    ),
+    RequestField("max_tokens", H, "most tokens to generate (required)"),
+    RequestField("system", H, "a string or text blocks"),
+    RequestField("temperature", H, "in [0, 1]"),
+    RequestField("top_p", H, "nucleus sampling"),
+    RequestField("top_k", H, "top-k sampling"),
+    RequestField("stop_sequences", H, "stop strings (`stop_reason: stop_sequence`)"),
+    RequestField(
+        "tools", H, "custom tools (`input_schema`); server tools such as `web_search` are refused"
+    ),
+    RequestField("tool_choice", H, "`auto`, `any`, `tool`, `none`; `disable_parallel_tool_use`"),
+    RequestField(
+        "thinking",
+        H,
+        "`enabled` and `adaptive` turn the template's thinking switch on, `disabled` off; `budget_tokens` is not enforced",
+    ),
+    RequestField(
+        "output_config",
+        H,
+        "`format` (`json_schema`) constrains the text by a grammar; `effort` has no effect",
+    ),
+    RequestField(
+        "metadata", HINT, "no effect: not stored (an object; `user_id` a string)", _metadata
+    ),
+    RequestField("stream", H, "the typed stream events"),
+    RequestField(
+        "cache_control",
+        HINT,
+        "no effect: llamax's prefix cache reuses every shared prefix on its own",
+        _cache_control,
+    ),
+    RequestField(
+        "service_tier",
+        HINT,
+        "no effect: one local server has one tier",
+        _one_of("auto", "standard_only"),
+    ),
+    RequestField(
+        "inference_geo", HINT, "no effect: the model runs where the server runs", check_text
+    ),
+    RequestField("speed", HINT, "no effect: there is one speed", _one_of("standard", "fast")),
+    RequestField("diagnostics", HINT, "no effect: no cache-miss diagnostics are returned", _object),
+    RequestField("user_profile_id", HINT, "no effect: requests are not attributed", check_text),
+    RequestField("container", R, "code-execution containers are not supported"),
+    RequestField("context_management", R, "server-side context editing is not supported"),
+    RequestField(
+        "mcp_servers", R, "MCP servers are not run by llamax (run the tools on the client)"
+    ),
+)
+"""The ``POST /v1/messages`` fields."""

@@ -1,0 +1,511 @@
+# ruff: noqa: E501  (the tables hold one-line docs)
+"""One table per route of every request field the API references define: what llamax does
+with each, in one place.
+
+Each field is :attr:`Support.HONOURED` (it works), :attr:`Support.HINT` (accepted, its value
+checked, and it has no effect on the output: the table says why) or :attr:`Support.REFUSED`
+(a 400 whose message names the field and says why; some values that change nothing, such as
+``background: false``, are let through). Fields that are in no table are unknown, and still
+refused: a typo must not be silently ignored.
+
+The route parsers call :func:`accept_fields` first: it drops the hints, refuses what is
+refused, and hands the honoured fields (and any unknown ones, which the parser refuses in
+its own words) on. The tables in ``docs/server.md`` are generated from these
+(:func:`markdown_table`; ``python scripts/option_tables.py``), and a test pins the honoured
+fields to the parsers, so a field cannot be added to one without the other.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidParameterError
+
+__all__ = [
+    "MAX_METADATA_KEY_CHARS",
+    "MAX_METADATA_PAIRS",
+    "MAX_METADATA_VALUE_CHARS",
+    "MAX_USER_CHARS",
+    "ROUTES",
+    "RequestField",
+    "Support",
+    "accept_fields",
+    "check_metadata",
+    "honoured",
+    "markdown_table",
+]
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's bounds on ``metadata``: pairs, and characters of a key and of a value."""
+MAX_USER_CHARS = 256
+"""Longest ``user`` (or ``safety_identifier``, ``prompt_cache_key``) string taken."""
+
+
+class Support(enum.Enum):
+    """What llamax does with a request field."""
+
+    HONOURED = "honoured"
+    HINT = "hint"
+    REFUSED = "refused"
+
+
+Check = Callable[[str, Any], None]
+"""``check(name, value)`` raises :class:`~llamax.InvalidParameterError` naming the field."""
+
+
+def _allow_null(value: Any, request: Mapping[str, Any]) -> bool:
+    return value is None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestField:
+    """One request field of one route."""
+
+    name: str
+    support: Support
+    doc: str
+    """One line of Markdown: what happens to it (and why, for a hint or a refusal)."""
+    check: Check | None = None
+    """Validates a hint's value (a hint is still typed: ``store: "no"`` is a 400)."""
+    harmless: Callable[[Any, Mapping[str, Any]], bool] = _allow_null
+    """For a refused field: the values (given the whole request) that change nothing and
+    are let through, such as ``null``."""
+    extension: bool = False
+    """Not in the API reference: a llama.cpp, vLLM or llamax extension."""
+
+
+# ---------------------------------------------------------------------- value checks
+def check_bool(name: str, value: Any) -> None:
+    """A JSON boolean or null."""
+    if value is not None and not isinstance(value, bool):
+        raise InvalidParameterError(f"{name} must be a boolean, got {type(value).__name__}")
+
+
+def check_text(name: str, value: Any) -> None:
+    """A string of at most :data:`MAX_USER_CHARS` characters, or null."""
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+        raise InvalidParameterError(
+            f"{name} must be a string of at most {MAX_USER_CHARS} characters"
+        )
+
+
+def _one_of(*values: str) -> Check:
+    def check(name: str, value: Any) -> None:
+        if value is not None and value not in values:
+            raise InvalidParameterError(f"{name} must be one of {', '.join(values)}; got {value!r}")
+
+    return check
+
+
+def _object(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, Mapping):
+        raise InvalidParameterError(f"{name} must be an object, got {type(value).__name__}")
+
+
+def check_metadata(name: str, metadata: Any) -> None:
+    """Refuse ``metadata`` that OpenAI refuses (it may be echoed and stored).
+
+    Raises:
+        InvalidParameterError: not an object of at most 16 string pairs, with keys of at
+            most 64 characters and values of at most 512.
+    """
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping):
+        raise InvalidParameterError(
+            f"{name} must be an object of string pairs, got {type(metadata).__name__}"
+        )
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidParameterError(
+            f"{name} has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed"
+        )
+    for key, value in metadata.items():
+        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY_CHARS:
+            raise InvalidParameterError(
+                f"{name} keys must be strings of at most {MAX_METADATA_KEY_CHARS} characters"
+            )
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise InvalidParameterError(
+                f"{name}[{key!r}] must be a string of at most {MAX_METADATA_VALUE_CHARS} characters"
+            )
+
+
+def _modalities(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        raise InvalidParameterError(f"{name} must be a list of strings")
+    other = sorted(set(value) - {"text"})
+    if other:
+        raise InvalidParameterError(
+            f"{name}: llamax produces text only; {', '.join(other)} output is not supported"
+        )
+
+
+def _stream_options(name: str, value: Any) -> None:
+    _object(name, value)
+    for key, flag in (value or {}).items():
+        if key not in ("include_obfuscation", "include_usage"):
+            raise InvalidParameterError(f"{name} has unknown field {key!r}")
+        check_bool(f"{name}.{key}", flag)
+
+
+_RESPONSE_INCLUDES = frozenset(
+    {
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "reasoning.encrypted_content",
+        "web_search_call.action.sources",
+        "web_search_call.results",
+    }
+)
+"""``include`` items that name outputs llamax never produces (built-in tools, images,
+encrypted reasoning): asking for them changes nothing."""
+
+
+def _include(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidParameterError(f"{name} must be a list of strings")
+    for item in value:
+        if item == "message.output_text.logprobs":
+            raise InvalidParameterError(
+                f"{name}: {item} is not supported on /v1/responses (use /v1/chat/completions "
+                "with logprobs)"
+            )
+        if item not in _RESPONSE_INCLUDES:
+            raise InvalidParameterError(f"{name}: unknown item {item!r}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
+
+
+# ---------------------------------------------------------------------- the tables
+H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
+
+_SAMPLING = (
+    RequestField(
+        "model", H, "echoed as the response's `model`; picks a model when the server has several"
+    ),
+    RequestField("frequency_penalty", H, "OpenAI's frequency penalty"),
+    RequestField("logit_bias", H, "token id → bias in [-100, 100]"),
+    RequestField("max_tokens", H, "most tokens to generate"),
+    RequestField("n", H, "number of choices"),
+    RequestField("presence_penalty", H, "OpenAI's presence penalty"),
+    RequestField(
+        "response_format",
+        H,
+        "`text`, `json_object` or `json_schema` (a grammar; see docs/tools.md)",
+    ),
+    RequestField("seed", H, "the sampler's seed"),
+    RequestField("stop", H, "up to 4 (OpenAI), here up to 400 stop strings"),
+    RequestField("stream", H, "server-sent events"),
+    RequestField(
+        "stream_options",
+        H,
+        "`include_usage` adds the usage chunk; `include_obfuscation` is accepted (no obfuscation padding is sent)",
+    ),
+    RequestField("temperature", H, "in [0, 2]"),
+    RequestField("top_p", H, "nucleus sampling"),
+    RequestField("user", H, "accepted and ignored"),
+    RequestField("top_k", H, "top-k sampling (0: off, OpenAI's behaviour)", extension=True),
+    RequestField("min_p", H, "min-p sampling (0: off)", extension=True),
+    RequestField("repeat_penalty", H, "llama.cpp's repeat penalty (1: off)", extension=True),
+    RequestField("grammar", H, "a GBNF grammar constraining the output", extension=True),
+    RequestField(
+        "speculative", H, "prompt-lookup speculative decoding (docs/speculative.md)", extension=True
+    ),
+    RequestField("lora", H, "LoRA adapters for this request (docs/lora.md)", extension=True),
+)
+
+_MODERATION = "no moderation model runs here, so no moderation policy can be applied"
+_CACHE_HINT = "no effect: llamax's prefix cache reuses every shared prefix on its own"
+_TIER_HINT = "no effect: one local server has one tier"
+_SAFETY_HINT = "no effect: no abuse monitoring is done (a string of at most 256 characters)"
+
+CHAT = (
+    RequestField("messages", H, "the conversation (docs/chat.md)"),
+    *_SAMPLING,
+    RequestField("max_completion_tokens", H, "the newer name of `max_tokens` (give one)"),
+    RequestField("logprobs", H, "log probabilities of the output tokens"),
+    RequestField("top_logprobs", H, "with `logprobs`: the k most likely tokens at each position"),
+    RequestField("tools", H, "function tools (docs/tools.md)"),
+    RequestField("tool_choice", H, "`none`, `auto`, `required` or one function"),
+    RequestField(
+        "parallel_tool_calls",
+        H,
+        "whether one reply may hold several calls (no effect without tools)",
+    ),
+    RequestField(
+        "reasoning_effort",
+        H,
+        "`none`/`minimal` turn the template's thinking switch (`enable_thinking`) off, `low`…`xhigh` on; no token budget",
+    ),
+    RequestField(
+        "store", HINT, "no effect: chat completions are not stored (use /v1/responses)", check_bool
+    ),
+    RequestField(
+        "metadata",
+        HINT,
+        "no effect: not stored; checked as OpenAI checks it (16 pairs of strings)",
+        check_metadata,
+    ),
+    RequestField("prompt_cache_key", HINT, _CACHE_HINT, check_text),
+    RequestField(
+        "prompt_cache_retention", HINT, _CACHE_HINT, _one_of("in_memory", "24h", "in-memory")
+    ),
+    RequestField(
+        "service_tier", HINT, _TIER_HINT, _one_of("auto", "default", "flex", "scale", "priority")
+    ),
+    RequestField("safety_identifier", HINT, _SAFETY_HINT, check_text),
+    RequestField(
+        "verbosity",
+        HINT,
+        "no effect: the model's length is steered by the prompt and `max_tokens`",
+        _one_of("low", "medium", "high"),
+    ),
+    RequestField(
+        "modalities", HINT, '`["text"]` is what llamax produces; `audio` is refused', _modalities
+    ),
+    RequestField(
+        "prediction",
+        HINT,
+        "no effect on the output: OpenAI's predicted outputs only speed a reply up; llamax's own speculation drafts from the prompt (`speculative`)",
+        _object,
+    ),
+    RequestField("prompt_cache_options", HINT, _CACHE_HINT, _object),
+    RequestField("audio", R, "audio output is not supported (llamax produces text)"),
+    RequestField("moderation", R, _MODERATION),
+    RequestField("web_search_options", R, "web search is a hosted tool llamax does not run"),
+    RequestField(
+        "functions",
+        R,
+        "the deprecated function-calling shape is not supported: send `tools` (the reply's `tool_calls` replace `function_call`)",
+    ),
+    RequestField(
+        "function_call",
+        R,
+        "the deprecated function-calling shape is not supported: send `tool_choice`",
+    ),
+    RequestField(
+        "truncate",
+        H,
+        "`oldest_messages` drops the oldest whole turns when the conversation does not fit",
+        extension=True,
+    ),
+    RequestField(
+        "reasoning_format",
+        H,
+        "where a thinking model's thinking goes (docs/reasoning.md)",
+        extension=True,
+    ),
+    RequestField("enable_thinking", H, "the template's thinking switch", extension=True),
+    RequestField(
+        "chat_template_kwargs",
+        H,
+        "vLLM's and llama-server's way to say `enable_thinking` (the only key taken)",
+        extension=True,
+    ),
+)
+
+COMPLETIONS = (
+    RequestField("prompt", H, "a string or a list of token ids"),
+    *_SAMPLING,
+    RequestField("logprobs", H, "k: the k most likely tokens at each position"),
+    RequestField(
+        "echo", H, "the prompt's text is put before each choice's text (not its logprobs)"
+    ),
+    RequestField(
+        "best_of",
+        R,
+        "server-side best-of ranking is not supported (`1` or equal to `n` is accepted: it changes nothing)",
+        harmless=lambda v, r: v is None or v == 1 or v == (r.get("n") or 1),
+    ),
+    RequestField("suffix", R, "fill-in-the-middle is not supported over this route"),
+)
+
+EMBEDDINGS = (
+    RequestField("input", H, "a string or a list of strings"),
+    RequestField("model", H, "echoed; picks a model when the server has several"),
+    RequestField("encoding_format", H, "`float` or `base64`"),
+    RequestField(
+        "dimensions",
+        H,
+        "the first `dimensions` components, renormalised to length 1 (meaningful for Matryoshka-trained models); more than the model has is a 400",
+    ),
+    RequestField("user", H, "accepted and ignored"),
+)
+
+RESPONSES = (
+    RequestField("model", H, "echoed; picks a model when the server has several"),
+    RequestField("input", H, "a string or items (docs/responses.md)"),
+    RequestField("instructions", H, "a system message before the input"),
+    RequestField("tools", H, "function tools (built-in tools such as `web_search` are refused)"),
+    RequestField("tool_choice", H, "`auto`, `none`, `required` or one function"),
+    RequestField(
+        "parallel_tool_calls",
+        H,
+        "whether one reply may hold several calls (no effect without tools)",
+    ),
+    RequestField("max_output_tokens", H, "most tokens to generate"),
+    RequestField("temperature", H, "in [0, 2]"),
+    RequestField("top_p", H, "nucleus sampling"),
+    RequestField(
+        "text", H, "`format` (`text`, `json_object`, `json_schema`); `verbosity` has no effect"
+    ),
+    RequestField(
+        "reasoning",
+        H,
+        "`effort` turns the template's thinking switch off (`none`, `minimal`) or on; `summary` returns the thinking",
+    ),
+    RequestField(
+        "truncation", H, "`auto` drops the oldest turns when the conversation does not fit"
+    ),
+    RequestField("previous_response_id", H, "continues a stored response"),
+    RequestField("store", H, "`false`: the response is not kept"),
+    RequestField("metadata", H, "stored and echoed (16 pairs of strings)"),
+    RequestField("user", H, "echoed (at most 256 characters)"),
+    RequestField("stream", H, "the typed stream events"),
+    RequestField(
+        "include",
+        HINT,
+        "the items name outputs llamax never produces (built-in tool results, images, encrypted reasoning); `message.output_text.logprobs` is refused",
+        _include,
+    ),
+    RequestField("prompt_cache_key", HINT, _CACHE_HINT, check_text),
+    RequestField(
+        "prompt_cache_retention", HINT, _CACHE_HINT, _one_of("in_memory", "24h", "in-memory")
+    ),
+    RequestField(
+        "service_tier", HINT, _TIER_HINT, _one_of("auto", "default", "flex", "scale", "priority")
+    ),
+    RequestField("safety_identifier", HINT, _SAFETY_HINT, check_text),
+    RequestField(
+        "stream_options",
+        HINT,
+        "`include_obfuscation`: no obfuscation padding is sent",
+        _stream_options,
+    ),
+    RequestField(
+        "max_tool_calls",
+        HINT,
+        "no effect: it bounds built-in tool calls, and llamax runs none",
+        _positive_int,
+    ),
+    RequestField("prompt_cache_options", HINT, _CACHE_HINT, _object),
+    RequestField(
+        "image", HINT, "no effect: options of image generation, which llamax does not do", _object
+    ),
+    RequestField(
+        "top_logprobs",
+        R,
+        "log probabilities are not produced on /v1/responses (use /v1/chat/completions); `0` is accepted",
+        harmless=lambda v, r: v is None or v == 0,
+    ),
+    RequestField(
+        "background",
+        R,
+        "background mode is not supported (`false` is accepted)",
+        harmless=lambda v, r: v is None or v is False,
+    ),
+    RequestField(
+        "conversation",
+        R,
+        "the Conversations API is not supported: continue with `previous_response_id`",
+    ),
+    RequestField(
+        "context_management",
+        R,
+        "server-side compaction is not supported: `truncation: auto` drops the oldest turns",
+    ),
+    RequestField(
+        "prompt",
+        R,
+        "stored prompt templates live on OpenAI's platform: send `instructions` and `input`",
+    ),
+    RequestField("background_options", R, "background mode is not supported"),
+    RequestField("moderation", R, _MODERATION),
+    RequestField("access_programs", R, "OpenAI's access programs do not exist here"),
+)
+
+ROUTES: dict[str, tuple[RequestField, ...]] = {
+    "chat": CHAT,
+    "completions": COMPLETIONS,
+    "embeddings": EMBEDDINGS,
+    "responses": RESPONSES,
+}
+"""Each OpenAI route's fields (the Messages table is ``llamax.anthropic.fields.MESSAGES``)."""
+
+
+def honoured(table: tuple[RequestField, ...]) -> frozenset[str]:
+    """The names of a table's honoured fields: what the route's parser takes."""
+    return frozenset(f.name for f in table if f.support is Support.HONOURED)
+
+
+def accept_fields(table: tuple[RequestField, ...], request: Mapping[str, Any]) -> dict[str, Any]:
+    """``request`` without its hints, once the hints are checked and the refused fields
+    refused; honoured and unknown fields are left for the route's parser.
+
+    Raises:
+        InvalidParameterError: a refused field (the message names it and says why), or a
+            hint with a bad value.
+    """
+    by_name = {f.name: f for f in table}
+    kept: dict[str, Any] = {}
+    for name, value in request.items():
+        field = by_name.get(name)
+        if field is None or field.support is Support.HONOURED:
+            kept[name] = value
+        elif field.support is Support.HINT:
+            if field.check is not None:
+                field.check(name, value)
+        elif not field.harmless(value, request):
+            raise InvalidParameterError(f"{name} is not supported: {_plain(field.doc)}")
+    return kept
+
+
+def _plain(doc: str) -> str:
+    return doc.replace("`", "")
+
+
+# ---------------------------------------------------------------------- the docs
+def _rows(table: tuple[RequestField, ...]) -> Iterator[str]:
+    order = {Support.HONOURED: 0, Support.HINT: 1, Support.REFUSED: 2}
+    for f in sorted(table, key=lambda f: (f.extension, order[f.support])):
+        support = f.support.value + (" (extension)" if f.extension else "")
+        yield f"| `{f.name}` | {support} | {f.doc.replace('|', chr(92) + '|')} |"
+
+
+def markdown_table(table: tuple[RequestField, ...]) -> str:
+    """A route's fields as a Markdown table (honoured, hints, refused, then extensions)."""
+    return (
+        "\n".join(["| field | support | what happens |", "| --- | --- | --- |", *_rows(table)])
+        + "\n"
+    )
+
+
+_BLOCK = re.compile(
+    r"(<!-- fields: (?P<route>\w+) -->\n)(?P<body>.*?)(<!-- /fields -->)", re.DOTALL
+)
+
+
+def generated_blocks(
+    text: str, tables: Mapping[str, tuple[RequestField, ...]]
+) -> Iterator[tuple[str, str]]:
+    """``(current, wanted)`` for each ``<!-- fields: ROUTE -->`` block of a Markdown text."""
+    for m in _BLOCK.finditer(text):
+        yield m["body"], markdown_table(tables[m["route"]])
+
+
+def regenerate(text: str, tables: Mapping[str, tuple[RequestField, ...]]) -> str:
+    """``text`` with every generated fields block replaced by its current table."""
+    return _BLOCK.sub(lambda m: m[1] + markdown_table(tables[m["route"]]) + m[4], text)
