@@ -128,15 +128,16 @@ def test_a_session_rewound_past_its_window_continues_exactly(
     assert _picks(hit) == _picks(cold.add_request(prompt, PARAMS).result(timeout=120))
 
 
-def test_a_saved_session_holds_only_its_window_and_is_recomputed(
-    ctx: llamax.Context, window_model: Path, layout: str, tmp_path: Path
+def test_a_saved_session_holds_only_its_window_and_continues_exactly(
+    ctx: llamax.Context, cold: llamax.Context, tmp_path: Path
 ) -> None:
-    """llama.cpp saves a sliding-window sequence's window cache without the cells the
-    window has passed (``llama_kv_cache::state_write`` skips masked cells), so a loaded
-    session holds positions ``P - 32 .. P - 1`` there, not 0. The engine reuses a slot only
-    if it holds position 0 (``KVCache.is_intact``), so the loaded session is recomputed
-    whole: correct (the cold run's logprobs, at the same composition: one decode) but no
-    reuse. The same holds for prefixes the RAM and disk tiers keep."""
+    """Regression: llama.cpp saves a sliding-window sequence's window cache without the
+    cells the window has passed (``llama_kv_cache::state_write`` skips masked cells), so a
+    loaded session holds positions ``P - 32 .. P - 1`` there, not 0. The engine reused a
+    slot only if it held position 0, so the loaded session was recomputed whole (0 cached
+    tokens; the same for every prefix the RAM and disk tiers kept). It now asks for the
+    window before the cut (``KVCache.is_intact``): the continuation reuses all P tokens and
+    gives the cold run's logprobs to the bit."""
     with ctx.session() as session:
         session.add_request([*PREFIX, *OTHER], PARAMS).result(timeout=120)
         session.rewind(len(session.token_ids) - P)
@@ -145,6 +146,48 @@ def test_a_saved_session_holds_only_its_window_and_is_recomputed(
     with ctx.load_session(tmp_path / "window.llamax") as loaded:
         assert list(loaded.token_ids) == PREFIX
         hit = loaded.add_request(prompt, PARAMS).result(timeout=120)
-    assert hit.usage.cached_tokens == 0
+    assert hit.usage.cached_tokens == P
+    assert _picks(hit) == _picks(cold.add_request(prompt, PARAMS).result(timeout=120))
+
+
+def _spilled(ctx: llamax.Context) -> list[int]:
+    """Compute ``PREFIX + OTHER``, then another prompt that takes the one sequence id, so the
+    first goes to the RAM tier; the tokens the first's slot held (prompt and reply but its
+    last token, which was sampled and never computed)."""
+    first = ctx.add_request([*PREFIX, *OTHER], PARAMS).result(timeout=120)
+    ctx.add_request(_tokens(5, 50), PARAMS).result(timeout=120)
+    assert ctx.stats().prefix_ram_entries >= 1
+    return [*PREFIX, *OTHER, *first.token_ids[:-1]]
+
+
+def test_a_cut_below_a_saved_window_is_recomputed(window_model: Path, layout: str) -> None:
+    """Regression: a prefix back from the RAM tier holds only its window's cells (the last
+    32 positions); cut below them, the window cache held nothing (``seq_pos_min`` -1, which
+    passed the old ``<= 0`` check) and the prompt was answered from no window at all (other
+    tokens than the cold run's from the first one). Now the restore is refused and the
+    prompt computed whole, as the cold run."""
+    prompt = [*PREFIX, *TAIL_TOKENS]
+    with _context(window_model, layout, n_seq_max=1, prefix_ram_bytes=64 << 20) as ctx:
+        _spilled(ctx)
+        hit = ctx.add_request(prompt, PARAMS).result(timeout=120)
     with _context(window_model, layout, prefix_cache=False) as whole:
         assert _picks(hit) == _picks(whole.add_request(prompt, PARAMS).result(timeout=120))
+    assert hit.usage.cached_tokens == 0
+
+
+def test_a_next_turn_comes_back_from_the_ram_tier_exactly(window_model: Path, layout: str) -> None:
+    """A next turn (the spilled prompt, its reply, more) is cut at the saved state's end,
+    inside its window: all of it is reused, with the logprobs of the same turn served from
+    the KV it was saved from (the same batch composition: the prompt in one decode, the
+    reply a token a decode, the turn in one)."""
+    with _context(window_model, layout, n_seq_max=1, prefix_ram_bytes=64 << 20) as ctx:
+        held = _spilled(ctx)
+        prompt = [*held, *TAIL_TOKENS]
+        hit = ctx.add_request(prompt, PARAMS).result(timeout=120)
+        assert ctx.stats().num_prefix_ram_restores == 1
+    assert hit.usage.cached_tokens == len(held)
+    with _context(window_model, layout, n_seq_max=1) as kept:
+        kept.add_request([*PREFIX, *OTHER], PARAMS).result(timeout=120)
+        again = kept.add_request(prompt, PARAMS).result(timeout=120)
+    assert again.usage.cached_tokens == len(held)
+    assert _picks(hit) == _picks(again)

@@ -266,7 +266,7 @@ class PrefixCache:
                 common_prefix_len(known if known is not None else slot.tokens, prompt), limit
             )
             now = self._cache.usable(slot, later)  # cut at a checkpoint, where it must be
-            if now and not self._cache.is_intact(slot):
+            if now and not self._cache.is_intact(slot, now):
                 continue
             if known is None:
                 later = now
