@@ -139,6 +139,20 @@ def test_slid_window_cells_are_never_reused(make_fake: MakeFake) -> None:
     assert second.result(0).token_ids == cold(SYSTEM + "B").token_ids
 
 
+def test_a_slot_past_its_window_serves_a_continuation_within_it(make_fake: MakeFake) -> None:
+    """Regression (issue 40): a slot whose window cache has dropped its first cells still
+    holds what a continuation from its end reads (the last ``sliding_window`` positions);
+    it was reused only if it held position 0."""
+    ctx, _ = make_fake(n_ctx=1024, sliding_window=32)
+    first = ctx.add_request(SYSTEM + "A", GREEDY)
+    run(ctx)
+    held = SYSTEM + "A" + first.result(0).text[:-1]  # the last token was never computed
+    turn = ctx.add_request(held + "!B", GREEDY)
+    run(ctx)
+    assert turn.result(0).usage.cached_tokens == len(held)
+    assert turn.result(0).token_ids == cold(held + "!B").token_ids
+
+
 def test_cancelled_sequences_are_not_retained(make_fake: MakeFake) -> None:
     ctx, backend = make_fake(n_ctx=1024)
     handle = ctx.add_request(SYSTEM, GREEDY)

@@ -290,6 +290,13 @@ class KVMemory(Protocol):
         a sequence where it took one."""
         ...
 
+    @property
+    def sliding_window(self) -> int:
+        """Positions a sliding-window layer attends back (0: the model has none). Such a
+        cache may no longer hold a sequence's first cells (a saved state never does), yet
+        still hold what a continuation needs: the last ``sliding_window`` positions."""
+        ...
+
     def state_seq_get(self, seq_id: int, *, partial: bool = False) -> bytes:
         """Serialise one sequence's KV state; with ``partial``, only the part that cannot
         be cut at a position (a recurrent state, a sliding window's cells): a checkpoint."""

@@ -237,6 +237,11 @@ class LlamaCppModel:
             return not (self._model.is_recurrent() or self._model.is_hybrid())
 
     @property
+    def sliding_window(self) -> int:
+        """``llama_model_n_swa`` (0: no sliding-window layers)."""
+        return self._model.n_swa()
+
+    @property
     def can_checkpoint(self) -> bool:
         """True for recurrent and hybrid memories: llama.cpp reads and writes their partial
         state (``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``)."""

@@ -466,6 +466,11 @@ class FakeBackend:
         self._fault("seq_cp")
         self._memory.copy(src, dst, p0, p1)
 
+    @property
+    def sliding_window(self) -> int:
+        """As configured (0: none)."""
+        return self._window or 0
+
     def seq_pos_min(self, seq_id: int) -> int:
         """First position still held: 0, or later once a sliding window has passed it."""
         self._fault("seq_pos_min")

@@ -39,6 +39,9 @@ def audit(
             problems.append(f"{slot!r} is pinned but no session holds it")
         if slot.state is SlotState.ACTIVE and seq_id not in owners:
             problems.append(f"{slot!r} is active but no sequence owns it")
+        stale = sorted(p for p in slot.checkpoints if not 0 < p <= len(slot.tokens))
+        if stale:  # set back, one would answer from a history the slot no longer holds
+            problems.append(f"{slot!r} keeps checkpoints past its tokens, at {stale}")
         if extent != len(slot.tokens) - 1:
             problems.append(f"{slot!r} but KV holds positions up to {extent}")
         elif inspectable is not None:

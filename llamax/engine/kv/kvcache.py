@@ -288,13 +288,20 @@ class KVCache:
         self.num_checkpoint_restores += 1
         return True
 
-    def is_intact(self, slot: Slot) -> bool:
-        """Whether the memory still holds the slot's first cells (sliding windows drop them).
-        A memory cut at checkpoints is: its attention cache is full size, and its recurrent
+    def is_intact(self, slot: Slot, num: int | None = None) -> bool:
+        """Whether the memory holds every cell a continuation of ``slot``'s first ``num``
+        tokens (default: all) reads. A sliding-window cache may have dropped the first
+        cells (llama.cpp reuses cells the window has passed; a saved state holds only the
+        window), but a continuation from ``num`` reads only the window before it. A memory
+        cut at checkpoints is intact: its attention cache is full size, and its recurrent
         state, which holds only its last position, is what the checkpoints are for."""
-        if self._at_checkpoints:
+        if self._at_checkpoints or not slot.tokens:
             return True
-        return not slot.tokens or self._memory.seq_pos_min(slot.seq_id) <= 0
+        num = len(slot.tokens) if num is None else min(num, len(slot.tokens))
+        window = self._memory.sliding_window
+        first_read = max(0, num - window + 1) if window else 0
+        # -1: the memory holds none of it (a window cut below what a saved state held)
+        return 0 <= self._memory.seq_pos_min(slot.seq_id) <= first_read
 
     # ------------------------------------------------------------------ changes
     def allocate(self, *, pinned: bool = False) -> Slot | None:

@@ -273,7 +273,7 @@ class PrefixCache:
             else:
                 later = min(common_prefix_len(known, prompt), limit)
             now = self._cache.usable(slot, later)  # cut at a checkpoint, where it must be
-            if now and not self._cache.is_intact(slot):
+            if now and not self._cache.is_intact(slot, now):
                 continue
             if known is None:
                 later = now
