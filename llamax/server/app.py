@@ -21,6 +21,7 @@ from llamax.openai import ResponseStore
 from .anthropic_routes import anthropic_routes
 from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .info import info_routes, public_routes
+from .llama_routes import llama_routes
 from .models import ModelPool
 from .responses_routes import responses_routes
 from .routes import api_routes
@@ -110,6 +111,7 @@ def create_app(
         api_routes(state),
         anthropic_routes(state),
         responses_routes(state),
+        llama_routes(state),
     )
     for router in routers:
         app.include_router(router)

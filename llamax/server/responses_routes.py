@@ -35,6 +35,7 @@ def responses_routes(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_key)])
 
     @router.post("/v1/responses")
+    @router.post("/responses")  # llama-server's alias
     async def create_route(request: Request) -> Response:
         return await admit_completion(
             state,

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 
-from .dialects import OPENAI
+from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
 from .schemas import (
     ChatCompletionRequest,
@@ -43,6 +43,7 @@ def api_routes(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_key)])
 
     @router.post("/v1/chat/completions")
+    @router.post("/chat/completions")  # llama-server's alias: its error shape
     async def chat_completions(request: Request) -> Response:
         def options(body: ChatCompletionRequest) -> dict[str, Any]:
             options = _stream_options(body)
@@ -53,7 +54,8 @@ def api_routes(state: ServerState) -> APIRouter:
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
             return ctx.achat_completion(body.messages, **options, **_echo(state, body))
 
-        return await _admit(state, request, "chat", ChatCompletionRequest, options, start)
+        return await _admit(state, request, "chat", ChatCompletionRequest, options, start,
+                            _dialect_of(request))  # fmt: skip
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -87,7 +89,9 @@ def api_routes(state: ServerState) -> APIRouter:
     async def tokenize(request: Request) -> Response:
         def work(body: TokenizeRequest, ctx: llamax.Context) -> Response:
             try:
-                tokens = ctx.tokenize(body.content, add_special=body.add_special)
+                tokens = ctx.tokenize(
+                body.content, add_special=body.add_special, parse_special=body.parse_special
+            )
             except Exception as exc:
                 raise from_exception(exc, _TOKENIZE_FIELDS, "content") from exc
             if not body.with_pieces:
@@ -110,6 +114,11 @@ def api_routes(state: ServerState) -> APIRouter:
         return await _in_worker(state, request, DetokenizeRequest, work)
 
     return router
+
+
+def _dialect_of(request: Request) -> Dialect:
+    """OpenAI's errors under ``/v1``; llama-server's on its un-prefixed aliases."""
+    return OPENAI if request.url.path.startswith("/v1/") else OPENAI_LLAMA
 
 
 def _model_of(body: Any) -> object:
@@ -166,6 +175,7 @@ async def _admit(
     model: type[Any],
     options: Callable[[Any], dict[str, Any]],
     start: Callable[[llamax.Context, Any, dict[str, Any]], Awaitable[Any]],
+    dialect: Dialect = OPENAI,
 ) -> Response:
     """An OpenAI completion request through :func:`~.state.admit_completion`: the body
     parsed and its options checked in a worker, then rendered and tokenized in a worker
@@ -184,7 +194,7 @@ async def _admit(
         parse,
         lambda parsed: _model_of(parsed[0]),
         lambda parsed, ctx: start(ctx, *parsed),
-        dialect=OPENAI,
+        dialect=dialect,
         fields=_CHAT_FIELDS if chat else _TEXT_FIELDS,
         prompt_field="messages" if chat else "prompt",
         stream=lambda parsed: bool(parsed[0].is_stream),
