@@ -84,6 +84,9 @@ class NativeRequest:
     model: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
     """The fields as given, for ``generation_settings``."""
+    text_bias: tuple[tuple[str, float], ...] = ()
+    """``logit_bias`` entries given as text: each of its tokens gets the bias (the route
+    tokenizes them and adds them to ``params``)."""
 
 
 def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -129,9 +132,9 @@ def _is_piece(value: object) -> bool:
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
-def _logit_bias(value: object) -> dict[str | int, float | bool]:
+def _logit_bias(value: object) -> tuple[dict[int, float], tuple[tuple[str, float], ...]]:
     """llama-server's ``[[token, bias], ...]`` (token an id or text, bias a number or
-    ``false`` to ban) or ``{"token": bias}``."""
+    ``false`` to ban) or ``{"token": bias}``: the biases by id, and those by text."""
     pairs: list[Any]
     if isinstance(value, dict):
         pairs = list(value.items())
@@ -139,7 +142,8 @@ def _logit_bias(value: object) -> dict[str | int, float | bool]:
         pairs = value
     else:
         raise _bad("logit_bias must be a list of [token, bias] pairs or an object", "logit_bias")
-    out: dict[str | int, float | bool] = {}
+    by_id: dict[int, float] = {}
+    by_text: list[tuple[str, float]] = []
     for pair in pairs:
         if not (isinstance(pair, list | tuple) and len(pair) == 2):
             raise _bad(f"logit_bias: each entry must be [token, bias], got {pair!r:.60}",
@@ -149,8 +153,12 @@ def _logit_bias(value: object) -> dict[str | int, float | bool]:
             token = int(token)
         if not (_is_piece(token) and (bias is False or _is_real(bias))):
             raise _bad(f"logit_bias: bad entry {pair!r:.60}", "logit_bias")
-        out[token] = bias
-    return out
+        number = -math.inf if bias is False else float(bias)
+        if isinstance(token, str):
+            by_text.append((token, number))
+        else:
+            by_id[token] = number
+    return by_id, tuple(by_text)
 
 
 def _is_real(value: object) -> bool:
@@ -233,18 +241,33 @@ def parse_native(body: Mapping[str, Any], n_vocab: int | None = None) -> NativeR
     if model is not None and not isinstance(model, str):
         raise _bad("model must be a string", "model")
     settings = {k: v for k, v in body.items() if k != "prompt"}
-    if options["max_tokens"] == 0:
-        return NativeRequest(prompts, None, flags["stream"], flags["return_tokens"],
-                             flags["timings_per_token"], int(n_probs), tuple(response_fields),
-                             model, settings)  # fmt: skip
-    try:
-        params = llamax.SamplingParams(**options)
-    except llamax.InvalidParameterError as exc:
-        name = next((k for k, v in _NUMBERS.items() if str(exc).startswith(v)), None)
-        raise _bad(str(exc), name) from exc
+    text_bias = options.pop("text_bias", ())
+    params = None if options["max_tokens"] == 0 else _sampling_params(options)
     return NativeRequest(prompts, params, flags["stream"], flags["return_tokens"],
                          flags["timings_per_token"], int(n_probs), tuple(response_fields),
-                         model, settings)  # fmt: skip
+                         model, settings, text_bias)  # fmt: skip
+
+
+_FIELD_OF = {v: k for k, v in _NUMBERS.items()} | {
+    "max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl", "seed": "seed",
+    "stop": "stop", "logit_bias": "logit_bias", "grammar": "grammar",
+    "json_schema": "json_schema", "lora": "lora",
+}  # fmt: skip
+"""llamax's option names and the ``/completion`` fields they come from."""
+
+
+def _sampling_params(options: dict[str, Any]) -> llamax.SamplingParams:
+    """``SamplingParams(**options)``; a refusal is a 400 naming the field as the client
+    gave it (``n_probs must be ...``, not ``logprobs must be ...``)."""
+    try:
+        return llamax.SamplingParams(**options)
+    except llamax.InvalidParameterError as exc:
+        message = str(exc)
+        option = next((o for o in _FIELD_OF if message.startswith(o + " ")), None)
+        if option is None:
+            raise _bad(message) from exc
+        name = _FIELD_OF[option]
+        raise _bad(name + message[len(option) :], name) from exc
 
 
 def _other_options(body: Mapping[str, Any], options: dict[str, Any], ignore_eos: bool) -> None:
@@ -256,7 +279,7 @@ def _other_options(body: Mapping[str, Any], options: dict[str, Any], ignore_eos:
             raise _bad("stop must be a list of strings", "stop")
         options["stop"] = [s for s in stop if s]
     if "logit_bias" in body:
-        options["logit_bias"] = _logit_bias(body["logit_bias"])
+        options["logit_bias"], options["text_bias"] = _logit_bias(body["logit_bias"])
     for name in ("grammar", "json_schema"):
         value = body.get(name)
         if value not in (None, ""):

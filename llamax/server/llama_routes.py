@@ -12,6 +12,8 @@ docs/server.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -129,8 +131,6 @@ def llama_routes(state: ServerState) -> APIRouter:
 
 
 def _dumps(body: dict[str, Any]) -> bytes:
-    import json
-
     return json.dumps(body).encode()
 
 
@@ -192,9 +192,15 @@ def _submit(
             if not tokens:
                 raise llamax.EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
         return prompts, handles
+    params = request.params
+    if request.text_bias:
+        bias = dict(params.logit_bias)
+        for text, number in request.text_bias:
+            bias |= dict.fromkeys(ctx.tokenize(text, add_special=False), number)
+        params = dataclasses.replace(params, logit_bias=bias)
     try:
         for tokens in prompts:
-            handles.append(ctx.add_request(tokens, request.params))
+            handles.append(ctx.add_request(tokens, params))
     except BaseException:
         for handle in handles:
             handle.cancel()
@@ -218,16 +224,13 @@ class _Run:
         index = i * self.n + (choice.index if choice else 0)
         timings = self.timings[index]
         stops = self.request.params.stop if self.request.params is not None else ()
-        if choice is None:  # n_predict 0
-            stop, text, ids, logprobs = ("limit", ""), "", (), None
-        else:
+        ids: tuple[int, ...]
+        logprobs: tuple[llamax.TokenLogprob, ...] | None
+        stop, text, ids, logprobs = ("limit", ""), "", (), None  # n_predict 0: no choice
+        if choice is not None:
             full = self.ctx.detokenize(choice.token_ids)
-            stop, text, ids, logprobs = (
-                stop_of(choice, full, stops),
-                choice.text,
-                choice.token_ids,
-                choice.logprobs,
-            )
+            stop, text, ids, logprobs = stop_of(choice, full, stops), choice.text, (), None
+            ids, logprobs = choice.token_ids, choice.logprobs
             timings.num_predicted = len(choice.token_ids)
         if usage is not None:
             timings.num_cached = usage.cached_tokens

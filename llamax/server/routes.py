@@ -90,8 +90,8 @@ def api_routes(state: ServerState) -> APIRouter:
         def work(body: TokenizeRequest, ctx: llamax.Context) -> Response:
             try:
                 tokens = ctx.tokenize(
-                body.content, add_special=body.add_special, parse_special=body.parse_special
-            )
+                    body.content, add_special=body.add_special, parse_special=body.parse_special
+                )
             except Exception as exc:
                 raise from_exception(exc, _TOKENIZE_FIELDS, "content") from exc
             if not body.with_pieces:
