@@ -57,6 +57,11 @@ def test_prompt_as_ids_mixed_and_list(app: Any) -> None:
     assert post(app, "/completion", {"prompt": [5, "ab", 7], "n_predict": 1}).status_code == 200
     results = post(app, "/completion", {"prompt": ["a", [5, 6]], "n_predict": 2}).json()
     assert [r["index"] for r in results] == [0, 1]
+    one = {"prompt_string": "ab"}
+    assert post(app, "/completion", {"prompt": one, "n_predict": 1}).status_code == 200
+    assert len(post(app, "/completion", {"prompt": [one, "c"], "n_predict": 1}).json()) == 2
+    media = {"prompt_string": "ab", "multimodal_data": ["AAAA"]}
+    assert post(app, "/completion", {"prompt": media}).status_code == 400
 
 
 def test_n_cmpl_gives_prompts_times_n_results(app: Any) -> None:

@@ -105,8 +105,21 @@ def _number(body: Mapping[str, Any], name: str) -> float | int | None:
     return value
 
 
+def _prompt_object(value: dict[str, Any]) -> str:
+    """``{"prompt_string": text}``; ``multimodal_data`` is refused (no multimodal model)."""
+    unknown = sorted(set(value) - {"prompt_string", "multimodal_data"})
+    if unknown or not isinstance(value.get("prompt_string"), str):
+        raise _bad('prompt: an object prompt must be {"prompt_string": text}', "prompt")
+    if value.get("multimodal_data"):
+        raise _bad("prompt: multimodal_data is not supported (the model has no multimodal "
+                   "projector)", "prompt")  # fmt: skip
+    return str(value["prompt_string"])
+
+
 def _prompts(value: object) -> tuple[str | tuple[int | str, ...], ...]:
     """``prompt`` as a tuple of prompts (one unless it is a list of prompts)."""
+    if isinstance(value, dict):
+        return (_prompt_object(value),)
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list) or not value:
@@ -120,6 +133,8 @@ def _prompts(value: object) -> tuple[str | tuple[int | str, ...], ...]:
     for item in value:
         if isinstance(item, str):
             out.append(item)
+        elif isinstance(item, dict):
+            out.append(_prompt_object(item))
         elif isinstance(item, list) and item and all(_is_piece(p) for p in item):
             out.append(tuple(item))
         else:
