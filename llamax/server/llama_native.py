@@ -19,11 +19,36 @@ import llamax
 
 from .errors import APIError
 
-__all__ = ["NativeRequest", "final_result", "parse_native", "partial_result", "stop_of"]
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "NativeRequest",
+    "final_result",
+    "parse_native",
+    "partial_result",
+    "stop_of",
+]
 
 _DEFAULT_SAMPLERS = ("dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 """llama-server's default sampler order; llamax's chain applies the same order (penalties
 first), with ``dry`` and ``xtc`` never active."""
+
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "seed": 0xFFFFFFFF, "temperature": 0.8, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+    "top_k": 40, "top_p": 0.95, "min_p": 0.05, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+    "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0,
+    "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9, "stop": [],
+    "max_tokens": -1, "n_predict": -1, "n_keep": 0, "n_discard": 0, "ignore_eos": False,
+    "stream": False, "logit_bias": [], "n_probs": 0, "min_keep": 0, "grammar": "",
+    "grammar_lazy": False, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"],
+    "timings_per_token": False, "post_sampling_probs": False, "backend_sampling": False,
+    "lora": [],
+}  # fmt: skip
+"""``generation_settings`` (and ``/props``' defaults) in llama-server's names: what
+``/completion`` uses for a field a request leaves out (``SamplingParams``' defaults;
+``n_predict: -1``: until the sequence fills its context)."""
 
 _OFF: dict[str, object] = {
     "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0,
@@ -83,7 +108,7 @@ class NativeRequest:
     response_fields: tuple[str, ...] = ()
     model: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
-    """The fields as given, for ``generation_settings``."""
+    """``generation_settings``: :data:`DEFAULT_SETTINGS` with the fields given."""
     text_bias: tuple[tuple[str, float], ...] = ()
     """``logit_bias`` entries given as text: each of its tokens gets the bias (the route
     tokenizes them and adds them to ``params``)."""
@@ -255,7 +280,8 @@ def parse_native(body: Mapping[str, Any], n_vocab: int | None = None) -> NativeR
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model must be a string", "model")
-    settings = {k: v for k, v in body.items() if k != "prompt"}
+    settings = DEFAULT_SETTINGS | {k: v for k, v in body.items() if k in DEFAULT_SETTINGS}
+    settings["max_tokens"] = settings["n_predict"]
     text_bias = options.pop("text_bias", ())
     params = None if options["max_tokens"] == 0 else _sampling_params(options)
     return NativeRequest(prompts, params, flags["stream"], flags["return_tokens"],

@@ -29,6 +29,7 @@ from llamax.openai import chat_prompt_tokens
 from .dialects import LLAMA
 from .errors import APIError, from_exception, llama_body
 from .llama_native import (
+    DEFAULT_SETTINGS,
     FIELDS,
     NativeRequest,
     Timings,
@@ -41,20 +42,6 @@ from .schemas import ChatCompletionRequest, parse_body, parse_object
 from .state import ServerState, admit_completion, run_leased
 
 __all__ = ["llama_routes"]
-
-_SETTINGS = {
-    "n_predict": -1, "seed": 0xFFFFFFFF, "temperature": 0.8, "dynatemp_range": 0.0,
-    "dynatemp_exponent": 1.0, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
-    "xtc_probability": 0.0, "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": 64,
-    "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-    "dry_multiplier": 0.0, "mirostat": 0, "stop": [], "max_tokens": -1, "n_keep": 0,
-    "n_discard": 0, "ignore_eos": False, "stream": False, "n_probs": 0, "min_keep": 0,
-    "grammar": "", "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"],
-    "timings_per_token": False,
-}  # fmt: skip
-"""``/props``' ``default_generation_settings.params``: what ``/completion`` uses for a field
-a request leaves out (``SamplingParams``' defaults; ``n_predict: -1``: until the sequence
-fills its context)."""
 
 
 def llama_routes(state: ServerState) -> APIRouter:
@@ -153,7 +140,7 @@ def _props(ctx: llamax.Context) -> dict[str, Any]:
     return {
         "default_generation_settings": {
             "id": 0, "id_task": -1, "n_ctx": ctx.n_ctx_seq, "speculative": False,
-            "is_processing": False, "params": _SETTINGS, "prompt": "",
+            "is_processing": False, "params": DEFAULT_SETTINGS, "prompt": "",
         },
         "total_slots": ctx.n_seq_max,
         "model_alias": ctx.model_name,
