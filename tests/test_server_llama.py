@@ -193,8 +193,13 @@ def test_tokenize_options_and_detokenize(app: Any) -> None:
 
 
 def test_apply_template_props_and_aliases(app: Any) -> None:
-    prompt = post(app, "/apply-template", {"messages": [{"role": "user", "content": "hey"}]})
-    assert "<|im_start|>user\nhey" in prompt.json()["prompt"]
+    hey = [{"role": "user", "content": "hey"}]
+    prompt = post(app, "/apply-template", {"messages": hey})
+    assert prompt.json()["prompt"].endswith(
+        "<|im_start|>user\nhey<|im_end|>\n<|im_start|>assistant\n"
+    )
+    bare = post(app, "/apply-template", {"messages": hey, "add_generation_prompt": False})
+    assert bare.json()["prompt"].endswith("hey<|im_end|>\n")
     props = call(app, "GET", "/props").json()
     assert props["total_slots"] >= 1 and props["default_generation_settings"]["n_ctx"] == 256
     assert "chat_template" in props

@@ -73,14 +73,19 @@ def llama_routes(state: ServerState) -> APIRouter:
 
     @router.post("/apply-template")
     async def apply_template(request: Request) -> Response:
-        def work(body: dict[str, Any], ctx: llamax.Context) -> Response:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise APIError(400, "messages must be a non-empty list", param="messages",
-                               code="invalid_value")  # fmt: skip
+        def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
+            generation = raw.pop("add_generation_prompt", True)
+            if not isinstance(generation, bool):
+                raise APIError(400, "add_generation_prompt must be a boolean",
+                               param="add_generation_prompt", code="invalid_type")  # fmt: skip
+            body = parse_body(ChatCompletionRequest, _dumps(raw))
+            thinking = body.options().get("enable_thinking")
+            extra = {} if thinking is None else {"enable_thinking": thinking}
             try:
-                ctx.chat_prompt(messages)  # checks the messages as a chat request would
-                prompt = ctx.chat_template.render(messages, add_generation_prompt=True)
+                ctx.chat_prompt(body.messages)  # checks the messages as a chat request would
+                prompt = ctx.chat_template.render(
+                    body.messages, add_generation_prompt=generation, tools=body.tools, **extra
+                )
             except Exception as exc:
                 raise from_exception(exc, frozenset({"messages"}), "messages") from exc
             return JSONResponse({"prompt": prompt})
