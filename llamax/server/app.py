@@ -25,6 +25,7 @@ from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .info import info_routes, public_routes
 from .llama_infill import infill_routes
 from .llama_router import router_routes
+from .llama_routes import llama_routes
 from .llama_slots import slot_routes, slot_tables
 from .models import ModelPool
 from .responses_routes import responses_routes
@@ -125,7 +126,8 @@ def create_app(
         responses_routes(state),
         infill_routes(state, slots),
         slot_routes(state, slots, save_path),
-        router_routes(state),
+        router_routes(state),  # before llama_routes: its GET /models, with several models
+        llama_routes(state),
     )
     for router in routers:
         app.include_router(router)

@@ -10,6 +10,11 @@ dialect (and its routes), not a branch in the response code.
 - :data:`RESPONSES`: OpenAI's Responses events (``event: response.created`` ...), no
   ``[DONE]``; errors in OpenAI's shape, in a stream an ``error`` event with the next
   ``sequence_number``.
+- :data:`LLAMA`: llama-server's native API (``/completion``): ``data:`` events with no
+  ``[DONE]``; errors as ``{"error": {"code", "message", "type"}}`` (a stream that fails
+  ends with one such ``data:``).
+- :data:`OPENAI_LLAMA`: OpenAI's chat and text completions as llama-server serves them on
+  its un-prefixed routes (``/chat/completions``): OpenAI's stream, llama-server's errors.
 """
 
 from __future__ import annotations
@@ -20,10 +25,19 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from .errors import APIError, anthropic_body
+from .errors import APIError, anthropic_body, llama_body
 from .metrics import ServerMetrics, TokenClock
 
-__all__ = ["ANTHROPIC", "OPENAI", "RESPONSES", "Dialect", "StreamMeter", "sse"]
+__all__ = [
+    "ANTHROPIC",
+    "LLAMA",
+    "OPENAI",
+    "OPENAI_LLAMA",
+    "RESPONSES",
+    "Dialect",
+    "StreamMeter",
+    "sse",
+]
 
 
 def sse(payload: object, event: str | None = None) -> bytes:
@@ -62,6 +76,10 @@ class Dialect:
     def error_event(self, error: APIError, meter: StreamMeter) -> bytes:
         """The last event of a stream that failed after it began."""
         return sse(error.body())
+
+    def result_usage(self, result: Any) -> dict[str, Any] | None:
+        """The usage counts of a whole (not streamed) response body."""
+        return self.usage(result.get("usage"))
 
     def usage(self, usage: Any) -> dict[str, Any] | None:
         """This API's ``usage`` object as the counts the metrics record (OpenAI's shape:
@@ -153,3 +171,43 @@ class _Responses(Dialect):
 OPENAI = Dialect()
 ANTHROPIC: Dialect = _Anthropic()
 RESPONSES: Dialect = _Responses()
+
+
+class _OpenAILlama(Dialect):
+    """OpenAI's completions on llama-server's un-prefixed routes: its error shape."""
+
+    name = "openai"
+
+    def error_body(self, error: APIError) -> object:
+        return llama_body(error)
+
+    def error_event(self, error: APIError, meter: StreamMeter) -> bytes:
+        return sse(llama_body(error))
+
+
+class _Llama(_OpenAILlama):
+    """llama-server's native ``/completion``: one ``data:`` event per step of each
+    sequence, the last (``stop: true``) with its counts; no ``[DONE]``."""
+
+    name = "llama"
+    done = b""
+
+    def result_usage(self, result: Any) -> dict[str, Any] | None:
+        results = result if isinstance(result, list) else [result]
+        return self.usage({
+            "prompt_tokens": sum(r.get("tokens_evaluated", 0) for r in results),
+            "completion_tokens": sum(r.get("tokens_predicted", 0) for r in results),
+            "prompt_tokens_details": {"cached_tokens": sum(r.get("tokens_cached", 0)
+                                                           for r in results)},
+        })  # fmt: skip
+
+    def frame(self, chunk: dict[str, Any], meter: StreamMeter) -> bytes | None:
+        if chunk.get("content"):
+            meter.clock.tick(chunk.get("index", 0))
+        if chunk.get("stop"):
+            meter.metrics.record_usage(self.result_usage(chunk))
+        return sse(chunk)
+
+
+LLAMA: Dialect = _Llama()
+OPENAI_LLAMA: Dialect = _OpenAILlama()

@@ -23,6 +23,7 @@ __all__ = [
     "error_response",
     "from_exception",
     "handle_api_error",
+    "llama_body",
 ]
 
 _STATUS_TYPES = {
@@ -61,6 +62,8 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self.details: dict[str, object] = {}
+        """Extra fields llama-server's error shape carries (``n_prompt_tokens``, ``n_ctx``)."""
 
     def body(self) -> dict[str, dict[str, str | None]]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -85,6 +88,21 @@ def anthropic_body(error: APIError) -> dict[str, object]:
     (what the ``anthropic`` client turns into its typed exceptions)."""
     kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+_LLAMA_TYPES = {**_STATUS_TYPES, 403: "permission_error", 501: "not_supported_error"}
+
+
+def llama_body(error: APIError) -> dict[str, object]:
+    """``error`` in llama-server's shape: ``{"error": {"code", "message", "type"}}``, with
+    ``type: exceed_context_size_error`` (and ``n_prompt_tokens``, ``n_ctx``) for a prompt
+    past the context."""
+    if error.code == "context_length_exceeded":
+        kind = "exceed_context_size_error"
+    else:
+        kind = _LLAMA_TYPES.get(error.status, "server_error" if error.status >= 500 else "error")
+    return {"error": {"code": error.status, "message": error.message, "type": kind,
+                      **error.details}}  # fmt: skip
 
 
 def anthropic_error_response(error: APIError) -> JSONResponse:
@@ -131,7 +149,9 @@ def from_exception(
         return exc
     message = str(exc)
     if isinstance(exc, llamax.ContextLengthError):
-        return APIError(400, message, param=prompt_field, code="context_length_exceeded")
+        error = APIError(400, message, param=prompt_field, code="context_length_exceeded")
+        error.details = {"n_prompt_tokens": exc.num_prompt_tokens, "n_ctx": exc.n_ctx}
+        return error
     if isinstance(exc, InvalidMessageError):
         return APIError(400, message, param="messages", code="invalid_message")
     if isinstance(exc, llamax.EmptyPromptError):

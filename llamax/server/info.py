@@ -33,6 +33,7 @@ def public_routes(state: ServerState) -> APIRouter:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     @router.get("/health")
+    @router.get("/v1/health")  # llama-server's alias
     async def health() -> JSONResponse:
         status = state.status()
         return JSONResponse(_health(state, status), status_code=200 if status == "ok" else 503)
@@ -73,6 +74,7 @@ def info_routes(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_key)])
 
     @router.get("/v1/models")
+    @router.get("/models")  # llama-server's alias
     async def models() -> JSONResponse:
         if state.pool is not None:
             return JSONResponse({"object": "list", "data": _pool_models(state.pool)})

@@ -35,7 +35,7 @@ import llamax
 
 from .dialects import sse
 from .errors import APIError
-from .llama_native import (
+from .llama_jobs import (
     LlamaError,
     NativeTimings,
     as_llama_error,

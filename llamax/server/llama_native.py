@@ -1,279 +1,455 @@
-"""What llama-server's native routes (``/infill``, ``/slots``, ``/models/load``) share: its
-error body, its sampling fields as :class:`~llamax.SamplingParams`, and its ``/completion``
-response shape (whole and streamed).
+"""llama-server's native ``/completion`` body: parsed into llamax's :class:`~llamax.SamplingParams`
+and prompts, and its results shaped as llama-server shapes them.
 
-llama-server's error body is ``{"error": {"code": <status>, "message", "type"}}``, the type
-one of ``invalid_request_error`` (400), ``authentication_error`` (401),
-``permission_error`` (403), ``not_found_error`` (404), ``server_error`` (500),
-``not_supported_error`` (501), ``unavailable_error`` (503) and
-``exceed_context_size_error`` (400); ``format_error_response`` in its
-``server-common.cpp``.
+Every field llama-server takes is either mapped, accepted at the value that turns it off
+(``mirostat: 0``, ``dry_multiplier: 0`` ...: a sampler llamax does not have), or refused
+with a 400 that names it, so no request is silently sampled otherwise than it asked. A
+field llama-server does not know is refused too (llama-server ignores it; llamax refuses
+unknown fields everywhere). The table of fields is in docs/server.md.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.responses import JSONResponse
-
 import llamax
 
-from .errors import APIError, from_exception
-from .state import ServerState
+from .errors import APIError
 
 __all__ = [
-    "LlamaError",
-    "NativeTimings",
-    "final_json",
-    "leased",
-    "llama_body",
-    "llama_error_response",
-    "parse_object",
-    "partial_json",
-    "sampling_params",
+    "DEFAULT_SETTINGS",
+    "NativeRequest",
+    "final_result",
+    "parse_native",
+    "partial_result",
+    "stop_of",
 ]
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    501: "not_supported_error",
-    503: "unavailable_error",
-}
+_DEFAULT_SAMPLERS = ("dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+"""llama-server's default sampler order; llamax's chain applies the same order (penalties
+first), with ``dry`` and ``xtc`` never active."""
+
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "seed": 0xFFFFFFFF, "temperature": 0.8, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+    "top_k": 40, "top_p": 0.95, "min_p": 0.05, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+    "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0,
+    "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9, "stop": [],
+    "max_tokens": -1, "n_predict": -1, "n_keep": 0, "n_discard": 0, "ignore_eos": False,
+    "stream": False, "logit_bias": [], "n_probs": 0, "min_keep": 0, "grammar": "",
+    "grammar_lazy": False, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"],
+    "timings_per_token": False, "post_sampling_probs": False, "backend_sampling": False,
+    "lora": [],
+}  # fmt: skip
+"""``generation_settings`` (and ``/props``' defaults) in llama-server's names: what
+``/completion`` uses for a field a request leaves out (``SamplingParams``' defaults;
+``n_predict: -1``: until the sequence fills its context)."""
+
+_OFF: dict[str, object] = {
+    "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0,
+    "top_n_sigma": -1, "adaptive_target": -1, "n_indent": 0, "n_discard": 0,
+    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0,
+    "post_sampling_probs": False, "return_progress": False, "backend_sampling": False,
+    "grammar_lazy": False,
+}  # fmt: skip
+"""Fields accepted only at the value that turns their feature off: llamax has no such
+sampler or limit (``post_sampling_probs``: llamax reports the model's log-probabilities
+before sampling, not after the chain)."""
+
+_MOOT = frozenset(
+    {"dynatemp_exponent", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+     "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "xtc_threshold",
+     "adaptive_decay", "n_keep", "n_cache_reuse", "sse_ping_interval", "verbose"}
+)  # fmt: skip
+"""Fields with no effect here, accepted with any value: settings of samplers that are off
+(see :data:`_OFF`), ``n_keep`` and ``n_cache_reuse`` (llamax neither shifts the context nor
+reuses by shifting; its prefix cache needs no setting), ``sse_ping_interval``."""
+
+_NUMBERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+            "min_p": "min_p", "typical_p": "typical_p", "repeat_penalty": "repeat_penalty",
+            "repeat_last_n": "penalty_last_n", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty"}  # fmt: skip
+"""llama-server's numeric sampling fields and their :class:`~llamax.SamplingParams` names."""
+
+_FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos"})
+FIELDS = frozenset(
+    {"prompt", "n_predict", "n_probs", "seed", "stop", "logit_bias", "grammar",
+     "json_schema", "lora", "n_cmpl", "samplers", "id_slot", "response_fields", "model",
+     "stream_options", *_FLAGS, *_NUMBERS, *_OFF, *_MOOT}
+)  # fmt: skip
+"""Every field ``/completion`` takes."""
+
+_MAX_PROMPTS = 64
+_NO_SEED = 0xFFFFFFFF
+"""llama-server's ``LLAMA_DEFAULT_SEED``: a random seed."""
 
 
-class LlamaError(APIError):
-    """An :class:`~.errors.APIError` whose llama-server type is not the status's usual one
-    (``not_supported_error`` for a 501, ``exceed_context_size_error`` for a 400 ...)."""
-
-    def __init__(self, status: int, message: str, kind: str | None = None) -> None:
-        super().__init__(status, message)
-        self.kind = kind
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
 
 
-def llama_body(error: APIError) -> dict[str, dict[str, object]]:
-    """``error`` in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
-    kind = getattr(error, "kind", None) or _TYPES.get(error.status, "server_error")
-    if isinstance(error.__cause__, llamax.ContextLengthError):
-        kind = "exceed_context_size_error"
-    return {"error": {"code": error.status, "message": error.message, "type": kind}}
+@dataclass(frozen=True, slots=True)
+class NativeRequest:
+    """A parsed ``/completion`` body."""
+
+    prompts: tuple[str | tuple[int | str, ...], ...]
+    """Each prompt: text, or token ids mixed with text pieces."""
+    params: llamax.SamplingParams | None
+    """``None``: ``n_predict`` is 0 (the prompt is only tokenized, nothing generated)."""
+    stream: bool = False
+    return_tokens: bool = False
+    timings_per_token: bool = False
+    n_probs: int = 0
+    response_fields: tuple[str, ...] = ()
+    model: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    """``generation_settings``: :data:`DEFAULT_SETTINGS` with the fields given."""
+    text_bias: tuple[tuple[str, float], ...] = ()
+    """``logit_bias`` entries given as text: each of its tokens gets the bias (the route
+    tokenizes them and adds them to ``params``)."""
 
 
-def llama_error_response(error: APIError) -> JSONResponse:
-    """The HTTP response for ``error`` on a native route."""
-    return JSONResponse(llama_body(error), status_code=error.status, headers=error.headers)
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise _bad(f"{name} must be a boolean, got {type(value).__name__}", name)
+    return value
 
 
-def as_llama_error(exc: BaseException, prompt_field: str = "prompt") -> APIError:
-    """Any exception as the error a native route answers with (llamax's typed errors keep
-    their 4xx status, see :func:`~.errors.from_exception`)."""
-    error = from_exception(exc, prompt_field=prompt_field)
-    if error is not exc and error.__cause__ is None:
-        error.__cause__ = exc
-    return error
+def _number(body: Mapping[str, Any], name: str) -> float | int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(f"{name} must be a finite number, got {value!r}", name)
+    return value
 
 
-@asynccontextmanager
-async def leased(state: ServerState, model: object) -> AsyncIterator[llamax.Context]:
-    """The context ``model`` names (``None``: the default), held (an admission slot taken,
-    the model pinned) until the block ends.
+def _prompt_object(value: dict[str, Any]) -> str:
+    """``{"prompt_string": text}``; ``multimodal_data`` is refused (no multimodal model)."""
+    unknown = sorted(set(value) - {"prompt_string", "multimodal_data"})
+    if unknown or not isinstance(value.get("prompt_string"), str):
+        raise _bad('prompt: an object prompt must be {"prompt_string": text}', "prompt")
+    if value.get("multimodal_data"):
+        raise _bad("prompt: multimodal_data is not supported (the model has no multimodal "
+                   "projector)", "prompt")  # fmt: skip
+    return str(value["prompt_string"])
+
+
+def _prompts(value: object) -> tuple[str | tuple[int | str, ...], ...]:
+    """``prompt`` as a tuple of prompts (one unless it is a list of prompts)."""
+    if isinstance(value, dict):
+        return (_prompt_object(value),)
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not value:
+        raise _bad("prompt must be a string, a list of token ids and strings, or a list of "
+                   "prompts", "prompt")  # fmt: skip
+    if all(_is_piece(p) for p in value) and any(isinstance(p, int) for p in value):
+        return (tuple(value),)
+    if len(value) > _MAX_PROMPTS:
+        raise _bad(f"prompt holds {len(value)} prompts; at most {_MAX_PROMPTS}", "prompt")
+    out: list[str | tuple[int | str, ...]] = []
+    for item in value:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            out.append(_prompt_object(item))
+        elif isinstance(item, list) and item and all(_is_piece(p) for p in item):
+            out.append(tuple(item))
+        else:
+            raise _bad(f"prompt: each prompt must be a string or a non-empty list of token "
+                       f"ids and strings, got {item!r:.60}", "prompt")  # fmt: skip
+    return tuple(out)
+
+
+def _is_piece(value: object) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _logit_bias(value: object) -> tuple[dict[int, float], tuple[tuple[str, float], ...]]:
+    """llama-server's ``[[token, bias], ...]`` (token an id or text, bias a number or
+    ``false`` to ban) or ``{"token": bias}``: the biases by id, and those by text."""
+    pairs: list[Any]
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list):
+        pairs = value
+    else:
+        raise _bad("logit_bias must be a list of [token, bias] pairs or an object", "logit_bias")
+    by_id: dict[int, float] = {}
+    by_text: list[tuple[str, float]] = []
+    for pair in pairs:
+        if not (isinstance(pair, list | tuple) and len(pair) == 2):
+            raise _bad(f"logit_bias: each entry must be [token, bias], got {pair!r:.60}",
+                       "logit_bias")  # fmt: skip
+        token, bias = pair
+        if isinstance(token, str) and token.lstrip("-").isdigit():
+            token = int(token)
+        if not (_is_piece(token) and (bias is False or _is_real(bias))):
+            raise _bad(f"logit_bias: bad entry {pair!r:.60}", "logit_bias")
+        number = -math.inf if bias is False else float(bias)
+        if isinstance(token, str):
+            by_text.append((token, number))
+        else:
+            by_id[token] = number
+    return by_id, tuple(by_text)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _samplers(value: object, options: dict[str, Any]) -> None:
+    """Turn off the samplers a ``samplers`` list leaves out (llamax's order is fixed:
+    llama-server's default order, so a list in another order is refused)."""
+    if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        raise _bad("samplers must be a list of sampler names", "samplers")
+    unknown = [s for s in value if s not in _DEFAULT_SAMPLERS]
+    if unknown:
+        raise _bad(f"samplers: llamax has no sampler {unknown[0]!r} (it has "
+                   f"{', '.join(_DEFAULT_SAMPLERS)})", "samplers")  # fmt: skip
+    order = [_DEFAULT_SAMPLERS.index(s) for s in value]
+    if order != sorted(set(order)):
+        raise _bad("samplers: llamax applies its samplers in one order (dry, top_k, typ_p, "
+                   "top_p, min_p, xtc, temperature), each once; give them in that order",
+                   "samplers")  # fmt: skip
+    off = {"top_k": ("top_k", 0), "typ_p": ("typical_p", 1.0), "top_p": ("top_p", 1.0),
+           "min_p": ("min_p", 0.0)}  # fmt: skip
+    for name, (option, neutral) in off.items():
+        if name not in value:
+            options[option] = neutral
+    if "temperature" not in value and options.get("temperature", 0.8) > 0:
+        options["temperature"] = 1.0
+
+
+def parse_native(body: Mapping[str, Any], n_vocab: int | None = None) -> NativeRequest:
+    """Check a ``/completion`` body and map it onto llamax's parameters.
 
     Raises:
-        APIError: 503 when the server is busy or the model unavailable, 404 for an unknown
-            model, as :meth:`~.state.ServerState.lease`.
+        APIError: 400 naming the field for an unknown field, a wrong type, a value llamax
+            refuses (``SamplingParams``' own message) or a field llamax does not support
+            at that value.
     """
-    state.admit()
-    try:
-        lease = state.lease(model)
-    except BaseException:
-        state.release()
-        raise
-    try:
-        yield await lease.context()
-    finally:
-        lease.release()
-
-
-def parse_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object.
-
-    Raises:
-        LlamaError: 400 when it is not JSON or not an object.
-    """
-    try:
-        body = json.loads(raw or b"{}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise LlamaError(400, f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise LlamaError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-_RENAMED = {
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "typical_p": "typical_p",
-    "repeat_penalty": "repeat_penalty",
-    "repeat_last_n": "penalty_last_n",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "ignore_eos": "ignore_eos",
-    "grammar": "grammar",
-    "json_schema": "json_schema",
-}
-"""llama-server's sampling field -> :class:`~llamax.SamplingParams`' field."""
-
-_REFUSED_UNLESS = {
-    "mirostat": 0,
-    "dynatemp_range": 0.0,
-    "xtc_probability": 0.0,
-    "dry_multiplier": 0.0,
-    "top_n_sigma": -1.0,
-    "n_probs": 0,
-    "n_cmpl": 1,
-    "samplers": None,
-    "lora": None,
-    "logit_bias": None,
-    "n_keep": 0,
-}
-"""Fields llama-server takes that these routes do not: refused (400) unless absent or at
-llama-server's default, never silently ignored."""
-
-
-def sampling_params(body: Mapping[str, Any]) -> llamax.SamplingParams:
-    """llama-server's sampling fields as :class:`~llamax.SamplingParams`: ``n_predict``
-    (``-1``: until the end of generation or the context), ``temperature``, ``top_k``,
-    ``top_p``, ``min_p``, ``typical_p``, ``repeat_penalty``, ``repeat_last_n``,
-    ``presence_penalty``, ``frequency_penalty``, ``seed`` (``-1``: random), ``stop``,
-    ``ignore_eos``, ``grammar``, ``json_schema``.
-
-    Raises:
-        LlamaError: 400 for a field these routes refuse (:data:`_REFUSED_UNLESS`) or a
-            value :class:`~llamax.SamplingParams` refuses.
-    """
-    for name, default in _REFUSED_UNLESS.items():
-        if name in body and body[name] not in (default, None):
-            raise LlamaError(400, f"{name} is not supported by llamax on this route "
-                             f"(send {default!r} or leave it out)")  # fmt: skip
-    options: dict[str, Any] = {
-        ours: body[theirs] for theirs, ours in _RENAMED.items() if body.get(theirs) is not None
-    }
-    n_predict = body.get("n_predict", body.get("max_tokens", -1))
-    if not isinstance(n_predict, int) or isinstance(n_predict, bool):
-        raise LlamaError(400, f"n_predict must be an int, got {n_predict!r}")
-    options["max_tokens"] = None if n_predict < 0 else n_predict
-    seed = body.get("seed", -1)
-    if seed not in (-1, 0xFFFFFFFF, None):
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0], code="unknown_field")
+    for name, neutral in _OFF.items():
+        if (
+            name in body
+            and body[name] != neutral
+            and not (isinstance(neutral, int) and _is_real(body[name]) and body[name] == neutral)
+        ):
+            raise APIError(400, f"{name} is not supported by llamax (only {neutral!r}, which "
+                           f"turns it off); see docs/server.md", param=name,
+                           code="unsupported_field")  # fmt: skip
+    if "prompt" not in body:
+        raise APIError(400, '"prompt" must be provided', param="prompt", code="missing_field")
+    prompts = _prompts(body["prompt"])
+    flags = {name: _flag(body, name, default=name == "cache_prompt") for name in _FLAGS}
+    options: dict[str, Any] = {}
+    for name, option in _NUMBERS.items():
+        value = _number(body, name)
+        if value is not None:
+            options[option] = value
+    if "samplers" in body:
+        _samplers(body["samplers"], options)
+    n_predict = _number(body, "n_predict")
+    if n_predict is not None and (n_predict != int(n_predict) or n_predict < -1):
+        raise _bad(f"n_predict must be an int >= -1, got {n_predict!r}", "n_predict")
+    options["max_tokens"] = None if n_predict is None or n_predict < 0 else int(n_predict)
+    seed = _number(body, "seed")
+    if seed is not None and seed not in (-1, _NO_SEED):
         options["seed"] = seed
-    stop = body.get("stop")
-    if stop is not None:
-        options["stop"] = [stop] if isinstance(stop, str) else stop
+    n_probs = _number(body, "n_probs") or 0
+    if n_probs:
+        options["logprobs"] = n_probs
+    n_cmpl = _number(body, "n_cmpl")
+    if n_cmpl is not None:
+        options["n"] = n_cmpl
+    _other_options(body, options, flags["ignore_eos"])
+    _check_slot(body.get("id_slot", -1))
+    response_fields = body.get("response_fields", [])
+    if not (isinstance(response_fields, list) and all(isinstance(f, str) for f in response_fields)):
+        raise _bad("response_fields must be a list of strings", "response_fields")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model must be a string", "model")
+    settings = DEFAULT_SETTINGS | {k: v for k, v in body.items() if k in DEFAULT_SETTINGS}
+    settings["max_tokens"] = settings["n_predict"]
+    text_bias = options.pop("text_bias", ())
+    params = None if options["max_tokens"] == 0 else _sampling_params(options)
+    return NativeRequest(prompts, params, flags["stream"], flags["return_tokens"],
+                         flags["timings_per_token"], int(n_probs), tuple(response_fields),
+                         model, settings, text_bias)  # fmt: skip
+
+
+_FIELD_OF = {v: k for k, v in _NUMBERS.items()} | {
+    "max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl", "seed": "seed",
+    "stop": "stop", "logit_bias": "logit_bias", "grammar": "grammar",
+    "json_schema": "json_schema", "lora": "lora",
+}  # fmt: skip
+"""llamax's option names and the ``/completion`` fields they come from."""
+
+
+def _sampling_params(options: dict[str, Any]) -> llamax.SamplingParams:
+    """``SamplingParams(**options)``; a refusal is a 400 naming the field as the client
+    gave it (``n_probs must be ...``, not ``logprobs must be ...``)."""
     try:
         return llamax.SamplingParams(**options)
-    except (llamax.InvalidParameterError, TypeError, ValueError) as exc:
-        raise LlamaError(400, str(exc)) from exc
+    except llamax.InvalidParameterError as exc:
+        message = str(exc)
+        option = next((o for o in _FIELD_OF if message.startswith(o + " ")), None)
+        if option is None:
+            raise _bad(message) from exc
+        name = _FIELD_OF[option]
+        raise _bad(name + message[len(option) :], name) from exc
+
+
+def _other_options(body: Mapping[str, Any], options: dict[str, Any], ignore_eos: bool) -> None:
+    if ignore_eos:
+        options["ignore_eos"] = True
+    stop = body.get("stop")
+    if stop is not None:
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise _bad("stop must be a list of strings", "stop")
+        options["stop"] = [s for s in stop if s]
+    if "logit_bias" in body:
+        options["logit_bias"], options["text_bias"] = _logit_bias(body["logit_bias"])
+    for name in ("grammar", "json_schema"):
+        value = body.get(name)
+        if value not in (None, ""):
+            options[name] = value
+    lora = body.get("lora")
+    if lora is not None:
+        if not (isinstance(lora, list) and all(
+            isinstance(a, dict) and set(a) == {"id", "scale"} for a in lora
+        )):  # fmt: skip
+            raise _bad("Error: 'lora' must be an array of objects with 'id' and 'scale' fields",
+                       "lora")  # fmt: skip
+        options["lora"] = {a["id"]: a["scale"] for a in lora}
+
+
+def _check_slot(id_slot: object) -> None:
+    if isinstance(id_slot, bool) or not isinstance(id_slot, int) or id_slot < -1:
+        raise _bad(f"id_slot must be an int >= -1, got {id_slot!r}", "id_slot")
+
+
+def stop_of(choice: llamax.Choice, full_text: str, stops: Sequence[str]) -> tuple[str, str]:
+    """llama-server's ``stop_type`` and ``stopping_word`` of a finished choice: ``word``
+    when a stop string cut the text (``full_text``, the detokenized tokens, goes on with it),
+    ``eos`` for an end-of-generation token, ``limit`` for ``n_predict`` or the context."""
+    if choice.finish_reason is llamax.FinishReason.LENGTH:
+        return "limit", ""
+    if choice.finish_reason is llamax.FinishReason.STOP:
+        rest = full_text[len(choice.text) :]
+        word = next((s for s in sorted(stops, key=len, reverse=True) if rest.startswith(s)), "")
+        return ("word", word) if word else ("eos", "")
+    return "none", ""
 
 
 @dataclass(slots=True)
-class NativeTimings:
-    """One request's clock, for llama-server's ``timings`` object."""
+class Timings:
+    """One sequence's clock: when it was submitted, its first token came, it ended."""
 
-    start: float
+    submitted: float
     first_token: float | None = None
-    end: float | None = None
-    num_decoded: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    num_prompt: int = 0
+    num_cached: int = 0
+    num_predicted: int = 0
 
-    def to_json(self, usage: llamax.Usage) -> dict[str, Any]:
-        """``timings``: ``cache_n`` (prompt tokens served from the cache), ``prompt_n``
-        (computed), ``predicted_n`` and their milliseconds and rates."""
-        first = self.first_token if self.first_token is not None else self.end or self.start
-        end = self.end or first
-        prompt_ms = (first - self.start) * 1000
-        predicted_ms = (end - first) * 1000
-        prompt_n = usage.prompt_tokens - usage.cached_tokens
-        predicted_n = usage.completion_tokens
+    def to_json(self, now: float) -> dict[str, Any]:
+        first = self.first_token if self.first_token is not None else now
+        prompt_ms = (first - self.submitted) * 1e3
+        predicted_ms = (now - first) * 1e3
+        num_prompt = max(self.num_prompt - self.num_cached, 0)
+        num_predicted = self.num_predicted
         return {
-            "cache_n": usage.cached_tokens,
-            "prompt_n": prompt_n,
+            "cache_n": self.num_cached,
+            "prompt_n": num_prompt,
             "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-            "prompt_per_second": prompt_n * 1000 / prompt_ms if prompt_ms > 0 else 0.0,
-            "predicted_n": predicted_n,
+            "prompt_per_token_ms": prompt_ms / num_prompt if num_prompt else 0.0,
+            "prompt_per_second": 1e3 * num_prompt / prompt_ms if prompt_ms > 0 else 0.0,
+            "predicted_n": self.num_predicted,
             "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-            "predicted_per_second": (
-                predicted_n * 1000 / predicted_ms if predicted_ms > 0 else 0.0
-            ),
-        }
+            "predicted_per_token_ms": predicted_ms / num_predicted if num_predicted else 0.0,
+            "predicted_per_second": 1e3 * num_predicted / predicted_ms if predicted_ms > 0 else 0.0,
+        }  # fmt: skip
 
 
-def partial_json(
-    text: str, token_ids: tuple[int, ...], *, id_slot: int, num_decoded: int, num_prompt: int,
-    return_tokens: bool,
+def probs_json(logprobs: Sequence[llamax.TokenLogprob]) -> list[dict[str, Any]]:
+    """``completion_probabilities``: llama-server's ``id``/``token``/``bytes``/``logprob`` and
+    ``top_logprobs`` per generated token."""
+    return [
+        {"id": lp.token_id, "token": lp.token, "bytes": list(lp.bytes), "logprob": lp.logprob,
+         "top_logprobs": [{"id": t.token_id, "token": t.token, "bytes": list(t.bytes),
+                           "logprob": t.logprob} for t in lp.top_logprobs]}
+        for lp in logprobs
+    ]  # fmt: skip
+
+
+def partial_result(
+    request: NativeRequest, event: llamax.TokenEvent, index: int, num_prompt: int,
+    num_predicted: int, timings: Timings | None, now: float,
 ) -> dict[str, Any]:  # fmt: skip
-    """One streamed chunk, as llama-server's ``server_task_result_cmpl_partial``."""
-    return {
-        "index": 0,
-        "content": text,
-        "tokens": list(token_ids) if return_tokens else [],
-        "stop": False,
-        "id_slot": id_slot,
-        "tokens_predicted": num_decoded,
-        "tokens_evaluated": num_prompt,
-    }
+    """One streamed ``/completion`` event (``stop: false``)."""
+    chunk: dict[str, Any] = {
+        "index": index, "content": event.text, "tokens": list(event.token_ids), "stop": False,
+        "id_slot": -1, "tokens_predicted": num_predicted, "tokens_evaluated": num_prompt,
+    }  # fmt: skip
+    if timings is not None and request.timings_per_token:
+        chunk["timings"] = timings.to_json(now)
+    if request.n_probs and event.logprobs:
+        chunk["completion_probabilities"] = probs_json(event.logprobs)
+    return chunk
 
 
-def final_json(
-    result: llamax.Completion,
-    *,
-    content: str,
-    model: str,
-    prompt: str,
-    id_slot: int,
-    settings: dict[str, Any],
-    stop_words: tuple[str, ...],
-    full_text: str,
-    timings: NativeTimings,
-    return_tokens: bool,
-) -> dict[str, Any]:
-    """The last (or only) answer, as llama-server's ``server_task_result_cmpl_final``.
-
-    ``stop_type`` is ``limit`` for ``n_predict`` reached, ``word`` when a stop string ended
-    it (``stopping_word``: which; ``full_text`` is the text before the stop string was
-    cut), ``eos`` otherwise.
-    """
-    choice = result.choices[0]
-    stop_type, word = "eos", ""
-    if choice.finish_reason is llamax.FinishReason.LENGTH:
-        stop_type = "limit"
-    elif choice.finish_reason is llamax.FinishReason.STOP:
-        tail = full_text[len(choice.text) :]
-        word = next((w for w in stop_words if tail.startswith(w)), "")
-        stop_type = "word" if word else "eos"
-    usage = result.usage
-    return {
-        "index": 0,
-        "content": content,
-        "tokens": list(choice.token_ids) if return_tokens else [],
-        "id_slot": id_slot,
+def final_result(
+    request: NativeRequest, *, index: int, text: str, token_ids: Sequence[int], prompt: str,
+    stop: tuple[str, str], model: str, n_ctx: int, timings: Timings, now: float,
+    logprobs: Sequence[llamax.TokenLogprob] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The last ``/completion`` result of a sequence (``stop: true``); in a stream its
+    ``content`` and ``tokens`` are empty (the events carried them)."""
+    stream = request.stream
+    result: dict[str, Any] = {
+        "index": index,
+        "content": "" if stream else text,
+        "tokens": list(token_ids) if request.return_tokens and not stream else [],
+        "id_slot": -1,
         "stop": True,
         "model": model,
-        "tokens_predicted": usage.completion_tokens,
-        "tokens_evaluated": usage.prompt_tokens,
-        "generation_settings": settings,
+        "tokens_predicted": timings.num_predicted,
+        "tokens_evaluated": timings.num_prompt,
+        "generation_settings": {"n_ctx": n_ctx, "model": model, **request.settings},
         "prompt": prompt,
-        "has_new_line": "\n" in choice.text,
+        "has_new_line": "\n" in text,
         "truncated": False,
-        "stop_type": stop_type,
-        "stopping_word": word,
-        "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
-        "timings": timings.to_json(usage),
+        "stop_type": stop[0],
+        "stopping_word": stop[1],
+        "tokens_cached": timings.num_cached,
+        "timings": timings.to_json(now),
     }
+    if request.n_probs and logprobs and not stream:
+        result["completion_probabilities"] = probs_json(logprobs)
+    return _pick(result, request.response_fields) if request.response_fields else result
+
+
+def _pick(result: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """llama-server's ``response_fields``: the named fields only; ``a/b`` brings ``b`` of
+    the object ``a`` up to the top (under the name ``a/b``), a missing one is left out."""
+    out: dict[str, Any] = {}
+    for name in names:
+        value: Any = result
+        for part in name.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            out[name] = value
+    return out

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .info import _pool_models
-from .llama_native import LlamaError, as_llama_error, llama_error_response, parse_object
+from .llama_jobs import LlamaError, as_llama_error, llama_error_response, parse_object
 from .models import ModelPool, ModelState
 from .state import ServerState, read_body
 

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 
-from .llama_native import (
+from .llama_jobs import (
     LlamaError,
     as_llama_error,
     leased,

@@ -117,7 +117,7 @@ class CompletionResponse(Response):
             result = await self.job.start()
         except Exception as exc:
             return await self._error(send, exc)
-        self.job.metrics.record_usage(self.job.dialect.usage(result.get("usage")))
+        self.job.metrics.record_usage(self.job.dialect.result_usage(result))
         await _send_json(send, 200, result, {})
         return "success"
 

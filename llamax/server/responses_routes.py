@@ -39,6 +39,7 @@ def responses_routes(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_key)])
 
     @router.post("/v1/responses")
+    @router.post("/responses")  # llama-server's alias
     async def create_route(request: Request) -> Response:
         return await admit_completion(
             state,

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 
-from .dialects import OPENAI
+from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
 from .schemas import (
     ChatCompletionRequest,
@@ -44,6 +44,7 @@ def api_routes(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_key)])
 
     @router.post("/v1/chat/completions")
+    @router.post("/chat/completions")  # llama-server's alias: its error shape
     async def chat_completions(request: Request) -> Response:
         def options(body: ChatCompletionRequest) -> dict[str, Any]:
             options = _stream_options(body)
@@ -54,7 +55,8 @@ def api_routes(state: ServerState) -> APIRouter:
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
             return ctx.achat_completion(body.messages, **options, **_echo(state, body))
 
-        return await _admit(state, request, "chat", ChatCompletionRequest, options, start)
+        return await _admit(state, request, "chat", ChatCompletionRequest, options, start,
+                            _dialect_of(request))  # fmt: skip
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -92,7 +94,9 @@ def api_routes(state: ServerState) -> APIRouter:
     async def tokenize(request: Request) -> Response:
         def work(body: TokenizeRequest, ctx: llamax.Context) -> Response:
             try:
-                tokens = ctx.tokenize(body.content, add_special=body.add_special)
+                tokens = ctx.tokenize(
+                    body.content, add_special=body.add_special, parse_special=body.parse_special
+                )
             except Exception as exc:
                 raise from_exception(exc, _TOKENIZE_FIELDS, "content") from exc
             if not body.with_pieces:
@@ -115,6 +119,11 @@ def api_routes(state: ServerState) -> APIRouter:
         return await _in_worker(state, request, DetokenizeRequest, work)
 
     return router
+
+
+def _dialect_of(request: Request) -> Dialect:
+    """OpenAI's errors under ``/v1``; llama-server's on its un-prefixed aliases."""
+    return OPENAI if request.url.path.startswith("/v1/") else OPENAI_LLAMA
 
 
 def _model_of(body: Any) -> object:
@@ -217,6 +226,7 @@ async def _admit(
     model: type[Any],
     options: Callable[[Any], dict[str, Any]],
     start: Callable[[llamax.Context, Any, dict[str, Any]], Awaitable[Any]],
+    dialect: Dialect = OPENAI,
 ) -> Response:
     """An OpenAI completion request through :func:`~.state.admit_completion`: the body
     parsed and its options checked in a worker, then rendered and tokenized in a worker
@@ -235,7 +245,7 @@ async def _admit(
         parse,
         lambda parsed: _model_of(parsed[0]),
         lambda parsed, ctx: start(ctx, *parsed),
-        dialect=OPENAI,
+        dialect=dialect,
         fields=_CHAT_FIELDS if chat else _TEXT_FIELDS,
         prompt_field="messages" if chat else "prompt",
         stream=lambda parsed: bool(parsed[0].is_stream),

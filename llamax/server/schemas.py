@@ -268,7 +268,10 @@ class TokenizeRequest(_Strict):
     """``POST /tokenize`` (llama-server's shape)."""
 
     content: str
-    add_special: bool = True
+    add_special: bool = False
+    """BOS and the like (llama-server's default: none)."""
+    parse_special: bool = True
+    """Special-token text becomes special tokens (``False``: plain text)."""
     with_pieces: bool = False
     model: str | None = None
     """Which model's tokenizer, when the server has several (docs/models.md)."""

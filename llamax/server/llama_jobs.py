@@ -1,0 +1,280 @@
+"""What llama-server's slot routes (``/infill``, ``/slots``, ``/models/load``) share: its
+error body, its sampling fields as :class:`~llamax.SamplingParams`, and its ``/completion``
+response shape (whole and streamed). ``/completion`` itself is parsed and shaped in
+:mod:`.llama_native` (the two overlap: folding them into one is open work).
+
+llama-server's error body is ``{"error": {"code": <status>, "message", "type"}}``, the type
+one of ``invalid_request_error`` (400), ``authentication_error`` (401),
+``permission_error`` (403), ``not_found_error`` (404), ``server_error`` (500),
+``not_supported_error`` (501), ``unavailable_error`` (503) and
+``exceed_context_size_error`` (400); ``format_error_response`` in its
+``server-common.cpp``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+import llamax
+
+from .errors import APIError, from_exception
+from .state import ServerState
+
+__all__ = [
+    "LlamaError",
+    "NativeTimings",
+    "final_json",
+    "leased",
+    "llama_body",
+    "llama_error_response",
+    "parse_object",
+    "partial_json",
+    "sampling_params",
+]
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+class LlamaError(APIError):
+    """An :class:`~.errors.APIError` whose llama-server type is not the status's usual one
+    (``not_supported_error`` for a 501, ``exceed_context_size_error`` for a 400 ...)."""
+
+    def __init__(self, status: int, message: str, kind: str | None = None) -> None:
+        super().__init__(status, message)
+        self.kind = kind
+
+
+def llama_body(error: APIError) -> dict[str, dict[str, object]]:
+    """``error`` in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
+    kind = getattr(error, "kind", None) or _TYPES.get(error.status, "server_error")
+    if isinstance(error.__cause__, llamax.ContextLengthError):
+        kind = "exceed_context_size_error"
+    return {"error": {"code": error.status, "message": error.message, "type": kind}}
+
+
+def llama_error_response(error: APIError) -> JSONResponse:
+    """The HTTP response for ``error`` on a native route."""
+    return JSONResponse(llama_body(error), status_code=error.status, headers=error.headers)
+
+
+def as_llama_error(exc: BaseException, prompt_field: str = "prompt") -> APIError:
+    """Any exception as the error a native route answers with (llamax's typed errors keep
+    their 4xx status, see :func:`~.errors.from_exception`)."""
+    error = from_exception(exc, prompt_field=prompt_field)
+    if error is not exc and error.__cause__ is None:
+        error.__cause__ = exc
+    return error
+
+
+@asynccontextmanager
+async def leased(state: ServerState, model: object) -> AsyncIterator[llamax.Context]:
+    """The context ``model`` names (``None``: the default), held (an admission slot taken,
+    the model pinned) until the block ends.
+
+    Raises:
+        APIError: 503 when the server is busy or the model unavailable, 404 for an unknown
+            model, as :meth:`~.state.ServerState.lease`.
+    """
+    state.admit()
+    try:
+        lease = state.lease(model)
+    except BaseException:
+        state.release()
+        raise
+    try:
+        yield await lease.context()
+    finally:
+        lease.release()
+
+
+def parse_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        LlamaError: 400 when it is not JSON or not an object.
+    """
+    try:
+        body = json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise LlamaError(400, f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise LlamaError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+_RENAMED = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "typical_p": "typical_p",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "penalty_last_n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "ignore_eos": "ignore_eos",
+    "grammar": "grammar",
+    "json_schema": "json_schema",
+}
+"""llama-server's sampling field -> :class:`~llamax.SamplingParams`' field."""
+
+_REFUSED_UNLESS = {
+    "mirostat": 0,
+    "dynatemp_range": 0.0,
+    "xtc_probability": 0.0,
+    "dry_multiplier": 0.0,
+    "top_n_sigma": -1.0,
+    "n_probs": 0,
+    "n_cmpl": 1,
+    "samplers": None,
+    "lora": None,
+    "logit_bias": None,
+    "n_keep": 0,
+}
+"""Fields llama-server takes that these routes do not: refused (400) unless absent or at
+llama-server's default, never silently ignored."""
+
+
+def sampling_params(body: Mapping[str, Any]) -> llamax.SamplingParams:
+    """llama-server's sampling fields as :class:`~llamax.SamplingParams`: ``n_predict``
+    (``-1``: until the end of generation or the context), ``temperature``, ``top_k``,
+    ``top_p``, ``min_p``, ``typical_p``, ``repeat_penalty``, ``repeat_last_n``,
+    ``presence_penalty``, ``frequency_penalty``, ``seed`` (``-1``: random), ``stop``,
+    ``ignore_eos``, ``grammar``, ``json_schema``.
+
+    Raises:
+        LlamaError: 400 for a field these routes refuse (:data:`_REFUSED_UNLESS`) or a
+            value :class:`~llamax.SamplingParams` refuses.
+    """
+    for name, default in _REFUSED_UNLESS.items():
+        if name in body and body[name] not in (default, None):
+            raise LlamaError(400, f"{name} is not supported by llamax on this route "
+                             f"(send {default!r} or leave it out)")  # fmt: skip
+    options: dict[str, Any] = {
+        ours: body[theirs] for theirs, ours in _RENAMED.items() if body.get(theirs) is not None
+    }
+    n_predict = body.get("n_predict", body.get("max_tokens", -1))
+    if not isinstance(n_predict, int) or isinstance(n_predict, bool):
+        raise LlamaError(400, f"n_predict must be an int, got {n_predict!r}")
+    options["max_tokens"] = None if n_predict < 0 else n_predict
+    seed = body.get("seed", -1)
+    if seed not in (-1, 0xFFFFFFFF, None):
+        options["seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        options["stop"] = [stop] if isinstance(stop, str) else stop
+    try:
+        return llamax.SamplingParams(**options)
+    except (llamax.InvalidParameterError, TypeError, ValueError) as exc:
+        raise LlamaError(400, str(exc)) from exc
+
+
+@dataclass(slots=True)
+class NativeTimings:
+    """One request's clock, for llama-server's ``timings`` object."""
+
+    start: float
+    first_token: float | None = None
+    end: float | None = None
+    num_decoded: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, usage: llamax.Usage) -> dict[str, Any]:
+        """``timings``: ``cache_n`` (prompt tokens served from the cache), ``prompt_n``
+        (computed), ``predicted_n`` and their milliseconds and rates."""
+        first = self.first_token if self.first_token is not None else self.end or self.start
+        end = self.end or first
+        prompt_ms = (first - self.start) * 1000
+        predicted_ms = (end - first) * 1000
+        prompt_n = usage.prompt_tokens - usage.cached_tokens
+        predicted_n = usage.completion_tokens
+        return {
+            "cache_n": usage.cached_tokens,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n * 1000 / prompt_ms if prompt_ms > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+            "predicted_per_second": (
+                predicted_n * 1000 / predicted_ms if predicted_ms > 0 else 0.0
+            ),
+        }
+
+
+def partial_json(
+    text: str, token_ids: tuple[int, ...], *, id_slot: int, num_decoded: int, num_prompt: int,
+    return_tokens: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """One streamed chunk, as llama-server's ``server_task_result_cmpl_partial``."""
+    return {
+        "index": 0,
+        "content": text,
+        "tokens": list(token_ids) if return_tokens else [],
+        "stop": False,
+        "id_slot": id_slot,
+        "tokens_predicted": num_decoded,
+        "tokens_evaluated": num_prompt,
+    }
+
+
+def final_json(
+    result: llamax.Completion,
+    *,
+    content: str,
+    model: str,
+    prompt: str,
+    id_slot: int,
+    settings: dict[str, Any],
+    stop_words: tuple[str, ...],
+    full_text: str,
+    timings: NativeTimings,
+    return_tokens: bool,
+) -> dict[str, Any]:
+    """The last (or only) answer, as llama-server's ``server_task_result_cmpl_final``.
+
+    ``stop_type`` is ``limit`` for ``n_predict`` reached, ``word`` when a stop string ended
+    it (``stopping_word``: which; ``full_text`` is the text before the stop string was
+    cut), ``eos`` otherwise.
+    """
+    choice = result.choices[0]
+    stop_type, word = "eos", ""
+    if choice.finish_reason is llamax.FinishReason.LENGTH:
+        stop_type = "limit"
+    elif choice.finish_reason is llamax.FinishReason.STOP:
+        tail = full_text[len(choice.text) :]
+        word = next((w for w in stop_words if tail.startswith(w)), "")
+        stop_type = "word" if word else "eos"
+    usage = result.usage
+    return {
+        "index": 0,
+        "content": content,
+        "tokens": list(choice.token_ids) if return_tokens else [],
+        "id_slot": id_slot,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens,
+        "generation_settings": settings,
+        "prompt": prompt,
+        "has_new_line": "\n" in choice.text,
+        "truncated": False,
+        "stop_type": stop_type,
+        "stopping_word": word,
+        "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
+        "timings": timings.to_json(usage),
+    }
