@@ -120,13 +120,13 @@ def create_app(
     save_path = None if slot_save_path is None else Path(slot_save_path)
     routers = (
         public_routes(state),
+        router_routes(state),  # first: with several models its GET /models is the router's
         info_routes(state),
         api_routes(state),
         anthropic_routes(state),
         responses_routes(state),
         infill_routes(state, slots),
         slot_routes(state, slots, save_path),
-        router_routes(state),  # before llama_routes: its GET /models, with several models
         llama_routes(state),
     )
     for router in routers:
