@@ -40,6 +40,10 @@ class BusyMachine:
     busy_until: int = 10**9
     spin: float = SPIN
     """How many times slower a 2-thread step runs while busy."""
+    one_thread: float = ONE_THREAD
+    """How many times slower a 1-thread step runs than a quiet 2-thread one."""
+    num_busy: int = 1
+    """Busy processes while busy."""
     backend: FakeBackend | None = None
     num_steps: int = 0
     threads: list[int] = field(default_factory=list)
@@ -51,7 +55,7 @@ class BusyMachine:
         seconds = QUIET_S + TOKEN_S * sum(len(i.token_ids) for i in items)
         busy = self.busy_from <= self.num_steps < self.busy_until
         if n == 1:
-            seconds *= ONE_THREAD
+            seconds *= self.one_thread
         elif busy:
             seconds *= self.spin
         self.threads.append(n)
@@ -63,7 +67,7 @@ class BusyMachine:
         the busy process while it runs."""
         assert self.backend is not None
         busy = self.busy_from <= self.num_steps - 1 < self.busy_until
-        return self.backend.n_threads + busy
+        return self.backend.n_threads + self.num_busy * busy
 
 
 def busy_fake(machine: BusyMachine, *, tells_load: bool = False) -> FakeBackend:
@@ -307,3 +311,27 @@ def test_a_bad_adapt_threads_variable_is_a_typed_error(monkeypatch: pytest.Monke
     monkeypatch.setenv("LLAMAX_ADAPT_THREADS", "maybe")
     with pytest.raises(llamax.InvalidParameterError, match="LLAMAX_ADAPT_THREADS"):
         llamax.Context(backend=FakeBackend(n_threads=2), autostart=False)
+
+
+def test_a_machine_the_others_fill_keeps_every_thread() -> None:
+    """Two busy processes on 2 cores: each thread is a share of the machine, so fewer
+    threads only get less of it (measured: 125 tok/s at 2 threads, 81 at 1). The old rule
+    (crowded: more runnable tasks than cores) dropped to one thread there."""
+    machine = BusyMachine(busy_from=20, busy_until=10**9, spin=2.0, one_thread=3.0, num_busy=2)
+    backend = busy_fake(machine, tells_load=True)
+    with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
+        decode_steps(ctx, 300)
+        stats = ctx.stats()
+    assert backend.thread_log == [] and set(machine.threads) == {2}
+    assert not stats.is_contended
+
+
+@pytest.mark.parametrize(
+    ("runnable", "n_threads", "crowded"),
+    [(2, 2, False), (3, 2, True), (4, 2, False), (2, 1, False), (5, 4, True), (8, 4, False)],
+)
+def test_is_crowded(runnable: int, n_threads: int, crowded: bool) -> None:
+    from llamax.engine.timing.threads import is_crowded
+
+    cores = 2 if n_threads <= 2 else 4
+    assert is_crowded(runnable, n_threads, cores) is crowded
