@@ -137,6 +137,40 @@ def test_a_partial_state_completes_a_copied_prefix(backend: LlamaCppBackend) -> 
         assert backend.seq_rm(seq_id, -1, -1)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_running_queued_copies_with_every_sequence_in_use_leaves_each_as_it_was(
+    memory_models: dict[str, Path], kind: str
+) -> None:
+    """llama.cpp runs a cross-stream copy only at a decode, so ``run_queued_copies`` decodes
+    one token into the shortest sequence and removes it. A recurrent state cannot remove
+    it: the old code left it in (the hybrid soak's next decode failed, "the last position
+    stored ... is X = 4", and a recurrent state would have answered from a token the
+    sequence never had). Now the state is set back: the sequence goes on exactly. (Copies
+    are queued only between streams; in one unified buffer other sequences' cells change
+    the sums, so the comparison is made in streams.)"""
+    backend = _backend(memory_models[kind], "streams")
+    try:
+        _check_queued_copies(backend)
+    finally:
+        backend.close()
+
+
+def _check_queued_copies(backend: LlamaCppBackend) -> None:
+    cold = _cold(backend, 0)
+    _run(backend, 0, PROMPT[:P], 0)
+    _run(backend, 1, PROMPT[:P], 0)
+    _run(backend, 2, PROMPT[:P] + PROMPT[P:N], 0)  # every sequence in use: none empty
+    _run(backend, 3, PROMPT[:N], 0)
+    assert backend.seq_rm(3, -1, -1)
+    backend.seq_cp(2, 3, -1, -1)  # queued between streams
+    backend.run_queued_copies()
+    for seq_id, num in ((0, P), (1, P), (2, N), (3, N)):
+        assert backend.seq_pos_max(seq_id) == num - 1, seq_id
+    np.testing.assert_array_equal(_run(backend, 1, TAIL_TOKENS, P), cold)
+    for seq_id in range(4):
+        assert backend.seq_rm(seq_id, -1, -1)
+
+
 def test_without_the_checkpoint_a_recurrent_or_hybrid_memory_refuses_the_cut(
     memory_models: dict[str, Path], layout: str
 ) -> None:

@@ -87,7 +87,13 @@ def loadable_state(data: bytes, n_stream: int, n_ctx_stream: int) -> bytes | Non
 
 
 def run_queued_copies(
-    context: NativeContext, batch: NativeBatch, bos: int, seq_pos_max: Sequence[int], room: int
+    context: NativeContext,
+    batch: NativeBatch,
+    bos: int,
+    seq_pos_max: Sequence[int],
+    room: int,
+    *,
+    can_cut: bool = True,
 ) -> None:
     """Run the cross-stream copies llama.cpp has queued (see
     :mod:`~llamax.engine.kv.stream_copies`). llama.cpp runs them only at the start of a decode,
@@ -95,8 +101,13 @@ def run_queued_copies(
     with room: fewer than ``room`` cells, by each sequence's ``seq_pos_max``) and removes it
     again. The last decode's logits are gone afterwards.
 
+    A memory that cannot be cut (``can_cut`` False: a recurrent state, which would keep the
+    token) gets the token in an empty sequence, removed whole; with none empty, in the
+    shortest sequence, whose partial state is read before and set back after.
+
     Raises:
-        RequestFailedError: no sequence has room for the token, or the decode failed.
+        RequestFailedError: no sequence has room for the token, the decode failed, or the
+            token could not be removed again.
     """
     found = next(
         (
@@ -109,12 +120,16 @@ def run_queued_copies(
     if found is None:
         raise RequestFailedError("no KV room to run llama.cpp's queued stream copies")
     seq_id, pos = found
+    saved = None if can_cut or pos == 0 else context.state_seq_get(seq_id, partial=True)
     batch.tokens[0] = bos
     batch.pos[0] = pos
     batch.logits[0] = 0
     batch.seq_rows[0][0] = seq_id
     batch.set_n_tokens(1)
     status = context.decode(batch)
-    context.seq_rm(seq_id, pos, -1)
+    if saved is not None and not context.state_seq_set(seq_id, saved, partial=True):
+        raise RequestFailedError(f"could not set sequence {seq_id}'s state back")
+    if not context.seq_rm(seq_id, pos if pos else -1, -1) and status in (0, 1, 2):
+        raise RequestFailedError(f"could not remove the token from sequence {seq_id} again")
     if status not in (0, 1, 2):  # these three come after the memory update
         raise RequestFailedError(f"llama_decode failed with status {status}")

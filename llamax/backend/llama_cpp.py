@@ -287,7 +287,14 @@ class LlamaCppBackend(LlamaCppModel):
         """
         seq_pos_max = [self._context.seq_pos_max(i) for i in range(self._n_seq_max)]
         bos = max(self._model.bos(), 0)
-        run_queued_copies(self._context, self._batch, bos, seq_pos_max, self.n_ctx_stream)
+        run_queued_copies(
+            self._context,
+            self._batch,
+            bos,
+            seq_pos_max,
+            self.n_ctx_stream,
+            can_cut=self.can_share_prefix,
+        )
 
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         """Zero-copy view of ``llama_get_logits_ith(ctx, row)``."""

@@ -13,7 +13,8 @@ which learns only from steps this policy calls quiet, so contention never become
 norm), and, where the operating system tells (Linux's ``/proc/loadavg``), whether the
 machine is **crowded**: more tasks runnable than it has cores, so another process wants
 one of this process's cores, while the others leave one free
-(:func:`~llamax.engine.timing.threads.is_crowded`). It answers with the threads the next step should use:
+(:func:`~llamax.engine.timing.threads.is_crowded`). It answers with the threads the next
+step should use:
 
 - **Not crowded** (the OS says so): a slow step is not another process (a cold cache,
   a page fault, a large batch the reference mispredicts), so nothing is judged and no
