@@ -421,6 +421,7 @@ STILL_ANSWER = {
     "kv_layout",
     "n_vocab",
     "model_name",
+    "fim_tokens",
     "closed",
     "is_manual",
     "stats",
