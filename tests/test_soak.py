@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -399,11 +399,17 @@ def soak(
     return tally
 
 
-def closing_burst(ctx: llamax.Context, tally: Tally, *, seed: int) -> None:
+def closing_burst(ctx: llamax.Context, tally: Tally, decodes: DecodeCounter, *, seed: int) -> None:
     """:data:`BURST` requests at once on the engine the soak has left idle, none cancelled,
-    each generating :data:`CLOSING_BURST_TOKENS`: all are decoding before the first ends,
-    so steps hold ``BURST`` decode rows, past the 64-row tile, in the fake's unified cache,
-    whose used span is then many times what a row attends to; they split by construction.
+    each generating :data:`CLOSING_BURST_TOKENS`, submitted while ``decodes`` are held: all
+    are decoding before the first ends, so steps hold ``BURST`` decode rows, past the 64-row
+    tile, in the fake's unified cache, whose used span is then many times what a row attends
+    to; they split by construction.
+
+    Submitted without the hold, the burst trickled in: the fake's steps are quick, so the
+    engine ran the first requests' decodes while the rest were still being added (a fresh
+    fake engine reached at most 45 decode rows a step; with the submitter slowed 20 ms a
+    request, 2), and one CI run measured no split step at all.
 
     The bursts amid the mix usually split too (47-79 split steps in 16 runs beside a busy
     process), but not always: a quiet fresh-clone run measured 4,868 decodes in 4,868 steps
@@ -415,7 +421,8 @@ def closing_burst(ctx: llamax.Context, tally: Tally, *, seed: int) -> None:
     )
     with tally.lock:
         tally.submitted += BURST
-    handles = [ctx.add_request(soak_prompt(rng), params) for _ in range(BURST)]
+    with decodes.held():
+        handles = [ctx.add_request(soak_prompt(rng), params) for _ in range(BURST)]
     for handle in handles:
         settle(tally, handle, False, False)
 
@@ -427,17 +434,30 @@ at most ``n_batch`` = 256 tokens a step: under 30 steps)."""
 
 class DecodeCounter:
     """Wraps a backend's ``decode`` to count calls: more decodes than steps means steps
-    were split."""
+    were split. :meth:`held` holds every decode back while a burst is submitted."""
 
     def __init__(self, backend: Any) -> None:
         self.calls = 0
         self._decode = backend.decode
+        self._open = threading.Event()
+        self._open.set()
         backend.decode = self
 
     def __call__(self, items: Any) -> int:
+        self._open.wait()
         self.calls += 1
         status: int = self._decode(items)
         return status
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No decode runs inside the block (the engine waits in the one it began), so
+        the requests submitted there all wait together when it ends."""
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
 
 
 KIB_PER_REQUEST = 4.0
@@ -577,7 +597,7 @@ def run_soak(
         num_samples=num_samples,
     )
     if require_split:
-        closing_burst(ctx, tally, seed=1)
+        closing_burst(ctx, tally, decodes, seed=1)
     seconds = time.monotonic() - started
     gc.collect()
     after = memory()
