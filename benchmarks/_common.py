@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -25,10 +26,12 @@ import llamax
 from llamax.backend.platform import cpu_description
 
 __all__ = [
+    "CORES",
     "TokenTimes",
     "add_common_args",
     "agreement",
     "base_config",
+    "busy_processes",
     "common_prefix_len",
     "cpu_advertises_amx",
     "emit_report",
@@ -48,6 +51,9 @@ __all__ = [
     "targets",
     "text_of_tokens",
 ]
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+"""The cores this process may run on."""
 
 N_THREADS = int(os.environ.get("LLAMAX_BENCH_THREADS", "2"))
 """Threads of every system (2, the cores of the machines these benchmarks were written on).
@@ -342,3 +348,34 @@ def stdout_to_stderr() -> Iterator[TextIO]:
         sys.stdout.flush()
         os.dup2(saved, 1)
         real.close()
+
+
+BUSY_LOOP = "while True: pass"
+MODEL_LOOP = (
+    "import llamax\n"
+    "ctx = llamax.Context(n_ctx=1024, n_seq_max=4, n_threads={cores})\n"
+    "p = llamax.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)\n"
+    "while True:\n"
+    "    [h.result() for h in [ctx.add_request(f'Count to {{i}}:', p) for i in range(4)]]\n"
+)
+
+
+@contextlib.contextmanager
+def busy_processes(count: int, neighbor: str) -> Iterator[None]:
+    """``count`` busy processes, killed on exit: Python busy loops, or (``model``) llamax
+    processes decoding 4 streams with ``n_threads=<cores>`` (spinning workers of their own)."""
+    code = BUSY_LOOP if neighbor == "loop" else MODEL_LOOP.format(cores=CORES)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        for _ in range(count)
+    ]
+    try:
+        time.sleep((0.5 if neighbor == "loop" else 5.0) if count else 0.0)  # let them start
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()

@@ -37,19 +37,16 @@ targets name (``adaptive_busy1_over_one_thread_quiet`` >= 0.8 beside one busy pr
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from _common import (
+    CORES,
     add_common_args,
     base_config,
+    busy_processes,
     emit_report,
     greedy,
     load_average,
@@ -64,43 +61,11 @@ from _peers import LlamaServerPeer, default_llama_server
 
 import llamax
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 SYSTEMS: dict[str, dict[str, Any]] = {
     "llamax_adaptive": {"adapt_threads": True},
     "llamax_fixed": {"n_threads": CORES},
     "llamax_one_thread": {"n_threads": 1},
 }
-
-
-BUSY_LOOP = "while True: pass"
-MODEL_LOOP = (
-    "import llamax\n"
-    "ctx = llamax.Context(n_ctx=1024, n_seq_max=4, n_threads={cores})\n"
-    "p = llamax.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)\n"
-    "while True:\n"
-    "    [h.result() for h in [ctx.add_request(f'Count to {{i}}:', p) for i in range(4)]]\n"
-)
-
-
-@contextlib.contextmanager
-def busy_processes(count: int, neighbor: str) -> Iterator[None]:
-    """``count`` busy processes, killed on exit: Python busy loops, or (``model``) llamax
-    processes decoding 4 streams with ``n_threads=<cores>`` (spinning workers of their own)."""
-    code = BUSY_LOOP if neighbor == "loop" else MODEL_LOOP.format(cores=CORES)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        for _ in range(count)
-    ]
-    try:
-        time.sleep((0.5 if neighbor == "loop" else 5.0) if count else 0.0)  # let them start
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
 
 
 def w1(ctx: llamax.Context, prompts: list[str], tokens: int) -> float:

@@ -9,6 +9,9 @@ Workload, on llamax (and with ``--llama-server PATH`` on llama-server too), 2 th
    tokens each). Once each has produced 8 tokens, the long prompt is submitted (1 token).
    When its first token arrives, the streams run a little longer, then are cancelled.
 
+``--busy N`` runs every system beside N Python busy loops (issue 37), and ``--adaptive``
+adds ``llamax_adaptive``: llamax with its default threads, adapting them to the load.
+
 Reported per system: the long prompt's TTFT under load against its lone prefill
 (``ttft_over_lone``, target <= 1.35), and the inter-token gaps of the 4 streams during the
 long prompt's prefill (every gap that overlaps the interval from its submission to its
@@ -191,12 +194,20 @@ def measure(
 
 
 def run_llamax(
-    model: Path, long_text: str, repeats: int, max_step_ms: float | None
+    model: Path, long_text: str, repeats: int, max_step_ms: float | None, *, adaptive: bool = False
 ) -> dict[str, Any]:
+    threads: dict[str, Any] = (
+        {"adapt_threads": True} if adaptive else {"n_threads": bench.N_THREADS}
+    )
     with llamax.Context(
-        model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_threads=bench.N_THREADS, max_step_ms=max_step_ms
+        model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, max_step_ms=max_step_ms, **threads
     ) as ctx:
-        return measure(llamax_driver(ctx), long_text, repeats, ctx.clear_cache)
+        out = measure(llamax_driver(ctx), long_text, repeats, ctx.clear_cache)
+        stats = ctx.stats()
+        return out | {
+            "n_threads_after": stats.n_threads,
+            "num_thread_changes": stats.num_thread_changes,
+        }
 
 
 def run_server(binary: Path, model: Path, long_text: str, repeats: int) -> dict[str, Any]:
@@ -231,6 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--trace", type=Path, help="write llamax's measured steps here (JSON)")
     parser.add_argument(
+        "--busy", type=int, default=0, help="Python busy loops running beside every system"
+    )
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also run llamax with its default threads, adapting to the load (issue 37)",
+    )
+    parser.add_argument(
         "--max-step-ms", type=float, default=250.0, help="llamax's max_step_ms (250, the default)"
     )
     args = parser.parse_args(argv)
@@ -245,18 +264,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, n_tokens = long_prompt(model, args.long_tokens)
         bench.log(f"long prompt: {n_tokens} tokens")
         systems: dict[str, Any] = {}
-        if not args.skip_llamax:
-            bench.log("llamax (time-budgeted steps, the default) ...")
-            mark("llamax")
-            systems["llamax"] = run_llamax(model, text, args.repeats, args.max_step_ms)
-        if not (args.skip_llamax or args.skip_fixed):
-            bench.log("llamax with fixed n_batch chunks (max_step_ms=None) ...")
-            mark("llamax_fixed_chunks")
-            systems["llamax_fixed_chunks"] = run_llamax(model, text, args.repeats, None)
-        if binary:
-            bench.log("llama-server ...")
-            systems["llama_server"] = run_server(Path(binary), model, text, args.repeats)
+        with bench.busy_processes(args.busy, "loop"):
+            if not args.skip_llamax:
+                bench.log("llamax (time-budgeted steps, the default) ...")
+                mark("llamax")
+                systems["llamax"] = run_llamax(model, text, args.repeats, args.max_step_ms)
+            if args.adaptive and not args.skip_llamax:
+                bench.log("llamax adapting its threads (the default threads) ...")
+                mark("llamax_adaptive")
+                systems["llamax_adaptive"] = run_llamax(
+                    model, text, args.repeats, args.max_step_ms, adaptive=True
+                )
+            if not (args.skip_llamax or args.skip_fixed):
+                bench.log("llamax with fixed n_batch chunks (max_step_ms=None) ...")
+                mark("llamax_fixed_chunks")
+                systems["llamax_fixed_chunks"] = run_llamax(model, text, args.repeats, None)
+            if binary:
+                bench.log("llama-server ...")
+                systems["llama_server"] = run_server(Path(binary), model, text, args.repeats)
         workload = {
+            "busy_loops": args.busy,
             "long_prompt_tokens": n_tokens,
             "streams": N_STREAMS,
             "stream_max_tokens": STREAM_MAX_TOKENS,
