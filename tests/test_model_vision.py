@@ -4,7 +4,11 @@ encoding, and decoding image embeddings into a sequence before text."""
 
 from __future__ import annotations
 
+import logging
+import os
+import struct
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,13 +26,14 @@ from llamax.backend.vision import (
     Projector,
     TextChunk,
     decode_image,
+    read_image_header,
     rgb_image,
 )
 from llamax.errors import ImageError, InvalidRequestError, ProjectorError
 
 pytestmark = pytest.mark.model
 LIMITS = {"max_side": 4096, "max_pixels": 1 << 22}
-N_UBATCH = 64
+N_UBATCH = 32  # below the embedding batch's 64 rows
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +181,32 @@ def test_bad_image_files_are_typed_errors(projector: Projector, data: bytes, say
         projector.decode_image(data, **LIMITS)
 
 
-def test_a_damaged_body_fails_in_the_decoder_not_in_ffmpeg(projector: Projector) -> None:
+def test_pixels_stb_cannot_read_fail_in_the_decoder_not_in_ffmpeg(
+    projector: Projector, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A whole PNG (CRCs right) whose IDAT is no zlib stream: stb_image refuses it and
+    mtmd's helper tries it as a video, with an ffmpeg directory that holds none."""
+    good = png(pixels(3))
+    idat = good.index(b"IDAT") - 4
+    (length,) = struct.unpack(">I", good[idat : idat + 4])
+    garbage = b"\x00" * length
+    chunk = good[idat : idat + 8] + garbage + struct.pack(">I", zlib.crc32(b"IDAT" + garbage))
+    data = good[:idat] + chunk + good[idat + 12 + length :]
+    assert read_image_header(data).format == "png"
+    with (
+        caplog.at_level(logging.DEBUG, logger="llamax.llama_cpp"),
+        pytest.raises(ImageError, match="could not be decoded"),
+    ):
+        projector.decode_image(data)
+    if "launching" in caplog.text:  # a build with MTMD_VIDEO, as 0.3.36's wheel is
+        assert f"{os.devnull}/ffprobe" in caplog.text
+        assert "failed to launch ffprobe" in caplog.text
+
+
+def test_a_damaged_png_body_is_refused_by_its_crc(projector: Projector) -> None:
     data = bytearray(png(pixels(3)))
-    data[60:80] = b"\xff" * 20  # inside the zlib stream: the header and IEND are fine
-    with pytest.raises(ImageError, match="could not be decoded"):
+    data[60:80] = b"\xff" * 20  # stb_image would decode this into other pixels
+    with pytest.raises(ImageError, match="CRC of the b'IDAT' chunk"):
         projector.decode_image(bytes(data))
 
 

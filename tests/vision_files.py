@@ -42,7 +42,8 @@ def png(
 ) -> bytes:
     """An RGB PNG of ``rgb``; ``width``/``height`` override what the header declares."""
     h, w = rgb.shape[:2]
-    ihdr = struct.pack(">IIBBBBB", width or w, height or h, 8, 2, 0, 0, 0)
+    declared = (w if width is None else width, h if height is None else height)
+    ihdr = struct.pack(">IIBBBBB", *declared, 8, 2, 0, 0, 0)
     raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
     return (
         b"\x89PNG\r\n\x1a\n"

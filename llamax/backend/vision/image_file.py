@@ -4,14 +4,15 @@
 whatever a header asks for, decodes a truncated JPEG into half an image without a word,
 and, when it cannot read the bytes at all, hands them to ``ffprobe``/``ffmpeg`` as a
 video. So llamax reads the header first, in pure Python: the format must be one stb_image
-decodes (PNG, JPEG, GIF, BMP), the file must be whole (PNG's ``IEND``, JPEG's end-of-image
-marker after its scan, GIF's trailer, BMP's declared size), and its dimensions must be
-within the caller's limits. Only then do the bytes reach native code.
+decodes (PNG, JPEG, GIF, BMP), the file must be whole (PNG's ``IEND`` and chunk CRCs,
+JPEG's end-of-image marker after its scan, GIF's trailer, BMP's declared size), and its
+dimensions must be within the caller's limits. Only then do the bytes reach native code.
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from dataclasses import dataclass
 
 from ...errors import ImageError
@@ -82,6 +83,15 @@ def _png(data: bytes) -> ImageHeader:
     width, height = struct.unpack(">II", data[16:24])
     if not data.endswith(_PNG_END):
         raise ImageError("truncated PNG: the file does not end with an IEND chunk")
+    i = len(_PNG)
+    while i < len(data):  # every chunk whole and its CRC right: stb_image checks neither
+        (length,) = struct.unpack(">I", data[i : i + 4])
+        end = i + 8 + length
+        if end + 4 > len(data):
+            raise ImageError(f"damaged PNG: the chunk at byte {i} runs past the end")
+        if zlib.crc32(data[i + 4 : end]) != struct.unpack(">I", data[end : end + 4])[0]:
+            raise ImageError(f"damaged PNG: the CRC of the {data[i + 4 : i + 8]!r} chunk is wrong")
+        i = end + 4
     return ImageHeader("png", width, height)
 
 

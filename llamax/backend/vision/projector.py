@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import tempfile
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,10 +38,12 @@ MAX_IMAGE_SIDE = 8192
 MAX_IMAGE_PIXELS = 4096 * 4096
 """Default limit on an image's area (48 MiB of RGB)."""
 _CHUNK_TEXT, _CHUNK_IMAGE = 0, 1
-# mtmd's helper hands bytes stb_image cannot read to ffprobe/ffmpeg as a video. The image
-# header is checked first (image_file.py), and the helper is pointed at a directory that
-# holds no ffmpeg, so a damaged body fails there instead of reaching a subprocess.
-_NO_FFMPEG_DIR = os.path.join(tempfile.gettempdir(), "llamax-no-ffmpeg", "none")
+# mtmd's helper hands bytes stb_image cannot read to ffprobe/ffmpeg as a video (this
+# wheel is built with MTMD_VIDEO). The image header is checked first (image_file.py), and
+# the helper's ffmpeg directory is the null device: "/dev/null/ffprobe" can never exist
+# (a directory under /tmp could be planted by another user), so a body stb_image refuses
+# fails there instead of reaching a subprocess.
+_NO_FFMPEG_DIR = os.devnull
 
 
 def mtmd_bindings() -> Any:
@@ -249,6 +250,12 @@ class Projector:
         """
         M, ctx = self.M, self._live()
         data = utf8(text)
+        n_markers = text.count(self.marker)  # mtmd says 1 for this, and returns 2 (0.3.36)
+        if n_markers != len(images):
+            raise InvalidRequestError(
+                f"the prompt has {n_markers} image markers ({self.marker!r}) "
+                f"for {len(images)} images"
+            )
         bitmaps = (M.mtmd_bitmap_p_ctypes * max(1, len(images)))()
         try:
             for i, image in enumerate(images):
@@ -261,12 +268,6 @@ class Projector:
             chunks = M.mtmd_input_chunks_init()
             try:
                 status = M.mtmd_tokenize(ctx, chunks, ctypes.byref(inp), bitmaps, len(images))
-                if status == 1:
-                    n_markers = text.count(self.marker)
-                    raise InvalidRequestError(
-                        f"the prompt has {n_markers} image markers ({self.marker!r}) "
-                        f"for {len(images)} images"
-                    )
                 if status != 0:
                     raise ImageError(f"mtmd could not preprocess the images (status {status})")
                 return tuple(self._chunk(M.mtmd_input_chunks_get(chunks, i))
