@@ -4,12 +4,14 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
 
     LlamaxError
     ├── ModelLoadError              model file missing, unreadable or not a model
-    │   └── DefaultModelNotInstalledError
+    │   ├── DefaultModelNotInstalledError
+    │   └── ProjectorError          an ``mmproj`` file missing, not a projector, or unfit
     ├── InvalidRequestError (also ValueError)
     │   ├── InvalidParameterError   a SamplingParams / config field is out of range
     │   ├── EmptyPromptError
     │   ├── ContextLengthError      the prompt cannot fit in the context
     │   ├── GrammarError            the grammar or JSON schema cannot be used
+    │   ├── ImageError              an image cannot be read (not one, truncated, too large)
     │   └── NotFoundError (also LookupError)   a stored item it names does not exist
     ├── ContextClosedError (also RuntimeError)
     ├── LoopOwnershipError (also RuntimeError)   process() called where it must not be
@@ -32,6 +34,7 @@ __all__ = [
     "EmptyPromptError",
     "EngineError",
     "GrammarError",
+    "ImageError",
     "InvalidMessageError",
     "InvalidParameterError",
     "InvalidRequestError",
@@ -40,6 +43,7 @@ __all__ = [
     "LoopOwnershipError",
     "ModelLoadError",
     "NotFoundError",
+    "ProjectorError",
     "RequestFailedError",
     "SessionBusyError",
     "SessionError",
@@ -60,6 +64,12 @@ class ModelLoadError(LlamaxError):
 
 class DefaultModelNotInstalledError(ModelLoadError):
     """No model path was given and the default model package is not installed."""
+
+
+class ProjectorError(ModelLoadError):
+    """A multimodal projector (``mmproj`` GGUF) is missing, is not a projector llama.cpp's
+    ``mtmd`` can load, or does not fit the model (its output width is not the model's
+    embedding width, or it needs positions the model does not use)."""
 
 
 class InvalidRequestError(LlamaxError, ValueError):
@@ -85,6 +95,11 @@ class ContextLengthError(InvalidRequestError):
 
 class GrammarError(InvalidRequestError):
     """A GBNF grammar does not parse, or a JSON schema cannot be converted to one."""
+
+
+class ImageError(InvalidRequestError):
+    """An image in a prompt cannot be used: not an image in a format llamax reads, cut
+    short, too large, or the model has no projector for it. Nothing was enqueued."""
 
 
 class NotFoundError(InvalidRequestError, LookupError):

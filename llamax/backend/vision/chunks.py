@@ -1,0 +1,121 @@
+"""The values a prompt with images becomes: decoded pixels, and the text and image chunks
+``mtmd`` tokenizes them into. Pure Python (no ctypes), so a fake backend and the
+scheduler can build and read them without a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from ...errors import ImageError
+
+__all__ = [
+    "ImageChunk",
+    "MediaPrompt",
+    "RgbImage",
+    "TextChunk",
+    "rgb_image",
+]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RgbImage:
+    """Decoded pixels: ``height`` rows of ``width`` RGB triples, 8 bits each."""
+
+    width: int
+    height: int
+    pixels: bytes = field(repr=False)
+    image_id: str
+    """SHA-256 (hex) of the size and the pixels: what the prefix cache keys an image by, so
+    one picture sent as PNG and as JPEG-decoded-identically, or as an array, is one key."""
+
+
+def pixel_id(width: int, height: int, pixels: bytes) -> str:
+    """The :attr:`RgbImage.image_id` of these pixels."""
+    return hashlib.sha256(b"%dx%d:" % (width, height) + pixels).hexdigest()
+
+
+def rgb_image(array: npt.ArrayLike, *, max_side: int, max_pixels: int) -> RgbImage:
+    """An :class:`RgbImage` from an ``(height, width, 3)`` array of ``uint8``.
+
+    Raises:
+        ImageError: another shape or type, an empty image, or one over the limits.
+    """
+    pixels = np.asarray(array)
+    if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8:
+        raise ImageError(
+            f"an image array must be (height, width, 3) uint8 RGB; got shape "
+            f"{pixels.shape} of {pixels.dtype}"
+        )
+    height, width = int(pixels.shape[0]), int(pixels.shape[1])
+    if not width or not height:
+        raise ImageError(f"the image array is empty ({width}x{height})")
+    if max(width, height) > max_side or width * height > max_pixels:
+        raise ImageError(
+            f"the image is {width}x{height}; the limit is {max_side} pixels a side and "
+            f"{max_pixels} pixels in all"
+        )
+    data = np.ascontiguousarray(pixels).tobytes()
+    return RgbImage(width, height, data, pixel_id(width, height, data))
+
+
+@dataclass(frozen=True, slots=True)
+class TextChunk:
+    """Text tokens between images (marker text such as Gemma 3's ``<start_of_image>``
+    included, since ``mtmd`` adds it)."""
+
+    token_ids: tuple[int, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens, each one position."""
+        return len(self.token_ids)
+
+    @property
+    def n_pos(self) -> int:
+        """Positions it takes in the sequence."""
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ImageChunk:
+    """One image of a prompt, preprocessed and ready to encode.
+
+    ``native`` owns the ``mtmd_input_chunk`` (None in a fake): it is freed by
+    :meth:`release`, or when collected. It needs no projector to be freed, so a chunk may
+    outlive the context that made it. One owner at a time: release it only when no
+    thread is encoding it.
+    """
+
+    image_id: str
+    """The image's :attr:`RgbImage.image_id`: equal ids, equal embeddings."""
+    n_tokens: int
+    """Embeddings the encoder writes (rows of the decode)."""
+    n_pos: int
+    """Positions it takes in the sequence (``n_tokens`` unless the model uses M-RoPE)."""
+    is_non_causal: bool
+    """Its embeddings must be decoded with non-causal attention, all in one micro-batch
+    (``mtmd_decode_use_non_causal``: Gemma 3)."""
+    native: Any = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Free the native chunk (its preprocessed pixels) now; idempotent. Encoding it
+        afterwards raises."""
+        if self.native is not None:
+            self.native.close()
+
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """``n_pos`` negative ids derived from :attr:`image_id`, one per position: a
+        stand-in for the image in a radix tree over token ids (never a real token, and two
+        images never share a run of them in practice)."""
+        base = int(self.image_id[:11], 16) << 18  # 44 bits of hash, 2**18 positions
+        return tuple(-(1 + base + i) for i in range(self.n_pos))
+
+
+MediaPrompt: TypeAlias = tuple[TextChunk | ImageChunk, ...]
+"""A tokenized prompt with images: its chunks in order."""
