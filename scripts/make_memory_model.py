@@ -11,6 +11,8 @@ the smallest shape of a real architecture that llama.cpp's loader accepts
                     attention blocks 1 and 3 (``llama_model_is_hybrid``)
 ``recurrent``       Mamba2: 2 blocks 64 wide, state 16, 4 heads, one group
                     (``llama_model_is_recurrent``)
+``hybrid_350m``     LFM2 in LFM2-350M's shape: 16 blocks 1024 wide (10 convolution, 6
+                    attention), Q8_0 matmuls, ~390 MB: for timings where compute decides
 ``sliding_window``  Gemma 3: 6 blocks 64 wide, a 32-token window on blocks 0-4, block 5
                     global (``llama_model_n_swa`` = 32)
 
@@ -33,8 +35,10 @@ from typing import Any
 
 import numpy as np
 
-KINDS = ("hybrid", "recurrent", "sliding_window")
+KINDS = ("hybrid", "hybrid_350m", "recurrent", "sliding_window")
 N_EMBD = 64
+WIDTHS = {"hybrid_350m": 1024}
+"""The kinds whose width is not :data:`N_EMBD`; their matmul weights are Q8_0."""
 N_FF = 128
 WINDOW = 32  # the sliding_window kind's window, in tokens
 
@@ -85,24 +89,68 @@ def _attention(b: int, head_dim: int) -> list[Tensor]:
 
 def _hybrid(writer: Any) -> list[Tensor]:
     """LFM2 (``src/models/lfm2.cpp``): a block with no KV heads is a short convolution."""
-    n_layer, n_head, attention = 4, 2, (1, 3)
+    return _lfm2(
+        writer, n_embd=N_EMBD, n_ff=N_FF, n_head=2, n_head_kv=2, attention=(1, 3), n_layer=4
+    )
+
+
+def _hybrid_350m(writer: Any) -> list[Tensor]:
+    """LFM2-350M's shape (its ``config.json``: 16 blocks 1024 wide, 16 heads over 8 KV
+    heads, attention in blocks 2, 5, 8, 10, 12 and 14, feed-forward 4,608 after LFM2's
+    ``block_auto_adjust_ff_dim``): what a user runs, so compute, not per-step overhead,
+    decides its timings."""
+    return _lfm2(
+        writer,
+        n_embd=WIDTHS["hybrid_350m"],
+        n_ff=4608,
+        n_head=16,
+        n_head_kv=8,
+        attention=(2, 5, 8, 10, 12, 14),
+        n_layer=16,
+    )
+
+
+def _lfm2(
+    writer: Any,
+    *,
+    n_embd: int,
+    n_ff: int,
+    n_head: int,
+    n_head_kv: int,
+    attention: tuple[int, ...],
+    n_layer: int,
+) -> list[Tensor]:
+    head_dim = n_embd // n_head
     writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(N_FF)
+    writer.add_feed_forward_length(n_ff)
     writer.add_head_count(n_head)
-    writer.add_head_count_kv([n_head if b in attention else 0 for b in range(n_layer)])
-    writer.add_rope_dimension_count(N_EMBD // n_head)
+    writer.add_head_count_kv([n_head_kv if b in attention else 0 for b in range(n_layer)])
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_uint32("lfm2.shortconv.l_cache", 3)
-    tensors: list[Tensor] = [("token_embd_norm.weight", (N_EMBD,), ONES)]  # the output norm
+    tensors: list[Tensor] = [("token_embd_norm.weight", (n_embd,), ONES)]  # the output norm
     for b in range(n_layer):
-        tensors += [*_ffn(b), (f"blk.{b}.attn_norm.weight", (N_EMBD,), ONES)]
+        tensors += [
+            (f"blk.{b}.ffn_gate.weight", (n_ff, n_embd), _matrix),
+            (f"blk.{b}.ffn_up.weight", (n_ff, n_embd), _matrix),
+            (f"blk.{b}.ffn_down.weight", (n_embd, n_ff), _matrix),
+            (f"blk.{b}.ffn_norm.weight", (n_embd,), ONES),
+            (f"blk.{b}.attn_norm.weight", (n_embd,), ONES),
+        ]
         if b in attention:
-            tensors += _attention(b, N_EMBD // n_head)
+            tensors += [
+                (f"blk.{b}.attn_q.weight", (n_embd, n_embd), _matrix),
+                (f"blk.{b}.attn_k.weight", (n_head_kv * head_dim, n_embd), _matrix),
+                (f"blk.{b}.attn_v.weight", (n_head_kv * head_dim, n_embd), _matrix),
+                (f"blk.{b}.attn_output.weight", (n_embd, n_embd), _matrix),
+                (f"blk.{b}.attn_q_norm.weight", (head_dim,), ONES),
+                (f"blk.{b}.attn_k_norm.weight", (head_dim,), ONES),
+            ]
         else:
             tensors += [
-                (f"blk.{b}.shortconv.conv.weight", (N_EMBD, 3), _uniform(-0.5, 0.5)),
-                (f"blk.{b}.shortconv.in_proj.weight", (3 * N_EMBD, N_EMBD), _matrix),
-                (f"blk.{b}.shortconv.out_proj.weight", (N_EMBD, N_EMBD), _matrix),
+                (f"blk.{b}.shortconv.conv.weight", (n_embd, 3), _uniform(-0.5, 0.5)),
+                (f"blk.{b}.shortconv.in_proj.weight", (3 * n_embd, n_embd), _matrix),
+                (f"blk.{b}.shortconv.out_proj.weight", (n_embd, n_embd), _matrix),
             ]
     return tensors
 
@@ -158,8 +206,18 @@ def _sliding_window(writer: Any) -> list[Tensor]:
     return tensors
 
 
-ARCHITECTURES = {"hybrid": "lfm2", "recurrent": "mamba2", "sliding_window": "gemma3"}
-_BLOCKS = {"hybrid": _hybrid, "recurrent": _recurrent, "sliding_window": _sliding_window}
+ARCHITECTURES = {
+    "hybrid": "lfm2",
+    "hybrid_350m": "lfm2",
+    "recurrent": "mamba2",
+    "sliding_window": "gemma3",
+}
+_BLOCKS = {
+    "hybrid": _hybrid,
+    "hybrid_350m": _hybrid_350m,
+    "recurrent": _recurrent,
+    "sliding_window": _sliding_window,
+}
 
 
 def _random_model_script() -> Any:
@@ -175,6 +233,19 @@ def _random_model_script() -> Any:
     return sys.modules[name]
 
 
+def _add_q8_info(writer: Any, name: str, rows: int, cols: int, block: int) -> None:
+    import gguf
+
+    row_bytes = cols // block * (2 + block)
+    writer.add_tensor_info(
+        name,
+        (rows, row_bytes),
+        np.dtype(np.uint8),
+        rows * row_bytes,
+        gguf.GGMLQuantizationType.Q8_0,
+    )
+
+
 def write_memory_model(
     out: Path, *, kind: str, seed: int = 0, tokenizer_from: Path | None = None
 ) -> Path:
@@ -182,7 +253,7 @@ def write_memory_model(
 
     Args:
         out: the file to write (its folder is created).
-        kind: ``"hybrid"``, ``"recurrent"`` or ``"sliding_window"``.
+        kind: one of :data:`KINDS`.
         seed: the random generator's seed (same seed, same file).
         tokenizer_from: the GGUF whose tokenizer is copied (default: llamax's default model).
 
@@ -200,33 +271,40 @@ def write_memory_model(
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     writer = gguf.GGUFWriter(str(out), ARCHITECTURES[kind])
     writer.add_name(f"llamax random {kind} ({ARCHITECTURES[kind]}, seed {seed})")
+    n_embd = WIDTHS.get(kind, N_EMBD)
+    matmul = "q8_0" if kind in WIDTHS else "f16"
     writer.add_context_length(8192)
-    writer.add_embedding_length(N_EMBD)
+    writer.add_embedding_length(n_embd)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     tensors = _BLOCKS[kind](writer)
     base._copy_tokenizer(writer, reader)
 
     rng = np.random.default_rng(seed)
-    q8 = gguf.GGMLQuantizationType.Q8_0
     embeddings = [("token_embd.weight", n_vocab), ("output.weight", n_vocab)]
-    row_bytes = N_EMBD // base.QK8_0 * (2 + base.QK8_0)
     for name, rows in embeddings:
-        writer.add_tensor_info(name, (rows, row_bytes), np.dtype(np.uint8), rows * row_bytes, q8)
-    stored = [  # matmul weights as F16; norms, biases and convolutions stay F32
-        (name, init(rng, shape).astype(np.float16 if init is _matrix else np.float32))
-        for name, shape, init in tensors
-    ]
-    for name, array in stored:
+        _add_q8_info(writer, name, rows, n_embd, base.QK8_0)
+    # matmul weights as F16 (Q8_0 in the wide kinds: made later, tensor by tensor);
+    # norms, biases and convolutions stay F32
+    stored: list[tuple[str, tuple[int, ...], np.ndarray | None]] = []
+    for name, shape, init in tensors:
+        if init is _matrix and matmul == "q8_0":
+            _add_q8_info(writer, name, shape[0], shape[1], base.QK8_0)
+            stored.append((name, shape, None))
+            continue
+        array = init(rng, shape).astype(np.float16 if init is _matrix else np.float32)
         writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes)
+        stored.append((name, shape, array))
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for _name, rows in embeddings:
-        writer.write_tensor_data(base.random_matrix(rng, rows, N_EMBD, "q8_0"))
-    for _name, array in stored:
-        writer.write_tensor_data(array)
+        writer.write_tensor_data(base.random_matrix(rng, rows, n_embd, "q8_0"))
+    for _name, shape, maybe in stored:
+        writer.write_tensor_data(
+            maybe if maybe is not None else base.random_matrix(rng, shape[0], shape[1], "q8_0")
+        )
     writer.close()
     return out
 

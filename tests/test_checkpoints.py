@@ -21,7 +21,9 @@ import llamax
 from llamax.backend.base import BatchItem
 from llamax.engine.kv import checkpoints
 from llamax.engine.kv.checkpoints import (
+    MAX_CHECKPOINTS,
     checkpoint_positions,
+    interval_for,
     least_needed,
     next_checkpoint,
     pack_state,
@@ -73,6 +75,27 @@ def test_a_prompt_takes_checkpoints_every_interval_and_at_its_last_token_but_one
     assert chunk_ends == checkpoint_positions(10, 4)
     assert next_checkpoint(5, 10, 4) == 8 and next_checkpoint(9, 10, 4) is None
     assert [planned_checkpoint(n, 10, 4) for n in (0, 3, 4, 7, 8, 9, 10)] == [0, 0, 4, 4, 8, 9, 9]
+
+
+def test_a_long_prompt_spreads_a_slots_checkpoints_over_it() -> None:
+    """At least CHECKPOINT_INTERVAL apart, and no more checkpoints than a slot keeps: the
+    gaps stay even instead of whatever dropping the extra ones leaves
+    (benchmarks/checkpoint_interval.py measured why)."""
+    step = checkpoints.CHECKPOINT_INTERVAL
+    assert [interval_for(n) for n in (2, 2049, 2050, 4096, 16384)] == [
+        step,
+        step,
+        2 * step,
+        2 * step,
+        8 * step,
+    ]
+    for n in range(0, 50_000, 37):
+        positions = checkpoint_positions(n)
+        assert len(positions) <= MAX_CHECKPOINTS, n
+        gaps = [b - a for a, b in zip([0, *positions], positions, strict=False)]
+        assert max(gaps, default=0) <= interval_for(n), n
+        smaller = interval_for(n) - step
+        assert smaller == 0 or len(checkpoint_positions(n, smaller)) > MAX_CHECKPOINTS, n
 
 
 # ---------------------------------------------------------------------- the fake's memory
@@ -204,6 +227,24 @@ def test_a_long_shared_prefix_is_reused_up_to_its_last_interval(
     second = complete(ctx, SYSTEM + "B2?")
     assert second.usage.cached_tokens == len(SYSTEM) // 32 * 32  # 96 of the 116 shared
     assert second.token_ids == cold(SYSTEM + "B2?")
+
+
+def test_a_prompt_sharing_part_of_a_long_one_recomputes_at_most_one_interval(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 700-token document, then prompts that share 30-90% of it: each reuses all but at
+    most one interval of what it shares (on the old rule, a checkpoint every 32 tokens of
+    which the slot kept 8 of 22, the prompt sharing 210 reused 160)."""
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_INTERVAL", 32)
+    ctx, _ = make_fake(n_ctx=4096, n_seq_max=8, recurrent=True)
+    doc = "".join(f"Record {i}: the valve reads {i * 7 % 100}. " for i in range(40))[:700]
+    complete(ctx, doc)
+    for fraction in (0.3, 0.5, 0.7, 0.9):
+        shared = int(len(doc) * fraction)
+        prompt = doc[:shared] + f"|Q{fraction}?"
+        done = complete(ctx, prompt)
+        assert done.usage.cached_tokens >= shared - interval_for(len(doc)), (fraction, done.usage)
+        assert done.token_ids == cold(prompt)
 
 
 def test_n_choices_fork_from_the_leader(make_fake: MakeFake) -> None:
