@@ -11,7 +11,7 @@ Unless a test says otherwise the simulated OS does not tell how many tasks are r
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -70,14 +70,21 @@ class BusyMachine:
         return self.backend.n_threads + self.num_busy * busy
 
 
-def busy_fake(machine: BusyMachine, *, tells_load: bool = False) -> FakeBackend:
+def busy_fake(
+    machine: BusyMachine,
+    *,
+    tells_load: bool = False,
+    runnable_tasks: Callable[[], int] | None = None,
+) -> FakeBackend:
+    """A fake whose steps take ``machine``'s seconds; the OS's runnable count is the
+    machine's (``tells_load``), ``runnable_tasks``, or not told."""
     backend = FakeBackend(
         n_ctx=1024,
         n_seq_max=4,
         n_batch=64,
         n_threads=2,
         step_seconds=machine,
-        runnable_tasks=machine.runnable_tasks if tells_load else None,
+        runnable_tasks=machine.runnable_tasks if tells_load else runnable_tasks,
     )
     machine.backend = backend
     return backend
@@ -248,15 +255,7 @@ def test_slow_steps_on_a_machine_that_is_not_crowded_are_not_contention() -> Non
     """Steps 20x slower with no other task runnable (swapping, a throttled CPU, a
     reference that mispredicts): fewer threads would not help, so none are taken away."""
     machine = BusyMachine(busy_from=40, busy_until=200)
-    backend = FakeBackend(
-        n_ctx=1024,
-        n_seq_max=4,
-        n_batch=64,
-        n_threads=2,
-        step_seconds=machine,
-        runnable_tasks=lambda: 2,  # the OS sees only this process's threads
-    )
-    machine.backend = backend
+    backend = busy_fake(machine, runnable_tasks=lambda: 2)  # the OS sees only our threads
     with llamax.Context(backend=backend, autostart=False, adapt_threads=True) as ctx:
         decode_steps(ctx, 300)
         stats = ctx.stats()
