@@ -34,6 +34,7 @@ __all__ = [
     "RequestField",
     "Support",
     "accept_fields",
+    "check_include",
     "check_metadata",
     "honoured",
     "markdown_table",
@@ -169,7 +170,8 @@ _RESPONSE_INCLUDES = frozenset(
 encrypted reasoning): asking for them changes nothing."""
 
 
-def _include(name: str, value: Any) -> None:
+def check_include(name: str, value: Any) -> None:
+    """A list of ``include`` items that name outputs llamax never produces, or null."""
     if value is None:
         return
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -379,7 +381,7 @@ RESPONSES = (
         "include",
         HINT,
         "the items name outputs llamax never produces (built-in tool results, images, encrypted reasoning); `message.output_text.logprobs` is refused",
-        _include,
+        check_include,
     ),
     RequestField("prompt_cache_key", HINT, _CACHE_HINT, check_text),
     RequestField(
