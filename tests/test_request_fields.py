@@ -298,7 +298,6 @@ REFUSED = [
     ]
 ] + [
     ("/v1/completions", {"prompt": "a"}, "best_of", 3),
-    ("/v1/completions", {"prompt": "a"}, "suffix", "end"),
     ("/v1/responses", {"input": "a"}, "background", True),
     ("/v1/responses", {"input": "a"}, "conversation", "conv_1"),
     ("/v1/responses", {"input": "a"}, "context_management", [{"type": "compaction"}]),

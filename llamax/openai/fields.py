@@ -332,7 +332,11 @@ COMPLETIONS = (
         "server-side best-of ranking is not supported (`1` or equal to `n` is accepted: it changes nothing)",
         harmless=lambda v, r: v is None or v == 1 or v == (r.get("n") or 1),
     ),
-    RequestField("suffix", R, "fill-in-the-middle is not supported over this route"),
+    RequestField(
+        "suffix",
+        H,
+        "fill-in-the-middle with the model's FIM tokens (the prompt, then the suffix: the reply is what goes between); a 400 on a model without them; null or empty: no suffix",
+    ),
 )
 
 EMBEDDINGS = (

@@ -243,12 +243,16 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool | None = None
     """Put the prompt's text before each choice's text."""
+    suffix: str | None = None
+    """The text after the completion: the route makes a fill-in-the-middle prompt of
+    ``prompt`` and ``suffix`` with the model's FIM tokens (null or empty: no suffix)."""
 
     def options(self) -> dict[str, Any]:
         """As the base class, with OpenAI's default of 16 ``max_tokens`` and without
-        ``echo`` (the route applies it)."""
+        ``echo`` and ``suffix`` (the route applies them)."""
         options = super().options()
         options.pop("echo", None)
+        options.pop("suffix", None)
         options.setdefault("max_tokens", DEFAULT_COMPLETION_TOKENS)
         return options
 
