@@ -12,6 +12,8 @@ it (see :class:`~llamax.server.responses.CompletionResponse`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
@@ -22,7 +24,7 @@ from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
-from .schemas import parse_object
+from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion
 
 __all__ = ["responses_routes"]
@@ -41,6 +43,10 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(require_key)])
 
+    def parse(raw: bytes) -> dict[str, Any]:
+        body = parse_object(raw)
+        return without_unknown(body, RESPONSE_TABLE, "/v1/responses") if state.lenient else body
+
     @router.post("/v1/responses")
     @router.post("/responses")  # llama-server's alias
     async def create_route(request: Request) -> Response:
@@ -48,7 +54,7 @@ def responses_routes(state: ServerState) -> APIRouter:
             state,
             request,
             _ENDPOINT,
-            parse_object,
+            parse,
             lambda body: body.get("model"),
             lambda body, ctx: acreate_response(ctx, body, store=state.responses),
             dialect=RESPONSES,

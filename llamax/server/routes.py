@@ -247,7 +247,10 @@ async def _in_worker(
         APIError: 413 for a body too large, 503 when ``max_queue`` requests are in flight,
             404 for an unknown model, or what ``work`` raises.
     """
-    return await run_leased(state, request, lambda raw: parse_body(schema, raw), _model_of, work)
+    def parse(raw: bytes) -> RequestT:
+        return parse_body(schema, raw, lenient=state.lenient)
+
+    return await run_leased(state, request, parse, _model_of, work)
 
 
 async def _admit(
@@ -265,7 +268,7 @@ async def _admit(
     waiting."""
 
     def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
-        body = parse_body(model, raw)
+        body = parse_body(model, raw, lenient=state.lenient)
         return body, options(body)
 
     chat = endpoint == "chat"
