@@ -171,7 +171,7 @@ def test_the_server_schema_equals_the_hand_written_one() -> None:
                 "reasoning_effort",
             },
         ),
-        (CompletionRequest, {"prompt", "logprobs", "echo"}),
+        (CompletionRequest, {"prompt", "logprobs", "echo", "suffix"}),
     ):
         fields = model.model_fields
         assert set(fields) == set(expected) | own

@@ -24,6 +24,7 @@ from llamax.openai.fields import (
     COMPLETIONS,
     EMBEDDINGS,
     RESPONSES,
+    SHARED_FIELDS,
     Support,
     generated_blocks,
     honoured,
@@ -67,6 +68,19 @@ def test_the_honoured_fields_are_what_the_parser_takes(table: Any, fields: set[s
     assert len(names) == len(set(names))
     assert honoured(table) == fields
     assert all(f.doc for f in table)
+
+
+def test_a_row_several_routes_share_is_written_once() -> None:
+    """Rows with the same name, support and doc on two routes come from one source
+    (``SHARED_FIELDS``); Messages' ``service_tier`` takes Anthropic's own values."""
+    seen: dict[tuple[str, Support, str], Any] = {}
+    for route, table in FIELD_TABLES.items():
+        for row in table:
+            key = (row.name, row.support, row.doc)
+            if key in seen and (route, row.name) != ("messages", "service_tier"):
+                assert seen[key] is row, (route, row.name)
+            seen.setdefault(key, row)
+    assert set(SHARED_FIELDS) <= {f.name for t in FIELD_TABLES.values() for f in t}
 
 
 def test_the_docs_field_tables_are_current() -> None:
@@ -298,7 +312,6 @@ REFUSED = [
     ]
 ] + [
     ("/v1/completions", {"prompt": "a"}, "best_of", 3),
-    ("/v1/completions", {"prompt": "a"}, "suffix", "end"),
     ("/v1/responses", {"input": "a"}, "background", True),
     ("/v1/responses", {"input": "a"}, "conversation", "conv_1"),
     ("/v1/responses", {"input": "a"}, "context_management", [{"type": "compaction"}]),

@@ -462,6 +462,23 @@ def test_health_metrics_models_tokenize(server: BackgroundServer, client: openai
     assert httpx.post(server.url + "/detokenize", json={"tokens": [10**6]}).status_code == 400
 
 
+def test_lookups_by_id(client: openai.OpenAI, server_ctx: llamax.Context) -> None:
+    """``models.retrieve`` and a two-turn conversation's ``input_items`` (issue 44)."""
+    assert client.models.retrieve(server_ctx.model_name).id == server_ctx.model_name
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
+    first = client.responses.create(model="m", input="Say hello.", max_output_tokens=8)
+    second = client.responses.create(
+        model="m", input="Again.", previous_response_id=first.id, max_output_tokens=8
+    )
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.role for i in items] == ["user", "assistant", "user"]  # type: ignore[union-attr]
+    assert items[1].content[0].text == first.output_text  # type: ignore[union-attr]
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError, match="no stored response has id"):
+        client.responses.input_items.list(second.id)
+
+
 def test_graceful_shutdown_lets_streams_finish(server_ctx: llamax.Context) -> None:
     running = BackgroundServer(create_app(server_ctx), shutdown_timeout=120)
     running.start()

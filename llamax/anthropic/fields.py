@@ -7,7 +7,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import InvalidParameterError
-from ..openai.fields import RequestField, Support, check_text
+from ..openai.fields import (
+    RequestField,
+    Support,
+    check_object,
+    check_text,
+    one_of,
+    table,
+)
 
 __all__ = ["MESSAGES"]
 
@@ -21,29 +28,16 @@ def _cache_control(name: str, value: Any) -> None:
         raise InvalidParameterError(f'{name} must be {{"type": "ephemeral"}} (with a ttl)')
 
 
-def _object(name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, Mapping):
-        raise InvalidParameterError(f"{name} must be an object, got {type(value).__name__}")
-
-
 def _metadata(name: str, value: Any) -> None:
-    _object(name, value)
+    check_object(name, value)
     for key, item in (value or {}).items():
         if key != "user_id":
             raise InvalidParameterError(f"{name} has unknown field {key!r}")
         check_text(f"{name}.user_id", item)
 
 
-def _one_of(*values: str) -> Any:
-    def check(name: str, value: Any) -> None:
-        if value is not None and value not in values:
-            raise InvalidParameterError(f"{name} must be one of {', '.join(values)}; got {value!r}")
-
-    return check
-
-
-MESSAGES = (
-    RequestField("model", H, "echoed; picks a model when the server has several"),
+MESSAGES = table(
+    "model",
     RequestField(
         "messages",
         H,
@@ -52,7 +46,7 @@ MESSAGES = (
     RequestField("max_tokens", H, "most tokens to generate (required)"),
     RequestField("system", H, "a string or text blocks"),
     RequestField("temperature", H, "in [0, 1]"),
-    RequestField("top_p", H, "nucleus sampling"),
+    "top_p",
     RequestField("top_k", H, "top-k sampling"),
     RequestField("stop_sequences", H, "stop strings (`stop_reason: stop_sequence`)"),
     RequestField(
@@ -72,7 +66,7 @@ MESSAGES = (
     RequestField(
         "metadata", HINT, "no effect: not stored (an object; `user_id` a string)", _metadata
     ),
-    RequestField("stream", H, "the typed stream events"),
+    "stream",
     RequestField(
         "cache_control",
         HINT,
@@ -83,13 +77,15 @@ MESSAGES = (
         "service_tier",
         HINT,
         "no effect: one local server has one tier",
-        _one_of("auto", "standard_only"),
+        one_of("auto", "standard_only"),
     ),
     RequestField(
         "inference_geo", HINT, "no effect: the model runs where the server runs", check_text
     ),
-    RequestField("speed", HINT, "no effect: there is one speed", _one_of("standard", "fast")),
-    RequestField("diagnostics", HINT, "no effect: no cache-miss diagnostics are returned", _object),
+    RequestField("speed", HINT, "no effect: there is one speed", one_of("standard", "fast")),
+    RequestField(
+        "diagnostics", HINT, "no effect: no cache-miss diagnostics are returned", check_object
+    ),
     RequestField("user_profile_id", HINT, "no effect: requests are not attributed", check_text),
     RequestField("container", R, "code-execution containers are not supported"),
     RequestField("context_management", R, "server-side context editing is not supported"),

@@ -31,12 +31,17 @@ __all__ = [
     "MAX_METADATA_VALUE_CHARS",
     "MAX_USER_CHARS",
     "ROUTES",
+    "SHARED_FIELDS",
     "RequestField",
     "Support",
     "accept_fields",
+    "check_include",
     "check_metadata",
+    "check_object",
     "honoured",
     "markdown_table",
+    "one_of",
+    "table",
 ]
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
@@ -93,7 +98,9 @@ def check_text(name: str, value: Any) -> None:
         )
 
 
-def _one_of(*values: str) -> Check:
+def one_of(*values: str) -> Check:
+    """A check that the value is one of ``values`` (or null)."""
+
     def check(name: str, value: Any) -> None:
         if value is not None and value not in values:
             raise InvalidParameterError(f"{name} must be one of {', '.join(values)}; got {value!r}")
@@ -101,7 +108,8 @@ def _one_of(*values: str) -> Check:
     return check
 
 
-def _object(name: str, value: Any) -> None:
+def check_object(name: str, value: Any) -> None:
+    """A JSON object or null."""
     if value is not None and not isinstance(value, Mapping):
         raise InvalidParameterError(f"{name} must be an object, got {type(value).__name__}")
 
@@ -147,7 +155,7 @@ def _modalities(name: str, value: Any) -> None:
 
 
 def _stream_options(name: str, value: Any) -> None:
-    _object(name, value)
+    check_object(name, value)
     for key, flag in (value or {}).items():
         if key not in ("include_obfuscation", "include_usage"):
             raise InvalidParameterError(f"{name} has unknown field {key!r}")
@@ -169,7 +177,8 @@ _RESPONSE_INCLUDES = frozenset(
 encrypted reasoning): asking for them changes nothing."""
 
 
-def _include(name: str, value: Any) -> None:
+def check_include(name: str, value: Any) -> None:
+    """A list of ``include`` items that name outputs llamax never produces, or null."""
     if value is None:
         return
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -192,7 +201,47 @@ def _positive_int(name: str, value: Any) -> None:
 # ---------------------------------------------------------------------- the tables
 H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
 
-_SAMPLING = (
+_CACHE_HINT = "no effect: llamax's prefix cache reuses every shared prefix on its own"
+_TIER_HINT = "no effect: one local server has one tier"
+_SAFETY_HINT = "no effect: no abuse monitoring is done (a string of at most 256 characters)"
+
+SHARED_FIELDS: dict[str, RequestField] = {
+    f.name: f
+    for f in (
+        RequestField("model", H, "echoed; picks a model when the server has several"),
+        RequestField("temperature", H, "in [0, 2]"),
+        RequestField("top_p", H, "nucleus sampling"),
+        RequestField("user", H, "accepted and ignored"),
+        RequestField("stream", H, "the typed stream events"),
+        RequestField(
+            "parallel_tool_calls",
+            H,
+            "whether one reply may hold several calls (no effect without tools)",
+        ),
+        RequestField("prompt_cache_key", HINT, _CACHE_HINT, check_text),
+        RequestField(
+            "prompt_cache_retention", HINT, _CACHE_HINT, one_of("in_memory", "24h", "in-memory")
+        ),
+        RequestField("prompt_cache_options", HINT, _CACHE_HINT, check_object),
+        RequestField(
+            "service_tier", HINT, _TIER_HINT, one_of("auto", "default", "flex", "scale", "priority")
+        ),
+        RequestField("safety_identifier", HINT, _SAFETY_HINT, check_text),
+        RequestField(
+            "moderation", R, "no moderation model runs here, so no moderation policy can be applied"
+        ),
+    )
+}
+"""Rows several routes share word for word (OpenAI's and Anthropic's), by name; a route
+that differs gives its own row."""
+
+
+def table(*rows: RequestField | str) -> tuple[RequestField, ...]:
+    """A route's table: each row as given, or named (one of :data:`SHARED_FIELDS`)."""
+    return tuple(SHARED_FIELDS[row] if isinstance(row, str) else row for row in rows)
+
+
+_SAMPLING = table(
     RequestField(
         "model", H, "echoed as the response's `model`; picks a model when the server has several"
     ),
@@ -214,9 +263,9 @@ _SAMPLING = (
         H,
         "`include_usage` adds the usage chunk; `include_obfuscation` is accepted (no obfuscation padding is sent)",
     ),
-    RequestField("temperature", H, "in [0, 2]"),
-    RequestField("top_p", H, "nucleus sampling"),
-    RequestField("user", H, "accepted and ignored"),
+    "temperature",
+    "top_p",
+    "user",
     RequestField("top_k", H, "top-k sampling (0: off, OpenAI's behaviour)", extension=True),
     RequestField("min_p", H, "min-p sampling (0: off)", extension=True),
     RequestField("repeat_penalty", H, "llama.cpp's repeat penalty (1: off)", extension=True),
@@ -227,12 +276,7 @@ _SAMPLING = (
     RequestField("lora", H, "LoRA adapters for this request (docs/lora.md)", extension=True),
 )
 
-_MODERATION = "no moderation model runs here, so no moderation policy can be applied"
-_CACHE_HINT = "no effect: llamax's prefix cache reuses every shared prefix on its own"
-_TIER_HINT = "no effect: one local server has one tier"
-_SAFETY_HINT = "no effect: no abuse monitoring is done (a string of at most 256 characters)"
-
-CHAT = (
+CHAT = table(
     RequestField("messages", H, "the conversation (docs/chat.md)"),
     *_SAMPLING,
     RequestField("max_completion_tokens", H, "the newer name of `max_tokens` (give one)"),
@@ -240,11 +284,7 @@ CHAT = (
     RequestField("top_logprobs", H, "with `logprobs`: the k most likely tokens at each position"),
     RequestField("tools", H, "function tools (docs/tools.md)"),
     RequestField("tool_choice", H, "`none`, `auto`, `required` or one function"),
-    RequestField(
-        "parallel_tool_calls",
-        H,
-        "whether one reply may hold several calls (no effect without tools)",
-    ),
+    "parallel_tool_calls",
     RequestField(
         "reasoning_effort",
         H,
@@ -259,19 +299,15 @@ CHAT = (
         "no effect: not stored; checked as OpenAI checks it (16 pairs of strings)",
         check_metadata,
     ),
-    RequestField("prompt_cache_key", HINT, _CACHE_HINT, check_text),
-    RequestField(
-        "prompt_cache_retention", HINT, _CACHE_HINT, _one_of("in_memory", "24h", "in-memory")
-    ),
-    RequestField(
-        "service_tier", HINT, _TIER_HINT, _one_of("auto", "default", "flex", "scale", "priority")
-    ),
-    RequestField("safety_identifier", HINT, _SAFETY_HINT, check_text),
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "service_tier",
+    "safety_identifier",
     RequestField(
         "verbosity",
         HINT,
         "no effect: the model's length is steered by the prompt and `max_tokens`",
-        _one_of("low", "medium", "high"),
+        one_of("low", "medium", "high"),
     ),
     RequestField(
         "modalities", HINT, '`["text"]` is what llamax produces; `audio` is refused', _modalities
@@ -280,11 +316,11 @@ CHAT = (
         "prediction",
         HINT,
         "no effect on the output: OpenAI's predicted outputs only speed a reply up; llamax's own speculation drafts from the prompt (`speculative`)",
-        _object,
+        check_object,
     ),
-    RequestField("prompt_cache_options", HINT, _CACHE_HINT, _object),
+    "prompt_cache_options",
     RequestField("audio", R, "audio output is not supported (llamax produces text)"),
-    RequestField("moderation", R, _MODERATION),
+    "moderation",
     RequestField("web_search_options", R, "web search is a hosted tool llamax does not run"),
     RequestField(
         "functions",
@@ -317,7 +353,7 @@ CHAT = (
     ),
 )
 
-COMPLETIONS = (
+COMPLETIONS = table(
     RequestField("prompt", H, "a string or a list of token ids"),
     *_SAMPLING,
     RequestField("logprobs", H, "k: the k most likely tokens at each position"),
@@ -330,35 +366,35 @@ COMPLETIONS = (
         "server-side best-of ranking is not supported (`1` or equal to `n` is accepted: it changes nothing)",
         harmless=lambda v, r: v is None or v == 1 or v == (r.get("n") or 1),
     ),
-    RequestField("suffix", R, "fill-in-the-middle is not supported over this route"),
+    RequestField(
+        "suffix",
+        H,
+        "fill-in-the-middle with the model's FIM tokens (the prompt, then the suffix: the reply is what goes between); a 400 on a model without them; null or empty: no suffix",
+    ),
 )
 
-EMBEDDINGS = (
+EMBEDDINGS = table(
     RequestField("input", H, "a string or a list of strings"),
-    RequestField("model", H, "echoed; picks a model when the server has several"),
+    "model",
     RequestField("encoding_format", H, "`float` or `base64`"),
     RequestField(
         "dimensions",
         H,
         "the first `dimensions` components, renormalised to length 1 (meaningful for Matryoshka-trained models); more than the model has is a 400",
     ),
-    RequestField("user", H, "accepted and ignored"),
+    "user",
 )
 
-RESPONSES = (
-    RequestField("model", H, "echoed; picks a model when the server has several"),
+RESPONSES = table(
+    "model",
     RequestField("input", H, "a string or items (docs/responses.md)"),
     RequestField("instructions", H, "a system message before the input"),
     RequestField("tools", H, "function tools (built-in tools such as `web_search` are refused)"),
     RequestField("tool_choice", H, "`auto`, `none`, `required` or one function"),
-    RequestField(
-        "parallel_tool_calls",
-        H,
-        "whether one reply may hold several calls (no effect without tools)",
-    ),
+    "parallel_tool_calls",
     RequestField("max_output_tokens", H, "most tokens to generate"),
-    RequestField("temperature", H, "in [0, 2]"),
-    RequestField("top_p", H, "nucleus sampling"),
+    "temperature",
+    "top_p",
     RequestField(
         "text", H, "`format` (`text`, `json_object`, `json_schema`); `verbosity` has no effect"
     ),
@@ -374,21 +410,17 @@ RESPONSES = (
     RequestField("store", H, "`false`: the response is not kept"),
     RequestField("metadata", H, "stored and echoed (16 pairs of strings)"),
     RequestField("user", H, "echoed (at most 256 characters)"),
-    RequestField("stream", H, "the typed stream events"),
+    "stream",
     RequestField(
         "include",
         HINT,
         "the items name outputs llamax never produces (built-in tool results, images, encrypted reasoning); `message.output_text.logprobs` is refused",
-        _include,
+        check_include,
     ),
-    RequestField("prompt_cache_key", HINT, _CACHE_HINT, check_text),
-    RequestField(
-        "prompt_cache_retention", HINT, _CACHE_HINT, _one_of("in_memory", "24h", "in-memory")
-    ),
-    RequestField(
-        "service_tier", HINT, _TIER_HINT, _one_of("auto", "default", "flex", "scale", "priority")
-    ),
-    RequestField("safety_identifier", HINT, _SAFETY_HINT, check_text),
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "service_tier",
+    "safety_identifier",
     RequestField(
         "stream_options",
         HINT,
@@ -401,9 +433,12 @@ RESPONSES = (
         "no effect: it bounds built-in tool calls, and llamax runs none",
         _positive_int,
     ),
-    RequestField("prompt_cache_options", HINT, _CACHE_HINT, _object),
+    "prompt_cache_options",
     RequestField(
-        "image", HINT, "no effect: options of image generation, which llamax does not do", _object
+        "image",
+        HINT,
+        "no effect: options of image generation, which llamax does not do",
+        check_object,
     ),
     RequestField(
         "top_logprobs",
@@ -433,7 +468,7 @@ RESPONSES = (
         "stored prompt templates live on OpenAI's platform: send `instructions` and `input`",
     ),
     RequestField("background_options", R, "background mode is not supported"),
-    RequestField("moderation", R, _MODERATION),
+    "moderation",
     RequestField("access_programs", R, "OpenAI's access programs do not exist here"),
 )
 

@@ -94,6 +94,7 @@ def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | No
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise InvalidParameterError(f"user must be a string of at most {MAX_USER_CHARS} characters")
     history: list[dict[str, Any]] = []
+    earlier_items: list[dict[str, Any]] = []
     previous = request.get("previous_response_id")
     if previous is not None:
         if not isinstance(previous, str):
@@ -102,7 +103,10 @@ def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | No
             raise NotFoundError(
                 f"previous_response_id: {previous!r} cannot be found: no response store"
             )
-        history = store.conversation(previous)
+        try:
+            history, earlier_items = store.follow_up(previous)
+        except NotFoundError as exc:
+            raise NotFoundError(f"previous_response_id: {exc}") from None
     turn = _input(request.get("input"))
     chat = history + turn
     instructions = request.get("instructions")
@@ -113,7 +117,9 @@ def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | No
     options = _options(request)
     submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
     keep = store if request.get("store", True) is not False else None
-    return ResponseJob(submitted, dict(request), history + turn, keep, options.get("max_tokens"))
+    return ResponseJob(
+        submitted, dict(request), history + turn, keep, options.get("max_tokens"), earlier_items
+    )
 
 
 def _input(value: Any) -> list[dict[str, Any]]:

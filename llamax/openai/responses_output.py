@@ -18,6 +18,7 @@ from ..chat_stream import ChatPart, ContentDelta, ReasoningDelta, ToolCallDelta
 from ..errors import NotFoundError
 from ..results import Completion, FinishReason
 from .requests import OpenAIRequest
+from .responses_items import input_items
 
 __all__ = ["ResponseEvents", "ResponseJob", "ResponseStore"]
 
@@ -26,6 +27,7 @@ __all__ = ["ResponseEvents", "ResponseJob", "ResponseStore"]
 class _Stored:
     response: dict[str, Any]
     conversation: tuple[dict[str, Any], ...]
+    items: tuple[dict[str, Any], ...]
     size: int
 
 
@@ -47,10 +49,10 @@ class ResponseStore:
 
     Least recently used entries go first once there are more than ``max_responses`` or
     they hold more than ``max_chars`` characters. An entry is counted whole: its
-    ``response`` object (``metadata``, ``user``, ``instructions``, ``tools`` ... as echoed)
-    and its conversation (each entry keeps its whole conversation, so a long chain costs
-    what its longest member holds); every string counts its characters, keys too, and any
-    other value 8.
+    ``response`` object (``metadata``, ``user``, ``instructions``, ``tools`` ... as echoed),
+    its conversation and its input items (each entry keeps its whole conversation, so a long
+    chain costs what its longest member holds); every string counts its characters, keys
+    too, and any other value 8.
 
     Args:
         max_responses: Most responses kept.
@@ -95,6 +97,26 @@ class ResponseStore:
         """
         return [dict(m) for m in self._entry(response_id).conversation]
 
+    def input_items(self, response_id: str) -> list[dict[str, Any]]:
+        """The response's input items (``GET /v1/responses/{id}/input_items``), oldest
+        first: those of the conversation it continued, its outputs, then its own input.
+
+        Raises:
+            NotFoundError: no response has that id.
+        """
+        return [dict(item) for item in self._entry(response_id).items]
+
+    def follow_up(self, response_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """What a follow-up of the response starts with, read at once: its conversation
+        (as :meth:`conversation`) and its items (its input items, then its output).
+
+        Raises:
+            NotFoundError: no response has that id.
+        """
+        entry = self._entry(response_id)
+        items = [dict(item) for item in (*entry.items, *entry.response["output"])]
+        return [dict(m) for m in entry.conversation], items
+
     def delete(self, response_id: str) -> bool:
         """Forget a response; whether it was there."""
         with self._lock:
@@ -103,20 +125,26 @@ class ResponseStore:
                 self._chars -= entry.size
             return entry is not None
 
-    def put(self, response: Mapping[str, Any], conversation: Sequence[Mapping[str, Any]]) -> None:
-        """Keep ``response`` (by its ``id``) with its conversation, evicting the least
-        recently used entries past the bounds. An entry larger than ``max_chars`` alone is
-        not kept."""
+    def put(
+        self,
+        response: Mapping[str, Any],
+        conversation: Sequence[Mapping[str, Any]],
+        items: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        """Keep ``response`` (by its ``id``) with its conversation and input items, evicting
+        the least recently used entries past the bounds. An entry larger than ``max_chars``
+        alone is not kept."""
         kept = dict(response)
         frozen = tuple(dict(m) for m in conversation)
-        size = _chars(kept) + sum(_chars(m) for m in frozen)
+        frozen_items = tuple(dict(item) for item in items)
+        size = _chars(kept) + sum(_chars(m) for m in (*frozen, *frozen_items))
         if size > self.max_chars:
             return
         with self._lock:
             old = self._entries.pop(str(response["id"]), None)
             if old is not None:
                 self._chars -= old.size
-            self._entries[str(response["id"])] = _Stored(kept, frozen, size)
+            self._entries[str(response["id"])] = _Stored(kept, frozen, frozen_items, size)
             self._chars += size
             while len(self._entries) > self.max_responses or self._chars > self.max_chars:
                 _, evicted = self._entries.popitem(last=False)
@@ -127,7 +155,7 @@ class ResponseStore:
             entry = self._entries.get(response_id)
             if entry is None:
                 raise NotFoundError(
-                    f"previous_response_id: no stored response has id {response_id!r} "
+                    f"no stored response has id {response_id!r} "
                     "(it was never stored, was deleted, or the store evicted it)"
                 )
             self._entries.move_to_end(response_id)
@@ -145,16 +173,23 @@ class ResponseJob:
         conversation: list[dict[str, Any]],
         store: ResponseStore | None,
         max_output_tokens: int | None,
+        earlier_items: list[dict[str, Any]] | None = None,
     ) -> None:
         self.submitted, self.request = submitted, request
         self.conversation, self.store = conversation, store
+        self.earlier_items = earlier_items or []
+        """The items of the conversation ``previous_response_id`` continues."""
         self.max_output_tokens = max_output_tokens
         self.id = "resp_" + submitted.handle.request_id.removeprefix("req-")
         self._sequence = 0
 
     # -- shapes
+    @property
+    def _prefix(self) -> str:
+        return self.id.removeprefix("resp_")
+
     def _item_id(self, kind: str, index: int) -> str:
-        return f"{kind}_{self.id.removeprefix('resp_')}_{index}"
+        return f"{kind}_{self._prefix}_{index}"
 
     def _summary_wanted(self) -> bool:
         reasoning = self.request.get("reasoning")
@@ -268,7 +303,8 @@ class ResponseJob:
                     calls.append({"id": item["call_id"], "type": "function", "function": function})
             if calls:
                 reply["tool_calls"] = calls
-            self.store.put(response, [*self.conversation, reply])
+            items = [*self.earlier_items, *input_items(self.request["input"], self._prefix)]
+            self.store.put(response, [*self.conversation, reply], items)
         return response
 
     # -- events

@@ -17,10 +17,11 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 from llamax.anthropic import REQUEST_FIELDS, amessages, count_tokens
+from llamax.anthropic.fields import MESSAGES
 
 from .dialects import ANTHROPIC
 from .errors import APIError, anthropic_error_response, from_exception
-from .schemas import parse_object
+from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion, run_leased
 
 __all__ = ["anthropic_routes"]
@@ -32,13 +33,17 @@ def anthropic_routes(state: ServerState) -> APIRouter:
     """The Anthropic routes (they check the API key themselves, to answer in its shape)."""
     router = APIRouter()
 
+    def parse(raw: bytes) -> dict[str, Any]:
+        body = parse_object(raw)
+        return without_unknown(body, MESSAGES, "/v1/messages") if state.lenient else body
+
     @router.post("/v1/messages")
     async def messages_route(request: Request) -> Response:
         return await admit_completion(
             state,
             request,
             _ENDPOINT,
-            parse_object,
+            parse,
             _model_of,
             lambda body, ctx: amessages(ctx, body),
             dialect=ANTHROPIC,
@@ -59,7 +64,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
 
         try:
             counted = await run_leased(
-                state, request, parse_object, _model_of, work, check_key=True
+                state, request, parse, _model_of, work, check_key=True
             )
         except APIError as error:
             return anthropic_error_response(error)

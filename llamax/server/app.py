@@ -49,6 +49,7 @@ def create_app(
     max_stored_responses: int = 1024,
     stream_ping_seconds: float = 10.0,
     slot_save_path: str | os.PathLike[str] | None = None,
+    lenient: bool = False,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -80,6 +81,10 @@ def create_app(
         slot_save_path: The folder where llama-server's ``POST /slots/{id}?action=save``
             writes and ``restore`` reads (file names only, no paths); ``None``: those
             actions are refused with 501, as llama-server does without ``--slot-save-path``.
+        lenient: On the OpenAI and Anthropic routes, a top-level request field that is in
+            neither API's reference (no field table names it) is dropped and logged as a
+            warning instead of refused with a 400. Off by default: a typo must not be
+            silently ignored. Refused fields stay refused and hints stay checked.
 
     Returns:
         A FastAPI application.
@@ -109,6 +114,7 @@ def create_app(
         parse_special_in_content=parse_special_in_content,
         responses=ResponseStore(max_stored_responses),
         stream_ping_seconds=stream_ping_seconds,
+        lenient=lenient,
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state

@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         "llama-server does (unsafe: a user can forge turns and roles; default: plain text)",
     )
     p.add_argument(
+        "--lenient",
+        action="store_true",
+        help="drop and log request fields in neither the OpenAI nor the Anthropic reference "
+        "instead of answering 400 (default: strict, so a typo is not silently ignored)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=8 << 20,
@@ -216,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "parse_special_in_content": ns.parse_special_in_content,
             "max_stored_responses": ns.max_stored_responses,
             "slot_save_path": ns.slot_save_path,
+            "lenient": ns.lenient,
         }
         if ns.slot_save_path is not None:
             os.makedirs(ns.slot_save_path, exist_ok=True)

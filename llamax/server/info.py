@@ -1,4 +1,5 @@
-"""The chat page, ``/health``, ``/v1/models``, ``/metrics`` and the prefix-cache reset."""
+"""The chat page, ``/health``, ``/v1/models`` (and ``/v1/models/{id}``), ``/metrics`` and the
+prefix-cache reset."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 import llamax
 
-from .errors import error_response, from_exception
+from .errors import APIError, error_response, from_exception
 from .models import ModelPool
 from .state import ServerState
 
@@ -65,8 +66,9 @@ def _health(state: ServerState, status: str) -> dict[str, Any]:
 
 
 def info_routes(state: ServerState) -> APIRouter:
-    """``/v1/models``, ``/metrics`` and ``POST /reset_prefix_cache`` (vLLM's name; SGLang's
-    ``POST /flush_cache`` is the same), behind the API key when one is set."""
+    """``/v1/models``, ``/v1/models/{id}``, ``/metrics`` and ``POST /reset_prefix_cache``
+    (vLLM's name; SGLang's ``POST /flush_cache`` is the same), behind the API key when one
+    is set."""
 
     def require_key(request: Request) -> None:
         state.check_api_key(request)
@@ -76,18 +78,16 @@ def info_routes(state: ServerState) -> APIRouter:
     @router.get("/v1/models")
     @router.get("/models")  # llama-server's alias
     async def models() -> JSONResponse:
-        if state.pool is not None:
-            return JSONResponse({"object": "list", "data": _pool_models(state.pool)})
-        ctx = state.context()
-        model = {
-            "id": ctx.model_name,
-            "object": "model",
-            "created": _STARTED,
-            "owned_by": "llamax",
-            "meta": {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max},
-            "adapters": _adapters(ctx),
-        }
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": _models(state)})
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        for listed in _models(state):
+            if listed["id"] == model_id:
+                return JSONResponse(listed)
+        raise APIError(  # OpenAI's words and code for an unknown model
+            404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
 
     @router.get("/metrics")
     async def metrics() -> Response:
@@ -107,6 +107,26 @@ def info_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"status": "ok", "freed_sequences": freed})
 
     return router
+
+
+def _models(state: ServerState) -> list[dict[str, Any]]:
+    """What ``/v1/models`` lists: every model of a pool, or the one model.
+
+    Raises:
+        APIError: 503 (one model) while it loads or once it is closed.
+    """
+    if state.pool is not None:
+        return _pool_models(state.pool)
+    ctx = state.context()
+    model = {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "llamax",
+        "meta": {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max},
+        "adapters": _adapters(ctx),
+    }
+    return [model]
 
 
 def _pool_models(pool: ModelPool) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
-"""OpenAI's Responses API over HTTP: ``POST /v1/responses``, ``GET /v1/responses/{id}`` and
-``DELETE /v1/responses/{id}``, thin over :mod:`llamax.openai`'s :func:`acreate_response`.
+"""OpenAI's Responses API over HTTP: ``POST /v1/responses``, ``GET /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items`` and ``DELETE /v1/responses/{id}``, thin over
+:mod:`llamax.openai`'s :func:`acreate_response`.
 
 Responses are kept in the app's bounded :class:`~llamax.openai.ResponseStore` (unless a
 request says ``store: false``), so ``previous_response_id`` continues a conversation on a
@@ -11,15 +12,19 @@ it (see :class:`~llamax.server.responses.CompletionResponse`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
+from llamax import InvalidRequestError
 from llamax.openai import acreate_response
 from llamax.openai.fields import RESPONSES as RESPONSE_TABLE
+from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES
-from .errors import APIError
-from .schemas import parse_object
+from .errors import APIError, from_exception
+from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion
 
 __all__ = ["responses_routes"]
@@ -38,6 +43,10 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(require_key)])
 
+    def parse(raw: bytes) -> dict[str, Any]:
+        body = parse_object(raw)
+        return without_unknown(body, RESPONSE_TABLE, "/v1/responses") if state.lenient else body
+
     @router.post("/v1/responses")
     @router.post("/responses")  # llama-server's alias
     async def create_route(request: Request) -> Response:
@@ -45,7 +54,7 @@ def responses_routes(state: ServerState) -> APIRouter:
             state,
             request,
             _ENDPOINT,
-            parse_object,
+            parse,
             lambda body: body.get("model"),
             lambda body, ctx: acreate_response(ctx, body, store=state.responses),
             dialect=RESPONSES,
@@ -66,18 +75,36 @@ def responses_routes(state: ServerState) -> APIRouter:
             )
         try:
             return JSONResponse(state.responses.get(response_id))
-        except LookupError as exc:  # the store's text is about previous_response_id
-            raise APIError(
-                404,
-                f"no stored response has id {response_id!r} (it was never stored, was "
-                "deleted, or the store evicted it)",
-                code="not_found",
-            ) from exc
+        except LookupError as exc:
+            raise _not_found(response_id) from exc
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def input_items_route(response_id: str, request: Request) -> JSONResponse:
+        query = request.query_params
+        include = [*query.getlist("include"), *query.getlist("include[]")]  # the client: []
+        try:
+            items = state.responses.input_items(response_id)
+            return JSONResponse(page_of_items(items, query, include))
+        except LookupError as exc:
+            raise _not_found(response_id) from exc
+        except InvalidRequestError as exc:  # a bad query parameter
+            raise from_exception(exc, frozenset({"order", "limit", "after", "include"})) from exc
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_route(response_id: str) -> JSONResponse:
         if not state.responses.delete(response_id):
-            raise APIError(404, f"no stored response has id {response_id!r}", code="not_found")
+            raise _not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return router
+
+
+def _not_found(response_id: str) -> APIError:
+    """The 404 for an id the store does not hold, about the id (OpenAI's says "Response
+    with id ... not found")."""
+    return APIError(
+        404,
+        f"no stored response has id {response_id!r} (it was never stored, was deleted, or "
+        "the store evicted it)",
+        code="not_found",
+    )

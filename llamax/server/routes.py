@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -27,7 +28,7 @@ from .schemas import (
 )
 from .state import ServerState, admit_completion, run_leased
 
-__all__ = ["api_routes"]
+__all__ = ["api_routes", "fim_prompt"]
 
 _CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
 _TEXT_FIELDS = frozenset(CompletionRequest.model_fields)
@@ -61,7 +62,10 @@ def api_routes(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         async def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Any:
-            result = await ctx.acompletion(body.prompt, **options, **_echo(state, body))
+            prompt = body.prompt
+            if body.suffix:  # tokenized in a worker: the event loop stays free
+                prompt = await run_in_threadpool(fim_prompt, ctx, body.prompt, body.suffix)
+            result = await ctx.acompletion(prompt, **options, **_echo(state, body))
             if not body.echo:
                 return result
             prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
@@ -119,6 +123,33 @@ def api_routes(state: ServerState) -> APIRouter:
         return await _in_worker(state, request, DetokenizeRequest, work)
 
     return router
+
+
+def fim_prompt(ctx: llamax.Context, prompt: str | list[int], suffix: str) -> list[int]:
+    """OpenAI's ``suffix`` (insert mode) as a fill-in-the-middle prompt in the model's own
+    tokens, in llama.cpp's prefix-suffix-middle order: BOS (when the vocabulary adds one),
+    FIM prefix, the prompt, FIM suffix, the suffix, FIM middle; the model then writes what
+    goes between. Text is tokenized plainly (special-token text in code is not parsed), as
+    llama-server's ``/infill`` does; a prompt of token ids is taken as it is.
+
+    Raises:
+        InvalidParameterError: the model lacks a FIM prefix, suffix or middle token.
+    """
+    fim = ctx.fim_tokens
+    if fim.prefix is None or fim.suffix is None or fim.middle is None:
+        missing = [n for n, t in (("prefix", fim.prefix), ("suffix", fim.suffix),
+                                  ("middle", fim.middle)) if t is None]  # fmt: skip
+        raise llamax.InvalidParameterError(
+            f"suffix needs a model with fill-in-the-middle tokens, and this one has no FIM "
+            f"{', '.join(missing)} token: send the prompt alone, or serve a FIM model"
+        )
+
+    def plain(text: str) -> list[int]:
+        return ctx.tokenize(text, add_special=False, parse_special=False)
+
+    head = ctx.tokenize("", add_special=True)
+    before = plain(prompt) if isinstance(prompt, str) else list(prompt)
+    return [*head, fim.prefix, *before, fim.suffix, *plain(suffix), fim.middle]
 
 
 def _dialect_of(request: Request) -> Dialect:
@@ -216,7 +247,10 @@ async def _in_worker(
         APIError: 413 for a body too large, 503 when ``max_queue`` requests are in flight,
             404 for an unknown model, or what ``work`` raises.
     """
-    return await run_leased(state, request, lambda raw: parse_body(schema, raw), _model_of, work)
+    def parse(raw: bytes) -> RequestT:
+        return parse_body(schema, raw, lenient=state.lenient)
+
+    return await run_leased(state, request, parse, _model_of, work)
 
 
 async def _admit(
@@ -234,7 +268,7 @@ async def _admit(
     waiting."""
 
     def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
-        body = parse_body(model, raw)
+        body = parse_body(model, raw, lenient=state.lenient)
         return body, options(body)
 
     chat = endpoint == "chat"

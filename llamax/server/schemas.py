@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import types
 import typing
@@ -36,6 +37,7 @@ __all__ = [
     "EmbeddingRequest",
     "TokenizeRequest",
     "parse_body",
+    "without_unknown",
 ]
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -243,12 +245,16 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool | None = None
     """Put the prompt's text before each choice's text."""
+    suffix: str | None = None
+    """The text after the completion: the route makes a fill-in-the-middle prompt of
+    ``prompt`` and ``suffix`` with the model's FIM tokens (null or empty: no suffix)."""
 
     def options(self) -> dict[str, Any]:
         """As the base class, with OpenAI's default of 16 ``max_tokens`` and without
-        ``echo`` (the route applies it)."""
+        ``echo`` and ``suffix`` (the route applies them)."""
         options = super().options()
         options.pop("echo", None)
+        options.pop("suffix", None)
         options.setdefault("max_tokens", DEFAULT_COMPLETION_TOKENS)
         return options
 
@@ -309,12 +315,33 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def parse_body(model: type[RequestT], raw: bytes) -> RequestT:
+_log = logging.getLogger("llamax.server")
+
+
+def without_unknown(
+    data: dict[str, Any], table: tuple[RequestField, ...], route: str
+) -> dict[str, Any]:
+    """``data`` without the top-level fields ``table`` does not name, each logged as a
+    warning: what ``--lenient`` does with a field in neither API's reference (strict, the
+    default, refuses it). Hints are still checked and refused fields still refused, and
+    nested objects stay strict."""
+    known = {f.name for f in table}
+    unknown = [name for name in data if name not in known]
+    if not unknown:
+        return data
+    _log.warning("%s: ignored unknown field(s) %s (--lenient)", route,
+                 ", ".join(repr(name) for name in unknown))  # fmt: skip
+    return {name: value for name, value in data.items() if name in known}
+
+
+def parse_body(model: type[RequestT], raw: bytes, *, lenient: bool = False) -> RequestT:
     """Parse and validate a JSON request body.
 
     Args:
         model: The request model.
         raw: The body's bytes.
+        lenient: Drop (and log) top-level fields the model's route table does not name,
+            instead of refusing them (:func:`without_unknown`).
 
     Returns:
         The validated request.
@@ -328,6 +355,8 @@ def parse_body(model: type[RequestT], raw: bytes) -> RequestT:
     data = parse_object(raw)
     table = _TABLES.get(model)
     if table is not None:
+        if lenient:
+            data = without_unknown(data, table, _PATHS[model])
         try:
             data = accept_fields(table, data)
         except InvalidParameterError as exc:
@@ -347,6 +376,11 @@ _TABLES: dict[type[BaseModel], tuple[RequestField, ...]] = {
     EmbeddingRequest: EMBEDDINGS,
 }
 """Each OpenAI request model's field table (:mod:`llamax.openai.fields`)."""
+_PATHS = {
+    ChatCompletionRequest: "/v1/chat/completions",
+    CompletionRequest: "/v1/completions",
+    EmbeddingRequest: "/v1/embeddings",
+}
 
 FIELD_TABLES: dict[str, tuple[RequestField, ...]] = {**ROUTES, "messages": MESSAGES}
 """Every route's field table, by the name the docs blocks use (``<!-- fields: chat -->``)."""

@@ -52,6 +52,8 @@ class ServerState:
             off by default, see docs/chat.md).
         responses: The Responses API's store of recent responses (``previous_response_id``).
         stream_ping_seconds: An Anthropic stream quiet this long gets a ``ping`` event.
+        lenient: Top-level request fields in no route table are dropped and logged
+            instead of refused (``--lenient``).
     """
 
     source: llamax.Context | Future[llamax.Context] | ModelPool
@@ -62,6 +64,7 @@ class ServerState:
     parse_special_in_content: bool = False
     responses: ResponseStore = field(default_factory=ResponseStore)
     stream_ping_seconds: float = 10.0
+    lenient: bool = False
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 
