@@ -40,6 +40,7 @@ from .errors import (
     TemplateSecurityError,
 )
 from .handle import RequestHandle
+from .images import Image
 from .info import ModelInfo, model_info
 from .models import default_model_path
 from .params import LogitsProcessor, SamplingParams
@@ -76,6 +77,7 @@ __all__ = [
     "GrammarError",
     "InvalidMessageError",
     "InvalidParameterError",
+    "Image",
     "InvalidRequestError",
     "KVCapacityError",
     "LlamaxError",
