@@ -88,7 +88,9 @@ class ImagePrompts:
         for part in parts:
             if isinstance(part, str):
                 if marker in part:
-                    raise InvalidRequestError(f"prompt text may not hold the image marker {marker!r}")
+                    raise InvalidRequestError(
+                        f"prompt text may not hold the image marker {marker!r}"
+                    )
                 texts.append(part)
             elif isinstance(part, Image):
                 texts.append(marker)
@@ -134,7 +136,9 @@ class ImagePrompts:
                 n_ctx=n_ctx,
             )
         if not tokens or tokens[-1] < 0:
-            raise InvalidRequestError("a prompt with images must end with text after its last image")
+            raise InvalidRequestError(
+                "a prompt with images must end with text after its last image"
+            )
         return tokens, tuple(placed)
 
     def _read(self, host: ImageHost, image: Image) -> RgbImage:
@@ -142,10 +146,11 @@ class ImagePrompts:
         if isinstance(source, np.ndarray):
             return rgb_image(source, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)
         if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
             try:
-                source = Path(source).read_bytes()
+                source = path.read_bytes()
             except OSError as exc:
-                raise ImageError(f"cannot read the image file {source}: {exc}") from exc
+                raise ImageError(f"cannot read the image file {path}: {exc}") from exc
         if not isinstance(source, (bytes, bytearray, memoryview)):
             raise ImageError(
                 "llamax.Image takes file bytes, a path or an (height, width, 3) uint8 array, "

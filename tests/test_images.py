@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from vision_files import pixels, png
 
 import llamax
 from llamax.engine.images import PromptImage, chunk_limit, cut_reuse, image_rows
 from llamax.errors import ContextLengthError, ImageError, InvalidRequestError, RequestFailedError
 from llamax.testing import FakeBackend, assert_idle
-from vision_files import pixels, png
 
 Make = Callable[..., tuple[llamax.Context, FakeBackend]]
 GREEDY = llamax.SamplingParams(max_tokens=4, temperature=0.0)
@@ -53,13 +53,14 @@ def test_chunks_stay_within_one_image_or_one_run_of_text() -> None:
 
 # ---------------------------------------------------------------------- requests
 @pytest.mark.parametrize("non_causal", [False, True])
-def test_an_image_request_decodes_its_rows_apart_from_text(make_fake: Make, non_causal: bool) -> None:
+def test_an_image_request_decodes_its_rows_apart_from_text(
+    make_fake: Make, non_causal: bool
+) -> None:
     ctx, backend = make_fake(image_tokens=24, non_causal_images=non_causal, n_batch=16)
     if non_causal:
         with pytest.raises(InvalidRequestError, match="n_ubatch"):
             ctx.add_request(["see ", image(1), " now"], GREEDY)
         ctx, backend = make_fake(image_tokens=12, non_causal_images=True, n_batch=16)
-    n = backend.max_image_rows(non_causal) if not non_causal else 12
     text = ctx.add_request("plain text prompt", GREEDY)
     handle = ctx.add_request(["see ", image(1), " now"], GREEDY)
     text.result()
@@ -68,7 +69,7 @@ def test_an_image_request_decodes_its_rows_apart_from_text(make_fake: Make, non_
     rows = image_items(backend)
     assert sum(len(i.token_ids) for i in rows) == (24 if not non_causal else 12)
     if non_causal:
-        assert len(rows) == 1 and rows[0].non_causal and len(rows[0].token_ids) == n
+        assert len(rows) == 1 and rows[0].non_causal and len(rows[0].token_ids) == 12
     else:
         assert all(len(i.token_ids) <= 16 for i in rows) and len(rows) >= 2
     for step in backend.decode_log:  # never ids and embeddings in one decode
@@ -77,7 +78,7 @@ def test_an_image_request_decodes_its_rows_apart_from_text(make_fake: Make, non_
 
 
 def test_the_same_image_is_a_prefix_hit_with_the_cold_output(make_fake: Make) -> None:
-    ctx, backend = make_fake(image_tokens=20)
+    ctx, _ = make_fake(image_tokens=20)
     cold = ctx.add_request(["look: ", image(1), " what?"], GREEDY).result()
     warm = ctx.add_request(["look: ", image(1), " what?"], GREEDY).result()
     assert warm.usage.cached_tokens >= 6 + 20
@@ -113,10 +114,7 @@ def test_n_choices_with_an_image_encode_it_once(make_fake: Make) -> None:
 
 
 def test_placeholders_reach_no_sampler_draft_or_token_decode(make_fake: Make) -> None:
-    ctx, backend = make_fake(image_tokens=8, speculative=llamax.PromptLookup(max_draft=4))
-    params = llamax.SamplingParams(
-        max_tokens=12, temperature=0.0, repeat_penalty=1.2, logits_processors=[lambda ids, lg: lg]
-    )
+    ctx, _ = make_fake(image_tokens=8, speculative=llamax.PromptLookup(max_draft=4))
     seen: list[Any] = []
     params = llamax.SamplingParams(
         max_tokens=12,

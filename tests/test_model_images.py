@@ -19,7 +19,7 @@ from llamax.errors import ProjectorError
 from llamax.testing import assert_idle
 
 pytestmark = pytest.mark.model
-GREEDY = llamax.SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+GREEDY = llamax.SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "janus_pro"])

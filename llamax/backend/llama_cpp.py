@@ -66,7 +66,9 @@ class LlamaCppBackend(LlamaCppModel):
         self._samplers: dict[int, NativeSampler] = {}
         if config.rpc_servers is not None:
             register_rpc_servers(C, config.rpc_servers)
-        with ExitStack() as stack:  # closes in reverse: samplers, batches, context, projector, model
+        with (
+            ExitStack() as stack
+        ):  # closes in reverse: samplers, batches, context, projector, model
             super().__init__(C, config, stack)
             model = self._model
             self._projector: Projector | None = None

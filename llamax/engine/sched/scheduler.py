@@ -38,8 +38,8 @@ from ...backend.base import Backend, Clocked
 from ...config import EngineConfig
 from ...errors import KVCapacityError, RequestFailedError
 from ...results import TokenEvent, TokenLogprob
-from ..kv.admission import Outcome, SlotPlacer
 from ..images import cut_reuse
+from ..kv.admission import Outcome, SlotPlacer
 from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions
 from ..kv.kvcache import KVCache, Slot
 from ..kv.kvops import KVOp, RestoreSession

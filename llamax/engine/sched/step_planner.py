@@ -9,9 +9,9 @@ from the sequences and token counts the scheduler chose. It changes no sequence.
 from __future__ import annotations
 
 from ...backend.base import Backend
+from ..images import chunk_limit, image_at
 from ..kv.checkpoints import next_checkpoint
 from ..kv.kvcache import KVCache
-from ..images import chunk_limit, image_at
 from ..kv.prefix import PrefixCache
 from ..plan import StepPlan, build_plan, split_plan
 from ..sequence import Request, SequenceState
