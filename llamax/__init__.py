@@ -40,6 +40,7 @@ from .errors import (
     TemplateSecurityError,
 )
 from .handle import RequestHandle
+from .images import Image
 from .info import ModelInfo, model_info
 from .models import default_model_path
 from .params import LogitsProcessor, SamplingParams
@@ -74,6 +75,7 @@ __all__ = [
     "FimTokens",
     "FinishReason",
     "GrammarError",
+    "Image",
     "InvalidMessageError",
     "InvalidParameterError",
     "InvalidRequestError",

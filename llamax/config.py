@@ -69,6 +69,9 @@ _SHARE = where(lambda v: is_real(v) and 0 < v <= 1, "must be a number in (0, 1]"
 _DIR = where(
     lambda v: v is None or (isinstance(v, str) and v != ""), "must be None or a directory path"
 )
+_FILE = where(
+    lambda v: v is None or (isinstance(v, str) and v != ""), "must be None or a file path"
+)
 _MS = where(lambda v: v is None or is_real(v), "must be a number or None")
 _DRAFT = where(
     lambda v: v is None or isinstance(v, DraftMethod), "must be None or a llamax.PromptLookup"
@@ -94,6 +97,7 @@ _TYPE_CHECKS: tuple[tuple[Check, tuple[str, ...]], ...] = (
     (_BYTES, ("prefix_ram_bytes", "prefix_disk_bytes")),
     (_SHARE, ("prefix_ram_share", "prefix_disk_share")),
     (_DIR, ("prefix_disk_dir",)),
+    (_FILE, ("mmproj",)),
     (_MS, ("max_step_ms",)),
     (_DRAFT, ("speculative",)),
     (_TEMPLATE, ("chat_template",)),
@@ -301,6 +305,16 @@ class ContextConfig:
             "when `prefix_disk_bytes` is not given (a model pool sets it; docs/models.md)",
         ),
     )
+    mmproj: str | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="none: text only",
+            doc="a multimodal projector GGUF (`mmproj`) for the model: prompts may hold images "
+            "(docs/images.md)",
+            flag=True,
+            metavar="FILE",
+        ),
+    )
     rpc_servers: str | None = field(
         default=None,
         metadata=spec(
@@ -486,6 +500,7 @@ class ContextOptions(TypedDict, total=False):
     calibrate: bool | None
     prefix_cache: bool
     chat_template: str | None
+    mmproj: str | None
     rpc_servers: str | None
     speculative: Speculative | None
     verbose: bool

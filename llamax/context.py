@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 from typing_extensions import Self, Unpack
 
 from .adapters import AdapterNames
-from .backend.base import Backend
+from .backend.base import Backend, ImageHost
 from .backend.fingerprint import weights_fingerprint
 from .config import ContextConfig, ContextOptions
 from .engine.kv.kvops import Audit, ClearCache, KVOp, OpenSession
@@ -27,6 +27,7 @@ from .errors import (
     ModelLoadError,
 )
 from .handle import RequestHandle
+from .images import ImagePrompts
 from .models import default_model_path
 from .openai.api import arespond, respond, submit_in_worker
 from .openai.options import check_flag
@@ -131,6 +132,7 @@ class Context:
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
         self._chat = BoundTemplate(backend, config.chat_template)
+        self._images = ImagePrompts(backend if isinstance(backend, ImageHost) else None)
         self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ facts
@@ -185,6 +187,13 @@ class Context:
         """The model's fill-in-the-middle tokens (``fim_tokens.can_infill``: whether it has
         the prefix, suffix and middle tokens that code infill needs)."""
         return self._backend.fim_tokens
+
+    @property
+    def sees_images(self) -> bool:
+        """Whether prompts may hold images (:class:`~llamax.Image`): a projector
+        (``mmproj``) that encodes them is loaded."""
+        backend = self._backend
+        return isinstance(backend, ImageHost) and backend.sees_images
 
     @property
     def closed(self) -> bool:
@@ -304,6 +313,7 @@ class Context:
             adapters=self._adapters.resolve(
                 params.lora if isinstance(params, SamplingParams) else None
             ),
+            images=self._images,
         )
         engine = self._engine
         handle._bind(

@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from .adapters import NO_ADAPTERS, AdapterSet
 from .backend.base import Backend
+from .engine.images import PromptImage
 from .engine.sequence import Request
 from .errors import (
     ContextClosedError,
@@ -24,11 +25,12 @@ from .errors import (
 )
 from .grammar import check_repetitions, schema_to_gbnf
 from .handle import RequestHandle
+from .images import Image, ImagePrompts, is_parts
 from .params import SamplingParams
 
-Prompt: TypeAlias = "str | Sequence[int] | npt.NDArray[np.integer[Any]]"
-"""What ``add_request`` accepts: text, token ids (ints or numpy integers), or a 1-D integer
-array of them."""
+Prompt: TypeAlias = "str | Sequence[int] | npt.NDArray[np.integer[Any]] | Sequence[str | Image]"
+"""What ``add_request`` accepts: text, token ids (ints or numpy integers), a 1-D integer
+array of them, or parts of text and :class:`~llamax.Image` (a context with ``mmproj``)."""
 
 __all__ = [
     "Prompt",
@@ -154,13 +156,17 @@ def build_request(
     arrival: int,
     session_id: int | None = None,
     adapters: AdapterSet = NO_ADAPTERS,
+    images: ImagePrompts | None = None,
 ) -> Request:
     """Check everything about a request that can be known before it runs, and build it.
+    A prompt of parts is read, tokenized and its images encoded here, by ``images``.
 
     Raises:
-        InvalidRequestError: wrong types, bad token ids, or n != 1 in a session.
+        InvalidRequestError: wrong types, bad token ids, n != 1 in a session, or images
+            in a session.
         EmptyPromptError, ContextLengthError, GrammarError: see :func:`prompt_tokens` and
             :func:`request_grammar`.
+        ImageError: an image in a context without a projector, or one that cannot be read.
     """
     params = params if params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
@@ -169,9 +175,17 @@ def build_request(
         raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError(f"priority must be an int, got {priority!r}")
-    tokens = prompt_tokens(backend, prompt, n_ctx)
+    parts = is_parts(prompt)
+    if not parts:
+        tokens = prompt_tokens(backend, prompt, n_ctx)
     check_token_ids(backend, params)
     grammar = request_grammar(backend, params)
+    placed: tuple[PromptImage, ...] = ()
+    if parts:  # last: encoding is the costly check
+        if session_id is not None:
+            raise InvalidRequestError("a session's requests cannot hold images yet")
+        assert isinstance(prompt, (list, tuple))
+        tokens, placed = (images or ImagePrompts(None)).prompt(prompt, n_ctx)
     return Request(
         handle.request_id,
         tokens,
@@ -185,4 +199,5 @@ def build_request(
         session_id=session_id,
         grammar=grammar,
         adapters=adapters,
+        images=placed,
     )

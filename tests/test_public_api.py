@@ -37,6 +37,7 @@ EXPECTED_ALL = [
     "GrammarError",
     "InvalidMessageError",
     "InvalidParameterError",
+    "Image",
     "InvalidRequestError",
     "LlamaxError",
     "LogitsProcessor",

@@ -9,7 +9,7 @@ model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 
@@ -19,6 +19,7 @@ import numpy.typing as npt
 from ..adapters import AdapterSet
 from ..params import SamplingParams
 from ..tokens import FimTokens
+from .vision.chunks import MediaPrompt, RgbImage
 
 __all__ = [
     "Backend",
@@ -27,6 +28,7 @@ __all__ = [
     "Calibratable",
     "Clocked",
     "DecodeStatus",
+    "ImageHost",
     "Inspectable",
     "KVMemory",
     "LoadedModel",
@@ -62,6 +64,12 @@ class BatchItem:
     token_ids: Sequence[int]
     start_pos: int
     rows: tuple[int, ...] = ()
+    embeddings: npt.NDArray[np.float32] | None = field(default=None, compare=False, repr=False)
+    """An image's rows, ``(len(token_ids), n_embd)``, decoded instead of ``token_ids`` (its
+    placeholder ids): such an item goes to :meth:`ImageHost.decode_embeddings`, never to
+    ``decode``, and wants no output."""
+    non_causal: bool = False
+    """With ``embeddings``: decoded with non-causal attention (the whole image at once)."""
 
     @property
     def row(self) -> int | None:
@@ -395,6 +403,54 @@ class LoraHost(Protocol):
     def set_adapters(self, adapters: AdapterSet) -> None:
         """Run the next decodes under ``adapters`` (loaded names with their scales; ``()``:
         the base model). Cheap when the set is the current one."""
+        ...
+
+
+@runtime_checkable
+class ImageHost(Protocol):
+    """Optional: a backend with a multimodal projector (``mmproj``), whose prompts may hold
+    images (:mod:`llamax.engine.images`). Reading, tokenizing and encoding images may run
+    on any thread (encodes one at a time); :meth:`decode_embeddings` on the engine's."""
+
+    @property
+    def sees_images(self) -> bool:
+        """Whether a projector that encodes images is loaded."""
+        ...
+
+    @property
+    def image_marker(self) -> str:
+        """The text that stands for one image in :meth:`tokenize_images`' text ("" when
+        no projector is loaded: a property here never raises, so ``isinstance`` works)."""
+        ...
+
+    def max_image_rows(self, non_causal: bool) -> int:
+        """Most embedding rows one image may have: a non-causal image is decoded in one
+        micro-batch (``n_ubatch``), a causal one in pieces of at most ``n_batch``."""
+        ...
+
+    def read_image(self, data: bytes) -> RgbImage:
+        """Decode an image file's bytes (PNG, JPEG, GIF, BMP).
+
+        Raises:
+            ImageError: not such a file, damaged, or over the size limits.
+        """
+        ...
+
+    def tokenize_images(self, text: str, images: Sequence[RgbImage]) -> MediaPrompt:
+        """Tokenize ``text``, with ``images`` at its :attr:`image_marker` s, into chunks."""
+        ...
+
+    def encode_image(self, chunk: Any) -> npt.NDArray[np.float32]:
+        """An image chunk's embeddings, ``(n_tokens, n_embd)``; one caller at a time."""
+        ...
+
+    def decode_embeddings(self, items: Sequence[BatchItem], *, non_causal: bool) -> int:
+        """Decode ``items`` (each with ``embeddings``) in one ``llama_decode``; its status.
+
+        Raises:
+            ValueError: rows of the wrong shape, too many, or a non-causal batch larger
+                than one micro-batch.
+        """
         ...
 
 

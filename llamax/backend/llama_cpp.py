@@ -1,7 +1,8 @@
 """The llama.cpp backend, on llama-cpp-python's raw ctypes bindings.
 
 The native handles (:mod:`llamax.backend.native`) are owned here and freed in a stated order
-by :meth:`LlamaCppBackend.close`: samplers, then the batch, then the context, then the model.
+by :meth:`LlamaCppBackend.close`: samplers, then the batches, then the context, then the
+projector (``mmproj``), then the model.
 The model's side, which any thread may reach behind a guard, is
 :class:`~llamax.backend.llama_model.LlamaCppModel`; this module adds the context: the KV
 layout, decoding, sampling and the KV operations.
@@ -20,7 +21,7 @@ import numpy.typing as npt
 
 from ..adapters import NO_ADAPTERS, AdapterSet
 from ..config import ContextConfig
-from ..errors import ModelLoadError, RequestFailedError
+from ..errors import ImageError, ModelLoadError, RequestFailedError
 from ..params import SamplingParams
 from .base import BatchItem
 from .gguf_file import GGML_TYPE_NAMES
@@ -37,6 +38,16 @@ from .platform import calibration_key
 from .rpc import register_rpc_servers
 from .sampler_chain import constrain, new_sampler
 from .seq_state import restream, tile
+from .vision import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGE_SIDE,
+    EmbeddingItem,
+    MediaPrompt,
+    NativeEmbdBatch,
+    Projector,
+    RgbImage,
+    decode_embeddings,
+)
 
 __all__ = ["LlamaCppBackend"]
 
@@ -55,9 +66,20 @@ class LlamaCppBackend(LlamaCppModel):
         self._samplers: dict[int, NativeSampler] = {}
         if config.rpc_servers is not None:
             register_rpc_servers(C, config.rpc_servers)
-        with ExitStack() as stack:  # closes in reverse: samplers, batch, context, model
+        with (
+            ExitStack() as stack
+        ):  # closes in reverse: samplers, batches, context, projector, model
             super().__init__(C, config, stack)
             model = self._model
+            self._projector: Projector | None = None
+            if config.mmproj is not None:  # loaded after the model, freed before it
+                self._projector = Projector.load(
+                    model,
+                    config.mmproj,
+                    n_threads=config.resolved_n_threads,
+                    use_gpu=config.n_gpu_layers != 0,
+                )
+                stack.callback(self._projector.close)
             # one KV section (no sliding window, no recurrent state): a sequence's saved
             # state can move between layouts (seq_state.restream)
             self._plain_kv = not (model.is_recurrent() or model.is_hybrid() or model.n_swa() > 0)
@@ -89,6 +111,10 @@ class LlamaCppBackend(LlamaCppModel):
             self._n_batch = config.n_batch
             self._batch = NativeBatch(C, self._n_batch)
             stack.callback(self._batch.close)
+            self._embd_batch: NativeEmbdBatch | None = None
+            if self._projector is not None:
+                self._embd_batch = NativeEmbdBatch(C, self._n_batch, model.n_embd())
+                stack.callback(self._embd_batch.close)
             stack.callback(self._free_samplers)
             self._stack = stack.pop_all()
         self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
@@ -276,6 +302,61 @@ class LlamaCppBackend(LlamaCppModel):
                 batch.logits[row] = 1
         batch.set_n_tokens(n)
         return self._context.decode(batch)
+
+    # ------------------------------------------------------------------ images
+    @property
+    def sees_images(self) -> bool:
+        """Whether ``mmproj`` loaded a projector that encodes images.
+        (:class:`~llamax.backend.base.ImageHost`)"""
+        if self._projector is None:
+            return False
+        with self._guard.entered():
+            return self._projector.supports_vision
+
+    def _vision(self) -> Projector:
+        if self._projector is None:
+            raise ImageError("this context has no projector (mmproj): it cannot read images")
+        return self._projector
+
+    @property
+    def image_marker(self) -> str:
+        """The projector's marker for one image in a prompt's text ("" without one)."""
+        if self._projector is None:
+            return ""
+        with self._guard.entered():
+            return self._projector.marker
+
+    def max_image_rows(self, non_causal: bool) -> int:
+        """``n_ubatch`` for a non-causal image, ``n_batch`` for a causal one."""
+        return int(self._cparams.n_ubatch) if non_causal else self._n_batch
+
+    def read_image(self, data: bytes) -> RgbImage:
+        """Decode an image file with ``mtmd`` (:meth:`Projector.decode_image`)."""
+        with self._guard.entered():
+            return self._vision().decode_image(
+                data, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS
+            )
+
+    def tokenize_images(self, text: str, images: Sequence[RgbImage]) -> MediaPrompt:
+        """``mtmd_tokenize`` (:meth:`Projector.tokenize`)."""
+        with self._guard.entered():
+            return self._vision().tokenize(text, images)
+
+    def encode_image(self, chunk: Any) -> npt.NDArray[np.float32]:
+        """Run the vision encoder (:meth:`Projector.encode`); one caller at a time."""
+        with self._guard.entered():
+            return self._vision().encode(chunk)
+
+    def decode_embeddings(self, items: Sequence[BatchItem], *, non_causal: bool) -> int:
+        """Decode image rows (:func:`~llamax.backend.vision.decode_embeddings`)."""
+        if self._embd_batch is None:
+            raise ImageError("this context has no projector (mmproj): it cannot read images")
+        embedded = []
+        for item in items:
+            if item.embeddings is None:
+                raise ValueError(f"an embedding decode got a token item: {item!r}")
+            embedded.append(EmbeddingItem(item.seq_id, item.embeddings, item.start_pos))
+        return decode_embeddings(self._context, self._embd_batch, embedded, non_causal=non_causal)
 
     def run_queued_copies(self) -> None:
         """Run the cross-stream copies llama.cpp has queued, by decoding one token and

@@ -15,10 +15,18 @@ from dataclasses import dataclass, field
 
 from ..backend.base import BatchItem
 from ..results import TokenEvent
+from .images import image_rows
 from .sequence import TERMINAL_STATES, Request
 from .sequence import Sequence as Seq
 
-__all__ = ["ScheduledSequence", "StepPlan", "StepResult", "build_plan", "split_plan"]
+__all__ = [
+    "ScheduledSequence",
+    "StepPlan",
+    "StepResult",
+    "build_plan",
+    "split_images",
+    "split_plan",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +130,14 @@ def build_plan(
             offset += num + len(draft)
             continue
         rows = (offset + num - 1,) if completes else ()
+        image = image_rows(seq.request.images, start, end) if seq.request.images else None
+        if image is not None:  # an image's rows: no output (a prompt ends with text)
+            embeddings, non_causal = image
+            ids = seq.token_ids[start:end]
+            item = BatchItem(seq.slot.seq_id, ids, start, (), embeddings, non_causal)
+            entries.append(ScheduledSequence(seq, item))
+            offset += num
+            continue
         item = BatchItem(seq.slot.seq_id, seq.token_ids[start:end], start, rows)
         forks = forkable(seq, num_free_ids) if completes else ()
         num_free_ids -= len(forks)
@@ -147,3 +163,15 @@ def split_plan(plan: StepPlan, groups: Sequence[Sequence[int]]) -> list[StepPlan
             offset += len(entry.item.token_ids)
         parts.append(StepPlan(tuple(entries)))
     return parts
+
+
+def split_images(plan: StepPlan) -> tuple[list[StepPlan], StepPlan]:
+    """``plan``'s image entries, one plan each (a batch holds token ids or embeddings, never
+    both; one image a decode, so a failing one fails its request alone), and the plan of
+    the rest. The image plans go first: no entry of theirs has a row to sample."""
+    images = [i for i, e in enumerate(plan.entries) if e.item.embeddings is not None]
+    if not images:
+        return [], plan
+    rest = [i for i in range(len(plan.entries)) if i not in images]
+    *image_plans, text = split_plan(plan, [*([i] for i in images), rest])
+    return image_plans, text

@@ -19,6 +19,7 @@ from ..text import Detokenizer, StopMatcher, StopStrings
 
 if TYPE_CHECKING:
     from ..backend.base import Sampler
+    from .images import PromptImage
     from .kv.kvcache import Slot
     from .spec.speculative import DraftState
 
@@ -78,6 +79,7 @@ class Request:
         "arrival",
         "grammar",
         "handle",
+        "images",
         "num_cached_tokens",
         "params",
         "priority",
@@ -104,8 +106,12 @@ class Request:
         session_id: int | None = None,
         grammar: str | None = None,
         adapters: AdapterSet = NO_ADAPTERS,
+        images: tuple[PromptImage, ...] = (),
     ) -> None:
         self.request_id = request_id
+        self.images = images
+        """The prompt's images, by position (:mod:`llamax.engine.images`): their positions in
+        ``prompt_token_ids`` hold placeholder ids."""
         self.adapters = adapters
         """The LoRA adapter set every step of the request runs under (``()``: none)."""
         self.prompt_token_ids = prompt_token_ids

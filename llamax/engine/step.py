@@ -16,12 +16,12 @@ import logging
 from concurrent.futures import InvalidStateError
 from typing import Any
 
-from ..backend.base import Backend, DecodeStatus, LoraHost
-from ..errors import EngineError
+from ..backend.base import Backend, DecodeStatus, ImageHost, LoraHost
+from ..errors import EngineError, RequestFailedError
 from ..results import TokenLogprob
 from ..stats import ContextStats
 from .kv.prefix_tier import TierStats
-from .plan import StepPlan, StepResult
+from .plan import StepPlan, StepResult, split_images
 from .sched.sampling import BatchLogitsProcessor, keep_interrupt, sample_plan, sample_row
 from .sched.scheduler import Scheduler
 from .sequence import Request
@@ -60,6 +60,7 @@ class Stepper:
         self._batch_processor = batch_processor
         self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
         # runtime Protocol check walks every method, too slow for each step
+        self._images = backend if isinstance(backend, ImageHost) else None
         self._stalled_steps = 0
         self.num_steps = 0
         """Steps that computed something."""
@@ -70,12 +71,14 @@ class Stepper:
         scheduler = self._scheduler
         plan = scheduler.schedule(result)
         is_stuck = plan.is_empty and not (result.events or result.finished or result.failed)
-        # a batch logits processor sees the whole step at once, so its steps stay whole
-        parts = [plan] if self._batch_processor is not None else scheduler.planner.split(plan)
-        for part in parts:
+        # images first, a decode each (no batch mixes ids and embeddings); a batch logits
+        # processor sees the rest of the step at once, so it stays whole
+        images, plan = split_images(plan)
+        rest = [plan] if self._batch_processor is not None else scheduler.planner.split(plan)
+        for part in [*images, *rest]:
             part = part.without_ended()  # a request that failed in an earlier part is gone
             if not part.is_empty:
-                part, features, started, decoded = self._decode(part)
+                part, features, started, decoded = self._decode(part, result)
             if part.is_empty:
                 continue
             sampled = sample_plan(self._backend, part.sampled_entries(), self._batch_processor)
@@ -95,9 +98,12 @@ class Stepper:
     def _verify(self, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
         return sample_row(self._backend, seq, row)
 
-    def _decode(self, plan: StepPlan) -> tuple[StepPlan, StepFeatures, float, float]:
+    def _decode(
+        self, plan: StepPlan, result: StepResult
+    ) -> tuple[StepPlan, StepFeatures, float, float]:
         """Decode ``plan``, shrinking it on NO_SLOT; return what was actually computed, its
-        cost features, and when its decode started and ended."""
+        cost features, and when its decode started and ended. An image's decode that fails
+        fails its request alone (into ``result``)."""
         scheduler = self._scheduler
         if self._lora is not None:
             adapters = {entry.seq.request.adapters for entry in plan.entries}
@@ -106,7 +112,12 @@ class Stepper:
             self._lora.set_adapters(adapters.pop())
         for _ in range(_MAX_SHRINKS_PER_STEP):
             features, started = scheduler.planner.features(plan), scheduler.clock()
-            status = self._backend.decode(plan.items)
+            if plan.entries[0].item.embeddings is not None:
+                status = self._decode_image(plan, result)
+                if status is None:
+                    return StepPlan(), StepFeatures(), 0.0, 0.0
+            else:
+                status = self._backend.decode(plan.items)
             scheduler.kv.decoded(status)
             if status == DecodeStatus.OK:
                 self._stalled_steps = 0
@@ -121,6 +132,25 @@ class Stepper:
         if self._stalled_steps > _MAX_STALLED_STEPS:
             raise EngineError("llama_decode found no KV slot even for a single token")
         return StepPlan(), StepFeatures(), 0.0, 0.0
+
+    def _decode_image(self, plan: StepPlan, result: StepResult) -> int | None:
+        """Decode the one image entry of ``plan``: OK or NO_SLOT, or None when it failed
+        (its request failed into ``result``: llama.cpp restores the memory on an error)."""
+        (entry,) = plan.entries
+        if self._images is None:
+            raise EngineError("a step holds an image, but the backend reads none")
+        try:
+            status = self._images.decode_embeddings(plan.items, non_causal=entry.item.non_causal)
+        except Exception as exc:
+            error = RequestFailedError(f"decoding the image failed: {exc!r}")
+            error.__cause__ = exc
+        else:
+            if status in (DecodeStatus.OK, DecodeStatus.NO_SLOT):
+                return status
+            self._scheduler.kv.decoded(status)
+            error = RequestFailedError(f"decoding the image failed with status {status}")
+        self._scheduler.fail(entry.seq.request, error, result)
+        return None
 
     def stats(self, state: str) -> ContextStats:
         """The stats now (the engine in ``state``), composed from each component's own."""

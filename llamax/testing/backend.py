@@ -13,11 +13,13 @@ import numpy.typing as npt
 
 from ..adapters import AdapterSet
 from ..backend.base import BatchItem, DecodeStatus
-from ..errors import ContextClosedError
+from ..backend.vision import MediaPrompt, RgbImage
+from ..errors import ContextClosedError, ImageError
 from ..params import SamplingParams
 from ..tokens import FimTokens
 from .memory import FakeMemory
 from .model import EOS, FakeAdapters, FakeSampler, FakeVocab, alphabet_model, row_logits, sample
+from .vision import FakeVision, ids_of_rows
 
 __all__ = ["FAULT_POINTS", "FakeBackend"]
 
@@ -38,6 +40,8 @@ FAULT_POINTS = (
     "state_seq_set",
     "relayout",
     "fill_cells",
+    "encode_image",
+    "decode_embeddings",
     "close",
 )
 """Every backend call that :attr:`FakeBackend.fault` can make fail, by the name it is
@@ -80,8 +84,17 @@ class FakeBackend:
         weights: str = "w0",
         n_threads: int = 1,
         runnable_tasks: Callable[[], int | None] | None = None,
+        image_tokens: int | None = None,
+        non_causal_images: bool = False,
+        n_ubatch: int | None = None,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
+        self._n_ubatch = n_batch if n_ubatch is None else n_ubatch
+        self._vision = (
+            None
+            if image_tokens is None
+            else FakeVision(image_tokens, non_causal_images, lambda t: self.tokenize(t))
+        )  # a projector: prompts may hold images (:mod:`~llamax.testing.vision`)
         self._stream_cells = n_ctx // n_seq_max if stream_cells is None else stream_cells
         if kv_layout not in ("unified", "streams", "auto"):
             raise ValueError(f"kv_layout must be 'unified', 'streams' or 'auto', got {kv_layout!r}")
@@ -283,6 +296,8 @@ class FakeBackend:
     def token_to_piece(self, token: int) -> bytes:
         """The bytes of a token."""
         self._check_open()
+        if token < 0:
+            raise AssertionError(f"an image's placeholder id {token} reached detokenization")
         return self._vocab.pieces[token]
 
     def is_eog(self, token: int) -> bool:
@@ -303,6 +318,8 @@ class FakeBackend:
         num = sum(len(i.token_ids) for i in items)
         if not num or num > self._n_batch or len({i.seq_id for i in items}) != len(items):
             return -1
+        if any(i.embeddings is not None or min(i.token_ids) < 0 for i in items):
+            raise AssertionError(f"an image's placeholder ids reached a token decode: {items!r}")
         self._memory.run_queue()
         if self.forced_statuses:
             return self.forced_statuses.popleft()
@@ -324,6 +341,87 @@ class FakeBackend:
                 self._logits[len(self._rows) - 1] = row_logits(token, self.n_vocab)
             self._memory.store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
+        if self._log_decodes:
+            self.decode_log.append(tuple(items))
+            self.decode_adapters.append(self._memory.adapters)
+        if self._step_seconds is not None:
+            self._clock += self._step_seconds(items)
+        return DecodeStatus.OK
+
+    # ------------------------------------------------------------------ images
+    @property
+    def sees_images(self) -> bool:
+        """With ``image_tokens``: a fake projector (:mod:`~llamax.testing.vision`)."""
+        return self._vision is not None
+
+    def _fake_vision(self) -> FakeVision:
+        if self._vision is None:
+            raise ImageError("this fake backend has no projector (image_tokens=None)")
+        return self._vision
+
+    @property
+    def image_marker(self) -> str:
+        """The fake projector's marker ("" without one)."""
+        return self._vision.marker if self._vision is not None else ""
+
+    def max_image_rows(self, non_causal: bool) -> int:
+        """``n_ubatch`` for a non-causal image, ``n_batch`` for a causal one."""
+        return self._n_ubatch if non_causal else self._n_batch
+
+    def read_image(self, data: bytes) -> RgbImage:
+        """Any file whose image header reads: its bytes are its pixels."""
+        return self._fake_vision().read(data)
+
+    def tokenize_images(self, text: str, images: Sequence[RgbImage]) -> MediaPrompt:
+        """Text chunks, one token a byte, and ``image_tokens`` positions an image."""
+        return self._fake_vision().tokenize(text, images)
+
+    def encode_image(self, chunk: object) -> npt.NDArray[np.float32]:
+        """Rows that encode the chunk's placeholder ids (:mod:`~llamax.testing.vision`)."""
+        self._fault("encode_image")
+        return self._fake_vision().encode(chunk)  # type: ignore[arg-type]
+
+    def decode_embeddings(self, items: Sequence[BatchItem], *, non_causal: bool) -> int:
+        """Check and apply a batch of image rows, as :meth:`decode` a batch of tokens. Each
+        cell's provenance is the ids its row encodes (:meth:`FakeMemory.store_embedded`).
+
+        Raises:
+            ValueError: a non-causal batch over ``n_ubatch`` rows (llama.cpp would abort).
+            AssertionError: an item without embeddings, or of the other attention.
+        """
+        if self.closed:
+            raise RuntimeError("decode_embeddings on a closed FakeBackend")
+        status = self._fault("decode_embeddings")
+        if status is not None:
+            assert isinstance(status, int), f"a decode fault must be a status, got {status!r}"
+            if status in (DecodeStatus.OK, DecodeStatus.NO_SLOT, DecodeStatus.ABORTED):
+                self._memory.run_queue()
+            return status
+        for item in items:
+            e = item.embeddings
+            if e is None or len(e) != len(item.token_ids) or item.rows:
+                raise AssertionError(f"not an image item (rows of embeddings, no output): {item!r}")
+            if item.non_causal != non_causal:
+                raise AssertionError(f"a {'non-' * non_causal}causal decode got {item!r}")
+        num = sum(len(i.token_ids) for i in items)
+        if non_causal and num > self._n_ubatch:
+            raise ValueError(f"{num} non-causal rows do not fit a micro-batch of {self._n_ubatch}")
+        if not num or num > self._n_batch or len({i.seq_id for i in items}) != len(items):
+            return -1
+        self._memory.run_queue()
+        if self.forced_statuses:
+            return self.forced_statuses.popleft()
+        if self.num_cells_used + num > self.kv_cells or any(
+            len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
+        ):
+            return DecodeStatus.NO_SLOT
+        self._rows.clear()
+        self._logits = np.zeros((0, self.n_vocab), np.float32)
+        for item in items:
+            self._memory.history(item.seq_id, item.start_pos)  # reads only its own cells
+            assert item.embeddings is not None
+            inputs = ids_of_rows(item.embeddings)
+            self._memory.store_embedded(item.seq_id, item.token_ids, inputs)
         if self._log_decodes:
             self.decode_log.append(tuple(items))
             self.decode_adapters.append(self._memory.adapters)
@@ -401,6 +499,8 @@ class FakeBackend:
         """A sampler honouring greedy/temperature, logit_bias, ignore_eos and a
         :class:`FakeGrammar` (other grammars constrain nothing)."""
         self._fault("new_sampler")
+        if any(t < 0 for t in history):
+            raise AssertionError("an image's placeholder ids reached a sampler's history")
         sampler = FakeSampler.new(params, seed, grammar)
         self.live_samplers.add(id(sampler))
         return sampler

@@ -407,6 +407,19 @@ class FakeMemory:
             now = Computed(previous, self.model, self.adapters)
             self._states[seq_id] = (len(self.cells[seq_id]), now)
 
+    def store_embedded(self, seq_id: int, tokens: Sequence[int], inputs: Sequence[int]) -> None:
+        """Append ``tokens`` (an image's placeholder ids, as the engine records them) in new
+        cells computed from ``inputs`` (the ids its embeddings encode): a cell's provenance
+        is what was decoded there, so rows of another image make cells that no read of
+        this sequence accepts."""
+        chains = self._chains[seq_id]
+        previous = chains[-1] if chains and chains[-1] is not None else 0
+        data = []
+        for token in inputs:
+            previous = _chain(previous, token)
+            data.append(Computed(previous, self.model, self.adapters))
+        self.store(seq_id, tokens, data)
+
     def _write(self, seq_id: int, pos: int, data: Computed | None) -> None:
         if self.is_unified:
             cell = self._cell_ids[seq_id][pos]

@@ -152,9 +152,11 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
         """Write ``data`` (the state of ``tokens``) as the most recently used entry,
         deleting the least recently used files beyond the budget. False if it is not
         wanted, alone exceeds the budget, or cannot be written (the entry is lost, logged
-        once); a file already holding these tokens is only marked recently used."""
+        once); a file already holding these tokens is only marked recently used. Never a
+        prefix with an image (placeholder ids): its cells came from this context's
+        projector, which a file outliving the context does not record."""
         key = tuple(tokens)
-        if not self.wants(len(key), adapters) or not data:
+        if not self.wants(len(key), adapters) or not data or min(key) < 0:
             return False
         if self._lru.get(key) is not None:
             self._lru.touch(key)

@@ -25,6 +25,7 @@ from ...backend.base import Backend
 from ...errors import RequestFailedError
 from ...params import LogitsProcessor
 from ...results import TokenLogprob, TopLogprob
+from ..images import text_only
 from ..plan import ScheduledSequence
 from ..sequence import Request
 from ..sequence import Sequence as Seq
@@ -143,7 +144,7 @@ def _sample_row(
     logits = backend.logits(row) if params.logits_processors or wants_logprobs else None
     if params.logits_processors:
         assert logits is not None
-        error = _run_processors(params.logits_processors, seqs[0].token_ids, logits)
+        error = _run_processors(params.logits_processors, _history(seqs[0]), logits)
         if error is not None:
             raise error
     log_z = _log_partition(logits) if wants_logprobs and logits is not None else 0.0
@@ -168,7 +169,7 @@ def _sample(backend: Backend, seq: Seq, row: int) -> int:
         request = seq.request
         seed = (request.seed + seq.index) % 2**32
         seq.sampler = backend.new_sampler(
-            request.params, seed, seq.token_ids, grammar=request.grammar
+            request.params, seed, _history(seq), grammar=request.grammar
         )
     return backend.sample(seq.sampler, row)
 
@@ -180,7 +181,7 @@ def _run_batch_hook(
     out: Sampled,
 ) -> None:
     view = backend.batch_logits(len(entries))
-    described = [LogitsRow(e.seq.request.request_id, e.seq.index, e.seq.token_ids) for e in entries]
+    described = [LogitsRow(e.seq.request.request_id, e.seq.index, _history(e.seq)) for e in entries]
     try:
         hook(described, view)
     except BaseException as exc:  # a user callback: its failure ends these requests only
@@ -188,6 +189,11 @@ def _run_batch_hook(
             request = entry.seq.request
             error = _user_failure(f"the batch logits processor failed: {exc!r}", exc)
             out.failed.setdefault(request.request_id, (request, error))
+
+
+def _history(seq: Seq) -> list[int]:
+    """The tokens a sampler or a logits processor sees: image placeholders left out."""
+    return text_only(seq.token_ids) if seq.request.images else seq.token_ids
 
 
 def _run_processors(

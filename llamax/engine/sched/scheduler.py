@@ -38,9 +38,10 @@ from ...backend.base import Backend, Clocked
 from ...config import EngineConfig
 from ...errors import KVCapacityError, RequestFailedError
 from ...results import TokenEvent, TokenLogprob
+from ..images import cut_reuse
 from ..kv.admission import Outcome, SlotPlacer
 from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions
-from ..kv.kvcache import KVCache
+from ..kv.kvcache import KVCache, Slot
 from ..kv.kvops import KVOp, RestoreSession
 from ..kv.prefix import PrefixCache
 from ..kv.relayout import Relayout
@@ -286,7 +287,8 @@ class Scheduler:
         """Answer a NO_SLOT decode: drop the drafts, else halve the newest prefill chunk, else
         evict a retained prefix, else preempt the newest sequence."""
         slots = [(e.seq, len(e.item.token_ids) - len(e.draft)) for e in plan.entries]
-        halved = None if plan.num_drafted else halve_newest_chunk([n for _, n in slots])
+        whole = plan.num_drafted or any(e.item.non_causal for e in plan.entries)
+        halved = None if whole else halve_newest_chunk([n for _, n in slots])
         if halved is not None:
             slots = [(seq, n) for (seq, _), n in zip(slots, halved, strict=True) if n]
         elif not plan.num_drafted and not self.prefix.evict_one() and slots:
@@ -385,14 +387,24 @@ class Scheduler:
             )
         if placement.slot is not None:
             seq.slot = placement.slot
-            seq.branch_at = branch_point(placement.num_reused, placement.num_shared)
-            self.num_cached_tokens += placement.num_reused
+            num_reused = self._cut_into_image(seq, placement.slot, placement.num_reused)
+            seq.branch_at = branch_point(num_reused, placement.num_shared)
+            self.num_cached_tokens += num_reused
             if seq.index == 0 and seq.num_generated == 0:
-                seq.request.num_cached_tokens = placement.num_reused
+                seq.request.num_cached_tokens = num_reused
             self._waiting.remove(seq)
             seq.state = SequenceState.PREFILLING if seq.num_pending > 1 else SequenceState.DECODING
             self._running.append(seq)
         return placement.outcome
+
+    def _cut_into_image(self, seq: Sequence, slot: Slot, num_reused: int) -> int:
+        """Cut a reused prefix that ends inside a non-causal image back to the image's
+        start (:func:`~llamax.engine.images.cut_reuse`); the tokens it keeps."""
+        num = cut_reuse(seq.request.images, num_reused)
+        if num < num_reused and not self.kv.truncate(slot, num):
+            self.kv.clear(slot)
+            num = 0
+        return num
 
     def _fork_from(self, leader: Sequence, fork: Sequence) -> None:
         assert leader.slot is not None

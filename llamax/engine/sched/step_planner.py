@@ -9,6 +9,7 @@ from the sequences and token counts the scheduler chose. It changes no sequence.
 from __future__ import annotations
 
 from ...backend.base import Backend
+from ..images import chunk_limit, image_at
 from ..kv.checkpoints import next_checkpoint
 from ..kv.kvcache import KVCache
 from ..kv.prefix import PrefixCache
@@ -61,8 +62,23 @@ class StepPlanner:
     ) -> tuple[int, StepFeatures | None]:
         """The prompt chunk ``seq`` computes this step, within ``budget`` tokens, and the
         step's features with it (:meth:`ChunkBudget.chunk`). Where the memory is cut only
-        at checkpoints, the chunk ends at the sequence's next one."""
+        at checkpoints, the chunk ends at the sequence's next one. A chunk stays within one
+        image or one run of text; a non-causal image is taken whole, even past ``budget``
+        (its rows take a decode of their own)."""
+        images = seq.request.images
+        image = image_at(images, seq.num_computed) if images else None
+        if image is not None and image.is_non_causal:
+            take = image.end - seq.num_computed
+            return take, self.budget.whole(
+                fixed,
+                take,
+                num_computed=seq.num_computed,
+                num_cells_used=self._kv.num_cells_used,
+                unified=self._kv.is_unified,
+            )
         limit = min(seq.num_pending, budget)
+        if images:
+            limit = chunk_limit(images, seq.num_computed, limit)
         if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
             following = next_checkpoint(seq.num_computed, seq.num_prompt_tokens)
             if seq.num_computed < seq.branch_at < (following or seq.num_prompt_tokens):

@@ -17,6 +17,7 @@ from ...backend.base import Backend
 from ...drafting import Speculative
 from ...errors import RequestFailedError
 from ...results import TokenLogprob
+from ..images import text_only
 from ..kv.kvcache import KVCache
 from ..plan import ScheduledSequence, StepPlan
 from ..sequence import TERMINAL_STATES, Request, SequenceState
@@ -112,7 +113,8 @@ class Drafting:
                 num_generated=seq.num_generated,
                 max_tokens=seq.request.params.max_tokens,
             )
-            candidates.append((seq, state, seq.token_ids, limit))
+            history = text_only(seq.token_ids) if seq.request.images else seq.token_ids
+            candidates.append((seq, state, history, limit))  # drafts never propose an image
         return self.planner.plan(candidates, [n for _, n in slots], room, priced=self.priced)
 
     def verify(

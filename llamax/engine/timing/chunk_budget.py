@@ -147,6 +147,22 @@ class ChunkBudget:
         at_end = cost.largest_chunk(fixed, end, limit, self._step_s, unified=unified, overrun=False)
         return cost.fair_chunk(fixed, end, limit, lone, unified=unified) > at_end
 
+    def whole(
+        self,
+        fixed: StepFeatures | None,
+        take: int,
+        *,
+        num_computed: int,
+        num_cells_used: int,
+        unified: bool,
+    ) -> StepFeatures | None:
+        """The step's features with a chunk of ``take`` tokens that cannot be cut (a
+        non-causal image), whatever the budget says."""
+        if fixed is None or self.max_step_s is None:
+            return fixed
+        attend = num_cells_used + fixed.num_tokens if unified else num_computed
+        return step_with_chunk(fixed, take, attend, unified=unified, waste=self.cost.waste)
+
     def decode_features(self, decode_computed: Sequence[int], *, unified: bool) -> StepFeatures:
         """Features of decode rows whose sequences hold ``decode_computed`` tokens."""
         if unified:
