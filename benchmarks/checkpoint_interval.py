@@ -4,7 +4,8 @@ they save a prompt that shares only part of it.
 On a hybrid model (default: the random LFM2 in LFM2-350M's shape that
 ``scripts/make_memory_model.py --kind hybrid_350m`` writes), for each interval K of
 ``--intervals`` (the engine's ``interval_for``, patched for the run; ``0`` stands for none,
-only the prompt's last checkpoint; ``-1`` for the engine's own rule (:func:`llamax.engine.kv.checkpoints.interval_for`, which
+only the prompt's last checkpoint; ``-1`` for the engine's own rule
+(:func:`llamax.engine.kv.checkpoints.interval_for`, which
 spreads a slot's 8 checkpoints over the prompt, at least 256 tokens apart):
 
 1. *cold*: a ~``--doc-tokens`` document prompt (1 greedy token) on an empty cache: its time

@@ -63,9 +63,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
                 raise from_exception(exc, REQUEST_FIELDS, "messages") from exc
 
         try:
-            counted = await run_leased(
-                state, request, parse, _model_of, work, check_key=True
-            )
+            counted = await run_leased(state, request, parse, _model_of, work, check_key=True)
         except APIError as error:
             return anthropic_error_response(error)
         return JSONResponse(counted)

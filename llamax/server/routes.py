@@ -247,6 +247,7 @@ async def _in_worker(
         APIError: 413 for a body too large, 503 when ``max_queue`` requests are in flight,
             404 for an unknown model, or what ``work`` raises.
     """
+
     def parse(raw: bytes) -> RequestT:
         return parse_body(schema, raw, lenient=state.lenient)
 
