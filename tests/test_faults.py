@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from adversaries import FlakyProcessor
+from vision_files import pixels, png
 
 import llamax
 from llamax import SamplingParams
@@ -366,8 +367,11 @@ def mixed_load(
     max_output: int = 24,
     max_n: int = 4,
     cancel_chance: float = 0.25,
+    images: bool | None = None,
 ) -> MixedRun:
-    """Requests and session operations from ``num_threads`` threads at once."""
+    """Requests and session operations from ``num_threads`` threads at once; on a context
+    that sees images (default: whether ``ctx`` does), some prompts hold one."""
+    images = ctx.sees_images if images is None else images
     run = MixedRun()
     lock = threading.Lock()
 
@@ -424,7 +428,11 @@ def mixed_load(
                     except BaseException as exc:  # sorted by note()
                         note(exc)
                     continue
-                prompt = mixed_prompt(rng, f" t{index} r{i}")
+                prompt: str | list[str | llamax.Image] = mixed_prompt(rng, f" t{index} r{i}")
+                if images and rng.random() < 0.15:  # an image, often one of three (hits)
+                    which = rng.randrange(3) if rng.random() < 0.5 else rng.randrange(10**6)
+                    image = llamax.Image(png(pixels(which, 4, 5)))
+                    prompt = [str(prompt), image, f" what is it? {i}"]
                 try:
                     handle = ctx.add_request(
                         prompt, mixed_params(rng, max_output=max_output, max_n=max_n)
@@ -516,7 +524,13 @@ def _mixed_context(
 ) -> tuple[llamax.Context, FakeBackend]:
     """An auto-layout context with speculation; with ``batch_hook`` a batch logits
     processor too (the only user of ``batch_logits``; it turns drafting off)."""
-    options = {"n_ctx": 1024, "n_seq_max": 8, "n_batch": 64, "kv_layout": kv_layout}
+    options = {
+        "n_ctx": 1024,
+        "n_seq_max": 8,
+        "n_batch": 64,
+        "kv_layout": kv_layout,
+        "image_tokens": 8,  # the fake's projector: some prompts hold images
+    }
     if not batch_hook:
         return make_fake(autostart=True, speculative=llamax.PromptLookup(), **options)
     backend = FakeBackend(**options)  # type: ignore[arg-type]
