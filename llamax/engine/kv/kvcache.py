@@ -288,6 +288,11 @@ class KVCache:
         self.num_checkpoint_restores += 1
         return True
 
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether the model has sliding-window layers."""
+        return self._memory.sliding_window > 0
+
     def is_intact(self, slot: Slot, num: int | None = None) -> bool:
         """Whether the memory holds every cell a continuation of ``slot``'s first ``num``
         tokens (default: all) reads. A sliding-window cache may have dropped the first

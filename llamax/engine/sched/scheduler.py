@@ -400,7 +400,7 @@ class Scheduler:
     def _cut_into_image(self, seq: Sequence, slot: Slot, num_reused: int) -> int:
         """Cut a reused prefix that ends inside a non-causal image back to the image's
         start (:func:`~llamax.engine.images.cut_reuse`); the tokens it keeps."""
-        num = cut_reuse(seq.request.images, num_reused)
+        num = cut_reuse(seq.request.images, num_reused, sliding_window=self.kv.has_sliding_window)
         if num < num_reused and not self.kv.truncate(slot, num):
             self.kv.clear(slot)
             num = 0
