@@ -7,7 +7,6 @@ two images must differ."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
