@@ -422,6 +422,7 @@ STILL_ANSWER = {
     "n_vocab",
     "model_name",
     "fim_tokens",
+    "sees_images",
     "closed",
     "is_manual",
     "stats",
