@@ -49,6 +49,9 @@ def create_app(
     max_stored_responses: int = 1024,
     stream_ping_seconds: float = 10.0,
     slot_save_path: str | os.PathLike[str] | None = None,
+    default_max_tokens: int | None = None,
+    default_seed: int | None = None,
+    model_alias: str | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -80,6 +83,15 @@ def create_app(
         slot_save_path: The folder where llama-server's ``POST /slots/{id}?action=save``
             writes and ``restore`` reads (file names only, no paths); ``None``: those
             actions are refused with 501, as llama-server does without ``--slot-save-path``.
+        default_max_tokens: The reply length of a request that sets none, on every API
+            that lets a request leave it out (llama-server's ``-n``: a request may ask for
+            more); ``None``: each API's own default (until the end of generation or of the
+            context; 16 on ``/v1/completions``, as OpenAI).
+        default_seed: The seed of a request that sets none (llama-server's ``--seed``);
+            ``None``: a random one.
+        model_alias: The name the model is served under (``/v1/models``, ``/props``, the
+            ``model`` of a response that names none; llama-server's ``--alias``); ``None``:
+            the GGUF's name. Not with a pool (its models have names).
 
     Returns:
         A FastAPI application.
@@ -87,7 +99,10 @@ def create_app(
     Raises:
         ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds`` or
             ``max_stored_responses`` or ``stream_ping_seconds`` is not positive,
-            ``api_key`` is empty, or ``slot_save_path`` is not a folder.
+            ``api_key`` is empty, ``slot_save_path`` is not a folder,
+            ``default_max_tokens`` is below 1, ``default_seed`` is not in [0, 2**32),
+            ``model_alias`` is empty or given with a
+            pool.
     """
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
                         ("retry_after_seconds", retry_after_seconds),
@@ -98,6 +113,13 @@ def create_app(
         raise ValueError(f"stream_ping_seconds must be > 0, got {stream_ping_seconds}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
+    if default_seed is not None:
+        llamax.SamplingParams(seed=default_seed)  # InvalidParameterError (a ValueError)
+    if model_alias is not None and (not model_alias or isinstance(ctx, ModelPool)):
+        raise ValueError("model_alias must be a non-empty name, and a pool's models have "
+                         "their own names")  # fmt: skip
     if slot_save_path is not None and not Path(slot_save_path).is_dir():
         raise ValueError(f"slot_save_path must be an existing folder, got {slot_save_path!r}")
     state = ServerState(
@@ -109,6 +131,9 @@ def create_app(
         parse_special_in_content=parse_special_in_content,
         responses=ResponseStore(max_stored_responses),
         stream_ping_seconds=stream_ping_seconds,
+        default_max_tokens=default_max_tokens,
+        default_seed=default_seed,
+        model_alias=model_alias,
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state

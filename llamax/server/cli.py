@@ -81,6 +81,28 @@ def build_parser() -> argparse.ArgumentParser:
         "missing; default: those actions are refused with 501)",
     )
     p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=None,
+        metavar="N",
+        help="reply length of a request that sets none, on every API (llama-server's -n; "
+        "a request may ask for more; default, or -1: each API's own)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of a request that sets none (llama-server's --seed; default, or -1: random)",
+    )
+    p.add_argument(
+        "--alias",
+        default=None,
+        metavar="NAME",
+        help="serve the model under this name in /v1/models, /props and responses "
+        "(llama-server's --alias; default: the GGUF's name)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=int,
         default=30,
@@ -216,6 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "parse_special_in_content": ns.parse_special_in_content,
             "max_stored_responses": ns.max_stored_responses,
             "slot_save_path": ns.slot_save_path,
+            "default_max_tokens": None if ns.n_predict in (None, -1) else ns.n_predict,
+            "default_seed": None if ns.seed in (None, -1) else ns.seed,
+            "model_alias": ns.alias,
         }
         if ns.slot_save_path is not None:
             os.makedirs(ns.slot_save_path, exist_ok=True)

@@ -148,12 +148,16 @@ _REFUSED_UNLESS = {
 llama-server's default, never silently ignored."""
 
 
-def sampling_params(body: Mapping[str, Any]) -> llamax.SamplingParams:
+def sampling_params(
+    body: Mapping[str, Any], *, default_n_predict: int | None = None,
+    default_seed: int | None = None,
+) -> llamax.SamplingParams:  # fmt: skip
     """llama-server's sampling fields as :class:`~llamax.SamplingParams`: ``n_predict``
     (``-1``: until the end of generation or the context), ``temperature``, ``top_k``,
     ``top_p``, ``min_p``, ``typical_p``, ``repeat_penalty``, ``repeat_last_n``,
     ``presence_penalty``, ``frequency_penalty``, ``seed`` (``-1``: random), ``stop``,
-    ``ignore_eos``, ``grammar``, ``json_schema``.
+    ``ignore_eos``, ``grammar``, ``json_schema``. ``default_n_predict`` and
+    ``default_seed`` (the server's ``-n`` and ``--seed``) stand for a field left out.
 
     Raises:
         LlamaError: 400 for a field these routes refuse (:data:`_REFUSED_UNLESS`) or a
@@ -169,8 +173,10 @@ def sampling_params(body: Mapping[str, Any]) -> llamax.SamplingParams:
     n_predict = body.get("n_predict", body.get("max_tokens", -1))
     if not isinstance(n_predict, int) or isinstance(n_predict, bool):
         raise LlamaError(400, f"n_predict must be an int, got {n_predict!r}")
+    if n_predict < 0 and default_n_predict is not None:
+        n_predict = default_n_predict
     options["max_tokens"] = None if n_predict < 0 else n_predict
-    seed = body.get("seed", -1)
+    seed = body.get("seed", -1 if default_seed is None else default_seed)
     if seed not in (-1, 0xFFFFFFFF, None):
         options["seed"] = seed
     stop = body.get("stop")

@@ -47,7 +47,8 @@ def responses_routes(state: ServerState) -> APIRouter:
             _ENDPOINT,
             parse_object,
             lambda body: body.get("model"),
-            lambda body, ctx: acreate_response(ctx, body, store=state.responses),
+            lambda body, ctx: acreate_response(ctx, _with_defaults(state, body),
+                                               store=state.responses),  # fmt: skip
             dialect=RESPONSES,
             fields=_FIELDS,
             prompt_field="input",
@@ -81,3 +82,10 @@ def responses_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return router
+
+
+def _with_defaults(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with the server's default reply length where it sets none."""
+    if state.default_max_tokens is None or body.get("max_output_tokens") is not None:
+        return body
+    return body | {"max_output_tokens": state.default_max_tokens}

@@ -50,6 +50,7 @@ def api_routes(state: ServerState) -> APIRouter:
             options = _stream_options(body)
             if state.parse_special_in_content:
                 options["parse_special_in_content"] = True
+            state.with_defaults(options)
             return options
 
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
@@ -60,6 +61,13 @@ def api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        def options(body: CompletionRequest) -> dict[str, Any]:
+            options = _stream_options(body)
+            if body.max_tokens is None and state.default_max_tokens is not None:
+                options["max_tokens"] = state.default_max_tokens  # over OpenAI's 16
+            state.with_defaults(options)
+            return options
+
         async def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Any:
             result = await ctx.acompletion(body.prompt, **options, **_echo(state, body))
             if not body.echo:
@@ -67,9 +75,7 @@ def api_routes(state: ServerState) -> APIRouter:
             prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
             return _with_prompt(result, prompt)
 
-        return await _admit(
-            state, request, "completions", CompletionRequest, _stream_options, start
-        )
+        return await _admit(state, request, "completions", CompletionRequest, options, start)
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -134,10 +140,13 @@ def _model_of(body: Any) -> object:
 def _echo(state: ServerState, body: Any) -> dict[str, Any]:
     """The ``model`` option that makes a response name the model as the request did (as
     OpenAI and llama-server do); with several models, a request naming none gets the
-    default model's name. Empty: the GGUF's name."""
+    default model's name, and with one model served under an alias, the alias. Empty: the
+    GGUF's name."""
     model = body.model
     if model is None and state.pool is not None:
         model = state.pool.default
+    if model is None:
+        model = state.model_alias
     return {} if model is None else {"model": model}
 
 
