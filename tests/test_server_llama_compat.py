@@ -119,3 +119,48 @@ def test_serve_flags_of_llama_server() -> None:
     assert (ns.n_predict, ns.seed, ns.alias) == (64, 42, "x")
     ns = build_parser().parse_args(["m.gguf", "--n-predict", "-1"])
     assert ns.n_predict == -1 and ns.seed is None and ns.alias is None
+
+
+# ----------------------------------------------------------------------------- CORS
+PREFLIGHT = {"Origin": "http://web.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "Authorization"}  # fmt: skip
+
+
+def test_native_routes_answer_any_origin_as_llama_server(ctx: llamax.Context) -> None:
+    app = create_app(ctx, api_key="k")
+    for path in ("/completions", "/completion", "/chat/completions", "/infill", "/props"):
+        r = call(app, "OPTIONS", path, headers=PREFLIGHT)  # no key: browsers send none
+        assert r.status_code == 200 and r.text == ""
+        assert r.headers["access-control-allow-origin"] == "http://web.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
+        assert r.headers["access-control-allow-headers"] == "*"
+    auth = {"Origin": "http://localhost:3000", "Authorization": "Bearer k"}
+    r = post(app, "/completion", {"prompt": "a", "n_predict": 1}, headers=auth)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == (
+        "http://localhost:3000"
+    )
+    refused = post(app, "/completion", {"prompt": "a"}, headers={"Origin": "http://x"})
+    assert refused.status_code == 401  # the key still guards the route itself
+
+
+def test_other_routes_keep_cors_off_by_default(ctx: llamax.Context) -> None:
+    app = create_app(ctx)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/metrics",
+                 "/slots/0", "/models/load", "/reset_prefix_cache"):  # fmt: skip
+        r = call(app, "OPTIONS", path, headers=PREFLIGHT)
+        assert "access-control-allow-origin" not in r.headers, path
+    r = post(app, "/v1/completions", {"prompt": "a", "max_tokens": 1}, headers=PREFLIGHT)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_native_cors_can_be_turned_off_and_explicit_origins_win(ctx: llamax.Context) -> None:
+    off = call(create_app(ctx, native_cors=False), "OPTIONS", "/completions", headers=PREFLIGHT)
+    assert "access-control-allow-origin" not in off.headers
+    only = create_app(ctx, cors_origins=["http://mine.example"])
+    other = call(only, "OPTIONS", "/completions", headers=PREFLIGHT)
+    assert "access-control-allow-origin" not in other.headers
+    mine = call(only, "OPTIONS", "/v1/completions",
+                headers=PREFLIGHT | {"Origin": "http://mine.example"})  # fmt: skip
+    assert mine.headers["access-control-allow-origin"] == "http://mine.example"
+    assert build_parser().parse_args(["--no-native-cors"]).native_cors is False

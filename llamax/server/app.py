@@ -21,6 +21,7 @@ import llamax
 from llamax.openai import ResponseStore
 
 from .anthropic_routes import anthropic_routes
+from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .info import info_routes, public_routes
 from .llama_infill import infill_routes
@@ -44,6 +45,7 @@ def create_app(
     max_queue: int = 256,
     max_body_bytes: int = 8 << 20,
     cors_origins: Sequence[str] | None = None,
+    native_cors: bool = True,
     retry_after_seconds: int = 1,
     parse_special_in_content: bool = False,
     max_stored_responses: int = 1024,
@@ -69,7 +71,13 @@ def create_app(
             detokenize, from the moment their body has arrived); more get 503 +
             Retry-After.
         max_body_bytes: Largest request body accepted (else 413).
-        cors_origins: Origins allowed by CORS (``["*"]`` for any); ``None``: CORS is off.
+        cors_origins: Origins allowed by CORS on every route (``["*"]`` for any); ``None``:
+            only ``native_cors``.
+        native_cors: Without ``cors_origins``, answer any origin on llama-server's own
+            inference and information routes (``/completion``, ``/infill``, ``/props`` ...),
+            as llama-server does by default; every other route keeps CORS off
+            (:mod:`llamax.server.cors` lists them and says why). ``False``: CORS off
+            everywhere.
         retry_after_seconds: The ``Retry-After`` sent with a 503.
         parse_special_in_content: Let special-token text in chat message content act as
             special tokens (llama-server's way; lets a user forge turns and roles). Off by
@@ -157,6 +165,8 @@ def create_app(
     for router in routers:
         app.include_router(router)
     app.add_middleware(_AnswerCutRequests)
+    if not cors_origins and native_cors:
+        app.add_middleware(LlamaCors)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -71,7 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="ORIGIN",
-        help="allow this origin by CORS (repeatable; '*' for any; default: off)",
+        help="allow this origin by CORS on every route (repeatable; '*' for any; default: "
+        "llama-server's own routes answer any origin, the others none)",
+    )
+    p.add_argument(
+        "--no-native-cors",
+        dest="native_cors",
+        action="store_false",
+        help="without --cors-origin, CORS is off on llama-server's own routes too",
     )
     p.add_argument(
         "--slot-save-path",
@@ -235,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_queue": ns.max_queue,
             "max_body_bytes": ns.max_body_bytes,
             "cors_origins": ns.cors_origin,
+            "native_cors": ns.native_cors,
             "parse_special_in_content": ns.parse_special_in_content,
             "max_stored_responses": ns.max_stored_responses,
             "slot_save_path": ns.slot_save_path,
