@@ -6,9 +6,12 @@ at the end."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from test_server_fake import HELLO, SPECIALS, TEMPLATE, call
 
@@ -55,9 +58,9 @@ def post(app: Any, path: str, body: object, **kw: Any) -> Any:
 def test_default_reply_length_applies_where_a_request_sets_none(ctx: llamax.Context) -> None:
     app = create_app(ctx, default_max_tokens=3)
     assert post(app, "/completion", {"prompt": "abc"}).json()["tokens_predicted"] == 3
-    assert post(app, "/completion", {"prompt": "abc", "n_predict": -1}).json()[
-        "tokens_predicted"
-    ] == 3
+    assert (
+        post(app, "/completion", {"prompt": "abc", "n_predict": -1}).json()["tokens_predicted"] == 3
+    )
     more = post(app, "/completion", {"prompt": "abc", "n_predict": 5}).json()
     assert more["tokens_predicted"] == 5  # a request may ask for more, as on llama-server
     text = post(app, "/v1/completions", {"prompt": "abc"}).json()  # not OpenAI's 16
@@ -85,9 +88,7 @@ def test_default_seed_reaches_the_sampler_unless_a_request_sets_one(
     assert backend.seeds == [42, 7, None, 42]
     settings = post(app, "/completion", {"prompt": "abc", "n_predict": 1}).json()
     assert settings["generation_settings"]["seed"] == 42
-    assert call(app, "GET", "/props").json()["default_generation_settings"]["params"][
-        "seed"
-    ] == 42
+    assert call(app, "GET", "/props").json()["default_generation_settings"]["params"]["seed"] == 42
 
 
 def test_alias_names_the_model_everywhere(ctx: llamax.Context) -> None:
@@ -164,3 +165,143 @@ def test_native_cors_can_be_turned_off_and_explicit_origins_win(ctx: llamax.Cont
                 headers=PREFLIGHT | {"Origin": "http://mine.example"})  # fmt: skip
     assert mine.headers["access-control-allow-origin"] == "http://mine.example"
     assert build_parser().parse_args(["--no-native-cors"]).native_cors is False
+
+
+# --------------------------------------------- llama-server's extensions of the chat route
+def sse_events(text: str) -> list[Any]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_first_stream_chunk_carries_only_the_role(ctx: llamax.Context) -> None:
+    app = create_app(ctx)
+    body = {"messages": HELLO, "max_tokens": 3, "stream": True, "logprobs": True,
+            "top_logprobs": 2}  # fmt: skip
+    chunks = sse_events(post(app, "/v1/chat/completions", body).text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}  # OpenAI's: no text
+    native = sse_events(post(app, "/chat/completions", body).text)
+    assert native[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    rest = [c["choices"][0] for c in chunks[1:] if c["choices"]]
+    assert rest and all("role" not in c["delta"] for c in rest)
+    texts = [c for c in rest if c["finish_reason"] is None]
+    assert all(c["logprobs"]["content"] for c in texts)
+    assert "".join(c["delta"]["content"] for c in texts) == "".join(
+        t["token"] for c in texts for t in c["logprobs"]["content"]
+    )
+
+
+def test_timings_per_token_puts_timings_on_the_usage_chunk(ctx: llamax.Context) -> None:
+    app = create_app(ctx)
+    body = {"messages": HELLO, "max_tokens": 4, "stream": True, "timings_per_token": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = sse_events(post(app, "/chat/completions", body).text)
+    assert "timings" not in chunks[0]
+    last = chunks[-1]
+    assert last["choices"] == [] and last["timings"]["predicted_n"] == 4
+    assert (
+        last["timings"]["prompt_n"] + last["timings"]["cache_n"] == (last["usage"]["prompt_tokens"])
+    )
+    assert {"prompt_per_second", "predicted_per_second", "predicted_ms"} <= set(last["timings"])
+
+
+def test_verbose_carries_the_rendered_prompt(ctx: llamax.Context) -> None:
+    app = create_app(ctx)
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "Hi"}]
+    loud = post(app, "/chat/completions", {"messages": messages, "max_tokens": 2,
+                                           "verbose": True}).json()  # fmt: skip
+    assert "<|im_start|>system\nBook<|im_end|>" in loud["__verbose"]["prompt"]
+    assert loud["__verbose"]["content"] == loud["choices"][0]["message"]["content"]
+    quiet = post(app, "/chat/completions", {"messages": messages, "max_tokens": 2,
+                                            "verbose": False}).json()  # fmt: skip
+    assert "__verbose" not in quiet
+
+
+def test_id_slot_and_return_progress_on_chat(ctx: llamax.Context) -> None:
+    app = create_app(ctx)
+    two = post(app, "/chat/completions", {"messages": HELLO, "max_tokens": 2, "n": 2,
+                                          "id_slot": 0}).json()  # fmt: skip
+    assert len(two["choices"]) == 2
+    off = post(app, "/chat/completions", {"messages": HELLO, "max_tokens": 1,
+                                          "return_progress": False})  # fmt: skip
+    assert off.status_code == 200
+    for bad in ({"id_slot": -2}, {"id_slot": "0"}, {"return_progress": True}):
+        r = post(app, "/chat/completions", {"messages": HELLO, "max_tokens": 1} | bad)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == 400, r.text
+        assert error["type"] == "invalid_request_error" and next(iter(bad)) in error["message"]
+
+
+def test_two_trailing_assistant_messages_are_refused_on_llama_servers_route(
+    ctx: llamax.Context,
+) -> None:
+    app = create_app(ctx)
+    two = [*HELLO, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    r = post(app, "/chat/completions", {"messages": two, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    assert "2 or more assistant messages" in r.json()["error"]["message"]
+    assert post(app, "/v1/chat/completions", {"messages": two, "max_tokens": 1}).status_code == 200
+    one = [*HELLO, {"role": "assistant", "content": "a"}]
+    assert post(app, "/chat/completions", {"messages": one, "max_tokens": 1}).status_code == 200
+
+
+def test_responses_input_tokens_counts_what_a_response_would_submit(
+    ctx: llamax.Context,
+) -> None:
+    app = create_app(ctx)
+    body = {"input": "What is the best book?", "instructions": "Be brief."}
+    counted = post(app, "/responses/input_tokens", body).json()
+    assert counted["object"] == "response.input_tokens"
+    reply = post(app, "/v1/responses", body | {"max_output_tokens": 1}).json()
+    assert counted["input_tokens"] == reply["usage"]["input_tokens"]
+    follow = {"input": "And another?", "previous_response_id": reply["id"]}
+    more = post(app, "/v1/responses/input_tokens", follow).json()["input_tokens"]
+    assert more > counted["input_tokens"]  # the stored conversation is counted
+    bad = post(app, "/v1/responses/input_tokens", {"input": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+    missing = post(
+        app, "/v1/responses/input_tokens", {"input": "x", "previous_response_id": "resp_no"}
+    )
+    assert missing.status_code == 404
+
+
+# ------------------------------------------------------------------------ on SmolLM2
+@pytest.mark.model
+def test_llama_server_flags_and_chat_extensions_on_smollm2(model_path: Path) -> None:
+    from openai import OpenAI
+    from test_server_llama import _SyncASGI
+
+    ctx = llamax.Context(model_path, n_ctx=512, n_seq_max=2)
+    try:
+        app = create_app(ctx, default_max_tokens=6, default_seed=42, model_alias="tinyllama-2")
+        http = httpx.Client(transport=_SyncASGI(app), base_url="http://t")
+        client = OpenAI(base_url="http://t/v1", api_key="x", http_client=http)
+        assert [m.id for m in client.models.list()] == ["tinyllama-2"]
+        stream = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is the best book?"}],
+            temperature=0, logprobs=True, top_logprobs=3, stream=True,
+        )  # fmt: skip
+        chunks = [c for c in stream if c.choices]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[0].choices[0].delta.content is None
+        texts = [c.choices[0] for c in chunks[1:] if c.choices[0].finish_reason is None]
+        assert all(c.delta.role is None and c.logprobs and c.logprobs.content for c in texts)
+        text = "".join(c.delta.content or "" for c in texts)
+        tokens = [
+            t.token for c in texts for t in (c.logprobs.content if c.logprobs else None) or []
+        ]
+        assert text == "".join(tokens)
+        assert chunks[-1].choices[0].finish_reason == "length"  # the server's -n: 6 tokens
+        body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                "timings_per_token": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        last = sse_events(post(app, "/chat/completions", body).text)[-1]
+        assert last["timings"]["predicted_n"] == last["usage"]["completion_tokens"] == 6
+        first = post(app, "/completion", {"prompt": "Once upon a time", "temperature": 1})
+        again = post(app, "/completion", {"prompt": "Once upon a time", "temperature": 1})
+        assert first.json()["content"] == again.json()["content"]  # the server's seed
+        assert first.json()["generation_settings"]["seed"] == 42
+        preflight = call(app, "OPTIONS", "/completions", headers=PREFLIGHT)
+        assert preflight.headers["access-control-allow-origin"] == "http://web.example"
+        counted = post(app, "/responses/input_tokens", {"input": "What is the best book?"})
+        assert counted.json()["input_tokens"] > 5
+        assert_idle(ctx, timeout=60)
+    finally:
+        ctx.close()

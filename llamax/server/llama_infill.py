@@ -206,8 +206,15 @@ def infill_routes(
                 infill_tokens, ctx, body["input_prefix"], body["input_suffix"],
                 body.get("input_extra", []), body.get("prompt", ""), n_predict=n_predict,
             )  # fmt: skip
-            job = await NativeJob.start(ctx, table_of(tables, ctx), body, params, tokens, stack,
-                                        model=body.get("model") or state.model_name(ctx))
+            job = await NativeJob.start(
+                ctx,
+                table_of(tables, ctx),
+                body,
+                params,
+                tokens,
+                stack,
+                model=body.get("model") or state.model_name(ctx),
+            )
         except Exception as exc:
             await stack.aclose()
             error = as_llama_error(exc)

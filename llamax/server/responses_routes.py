@@ -1,5 +1,6 @@
-"""OpenAI's Responses API over HTTP: ``POST /v1/responses``, ``GET /v1/responses/{id}`` and
-``DELETE /v1/responses/{id}``, thin over :mod:`llamax.openai`'s :func:`acreate_response`.
+"""OpenAI's Responses API over HTTP: ``POST /v1/responses``, ``GET /v1/responses/{id}``,
+``DELETE /v1/responses/{id}`` and ``POST /v1/responses/input_tokens``, thin over
+:mod:`llamax.openai`'s :func:`acreate_response`.
 
 Responses are kept in the app's bounded :class:`~llamax.openai.ResponseStore` (unless a
 request says ``store: false``), so ``previous_response_id`` continues a conversation on a
@@ -11,16 +12,19 @@ it (see :class:`~llamax.server.responses.CompletionResponse`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
-from llamax.openai import acreate_response
+import llamax
+from llamax.openai import acreate_response, response_input_tokens
 from llamax.openai.fields import RESPONSES as RESPONSE_TABLE
 
 from .dialects import RESPONSES
-from .errors import APIError
+from .errors import APIError, from_exception
 from .schemas import parse_object
-from .state import ServerState, admit_completion
+from .state import ServerState, admit_completion, run_leased
 
 __all__ = ["responses_routes"]
 
@@ -47,13 +51,26 @@ def responses_routes(state: ServerState) -> APIRouter:
             _ENDPOINT,
             parse_object,
             lambda body: body.get("model"),
-            lambda body, ctx: acreate_response(ctx, _with_defaults(state, body),
-                                               store=state.responses),  # fmt: skip
+            lambda body, ctx: acreate_response(
+                ctx, _with_defaults(state, body), store=state.responses
+            ),
             dialect=RESPONSES,
             fields=_FIELDS,
             prompt_field="input",
             stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
         )
+
+    @router.post("/v1/responses/input_tokens")
+    @router.post("/responses/input_tokens")  # llama-server's alias
+    async def input_tokens_route(request: Request) -> JSONResponse:
+        def work(body: dict[str, Any], ctx: llamax.Context) -> JSONResponse:
+            try:
+                count = response_input_tokens(ctx, body, store=state.responses)
+            except Exception as exc:
+                raise from_exception(exc, _FIELDS, "input") from exc
+            return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+        return await run_leased(state, request, parse_object, lambda b: b.get("model"), work)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_route(response_id: str, request: Request) -> JSONResponse:

@@ -16,6 +16,7 @@ import llamax
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
+from .llama_chat import with_llama_extras
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,19 +52,27 @@ def api_routes(state: ServerState) -> APIRouter:
             if state.parse_special_in_content:
                 options["parse_special_in_content"] = True
             state.with_defaults(options)
+            if dialect is OPENAI_LLAMA:
+                _check_trailing_assistants(body.messages)
             return options
 
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            return ctx.achat_completion(body.messages, **options, **_echo(state, body))
+            reply = ctx.achat_completion(body.messages, **options, **_echo(state, body))
+            if not (body.timings_per_token or body.verbose):
+                return reply
+            return with_llama_extras(ctx, body.messages, options, reply,
+                                     timings=bool(body.timings_per_token),
+                                     verbose=bool(body.verbose))  # fmt: skip
 
+        dialect = _dialect_of(request)
         return await _admit(state, request, "chat", ChatCompletionRequest, options, start,
-                            _dialect_of(request))  # fmt: skip
+                            dialect)  # fmt: skip
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
         def options(body: CompletionRequest) -> dict[str, Any]:
             options = _stream_options(body)
-            if body.max_tokens is None and state.default_max_tokens is not None:
+            if getattr(body, "max_tokens", None) is None and state.default_max_tokens is not None:
                 options["max_tokens"] = state.default_max_tokens  # over OpenAI's 16
             state.with_defaults(options)
             return options
@@ -130,6 +139,19 @@ def api_routes(state: ServerState) -> APIRouter:
 def _dialect_of(request: Request) -> Dialect:
     """OpenAI's errors under ``/v1``; llama-server's on its un-prefixed aliases."""
     return OPENAI if request.url.path.startswith("/v1/") else OPENAI_LLAMA
+
+
+def _check_trailing_assistants(messages: list[dict[str, Any]]) -> None:
+    """llama-server's rule on its ``/chat/completions``: a last assistant message is the
+    start of the reply, so two cannot end the list (OpenAI's ``/v1`` takes them as turns).
+
+    Raises:
+        APIError: 400 with llama-server's words.
+    """
+    roles = [m.get("role") for m in messages[-2:] if isinstance(m, dict)]
+    if len(roles) == 2 and roles == ["assistant", "assistant"]:
+        raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.",
+                       param="messages", code="invalid_value")  # fmt: skip
 
 
 def _model_of(body: Any) -> object:
