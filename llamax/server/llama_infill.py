@@ -34,21 +34,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 import llamax
 
 from .dialects import sse
-from .errors import APIError
+from .errors import APIError, llama_body
 from .llama_jobs import (
     LlamaError,
     NativeTimings,
     as_llama_error,
     final_json,
     leased,
-    llama_body,
     llama_error_response,
-    parse_object,
     partial_json,
     sampling_params,
 )
 from .llama_slots import Slot, SlotTable, table_of
 from .responses import outcome_of
+from .schemas import parse_object
 from .state import ServerState, read_body
 
 __all__ = ["NativeJob", "infill_routes", "infill_tokens"]
@@ -115,8 +114,7 @@ def infill_tokens(
         missing = "".join(f"{name} token is missing. " for name, t in
                           (("prefix", fim.prefix), ("suffix", fim.suffix),
                            ("middle", fim.middle)) if t is None)  # fmt: skip
-        raise LlamaError(501, f"Infill is not supported by this model: {missing}",
-                         "not_supported_error")  # fmt: skip
+        raise LlamaError(501, f"Infill is not supported by this model: {missing}")
     assert fim.prefix is not None and fim.suffix is not None and fim.middle is not None
 
     def plain(text: str) -> list[int]:
