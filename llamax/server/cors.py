@@ -27,13 +27,17 @@ NATIVE_PATHS = frozenset(
 )  # fmt: skip
 """The un-prefixed llama-server routes that answer any origin by default."""
 
+_ALLOW_ORIGIN = b"Access-Control-Allow-Origin"
 _PREFLIGHT = [
-    (b"access-control-allow-credentials", b"true"),
-    (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-    (b"access-control-allow-headers", b"*"),
+    (b"Access-Control-Allow-Credentials", b"true"),
+    (b"Access-Control-Allow-Methods", b"GET, POST, DELETE, OPTIONS"),
+    (b"Access-Control-Allow-Headers", b"*"),
     (b"content-type", b"text/html"),
     (b"content-length", b"0"),
 ]
+"""A preflight's answer. The CORS names are spelled as llama-server spells them: header
+names are case-insensitive, but some of its clients (llama.cpp's own tests among them)
+look them up in a plain dict."""
 
 
 class LlamaCors:
@@ -56,7 +60,7 @@ class LlamaCors:
         if origin is None:
             await self.app(scope, receive, send)
             return
-        allow = (b"access-control-allow-origin", origin.encode("latin-1"))
+        allow = (_ALLOW_ORIGIN, origin.encode("latin-1"))
         if scope["method"] == "OPTIONS":
             await send({"type": "http.response.start", "status": 200,
                         "headers": [allow, *_PREFLIGHT]})  # fmt: skip
@@ -65,9 +69,8 @@ class LlamaCors:
 
         async def with_origin(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = MutableHeaders(scope=message)
-                headers["access-control-allow-origin"] = origin
-                headers.add_vary_header("Origin")
+                MutableHeaders(scope=message).add_vary_header("Origin")
+                message["headers"] = [*message["headers"], allow]
             await send(message)
 
         await self.app(scope, receive, with_origin)
