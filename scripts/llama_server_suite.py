@@ -133,7 +133,9 @@ def start_llamax(
             "--n-seq-max", str(preset.n_slots),
             "--n-ctx-seq", str(preset.n_ctx // preset.n_slots),
             "--n-batch", str(max(preset.n_batch, preset.n_slots)), "--n-threads", "2",
-            "--no-calibrate"]  # fmt: skip
+            "--no-calibrate", "--seed", "42", "--alias", preset.alias]  # fmt: skip
+    if preset.n_predict is not None:
+        argv += ["--n-predict", str(preset.n_predict)]
     return _spawn(argv, log, root)
 
 

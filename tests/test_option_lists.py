@@ -169,6 +169,8 @@ def test_the_server_schema_equals_the_hand_written_one() -> None:
                 "enable_thinking",
                 "chat_template_kwargs",
                 "reasoning_effort",
+                "timings_per_token",  # llama-server's chat extensions (issue 41)
+                "verbose",
             },
         ),
         (CompletionRequest, {"prompt", "logprobs", "echo", "suffix"}),

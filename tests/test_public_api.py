@@ -93,6 +93,7 @@ PUBLIC_MODULES = {
         "chat_prompt_tokens",
         "completion",
         "create_response",
+        "response_input_tokens",
         "submit_chat",
         "submit_in_worker",
     ],

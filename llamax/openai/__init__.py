@@ -18,7 +18,12 @@ from .api import (
 )
 from .options import ChatOptions, CompletionOptions, StreamOptions
 from .requests import EventBuilder, OpenAIRequest
-from .responses_api import RESPONSE_FIELDS, acreate_response, create_response
+from .responses_api import (
+    RESPONSE_FIELDS,
+    acreate_response,
+    create_response,
+    response_input_tokens,
+)
 from .responses_output import ResponseStore
 from .shapes import ChatCompletion, ChatCompletionChunk, CompletionUsage, TextCompletion
 
@@ -41,6 +46,7 @@ __all__ = [
     "chat_prompt_tokens",
     "completion",
     "create_response",
+    "response_input_tokens",
     "submit_chat",
     "submit_in_worker",
 ]

@@ -241,6 +241,16 @@ def table(*rows: RequestField | str) -> tuple[RequestField, ...]:
     return tuple(SHARED_FIELDS[row] if isinstance(row, str) else row for row in rows)
 
 
+def _slot(name: str, value: Any) -> None:
+    """llama-server's ``id_slot``: an int >= -1 (``-1``: any slot), or null."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
+        raise InvalidParameterError(f"{name} must be an int >= -1, got {value!r}")
+
+
+def _false_or_null(value: Any, request: Mapping[str, Any]) -> bool:
+    return value is None or value is False
+
+
 _SAMPLING = table(
     RequestField(
         "model", H, "echoed as the response's `model`; picks a model when the server has several"
@@ -349,6 +359,32 @@ CHAT = table(
         "chat_template_kwargs",
         H,
         "vLLM's and llama-server's way to say `enable_thinking` (the only key taken)",
+        extension=True,
+    ),
+    RequestField(
+        "timings_per_token",
+        H,
+        "llama-server's: a stream's usage chunk (`stream_options.include_usage`) carries its `timings` (`prompt_n`, `cache_n`, `predicted_n`, their milliseconds and rates)",
+        extension=True,
+    ),
+    RequestField(
+        "verbose",
+        H,
+        "llama-server's: a whole (not streamed) reply carries `__verbose` with the rendered `prompt` and the `content`",
+        extension=True,
+    ),
+    RequestField(
+        "id_slot",
+        HINT,
+        "llama-server's slot: no effect, llamax has no fixed slots (any free sequence serves a chat request, and the prefix cache reuses what an earlier one computed); an int >= -1",
+        _slot,
+        extension=True,
+    ),
+    RequestField(
+        "return_progress",
+        R,
+        "llama-server's prompt progress events: llamax reports no progress of a prompt's prefill (`false` is let through)",
+        harmless=_false_or_null,
         extension=True,
     ),
 )

@@ -350,8 +350,8 @@ class OpenAIRequest:
 
     def _encode(self, parts: Sequence[ChatPart]) -> Iterator[ChatCompletionChunk]:
         """One event's parts as ``chat.completion.chunk`` objects: with tools on, a chunk
-        per part; else one delta (role, thinking, content and logprobs together), then the
-        finish."""
+        per part; else the role in a chunk of its own (as OpenAI and llama-server send it
+        first), one delta (thinking, content and logprobs together), then the finish."""
         if self.tools.is_active:
             for part in parts:
                 if isinstance(part, Finished):
@@ -362,9 +362,11 @@ class OpenAIRequest:
         delta: ChatDelta = {}
         logprobs: dict[str, Any] | None = None
         for part in parts:
-            if isinstance(part, ContentDelta) and part.logprobs:
+            if isinstance(part, Started):
+                yield self._delta_chunk(part.index, _delta(part))
+            elif isinstance(part, ContentDelta) and part.logprobs:
                 logprobs = {"content": [_chat_token(lp, lp.top_logprobs) for lp in part.logprobs]}
-            if not isinstance(part, Finished):
+            if not isinstance(part, Finished | Started):
                 delta.update(_delta(part))
         if delta or logprobs:  # held-back text still reports its tokens' logprobs
             index = parts[0].index
@@ -416,7 +418,7 @@ class OpenAIRequest:
 def _delta(part: Started | ReasoningDelta | ContentDelta | ToolCallDelta) -> ChatDelta:
     """A part as what an OpenAI chunk's ``delta`` adds."""
     if isinstance(part, Started):
-        return {"role": "assistant", "content": ""}
+        return {"role": "assistant"}
     if isinstance(part, ReasoningDelta):
         return {"reasoning_content": part.text}
     if isinstance(part, ContentDelta):

@@ -28,12 +28,18 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 from ..errors import InvalidParameterError, InvalidRequestError, NotFoundError
-from .api import ChatHost, submit_chat, submit_in_worker
+from .api import ChatHost, chat_prompt_tokens, submit_chat, submit_in_worker
 from .fields import MAX_USER_CHARS, RESPONSES, accept_fields, check_metadata, honoured
 from .options import check_flag
 from .responses_output import ResponseEvents, ResponseJob, ResponseStore
 
-__all__ = ["RESPONSE_FIELDS", "ResponseStore", "acreate_response", "create_response"]
+__all__ = [
+    "RESPONSE_FIELDS",
+    "ResponseStore",
+    "acreate_response",
+    "create_response",
+    "response_input_tokens",
+]
 
 RESPONSE_FIELDS = honoured(RESPONSES)
 """The Responses request fields this layer takes (the honoured ones of
@@ -80,7 +86,42 @@ async def acreate_response(
 
 
 # ---------------------------------------------------------------------- the request
+def response_input_tokens(
+    ctx: ChatHost, request: Mapping[str, Any], *, store: ResponseStore | None = None
+) -> int:
+    """How many prompt tokens a Responses request would submit (OpenAI's
+    ``POST /v1/responses/input_tokens``): its conversation (``previous_response_id``'s
+    included), instructions and tools rendered and tokenized, nothing submitted.
+
+    Raises:
+        InvalidRequestError: the request is malformed.
+        NotFoundError: ``previous_response_id`` names no stored response.
+    """
+    _, chat, _, options, _ = _conversation(request, store)
+    return len(chat_prompt_tokens(ctx, chat, **options))
+
+
 def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | None) -> ResponseJob:
+    request, chat, turn, options, earlier_items = _conversation(request, store)
+    submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
+    keep = store if request.get("store", True) is not False else None
+    return ResponseJob(
+        submitted, dict(request), turn, keep, options.get("max_tokens"), earlier_items
+    )
+
+
+def _conversation(
+    request: Mapping[str, Any], store: ResponseStore | None
+) -> tuple[
+    Mapping[str, Any],
+    list[dict[str, Any]],
+    list[dict[str, Any]],
+    dict[str, Any],
+    list[dict[str, Any]],
+]:
+    """A request checked and mapped: the request without its hints, the chat to render,
+    the conversation to store (the history and this turn's messages), the chat options,
+    and the input items of the responses it follows."""
     if not isinstance(request, Mapping):
         raise InvalidRequestError("a responses request must be an object")
     request = accept_fields(RESPONSES, request)
@@ -114,12 +155,7 @@ def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | No
         if not isinstance(instructions, str):
             raise InvalidParameterError("instructions must be a string")
         chat.insert(0, {"role": "system", "content": instructions})
-    options = _options(request)
-    submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
-    keep = store if request.get("store", True) is not False else None
-    return ResponseJob(
-        submitted, dict(request), history + turn, keep, options.get("max_tokens"), earlier_items
-    )
+    return request, chat, history + turn, _options(request), earlier_items
 
 
 def _input(value: Any) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ import llamax
 from llamax.openai import ResponseStore
 
 from .anthropic_routes import anthropic_routes
+from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .info import info_routes, public_routes
 from .llama_infill import infill_routes
@@ -44,12 +45,16 @@ def create_app(
     max_queue: int = 256,
     max_body_bytes: int = 8 << 20,
     cors_origins: Sequence[str] | None = None,
+    native_cors: bool = True,
     retry_after_seconds: int = 1,
     parse_special_in_content: bool = False,
     max_stored_responses: int = 1024,
     stream_ping_seconds: float = 10.0,
     slot_save_path: str | os.PathLike[str] | None = None,
     lenient: bool = False,
+    default_max_tokens: int | None = None,
+    default_seed: int | None = None,
+    model_alias: str | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -67,7 +72,13 @@ def create_app(
             detokenize, from the moment their body has arrived); more get 503 +
             Retry-After.
         max_body_bytes: Largest request body accepted (else 413).
-        cors_origins: Origins allowed by CORS (``["*"]`` for any); ``None``: CORS is off.
+        cors_origins: Origins allowed by CORS on every route (``["*"]`` for any); ``None``:
+            only ``native_cors``.
+        native_cors: Without ``cors_origins``, answer any origin on llama-server's own
+            inference and information routes (``/completion``, ``/infill``, ``/props`` ...),
+            as llama-server does by default; every other route keeps CORS off
+            (:mod:`llamax.server.cors` lists them and says why). ``False``: CORS off
+            everywhere.
         retry_after_seconds: The ``Retry-After`` sent with a 503.
         parse_special_in_content: Let special-token text in chat message content act as
             special tokens (llama-server's way; lets a user forge turns and roles). Off by
@@ -85,6 +96,15 @@ def create_app(
             neither API's reference (no field table names it) is dropped and logged as a
             warning instead of refused with a 400. Off by default: a typo must not be
             silently ignored. Refused fields stay refused and hints stay checked.
+        default_max_tokens: The reply length of a request that sets none, on every API
+            that lets a request leave it out (llama-server's ``-n``: a request may ask for
+            more); ``None``: each API's own default (until the end of generation or of the
+            context; 16 on ``/v1/completions``, as OpenAI).
+        default_seed: The seed of a request that sets none (llama-server's ``--seed``);
+            ``None``: a random one.
+        model_alias: The name the model is served under (``/v1/models``, ``/props``, the
+            ``model`` of a response that names none; llama-server's ``--alias``); ``None``:
+            the GGUF's name. Not with a pool (its models have names).
 
     Returns:
         A FastAPI application.
@@ -92,7 +112,10 @@ def create_app(
     Raises:
         ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds`` or
             ``max_stored_responses`` or ``stream_ping_seconds`` is not positive,
-            ``api_key`` is empty, or ``slot_save_path`` is not a folder.
+            ``api_key`` is empty, ``slot_save_path`` is not a folder,
+            ``default_max_tokens`` is below 1, ``default_seed`` is not in [0, 2**32),
+            ``model_alias`` is empty or given with a
+            pool.
     """
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
                         ("retry_after_seconds", retry_after_seconds),
@@ -103,6 +126,13 @@ def create_app(
         raise ValueError(f"stream_ping_seconds must be > 0, got {stream_ping_seconds}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (pass None for no key)")
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
+    if default_seed is not None:
+        llamax.SamplingParams(seed=default_seed)  # InvalidParameterError (a ValueError)
+    if model_alias is not None and (not model_alias or isinstance(ctx, ModelPool)):
+        raise ValueError("model_alias must be a non-empty name, and a pool's models have "
+                         "their own names")  # fmt: skip
     if slot_save_path is not None and not Path(slot_save_path).is_dir():
         raise ValueError(f"slot_save_path must be an existing folder, got {slot_save_path!r}")
     state = ServerState(
@@ -115,6 +145,9 @@ def create_app(
         responses=ResponseStore(max_stored_responses),
         stream_ping_seconds=stream_ping_seconds,
         lenient=lenient,
+        default_max_tokens=default_max_tokens,
+        default_seed=default_seed,
+        model_alias=model_alias,
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state
@@ -138,6 +171,8 @@ def create_app(
     for router in routers:
         app.include_router(router)
     app.add_middleware(_AnswerCutRequests)
+    if not cors_origins and native_cors:
+        app.add_middleware(LlamaCors)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,

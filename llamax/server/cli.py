@@ -77,7 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="ORIGIN",
-        help="allow this origin by CORS (repeatable; '*' for any; default: off)",
+        help="allow this origin by CORS on every route (repeatable; '*' for any; default: "
+        "llama-server's own routes answer any origin, the others none)",
+    )
+    p.add_argument(
+        "--no-native-cors",
+        dest="native_cors",
+        action="store_false",
+        help="without --cors-origin, CORS is off on llama-server's own routes too",
     )
     p.add_argument(
         "--slot-save-path",
@@ -85,6 +92,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="folder for llama-server's POST /slots/ID?action=save|restore (created if "
         "missing; default: those actions are refused with 501)",
+    )
+    p.add_argument(
+        "-n",
+        "--n-predict",
+        type=int,
+        default=None,
+        metavar="N",
+        help="reply length of a request that sets none, on every API (llama-server's -n; "
+        "a request may ask for more; default, or -1: each API's own)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of a request that sets none (llama-server's --seed; default, or -1: random)",
+    )
+    p.add_argument(
+        "--alias",
+        default=None,
+        metavar="NAME",
+        help="serve the model under this name in /v1/models, /props and responses "
+        "(llama-server's --alias; default: the GGUF's name)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -219,10 +248,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_queue": ns.max_queue,
             "max_body_bytes": ns.max_body_bytes,
             "cors_origins": ns.cors_origin,
+            "native_cors": ns.native_cors,
             "parse_special_in_content": ns.parse_special_in_content,
             "max_stored_responses": ns.max_stored_responses,
             "slot_save_path": ns.slot_save_path,
             "lenient": ns.lenient,
+            "default_max_tokens": None if ns.n_predict in (None, -1) else ns.n_predict,
+            "default_seed": None if ns.seed in (None, -1) else ns.seed,
+            "model_alias": ns.alias,
         }
         if ns.slot_save_path is not None:
             os.makedirs(ns.slot_save_path, exist_ok=True)

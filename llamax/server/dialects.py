@@ -174,7 +174,8 @@ RESPONSES: Dialect = _Responses()
 
 
 class _OpenAILlama(Dialect):
-    """OpenAI's completions on llama-server's un-prefixed routes: its error shape."""
+    """OpenAI's completions on llama-server's un-prefixed routes: its error shape, and its
+    chat stream's first chunk, ``{"role": "assistant", "content": null}``."""
 
     name = "openai"
 
@@ -183,6 +184,13 @@ class _OpenAILlama(Dialect):
 
     def error_event(self, error: APIError, meter: StreamMeter) -> bytes:
         return sse(llama_body(error))
+
+    def frame(self, chunk: dict[str, Any], meter: StreamMeter) -> bytes | None:
+        for choice in chunk["choices"]:
+            delta = choice.get("delta")
+            if delta is not None and "role" in delta and "content" not in delta:
+                delta["content"] = None
+        return super().frame(chunk, meter)
 
 
 class _Llama(_OpenAILlama):

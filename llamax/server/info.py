@@ -53,7 +53,7 @@ def _health(state: ServerState, status: str) -> dict[str, Any]:
     if ctx is None:
         return body
     stats = ctx.stats()
-    body["model"] = ctx.model_name
+    body["model"] = state.model_name(ctx)
     body["queue"] |= {"waiting": stats.num_waiting, "running": stats.num_running}
     body["kv"] = {
         "cells_used": stats.kv_cells_used,
@@ -119,7 +119,7 @@ def _models(state: ServerState) -> list[dict[str, Any]]:
         return _pool_models(state.pool)
     ctx = state.context()
     model = {
-        "id": ctx.model_name,
+        "id": state.model_name(ctx),
         "object": "model",
         "created": _STARTED,
         "owned_by": "llamax",

@@ -34,21 +34,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 import llamax
 
 from .dialects import sse
-from .errors import APIError
+from .errors import APIError, llama_body
 from .llama_jobs import (
     LlamaError,
     NativeTimings,
     as_llama_error,
     final_json,
     leased,
-    llama_body,
     llama_error_response,
-    parse_object,
     partial_json,
     sampling_params,
 )
 from .llama_slots import Slot, SlotTable, table_of
 from .responses import outcome_of
+from .schemas import parse_object
 from .state import ServerState, read_body
 
 __all__ = ["NativeJob", "infill_routes", "infill_tokens"]
@@ -115,8 +114,7 @@ def infill_tokens(
         missing = "".join(f"{name} token is missing. " for name, t in
                           (("prefix", fim.prefix), ("suffix", fim.suffix),
                            ("middle", fim.middle)) if t is None)  # fmt: skip
-        raise LlamaError(501, f"Infill is not supported by this model: {missing}",
-                         "not_supported_error")  # fmt: skip
+        raise LlamaError(501, f"Infill is not supported by this model: {missing}")
     assert fim.prefix is not None and fim.suffix is not None and fim.middle is not None
 
     def plain(text: str) -> list[int]:
@@ -199,14 +197,22 @@ def infill_routes(
         stack = AsyncExitStack()
         try:
             raw = await read_body(request, state.max_body_bytes)
-            body, params = await run_in_threadpool(_parse, raw)
+            body, params = await run_in_threadpool(_parse, raw, state)
             ctx = await stack.enter_async_context(leased(state, body.get("model")))
             n_predict = -1 if params.max_tokens is None else params.max_tokens
             tokens = await run_in_threadpool(
                 infill_tokens, ctx, body["input_prefix"], body["input_suffix"],
                 body.get("input_extra", []), body.get("prompt", ""), n_predict=n_predict,
             )  # fmt: skip
-            job = await NativeJob.start(ctx, table_of(tables, ctx), body, params, tokens, stack)
+            job = await NativeJob.start(
+                ctx,
+                table_of(tables, ctx),
+                body,
+                params,
+                tokens,
+                stack,
+                model=body.get("model") or state.model_name(ctx),
+            )
         except Exception as exc:
             await stack.aclose()
             error = as_llama_error(exc)
@@ -223,10 +229,13 @@ def infill_routes(
     return router
 
 
-def _parse(raw: bytes) -> tuple[dict[str, Any], llamax.SamplingParams]:
+def _parse(raw: bytes, state: ServerState) -> tuple[dict[str, Any], llamax.SamplingParams]:
     body = parse_object(raw)
     _check_body(body)
-    return body, sampling_params(body)
+    params = sampling_params(
+        body, default_n_predict=state.default_max_tokens, default_seed=state.default_seed
+    )
+    return body, params
 
 
 class NativeJob:
@@ -237,9 +246,9 @@ class NativeJob:
     def __init__(
         self, ctx: llamax.Context, slots: SlotTable, slot: Slot | None, body: dict[str, Any],
         settings: dict[str, Any], tokens: list[int], handle: llamax.RequestHandle,
-        stack: AsyncExitStack,
+        stack: AsyncExitStack, model: str,
     ) -> None:  # fmt: skip
-        self.ctx, self.slots, self.slot, self.body = ctx, slots, slot, body
+        self.ctx, self.slots, self.slot, self.body, self.model = ctx, slots, slot, body, model
         self.settings, self.tokens, self.handle, self.stack = settings, tokens, handle, stack
         self.timings = NativeTimings(start=time.perf_counter())
         self.id_slot = -1 if slot is None else slot.id
@@ -247,11 +256,13 @@ class NativeJob:
     @classmethod
     async def start(
         cls, ctx: llamax.Context, slots: SlotTable, body: dict[str, Any],
-        params: llamax.SamplingParams, tokens: list[int], stack: AsyncExitStack,
+        params: llamax.SamplingParams, tokens: list[int], stack: AsyncExitStack, *,
+        model: str,
     ) -> NativeJob:  # fmt: skip
         """Take the slot ``body["id_slot"]`` names (waiting while another request holds
         it; ``-1`` or none: any sequence) and submit ``tokens``. What ``stack`` holds (the
-        lease on the model, the slot) is given back when the job ends.
+        lease on the model, the slot) is given back when the job ends; ``model`` is the
+        name the answer gives the model.
 
         Raises:
             LlamaError: 400 for a bad ``id_slot``, 503 when the slot cannot open its
@@ -279,7 +290,7 @@ class NativeJob:
         else:
             handle = ctx.add_request(tokens, params)
         stack.callback(handle.cancel)  # a no-op once it has finished
-        return cls(ctx, slots, slot, body, settings, tokens, handle, stack)
+        return cls(ctx, slots, slot, body, settings, tokens, handle, stack, model)
 
     async def _events(self) -> AsyncIterator[llamax.TokenEvent]:
         async for event in self.handle:
@@ -302,7 +313,7 @@ class NativeJob:
             lambda: (self.ctx.detokenize(choice.token_ids), self.ctx.detokenize(self.tokens))
         )
         return final_json(
-            result, content=content, model=self.body.get("model") or self.ctx.model_name,
+            result, content=content, model=self.model,
             prompt=prompt, id_slot=self.id_slot, settings=self.settings,
             stop_words=tuple(self.settings["stop"]), full_text=full_text,
             timings=self.timings, return_tokens=bool(self.body.get("return_tokens")),

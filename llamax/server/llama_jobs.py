@@ -1,19 +1,15 @@
-"""What llama-server's slot routes (``/infill``, ``/slots``, ``/models/load``) share: its
-error body, its sampling fields as :class:`~llamax.SamplingParams`, and its ``/completion``
-response shape (whole and streamed). ``/completion`` itself is parsed and shaped in
-:mod:`.llama_native` (the two overlap: folding them into one is open work).
+"""What llama-server's slot routes (``/infill``, ``/slots``, ``/models/load``) share: their
+errors, their sampling fields as :class:`~llamax.SamplingParams`, and the ``/completion``
+response shape of one sequence on a slot (whole and streamed). ``/completion`` itself is
+parsed and shaped in :mod:`.llama_native`; the two still overlap in their result shaping
+(see docs/server.md).
 
-llama-server's error body is ``{"error": {"code": <status>, "message", "type"}}``, the type
-one of ``invalid_request_error`` (400), ``authentication_error`` (401),
-``permission_error`` (403), ``not_found_error`` (404), ``server_error`` (500),
-``not_supported_error`` (501), ``unavailable_error`` (503) and
-``exceed_context_size_error`` (400); ``format_error_response`` in its
-``server-common.cpp``.
+Errors come in llama-server's body, ``{"error": {"code": <status>, "message", "type"}}``
+(:func:`~.errors.llama_body`, the one the ``/completion`` routes use too).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,6 +19,7 @@ from starlette.responses import JSONResponse
 
 import llamax
 
+from .dialects import LLAMA
 from .errors import APIError, from_exception
 from .state import ServerState
 
@@ -31,43 +28,24 @@ __all__ = [
     "NativeTimings",
     "final_json",
     "leased",
-    "llama_body",
     "llama_error_response",
-    "parse_object",
     "partial_json",
     "sampling_params",
 ]
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    501: "not_supported_error",
-    503: "unavailable_error",
-}
-
 
 class LlamaError(APIError):
-    """An :class:`~.errors.APIError` whose llama-server type is not the status's usual one
-    (``not_supported_error`` for a 501, ``exceed_context_size_error`` for a 400 ...)."""
+    """An error a native route answers with in llama-server's shape (its type comes from
+    the status, as :func:`~.errors.llama_body` maps it: ``not_supported_error`` for 501,
+    ``unavailable_error`` for 503 ...)."""
 
-    def __init__(self, status: int, message: str, kind: str | None = None) -> None:
+    def __init__(self, status: int, message: str) -> None:
         super().__init__(status, message)
-        self.kind = kind
-
-
-def llama_body(error: APIError) -> dict[str, dict[str, object]]:
-    """``error`` in llama-server's shape: ``{"error": {"code", "message", "type"}}``."""
-    kind = getattr(error, "kind", None) or _TYPES.get(error.status, "server_error")
-    if isinstance(error.__cause__, llamax.ContextLengthError):
-        kind = "exceed_context_size_error"
-    return {"error": {"code": error.status, "message": error.message, "type": kind}}
 
 
 def llama_error_response(error: APIError) -> JSONResponse:
-    """The HTTP response for ``error`` on a native route."""
-    return JSONResponse(llama_body(error), status_code=error.status, headers=error.headers)
+    """The HTTP response for ``error`` on a native route (:data:`~.dialects.LLAMA`'s)."""
+    return LLAMA.error_response(error)
 
 
 def as_llama_error(exc: BaseException, prompt_field: str = "prompt") -> APIError:
@@ -98,21 +76,6 @@ async def leased(state: ServerState, model: object) -> AsyncIterator[llamax.Cont
         yield await lease.context()
     finally:
         lease.release()
-
-
-def parse_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object.
-
-    Raises:
-        LlamaError: 400 when it is not JSON or not an object.
-    """
-    try:
-        body = json.loads(raw or b"{}")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise LlamaError(400, f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise LlamaError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 _RENAMED = {
@@ -148,12 +111,16 @@ _REFUSED_UNLESS = {
 llama-server's default, never silently ignored."""
 
 
-def sampling_params(body: Mapping[str, Any]) -> llamax.SamplingParams:
+def sampling_params(
+    body: Mapping[str, Any], *, default_n_predict: int | None = None,
+    default_seed: int | None = None,
+) -> llamax.SamplingParams:  # fmt: skip
     """llama-server's sampling fields as :class:`~llamax.SamplingParams`: ``n_predict``
     (``-1``: until the end of generation or the context), ``temperature``, ``top_k``,
     ``top_p``, ``min_p``, ``typical_p``, ``repeat_penalty``, ``repeat_last_n``,
     ``presence_penalty``, ``frequency_penalty``, ``seed`` (``-1``: random), ``stop``,
-    ``ignore_eos``, ``grammar``, ``json_schema``.
+    ``ignore_eos``, ``grammar``, ``json_schema``. ``default_n_predict`` and
+    ``default_seed`` (the server's ``-n`` and ``--seed``) stand for a field left out.
 
     Raises:
         LlamaError: 400 for a field these routes refuse (:data:`_REFUSED_UNLESS`) or a
@@ -169,8 +136,10 @@ def sampling_params(body: Mapping[str, Any]) -> llamax.SamplingParams:
     n_predict = body.get("n_predict", body.get("max_tokens", -1))
     if not isinstance(n_predict, int) or isinstance(n_predict, bool):
         raise LlamaError(400, f"n_predict must be an int, got {n_predict!r}")
+    if n_predict < 0 and default_n_predict is not None:
+        n_predict = default_n_predict
     options["max_tokens"] = None if n_predict < 0 else n_predict
-    seed = body.get("seed", -1)
+    seed = body.get("seed", -1 if default_seed is None else default_seed)
     if seed not in (-1, 0xFFFFFFFF, None):
         options["seed"] = seed
     stop = body.get("stop")

@@ -22,6 +22,7 @@ from .errors import APIError
 __all__ = [
     "DEFAULT_SETTINGS",
     "NativeRequest",
+    "default_settings",
     "final_result",
     "parse_native",
     "partial_result",
@@ -228,8 +229,29 @@ def _samplers(value: object, options: dict[str, Any]) -> None:
         options["temperature"] = 1.0
 
 
-def parse_native(body: Mapping[str, Any], n_vocab: int | None = None) -> NativeRequest:
+def default_settings(n_predict: int | None = None, seed: int | None = None) -> dict[str, Any]:
+    """:data:`DEFAULT_SETTINGS` under the server's default reply length and seed
+    (llama-server's ``-n`` and ``--seed``; ``None``: llamax's)."""
+    settings = dict(DEFAULT_SETTINGS)
+    if n_predict is not None:
+        settings["n_predict"] = settings["max_tokens"] = n_predict
+    if seed is not None:
+        settings["seed"] = seed
+    return settings
+
+
+def parse_native(
+    body: Mapping[str, Any], *, default_n_predict: int | None = None,
+    default_seed: int | None = None,
+) -> NativeRequest:  # fmt: skip
     """Check a ``/completion`` body and map it onto llamax's parameters.
+
+    Args:
+        body: The request body.
+        default_n_predict: ``n_predict`` for a body that gives none or ``-1`` (the
+            server's ``-n``); ``None``: until the end of generation or of the context.
+        default_seed: ``seed`` for a body that gives none (the server's ``--seed``; a body
+            that gives ``-1`` still gets a random one).
 
     Raises:
         APIError: 400 naming the field for an unknown field, a wrong type, a value llamax
@@ -262,8 +284,12 @@ def parse_native(body: Mapping[str, Any], n_vocab: int | None = None) -> NativeR
     n_predict = _number(body, "n_predict")
     if n_predict is not None and (n_predict != int(n_predict) or n_predict < -1):
         raise _bad(f"n_predict must be an int >= -1, got {n_predict!r}", "n_predict")
-    options["max_tokens"] = None if n_predict is None or n_predict < 0 else int(n_predict)
+    if n_predict is None or n_predict < 0:
+        n_predict = default_n_predict
+    options["max_tokens"] = None if n_predict is None else int(n_predict)
     seed = _number(body, "seed")
+    if seed is None:
+        seed = default_seed
     if seed is not None and seed not in (-1, _NO_SEED):
         options["seed"] = seed
     n_probs = _number(body, "n_probs") or 0
@@ -280,7 +306,8 @@ def parse_native(body: Mapping[str, Any], n_vocab: int | None = None) -> NativeR
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model must be a string", "model")
-    settings = DEFAULT_SETTINGS | {k: v for k, v in body.items() if k in DEFAULT_SETTINGS}
+    settings = default_settings(default_n_predict, default_seed)
+    settings |= {k: v for k, v in body.items() if k in DEFAULT_SETTINGS}
     settings["max_tokens"] = settings["n_predict"]
     text_bias = options.pop("text_bias", ())
     params = None if options["max_tokens"] == 0 else _sampling_params(options)

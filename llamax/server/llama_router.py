@@ -25,8 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .info import _pool_models
-from .llama_jobs import LlamaError, as_llama_error, llama_error_response, parse_object
+from .llama_jobs import LlamaError, as_llama_error, llama_error_response
 from .models import ModelPool, ModelState
+from .schemas import parse_object
 from .state import ServerState, read_body
 
 __all__ = ["router_routes"]

@@ -29,10 +29,10 @@ from llamax.openai import chat_prompt_tokens
 from .dialects import LLAMA
 from .errors import APIError, from_exception, llama_body
 from .llama_native import (
-    DEFAULT_SETTINGS,
     FIELDS,
     NativeRequest,
     Timings,
+    default_settings,
     final_result,
     parse_native,
     partial_result,
@@ -56,7 +56,8 @@ def llama_routes(state: ServerState) -> APIRouter:
     @router.post("/completions")
     async def completion(request: Request) -> Response:
         def parse(raw: bytes) -> NativeRequest:
-            return parse_native(parse_object(raw))
+            return parse_native(parse_object(raw), default_n_predict=state.default_max_tokens,
+                                default_seed=state.default_seed)  # fmt: skip
 
         return await admit_completion(
             state,
@@ -64,7 +65,7 @@ def llama_routes(state: ServerState) -> APIRouter:
             "completion",
             parse,
             lambda body: body.model,
-            _start,
+            lambda body, ctx: _start(body, ctx, state.model_name(ctx)),
             dialect=LLAMA,
             fields=FIELDS,
             prompt_field="prompt",
@@ -111,7 +112,7 @@ def llama_routes(state: ServerState) -> APIRouter:
             ctx = state.context()
         except APIError as error:
             return JSONResponse(llama_body(error), status_code=error.status)
-        return JSONResponse(_props(ctx))
+        return JSONResponse(_props(state, ctx))
 
     @router.post("/props")
     async def set_props() -> Response:
@@ -137,7 +138,7 @@ async def _llama_shaped(
         return JSONResponse(llama_body(error), status_code=error.status, headers=error.headers)
 
 
-def _props(ctx: llamax.Context) -> dict[str, Any]:
+def _props(state: ServerState, ctx: llamax.Context) -> dict[str, Any]:
     try:
         template = ctx.chat_template.source
     except llamax.TemplateError:
@@ -145,10 +146,11 @@ def _props(ctx: llamax.Context) -> dict[str, Any]:
     return {
         "default_generation_settings": {
             "id": 0, "id_task": -1, "n_ctx": ctx.n_ctx_seq, "speculative": False,
-            "is_processing": False, "params": DEFAULT_SETTINGS, "prompt": "",
+            "is_processing": False, "prompt": "",
+            "params": default_settings(state.default_max_tokens, state.default_seed),
         },
         "total_slots": ctx.n_seq_max,
-        "model_alias": ctx.model_name,
+        "model_alias": state.model_name(ctx),
         "model_path": ctx.config.model_path,
         "chat_template": template,
         "chat_template_caps": {},
@@ -203,10 +205,12 @@ def _submit(
 class _Run:
     """One ``/completion`` request's sequences: their clocks and how each result reads."""
 
-    def __init__(self, ctx: llamax.Context, request: NativeRequest, prompts: list[list[int]]):
+    def __init__(
+        self, ctx: llamax.Context, request: NativeRequest, prompts: list[list[int]], model: str
+    ) -> None:
         self.ctx, self.request, self.prompts = ctx, request, prompts
         self.n = request.params.n if request.params is not None else 1
-        self.model = request.model or ctx.model_name
+        self.model = request.model or model
         now = time.perf_counter()
         self.timings = [Timings(now, num_prompt=len(p)) for p in prompts for _ in range(self.n)]
 
@@ -233,9 +237,9 @@ class _Run:
         )  # fmt: skip
 
 
-async def _start(request: NativeRequest, ctx: llamax.Context) -> Any:
+async def _start(request: NativeRequest, ctx: llamax.Context, model: str) -> Any:
     prompts, handles = await run_in_threadpool(_submit, ctx, request)
-    run = _Run(ctx, request, prompts)
+    run = _Run(ctx, request, prompts, model)
     if request.stream:
         return _stream(run, handles)
     try:

@@ -43,8 +43,8 @@ from .llama_jobs import (
     as_llama_error,
     leased,
     llama_error_response,
-    parse_object,
 )
+from .schemas import parse_object
 from .state import ServerState, read_body
 
 __all__ = ["Slot", "SlotTable", "slot_routes", "slot_tables", "table_of", "valid_filename"]

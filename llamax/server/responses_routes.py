@@ -1,5 +1,6 @@
 """OpenAI's Responses API over HTTP: ``POST /v1/responses``, ``GET /v1/responses/{id}``,
-``GET /v1/responses/{id}/input_items`` and ``DELETE /v1/responses/{id}``, thin over
+``GET /v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}`` and
+``POST /v1/responses/input_tokens``, thin over
 :mod:`llamax.openai`'s :func:`acreate_response`.
 
 Responses are kept in the app's bounded :class:`~llamax.openai.ResponseStore` (unless a
@@ -17,15 +18,16 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
+import llamax
 from llamax import InvalidRequestError
-from llamax.openai import acreate_response
+from llamax.openai import acreate_response, response_input_tokens
 from llamax.openai.fields import RESPONSES as RESPONSE_TABLE
 from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
 from .schemas import parse_object, without_unknown
-from .state import ServerState, admit_completion
+from .state import ServerState, admit_completion, run_leased
 
 __all__ = ["responses_routes"]
 
@@ -56,12 +58,26 @@ def responses_routes(state: ServerState) -> APIRouter:
             _ENDPOINT,
             parse,
             lambda body: body.get("model"),
-            lambda body, ctx: acreate_response(ctx, body, store=state.responses),
+            lambda body, ctx: acreate_response(
+                ctx, _with_defaults(state, body), store=state.responses
+            ),
             dialect=RESPONSES,
             fields=_FIELDS,
             prompt_field="input",
             stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
         )
+
+    @router.post("/v1/responses/input_tokens")
+    @router.post("/responses/input_tokens")  # llama-server's alias
+    async def input_tokens_route(request: Request) -> JSONResponse:
+        def work(body: dict[str, Any], ctx: llamax.Context) -> JSONResponse:
+            try:
+                count = response_input_tokens(ctx, body, store=state.responses)
+            except Exception as exc:
+                raise from_exception(exc, _FIELDS, "input") from exc
+            return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+        return await run_leased(state, request, parse_object, lambda b: b.get("model"), work)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_route(response_id: str, request: Request) -> JSONResponse:
@@ -108,3 +124,10 @@ def _not_found(response_id: str) -> APIError:
         "the store evicted it)",
         code="not_found",
     )
+
+
+def _with_defaults(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with the server's default reply length where it sets none."""
+    if state.default_max_tokens is None or body.get("max_output_tokens") is not None:
+        return body
+    return body | {"max_output_tokens": state.default_max_tokens}

@@ -17,6 +17,7 @@ import llamax
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
+from .llama_chat import with_llama_extras
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,16 +52,32 @@ def api_routes(state: ServerState) -> APIRouter:
             options = _stream_options(body)
             if state.parse_special_in_content:
                 options["parse_special_in_content"] = True
+            state.with_defaults(options)
+            if dialect is OPENAI_LLAMA:
+                _check_trailing_assistants(body.messages)
             return options
 
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            return ctx.achat_completion(body.messages, **options, **_echo(state, body))
+            reply = ctx.achat_completion(body.messages, **options, **_echo(state, body))
+            if not (body.timings_per_token or body.verbose):
+                return reply
+            return with_llama_extras(ctx, body.messages, options, reply,
+                                     timings=bool(body.timings_per_token),
+                                     verbose=bool(body.verbose))  # fmt: skip
 
+        dialect = _dialect_of(request)
         return await _admit(state, request, "chat", ChatCompletionRequest, options, start,
-                            _dialect_of(request))  # fmt: skip
+                            dialect)  # fmt: skip
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        def options(body: CompletionRequest) -> dict[str, Any]:
+            options = _stream_options(body)
+            if getattr(body, "max_tokens", None) is None and state.default_max_tokens is not None:
+                options["max_tokens"] = state.default_max_tokens  # over OpenAI's 16
+            state.with_defaults(options)
+            return options
+
         async def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Any:
             prompt = body.prompt
             if body.suffix:  # tokenized in a worker: the event loop stays free
@@ -71,9 +88,7 @@ def api_routes(state: ServerState) -> APIRouter:
             prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
             return _with_prompt(result, prompt)
 
-        return await _admit(
-            state, request, "completions", CompletionRequest, _stream_options, start
-        )
+        return await _admit(state, request, "completions", CompletionRequest, options, start)
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -157,6 +172,19 @@ def _dialect_of(request: Request) -> Dialect:
     return OPENAI if request.url.path.startswith("/v1/") else OPENAI_LLAMA
 
 
+def _check_trailing_assistants(messages: list[dict[str, Any]]) -> None:
+    """llama-server's rule on its ``/chat/completions``: a last assistant message is the
+    start of the reply, so two cannot end the list (OpenAI's ``/v1`` takes them as turns).
+
+    Raises:
+        APIError: 400 with llama-server's words.
+    """
+    roles = [m.get("role") for m in messages[-2:] if isinstance(m, dict)]
+    if len(roles) == 2 and roles == ["assistant", "assistant"]:
+        raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.",
+                       param="messages", code="invalid_value")  # fmt: skip
+
+
 def _model_of(body: Any) -> object:
     """The ``model`` a parsed body names (``None``: the default)."""
     return getattr(body, "model", None)
@@ -165,10 +193,13 @@ def _model_of(body: Any) -> object:
 def _echo(state: ServerState, body: Any) -> dict[str, Any]:
     """The ``model`` option that makes a response name the model as the request did (as
     OpenAI and llama-server do); with several models, a request naming none gets the
-    default model's name. Empty: the GGUF's name."""
+    default model's name, and with one model served under an alias, the alias. Empty: the
+    GGUF's name."""
     model = body.model
     if model is None and state.pool is not None:
         model = state.pool.default
+    if model is None:
+        model = state.model_alias
     return {} if model is None else {"model": model}
 
 

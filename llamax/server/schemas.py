@@ -48,9 +48,13 @@ MAX_JSON_DEPTH = 64
 MAX_STOP_STRINGS = 400
 """Most ``stop`` strings one request may give over HTTP."""
 
-_NOT_OPTIONS = frozenset({"model", "user", "stream", "stream_options", "messages", "prompt"})
+_NOT_OPTIONS = frozenset(
+    {"model", "user", "stream", "stream_options", "messages", "prompt", "timings_per_token",
+     "verbose"}
+)  # fmt: skip
 """Fields the server handles itself (``model`` picks the model and is echoed; ``user`` is
-accepted and ignored)."""
+accepted and ignored; llama-server's ``timings_per_token`` and ``verbose`` are added to the
+response by the route)."""
 
 
 class _Strict(BaseModel):
@@ -195,6 +199,10 @@ class ChatCompletionRequest(_SamplingFields):
     """vLLM's and llama-server's way to say ``enable_thinking`` (the only key taken)."""
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """OpenAI's effort, mapped to the template's thinking switch (``none``/``minimal``: off)."""
+    timings_per_token: bool | None = None
+    """llama-server extension: a stream's usage chunk carries ``timings`` (the route adds it)."""
+    verbose: bool | None = None
+    """llama-server extension: a whole reply carries ``__verbose`` (the route adds it)."""
 
     def options(self) -> dict[str, Any]:
         """As the base class, with ``max_completion_tokens`` read as ``max_tokens``,

@@ -54,6 +54,12 @@ class ServerState:
         stream_ping_seconds: An Anthropic stream quiet this long gets a ``ping`` event.
         lenient: Top-level request fields in no route table are dropped and logged
             instead of refused (``--lenient``).
+        default_max_tokens: The reply length of a request that sets none (llama-server's
+            ``-n``); ``None``: each API's own default.
+        default_seed: The seed of a request that sets none (llama-server's ``--seed``);
+            ``None``: a random one.
+        model_alias: The name the single model is served under (llama-server's
+            ``--alias``); ``None``: the GGUF's name.
     """
 
     source: llamax.Context | Future[llamax.Context] | ModelPool
@@ -65,6 +71,9 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)
     stream_ping_seconds: float = 10.0
     lenient: bool = False
+    default_max_tokens: int | None = None
+    default_seed: int | None = None
+    model_alias: str | None = None
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 
@@ -77,6 +86,21 @@ class ServerState:
     def pool(self) -> ModelPool | None:
         """The pool of named models, when the app serves several."""
         return self.source if isinstance(self.source, ModelPool) else None
+
+    def model_name(self, ctx: llamax.Context) -> str:
+        """The name ``ctx``'s model is served under: the alias, when one is set and the
+        server has one model; else the GGUF's name."""
+        if self.model_alias is not None and self.pool is None:
+            return self.model_alias
+        return ctx.model_name
+
+    def with_defaults(self, options: dict[str, Any], max_tokens: str = "max_tokens") -> None:
+        """Fill in the server's default reply length (under the name ``max_tokens``) and
+        seed where ``options`` (llamax's OpenAI-named options) sets none."""
+        if self.default_max_tokens is not None and options.get(max_tokens) is None:
+            options[max_tokens] = self.default_max_tokens
+        if self.default_seed is not None and options.get("seed") is None:
+            options["seed"] = self.default_seed
 
     def lease(self, model: object) -> ContextLease:
         """The context a request for ``model`` (its ``model`` field) runs on. Cheap: with

@@ -1,0 +1,69 @@
+"""llama-server's extensions of the OpenAI chat route: ``timings_per_token`` (a stream's
+usage chunk carries llama-server's ``timings``) and ``verbose`` (a whole reply carries
+``__verbose``, with the rendered prompt). Both are added around what
+:meth:`~llamax.Context.achat_completion` returns; the engine sees the request as any other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+import llamax
+
+from .llama_native import Timings
+
+__all__ = ["with_llama_extras"]
+
+
+async def with_llama_extras(
+    ctx: llamax.Context,
+    messages: list[dict[str, Any]],
+    options: Mapping[str, Any],
+    reply: Awaitable[Any],
+    *,
+    timings: bool,
+    verbose: bool,
+) -> Any:
+    """``reply`` (a chat completion, or its chunks when streamed) with llama-server's
+    ``timings`` and ``__verbose`` where they were asked for."""
+    started = time.perf_counter()
+    result = await reply
+    if options.get("stream"):
+        return _timed(result, started) if timings else result
+    if verbose:
+        prompt = await run_in_threadpool(_rendered, ctx, messages, options)
+        content = [c["message"].get("content") for c in result["choices"]]
+        result["__verbose"] = {"prompt": prompt, "content": content[0] if content else None}
+    return result
+
+
+def _rendered(ctx: llamax.Context, messages: list[dict[str, Any]], options: Mapping[str, Any]
+              ) -> str:  # fmt: skip
+    """The prompt as the chat template renders it (what ``/apply-template`` answers)."""
+    thinking = options.get("enable_thinking")
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    return ctx.chat_template.render(
+        messages, add_generation_prompt=True, tools=options.get("tools"), **extra
+    )
+
+
+async def _timed(chunks: AsyncIterator[dict[str, Any]], started: float) -> AsyncIterator[Any]:
+    """The chunks, the usage chunk with ``timings`` (first token: the first chunk that
+    carries text)."""
+    clock = Timings(started)
+    async for chunk in chunks:
+        usage = chunk.get("usage")
+        if clock.first_token is None and any(
+            (c.get("delta") or {}).get("content") for c in chunk["choices"]
+        ):
+            clock.first_token = time.perf_counter()
+        if usage and not chunk["choices"]:
+            clock.num_prompt = usage["prompt_tokens"]
+            clock.num_cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            clock.num_predicted = usage["completion_tokens"]
+            chunk = chunk | {"timings": clock.to_json(time.perf_counter())}
+        yield chunk
