@@ -132,7 +132,9 @@ class Context:
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
         self._chat = BoundTemplate(backend, config.chat_template)
-        self._images = ImagePrompts(backend if isinstance(backend, ImageHost) else None)
+        host = backend if isinstance(backend, ImageHost) else None  # reads its properties
+        self._images = ImagePrompts(host)
+        self._sees_images = host is not None and host.sees_images  # answers after close
         self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ facts
@@ -192,8 +194,7 @@ class Context:
     def sees_images(self) -> bool:
         """Whether prompts may hold images (:class:`~llamax.Image`): a projector
         (``mmproj``) that encodes them is loaded."""
-        backend = self._backend
-        return isinstance(backend, ImageHost) and backend.sees_images
+        return self._sees_images
 
     @property
     def closed(self) -> bool:

@@ -58,6 +58,15 @@ def test_a_context_with_a_projector_sees_images(ctx: llamax.Context) -> None:
     assert ctx.sees_images
 
 
+def test_sees_images_answers_after_close(model_path: Path) -> None:
+    """A fact known at load, like ``fim_tokens``: it answers after close (the first version
+    asked the freed projector and raised ContextClosedError)."""
+    path = vision_files.script().cached_vision_model(projector="janus_pro")
+    ctx = llamax.Context(model_path, mmproj=str(path), n_ctx=512, n_seq_max=1)
+    ctx.close()
+    assert ctx.sees_images
+
+
 def test_a_projector_that_is_no_projector_is_a_typed_error(model_path: Path) -> None:
     with pytest.raises(ProjectorError):
         llamax.Context(model_path, mmproj=str(model_path), n_ctx=256)

@@ -80,6 +80,8 @@ class LlamaCppBackend(LlamaCppModel):
                     use_gpu=config.n_gpu_layers != 0,
                 )
                 stack.callback(self._projector.close)
+            # a fact known at load: it answers after close, as the other facts do
+            self._sees_images = self._projector is not None and self._projector.supports_vision
             # one KV section (no sliding window, no recurrent state): a sequence's saved
             # state can move between layouts (seq_state.restream)
             self._plain_kv = not (model.is_recurrent() or model.is_hybrid() or model.n_swa() > 0)
@@ -308,10 +310,7 @@ class LlamaCppBackend(LlamaCppModel):
     def sees_images(self) -> bool:
         """Whether ``mmproj`` loaded a projector that encodes images.
         (:class:`~llamax.backend.base.ImageHost`)"""
-        if self._projector is None:
-            return False
-        with self._guard.entered():
-            return self._projector.supports_vision
+        return self._sees_images
 
     def _vision(self) -> Projector:
         if self._projector is None:
