@@ -8,16 +8,19 @@
 # Phases (default: build models test bench), in the order given:
 #   probe        what the machine has: GPU, nvcc, cuBLAS, Python packages
 #   build        cmake + ninja, targets llama and llama-server, every core, into
-#                $LLAMAX_GPU_BUILD (default /tmp/llamax-gpu-build); skipped when libllama.so
-#                and llama-server are already there (a warm machine keeps /tmp between calls)
+#                $LLAMAX_GPU_BUILD (default: .gpu_carry/build when scripts/build_cuda_carry.sh
+#                made it here and it was carried, else /tmp/llamax-gpu-build); skipped when
+#                libllama.so and llama-server are already there
 #   models       scripts/make_random_model.py: tiny, 1b (F16) and 8b (Q8_0) into /tmp
-#   test         pytest -m gpu on the random 1B, then on SmolLM2-sized tiny (short)
-#   bench        benchmarks/gpu_throughput.py on tiny, 1b and 8b, llama-server of this build
-#   bench-quick  the same at N = 1, 16 and 64 tokens each, tiny and 1b only (a smoke run)
+#   test         pytest -m gpu on the random 1b, then on tiny (on a CPU: small, then tiny)
+#   bench        benchmarks/gpu_throughput.py on 1b and tiny, llama-server of this build
+#   bench-8b     the same on 8b (its 7.8 GB written first), its own report
+#   bench-quick  the same as bench at N = 1 and 16, 32 tokens each (a smoke run)
 # --cpu builds without CUDA (a dry run of every phase on a machine without a GPU).
 #
 # Everything the phases write comes back under $OUT (at most 8 files): build.log,
-# pytest.log, junit.xml, gpu_throughput.json, bench.log, probe.txt, summary.txt.
+# pytest.log, junit.xml, junit_tiny.xml, gpu_throughput.json, gpu_throughput_8b.json,
+# bench.log, probe.txt, summary.txt.
 #
 # llama-cpp-python's Python package is used from the carry (PYTHONPATH), its ctypes loader
 # pointed at this build's libllama.so by LLAMA_CPP_LIB_PATH (llama_cpp/llama_cpp.py: it
@@ -38,13 +41,18 @@ phases=()
 for arg in "$@"; do
   case "$arg" in
     --cpu) cuda=OFF ;;
-    probe | build | models | test | bench | bench-quick) phases+=("$arg") ;;
+    probe | build | models | test | bench | bench-8b | bench-quick) phases+=("$arg") ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
 [ ${#phases[@]} -gt 0 ] || phases=(build models test bench)
 if [ "$cuda" = ON ]; then
-  build=${LLAMAX_GPU_BUILD:-/tmp/llamax-gpu-build}
+  # a build made beforehand without a GPU (scripts/build_cuda_carry.sh) and carried, if any
+  if [ -f "$carry/build/bin/libllama.so" ]; then
+    build=${LLAMAX_GPU_BUILD:-$carry/build}
+  else
+    build=${LLAMAX_GPU_BUILD:-/tmp/llamax-gpu-build}
+  fi
 else
   build=${LLAMAX_GPU_BUILD:-/tmp/llamax-cpu-build}
 fi
@@ -63,6 +71,7 @@ setup_python() {
   export PYTHONPATH=$repo:$repo/benchmarks:$carry/llama-cpp-python:$site${PYTHONPATH:+:$PYTHONPATH}
   export LLAMA_CPP_LIB_PATH=$lib_dir
   export LD_LIBRARY_PATH=$lib_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  [ "$cuda" = ON ] && cuda_runtime_path
   export PYTHONUNBUFFERED=1
   # CPU threads of llamax, the raw loop and llama-server alike (benchmarks/_common.py)
   if [ "$cuda" = ON ]; then
@@ -70,6 +79,23 @@ setup_python() {
   else
     export LLAMAX_BENCH_THREADS=${LLAMAX_BENCH_THREADS:-2}
   fi
+}
+
+cuda_runtime_path() {
+  # a build made elsewhere (build_cuda_carry.sh) loads the CUDA 13 runtime and cuBLAS from
+  # this machine: the toolkit's folders, else the pip packages PyTorch brings
+  local name found
+  for name in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+    found=$(find /usr/local /opt /usr/lib -name "$name" 2>/dev/null | sort | head -1)
+    if [ -n "$found" ]; then
+      case ":$LD_LIBRARY_PATH:" in
+        *":$(dirname "$found"):"*) ;;
+        *) export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$(dirname "$found") ;;
+      esac
+    else
+      log "setup: no $name on this machine"
+    fi
+  done
 }
 
 cuda_fallbacks() {
@@ -167,31 +193,42 @@ phase_models() {
 }
 
 phase_test() {
-  local model=$models/1b.gguf
-  [ "$cuda" = OFF ] && model=$models/small.gguf
+  # the tier on each model named (default: the random 1b; on a CPU the small one): the
+  # first shape's junit goes to junit.xml, the others' to junit_SHAPE.xml
   local -a env_extra=()
   [ "$cuda" = OFF ] && env_extra=(LLAMAX_GPU_TIER_ON_CPU=1)
-  log "test: pytest -m gpu on $model"
-  env "${env_extra[@]}" LLAMAX_GPU_MODEL="$model" "$python" -m pytest -m gpu tests/test_gpu.py \
-    -q -rs -s -p no:cacheprovider --junitxml="$out/junit.xml" -o addopts="" >"$out/pytest.log" 2>&1
-  local rc=$?
-  tail -15 "$out/pytest.log"
-  log "test: pytest exit $rc"
+  local shape junit first=1 rc
+  for shape in "$@"; do
+    junit=$out/junit.xml
+    [ $first = 1 ] || junit=$out/junit_$shape.xml
+    log "test: pytest -m gpu on $models/$shape.gguf"
+    env "${env_extra[@]}" LLAMAX_GPU_MODEL="$models/$shape.gguf" "$python" -m pytest -m gpu \
+      tests/test_gpu.py -q -rs -s -p no:cacheprovider --junitxml="$junit" -o addopts="" \
+      >>"$out/pytest.log" 2>&1
+    rc=$?
+    tail -15 "$out/pytest.log"
+    log "test: $shape: pytest exit $rc"
+    first=0
+  done
 }
 
 phase_bench() {
-  local quick=$1
-  local -a args=(--llama-server "$lib_dir/llama-server" --json-out "$out/gpu_throughput.json")
+  # $1: quick (1) or not; $2: the report's file name; the rest: the shapes, in order
+  local quick=$1 report=$2
+  shift 2
+  local -a args=(--llama-server "$lib_dir/llama-server" --json-out "$out/$report")
+  local shape
   if [ "$cuda" = OFF ]; then
-    args+=(--quick --cpu --shape tiny="$models/tiny.gguf")
+    args+=(--quick --cpu)
   elif [ "$quick" = 1 ]; then
-    args+=(--quick --shape 1b="$models/1b.gguf" --shape tiny="$models/tiny.gguf")
-  else
-    # the report is rewritten after each shape: a run cut short keeps the shapes it finished
-    args+=(--shape 1b="$models/1b.gguf" --shape 8b="$models/8b.gguf" --shape tiny="$models/tiny.gguf")
+    args+=(--quick)
   fi
+  # the report is rewritten after each shape: a run cut short keeps the shapes it finished
+  for shape in "$@"; do
+    args+=(--shape "$shape=$models/$shape.gguf")
+  done
   log "bench: benchmarks/gpu_throughput.py ${args[*]}"
-  "$python" benchmarks/gpu_throughput.py "${args[@]}" >/dev/null 2>"$out/bench.log"
+  "$python" benchmarks/gpu_throughput.py "${args[@]}" >/dev/null 2>>"$out/bench.log"
   local rc=$?
   tail -25 "$out/bench.log"
   log "bench: exit $rc"
@@ -204,9 +241,11 @@ for phase in "${phases[@]}"; do
     probe) phase_probe ;;
     build) phase_build ;;
     models) phase_models ;;
-    test) if [ "$cuda" = ON ]; then phase_models 1b; else phase_models small; fi && phase_test ;;
-    bench) if [ "$cuda" = ON ]; then phase_models 1b 8b tiny; else phase_models tiny; fi \
-      && phase_bench 0 ;;
-    bench-quick) phase_models 1b tiny && phase_bench 1 ;;
+    test) if [ "$cuda" = ON ]; then phase_models 1b tiny && phase_test 1b tiny; else
+      phase_models small tiny && phase_test small tiny; fi ;;
+    bench) if [ "$cuda" = ON ]; then phase_models 1b tiny && phase_bench 0 gpu_throughput.json 1b tiny
+      else phase_models tiny && phase_bench 0 gpu_throughput.json tiny; fi ;;
+    bench-8b) phase_models 8b && phase_bench 0 gpu_throughput_8b.json 8b ;;
+    bench-quick) phase_models 1b tiny && phase_bench 1 gpu_throughput.json 1b tiny ;;
   esac
 done
