@@ -66,12 +66,10 @@ _INT_OR_NONE = where(lambda v: v is None or is_int(v), "must be an int or None")
 _BOOL = where(lambda v: v is None or isinstance(v, bool), "must be a bool")
 _BYTES = where(lambda v: v is None or (is_int(v) and v >= 0), "must be None or an int >= 0")
 _SHARE = where(lambda v: is_real(v) and 0 < v <= 1, "must be a number in (0, 1]")
-_DIR = where(
-    lambda v: v is None or (isinstance(v, str) and v != ""), "must be None or a directory path"
-)
-_FILE = where(
-    lambda v: v is None or (isinstance(v, str) and v != ""), "must be None or a file path"
-)
+_DIR = where(lambda v: v is None or is_pathlike(v), "must be None or a directory path")
+_FILE = where(lambda v: v is None or is_pathlike(v), "must be None or a file path")
+_PATHS = ("prefix_disk_dir", "mmproj")
+"""Path fields: a ``str`` or any ``os.PathLike`` is taken, and kept as a ``str``."""
 _MS = where(lambda v: v is None or is_real(v), "must be a number or None")
 _DRAFT = where(
     lambda v: v is None or isinstance(v, DraftMethod), "must be None or a llamax.PromptLookup"
@@ -401,6 +399,9 @@ class ContextConfig:
     def __post_init__(self) -> None:
         refuse_huge_ints(self, [f.name for f in dataclasses.fields(self)])  # any field
         self._check_types()
+        for name in _PATHS:  # a pathlib.Path is as good as its text
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
         require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
         require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
@@ -474,7 +475,7 @@ class EngineConfig:
     prefix_ram_bytes: int | None = 0
     """The RAM tier's budget; None: this context's share of the machine's default."""
     prefix_ram_share: float = 1.0
-    prefix_disk_dir: str | None = None
+    prefix_disk_dir: str | os.PathLike[str] | None = None
     prefix_disk_bytes: int | None = None
     """The disk tier's budget (with a directory); None: its share of the default."""
     prefix_disk_share: float = 1.0
@@ -500,7 +501,7 @@ class ContextOptions(TypedDict, total=False):
     calibrate: bool | None
     prefix_cache: bool
     chat_template: str | None
-    mmproj: str | None
+    mmproj: str | os.PathLike[str] | None
     rpc_servers: str | None
     speculative: Speculative | None
     verbose: bool

@@ -676,6 +676,21 @@ def test_bad_prefix_disk_dir_is_a_typed_error(bad: object) -> None:
         llamax.Context(backend=FakeBackend(), autostart=False, prefix_disk_dir=bad)  # type: ignore[arg-type]
 
 
+def test_a_pathlib_path_is_taken_as_its_text(tmp_path: Path) -> None:
+    # the disk tier's directory and the projector take a Path as the model does (both
+    # were refused as "must be None or a ... path" when given a pathlib.Path)
+    config = llamax.ContextConfig(
+        model_path="m.gguf", prefix_disk_dir=tmp_path / "tier", mmproj=tmp_path / "p.gguf"
+    )
+    assert config.prefix_disk_dir == str(tmp_path / "tier")
+    assert config.mmproj == str(tmp_path / "p.gguf")
+    with llamax.Context(
+        backend=FakeBackend(), autostart=False, prefix_disk_dir=tmp_path / "new"
+    ) as ctx:
+        assert ctx.stats().prefix_disk_budget_bytes > 0
+    assert (tmp_path / "new").is_dir()
+
+
 def test_a_directory_that_cannot_be_made_is_a_typed_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(llamax.InvalidParameterError, match="cannot be used"):
