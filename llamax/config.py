@@ -475,7 +475,7 @@ class EngineConfig:
     prefix_ram_bytes: int | None = 0
     """The RAM tier's budget; None: this context's share of the machine's default."""
     prefix_ram_share: float = 1.0
-    prefix_disk_dir: str | os.PathLike[str] | None = None
+    prefix_disk_dir: str | None = None
     prefix_disk_bytes: int | None = None
     """The disk tier's budget (with a directory); None: its share of the default."""
     prefix_disk_share: float = 1.0
@@ -507,7 +507,7 @@ class ContextOptions(TypedDict, total=False):
     verbose: bool
     lora: Mapping[str, str] | None
     prefix_ram_bytes: int | None
-    prefix_disk_dir: str | None
+    prefix_disk_dir: str | os.PathLike[str] | None
     prefix_disk_bytes: int | None
     prefix_ram_share: float
     prefix_disk_share: float
