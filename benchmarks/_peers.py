@@ -222,7 +222,11 @@ class LlamaServerPeer:
             conn.close()
 
     def _body(
-        self, prompt: str, max_tokens: int, stream: bool, extra: dict[str, Any] | None = None
+        self,
+        prompt: str | dict[str, Any],
+        max_tokens: int,
+        stream: bool,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         return (extra or {}) | {
             "prompt": prompt,
@@ -232,6 +236,13 @@ class LlamaServerPeer:
             "cache_prompt": self.cache_prompt,
             "stream": stream,
         }
+
+    def props(self) -> dict[str, Any]:
+        """``GET /props`` (``media_marker``: where a prompt string's images go)."""
+        status, data = self._request("GET", "/props", None)
+        if status != 200:
+            raise RuntimeError(f"llama-server answered {status}: {data[:200]!r}")
+        return dict(json.loads(data))
 
     def complete(self, prompt: str, max_tokens: int) -> int:
         """One greedy completion, not streamed; returns the number of generated tokens."""
@@ -260,16 +271,17 @@ class LlamaServerPeer:
                 yield text
 
     def stream_progress(
-        self, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
+        self, prompt: str | dict[str, Any], max_tokens: int, extra: dict[str, Any] | None = None
     ) -> Iterator[int]:
         """One streamed greedy completion: yields, at each event, how many tokens it has
-        generated so far (``tokens_predicted``), the last time at the closing event."""
+        generated so far (``tokens_predicted``), the last time at the closing event. The
+        prompt may be one of llama-server's prompt objects (``multimodal_data``)."""
         for event in self._events(prompt, max_tokens, None, extra):
             yield int(event.get("tokens_predicted", 0))
 
     def _events(
         self,
-        prompt: str,
+        prompt: str | dict[str, Any],
         max_tokens: int,
         stop: threading.Event | None,
         extra: dict[str, Any] | None,
