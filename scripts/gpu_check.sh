@@ -12,6 +12,9 @@
 #                made it here and it was carried, else /tmp/llamax-gpu-build); skipped when
 #                libllama.so and llama-server are already there
 #   models       scripts/make_random_model.py: tiny, 1b (F16) and 8b (Q8_0) into /tmp
+#   diag         the tiny model loaded and run on the GPU in Python (cuda-gdb's stack on a
+#                crash), into diag.log
+#   save         the build's bin/ as bin.tar.xz.aa, .ab... (15 MB parts) under $OUT
 #   test         pytest -m gpu on the random 1b, then on tiny (on a CPU: small, then tiny)
 #   bench        benchmarks/gpu_throughput.py on 1b and tiny, llama-server of this build
 #   bench-8b     the same on 8b (its 7.8 GB written first), its own report
@@ -41,7 +44,7 @@ phases=()
 for arg in "$@"; do
   case "$arg" in
     --cpu) cuda=OFF ;;
-    probe | build | models | test | bench | bench-8b | bench-quick) phases+=("$arg") ;;
+    probe | build | models | diag | save | test | bench | bench-8b | bench-quick) phases+=("$arg") ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -135,6 +138,8 @@ cuda_fallbacks() {
 phase_probe() {
   {
     nvidia-smi || true
+    grep -m1 '^model name' /proc/cpuinfo
+    grep -m1 '^flags' /proc/cpuinfo | grep -oE 'avx512[a-z_0-9]*|amx[a-z_0-9]*|avx2' | sort -u | xargs
     command -v nvcc && nvcc --version
     cmake --version | head -1
     ninja --version
@@ -146,6 +151,17 @@ phase_probe() {
   cat "$out/probe.txt"
 }
 
+check_libstdcxx() {
+  # each library should load the one shared libstdc++, or keep a static copy to itself
+  local lib
+  for lib in "$lib_dir"/libllama.so "$lib_dir"/libggml*.so; do
+    if ! readelf -d "$lib" | grep -q 'libstdc++' \
+      && nm -D --defined-only "$lib" | grep -q '_ZNKSt.*codecvt'; then
+      log "build: WARNING: $(basename "$lib") exports a static libstdc++ (expect crashes)"
+    fi
+  done
+}
+
 phase_build() {
   if [ -f "$lib_dir/libllama.so" ] && [ -x "$lib_dir/llama-server" ]; then
     log "build: $build is there, skipped"
@@ -155,6 +171,21 @@ phase_build() {
   local -a cmake_extra=()
   if [ "$cuda" = ON ]; then
     cmake_extra+=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
+    # the CPU part as bootstrap builds it: this CPU's SIMD flags, never -march=native (a
+    # native build turns on ggml's AMX path, which crashes where AMX is advertised but
+    # unusable; the first device run's native build segfaulted at model load)
+    # shellcheck disable=SC2207  # a list of flags
+    cmake_extra+=($(bash "$repo/scripts/cmake_flags.sh"))
+    # The device image's default compiler (/opt/gcc/bin/g++) links libstdc++ statically into
+    # every library and exports it: libllama's std::regex then ran on libggml-cuda's copy of
+    # the locale facets and segfaulted at the first tokenization (the second device run,
+    # cuda-gdb's stack in docs/gpu.md). The system's g++ links the one shared libstdc++; the
+    # linker flag keeps any static copy private to its library.
+    if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then
+      cmake_extra+=(-DCMAKE_C_COMPILER=/usr/bin/gcc -DCMAKE_CXX_COMPILER=/usr/bin/g++
+        -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
+    fi
+    cmake_extra+=("-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL")
     cuda_fallbacks
   else
     # shellcheck disable=SC2207  # a list of flags
@@ -170,6 +201,7 @@ phase_build() {
   cmake --build "$build" --target llama llama-server --parallel "$jobs" >>"$out/build.log" 2>&1 \
     || { tail -40 "$out/build.log"; exit 1; }
   log "build: done in $((SECONDS - start)) s: $(cd "$lib_dir" && ls libllama.so libggml*.so llama-server | xargs)"
+  check_libstdcxx
 }
 
 phase_models() {
@@ -212,6 +244,27 @@ phase_test() {
   done
 }
 
+phase_diag() {
+  # load the tiny model on the GPU in Python; on a crash, the native stack (cuda-gdb)
+  local script="import faulthandler, sys; faulthandler.enable(); import llamax
+with llamax.Context(sys.argv[1], n_gpu_layers=-1, n_ctx=256) as ctx:
+    print('diag: generated', repr(ctx.add_request('Hello', llamax.SamplingParams(max_tokens=8, temperature=0)).result().text))"
+  if "$python" -c "$script" "$models/tiny.gguf" >>"$out/diag.log" 2>&1; then
+    log "diag: the tiny model loads and generates on the GPU"
+  else
+    log "diag: crashed; the native stack follows in diag.log"
+    timeout 120 cuda-gdb -batch -ex run -ex bt --args "$python" -c "$script" "$models/tiny.gguf" \
+      >>"$out/diag.log" 2>&1
+  fi
+  tail -30 "$out/diag.log"
+}
+
+phase_save() {
+  # the build's bin/ back through $OUT (files of at most 15 MB), for a later carry
+  tar -C "$build" -cf - bin | xz -T0 -6 | split -b 15m - "$out/bin.tar.xz."
+  log "save: $(du -ch "$out"/bin.tar.xz.* | tail -1 | cut -f1) in $(ls "$out"/bin.tar.xz.* | wc -l) parts"
+}
+
 phase_bench() {
   # $1: quick (1) or not; $2: the report's file name; the rest: the shapes, in order
   local quick=$1 report=$2
@@ -241,6 +294,8 @@ for phase in "${phases[@]}"; do
     probe) phase_probe ;;
     build) phase_build ;;
     models) phase_models ;;
+    diag) phase_models tiny && phase_diag ;;
+    save) phase_save ;;
     test) if [ "$cuda" = ON ]; then phase_models 1b tiny && phase_test 1b tiny; else
       phase_models small tiny && phase_test small tiny; fi ;;
     bench) if [ "$cuda" = ON ]; then phase_models 1b tiny && phase_bench 0 gpu_throughput.json 1b tiny
