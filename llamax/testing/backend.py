@@ -307,26 +307,15 @@ class FakeBackend:
     # ------------------------------------------------------------------ compute
     def decode(self, items: Sequence[BatchItem]) -> int:
         """Check and apply a batch; remember the next token of every row that wants logits."""
-        if self.closed:
-            raise RuntimeError("decode on a closed FakeBackend")
-        status = self._fault("decode")
+        status = self._faulted("decode")
         if status is not None:
-            assert isinstance(status, int), f"a decode fault must be a status, got {status!r}"
-            if status in (DecodeStatus.OK, DecodeStatus.NO_SLOT, DecodeStatus.ABORTED):
-                self._memory.run_queue()  # llama.cpp's memory update comes before these
             return status
-        num = sum(len(i.token_ids) for i in items)
-        if not num or num > self._n_batch or len({i.seq_id for i in items}) != len(items):
-            return -1
-        if any(i.embeddings is not None or min(i.token_ids) < 0 for i in items):
+        if any(i.embeddings is not None or min(i.token_ids, default=0) < 0 for i in items):
             raise AssertionError(f"an image's placeholder ids reached a token decode: {items!r}")
-        self._memory.run_queue()
-        if self.forced_statuses:
-            return self.forced_statuses.popleft()
-        if self.num_cells_used + num > self.kv_cells or any(
-            len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
-        ):
-            return DecodeStatus.NO_SLOT
+        num = sum(len(i.token_ids) for i in items)
+        status = self._admit(items, num)
+        if status is not None:
+            return status
         self._rows.clear()
         self._logits = np.zeros((sum(len(i.rows) for i in items), self.n_vocab), np.float32)
         offset = 0
@@ -341,12 +330,43 @@ class FakeBackend:
                 self._logits[len(self._rows) - 1] = row_logits(token, self.n_vocab)
             self._memory.store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
+        self._applied(items)
+        return DecodeStatus.OK
+
+    def _faulted(self, point: str) -> int | None:
+        """A decode's injected status at ``point`` (llama.cpp's memory update runs before
+        the statuses that come after it), or None to go on."""
+        if self.closed:
+            raise RuntimeError(f"{point} on a closed FakeBackend")
+        status = self._fault(point)
+        if status is not None:
+            assert isinstance(status, int), f"a decode fault must be a status, got {status!r}"
+            if status in (DecodeStatus.OK, DecodeStatus.NO_SLOT, DecodeStatus.ABORTED):
+                self._memory.run_queue()
+        return status
+
+    def _admit(self, items: Sequence[BatchItem], num: int) -> int | None:
+        """What llama.cpp answers a batch of ``num`` rows before computing it: -1 for an
+        empty or oversized batch or a sequence twice, a forced status, ``NO_SLOT`` where
+        its cells do not fit; None to compute it (the queued copies have run)."""
+        if not num or num > self._n_batch or len({i.seq_id for i in items}) != len(items):
+            return -1
+        self._memory.run_queue()
+        if self.forced_statuses:
+            return self.forced_statuses.popleft()
+        if self.num_cells_used + num > self.kv_cells or any(
+            len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
+        ):
+            return DecodeStatus.NO_SLOT
+        return None
+
+    def _applied(self, items: Sequence[BatchItem]) -> None:
+        """After a decode applied ``items``: its log entry, and the fake clock's time."""
         if self._log_decodes:
             self.decode_log.append(tuple(items))
             self.decode_adapters.append(self._memory.adapters)
         if self._step_seconds is not None:
             self._clock += self._step_seconds(items)
-        return DecodeStatus.OK
 
     # ------------------------------------------------------------------ images
     @property
@@ -389,13 +409,8 @@ class FakeBackend:
             ValueError: a non-causal batch over ``n_ubatch`` rows (llama.cpp would abort).
             AssertionError: an item without embeddings, or of the other attention.
         """
-        if self.closed:
-            raise RuntimeError("decode_embeddings on a closed FakeBackend")
-        status = self._fault("decode_embeddings")
+        status = self._faulted("decode_embeddings")
         if status is not None:
-            assert isinstance(status, int), f"a decode fault must be a status, got {status!r}"
-            if status in (DecodeStatus.OK, DecodeStatus.NO_SLOT, DecodeStatus.ABORTED):
-                self._memory.run_queue()
             return status
         for item in items:
             e = item.embeddings
@@ -406,15 +421,9 @@ class FakeBackend:
         num = sum(len(i.token_ids) for i in items)
         if non_causal and num > self._n_ubatch:
             raise ValueError(f"{num} non-causal rows do not fit a micro-batch of {self._n_ubatch}")
-        if not num or num > self._n_batch or len({i.seq_id for i in items}) != len(items):
-            return -1
-        self._memory.run_queue()
-        if self.forced_statuses:
-            return self.forced_statuses.popleft()
-        if self.num_cells_used + num > self.kv_cells or any(
-            len(self.cells[i.seq_id]) + len(i.token_ids) > self.n_ctx_stream for i in items
-        ):
-            return DecodeStatus.NO_SLOT
+        status = self._admit(items, num)
+        if status is not None:
+            return status
         self._rows.clear()
         self._logits = np.zeros((0, self.n_vocab), np.float32)
         for item in items:
@@ -422,11 +431,7 @@ class FakeBackend:
             assert item.embeddings is not None
             inputs = ids_of_rows(item.embeddings)
             self._memory.store_embedded(item.seq_id, item.token_ids, inputs)
-        if self._log_decodes:
-            self.decode_log.append(tuple(items))
-            self.decode_adapters.append(self._memory.adapters)
-        if self._step_seconds is not None:
-            self._clock += self._step_seconds(items)
+        self._applied(items)
         return DecodeStatus.OK
 
     def run_queued_copies(self) -> None:
