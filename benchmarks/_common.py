@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
@@ -60,6 +61,31 @@ N_THREADS = int(os.environ.get("LLAMAX_BENCH_THREADS", "2"))
 ``LLAMAX_BENCH_THREADS=1`` runs everything on one core: a slower machine of the same
 kind, for checking that a policy learned its speed rather than carrying it."""
 T = TypeVar("T")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load_module(path: Path) -> Any:
+    """The Python file at ``path`` as a module named after it, loaded once per process and
+    registered in ``sys.modules`` (a dataclass in it looks its module up)."""
+    name = path.stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def load_script(name: str) -> Any:
+    """``scripts/{name}.py`` (the test-model writers) as a module."""
+    return load_module(REPO / "scripts" / f"{name}.py")
 
 
 def log(message: str) -> None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import importlib.util
 import json
 import statistics
 import sys
@@ -58,6 +57,7 @@ from _common import (
     emit_report,
     filler_sentences,
     load_average,
+    load_script,
     log,
     model_path,
     ratio,
@@ -241,13 +241,7 @@ def run_server(binary: Path, path: Path, args: argparse.Namespace) -> dict[str, 
 
 
 def memory_model(kind: str, tokenizer_from: Path, folder: Path) -> Path:
-    script = Path(__file__).parent.parent / "scripts" / "make_memory_model.py"
-    spec = importlib.util.spec_from_file_location("make_memory_model", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    path: Path = module.write_memory_model(
+    path: Path = load_script("make_memory_model").write_memory_model(
         folder / f"{kind}.gguf", kind=kind, tokenizer_from=tokenizer_from
     )
     return path

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import importlib.util
 import statistics
 import sys
 import threading
@@ -52,6 +51,7 @@ from _common import (
     greedy,
     in_fresh_thread,
     load_average,
+    load_script,
     log,
     model_path,
     percentile,
@@ -81,18 +81,7 @@ LLAMAX, SERVER = "llamax", "llama_server"
 Result = dict[str, Any]
 
 
-def _module(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-REPO = Path(__file__).resolve().parent.parent
-vision_model = _module("make_vision_model", REPO / "scripts" / "make_vision_model.py")
-vision_files = _module("vision_files", REPO / "tests" / "vision_files.py")
+vision_model = load_script("make_vision_model")  # the projector, and test images
 
 
 def chats() -> list[tuple[str, bytes, str]]:
@@ -101,7 +90,7 @@ def chats() -> list[tuple[str, bytes, str]]:
     out = []
     for i in range(N_CHATS):
         image = 0 if i < N_SHARED else i
-        picture = vision_files.png(vision_files.pixels(1000 + image, 64, 64))
+        picture = vision_model.png(vision_model.pixels(1000 + image, 64, 64))
         tail = f"\n{QUESTIONS[i % len(QUESTIONS)]}<|im_end|>\n<|im_start|>assistant\n"
         out.append((head, picture, tail))
     return out

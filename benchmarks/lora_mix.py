@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import importlib.util
 import statistics
 import tempfile
 import time
@@ -62,6 +61,7 @@ from _common import (
     greedy,
     in_fresh_thread,
     load_average,
+    load_script,
     log,
     model_path,
     ratio,
@@ -108,11 +108,7 @@ def per_token(times: Sequence[float]) -> Progress:
 
 def make_adapters(model: Path, directory: Path) -> dict[str, Path]:
     """Adapters ``a`` and ``b`` (two seeds) written by scripts/make_lora_adapter.py."""
-    script = Path(__file__).parent.parent / "scripts" / "make_lora_adapter.py"
-    spec = importlib.util.spec_from_file_location("make_lora_adapter", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("make_lora_adapter")
     return {
         name: module.write_lora_adapter(directory / f"{name}.gguf", model=model, seed=seed)
         for seed, name in enumerate(("a", "b"))

@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import struct
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +182,31 @@ def cached_vision_model(
     finally:
         Path(tmp).unlink(missing_ok=True)
     return path
+
+
+def pixels(seed: int, height: int = 40, width: int = 50) -> np.ndarray:
+    """Random RGB pixels (``uint8``, height x width x 3): a test image."""
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    body = kind + data
+    return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+
+def png(rgb: np.ndarray, *, width: int | None = None, height: int | None = None) -> bytes:
+    """An RGB PNG of ``rgb`` (pure Python: zlib); ``width``/``height`` override what the
+    header declares (a file that lies, for the tests)."""
+    h, w = rgb.shape[:2]
+    declared = (w if width is None else width, h if height is None else height)
+    ihdr = struct.pack(">IIBBBBB", *declared, 8, 2, 0, 0, 0)
+    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", ihdr)
+        + _chunk(b"IDAT", zlib.compress(raw))
+        + _chunk(b"IEND", b"")
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -3,21 +3,15 @@ for the tests of checkpoints (issue 40)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
+
+from script_modules import load_script
 
 
 def script() -> Any:
     """``scripts/make_memory_model.py`` as a module."""
-    path = Path(__file__).parent.parent / "scripts" / "make_memory_model.py"
-    spec = importlib.util.spec_from_file_location("make_memory_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_memory_model")
 
 
 def write(folder: Path, kind: str, tokenizer_from: Path) -> Path:

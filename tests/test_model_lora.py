@@ -8,7 +8,6 @@ HTTP the ``openai`` client picks an adapter with ``extra_body={"lora": [...]}``.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 from near_tie import assert_greedy_agrees
+from script_modules import load_script
 
 import llamax
 from llamax.server import BackgroundServer, create_app
@@ -27,12 +27,7 @@ PROMPT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant
 
 
 def _writer() -> Any:
-    path = Path(__file__).parent.parent / "scripts" / "make_lora_adapter.py"
-    spec = importlib.util.spec_from_file_location("make_lora_adapter", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_lora_adapter
+    return load_script("make_lora_adapter").write_lora_adapter
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,13 @@ unused control tokens as FIM tokens (``scripts/make_fim_model.py``).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from script_modules import load_script
 
 import llamax
 from llamax.server import create_app
@@ -31,12 +30,7 @@ BODY = {"input_prefix": '#include "lib.h"\n\nint main() {\n', "input_suffix": "}
 
 @pytest.fixture(scope="module")
 def fim_model(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
-    path = Path(__file__).parent.parent / "scripts" / "make_fim_model.py"
-    spec = importlib.util.spec_from_file_location("make_fim_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_script("make_fim_model")
     out: Path = module.write_fim_model(tmp_path_factory.mktemp("fim") / "fim.gguf", model_path)
     return out
 

@@ -3,13 +3,12 @@ llama.cpp and generates; the weightless tokenizer file stands in for SmolLM2."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from script_modules import load_script
 
 import llamax
 
@@ -18,13 +17,7 @@ pytestmark = pytest.mark.model
 
 
 def _script() -> Any:
-    path = Path(__file__).parent.parent / "scripts" / "make_random_model.py"
-    spec = importlib.util.spec_from_file_location("make_random_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_random_model")
 
 
 def test_tiny_random_model_generates_with_smollm2_tokens(tmp_path: Path, model_path: Path) -> None:

@@ -790,13 +790,9 @@ def _real(
 
 
 def _write_adapter(path: Path, seed: int, strength: float = 1.0) -> Path:
-    import importlib.util
+    from script_modules import load_script
 
-    script = Path(__file__).parent.parent / "scripts" / "make_lora_adapter.py"
-    spec = importlib.util.spec_from_file_location("make_lora_adapter", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("make_lora_adapter")
     written: Path = module.write_lora_adapter(path, seed=seed, strength=strength)
     return written
 
