@@ -235,6 +235,17 @@ def test_chat_completion_renders_the_image_where_it_sits(each_projector: llamax.
     assert [t["logprob"] for t in content] == [t.logprob for t in lp]
 
 
+def test_model_info_says_whether_images_are_read(
+    vision_ctx: llamax.Context, model_path: Path
+) -> None:
+    assert vision_ctx.model_info().sees_images
+    mmproj = vision_files.script().cached_vision_model(projector="janus_pro")
+    assert llamax.model_info(model_path, mmproj=mmproj).sees_images
+    assert not llamax.model_info(model_path).sees_images
+    with pytest.raises(llamax.ProjectorError):
+        llamax.model_info(model_path, mmproj=model_path)
+
+
 def test_a_server_without_a_projector_says_so(shared_ctx: llamax.Context) -> None:
     with BackgroundServer(create_app(shared_ctx)) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="-", max_retries=0)

@@ -272,6 +272,8 @@ def test_a_server_without_a_projector_refuses_images(
 def test_model_lists_and_props_say_vision(vision: tuple[llamax.Context, SlowReads]) -> None:
     ctx, _ = vision
     app = create_app(ctx)
+    shown = call(app, "POST", "/apply-template", json=openai_body(data_url(1)))
+    assert "What is this?<__media__>" in shown.json()["prompt"]  # llama-server's marker
     assert call(app, "GET", "/props").json()["modalities"] == {"vision": True, "audio": False}
     for path in ("/v1/models", "/models"):
         listed = call(app, "GET", path).json()

@@ -134,18 +134,15 @@ def llama_routes(state: ServerState) -> APIRouter:
 
 
 def _media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with each image part as llama-server's media marker text, as its
-    ``/apply-template`` shows them."""
+    """(Checked) ``messages`` with each list of content parts as one string, an image as
+    llama-server's media marker, as its ``/apply-template`` shows them."""
     marked = []
     for message in messages:
         content = message.get("content")
         if isinstance(content, list):
-            content = [
-                {"type": "text", "text": MEDIA_MARKER}
-                if isinstance(p, dict) and p.get("type") == "image_url" else p
-                for p in content
-            ]  # fmt: skip
-            message = {**message, "content": content}
+            texts = [p.get("text", "") if p.get("type") == "text" else MEDIA_MARKER
+                     for p in content]  # fmt: skip
+            message = {**message, "content": "".join(texts)}
         marked.append(message)
     return marked
 
