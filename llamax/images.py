@@ -40,7 +40,7 @@ from .backend.vision import (
 from .engine.images import PromptImage
 from .errors import ContextLengthError, ImageError, InvalidRequestError, RequestFailedError
 
-__all__ = ["EMBEDDING_CACHE_BYTES", "Image", "ImagePrompts", "is_parts", "num_images"]
+__all__ = ["EMBEDDING_CACHE_BYTES", "Image", "ImagePrompts", "is_parts"]
 
 EMBEDDING_CACHE_BYTES = 256 * 2**20
 """How many bytes of image embeddings a context keeps for reuse."""
@@ -49,8 +49,9 @@ _MAX_POSITIONS_KEPT = 4096
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Image:
-    """An image in a prompt (``add_request(["What is this?", Image(path)])``), or in a
-    chat message's content list (``{"role": "user", "content": ["What is this?", image]}``).
+    """An image in a prompt (``add_request(["What is this?", Image(path)])``), or in a user
+    message's content list, beside text parts
+    (``[{"type": "text", "text": "What is this?"}, Image(path)]``).
 
     ``source`` is the bytes of a PNG, JPEG, GIF or BMP file, a path to one (``str`` or
     ``os.PathLike``), or an ``(height, width, 3)`` ``uint8`` RGB array.
@@ -106,11 +107,6 @@ def is_parts(prompt: object) -> bool:
     """Whether ``prompt`` is a list or tuple of parts (it holds an :class:`Image`), rather
     than token ids."""
     return isinstance(prompt, (list, tuple)) and any(isinstance(part, Image) for part in prompt)
-
-
-def num_images(prompt: Sequence[object]) -> int:
-    """How many :class:`Image` parts ``prompt`` holds."""
-    return sum(isinstance(part, Image) for part in prompt)
 
 
 class ImagePrompts:

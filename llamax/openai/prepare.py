@@ -89,8 +89,6 @@ class Prepared:
     thinking_opened: bool = False
     """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
     request_id: str = field(default_factory=_new_request_id)
-    num_images: int = 0
-    """Images in the prompt."""
     num_positions: int | None = None
     """The positions the prompt takes (its images' included); None: one per item."""
 
@@ -147,7 +145,6 @@ def prepare_chat(
         plan,
         reasoning_format,
         opened,
-        num_images=num_images,
         num_positions=model.prompt_positions(tokens) if num_images else None,
     )
 
