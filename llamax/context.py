@@ -27,7 +27,7 @@ from .errors import (
     ModelLoadError,
 )
 from .handle import RequestHandle
-from .images import ImagePrompts
+from .images import Image, ImagePrompts
 from .models import default_model_path
 from .openai.api import arespond, respond, submit_in_worker
 from .openai.options import check_flag
@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # the layers above, for annotations only: the methods import 
 
     from .conversation import Chat
     from .embeddings import Embedder
+    from .info import ModelInfo
     from .openai.options import ChatOptions, CompletionOptions
     from .templates.template import ChatTemplate
 
@@ -131,10 +132,10 @@ class Context:
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
-        self._chat = BoundTemplate(backend, config.chat_template)
         host = backend if isinstance(backend, ImageHost) else None  # reads its properties
         self._images = ImagePrompts(host)
         self._sees_images = host is not None and host.sees_images  # answers after close
+        self._chat = BoundTemplate(backend, config.chat_template, self._images)
         self._embedder: Embedder | None = None
 
     # ------------------------------------------------------------------ facts
@@ -195,6 +196,24 @@ class Context:
         """Whether prompts may hold images (:class:`~llamax.Image`): a projector
         (``mmproj``) that encodes them is loaded."""
         return self._sees_images
+
+    def model_info(self) -> ModelInfo:
+        """The model's :class:`~llamax.ModelInfo`, read from its file
+        (:func:`llamax.model_info`), with ``sees_images`` saying whether this context reads
+        images (a projector is loaded).
+
+        Raises:
+            ModelLoadError: the model file cannot be read (a context built on a
+                ``backend=`` has no file).
+            ContextClosedError: the context is closed.
+        """
+        import dataclasses
+
+        from .info import model_info
+
+        self._check_open("read the model's info")
+        info = model_info(self._config.model_path)
+        return dataclasses.replace(info, sees_images=self._sees_images)
 
     @property
     def closed(self) -> bool:
@@ -455,10 +474,12 @@ class Context:
     ) -> list[int]:
         """Validate ``messages``, render them with the chat template and tokenize the text.
 
-        ``template_vars`` (``tools=...``) are passed to the template.
+        ``template_vars`` (``tools=...``) are passed to the template. Messages with images
+        are rendered by :meth:`chat_prompt_parts`.
 
         Raises:
-            InvalidMessageError: a message has an unknown role or unsupported content.
+            InvalidMessageError: a message has an unknown role or unsupported content, or
+                holds an image.
             TemplateError: the template failed, broke the sandbox or its budget.
             ContextClosedError: the context is closed.
         """
@@ -466,6 +487,41 @@ class Context:
         return self._chat.chat_prompt(
             messages, add_generation_prompt=add_generation_prompt, **template_vars
         )
+
+    def chat_prompt_parts(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_vars: Any,
+    ) -> list[int | Image]:
+        """:meth:`chat_prompt` for messages that may hold images (OpenAI ``image_url``
+        parts with ``data:`` URLs, or :class:`~llamax.Image` s, in user messages): token
+        ids with a :class:`~llamax.Image` where the template put each one, as
+        :meth:`add_request` takes them (docs/images.md).
+
+        Raises:
+            InvalidMessageError: a message has an unknown role or unsupported content.
+            TemplateError: the template failed, broke the sandbox or its budget.
+            ContextClosedError: the context is closed.
+        """
+        self._check_open("render a chat prompt")
+        return self._chat.chat_prompt_parts(
+            messages, add_generation_prompt=add_generation_prompt, **template_vars
+        )
+
+    def prompt_positions(self, prompt: Sequence[int | Image]) -> int:
+        """The positions ``prompt`` (token ids and images, as :meth:`chat_prompt_parts`
+        renders) takes in a sequence: one per token, and for each image its embeddings and
+        the marker tokens the projector puts around it. Images are read, not encoded.
+
+        Raises:
+            ImageError: the prompt holds an image and this context has no projector, or an
+                image cannot be read.
+            ContextClosedError: the context is closed.
+        """
+        self._check_open("count a prompt")
+        return self._chat.prompt_positions(prompt)
 
     def chat(
         self,

@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
-from .errors import InvalidParameterError
+from .errors import InvalidParameterError, InvalidRequestError
 from .handle import RequestHandle
+from .images import Image
 from .params import SamplingParams
 from .reasoning import ReasoningFormat, check_reasoning_format, opens_thinking, split_reasoning
 from .results import Completion, TokenEvent
-from .templates.messages import validate_messages
+from .templates.messages import has_images, validate_messages
 from .templates.truncation import drop_oldest_turns, leading_system_count
 from .tokens import common_prefix_len
 
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["Chat", "TurnStats"]
 
 Message = dict[str, Any]
+Content = str | Sequence[Mapping[str, Any] | Image]
+"""A user message's content: text, or OpenAI content parts (``{"type": "text", ...}``,
+``{"type": "image_url", ...}``) and :class:`~llamax.Image` s."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,7 @@ class Chat:
         start = ([{"role": "system", "content": system}] if system is not None else []) + list(
             messages
         )
-        self._messages: list[Message] = validate_messages(start) if start else []
+        self._messages: list[Message] = _without_images(validate_messages(start) if start else [])
         self._ctx = ctx
         self._max_context = min(max_context or ctx.n_ctx_seq, ctx.n_ctx_seq)
         if self._max_context < 16:
@@ -132,15 +136,25 @@ class Chat:
         return self._session
 
     # ------------------------------------------------------------------ turns
-    def send(self, content: str, params: SamplingParams | None = None) -> Completion:
-        """Add a user message and return the assistant's reply (blocking)."""
+    def send(self, content: Content, params: SamplingParams | None = None) -> Completion:
+        """Add a user message (text, or OpenAI text parts) and return the assistant's reply
+        (blocking).
+
+        Raises:
+            InvalidRequestError: the content is malformed, or holds an image (a chat's KV
+                sequence is a session, and sessions do not take images yet: send those
+                with ``ctx.chat_completion``).
+        """
         turn = self._start_turn(content, params)
         completion = turn.handle.result()
         self._end_turn(turn, completion)
         return completion
 
-    def stream(self, content: str, params: SamplingParams | None = None) -> Iterator[TokenEvent]:
-        """Add a user message and stream the reply; the history updates when it ends.
+    def stream(
+        self, content: Content, params: SamplingParams | None = None
+    ) -> Iterator[TokenEvent]:
+        """Add a user message and stream the reply; the history updates when it ends
+        (``content`` as in :meth:`send`).
 
         Closing the stream early (``break`` then dropping it, or ``close()``) cancels the
         reply; the history keeps the part already produced.
@@ -152,12 +166,13 @@ class Chat:
             turn.handle.cancel()  # a no-op once the reply has ended
             self._end_turn(turn, turn.handle.result())
 
-    def _start_turn(self, content: str, params: SamplingParams | None) -> _Turn:
+    def _start_turn(self, content: Content, params: SamplingParams | None) -> _Turn:
         params = params or self._params
         if params.n != 1:
             raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}")
         params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
-        wanted = [*self._messages, *validate_messages([{"role": "user", "content": content}])]
+        turn = _without_images(validate_messages([{"role": "user", "content": content}]))
+        wanted = [*self._messages, *turn]
         budget = self._max_context - (params.max_tokens or 1)
         kept = drop_oldest_turns(wanted, lambda m: len(self._render(m)), budget)
         dropped = len(wanted) - len(kept)
@@ -225,3 +240,17 @@ class Chat:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _without_images(messages: list[Message]) -> list[Message]:
+    """``messages``, refused when they hold an image.
+
+    Raises:
+        InvalidRequestError: they do.
+    """
+    if has_images(messages):
+        raise InvalidRequestError(
+            "a Chat cannot hold images yet: its KV sequence is a session, and sessions do not "
+            "take images; send messages with images with ctx.chat_completion"
+        )
+    return messages

@@ -1,18 +1,24 @@
 """Images in prompts, at the facade: :class:`Image` and what ``add_request`` does with it.
 
-A prompt may be a sequence of parts, ``str`` and :class:`Image`. On the caller's thread,
-before anything reaches the engine, :class:`ImagePrompts` decodes each image (the file's
-header checked first), tokenizes the text with the projector's marker where each image
-goes, and encodes each image into embeddings. Embeddings are kept by the image's pixel
-hash in an LRU bounded in bytes, so a burst of requests with one image, or ``n > 1``,
-encodes it once. The engine gets token ids with each image's positions as its
-placeholder ids, and the embeddings for those positions (:mod:`llamax.engine.images`).
+A prompt may be a sequence of parts: ``str`` and :class:`Image`, or token ids (``int``)
+and :class:`Image` (what a chat template renders: ``Context.chat_prompt_parts``). On the
+caller's thread, before anything reaches the engine, :class:`ImagePrompts` decodes each
+image (the file's header checked first), tokenizes the text with the projector's marker
+where each image goes (token ids stay as they are; each image is tokenized alone, with
+the marker text the projector puts around it), and encodes each image into embeddings.
+Embeddings are kept by the image's pixel hash in an LRU bounded in bytes, so a burst of
+requests with one image, or ``n > 1``, encodes it once. The engine gets token ids with
+each image's positions as its placeholder ids, and the embeddings for those positions
+(:mod:`llamax.engine.images`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +29,14 @@ import numpy as np
 import numpy.typing as npt
 
 from .backend.base import ImageHost
-from .backend.vision import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, ImageChunk, RgbImage, rgb_image
+from .backend.vision import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGE_SIDE,
+    ImageChunk,
+    RgbImage,
+    TextChunk,
+    rgb_image,
+)
 from .engine.images import PromptImage
 from .errors import ContextLengthError, ImageError, InvalidRequestError, RequestFailedError
 
@@ -31,17 +44,63 @@ __all__ = ["EMBEDDING_CACHE_BYTES", "Image", "ImagePrompts", "is_parts"]
 
 EMBEDDING_CACHE_BYTES = 256 * 2**20
 """How many bytes of image embeddings a context keeps for reuse."""
+_MAX_POSITIONS_KEPT = 4096
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Image:
-    """An image in a prompt (``add_request(["What is this?", Image(path)])``).
+    """An image in a prompt (``add_request(["What is this?", Image(path)])``), or in a user
+    message's content list, beside text parts
+    (``[{"type": "text", "text": "What is this?"}, Image(path)]``).
 
     ``source`` is the bytes of a PNG, JPEG, GIF or BMP file, a path to one (``str`` or
     ``os.PathLike``), or an ``(height, width, 3)`` ``uint8`` RGB array.
     """
 
     source: bytes | str | os.PathLike[str] | npt.NDArray[np.uint8] = field(repr=False)
+
+    @classmethod
+    def from_data_url(cls, url: str) -> Image:
+        """The image of a ``data:`` URL (``data:image/png;base64,...``), as OpenAI's
+        ``image_url`` parts carry one. Only the base64 is decoded here; the image itself is
+        read when a request holds it.
+
+        Raises:
+            ImageError: not a base64 ``data:image/...`` URL, or its base64 is damaged.
+        """
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise ImageError("an image URL must be a data: URL (data:image/png;base64,...)")
+        header, comma, data = url.partition(",")
+        if not comma or not header.endswith(";base64"):
+            raise ImageError("an image data: URL must be base64 (data:image/png;base64,...)")
+        return cls.from_base64(data, header[5:].split(";")[0])
+
+    @classmethod
+    def from_base64(cls, data: str, media_type: str = "image/png") -> Image:
+        """The image whose file is ``data`` in base64 (Anthropic's ``base64`` image source);
+        ``media_type`` must be an ``image/`` type (the file's own header decides the format).
+
+        Raises:
+            ImageError: ``media_type`` is not an image type, or the base64 is damaged.
+        """
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise ImageError(f"a media type of {media_type or 'none'!r} is not an image type")
+        if not isinstance(data, str):
+            raise ImageError(f"image data must be a base64 string, got {type(data).__name__}")
+        try:
+            return cls(base64.b64decode(data, validate=True))
+        except (binascii.Error, ValueError) as exc:
+            raise ImageError(f"the image's base64 is damaged: {exc}") from None
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes ``source`` holds (a path's: its length)."""
+        source = self.source
+        if isinstance(source, np.ndarray):
+            return int(source.nbytes)
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            return len(source)
+        return len(os.fspath(source))
 
 
 def is_parts(prompt: object) -> bool:
@@ -64,6 +123,11 @@ class ImagePrompts:
         self._cache: OrderedDict[str, npt.NDArray[np.float32]] = OrderedDict()
         self._num_bytes = 0
         self._lock = threading.Lock()  # one encode at a time; held across get-or-encode
+        # decoded pixels of the Image objects alive (a chat request's images are read to
+        # fit the conversation, then again to encode them), and each image's positions
+        self._decoded: weakref.WeakKeyDictionary[Image, RgbImage] = weakref.WeakKeyDictionary()
+        self._positions: OrderedDict[str, int] = OrderedDict()
+        self._read_lock = threading.Lock()
         self.num_encoded = 0
         """Images encoded so far (a cache hit encodes nothing)."""
 
@@ -72,16 +136,53 @@ class ImagePrompts:
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """Token ids (placeholder ids at each image's positions) and the images.
 
+        ``parts`` are ``str`` and :class:`Image`, or ``int`` token ids (already checked
+        against the vocabulary) and :class:`Image`.
+
         Raises:
             ImageError: the context has no projector, or an image cannot be read.
-            InvalidRequestError: a part that is neither ``str`` nor :class:`Image`, a prompt
-                that does not end with text, or an image too large for the batch settings.
+            InvalidRequestError: a part that is neither ``str``, ``int`` nor :class:`Image`
+                (or both ``str`` and ``int``), a prompt that does not end with text, or an
+                image too large for the batch settings.
             ContextLengthError: the prompt leaves no room for a reply.
             RequestFailedError: the encoder failed (its error is chained).
         """
+        host = self._projector()
+        if any(isinstance(part, int) for part in parts):
+            chunks = self._token_chunks(host, parts)
+        else:
+            chunks = self._text_chunks(host, parts)
+        try:
+            return self._lay_out(host, chunks, n_ctx)
+        finally:
+            for chunk in chunks:
+                if isinstance(chunk, ImageChunk):
+                    chunk.release()
+
+    def num_positions(self, parts: Sequence[int | Image]) -> int:
+        """The positions a prompt of token ids and images takes in a sequence: one per
+        token id, and for each image its embeddings and the marker tokens the projector
+        puts around it. Images are read and tokenized (not encoded); their pixels are kept
+        while the :class:`Image` lives, so submitting the prompt reads them once.
+
+        Raises:
+            ImageError: the context has no projector, or an image cannot be read.
+        """
+        num = 0
+        for part in parts:
+            if isinstance(part, Image):
+                num += self._image_positions(self._projector(), part)
+            else:
+                num += 1
+        return num
+
+    def _projector(self) -> ImageHost:
         host = self._host
         if host is None or not host.sees_images:
-            raise ImageError("this context has no projector (mmproj): it cannot read images")
+            raise ImageError("this model does not take images: no projector (mmproj) is loaded")
+        return host
+
+    def _text_chunks(self, host: ImageHost, parts: Sequence[object]) -> Sequence[Any]:
         marker = host.image_marker
         texts: list[str] = []
         images: list[RgbImage] = []
@@ -97,15 +198,55 @@ class ImagePrompts:
                 images.append(self._read(host, part))
             else:
                 raise InvalidRequestError(
-                    f"a prompt's parts must be str or llamax.Image, got {type(part).__name__}"
+                    "a prompt's parts must be str or llamax.Image, or token ids and "
+                    f"llamax.Image, got {type(part).__name__}"
                 )
-        chunks = host.tokenize_images("".join(texts), images)
+        return host.tokenize_images("".join(texts), images)
+
+    def _token_chunks(self, host: ImageHost, parts: Sequence[object]) -> Sequence[Any]:
+        """Runs of token ids as they are; each image tokenized alone, without BOS."""
+        chunks: list[Any] = []
+        run: list[int] = []
         try:
-            return self._lay_out(host, chunks, n_ctx)
-        finally:
+            for part in parts:
+                if isinstance(part, int) and not isinstance(part, bool):
+                    run.append(part)
+                    continue
+                if not isinstance(part, Image):
+                    raise InvalidRequestError(
+                        "a prompt's parts must be str or llamax.Image, or token ids and "
+                        f"llamax.Image (not both text and ids), got {type(part).__name__}"
+                    )
+                if run:
+                    chunks.append(TextChunk(tuple(run)))
+                    run = []
+                image = self._read(host, part)
+                chunks.extend(host.tokenize_images(host.image_marker, [image], add_special=False))
+        except BaseException:
             for chunk in chunks:
                 if isinstance(chunk, ImageChunk):
                     chunk.release()
+            raise
+        if run:
+            chunks.append(TextChunk(tuple(run)))
+        return chunks
+
+    def _image_positions(self, host: ImageHost, image: Image) -> int:
+        rgb = self._read(host, image, keep=True)
+        with self._read_lock:
+            known = self._positions.get(rgb.image_id)
+        if known is not None:
+            return known
+        chunks = host.tokenize_images(host.image_marker, [rgb], add_special=False)
+        for chunk in chunks:
+            if isinstance(chunk, ImageChunk):
+                chunk.release()
+        num = sum(chunk.n_pos for chunk in chunks)
+        with self._read_lock:
+            self._positions[rgb.image_id] = num
+            if len(self._positions) > _MAX_POSITIONS_KEPT:
+                self._positions.popitem(last=False)
+        return num
 
     def _lay_out(
         self, host: ImageHost, chunks: Sequence[Any], n_ctx: int
@@ -141,7 +282,19 @@ class ImagePrompts:
             )
         return tokens, tuple(placed)
 
-    def _read(self, host: ImageHost, image: Image) -> RgbImage:
+    def _read(self, host: ImageHost, image: Image, *, keep: bool = False) -> RgbImage:
+        """The image's pixels: decoded now, or taken from what counting its positions kept
+        (``keep``: keep them for the next read, while the :class:`Image` lives)."""
+        with self._read_lock:
+            decoded = self._decoded.get(image) if keep else self._decoded.pop(image, None)
+        if decoded is None:
+            decoded = self._decode(host, image)
+            if keep:
+                with self._read_lock:
+                    self._decoded[image] = decoded
+        return decoded
+
+    def _decode(self, host: ImageHost, image: Image) -> RgbImage:
         source = image.source
         if isinstance(source, np.ndarray):
             return rgb_image(source, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)

@@ -39,24 +39,34 @@ class ModelInfo:
     """Whether the KV memory supports position shifts (chat history shift)."""
     can_copy: bool
     """Whether partial sequence copies work (prefix sharing): false for recurrent memories."""
+    sees_images: bool = False
+    """Whether prompts may hold images: a projector (``mmproj``) that encodes them goes
+    with the model (``model_info(path, mmproj=...)``, or a context's ``model_info()``)."""
 
 
-def model_info(model_path: str | os.PathLike[str] | None = None) -> ModelInfo:
+def model_info(
+    model_path: str | os.PathLike[str] | None = None,
+    *,
+    mmproj: str | os.PathLike[str] | None = None,
+) -> ModelInfo:
     """Read a model's metadata and memory capabilities.
 
     The weights are memory-mapped and a 256-cell context is created (and freed) to ask
-    the memory what it supports.
+    the memory what it supports; with ``mmproj``, the projector is loaded (and freed) to
+    ask whether it encodes images.
 
     Args:
         model_path: a GGUF file; ``None`` means ``$LLAMAX_MODEL`` or the default model.
+        mmproj: the model's multimodal projector GGUF, if any.
 
     Returns:
         The model's :class:`ModelInfo`.
 
     Raises:
-        ModelLoadError: the file is missing, not GGUF, or llama.cpp refuses it.
+        ModelLoadError: the file is missing, not GGUF, or llama.cpp refuses it
+            (:class:`~llamax.ProjectorError` for the projector).
     """
     from .backend.model_info import read_model_facts
 
     path = Path(model_path or os.environ.get("LLAMAX_MODEL") or default_model_path())
-    return ModelInfo(path=path, **read_model_facts(path))
+    return ModelInfo(path=path, **read_model_facts(path, mmproj=mmproj))

@@ -28,9 +28,13 @@ from .handle import RequestHandle
 from .images import Image, ImagePrompts, is_parts
 from .params import SamplingParams
 
-Prompt: TypeAlias = "str | Sequence[int] | npt.NDArray[np.integer[Any]] | Sequence[str | Image]"
+Prompt: TypeAlias = (
+    "str | Sequence[int] | npt.NDArray[np.integer[Any]] | Sequence[str | Image] "
+    "| Sequence[int | Image]"
+)
 """What ``add_request`` accepts: text, token ids (ints or numpy integers), a 1-D integer
-array of them, or parts of text and :class:`~llamax.Image` (a context with ``mmproj``)."""
+array of them, or parts of text and :class:`~llamax.Image`, or token ids and images (what
+``Context.chat_prompt_parts`` renders), on a context with ``mmproj``."""
 
 __all__ = [
     "Prompt",
@@ -111,6 +115,15 @@ def _checked_ids(backend: Backend, ids: Sequence[object]) -> list[int]:
     return tokens
 
 
+def _ids_checked(backend: Backend, parts: Sequence[object]) -> list[object]:
+    """A prompt of parts with its token ids (if any) checked and made plain ints."""
+    if not any(isinstance(p, (int, np.integer)) and not isinstance(p, bool) for p in parts):
+        return list(parts)
+    ids = [p for p in parts if not isinstance(p, (Image, str))]
+    checked = iter(_checked_ids(backend, ids))
+    return [p if isinstance(p, (Image, str)) else next(checked) for p in parts]
+
+
 def request_grammar(backend: Backend, params: SamplingParams) -> str | None:
     """The GBNF grammar of ``params`` (converted from ``json_schema`` if given), checked.
 
@@ -185,7 +198,7 @@ def build_request(
         if session_id is not None:
             raise InvalidRequestError("a session's requests cannot hold images yet")
         assert isinstance(prompt, (list, tuple))
-        tokens, placed = (images or ImagePrompts(None)).prompt(prompt, n_ctx)
+        tokens, placed = (images or ImagePrompts(None)).prompt(_ids_checked(backend, prompt), n_ctx)
     return Request(
         handle.request_id,
         tokens,

@@ -185,14 +185,24 @@ BAD_REQUESTS = [
     ({"messages": HI, "max_tokens": 8, "n": 2}, "unsupported field"),
     ({"messages": [], "max_tokens": 8}, "non-empty"),
     ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 8}, "role"),
-    (
+    (  # images are blocks since issue 42; this one has no data
         {
             "messages": [
                 {"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}
             ],
             "max_tokens": 8,
         },
-        "unsupported content block 'image'",
+        "needs a media_type and base64 data",
+    ),
+    (
+        {
+            "messages": [
+                *HI,
+                {"role": "assistant", "content": [{"type": "image", "source": {"type": "base64"}}]},
+            ],
+            "max_tokens": 8,
+        },
+        "unsupported content block 'image' for assistant",
     ),
     ({"messages": HI, "max_tokens": 8, "tool_choice": {"type": "maybe"}}, "tool_choice"),
     ({"messages": HI, "max_tokens": 8, "thinking": {"type": "sometimes"}}, "thinking"),

@@ -134,7 +134,8 @@ def test_async_twins_inside_a_running_loop() -> None:
     [
         ([{"role": "wizard", "content": "x"}], "role"),
         ([{"role": "user", "content": 5}], "content"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "url"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "'text' and 'image_url'"),
         ([{"content": "x"}], "role"),
         ("not a list", "list"),
     ],

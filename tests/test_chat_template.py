@@ -416,10 +416,17 @@ def test_assistant_tool_call_may_omit_content() -> None:
         ([{"role": "user", "content": 42}], 0, "content", r"must be a str or a list"),
         ([{"role": "user", "content": b"x"}], 0, "content", r"must be a str or a list"),
         (
+            [USER, USER, {"role": "user", "content": [{"type": "input_audio"}]}],
+            2,
+            "content",
+            r"messages\[2\]\.content\[0\] has type 'input_audio'; content parts are 'text' "
+            "and 'image_url'",
+        ),
+        (  # images are parts since issue 42; this one has no url
             [USER, USER, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
             2,
             "content",
-            r"messages\[2\]\.content\[0\] has type 'image_url'; only text content parts",
+            r"messages\[2\]\.content\[0\]\.image_url must be an object with a \"url\"",
         ),
         (
             [{"role": "user", "content": [{"type": "text", "text": 1}]}],

@@ -35,6 +35,7 @@ EXPECTED_ALL = [
     "FimTokens",
     "FinishReason",
     "GrammarError",
+    "ImageError",
     "InvalidMessageError",
     "InvalidParameterError",
     "Image",
@@ -46,6 +47,7 @@ EXPECTED_ALL = [
     "ModelInfo",
     "ModelLoadError",
     "NotFoundError",
+    "ProjectorError",
     "PromptLookup",
     "KVCapacityError",
     "RequestFailedError",
@@ -204,6 +206,7 @@ PUBLIC_API = {
     "llamax.handle",
     "llamax.stats",
     "llamax.prompts",
+    "llamax.images",  # llamax.Image, which chat messages may hold (issue 42)
     "llamax.tokens",
     "llamax.grammar",
     "llamax.reasoning",

@@ -282,8 +282,16 @@ BAD_REQUESTS = [
     ({"input": HI, "n": 2}, "unsupported field"),
     ({"input": HI, "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"role": "tool", "content": "x"}]}, "role"),
-    (
+    (  # images are parts since issue 42; "x" is no data: URL
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "image_url of the input_image: an image URL must be a data: URL",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+        "unsupported content part 'input_file'",
+    ),
+    (
+        {"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "unsupported content part 'input_image'",
     ),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "unsupported input item"),

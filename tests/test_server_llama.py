@@ -216,6 +216,17 @@ def test_apply_template_props_and_aliases(app: Any) -> None:
     assert post(app, "/responses", {"input": "hi", "max_output_tokens": 2}).status_code == 200
 
 
+def test_apply_template_joins_text_parts(app: Any) -> None:
+    """Content as a list of text parts is one string to the template, as in a chat request
+    (the list itself went to SmolLM2's template, which cannot concatenate it: 400)."""
+    parts = [{"type": "text", "text": "he"}, {"type": "text", "text": "y"}]
+    prompt = post(app, "/apply-template", {"messages": [{"role": "user", "content": parts}]})
+    assert prompt.status_code == 200, prompt.text
+    assert prompt.json()["prompt"].endswith(
+        "<|im_start|>user\nhey<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
 def test_apply_template_bad_messages_is_400(app: Any) -> None:
     r = post(app, "/apply-template", {"messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["code"] == 400

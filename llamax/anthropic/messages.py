@@ -6,9 +6,11 @@ the result back to Anthropic's shapes: content blocks (``thinking``, ``text``,
 Supported and not, plainly:
 
 - Content blocks: ``text`` everywhere, ``tool_use`` (assistant) and ``tool_result``
-  (user, with text content), text ``document`` blocks (user) and ``thinking`` (assistant;
-  dropped from the prompt: the template sees the text). ``image`` blocks and PDF or URL
-  documents are refused (:class:`~llamax.InvalidRequestError`).
+  (user, with text content), text ``document`` blocks (user), ``image`` blocks (user, a
+  ``base64`` source; a ``url`` source is fetched by ``llamax serve`` only with
+  ``--allow-image-urls``) and ``thinking`` (assistant; dropped from the prompt: the
+  template sees the text). Images in tool results and PDF or URL documents are refused
+  (:class:`~llamax.InvalidRequestError`).
 - Fields: the table :data:`llamax.anthropic.fields.MESSAGES` says which are honoured,
   accepted as hints (no effect) or refused, and why; any other field is refused.
   ``thinking`` (``enabled``, ``adaptive`` or ``disabled``) is passed to templates as
@@ -23,7 +25,8 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..chat_stream import ChatPart, ContentDelta, Finished, ReasoningDelta, ToolCallDelta
-from ..errors import InvalidParameterError, InvalidRequestError
+from ..errors import ImageError, InvalidParameterError, InvalidRequestError
+from ..images import Image
 from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
 from ..openai.fields import accept_fields, honoured
 from ..openai.options import check_flag
@@ -75,7 +78,7 @@ def count_tokens(ctx: Context, request: Mapping[str, Any]) -> dict[str, int]:
     _check_fields(request, _COUNT_FIELDS, "count_tokens")
     chat, options = _chat_request({**request, "max_tokens": 1})
     options.pop("max_tokens")
-    return {"input_tokens": len(chat_prompt_tokens(ctx, chat, **options))}
+    return {"input_tokens": ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))}
 
 
 # ---------------------------------------------------------------------- the request
@@ -199,7 +202,7 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
     role, content = turn["role"], turn.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
-    texts: list[str] = []
+    texts: list[str | Image] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(_list(content, f"{where}.content")):
@@ -209,6 +212,8 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
             texts.append(block["text"])
         elif kind == "document" and role == "user":
             texts.append(_document(block, at))
+        elif kind == "image" and role == "user":
+            texts.append(_image(block, at))
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
                 raise InvalidRequestError(f"{at}: a tool_use block needs an id and a name")
@@ -227,11 +232,35 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
         else:
             raise InvalidRequestError(f"{at}: unsupported content block {kind!r} for {role}")
     if role == "assistant":
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        text = "".join(t for t in texts if isinstance(t, str))
+        message: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:
             message["tool_calls"] = calls
         return [message]
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+    if not any(isinstance(t, Image) for t in texts):
+        text = "".join(t for t in texts if isinstance(t, str))
+        return results + ([{"role": "user", "content": text}] if texts else [])
+    parts = [t if isinstance(t, Image) else {"type": "text", "text": t} for t in texts]
+    return [*results, {"role": "user", "content": parts}]
+
+
+def _image(block: Mapping[str, Any], where: str) -> Image:
+    """An ``image`` block's image (a ``base64`` source)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if kind == "url":
+        raise InvalidRequestError(
+            f"{where}.source: image URLs are not fetched here; send a base64 source "
+            "(llamax serve fetches them with --allow-image-urls)"
+        )
+    if kind != "base64" or not isinstance(source, Mapping):
+        raise InvalidRequestError(f"{where}.source.type must be 'base64' or 'url', got {kind!r}")
+    if not isinstance(source.get("data"), str) or not isinstance(source.get("media_type"), str):
+        raise InvalidRequestError(f"{where}.source needs a media_type and base64 data")
+    try:
+        return Image.from_base64(source["data"], source["media_type"])
+    except ImageError as exc:
+        raise ImageError(f"{where}.source: {exc}") from None
 
 
 def _document(block: Mapping[str, Any], where: str) -> str:

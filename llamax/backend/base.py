@@ -436,8 +436,11 @@ class ImageHost(Protocol):
         """
         ...
 
-    def tokenize_images(self, text: str, images: Sequence[RgbImage]) -> MediaPrompt:
-        """Tokenize ``text``, with ``images`` at its :attr:`image_marker` s, into chunks."""
+    def tokenize_images(
+        self, text: str, images: Sequence[RgbImage], *, add_special: bool = True
+    ) -> MediaPrompt:
+        """Tokenize ``text``, with ``images`` at its :attr:`image_marker` s, into chunks
+        (``add_special``: BOS first, when the model adds one)."""
         ...
 
     def encode_image(self, chunk: Any) -> npt.NDArray[np.float32]:

@@ -336,10 +336,12 @@ class LlamaCppBackend(LlamaCppModel):
                 data, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS
             )
 
-    def tokenize_images(self, text: str, images: Sequence[RgbImage]) -> MediaPrompt:
+    def tokenize_images(
+        self, text: str, images: Sequence[RgbImage], *, add_special: bool = True
+    ) -> MediaPrompt:
         """``mtmd_tokenize`` (:meth:`Projector.tokenize`)."""
         with self._guard.entered():
-            return self._vision().tokenize(text, images)
+            return self._vision().tokenize(text, images, add_special=add_special)
 
     def encode_image(self, chunk: Any) -> npt.NDArray[np.float32]:
         """Run the vision encoder (:meth:`Projector.encode`); one caller at a time."""

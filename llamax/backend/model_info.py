@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -12,17 +13,24 @@ from .native import NativeContext, NativeModel, bindings, context_params
 __all__ = ["read_model_facts"]
 
 
-def read_model_facts(path: Path) -> dict[str, Any]:
+def read_model_facts(path: Path, *, mmproj: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Load ``path`` (weights memory-mapped, on the CPU) with a 256-cell context, and read
-    its metadata and what its memory can do. Everything is freed before returning: the
-    context, then the model.
+    its metadata and what its memory can do; with ``mmproj``, load that projector for it
+    and ask whether it encodes images. Everything is freed before returning: the
+    projector, the context, then the model.
 
     Raises:
         ModelLoadError: the file is missing, not GGUF, or llama.cpp refuses it.
+        ProjectorError: ``mmproj`` is not a projector for this model.
     """
     C = bindings()
     with closing(NativeModel(C, path, n_gpu_layers=0)) as model:
         facts = _model_facts(model)
+        if mmproj is not None:
+            from .vision import Projector
+
+            with closing(Projector.load(model, mmproj, n_threads=1, warmup=False)) as projector:
+                facts["sees_images"] = projector.supports_vision
         cparams = context_params(
             C, n_ctx=256, n_batch=256, n_seq_max=1, n_threads=1, n_threads_batch=1
         )

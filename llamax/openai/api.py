@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..errors import InvalidParameterError
 from ..handle import RequestHandle
+from ..images import Image
 from ..params import SamplingParams
 from . import prepare
 from .options import check_flag
@@ -49,7 +50,7 @@ class ChatHost(ChatModel, Protocol):
 
     def add_request(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[int | Image],
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
@@ -85,15 +86,20 @@ def submit_chat(
     prepared = prepare.prepare_chat(ctx, messages, options)
     if prefill:
         tail = ctx.tokenize(prefill, add_special=False, parse_special=False)
-        prepared = dataclasses.replace(prepared, prompt=[*prepared.prompt, *tail])
+        num = None if prepared.num_positions is None else prepared.num_positions + len(tail)
+        prepared = dataclasses.replace(
+            prepared, prompt=[*prepared.prompt, *tail], num_positions=num
+        )
     return _submitted(ctx, prepared)
 
 
 def chat_prompt_tokens(
     ctx: ChatModel, messages: Sequence[Mapping[str, Any]], **options: Any
-) -> list[int]:
+) -> list[int | Image]:
     """The prompt tokens :func:`chat_completion` would submit for ``messages`` (tools and
-    ``enable_thinking`` included), without submitting anything: for token counting.
+    ``enable_thinking`` included; an image where each image sits), without submitting
+    anything: for token counting (``ctx.prompt_positions(tokens)`` counts an image's
+    positions too).
 
     Raises:
         InvalidRequestError: an option or a message is invalid.

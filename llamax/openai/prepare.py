@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ..errors import ContextLengthError, InvalidParameterError
+from ..images import Image
 from ..params import SamplingParams
 from ..reasoning import ReasoningFormat, check_reasoning_format, opens_thinking
 from ..templates.messages import validate_messages
@@ -61,6 +62,9 @@ class ChatModel(PromptRenderer, Protocol):
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Join the pieces of ``token_ids`` into text."""
 
+    def prompt_positions(self, prompt: Sequence[int | Image]) -> int:
+        """The positions a prompt of token ids and images takes in a sequence."""
+
 
 def _new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:24]}"
@@ -70,8 +74,9 @@ def _new_request_id() -> str:
 class Prepared:
     """A checked request, ready to submit: ``add_request(prompt, params, request_id=...)``."""
 
-    prompt: str | Sequence[int]
-    """The prompt tokens (chat), or the text completion's prompt as given."""
+    prompt: str | Sequence[int] | Sequence[int | Image]
+    """The prompt tokens (chat; with a :class:`~llamax.Image` where each image sits), or
+    the text completion's prompt as given."""
     params: SamplingParams
     """Sampling, with the template's end-of-turn tokens as stops (chat)."""
     kind: Literal["chat", "text"]
@@ -84,10 +89,15 @@ class Prepared:
     thinking_opened: bool = False
     """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
     request_id: str = field(default_factory=_new_request_id)
+    num_positions: int | None = None
+    """The positions the prompt takes (its images' included); None: one per item."""
 
     @property
     def num_prompt_tokens(self) -> int:
-        """Tokens of the prompt (0 for a text prompt given as a string)."""
+        """Positions of the prompt, an image's included (0 for a text prompt given as a
+        string)."""
+        if self.num_positions is not None:
+            return self.num_positions
         return 0 if isinstance(self.prompt, str) else len(self.prompt)
 
 
@@ -124,7 +134,9 @@ def prepare_chat(
             opts.get("parse_special_in_content", False),
             template_vars,
         )
-    opened = reasoning_format != "none" and opens_thinking(model.detokenize(tokens[-8:]))
+    tail = [t for t in tokens[-8:] if not isinstance(t, Image)]
+    opened = reasoning_format != "none" and opens_thinking(model.detokenize(tail))
+    num_images = sum(isinstance(t, Image) for t in tokens)
     return Prepared(
         tokens,
         params.with_stop_token_ids(model.end_of_turn_token_ids),
@@ -133,6 +145,7 @@ def prepare_chat(
         plan,
         reasoning_format,
         opened,
+        num_positions=model.prompt_positions(tokens) if num_images else None,
     )
 
 
@@ -150,9 +163,10 @@ def prepare_text(prompt: str | Sequence[int], options: Mapping[str, Any]) -> Pre
 
 def chat_prompt_tokens(
     model: ChatModel, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
-) -> list[int]:
+) -> list[int | Image]:
     """The prompt tokens :func:`prepare_chat` renders for ``messages`` (tools and
-    ``enable_thinking`` included), unfitted: for token counting.
+    ``enable_thinking`` included; an image where each image sits), unfitted: for token
+    counting (``model.prompt_positions`` counts an image's positions).
 
     Raises:
         InvalidRequestError: an option or a message is invalid.
@@ -165,7 +179,7 @@ def chat_prompt_tokens(
     template_vars = {} if thinking is None else {"enable_thinking": thinking}
     if plan.is_active or _mentions_tools(messages):
         return tool_prompt_tokens(model, messages, plan, **template_vars)
-    return model.chat_prompt(messages, **template_vars)
+    return model.chat_prompt_parts(messages, **template_vars)
 
 
 def _model(name: object) -> str | None:
@@ -196,8 +210,8 @@ def _plain_chat(
     truncate: Truncate,
     parse_special_in_content: bool,
     template_vars: dict[str, Any],
-) -> list[int]:
-    """Validate, render and fit a conversation: its prompt tokens.
+) -> list[int | Image]:
+    """Validate, render and fit a conversation: its prompt tokens (and images).
 
     With ``truncate="oldest_messages"`` the cut is found by a binary search over turn
     boundaries (a few renders, whatever the length); each rendering is tokenized once.
@@ -213,26 +227,27 @@ def _plain_chat(
     msgs = validate_messages(messages)
     reserve = params.max_tokens or 1
     budget = model.n_ctx_seq - reserve
-    rendered: dict[int, list[int]] = {}  # by the number of messages kept
+    rendered: dict[int, tuple[list[int | Image], int]] = {}  # by the number of messages kept
 
-    def render(kept: list[dict[str, Any]]) -> list[int]:
+    def render(kept: list[dict[str, Any]]) -> tuple[list[int | Image], int]:
         if len(kept) not in rendered:
-            rendered[len(kept)] = model.chat_prompt(
+            tokens = model.chat_prompt_parts(
                 kept, parse_special_in_content=parse_special_in_content, **template_vars
             )
+            rendered[len(kept)] = tokens, model.prompt_positions(tokens)
         return rendered[len(kept)]
 
-    tokens = render(msgs)
-    if len(tokens) > budget:
+    tokens, size = render(msgs)
+    if size > budget:
         if truncate == "none":
             raise ContextLengthError(
-                f"the conversation needs {len(tokens)} prompt tokens + {reserve} for the reply, "
+                f"the conversation needs {size} prompt tokens + {reserve} for the reply, "
                 f"more than a sequence may hold ({_limit(model)}); "
                 "pass truncate='oldest_messages' to drop old turns",
-                num_prompt_tokens=len(tokens),
+                num_prompt_tokens=size,
                 n_ctx=model.n_ctx_seq,
             )
-        tokens = render(drop_oldest_turns(msgs, lambda m: len(render(m)), budget))
+        tokens, size = render(drop_oldest_turns(msgs, lambda m: render(m)[1], budget))
     return tokens
 
 
@@ -242,7 +257,7 @@ def _tool_chat(
     params: SamplingParams,
     plan: ToolPlan,
     template_vars: dict[str, Any],
-) -> tuple[SamplingParams, list[int]]:
+) -> tuple[SamplingParams, list[int | Image]]:
     """Render a conversation with tools (or with earlier tool calls and results) and
     constrain the reply with the tool-call grammar: its params and prompt tokens.
 
@@ -260,11 +275,12 @@ def _tool_chat(
         params = dataclasses.replace(params, grammar=grammar)
     tokens = tool_prompt_tokens(model, messages, plan, **template_vars)
     reserve = params.max_tokens or 1
-    if len(tokens) + reserve > model.n_ctx_seq:
+    size = model.prompt_positions(tokens)
+    if size + reserve > model.n_ctx_seq:
         raise ContextLengthError(
-            f"the conversation with its tools needs {len(tokens)} prompt tokens + {reserve} "
+            f"the conversation with its tools needs {size} prompt tokens + {reserve} "
             f"for the reply, more than a sequence may hold ({_limit(model)})",
-            num_prompt_tokens=len(tokens),
+            num_prompt_tokens=size,
             n_ctx=model.n_ctx_seq,
         )
     return params, tokens

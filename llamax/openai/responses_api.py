@@ -6,10 +6,12 @@ objects and the typed stream events (``response.created``, ``response.output_tex
 Supported and not, plainly:
 
 - ``input``: a string, or items: messages (roles ``user``, ``assistant``, ``system`` and
-  ``developer``; content a string or ``input_text``/``output_text`` parts),
+  ``developer``; content a string or ``input_text``/``output_text`` parts, and in a user
+  message ``input_image`` parts whose ``image_url`` is a base64 ``data:`` URL),
   ``function_call``, ``function_call_output`` and ``reasoning`` (dropped from the prompt:
-  the template sees the text). Images, files, audio and item references are refused
-  (:class:`~llamax.InvalidRequestError`).
+  the template sees the text). Image files by ``file_id``, remote image URLs (``llamax
+  serve`` fetches those with ``--allow-image-urls``), files, audio and item references
+  are refused (:class:`~llamax.InvalidRequestError`).
 - Fields: the table :data:`llamax.openai.fields.RESPONSES` says which are honoured,
   accepted as hints (no effect) or refused, and why; any other field is refused. Built-in
   tools such as web search are refused; ``reasoning.effort`` ``none``/``minimal`` turns
@@ -27,7 +29,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
-from ..errors import InvalidParameterError, InvalidRequestError, NotFoundError
+from ..errors import ImageError, InvalidParameterError, InvalidRequestError, NotFoundError
+from ..images import Image
 from .api import ChatHost, chat_prompt_tokens, submit_chat, submit_in_worker
 from .fields import MAX_USER_CHARS, RESPONSES, accept_fields, check_metadata, honoured
 from .options import check_flag
@@ -98,7 +101,7 @@ def response_input_tokens(
         NotFoundError: ``previous_response_id`` names no stored response.
     """
     _, chat, _, options, _ = _conversation(request, store)
-    return len(chat_prompt_tokens(ctx, chat, **options))
+    return ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))
 
 
 def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | None) -> ResponseJob:
@@ -176,7 +179,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
                 raise InvalidRequestError(
                     f"{where}: role must be user, assistant, system or developer"
                 )
-            chat.append({"role": role, "content": _text_of(item.get("content"), where)})
+            chat.append({"role": role, "content": _content_of(item.get("content"), where, role)})
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             arguments = item.get("arguments", "{}")
@@ -205,6 +208,50 @@ def _input(value: Any) -> list[dict[str, Any]]:
         else:
             raise InvalidRequestError(f"{where}: unsupported input item type {kind!r}")
     return chat
+
+
+def _content_of(content: Any, where: str, role: str) -> Any:
+    """A message's content as chat content: a string, or (with images, in a user message)
+    text parts and :class:`~llamax.Image` s."""
+    if role != "user" or not isinstance(content, list):
+        return _text_of(content, where)
+    if not any(isinstance(p, Mapping) and p.get("type") == "input_image" for p in content):
+        return _text_of(content, where)
+    parts: list[Any] = []
+    for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") == "input_image":
+            parts.append(_input_image(part, f"{where}.content[{j}]"))
+        else:
+            parts.append({"type": "text", "text": _text_of([part], where)})
+    return parts
+
+
+def _input_image(part: Mapping[str, Any], where: str) -> Image:
+    """An ``input_image`` part's image: its ``image_url`` must be a base64 ``data:`` URL."""
+    unknown = sorted(set(part) - {"type", "image_url", "file_id", "detail"})
+    if unknown:
+        raise InvalidRequestError(f"{where}: input_image has unknown field {unknown[0]!r}")
+    if part.get("detail") not in (None, "auto", "low", "high"):
+        raise InvalidParameterError(
+            f"{where}.detail must be 'auto', 'low' or 'high', got {part['detail']!r}"
+        )
+    if part.get("file_id") is not None:
+        raise InvalidRequestError(
+            f"{where}: input_image by file_id is not supported (llamax stores no files); "
+            "send image_url as a data: URL"
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise InvalidRequestError(f"{where}: an input_image needs image_url, a data: URL")
+    if url.startswith(("http://", "https://")):
+        raise InvalidRequestError(
+            f"{where}.image_url: remote image URLs are not fetched here; send a data: URL "
+            "(llamax serve fetches them with --allow-image-urls)"
+        )
+    try:
+        return Image.from_data_url(url)
+    except ImageError as exc:
+        raise ImageError(f"{where}.image_url of the input_image: {exc}") from None
 
 
 def _text_of(content: Any, where: str) -> str:

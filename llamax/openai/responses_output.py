@@ -16,6 +16,7 @@ from typing import Any
 
 from ..chat_stream import ChatPart, ContentDelta, ReasoningDelta, ToolCallDelta
 from ..errors import NotFoundError
+from ..images import Image
 from ..results import Completion, FinishReason
 from .requests import OpenAIRequest
 from .responses_items import input_items
@@ -32,15 +33,17 @@ class _Stored:
 
 
 def _chars(value: Any) -> int:
-    """The characters of a stored object (its strings, keys included, nested; 8 for any
-    other leaf), counted without serializing it: a store on the server's event loop stays
-    cheap."""
+    """The characters of a stored object (its strings, keys included, nested; an image's
+    bytes; 8 for any other leaf), counted without serializing it: a store on the server's
+    event loop stays cheap."""
     if isinstance(value, str):
         return len(value)
     if isinstance(value, Mapping):
         return sum(_chars(k) + _chars(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return sum(_chars(v) for v in value)
+    if isinstance(value, Image):  # an input image in a stored conversation
+        return value.num_bytes
     return 8
 
 

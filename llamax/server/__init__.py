@@ -13,10 +13,11 @@ try:
     from .app import create_app
     from .background import BackgroundServer
     from .cli import main
+    from .images import ImagePolicy
     from .models import ModelPool
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         f"llamax.server needs its extra: pip install 'llamax[server]' ({exc})"
     ) from exc
 
-__all__ = ["BackgroundServer", "ModelPool", "create_app", "main"]
+__all__ = ["BackgroundServer", "ImagePolicy", "ModelPool", "create_app", "main"]

@@ -21,6 +21,7 @@ from llamax.anthropic.fields import MESSAGES
 
 from .dialects import ANTHROPIC
 from .errors import APIError, anthropic_error_response, from_exception
+from .images import prepare_images
 from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion, run_leased
 
@@ -35,7 +36,10 @@ def anthropic_routes(state: ServerState) -> APIRouter:
 
     def parse(raw: bytes) -> dict[str, Any]:
         body = parse_object(raw)
-        return without_unknown(body, MESSAGES, "/v1/messages") if state.lenient else body
+        if state.lenient:
+            body = without_unknown(body, MESSAGES, "/v1/messages")
+        prepare_images(body, "anthropic", state.images)  # a worker: it may fetch
+        return body
 
     @router.post("/v1/messages")
     async def messages_route(request: Request) -> Response:

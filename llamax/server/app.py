@@ -23,6 +23,7 @@ from llamax.openai import ResponseStore
 from .anthropic_routes import anthropic_routes
 from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
+from .images import ImagePolicy
 from .info import info_routes, public_routes
 from .llama_infill import infill_routes
 from .llama_router import router_routes
@@ -55,6 +56,7 @@ def create_app(
     default_max_tokens: int | None = None,
     default_seed: int | None = None,
     model_alias: str | None = None,
+    images: ImagePolicy | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -105,6 +107,9 @@ def create_app(
         model_alias: The name the model is served under (``/v1/models``, ``/props``, the
             ``model`` of a response that names none; llama-server's ``--alias``); ``None``:
             the GGUF's name. Not with a pool (its models have names).
+        images: How many images one request may send (default 16), and whether remote
+            image URLs are fetched, within what size and time (default: refused with a
+            400); see :class:`~llamax.server.images.ImagePolicy` and docs/images.md.
 
     Returns:
         A FastAPI application.
@@ -148,6 +153,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         default_seed=default_seed,
         model_alias=model_alias,
+        images=images or ImagePolicy(),
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state

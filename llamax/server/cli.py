@@ -19,6 +19,7 @@ import llamax
 from llamax.flags import add_option_flags, option_values
 
 from .app import create_app
+from .images import DEFAULT_MAX_IMAGES, DEFAULT_URL_BYTES, DEFAULT_URL_SECONDS, ImagePolicy
 from .models import DEFAULT_MAX_LOADED, ModelPool
 
 __all__ = ["build_parser", "main"]
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the model under this name in /v1/models, /props and responses "
         "(llama-server's --alias; default: the GGUF's name)",
     )
+    _add_image_flags(p)
     p.add_argument(
         "--shutdown-timeout",
         type=int,
@@ -135,6 +137,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     return p
+
+
+def _add_image_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of images in requests (docs/images.md)."""
+    p.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=DEFAULT_MAX_IMAGES,
+        metavar="N",
+        help=f"most images one request may send; more get 400 (default: {DEFAULT_MAX_IMAGES})",
+    )
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch remote http(s) image URLs in requests (default: refused with 400; only "
+        "base64 images are read)",
+    )
+    p.add_argument(
+        "--image-url-max-bytes",
+        type=int,
+        default=DEFAULT_URL_BYTES,
+        metavar="BYTES",
+        help="with --allow-image-urls, the largest image fetched (default: 10 MiB)",
+    )
+    p.add_argument(
+        "--image-url-timeout",
+        type=float,
+        default=DEFAULT_URL_SECONDS,
+        metavar="SECONDS",
+        help=f"with --allow-image-urls, the longest a fetch may take (default: "
+        f"{DEFAULT_URL_SECONDS:g})",
+    )
 
 
 def _name_path(text: str) -> tuple[str, str]:
@@ -256,6 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "default_max_tokens": None if ns.n_predict in (None, -1) else ns.n_predict,
             "default_seed": None if ns.seed in (None, -1) else ns.seed,
             "model_alias": ns.alias,
+            "images": ImagePolicy(
+                max_images=ns.max_images_per_request,
+                allow_urls=ns.allow_image_urls,
+                max_url_bytes=ns.image_url_max_bytes,
+                url_seconds=ns.image_url_timeout,
+            ),
         }
         if ns.slot_save_path is not None:
             os.makedirs(ns.slot_save_path, exist_ok=True)

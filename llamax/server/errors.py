@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import llamax
-from llamax import InvalidMessageError, TemplateError
+from llamax import ImageError, InvalidMessageError, TemplateError
 
 __all__ = [
     "APIError",
@@ -154,6 +154,8 @@ def from_exception(
         return error
     if isinstance(exc, InvalidMessageError):
         return APIError(400, message, param="messages", code="invalid_message")
+    if isinstance(exc, ImageError):  # not an image, damaged, too large, no projector
+        return APIError(400, message, param=prompt_field, code="invalid_image")
     if isinstance(exc, llamax.EmptyPromptError):
         return APIError(400, message, param=prompt_field, code="empty_prompt")
     if isinstance(exc, llamax.GrammarError):

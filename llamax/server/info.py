@@ -78,7 +78,12 @@ def info_routes(state: ServerState) -> APIRouter:
     @router.get("/v1/models")
     @router.get("/models")  # llama-server's alias
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": _models(state)})
+        listed = _models(state)
+        body: dict[str, Any] = {"object": "list", "data": listed}
+        if state.pool is None:  # llama-server's own list, beside OpenAI's
+            body["models"] = [{"name": m["id"], "model": m["id"], "type": "model",
+                               "capabilities": m["capabilities"]} for m in listed]  # fmt: skip
+        return JSONResponse(body)
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
@@ -124,9 +129,16 @@ def _models(state: ServerState) -> list[dict[str, Any]]:
         "created": _STARTED,
         "owned_by": "llamax",
         "meta": {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max},
+        "capabilities": capabilities(ctx),
         "adapters": _adapters(ctx),
     }
     return [model]
+
+
+def capabilities(ctx: llamax.Context) -> list[str]:
+    """What llama-server's model lists say a model does: ``completion``, and
+    ``multimodal`` when it reads images."""
+    return ["completion", "multimodal"] if ctx.sees_images else ["completion"]
 
 
 def _pool_models(pool: ModelPool) -> list[dict[str, Any]]:
@@ -147,6 +159,7 @@ def _pool_models(pool: ModelPool) -> list[dict[str, Any]]:
             ctx = info.context
             model["meta"] = {"n_ctx": ctx.n_ctx, "n_seq_max": ctx.n_seq_max,
                              "model_name": ctx.model_name}  # fmt: skip
+            model["capabilities"] = capabilities(ctx)
             model["adapters"] = _adapters(ctx)
         listed.append(model)
     return listed

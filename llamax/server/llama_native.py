@@ -132,13 +132,14 @@ def _number(body: Mapping[str, Any], name: str) -> float | int | None:
 
 
 def _prompt_object(value: dict[str, Any]) -> str:
-    """``{"prompt_string": text}``; ``multimodal_data`` is refused (no multimodal model)."""
+    """``{"prompt_string": text}``; ``multimodal_data`` is refused (images go through the
+    chat APIs)."""
     unknown = sorted(set(value) - {"prompt_string", "multimodal_data"})
     if unknown or not isinstance(value.get("prompt_string"), str):
         raise _bad('prompt: an object prompt must be {"prompt_string": text}', "prompt")
     if value.get("multimodal_data"):
-        raise _bad("prompt: multimodal_data is not supported (the model has no multimodal "
-                   "projector)", "prompt")  # fmt: skip
+        raise _bad("prompt: multimodal_data is not supported on /completion; send images "
+                   "through /v1/chat/completions", "prompt")  # fmt: skip
     return str(value["prompt_string"])
 
 

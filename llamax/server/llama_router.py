@@ -104,12 +104,16 @@ async def _hold_until_loaded(pool: ModelPool, future: Any) -> None:
 def _router_fields(model: dict[str, Any]) -> dict[str, Any]:
     """A model of ``/v1/models`` with the router's extra fields."""
     model["status"].setdefault("args", [])
+    sees_images = "multimodal" in model.get("capabilities", ())  # known while loaded
     if "last_error" in model["status"]:
         model["status"]["failed"] = True
     return model | {
         "aliases": [],
         "tags": [],
-        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+        "architecture": {
+            "input_modalities": ["text", "image"] if sees_images else ["text"],
+            "output_modalities": ["text"],
+        },
         "source": "local",
         "can_remove": False,
     }

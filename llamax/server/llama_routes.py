@@ -28,6 +28,7 @@ from llamax.openai import chat_prompt_tokens
 
 from .dialects import LLAMA
 from .errors import APIError, from_exception, llama_body
+from .images import prepare_images
 from .llama_native import (
     FIELDS,
     NativeRequest,
@@ -40,6 +41,9 @@ from .llama_native import (
 )
 from .schemas import ChatCompletionRequest, parse_body, parse_object
 from .state import ServerState, admit_completion, run_leased
+
+MEDIA_MARKER = "<__media__>"
+"""llama-server's default media marker (its ``LLAMA_MEDIA_MARKER``)."""
 
 __all__ = ["llama_routes"]
 
@@ -80,12 +84,16 @@ def llama_routes(state: ServerState) -> APIRouter:
                 raise APIError(400, "add_generation_prompt must be a boolean",
                                param="add_generation_prompt", code="invalid_type")  # fmt: skip
             body = parse_body(ChatCompletionRequest, _dumps(raw))
+            prepare_images(body.messages, "openai", state.images)
             thinking = body.options().get("enable_thinking")
             extra = {} if thinking is None else {"enable_thinking": thinking}
             try:
-                ctx.chat_prompt(body.messages)  # checks the messages as a chat request would
+                ctx.chat_prompt_parts(body.messages)  # checks them as a chat request would
                 prompt = ctx.chat_template.render(
-                    body.messages, add_generation_prompt=generation, tools=body.tools, **extra
+                    _media_markers(body.messages),
+                    add_generation_prompt=generation,
+                    tools=body.tools,
+                    **extra,
                 )
             except Exception as exc:
                 raise from_exception(exc, frozenset({"messages"}), "messages") from exc
@@ -98,11 +106,13 @@ def llama_routes(state: ServerState) -> APIRouter:
     async def chat_input_tokens(request: Request) -> Response:
         def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
             body = parse_body(ChatCompletionRequest, _dumps(raw))
+            prepare_images(body.messages, "openai", state.images)
             try:
                 tokens = chat_prompt_tokens(ctx, body.messages, **body.options())
+                count = ctx.prompt_positions(tokens)
             except Exception as exc:
                 raise from_exception(exc, frozenset(ChatCompletionRequest.model_fields)) from exc
-            return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens)})
+            return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
         return await _llama_shaped(state, request, work)
 
@@ -121,6 +131,20 @@ def llama_routes(state: ServerState) -> APIRouter:
         return JSONResponse(llama_body(error), status_code=501)
 
     return router
+
+
+def _media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """(Checked) ``messages`` with each list of content parts as one string, an image as
+    llama-server's media marker, as its ``/apply-template`` shows them."""
+    marked = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text", "") if p.get("type") == "text" else MEDIA_MARKER
+                     for p in content]  # fmt: skip
+            message = {**message, "content": "".join(texts)}
+        marked.append(message)
+    return marked
 
 
 def _dumps(body: dict[str, Any]) -> bytes:
@@ -154,7 +178,7 @@ def _props(state: ServerState, ctx: llamax.Context) -> dict[str, Any]:
         "model_path": ctx.config.model_path,
         "chat_template": template,
         "chat_template_caps": {},
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": ctx.sees_images, "audio": False},
         "build_info": f"llamax {llamax.__version__}",
         "is_sleeping": False,
     }  # fmt: skip

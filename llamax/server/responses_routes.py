@@ -26,6 +26,7 @@ from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
+from .images import prepare_images
 from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion, run_leased
 
@@ -47,7 +48,10 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     def parse(raw: bytes) -> dict[str, Any]:
         body = parse_object(raw)
-        return without_unknown(body, RESPONSE_TABLE, "/v1/responses") if state.lenient else body
+        if state.lenient:
+            body = without_unknown(body, RESPONSE_TABLE, "/v1/responses")
+        prepare_images(body, "responses", state.images)  # a worker: it may fetch
+        return body
 
     @router.post("/v1/responses")
     @router.post("/responses")  # llama-server's alias
@@ -77,7 +81,7 @@ def responses_routes(state: ServerState) -> APIRouter:
                 raise from_exception(exc, _FIELDS, "input") from exc
             return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
-        return await run_leased(state, request, parse_object, lambda b: b.get("model"), work)
+        return await run_leased(state, request, parse, lambda b: b.get("model"), work)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_route(response_id: str, request: Request) -> JSONResponse:

@@ -17,6 +17,7 @@ import llamax
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
+from .images import prepare_images
 from .llama_chat import with_llama_extras
 from .schemas import (
     ChatCompletionRequest,
@@ -49,6 +50,7 @@ def api_routes(state: ServerState) -> APIRouter:
     @router.post("/chat/completions")  # llama-server's alias: its error shape
     async def chat_completions(request: Request) -> Response:
         def options(body: ChatCompletionRequest) -> dict[str, Any]:
+            prepare_images(body.messages, "openai", state.images)  # a worker: it may fetch
             options = _stream_options(body)
             if state.parse_special_in_content:
                 options["parse_special_in_content"] = True

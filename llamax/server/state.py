@@ -19,6 +19,7 @@ from llamax.openai import ResponseStore
 
 from .dialects import Dialect
 from .errors import APIError
+from .images import ImagePolicy
 from .metrics import ServerMetrics
 from .models import ModelPool
 from .responses import CompletionJob, CompletionResponse, outcome_of
@@ -60,6 +61,8 @@ class ServerState:
             ``None``: a random one.
         model_alias: The name the single model is served under (llama-server's
             ``--alias``); ``None``: the GGUF's name.
+        images: How many images a request may send, and whether remote image URLs are
+            fetched (:mod:`llamax.server.images`).
     """
 
     source: llamax.Context | Future[llamax.Context] | ModelPool
@@ -74,6 +77,7 @@ class ServerState:
     default_max_tokens: int | None = None
     default_seed: int | None = None
     model_alias: str | None = None
+    images: ImagePolicy = field(default_factory=ImagePolicy)
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 

@@ -14,12 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..backend.base import Backend
-from .messages import InvalidMessageError, validate_messages
+from ..images import Image, ImagePrompts
+from .messages import InvalidMessageError, has_images, validate_messages
 from .template import ChatTemplate, TemplateError
 
 __all__ = [
     "END_OF_TURN_MARKERS",
     "BoundTemplate",
+    "ChatParts",
     "end_of_turn_ids",
     "load_template",
     "render_tokens",
@@ -28,6 +30,10 @@ __all__ = [
 
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 """Markers templates end a turn with; those that are single tokens become stop tokens."""
+
+ChatParts = list[int | Image]
+"""A rendered chat prompt: token ids, with a :class:`~llamax.Image` where each image sits
+(what ``add_request`` takes)."""
 
 
 class BoundTemplate:
@@ -40,12 +46,17 @@ class BoundTemplate:
     Args:
         backend: The model's tokenizer and metadata.
         override: Jinja source to use instead of the GGUF's template.
+        images: The context's image reader, which counts an image's positions (``None``:
+            counting a prompt with images raises :class:`~llamax.ImageError`).
     """
 
-    __slots__ = ("_backend", "_end_of_turn", "_override", "_template")
+    __slots__ = ("_backend", "_end_of_turn", "_images", "_override", "_template")
 
-    def __init__(self, backend: Backend, override: str | None = None) -> None:
+    def __init__(
+        self, backend: Backend, override: str | None = None, images: ImagePrompts | None = None
+    ) -> None:
         self._backend, self._override = backend, override
+        self._images = images
         self._template: ChatTemplate | None = None
         self._end_of_turn: tuple[int, ...] | None = None
 
@@ -89,7 +100,27 @@ class BoundTemplate:
         add_generation_prompt: bool = True,
         **template_vars: Any,
     ) -> list[int]:
-        """Validate, render and tokenize ``messages`` (see :func:`render_tokens`)."""
+        """Validate, render and tokenize ``messages`` (see :func:`render_tokens`): token
+        ids only.
+
+        Raises:
+            InvalidMessageError: as :func:`render_tokens`, or a message holds an image
+                (:meth:`chat_prompt_parts` renders those).
+        """
+        parts = self.chat_prompt_parts(
+            messages, add_generation_prompt=add_generation_prompt, **template_vars
+        )
+        return only_token_ids(parts)
+
+    def chat_prompt_parts(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **template_vars: Any,
+    ) -> ChatParts:
+        """Validate, render and tokenize ``messages`` (see :func:`render_tokens`), with a
+        :class:`~llamax.Image` where each image sits."""
         return render_tokens(
             self._backend,
             self.chat_template,
@@ -97,6 +128,18 @@ class BoundTemplate:
             add_generation_prompt=add_generation_prompt,
             **template_vars,
         )
+
+    def prompt_positions(self, prompt: Sequence[int | Image]) -> int:
+        """The positions ``prompt`` takes in a sequence (an image takes its embeddings'
+        and its marker tokens').
+
+        Raises:
+            ImageError: the prompt holds an image and the context has no projector, or an
+                image cannot be read.
+        """
+        if not any(isinstance(part, Image) for part in prompt):
+            return len(prompt)
+        return (self._images or ImagePrompts(None)).num_positions(prompt)
 
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
@@ -108,6 +151,20 @@ class BoundTemplate:
         """Join the pieces of ``token_ids`` (ids the model produced or tokenized)."""
         pieces = b"".join(self._backend.token_to_piece(t) for t in token_ids)
         return pieces.decode("utf-8", "replace")
+
+
+def only_token_ids(parts: ChatParts) -> list[int]:
+    """``parts`` when they are token ids only.
+
+    Raises:
+        InvalidMessageError: they hold an image.
+    """
+    if any(isinstance(part, Image) for part in parts):
+        raise InvalidMessageError(
+            "the messages hold images, which token ids alone cannot carry: render them with "
+            "chat_prompt_parts (token ids and llamax.Image), or send them with chat_completion"
+        )
+    return parts  # type: ignore[return-value]
 
 
 def load_template(backend: Backend, override: str | None, model_name: str) -> ChatTemplate:
@@ -151,7 +208,7 @@ def render_tokens(
     add_generation_prompt: bool,
     parse_special_in_content: bool = False,
     **template_vars: Any,
-) -> list[int]:
+) -> ChatParts:
     """Validate, render and tokenize ``messages``; BOS is added once if the text lacks it.
 
     Message content is data: special-token text in it (``<|im_end|>`` typed by a user)
@@ -168,7 +225,8 @@ def render_tokens(
         **template_vars: Extra template variables.
 
     Returns:
-        The prompt's token ids.
+        The prompt's token ids, with each image of a user message as a
+        :class:`~llamax.Image` where the template put that message's content.
 
     Raises:
         InvalidMessageError: a message is malformed, or (rare) it holds special-token text
@@ -193,7 +251,7 @@ def tokenize_conversation(
     add_generation_prompt: bool,
     parse_special_in_content: bool = False,
     **template_vars: Any,
-) -> list[int]:
+) -> ChatParts:
     """Render already-validated ``messages`` and tokenize them, content as plain text.
 
     The template is rendered a second time with each message's content replaced by a
@@ -207,6 +265,10 @@ def tokenize_conversation(
     rendering is then tokenized as a whole, which is safe unless some content holds
     special-token text, and that is refused.
 
+    Images: the template sees a user message's content as one string, each image a
+    unique marker in it (llama-server's media marker); the text is split at each marker
+    and the image put there, the text on either side tokenized apart (as ``mtmd`` does).
+
     Args:
         backend: The model's tokenizer.
         template: The chat template.
@@ -216,25 +278,103 @@ def tokenize_conversation(
         **template_vars: Extra template variables.
 
     Returns:
-        The prompt's token ids, BOS first when the model has one.
+        The prompt's token ids (and images), BOS first when the model has one.
 
     Raises:
         InvalidMessageError: content holds special-token text and the template rewrites
             content, so it cannot be kept plain.
-        TemplateError: the template failed, broke the sandbox or its budget.
+        TemplateError: the template failed, broke the sandbox or its budget, or left an
+            image out.
     """
+    images: list[Image] = []
+    marks = None
+    if has_images(messages):
+        nonce = secrets.token_hex(8)
+        messages = _with_image_marks(messages, nonce, images)
+        marks = re.compile(f"\ue000{nonce}:image(\\d+)\ue001")
     text = template.render(messages, add_generation_prompt=add_generation_prompt, **template_vars)
-    tokens: list[int] | None = None
+    pieces = _ImagePieces(backend, marks, images)
+    tokens: ChatParts | None = None
     if not parse_special_in_content:
         tokens = _tokens_with_plain_content(
-            backend, template, messages, text, add_generation_prompt, template_vars
+            backend, template, messages, text, add_generation_prompt, template_vars, pieces
         )
     if tokens is None:
-        tokens = backend.tokenize(text, add_special=False, parse_special=True)
+        tokens = []
+        pieces.tokenize(tokens, text, parse_special=True)
     bos = backend.bos_token_id
     if bos is not None and (not tokens or tokens[0] != bos):
         tokens.insert(0, bos)
+    pieces.check_placed()
     return tokens
+
+
+def _with_image_marks(
+    messages: Sequence[Mapping[str, Any]], nonce: str, images: list[Image]
+) -> list[Mapping[str, Any]]:
+    """``messages`` with each image-holding content as one string, a marker per image;
+    the images are appended to ``images`` in order (a marker's number is its index)."""
+    marked: list[Mapping[str, Any]] = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            marked.append(message)
+            continue
+        texts = []
+        for part in content:
+            if isinstance(part, Image):
+                texts.append(f"\ue000{nonce}:image{len(images)}\ue001")
+                images.append(part)
+            else:
+                texts.append(part["text"])
+        marked.append({**message, "content": "".join(texts)})
+    return marked
+
+
+class _ImagePieces:
+    """Tokenizes text with image markers: the text between markers, each marker's image."""
+
+    __slots__ = ("_backend", "_images", "_marks", "_placed")
+
+    def __init__(self, backend: Backend, marks: re.Pattern[str] | None, images: list[Image]):
+        self._backend, self._marks, self._images = backend, marks, images
+        self._placed: set[int] = set()
+
+    def split(self, text: str) -> list[str | Image]:
+        """``text`` cut at its markers, each marker its image (text pieces may be empty)."""
+        if self._marks is None:
+            return [text]
+        parts: list[str | Image] = []
+        for k, piece in enumerate(self._marks.split(text)):
+            if k % 2 == 0:
+                parts.append(piece)
+            else:
+                self._placed.add(int(piece))
+                parts.append(self._images[int(piece)])
+        return parts
+
+    def tokenize(self, out: ChatParts, text: str, *, parse_special: bool) -> None:
+        """Append the tokens (and images) of ``text`` to ``out``."""
+        for part in self.split(text):
+            if isinstance(part, Image):
+                out.append(part)
+            elif part:
+                out.extend(
+                    self._backend.tokenize(part, add_special=False, parse_special=parse_special)
+                )
+
+    def check_placed(self) -> None:
+        """Raise unless every image landed in the rendering.
+
+        Raises:
+            TemplateError: the template left an image's message (or marker) out.
+        """
+        missing = len(self._images) - len(self._placed)
+        if missing:
+            raise TemplateError(
+                f"the chat template left {missing} of the {len(self._images)} images out of "
+                "the prompt (it dropped or rewrote the content that held them)"
+            )
 
 
 def _tokens_with_plain_content(
@@ -244,7 +384,8 @@ def _tokens_with_plain_content(
     text: str,
     add_generation_prompt: bool,
     template_vars: dict[str, Any],
-) -> list[int] | None:
+    images: _ImagePieces,
+) -> ChatParts | None:
     """The tokens of ``text`` with every message's content as plain text; ``None`` when
     whole-text tokenizing is just as safe (no content has special-token text).
 
@@ -276,8 +417,8 @@ def _tokens_with_plain_content(
     if "".join(part for part, _ in pieces) != text:
         _refuse_special_content(backend, messages)
         return None
-    tokens: list[int] = []
-    run: list[str] = []  # plain text since the last special token
+    tokens: ChatParts = []
+    run: list[str] = []  # plain text since the last special token or image
 
     def flush() -> None:
         if run:
@@ -286,7 +427,12 @@ def _tokens_with_plain_content(
 
     for part, is_content in pieces:
         if is_content:
-            run.append(part)
+            for piece in images.split(part):
+                if isinstance(piece, Image):
+                    flush()
+                    tokens.append(piece)
+                else:
+                    run.append(piece)
             continue
         at = 0
         for special, marker in _specials_in(backend, part):

@@ -392,8 +392,11 @@ class FakeBackend:
         """Any file whose image header reads: its bytes are its pixels."""
         return self._fake_vision().read(data)
 
-    def tokenize_images(self, text: str, images: Sequence[RgbImage]) -> MediaPrompt:
-        """Text chunks, one token a byte, and ``image_tokens`` positions an image."""
+    def tokenize_images(
+        self, text: str, images: Sequence[RgbImage], *, add_special: bool = True
+    ) -> MediaPrompt:
+        """Text chunks, one token a byte, and ``image_tokens`` positions an image (the
+        fake adds no BOS, so ``add_special`` changes nothing)."""
         return self._fake_vision().tokenize(text, images)
 
     def encode_image(self, chunk: object) -> npt.NDArray[np.float32]:

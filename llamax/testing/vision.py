@@ -16,7 +16,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from ..backend.vision import ImageChunk, MediaPrompt, RgbImage, TextChunk, read_image_header
+from ..backend.vision import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGE_SIDE,
+    ImageChunk,
+    MediaPrompt,
+    RgbImage,
+    TextChunk,
+    check_image_size,
+    read_image_header,
+)
 from ..backend.vision.chunks import pixel_id
 from ..errors import ImageError, InvalidRequestError
 
@@ -57,8 +66,10 @@ class FakeVision:
         self.marker = MARKER
 
     def read(self, data: bytes) -> RgbImage:
-        """An image file's bytes as one row of "pixels"."""
-        read_image_header(data)
+        """An image file's bytes as one row of "pixels" (its header checked, and its
+        declared size, as the real projector checks them)."""
+        header = read_image_header(data)
+        check_image_size(header, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)
         pixels = data + b"\0" * (-len(data) % 3)
         width = len(pixels) // 3
         return RgbImage(width, 1, pixels, pixel_id(width, 1, pixels))

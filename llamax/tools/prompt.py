@@ -15,6 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from ..images import Image
 from ..templates import ChatTemplate, InvalidMessageError, TemplateError, validate_messages
 from .call_grammar import CALL_CLOSE, CALL_OPEN
 from .spec import ToolPlan
@@ -62,14 +63,15 @@ class PromptRenderer(Protocol):
     def chat_template(self) -> ChatTemplate:
         """The compiled chat template."""
 
-    def chat_prompt(
+    def chat_prompt_parts(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
         **template_vars: Any,
-    ) -> list[int]:
-        """Validate, render and tokenize ``messages``."""
+    ) -> list[int | Image]:
+        """Validate, render and tokenize ``messages`` (token ids, and an image where each
+        image sits)."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -228,12 +230,13 @@ def tool_prompt_tokens(
     messages: Sequence[Mapping[str, Any]],
     plan: ToolPlan,
     **template_vars: Any,
-) -> list[int]:
+) -> list[int | Image]:
     """The prompt tokens of :func:`render_tool_prompt` with ``ctx``'s template (``ctx``: a
-    context, or anything else that renders chat prompts).
+    context, or anything else that renders chat prompts), with an image where each image
+    of a user message sits.
 
-    The fallback goes through ``ctx.chat_prompt``, so its tokens (and prefix-cache hits)
-    are those of an ordinary chat with the same messages. ``template_vars``
+    The fallback goes through ``ctx.chat_prompt_parts``, so its tokens (and prefix-cache
+    hits) are those of an ordinary chat with the same messages. ``template_vars``
     (``enable_thinking=...``) are passed to the template.
 
     Raises:
@@ -242,10 +245,10 @@ def tool_prompt_tokens(
     """
     template = ctx.chat_template
     if not template_supports_tools(template):
-        return ctx.chat_prompt(fallback_messages(messages, plan), **template_vars)
+        return ctx.chat_prompt_parts(fallback_messages(messages, plan), **template_vars)
     tools = [f.as_openai() for f in plan.callable_functions] or None
     # content stays text
-    return ctx.chat_prompt(native_messages(messages), tools=tools, **template_vars)
+    return ctx.chat_prompt_parts(native_messages(messages), tools=tools, **template_vars)
 
 
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
