@@ -1,16 +1,19 @@
 """Numeric bounds and ``multipleOf`` in JSON schemas are enforced by the grammar (issue 44):
 the rules of :mod:`llamax.grammar_numbers`, through :func:`llamax.grammar.schema_to_gbnf`,
-checked against a reference in Python with a pure-Python GBNF matcher (``tests/gbnf.py``;
-``test_model_logits.py`` checks llama.cpp's own grammar engine agrees on the same reference).
+checked against a reference in Python with a pure-Python GBNF matcher (``tests/gbnf.py``),
+and, with SmolLM2's vocabulary, by llama.cpp's own grammar engine on the same reference.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import random
 import re
+from collections.abc import Callable, Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -345,3 +348,72 @@ def test_rule_names_stay_apart_from_the_converters() -> None:
     assert grammar.accepts('{"number": 2, "decimal-part": 7, "free": -3e5}')
     assert not grammar.accepts('{"number": 3, "decimal-part": 0.25, "free": 1}')
     assert not grammar.accepts('{"number": 1, "decimal-part": 0, "free": 1}')
+
+
+# --- llama.cpp's grammar engine reads the same grammars alike ----------------------------------
+@pytest.fixture(scope="module")
+def llama_accepts(model_path: Path) -> Iterator[Callable[[str, str], bool]]:
+    """``accepts(grammar, text)`` by llama.cpp's grammar sampler on SmolLM2's vocabulary (a
+    vocabulary-only load): each character's token must survive the sampler's mask and is
+    accepted, then the end-of-generation token must survive."""
+    import llama_cpp as C
+
+    C.llama_backend_init()
+    params = C.llama_model_default_params()
+    params.vocab_only = True
+    model = C.llama_model_load_from_file(str(model_path).encode(), params)
+    assert model
+    vocab = C.llama_model_get_vocab(model)
+    tokens = {}
+    for char in "-+.e0123456789":
+        buffer = (C.llama_token * 4)()
+        assert C.llama_tokenize(vocab, char.encode(), 1, buffer, 4, False, True) == 1
+        tokens[char] = buffer[0]
+    end = C.llama_vocab_eos(vocab)
+
+    def survives(sampler: Any, token: int) -> bool:
+        data = (C.llama_token_data * 1)(C.llama_token_data(token, 0.0, 0.0))
+        array = C.llama_token_data_array(data, 1, -1, False)
+        C.llama_sampler_apply(sampler, ctypes.byref(array))
+        return bool(data[0].logit != -math.inf)
+
+    def accepts(grammar: str, text: str) -> bool:
+        sampler = C.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+        assert sampler, "llama.cpp refused the grammar"
+        try:
+            for char in text:
+                if not survives(sampler, tokens[char]):
+                    return False
+                C.llama_sampler_accept(sampler, tokens[char])
+            return survives(sampler, end)
+        finally:
+            C.llama_sampler_free(sampler)
+
+    yield accepts
+    C.llama_model_free(model)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "schema",
+    [{"type": "number", **bounds} for bounds, _, _ in EDGES]
+    + [
+        {"type": "number", "multipleOf": 0.25, "minimum": -2, "maximum": 3},
+        {"type": "number", "multipleOf": 0.37},
+        {"type": "integer", "multipleOf": 7, "exclusiveMinimum": -50},
+    ],
+)
+def test_llama_cpps_grammar_engine_agrees(
+    schema: dict[str, Any], llama_accepts: Callable[[str, str], bool]
+) -> None:
+    grammar = schema_to_gbnf(json.dumps(schema))
+    reference = Reference(schema)
+    rng = random.Random(44)
+    texts = [text for bounds, inside, outside in EDGES for text in inside + outside]
+    for _ in range(1500):
+        text = "".join(rng.choice("0123456789.") for _ in range(rng.randint(1, 6)))
+        texts.append(text if rng.random() < 0.7 else "-" + text)
+    sampler = Grammar.parse(grammar)
+    texts += [sampler.sample(rng).rstrip() for _ in range(100)]
+    for text in texts:
+        assert llama_accepts(grammar, text) == reference.allows_text(text), (schema, text)
