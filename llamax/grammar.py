@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Any
 
 from .errors import GrammarError
-from .grammar_numbers import Bound, NumberDomain, number_automaton
+from .grammar_numbers import Bound, NumberDomain, NumberRules
 from .grammar_ranges import int_range_rule
 
 __all__ = [
@@ -179,6 +179,8 @@ def schema_to_gbnf(schema_json: str) -> str:
 def _convert(schema: Any) -> str:
     from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
+    numbers = NumberRules(lambda name, body: str(converter._add_rule(name, body)))
+
     class _Converter(SchemaConverter):
         def visit(self, schema: Any, name: str) -> Any:
             if isinstance(schema, dict) and not any(key in schema for key in _COMBINATORS):
@@ -187,7 +189,7 @@ def _convert(schema: Any) -> str:
                     return super().visit({"anyOf": _split_types(schema, kind)}, name)  # type: ignore[no-untyped-call]
                 if kind in ("integer", "number"):
                     rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
-                    rule = _numeric_rule(self, schema, kind, rule_name)
+                    rule = _numeric_rule(self, numbers, schema, kind, rule_name)
                     if rule is not None:
                         return rule
             return super().visit(schema, name)  # type: ignore[no-untyped-call]
@@ -211,7 +213,9 @@ def _split_types(schema: Mapping[str, Any], kinds: list[Any]) -> list[dict[str, 
     return [{"type": k, **(numeric if k in ("integer", "number") else {})} for k in kinds]
 
 
-def _numeric_rule(converter: Any, schema: Mapping[str, Any], kind: str, name: str) -> str | None:
+def _numeric_rule(
+    converter: Any, numbers: NumberRules, schema: Mapping[str, Any], kind: str, name: str
+) -> str | None:
     """The rule enforcing a numeric schema's bounds and ``multipleOf``, or None for the
     converter's own (none given).
 
@@ -228,18 +232,11 @@ def _numeric_rule(converter: Any, schema: Mapping[str, Any], kind: str, name: st
     if lower is None and upper is None and multiple is None:
         return None
     try:
-        automaton = number_automaton(NumberDomain(lower, upper, multiple, kind == "integer"))
+        start = numbers.start(NumberDomain(lower, upper, multiple, kind == "integer"), name)
     except ValueError as exc:
         given = ", ".join(f"{k}={schema[k]}" for k in _NUMERIC_KEYWORDS if k in schema)
         field = "the schema" if name == "root" else f"field {name!r}"
         raise GrammarError(f"{field} ({kind}, {given}): {exc}") from exc
-    names: list[str] = []
-    for node in range(len(automaton.nodes) - 1):
-        body = automaton.body(node, names)
-        names.append(
-            "" if automaton.is_final(node) else converter._add_rule(f"{name}-{node}", body)
-        )
-    start = automaton.body(len(names), names)
     return str(converter._add_rule(name, f"({start}) space"))
 
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import llamax
 from llamax.grammar import number_bounds, schema_to_gbnf
-from llamax.grammar_numbers import MAX_NUMBER_RULES
+from llamax.grammar_numbers import MAX_NUMBER_RULES, MAX_SCHEMA_NUMBER_RULES
 
 PLAIN = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?")
 
@@ -290,6 +290,22 @@ def test_a_multiple_past_the_limit_is_refused_naming_the_field() -> None:
     assert f"{MAX_NUMBER_RULES} rules" in str(caught.value)
     bounded = {"type": "number", "multipleOf": 999983, "minimum": 0, "maximum": 5e6}
     assert _grammar(bounded).accepts("1999966")  # with a few multiples in range, it fits
+
+
+def test_fields_alike_share_their_rules_and_a_schema_has_a_budget() -> None:
+    # A field's rules grow a thousandfold over its text: thirty fields alike cost one
+    # automaton, and distinct heavy ones stop at the schema's budget, naming the field.
+    alike = {f"f{i}": {"type": "number", "multipleOf": 86400} for i in range(30)}
+    grammar = schema_to_gbnf(json.dumps({"type": "object", "properties": alike}))
+    assert grammar.count("::=") < MAX_NUMBER_RULES
+    matcher = Grammar.parse(grammar)
+    assert matcher.accepts('{"f0": 172800, "f29": -86400}')
+    assert not matcher.accepts('{"f0": 172800, "f29": 86401}')
+    primes = [37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97, 101, 103, 107, 109]
+    distinct = {f"f{i}": {"type": "number", "multipleOf": p / 100} for i, p in enumerate(primes)}
+    message = f"numeric fields would exceed their limit of {MAX_SCHEMA_NUMBER_RULES} rules in all"
+    with pytest.raises(llamax.GrammarError, match=r"field 'f\d+' .*" + message):
+        schema_to_gbnf(json.dumps({"type": "object", "properties": distinct}))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ cycles, and two states are equal exactly when they accept alike and go to equal 
 each character. Each state is one right-linear GBNF rule (``s ::= | [0-4] t | "." u``),
 which llama.cpp's grammar engine follows with a single stack. The automaton grows with the
 multiple's digits prime to 10 (a state per remainder and digit count): past
-:data:`MAX_NUMBER_RULES` states, the schema is refused.
+:data:`MAX_NUMBER_RULES` states for a field, or :data:`MAX_SCHEMA_NUMBER_RULES` for a
+schema's numeric fields in all (fields alike share their rules), the schema is refused.
 
 The form written: an optional ``-``, an integer part without leading zeros, an optional
 fraction (trailing zeros allowed), no exponent, never ``-0``. At most
@@ -27,13 +28,16 @@ from __future__ import annotations
 
 from .automaton import MAX_NUMBER_RULES, NumberAutomaton, number_automaton
 from .domain import MAX_FRACTION_DIGITS, MAX_SIGNIFICANT_DIGITS, Bound, NumberDomain
+from .rules import MAX_SCHEMA_NUMBER_RULES, NumberRules
 
 __all__ = [
     "MAX_FRACTION_DIGITS",
     "MAX_NUMBER_RULES",
+    "MAX_SCHEMA_NUMBER_RULES",
     "MAX_SIGNIFICANT_DIGITS",
     "Bound",
     "NumberAutomaton",
     "NumberDomain",
+    "NumberRules",
     "number_automaton",
 ]

@@ -9,13 +9,23 @@ from dataclasses import dataclass
 from .domain import MAX_SIGNIFICANT_DIGITS, NumberDomain
 from .machine import ALPHABET, Machine, State
 
-__all__ = ["MAX_NUMBER_RULES", "NumberAutomaton", "number_automaton"]
+__all__ = [
+    "MAX_EXPLORED",
+    "MAX_NUMBER_RULES",
+    "AutomatonTooLarge",
+    "NumberAutomaton",
+    "number_automaton",
+]
 
 MAX_NUMBER_RULES = 2048
 """Most rules (automaton states) one field's grammar may have; beyond, the schema is refused."""
 
-_MAX_EXPLORED = 16 * MAX_NUMBER_RULES
-"""Most product states explored before giving up (bounds the build time)."""
+MAX_EXPLORED = 16 * MAX_NUMBER_RULES
+"""Most product states one field explores before giving up (bounds the build time)."""
+
+
+class AutomatonTooLarge(ValueError):
+    """The automaton would pass the rules or the exploration it was allowed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +46,8 @@ class NumberAutomaton:
     """
 
     nodes: tuple[_Node, ...]
+    explored: int
+    """Product states explored to find them (what the build cost)."""
 
     def is_final(self, node: int) -> bool:
         """Whether ``node`` accepts only the empty string (it needs no rule)."""
@@ -67,23 +79,30 @@ def _chars(chars: str) -> str:
     return f"[{''.join(parts)}]"
 
 
-def number_automaton(domain: NumberDomain) -> NumberAutomaton:
-    """The minimal automaton of the plain decimals (the form in the module's docstring)
+def number_automaton(
+    domain: NumberDomain,
+    *,
+    max_rules: int = MAX_NUMBER_RULES,
+    max_explored: int = MAX_EXPLORED,
+) -> NumberAutomaton:
+    """The minimal automaton of the plain decimals (the form in the package's docstring)
     that ``domain`` allows.
 
     Raises:
-        ValueError: no such decimal exists, or the automaton would have more than
-            :data:`MAX_NUMBER_RULES` states (the message says which).
+        AutomatonTooLarge: the automaton would have more than ``max_rules`` states, or
+            explore more than ``max_explored``.
+        ValueError: no such decimal exists.
     """
     machine = Machine.of(domain)
     ids: dict[_Node, int] = {}
     memo: dict[State, int | None] = {}
+    too_large = f"their grammar would exceed the limit of {max_rules} rules"
 
     def visit(state: State) -> int | None:
         if state in memo:
             return memo[state]
-        if len(memo) >= _MAX_EXPLORED or len(ids) > MAX_NUMBER_RULES:
-            raise ValueError(_TOO_LARGE)
+        if len(memo) >= max_explored or len(ids) > max_rules:
+            raise AutomatonTooLarge(too_large)
         targets: dict[int, str] = {}
         for char in ALPHABET:
             after = machine.step(state, char)
@@ -98,14 +117,10 @@ def number_automaton(domain: NumberDomain) -> NumberAutomaton:
         memo[state] = found
         return found
 
-    start = visit(machine.start())
-    if start is None:
+    if visit(machine.start()) is None:
         raise ValueError(
             f"no number of at most {MAX_SIGNIFICANT_DIGITS} significant digits meets them"
         )
-    if len(ids) > MAX_NUMBER_RULES:
-        raise ValueError(_TOO_LARGE)
-    return NumberAutomaton(tuple(sorted(ids, key=ids.__getitem__)))
-
-
-_TOO_LARGE = f"their grammar would exceed the limit of {MAX_NUMBER_RULES} rules"
+    if len(ids) > max_rules:
+        raise AutomatonTooLarge(too_large)
+    return NumberAutomaton(tuple(sorted(ids, key=ids.__getitem__)), len(memo))
