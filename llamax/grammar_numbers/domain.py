@@ -14,10 +14,6 @@ double, so a value in range stays in range for a client that reads doubles."""
 MAX_FRACTION_DIGITS = 16
 """Fraction digits written (as llama.cpp's ``decimal-part``), unless a bound needs more."""
 
-MAX_NUMBER_RULES = 2048
-"""Most rules (automaton states) one field's grammar may have; beyond, the schema is refused."""
-
-
 @dataclass(frozen=True, slots=True)
 class Bound:
     """One side of a range."""
