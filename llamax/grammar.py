@@ -1,5 +1,6 @@
 """JSON schema → GBNF, through llama-cpp-python's converter (we do not write our own), with
-llama.cpp's integer ranges added (:mod:`llamax.grammar_ranges`)."""
+llama.cpp's integer ranges added (:mod:`llamax.grammar_ranges`) and the numeric keywords
+it leaves out enforced (:mod:`llamax.grammar_numbers`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from .errors import GrammarError
+from .grammar_numbers import Bound, NumberDomain, NumberRules
 from .grammar_ranges import int_range_rule
 
 __all__ = [
@@ -19,6 +22,7 @@ __all__ = [
     "check_repetitions",
     "check_schema_shape",
     "integer_bounds",
+    "number_bounds",
     "schema_to_gbnf",
 ]
 
@@ -32,35 +36,71 @@ JSON_OBJECT_SCHEMA = {"type": "object"}
 """What ``response_format={"type": "json_object"}`` constrains to: any JSON object."""
 
 
-_NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-"""Keywords the grammar cannot enforce on a ``number`` (nor ``multipleOf`` on an integer)."""
+_NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_COMBINATORS = ("$ref", "oneOf", "anyOf", "const", "enum")
+"""Keywords the converter reads before ``type``: a schema with one is left to it."""
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _decimal(key: str, value: int | float) -> Decimal:
+    """``value`` as written (a float's shortest repr, so ``0.1`` is one tenth)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise GrammarError(f"{key} must be a finite number, got {value}")
+    return Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+
+
+def number_bounds(schema: Mapping[str, Any]) -> tuple[Bound | None, Bound | None]:
+    """The tightest lower and upper bounds of ``minimum``/``maximum`` and
+    ``exclusiveMinimum``/``exclusiveMaximum`` (numbers, or draft 4's booleans that make
+    ``minimum``/``maximum`` exclusive), exactly as written; ``None`` for an open side.
+
+    Raises:
+        GrammarError: a bound is not finite.
+    """
+    lows: list[Bound] = []
+    highs: list[Bound] = []
+    for key, exclusive, side in (
+        ("minimum", "exclusiveMinimum", lows),
+        ("maximum", "exclusiveMaximum", highs),
+    ):
+        if _is_number(schema.get(key)):
+            side.append(Bound(_decimal(key, schema[key]), schema.get(exclusive) is not True))
+        if _is_number(schema.get(exclusive)):
+            side.append(Bound(_decimal(exclusive, schema[exclusive]), False))
+    low = max(lows, key=lambda b: (b.value, not b.inclusive)) if lows else None
+    high = min(highs, key=lambda b: (b.value, b.inclusive)) if highs else None
+    return low, high
+
+
 def integer_bounds(schema: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """The inclusive ``[low, high]`` of an integer schema's ``minimum``/``maximum`` and
-    ``exclusiveMinimum``/``exclusiveMaximum`` (a fractional bound rounds inwards), as
-    llama.cpp's converter reads them; ``None`` for an open side.
+    """The inclusive ``[low, high]`` of an integer schema's bounds (:func:`number_bounds`;
+    a fractional bound rounds inwards), as llama.cpp's converter reads them; ``None`` for
+    an open side.
 
     Raises:
         GrammarError: no integer satisfies the bounds.
     """
-    lows, highs = [], []
-    if _is_number(schema.get("minimum")):
-        lows.append(math.ceil(schema["minimum"]))
-    if _is_number(schema.get("exclusiveMinimum")):
-        lows.append(math.floor(schema["exclusiveMinimum"]) + 1)
-    if _is_number(schema.get("maximum")):
-        highs.append(math.floor(schema["maximum"]))
-    if _is_number(schema.get("exclusiveMaximum")):
-        highs.append(math.ceil(schema["exclusiveMaximum"]) - 1)
-    low, high = (max(lows) if lows else None), (min(highs) if highs else None)
+    lower, upper = number_bounds(schema)
+    low = high = None
+    if lower is not None:
+        low = math.ceil(lower.value) if lower.inclusive else math.floor(lower.value) + 1
+    if upper is not None:
+        high = math.floor(upper.value) if upper.inclusive else math.ceil(upper.value) - 1
     if low is not None and high is not None and low > high:
         raise GrammarError(f"no integer is between the schema's bounds ({low} > {high})")
     return low, high
+
+
+def _multiple(schema: Mapping[str, Any]) -> Decimal | None:
+    value = schema.get("multipleOf")
+    if value is None:
+        return None
+    if not _is_number(value) or value <= 0:
+        raise GrammarError(f"multipleOf must be a number above 0, got {value!r}")
+    return _decimal("multipleOf", value)
 
 
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
@@ -115,13 +155,16 @@ def schema_to_gbnf(schema_json: str) -> str:
     """Convert a JSON schema (as JSON text) to a GBNF grammar; cached per schema.
 
     llama-cpp-python's converter, with integer ranges (``minimum``, ``maximum`` and their
-    exclusive forms on an ``integer``) enforced as llama.cpp's own converter does. Bounds on
-    a ``number`` and ``multipleOf`` cannot be written as a grammar: they are not enforced
-    (the value has the JSON number shape, and may fall outside them), as with llama.cpp.
+    exclusive forms on an ``integer``) enforced as llama.cpp's own converter does, and the
+    bounds of a ``number`` and ``multipleOf`` (on either) enforced by rules of
+    :mod:`llamax.grammar_numbers`: values are then written as plain decimals (no exponent)
+    of at most 15 significant digits.
 
     Raises:
-        GrammarError: the schema is malformed (the message names the place), its integer
-            bounds admit no value, or the converter rejected it.
+        GrammarError: the schema is malformed (the message names the place), its numeric
+            keywords admit no value or need a grammar over
+            :data:`~llamax.grammar_numbers.MAX_NUMBER_RULES` rules (the message names the
+            field), or the converter rejected it.
     """
     schema = json.loads(schema_json)
     check_schema_shape(schema)
@@ -134,22 +177,67 @@ def schema_to_gbnf(schema_json: str) -> str:
 
 
 def _convert(schema: Any) -> str:
-    from llama_cpp.llama_grammar import SchemaConverter
+    from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+
+    numbers = NumberRules(lambda name, body: str(converter._add_rule(name, body)))
 
     class _Converter(SchemaConverter):
         def visit(self, schema: Any, name: str) -> Any:
-            if isinstance(schema, dict) and schema.get("type") == "integer":
-                low, high = integer_bounds(schema)
-                if low is not None or high is not None:
-                    rule_name = name or "root"
-                    rule = "(" + int_range_rule(low, high) + ") space"
-                    return self._add_rule(rule_name, rule)  # type: ignore[no-untyped-call]
+            if isinstance(schema, dict) and not any(key in schema for key in _COMBINATORS):
+                kind = schema.get("type")
+                if isinstance(kind, list) and _has_numeric_keywords(schema, kind):
+                    return super().visit({"anyOf": _split_types(schema, kind)}, name)  # type: ignore[no-untyped-call]
+                if kind in ("integer", "number"):
+                    rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+                    rule = _numeric_rule(self, numbers, schema, kind, rule_name)
+                    if rule is not None:
+                        return rule
             return super().visit(schema, name)  # type: ignore[no-untyped-call]
 
     converter: Any = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)  # type: ignore[no-untyped-call]
     schema = converter.resolve_refs(schema, "stdin")
     converter.visit(schema, "")
     return str(converter.format_grammar())
+
+
+def _has_numeric_keywords(schema: Mapping[str, Any], kinds: list[Any]) -> bool:
+    return any(k in ("integer", "number") for k in kinds) and any(
+        key in schema for key in _NUMERIC_KEYWORDS
+    )
+
+
+def _split_types(schema: Mapping[str, Any], kinds: list[Any]) -> list[dict[str, Any]]:
+    """``{"type": ["number", "null"], "minimum": 0}`` as ``anyOf`` branches, the numeric
+    keywords kept on the numeric ones (the converter drops every keyword from a type list)."""
+    numeric = {key: schema[key] for key in _NUMERIC_KEYWORDS if key in schema}
+    return [{"type": k, **(numeric if k in ("integer", "number") else {})} for k in kinds]
+
+
+def _numeric_rule(
+    converter: Any, numbers: NumberRules, schema: Mapping[str, Any], kind: str, name: str
+) -> str | None:
+    """The rule enforcing a numeric schema's bounds and ``multipleOf``, or None for the
+    converter's own (none given).
+
+    Raises:
+        GrammarError: no value meets them, or their grammar is too large (names the field).
+    """
+    multiple = _multiple(schema)
+    if kind == "integer" and multiple is None:
+        low, high = integer_bounds(schema)
+        if low is None and high is None:
+            return None
+        return str(converter._add_rule(name, "(" + int_range_rule(low, high) + ") space"))
+    lower, upper = number_bounds(schema)
+    if lower is None and upper is None and multiple is None:
+        return None
+    try:
+        start = numbers.start(NumberDomain(lower, upper, multiple, kind == "integer"), name)
+    except ValueError as exc:
+        given = ", ".join(f"{k}={schema[k]}" for k in _NUMERIC_KEYWORDS if k in schema)
+        field = "the schema" if name == "root" else f"field {name!r}"
+        raise GrammarError(f"{field} ({kind}, {given}): {exc}") from exc
+    return str(converter._add_rule(name, f"({start}) space"))
 
 
 def check_repetitions(grammar: str) -> str | None:

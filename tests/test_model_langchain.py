@@ -2,7 +2,8 @@
 (issue 44): a pydantic tool whose fields have bounds, bound with ``bind_tools`` and forced
 with ``tool_choice`` (the tiny model must call it), and ``with_structured_output`` on a
 pydantic model with bounds. Each is a 200 and a parse that satisfies the bounds: the integer
-bounds and string lengths become grammar rules, so the sampled JSON cannot leave them.
+and float bounds, multiples and string lengths become grammar rules, so the sampled JSON
+cannot leave them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,15 @@ class Review(BaseModel):
     year: int = Field(gt=1900, lt=2030)
 
 
+class Measure(BaseModel):
+    """Record a measurement."""
+
+    fraction: float = Field(gt=0, lt=1, description="the share measured, between 0 and 1")
+    offset: float = Field(ge=-2.5, le=1e3, multiple_of=0.5, description="the offset")
+
+
 ASK_AGE = "Alice is 25 years old. Record her age."
+ASK_MEASURE = "A third of the tank is full, 12 litres above the mark. Record it."
 ASK_REVIEW = "Review the film Jaws in one line."
 
 
@@ -93,6 +102,18 @@ def test_chat_openai_structured_output_with_bounds(url: str) -> None:
         review = llm.with_structured_output(Review, method=method).invoke(ASK_REVIEW)
         assert isinstance(review, Review), method
         assert 1 <= review.stars <= 5 and 1900 < review.year < 2030 and len(review.title) <= 24
+
+
+def test_chat_openai_float_bounds_over_several_seeds(url: str) -> None:
+    options = {**_options(), "temperature": 1.2}
+    for seed in range(4):
+        llm = langchain_openai.ChatOpenAI(base_url=url + "/v1", max_tokens=96, seed=seed, **options)
+        bound = llm.bind_tools([Measure], tool_choice="Measure", parallel_tool_calls=False)
+        (call,) = bound.invoke(ASK_MEASURE).tool_calls
+        measured = Measure.model_validate(call["args"])  # pydantic checks gt/lt/multiple_of
+        assert 0 < measured.fraction < 1 and -2.5 <= measured.offset <= 1000
+        structured = llm.with_structured_output(Measure, method="json_schema")
+        assert isinstance(structured.invoke(ASK_MEASURE), Measure)
 
 
 # --- ChatAnthropic -----------------------------------------------------------------------------

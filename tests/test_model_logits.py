@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,38 @@ def test_json_schema_integer_bounds_are_enforced(real_ctx: llamax.Context) -> No
         done = handle.result(TIMEOUT)
         assert done.finish_reason == "stop", done.text
         assert 18 <= json.loads(done.text)["age"] <= 30, done.text
+
+
+def test_json_schema_number_bounds_and_multiples_are_enforced(real_ctx: llamax.Context) -> None:
+    # Bounds on a number and multipleOf become grammar rules too (issue 44): pydantic's
+    # Field(gt=0, lt=1), Field(ge=-2.5, le=1e3) and a multiple of 0.5 under hot sampling.
+    bounded = {
+        "type": "object",
+        "properties": {
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "offset": {"type": "number", "minimum": -2.5, "maximum": 1e3},
+            "step": {"type": "number", "multipleOf": 0.5, "minimum": -3, "exclusiveMaximum": 7},
+        },
+        "required": ["ratio", "offset", "step"],
+    }
+    prompt = real_ctx.chat_prompt(
+        [{"role": "user", "content": "Reply in JSON with a ratio, an offset and a step."}]
+    )
+    handles = [
+        real_ctx.add_request(
+            prompt,
+            llamax.SamplingParams(max_tokens=80, temperature=1.2, seed=seed, json_schema=bounded),
+        )
+        for seed in range(6)
+    ]
+    for handle in handles:
+        done = handle.result(TIMEOUT)
+        assert done.finish_reason == "stop", done.text
+        value = json.loads(done.text, parse_float=Decimal)
+        assert 0 < value["ratio"] < 1 and -2.5 <= value["offset"] <= 1000, done.text
+        assert -3 <= value["step"] < 7 and value["step"] % Decimal("0.5") == 0, done.text
+        plain = json.loads(done.text)  # as a client reading doubles sees them
+        assert 0 < plain["ratio"] < 1 and -2.5 <= plain["offset"] <= 1000, done.text
 
 
 def test_json_schema_keeps_the_property_order(real_ctx: llamax.Context) -> None:

@@ -227,6 +227,45 @@ def test_chat_completion_required_and_named_calls(real_ctx: llamax.Context) -> N
     assert [c.function.name for c in _chat_calls(response, {"get_time"})] == ["get_time"]
 
 
+def test_a_forced_call_keeps_float_bounds_and_multiples(real_ctx: llamax.Context) -> None:
+    # Field(gt=0, lt=1) and Field(ge=-2.5, le=1e3, multiple_of=0.5) on floats are grammar
+    # rules (issue 44): hot sampling cannot leave them, seed after seed.
+    measure = {
+        "type": "function",
+        "function": {
+            "name": "measure",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                    "offset": {
+                        "type": "number",
+                        "minimum": -2.5,
+                        "maximum": 1e3,
+                        "multipleOf": 0.5,
+                    },
+                },
+                "required": ["ratio", "offset"],
+            },
+        },
+    }
+    ask = [{"role": "user", "content": "Measure the ratio and the offset."}]
+    for seed in range(4):
+        response = real_ctx.chat_completion(
+            ask,
+            tools=[measure],
+            tool_choice={"type": "function", "function": {"name": "measure"}},
+            parallel_tool_calls=False,
+            temperature=1.2,
+            seed=seed,
+            max_tokens=96,
+        )
+        (call,) = response["choices"][0]["message"]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        assert 0 < arguments["ratio"] < 1, arguments
+        assert -2.5 <= arguments["offset"] <= 1000 and arguments["offset"] % 0.5 == 0, arguments
+
+
 def test_chat_completion_round_trip_and_streamed_deltas(real_ctx: llamax.Context) -> None:
     from openai.types.chat import ChatCompletionChunk
 

@@ -588,6 +588,7 @@ def test_bounded_schemas_are_taken_and_integer_bounds_enforced() -> None:
         json.dumps({"type": "object", "properties": {"age": age, "price": price}})
     )
     assert "age ::= (" in grammar and "[1] ([8-9])" in grammar  # 18..129, not any integer
+    assert "price ::= (" in grammar and "price-1 ::= " in grammar  # the number's own rules
     assert integer_bounds({"minimum": 0.5, "maximum": 9.5}) == (1, 9)
     with pytest.raises(llamax.GrammarError, match="no integer"):
         integer_bounds({"exclusiveMinimum": 2, "exclusiveMaximum": 3})
@@ -635,6 +636,35 @@ def test_a_pydantic_tool_with_bounds_and_a_malformed_one_over_http(
     )
     assert anthropic_bad.status_code == 400
     assert "properties.bar must be a schema" in anthropic_bad.json()["error"]["message"]
+
+
+def test_a_multiple_past_the_grammar_limit_is_a_400_naming_the_tool_and_field(
+    server: tuple[llamax.Context, str],
+) -> None:
+    _, url = server
+    steps = {"type": "object", "properties": {"step": {"type": "number", "multipleOf": 999983}}}
+    tools = [{"type": "function", "function": {"name": "walk", "parameters": steps}}]
+    bad = post(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 3, "tools": tools})
+    assert bad.status_code == 400
+    message = bad.json()["error"]["message"]
+    assert "'walk'" in message and "field 'step'" in message and "2048 rules" in message
+    fits = {"type": "number", "multipleOf": 5, "exclusiveMinimum": 0, "maximum": 100}
+    ok = post(
+        url,
+        "/v1/chat/completions",
+        {
+            "messages": HI,
+            "max_tokens": 3,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "n",
+                    "schema": {"type": "object", "properties": {"n": fits}},
+                },
+            },
+        },
+    )
+    assert ok.status_code == 200, ok.text
 
 
 def test_an_unknown_response_id_is_a_404_about_the_id(server: tuple[llamax.Context, str]) -> None:

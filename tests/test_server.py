@@ -166,6 +166,54 @@ def test_chat_json_schema(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
 
 
+def test_number_bounds_in_a_forced_tool_and_a_json_schema(client: openai.OpenAI) -> None:
+    # Field(gt=0, lt=1) and Field(ge=-2.5, le=1e3, multiple_of=0.5) on floats (issue 44):
+    # enforced by the grammar, so every seed's call and reply is in range.
+    measure = {
+        "type": "object",
+        "properties": {
+            "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "offset": {"type": "number", "minimum": -2.5, "maximum": 1e3, "multipleOf": 0.5},
+        },
+        "required": ["ratio", "offset"],
+    }
+    tool = {"type": "function", "function": {"name": "measure", "parameters": measure}}
+    ask = [{"role": "user", "content": "Measure the ratio and the offset."}]
+    for seed in range(4):
+        reply = client.chat.completions.create(
+            model="any",
+            messages=ask,  # type: ignore[arg-type]
+            max_tokens=96,
+            temperature=1.2,
+            seed=seed,
+            tools=[tool],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "measure"}},
+            parallel_tool_calls=False,
+        )
+        (call,) = reply.choices[0].message.tool_calls or []
+        for value in (
+            json.loads(call.function.arguments),  # type: ignore[union-attr]
+            _json_reply(client, ask, measure, seed),
+        ):
+            assert 0 < value["ratio"] < 1 and -2.5 <= value["offset"] <= 1000, value
+            assert value["offset"] * 2 == int(value["offset"] * 2), value
+
+
+def _json_reply(
+    client: openai.OpenAI, messages: list[dict[str, str]], schema: dict[str, Any], seed: int
+) -> Any:
+    reply = client.chat.completions.create(
+        model="any",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=96,
+        temperature=1.2,
+        seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    return json.loads(reply.choices[0].message.content or "")
+
+
 def test_responses_json_schema_and_a_follow_up(client: openai.OpenAI) -> None:
     """The Responses API on the real model: ``text.format`` json_schema constrains the
     output, and ``previous_response_id`` continues on the prefix the cache holds."""
