@@ -103,6 +103,7 @@ def _multiple(schema: Mapping[str, Any]) -> Decimal | None:
     return _decimal("multipleOf", value)
 
 
+_NUMBER_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "not")
@@ -118,6 +119,12 @@ def check_schema_shape(node: Any, path: str = "") -> None:
     where = path or "the schema"
     if not isinstance(node, Mapping):
         raise GrammarError(f"{where} must be a schema (an object), got {type(node).__name__}")
+    for key in _NUMBER_KEYWORDS:  # a bound the converter would skip is not a bound
+        value = node.get(key)
+        draft4 = key.startswith("exclusive") and isinstance(value, bool)
+        if value is not None and not draft4 and not _is_number(value):
+            what = "a number above 0" if key == "multipleOf" else "a number"
+            raise GrammarError(f"{_join(path, key)} must be {what}, got {value!r}")
     for key in _SUBSCHEMA_MAPS:
         children = node.get(key)
         if children is None:

@@ -318,6 +318,13 @@ def test_fields_alike_share_their_rules_and_a_schema_has_a_budget() -> None:
         ({"type": "number", "multipleOf": 5, "minimum": 1, "maximum": 4}, "no number"),
         ({"type": "integer", "multipleOf": 10, "minimum": 1, "maximum": 9}, "no number"),
         ({"type": "number", "exclusiveMinimum": 1e15}, "at most 15 significant digits"),
+        # a bound that is not a number was skipped by the converter: now named
+        ({"type": "number", "minimum": "5"}, "minimum must be a number, got '5'"),
+        ({"type": "integer", "maximum": [3]}, r"maximum must be a number, got \[3\]"),
+        (
+            {"type": "object", "properties": {"x": {"type": "number", "exclusiveMinimum": "0"}}},
+            "properties.x.exclusiveMinimum must be a number",
+        ),
     ],
 )
 def test_impossible_or_malformed_keywords_are_grammar_errors(
