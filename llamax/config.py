@@ -267,7 +267,7 @@ class ContextConfig:
             metavar="BYTES",
         ),
     )
-    prefix_disk_dir: str | None = field(
+    prefix_disk_dir: str | os.PathLike[str] | None = field(
         default=None,
         metadata=spec(
             default_doc="no disk tier",
@@ -303,7 +303,7 @@ class ContextConfig:
             "when `prefix_disk_bytes` is not given (a model pool sets it; docs/models.md)",
         ),
     )
-    mmproj: str | None = field(
+    mmproj: str | os.PathLike[str] | None = field(
         default=None,
         metadata=spec(
             default_doc="none: text only",
@@ -391,7 +391,9 @@ class ContextConfig:
             adapt_threads=self.adapts_threads,
             prefix_ram_bytes=self.prefix_ram_bytes,
             prefix_ram_share=self.prefix_ram_share,
-            prefix_disk_dir=self.prefix_disk_dir,
+            prefix_disk_dir=None
+            if self.prefix_disk_dir is None
+            else os.fspath(self.prefix_disk_dir),
             prefix_disk_bytes=self.prefix_disk_bytes,
             prefix_disk_share=self.prefix_disk_share,
         )

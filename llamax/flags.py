@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -90,6 +91,8 @@ def _flag_kind(flag_type: Any, hint: Any) -> dict[str, Any]:
     if flag_type is not None:
         return {"type": flag_type}
     parts = [p for p in typing.get_args(hint) or (hint,) if p is not type(None)]
+    if str in parts:  # a path-like option's flag is the path's text
+        parts = [p for p in parts if (typing.get_origin(p) or p) is not os.PathLike]
     if typing.get_origin(hint) is Literal:
         return {"choices": typing.get_args(hint)}
     if parts == [bool]:
