@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print a model's GGUF metadata")
     info.add_argument("model_path", nargs="?", metavar="MODEL", help="GGUF file")
     info.add_argument("--json", action="store_true", help="print JSON")
+    info.add_argument(
+        "--mmproj", metavar="FILE", help="the model's multimodal projector: does it see images"
+    )
     info.set_defaults(handler=_info)
 
     commands.add_parser("serve", help="OpenAI-compatible HTTP server (llamax[server])")
@@ -222,16 +225,16 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 def _info(ns: argparse.Namespace) -> int:
-    info = model_info(ns.model_path)
+    info = model_info(ns.model_path, mmproj=ns.mmproj)
     if ns.json:
         print(json.dumps(asdict(info), default=str, indent=2))
         return 0
-    for label, value in _info_rows(info):
+    for label, value in _info_rows(info, ns.mmproj):
         print(f"{label + ':':<16}{value}")
     return 0
 
 
-def _info_rows(info: ModelInfo) -> list[tuple[str, str]]:
+def _info_rows(info: ModelInfo, mmproj: str | None = None) -> list[tuple[str, str]]:
     def yes(flag: bool) -> str:
         return "yes" if flag else "no"
 
@@ -250,6 +253,7 @@ def _info_rows(info: ModelInfo) -> list[tuple[str, str]]:
         ("sliding window", str(info.sliding_window) if info.sliding_window else "none"),
         ("chat template", yes(info.has_chat_template)),
         ("memory", f"{memory}; can shift: {yes(info.can_shift)}, can copy: {yes(info.can_copy)}"),
+        ("sees images", yes(info.sees_images) + ("" if mmproj else " (no --mmproj given)")),
     ]
 
 

@@ -135,6 +135,9 @@ class Context:
         host = backend if isinstance(backend, ImageHost) else None  # reads its properties
         self._images = ImagePrompts(host)
         self._sees_images = host is not None and host.sees_images  # answers after close
+        self._projector_identity = (
+            host.projector_identity if host is not None and host.sees_images else None
+        )
         self._chat = BoundTemplate(backend, config.chat_template, self._images)
         self._embedder: Embedder | None = None
 
@@ -523,6 +526,23 @@ class Context:
         self._check_open("count a prompt")
         return self._chat.prompt_positions(prompt)
 
+    def prompt_token_ids(self, prompt: Sequence[int | Image]) -> list[int]:
+        """The ids ``prompt`` (token ids and images, as :meth:`chat_prompt_parts` renders)
+        is in a sequence, one per position: each image as the marker tokens the projector
+        puts around it and its placeholder ids (negative, derived from its pixels). What a
+        session's :attr:`~llamax.Session.token_ids` hold, so a caller can tell how much of a
+        prompt a session holds. Images are read, not encoded.
+
+        Raises:
+            ImageError: the prompt holds an image and this context has no projector, or an
+                image cannot be read.
+            ContextClosedError: the context is closed.
+        """
+        self._check_open("count a prompt")
+        if not any(isinstance(part, Image) for part in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        return self._images.token_ids(prompt)
+
     def chat(
         self,
         *,
@@ -888,6 +908,10 @@ class _SessionPort:
     @property
     def model_identity(self) -> dict[str, object]:
         return self._ctx._backend.model_identity
+
+    @property
+    def projector_identity(self) -> dict[str, object] | None:
+        return self._ctx._projector_identity
 
     @property
     def adapter_weights(self) -> dict[str, str]:

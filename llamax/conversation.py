@@ -12,6 +12,11 @@ difference, so a template that renders differently once old messages are gone st
 correct output. Where the memory cannot shift (``llama_memory_can_shift`` is false), the
 dropped turns and everything after them are recomputed.
 
+A user message may hold images (OpenAI ``image_url`` parts, :class:`~llamax.Image` s:
+docs/images.md). The session keeps them like any prefix: the same pixels give the same
+placeholder ids, so the next turn reuses an earlier image's cells; a dropped turn takes its
+images with it (a shift moves whole messages, never part of an image).
+
 A reply that thinks (``<think>...</think>``, see :mod:`llamax.reasoning`) goes into the
 history as its answer in ``content`` and its thinking in ``reasoning_content``, the shape
 thinking templates expect: they decide what of it the next turn's prompt shows (Qwen3's
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
-from .errors import InvalidParameterError, InvalidRequestError
+from .errors import InvalidParameterError
 from .handle import RequestHandle
 from .images import Image
 from .params import SamplingParams
@@ -115,7 +120,7 @@ class Chat:
         start = ([{"role": "system", "content": system}] if system is not None else []) + list(
             messages
         )
-        self._messages: list[Message] = _without_images(validate_messages(start) if start else [])
+        self._messages: list[Message] = validate_messages(start) if start else []
         self._ctx = ctx
         self._max_context = min(max_context or ctx.n_ctx_seq, ctx.n_ctx_seq)
         if self._max_context < 16:
@@ -137,13 +142,13 @@ class Chat:
 
     # ------------------------------------------------------------------ turns
     def send(self, content: Content, params: SamplingParams | None = None) -> Completion:
-        """Add a user message (text, or OpenAI text parts) and return the assistant's reply
-        (blocking).
+        """Add a user message (text, or OpenAI content parts: text, ``image_url`` with a
+        ``data:`` URL, :class:`~llamax.Image`) and return the assistant's reply (blocking).
 
         Raises:
-            InvalidRequestError: the content is malformed, or holds an image (a chat's KV
-                sequence is a session, and sessions do not take images yet: send those
-                with ``ctx.chat_completion``).
+            InvalidMessageError: the content is malformed.
+            ImageError: it holds an image, and the context has no projector, or the image
+                cannot be read.
         """
         turn = self._start_turn(content, params)
         completion = turn.handle.result()
@@ -171,19 +176,28 @@ class Chat:
         if params.n != 1:
             raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}")
         params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
-        turn = _without_images(validate_messages([{"role": "user", "content": content}]))
+        turn = validate_messages([{"role": "user", "content": content}])
         wanted = [*self._messages, *turn]
         budget = self._max_context - (params.max_tokens or 1)
-        kept = drop_oldest_turns(wanted, lambda m: len(self._render(m)), budget)
+        kept = drop_oldest_turns(wanted, lambda m: len(self._ids(self._render(m))), budget)
         dropped = len(wanted) - len(kept)
         shifted = self._shift(kept, dropped) if dropped else 0
         prompt = self._render(kept)
-        opened = opens_thinking(self._ctx.detokenize(prompt[-8:]))
+        ids = self._ids(prompt)
+        opened = opens_thinking(self._ctx.detokenize([t for t in ids[-8:] if t >= 0]))
         handle = self._session.add_request(prompt, params)
-        return _Turn(handle, kept, len(prompt), dropped, shifted, opened)
+        return _Turn(handle, kept, len(ids), dropped, shifted, opened)
 
-    def _render(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
-        return self._ctx.chat_prompt(messages, **options, **self._template_vars)
+    def _render(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int | Image]:
+        """The prompt of ``messages``: token ids, with an :class:`~llamax.Image` where each
+        image sits."""
+        if has_images(messages):
+            return self._ctx.chat_prompt_parts(messages, **options, **self._template_vars)
+        return list(self._ctx.chat_prompt(messages, **options, **self._template_vars))
+
+    def _ids(self, prompt: Sequence[int | Image]) -> list[int]:
+        """One id a position, as the session holds them (an image's placeholder ids)."""
+        return self._ctx.prompt_token_ids(prompt)
 
     def _end_turn(self, turn: _Turn, completion: Completion) -> None:
         reply: Message = {"role": "assistant", "content": completion.text}
@@ -214,8 +228,10 @@ class Chat:
         head = leading_system_count(old)
         if not self._ctx.can_shift or head + num_dropped >= len(old):
             return 0  # nothing of the old history survives: plain truncation does the job
-        old_tokens = self._render(old[: head + num_dropped + 1], add_generation_prompt=False)
-        new_tokens = self._render(kept[: head + 1], add_generation_prompt=False)
+        old_tokens = self._ids(
+            self._render(old[: head + num_dropped + 1], add_generation_prompt=False)
+        )
+        new_tokens = self._ids(self._render(kept[: head + 1], add_generation_prompt=False))
         removed = len(old_tokens) - len(new_tokens)
         session = self._session
         if removed <= 0 or tuple(old_tokens) != session.token_ids[: len(old_tokens)]:
@@ -240,17 +256,3 @@ class Chat:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _without_images(messages: list[Message]) -> list[Message]:
-    """``messages``, refused when they hold an image.
-
-    Raises:
-        InvalidRequestError: they do.
-    """
-    if has_images(messages):
-        raise InvalidRequestError(
-            "a Chat cannot hold images yet: its KV sequence is a session, and sessions do not "
-            "take images; send messages with images with ctx.chat_completion"
-        )
-    return messages

@@ -21,7 +21,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ __all__ = ["EMBEDDING_CACHE_BYTES", "Image", "ImagePrompts", "is_parts"]
 
 EMBEDDING_CACHE_BYTES = 256 * 2**20
 """How many bytes of image embeddings a context keeps for reuse."""
-_MAX_POSITIONS_KEPT = 4096
+_MAX_IMAGES_KEPT = 4096  # images whose chunks (tokenized alone) are kept
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
@@ -124,9 +124,9 @@ class ImagePrompts:
         self._num_bytes = 0
         self._lock = threading.Lock()  # one encode at a time; held across get-or-encode
         # decoded pixels of the Image objects alive (a chat request's images are read to
-        # fit the conversation, then again to encode them), and each image's positions
+        # fit the conversation, then again to encode them), and each image's chunks
         self._decoded: weakref.WeakKeyDictionary[Image, RgbImage] = weakref.WeakKeyDictionary()
-        self._positions: OrderedDict[str, int] = OrderedDict()
+        self._layouts: OrderedDict[str, tuple[TextChunk | ImageChunk, ...]] = OrderedDict()
         self._read_lock = threading.Lock()
         self.num_encoded = 0
         """Images encoded so far (a cache hit encodes nothing)."""
@@ -168,13 +168,23 @@ class ImagePrompts:
         Raises:
             ImageError: the context has no projector, or an image cannot be read.
         """
-        num = 0
+        return len(self.token_ids(parts))
+
+    def token_ids(self, parts: Sequence[int | Image]) -> list[int]:
+        """The ids a prompt of token ids and images is in a sequence (what a session's
+        ``token_ids`` hold): each image as the marker tokens around it and its placeholder
+        ids. Images are read and tokenized, as for :meth:`num_positions`.
+
+        Raises:
+            ImageError: the context has no projector, or an image cannot be read.
+        """
+        ids: list[int] = []
         for part in parts:
             if isinstance(part, Image):
-                num += self._image_positions(self._projector(), part)
+                ids.extend(self._image_ids(self._projector(), part))
             else:
-                num += 1
-        return num
+                ids.append(part)
+        return ids
 
     def _projector(self) -> ImageHost:
         host = self._host
@@ -231,22 +241,31 @@ class ImagePrompts:
             chunks.append(TextChunk(tuple(run)))
         return chunks
 
-    def _image_positions(self, host: ImageHost, image: Image) -> int:
+    def _image_ids(self, host: ImageHost, image: Image) -> list[int]:
+        """An image tokenized alone (no BOS): its marker tokens and placeholder ids."""
         rgb = self._read(host, image, keep=True)
         with self._read_lock:
-            known = self._positions.get(rgb.image_id)
-        if known is not None:
-            return known
-        chunks = host.tokenize_images(host.image_marker, [rgb], add_special=False)
-        for chunk in chunks:
-            if isinstance(chunk, ImageChunk):
-                chunk.release()
-        num = sum(chunk.n_pos for chunk in chunks)
-        with self._read_lock:
-            self._positions[rgb.image_id] = num
-            if len(self._positions) > _MAX_POSITIONS_KEPT:
-                self._positions.popitem(last=False)
-        return num
+            layout = self._layouts.get(rgb.image_id)
+        if layout is None:
+            chunks = host.tokenize_images(host.image_marker, [rgb], add_special=False)
+            for chunk in chunks:
+                if isinstance(chunk, ImageChunk):
+                    chunk.release()
+            # kept without their native part: the ids are all that is read again
+            layout = tuple(
+                replace(chunk, native=None) if isinstance(chunk, ImageChunk) else chunk
+                for chunk in chunks
+            )
+            with self._read_lock:
+                self._layouts[rgb.image_id] = layout
+                if len(self._layouts) > _MAX_IMAGES_KEPT:
+                    self._layouts.popitem(last=False)
+        ids: list[int] = []
+        for chunk in layout:
+            ids.extend(
+                chunk.placeholder_ids() if isinstance(chunk, ImageChunk) else chunk.token_ids
+            )
+        return ids
 
     def _lay_out(
         self, host: ImageHost, chunks: Sequence[Any], n_ctx: int

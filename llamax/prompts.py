@@ -175,8 +175,7 @@ def build_request(
     A prompt of parts is read, tokenized and its images encoded here, by ``images``.
 
     Raises:
-        InvalidRequestError: wrong types, bad token ids, n != 1 in a session, or images
-            in a session.
+        InvalidRequestError: wrong types, bad token ids, or n != 1 in a session.
         EmptyPromptError, ContextLengthError, GrammarError: see :func:`prompt_tokens` and
             :func:`request_grammar`.
         ImageError: an image in a context without a projector, or one that cannot be read.
@@ -195,8 +194,6 @@ def build_request(
     grammar = request_grammar(backend, params)
     placed: tuple[PromptImage, ...] = ()
     if parts:  # last: encoding is the costly check
-        if session_id is not None:
-            raise InvalidRequestError("a session's requests cannot hold images yet")
         assert isinstance(prompt, (list, tuple))
         tokens, placed = (images or ImagePrompts(None)).prompt(_ids_checked(backend, prompt), n_ctx)
     return Request(

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 from typing_extensions import Self
 
 from .adapters import AdapterSet
+from .backend.vision.chunks import placeholder_problem
 from .engine.kv.kvops import (
     ForkSession,
     KVOp,
@@ -48,6 +49,7 @@ __all__ = ["Session", "SessionLoader", "SessionPort", "restore_session"]
 
 T = TypeVar("T")
 _MAGIC = b"LLAMAXS1"
+_MAX_ID_DIGITS = 20  # an image's placeholder id, as JSON: "-" and up to 19 digits
 _HEADER = struct.Struct("<8sI")
 
 
@@ -70,6 +72,14 @@ class SessionPort(Protocol):
         Raises:
             ContextClosedError: the context is closed.
         """
+        ...
+
+    @property
+    def projector_identity(self) -> dict[str, object] | None:
+        """What identifies the context's projector (``mmproj``), None without one:
+        :meth:`Session.save` writes it for a session whose KV holds images, and a load of
+        such a session checks it (the same pixels through another projector give other
+        cells)."""
         ...
 
     @property
@@ -131,7 +141,9 @@ class Session:
     # ------------------------------------------------------------------ facts
     @property
     def token_ids(self) -> tuple[int, ...]:
-        """The tokens the session holds in KV now.
+        """The tokens the session holds in KV now; at an image's positions, its placeholder
+        ids (negative, derived from its pixels: ``Context.prompt_token_ids`` gives a
+        prompt's the same way).
 
         Raises:
             SessionError: the session is closed.
@@ -201,8 +213,9 @@ class Session:
         Returns False, changing nothing, when the memory cannot remove part of a sequence.
 
         Raises:
-            InvalidParameterError: ``start``/``end`` are not ints, or the span is not
-                within what the session holds.
+            InvalidParameterError: ``start``/``end`` are not ints, the span is not within
+                what the session holds, or it cuts through an image (``start`` inside one,
+                or ``end`` inside one whose rest would move): shift whole images only.
             SessionError: the session is closed.
             SessionBusyError: a request of this session is running.
             ContextClosedError: the context is closed.
@@ -215,7 +228,8 @@ class Session:
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the session's tokens, KV state, model identity and the LoRA adapter set
         its cells were computed under (each adapter's name, scale and weights' fingerprint)
-        to ``path``.
+        to ``path``; for a session holding images, also the projector's identity (the
+        tokens then hold each image's placeholder ids, as :attr:`token_ids` shows them).
 
         The file is written next to ``path`` and renamed into place, so a crash never
         leaves a half-written session under that name.
@@ -227,18 +241,18 @@ class Session:
             OSError: the file cannot be written.
         """
         tokens, state, adapters = self._apply(SaveSession)
-        identity = self._port.model_identity
         weights = self._port.adapter_weights
-        header = json.dumps(
-            {
-                "model": identity,
-                "tokens": list(tokens),
-                "adapters": [
-                    {"name": name, "scale": scale, "weights": weights.get(name)}
-                    for name, scale in adapters
-                ],
-            }
-        ).encode()
+        fields: dict[str, object] = {
+            "model": self._port.model_identity,
+            "tokens": list(tokens),
+            "adapters": [
+                {"name": name, "scale": scale, "weights": weights.get(name)}
+                for name, scale in adapters
+            ],
+        }
+        if any(token < 0 for token in tokens):  # images: their cells are the projector's
+            fields["projector"] = self._port.projector_identity
+        header = json.dumps(fields).encode()
         target = Path(path)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         try:
@@ -332,11 +346,10 @@ def _open_nonblocking(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
 
 
-def _read_header(
-    file: BinaryIO, path: object, max_size: int
-) -> tuple[Any, list[Any], list[Any], int]:
-    """The saved model identity, token list and adapter list of an open session file, and
-    the size of the KV state that follows; the state is not read yet.
+def _read_header(file: BinaryIO, path: object, max_size: int) -> tuple[dict[str, Any], int]:
+    """The header of an open session file (its model identity, token list, adapter list
+    and, with images, projector identity), and the size of the KV state that follows; the
+    state is not read yet.
 
     Raises:
         SessionLoadError: not a regular file, not a session file, or its header is damaged,
@@ -376,7 +389,7 @@ def _read_header(
             f"{path} is not a llamax session file (its header has no model, token list or "
             "adapter list)"
         )
-    return header["model"], header["tokens"], header["adapters"], following - size
+    return header, following - size
 
 
 def _saved_adapters(saved: list[Any], port: SessionPort, path: object) -> AdapterSet:
@@ -429,13 +442,14 @@ def restore_session(
         SessionLoadError, ContextClosedError, OSError: as :meth:`Session.load`.
     """
     current = port.model_identity
-    max_header = 2 * len(json.dumps({"model": current})) + (len(str(n_vocab)) + 2) * n_ctx_seq
+    names = json.dumps({"model": current, "projector": port.projector_identity})
+    max_header = 2 * len(names) + (_MAX_ID_DIGITS + 2) * n_ctx_seq
     with open(path, "rb", opener=_open_nonblocking) as file:
-        saved_model, tokens, saved_adapters, state_size = _read_header(
-            file, path, max_header + 1024
-        )
-        _check_header(path, saved_model, tokens, current, n_vocab, n_ctx_seq)
-        adapters = _saved_adapters(saved_adapters, port, path)
+        header, state_size = _read_header(file, path, max_header + 1024)
+        tokens = header["tokens"]
+        _check_header(path, header["model"], tokens, current, n_vocab, n_ctx_seq)
+        _check_images(path, tokens, header.get("projector"), port.projector_identity)
+        adapters = _saved_adapters(header["adapters"], port, path)
         state = file.read(state_size)  # only now: a header that does not fit reads no state
     if len(state) != state_size:
         raise SessionLoadError(f"{path} changed while it was read")
@@ -462,8 +476,8 @@ def _check_header(
         raise SessionLoadError(
             f"{path} was saved with model {saved_model} but this context runs {current}"
         )
-    for token in tokens:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < n_vocab:
+    for token in tokens:  # a negative one is an image's placeholder id: _check_images
+        if isinstance(token, bool) or not isinstance(token, int) or token >= n_vocab:
             raise SessionLoadError(
                 f"{path} lists token {token!r}, not an id of this vocabulary [0, {n_vocab})"
             )
@@ -471,4 +485,26 @@ def _check_header(
         raise SessionLoadError(
             f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
             f"(n_ctx_seq={n_ctx_seq})"
+        )
+
+
+def _check_images(
+    path: object, tokens: list[int], saved: object, current: dict[str, object] | None
+) -> None:
+    """Raise SessionLoadError unless a session file's images (placeholder ids among its
+    tokens) are well formed and were encoded by this context's projector."""
+    if all(token >= 0 for token in tokens):
+        return
+    problem = placeholder_problem(tokens)
+    if problem is not None:
+        raise SessionLoadError(f"{path} is damaged: {problem}")
+    if current is None:
+        raise SessionLoadError(
+            f"{path} holds images, and this context has no projector: load it into a "
+            "context with the projector (mmproj) it was saved with"
+        )
+    if saved != current:
+        raise SessionLoadError(
+            f"{path} holds images encoded by another projector ({saved}) than this "
+            f"context's ({current})"
         )

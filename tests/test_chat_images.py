@@ -241,20 +241,60 @@ def test_a_context_without_a_projector_refuses_images(make_chat: Callable[..., A
     assert ctx.chat_completion(ask(text("plain")), max_tokens=2)["object"] == "chat.completion"
 
 
-def test_a_chat_takes_text_parts_and_refuses_images_for_now(
+def test_a_chat_takes_images_and_keeps_them_between_turns(
     make_chat: Callable[..., Any],
 ) -> None:
-    """A ``Chat`` is a session, and sessions do not take images yet (their own issue)."""
-    ctx, _ = make_chat()
-    params = llamax.SamplingParams(max_tokens=2)
+    """A ``Chat`` runs on a session: an image of turn 1 is decoded once, and turns 2 and 3
+    reuse it with the rest of the history (the old code refused images in a Chat)."""
+    ctx, backend = make_chat()
+    params = llamax.SamplingParams(max_tokens=3, temperature=0.0)
     with ctx.chat(params=params) as chat:
         out = chat.send([text("Hi"), text(" there")])
         assert chat.messages[0]["content"] == "Hi there" and out.usage.prompt_tokens > 0
-        with pytest.raises(llamax.InvalidRequestError, match="cannot hold images yet"):
+        chat.send([text("What is "), image_part(1), text("?")])
+        assert decoded_images(backend) == IMAGE_TOKENS
+        held = chat.session.token_ids
+        for question in ("And its colour?", "Thanks."):
+            before = chat.messages
+            reply = chat.send(question)
+            assert chat.last_turn is not None and chat.last_turn.reused_tokens == len(held)
+            assert decoded_images(backend) == IMAGE_TOKENS  # never decoded again
+            held = chat.session.token_ids
+        conversation = [*before, {"role": "user", "content": "Thanks."}]
+        assert ctx.prompt_positions(ctx.chat_prompt_parts(conversation)) == (
+            reply.usage.prompt_tokens
+        )
+    cold_ctx, _ = make_chat()
+    cold = cold_ctx.chat_completion(conversation, max_tokens=3, temperature=0.0)
+    assert cold["choices"][0]["message"]["content"] == reply.text
+    with ctx.chat(messages=ask(image_part(1)), params=params) as started:
+        again = started.send("Again?")
+        assert again.usage.prompt_tokens > IMAGE_TOKENS and started.session.token_ids
+    plain, _ = make_chat(image_tokens=None)
+    with plain.chat() as chat:
+        with pytest.raises(llamax.ImageError, match="does not take images"):
             chat.send([text("What is "), image_part(1)])
-        assert len(chat.messages) == 2  # the refused turn left the history as it was
-    with pytest.raises(llamax.InvalidRequestError, match="cannot hold images yet"):
-        ctx.chat(messages=ask(image_part(1)))
+        assert chat.messages == []  # the refused turn left the history as it was
+
+
+def test_a_chat_drops_an_old_image_turn_by_shifting_the_cache(
+    make_chat: Callable[..., Any],
+) -> None:
+    """A turn that no longer fits drops the oldest turn, its image with it: the cache is
+    shifted past it (whole messages, so never part of an image) and the rest reused."""
+    ctx, backend = make_chat()
+    params = llamax.SamplingParams(max_tokens=3, temperature=0.0)
+    with ctx.chat(system="Be brief.", max_context=120, params=params) as chat:
+        chat.send([text("What is "), image_part(2), text("?")])
+        chat.send("Say more.")
+        decoded = decoded_images(backend)
+        chat.send("And more, please, as much as you can.")
+        turn = chat.last_turn
+        assert turn is not None and turn.dropped_messages == 2 and turn.shifted_tokens > 8
+        assert turn.reused_tokens > 0
+        assert decoded_images(backend) == decoded  # the image went, none was computed
+        assert all(isinstance(m["content"], str) for m in chat.messages)  # the image's gone
+        assert ctx.audit() == []
 
 
 def test_tools_and_images_in_one_request(make_chat: Callable[..., Any]) -> None:

@@ -151,6 +151,24 @@ def test_info_prints_gguf_metadata(capsys: pytest.CaptureFixture[str], model_pat
 
 
 @pytest.mark.model
+def test_info_says_whether_the_model_sees_images(
+    capsys: pytest.CaptureFixture[str], model_path: Path
+) -> None:
+    """With ``--mmproj`` (issue 42) the projector is loaded and asked; without, it says so."""
+    import vision_files
+
+    projector = vision_files.script().cached_vision_model(projector="janus_pro")
+    assert cli.main(["info", "--mmproj", str(projector), str(model_path)]) == 0
+    assert "sees images:    yes\n" in capsys.readouterr().out
+    assert cli.main(["info", str(model_path)]) == 0
+    assert "sees images:    no (no --mmproj given)" in capsys.readouterr().out
+    assert cli.main(["info", "--json", "--mmproj", str(projector), str(model_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["sees_images"] is True
+    assert cli.main(["info", "--mmproj", str(model_path), str(model_path)]) == 1
+    assert "projector" in capsys.readouterr().err  # a model is not a projector: typed error
+
+
+@pytest.mark.model
 def test_bench_prints_tokens_per_second() -> None:
     child = spawn("bench", "--n", "1", "4", "--max-tokens", "8", *FAST, timeout=300)
     child.expect(r"N=1\s+[\d.]+ tok/s")

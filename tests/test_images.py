@@ -139,9 +139,11 @@ def test_bad_image_input_never_reaches_the_engine(make_fake: Make) -> None:
         ctx.add_request(["x" * 30, image(1), "y"])
     with pytest.raises(ImageError, match="uint8"):
         ctx.add_request(["x", llamax.Image(np.zeros((2, 2), np.uint8)), "y"])
-    session = ctx.session()
-    with pytest.raises(InvalidRequestError, match="session"):
-        session.add_request(["x", image(1), "y"])
+    session = ctx.session()  # a session's request is checked the same way
+    with pytest.raises(ImageError, match="not an image"):
+        session.add_request(["x", llamax.Image(b"hello"), "y"])
+    with pytest.raises(InvalidRequestError, match="end with text"):
+        session.add_request(["x", image(1)])
     session.close()
     plain, _ = make_fake()
     with pytest.raises(ImageError, match="no projector"):

@@ -400,6 +400,7 @@ def _context_calls(ctx: llamax.Context, tmp_path: Path) -> dict[str, Callable[[]
         "chat_prompt": lambda: ctx.chat_prompt(messages),
         "chat_prompt_parts": lambda: ctx.chat_prompt_parts(messages),
         "prompt_positions": lambda: ctx.prompt_positions([1, 2]),
+        "prompt_token_ids": lambda: ctx.prompt_token_ids([1, 2]),
         "model_info": lambda: ctx.model_info(),
         "chat": lambda: ctx.chat(),
         "generate": lambda: ctx.generate(["abc"], return_exceptions=True),

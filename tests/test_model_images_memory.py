@@ -78,3 +78,34 @@ def test_an_image_prompt_reused_through_checkpoints_equals_cold_runs(
     assert outcome(again) == outcome(first) == cold(text_model, projector, prompt(1))
     assert outcome(other)[1][0] != outcome(first)[1][0]  # another image, another answer
     assert outcome(grown) == cold(text_model, projector, longer)
+
+
+def test_a_sessions_next_turn_after_an_image_agrees_with_a_cold_run(
+    text_model: Path, projector: Path
+) -> None:
+    """A session's turns follow the prefix cache's rules (cut_reuse): on the sliding-window
+    model a non-causal image is computed again, elsewhere the image is kept (through the
+    checkpoint at the prompt's end on the hybrid and recurrent ones). Where the kept cells
+    hold the reply (decoded a token at a time, which a cold prefill does not repeat to the
+    last bit) the log-probabilities may differ in the third decimal."""
+    first = prompt(3)
+    with context(text_model, projector) as ctx:
+        head = ctx.prompt_token_ids([*ctx.tokenize(HEAD), first[1]])
+        start = next(i for i, t in enumerate(head) if t < 0)  # the image's first position
+        with ctx.session() as session:
+            out1 = session.add_request(first, GREEDY).result(timeout=120)
+            follow = prompt(3)
+            follow[-1] += out1.text + "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n"
+            follow[-1] += "<|im_start|>assistant\n"
+            out2 = session.add_request(follow, GREEDY).result(timeout=120)
+        if "sliding_window" in text_model.name and "gemma3" in projector.name:
+            assert out2.usage.cached_tokens == start, out2.usage  # from the image on
+        else:
+            assert out2.usage.cached_tokens >= out1.usage.prompt_tokens - 1, out2.usage
+        assert_idle(ctx, timeout=60)
+        assert ctx.audit() == []
+    (tokens, tops), (cold_tokens, cold_tops) = outcome(out2), cold(text_model, projector, follow)
+    assert tokens == cold_tokens
+    for row, cold_row in zip(tops, cold_tops, strict=True):
+        for (token, logprob), (cold_token, cold_logprob) in zip(row, cold_row, strict=True):
+            assert token == cold_token and abs(logprob - cold_logprob) < 0.05

@@ -200,6 +200,27 @@ def each_projector(
         assert_idle(ctx, timeout=60)
 
 
+def test_completion_multimodal_data_equals_the_same_parts_below_http(
+    url: str, vision_ctx: llamax.Context
+) -> None:
+    """llama-server's ``/completion`` with ``multimodal_data`` at ``/props``'
+    ``media_marker`` (what benchmarks/images.py sends llama-server) answers as
+    ``add_request`` does with the image in the same place (issue 42)."""
+    picture = png(pixels(5, 48, 64))
+    head, tail = "<|im_start|>user\n", " What is this?<|im_end|>\n<|im_start|>assistant\n"
+    marker = httpx.get(url + "/props").json()["media_marker"]
+    prompt = {"prompt_string": head + marker + tail,
+              "multimodal_data": [base64.b64encode(picture).decode()]}  # fmt: skip
+    body = {"prompt": prompt, "n_predict": 6, "temperature": 0, "return_tokens": True}
+    reply = httpx.post(url + "/completion", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    vision_ctx.clear_cache()
+    params = llamax.SamplingParams(max_tokens=6, temperature=0.0)
+    below = vision_ctx.add_request([head, llamax.Image(picture), tail], params).result()
+    assert reply.json()["tokens"] == list(below.choices[0].token_ids)
+    assert reply.json()["tokens_evaluated"] == below.usage.prompt_tokens
+
+
 def test_chat_completion_renders_the_image_where_it_sits(each_projector: llamax.Context) -> None:
     """The chat path's prompt is the hand-written ChatML with the image in the user turn:
     the same positions, and the same reply and logprobs (one request at a time)."""

@@ -281,6 +281,48 @@ def test_model_lists_and_props_say_vision(vision: tuple[llamax.Context, SlowRead
         assert listed["models"][0]["capabilities"] == ["completion", "multimodal"]
 
 
+def test_completion_takes_multimodal_data_at_the_media_marker(
+    vision: tuple[llamax.Context, SlowReads],
+) -> None:
+    """llama-server's ``/completion`` prompt object (issue 42): each ``multimodal_data``
+    item (base64) goes where ``/props``' ``media_marker`` sits in ``prompt_string``."""
+    ctx, backend = vision
+    app = create_app(ctx, images=ImagePolicy(max_images=2))
+    marker = call(app, "GET", "/props").json()["media_marker"]
+    assert marker == "<__media__>"
+
+    def prompt(*images: bytes, text: str | None = None) -> dict[str, Any]:
+        string = text if text is not None else "look: " + " and ".join([marker] * len(images))
+        return {"prompt_string": string + " now", "multimodal_data": [b64(i) for i in images]}
+
+    greedy = {"prompt": prompt(png_bytes(1)), "n_predict": 2, "temperature": 0}
+    one = call(app, "POST", "/completion", json=greedy)
+    assert one.status_code == 200, one.text
+    body = one.json()
+    assert body["tokens_evaluated"] == len("look:  now") + IMAGE_TOKENS
+    assert body["prompt"] == "look: <__media__> now"
+    again = call(app, "POST", "/completion", json=greedy)
+    assert again.json()["timings"]["cache_n"] >= len("look: ") + IMAGE_TOKENS  # a prefix hit
+    assert again.json()["content"] == body["content"]
+    both = [prompt(png_bytes(1)), prompt(png_bytes(2))]  # two prompts, an image each
+    assert len(call(app, "POST", "/completion", json={"prompt": both, "n_predict": 1}).json()) == 2
+    steps = decoded(backend)
+    for bad, said in (
+        (prompt(png_bytes(1), text="no marker"), "0 media markers"),
+        ({**prompt(png_bytes(1)), "multimodal_data": ["!!"]}, "damaged"),
+        ({**prompt(png_bytes(1)), "multimodal_data": [3]}, "base64 strings"),
+        (prompt(b"hello"), "not an image"),
+        ([prompt(png_bytes(1), png_bytes(2)), prompt(png_bytes(3))], "3 images; at most 2"),
+    ):
+        refused = call(app, "POST", "/completion", json={"prompt": bad, "n_predict": 1})
+        assert refused.status_code == 400 and said in llama_error(refused), refused.text
+    assert decoded(backend) == steps  # nothing reached the engine
+    counted = call(
+        app, "POST", "/completion", json={"prompt": prompt(png_bytes(1)), "n_predict": 0}
+    )
+    assert counted.json()["tokens_evaluated"] == body["tokens_evaluated"]
+
+
 # ---------------------------------------------------------------------- remote URLs
 class _Images(http.server.BaseHTTPRequestHandler):
     """``/cat.png`` an image, ``/page`` HTML, ``/big.png`` 64 KiB, ``/slow.png`` an image

@@ -38,6 +38,7 @@ class RecordingPort:
         self.ended = False
         self.model_identity: dict[str, object] = {"name": "recording"}
         self.adapter_weights: dict[str, str] = {"tuned": "f00d"}
+        self.projector_identity: dict[str, object] | None = None
         self.answers: dict[type, object] = {
             ReadSession: (1, 2, 3),
             ForkSession: 7,

@@ -418,6 +418,13 @@ class ImageHost(Protocol):
         ...
 
     @property
+    def projector_identity(self) -> dict[str, object] | None:
+        """What identifies the projector (a fingerprint of its weights), or None when none
+        is loaded: a saved session whose KV holds images must match it, since the same
+        pixels through another projector give other cells. Known at load; never raises."""
+        ...
+
+    @property
     def image_marker(self) -> str:
         """The text that stands for one image in :meth:`tokenize_images`' text ("" when
         no projector is loaded: a property here never raises, so ``isinstance`` works)."""

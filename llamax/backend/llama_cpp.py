@@ -24,6 +24,7 @@ from ..config import ContextConfig
 from ..errors import ImageError, ModelLoadError, RequestFailedError
 from ..params import SamplingParams
 from .base import BatchItem
+from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES
 from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
 from .llama_model import LlamaCppModel
@@ -72,6 +73,7 @@ class LlamaCppBackend(LlamaCppModel):
             super().__init__(C, config, stack)
             model = self._model
             self._projector: Projector | None = None
+            self._projector_identity: dict[str, object] | None = None
             if config.mmproj is not None:  # loaded after the model, freed before it
                 self._projector = Projector.load(
                     model,
@@ -80,6 +82,8 @@ class LlamaCppBackend(LlamaCppModel):
                     use_gpu=config.n_gpu_layers != 0,
                 )
                 stack.callback(self._projector.close)
+                # what a saved session whose KV holds images must match
+                self._projector_identity = {"weights": weights_fingerprint(config.mmproj)}
             # a fact known at load: it answers after close, as the other facts do
             self._sees_images = self._projector is not None and self._projector.supports_vision
             # one KV section (no sliding window, no recurrent state): a sequence's saved
@@ -311,6 +315,12 @@ class LlamaCppBackend(LlamaCppModel):
         """Whether ``mmproj`` loaded a projector that encodes images.
         (:class:`~llamax.backend.base.ImageHost`)"""
         return self._sees_images
+
+    @property
+    def projector_identity(self) -> dict[str, object] | None:
+        """A fingerprint of the projector file's weights (None without one); known at load.
+        (:class:`~llamax.backend.base.ImageHost`)"""
+        return self._projector_identity
 
     def _vision(self) -> Projector:
         if self._projector is None:

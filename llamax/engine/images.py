@@ -17,7 +17,11 @@ The rules the scheduler keeps (pure functions on positions, tested on numbers):
 - a non-causal image (Gemma 3: every row attends to every row of the image) is decoded
   whole in one decode, and a reused prefix never ends inside one (:func:`cut_reuse`);
 - placeholder ids are never tokens: samplers, drafts and processors see
-  :func:`text_only` histories.
+  :func:`text_only` histories;
+- a session's history shift never moves part of an image (:func:`check_shift`): a cut
+  short at the end, as a rewind leaves one, is recomputed whole by the next turn when it
+  is non-causal, but an image whose first positions are gone would hold placeholder ids
+  that no prompt gives again.
 """
 
 from __future__ import annotations
@@ -28,7 +32,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PromptImage", "chunk_limit", "cut_reuse", "image_at", "image_rows", "text_only"]
+from ..backend.vision.chunks import placeholder_offset
+from ..errors import InvalidParameterError
+
+__all__ = [
+    "PromptImage",
+    "check_shift",
+    "chunk_limit",
+    "cut_reuse",
+    "image_at",
+    "image_rows",
+    "text_only",
+]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -119,3 +134,26 @@ def text_only(token_ids: Sequence[int]) -> list[int]:
     """``token_ids`` without image placeholders (what a sampler's penalties, a logits
     processor or a draft may see)."""
     return [t for t in token_ids if t >= 0]
+
+
+def check_shift(token_ids: Sequence[int], start: int, end: int) -> None:
+    """Refuse a history shift of ``[start, end)`` out of ``token_ids`` (a session's) that
+    cuts through an image: ``start`` inside one, or ``end`` inside one whose later
+    positions would move. A span out of range is left to the cache's own check.
+
+    Raises:
+        InvalidParameterError: naming the image's positions.
+    """
+    if not 0 <= start <= end < len(token_ids) or start == end:
+        return  # nothing moves: a plain cut at ``start`` (a rewind), or nothing at all
+    for pos in (start, end):
+        offset = placeholder_offset(token_ids[pos])
+        if offset:
+            first = pos - offset
+            last = first
+            while last + 1 < len(token_ids) and token_ids[last + 1] == token_ids[last] - 1:
+                last += 1
+            raise InvalidParameterError(
+                f"cannot shift out [{start}, {end}): it cuts through the image at positions "
+                f"[{first}, {last + 1}); shift out whole images, or text only"
+            )

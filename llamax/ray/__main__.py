@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         default={},
         help="llamax.Context options (JSON); the flags below override them",
     )
+    parser.add_argument(
+        "--server-options",
+        type=json.loads,
+        default={},
+        help='llamax.server.create_app options (JSON), e.g. \'{"api_key": "...", "images": '
+        '{"max_images": 4, "allow_urls": true}}\'',
+    )
     add_option_flags(parser, llamax.ContextConfig)
     args = parser.parse_args(argv)
     context_options: Any = {**args.context_options, **option_values(args, llamax.ContextConfig)}
@@ -55,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         num_cpus_per_replica=args.cpus_per_replica,
         num_gpus_per_replica=args.gpus_per_replica,
         context_options=context_options,
+        server_options=args.server_options,
         routing=args.routing,
     )
     serve.run(app, name="llamax", route_prefix="/")

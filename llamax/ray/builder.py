@@ -10,6 +10,7 @@ from ray import serve
 from ray.serve import Application
 
 from llamax import ContextOptions
+from llamax.server import ImagePolicy
 
 from .deployment import LlamaxIngress, LlamaxReplica
 
@@ -45,7 +46,9 @@ def deployment(
             ``n_threads`` of its context.
         num_gpus_per_replica: Ray GPUs per replica (0 on CPU-only clusters).
         context_options: ``llamax.Context`` keyword options for every replica.
-        server_options: ``llamax.server.create_app`` keyword options (``api_key``...).
+        server_options: ``llamax.server.create_app`` keyword options (``api_key``...);
+            ``images`` may be a :class:`~llamax.server.ImagePolicy` or a mapping of its
+            fields (``{"max_images": 4, "allow_urls": true}`` from JSON or YAML).
         routing: ``"prefix"`` (:class:`~llamax.ray.router.PrefixAffinityRouter`) or
             ``"default"`` (Ray's power-of-two-choices router).
         imbalance_threshold: Queue difference (requests) at which prefix routing gives way
@@ -59,7 +62,8 @@ def deployment(
         A bound ``ray.serve.Application``.
 
     Raises:
-        ValueError: a count is out of range or ``routing`` is unknown.
+        ValueError: a count is out of range, ``routing`` is unknown, or ``images`` in
+            ``server_options`` is not an image policy.
     """
     if routing not in ("prefix", "default"):
         raise ValueError(f"routing must be 'prefix' or 'default', got {routing!r}")
@@ -89,9 +93,28 @@ def deployment(
         max_ongoing_requests=max(1000, max_ongoing_requests * num_replicas),
     )(LlamaxIngress)
     bound: Application = ingress.bind(
-        replica.bind(model_path, options, dict(server_options or {})), max_attempts=max_attempts
+        replica.bind(model_path, options, _server_options(server_options)),
+        max_attempts=max_attempts,
     )
     return bound
+
+
+def _server_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``given``, with ``images`` made an :class:`~llamax.server.ImagePolicy` (checked here,
+    before any replica starts) when it is a mapping of its fields."""
+    options = dict(given or {})
+    images = options.get("images")
+    if isinstance(images, Mapping):
+        try:
+            options["images"] = ImagePolicy(**images)
+        except TypeError as exc:
+            raise ValueError(f"server_options images: {exc}") from None
+    elif images is not None and not isinstance(images, ImagePolicy):
+        raise ValueError(
+            "server_options images must be an ImagePolicy or a mapping of its fields, "
+            f"got {type(images).__name__}"
+        )
+    return options
 
 
 _INT_ARGS = ("num_replicas", "imbalance_threshold", "max_ongoing_requests", "max_attempts")

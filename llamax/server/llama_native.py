@@ -21,6 +21,8 @@ from .errors import APIError
 
 __all__ = [
     "DEFAULT_SETTINGS",
+    "MEDIA_MARKER",
+    "NativePrompt",
     "NativeRequest",
     "default_settings",
     "final_result",
@@ -28,6 +30,15 @@ __all__ = [
     "partial_result",
     "stop_of",
 ]
+
+MEDIA_MARKER = "<__media__>"
+"""Where an image of ``multimodal_data`` goes in a ``prompt_string`` (``/props`` reports it
+as ``media_marker``): llama-server's default marker. llama-server may pick a random one at
+each start; llamax keeps this one."""
+
+NativePrompt = str | tuple[int | str | llamax.Image, ...]
+"""One ``/completion`` prompt: text, token ids mixed with text pieces, or text pieces and
+images (a ``prompt_string`` with ``multimodal_data``)."""
 
 _DEFAULT_SAMPLERS = ("dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 """llama-server's default sampler order; llamax's chain applies the same order (penalties
@@ -98,8 +109,8 @@ def _bad(message: str, param: str | None = None) -> APIError:
 class NativeRequest:
     """A parsed ``/completion`` body."""
 
-    prompts: tuple[str | tuple[int | str, ...], ...]
-    """Each prompt: text, or token ids mixed with text pieces."""
+    prompts: tuple[NativePrompt, ...]
+    """Each prompt: text, token ids mixed with text pieces, or text and images."""
     params: llamax.SamplingParams | None
     """``None``: ``n_predict`` is 0 (the prompt is only tokenized, nothing generated)."""
     stream: bool = False
@@ -131,19 +142,33 @@ def _number(body: Mapping[str, Any], name: str) -> float | int | None:
     return value
 
 
-def _prompt_object(value: dict[str, Any]) -> str:
-    """``{"prompt_string": text}``; ``multimodal_data`` is refused (images go through the
-    chat APIs)."""
+def _prompt_object(value: dict[str, Any]) -> NativePrompt:
+    """``{"prompt_string": text}``, with ``multimodal_data`` (base64 image files) for the
+    :data:`MEDIA_MARKER` s in the text, in order: the text pieces with the images between
+    them (each image read when the prompt is submitted)."""
     unknown = sorted(set(value) - {"prompt_string", "multimodal_data"})
-    if unknown or not isinstance(value.get("prompt_string"), str):
+    text = value.get("prompt_string")
+    if unknown or not isinstance(text, str):
         raise _bad('prompt: an object prompt must be {"prompt_string": text}', "prompt")
-    if value.get("multimodal_data"):
-        raise _bad("prompt: multimodal_data is not supported on /completion; send images "
-                   "through /v1/chat/completions", "prompt")  # fmt: skip
-    return str(value["prompt_string"])
+    data = value.get("multimodal_data")
+    if not data:
+        return text
+    if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
+        raise _bad("prompt: multimodal_data must be a list of base64 strings", "prompt")
+    pieces = text.split(MEDIA_MARKER)
+    if len(pieces) != len(data) + 1:
+        raise _bad(f"prompt: prompt_string holds {len(pieces) - 1} media markers "
+                   f"({MEDIA_MARKER}) for {len(data)} multimodal_data items", "prompt")  # fmt: skip
+    parts: list[str | llamax.Image] = [pieces[0]]
+    for i, (item, piece) in enumerate(zip(data, pieces[1:], strict=True)):
+        try:
+            parts += [llamax.Image.from_base64(item), piece]
+        except llamax.ImageError as exc:
+            raise _bad(f"prompt: multimodal_data[{i}]: {exc}", "prompt") from None
+    return tuple(parts)
 
 
-def _prompts(value: object) -> tuple[str | tuple[int | str, ...], ...]:
+def _prompts(value: object) -> tuple[NativePrompt, ...]:
     """``prompt`` as a tuple of prompts (one unless it is a list of prompts)."""
     if isinstance(value, dict):
         return (_prompt_object(value),)
@@ -156,7 +181,7 @@ def _prompts(value: object) -> tuple[str | tuple[int | str, ...], ...]:
         return (tuple(value),)
     if len(value) > _MAX_PROMPTS:
         raise _bad(f"prompt holds {len(value)} prompts; at most {_MAX_PROMPTS}", "prompt")
-    out: list[str | tuple[int | str, ...]] = []
+    out: list[NativePrompt] = []
     for item in value:
         if isinstance(item, str):
             out.append(item)

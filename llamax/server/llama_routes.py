@@ -31,6 +31,8 @@ from .errors import APIError, from_exception, llama_body
 from .images import prepare_images
 from .llama_native import (
     FIELDS,
+    MEDIA_MARKER,
+    NativePrompt,
     NativeRequest,
     Timings,
     default_settings,
@@ -41,9 +43,6 @@ from .llama_native import (
 )
 from .schemas import ChatCompletionRequest, parse_body, parse_object
 from .state import ServerState, admit_completion, run_leased
-
-MEDIA_MARKER = "<__media__>"
-"""llama-server's default media marker (its ``LLAMA_MEDIA_MARKER``)."""
 
 __all__ = ["llama_routes"]
 
@@ -60,8 +59,10 @@ def llama_routes(state: ServerState) -> APIRouter:
     @router.post("/completions")
     async def completion(request: Request) -> Response:
         def parse(raw: bytes) -> NativeRequest:
-            return parse_native(parse_object(raw), default_n_predict=state.default_max_tokens,
+            body = parse_native(parse_object(raw), default_n_predict=state.default_max_tokens,
                                 default_seed=state.default_seed)  # fmt: skip
+            _check_num_images(body, state.images.max_images)
+            return body
 
         return await admit_completion(
             state,
@@ -147,6 +148,15 @@ def _media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return marked
 
 
+def _check_num_images(body: NativeRequest, most: int) -> None:
+    """A 400 for a body whose prompts hold more than ``most`` images in all."""
+    num = sum(isinstance(p, llamax.Image) for prompt in body.prompts for p in prompt)
+    if num > most:
+        raise APIError(400, f"the request holds {num} images; at most {most} are allowed per "
+                       "request (--max-images-per-request)", param="prompt",
+                       code="too_many_images")  # fmt: skip
+
+
 def _dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
@@ -179,17 +189,19 @@ def _props(state: ServerState, ctx: llamax.Context) -> dict[str, Any]:
         "chat_template": template,
         "chat_template_caps": {},
         "modalities": {"vision": ctx.sees_images, "audio": False},
+        "media_marker": MEDIA_MARKER,
         "build_info": f"llamax {llamax.__version__}",
         "is_sleeping": False,
     }  # fmt: skip
 
 
-def _prompt_tokens(ctx: llamax.Context, prompt: str | tuple[int | str, ...]) -> list[int]:
+def _prompt_tokens(ctx: llamax.Context, prompt: NativePrompt) -> list[int | llamax.Image]:
     """A prompt's tokens: text tokenized with BOS (when the model adds one) and special
-    tokens parsed, as llama-server does; in a mixed list only a leading text gets BOS."""
+    tokens parsed, as llama-server does; in a mixed list only a leading text gets BOS. An
+    image stays in its place (``add_request`` reads and encodes it)."""
     if isinstance(prompt, str):
-        return ctx.tokenize(prompt)
-    tokens: list[int] = []
+        return list(ctx.tokenize(prompt))
+    tokens: list[int | llamax.Image] = []
     for i, piece in enumerate(prompt):
         if isinstance(piece, str):
             tokens += ctx.tokenize(piece, add_special=i == 0)
@@ -198,18 +210,31 @@ def _prompt_tokens(ctx: llamax.Context, prompt: str | tuple[int | str, ...]) -> 
     return tokens
 
 
+def _prompt_text(ctx: llamax.Context, prompt: list[int | llamax.Image]) -> str:
+    """A prompt as text, each image as the media marker."""
+    text, run = "", []
+    for piece in [*prompt, None]:
+        if isinstance(piece, int):
+            run.append(piece)
+            continue
+        text += ctx.detokenize(run) + (MEDIA_MARKER if piece is not None else "")
+        run = []
+    return text
+
+
 def _submit(
     ctx: llamax.Context, request: NativeRequest
-) -> tuple[list[list[int]], list[llamax.RequestHandle]]:
-    """Tokenize every prompt and submit it (none when ``n_predict`` is 0); if one is
-    refused, the ones already submitted are cancelled."""
+) -> tuple[list[list[int | llamax.Image]], list[int], list[llamax.RequestHandle]]:
+    """Tokenize every prompt, count its positions (reading its images) and submit it (none
+    when ``n_predict`` is 0); if one is refused, the ones already submitted are cancelled."""
     prompts = [_prompt_tokens(ctx, p) for p in request.prompts]
+    sizes = [_num_positions(ctx, p) for p in prompts]
     handles: list[llamax.RequestHandle] = []
     if request.params is None:
         for tokens in prompts:
             if not tokens:
                 raise llamax.EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
-        return prompts, handles
+        return prompts, sizes, handles
     params = request.params
     if request.text_bias:
         bias = dict(params.logit_bias)
@@ -223,20 +248,25 @@ def _submit(
         for handle in handles:
             handle.cancel()
         raise
-    return prompts, handles
+    return prompts, sizes, handles
 
 
 class _Run:
     """One ``/completion`` request's sequences: their clocks and how each result reads."""
 
     def __init__(
-        self, ctx: llamax.Context, request: NativeRequest, prompts: list[list[int]], model: str
+        self,
+        ctx: llamax.Context,
+        request: NativeRequest,
+        prompts: list[list[int | llamax.Image]],
+        sizes: list[int],
+        model: str,
     ) -> None:
         self.ctx, self.request, self.prompts = ctx, request, prompts
         self.n = request.params.n if request.params is not None else 1
         self.model = request.model or model
         now = time.perf_counter()
-        self.timings = [Timings(now, num_prompt=len(p)) for p in prompts for _ in range(self.n)]
+        self.timings = [Timings(now, num_prompt=size) for size in sizes for _ in range(self.n)]
 
     def final(
         self, i: int, choice: llamax.Choice | None, usage: llamax.Usage | None
@@ -256,14 +286,22 @@ class _Run:
             timings.num_cached = usage.cached_tokens
         return final_result(
             self.request, index=index, text=text, token_ids=ids,
-            prompt=self.ctx.detokenize(self.prompts[i]), stop=stop, model=self.model,
+            prompt=_prompt_text(self.ctx, self.prompts[i]), stop=stop, model=self.model,
             n_ctx=self.ctx.n_ctx_seq, timings=timings, now=time.perf_counter(), logprobs=logprobs,
         )  # fmt: skip
 
 
+def _num_positions(ctx: llamax.Context, prompt: list[int | llamax.Image]) -> int:
+    """A prompt's positions (reading its images, kept for ``add_request``: a bad one is
+    refused here)."""
+    if not any(isinstance(p, llamax.Image) for p in prompt):
+        return len(prompt)
+    return ctx.prompt_positions(prompt)
+
+
 async def _start(request: NativeRequest, ctx: llamax.Context, model: str) -> Any:
-    prompts, handles = await run_in_threadpool(_submit, ctx, request)
-    run = _Run(ctx, request, prompts, model)
+    prompts, sizes, handles = await run_in_threadpool(_submit, ctx, request)
+    run = _Run(ctx, request, prompts, sizes, model)
     if request.stream:
         return _stream(run, handles)
     try:

@@ -374,6 +374,15 @@ class FakeBackend:
         """With ``image_tokens``: a fake projector (:mod:`~llamax.testing.vision`)."""
         return self._vision is not None
 
+    @property
+    def projector_identity(self) -> dict[str, object] | None:
+        """The fake projector's settings (None without one): another ``image_tokens`` or
+        causality is another projector."""
+        vision = self._vision
+        return (
+            None if vision is None else {"fake": vision.n_tokens, "non_causal": vision.non_causal}
+        )
+
     def _fake_vision(self) -> FakeVision:
         if self._vision is None:
             raise ImageError("this fake backend has no projector (image_tokens=None)")

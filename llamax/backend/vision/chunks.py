@@ -6,6 +6,7 @@ scheduler can build and read them without a model.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -19,8 +20,15 @@ __all__ = [
     "MediaPrompt",
     "RgbImage",
     "TextChunk",
+    "placeholder_offset",
+    "placeholder_problem",
     "rgb_image",
 ]
+
+_HASH_BITS = 44  # of the pixel hash, in a placeholder id
+_OFFSET_BITS = 18  # an image's position, in a placeholder id: 2**18 positions
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+_MAX_PLACEHOLDER = 1 << (_HASH_BITS + _OFFSET_BITS)  # -id - 1 stays below this
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -113,8 +121,30 @@ class ImageChunk:
         """``n_pos`` negative ids derived from :attr:`image_id`, one per position: a
         stand-in for the image in a radix tree over token ids (never a real token, and two
         images never share a run of them in practice)."""
-        base = int(self.image_id[:11], 16) << 18  # 44 bits of hash, 2**18 positions
+        base = int(self.image_id[: _HASH_BITS // 4], 16) << _OFFSET_BITS
         return tuple(-(1 + base + i) for i in range(self.n_pos))
+
+
+def placeholder_offset(token_id: int) -> int | None:
+    """Where a placeholder id (:meth:`ImageChunk.placeholder_ids`) sits in its image (0:
+    the image's first position); None for a token id (not negative)."""
+    return None if token_id >= 0 else (-token_id - 1) & _OFFSET_MASK
+
+
+def placeholder_problem(token_ids: Sequence[int]) -> str | None:
+    """Why ``token_ids`` (a sequence's history: token ids, and placeholder ids where
+    images sit) cannot be one, or None: each image's placeholder ids must be in range, start
+    at the image's first position and follow each other (an image may be cut short at the
+    end, as a rewind leaves it, but never begin in its middle)."""
+    previous = 0
+    for pos, token in enumerate(token_ids):
+        if token < 0:
+            if -token - 1 >= _MAX_PLACEHOLDER:
+                return f"position {pos} holds {token}, not a placeholder id"
+            if placeholder_offset(token) != 0 and token != previous - 1:
+                return f"position {pos} holds an image's position without the ones before it"
+        previous = token
+    return None
 
 
 MediaPrompt: TypeAlias = tuple[TextChunk | ImageChunk, ...]

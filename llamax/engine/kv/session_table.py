@@ -14,6 +14,7 @@ from typing import Protocol
 from ...adapters import AdapterSet
 from ...backend.base import Backend
 from ...errors import InvalidParameterError, SessionError, SessionLoadError
+from ..images import check_shift
 from ..plan import StepResult
 from ..sequence import Request, Sequence
 from .audit import audit
@@ -105,6 +106,8 @@ class SessionTable:
         Raises:
             SessionError: the session is closed, or no sequence id is free.
             SessionLoadError: llama.cpp refused a saved state.
+            InvalidParameterError: a rewind or shift out of range, or a shift through an
+                image.
         """
         kv = self._scheduler.kv
         match op:
@@ -116,7 +119,9 @@ class SessionTable:
                 self._rewind(self.slot(session_id), num_tokens)
                 return None
             case ShiftSession(session_id, start, end):
-                return kv.shift_out(self.slot(session_id), start, end)
+                slot = self.slot(session_id)
+                check_shift(slot.tokens, start, end)
+                return kv.shift_out(slot, start, end)
             case ReadSession(session_id):
                 return tuple(self.slot(session_id).tokens)
             case SaveSession(session_id):
