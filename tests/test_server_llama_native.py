@@ -14,8 +14,8 @@ import pytest
 
 import llamax
 from llamax.server import create_app
-from llamax.server.llama_infill import infill_tokens
-from llamax.server.llama_slots import valid_filename
+from llamax.server.llama.infill import infill_tokens
+from llamax.server.llama.slots import valid_filename
 from llamax.testing import FakeBackend, assert_idle
 
 FIM = {"<fim_prefix>": 300, "<fim_suffix>": 301, "<fim_middle>": 302, "<repo_name>": 303,

@@ -17,7 +17,7 @@ import llamax
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
-from .llama_chat import with_llama_extras
+from .llama import with_llama_extras
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 import llamax
 
-from .llama_native import Timings
+from .results import Timings
 
 __all__ = ["with_llama_extras"]
 
