@@ -1,7 +1,9 @@
 """llama-server's ``/completion`` once its body is parsed (:mod:`.request`): the prompts
 tokenized and submitted through the public ``add_request`` (in a worker), their sequences
 followed, and their results shaped by :mod:`.results`, whole or as one stream of every
-sequence's chunks.
+sequence's chunks. A request that names ``id_slot`` (one prompt, one choice) runs on that
+slot's session instead (:class:`~.jobs.NativeJob`), so it continues from what the slot
+holds: its earlier requests, or a file restored into it.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import dataclasses
 import time
 import weakref
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 import llamax
 
+from .errors import LlamaError
+from .jobs import run_job
 from .request import NativeRequest
 from .results import Timings, final_result, partial_result, stop_of
 from .slots import SlotTable
@@ -32,9 +37,18 @@ async def start_completion(
     choices), or an async iterator of chunks when it streams.
 
     Raises:
+        LlamaError: 400 for ``id_slot`` with several prompts or choices; what
+            :func:`~.jobs.run_job` raises.
         ContextLengthError, EmptyPromptError, InvalidRequestError: a prompt llamax refuses
             (nothing was submitted).
     """
+    if request.id_slot != -1 and request.params is not None:  # n_predict 0 runs nothing
+        if len(request.prompts) != 1 or request.params.n != 1:
+            raise LlamaError(400, "id_slot runs one prompt with one choice on its slot "
+                             "(send several prompts, or n_cmpl > 1, without it)")  # fmt: skip
+        params = await run_in_threadpool(_with_text_bias, ctx, request)
+        tokens = partial(_prompt_tokens, ctx, request.prompts[0])
+        return await run_job(ctx, tables, request, params, tokens, model=request.model or model)
     return await _start(request, ctx, model)
 
 
