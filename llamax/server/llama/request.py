@@ -53,22 +53,23 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 _OFF: dict[str, object] = {
     "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0,
     "top_n_sigma": -1, "adaptive_target": -1, "n_indent": 0, "n_discard": 0,
-    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0,
-    "post_sampling_probs": False, "return_progress": False, "backend_sampling": False,
+    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0, "return_progress": False,
     "grammar_lazy": False,
 }  # fmt: skip
 """Fields accepted only at the value that turns their feature off: llamax has no such
-sampler or limit (``post_sampling_probs``: llamax reports the model's log-probabilities
-before sampling, not after the chain)."""
+sampler or limit."""
 
 _MOOT = frozenset(
     {"dynatemp_exponent", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
      "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "xtc_threshold",
-     "adaptive_decay", "n_keep", "n_cache_reuse", "sse_ping_interval", "verbose"}
+     "adaptive_decay", "n_keep", "n_cache_reuse", "sse_ping_interval", "verbose",
+     "backend_sampling"}
 )  # fmt: skip
 """Fields with no effect here, accepted with any value: settings of samplers that are off
 (see :data:`_OFF`), ``n_keep`` and ``n_cache_reuse`` (llamax neither shifts the context nor
-reuses by shifting; its prefix cache needs no setting), ``sse_ping_interval``."""
+reuses by shifting; its prefix cache needs no setting), ``sse_ping_interval``,
+``backend_sampling`` (where llama-server runs its samplers, on the GPU or the CPU, with the
+same results; llamax samples on the CPU)."""
 
 NUMBERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
             "min_p": "min_p", "typical_p": "typical_p", "repeat_penalty": "repeat_penalty",
@@ -76,7 +77,8 @@ NUMBERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
             "frequency_penalty": "frequency_penalty"}  # fmt: skip
 """llama-server's numeric sampling fields and their :class:`~llamax.SamplingParams` names."""
 
-_FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos"})
+_FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos",
+                    "post_sampling_probs"})  # fmt: skip
 FIELDS = frozenset(
     {"prompt", "n_predict", "n_probs", "seed", "stop", "logit_bias", "grammar",
      "json_schema", "lora", "n_cmpl", "samplers", "id_slot", "response_fields", "model",
@@ -114,6 +116,9 @@ class NativeRequest:
     tokenizes them and adds them to ``params``)."""
     id_slot: int = -1
     """The slot to run on (its session's KV is reused); ``-1``: any sequence."""
+    post_sampling_probs: bool = False
+    """``completion_probabilities`` as probabilities (``prob``, ``top_probs``) of the
+    distribution the sampler chain drew from, not the model's log-probabilities."""
 
 
 def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -296,6 +301,7 @@ def parse_native(
     n_probs = _number(body, "n_probs") or 0
     if n_probs:
         options["logprobs"] = n_probs
+        options["logprobs_after_sampling"] = flags["post_sampling_probs"]
     n_cmpl = _number(body, "n_cmpl")
     if n_cmpl is not None:
         options["n"] = n_cmpl
@@ -316,7 +322,8 @@ def parse_native(
     params = None if options["max_tokens"] == 0 else _sampling_params(options)
     return NativeRequest(prompts, params, flags["stream"], flags["return_tokens"],
                          flags["timings_per_token"], int(n_probs), tuple(response_fields),
-                         model, settings, text_bias, id_slot)  # fmt: skip
+                         model, settings, text_bias, id_slot,
+                         flags["post_sampling_probs"])  # fmt: skip
 
 
 _FIELD_OF = {v: k for k, v in NUMBERS.items()} | {

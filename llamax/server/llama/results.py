@@ -5,6 +5,7 @@ last answer of a sequence (``server_task_result_cmpl_final``), with their ``timi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,9 +62,21 @@ class Timings:
         }  # fmt: skip
 
 
-def probs_json(logprobs: Sequence[llamax.TokenLogprob]) -> list[dict[str, Any]]:
+def probs_json(
+    logprobs: Sequence[llamax.TokenLogprob], post_sampling: bool = False
+) -> list[dict[str, Any]]:
     """``completion_probabilities``: llama-server's ``id``/``token``/``bytes``/``logprob`` and
-    ``top_logprobs`` per generated token."""
+    ``top_logprobs`` per generated token; with ``post_sampling`` (the probabilities of the
+    distribution the sampler chain drew from) ``prob`` and ``top_probs``, as llama-server
+    names them there."""
+    if post_sampling:
+        return [
+            {"id": lp.token_id, "token": lp.token, "bytes": list(lp.bytes),
+             "prob": math.exp(lp.logprob),
+             "top_probs": [{"id": t.token_id, "token": t.token, "bytes": list(t.bytes),
+                            "prob": math.exp(t.logprob)} for t in lp.top_logprobs]}
+            for lp in logprobs
+        ]  # fmt: skip
     return [
         {"id": lp.token_id, "token": lp.token, "bytes": list(lp.bytes), "logprob": lp.logprob,
          "top_logprobs": [{"id": t.token_id, "token": t.token, "bytes": list(t.bytes),
@@ -87,7 +100,7 @@ def partial_result(
     if request.timings_per_token:
         chunk["timings"] = timings.to_json(now)
     if request.n_probs and event.logprobs:
-        chunk["completion_probabilities"] = probs_json(event.logprobs)
+        chunk["completion_probabilities"] = probs_json(event.logprobs, request.post_sampling_probs)
     return chunk
 
 
@@ -119,7 +132,7 @@ def final_result(
         "timings": timings.to_json(now),
     }
     if request.n_probs and logprobs and not stream:
-        result["completion_probabilities"] = probs_json(logprobs)
+        result["completion_probabilities"] = probs_json(logprobs, request.post_sampling_probs)
     return _pick(result, request.response_fields) if request.response_fields else result
 
 
