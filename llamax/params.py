@@ -345,6 +345,14 @@ class SamplingParams:
             "`post_sampling_probs`), not the model's",
         ),
     )
+    prefill_progress: bool = field(
+        default=False,
+        metadata=spec(
+            check=where(lambda v: isinstance(v, bool), "must be a bool", show_type=True),
+            doc="stream the prompt's prefill progress: events with `progress` (no text), one "
+            "when it is admitted (what the cache held), one after each chunk computed",
+        ),
+    )
     logits_processors: Sequence[LogitsProcessor] = field(
         default=(),
         metadata=spec(

@@ -46,6 +46,7 @@ EXPECTED_ALL = [
     "ModelInfo",
     "ModelLoadError",
     "NotFoundError",
+    "PrefillProgress",
     "PromptLookup",
     "KVCapacityError",
     "RequestFailedError",

@@ -11,7 +11,7 @@ extensions of the OpenAI chat route. The table of routes and fields is in docs/s
   :mod:`.errors` the error shape; :mod:`.chat` the chat route's extensions.
 """
 
-from .chat import with_llama_extras
+from .chat import timed_response_events, with_llama_extras
 from .infill import infill_routes
 from .router import router_routes
 from .routes import llama_routes
@@ -23,5 +23,6 @@ __all__ = [
     "router_routes",
     "slot_routes",
     "slot_tables",
+    "timed_response_events",
     "with_llama_extras",
 ]

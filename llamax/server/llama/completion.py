@@ -203,7 +203,9 @@ async def _stream(run: _Run, handles: list[llamax.RequestHandle]) -> AsyncIterat
                 remaining -= 1
                 for choice in item.choices:
                     yield run.final(i, choice, item.usage)
-            elif isinstance(item, llamax.TokenEvent) and (item.text or item.token_ids):
+            elif isinstance(item, llamax.TokenEvent) and (
+                item.text or item.token_ids or item.progress
+            ):
                 index = i * run.n + item.index
                 timings = run.timings[index]
                 yield partial_result(run.request, item, index=index, id_slot=-1,
@@ -213,3 +215,9 @@ async def _stream(run: _Run, handles: list[llamax.RequestHandle]) -> AsyncIterat
             task.cancel()
         for handle in handles:
             handle.cancel()
+
+
+def _shows(event: llamax.TokenEvent) -> bool:
+    """Whether a stream sends a chunk for ``event`` (text, tokens or the prompt's progress;
+    not an event whose text is held back)."""
+    return bool(event.text or event.token_ids or event.progress)

@@ -139,7 +139,7 @@ class NativeJob:
         """One chunk per event, then the final answer (``stop: true``)."""
         try:
             async for event in self._events():
-                if event.text or event.token_ids:
+                if event.text or event.token_ids or event.progress:
                     yield partial_result(
                         self.request, event, index=0, id_slot=self.id_slot,
                         timings=self.timings, now=time.perf_counter(),

@@ -53,8 +53,7 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 _OFF: dict[str, object] = {
     "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0,
     "top_n_sigma": -1, "adaptive_target": -1, "n_indent": 0, "n_discard": 0,
-    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0, "return_progress": False,
-    "grammar_lazy": False,
+    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0, "grammar_lazy": False,
 }  # fmt: skip
 """Fields accepted only at the value that turns their feature off: llamax has no such
 sampler or limit."""
@@ -78,7 +77,7 @@ NUMBERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
 """llama-server's numeric sampling fields and their :class:`~llamax.SamplingParams` names."""
 
 _FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos",
-                    "post_sampling_probs"})  # fmt: skip
+                    "post_sampling_probs", "return_progress"})  # fmt: skip
 FIELDS = frozenset(
     {"prompt", "n_predict", "n_probs", "seed", "stop", "logit_bias", "grammar",
      "json_schema", "lora", "n_cmpl", "samplers", "id_slot", "response_fields", "model",
@@ -305,6 +304,8 @@ def parse_native(
     n_cmpl = _number(body, "n_cmpl")
     if n_cmpl is not None:
         options["n"] = n_cmpl
+    if flags["return_progress"] and flags["stream"]:  # llama-server reports it in streams
+        options["prefill_progress"] = True
     _other_options(body, options, flags["ignore_eos"])
     id_slot = body.get("id_slot")
     id_slot = -1 if id_slot is None else id_slot  # null: llama-server's default

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llamax
+from llamax.openai.requests import prompt_progress
 
 from .request import NativeRequest
 
@@ -90,8 +91,9 @@ def partial_result(
     timings: Timings, now: float,
 ) -> dict[str, Any]:  # fmt: skip
     """One streamed event of a sequence (``stop: false``): its text and tokens (always, as
-    llama-server sends them), ``timings`` with ``timings_per_token``, and its tokens'
-    ``completion_probabilities`` with ``n_probs``."""
+    llama-server sends them), ``timings`` with ``timings_per_token``, its tokens'
+    ``completion_probabilities`` with ``n_probs``, and for a progress event (``return_progress``:
+    no text, no tokens) ``prompt_progress``."""
     chunk: dict[str, Any] = {
         "index": index, "content": event.text, "tokens": list(event.token_ids), "stop": False,
         "id_slot": id_slot, "tokens_predicted": timings.num_predicted,
@@ -99,6 +101,8 @@ def partial_result(
     }  # fmt: skip
     if request.timings_per_token:
         chunk["timings"] = timings.to_json(now)
+    if event.progress is not None:
+        chunk["prompt_progress"] = prompt_progress(event.progress, timings.submitted)
     if request.n_probs and event.logprobs:
         chunk["completion_probabilities"] = probs_json(event.logprobs, request.post_sampling_probs)
     return chunk
