@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -147,6 +149,44 @@ def test_native_routes_answer_any_origin_as_llama_server(ctx: llamax.Context) ->
     assert b"Access-Control-Allow-Origin" in {name for name, _ in r.headers.raw}
     refused = post(app, "/completion", {"prompt": "a"}, headers={"Origin": "http://x"})
     assert refused.status_code == 401  # the key still guards the route itself
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_llamax_serve_sends_cors_names_as_llama_server_on_the_wire(
+    ctx: llamax.Context, http: Literal["h11", "httptools"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's test_cors_* read the headers from a plain dict, so the names must reach
+    the wire as llama-server spells them: ``llamax serve`` runs uvicorn's h11 writer by
+    default (its httptools writer lowercases every name, which ``--http httptools``
+    accepts)."""
+    from llamax.server import BackgroundServer, cli
+
+    configs: list[dict[str, Any]] = []
+    loading: Future[llamax.Context] = Future()
+    loading.set_result(ctx)
+    args = ["m.gguf"] if http == "h11" else ["m.gguf", "--http", http]
+    with monkeypatch.context() as patched:  # what `llamax serve` hands uvicorn
+        patched.setattr(cli.uvicorn, "Config", lambda app, **kw: configs.append(kw))
+        patched.setattr(cli.uvicorn, "Server", lambda config: _NoServer())
+        patched.setattr(ctx, "close", lambda timeout=None: None)
+        cli._serve(create_app(ctx), loading, build_parser().parse_args(args))
+    assert configs[-1]["http"] == http
+    with BackgroundServer(create_app(ctx), http=http) as server, socket.create_connection(
+        (server.host, server.port), timeout=30
+    ) as conn:
+        conn.sendall(b"OPTIONS /completions HTTP/1.1\r\nHost: x\r\nOrigin: http://w\r\n"
+                     b"Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += conn.recv(4096)
+    spelled = b"\r\nAccess-Control-Allow-Origin: http://w\r\n" in head
+    assert spelled == (http == "h11"), head
+    assert b"access-control-allow-origin: http://w" in head.lower()
+
+
+class _NoServer:
+    def run(self) -> None:
+        pass
 
 
 def test_other_routes_keep_cors_off_by_default(ctx: llamax.Context) -> None:
