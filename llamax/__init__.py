@@ -46,7 +46,16 @@ from .images import Image
 from .info import ModelInfo, model_info
 from .models import default_model_path
 from .params import LogitsProcessor, SamplingParams
-from .results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
+from .results import (
+    Choice,
+    Completion,
+    FinishReason,
+    PrefillProgress,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from .session import Session
 from .stats import ContextStats
 from .tokens import FimTokens
@@ -90,6 +99,7 @@ __all__ = [
     "ModelInfo",
     "ModelLoadError",
     "NotFoundError",
+    "PrefillProgress",
     "ProjectorError",
     "PromptLookup",
     "RequestFailedError",

@@ -9,7 +9,8 @@ parts; none of them parses text.
 
 Parts, in the order a choice streams them: :class:`Started` (first), then any of
 :class:`ReasoningDelta`, :class:`ContentDelta` and :class:`ToolCallDelta`, and
-:class:`Finished` (last).
+:class:`Finished` (last). A request that asked for its prompt's progress
+(``prefill_progress``) also gets :class:`Progress` parts, before its first choice starts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from .reasoning import ReasoningSplitter
-from .results import FinishReason, TokenEvent, TokenLogprob
+from .results import FinishReason, PrefillProgress, TokenEvent, TokenLogprob
 from .tools import ToolCallStreamParser, ToolPlan
 from .tools.parse import ToolDelta
 
@@ -29,6 +30,7 @@ __all__ = [
     "ChatStream",
     "ContentDelta",
     "Finished",
+    "Progress",
     "ReasoningDelta",
     "Started",
     "ToolCallDelta",
@@ -85,7 +87,15 @@ class Finished:
     reason: ChatFinish
 
 
-ChatPart: TypeAlias = Started | ReasoningDelta | ContentDelta | ToolCallDelta | Finished
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """How far the prompt has been computed (before the reply begins)."""
+
+    index: int
+    progress: PrefillProgress
+
+
+ChatPart: TypeAlias = Started | ReasoningDelta | ContentDelta | ToolCallDelta | Finished | Progress
 """One typed delta of a streamed chat reply."""
 
 
@@ -116,6 +126,8 @@ class ChatStream:
         :class:`Started`, its last ends with :class:`Finished`). With tools on, content
         held back while markup may still open a call, and logprobs, are not reported."""
         index = event.index
+        if event.progress is not None:
+            return [Progress(index, event.progress)]
         parts: list[ChatPart] = []
         choice = self._choices.get(index)
         if choice is None:

@@ -174,10 +174,13 @@ class SamplingParams:
     generation runs to ``max_tokens``. ``n`` continuations share one prompt prefill.
 
     ``logprobs=k`` (0..20) reports each generated token's log-probability and its ``k`` most
-    likely alternatives. ``logits_processors`` are called in the engine thread as
-    ``fn(token_ids, logits)`` with the sequence so far (``int32``) and a writable, zero-copy
-    ``float32`` view of its logits row; they edit it in place (return ``None``) or return a
-    new row, before the native sampler chain runs. ``grammar`` (GBNF) or ``json_schema``
+    likely alternatives; with ``logprobs_after_sampling`` they are those of the distribution
+    the sampler chain drew the token from (the candidates that top-k, typical-p, top-p and
+    min-p kept, at the temperature; greedy: the token alone, probability 1), at most ``k``
+    alternatives with a probability above 0. ``logits_processors`` are called in the engine
+    thread as ``fn(token_ids, logits)`` with the sequence so far (``int32``) and a writable,
+    zero-copy ``float32`` view of its logits row; they edit it in place (return ``None``) or
+    return a new row, before the native sampler chain runs. ``grammar`` (GBNF) or ``json_schema``
     constrain the output through llama.cpp's grammar sampler.
 
     ``speculative`` turns speculative decoding on or off for this request (see
@@ -333,6 +336,23 @@ class SamplingParams:
             doc="report each token's log-probability and its `k` (0..20) likeliest alternatives",
         ),
     )
+    logprobs_after_sampling: bool = field(
+        default=False,
+        metadata=spec(
+            check=where(lambda v: isinstance(v, bool), "must be a bool", show_type=True),
+            doc="report `logprobs` of the distribution the sampler chain drew from (after "
+            "top-k, typical-p, top-p, min-p and temperature; llama-server's "
+            "`post_sampling_probs`), not the model's",
+        ),
+    )
+    prefill_progress: bool = field(
+        default=False,
+        metadata=spec(
+            check=where(lambda v: isinstance(v, bool), "must be a bool", show_type=True),
+            doc="stream the prompt's prefill progress: events with `progress` (no text), one "
+            "when it is admitted (what the cache held), one after each chunk computed",
+        ),
+    )
     logits_processors: Sequence[LogitsProcessor] = field(
         default=(),
         metadata=spec(
@@ -394,6 +414,10 @@ class SamplingParams:
         require(
             self.grammar is None or self.json_schema is None,
             "grammar and json_schema cannot both be set",
+        )
+        require(
+            self.logprobs is not None or not self.logprobs_after_sampling,
+            "logprobs_after_sampling needs logprobs (how many alternatives to report)",
         )
 
     @property

@@ -9,6 +9,7 @@ __all__ = [
     "Choice",
     "Completion",
     "FinishReason",
+    "PrefillProgress",
     "TokenEvent",
     "TokenLogprob",
     "TopLogprob",
@@ -53,6 +54,17 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """How far a prompt has been computed (``SamplingParams(prefill_progress=True)``)."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens the cache held when the prompt was admitted (not computed)."""
+    num_computed_tokens: int
+    """Prompt tokens in the KV cache now, the cached ones included."""
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """One streaming step of one choice.
 
@@ -67,6 +79,9 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     """One entry per token in ``token_ids`` when the request asked for ``logprobs``."""
+    progress: PrefillProgress | None = None
+    """Set on the progress events of a request that asked for ``prefill_progress`` (they
+    carry no text and no tokens)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,12 @@ from llamax.chat_stream import (
     ChatStream,
     ContentDelta,
     Finished,
+    Progress,
     ReasoningDelta,
     Started,
     ToolCallDelta,
 )
-from llamax.results import FinishReason, TokenEvent, TokenLogprob
+from llamax.results import FinishReason, PrefillProgress, TokenEvent, TokenLogprob
 from llamax.tools import ToolPlan, prepare_tools
 
 WEATHER = [
@@ -104,3 +105,10 @@ def test_without_tools_call_markup_is_content() -> None:
     parts = run(ChatStream(ToolPlan()), CALL)
     assert text_of(parts, ContentDelta) == CALL
     assert not any(isinstance(p, ToolCallDelta) for p in parts)
+
+
+def test_a_progress_event_is_a_progress_part_before_the_choice_starts() -> None:
+    stream = ChatStream(ToolPlan())
+    progress = PrefillProgress(40, 8, 24)
+    assert stream.parts(TokenEvent("", (), 0, progress=progress)) == [Progress(0, progress)]
+    assert run(stream, "Hi") == [Started(0), ContentDelta(0, "Hi"), Finished(0, "stop")]

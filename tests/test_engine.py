@@ -311,6 +311,32 @@ def test_completion_logprobs_shortcut(make_fake: MakeFake) -> None:
     assert ctx.add_request("abc", PARAMS).result().logprobs is None
 
 
+def test_prefill_progress_reports_the_prompt_chunk_by_chunk(make_fake: MakeFake) -> None:
+    """``prefill_progress``: one event when the prompt is admitted (what the cache held),
+    then one after each chunk, all before the reply's first token; none for a request
+    that did not ask, nor for the second choice."""
+    ctx, _ = make_fake(n_ctx=512, n_batch=16)
+    asked = llamax.SamplingParams(max_tokens=2, temperature=0, prefill_progress=True, n=2)
+
+    def progress_of(params: llamax.SamplingParams) -> list[llamax.TokenEvent]:
+        handle = ctx.add_request("x" * 40, params)
+        events = list(handle.stream(drive=ctx.process))
+        assert handle.result(0).usage.completion_tokens == 2 * params.n
+        shown = [e for e in events if e.progress is not None]
+        assert all(e.text == "" and e.token_ids == () and e.index == 0 for e in shown)
+        first_token = next(i for i, e in enumerate(events) if e.token_ids)
+        assert all(events.index(e) < first_token for e in shown)
+        return shown
+
+    cold = [e.progress for e in progress_of(asked)]
+    assert cold == [llamax.PrefillProgress(40, 0, n) for n in (0, 16, 32, 40)]
+    warm = [e.progress for e in progress_of(asked)]  # the prefix cache holds all but one
+    assert warm == [llamax.PrefillProgress(40, 39, 39), llamax.PrefillProgress(40, 39, 40)]
+    assert progress_of(llamax.SamplingParams(max_tokens=2)) == []
+    with pytest.raises(llamax.InvalidParameterError, match="prefill_progress"):
+        llamax.SamplingParams(prefill_progress="yes")  # type: ignore[arg-type]
+
+
 def test_unknown_context_options_raise_type_error() -> None:
     with pytest.raises(TypeError, match=r"'n_ctxx'.*did you mean 'n_ctx'"):
         llamax.Context(backend=FakeBackend(), n_ctxx=8)  # type: ignore[call-arg]

@@ -165,6 +165,43 @@ def test_logprobs_zero_reports_only_the_token(make_fake: MakeFake) -> None:
     run(ctx)
 
 
+def test_logprobs_after_sampling_report_the_distribution_the_sampler_drew_from(
+    make_fake: MakeFake,
+) -> None:
+    """llama-server's ``post_sampling_probs``: at temperature 1 the fake's chain keeps the
+    model's distribution (its probabilities equal the model's); at 0.5 it is sharper; greedy
+    is the token alone with probability 1. The tokens drawn are the same either way."""
+    ctx, _ = make_fake()
+
+    def sample(temperature: float, after: bool) -> llamax.Completion:
+        params = llamax.SamplingParams(max_tokens=6, temperature=temperature, logprobs=4,
+                                       seed=7, logprobs_after_sampling=after)  # fmt: skip
+        handle = ctx.add_request("abc", params)
+        run(ctx)
+        return handle.result(0)
+
+    model, same = sample(1.0, False), sample(1.0, True)
+    assert same.token_ids == model.token_ids
+    assert same.logprobs is not None and model.logprobs is not None
+    for a, b in zip(same.logprobs, model.logprobs, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+    sharp, wide = sample(0.5, True), sample(0.5, False)
+    assert sharp.token_ids == wide.token_ids and sharp.logprobs and wide.logprobs
+    for a, b in zip(sharp.logprobs, wide.logprobs, strict=True):
+        assert a.top_logprobs[0].logprob > b.top_logprobs[0].logprob  # the top is likelier
+        assert all(t.logprob > -math.inf for t in a.top_logprobs)
+    greedy = sample(0, True)
+    assert greedy.logprobs is not None
+    for token, lp in zip(greedy.token_ids, greedy.logprobs, strict=True):
+        assert lp.token_id == token and lp.logprob == 0.0
+        assert [(t.token_id, t.logprob) for t in lp.top_logprobs] == [(token, 0.0)]
+    with pytest.raises(llamax.InvalidParameterError, match="needs logprobs"):
+        llamax.SamplingParams(logprobs_after_sampling=True)
+    with pytest.raises(llamax.InvalidParameterError, match="logprobs_after_sampling"):
+        llamax.SamplingParams(logprobs=1, logprobs_after_sampling=1)  # type: ignore[arg-type]
+
+
 def test_invalid_grammar_and_schema_are_refused_at_submission(make_fake: MakeFake) -> None:
     ctx, _ = make_fake()
     with pytest.raises(llamax.GrammarError, match="invalid grammar"):

@@ -532,6 +532,41 @@ def test_greedy_logprobs_and_streamed_events(real_ctx: llamax.Context) -> None:
     assert [lp for e in events for lp in e.logprobs] == list(logprobs)
 
 
+def test_logprobs_after_sampling_are_the_native_chains_distribution(
+    real_ctx: llamax.Context,
+) -> None:
+    """``logprobs_after_sampling`` reads back the candidates llama.cpp's chain kept and the
+    probabilities its ``dist`` sampler gave them: top-k 3 leaves at most 3, summing to 1;
+    the tokens drawn are those the plain chain draws with the same seed; greedy is the
+    token alone with probability 1."""
+    prompt = chatml("Name a colour.")
+
+    def sample(after: bool, **options: Any) -> llamax.Completion:
+        params = llamax.SamplingParams(max_tokens=12, logprobs=10, seed=11,
+                                       logprobs_after_sampling=after, **options)  # fmt: skip
+        return real_ctx.add_request(prompt, params).result(TIMEOUT)
+
+    plain, after = sample(False, temperature=1.0), sample(True, temperature=1.0)
+    assert after.token_ids == plain.token_ids and after.logprobs is not None
+    for token, lp in zip(after.token_ids, after.logprobs, strict=True):
+        assert lp.token_id == token and -math.inf < lp.logprob <= 0
+        probs = [math.exp(t.logprob) for t in lp.top_logprobs]
+        assert probs == sorted(probs, reverse=True) and all(0 < p <= 1 for p in probs)
+        assert sum(probs) <= 1 + 1e-5
+        if len(probs) < 10:  # fewer than asked only when they are all the chain kept
+            assert sum(probs) == pytest.approx(1.0, abs=1e-4)
+    top3 = sample(True, temperature=1.0, top_k=3)
+    assert top3.logprobs is not None
+    for lp in top3.logprobs:
+        assert 1 <= len(lp.top_logprobs) <= 3
+        total = sum(math.exp(t.logprob) for t in lp.top_logprobs)
+        assert total == pytest.approx(1.0, abs=1e-4)
+        assert lp.token_id in [t.token_id for t in lp.top_logprobs]
+    greedy = sample(True, temperature=0, repeat_penalty=1.1)  # greedy through a chain
+    assert greedy.logprobs is not None
+    assert all(lp.logprob == 0.0 and len(lp.top_logprobs) == 1 for lp in greedy.logprobs)
+
+
 def test_openai_logprobs_validate(real_ctx: llamax.Context) -> None:
     messages = [{"role": "user", "content": "Name three fruits."}]
     response = real_ctx.chat_completion(

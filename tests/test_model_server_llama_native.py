@@ -110,6 +110,38 @@ def test_slot_round_trip_on_smollm2(fim_ctx: llamax.Context, tmp_path: Path) -> 
     post(app, "/slots/0?action=erase")
 
 
+def test_completion_on_a_restored_slot_continues_from_it_on_smollm2(
+    real_ctx: llamax.Context, tmp_path: Path
+) -> None:
+    """llama.cpp's test_slot_save.py on SmolLM2: ``/completion`` with ``id_slot`` runs on
+    the slot's session; a file restored into another slot continues from that slot's KV
+    (only the differing tail is computed) and gives the same greedy words."""
+    app = create_app(real_ctx, slot_save_path=tmp_path)
+    france, germany = "What is the capital of France?", "What is the capital of Germany?"
+    num_common = len(real_ctx.tokenize("What is the capital of"))
+
+    def complete(prompt: str, id_slot: int) -> dict[str, Any]:
+        body = {"prompt": prompt, "id_slot": id_slot, "cache_prompt": True, "n_predict": 8,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        response = post(app, "/completion", body)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    first = complete(france, 1)
+    assert first["timings"]["prompt_n"] == len(real_ctx.tokenize(france))
+    saved = post(app, "/slots/1?action=save", {"filename": "slot1.bin"}).json()
+    assert saved["n_saved"] == first["tokens_evaluated"] + 8 - 1
+    second = complete(germany, 1)
+    num_tail = second["tokens_evaluated"] - num_common
+    assert second["timings"]["prompt_n"] == num_tail  # only the differing part
+    assert post(app, "/slots/0?action=restore", {"filename": "slot1.bin"}).status_code == 200
+    third = complete(germany, 0)
+    assert third["timings"]["prompt_n"] == num_tail and third["content"] == second["content"]
+    assert complete(germany, 1)["timings"]["prompt_n"] == 1  # slot 1 kept its own KV
+    for slot in (0, 1):
+        post(app, f"/slots/{slot}?action=erase")
+
+
 def test_router_load_and_unload_on_smollm2(model_path: Path) -> None:
     from llamax.server import ModelPool
 

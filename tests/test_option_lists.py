@@ -171,6 +171,7 @@ def test_the_server_schema_equals_the_hand_written_one() -> None:
                 "reasoning_effort",
                 "timings_per_token",  # llama-server's chat extensions (issue 41)
                 "verbose",
+                "return_progress",
             },
         ),
         (CompletionRequest, {"prompt", "logprobs", "echo", "suffix"}),

@@ -47,6 +47,7 @@ EXPECTED_ALL = [
     "ModelInfo",
     "ModelLoadError",
     "NotFoundError",
+    "PrefillProgress",
     "ProjectorError",
     "PromptLookup",
     "KVCapacityError",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,39 @@ def test_n_probs_gives_completion_probabilities(app: Any) -> None:
     assert len(probs[0]["top_logprobs"]) == 3
 
 
+def test_post_sampling_probs_are_probabilities_after_the_sampler_chain() -> None:
+    """llama.cpp's test_n_probs_post_sampling and test_n_probs_post_backend_sampling: with
+    ``post_sampling_probs`` each token has ``prob`` and ``top_probs`` (none at 0), from the
+    distribution the chain drew from; ``backend_sampling`` (where llama-server samples)
+    changes nothing. At temperature 1 the fake's chain keeps the model's distribution (a
+    fake without special tokens: every id it may draw has a piece)."""
+    ctx = llamax.Context(backend=FakeBackend(n_ctx=256))
+    app = create_app(ctx)
+    base = {"prompt": "Today was the day", "n_probs": 10, "n_predict": 5, "seed": 4242,
+            "temperature": 1.0}  # fmt: skip
+    after = post(app, "/completion", base | {"post_sampling_probs": True}).json()
+    model = post(app, "/completion", base).json()
+    assert len(after["completion_probabilities"]) == 5
+    for tok, plain in zip(after["completion_probabilities"], model["completion_probabilities"],
+                          strict=True):  # fmt: skip
+        assert set(tok) == {"id", "token", "bytes", "prob", "top_probs"}
+        assert tok["id"] == plain["id"] and 0.0 < tok["prob"] <= 1.0
+        assert tok["prob"] == pytest.approx(math.exp(plain["logprob"]), abs=1e-5)
+        assert 0 < len(tok["top_probs"]) <= 10
+        assert all(0.0 < p["prob"] <= 1.0 and set(p) == {"id", "token", "bytes", "prob"}
+                   for p in tok["top_probs"])  # fmt: skip
+    on_backend = post(app, "/completion", base | {"post_sampling_probs": True,
+                                                  "backend_sampling": True}).json()  # fmt: skip
+    assert on_backend["completion_probabilities"] == after["completion_probabilities"]
+    greedy = post(app, "/completion", base | {"post_sampling_probs": True, "temperature": 0,
+                                              "stream": True})  # fmt: skip
+    events = [json.loads(line[6:]) for line in greedy.text.splitlines() if line.startswith("data")]
+    probs = [p for e in events for p in e.get("completion_probabilities", [])]
+    assert len(probs) == 5 and all(p["prob"] == 1.0 and len(p["top_probs"]) == 1 for p in probs)
+    assert_idle(ctx)
+    ctx.close()
+
+
 def test_stop_word_is_reported(app: Any) -> None:
     free = post(app, "/completion", {"prompt": "Hi", "n_predict": 6, "temperature": 0}).json()
     word = free["content"][2:4]
@@ -111,7 +145,7 @@ def test_streaming_form(app: Any) -> None:
         ({"prompt": "Hi", "dry_multiplier": 0.5}, "dry_multiplier"),
         ({"prompt": "Hi", "xtc_probability": 0.5}, "xtc_probability"),
         ({"prompt": "Hi", "dynatemp_range": 0.5}, "dynatemp_range"),
-        ({"prompt": "Hi", "post_sampling_probs": True}, "post_sampling_probs"),
+        ({"prompt": "Hi", "post_sampling_probs": "yes"}, "post_sampling_probs"),
         ({"prompt": "Hi", "samplers": ["temperature", "top_k"]}, "samplers"),
         ({"prompt": "Hi", "samplers": ["bogus"]}, "samplers"),
         ({"prompt": "Hi", "top_p": 7}, "top_p"),
@@ -258,6 +292,26 @@ def test_completion_on_smollm2_over_http(model_path: Path) -> None:
         assert_idle(ctx, timeout=60)
     finally:
         ctx.close()
+
+
+@pytest.mark.model
+def test_post_sampling_probs_on_smollm2_over_http(real_ctx: llamax.Context) -> None:
+    """llama.cpp's test_n_probs_post_sampling on SmolLM2, with its default samplers (top-k
+    40, top-p 0.95, min-p 0.05): ten candidates for the first token of a vague prompt, each
+    above 0, and fewer only when they are all the chain kept (summing to 1)."""
+    app = create_app(real_ctx)
+    body = post(app, "/completion", {"prompt": "Today was the day. Today I would finally become a",
+                                     "n_probs": 10, "temperature": 1.0, "n_predict": 5,
+                                     "post_sampling_probs": True, "seed": 4242}).json()  # fmt: skip
+    probs = body["completion_probabilities"]
+    assert len(probs) == 5
+    for i, tok in enumerate(probs):
+        assert tok["id"] > 0 and 0.0 < tok["prob"] <= 1.0 and isinstance(tok["bytes"], list)
+        assert all(0.0 < p["prob"] <= 1.0 for p in tok["top_probs"])
+        if i == 0:
+            assert len(tok["top_probs"]) == 10
+        if len(tok["top_probs"]) < 10:
+            assert sum(p["prob"] for p in tok["top_probs"]) == pytest.approx(1.0, abs=1e-4)
 
 
 class _SyncASGI(httpx.BaseTransport):

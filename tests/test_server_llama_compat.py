@@ -6,10 +6,13 @@ at the end."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import socket
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -148,6 +151,44 @@ def test_native_routes_answer_any_origin_as_llama_server(ctx: llamax.Context) ->
     assert refused.status_code == 401  # the key still guards the route itself
 
 
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_llamax_serve_sends_cors_names_as_llama_server_on_the_wire(
+    ctx: llamax.Context, http: Literal["h11", "httptools"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's test_cors_* read the headers from a plain dict, so the names must reach
+    the wire as llama-server spells them: ``llamax serve`` runs uvicorn's h11 writer by
+    default (its httptools writer lowercases every name, which ``--http httptools``
+    accepts)."""
+    from llamax.server import BackgroundServer, cli
+
+    configs: list[dict[str, Any]] = []
+    loading: Future[llamax.Context] = Future()
+    loading.set_result(ctx)
+    args = ["m.gguf"] if http == "h11" else ["m.gguf", "--http", http]
+    with monkeypatch.context() as patched:  # what `llamax serve` hands uvicorn
+        patched.setattr(cli.uvicorn, "Config", lambda app, **kw: configs.append(kw))
+        patched.setattr(cli.uvicorn, "Server", lambda config: _NoServer())
+        patched.setattr(ctx, "close", lambda timeout=None: None)
+        cli._serve(create_app(ctx), loading, build_parser().parse_args(args))
+    assert configs[-1]["http"] == http
+    with BackgroundServer(create_app(ctx), http=http) as server, socket.create_connection(
+        (server.host, server.port), timeout=30
+    ) as conn:
+        conn.sendall(b"OPTIONS /completions HTTP/1.1\r\nHost: x\r\nOrigin: http://w\r\n"
+                     b"Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += conn.recv(4096)
+    spelled = b"\r\nAccess-Control-Allow-Origin: http://w\r\n" in head
+    assert spelled == (http == "h11"), head
+    assert b"access-control-allow-origin: http://w" in head.lower()
+
+
+class _NoServer:
+    def run(self) -> None:
+        pass
+
+
 def test_other_routes_keep_cors_off_by_default(ctx: llamax.Context) -> None:
     app = create_app(ctx)
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/metrics",
@@ -226,11 +267,76 @@ def test_id_slot_and_return_progress_on_chat(ctx: llamax.Context) -> None:
     off = post(app, "/chat/completions", {"messages": HELLO, "max_tokens": 1,
                                           "return_progress": False})  # fmt: skip
     assert off.status_code == 200
-    for bad in ({"id_slot": -2}, {"id_slot": "0"}, {"return_progress": True}):
+    for bad in ({"id_slot": -2}, {"id_slot": "0"}, {"return_progress": "yes"}):
         r = post(app, "/chat/completions", {"messages": HELLO, "max_tokens": 1} | bad)
         error = r.json()["error"]
         assert r.status_code == 400 and error["code"] == 400, r.text
         assert error["type"] == "invalid_request_error" and next(iter(bad)) in error["message"]
+
+
+def test_return_progress_streams_the_prompts_progress_as_llama_servers_test() -> None:
+    """llama.cpp's test_return_progress (chat) and test_responses_stream_with_llama_telemetry
+    on the fake (chunks of 16 tokens): a first report where ``cache == processed``, then
+    one per chunk with ``processed`` growing to ``total``, all before the reply; a cached
+    prompt reports twice. The Responses stream reports in ``response.in_progress`` events,
+    with ``timings`` on each text delta and on ``response.completed``; ``/completion``
+    streams them as chunks of their own."""
+    backend = FakeBackend(n_ctx=512, n_batch=16, metadata={"tokenizer.chat_template": TEMPLATE},
+                          special_tokens=SPECIALS)  # fmt: skip
+    ctx = llamax.Context(backend=backend)
+    app = create_app(ctx)
+    body = {"messages": [{"role": "user", "content": "This is a test" * 10}], "max_tokens": 4,
+            "stream": True, "return_progress": True, "temperature": 0}  # fmt: skip
+
+    def progress(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        shown = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+        first_text = next(i for i, c in enumerate(chunks) if _text_of(c))
+        assert all(i < first_text for i, c in enumerate(chunks) if "prompt_progress" in c)
+        assert (
+            shown[0]["cache"] == shown[0]["processed"]
+            and shown[-1]["processed"] == (shown[-1]["total"])
+        )
+        assert all(b["processed"] > a["processed"] and b["cache"] == a["cache"]
+                   for a, b in itertools.pairwise(shown))  # fmt: skip
+        return shown
+
+    cold = progress(sse_events(post(app, "/chat/completions", body).text))
+    assert cold[0]["cache"] == 0 and len(cold) == 1 + -(-cold[0]["total"] // 16)
+    warm = progress(sse_events(post(app, "/v1/chat/completions", body).text))
+    assert len(warm) == 2 and warm[0]["cache"] == warm[0]["total"] - 1
+    quiet = sse_events(post(app, "/chat/completions", body | {"return_progress": False}).text)
+    assert not any("prompt_progress" in c for c in quiet)
+    telemetry = {"input": "This is a test" * 10, "max_output_tokens": 8, "stream": True,
+                 "timings_per_token": True, "return_progress": True, "temperature": 0}  # fmt: skip
+    events = sse_events(post(app, "/responses", telemetry).text)
+    reports = [e for e in events if "prompt_progress" in e]
+    assert reports and all(e["type"] == "response.in_progress" for e in reports)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all("predicted_per_second" in e["timings"] for e in deltas)
+    done = events[-1]  # cut at max_output_tokens: llama-server's alias still says completed
+    assert done["type"] == "response.completed" and done["response"]["status"] == "incomplete"
+    assert done["timings"]["predicted_n"] == done["response"]["usage"]["output_tokens"]
+    openai = sse_events(post(app, "/v1/responses", telemetry).text)[-1]
+    assert openai["type"] == "response.incomplete" and "timings" in openai
+    plain = sse_events(
+        post(
+            app, "/responses", telemetry | {"timings_per_token": False, "return_progress": False}
+        ).text
+    )
+    assert not any("timings" in e or "prompt_progress" in e for e in plain)  # fmt: skip
+    native = sse_events(post(app, "/completion", {"prompt": "This is a test" * 10,
+                                                  "n_predict": 2, "stream": True,
+                                                  "return_progress": True,
+                                                  "temperature": 0}).text)  # fmt: skip
+    shown = [c for c in native if "prompt_progress" in c]
+    assert shown and all(c["content"] == "" and c["tokens"] == [] for c in shown)
+    assert shown[-1]["prompt_progress"]["processed"] == shown[-1]["prompt_progress"]["total"]
+    assert_idle(ctx)
+    ctx.close()
+
+
+def _text_of(chunk: dict[str, Any]) -> str:
+    return "".join((c.get("delta") or {}).get("content") or "" for c in chunk["choices"])
 
 
 def test_two_trailing_assistant_messages_are_refused_on_llama_servers_route(
@@ -305,6 +411,40 @@ def test_llama_server_flags_and_chat_extensions_on_smollm2(model_path: Path) -> 
         assert preflight.headers["access-control-allow-origin"] == "http://web.example"
         counted = post(app, "/responses/input_tokens", {"input": "What is the best book?"})
         assert counted.json()["input_tokens"] > 5
+        assert_idle(ctx, timeout=60)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.model
+def test_return_progress_and_responses_telemetry_on_smollm2(model_path: Path) -> None:
+    """llama.cpp's test_return_progress[64-2-True] and test_responses_stream_with_llama_
+    telemetry on SmolLM2 (n_batch 32, so a prompt comes in chunks): the first report has
+    ``cache == processed``, ``processed`` grows to ``total``; a repeated prompt reports
+    twice (the cache, then its last token)."""
+    ctx = llamax.Context(model_path, n_ctx=512, n_seq_max=2, n_batch=32)
+    try:
+        app = create_app(ctx)
+        body = {"messages": [{"role": "user", "content": "This is a test" * 10}],
+                "max_tokens": 10, "stream": True, "return_progress": True}  # fmt: skip
+        cold = [c["prompt_progress"] for c in sse_events(post(app, "/chat/completions",
+                                                              body).text)
+                if "prompt_progress" in c]  # fmt: skip
+        total = cold[0]["total"]
+        assert cold[0]["processed"] == cold[0]["cache"] == 0 and total > 32
+        assert [p["processed"] for p in cold] == [0, *range(32, total, 32), total]
+        warm = [c["prompt_progress"] for c in sse_events(post(app, "/chat/completions",
+                                                              body).text)
+                if "prompt_progress" in c]  # fmt: skip
+        assert [(p["cache"], p["processed"]) for p in warm] == [(total - 1,) * 2,
+                                                                 (total - 1, total)]  # fmt: skip
+        telemetry = {"input": "This is a test" * 10, "max_output_tokens": 8,
+                     "temperature": 0.8, "stream": True, "timings_per_token": True,
+                     "return_progress": True}  # fmt: skip
+        events = sse_events(post(app, "/responses", telemetry).text)
+        assert any("prompt_progress" in e and e["type"] == "response.in_progress" for e in events)
+        assert any(e["type"] == "response.output_text.delta" and "timings" in e for e in events)
+        assert events[-1]["type"] == "response.completed" and "timings" in events[-1]
         assert_idle(ctx, timeout=60)
     finally:
         ctx.close()

@@ -14,8 +14,8 @@ import pytest
 
 import llamax
 from llamax.server import create_app
-from llamax.server.llama_infill import infill_tokens
-from llamax.server.llama_slots import valid_filename
+from llamax.server.llama.infill import infill_tokens
+from llamax.server.llama.slots import valid_filename
 from llamax.testing import FakeBackend, assert_idle
 
 FIM = {"<fim_prefix>": 300, "<fim_suffix>": 301, "<fim_middle>": 302, "<repo_name>": 303,
@@ -263,6 +263,67 @@ def test_save_erase_restore_round_trip_continues_from_the_cache(fim: Any, tmp_sl
     assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
     assert again["timings"]["prompt_n"] == 1 and again["content"] == first["content"]
     call(app, "POST", "/slots/0?action=erase")
+
+
+def test_completion_on_a_slot_continues_from_its_session_as_llama_cpps_slot_save_test(
+    fim: Any, tmp_slots: Path
+) -> None:
+    """llama.cpp's test_slot_save.py on the fake: ``/completion`` with ``id_slot`` runs on
+    that slot's session, so it continues from what the slot holds (its last request, or a
+    file restored into it), and an erased slot computes everything again."""
+    ctx, _ = fim
+    app = create_app(ctx, slot_save_path=tmp_slots)
+    france, germany = "What is the capital of France?", "What is the capital of Germany?"
+    num_france, num_germany = len(ctx.tokenize(france)), len(ctx.tokenize(germany))
+    num_common = len(ctx.tokenize("What is the capital of "))
+
+    def complete(prompt: str, id_slot: int, **more: Any) -> dict[str, Any]:
+        body = {"prompt": prompt, "id_slot": id_slot, "n_predict": 4, "temperature": 0}
+        response = call(app, "POST", "/completion", json=body | more)
+        assert response.status_code == 200, response.text
+        if not more.get("stream"):
+            return dict(response.json())
+        chunks = [json.loads(e[len("data: ") :]) for e in response.text.split("\n\n") if e]
+        assert [c["stop"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert all(c["id_slot"] == id_slot for c in chunks)
+        return dict(chunks[-1])
+
+    first = complete(france, 1)
+    assert first["id_slot"] == 1 and first["timings"]["prompt_n"] == num_france
+    saved = call(app, "POST", "/slots/1?action=save", json={"filename": "slot1.bin"}).json()
+    assert saved["n_saved"] == num_france + 4 - 1
+    second = complete(germany, 1)
+    assert second["timings"]["prompt_n"] == num_germany - num_common
+    restored = call(app, "POST", "/slots/0?action=restore", json={"filename": "slot1.bin"})
+    assert restored.json()["n_restored"] == saved["n_saved"]
+    third = complete(germany, 0)
+    assert third["id_slot"] == 0 and third["timings"]["prompt_n"] == num_germany - num_common
+    assert third["content"] == second["content"]
+    assert complete(germany, 1)["timings"]["prompt_n"] == 1  # slot 1 was left as it was
+    slots = call(app, "GET", "/slots").json()
+    assert slots[1]["n_cached_tokens"] == num_germany + 4 - 1
+    assert slots[1]["params"]["n_predict"] == 4 and not slots[1]["is_processing"]
+    call(app, "POST", "/slots/1?action=erase")
+    again = complete(germany, 1, stream=True)  # streamed: the same slot, the same counts
+    assert again["timings"]["prompt_n"] == num_germany and again["timings"]["cache_n"] == 0
+    for slot in (0, 1):
+        call(app, "POST", f"/slots/{slot}?action=erase")
+
+
+def test_completion_on_a_slot_takes_one_prompt_and_one_choice(fim: Any) -> None:
+    ctx, backend = fim
+    app = create_app(ctx)
+    for more in ({"prompt": ["a", "b"]}, {"n_cmpl": 2}):
+        body = {"prompt": "abc", "id_slot": 0} | more
+        response = call(app, "POST", "/completion", json=body)
+        assert is_llama_error(response, 400, "invalid_request_error")
+        assert "id_slot" in response.json()["error"]["message"]
+    assert backend.decode_log == []
+    bad = call(app, "POST", "/completion", json={"prompt": "abc", "id_slot": 9})
+    assert is_llama_error(bad, 400, "invalid_request_error") and backend.decode_log == []
+    tokenized = call(app, "POST", "/completion", json={"prompt": "abc", "id_slot": 0,
+                                                       "n_predict": 0})  # fmt: skip
+    assert tokenized.status_code == 200 and tokenized.json()["tokens_evaluated"] == 3
 
 
 # ---------------------------------------------------------------------- the router

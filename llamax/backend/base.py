@@ -28,6 +28,7 @@ __all__ = [
     "Calibratable",
     "Clocked",
     "DecodeStatus",
+    "Drawn",
     "ImageHost",
     "Inspectable",
     "KVMemory",
@@ -197,6 +198,20 @@ class BatchDecoder(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    """A token a sampler chain drew, and the distribution it drew it from: the candidates
+    every sampler of the chain kept, with their probabilities after the last one (for
+    greedy, the token alone with probability 1)."""
+
+    token: int
+    prob: float
+    """The token's probability in that distribution."""
+    top_ids: tuple[int, ...]
+    """The likeliest candidates, most likely first; only those with a probability above 0."""
+    top_probs: tuple[float, ...]
+
+
 class SamplerFactory(Protocol):
     """Per-sequence native sampler chains. Engine thread only."""
 
@@ -214,6 +229,12 @@ class SamplerFactory(Protocol):
 
     def sample(self, sampler: Sampler, row: int) -> int:
         """Sample a token from the logits of batch ``row`` of the last decode."""
+        ...
+
+    def sample_drawn(self, sampler: Sampler, row: int, limit: int) -> Drawn:
+        """:meth:`sample`, also reporting the distribution the chain drew from (at most
+        ``limit`` of its likeliest candidates); the sampler moves on exactly as with
+        :meth:`sample`."""
         ...
 
     def free_sampler(self, sampler: Sampler) -> None:

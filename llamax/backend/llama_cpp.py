@@ -23,7 +23,7 @@ from ..adapters import NO_ADAPTERS, AdapterSet
 from ..config import ContextConfig
 from ..errors import ImageError, ModelLoadError, RequestFailedError
 from ..params import SamplingParams
-from .base import BatchItem
+from .base import BatchItem, Drawn
 from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES
 from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
@@ -430,6 +430,34 @@ class LlamaCppBackend(LlamaCppModel):
         if sampler.grammar is not None:
             sampler.accept_grammar(token)
         return token
+
+    def sample_drawn(self, sampler: Any, row: int, limit: int) -> Drawn:
+        """:meth:`sample`, also reporting the distribution the chain drew from: the
+        candidates it kept, with the probabilities of its last sampler (``dist``), read
+        back from :meth:`NativeSampler.draw <llamax.backend.native.NativeSampler.draw>`.
+
+        Raises:
+            RequestFailedError: the grammar allows no token at this point.
+        """
+        if sampler.grammar is not None:
+            constrain(self._C, sampler, self.logits(row))
+        if sampler.is_greedy:  # llama.cpp's temperature 0 leaves the maximum alone
+            token: int = sampler.sample(self._context, row)
+            drawn = Drawn(token, 1.0, (token,), (1.0,))
+        else:
+            kept, selected = sampler.draw(self._context, row)
+            probs = kept["p"]
+            order = np.argsort(-probs, kind="stable")[:limit]
+            order = order[probs[order] > 0]
+            drawn = Drawn(
+                int(kept["id"][selected]),
+                float(probs[selected]),
+                tuple(int(t) for t in kept["id"][order]),
+                tuple(float(p) for p in probs[order]),
+            )
+        if sampler.grammar is not None:
+            sampler.accept_grammar(drawn.token)
+        return drawn
 
     def free_sampler(self, sampler: Any) -> None:
         """Free a sampler from :meth:`new_sampler` (its chain and grammar)."""

@@ -446,6 +446,7 @@ class NativeSampler:
         "candidates",
         "chain",
         "grammar",
+        "is_greedy",
         "n_vocab",
     )
 
@@ -459,9 +460,11 @@ class NativeSampler:
         *,
         argmax: bool = False,
         bias: dict[int, float] | None = None,
+        is_greedy: bool = False,
     ) -> None:
         self.C, self.chain, self.grammar = C, chain, grammar
         self.argmax, self.n_vocab = argmax, n_vocab
+        self.is_greedy = is_greedy or argmax
         self.banned = np.asarray(banned, dtype=np.int64)
         bias = bias or {}
         self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias))
@@ -478,6 +481,24 @@ class NativeSampler:
         if not self.argmax:
             return int(self.C.llama_sampler_sample(self.chain, context.ptr, row))
         return first_max(context.logits(row, self.n_vocab), self)
+
+    def draw(self, context: NativeContext, row: int) -> tuple[npt.NDArray[np.void], int]:
+        """:meth:`sample` with a chain, done as ``llama_sampler_sample`` does it (the chain
+        applied to a candidate array of the row, the selected token accepted), on an array
+        it returns: the candidates the chain kept, with the probabilities its last sampler
+        (``dist``) gave them, and the index of the selected one."""
+        candidates = np.empty(self.n_vocab, dtype=_CANDIDATE)
+        candidates["id"] = np.arange(self.n_vocab, dtype=np.int32)
+        candidates["logit"] = context.logits(row, self.n_vocab)
+        candidates["p"] = 0.0
+        data = self.C.llama_token_data_array(
+            candidates.ctypes.data_as(self.C.llama_token_data_p), self.n_vocab, -1, False
+        )
+        self.C.llama_sampler_apply(self.chain, ctypes.byref(data))
+        kept = candidates[: data.size]
+        selected = int(data.selected)
+        self.C.llama_sampler_accept(self.chain, int(kept["id"][selected]))
+        return kept, selected
 
     def accept_grammar(self, token: int) -> None:
         """Advance the grammar past ``token``."""

@@ -76,7 +76,7 @@ def new_sampler(
             C.llama_sampler_free(chain)
             raise RequestFailedError("llama.cpp could not parse the grammar")
     banned = [t for t, b in bias.items() if b == float("-inf")]
-    return NativeSampler(C, chain, constraint, banned, n_vocab)
+    return NativeSampler(C, chain, constraint, banned, n_vocab, is_greedy=params.is_greedy)
 
 
 def constrain(C: Any, sampler: NativeSampler, logits: npt.NDArray[np.float32]) -> None:

@@ -247,10 +247,6 @@ def _slot(name: str, value: Any) -> None:
         raise InvalidParameterError(f"{name} must be an int >= -1, got {value!r}")
 
 
-def _false_or_null(value: Any, request: Mapping[str, Any]) -> bool:
-    return value is None or value is False
-
-
 _SAMPLING = table(
     RequestField(
         "model", H, "echoed as the response's `model`; picks a model when the server has several"
@@ -382,9 +378,8 @@ CHAT = table(
     ),
     RequestField(
         "return_progress",
-        R,
-        "llama-server's prompt progress events: llamax reports no progress of a prompt's prefill (`false` is let through)",
-        harmless=_false_or_null,
+        H,
+        "llama-server's: a stream reports the prompt's progress in chunks of its own before the reply (`prompt_progress`: `total`, `cache`, `processed`, `time_ms`), one when it is admitted and one after each chunk computed",
         extension=True,
     ),
 )
@@ -475,6 +470,18 @@ RESPONSES = table(
         HINT,
         "no effect: options of image generation, which llamax does not do",
         check_object,
+    ),
+    RequestField(
+        "return_progress",
+        H,
+        "llama-server's: a stream reports the prompt's progress in `response.in_progress` events (`prompt_progress`: `total`, `cache`, `processed`, `time_ms`)",
+        extension=True,
+    ),
+    RequestField(
+        "timings_per_token",
+        H,
+        "llama-server's (the HTTP server's): each `response.output_text.delta` event and `response.completed` carry `timings` (`prompt_n`, `cache_n`, `predicted_n`, their milliseconds and rates)",
+        extension=True,
     ),
     RequestField(
         "top_logprobs",

@@ -100,6 +100,10 @@ class ChatOptions(CompletionOptions, total=False):
     enable_thinking: bool | None
     """llamax extension: passed to chat templates that take it (Qwen3: ``False`` renders an
     empty thinking, so the model answers at once); default: the template's."""
+    return_progress: bool
+    """llama-server extension: a stream's chunks report the prompt's progress
+    (``prompt_progress``: ``total``, ``cache``, ``processed``, ``time_ms``) while it is
+    computed, in chunks of their own before the reply (``SamplingParams.prefill_progress``)."""
 
 
 OPENAI_ONLY = frozenset(

@@ -26,6 +26,7 @@ from .options import (
     ChatOptions,
     CompletionOptions,
     Truncate,
+    check_flag,
     check_option_names,
     sampling_params,
 )
@@ -116,6 +117,8 @@ def prepare_chat(
     check_option_names(options, CHAT_OPTIONS, "chat_completion")
     opts: ChatOptions = options  # type: ignore[assignment]
     params = sampling_params(opts, chat=True)
+    if check_flag(opts.get("return_progress"), "return_progress"):
+        params = dataclasses.replace(params, prefill_progress=True)
     plan = prepare_tools(
         opts.get("tools"), opts.get("tool_choice"), opts.get("parallel_tool_calls")
     )

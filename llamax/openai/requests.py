@@ -19,13 +19,23 @@ from ..chat_stream import (
     ChatStream,
     ContentDelta,
     Finished,
+    Progress,
     ReasoningDelta,
     Started,
     ToolCallDelta,
 )
 from ..handle import RequestHandle
 from ..reasoning import ReasoningFormat, split_reasoning
-from ..results import Choice, Completion, FinishReason, TokenEvent, TokenLogprob, TopLogprob, Usage
+from ..results import (
+    Choice,
+    Completion,
+    FinishReason,
+    PrefillProgress,
+    TokenEvent,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from ..tools import ToolPlan, parse_tool_calls
 from ..tools.parse import ToolCallDelta as OpenAIToolCallDelta
 from .prepare import ChatModel, Prepared
@@ -37,10 +47,11 @@ from .shapes import (
     ChatDelta,
     CompletionUsage,
     OpenAIFinishReason,
+    PromptProgress,
     TextCompletion,
 )
 
-__all__ = ["AsyncChunkStream", "ChunkStream", "EventBuilder", "OpenAIRequest"]
+__all__ = ["AsyncChunkStream", "ChunkStream", "EventBuilder", "OpenAIRequest", "prompt_progress"]
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
@@ -161,6 +172,9 @@ class OpenAIRequest:
     """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
     num_prompt_tokens: int = 0
     """Tokens of the rendered prompt (chat; 0 for a text prompt given as a string)."""
+    submitted: float = field(default_factory=time.perf_counter)
+    """When it was submitted (``time.perf_counter``): ``prompt_progress.time_ms`` counts
+    from there."""
 
     @classmethod
     def of(cls, handle: RequestHandle, prepared: Prepared, chat_model: ChatModel) -> OpenAIRequest:
@@ -351,12 +365,16 @@ class OpenAIRequest:
     def _encode(self, parts: Sequence[ChatPart]) -> Iterator[ChatCompletionChunk]:
         """One event's parts as ``chat.completion.chunk`` objects: with tools on, a chunk
         per part; else the role in a chunk of its own (as OpenAI and llama-server send it
-        first), one delta (thinking, content and logprobs together), then the finish."""
+        first), one delta (thinking, content and logprobs together), then the finish. A
+        progress part is a chunk of its own, with an empty delta and ``prompt_progress``."""
+        if parts and isinstance(parts[0], Progress):
+            yield self._progress_chunk(parts[0])
+            return
         if self.tools.is_active:
             for part in parts:
                 if isinstance(part, Finished):
                     yield self._finish_chunk(part)
-                else:
+                elif not isinstance(part, Progress):
                     yield self._delta_chunk(part.index, _delta(part))
             return
         delta: ChatDelta = {}
@@ -366,7 +384,7 @@ class OpenAIRequest:
                 yield self._delta_chunk(part.index, _delta(part))
             elif isinstance(part, ContentDelta) and part.logprobs:
                 logprobs = {"content": [_chat_token(lp, lp.top_logprobs) for lp in part.logprobs]}
-            if not isinstance(part, Finished | Started):
+            if not isinstance(part, Finished | Started | Progress):
                 delta.update(_delta(part))
         if delta or logprobs:  # held-back text still reports its tokens' logprobs
             index = parts[0].index
@@ -376,6 +394,11 @@ class OpenAIRequest:
         for part in parts:
             if isinstance(part, Finished):
                 yield self._finish_chunk(part)
+
+    def _progress_chunk(self, part: Progress) -> ChatCompletionChunk:
+        chunk = self._delta_chunk(part.index, {})
+        chunk["prompt_progress"] = prompt_progress(part.progress, self.submitted)
+        return chunk
 
     def _finish_chunk(self, part: Finished) -> ChatCompletionChunk:
         return self._chat_chunk(
@@ -413,6 +436,17 @@ class OpenAIRequest:
             chunk["choices"] = []
         chunk["usage"] = _usage(completion.usage)
         return chunk  # type: ignore[no-any-return]
+
+
+def prompt_progress(progress: PrefillProgress, submitted: float) -> PromptProgress:
+    """llama-server's ``prompt_progress`` of a :class:`~llamax.PrefillProgress` (``time_ms``
+    since ``submitted``, a ``time.perf_counter`` reading)."""
+    return {
+        "total": progress.num_prompt_tokens,
+        "cache": progress.num_cached_tokens,
+        "processed": progress.num_computed_tokens,
+        "time_ms": int((time.perf_counter() - submitted) * 1000),
+    }
 
 
 def _delta(part: Started | ReasoningDelta | ContentDelta | ToolCallDelta) -> ChatDelta:

@@ -314,6 +314,9 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
             raise InvalidParameterError(f"reasoning.effort is not an effort: {effort!r}")
         if effort is not None:
             options["enable_thinking"] = effort not in ("none", "minimal")
+    if check_flag(request.get("return_progress"), "return_progress"):
+        options["return_progress"] = True
+    check_flag(request.get("timings_per_token"), "timings_per_token")  # the server's
     truncation = request.get("truncation")
     if truncation not in (None, "auto", "disabled"):
         raise InvalidParameterError("truncation must be 'auto' or 'disabled'")

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..chat_stream import ChatPart, ContentDelta, ReasoningDelta, ToolCallDelta
+from ..chat_stream import ChatPart, ContentDelta, Progress, ReasoningDelta, ToolCallDelta
 from ..errors import NotFoundError
 from ..images import Image
 from ..results import Completion, FinishReason
-from .requests import OpenAIRequest
+from .requests import OpenAIRequest, prompt_progress
 from .responses_items import input_items
 
 __all__ = ["ResponseEvents", "ResponseJob", "ResponseStore"]
@@ -424,6 +424,14 @@ class ResponseEvents:
         job, events = self.job, []
         for part in parts:
             match part:
+                case Progress(progress=progress):  # llama-server's, with return_progress
+                    events.append(
+                        job.event(
+                            "response.in_progress",
+                            response=job.response("in_progress", [], None),
+                            prompt_progress=prompt_progress(progress, job.submitted.submitted),
+                        )
+                    )
                 case ReasoningDelta(text=text):
                     if self._open is None or self._open["type"] != "reasoning":
                         events += self._begin(lambda i: job.reasoning_item(i, "", "in_progress"))

@@ -16,6 +16,7 @@ __all__ = [
     "ChatCompletionMessage",
     "ChatDelta",
     "CompletionUsage",
+    "PromptProgress",
     "TextCompletion",
     "TextCompletionChoice",
 ]
@@ -83,6 +84,17 @@ class ChatCompletionChunkChoice(TypedDict):
     logprobs: Any
 
 
+class PromptProgress(TypedDict):
+    """llama-server's ``prompt_progress``: the prompt's tokens (``total``), those the cache
+    held (``cache``), those computed so far, cached ones included (``processed``), and the
+    milliseconds since the request was submitted (``time_ms``)."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
 class ChatCompletionChunk(TypedDict):
     """An OpenAI ``chat.completion.chunk`` object."""
 
@@ -92,6 +104,8 @@ class ChatCompletionChunk(TypedDict):
     model: str
     choices: list[ChatCompletionChunkChoice]
     usage: NotRequired[CompletionUsage | None]
+    prompt_progress: NotRequired[PromptProgress]
+    """llama-server's extension (``return_progress``): how far the prompt is computed."""
 
 
 class TextCompletionChoice(TypedDict):

@@ -25,10 +25,7 @@ from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .images import ImagePolicy
 from .info import info_routes, public_routes
-from .llama_infill import infill_routes
-from .llama_router import router_routes
-from .llama_routes import llama_routes
-from .llama_slots import slot_routes, slot_tables
+from .llama import infill_routes, llama_routes, router_routes, slot_routes, slot_tables
 from .models import ModelPool
 from .responses_routes import responses_routes
 from .routes import api_routes
@@ -172,7 +169,7 @@ def create_app(
         responses_routes(state),
         infill_routes(state, slots),
         slot_routes(state, slots, save_path),
-        llama_routes(state),
+        llama_routes(state, slots),
     )
     for router in routers:
         app.include_router(router)

@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -24,18 +24,22 @@ class BackgroundServer:
         host: Interface to bind.
         port: TCP port; 0 picks a free one (see :attr:`port`).
         shutdown_timeout: Seconds requests in flight may take to finish on :meth:`stop`.
+        http: uvicorn's HTTP implementation, as ``llamax serve --http``: ``h11`` sends
+            header names as the app spells them, ``httptools`` in lower case.
     """
 
     def __init__(
-        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: int = 5
-    ) -> None:
+        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: int = 5,
+        http: Literal["h11", "httptools"] = "h11",
+    ) -> None:  # fmt: skip
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=shutdown_timeout
-        )
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=shutdown_timeout,
+            http=http,
+        )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True,

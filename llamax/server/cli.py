@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
         '"lora": [{"name": NAME, "scale": 1.0}]',
     )
     p.add_argument(
+        "--http",
+        default="h11",
+        choices=["h11", "httptools"],
+        help="uvicorn's HTTP implementation: h11 sends header names as llamax spells them "
+        "(llama-server's Access-Control-Allow-Origin ..., which some of its clients look up "
+        "case-sensitively); httptools parses faster but sends every header name in lower "
+        "case (default: h11)",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     return p
@@ -323,6 +332,7 @@ def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) ->
         port=ns.port,
         log_level=ns.log_level,
         timeout_graceful_shutdown=ns.shutdown_timeout,
+        http=ns.http,
     )
     server = uvicorn.Server(config)
 
@@ -350,6 +360,7 @@ def _serve_pool(app: Any, models: ModelPool, ns: argparse.Namespace) -> int:
         port=ns.port,
         log_level=ns.log_level,
         timeout_graceful_shutdown=ns.shutdown_timeout,
+        http=ns.http,
     )
     log.info("serving models: %s", ", ".join(models.names))
     with _signals_after_shutdown_ignored():

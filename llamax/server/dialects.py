@@ -205,8 +205,8 @@ class _Llama(_OpenAILlama):
         return self.usage({
             "prompt_tokens": sum(r.get("tokens_evaluated", 0) for r in results),
             "completion_tokens": sum(r.get("tokens_predicted", 0) for r in results),
-            "prompt_tokens_details": {"cached_tokens": sum(r.get("tokens_cached", 0)
-                                                           for r in results)},
+            "prompt_tokens_details": {"cached_tokens": sum(
+                (r.get("timings") or {}).get("cache_n", 0) for r in results)},
         })  # fmt: skip
 
     def frame(self, chunk: dict[str, Any], meter: StreamMeter) -> bytes | None:

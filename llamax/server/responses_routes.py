@@ -13,6 +13,8 @@ it (see :class:`~llamax.server.responses.CompletionResponse`).
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -27,6 +29,7 @@ from llamax.openai.responses_items import page_of_items
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
 from .images import prepare_images
+from .llama import timed_response_events
 from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion, run_leased
 
@@ -62,9 +65,7 @@ def responses_routes(state: ServerState) -> APIRouter:
             _ENDPOINT,
             parse,
             lambda body: body.get("model"),
-            lambda body, ctx: acreate_response(
-                ctx, _with_defaults(state, body), store=state.responses
-            ),
+            lambda body, ctx: _create(state, body, ctx, llama=_is_llama_alias(request)),
             dialect=RESPONSES,
             fields=_FIELDS,
             prompt_field="input",
@@ -128,6 +129,45 @@ def _not_found(response_id: str) -> APIError:
         "the store evicted it)",
         code="not_found",
     )
+
+
+async def _create(
+    state: ServerState, body: dict[str, Any], ctx: llamax.Context, *, llama: bool
+) -> Any:
+    """:func:`acreate_response`; a stream with llama-server's ``timings`` where the request
+    asks for ``timings_per_token``, and on llama-server's alias (``llama``) ended by
+    ``response.completed`` as llama-server ends every stream (it sends no
+    ``response.incomplete``; the response's ``status`` still says ``incomplete``)."""
+    started = time.perf_counter()
+    reply = await acreate_response(ctx, _with_defaults(state, body), store=state.responses)
+    if isinstance(reply, dict) or body.get("stream") is not True:
+        return reply
+    if llama:
+        reply = _completed_at_the_end(reply)
+    if body.get("timings_per_token") is True:
+        return timed_response_events(reply, started)
+    return reply
+
+
+def _is_llama_alias(request: Request) -> bool:
+    """Whether ``request`` came on llama-server's un-prefixed ``/responses``."""
+    return request.url.path.rstrip("/") == "/responses"
+
+
+async def _completed_at_the_end(
+    events: AsyncIterator[dict[str, Any]],
+) -> AsyncIterator[dict[str, Any]]:
+    """``events`` with ``response.incomplete`` named ``response.completed``; closing it
+    closes ``events`` (which cancels the request)."""
+    try:
+        async for event in events:
+            if event.get("type") == "response.incomplete":
+                event = event | {"type": "response.completed"}
+            yield event
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def _with_defaults(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import llamax
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
 from .images import prepare_images
-from .llama_chat import with_llama_extras
+from .llama import with_llama_extras
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -203,6 +203,8 @@ class ChatCompletionRequest(_SamplingFields):
     """llama-server extension: a stream's usage chunk carries ``timings`` (the route adds it)."""
     verbose: bool | None = None
     """llama-server extension: a whole reply carries ``__verbose`` (the route adds it)."""
+    return_progress: bool | None = None
+    """llama-server extension: a stream reports the prompt's progress (``prompt_progress``)."""
 
     def options(self) -> dict[str, Any]:
         """As the base class, with ``max_completion_tokens`` read as ``max_tokens``,

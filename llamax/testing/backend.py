@@ -12,13 +12,22 @@ import numpy as np
 import numpy.typing as npt
 
 from ..adapters import AdapterSet
-from ..backend.base import BatchItem, DecodeStatus
+from ..backend.base import BatchItem, DecodeStatus, Drawn
 from ..backend.vision import MediaPrompt, RgbImage
 from ..errors import ContextClosedError, ImageError
 from ..params import SamplingParams
 from ..tokens import FimTokens
 from .memory import FakeMemory
-from .model import EOS, FakeAdapters, FakeSampler, FakeVocab, alphabet_model, row_logits, sample
+from .model import (
+    EOS,
+    FakeAdapters,
+    FakeSampler,
+    FakeVocab,
+    alphabet_model,
+    draw,
+    row_logits,
+    sample,
+)
 from .vision import FakeVision, ids_of_rows
 
 __all__ = ["FAULT_POINTS", "FakeBackend"]
@@ -546,6 +555,12 @@ class FakeBackend:
         """
         self._fault("sample")
         return sample(sampler, self._logits[self._rows[row]], self._eog)
+
+    def sample_drawn(self, sampler: FakeSampler, row: int, limit: int) -> Drawn:
+        """:meth:`sample`, with the distribution it drew from
+        (:func:`~llamax.testing.model.draw`)."""
+        self._fault("sample")
+        return draw(sampler, self._logits[self._rows[row]], self._eog, limit)
 
     def free_sampler(self, sampler: FakeSampler) -> None:
         """Forget a sampler."""

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..adapters import AdapterSet
+from ..backend.base import Drawn
 from ..backend.native import utf8
 from ..errors import ModelLoadError, RequestFailedError
 from ..params import SamplingParams
@@ -188,6 +189,18 @@ def sample(sampler: FakeSampler, row: npt.NDArray[np.float32], eog: frozenset[in
     Raises:
         RequestFailedError: the grammar allows no token here (as llama.cpp's backend).
     """
+    return draw(sampler, row, eog, 0).token
+
+
+def draw(
+    sampler: FakeSampler, row: npt.NDArray[np.float32], eog: frozenset[int], limit: int
+) -> Drawn:
+    """:func:`sample`, with the distribution it drew from (its ``limit`` likeliest tokens
+    with a probability above 0; greedy: the token alone, probability 1).
+
+    Raises:
+        RequestFailedError: the grammar allows no token here (as llama.cpp's backend).
+    """
     logits = row.astype(np.float64)
     params = sampler.params
     for token, bias in params.logit_bias.items():
@@ -206,10 +219,16 @@ def sample(sampler: FakeSampler, row: npt.NDArray[np.float32], eog: frozenset[in
         raise RequestFailedError("the grammar allows no token here")
     if params.is_greedy:
         token = int(np.argmax(logits))
+        drawn = Drawn(token, 1.0, (token,), (1.0,))
     else:
         probs = np.exp((logits - logits.max()) / params.temperature)
-        cumulative = np.cumsum(probs / probs.sum())
-        drawn = int(np.searchsorted(cumulative, sampler.rng.random()))
-        token = min(drawn, len(probs) - 1)
+        probs /= probs.sum()
+        cumulative = np.cumsum(probs)
+        drawn_at = int(np.searchsorted(cumulative, sampler.rng.random()))
+        token = min(drawn_at, len(probs) - 1)
+        order = np.argsort(-probs, kind="stable")[:limit]
+        order = order[probs[order] > 0]
+        drawn = Drawn(token, float(probs[token]), tuple(int(t) for t in order),
+                      tuple(float(p) for p in probs[order]))  # fmt: skip
     sampler.accepted.append(token)
-    return token
+    return drawn

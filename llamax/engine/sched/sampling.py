@@ -2,7 +2,9 @@
 
 Per row with logits: the batch hook (once per step, over every row), the request's
 logits processors (only for requests that have them), the native sampler chain of the
-sequence and of any forks sharing the row, and logprobs (only for requests that ask).
+sequence and of any forks sharing the row, and logprobs (only for requests that ask: of
+the row, or with ``logprobs_after_sampling`` of the distribution the chain drew from, which
+the backend reads back as it samples).
 A processor that raises or returns a bad row fails its own request, nobody else's. That
 holds for any ``BaseException`` too (``SystemExit``, ``GeneratorExit`` ...). A
 ``KeyboardInterrupt`` also fails its request alone, and is kept for the thread that ran the
@@ -13,6 +15,7 @@ background loop (which never receives Ctrl-C from the OS) it is not re-raised.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ...backend.base import Backend
+from ...backend.base import Backend, Drawn, Sampler
 from ...errors import RequestFailedError
 from ...params import LogitsProcessor
 from ...results import TokenLogprob, TopLogprob
@@ -140,7 +143,8 @@ def _sample_row(
         RequestFailedError: a logits processor or a native sampler failed.
     """
     params = seqs[0].request.params
-    wants_logprobs = params.logprobs is not None
+    after = params.logprobs_after_sampling  # the chain reports them as it samples
+    wants_logprobs = params.logprobs is not None and not after
     logits = backend.logits(row) if params.logits_processors or wants_logprobs else None
     if params.logits_processors:
         assert logits is not None
@@ -150,14 +154,18 @@ def _sample_row(
     log_z = _log_partition(logits) if wants_logprobs and logits is not None else 0.0
     picks: list[tuple[int, TokenLogprob | None]] = []
     for seq in seqs:
+        logprob = None
         try:
-            token = _sample(backend, seq, row)
+            if after:
+                drawn = _sample_drawn(backend, seq, row, params.logprobs or 0)
+                token, logprob = drawn.token, _drawn_logprob(backend, drawn)
+            else:
+                token = _sample(backend, seq, row)
         except RequestFailedError:
             raise
         except Exception as exc:  # a sampler llama.cpp could not build or run
             raise RequestFailedError(f"the native sampler failed: {exc!r}") from exc
-        logprob = None
-        if params.logprobs is not None and logits is not None:
+        if wants_logprobs and logits is not None and params.logprobs is not None:
             logprob = _token_logprob(backend, logits, log_z, token, params.logprobs)
         picks.append((token, logprob))
     return picks
@@ -165,13 +173,22 @@ def _sample_row(
 
 def _sample(backend: Backend, seq: Seq, row: int) -> int:
     """Sample ``seq``'s token from ``row``, building its sampler chain on first use."""
+    return backend.sample(_sampler_of(backend, seq), row)
+
+
+def _sample_drawn(backend: Backend, seq: Seq, row: int, limit: int) -> Drawn:
+    """:func:`_sample`, with the distribution the chain drew from."""
+    return backend.sample_drawn(_sampler_of(backend, seq), row, limit)
+
+
+def _sampler_of(backend: Backend, seq: Seq) -> Sampler:
     if seq.sampler is None:
         request = seq.request
         seed = (request.seed + seq.index) % 2**32
         seq.sampler = backend.new_sampler(
             request.params, seed, _history(seq), grammar=request.grammar
         )
-    return backend.sample(seq.sampler, row)
+    return seq.sampler
 
 
 def _run_batch_hook(
@@ -237,6 +254,15 @@ def _token_logprob(
             top.append(_top(backend, int(t), float(logits[t]) - log_z))
     first = _top(backend, token, float(logits[token]) - log_z)
     return TokenLogprob(first.token_id, first.token, first.bytes, first.logprob, tuple(top))
+
+
+def _drawn_logprob(backend: Backend, drawn: Drawn) -> TokenLogprob:
+    """The logprobs of the distribution the chain drew from (``logprobs_after_sampling``)."""
+    top = tuple(
+        _top(backend, t, math.log(p)) for t, p in zip(drawn.top_ids, drawn.top_probs, strict=True)
+    )
+    first = _top(backend, drawn.token, math.log(drawn.prob) if drawn.prob > 0 else -math.inf)
+    return TokenLogprob(first.token_id, first.token, first.bytes, first.logprob, top)
 
 
 def _top(backend: Backend, token: int, logprob: float) -> TopLogprob:

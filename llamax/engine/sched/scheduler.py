@@ -37,7 +37,7 @@ from ...adapters import AdapterSet
 from ...backend.base import Backend, Clocked
 from ...config import EngineConfig
 from ...errors import KVCapacityError, RequestFailedError
-from ...results import TokenEvent, TokenLogprob
+from ...results import PrefillProgress, TokenEvent, TokenLogprob
 from ..images import cut_reuse
 from ..kv.admission import Outcome, SlotPlacer
 from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions
@@ -325,6 +325,9 @@ class Scheduler:
             num = len(entry.item.token_ids)
             assert seq.slot is not None
             is_decode = num == 1 and seq.num_generated > 0 and seq.num_pending == 1
+            reports = seq.request.params.prefill_progress and not is_decode
+            if reports and len(seq.slot.tokens) == seq.request.num_cached_tokens:
+                self._report_progress(seq, result)  # the first chunk: what the cache held
             self.kv.append(seq.slot, entry.item.token_ids)
             if is_decode:
                 self.num_decode_tokens += 1
@@ -332,12 +335,26 @@ class Scheduler:
                 self.num_prefill_tokens += num  # prompt chunks, and recomputation after preemption
                 if self.kv.cuts_at_checkpoints and self.prefix.is_enabled:
                     self._take_checkpoint(seq)
+                if reports:
+                    self._report_progress(seq, result)
             if entry.item.row is None:
                 continue
             for fork in entry.forks:
                 self._fork_from(seq, fork)
             for s in (*entry.forks, seq):
                 self._accept(s, sampled[s], result, logprobs.get(s))
+
+    @staticmethod
+    def _report_progress(seq: Sequence, result: StepResult) -> None:
+        """A progress event of ``seq``'s prompt (``prefill_progress``): the first choice's,
+        while it is computing its prompt (not a recomputation after a preemption)."""
+        request = seq.request
+        if seq.index != 0 or seq.num_generated or seq.slot is None:
+            return
+        progress = PrefillProgress(
+            seq.num_prompt_tokens, request.num_cached_tokens, len(seq.slot.tokens)
+        )
+        result.events.append((request, TokenEvent("", (), 0, progress=progress)))
 
     def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
         """Learn the step cost from a measured step (and the decode cost, if it decoded only)."""

@@ -27,6 +27,8 @@ import asyncio
 import os
 import time
 import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,16 +40,40 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 
-from .llama_jobs import (
-    LlamaError,
-    as_llama_error,
-    leased,
-    llama_error_response,
-)
-from .schemas import parse_object
-from .state import ServerState, read_body
+from ..schemas import parse_object
+from ..state import ServerState, read_body
+from .errors import LlamaError, as_llama_error, llama_error_response
 
-__all__ = ["Slot", "SlotTable", "slot_routes", "slot_tables", "table_of", "valid_filename"]
+__all__ = [
+    "Slot",
+    "SlotTable",
+    "leased",
+    "slot_routes",
+    "slot_tables",
+    "table_of",
+    "valid_filename",
+]
+
+
+@asynccontextmanager
+async def leased(state: ServerState, model: object) -> AsyncIterator[llamax.Context]:
+    """The context ``model`` names (``None``: the default), held (an admission slot taken,
+    the model pinned) until the block ends.
+
+    Raises:
+        APIError: 503 when the server is busy or the model unavailable, 404 for an unknown
+            model, as :meth:`~llamax.server.state.ServerState.lease`.
+    """
+    state.admit()
+    try:
+        lease = state.lease(model)
+    except BaseException:
+        state.release()
+        raise
+    try:
+        yield await lease.context()
+    finally:
+        lease.release()
 
 
 @dataclass(eq=False)

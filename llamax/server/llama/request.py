@@ -11,24 +11,23 @@ unknown fields everywhere). The table of fields is in docs/server.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import llamax
 
-from .errors import APIError
+from ..errors import APIError
 
 __all__ = [
     "DEFAULT_SETTINGS",
+    "FIELDS",
     "MEDIA_MARKER",
+    "NUMBERS",
     "NativePrompt",
     "NativeRequest",
     "default_settings",
-    "final_result",
     "parse_native",
-    "partial_result",
-    "stop_of",
 ]
 
 MEDIA_MARKER = "<__media__>"
@@ -65,34 +64,35 @@ DEFAULT_SETTINGS: dict[str, Any] = {
 _OFF: dict[str, object] = {
     "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0,
     "top_n_sigma": -1, "adaptive_target": -1, "n_indent": 0, "n_discard": 0,
-    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0,
-    "post_sampling_probs": False, "return_progress": False, "backend_sampling": False,
-    "grammar_lazy": False,
+    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0, "grammar_lazy": False,
 }  # fmt: skip
 """Fields accepted only at the value that turns their feature off: llamax has no such
-sampler or limit (``post_sampling_probs``: llamax reports the model's log-probabilities
-before sampling, not after the chain)."""
+sampler or limit."""
 
 _MOOT = frozenset(
     {"dynatemp_exponent", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
      "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "xtc_threshold",
-     "adaptive_decay", "n_keep", "n_cache_reuse", "sse_ping_interval", "verbose"}
+     "adaptive_decay", "n_keep", "n_cache_reuse", "sse_ping_interval", "verbose",
+     "backend_sampling"}
 )  # fmt: skip
 """Fields with no effect here, accepted with any value: settings of samplers that are off
 (see :data:`_OFF`), ``n_keep`` and ``n_cache_reuse`` (llamax neither shifts the context nor
-reuses by shifting; its prefix cache needs no setting), ``sse_ping_interval``."""
+reuses by shifting; its prefix cache needs no setting), ``sse_ping_interval``,
+``backend_sampling`` (where llama-server runs its samplers, on the GPU or the CPU, with the
+same results; llamax samples on the CPU)."""
 
-_NUMBERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+NUMBERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
             "min_p": "min_p", "typical_p": "typical_p", "repeat_penalty": "repeat_penalty",
             "repeat_last_n": "penalty_last_n", "presence_penalty": "presence_penalty",
             "frequency_penalty": "frequency_penalty"}  # fmt: skip
 """llama-server's numeric sampling fields and their :class:`~llamax.SamplingParams` names."""
 
-_FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos"})
+_FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos",
+                    "post_sampling_probs", "return_progress"})  # fmt: skip
 FIELDS = frozenset(
     {"prompt", "n_predict", "n_probs", "seed", "stop", "logit_bias", "grammar",
      "json_schema", "lora", "n_cmpl", "samplers", "id_slot", "response_fields", "model",
-     "stream_options", *_FLAGS, *_NUMBERS, *_OFF, *_MOOT}
+     "stream_options", *_FLAGS, *NUMBERS, *_OFF, *_MOOT}
 )  # fmt: skip
 """Every field ``/completion`` takes."""
 
@@ -124,6 +124,11 @@ class NativeRequest:
     text_bias: tuple[tuple[str, float], ...] = ()
     """``logit_bias`` entries given as text: each of its tokens gets the bias (the route
     tokenizes them and adds them to ``params``)."""
+    id_slot: int = -1
+    """The slot to run on (its session's KV is reused); ``-1``: any sequence."""
+    post_sampling_probs: bool = False
+    """``completion_probabilities`` as probabilities (``prob``, ``top_probs``) of the
+    distribution the sampler chain drew from, not the model's log-probabilities."""
 
 
 def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -301,7 +306,7 @@ def parse_native(
     prompts = _prompts(body["prompt"])
     flags = {name: _flag(body, name, default=name == "cache_prompt") for name in _FLAGS}
     options: dict[str, Any] = {}
-    for name, option in _NUMBERS.items():
+    for name, option in NUMBERS.items():
         value = _number(body, name)
         if value is not None:
             options[option] = value
@@ -321,11 +326,16 @@ def parse_native(
     n_probs = _number(body, "n_probs") or 0
     if n_probs:
         options["logprobs"] = n_probs
+        options["logprobs_after_sampling"] = flags["post_sampling_probs"]
     n_cmpl = _number(body, "n_cmpl")
     if n_cmpl is not None:
         options["n"] = n_cmpl
+    if flags["return_progress"] and flags["stream"]:  # llama-server reports it in streams
+        options["prefill_progress"] = True
     _other_options(body, options, flags["ignore_eos"])
-    _check_slot(body.get("id_slot", -1))
+    id_slot = body.get("id_slot")
+    id_slot = -1 if id_slot is None else id_slot  # null: llama-server's default
+    _check_slot(id_slot)
     response_fields = body.get("response_fields", [])
     if not (isinstance(response_fields, list) and all(isinstance(f, str) for f in response_fields)):
         raise _bad("response_fields must be a list of strings", "response_fields")
@@ -339,10 +349,11 @@ def parse_native(
     params = None if options["max_tokens"] == 0 else _sampling_params(options)
     return NativeRequest(prompts, params, flags["stream"], flags["return_tokens"],
                          flags["timings_per_token"], int(n_probs), tuple(response_fields),
-                         model, settings, text_bias)  # fmt: skip
+                         model, settings, text_bias, id_slot,
+                         flags["post_sampling_probs"])  # fmt: skip
 
 
-_FIELD_OF = {v: k for k, v in _NUMBERS.items()} | {
+_FIELD_OF = {v: k for k, v in NUMBERS.items()} | {
     "max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl", "seed": "seed",
     "stop": "stop", "logit_bias": "logit_bias", "grammar": "grammar",
     "json_schema": "json_schema", "lora": "lora",
@@ -391,118 +402,3 @@ def _other_options(body: Mapping[str, Any], options: dict[str, Any], ignore_eos:
 def _check_slot(id_slot: object) -> None:
     if isinstance(id_slot, bool) or not isinstance(id_slot, int) or id_slot < -1:
         raise _bad(f"id_slot must be an int >= -1, got {id_slot!r}", "id_slot")
-
-
-def stop_of(choice: llamax.Choice, full_text: str, stops: Sequence[str]) -> tuple[str, str]:
-    """llama-server's ``stop_type`` and ``stopping_word`` of a finished choice: ``word``
-    when a stop string cut the text (``full_text``, the detokenized tokens, goes on with it),
-    ``eos`` for an end-of-generation token, ``limit`` for ``n_predict`` or the context."""
-    if choice.finish_reason is llamax.FinishReason.LENGTH:
-        return "limit", ""
-    if choice.finish_reason is llamax.FinishReason.STOP:
-        rest = full_text[len(choice.text) :]
-        word = next((s for s in sorted(stops, key=len, reverse=True) if rest.startswith(s)), "")
-        return ("word", word) if word else ("eos", "")
-    return "none", ""
-
-
-@dataclass(slots=True)
-class Timings:
-    """One sequence's clock: when it was submitted, its first token came, it ended."""
-
-    submitted: float
-    first_token: float | None = None
-    num_prompt: int = 0
-    num_cached: int = 0
-    num_predicted: int = 0
-
-    def to_json(self, now: float) -> dict[str, Any]:
-        first = self.first_token if self.first_token is not None else now
-        prompt_ms = (first - self.submitted) * 1e3
-        predicted_ms = (now - first) * 1e3
-        num_prompt = max(self.num_prompt - self.num_cached, 0)
-        num_predicted = self.num_predicted
-        return {
-            "cache_n": self.num_cached,
-            "prompt_n": num_prompt,
-            "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / num_prompt if num_prompt else 0.0,
-            "prompt_per_second": 1e3 * num_prompt / prompt_ms if prompt_ms > 0 else 0.0,
-            "predicted_n": self.num_predicted,
-            "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / num_predicted if num_predicted else 0.0,
-            "predicted_per_second": 1e3 * num_predicted / predicted_ms if predicted_ms > 0 else 0.0,
-        }  # fmt: skip
-
-
-def probs_json(logprobs: Sequence[llamax.TokenLogprob]) -> list[dict[str, Any]]:
-    """``completion_probabilities``: llama-server's ``id``/``token``/``bytes``/``logprob`` and
-    ``top_logprobs`` per generated token."""
-    return [
-        {"id": lp.token_id, "token": lp.token, "bytes": list(lp.bytes), "logprob": lp.logprob,
-         "top_logprobs": [{"id": t.token_id, "token": t.token, "bytes": list(t.bytes),
-                           "logprob": t.logprob} for t in lp.top_logprobs]}
-        for lp in logprobs
-    ]  # fmt: skip
-
-
-def partial_result(
-    request: NativeRequest, event: llamax.TokenEvent, index: int, num_prompt: int,
-    num_predicted: int, timings: Timings | None, now: float,
-) -> dict[str, Any]:  # fmt: skip
-    """One streamed ``/completion`` event (``stop: false``)."""
-    chunk: dict[str, Any] = {
-        "index": index, "content": event.text, "tokens": list(event.token_ids), "stop": False,
-        "id_slot": -1, "tokens_predicted": num_predicted, "tokens_evaluated": num_prompt,
-    }  # fmt: skip
-    if timings is not None and request.timings_per_token:
-        chunk["timings"] = timings.to_json(now)
-    if request.n_probs and event.logprobs:
-        chunk["completion_probabilities"] = probs_json(event.logprobs)
-    return chunk
-
-
-def final_result(
-    request: NativeRequest, *, index: int, text: str, token_ids: Sequence[int], prompt: str,
-    stop: tuple[str, str], model: str, n_ctx: int, timings: Timings, now: float,
-    logprobs: Sequence[llamax.TokenLogprob] | None,
-) -> dict[str, Any]:  # fmt: skip
-    """The last ``/completion`` result of a sequence (``stop: true``); in a stream its
-    ``content`` and ``tokens`` are empty (the events carried them)."""
-    stream = request.stream
-    result: dict[str, Any] = {
-        "index": index,
-        "content": "" if stream else text,
-        "tokens": list(token_ids) if request.return_tokens and not stream else [],
-        "id_slot": -1,
-        "stop": True,
-        "model": model,
-        "tokens_predicted": timings.num_predicted,
-        "tokens_evaluated": timings.num_prompt,
-        "generation_settings": {"n_ctx": n_ctx, "model": model, **request.settings},
-        "prompt": prompt,
-        "has_new_line": "\n" in text,
-        "truncated": False,
-        "stop_type": stop[0],
-        "stopping_word": stop[1],
-        "tokens_cached": timings.num_cached,
-        "timings": timings.to_json(now),
-    }
-    if request.n_probs and logprobs and not stream:
-        result["completion_probabilities"] = probs_json(logprobs)
-    return _pick(result, request.response_fields) if request.response_fields else result
-
-
-def _pick(result: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """llama-server's ``response_fields``: the named fields only; ``a/b`` brings ``b`` of
-    the object ``a`` up to the top (under the name ``a/b``), a missing one is left out."""
-    out: dict[str, Any] = {}
-    for name in names:
-        value: Any = result
-        for part in name.split("/"):
-            if not isinstance(value, dict) or part not in value:
-                break
-            value = value[part]
-        else:
-            out[name] = value
-    return out

@@ -24,11 +24,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .info import _pool_models
-from .llama_jobs import LlamaError, as_llama_error, llama_error_response
-from .models import ModelPool, ModelState
-from .schemas import parse_object
-from .state import ServerState, read_body
+from ..info import _pool_models
+from ..models import ModelPool, ModelState
+from ..schemas import parse_object
+from ..state import ServerState, read_body
+from .errors import LlamaError, as_llama_error, llama_error_response
 
 __all__ = ["router_routes"]
 

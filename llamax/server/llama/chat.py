@@ -1,7 +1,10 @@
-"""llama-server's extensions of the OpenAI chat route: ``timings_per_token`` (a stream's
-usage chunk carries llama-server's ``timings``) and ``verbose`` (a whole reply carries
-``__verbose``, with the rendered prompt). Both are added around what
-:meth:`~llamax.Context.achat_completion` returns; the engine sees the request as any other.
+"""llama-server's extensions of the OpenAI chat and Responses routes: ``timings_per_token``
+(a chat stream's usage chunk carries llama-server's ``timings``; on ``/responses`` each
+``response.output_text.delta`` and ``response.completed``) and ``verbose`` (a whole chat
+reply carries ``__verbose``, with the rendered prompt). They are added around what
+:meth:`~llamax.Context.achat_completion` and :func:`~llamax.openai.acreate_response`
+return; the engine sees the request as any other (``return_progress`` is the chat
+layer's own: :mod:`llamax.openai`).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from starlette.concurrency import run_in_threadpool
 
 import llamax
 
-from .llama_native import Timings
+from .results import Timings
 
-__all__ = ["with_llama_extras"]
+__all__ = ["timed_response_events", "with_llama_extras"]
 
 
 async def with_llama_extras(
@@ -67,3 +70,32 @@ async def _timed(chunks: AsyncIterator[dict[str, Any]], started: float) -> Async
             clock.num_predicted = usage["completion_tokens"]
             chunk = chunk | {"timings": clock.to_json(time.perf_counter())}
         yield chunk
+
+
+async def timed_response_events(
+    events: AsyncIterator[dict[str, Any]], started: float
+) -> AsyncIterator[dict[str, Any]]:
+    """A Responses stream with llama-server's ``timings`` on each
+    ``response.output_text.delta`` (the clock so far: ``predicted_n`` counts the deltas,
+    the prompt's counts are not known yet) and on ``response.completed`` (its usage's
+    counts). Closing it closes ``events``, which cancels the request."""
+    clock = Timings(started)
+    try:
+        async for event in events:
+            kind = event.get("type")
+            if kind == "response.output_text.delta":
+                if clock.first_token is None:
+                    clock.first_token = time.perf_counter()
+                clock.num_predicted += 1
+                event = event | {"timings": clock.to_json(time.perf_counter())}
+            elif kind in ("response.completed", "response.incomplete"):
+                usage = event["response"].get("usage") or {}
+                clock.num_prompt = usage.get("input_tokens", 0)
+                clock.num_cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+                clock.num_predicted = usage.get("output_tokens", 0)
+                event = event | {"timings": clock.to_json(time.perf_counter())}
+            yield event
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            await close()

@@ -1,0 +1,149 @@
+"""One sequence of llama-server's native API on a slot (``/infill``, and ``/completion``
+with ``id_slot``): its slot, handle and clock, and its answer shaped by :mod:`.results`."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+import llamax
+
+from .errors import LlamaError
+from .request import NativeRequest
+from .results import Timings, final_result, partial_result, stop_of
+from .slots import Slot, SlotTable, table_of
+
+__all__ = ["NativeJob", "run_job"]
+
+
+async def run_job(
+    ctx: llamax.Context, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable],
+    request: NativeRequest, params: llamax.SamplingParams, tokens: Callable[[], list[int]],
+    *, model: str,
+) -> Any:  # fmt: skip
+    """Build the prompt (``tokens()``, in a worker), start a :class:`NativeJob` on it and
+    answer: its chunks when ``request.stream``, else its whole answer.
+
+    Raises:
+        LlamaError: see :meth:`NativeJob.start`; and what ``tokens`` raises.
+    """
+    stack = AsyncExitStack()
+    try:
+        prompt = await run_in_threadpool(tokens)
+        job = await NativeJob.start(
+            ctx, table_of(tables, ctx), request, params, prompt, stack, model=model
+        )
+    except BaseException:
+        await stack.aclose()
+        raise
+    return job.chunks() if request.stream else await job.whole()
+
+
+class NativeJob:
+    """One sequence of a native request once submitted: on the slot ``id_slot`` names (its
+    :class:`~llamax.Session`, so what the slot computed before is reused), or on any
+    sequence (shown in ``GET /slots`` under an idle slot). Its answer is ``/completion``'s
+    shape, whole (:meth:`whole`) or as chunks (:meth:`chunks`)."""
+
+    def __init__(
+        self, ctx: llamax.Context, slot: Slot | None, request: NativeRequest,
+        tokens: list[int], handle: llamax.RequestHandle, stack: AsyncExitStack, model: str,
+    ) -> None:  # fmt: skip
+        self.ctx, self.slot, self.request, self.model = ctx, slot, request, model
+        self.tokens, self.handle, self.stack = tokens, handle, stack
+        self.timings = Timings(time.perf_counter(), num_prompt=len(tokens))
+        self.id_slot = -1 if slot is None else slot.id
+
+    @classmethod
+    async def start(
+        cls, ctx: llamax.Context, slots: SlotTable, request: NativeRequest,
+        params: llamax.SamplingParams, tokens: list[int], stack: AsyncExitStack, *,
+        model: str,
+    ) -> NativeJob:  # fmt: skip
+        """Take the slot ``request.id_slot`` names (waiting while another request holds
+        it; ``-1``: any sequence) and submit ``tokens`` with ``params``. What ``stack``
+        holds (the slot, the handle) is given back when the job ends; ``model`` is the name
+        the answer gives the model.
+
+        Raises:
+            LlamaError: 400 for a bad ``id_slot``, 503 when the slot cannot open its
+                sequence; llamax's errors for a prompt it refuses, before anything reaches
+                the engine.
+        """
+        session, slot = None, None
+        if request.id_slot != -1:
+            slot = slots.get(request.id_slot)
+            await slot.lock.acquire()
+            stack.callback(slot.lock.release)
+            try:
+                session = slots.session_of(slot)
+            except llamax.SessionError as exc:
+                raise LlamaError(503, f"slot {slot.id} cannot open its sequence: {exc}") from exc
+        else:
+            slot = slots.idle()
+        slots.begin(slot, request.settings, len(tokens))
+        stack.callback(SlotTable.end, slot)
+        if session is not None:
+            handle = session.add_request(tokens, params)
+        else:
+            handle = ctx.add_request(tokens, params)
+        stack.callback(handle.cancel)  # a no-op once it has finished
+        return cls(ctx, slot, request, tokens, handle, stack, model)
+
+    async def _events(self) -> AsyncIterator[llamax.TokenEvent]:
+        timings = self.timings
+        async for event in self.handle:
+            if timings.first_token is None and event.token_ids:
+                timings.first_token = time.perf_counter()
+            timings.num_predicted += len(event.token_ids)
+            if self.slot is not None and self.slot.task is not None:
+                self.slot.task["n_decoded"] = timings.num_predicted
+            yield event
+
+    async def _final(self) -> dict[str, Any]:
+        result = await self.handle
+        usage = result.usage
+        self.timings.num_cached = usage.cached_tokens
+        if self.slot is not None and self.slot.task is not None:
+            self.slot.task["n_prompt_tokens_cache"] = usage.cached_tokens
+            self.slot.task["n_prompt_tokens_processed"] = usage.prompt_tokens - usage.cached_tokens
+        choice = result.choices[0]
+        self.timings.num_predicted = len(choice.token_ids)
+        full_text, prompt = await run_in_threadpool(
+            lambda: (self.ctx.detokenize(choice.token_ids), self.ctx.detokenize(self.tokens))
+        )
+        params = self.request.params
+        return final_result(
+            self.request, index=0, id_slot=self.id_slot, text=choice.text,
+            token_ids=choice.token_ids, prompt=prompt,
+            stop=stop_of(choice, full_text, params.stop if params is not None else ()),
+            model=self.model, n_ctx=self.ctx.n_ctx_seq, timings=self.timings,
+            now=time.perf_counter(), logprobs=choice.logprobs,
+        )  # fmt: skip
+
+    async def whole(self) -> dict[str, Any]:
+        """The answer, once the sequence has ended."""
+        try:
+            async for _ in self._events():
+                pass
+            return await self._final()
+        finally:
+            await self.stack.aclose()
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """One chunk per event, then the final answer (``stop: true``)."""
+        try:
+            async for event in self._events():
+                if event.text or event.token_ids or event.progress:
+                    yield partial_result(
+                        self.request, event, index=0, id_slot=self.id_slot,
+                        timings=self.timings, now=time.perf_counter(),
+                    )  # fmt: skip
+            yield await self._final()
+        finally:
+            await self.stack.aclose()

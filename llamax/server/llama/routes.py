@@ -1,0 +1,185 @@
+"""llama-server's native routes: ``/completion`` (and ``/completions``), ``/apply-template``,
+``/props``, and the token counts of ``/chat/completions/input_tokens``.
+
+The body is checked and mapped in a worker (:mod:`.request`) and run by
+:mod:`.completion`; errors come in llama-server's shape
+(``{"error": {"code", "message", "type"}}``, :data:`~.dialects.LLAMA`). A client that
+leaves cancels every sequence of its request. The table of routes and fields is in
+docs/server.md.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import llamax
+from llamax.openai import chat_prompt_tokens
+
+from ..dialects import LLAMA
+from ..errors import APIError, from_exception, llama_body
+from ..images import prepare_images
+from ..schemas import ChatCompletionRequest, parse_body, parse_object
+from ..state import ServerState, admit_completion, run_leased
+from .completion import start_completion
+from .request import FIELDS, MEDIA_MARKER, NativeRequest, default_settings, parse_native
+from .slots import SlotTable
+
+__all__ = ["llama_routes"]
+
+
+def llama_routes(
+    state: ServerState, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable]
+) -> APIRouter:
+    """llama-server's native routes (behind the API key when one is set); ``/completion``
+    with ``id_slot`` runs on the slots of ``tables``."""
+
+    def require_key(request: Request) -> None:
+        state.check_api_key(request)
+
+    router = APIRouter(dependencies=[Depends(require_key)])
+
+    @router.post("/completion")
+    @router.post("/completions")
+    async def completion(request: Request) -> Response:
+        def parse(raw: bytes) -> NativeRequest:
+            body = parse_native(parse_object(raw), default_n_predict=state.default_max_tokens,
+                                default_seed=state.default_seed)  # fmt: skip
+            _check_num_images(body, state.images.max_images)
+            return body
+
+        return await admit_completion(
+            state,
+            request,
+            "completion",
+            parse,
+            lambda body: body.model,
+            lambda body, ctx: start_completion(body, ctx, state.model_name(ctx), tables),
+            dialect=LLAMA,
+            fields=FIELDS,
+            prompt_field="prompt",
+            stream=lambda body: body.stream,
+        )
+
+    @router.post("/apply-template")
+    async def apply_template(request: Request) -> Response:
+        def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
+            generation = raw.pop("add_generation_prompt", True)
+            if not isinstance(generation, bool):
+                raise APIError(400, "add_generation_prompt must be a boolean",
+                               param="add_generation_prompt", code="invalid_type")  # fmt: skip
+            body = parse_body(ChatCompletionRequest, _dumps(raw))
+            prepare_images(body.messages, "openai", state.images)
+            thinking = body.options().get("enable_thinking")
+            extra = {} if thinking is None else {"enable_thinking": thinking}
+            try:
+                ctx.chat_prompt_parts(body.messages)  # checks them as a chat request would
+                prompt = ctx.chat_template.render(
+                    _media_markers(body.messages),
+                    add_generation_prompt=generation,
+                    tools=body.tools,
+                    **extra,
+                )
+            except Exception as exc:
+                raise from_exception(exc, frozenset({"messages"}), "messages") from exc
+            return JSONResponse({"prompt": prompt})
+
+        return await _llama_shaped(state, request, work)
+
+    @router.post("/chat/completions/input_tokens")
+    @router.post("/v1/chat/completions/input_tokens")
+    async def chat_input_tokens(request: Request) -> Response:
+        def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
+            body = parse_body(ChatCompletionRequest, _dumps(raw))
+            prepare_images(body.messages, "openai", state.images)
+            try:
+                tokens = chat_prompt_tokens(ctx, body.messages, **body.options())
+                count = ctx.prompt_positions(tokens)
+            except Exception as exc:
+                raise from_exception(exc, frozenset(ChatCompletionRequest.model_fields)) from exc
+            return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+        return await _llama_shaped(state, request, work)
+
+    @router.get("/props")
+    async def props() -> Response:
+        try:
+            ctx = state.context()
+        except APIError as error:
+            return JSONResponse(llama_body(error), status_code=error.status)
+        return JSONResponse(_props(state, ctx))
+
+    @router.post("/props")
+    async def set_props() -> Response:
+        error = APIError(501, "This server does not support changing global properties "
+                         "(llamax has no settable properties)", code="not_supported")  # fmt: skip
+        return JSONResponse(llama_body(error), status_code=501)
+
+    return router
+
+
+def _media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """(Checked) ``messages`` with each list of content parts as one string, an image as
+    llama-server's media marker, as its ``/apply-template`` shows them."""
+    marked = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text", "") if p.get("type") == "text" else MEDIA_MARKER
+                     for p in content]  # fmt: skip
+            message = {**message, "content": "".join(texts)}
+        marked.append(message)
+    return marked
+
+
+def _check_num_images(body: NativeRequest, most: int) -> None:
+    """A 400 for a body whose prompts hold more than ``most`` images in all."""
+    num = sum(isinstance(p, llamax.Image) for prompt in body.prompts for p in prompt)
+    if num > most:
+        raise APIError(400, f"the request holds {num} images; at most {most} are allowed per "
+                       "request (--max-images-per-request)", param="prompt",
+                       code="too_many_images")  # fmt: skip
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+async def _llama_shaped(
+    state: ServerState, request: Request, work: Callable[[dict[str, Any], llamax.Context], Response]
+) -> Response:
+    """:func:`~.state.run_leased` with the body as a JSON object, errors in llama-server's
+    shape."""
+    try:
+        return await run_leased(state, request, parse_object, lambda b: b.get("model"), work)
+    except APIError as error:
+        return JSONResponse(llama_body(error), status_code=error.status, headers=error.headers)
+
+
+def _props(state: ServerState, ctx: llamax.Context) -> dict[str, Any]:
+    try:
+        template = ctx.chat_template.source
+    except llamax.TemplateError:
+        template = ""
+    return {
+        "default_generation_settings": {
+            "id": 0, "id_task": -1, "n_ctx": ctx.n_ctx_seq, "speculative": False,
+            "is_processing": False, "prompt": "",
+            "params": default_settings(state.default_max_tokens, state.default_seed),
+        },
+        "total_slots": ctx.n_seq_max,
+        "model_alias": state.model_name(ctx),
+        "model_path": ctx.config.model_path,
+        "chat_template": template,
+        "chat_template_caps": {},
+        "modalities": {"vision": ctx.sees_images, "audio": False},
+        "media_marker": MEDIA_MARKER,
+        "build_info": f"llamax {llamax.__version__}",
+        "is_sleeping": False,
+    }  # fmt: skip
