@@ -9,7 +9,8 @@ tokens each, end-of-generation banned. Score: generated tokens / wall time. Syst
     One ``llamax.Context(n_gpu_layers=-1)`` built for the largest N (KV streams, one per
     sequence), N ``add_request`` calls, then every result; cache cleared before each run.
 ``raw_streams``
-    ``_loops.RawLoop`` on the same model (one KV stream per sequence): the floor.
+    ``_loops.RawLoop`` on the same model (one KV stream per sequence), each sequence sampled
+    with a llama.cpp sampler chain (llamax samples greedy as an argmax of the row instead).
 ``llama_server``
     ``llama-server -np N -c N*256 -ngl 99`` of the same build (``--llama-server PATH``), one
     process per N, N concurrent ``/completion`` requests.

@@ -16,7 +16,8 @@
 #                crash), into diag.log
 #   save         the build's bin/ as bin.tar.xz.aa, .ab... (15 MB parts) under $OUT
 #   test         pytest -m gpu on the random 1b, then on tiny (on a CPU: small, then tiny)
-#   bench        benchmarks/gpu_throughput.py on 1b and tiny, llama-server of this build
+#   bench        benchmarks/gpu_throughput.py on 1b and tiny (LLAMAX_GPU_BENCH_SHAPES), llama-server
+#                of this build
 #   bench-8b     the same on 8b (its 7.8 GB written first), its own report
 #   bench-quick  the same as bench at N = 1 and 16, 32 tokens each (a smoke run)
 # --cpu builds without CUDA (a dry run of every phase on a machine without a GPU).
@@ -60,6 +61,8 @@ else
   build=${LLAMAX_GPU_BUILD:-/tmp/llamax-cpu-build}
 fi
 lib_dir=$build/bin
+# the shapes the bench phase runs on a GPU, in order (a short device session: "1b")
+bench_shapes=${LLAMAX_GPU_BENCH_SHAPES:-1b tiny}
 jobs=$(nproc 2>/dev/null || echo 2)
 
 log() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$out/summary.txt" >&2; }
@@ -234,7 +237,9 @@ phase_test() {
     junit=$out/junit.xml
     [ $first = 1 ] || junit=$out/junit_$shape.xml
     log "test: pytest -m gpu on $models/$shape.gguf"
-    env "${env_extra[@]}" LLAMAX_GPU_MODEL="$models/$shape.gguf" "$python" -m pytest -m gpu \
+    # a hung run must not eat the session's device time (exit 124)
+    timeout "${LLAMAX_GPU_TEST_TIMEOUT:-300}" \
+      env "${env_extra[@]}" LLAMAX_GPU_MODEL="$models/$shape.gguf" "$python" -m pytest -m gpu \
       tests/test_gpu.py -q -rs -s -p no:cacheprovider --junitxml="$junit" -o addopts="" \
       >>"$out/pytest.log" 2>&1
     rc=$?
@@ -298,7 +303,9 @@ for phase in "${phases[@]}"; do
     save) phase_save ;;
     test) if [ "$cuda" = ON ]; then phase_models 1b tiny && phase_test 1b tiny; else
       phase_models small tiny && phase_test small tiny; fi ;;
-    bench) if [ "$cuda" = ON ]; then phase_models 1b tiny && phase_bench 0 gpu_throughput.json 1b tiny
+    bench) if [ "$cuda" = ON ]; then
+      # shellcheck disable=SC2086  # a list of shapes
+      phase_models $bench_shapes && phase_bench 0 gpu_throughput.json $bench_shapes
       else phase_models tiny && phase_bench 0 gpu_throughput.json tiny; fi ;;
     bench-8b) phase_models 8b && phase_bench 0 gpu_throughput_8b.json 8b ;;
     bench-quick) phase_models 1b tiny && phase_bench 1 gpu_throughput.json 1b tiny ;;
