@@ -189,7 +189,10 @@ class ImagePrompts:
     def _projector(self) -> ImageHost:
         host = self._host
         if host is None or not host.sees_images:
-            raise ImageError("this model does not take images: no projector (mmproj) is loaded")
+            raise ImageError(
+                "image input is not supported: this model does not take images "
+                "(no projector, mmproj, is loaded)"
+            )
         return host
 
     def _text_chunks(self, host: ImageHost, parts: Sequence[object]) -> Sequence[Any]:

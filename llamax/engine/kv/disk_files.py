@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from ...backend.vision.chunks import placeholder_problem
+
 __all__ = [
     "LOCK",
     "MAGIC",
@@ -116,9 +118,20 @@ def encode(tokens: Sequence[int], data: bytes) -> bytes:
     return _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
 
 
-def _read_header(file: IO[bytes]) -> tuple[tuple[int, ...], int, int, int] | None:
+def _valid_tokens(tokens: object, images: bool) -> bool:
+    """Whether a header's ``tokens`` can be an entry's: token ids, and with ``images``
+    also well-formed runs of image placeholder ids."""
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+        return False
+    if min(tokens) >= 0:
+        return True
+    return images and placeholder_problem(tokens) is None
+
+
+def _read_header(file: IO[bytes], images: bool) -> tuple[tuple[int, ...], int, int, int] | None:
     """``(tokens, size, crc32, offset of the state)`` from an open file, or None if the
-    preamble or header is not exactly what :func:`encode` writes."""
+    preamble or header is not exactly what :func:`encode` writes (placeholder ids among the
+    tokens only with ``images``)."""
     preamble = file.read(_PREAMBLE.size)
     if len(preamble) != _PREAMBLE.size:
         return None
@@ -136,9 +149,7 @@ def _read_header(file: IO[bytes]) -> tuple[tuple[int, ...], int, int, int] | Non
         return None
     tokens, size, crc = header["tokens"], header["size"], header["crc32"]
     if not (
-        isinstance(tokens, list)
-        and tokens
-        and all(type(t) is int and t >= 0 for t in tokens)
+        _valid_tokens(tokens, images)
         and type(size) is int
         and size > 0
         and type(crc) is int
@@ -163,7 +174,7 @@ def remove(path: str) -> OSError | None:
     return None
 
 
-def _read_entry(path: str) -> tuple[float, DiskEntry] | None:
+def _read_entry(path: str, images: bool) -> tuple[float, DiskEntry] | None:
     """``(mtime, entry)`` of the file at ``path`` from its header alone, or None if it is
     not a regular file whose header says what its size is."""
     try:
@@ -171,7 +182,7 @@ def _read_entry(path: str) -> tuple[float, DiskEntry] | None:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode):
                 return None
-            header = _read_header(file)
+            header = _read_header(file, images)
     except OSError:
         return None
     if header is None or header[3] + header[1] != info.st_size:
@@ -179,16 +190,17 @@ def _read_entry(path: str) -> tuple[float, DiskEntry] | None:
     return info.st_mtime, DiskEntry(header[0], path, info.st_size)
 
 
-def read_state(entry: DiskEntry) -> bytes | None:
+def read_state(entry: DiskEntry, *, images: bool = False) -> bytes | None:
     """The state in ``entry``'s file, or None if the file is not a regular file of
     ``entry.num_bytes`` bytes (checked before reading), or does not hold what its header
-    says (``entry``'s tokens, its state's size and checksum)."""
+    says (``entry``'s tokens, its state's size and checksum; ``images``: as
+    :func:`scan`)."""
     try:
         with open(entry.path, "rb", opener=_open_for_reading) as file:
             info = os.fstat(file.fileno())
             if not stat.S_ISREG(info.st_mode) or info.st_size != entry.num_bytes:
                 return None
-            header = _read_header(file)
+            header = _read_header(file, images)
             if header is None or header[3] + header[1] != entry.num_bytes:
                 return None
             data = file.read(header[1])
@@ -221,9 +233,11 @@ def write_entry(directory: str, tokens: tuple[int, ...], head: bytes, data: byte
     return DiskEntry(tokens, path, len(head) + len(data))
 
 
-def scan(directory: str) -> list[DiskEntry]:
+def scan(directory: str, *, images: bool = False) -> list[DiskEntry]:
     """The valid entries' files already in ``directory`` (headers only), oldest first,
-    one per tokens (the newer); every other file is deleted (the lock's aside)."""
+    one per tokens (the newer); every other file is deleted (the lock's aside).
+    ``images``: entries may hold image placeholder ids (the folder is a projector's);
+    without it such a file lies."""
     found: list[tuple[float, DiskEntry]] = []  # (mtime, entry)
     try:
         names = os.listdir(directory)
@@ -234,7 +248,7 @@ def scan(directory: str) -> list[DiskEntry]:
             continue
         path = os.path.join(directory, name)
         is_entry = name.endswith(_SUFFIX) and not name.startswith(".")  # not a temp file
-        read = _read_entry(path) if is_entry else None
+        read = _read_entry(path, images) if is_entry else None
         if read is None:
             remove(path)
             continue

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...adapters import NO_ADAPTERS, AdapterSet
-from ...backend.base import Backend
+from ...backend.base import Backend, ImageHost
 from ...config import EngineConfig
 from ...tokens import common_prefix_len
 from .checkpoints import planned_checkpoint
@@ -208,8 +208,19 @@ class PrefixCache:
         if directory is not None and disk_bytes is None:
             disk_bytes = int(default_disk_budget(directory) * config.prefix_disk_share)
         ram = PrefixRamTier(ram_bytes if retain else 0, model=model)
+        # an image's cells come from the projector too: with one loaded, the disk tier's
+        # folder is this model's and this projector's (a file outlives the context)
+        host = backend if isinstance(backend, ImageHost) else None
+        images = host is not None and host.sees_images
+        disk_model = model
+        if host is not None and images:
+            disk_model = json.dumps(
+                {"model": backend.model_identity, "projector": host.projector_identity},
+                sort_keys=True,
+                default=str,
+            )
         disk = (
-            PrefixDiskTier(directory, disk_bytes, model=model)
+            PrefixDiskTier(directory, disk_bytes, model=disk_model, images=images)
             if retain and directory is not None and disk_bytes
             else None
         )

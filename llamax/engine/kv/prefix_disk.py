@@ -76,8 +76,11 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
     Args:
         directory: Where the files go (``<directory>/<model key>/``; created if missing).
         budget_bytes: The most bytes of files kept (0 disables the tier).
-        model: The identity of the model every entry was computed with.
+        model: The identity of the model every entry was computed with (and of the
+            projector, with ``images``).
         min_tokens: Shorter prefixes are not stored.
+        images: Entries may hold images (placeholder ids): ``model`` names the projector
+            that encoded them, so its folder is this projector's alone.
 
     Raises:
         InvalidParameterError: the directory cannot be created or opened, or another
@@ -93,7 +96,9 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
         *,
         model: str = "",
         min_tokens: int = MIN_STORED_TOKENS,
+        images: bool = False,
     ) -> None:
+        self.images = images
         key = hashlib.sha256(model.encode()).hexdigest()[:16]
         self.directory = os.path.join(os.path.abspath(directory), key)
         lru: ByteLRU[tuple[int, ...], DiskEntry] = ByteLRU(
@@ -129,7 +134,7 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
                 f"prefix_disk_dir {directory!r} cannot be locked: {exc}"
             ) from exc
         self._lock_fd = lock
-        self._lru.fill(scan(self.directory))  # what an earlier context left
+        self._lru.fill(scan(self.directory, images=images))  # what an earlier context left
 
     @property
     def is_enabled(self) -> bool:
@@ -152,11 +157,11 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
         """Write ``data`` (the state of ``tokens``) as the most recently used entry,
         deleting the least recently used files beyond the budget. False if it is not
         wanted, alone exceeds the budget, or cannot be written (the entry is lost, logged
-        once); a file already holding these tokens is only marked recently used. Never a
-        prefix with an image (placeholder ids): its cells came from this context's
-        projector, which a file outliving the context does not record."""
+        once); a file already holding these tokens is only marked recently used. A
+        prefix with an image (placeholder ids) only in a projector's folder (``images``):
+        its cells came from that projector."""
         key = tuple(tokens)
-        if not self.wants(len(key), adapters) or not data or min(key) < 0:
+        if not self.wants(len(key), adapters) or not data or (min(key) < 0 and not self.images):
             return False
         if self._lru.get(key) is not None:
             self._lru.touch(key)
@@ -203,7 +208,7 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
         entry = hit.entry
         if self._lru.get(entry.tokens) is not entry:
             return None
-        data = read_state(entry)
+        data = read_state(entry, images=self.images)
         if data is None:
             self._forget(entry)
             self.counts = self.counts.counted(num_refused=1)
