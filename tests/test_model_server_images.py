@@ -221,6 +221,48 @@ def test_completion_multimodal_data_equals_the_same_parts_below_http(
     assert reply.json()["tokens_evaluated"] == below.usage.prompt_tokens
 
 
+def test_completion_with_id_slot_takes_images_and_keeps_them_in_the_slot(
+    vision_ctx: llamax.Context, tmp_path: Path
+) -> None:
+    """``/completion`` with ``id_slot`` and ``multimodal_data`` runs on the slot's session:
+    the answer is ``add_request``'s with the image in place, the same prompt again on the
+    slot reuses the image's cells, and a bad image is a 400 that leaves the slot serving
+    (the first version refused images with ``id_slot`` altogether)."""
+    with BackgroundServer(create_app(vision_ctx, slot_save_path=tmp_path)) as running:
+        _id_slot_with_images(running.url, vision_ctx)
+
+
+def _id_slot_with_images(url: str, vision_ctx: llamax.Context) -> None:
+    picture = png(pixels(6, 48, 64))
+    head, tail = "<|im_start|>user\n", " What is this?<|im_end|>\n<|im_start|>assistant\n"
+    marker = httpx.get(url + "/props").json()["media_marker"]
+
+    def body(data: str) -> dict[str, Any]:
+        prompt = {"prompt_string": head + marker + tail, "multimodal_data": [data]}
+        return {"prompt": prompt, "n_predict": 6, "temperature": 0, "return_tokens": True,
+                "id_slot": 1, "cache_prompt": True}  # fmt: skip
+
+    good = base64.b64encode(picture).decode()
+    first = httpx.post(url + "/completion", json=body(good), timeout=120)
+    assert first.status_code == 200, first.text
+    assert first.json()["id_slot"] == 1
+    assert marker in first.json()["prompt"]
+    again = httpx.post(url + "/completion", json=body(good), timeout=120).json()
+    assert again["tokens"] == first.json()["tokens"]
+    positions = first.json()["tokens_evaluated"]
+    assert again["timings"]["cache_n"] >= positions - 1  # the image's cells came from the slot
+    bad = httpx.post(url + "/completion", json=body(base64.b64encode(b"no image").decode()))
+    assert bad.status_code == 400, bad.text
+    after = httpx.post(url + "/completion", json=body(good), timeout=120).json()
+    assert after["tokens"] == first.json()["tokens"]
+    vision_ctx.clear_cache()
+    params = llamax.SamplingParams(max_tokens=6, temperature=0.0)
+    below = vision_ctx.add_request([head, llamax.Image(picture), tail], params).result()
+    assert first.json()["tokens"] == list(below.choices[0].token_ids)
+    assert positions == below.usage.prompt_tokens
+    assert httpx.post(url + "/slots/1?action=erase").status_code == 200
+
+
 def test_chat_completion_renders_the_image_where_it_sits(each_projector: llamax.Context) -> None:
     """The chat path's prompt is the hand-written ChatML with the image in the user turn:
     the same positions, and the same reply and logprobs (one request at a time)."""

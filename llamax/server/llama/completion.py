@@ -21,8 +21,8 @@ from starlette.concurrency import run_in_threadpool
 import llamax
 
 from .errors import LlamaError
-from .jobs import run_job
-from .request import MEDIA_MARKER, NativePrompt, NativeRequest
+from .jobs import num_positions, prompt_text, run_job
+from .request import NativePrompt, NativeRequest
 from .results import Timings, final_result, partial_result, stop_of
 from .slots import SlotTable
 
@@ -37,8 +37,7 @@ async def start_completion(
     choices), or an async iterator of chunks when it streams.
 
     Raises:
-        LlamaError: 400 for ``id_slot`` with several prompts or choices, or with images;
-            what
+        LlamaError: 400 for ``id_slot`` with several prompts or choices; what
             :func:`~.jobs.run_job` raises.
         ContextLengthError, EmptyPromptError, InvalidRequestError: a prompt llamax refuses
             (nothing was submitted).
@@ -47,12 +46,8 @@ async def start_completion(
         if len(request.prompts) != 1 or request.params.n != 1:
             raise LlamaError(400, "id_slot runs one prompt with one choice on its slot "
                              "(send several prompts, or n_cmpl > 1, without it)")  # fmt: skip
-        prompt = request.prompts[0]
-        if not isinstance(prompt, str) and any(isinstance(p, llamax.Image) for p in prompt):
-            raise LlamaError(400, "id_slot does not take multimodal_data yet (send images "
-                             "without id_slot, or through a session's chat)")  # fmt: skip
         params = await run_in_threadpool(_with_text_bias, ctx, request)
-        tokens = partial(_text_prompt_tokens, ctx, prompt)
+        tokens = partial(_prompt_tokens, ctx, request.prompts[0])
         return await run_job(ctx, tables, request, params, tokens, model=request.model or model)
     return await _start(request, ctx, model)
 
@@ -70,11 +65,6 @@ def _prompt_tokens(ctx: llamax.Context, prompt: NativePrompt) -> list[int | llam
         else:
             tokens.append(piece)
     return tokens
-
-
-def _text_prompt_tokens(ctx: llamax.Context, prompt: NativePrompt) -> list[int]:
-    """:func:`_prompt_tokens` of a prompt without images."""
-    return [t for t in _prompt_tokens(ctx, prompt) if isinstance(t, int)]
 
 
 def _with_text_bias(ctx: llamax.Context, request: NativeRequest) -> llamax.SamplingParams:
@@ -95,7 +85,7 @@ def _submit(
     """Tokenize every prompt, count its positions (reading its images) and submit it (none
     when ``n_predict`` is 0); if one is refused, the ones already submitted are cancelled."""
     prompts = [_prompt_tokens(ctx, p) for p in request.prompts]
-    sizes = [_num_positions(ctx, p) for p in prompts]
+    sizes = [num_positions(ctx, p) for p in prompts]
     handles: list[llamax.RequestHandle] = []
     if request.params is None:
         for tokens in prompts:
@@ -111,26 +101,6 @@ def _submit(
             handle.cancel()
         raise
     return prompts, sizes, handles
-
-
-def _num_positions(ctx: llamax.Context, prompt: list[int | llamax.Image]) -> int:
-    """A prompt's positions (reading its images, kept for ``add_request``: a bad one is
-    refused here)."""
-    if not any(isinstance(p, llamax.Image) for p in prompt):
-        return len(prompt)
-    return ctx.prompt_positions(prompt)
-
-
-def _prompt_text(ctx: llamax.Context, prompt: list[int | llamax.Image]) -> str:
-    """A prompt as text, each image as the media marker."""
-    text, run = "", []
-    for piece in [*prompt, None]:
-        if isinstance(piece, int):
-            run.append(piece)
-            continue
-        text += ctx.detokenize(run) + (MEDIA_MARKER if piece is not None else "")
-        run = []
-    return text
 
 
 class _Run:
@@ -168,7 +138,7 @@ class _Run:
             timings.num_cached = usage.cached_tokens
         return final_result(
             self.request, index=index, id_slot=-1, text=text, token_ids=ids,
-            prompt=_prompt_text(self.ctx, self.prompts[i]), stop=stop, model=self.model,
+            prompt=prompt_text(self.ctx, self.prompts[i]), stop=stop, model=self.model,
             n_ctx=self.ctx.n_ctx_seq, timings=timings, now=time.perf_counter(), logprobs=logprobs,
         )  # fmt: skip
 

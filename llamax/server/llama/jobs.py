@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -14,29 +14,30 @@ from starlette.concurrency import run_in_threadpool
 import llamax
 
 from .errors import LlamaError
-from .request import NativeRequest
+from .request import MEDIA_MARKER, NativeRequest
 from .results import Timings, final_result, partial_result, stop_of
 from .slots import Slot, SlotTable, table_of
 
-__all__ = ["NativeJob", "run_job"]
+__all__ = ["NativeJob", "num_positions", "prompt_text", "run_job"]
 
 
 async def run_job(
     ctx: llamax.Context, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable],
-    request: NativeRequest, params: llamax.SamplingParams, tokens: Callable[[], list[int]],
-    *, model: str,
+    request: NativeRequest, params: llamax.SamplingParams,
+    tokens: Callable[[], Sequence[int | llamax.Image]], *, model: str,
 ) -> Any:  # fmt: skip
-    """Build the prompt (``tokens()``, in a worker), start a :class:`NativeJob` on it and
-    answer: its chunks when ``request.stream``, else its whole answer.
+    """Build the prompt (``tokens()``, and its images read to count its positions, in a
+    worker: a bad image is refused there), start a :class:`NativeJob` on it and answer: its
+    chunks when ``request.stream``, else its whole answer.
 
     Raises:
         LlamaError: see :meth:`NativeJob.start`; and what ``tokens`` raises.
     """
     stack = AsyncExitStack()
     try:
-        prompt = await run_in_threadpool(tokens)
+        prompt, size = await run_in_threadpool(lambda: _counted(ctx, tokens()))
         job = await NativeJob.start(
-            ctx, table_of(tables, ctx), request, params, prompt, stack, model=model
+            ctx, table_of(tables, ctx), request, params, prompt, size, stack, model=model
         )
     except BaseException:
         await stack.aclose()
@@ -52,21 +53,23 @@ class NativeJob:
 
     def __init__(
         self, ctx: llamax.Context, slot: Slot | None, request: NativeRequest,
-        tokens: list[int], handle: llamax.RequestHandle, stack: AsyncExitStack, model: str,
+        tokens: list[int | llamax.Image], num_positions: int, handle: llamax.RequestHandle,
+        stack: AsyncExitStack, model: str,
     ) -> None:  # fmt: skip
         self.ctx, self.slot, self.request, self.model = ctx, slot, request, model
         self.tokens, self.handle, self.stack = tokens, handle, stack
-        self.timings = Timings(time.perf_counter(), num_prompt=len(tokens))
+        self.timings = Timings(time.perf_counter(), num_prompt=num_positions)
         self.id_slot = -1 if slot is None else slot.id
 
     @classmethod
     async def start(
         cls, ctx: llamax.Context, slots: SlotTable, request: NativeRequest,
-        params: llamax.SamplingParams, tokens: list[int], stack: AsyncExitStack, *,
-        model: str,
+        params: llamax.SamplingParams, tokens: list[int | llamax.Image], num_positions: int,
+        stack: AsyncExitStack, *, model: str,
     ) -> NativeJob:  # fmt: skip
         """Take the slot ``request.id_slot`` names (waiting while another request holds
-        it; ``-1``: any sequence) and submit ``tokens`` with ``params``. What ``stack``
+        it; ``-1``: any sequence) and submit ``tokens`` (``num_positions`` of them, an
+        image counted by its positions) with ``params``. What ``stack``
         holds (the slot, the handle) is given back when the job ends; ``model`` is the name
         the answer gives the model.
 
@@ -86,14 +89,14 @@ class NativeJob:
                 raise LlamaError(503, f"slot {slot.id} cannot open its sequence: {exc}") from exc
         else:
             slot = slots.idle()
-        slots.begin(slot, request.settings, len(tokens))
+        slots.begin(slot, request.settings, num_positions)
         stack.callback(SlotTable.end, slot)
         if session is not None:
             handle = session.add_request(tokens, params)
         else:
             handle = ctx.add_request(tokens, params)
         stack.callback(handle.cancel)  # a no-op once it has finished
-        return cls(ctx, slot, request, tokens, handle, stack, model)
+        return cls(ctx, slot, request, tokens, num_positions, handle, stack, model)
 
     async def _events(self) -> AsyncIterator[llamax.TokenEvent]:
         timings = self.timings
@@ -115,7 +118,7 @@ class NativeJob:
         choice = result.choices[0]
         self.timings.num_predicted = len(choice.token_ids)
         full_text, prompt = await run_in_threadpool(
-            lambda: (self.ctx.detokenize(choice.token_ids), self.ctx.detokenize(self.tokens))
+            lambda: (self.ctx.detokenize(choice.token_ids), prompt_text(self.ctx, self.tokens))
         )
         params = self.request.params
         return final_result(
@@ -147,3 +150,30 @@ class NativeJob:
             yield await self._final()
         finally:
             await self.stack.aclose()
+
+
+def num_positions(ctx: llamax.Context, prompt: list[int | llamax.Image]) -> int:
+    """A prompt's positions (reading its images, kept for ``add_request``: a bad one is
+    refused here)."""
+    if not any(isinstance(p, llamax.Image) for p in prompt):
+        return len(prompt)
+    return ctx.prompt_positions(prompt)
+
+
+def prompt_text(ctx: llamax.Context, prompt: list[int | llamax.Image]) -> str:
+    """A prompt as text, each image as the media marker."""
+    text, run = "", []
+    for piece in [*prompt, None]:
+        if isinstance(piece, int):
+            run.append(piece)
+            continue
+        text += ctx.detokenize(run) + (MEDIA_MARKER if piece is not None else "")
+        run = []
+    return text
+
+
+def _counted(
+    ctx: llamax.Context, tokens: Sequence[int | llamax.Image]
+) -> tuple[list[int | llamax.Image], int]:
+    prompt = list(tokens)
+    return prompt, num_positions(ctx, prompt)
