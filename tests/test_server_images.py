@@ -251,6 +251,10 @@ def test_a_server_without_a_projector_refuses_images(
     app = create_app(ctx)
     said = "does not take images"
     assert said in openai_error(call(app, "POST", CHAT, json=openai_body(data_url(1))))
+    # llama-server's words (its Anthropic tests read them; it answers 500, llamax 400)
+    assert "image input is not supported" in anthropic_error(
+        call(app, "POST", "/v1/messages", json=anthropic_body(base64_source(png_bytes(1))))
+    )
     assert said in llama_error(
         call(app, "POST", "/chat/completions", json=openai_body(data_url(1)))
     )
