@@ -147,3 +147,27 @@ def assert_regrets_below(
         f"the cold probe's best pick; every position's regret: "
         f"{[round(r, 3) for r in regrets]} (lora {lora})"
     )
+
+
+def assert_top_logprobs_agree(
+    rows: Sequence[Sequence[tuple[int, float]]],
+    other_rows: Sequence[Sequence[tuple[int, float]]],
+    tolerance: float,
+) -> None:
+    """Two runs' top log-probabilities, position by position, agree within ``tolerance``:
+    a token in both rows has log-probabilities that close; a token in only one row sat at
+    its cut-off, within ``tolerance`` of the other row's lowest (two alternatives nearly
+    tied for the last place may swap in and out of the top k)."""
+    assert len(rows) == len(other_rows)
+    for pos, (row, other) in enumerate(zip(rows, other_rows, strict=True)):
+        mine, theirs = dict(row), dict(other)
+        for token in mine.keys() & theirs.keys():
+            gap = abs(mine[token] - theirs[token])
+            assert gap < tolerance, f"position {pos}: token {token} differs by {gap:.4f} nats"
+        for ours, floor in ((mine, min(theirs.values())), (theirs, min(mine.values()))):
+            for token in ours.keys() - (mine.keys() & theirs.keys()):
+                gap = floor - ours[token]
+                assert abs(gap) < tolerance, (
+                    f"position {pos}: token {token} is in one top-k only, {gap:.4f} nats "
+                    "from the other's last"
+                )

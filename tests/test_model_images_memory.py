@@ -13,6 +13,7 @@ from typing import Any
 import memory_model_files
 import pytest
 import vision_files
+from near_tie import assert_top_logprobs_agree
 from vision_files import pixels, png
 
 import llamax
@@ -106,6 +107,6 @@ def test_a_sessions_next_turn_after_an_image_agrees_with_a_cold_run(
         assert ctx.audit() == []
     (tokens, tops), (cold_tokens, cold_tops) = outcome(out2), cold(text_model, projector, follow)
     assert tokens == cold_tokens
-    for row, cold_row in zip(tops, cold_tops, strict=True):
-        for (token, logprob), (cold_token, cold_logprob) in zip(row, cold_row, strict=True):
-            assert token == cold_token and abs(logprob - cold_logprob) < 0.05
+    # alternatives nearly tied for the last of the top 3 may swap (seen on an AVX2 EPYC:
+    # 8781 and 4476 0.001 nats apart at third place)
+    assert_top_logprobs_agree(tops, cold_tops, 0.05)
