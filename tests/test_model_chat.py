@@ -385,7 +385,7 @@ FORMS = (
 USER_MESSAGES = [FORMS[i % len(FORMS)].format(t=topic) for i, topic in enumerate(TOPICS)]
 REPLY = llamax.SamplingParams(max_tokens=48, temperature=0)
 SYSTEM = "You are a helpful assistant. Answer in one sentence."
-COLD_CHECKS = 6  # cold prefills of ~1900 tokens are the slow part
+COLD_CHECKS = 6  # cold prefills of ~900 tokens are the slow part
 AGREE = 16
 
 
@@ -408,8 +408,9 @@ class LongChat:
 
 @pytest.fixture(scope="module")
 def long_chat(model_path: Path) -> Iterator[LongChat]:
-    """Sixty turns of one chat on n_ctx=2048 (about 25 turns fit, so ~35 turns shift)."""
-    ctx = llamax.Context(model_path, n_ctx=2048, n_seq_max=4)
+    """Sixty turns of one chat on n_ctx=1024 (about 12 turns fit, so ~48 turns shift;
+    2048 cost the default run 233 s on an AVX2 EPYC, most of it in the cold checks)."""
+    ctx = llamax.Context(model_path, n_ctx=1024, n_seq_max=4)
     chat = ctx.chat(system=SYSTEM)
     turns = []
     for text in USER_MESSAGES:
@@ -472,7 +473,7 @@ def test_shifted_turns_match_a_cold_prefill(long_chat: LongChat, make_real: Make
     shifted = [t for t in long_chat.turns if t.stats.dropped_messages]
     checked = shifted[:: max(1, len(shifted) // COLD_CHECKS)][:COLD_CHECKS]
     assert len(checked) >= 5
-    cold = make_real(n_ctx=2048, n_seq_max=1, prefix_cache=False)
+    cold = make_real(n_ctx=1024, n_seq_max=1, prefix_cache=False)
     agreements: list[int] = []
     scores: list[int] = []
     for turn in checked:
