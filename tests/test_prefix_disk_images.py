@@ -98,10 +98,16 @@ def files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.kv"))
 
 
+def evict_image_prefix(ctx: llamax.Context) -> None:
+    """Run the image prompt, then another that takes the only sequence id: the image
+    prefix goes to disk."""
+    complete(ctx, prompt(0, 1, " A?"))
+    complete(ctx, system(1) + "B2?")
+
+
 def test_an_image_prefix_goes_to_disk_and_is_restored(make: Make, tmp_path: Path) -> None:
     ctx = make()
-    complete(ctx, prompt(0, 1, " A?"))
-    complete(ctx, system(1) + "B2?")  # takes the only sequence id: the image prefix goes out
+    evict_image_prefix(ctx)
     assert ctx.stats().num_prefix_disk_stores == 1
     done, num = computed(ctx, prompt(0, 1, " C?"))
     assert num == 2  # only "C?": the text, the image's rows and " " came from the file
@@ -113,8 +119,7 @@ def test_an_image_prefix_goes_to_disk_and_is_restored(make: Make, tmp_path: Path
 
 def test_the_next_context_with_the_projector_restores_it(make: Make, tmp_path: Path) -> None:
     first = make()
-    complete(first, prompt(0, 1, " A?"))
-    complete(first, system(1) + "B2?")
+    evict_image_prefix(first)
     first.close()
     (folder,) = folders(tmp_path)
     assert len(files(folder)) == 1
@@ -127,8 +132,7 @@ def test_the_next_context_with_the_projector_restores_it(make: Make, tmp_path: P
 
 def test_another_image_reuses_only_the_text_before_it(make: Make) -> None:
     ctx = make()
-    complete(ctx, prompt(0, 1, " A?"))
-    complete(ctx, system(1) + "B2?")
+    evict_image_prefix(ctx)
     done, num = computed(ctx, prompt(0, 2, " A?"))
     assert num >= IMAGE_TOKENS + 3  # the other image's rows are computed, never restored
     assert done.usage.cached_tokens <= len(system(0))
@@ -138,8 +142,7 @@ def test_another_image_reuses_only_the_text_before_it(make: Make) -> None:
 
 def test_another_projector_never_reads_the_files(make: Make, tmp_path: Path) -> None:
     first = make()
-    complete(first, prompt(0, 1, " A?"))
-    complete(first, system(1) + "B2?")
+    evict_image_prefix(first)
     first.close()
     # the same model and pixels through another projector: other cells, another folder
     other = make(image_tokens=IMAGE_TOKENS, non_causal_images=True)
@@ -152,8 +155,7 @@ def test_another_projector_never_reads_the_files(make: Make, tmp_path: Path) -> 
 
 def test_image_cells_in_a_folder_of_no_projector_are_a_lie(make: Make, tmp_path: Path) -> None:
     first = make()
-    complete(first, prompt(0, 1, " A?"))
-    complete(first, system(1) + "B2?")
+    evict_image_prefix(first)
     first.close()
     (projector_folder,) = folders(tmp_path)
     (entry,) = files(projector_folder)

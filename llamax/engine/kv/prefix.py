@@ -210,17 +210,16 @@ class PrefixCache:
         ram = PrefixRamTier(ram_bytes if retain else 0, model=model)
         # an image's cells come from the projector too: with one loaded, the disk tier's
         # folder is this model's and this projector's (a file outlives the context)
-        host = backend if isinstance(backend, ImageHost) else None
-        images = host is not None and host.sees_images
+        host = backend if isinstance(backend, ImageHost) and backend.sees_images else None
         disk_model = model
-        if host is not None and images:
+        if host is not None:
             disk_model = json.dumps(
                 {"model": backend.model_identity, "projector": host.projector_identity},
                 sort_keys=True,
                 default=str,
             )
         disk = (
-            PrefixDiskTier(directory, disk_bytes, model=disk_model, images=images)
+            PrefixDiskTier(directory, disk_bytes, model=disk_model, images=host is not None)
             if retain and directory is not None and disk_bytes
             else None
         )
