@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import threading
 import uuid
+import warnings
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
@@ -140,6 +143,12 @@ class Context:
         )
         self._chat = BoundTemplate(backend, config.chat_template, self._images)
         self._embedder: Embedder | None = None
+        self._embedder_finalizer: weakref.finalize[Any, Any] | None = None
+        # A context nobody references any more is closed (a notebook re-running
+        # ``ctx = Context(...)`` would otherwise keep every earlier model, KV cache and loop
+        # thread). Handles of pending requests and open sessions reference their context,
+        # so it lives while they do.
+        self._finalizer = weakref.finalize(self, _close_unreferenced, self._engine, repr(self))
 
     # ------------------------------------------------------------------ facts
     @property
@@ -343,6 +352,7 @@ class Context:
             lambda: engine.cancel(request),
             check_wait=engine.check_wait,
             drive=None if engine.is_background else engine.drive,
+            owner=self,
         )
         engine.submit(request)
         return handle
@@ -823,11 +833,15 @@ class Context:
                     n_threads=config.resolved_n_threads,
                     n_gpu_layers=config.n_gpu_layers,
                 )
+                self._embedder_finalizer = weakref.finalize(self, self._embedder.close)
             return self._embedder
 
     def _close_embedder(self) -> None:
         with self._embedder_lock:
             embedder, self._embedder = self._embedder, None
+            finalizer, self._embedder_finalizer = self._embedder_finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
         if embedder is not None:
             embedder.close()
 
@@ -857,6 +871,7 @@ class Context:
         ):
             raise InvalidParameterError(f"timeout must be None or a number >= 0, got {timeout!r}")
         self._engine.close(drain=drain, timeout=timeout)
+        self._finalizer.detach()
         self._close_embedder()
 
     def _check_open(self, action: str) -> None:
@@ -882,6 +897,29 @@ class Context:
         """The port through which this context's sessions reach its engine
         (:meth:`Context.session`, :meth:`Session.load <llamax.Session.load>`)."""
         return _SessionPort(self)
+
+
+_exiting = threading.Event()
+atexit.register(_exiting.set)  # runs before weakref.finalize's own exit hook (registered first)
+
+
+def _close_unreferenced(engine: Engine, name: str) -> None:
+    """Close the engine of a :class:`Context` that was collected without ``close()``.
+
+    At interpreter exit this is the normal end of a script that never closed its context;
+    otherwise it is a leak that went unnoticed, so a :class:`ResourceWarning` says so (shown
+    with ``python -X dev`` or ``-W default``, and by pytest).
+    """
+    if engine.state in (EngineState.CLOSED, EngineState.FAILED):
+        return
+    if not _exiting.is_set():
+        warnings.warn(
+            f"{name} was never closed; it is closed now that nothing references it "
+            "(call ctx.close(), or use `with llamax.Context(...) as ctx:`)",
+            ResourceWarning,
+            stacklevel=2,
+        )
+    engine.close()
 
 
 def _itself(request: OpenAIRequest) -> OpenAIRequest:

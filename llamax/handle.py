@@ -42,6 +42,7 @@ class RequestHandle:
         self._cancel: Callable[[], None] = lambda: None
         self._check_wait: Callable[[], None] = lambda: None
         self._drive: Callable[[], bool] | None = None
+        self._owner: object = None
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._events: deque[object] = deque()
@@ -156,10 +157,13 @@ class RequestHandle:
         *,
         check_wait: Callable[[], None],
         drive: Callable[[], bool] | None = None,
+        owner: object = None,
     ) -> None:
         """Connect the handle to its engine (once, before the request is submitted):
         ``cancel`` queues a cancellation, ``check_wait`` raises where a wait would never end,
-        and ``drive`` (manual contexts) runs one step in the waiting thread."""
+        ``drive`` (manual contexts) runs one step in the waiting thread, and ``owner`` (the
+        context) is kept alive until the request ends."""
+        self._owner = owner
         self._cancel = cancel
         self._check_wait = check_wait
         self._drive = drive
@@ -179,6 +183,7 @@ class RequestHandle:
 
     def _on_future_done(self, _future: Future[Completion]) -> None:
         self._publish([_END])
+        self._owner = None  # the context may be collected (and closed) from now on
 
     def _claim_stream(self) -> None:
         with self._lock:
