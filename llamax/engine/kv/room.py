@@ -54,7 +54,7 @@ class Room:
         for seq in sequences:
             if seq.state in TERMINAL_STATES:
                 continue
-            is_session = seq.request.session_id is not None
+            is_session = self._own_session_slot(seq) is not None  # not one that yielded
             waits_for_id = no_ids and not is_session and seq.state is SequenceState.WAITING
             if waits_for_id or len(seq.token_ids) > self.capacity(seq):
                 yield seq, functools.partial(self.no_room_reason, seq)
