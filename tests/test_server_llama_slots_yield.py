@@ -5,10 +5,12 @@ dialect, and a failed restore never names the slot folder."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from test_server_fake import HELLO, SPECIALS, TEMPLATE, call
 
@@ -141,3 +143,26 @@ def test_capacity_is_503_in_the_dialects_body(ctx: llamax.Context, path: str) ->
             session.close()
     assert response.status_code == 503, response.text
     assert shaped(response.json()), response.text
+
+
+def test_slots_and_others_at_once_are_all_served(ctx: llamax.Context) -> None:
+    """24 requests at once on 4 sequence ids: slot requests (each slot twice), plain native
+    requests and chats; every one is 200 and the engine ends idle."""
+    app = create_app(ctx)
+
+    async def go() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            bodies: list[tuple[str, dict[str, Any]]] = []
+            for i in range(8):
+                slot = {"prompt": f"slot {i % 4} x", "id_slot": i % 4, "n_predict": 5}
+                bodies += [
+                    ("/completion", slot),
+                    ("/completion", {"prompt": f"plain {i}", "n_predict": 5}),
+                    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 3}),
+                ]
+            answers = await asyncio.gather(*(client.post(p, json=b) for p, b in bodies))
+            return [a.status_code for a in answers]
+
+    assert asyncio.run(go()) == [200] * 24
+    erase_all(app)
