@@ -166,3 +166,17 @@ def test_slots_and_others_at_once_are_all_served(ctx: llamax.Context) -> None:
 
     assert asyncio.run(go()) == [200] * 24
     erase_all(app)
+
+
+def test_a_slot_that_yielded_has_nothing_to_save(ctx: llamax.Context, tmp_path: Path) -> None:
+    app = create_app(ctx, slot_save_path=tmp_path)
+    fill_slots(app)
+    others_are_served(app)  # slot 0, the least recently used, gave its sequence back
+    slots = call(app, "GET", "/slots").json()
+    assert slots[0]["n_cached_tokens"] == 0 and slots[3]["n_cached_tokens"] > 0
+    empty = call(app, "POST", "/slots/0?action=save", json={"filename": "s0.bin"})
+    assert empty.status_code == 400 and "holds no tokens" in empty.json()["error"]["message"]
+    saved = call(app, "POST", "/slots/3?action=save", json={"filename": "s3.bin"})
+    assert saved.status_code == 200 and saved.json()["n_saved"] > 0
+    assert list(tmp_path.iterdir()) == [tmp_path / "s3.bin"]
+    erase_all(app)

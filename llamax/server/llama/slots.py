@@ -372,10 +372,16 @@ async def _erase(slot: Slot) -> dict[str, Any]:
     return {"id_slot": slot.id, "n_erased": num_erased}
 
 
+async def _num_tokens(session: llamax.Session) -> int:
+    """Tokens ``session`` holds (reading them waits for the loop: in a worker)."""
+    return len(await run_in_threadpool(lambda: session.token_ids))
+
+
 async def _save(slot: Slot, path: Path, filename: str) -> dict[str, Any]:
     async with slot.lock:
         session = slot.session
-        if session is None or session.closed:
+        # a slot that yielded its sequence to other requests holds nothing either
+        if session is None or session.closed or not await _num_tokens(session):
             raise LlamaError(
                 400,
                 f"slot {slot.id} holds no tokens to save (run a request with "
@@ -387,7 +393,7 @@ async def _save(slot: Slot, path: Path, filename: str) -> dict[str, Any]:
         except OSError as exc:  # its strerror only: the message must not name the folder
             raise LlamaError(500, f"Unable to save slot: {exc.strerror or 'write failed'}"
                              ) from exc  # fmt: skip
-        num_saved = len(await run_in_threadpool(lambda: session.token_ids))
+        num_saved = await _num_tokens(session)
     return {"id_slot": slot.id, "filename": filename, "n_saved": num_saved,
             "n_written": os.path.getsize(path),
             "timings": {"save_ms": (time.perf_counter() - start) * 1000}}  # fmt: skip
@@ -401,9 +407,10 @@ async def _restore(slots: SlotTable, slot: Slot, path: Path, filename: str) -> d
             await run_in_threadpool(old.close)
         try:
             session = await run_in_threadpool(lambda: slots.ctx.load_session(path, yields=True))
-        except (OSError, llamax.SessionError) as exc:
-            raise LlamaError(400, f"Unable to restore slot: {_reason(exc, path, filename)}"
-                             ) from exc  # fmt: skip
+        except (OSError, llamax.SessionError) as exc:  # a bad file: 400; no room now: 503
+            bad = isinstance(exc, (OSError, llamax.SessionLoadError))
+            raise LlamaError(400 if bad else 503, f"Unable to restore slot: "
+                             f"{_reason(exc, path, filename)}") from exc  # fmt: skip
         slot.session = session
         slot.last_used = slots.policy.clock()
         num_restored = len(await run_in_threadpool(lambda: session.token_ids))
