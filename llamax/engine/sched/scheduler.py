@@ -287,7 +287,8 @@ class Scheduler:
 
     def _lacks_room(self) -> bool:
         """Whether a waiting sequence needs a new sequence id and none is free or
-        retained, or a sequence can never fit beside the idle sessions."""
+        retained, or a sequence can never fit beside the idle sessions but would without
+        them."""
         sessions = self.sessions
         needs_id = any(
             seq.request.session_id is None or sessions.is_yielded(seq.request.session_id)
@@ -295,7 +296,7 @@ class Scheduler:
         )
         if needs_id and not self.kv.num_free_seq_ids and not self.prefix.num_retained:
             return True
-        return next(self.room.never_fit(self.all_sequences()), None) is not None
+        return self.room.needs_idle_sessions(self.all_sequences())
 
     def _end_what_cannot_fit(self, result: StepResult) -> None:
         """End the sequences that can never get the cells they need beside the idle open
