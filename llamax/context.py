@@ -286,16 +286,23 @@ class Context:
         """
         return self._submit(prompt, params, priority=priority, request_id=request_id)
 
-    def session(self) -> Session:
+    def session(self, *, yields: bool = False) -> Session:
         """Open a :class:`Session`: a KV sequence that stays resident between requests.
+
+        Args:
+            yields: Give the sequence back while the session is idle, whenever another
+                request lacks a sequence id or KV cells it holds (least recently used
+                session first): its cache becomes an ordinary retained prefix, and its
+                next request reuses that if it survived, else computes again. Without
+                it (the default) the session is pinned until closed.
 
         Raises:
             SessionError: every sequence id is held by running sequences or other sessions.
             ContextClosedError: the context is closed.
         """
-        return Session(self._session_port(), self._engine.run(OpenSession()))
+        return Session(self._session_port(), self._engine.run(OpenSession(yields)))
 
-    def load_session(self, path: str | os.PathLike[str]) -> Session:
+    def load_session(self, path: str | os.PathLike[str], *, yields: bool = False) -> Session:
         """Restore a session saved by :meth:`Session.save <llamax.Session.save>` (the same as
         ``llamax.Session.load(ctx, path)``).
 
@@ -305,6 +312,7 @@ class Context:
         files, and its KV state must be whole and hold exactly those tokens' positions.
         Nothing reaches the KV cache otherwise. The session's cells keep that adapter set:
         only requests under the same set reuse them (see docs/lora.md).
+        ``yields`` as in :meth:`session`.
 
         Raises:
             SessionLoadError: the file is damaged, truncated, lies about its contents, or
@@ -315,7 +323,11 @@ class Context:
         if self.closed:
             raise ContextClosedError("cannot load a session: the context has been closed")
         return restore_session(
-            self._session_port(), path, n_vocab=self.n_vocab, n_ctx_seq=self.n_ctx_seq
+            self._session_port(),
+            path,
+            n_vocab=self.n_vocab,
+            n_ctx_seq=self.n_ctx_seq,
+            yields=yields,
         )
 
     def _submit(

@@ -121,9 +121,11 @@ class SessionLoader(Protocol):
 class Session:
     """A resident KV sequence for multi-turn use. Create with ``ctx.session()``.
 
-    Pinned: never evicted while open. One request at a time. Close it (or use ``with``) to
-    free its sequence id and cells. Every change to its cache (fork, rewind, shift, save,
-    load, close) is an operation the engine applies between two steps.
+    Pinned: never evicted while open (unless opened with ``yields=True``: then its
+    sequence goes back to the shared prefix cache while it is idle and others need it, and
+    :attr:`token_ids` is empty until its next request). One request at a time. Close it
+    (or use ``with``) to free its sequence id and cells. Every change to its cache (fork,
+    rewind, shift, save, load, close) is an operation the engine applies between two steps.
 
     Thread-safe, and no method holds a lock while it waits for the engine, so a
     done-callback (which runs on the engine's loop thread) may call any of them. After the
@@ -432,11 +434,16 @@ def _saved_adapters(saved: list[Any], port: SessionPort, path: object) -> Adapte
 
 
 def restore_session(
-    port: SessionPort, path: str | os.PathLike[str], *, n_vocab: int, n_ctx_seq: int
+    port: SessionPort,
+    path: str | os.PathLike[str],
+    *,
+    n_vocab: int,
+    n_ctx_seq: int,
+    yields: bool = False,
 ) -> Session:
     """Restore the session saved in ``path`` through ``port`` (the context's side of
     :meth:`Session.load`: it checks that the context is open and passes its vocabulary size and
-    ``n_ctx_seq``).
+    ``n_ctx_seq``); ``yields`` as ``Context.session``'s.
 
     Raises:
         SessionLoadError, ContextClosedError, OSError: as :meth:`Session.load`.
@@ -454,7 +461,7 @@ def restore_session(
     if len(state) != state_size:
         raise SessionLoadError(f"{path} changed while it was read")
     try:
-        session_id = port.run(RestoreSession(tuple(tokens), state, adapters))
+        session_id = port.run(RestoreSession(tuple(tokens), state, adapters, yields))
     except SessionLoadError as exc:
         raise SessionLoadError(
             f"{path} is damaged: its KV state is not whole or does not hold exactly "

@@ -82,7 +82,8 @@ def test_save_and_restore_a_slot() -> None:
 
 
 def test_a_slot_moves_only_as_slot_moves_allows() -> None:
-    """A slot is born ACTIVE or PINNED; ACTIVE and RETAINED swap; PINNED never moves."""
+    """A slot is born ACTIVE or PINNED; ACTIVE and RETAINED swap; ACTIVE may be pinned and
+    PINNED retained (a yielding session), nothing else."""
     from llamax.engine.kv.kvcache import SLOT_MOVES
 
     for start in SlotState:

@@ -142,6 +142,34 @@ def test_completion_on_a_restored_slot_continues_from_it_on_smollm2(
         post(app, f"/slots/{slot}?action=erase")
 
 
+def test_four_slots_never_lock_others_out_on_smollm2(model_path: Path) -> None:
+    """Issue 54: ``id_slot`` 0..3 on ``n_seq_max=4``, then a plain request and a chat are
+    served (before: 500, every id held by a slot's session); the slot that yielded its
+    sequence continues from its retained prefix with the words a plain request gives."""
+    ctx = llamax.Context(model_path, n_ctx=2048, n_seq_max=4, n_batch=256)
+    try:
+        app = create_app(ctx)
+        prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(4)]
+        for id_slot, prompt in enumerate(prompts):
+            body = {"prompt": prompt, "id_slot": id_slot, "n_predict": 1, "temperature": 0}
+            assert post(app, "/completion", body).status_code == 200
+        more = {"n_predict": 8, "temperature": 0, "ignore_eos": True}
+        plain = post(app, "/completion", {"prompt": prompts[0] + " It is", **more})
+        assert plain.status_code == 200, plain.text
+        chat = post(app, "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})  # fmt: skip
+        assert chat.status_code == 200, chat.text
+        again = post(app, "/completion", {"prompt": prompts[0] + " It is", "id_slot": 0, **more})
+        assert again.status_code == 200, again.text
+        assert again.json()["timings"]["cache_n"] > 0
+        assert again.json()["content"] == plain.json()["content"]
+        for id_slot in range(4):
+            assert post(app, f"/slots/{id_slot}?action=erase").status_code == 200
+        assert_idle(ctx)
+    finally:
+        ctx.close()
+
+
 def test_router_load_and_unload_on_smollm2(model_path: Path) -> None:
     from llamax.server import ModelPool
 

@@ -26,6 +26,7 @@ from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .images import ImagePolicy
 from .info import info_routes, public_routes
 from .llama import infill_routes, llama_routes, router_routes, slot_routes, slot_tables
+from .llama.slots import SlotPolicy
 from .models import ModelPool
 from .responses_routes import responses_routes
 from .routes import api_routes
@@ -49,6 +50,7 @@ def create_app(
     max_stored_responses: int = 1024,
     stream_ping_seconds: float = 10.0,
     slot_save_path: str | os.PathLike[str] | None = None,
+    slot_idle_seconds: float = 300.0,
     lenient: bool = False,
     default_max_tokens: int | None = None,
     default_seed: int | None = None,
@@ -91,6 +93,9 @@ def create_app(
         slot_save_path: The folder where llama-server's ``POST /slots/{id}?action=save``
             writes and ``restore`` reads (file names only, no paths); ``None``: those
             actions are refused with 501, as llama-server does without ``--slot-save-path``.
+        slot_idle_seconds: A slot of the native routes (``id_slot``) whose session has run
+            nothing for this long is closed, its KV freed (an idle slot also yields its
+            sequence to any request that needs it before then).
         lenient: On the OpenAI and Anthropic routes, a top-level request field that is in
             neither API's reference (no field table names it) is dropped and logged as a
             warning instead of refused with a 400. Off by default: a typo must not be
@@ -158,7 +163,7 @@ def create_app(
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _internal_error)
-    slots = slot_tables()  # llama-server's native routes (docs/server.md)
+    slots = slot_tables(SlotPolicy(slot_idle_seconds))  # llama-server's native routes
     save_path = None if slot_save_path is None else Path(slot_save_path)
     routers = (
         public_routes(state),

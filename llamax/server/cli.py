@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "missing; default: those actions are refused with 501)",
     )
     p.add_argument(
+        "--slot-idle-seconds",
+        type=float,
+        metavar="S",
+        default=300.0,
+        help="close a slot (id_slot) whose session has run nothing for S seconds "
+        "(default 300; an idle slot yields its sequence to other requests before then)",
+    )
+    p.add_argument(
         "-n",
         "--n-predict",
         type=int,
@@ -295,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "parse_special_in_content": ns.parse_special_in_content,
             "max_stored_responses": ns.max_stored_responses,
             "slot_save_path": ns.slot_save_path,
+            "slot_idle_seconds": ns.slot_idle_seconds,
             "lenient": ns.lenient,
             "default_max_tokens": None if ns.n_predict in (None, -1) else ns.n_predict,
             "default_seed": None if ns.seed in (None, -1) else ns.seed,

@@ -143,7 +143,7 @@ def from_exception(
     Returns:
         400 for a request llamax refused (context overflow with its token counts, bad
         messages, grammars, parameters), 404 for an id that names nothing stored, 503
-        when the context is closed, 500 otherwise.
+        when the context is closed or out of sequences or cells for now, 500 otherwise.
     """
     if isinstance(exc, APIError):
         return exc
@@ -170,6 +170,8 @@ def from_exception(
         return APIError(503, f"the model is not available: {message}", code="model_unavailable")
     if isinstance(exc, llamax.CacheClearError):
         return APIError(500, message, code="cache_clear_failed")
+    if isinstance(exc, (llamax.KVCapacityError, llamax.SessionError)):  # busy: try again
+        return APIError(503, f"the server is at capacity: {message}", code="capacity_exceeded")
     if isinstance(exc, (llamax.EngineError, llamax.RequestFailedError)):
         return APIError(500, f"inference failed: {message}", code="engine_error")
     return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")

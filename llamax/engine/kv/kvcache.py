@@ -71,9 +71,10 @@ LAYOUT_MOVES: dict[LayoutState, frozenset[LayoutState]] = {
 
 
 class SlotState(Enum):
-    """Who holds a slot. A slot is born ACTIVE or PINNED; only an ACTIVE slot may be
-    retained and only a RETAINED one adopted again (:data:`SLOT_MOVES`). A PINNED slot
-    keeps its state until its session frees it."""
+    """Who holds a slot. A slot is born ACTIVE or PINNED; only an ACTIVE or a yielding
+    PINNED slot may be retained, only a RETAINED one adopted again, and only an ACTIVE one
+    pinned (a yielding session's request placed anew) (:data:`SLOT_MOVES`). A PINNED slot
+    keeps its state until its session frees it or, if the session yields, gives it up."""
 
     ACTIVE = "active"
     """A running sequence."""
@@ -84,9 +85,9 @@ class SlotState(Enum):
 
 
 SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
-    SlotState.ACTIVE: frozenset({SlotState.RETAINED}),
+    SlotState.ACTIVE: frozenset({SlotState.RETAINED, SlotState.PINNED}),
     SlotState.RETAINED: frozenset({SlotState.ACTIVE}),
-    SlotState.PINNED: frozenset(),
+    SlotState.PINNED: frozenset({SlotState.RETAINED}),
 }
 """The moves a slot may make; freeing a slot ends it from any state."""
 

@@ -43,6 +43,10 @@ class KVOp(Generic[T_co]):
 class OpenSession(KVOp[int]):
     """Pin a fresh, empty sequence for a session; returns the session id."""
 
+    yields: bool = False
+    """Whether the session gives its sequence back when others need it (see
+    :meth:`~llamax.engine.kv.session_table.SessionTable.yield_idle`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ForkSession(KVOp[int]):
@@ -93,6 +97,8 @@ class RestoreSession(KVOp[int]):
     tokens: tuple[int, ...]
     state: bytes = field(repr=False)
     adapters: AdapterSet = NO_ADAPTERS
+    yields: bool = False
+    """As :attr:`OpenSession.yields`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,16 @@ class PrefixCache:
         else:
             self._cache.release(slot)
 
+    def unpin(self, slot: Slot) -> None:
+        """A session gave its pinned slot up (it yields): keep the slot for its prefix
+        (most recently used) or release it, as :meth:`retire` does a finished one's."""
+        if self._retain and slot.tokens:
+            slot.move(SlotState.RETAINED)
+            self._retained[slot.seq_id] = slot
+            self._retained.move_to_end(slot.seq_id)
+        else:
+            self._cache.release(slot)
+
     def adopt(self, slot: Slot) -> None:
         """Make a retained slot active again (a new sequence takes it over)."""
         del self._retained[slot.seq_id]

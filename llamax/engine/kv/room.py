@@ -54,10 +54,21 @@ class Room:
         for seq in sequences:
             if seq.state in TERMINAL_STATES:
                 continue
-            is_session = seq.request.session_id is not None
+            is_session = self._own_session_slot(seq) is not None  # not one that yielded
             waits_for_id = no_ids and not is_session and seq.state is SequenceState.WAITING
             if waits_for_id or len(seq.token_ids) > self.capacity(seq):
                 yield seq, functools.partial(self.no_room_reason, seq)
+
+    def needs_idle_sessions(self, sequences: Iterable[Seq]) -> bool:
+        """Whether a sequence of ``sequences`` can never fit now (:meth:`never_fit`) but
+        would beside no idle session: only their room would save it."""
+        alone = self.policy.capacity(
+            0,
+            unified=self._kv.is_unified,
+            stream_cells=self._relayout.stream_cells,
+            can_relayout=self._kv.can_relayout,
+        )
+        return any(len(seq.token_ids) <= alone for seq, _ in self.never_fit(sequences))
 
     def capacity(self, seq: Seq) -> int:
         """The most tokens ``seq`` may hold now (:meth:`SessionRoom.capacity`)."""

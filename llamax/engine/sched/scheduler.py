@@ -167,6 +167,7 @@ class Scheduler:
         first, then prompt chunks (:mod:`~llamax.engine.timing.chunk_budget`). Requests that cannot
         go on end with their events in ``result``."""
         self.room.count_idle(self._running)
+        self._yield_sessions()
         self._end_what_cannot_fit(result)
         move = self.layout.next_move(
             self._waiting, self._running, token_s=self.budget.cost.coefficients[1]
@@ -273,6 +274,29 @@ class Scheduler:
             victim = min(reversed(mine), key=lambda s: s.num_computed)  # cheapest to redo
             self._preempt(victim)
             fair.add(richest, -1)
+
+    def _yield_sessions(self) -> None:
+        """While a sequence lacks a sequence id or cells that idle sessions hold, the
+        idle sessions that yield give their slots to the prefix cache, least recently
+        used first (:meth:`~llamax.engine.kv.session_table.SessionTable.yield_idle`)."""
+        busy = {seq.request.session_id for seq in self.all_sequences()}
+        if not self.sessions.can_yield(busy):
+            return
+        while self._lacks_room() and self.sessions.yield_idle(busy):
+            self.room.count_idle(self._running)
+
+    def _lacks_room(self) -> bool:
+        """Whether a waiting sequence needs a new sequence id and none is free or
+        retained, or a sequence can never fit beside the idle sessions but would without
+        them."""
+        sessions = self.sessions
+        needs_id = any(
+            seq.request.session_id is None or sessions.is_yielded(seq.request.session_id)
+            for seq in self._waiting
+        )
+        if needs_id and not self.kv.num_free_seq_ids and not self.prefix.num_retained:
+            return True
+        return self.room.needs_idle_sessions(self.all_sequences())
 
     def _end_what_cannot_fit(self, result: StepResult) -> None:
         """End the sequences that can never get the cells they need beside the idle open
@@ -388,12 +412,13 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
     def _try_admit(self, seq: Sequence) -> Outcome:
         """Place ``seq`` in a slot (:class:`~llamax.engine.kv.admission.SlotPlacer`), start it."""
-        if seq.request.session_id is not None:
-            pinned = self.sessions.slot(seq.request.session_id)
+        session_id = seq.request.session_id
+        if session_id is not None and not self.sessions.is_yielded(session_id):
+            pinned = self.sessions.slot(session_id)
             placement = self.placer.reuse(
                 pinned, seq.token_ids, self.num_pending_tokens, seq.request.adapters
             )
-        else:
+        else:  # a session that yielded its slot is placed as a newcomer, then pinned again
             in_flight = {
                 s.slot.seq_id: s.token_ids
                 for s in self._running
@@ -402,6 +427,10 @@ class Scheduler:
             placement = self.placer.place(
                 seq.token_ids, in_flight, self.num_pending_tokens, seq.request.adapters
             )
+            if session_id is not None and placement.slot is not None:
+                self.sessions.pin(session_id, placement.slot)
+        if session_id is not None and placement.slot is not None:
+            self.sessions.touch(session_id)
         if placement.slot is not None:
             seq.slot = placement.slot
             num_reused = self._cut_into_image(seq, placement.slot, placement.num_reused)

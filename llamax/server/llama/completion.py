@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import weakref
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -24,14 +23,14 @@ from .errors import LlamaError
 from .jobs import num_positions, prompt_text, run_job
 from .request import NativePrompt, NativeRequest
 from .results import Timings, final_result, partial_result, stop_of
-from .slots import SlotTable
+from .slots import SlotTables
 
 __all__ = ["start_completion"]
 
 
 async def start_completion(
     request: NativeRequest, ctx: llamax.Context, model: str,
-    tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable],
+    tables: SlotTables,
 ) -> Any:  # fmt: skip
     """Submit ``request`` and answer: a result (a list of them for several prompts or
     choices), or an async iterator of chunks when it streams.

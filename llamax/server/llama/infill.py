@@ -20,7 +20,6 @@ A model without FIM prefix, suffix and middle tokens is refused with llama-serve
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,7 +37,7 @@ from ..state import ServerState, admit_completion
 from .errors import LlamaError
 from .jobs import run_job
 from .request import NUMBERS, NativeRequest
-from .slots import SlotTable
+from .slots import SlotTables
 
 __all__ = ["infill_routes", "infill_tokens"]
 
@@ -187,9 +186,7 @@ class InfillRequest:
     request: NativeRequest
 
 
-def infill_routes(
-    state: ServerState, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable]
-) -> APIRouter:
+def infill_routes(state: ServerState, tables: SlotTables) -> APIRouter:
     """``POST /infill``: answered as ``/completion`` answers (whole or streamed), on the
     slot ``id_slot`` names or on any sequence."""
 

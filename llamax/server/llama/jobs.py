@@ -4,7 +4,6 @@ with ``id_slot``): its slot, handle and clock, and its answer shaped by :mod:`.r
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any
@@ -13,16 +12,15 @@ from starlette.concurrency import run_in_threadpool
 
 import llamax
 
-from .errors import LlamaError
 from .request import MEDIA_MARKER, NativeRequest
 from .results import Timings, final_result, partial_result, stop_of
-from .slots import Slot, SlotTable, table_of
+from .slots import Slot, SlotTable, SlotTables, table_of
 
 __all__ = ["NativeJob", "num_positions", "prompt_text", "run_job"]
 
 
 async def run_job(
-    ctx: llamax.Context, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable],
+    ctx: llamax.Context, tables: SlotTables,
     request: NativeRequest, params: llamax.SamplingParams,
     tokens: Callable[[], Sequence[int | llamax.Image]], *, model: str,
 ) -> Any:  # fmt: skip
@@ -74,23 +72,20 @@ class NativeJob:
         the answer gives the model.
 
         Raises:
-            LlamaError: 400 for a bad ``id_slot``, 503 when the slot cannot open its
-                sequence; llamax's errors for a prompt it refuses, before anything reaches
-                the engine.
+            LlamaError: 400 for a bad ``id_slot``; llamax's errors for a prompt it refuses,
+                before anything reaches the engine.
         """
         session, slot = None, None
+        await slots.close_idle()
         if request.id_slot != -1:
             slot = slots.get(request.id_slot)
             await slot.lock.acquire()
             stack.callback(slot.lock.release)
-            try:
-                session = slots.session_of(slot)
-            except llamax.SessionError as exc:
-                raise LlamaError(503, f"slot {slot.id} cannot open its sequence: {exc}") from exc
+            session = slots.session_of(slot)
         else:
             slot = slots.idle()
         slots.begin(slot, request.settings, num_positions)
-        stack.callback(SlotTable.end, slot)
+        stack.callback(slots.end, slot)
         if session is not None:
             handle = session.add_request(tokens, params)
         else:

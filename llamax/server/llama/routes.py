@@ -11,7 +11,6 @@ docs/server.md.
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +28,12 @@ from ..schemas import ChatCompletionRequest, parse_body, parse_object
 from ..state import ServerState, admit_completion, run_leased
 from .completion import start_completion
 from .request import FIELDS, MEDIA_MARKER, NativeRequest, default_settings, parse_native
-from .slots import SlotTable
+from .slots import SlotTables
 
 __all__ = ["llama_routes"]
 
 
-def llama_routes(
-    state: ServerState, tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable]
-) -> APIRouter:
+def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
     """llama-server's native routes (behind the API key when one is set); ``/completion``
     with ``id_slot`` runs on the slots of ``tables``."""
 

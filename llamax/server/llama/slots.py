@@ -11,14 +11,20 @@ routes give a sequence:
   first use): its KV stays resident between requests, and a later request on the same slot
   computes only what differs, as llama-server's ``id_slot`` with ``cache_prompt`` does.
   Requests on one slot run one at a time (a second waits, as llama-server defers it).
+- A slot never locks other clients out (any client may name any slot): its session
+  *yields* (``Context.session(yields=True)``), so while it is idle and another request
+  lacks the sequence id or cells it holds, its KV becomes an ordinary retained prefix
+  (least recently used slot first), which its next request reuses if it survived. A slot
+  idle for ``SlotPolicy.idle_seconds`` is closed (``--slot-idle-seconds``).
 - A request that names no slot runs as an ordinary llamax request (any sequence, the
   shared prefix cache); while it runs it shows in ``GET /slots`` under the first slot that
   is neither busy nor holding a session.
 - ``save`` writes the slot's session with :meth:`~llamax.Session.save` (llamax's session
   file, validated on load; not llama.cpp's state file), ``restore`` loads one into the
-  slot with :meth:`~llamax.Context.load_session`, ``erase`` closes the slot's session.
-  Files live in ``--slot-save-path``; a file name is checked as llama-server checks it
-  (no separators, no ``..``, no control characters), so no path leaves that folder.
+  slot with :meth:`~llamax.Context.load_session`, ``erase`` closes the slot's session
+  (with or without a save folder). Files live in ``--slot-save-path``; a file name is
+  checked as llama-server checks it (no separators, no ``..``, no control characters), so
+  no path leaves that folder, and errors name the file, never the folder.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import asyncio
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +52,9 @@ from .errors import LlamaError, as_llama_error, llama_error_response
 
 __all__ = [
     "Slot",
+    "SlotPolicy",
     "SlotTable",
+    "SlotTables",
     "leased",
     "slot_routes",
     "slot_tables",
@@ -76,6 +84,20 @@ async def leased(state: ServerState, model: object) -> AsyncIterator[llamax.Cont
         lease.release()
 
 
+@dataclass(frozen=True, slots=True)
+class SlotPolicy:
+    """How long slots keep their sessions."""
+
+    idle_seconds: float = 300.0
+    """A slot whose session has run nothing for this long is closed (its KV freed)."""
+    clock: Callable[[], float] = time.monotonic
+    """What idle time is measured with (seconds; tests pass their own)."""
+
+    def __post_init__(self) -> None:
+        if not self.idle_seconds > 0:
+            raise ValueError(f"idle_seconds must be > 0, got {self.idle_seconds!r}")
+
+
 @dataclass(eq=False)
 class Slot:
     """One slot: its session (when a request named it, or a file was restored into it)
@@ -89,6 +111,8 @@ class Slot:
     """What ``GET /slots`` shows of the running (or last) request."""
     is_processing: bool = False
     num_tasks: int = 0
+    last_used: float = 0.0
+    """When a request or action last used the slot (:attr:`SlotPolicy.clock`)."""
 
 
 class SlotTable:
@@ -96,10 +120,12 @@ class SlotTable:
 
     Args:
         ctx: The context the slots' sessions live in.
+        policy: When idle slots are closed.
     """
 
-    def __init__(self, ctx: llamax.Context) -> None:
+    def __init__(self, ctx: llamax.Context, policy: SlotPolicy | None = None) -> None:
         self.ctx = ctx
+        self.policy = policy or SlotPolicy()
         self.slots = [Slot(i) for i in range(ctx.n_seq_max)]
         self._next_task = 0
 
@@ -126,6 +152,7 @@ class SlotTable:
         """Mark ``slot`` busy with a new task; returns the task's id."""
         self._next_task += 1
         if slot is not None:
+            slot.last_used = self.policy.clock()
             slot.is_processing = True
             slot.num_tasks += 1
             slot.task = {"id_task": self._next_task, "params": params,
@@ -133,21 +160,43 @@ class SlotTable:
                          "n_remain": params.get("n_predict", -1)}  # fmt: skip
         return self._next_task
 
-    @staticmethod
-    def end(slot: Slot | None) -> None:
+    def end(self, slot: Slot | None) -> None:
         """The task on ``slot`` has finished."""
         if slot is not None:
             slot.is_processing = False
+            slot.last_used = self.policy.clock()
 
     def session_of(self, slot: Slot) -> llamax.Session:
-        """``slot``'s session, opened when it has none.
+        """``slot``'s session, opened when it has none: one that yields, so it never
+        holds a sequence id or cells another request needs while it is idle (opening it
+        takes no id when none is free; its request waits for one as any request does).
 
         Raises:
-            SessionError: every sequence id is taken.
+            ContextClosedError: the context is closed.
         """
         if slot.session is None or slot.session.closed:
-            slot.session = self.ctx.session()
+            slot.session = self.ctx.session(yields=True)
+        slot.last_used = self.policy.clock()
         return slot.session
+
+    async def close_idle(self) -> int:
+        """Close the sessions of the slots idle for :attr:`SlotPolicy.idle_seconds` (none
+        running or locked by an action); how many were closed. Closing waits for the
+        engine, in a worker."""
+        now = self.policy.clock()
+        stale = [
+            slot for slot in self.slots
+            if slot.session is not None and not slot.is_processing and not slot.lock.locked()
+            and now - slot.last_used >= self.policy.idle_seconds
+        ]  # fmt: skip
+        sessions = []
+        for slot in stale:
+            sessions.append(slot.session)
+            slot.session, slot.task = None, None
+        for session in sessions:
+            if session is not None:
+                await run_in_threadpool(session.close)
+        return len(sessions)
 
     def to_json(self) -> list[dict[str, Any]]:
         """``GET /slots``: llama-server's fields, filled with what llamax knows."""
@@ -188,17 +237,28 @@ class SlotTable:
                 slot.session = None
 
 
-def slot_tables() -> weakref.WeakKeyDictionary[llamax.Context, SlotTable]:
+class SlotTables(weakref.WeakKeyDictionary[llamax.Context, SlotTable]):
+    """Context -> its slots, each table made with ``policy``.
+
+    Args:
+        policy: When idle slots are closed (the default policy if None).
+    """
+
+    def __init__(self, policy: SlotPolicy | None = None) -> None:
+        super().__init__()
+        self.policy = policy or SlotPolicy()
+
+
+def slot_tables(policy: SlotPolicy | None = None) -> SlotTables:
     """A fresh map of context -> its slots (one per app, so apps share nothing)."""
-    return weakref.WeakKeyDictionary()
+    return SlotTables(policy)
 
 
-def table_of(tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable], ctx: llamax.Context
-             ) -> SlotTable:  # fmt: skip
+def table_of(tables: SlotTables, ctx: llamax.Context) -> SlotTable:
     """``ctx``'s slots, made on first use."""
     slots = tables.get(ctx)
     if slots is None:
-        slots = tables[ctx] = SlotTable(ctx)
+        slots = tables[ctx] = SlotTable(ctx, tables.policy)
     return slots
 
 
@@ -220,11 +280,7 @@ def valid_filename(name: object) -> bool:
     return ".." not in name and name != "."
 
 
-def slot_routes(
-    state: ServerState,
-    tables: weakref.WeakKeyDictionary[llamax.Context, SlotTable],
-    save_path: Path | None,
-) -> APIRouter:
+def slot_routes(state: ServerState, tables: SlotTables, save_path: Path | None) -> APIRouter:
     """``GET /slots`` and ``POST /slots/{id_slot}``."""
 
     def require_key(request: Request) -> None:  # 401 in OpenAI's shape, as every route
@@ -236,8 +292,12 @@ def slot_routes(
     async def get_slots(request: Request) -> Response:
         try:
             ctx = _serving(state, request.query_params.get("model"))
-            # reading a session's tokens waits for the loop's next step: in a worker
-            slots = [] if ctx is None else await run_in_threadpool(table_of(tables, ctx).to_json)
+            slots = []
+            if ctx is not None:
+                table = table_of(tables, ctx)
+                await table.close_idle()
+                # reading a session's tokens waits for the loop's next step: in a worker
+                slots = await run_in_threadpool(table.to_json)
         except Exception as exc:
             return llama_error_response(as_llama_error(exc))
         if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in slots):
@@ -247,14 +307,13 @@ def slot_routes(
     @router.post("/slots/{id_slot}")
     async def post_slot(request: Request, id_slot: str) -> Response:
         try:
-            if save_path is None:
-                raise LlamaError(501, "This server does not support slots action. Start it "
-                                 "with `--slot-save-path`")  # fmt: skip
             raw = await read_body(request, state.max_body_bytes)
             body = parse_object(raw) if raw.strip() else {}
             model = body.get("model") or request.query_params.get("model")
             async with leased(state, model) as ctx:
-                answer = await _act(table_of(tables, ctx), id_slot, request, body, save_path)
+                table = table_of(tables, ctx)
+                await table.close_idle()
+                answer = await _act(table, id_slot, request, body, save_path)
             return JSONResponse(answer)
         except Exception as exc:
             return llama_error_response(as_llama_error(exc))
@@ -279,15 +338,20 @@ def _serving(state: ServerState, model: str | None) -> llamax.Context | None:
 
 
 async def _act(
-    slots: SlotTable, id_slot: str, request: Request, body: dict[str, Any], save_path: Path
-) -> dict[str, Any]:
-    """One action on one slot, checked as llama-server checks it."""
+    slots: SlotTable, id_slot: str, request: Request, body: dict[str, Any],
+    save_path: Path | None,
+) -> dict[str, Any]:  # fmt: skip
+    """One action on one slot, checked as llama-server checks it (``erase`` needs no save
+    folder: it only frees the slot)."""
     slot = slots.get(id_slot)
     action = request.query_params.get("action")
     if action == "erase":
         return await _erase(slot)
     if action not in ("save", "restore"):
         raise LlamaError(400, "Invalid action")
+    if save_path is None:
+        raise LlamaError(501, "This server does not support slots action. Start it "
+                         "with `--slot-save-path`")  # fmt: skip
     filename = body.get("filename")
     if not valid_filename(filename):
         raise LlamaError(400, "Invalid filename")
@@ -308,18 +372,28 @@ async def _erase(slot: Slot) -> dict[str, Any]:
     return {"id_slot": slot.id, "n_erased": num_erased}
 
 
+async def _num_tokens(session: llamax.Session) -> int:
+    """Tokens ``session`` holds (reading them waits for the loop: in a worker)."""
+    return len(await run_in_threadpool(lambda: session.token_ids))
+
+
 async def _save(slot: Slot, path: Path, filename: str) -> dict[str, Any]:
     async with slot.lock:
         session = slot.session
-        if session is None or session.closed:
+        # a slot that yielded its sequence to other requests holds nothing either
+        if session is None or session.closed or not await _num_tokens(session):
             raise LlamaError(
                 400,
                 f"slot {slot.id} holds no tokens to save (run a request with "
                 f"id_slot={slot.id} first, or restore a file into it)",
             )
         start = time.perf_counter()
-        await run_in_threadpool(session.save, path)
-        num_saved = len(await run_in_threadpool(lambda: session.token_ids))
+        try:
+            await run_in_threadpool(session.save, path)
+        except OSError as exc:  # its strerror only: the message must not name the folder
+            raise LlamaError(500, f"Unable to save slot: {exc.strerror or 'write failed'}"
+                             ) from exc  # fmt: skip
+        num_saved = await _num_tokens(session)
     return {"id_slot": slot.id, "filename": filename, "n_saved": num_saved,
             "n_written": os.path.getsize(path),
             "timings": {"save_ms": (time.perf_counter() - start) * 1000}}  # fmt: skip
@@ -332,12 +406,24 @@ async def _restore(slots: SlotTable, slot: Slot, path: Path, filename: str) -> d
         if old is not None:
             await run_in_threadpool(old.close)
         try:
-            session = await run_in_threadpool(slots.ctx.load_session, path)
-        except (OSError, llamax.SessionError) as exc:
-            reason = "no such file" if isinstance(exc, FileNotFoundError) else str(exc)
-            raise LlamaError(400, f"Unable to restore slot: {reason}") from exc
+            session = await run_in_threadpool(lambda: slots.ctx.load_session(path, yields=True))
+        except (OSError, llamax.SessionError) as exc:  # a bad file: 400; no room now: 503
+            bad = isinstance(exc, (OSError, llamax.SessionLoadError))
+            raise LlamaError(400 if bad else 503, f"Unable to restore slot: "
+                             f"{_reason(exc, path, filename)}") from exc  # fmt: skip
         slot.session = session
+        slot.last_used = slots.policy.clock()
         num_restored = len(await run_in_threadpool(lambda: session.token_ids))
     return {"id_slot": slot.id, "filename": filename, "n_restored": num_restored,
             "n_read": os.path.getsize(path),
             "timings": {"restore_ms": (time.perf_counter() - start) * 1000}}  # fmt: skip
+
+
+def _reason(exc: OSError | llamax.SessionError, path: Path, filename: str) -> str:
+    """Why a restore failed, naming the file as the client named it: never the folder
+    (llamax's messages name the path they were given; an OSError's its file name)."""
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    if isinstance(exc, OSError):
+        return exc.strerror or "cannot read the file"
+    return str(exc).replace(str(path), filename).replace(str(path.parent), "<slot folder>")
