@@ -123,9 +123,10 @@ class ImagePrompts:
         self._cache: OrderedDict[str, npt.NDArray[np.float32]] = OrderedDict()
         self._num_bytes = 0
         self._lock = threading.Lock()  # one encode at a time; held across get-or-encode
-        # decoded pixels of the Image objects alive (a chat request's images are read to
-        # fit the conversation, then again to encode them), and each image's chunks
-        self._decoded: weakref.WeakKeyDictionary[Image, RgbImage] = weakref.WeakKeyDictionary()
+        # the pixel hash of each Image object alive that was counted, and each image's
+        # chunks: counting an image again reads nothing, and no decoded pixels are kept
+        # (a stored conversation's images would pin them: 48 MiB a 4096x4096 image)
+        self._counted: weakref.WeakKeyDictionary[Image, str] = weakref.WeakKeyDictionary()
         self._layouts: OrderedDict[str, tuple[TextChunk | ImageChunk, ...]] = OrderedDict()
         self._read_lock = threading.Lock()
         self.num_encoded = 0
@@ -162,8 +163,9 @@ class ImagePrompts:
     def num_positions(self, parts: Sequence[int | Image]) -> int:
         """The positions a prompt of token ids and images takes in a sequence: one per
         token id, and for each image its embeddings and the marker tokens the projector
-        puts around it. Images are read and tokenized (not encoded); their pixels are kept
-        while the :class:`Image` lives, so submitting the prompt reads them once.
+        puts around it. Images are read and tokenized (not encoded); their pixels are
+        dropped at once (an :class:`Image` counted again is not read again: its pixel hash
+        and layout are kept, a few hundred bytes).
 
         Raises:
             ImageError: the context has no projector, or an image cannot be read.
@@ -208,7 +210,7 @@ class ImagePrompts:
                 texts.append(part)
             elif isinstance(part, Image):
                 texts.append(marker)
-                images.append(self._read(host, part))
+                images.append(self._decode(host, part))
             else:
                 raise InvalidRequestError(
                     "a prompt's parts must be str or llamax.Image, or token ids and "
@@ -233,7 +235,7 @@ class ImagePrompts:
                 if run:
                     chunks.append(TextChunk(tuple(run)))
                     run = []
-                image = self._read(host, part)
+                image = self._decode(host, part)
                 chunks.extend(host.tokenize_images(host.image_marker, [image], add_special=False))
         except BaseException:
             for chunk in chunks:
@@ -246,29 +248,41 @@ class ImagePrompts:
 
     def _image_ids(self, host: ImageHost, image: Image) -> list[int]:
         """An image tokenized alone (no BOS): its marker tokens and placeholder ids."""
-        rgb = self._read(host, image, keep=True)
         with self._read_lock:
-            layout = self._layouts.get(rgb.image_id)
+            image_id = self._counted.get(image)
+            layout = self._layouts.get(image_id) if image_id is not None else None
         if layout is None:
-            chunks = host.tokenize_images(host.image_marker, [rgb], add_special=False)
-            for chunk in chunks:
-                if isinstance(chunk, ImageChunk):
-                    chunk.release()
-            # kept without their native part: the ids are all that is read again
-            layout = tuple(
-                replace(chunk, native=None) if isinstance(chunk, ImageChunk) else chunk
-                for chunk in chunks
-            )
+            rgb = self._decode(host, image)  # its pixels go when this returns
+            layout = self._layout_of(host, rgb)
             with self._read_lock:
-                self._layouts[rgb.image_id] = layout
-                if len(self._layouts) > _MAX_IMAGES_KEPT:
-                    self._layouts.popitem(last=False)
+                self._counted[image] = rgb.image_id
         ids: list[int] = []
         for chunk in layout:
             ids.extend(
                 chunk.placeholder_ids() if isinstance(chunk, ImageChunk) else chunk.token_ids
             )
         return ids
+
+    def _layout_of(self, host: ImageHost, rgb: RgbImage) -> tuple[TextChunk | ImageChunk, ...]:
+        """``rgb`` tokenized alone, kept by its pixel hash without the native chunks."""
+        with self._read_lock:
+            layout = self._layouts.get(rgb.image_id)
+        if layout is not None:
+            return layout
+        chunks = host.tokenize_images(host.image_marker, [rgb], add_special=False)
+        for chunk in chunks:
+            if isinstance(chunk, ImageChunk):
+                chunk.release()
+        # kept without their native part: the ids are all that is read again
+        layout = tuple(
+            replace(chunk, native=None) if isinstance(chunk, ImageChunk) else chunk
+            for chunk in chunks
+        )
+        with self._read_lock:
+            self._layouts[rgb.image_id] = layout
+            if len(self._layouts) > _MAX_IMAGES_KEPT:
+                self._layouts.popitem(last=False)
+        return layout
 
     def _lay_out(
         self, host: ImageHost, chunks: Sequence[Any], n_ctx: int
@@ -304,19 +318,8 @@ class ImagePrompts:
             )
         return tokens, tuple(placed)
 
-    def _read(self, host: ImageHost, image: Image, *, keep: bool = False) -> RgbImage:
-        """The image's pixels: decoded now, or taken from what counting its positions kept
-        (``keep``: keep them for the next read, while the :class:`Image` lives)."""
-        with self._read_lock:
-            decoded = self._decoded.get(image) if keep else self._decoded.pop(image, None)
-        if decoded is None:
-            decoded = self._decode(host, image)
-            if keep:
-                with self._read_lock:
-                    self._decoded[image] = decoded
-        return decoded
-
     def _decode(self, host: ImageHost, image: Image) -> RgbImage:
+        """The image's pixels, decoded now; nothing here keeps them."""
         source = image.source
         if isinstance(source, np.ndarray):
             return rgb_image(source, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)
