@@ -33,9 +33,7 @@ def chunk(kind: bytes, body: bytes) -> bytes:
 
 def png_of(width: int, height: int, idat: bytes, *, colour: int = 2, interlace: int = 0) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, colour, 0, 0, interlace)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-    )
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
 def png_bomb() -> bytes:

@@ -83,8 +83,9 @@ def test_a_responses_chain_counts_its_stored_images(
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
         assert error["type"] == "invalid_request_error" and error["code"] == "too_many_images"
-        assert "holds 5 images (4 in the responses it follows, 1 in this request)" in (
-            error["message"]
+        assert (
+            "holds 5 images (4 in the responses it follows, 1 in this request)"
+            in (error["message"])
         )
         assert error["param"] == "input"
     assert backend.num_reads == reads  # refused before any image was read

@@ -3,7 +3,8 @@ embeddings whose rows *are* their placeholder ids, so the fake memory's provenan
 image's cells derives from the embeddings it was given (a wrong image's rows store another
 image's ids, and the next read of those cells fails the KV-integrity check).
 
-An image file is any file :func:`~llamax.backend.vision.check_image` accepts; its "pixels" are its bytes (so two files are two images). An image takes
+An image file is any file :func:`~llamax.backend.vision.check_image` accepts; its "pixels"
+are its bytes (so two files are two images). An image takes
 ``n_tokens`` positions; its embeddings are ``(n_tokens, FAKE_N_EMBD)`` float32, each row
 its placeholder id's magnitude (the whole pixel hash and the position) in 16-bit pieces
 (exact in float32).

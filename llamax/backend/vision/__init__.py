@@ -9,8 +9,8 @@
 """
 
 from .chunks import ImageChunk, MediaPrompt, RgbImage, TextChunk, rgb_image
-from .embd_batch import EmbeddingItem, NativeEmbdBatch, decode_embeddings, decode_image
 from .decode_budget import DECODE_BUDGET, DecodeBudget
+from .embd_batch import EmbeddingItem, NativeEmbdBatch, decode_embeddings, decode_image
 from .image_file import (
     ImageHeader,
     check_image,
