@@ -103,6 +103,8 @@ def test_counting_an_images_positions_keeps_no_decoded_pixels(make_fake: Make) -
     assert live and all(ref() is None for ref in live)  # nothing holds the pixels
     reads = len(live)
     assert ctx.prompt_positions(parts) == num and len(live) == reads  # not read again
+    copy = [*parts[:6], llamax.Image(bytes(picture.source)), *parts[7:]]  # type: ignore[arg-type]
+    assert ctx.prompt_positions(copy) == num and len(live) == reads  # nor another request's
     out = ctx.add_request(parts, llamax.SamplingParams(max_tokens=2, temperature=0)).result()
     assert out.usage.prompt_tokens == num
     gc.collect()
