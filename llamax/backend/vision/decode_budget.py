@@ -26,7 +26,8 @@ _PEAK_BYTES_A_PIXEL = 16  # a PNG's rows inflated (16-bit RGBA: 8), stb's output
 
 
 def decode_bytes(header: ImageHeader) -> int:
-    """The most bytes decoding the image of ``header`` allocates at once (an upper bound)."""
+    """What decoding the image of ``header`` allocates at its peak, about: stb_image's
+    inflated PNG rows and its output, then the RGB copies (16-bit RGBA PNGs come closest)."""
     return _PEAK_BYTES_A_PIXEL * header.width * header.height
 
 
