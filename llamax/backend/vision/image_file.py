@@ -171,11 +171,12 @@ def _check_png_data(data: bytes, header: ImageHeader) -> None:
         for chunk in _png_chunks(data, b"IDAT"):
             pending = chunk
             while pending:  # at most _INFLATE_STEP bytes out at a time, never all at once
-                total += len(inflater.decompress(pending, _INFLATE_STEP))
+                step = min(_INFLATE_STEP, expected + 1 - total)  # one byte past: refused
+                total += len(inflater.decompress(pending, step))
                 _refuse_png_bomb(total, expected, header)
                 pending = inflater.unconsumed_tail
         while not inflater.eof:  # what the last step left buffered
-            out = inflater.decompress(b"", _INFLATE_STEP)
+            out = inflater.decompress(b"", min(_INFLATE_STEP, expected + 1 - total))
             if not out:
                 break
             total += len(out)
