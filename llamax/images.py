@@ -254,6 +254,8 @@ class ImagePrompts:
         key = hashlib.sha256(source).digest() if isinstance(source, bytes) else None
         with self._read_lock:
             image_id = self._ids_by_file.get(key) if key is not None else None
+            if key is not None and image_id is not None:
+                self._ids_by_file.move_to_end(key)
             layout = self._layouts.get(image_id) if image_id is not None else None
         if layout is None:
             rgb = _decode(host, source)  # its pixels go when this returns
