@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -123,9 +123,11 @@ class ImagePrompts:
         self._cache: OrderedDict[str, npt.NDArray[np.float32]] = OrderedDict()
         self._num_bytes = 0
         self._lock = threading.Lock()  # one encode at a time; held across get-or-encode
-        # decoded pixels of the Image objects alive (a chat request's images are read to
-        # fit the conversation, then again to encode them), and each image's chunks
-        self._decoded: weakref.WeakKeyDictionary[Image, RgbImage] = weakref.WeakKeyDictionary()
+        # the pixel hash of each image file counted, by the file's SHA-256, and each
+        # image's chunks: counting an image again (this request's, or a later request's
+        # copy of it) reads nothing. No decoded pixels are kept: a stored conversation's
+        # images would pin them (48 MiB a 4096x4096 image)
+        self._ids_by_file: OrderedDict[bytes, str] = OrderedDict()
         self._layouts: OrderedDict[str, tuple[TextChunk | ImageChunk, ...]] = OrderedDict()
         self._read_lock = threading.Lock()
         self.num_encoded = 0
@@ -162,8 +164,10 @@ class ImagePrompts:
     def num_positions(self, parts: Sequence[int | Image]) -> int:
         """The positions a prompt of token ids and images takes in a sequence: one per
         token id, and for each image its embeddings and the marker tokens the projector
-        puts around it. Images are read and tokenized (not encoded); their pixels are kept
-        while the :class:`Image` lives, so submitting the prompt reads them once.
+        puts around it. Images are read and tokenized (not encoded); their pixels are
+        dropped at once. An image file counted again (the same bytes in any
+        :class:`Image`) is not read again: its pixel hash and layout are kept, by the
+        file's SHA-256 (a few hundred bytes an image, for the last 4096 images).
 
         Raises:
             ImageError: the context has no projector, or an image cannot be read.
@@ -208,7 +212,7 @@ class ImagePrompts:
                 texts.append(part)
             elif isinstance(part, Image):
                 texts.append(marker)
-                images.append(self._read(host, part))
+                images.append(_decode(host, _source_of(part)))
             else:
                 raise InvalidRequestError(
                     "a prompt's parts must be str or llamax.Image, or token ids and "
@@ -233,7 +237,7 @@ class ImagePrompts:
                 if run:
                     chunks.append(TextChunk(tuple(run)))
                     run = []
-                image = self._read(host, part)
+                image = _decode(host, _source_of(part))
                 chunks.extend(host.tokenize_images(host.image_marker, [image], add_special=False))
         except BaseException:
             for chunk in chunks:
@@ -246,29 +250,48 @@ class ImagePrompts:
 
     def _image_ids(self, host: ImageHost, image: Image) -> list[int]:
         """An image tokenized alone (no BOS): its marker tokens and placeholder ids."""
-        rgb = self._read(host, image, keep=True)
+        source = _source_of(image)
+        key = hashlib.sha256(source).digest() if isinstance(source, bytes) else None
         with self._read_lock:
-            layout = self._layouts.get(rgb.image_id)
+            image_id = self._ids_by_file.get(key) if key is not None else None
+            if key is not None and image_id is not None:
+                self._ids_by_file.move_to_end(key)
+            layout = self._layouts.get(image_id) if image_id is not None else None
         if layout is None:
-            chunks = host.tokenize_images(host.image_marker, [rgb], add_special=False)
-            for chunk in chunks:
-                if isinstance(chunk, ImageChunk):
-                    chunk.release()
-            # kept without their native part: the ids are all that is read again
-            layout = tuple(
-                replace(chunk, native=None) if isinstance(chunk, ImageChunk) else chunk
-                for chunk in chunks
-            )
-            with self._read_lock:
-                self._layouts[rgb.image_id] = layout
-                if len(self._layouts) > _MAX_IMAGES_KEPT:
-                    self._layouts.popitem(last=False)
+            rgb = _decode(host, source)  # its pixels go when this returns
+            layout = self._layout_of(host, rgb)
+            if key is not None:
+                with self._read_lock:
+                    self._ids_by_file[key] = rgb.image_id
+                    if len(self._ids_by_file) > _MAX_IMAGES_KEPT:
+                        self._ids_by_file.popitem(last=False)
         ids: list[int] = []
         for chunk in layout:
             ids.extend(
                 chunk.placeholder_ids() if isinstance(chunk, ImageChunk) else chunk.token_ids
             )
         return ids
+
+    def _layout_of(self, host: ImageHost, rgb: RgbImage) -> tuple[TextChunk | ImageChunk, ...]:
+        """``rgb`` tokenized alone, kept by its pixel hash without the native chunks."""
+        with self._read_lock:
+            layout = self._layouts.get(rgb.image_id)
+        if layout is not None:
+            return layout
+        chunks = host.tokenize_images(host.image_marker, [rgb], add_special=False)
+        for chunk in chunks:
+            if isinstance(chunk, ImageChunk):
+                chunk.release()
+        # kept without their native part: the ids are all that is read again
+        layout = tuple(
+            replace(chunk, native=None) if isinstance(chunk, ImageChunk) else chunk
+            for chunk in chunks
+        )
+        with self._read_lock:
+            self._layouts[rgb.image_id] = layout
+            if len(self._layouts) > _MAX_IMAGES_KEPT:
+                self._layouts.popitem(last=False)
+        return layout
 
     def _lay_out(
         self, host: ImageHost, chunks: Sequence[Any], n_ctx: int
@@ -304,35 +327,6 @@ class ImagePrompts:
             )
         return tokens, tuple(placed)
 
-    def _read(self, host: ImageHost, image: Image, *, keep: bool = False) -> RgbImage:
-        """The image's pixels: decoded now, or taken from what counting its positions kept
-        (``keep``: keep them for the next read, while the :class:`Image` lives)."""
-        with self._read_lock:
-            decoded = self._decoded.get(image) if keep else self._decoded.pop(image, None)
-        if decoded is None:
-            decoded = self._decode(host, image)
-            if keep:
-                with self._read_lock:
-                    self._decoded[image] = decoded
-        return decoded
-
-    def _decode(self, host: ImageHost, image: Image) -> RgbImage:
-        source = image.source
-        if isinstance(source, np.ndarray):
-            return rgb_image(source, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)
-        if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
-            try:
-                source = path.read_bytes()
-            except OSError as exc:
-                raise ImageError(f"cannot read the image file {path}: {exc}") from exc
-        if not isinstance(source, (bytes, bytearray, memoryview)):
-            raise ImageError(
-                "llamax.Image takes file bytes, a path or an (height, width, 3) uint8 array, "
-                f"got {type(source).__name__}"
-            )
-        return host.read_image(bytes(source))
-
     def _embeddings(self, host: ImageHost, chunk: ImageChunk) -> npt.NDArray[np.float32]:
         with self._lock:
             cached = self._cache.get(chunk.image_id)
@@ -353,3 +347,33 @@ class ImagePrompts:
                 _, dropped = self._cache.popitem(last=False)
                 self._num_bytes -= dropped.nbytes
             return embeddings
+
+
+def _source_of(image: Image) -> bytes | npt.NDArray[np.uint8]:
+    """An image's file bytes (a path's read now), or its array.
+
+    Raises:
+        ImageError: the file cannot be read, or ``source`` is of another type.
+    """
+    source = image.source
+    if isinstance(source, np.ndarray):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise ImageError(f"cannot read the image file {path}: {exc}") from exc
+    if not isinstance(source, (bytes, bytearray, memoryview)):
+        raise ImageError(
+            "llamax.Image takes file bytes, a path or an (height, width, 3) uint8 array, "
+            f"got {type(source).__name__}"
+        )
+    return bytes(source)
+
+
+def _decode(host: ImageHost, source: bytes | npt.NDArray[np.uint8]) -> RgbImage:
+    """An image's pixels, decoded now; nothing here keeps them."""
+    if isinstance(source, np.ndarray):
+        return rgb_image(source, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)
+    return host.read_image(source)

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 from typing_extensions import Self
 
 from .adapters import AdapterSet
-from .backend.vision.chunks import placeholder_problem
+from .backend.vision.chunks import MAX_PLACEHOLDER_DIGITS, placeholder_problem
 from .engine.kv.kvops import (
     ForkSession,
     KVOp,
@@ -49,7 +49,7 @@ __all__ = ["Session", "SessionLoader", "SessionPort", "restore_session"]
 
 T = TypeVar("T")
 _MAGIC = b"LLAMAXS1"
-_MAX_ID_DIGITS = 20  # an image's placeholder id, as JSON: "-" and up to 19 digits
+_MAX_ID_DIGITS = MAX_PLACEHOLDER_DIGITS  # an image's placeholder id, as JSON (the longest)
 _HEADER = struct.Struct("<8sI")
 
 

@@ -53,6 +53,7 @@ def responses_routes(state: ServerState) -> APIRouter:
         body = parse_object(raw)
         if state.lenient:
             body = without_unknown(body, RESPONSE_TABLE, "/v1/responses")
+        _check_chain_images(body, state)  # before a fetch: what the stored turns hold counts
         prepare_images(body, "responses", state.images)  # a worker: it may fetch
         return body
 
@@ -118,6 +119,50 @@ def responses_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return router
+
+
+def _check_chain_images(body: dict[str, Any], state: ServerState) -> None:
+    """Refuse a follow-up whose prompt would hold more images than a request may: the
+    images of the conversation stored under ``previous_response_id`` (decoded again for
+    every turn) and the request's own. An id the store does not hold is left to the 404.
+
+    Raises:
+        APIError: 400 (``too_many_images``) naming both counts.
+    """
+    previous = body.get("previous_response_id")
+    if not isinstance(previous, str):
+        return
+    try:
+        history = state.responses.conversation(previous)
+    except LookupError:
+        return
+    stored = sum(_num_images(message.get("content")) for message in history)
+    items = body.get("input")
+    own = sum(
+        _num_images(item.get("content"), kind="input_image")
+        for item in (items if isinstance(items, list) else [])
+        if isinstance(item, dict)
+    )
+    most = state.images.max_images
+    if stored + own > most:
+        raise APIError(
+            400,
+            f"the conversation holds {stored + own} images ({stored} in the responses it "
+            f"follows, {own} in this request); at most {most} are allowed per request "
+            "(--max-images-per-request): start a new conversation",
+            param="previous_response_id" if stored > most else "input",
+            code="too_many_images",
+        )
+
+
+def _num_images(content: Any, kind: str | None = None) -> int:
+    """Images in a message's content: :class:`llamax.Image` s of a stored message, or
+    parts of type ``kind`` in a request's."""
+    if not isinstance(content, list):
+        return 0
+    if kind is None:
+        return sum(isinstance(part, llamax.Image) for part in content)
+    return sum(isinstance(part, dict) and part.get("type") == kind for part in content)
 
 
 def _not_found(response_id: str) -> APIError:

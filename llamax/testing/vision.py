@@ -3,10 +3,11 @@ embeddings whose rows *are* their placeholder ids, so the fake memory's provenan
 image's cells derives from the embeddings it was given (a wrong image's rows store another
 image's ids, and the next read of those cells fails the KV-integrity check).
 
-An image file is any file whose header :func:`~llamax.backend.vision.read_image_header`
-accepts; its "pixels" are its bytes (so two files are two images). An image takes
-``n_tokens`` positions; its embeddings are ``(n_tokens, 4)`` float32, each row its
-placeholder id's magnitude in four 16-bit pieces (exact in float32).
+An image file is any file :func:`~llamax.backend.vision.check_image` accepts; its "pixels"
+are its bytes (so two files are two images). An image takes
+``n_tokens`` positions; its embeddings are ``(n_tokens, FAKE_N_EMBD)`` float32, each row
+its placeholder id's magnitude (the whole pixel hash and the position) in 16-bit pieces
+(exact in float32).
 """
 
 from __future__ import annotations
@@ -23,31 +24,29 @@ from ..backend.vision import (
     MediaPrompt,
     RgbImage,
     TextChunk,
-    check_image_size,
-    read_image_header,
+    check_image,
 )
 from ..backend.vision.chunks import pixel_id
 from ..errors import ImageError, InvalidRequestError
 
 __all__ = ["FAKE_N_EMBD", "FakeVision", "ids_of_rows"]
 
-FAKE_N_EMBD = 4
-"""The fake's embedding width."""
+FAKE_N_EMBD = 18
+"""The fake's embedding width: 16 bits a column hold a placeholder id (274 bits)."""
+_SHIFTS = tuple(16 * i for i in reversed(range(FAKE_N_EMBD)))
 MARKER = "<__image__>"
 
 
 def rows_of_ids(ids: Sequence[int]) -> npt.NDArray[np.float32]:
     """Embedding rows that encode placeholder ids (negative)."""
-    mags = np.array([-i for i in ids], dtype=np.int64)
-    rows = np.stack([(mags >> s) & 0xFFFF for s in (48, 32, 16, 0)], axis=1)
-    return rows.astype(np.float32)
+    rows = [[(-i >> s) & 0xFFFF for s in _SHIFTS] for i in ids]
+    return np.array(rows, dtype=np.float32).reshape(len(rows), FAKE_N_EMBD)
 
 
 def ids_of_rows(rows: npt.NDArray[np.float32]) -> list[int]:
     """The placeholder ids that :func:`rows_of_ids` encoded."""
-    parts = rows.astype(np.int64)
-    mags = (parts[:, 0] << 48) | (parts[:, 1] << 32) | (parts[:, 2] << 16) | parts[:, 3]
-    return [-int(m) for m in mags]
+    parts = rows.astype(np.int64).tolist()
+    return [-sum(int(p) << s for p, s in zip(row, _SHIFTS, strict=True)) for row in parts]
 
 
 class FakeVision:
@@ -66,10 +65,9 @@ class FakeVision:
         self.marker = MARKER
 
     def read(self, data: bytes) -> RgbImage:
-        """An image file's bytes as one row of "pixels" (its header checked, and its
-        declared size, as the real projector checks them)."""
-        header = read_image_header(data)
-        check_image_size(header, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)
+        """An image file's bytes as one row of "pixels" (its header, declared size and
+        pixel data checked, as the real projector checks them)."""
+        check_image(data, max_side=MAX_IMAGE_SIDE, max_pixels=MAX_IMAGE_PIXELS)
         pixels = data + b"\0" * (-len(data) % 3)
         width = len(pixels) // 3
         return RgbImage(width, 1, pixels, pixel_id(width, 1, pixels))

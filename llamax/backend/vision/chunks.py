@@ -16,6 +16,7 @@ import numpy.typing as npt
 from ...errors import ImageError
 
 __all__ = [
+    "MAX_PLACEHOLDER_DIGITS",
     "ImageChunk",
     "MediaPrompt",
     "RgbImage",
@@ -25,10 +26,17 @@ __all__ = [
     "rgb_image",
 ]
 
-_HASH_BITS = 44  # of the pixel hash, in a placeholder id
+# A placeholder id carries the image's whole pixel hash (all 256 bits of its SHA-256) above
+# its position in the image. The prefix cache's radix matching, the RAM and disk tiers and
+# session files all decide reuse by comparing ids, so the id *is* the image's identity
+# there: a shorter one (44 bits before issue 54) let two images whose prefixes collide
+# share cells. Python ints have no width; ids go to JSON headers, never to native code.
+_HASH_BITS = 256  # the pixel hash, whole, in a placeholder id
 _OFFSET_BITS = 18  # an image's position, in a placeholder id: 2**18 positions
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
 _MAX_PLACEHOLDER = 1 << (_HASH_BITS + _OFFSET_BITS)  # -id - 1 stays below this
+MAX_PLACEHOLDER_DIGITS = len(str(-_MAX_PLACEHOLDER))
+"""The most characters a placeholder id takes as JSON (``-`` and its digits)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -118,10 +126,13 @@ class ImageChunk:
             self.native.close()
 
     def placeholder_ids(self) -> tuple[int, ...]:
-        """``n_pos`` negative ids derived from :attr:`image_id`, one per position: a
-        stand-in for the image in a radix tree over token ids (never a real token, and two
-        images never share a run of them in practice)."""
-        base = int(self.image_id[: _HASH_BITS // 4], 16) << _OFFSET_BITS
+        """``n_pos`` negative ids holding all of :attr:`image_id` and the position, one per
+        position: a stand-in for the image in a radix tree over token ids (never a real
+        token). Two images share a run of them only if their pixel hashes are equal."""
+        digest = int(self.image_id, 16)
+        if not 0 <= digest < 1 << _HASH_BITS:
+            raise ValueError(f"an image id is a {_HASH_BITS}-bit hex hash: {self.image_id!r}")
+        base = digest << _OFFSET_BITS
         return tuple(-(1 + base + i) for i in range(self.n_pos))
 
 

@@ -29,7 +29,8 @@ from ...errors import ContextClosedError, ImageError, InvalidRequestError, Proje
 from ..gguf_file import read_header
 from ..native import NativeModel, bindings, utf8
 from .chunks import ImageChunk, MediaPrompt, RgbImage, TextChunk, pixel_id
-from .image_file import check_image_size, read_image_header
+from .decode_budget import DECODE_BUDGET, decode_bytes
+from .image_file import ImageHeader, check_image
 
 __all__ = ["MAX_IMAGE_PIXELS", "MAX_IMAGE_SIDE", "NativeChunk", "Projector", "mtmd_bindings"]
 
@@ -198,13 +199,18 @@ class Projector:
         max_pixels: int = MAX_IMAGE_PIXELS,
     ) -> RgbImage:
         """Decode a PNG, JPEG, GIF or BMP file's bytes with ``mtmd``'s decoder (stb_image),
-        after its header is checked (:mod:`~llamax.backend.vision.image_file`).
+        after its header and pixel data are checked
+        (:func:`~llamax.backend.vision.image_file.check_image`), holding its peak bytes
+        from the process's decode budget (:mod:`~llamax.backend.vision.decode_budget`).
 
         Raises:
             ImageError: not such a file, a damaged or truncated one, or over the limits.
         """
-        header = read_image_header(data)
-        check_image_size(header, max_side=max_side, max_pixels=max_pixels)
+        header = check_image(data, max_side=max_side, max_pixels=max_pixels)
+        with DECODE_BUDGET.held(decode_bytes(header)):
+            return self._decode_checked(data, header)
+
+    def _decode_checked(self, data: bytes, header: ImageHeader) -> RgbImage:
         M = self.M
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         opt = M.mtmd_helper_init_opt_default()
