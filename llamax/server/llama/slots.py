@@ -334,7 +334,11 @@ async def _restore(slots: SlotTable, slot: Slot, path: Path, filename: str) -> d
         try:
             session = await run_in_threadpool(slots.ctx.load_session, path)
         except (OSError, llamax.SessionError) as exc:
-            reason = "no such file" if isinstance(exc, FileNotFoundError) else str(exc)
+            reason = (
+                "no such file"
+                if isinstance(exc, FileNotFoundError)
+                else str(exc).replace(os.fspath(path), filename)
+            )  # no server folder
             raise LlamaError(400, f"Unable to restore slot: {reason}") from exc
         slot.session = session
         num_restored = len(await run_in_threadpool(lambda: session.token_ids))
