@@ -227,7 +227,7 @@ def test_a_client_leaving_before_its_body_is_not_an_error(ctx: llamax.Context) -
         try:
             with socket.create_connection((server.host, server.port)) as raw:
                 raw.sendall(
-                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                     b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"pro'
                 )
             assert arrived.wait(WAIT)

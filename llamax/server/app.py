@@ -23,6 +23,7 @@ from llamax.openai import ResponseStore
 from .anthropic_routes import anthropic_routes
 from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
+from .guard import SiteGuard, SitePolicy
 from .images import ImagePolicy
 from .info import info_routes, public_routes
 from .llama import infill_routes, llama_routes, router_routes, slot_routes, slot_tables
@@ -56,6 +57,7 @@ def create_app(
     default_seed: int | None = None,
     model_alias: str | None = None,
     images: ImagePolicy | None = None,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -112,6 +114,11 @@ def create_app(
         images: How many images one request may send (default 16), and whether remote
             image URLs are fetched, within what size and time (default: refused with a
             400); see :class:`~llamax.server.images.ImagePolicy` and docs/images.md.
+        allowed_hosts: ``Host`` names answered beside localhost names, IP literals, this
+            machine's name and the address the ASGI server listens on (``*.example.com``
+            for a domain's names, ``["*"]``: any Host); every other Host gets 403, which
+            stops DNS rebinding. Cross-origin writes that CORS would not allow are refused
+            too (:mod:`llamax.server.guard`).
 
     Returns:
         A FastAPI application.
@@ -122,7 +129,7 @@ def create_app(
             ``api_key`` is empty, ``slot_save_path`` is not a folder,
             ``default_max_tokens`` is below 1, ``default_seed`` is not in [0, 2**32),
             ``model_alias`` is empty or given with a
-            pool.
+            pool, ``allowed_hosts`` holds something that is not a host name.
     """
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
                         ("retry_after_seconds", retry_after_seconds),
@@ -142,6 +149,7 @@ def create_app(
                          "their own names")  # fmt: skip
     if slot_save_path is not None and not Path(slot_save_path).is_dir():
         raise ValueError(f"slot_save_path must be an existing folder, got {slot_save_path!r}")
+    site = SitePolicy.of(allowed_hosts, cors_origins, native_cors)
     state = ServerState(
         source=ctx,
         api_key=api_key,
@@ -188,6 +196,7 @@ def create_app(
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
+    app.add_middleware(SiteGuard, policy=site)  # outermost: before CORS answers anything
     return app
 
 

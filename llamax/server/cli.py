@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="without --cors-origin, CORS is off on llama-server's own routes too",
     )
     p.add_argument(
+        "--allowed-hosts",
+        metavar="HOSTS",
+        default=None,
+        help="comma-separated Host names answered beside localhost names, IP literals, this "
+        "machine's name and --host ('*.example.com' for a domain; '*': any); other Hosts get "
+        "403, which stops DNS rebinding (default: none more)",
+    )
+    p.add_argument(
         "--slot-save-path",
         metavar="DIR",
         default=None,
@@ -186,6 +194,12 @@ def _add_image_flags(p: argparse.ArgumentParser) -> None:
         help=f"with --allow-image-urls, the longest a fetch may take (default: "
         f"{DEFAULT_URL_SECONDS:g})",
     )
+
+
+def _allowed_hosts(ns: argparse.Namespace) -> list[str]:
+    """``--allowed-hosts``' names, and ``--host`` (a name it binds is one of the server's)."""
+    given = [name.strip() for name in (ns.allowed_hosts or "").split(",") if name.strip()]
+    return [*given, ns.host]
 
 
 def _name_path(text: str) -> tuple[str, str]:
@@ -308,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "default_max_tokens": None if ns.n_predict in (None, -1) else ns.n_predict,
             "default_seed": None if ns.seed in (None, -1) else ns.seed,
             "model_alias": ns.alias,
+            "allowed_hosts": _allowed_hosts(ns),
             "images": ImagePolicy(
                 max_images=ns.max_images_per_request,
                 allow_urls=ns.allow_image_urls,

@@ -30,7 +30,9 @@ _STATUS_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    403: "permission_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     503: "unavailable_error",
 }
@@ -78,6 +80,7 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }

@@ -10,16 +10,18 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 import llamax
 
 from .errors import APIError, error_response, from_exception
+from .guard import is_cross_origin, path_free, shown_path
 from .models import ModelPool
 from .state import ServerState
 
-__all__ = ["info_routes", "public_routes"]
+__all__ = ["info_routes", "public_routes", "shown_models"]
 
 _STARTED = int(time.time())
 
@@ -77,8 +79,8 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     @router.get("/models")  # llama-server's alias
-    async def models() -> JSONResponse:
-        listed = _models(state)
+    async def models(request: Request) -> JSONResponse:
+        listed = shown_models(_models(state), request.headers)
         body: dict[str, Any] = {"object": "list", "data": listed}
         if state.pool is None:  # llama-server's own list, beside OpenAI's
             body["models"] = [{"name": m["id"], "model": m["id"], "type": "model",
@@ -86,8 +88,8 @@ def info_routes(state: ServerState) -> APIRouter:
         return JSONResponse(body)
 
     @router.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> JSONResponse:
-        for listed in _models(state):
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        for listed in shown_models(_models(state), request.headers):
             if listed["id"] == model_id:
                 return JSONResponse(listed)
         raise APIError(  # OpenAI's words and code for an unknown model
@@ -171,6 +173,19 @@ def _adapters(ctx: llamax.Context) -> list[dict[str, Any]]:
         {"id": index, "name": name, "path": path}
         for index, (name, path) in enumerate(ctx.adapters.items())
     ]
+
+
+def shown_models(listed: list[dict[str, Any]], headers: Headers) -> list[dict[str, Any]]:
+    """A model list as a client sees it: another origin's page gets the adapters' file
+    names, and load errors, without the server's folders (:mod:`.guard`)."""
+    if not is_cross_origin(headers):
+        return listed
+    for model in listed:
+        for adapter in model.get("adapters", ()):
+            adapter["path"] = shown_path(headers, adapter["path"])
+        if "last_error" in model.get("status", {}):
+            model["status"]["last_error"] = path_free(model["status"]["last_error"])
+    return listed
 
 
 def _clear_pool_caches(pool: ModelPool) -> int:

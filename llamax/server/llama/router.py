@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..info import _pool_models
+from ..info import _pool_models, shown_models
 from ..models import ModelPool, ModelState
 from ..schemas import parse_object
 from ..state import ServerState, read_body
@@ -83,8 +83,9 @@ def router_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"success": True})
 
     @router.get("/models")
-    async def models() -> Response:
-        listed = [_router_fields(model) for model in _pool_models(pool)]
+    async def models(request: Request) -> Response:
+        shown = shown_models(_pool_models(pool), request.headers)
+        listed = [_router_fields(model) for model in shown]
         return JSONResponse({"object": "list", "data": listed})
 
     return router

@@ -23,6 +23,7 @@ from llamax.openai import chat_prompt_tokens
 
 from ..dialects import LLAMA
 from ..errors import APIError, from_exception, llama_body
+from ..guard import shown_path
 from ..images import prepare_images
 from ..schemas import ChatCompletionRequest, parse_body, parse_object
 from ..state import ServerState, admit_completion, run_leased
@@ -105,12 +106,14 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
         return await _llama_shaped(state, request, work)
 
     @router.get("/props")
-    async def props() -> Response:
+    async def props(request: Request) -> Response:
         try:
             ctx = state.context()
         except APIError as error:
             return JSONResponse(llama_body(error), status_code=error.status)
-        return JSONResponse(_props(state, ctx))
+        body = _props(state, ctx)
+        body["model_path"] = shown_path(request.headers, body["model_path"])
+        return JSONResponse(body)
 
     @router.post("/props")
     async def set_props() -> Response:
