@@ -17,6 +17,7 @@ import llamax
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
+from .fairness import check_num_sequences
 from .images import prepare_images
 from .llama import with_llama_extras
 from .schemas import (
@@ -303,7 +304,9 @@ async def _admit(
 
     def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
         body = parse_body(model, raw, lenient=state.lenient)
-        return body, options(body)
+        parsed = options(body)
+        check_num_sequences(1, _num_choices(parsed), state.max_sequences, param="n")
+        return body, parsed
 
     chat = endpoint == "chat"
     return await admit_completion(
@@ -319,3 +322,10 @@ async def _admit(
         stream=lambda parsed: bool(parsed[0].is_stream),
         include_usage=lambda parsed: bool(parsed[0].include_usage),
     )
+
+
+def _num_choices(options: dict[str, Any]) -> int:
+    """The ``n`` of checked options (1 when unset or not a number: the params check
+    refuses that with its own 400)."""
+    n = options.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1

@@ -24,6 +24,7 @@ from llamax.openai import chat_prompt_tokens
 
 from ..dialects import LLAMA
 from ..errors import APIError, from_exception, llama_body
+from ..fairness import check_num_sequences
 from ..images import prepare_images
 from ..schemas import ChatCompletionRequest, parse_body, parse_object
 from ..state import ServerState, admit_completion, run_leased
@@ -52,6 +53,9 @@ def llama_routes(
             body = parse_native(parse_object(raw), default_n_predict=state.default_max_tokens,
                                 default_seed=state.default_seed)  # fmt: skip
             _check_num_images(body, state.images.max_images)
+            n = body.params.n if body.params is not None else 1
+            check_num_sequences(len(body.prompts), n, state.max_sequences,
+                                param="n_cmpl" if n > 1 else "prompt")  # fmt: skip
             return body
 
         return await admit_completion(
