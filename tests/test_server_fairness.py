@@ -56,8 +56,10 @@ def test_openai_n_over_the_bound_is_a_400_naming_n(fake: Any) -> None:
     app = create_app(ctx)
     for path, body in [
         ("/v1/completions", {"prompt": "hi", "n": 65, "max_tokens": 1}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 65,
-                                  "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"},  # the bound is checked before any image is read
+            {"type": "image_url", "image_url": {"url": "http://example.invalid/a.png"}}]}],
+            "n": 65, "max_tokens": 1}),
     ]:  # fmt: skip
         response = post(app, path, body)
         assert response.status_code == 400, (path, response.text[:200])

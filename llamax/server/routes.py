@@ -304,9 +304,9 @@ async def _admit(
 
     def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
         body = parse_body(model, raw, lenient=state.lenient)
-        parsed = options(body)
-        check_num_sequences(1, _num_choices(parsed), state.max_sequences, param="n")
-        return body, parsed
+        n = _num_choices(getattr(body, "n", None))  # before any image is read or fetched
+        check_num_sequences(1, n, state.max_sequences, param="n")
+        return body, options(body)
 
     chat = endpoint == "chat"
     return await admit_completion(
@@ -324,8 +324,7 @@ async def _admit(
     )
 
 
-def _num_choices(options: dict[str, Any]) -> int:
-    """The ``n`` of checked options (1 when unset or not a number: the params check
-    refuses that with its own 400)."""
-    n = options.get("n")
+def _num_choices(n: object) -> int:
+    """A body's ``n`` (1 when unset or not a positive number: the params check refuses
+    that with its own 400)."""
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
