@@ -270,21 +270,29 @@ class Context:
         *,
         priority: int = 0,
         request_id: str | None = None,
+        fair_key: str | None = None,
     ) -> RequestHandle:
         """Submit a prompt (text or token ids) from any thread; returns at once.
 
         Requests are served first come, first served; a lower ``priority`` value is served
         earlier. While others wait, one request holds at most its share of the sequences
         (``n_seq_max`` over the requests with work), so a large ``n`` cannot starve others.
+        Requests submitted with the same ``fair_key`` (a caller's several prompts, or one
+        client's requests) hold one share together and are served first come, first
+        served among themselves, so a batch of many requests cannot starve another
+        key's request either (docs/server.md#fair-turns).
 
         Raises:
             ContextClosedError: the context is closed.
             EmptyPromptError: the prompt has no tokens.
             ContextLengthError: the prompt leaves no room for a reply in ``n_ctx``.
-            InvalidRequestError: the prompt, params or priority have the wrong type, a token
-                id is out of range, or ``request_id`` belongs to an unfinished request.
+            InvalidRequestError: the prompt, params, priority or fair_key have the wrong
+                type, a token id is out of range, or ``request_id`` belongs to an
+                unfinished request.
         """
-        return self._submit(prompt, params, priority=priority, request_id=request_id)
+        return self._submit(
+            prompt, params, priority=priority, request_id=request_id, fair_key=fair_key
+        )
 
     def session(self, *, yields: bool = False) -> Session:
         """Open a :class:`Session`: a KV sequence that stays resident between requests.
@@ -338,6 +346,7 @@ class Context:
         priority: int = 0,
         request_id: str | None = None,
         session_id: int | None = None,
+        fair_key: str | None = None,
     ) -> RequestHandle:
         self._check_open("add a request")
         if request_id is not None and not (isinstance(request_id, str) and request_id):
@@ -358,6 +367,7 @@ class Context:
                 params.lora if isinstance(params, SamplingParams) else None
             ),
             images=self._images,
+            fair_key=fair_key,
         )
         engine = self._engine
         handle._bind(

@@ -170,6 +170,7 @@ def build_request(
     session_id: int | None = None,
     adapters: AdapterSet = NO_ADAPTERS,
     images: ImagePrompts | None = None,
+    fair_key: str | None = None,
 ) -> Request:
     """Check everything about a request that can be known before it runs, and build it.
     A prompt of parts is read, tokenized and its images encoded here, by ``images``.
@@ -187,6 +188,8 @@ def build_request(
         raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+    if fair_key is not None and not (isinstance(fair_key, str) and fair_key):
+        raise InvalidRequestError(f"fair_key must be a non-empty str, got {fair_key!r}")
     parts = is_parts(prompt)
     if not parts:
         tokens = prompt_tokens(backend, prompt, n_ctx)
@@ -210,4 +213,5 @@ def build_request(
         grammar=grammar,
         adapters=adapters,
         images=placed,
+        fair_key=fair_key,
     )

@@ -48,3 +48,18 @@ def test_forks_leave_an_id_for_each_other_deprived_request() -> None:
     assert fair.num_forkable("n8", num_free_ids=2, num_others=2) == 1
     fair.add("n8", 5)
     assert fair.num_forkable("n8", num_free_ids=2, num_others=2) == 0
+
+
+def test_keys_equal_but_not_identical_are_one_request() -> None:
+    """Issue 54 (9): fairness keys (``add_request(fair_key=...)``) are compared by value;
+    a deprived key admitted since the count no longer takes ids from forks."""
+    fair: FairShare[tuple[str, int]] = FairShare(4)
+    batch, alone = ("batch", 1), ("alone", 2)
+    fair.count([("batch", 1)] * 4, [("batch", 1)] * 196 + [("alone", 2)])
+    assert fair.share == 2 and fair.held == {batch: 4}
+    assert fair.deprived == [alone] and fair.richest() == batch
+    assert fair.is_over(("batch", 1)) and not fair.is_over(("alone", 2))
+    assert fair.others_deprived(("batch", 1)) == [alone]
+    assert fair.num_forkable(batch, num_free_ids=1, num_others=1) == 0
+    fair.admit(("alone", 2))
+    assert fair.held[alone] == 1 and fair.others_deprived(batch) == []

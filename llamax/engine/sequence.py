@@ -7,7 +7,7 @@ sampler, detokenizer and stop matcher.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -75,6 +75,7 @@ class Request:
     """One ``add_request`` call as the engine sees it."""
 
     __slots__ = (
+        "_fair_key",
         "adapters",
         "arrival",
         "grammar",
@@ -107,8 +108,10 @@ class Request:
         grammar: str | None = None,
         adapters: AdapterSet = NO_ADAPTERS,
         images: tuple[PromptImage, ...] = (),
+        fair_key: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self._fair_key = fair_key
         self.images = images
         """The prompt's images, by position (:mod:`llamax.engine.images`): their positions in
         ``prompt_token_ids`` hold placeholder ids."""
@@ -128,6 +131,13 @@ class Request:
         self.stop_strings = StopStrings(params.stop)
         """``params.stop`` compiled once; every sequence's stop matcher shares it."""
         self.sequences = [Sequence(self, i, token_to_piece) for i in range(num_choices)]
+
+    @property
+    def fair_key(self) -> Hashable:
+        """Whose share of the sequence ids this request draws on
+        (:mod:`llamax.engine.sched.fair_share`): the ``fair_key`` it was submitted with
+        (requests that share one take turns as one), else the request itself."""
+        return self if self._fair_key is None else self._fair_key
 
     @property
     def is_finished(self) -> bool:

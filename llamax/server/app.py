@@ -23,6 +23,7 @@ from llamax.openai import ResponseStore
 from .anthropic_routes import anthropic_routes
 from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
+from .fairness import DEFAULT_MAX_SEQUENCES
 from .guard import SiteGuard, SitePolicy
 from .images import ImagePolicy
 from .info import info_routes, public_routes
@@ -58,6 +59,8 @@ def create_app(
     model_alias: str | None = None,
     images: ImagePolicy | None = None,
     allowed_hosts: Sequence[str] | None = None,
+
+    max_sequences: int = DEFAULT_MAX_SEQUENCES,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -119,13 +122,16 @@ def create_app(
             for a domain's names, ``["*"]``: any Host); every other Host gets 403, which
             stops DNS rebinding. Cross-origin writes that CORS would not allow are refused
             too (:mod:`llamax.server.guard`).
+        max_sequences: Most sequences one request may queue: its prompts times its
+            choices (``n``, ``n_cmpl``); more get 400 (default 64; docs/server.md).
 
     Returns:
         A FastAPI application.
 
     Raises:
-        ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds`` or
-            ``max_stored_responses`` or ``stream_ping_seconds`` is not positive,
+        ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds``,
+            ``max_stored_responses``, ``max_sequences`` or ``stream_ping_seconds`` is not
+            positive,
             ``api_key`` is empty, ``slot_save_path`` is not a folder,
             ``default_max_tokens`` is below 1, ``default_seed`` is not in [0, 2**32),
             ``model_alias`` is empty or given with a
@@ -133,7 +139,8 @@ def create_app(
     """
     for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
                         ("retry_after_seconds", retry_after_seconds),
-                        ("max_stored_responses", max_stored_responses)):  # fmt: skip
+                        ("max_stored_responses", max_stored_responses),
+                        ("max_sequences", max_sequences)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not stream_ping_seconds > 0:
@@ -164,6 +171,7 @@ def create_app(
         default_seed=default_seed,
         model_alias=model_alias,
         images=images or ImagePolicy(),
+        max_sequences=max_sequences,
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state

@@ -19,6 +19,7 @@ import llamax
 from llamax.flags import add_option_flags, option_values
 
 from .app import create_app
+from .fairness import DEFAULT_MAX_SEQUENCES
 from .images import DEFAULT_MAX_IMAGES, DEFAULT_URL_BYTES, DEFAULT_URL_SECONDS, ImagePolicy
 from .models import DEFAULT_MAX_LOADED, ModelPool
 
@@ -48,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="most requests in flight, tokenize and embeddings included; more get 503 "
         "(default: 256)",
+    )
+    p.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=DEFAULT_MAX_SEQUENCES,
+        metavar="N",
+        help="most sequences one request may queue (its prompts x n or n_cmpl); more get "
+        f"400 (default: {DEFAULT_MAX_SEQUENCES})",
     )
     p.add_argument(
         "--parse-special-in-content",
@@ -311,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         app_options = {
             "api_key": ns.api_key,
             "max_queue": ns.max_queue,
+            "max_sequences": ns.max_sequences_per_request,
             "max_body_bytes": ns.max_body_bytes,
             "cors_origins": ns.cors_origin,
             "native_cors": ns.native_cors,

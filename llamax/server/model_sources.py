@@ -5,7 +5,9 @@ many fit in memory at once."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -27,8 +29,10 @@ DEFAULT_MAX_LOADED = 2
 """Most models of a directory loaded at once when no bound is given (fewer when memory is
 short: :meth:`ModelPool.default_max_loaded`)."""
 
-ModelSource = str | os.PathLike[str] | Callable[[], llamax.Context]
-"""A GGUF path, or a function that builds the context (tests pass fake contexts so)."""
+ModelSource = str | os.PathLike[str] | Callable[..., llamax.Context]
+"""A GGUF path, or a function that builds the context (tests pass fake contexts so); a
+function that takes ``**options`` is called with the model's context options, its share of
+the pool's prefix budgets included (:func:`factory`)."""
 
 
 def default_max_loaded(
@@ -66,12 +70,17 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int:
 def shared_budgets(
     options: Mapping[str, Any], num_models: int, max_loaded: int | None
 ) -> dict[str, Any]:
-    """``options`` with each model's share of the prefix tiers' default budgets: the RAM
-    tier's is divided among the models loaded at once, the disk tier's among all (a
-    model's files stay on disk when it unloads)."""
+    """``options`` with each model's share of the prefix tiers' budgets. The host-RAM
+    tier's budget is one for the whole pool, the one given (``prefix_ram_bytes``) or the
+    machine's default, divided among the models loaded at once; the disk tier's default
+    is divided among all the models (a model's files stay on disk when it unloads), and a
+    disk budget given is each model's."""
     shared = dict(options)
     at_once = num_models if max_loaded is None else min(max_loaded, num_models)
-    if shared.get("prefix_ram_bytes") is None:
+    ram_bytes = shared.get("prefix_ram_bytes")
+    if isinstance(ram_bytes, int) and not isinstance(ram_bytes, bool) and ram_bytes > 0:
+        shared["prefix_ram_bytes"] = max(1, ram_bytes // at_once)
+    elif ram_bytes is None:
         shared.setdefault("prefix_ram_share", 1 / at_once)
     if shared.get("prefix_disk_bytes") is None:
         shared.setdefault("prefix_disk_share", 1 / num_models)
@@ -98,8 +107,21 @@ def options_of(name: str, options: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def factory(source: ModelSource, options: Mapping[str, Any]) -> Callable[[], llamax.Context]:
-    """A function that builds ``source``'s context with ``options``."""
+    """A function that builds ``source``'s context with ``options``: a function source
+    that takes keyword arguments (``**options``) is given them, its share of the pool's
+    budgets included; one that takes none builds its context as it likes."""
     if callable(source):
+        if _takes_options(source):
+            return functools.partial(source, **options)
         return source
     path = os.fspath(source)
     return lambda: llamax.Context(path, **options)
+
+
+def _takes_options(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` takes arbitrary keyword arguments (``**options``)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

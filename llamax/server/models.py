@@ -133,8 +133,9 @@ class ModelPool:
     names one and unloaded when idle or to make room.
 
     Args:
-        models: Name → GGUF path (or a function returning a context). The first is the
-            default, for requests that name no model.
+        models: Name → GGUF path (or a function returning a context; one that takes
+            ``**options`` is called with the model's context options, its budget shares
+            included). The first is the default, for requests that name no model.
         max_loaded: Most models loaded (or loading) at once; to load one more, the least
             recently used model that no request holds is unloaded first, and when every
             loaded model is in use the least recently used one is drained (it takes no new
@@ -146,9 +147,10 @@ class ModelPool:
             server answers 503 with ``Retry-After`` past it. ``None``: no bound.
         clock: Monotonic seconds (tests inject one).
         **context_options: Options of every path's :class:`llamax.Context`; a
-            ``prefix_disk_dir`` gets a folder per model name inside it. Unless they give
-            the prefix tiers' budgets (``prefix_ram_bytes``, ``prefix_disk_bytes``), the
-            models share one default budget of each (see :attr:`context_options`).
+            ``prefix_disk_dir`` gets a folder per model name inside it. The host-RAM
+            tier's budget (``prefix_ram_bytes``, else the machine's default) is the
+            pool's, divided among the models loaded at once; the disk tier's default is
+            divided among all the models (see :attr:`context_options`).
 
     Raises:
         ValueError: no models, an empty name, or a bound that is not positive.
@@ -242,7 +244,8 @@ class ModelPool:
         model's share of the prefix tiers' default budgets (``prefix_ram_share``: one over
         the models loaded at once, ``max_loaded`` or all; ``prefix_disk_share``: one over
         all the models, since a model's files stay when it unloads), unless the budget
-        itself was given; a ``prefix_disk_dir`` then gets a folder per model name."""
+        itself was given (a ``prefix_ram_bytes`` given is the pool's: each model gets
+        that share of it); a ``prefix_disk_dir`` then gets a folder per model name."""
         return dict(self._context_options)
 
     def acquire(self, name: str | None) -> Future[llamax.Context]:

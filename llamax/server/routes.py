@@ -17,6 +17,7 @@ import llamax
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
+from .fairness import check_num_sequences
 from .images import prepare_images
 from .llama import with_llama_extras
 from .schemas import (
@@ -303,6 +304,8 @@ async def _admit(
 
     def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
         body = parse_body(model, raw, lenient=state.lenient)
+        n = _num_choices(getattr(body, "n", None))  # before any image is read or fetched
+        check_num_sequences(1, n, state.max_sequences, param="n")
         return body, options(body)
 
     chat = endpoint == "chat"
@@ -319,3 +322,9 @@ async def _admit(
         stream=lambda parsed: bool(parsed[0].is_stream),
         include_usage=lambda parsed: bool(parsed[0].include_usage),
     )
+
+
+def _num_choices(n: object) -> int:
+    """A body's ``n`` (1 when unset or not a positive number: the params check refuses
+    that with its own 400)."""
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1

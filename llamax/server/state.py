@@ -19,6 +19,7 @@ from llamax.openai import ResponseStore
 
 from .dialects import Dialect
 from .errors import APIError
+from .fairness import DEFAULT_MAX_SEQUENCES
 from .images import ImagePolicy
 from .metrics import ServerMetrics
 from .models import ModelPool
@@ -63,6 +64,8 @@ class ServerState:
             ``--alias``); ``None``: the GGUF's name.
         images: How many images a request may send, and whether remote image URLs are
             fetched (:mod:`llamax.server.images`).
+        max_sequences: Most sequences (prompts x choices) one request may queue; more
+            get 400 (:mod:`llamax.server.fairness`).
     """
 
     source: llamax.Context | Future[llamax.Context] | ModelPool
@@ -78,6 +81,7 @@ class ServerState:
     default_seed: int | None = None
     model_alias: str | None = None
     images: ImagePolicy = field(default_factory=ImagePolicy)
+    max_sequences: int = DEFAULT_MAX_SEQUENCES
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 

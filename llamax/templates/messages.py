@@ -133,21 +133,27 @@ def _content(index: int, message: Mapping[str, Any]) -> Content:
         )
     if isinstance(content, Sequence) and not isinstance(content, bytes):
         parts: list[str | Image] = []
+        run: list[str] = []  # text since the last image, joined once (linear, not +=)
         for part_index, part in enumerate(content):
             value = _part(index, part_index, part)
-            if isinstance(value, Image) and message["role"] != "user":
+            if isinstance(value, str):
+                run.append(value)
+                continue
+            if message["role"] != "user":
                 raise InvalidMessageError(
                     f"messages[{index}].content[{part_index}] is an image; only user "
                     f"messages may hold images, not {message['role']} messages",
                     index=index,
                     field="content",
                 )
-            if isinstance(value, str) and parts and isinstance(parts[-1], str):
-                parts[-1] += value
-            else:
-                parts.append(value)
-        if not any(isinstance(part, Image) for part in parts):
-            return "".join(part for part in parts if isinstance(part, str))
+            if run:
+                parts.append("".join(run))
+                run.clear()
+            parts.append(value)
+        if not parts:
+            return "".join(run)
+        if run:
+            parts.append("".join(run))
         return [part if isinstance(part, Image) else {"type": "text", "text": part}
                 for part in parts]  # fmt: skip
     raise InvalidMessageError(

@@ -1,5 +1,9 @@
 """Fairness between requests: how many sequence ids each request may hold this step.
 
+A "request" here is a fairness key (``Request.fair_key``): a request alone, or every
+request submitted with one ``fair_key`` (the prompts of one batch call, one client), which
+then hold one share together and are served first come, first served among themselves.
+
 While other requests wait, one may hold at most its share, ``n_seq_max`` over the requests
 with work (at least 1), of the sequences. A waiting request below its share that finds no
 free sequence id takes one from the request holding the most above its share (the
@@ -37,13 +41,18 @@ class FairShare(Generic[K]):
         self.deprived: list[K] = []
         """Waiting requests below their share, first come first."""
         self._deprived: set[K] = set()
+        self._num_waiting: dict[K, int] = {}
 
     def count(self, running: Iterable[K], waiting: Iterable[K]) -> None:
         """Recount the share from the request of each running and each waiting sequence."""
         held: dict[K, int] = {}
         for request in running:
             held[request] = held.get(request, 0) + 1
-        waiters = list(dict.fromkeys(waiting))
+        num_waiting: dict[K, int] = {}
+        for request in waiting:
+            num_waiting[request] = num_waiting.get(request, 0) + 1
+        self._num_waiting = num_waiting
+        waiters = list(num_waiting)
         num_active = len(held.keys() | set(waiters))
         self.share = max(1, self.n_seq_max // max(1, num_active))
         self.held = held
@@ -61,16 +70,22 @@ class FairShare(Generic[K]):
         """``request`` got (a positive ``num``) or gave up (a negative one) sequences."""
         self.held[request] = self.held.get(request, 0) + num
 
+    def admit(self, request: K) -> None:
+        """One waiting sequence of ``request`` got an id."""
+        self.add(request)
+        self._num_waiting[request] = self._num_waiting.get(request, 0) - 1
+
     def is_over(self, request: K) -> bool:
         """Whether ``request`` holds its share while another request below its share waits:
         its sequences are then admitted after the others' (they take the ids left)."""
         if self.held.get(request, 0) < self.share:
             return False
-        return any(other is not request for other in self._deprived)
+        return any(other != request for other in self._deprived)
 
     def others_deprived(self, request: K) -> list[K]:
-        """The deprived requests other than ``request``."""
-        return [r for r in self._deprived if r is not request]
+        """The deprived requests other than ``request`` that still have a waiting sequence
+        (none of them admitted since the count)."""
+        return [r for r in self._deprived if r != request and self._num_waiting.get(r, 0) > 0]
 
     def num_forkable(self, request: K, num_free_ids: int, num_others: int) -> int:
         """Sequence ids ``request`` may fork into now, of ``num_free_ids``, leaving one

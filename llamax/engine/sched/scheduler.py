@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -102,7 +102,7 @@ class Scheduler:
         self.kv = KVCache(backend, backend.n_seq_max)
         self.prefix = PrefixCache.build(self.kv, config, backend)
         self.placer = SlotPlacer(self.kv, self.prefix, backend.n_ctx)
-        self.fair: FairShare[Request] = FairShare(backend.n_seq_max)
+        self.fair: FairShare[Hashable] = FairShare(backend.n_seq_max)
         self.planner = StepPlanner(backend, config.max_step_ms, self.kv, self.prefix, self.fair)
         self.budget = self.planner.budget
         self.step_cost = self.budget.cost
@@ -201,12 +201,8 @@ class Scheduler:
                 if take:
                     slots.append((seq, take))
                     budget -= take
-        # requests below their share first; those at it take the ids left (no id idles)
-        waiting = [seq for seq in self._waiting if ours(seq)]
-        over = [seq for seq in waiting if self.fair.is_over(seq.request)]
-        under = [seq for seq in waiting if not self.fair.is_over(seq.request)]
         blocker = self.turns.blocker(group, self._waiting)
-        for seq in under + over:
+        for seq in self._admission_order(group):
             if budget <= 0:
                 break
             if blocker is not None and seq.sort_key > blocker.sort_key:
@@ -218,7 +214,7 @@ class Scheduler:
                 self.turns.lacked_room(seq, group)
                 break  # first come, first served: nobody overtakes a request that lacks room
             if outcome is Outcome.ADMITTED:
-                self.fair.add(seq.request)
+                self.fair.admit(seq.request.fair_key)
                 take, fixed = self.planner.chunk(seq, budget, fixed, len(decode))
                 if take:
                     slots.append((seq, take))
@@ -227,6 +223,22 @@ class Scheduler:
             slots, budget, lambda: self.num_pending_tokens, self.room.capacity
         )
         return self.planner.build(slots, drafts)
+
+    def _admission_order(self, group: AdapterSet | None) -> Iterator[Sequence]:
+        """The waiting sequences of adapter set ``group`` (None: all) in the order they
+        may be admitted: those of fairness keys below their share first, queue order
+        within; a key that reaches its share while they are admitted goes after them,
+        with the keys at it, which take the ids left (no id idles)."""
+        fair = self.fair
+        later: list[Sequence] = []
+        for seq in list(self._waiting):  # admission removes from the queue
+            if group is not None and seq.request.adapters != group:
+                continue
+            if fair.is_over(seq.request.fair_key):
+                later.append(seq)
+            else:
+                yield seq
+        yield from later
 
     def _take_checkpoint(self, seq: Sequence) -> None:
         """After a prompt chunk: take ``seq``'s checkpoint if the chunk ended at one (a
@@ -261,16 +273,18 @@ class Scheduler:
         """Preempt for each deprived waiting request one sequence of the richest request
         (:mod:`llamax.engine.sched.fair_share`)."""
         fair = self.fair
-        fair.count((s.request for s in self._running), (s.request for s in self._waiting))
-        for request in fair.deprived:
-            if request.session_id is not None:
-                continue
+        fair.count((s.request.fair_key for s in self._running),
+                   (s.request.fair_key for s in self._waiting))  # fmt: skip
+        need_ids = {s.request.fair_key for s in self._waiting if s.request.session_id is None}
+        for key in fair.deprived:
+            if key not in need_ids:
+                continue  # a session's request runs in its own pinned slot
             if self.kv.num_free_seq_ids or self.prefix.num_retained:
                 break  # an id is there, or comes from an eviction at admission
             richest = fair.richest()
             if richest is None:
                 break
-            mine = [s for s in self._running if s.request is richest]
+            mine = [s for s in self._running if s.request.fair_key == richest]
             victim = min(reversed(mine), key=lambda s: s.num_computed)  # cheapest to redo
             self._preempt(victim)
             fair.add(richest, -1)

@@ -8,14 +8,16 @@ from the sequences and token counts the scheduler chose. It changes no sequence.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from ...backend.base import Backend
 from ..images import chunk_limit, image_at
 from ..kv.checkpoints import next_checkpoint
 from ..kv.kvcache import KVCache
 from ..kv.prefix import PrefixCache
 from ..plan import StepPlan, build_plan, split_plan
-from ..sequence import Request, SequenceState
 from ..sequence import Sequence as Seq
+from ..sequence import SequenceState
 from ..timing.chunk_budget import ChunkBudget
 from ..timing.step_budget import StepFeatures, tile_waste_table
 from .fair_share import FairShare
@@ -41,7 +43,7 @@ class StepPlanner:
         max_step_ms: float | None,
         kv: KVCache,
         prefix: PrefixCache,
-        fair: FairShare[Request],
+        fair: FairShare[Hashable],
     ) -> None:
         tiles = backend.attention_tiles
         waste = None if tiles is None else tile_waste_table(backend.n_batch, *tiles)
@@ -140,12 +142,8 @@ class StepPlanner:
         """The waiting siblings that fork from ``seq``'s last prompt row, within its share."""
         if seq.index != 0 or seq.num_generated or not self._prefix.is_enabled:
             return ()
-        fair = self._fair
-        others = fair.others_deprived(seq.request)
-        num_others = sum(
-            1 for r in others if any(s.state is SequenceState.WAITING for s in r.sequences)
-        )
-        free_ids = fair.num_forkable(seq.request, free_ids, num_others)
+        fair, key = self._fair, seq.request.fair_key
+        free_ids = fair.num_forkable(key, free_ids, len(fair.others_deprived(key)))
         siblings = [
             s
             for s in seq.request.sequences[1:]

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 import llamax
 
+from ..fairness import call_key
 from .errors import LlamaError
 from .jobs import num_positions, prompt_text, run_job
 from .request import NativePrompt, NativeRequest
@@ -82,7 +83,9 @@ def _submit(
     ctx: llamax.Context, request: NativeRequest
 ) -> tuple[list[list[int | llamax.Image]], list[int], list[llamax.RequestHandle]]:
     """Tokenize every prompt, count its positions (reading its images) and submit it (none
-    when ``n_predict`` is 0); if one is refused, the ones already submitted are cancelled."""
+    when ``n_predict`` is 0), several under one fairness key of this call's
+    (:mod:`~llamax.server.fairness`); if one is refused, the ones already submitted are
+    cancelled."""
     prompts = [_prompt_tokens(ctx, p) for p in request.prompts]
     sizes = [num_positions(ctx, p) for p in prompts]
     handles: list[llamax.RequestHandle] = []
@@ -92,9 +95,10 @@ def _submit(
                 raise llamax.EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
         return prompts, sizes, handles
     params = _with_text_bias(ctx, request)
+    key = call_key() if len(prompts) > 1 else None  # the prompts hold one fair share
     try:
         for tokens in prompts:
-            handles.append(ctx.add_request(tokens, params))
+            handles.append(ctx.add_request(tokens, params, fair_key=key))
     except BaseException:
         for handle in handles:
             handle.cancel()

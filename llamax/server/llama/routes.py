@@ -23,6 +23,7 @@ from llamax.openai import chat_prompt_tokens
 
 from ..dialects import LLAMA
 from ..errors import APIError, from_exception, llama_body
+from ..fairness import check_num_sequences
 from ..guard import shown_path
 from ..images import prepare_images
 from ..schemas import ChatCompletionRequest, parse_body, parse_object
@@ -50,6 +51,9 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
             body = parse_native(parse_object(raw), default_n_predict=state.default_max_tokens,
                                 default_seed=state.default_seed)  # fmt: skip
             _check_num_images(body, state.images.max_images)
+            n = body.params.n if body.params is not None else 1
+            check_num_sequences(len(body.prompts), n, state.max_sequences,
+                                param="n_cmpl" if n > 1 else "prompt")  # fmt: skip
             return body
 
         return await admit_completion(
