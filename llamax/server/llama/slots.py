@@ -423,7 +423,7 @@ def _reason(exc: OSError | llamax.SessionError, path: Path, filename: str) -> st
     """Why a restore failed, naming the file as the client named it: never the folder
     (llamax's messages name the path they were given; an OSError's its file name)."""
     if isinstance(exc, FileNotFoundError):
-        return "no such file"
+        return f"{filename}: no such file"
     if isinstance(exc, OSError):
-        return exc.strerror or "cannot read the file"
+        return f"{filename}: {exc.strerror or 'cannot read the file'}"
     return str(exc).replace(str(path), filename).replace(str(path.parent), "<slot folder>")
