@@ -75,7 +75,7 @@ def llama_routes(
                 raise APIError(400, "add_generation_prompt must be a boolean",
                                param="add_generation_prompt", code="invalid_type")  # fmt: skip
             body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.images)
+            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
             thinking = body.options().get("enable_thinking")
             extra = {} if thinking is None else {"enable_thinking": thinking}
             try:
@@ -97,7 +97,7 @@ def llama_routes(
     async def chat_input_tokens(request: Request) -> Response:
         def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
             body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.images)
+            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
             try:
                 tokens = chat_prompt_tokens(ctx, body.messages, **body.options())
                 count = ctx.prompt_positions(tokens)
