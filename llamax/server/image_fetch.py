@@ -38,17 +38,14 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urljoin, urlsplit
 
 import llamax
 
 from .errors import APIError
 
-if TYPE_CHECKING:
-    from .images import ImagePolicy
-
-__all__ = ["MAX_REDIRECTS", "ImageFetcher", "is_address_allowed", "parse_networks"]
+__all__ = ["MAX_REDIRECTS", "FetchPolicy", "ImageFetcher", "is_address_allowed", "parse_networks"]
 
 MAX_REDIRECTS = 5
 """Most redirects one image URL may take."""
@@ -126,6 +123,30 @@ def _embedded_v4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None
     if address in _NAT64:
         return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return None
+
+
+class FetchPolicy(Protocol):
+    """The settings a fetch follows (:class:`~llamax.server.images.ImagePolicy` has them)."""
+
+    @property
+    def max_url_bytes(self) -> int:
+        """Largest body a fetched URL may have."""
+
+    @property
+    def url_seconds(self) -> float:
+        """Longest the fetches of one request may take."""
+
+    @property
+    def max_url_fetches(self) -> int:
+        """Most requests fetching at once."""
+
+    @property
+    def url_allow_networks(self) -> tuple[str, ...]:
+        """Networks fetched from although not public."""
+
+    @property
+    def url_proxy(self) -> str | None:
+        """The ``http://host:port`` proxy fetches go through, if any."""
 
 
 class _Failed(Exception):
@@ -219,7 +240,7 @@ class ImageFetcher:
         policy: The server's image settings.
     """
 
-    def __init__(self, policy: ImagePolicy) -> None:
+    def __init__(self, policy: FetchPolicy) -> None:
         self.policy = policy
         self._allowed = parse_networks(policy.url_allow_networks)
         self._proxy = _Target.of(policy.url_proxy) if policy.url_proxy else None
