@@ -17,8 +17,10 @@ import ipaddress
 import select
 import socket
 import socketserver
+import ssl
 import threading
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -51,9 +53,12 @@ class _Site(http.server.ThreadingHTTPServer):
     headers then a byte every 0.2 s (until ``stop``), ``/hold.png`` an image once
     ``release`` is set, else 404."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
         super().__init__((host, 0), _Handler)
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
         self.got: list[str] = []
+        self.hosts: list[str | None] = []
         self.stop, self.release, self.left = threading.Event(), threading.Event(), threading.Event()
         self.url = f"http://{host}:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -71,6 +76,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         site, path = self.server, urlsplit(self.path)
         site.got.append(self.path)
+        site.hosts.append(self.headers.get("Host"))
         if path.path in ("/redirect", "/loop"):
             self.send_response(302)
             to = "/loop" if path.path == "/loop" else parse_qs(path.query)["to"][0]
@@ -327,6 +333,62 @@ def test_a_configured_proxy_tunnels_to_the_checked_address(
         assert len(proxy.got) == 1  # refused before the proxy was asked
     finally:
         proxy.close()
+
+
+def _tls_for_localhost(folder: Path) -> tuple[Path, ssl.SSLContext]:
+    """A CA's certificate file, and a server context with a certificate it signed for
+    ``localhost`` (a DNS name only: no IP address)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def cert(name: str, key: Any, issuer: str, signer: Any, ca: bool) -> x509.Certificate:
+        now = datetime.now(timezone.utc)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - timedelta(days=1))
+            .not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            names = x509.SubjectAlternativeName([x509.DNSName("localhost")])
+            builder = builder.add_extension(names, critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_cert = cert("test CA", ca_key, "test CA", ca_key, True)
+    leaf = cert("localhost", key, "test CA", ca_key, False)
+    pem = serialization.Encoding.PEM
+    (folder / "ca.pem").write_bytes(ca_cert.public_bytes(pem))
+    (folder / "leaf.pem").write_bytes(leaf.public_bytes(pem))
+    (folder / "key.pem").write_bytes(key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(folder / "leaf.pem", folder / "key.pem")
+    return folder / "ca.pem", server
+
+
+def test_https_verifies_the_certificate_for_the_urls_host(
+    vision: llamax.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca_file, server_tls = _tls_for_localhost(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))  # the fetcher's default context trusts it
+    secure = _Site(tls=server_tls)
+    try:
+        app = create_app(vision, images=policy(url_allow_networks=LOOPBACK))
+        port = secure.server_address[1]
+        url = f"https://localhost:{port}/cat.png"  # connects to 127.0.0.1, checks "localhost"
+        reply = call(app, "POST", CHAT, json=chat_body(url))
+        assert reply.status_code == 200, reply.text
+        assert secure.got == ["/cat.png"] and secure.hosts == [f"localhost:{port}"]
+        assert failure(app, f"https://127.0.0.1:{port}/cat.png").endswith(GENERIC)  # not its name
+    finally:
+        secure.close()
 
 
 def test_responses_store_keeps_the_url_not_the_bytes(vision: llamax.Context, site: _Site) -> None:

@@ -169,7 +169,7 @@ class _Target:
             port = parts.port
         except ValueError:
             raise _Failed(_FAILED) from None
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
+        if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
             raise _Failed(_FAILED)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         default = 443 if parts.scheme == "https" else 80
