@@ -45,7 +45,14 @@ import llamax
 
 from .errors import APIError
 
-__all__ = ["MAX_REDIRECTS", "FetchPolicy", "ImageFetcher", "is_address_allowed", "parse_networks"]
+__all__ = [
+    "MAX_REDIRECTS",
+    "FetchPolicy",
+    "ImageFetcher",
+    "check_proxy",
+    "is_address_allowed",
+    "parse_networks",
+]
 
 MAX_REDIRECTS = 5
 """Most redirects one image URL may take."""
@@ -81,6 +88,21 @@ def parse_networks(networks: Iterable[str]) -> tuple[Network, ...]:
         ValueError: one is not a network.
     """
     return tuple(ipaddress.ip_network(n.strip(), strict=False) for n in networks)
+
+
+def check_proxy(url: str) -> None:
+    """Check that ``url`` names an HTTP proxy: ``http://host:port``.
+
+    Raises:
+        ValueError: it does not.
+    """
+    try:
+        parts = urlsplit(url)
+        is_proxy = parts.scheme == "http" and bool(parts.hostname) and parts.port is not None
+    except ValueError:
+        is_proxy = False
+    if not is_proxy or "@" in url:
+        raise ValueError(f"url_proxy must be an http://host:port URL, got {url!r}")
 
 
 def is_address_allowed(address: IPAddress, allowed: Sequence[Network] = ()) -> bool:

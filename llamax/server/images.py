@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import APIError
-from .image_fetch import ImageFetcher, parse_networks
+from .image_fetch import ImageFetcher, check_proxy, parse_networks
 
 __all__ = [
     "DEFAULT_MAX_IMAGES",
@@ -84,9 +84,8 @@ class ImagePolicy:
         object.__setattr__(self, "url_allow_networks", (networks,) if isinstance(networks, str)
                            else tuple(networks))  # fmt: skip
         parse_networks(self.url_allow_networks)  # raises ValueError for a bad one
-        proxy = self.url_proxy
-        if proxy is not None and not (proxy.startswith("http://") and proxy[7:].strip("/")):
-            raise ValueError(f"url_proxy must be an http://host:port URL, got {proxy!r}")
+        if self.url_proxy is not None:
+            check_proxy(self.url_proxy)
 
 
 @dataclass(slots=True)
