@@ -243,7 +243,13 @@ def test_listed_networks_are_allowed() -> None:
     assert not is_address_allowed(ipaddress.ip_address("127.0.0.2"), networks)
     with pytest.raises(ValueError):
         ImagePolicy(url_allow_networks=("10.0.0.0/33",))
-    for proxy in ("socks5://h:1080", "http://proxy", "http://h:port", "http://:3128", "http://[::1"):
+    for proxy in (
+        "socks5://h:1080",
+        "http://proxy",
+        "http://h:port",
+        "http://:3128",
+        "http://[::1",
+    ):
         with pytest.raises(ValueError, match="url_proxy"):
             ImagePolicy(url_proxy=proxy)
     assert ImagePolicy(url_allow_networks=["10.0.0.0/8"]).url_allow_networks == ("10.0.0.0/8",)
