@@ -35,6 +35,9 @@ from llamax.server.image_fetch import is_address_allowed
 from llamax.testing import FakeBackend, assert_idle
 
 TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
+)
 CHAT = "/v1/chat/completions"
 WHERE = "messages[0].content[1].image_url.url"
 LOOPBACK = ("127.0.0.1/32",)
@@ -416,6 +419,26 @@ def test_responses_store_keeps_the_url_not_the_bytes(vision: llamax.Context, sit
     assert second.status_code == 200, second.text
     assert second.json()["usage"]["input_tokens"] > first.json()["usage"]["input_tokens"]
     assert site.got == ["/cat.png"]  # the follow-up used the stored image, no second fetch
+
+
+def test_verbose_shows_the_media_marker_not_the_bytes(site: _Site) -> None:
+    backend = FakeBackend(
+        n_ctx=1024,
+        metadata={"tokenizer.chat_template": PLAIN_TEMPLATE},  # prints a content list whole
+        special_tokens={"<|im_start|>": 300, "<|im_end|>": 301},
+        image_tokens=8,
+    )
+    ctx = llamax.Context(backend=backend)
+    try:
+        app = create_app(ctx, images=policy(url_allow_networks=LOOPBACK))
+        body = chat_body(site.url + "/cat.png") | {"verbose": True}
+        reply = call(app, "POST", "/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert "base64" not in reply.text  # llama-server's __verbose.prompt: the marker
+        assert "<__media__>" in reply.json()["__verbose"]["prompt"]
+        assert_idle(ctx)
+    finally:
+        ctx.close()
 
 
 # ---------------------------------------------------------------------- finding 3

@@ -27,6 +27,7 @@ from ..errors import APIError, from_exception, llama_body
 from ..images import prepare_images
 from ..schemas import ChatCompletionRequest, parse_body, parse_object
 from ..state import ServerState, admit_completion, run_leased
+from .chat import with_media_markers
 from .completion import start_completion
 from .request import FIELDS, MEDIA_MARKER, NativeRequest, default_settings, parse_native
 from .slots import SlotTable
@@ -81,7 +82,7 @@ def llama_routes(
             try:
                 ctx.chat_prompt_parts(body.messages)  # checks them as a chat request would
                 prompt = ctx.chat_template.render(
-                    _media_markers(body.messages),
+                    with_media_markers(body.messages),
                     add_generation_prompt=generation,
                     tools=body.tools,
                     **extra,
@@ -122,20 +123,6 @@ def llama_routes(
         return JSONResponse(llama_body(error), status_code=501)
 
     return router
-
-
-def _media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """(Checked) ``messages`` with each list of content parts as one string, an image as
-    llama-server's media marker, as its ``/apply-template`` shows them."""
-    marked = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text", "") if p.get("type") == "text" else MEDIA_MARKER
-                     for p in content]  # fmt: skip
-            message = {**message, "content": "".join(texts)}
-        marked.append(message)
-    return marked
 
 
 def _check_num_images(body: NativeRequest, most: int) -> None:
