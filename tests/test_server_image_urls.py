@@ -31,7 +31,7 @@ from vision_files import pixels, png
 
 import llamax
 from llamax.server import ImagePolicy, create_app
-from llamax.server.image_fetch import is_address_allowed
+from llamax.server.image_addresses import is_address_allowed
 from llamax.testing import FakeBackend, assert_idle
 
 TEMPLATE = (Path(__file__).parent / "data" / "smollm2_chat_template.jinja").read_text()

@@ -3,13 +3,11 @@ to its clients.
 
 Design note. A URL a client sends makes the server open a connection, so each fetch:
 
-- **resolves the host once** and checks every address it gets: loopback, private
-  (RFC 1918, CGNAT ``100.64/10``, ULA ``fc00::/7``), link-local, site-local, multicast,
-  unspecified, reserved and documentation ranges are refused, v4 and v6, and so is a v6
-  address that embeds such a v4 one (mapped, 6to4, Teredo, NAT64). Numeric spellings
-  (``127.1``, ``0x7f000001``, ``2130706433``) are what the resolver makes of them, so
-  they are checked as the address they are. Networks the operator lists
-  (``--image-url-allow-network``) are let through;
+- **resolves the host once** and checks every address it gets
+  (:mod:`llamax.server.image_addresses`: public unicast only, unless in a network the
+  operator lists with ``--image-url-allow-network``). Numeric spellings (``127.1``,
+  ``0x7f000001``, ``2130706433``) are what the resolver makes of them, so they are
+  checked as the address they are;
 - **connects to the checked address** (no second lookup for DNS rebinding to win), sending
   the URL's own ``Host`` and, for ``https``, verifying the certificate for its host name;
 - follows at most :data:`MAX_REDIRECTS` redirects by hand, to ``http(s)`` only, each hop
@@ -36,7 +34,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urljoin, urlsplit
@@ -44,34 +42,13 @@ from urllib.parse import urljoin, urlsplit
 import llamax
 
 from .errors import APIError
+from .image_addresses import is_address_allowed, parse_networks
 
-__all__ = [
-    "MAX_REDIRECTS",
-    "FetchPolicy",
-    "ImageFetcher",
-    "check_proxy",
-    "is_address_allowed",
-    "parse_networks",
-]
+__all__ = ["MAX_REDIRECTS", "FetchPolicy", "ImageFetcher", "check_proxy"]
 
 MAX_REDIRECTS = 5
 """Most redirects one image URL may take."""
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-_REFUSED = tuple(
-    ipaddress.ip_network(n)
-    for n in (
-        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-        "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16",
-        "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
-        "::/96", "::ffff:0:0/96", "64:ff9b:1::/48", "100::/64", "2001:db8::/32",
-        "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
-    )
-)  # fmt: skip
-"""Refused whatever ``ipaddress`` says of them (its tables vary between Python versions)."""
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _FAILED = (
     "could not fetch it (the address is not allowed, the host did not answer, or its "
@@ -79,15 +56,6 @@ _FAILED = (
 )
 """The one reason given for every failure that could tell an internal host from a
 missing one."""
-
-
-def parse_networks(networks: Iterable[str]) -> tuple[Network, ...]:
-    """``networks`` (CIDR strings, ``"10.0.0.0/8"``, or single addresses) parsed.
-
-    Raises:
-        ValueError: one is not a network.
-    """
-    return tuple(ipaddress.ip_network(n.strip(), strict=False) for n in networks)
 
 
 def check_proxy(url: str) -> None:
@@ -103,48 +71,6 @@ def check_proxy(url: str) -> None:
         is_proxy = False
     if not is_proxy or "@" in url:
         raise ValueError(f"url_proxy must be an http://host:port URL, got {url!r}")
-
-
-def is_address_allowed(address: IPAddress, allowed: Sequence[Network] = ()) -> bool:
-    """Whether a fetch may connect to ``address``: it is in ``allowed``, or it is a public
-    unicast address (and a v6 one embeds no v4 address that is not)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if any(address in network for network in allowed if network.version == address.version):
-        return True
-    return _is_public(address)
-
-
-def _is_public(address: IPAddress) -> bool:
-    if isinstance(address, ipaddress.IPv6Address):
-        embedded = _embedded_v4(address)
-        if embedded is not None and not _is_public(embedded):
-            return False
-        if address.is_site_local:
-            return False
-    if any(address in network for network in _REFUSED if network.version == address.version):
-        return False
-    return address.is_global and not (
-        address.is_private
-        or address.is_loopback
-        or address.is_link_local
-        or address.is_multicast
-        or address.is_unspecified
-        or address.is_reserved
-    )
-
-
-def _embedded_v4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The v4 address a v6 one carries (mapped, 6to4, Teredo's client, NAT64), if any."""
-    if address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    if address.sixtofour is not None:
-        return address.sixtofour
-    if address.teredo is not None:
-        return address.teredo[1]
-    if address in _NAT64:
-        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-    return None
 
 
 class FetchPolicy(Protocol):

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .errors import APIError
-from .image_fetch import ImageFetcher, check_proxy, parse_networks
+from .image_addresses import parse_networks
+from .image_fetch import ImageFetcher, check_proxy
 
 __all__ = [
     "DEFAULT_MAX_IMAGES",
