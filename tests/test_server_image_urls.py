@@ -462,6 +462,25 @@ def test_a_dripping_server_is_cut_off_at_the_deadline(vision: llamax.Context, si
     assert replies[0].status_code == 400 and "took longer than 1 s" in error["message"]
 
 
+def test_a_hanging_name_lookup_ends_at_the_deadline(
+    vision: llamax.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hang, lookups = threading.Event(), []
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        lookups.append(host)
+        hang.wait(WAIT)  # a resolver that does not answer
+        raise socket.gaierror("no answer")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    app = create_app(vision, images=policy(url_seconds=1.0))
+    try:
+        error = call(app, "POST", CHAT, json=chat_body("http://slow.example/cat.png")).json()
+    finally:
+        hang.set()
+    assert "took longer than 1 s" in error["error"]["message"] and lookups == ["slow.example"]
+
+
 def test_slow_urls_past_the_fetch_slots_never_hold_up_a_plain_chat(
     vision: llamax.Context, site: _Site
 ) -> None:

@@ -169,6 +169,34 @@ def _set_timeout(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
+def _lookup(host: str, port: int, deadline: float) -> list[tuple[Any, ...]]:
+    """``getaddrinfo``, waited for until the deadline at most. The system resolver takes
+    no timeout of ours, so it runs in a daemon thread; one that hangs past the deadline is
+    left to end by the resolver's own timeout.
+
+    Raises:
+        TimeoutError: no answer by the deadline.
+        _Failed: the name does not resolve.
+    """
+    answer: list[list[tuple[Any, ...]] | None] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError):
+            answer.append(None)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="llamax-image-url-lookup", daemon=True).start()
+    if not done.wait(max(deadline - time.monotonic(), 0.0)):
+        raise TimeoutError
+    if answer[0] is None:
+        raise _Failed(_FAILED)
+    return answer[0]
+
+
 class _Connection(http.client.HTTPConnection):
     """http.client's request and response parsing over a socket already connected."""
 
@@ -244,7 +272,7 @@ class ImageFetcher:
 
     def _get(self, target: _Target, deadline: float) -> tuple[bytes, str] | str:
         """One hop: the image, or where a redirect points."""
-        family, address = self._resolve(target)
+        family, address = self._resolve(target, deadline)
         sock = self._connect(target, family, address, deadline)
         try:
             connection = _Connection(target, _DeadlineSocket(sock, deadline))
@@ -281,14 +309,12 @@ class ImageFetcher:
                 raise too_large
         return bytes(data), media_type
 
-    def _resolve(self, target: _Target) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
+    def _resolve(
+        self, target: _Target, deadline: float
+    ) -> tuple[socket.AddressFamily, tuple[Any, ...]]:
         """The first address of ``target``'s host that may be fetched from (every one the
         resolver gives is checked; one lookup per hop, and the connection goes to it)."""
-        try:
-            found = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            raise _Failed(_FAILED) from None
-        for family, _, _, _, sockaddr in found:
+        for family, _, _, _, sockaddr in _lookup(target.host, target.port, deadline):
             address = ipaddress.ip_address(str(sockaddr[0]).partition("%")[0])
             if is_address_allowed(address, self._allowed):
                 return family, sockaddr
