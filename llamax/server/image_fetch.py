@@ -17,8 +17,8 @@ Design note. A URL a client sends makes the server open a connection, so each fe
 - holds one of :attr:`~llamax.server.images.ImagePolicy.max_url_fetches` slots for all of
   a request's URLs, under one wall-clock deadline that bounds the name lookup, the
   connect and every ``recv`` (the socket's timeout is what is left of it), and a byte
-  cap. With every slot taken a request is refused at once (503), never queued, so slow URLs hold at most that many of the
-  server's worker threads, each until its deadline;
+  cap. With every slot taken a request is refused at once (503), never queued, so slow
+  URLs hold at most that many of the server's worker threads, each until its deadline;
 - fails with one message for a refused address, a host that cannot be reached, an HTTP
   error and a response that is not an image, so the answers say nothing about what is
   listening inside the network (only "too large" and "too slow", which need an allowed
