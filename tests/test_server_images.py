@@ -388,7 +388,8 @@ def test_allowed_urls_are_fetched_within_limits(
     vision: tuple[llamax.Context, SlowReads], image_site: str
 ) -> None:
     ctx, backend = vision
-    policy = ImagePolicy(allow_urls=True, max_url_bytes=32 << 10, url_seconds=1.0)
+    policy = ImagePolicy(allow_urls=True, max_url_bytes=32 << 10, url_seconds=1.0,
+                         url_allow_networks=("127.0.0.1/32",))  # fmt: skip
     app = create_app(ctx, images=policy)
     cat = image_site + "/cat.png"
     by_url = call(app, "POST", CHAT, json=openai_body(cat, temperature=0))
@@ -401,11 +402,11 @@ def test_allowed_urls_are_fetched_within_limits(
     reply = call(app, "POST", "/v1/messages", json=anthropic_body({"type": "url", "url": cat}))
     assert reply.status_code == 200, reply.text
     assert call(app, "POST", "/v1/responses", json=responses_body(cat)).status_code == 200
-    for path, match in (
-        ("/page", "is text/html, not an image"),
+    for path, match in (  # issue 54: not an image and 404 say the same, as a refused host
+        ("/page", "could not fetch it (the address is not allowed"),
         ("/big.png", "larger than 32768 bytes"),
         ("/slow.png", "took longer than 1 s"),
-        ("/missing.png", "HTTP 404"),
+        ("/missing.png", "could not fetch it (the address is not allowed"),
     ):
         error = call(app, "POST", CHAT, json=openai_body(image_site + path)).json()["error"]
         assert match in error["message"] and error["code"] == "image_url_failed"
@@ -447,7 +448,8 @@ def test_urls_are_fetched_off_the_event_loop(
     vision: tuple[llamax.Context, SlowReads], image_site: str
 ) -> None:
     ctx, _ = vision
-    app = create_app(ctx, images=ImagePolicy(allow_urls=True, url_seconds=5.0))
+    policy = ImagePolicy(allow_urls=True, url_seconds=5.0, url_allow_networks=("127.0.0.1",))
+    app = create_app(ctx, images=policy)
     status, longest, pings = _loop_answers_while(app, openai_body(image_site + "/slow.png"))
     assert status == 200 and longest < 0.5 and pings > 20
 
@@ -461,5 +463,11 @@ def test_the_cli_flags_make_the_policy() -> None:
     ns = build_parser().parse_args([*flags.split(), "--image-url-timeout", "2.5"])
     assert (ns.max_images_per_request, ns.allow_image_urls) == (2, True)
     assert (ns.image_url_max_bytes, ns.image_url_timeout) == (1000, 2.5)
+    assert (ns.image_url_fetches, ns.image_url_allow_network, ns.image_url_proxy) == (4, [], None)
+    more = "--image-url-fetches 2 --image-url-allow-network 10.0.0.0/8 --image-url-proxy"
+    ns = build_parser().parse_args([*more.split(), "http://proxy:3128",
+                                    "--image-url-allow-network", "fd00::/8"])  # fmt: skip
+    assert (ns.image_url_fetches, ns.image_url_proxy) == (2, "http://proxy:3128")
+    assert ns.image_url_allow_network == ["10.0.0.0/8", "fd00::/8"]
     with pytest.raises(ValueError):
         ImagePolicy(max_images=-1)

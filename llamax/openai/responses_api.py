@@ -53,7 +53,11 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def create_response(
-    ctx: ChatHost, request: Mapping[str, Any], *, store: ResponseStore | None = None
+    ctx: ChatHost,
+    request: Mapping[str, Any],
+    *,
+    store: ResponseStore | None = None,
+    stored_input: Any = None,
 ) -> dict[str, Any] | Iterator[dict[str, Any]]:
     """Answer one Responses request: the ``response`` object, or with ``stream: true`` an
     iterator of its events (closing it cancels the request).
@@ -64,25 +68,35 @@ def create_response(
         store: Where ``previous_response_id`` is looked up and, unless the request says
             ``store: false``, where the finished response is kept. ``None``: nothing is
             stored, and a ``previous_response_id`` is not found.
+        stored_input: What the stored response lists as its input items instead of
+            ``request["input"]`` (``None``: that): a server that fetched image URLs into
+            ``data:`` URLs passes the input as the client sent it, so the store hands back
+            the URLs, never the fetched bytes.
 
     Raises:
         InvalidRequestError: the request is malformed (nothing was enqueued).
         NotFoundError: ``previous_response_id`` names no stored response.
         ContextLengthError: the conversation does not fit.
     """
-    job = _submit(ctx, request, store)
+    job = _submit(ctx, request, store, stored_input)
     if request.get("stream"):
         return job.submitted.events(ResponseEvents(job))
     return job.finish(job.submitted.handle.result())
 
 
 async def acreate_response(
-    ctx: ChatHost, request: Mapping[str, Any], *, store: ResponseStore | None = None
+    ctx: ChatHost,
+    request: Mapping[str, Any],
+    *,
+    store: ResponseStore | None = None,
+    stored_input: Any = None,
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`create_response` (needs the context's background loop).
     Mapping, rendering and tokenizing run in a worker thread, so the event loop stays
     free."""
-    job = await submit_in_worker(lambda: _submit(ctx, request, store), lambda j: j.submitted)
+    job = await submit_in_worker(
+        lambda: _submit(ctx, request, store, stored_input), lambda j: j.submitted
+    )
     if request.get("stream"):
         return job.submitted.aevents(ResponseEvents(job))
     return job.finish(await job.submitted.handle)
@@ -104,13 +118,14 @@ def response_input_tokens(
     return ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))
 
 
-def _submit(ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | None) -> ResponseJob:
+def _submit(
+    ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | None, stored_input: Any
+) -> ResponseJob:
     request, chat, turn, options, earlier_items = _conversation(request, store)
     submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
     keep = store if request.get("store", True) is not False else None
-    return ResponseJob(
-        submitted, dict(request), turn, keep, options.get("max_tokens"), earlier_items
-    )
+    kept = dict(request) if stored_input is None else {**request, "input": stored_input}
+    return ResponseJob(submitted, kept, turn, keep, options.get("max_tokens"), earlier_items)
 
 
 def _conversation(

@@ -38,7 +38,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
         body = parse_object(raw)
         if state.lenient:
             body = without_unknown(body, MESSAGES, "/v1/messages")
-        prepare_images(body, "anthropic", state.images)  # a worker: it may fetch
+        prepare_images(body, "anthropic", state.images, state.image_fetcher)  # a worker: fetches
         return body
 
     @router.post("/v1/messages")

@@ -20,7 +20,13 @@ from llamax.flags import add_option_flags, option_values
 
 from .app import create_app
 from .fairness import DEFAULT_MAX_SEQUENCES
-from .images import DEFAULT_MAX_IMAGES, DEFAULT_URL_BYTES, DEFAULT_URL_SECONDS, ImagePolicy
+from .images import (
+    DEFAULT_MAX_IMAGES,
+    DEFAULT_URL_BYTES,
+    DEFAULT_URL_FETCHES,
+    DEFAULT_URL_SECONDS,
+    ImagePolicy,
+)
 from .models import DEFAULT_MAX_LOADED, ModelPool
 
 __all__ = ["build_parser", "main"]
@@ -200,8 +206,30 @@ def _add_image_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_URL_SECONDS,
         metavar="SECONDS",
-        help=f"with --allow-image-urls, the longest a fetch may take (default: "
-        f"{DEFAULT_URL_SECONDS:g})",
+        help=f"with --allow-image-urls, the longest the fetches of one request may take "
+        f"(default: {DEFAULT_URL_SECONDS:g})",
+    )
+    p.add_argument(
+        "--image-url-fetches",
+        type=int,
+        default=DEFAULT_URL_FETCHES,
+        metavar="N",
+        help="with --allow-image-urls, most requests fetching image URLs at once; more get "
+        f"503 (default: {DEFAULT_URL_FETCHES})",
+    )
+    p.add_argument(
+        "--image-url-allow-network",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="with --allow-image-urls, also fetch from this private, loopback or link-local "
+        "network (repeatable; default: public addresses only)",
+    )
+    p.add_argument(
+        "--image-url-proxy",
+        metavar="URL",
+        help="with --allow-image-urls, fetch through this http://host:port proxy (CONNECT); "
+        "default: none (proxy environment variables are ignored)",
     )
 
 
@@ -338,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 allow_urls=ns.allow_image_urls,
                 max_url_bytes=ns.image_url_max_bytes,
                 url_seconds=ns.image_url_timeout,
+                max_url_fetches=ns.image_url_fetches,
+                url_allow_networks=tuple(ns.image_url_allow_network),
+                url_proxy=ns.image_url_proxy,
             ),
         }
         if ns.slot_save_path is not None:

@@ -10,32 +10,33 @@ Where each API puts an image part, and the field that holds its source:
 
 llamax itself takes images as base64 (``data:`` URLs, Anthropic's ``base64`` source).
 A remote ``http(s)`` URL is a 400 naming its field unless :attr:`ImagePolicy.allow_urls`
-(``--allow-image-urls``); then it is fetched here, within a size and a time limit, and
-only an ``image/*`` response is taken: the part is rewritten to carry the bytes as
-base64. This runs where the body is parsed, in a worker thread, never on the event loop;
-reading and checking the images themselves happens later, also in a worker, when the
+(``--allow-image-urls``); then it is fetched (:mod:`llamax.server.image_fetch`: public
+addresses only, within a size and a time limit, a bounded number at once), and only an
+``image/*`` response is taken: the part is rewritten to carry the bytes as base64. This
+runs where the body is parsed, in a worker thread, never on the event loop; reading and
+checking the images themselves happens later, also in a worker, when the
 request is rendered (:meth:`llamax.Context.chat_prompt_parts`).
 """
 
 from __future__ import annotations
 
 import base64
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import llamax
-
 from .errors import APIError
+from .image_addresses import parse_networks
+from .image_fetch import ImageFetcher, check_proxy
 
 __all__ = [
     "DEFAULT_MAX_IMAGES",
     "DEFAULT_URL_BYTES",
+    "DEFAULT_URL_FETCHES",
     "DEFAULT_URL_SECONDS",
+    "ImageFetcher",
     "ImagePolicy",
+    "has_image_urls",
     "prepare_images",
 ]
 
@@ -44,7 +45,9 @@ DEFAULT_MAX_IMAGES = 16
 DEFAULT_URL_BYTES = 10 << 20
 """Largest image fetched from a URL (llama-server's limit)."""
 DEFAULT_URL_SECONDS = 10.0
-"""Longest a fetch of an image URL may take (llama-server's limit)."""
+"""Longest the fetches of one request's image URLs may take (llama-server's limit)."""
+DEFAULT_URL_FETCHES = 4
+"""Most requests whose image URLs are fetched at once (``--image-url-fetches``)."""
 
 Api = Literal["openai", "anthropic", "responses"]
 
@@ -60,13 +63,30 @@ class ImagePolicy:
     max_url_bytes: int = DEFAULT_URL_BYTES
     """Largest body a fetched URL may have."""
     url_seconds: float = DEFAULT_URL_SECONDS
-    """Longest a fetch may take, start to end."""
+    """Longest the fetches of one request's URLs may take, start to end (every read
+    waits at most what is left)."""
+    max_url_fetches: int = DEFAULT_URL_FETCHES
+    """Most requests fetching URLs at once; more: 503 (never queued)."""
+    url_allow_networks: tuple[str, ...] = ()
+    """Networks (CIDR) fetched from although private, loopback or link-local (intranet
+    images); by default only public addresses are."""
+    url_proxy: str | None = None
+    """An ``http://host:port`` proxy fetches go through (``CONNECT``); ``None``: none
+    (proxy environment variables are ignored)."""
 
     def __post_init__(self) -> None:
         if self.max_images < 0:
             raise ValueError(f"max_images must be >= 0, got {self.max_images}")
         if self.max_url_bytes < 1 or not self.url_seconds > 0:
             raise ValueError("max_url_bytes and url_seconds must be positive")
+        if not 1 <= self.max_url_fetches <= 32:
+            raise ValueError(f"max_url_fetches must be in [1, 32], got {self.max_url_fetches}")
+        networks = self.url_allow_networks
+        object.__setattr__(self, "url_allow_networks", (networks,) if isinstance(networks, str)
+                           else tuple(networks))  # fmt: skip
+        parse_networks(self.url_allow_networks)  # raises ValueError for a bad one
+        if self.url_proxy is not None:
+            check_proxy(self.url_proxy)
 
 
 @dataclass(slots=True)
@@ -99,7 +119,9 @@ class _Part:
             self.holder[self.key] = f"data:{media_type};base64,{encoded}"
 
 
-def prepare_images(body: Any, api: Api, policy: ImagePolicy) -> None:
+def prepare_images(
+    body: Any, api: Api, policy: ImagePolicy, fetcher: ImageFetcher | None = None
+) -> None:
     """Count the image parts of a parsed body and fetch (or refuse) their remote URLs,
     rewriting fetched ones in place. Call it in a worker thread (it may fetch).
 
@@ -108,11 +130,13 @@ def prepare_images(body: Any, api: Api, policy: ImagePolicy) -> None:
             ``messages``; Responses: ``input``).
         api: Which API's shapes ``body`` has.
         policy: The server's image settings.
+        fetcher: The app's fetcher (it bounds the fetches at once); ``None``: one for this
+            call alone.
 
     Raises:
         APIError: 400 for more than ``policy.max_images`` images, a remote URL when
             ``policy.allow_urls`` is off, or a URL that cannot be fetched, is too large or
-            too slow, or is not an image.
+            too slow, or is not an image; 503 when the fetcher is busy.
     """
     parts = list(_image_parts(body, api))
     if len(parts) > policy.max_images:
@@ -123,20 +147,28 @@ def prepare_images(body: Any, api: Api, policy: ImagePolicy) -> None:
             param="input" if api == "responses" else "messages",
             code="too_many_images",
         )
-    for part in parts:
-        url = part.url
-        if url is None:
-            continue
-        if not policy.allow_urls:
-            raise APIError(
-                400,
-                f"{part.where}: remote image URLs are not fetched by this server (its operator "
-                "can allow them with --allow-image-urls); send the image as base64 "
-                "(a data:image/...;base64, URL)",
-                param=part.where,
-                code="image_url_not_allowed",
-            )
-        part.set_bytes(*fetch_image(url, part.where, policy))
+    remote = [(part, url) for part in parts if (url := part.url) is not None]
+    if remote and not policy.allow_urls:
+        where = remote[0][0].where
+        raise APIError(
+            400,
+            f"{where}: remote image URLs are not fetched by this server (its operator can "
+            "allow them with --allow-image-urls); send the image as base64 "
+            "(a data:image/...;base64, URL)",
+            param=where,
+            code="image_url_not_allowed",
+        )
+    if not remote:
+        return
+    fetched = (fetcher or ImageFetcher(policy)).fetch_all([(u, p.where) for p, u in remote])
+    for (part, _), (data, media_type) in zip(remote, fetched, strict=True):
+        part.set_bytes(data, media_type)
+
+
+def has_image_urls(body: Any, api: Api) -> bool:
+    """Whether a parsed body holds a remote image URL (as :func:`prepare_images` reads
+    ``body``)."""
+    return any(part.url is not None for part in _image_parts(body, api))
 
 
 def _image_parts(body: Any, api: Api) -> Iterator[_Part]:
@@ -165,75 +197,3 @@ def _image_parts(body: Any, api: Api) -> Iterator[_Part]:
 
 def _get(body: Any, name: str) -> Any:
     return body.get(name) if isinstance(body, MutableMapping) else None
-
-
-def fetch_image(url: str, where: str, policy: ImagePolicy) -> tuple[bytes, str]:
-    """Fetch an image URL within the policy's size and time limits: its bytes and media
-    type. Blocking: call it in a worker thread. The time limit is checked between reads,
-    and each read waits at most that long, so a fetch ends within twice the limit.
-
-    Raises:
-        APIError: 400 when the fetch fails, times out, is too large or is not an image.
-    """
-    deadline = time.monotonic() + policy.url_seconds
-
-    def failed(problem: str) -> APIError:
-        return APIError(400, f"{where}: the image at {url} {problem}", param=where,
-                        code="image_url_failed")  # fmt: skip
-
-    request = urllib.request.Request(url, headers={"User-Agent": f"llamax/{llamax.__version__}"})
-    try:
-        with _opener().open(request, timeout=policy.url_seconds) as response:
-            media_type = response.headers.get_content_type()
-            if not media_type.startswith("image/"):
-                raise failed(f"is {media_type}, not an image")
-            declared = response.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > policy.max_url_bytes:
-                raise failed(f"is larger than {policy.max_url_bytes} bytes")
-            data = bytearray()
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise failed(f"took longer than {policy.url_seconds:g} s to fetch")
-                chunk = response.read(65536)
-                if not chunk:
-                    return bytes(data), media_type
-                data += chunk
-                if len(data) > policy.max_url_bytes:
-                    raise failed(f"is larger than {policy.max_url_bytes} bytes")
-    except APIError:
-        raise
-    except urllib.error.HTTPError as exc:
-        raise failed(f"could not be fetched (HTTP {exc.code})") from None
-    except TimeoutError:
-        raise failed(f"took longer than {policy.url_seconds:g} s to fetch") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise failed(f"could not be fetched ({reason})") from None
-
-
-class _HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to another ``http(s)`` URL (urllib's own also goes to
-    ``ftp:``)."""
-
-    def redirect_request(
-        self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str
-    ) -> urllib.request.Request | None:
-        if not newurl.startswith(("http://", "https://")):
-            return None  # the redirect's own status is then the error
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _opener() -> urllib.request.OpenerDirector:
-    """urllib's opener for ``http(s)`` alone: no ``file:``, ``ftp:`` or ``data:`` handler."""
-    opener = urllib.request.OpenerDirector()
-    for handler in (
-        urllib.request.ProxyHandler(),
-        urllib.request.HTTPHandler(),
-        urllib.request.HTTPSHandler(),
-        _HttpRedirectsOnly(),
-        urllib.request.HTTPDefaultErrorHandler(),
-        urllib.request.HTTPErrorProcessor(),
-    ):
-        opener.add_handler(handler)
-    return opener

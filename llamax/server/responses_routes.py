@@ -13,6 +13,7 @@ it (see :class:`~llamax.server.responses.CompletionResponse`).
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,7 +29,7 @@ from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
-from .images import prepare_images
+from .images import has_image_urls, prepare_images
 from .llama import timed_response_events
 from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion, run_leased
@@ -54,8 +55,9 @@ def responses_routes(state: ServerState) -> APIRouter:
         if state.lenient:
             body = without_unknown(body, RESPONSE_TABLE, "/v1/responses")
         _check_chain_images(body, state)  # before a fetch: what the stored turns hold counts
-        prepare_images(body, "responses", state.images)  # a worker: it may fetch
-        return body
+        sent = copy.deepcopy(body["input"]) if has_image_urls(body, "responses") else None
+        prepare_images(body, "responses", state.images, state.image_fetcher)  # may fetch
+        return body if sent is None else _Fetched(body, input_as_sent=sent)
 
     @router.post("/v1/responses")
     @router.post("/responses")  # llama-server's alias
@@ -165,6 +167,17 @@ def _num_images(content: Any, kind: str | None = None) -> int:
     return sum(isinstance(part, dict) and part.get("type") == kind for part in content)
 
 
+class _Fetched(dict[str, Any]):
+    """A body whose image URLs were fetched into ``data:`` URLs, with its ``input`` as the
+    client sent it: what the store lists as the response's input items (the URLs, so
+    ``input_items`` never hands back what the server fetched from an address the client
+    may not reach)."""
+
+    def __init__(self, body: dict[str, Any], *, input_as_sent: Any) -> None:
+        super().__init__(body)
+        self.input_as_sent = input_as_sent
+
+
 def _not_found(response_id: str) -> APIError:
     """The 404 for an id the store does not hold, about the id (OpenAI's says "Response
     with id ... not found")."""
@@ -184,7 +197,8 @@ async def _create(
     ``response.completed`` as llama-server ends every stream (it sends no
     ``response.incomplete``; the response's ``status`` still says ``incomplete``)."""
     started = time.perf_counter()
-    reply = await acreate_response(ctx, _with_defaults(state, body), store=state.responses)
+    reply = await acreate_response(ctx, _with_defaults(state, body), store=state.responses,
+                                   stored_input=getattr(body, "input_as_sent", None))  # fmt: skip
     if isinstance(reply, dict) or body.get("stream") is not True:
         return reply
     if llama:

@@ -51,7 +51,8 @@ def api_routes(state: ServerState) -> APIRouter:
     @router.post("/chat/completions")  # llama-server's alias: its error shape
     async def chat_completions(request: Request) -> Response:
         def options(body: ChatCompletionRequest) -> dict[str, Any]:
-            prepare_images(body.messages, "openai", state.images)  # a worker: it may fetch
+            # a worker: it may fetch
+            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
             options = _stream_options(body)
             if state.parse_special_in_content:
                 options["parse_special_in_content"] = True

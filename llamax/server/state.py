@@ -20,7 +20,7 @@ from llamax.openai import ResponseStore
 from .dialects import Dialect
 from .errors import APIError
 from .fairness import DEFAULT_MAX_SEQUENCES
-from .images import ImagePolicy
+from .images import ImageFetcher, ImagePolicy
 from .metrics import ServerMetrics
 from .models import ModelPool
 from .responses import CompletionJob, CompletionResponse, outcome_of
@@ -82,10 +82,13 @@ class ServerState:
     model_alias: str | None = None
     images: ImagePolicy = field(default_factory=ImagePolicy)
     max_sequences: int = DEFAULT_MAX_SEQUENCES
+    image_fetcher: ImageFetcher = field(init=False)
+    """Fetches the image URLs of requests (``images.allow_urls``), a bounded number at once."""
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 
     def __post_init__(self) -> None:
+        self.image_fetcher = ImageFetcher(self.images)
         self.metrics = ServerMetrics(self.stats)
         if self.pool is not None:
             self.metrics.registry.register(self.pool.collector())

@@ -17,9 +17,10 @@ from starlette.concurrency import run_in_threadpool
 
 import llamax
 
+from .request import MEDIA_MARKER
 from .results import Timings
 
-__all__ = ["timed_response_events", "with_llama_extras"]
+__all__ = ["timed_response_events", "with_llama_extras", "with_media_markers"]
 
 
 async def with_llama_extras(
@@ -46,12 +47,29 @@ async def with_llama_extras(
 
 def _rendered(ctx: llamax.Context, messages: list[dict[str, Any]], options: Mapping[str, Any]
               ) -> str:  # fmt: skip
-    """The prompt as the chat template renders it (what ``/apply-template`` answers)."""
+    """The prompt as the chat template renders it (what ``/apply-template`` answers): an
+    image as the media marker, never its bytes (a fetched URL's bytes are not for the
+    client to read back)."""
     thinking = options.get("enable_thinking")
     extra = {} if thinking is None else {"enable_thinking": thinking}
     return ctx.chat_template.render(
-        messages, add_generation_prompt=True, tools=options.get("tools"), **extra
-    )
+        with_media_markers(messages), add_generation_prompt=True, tools=options.get("tools"),
+        **extra,
+    )  # fmt: skip
+
+
+def with_media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """(Checked) ``messages`` with each list of content parts as one string, an image as
+    llama-server's media marker, as its ``/apply-template`` shows them."""
+    marked = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text", "") if p.get("type") == "text" else MEDIA_MARKER
+                     for p in content]  # fmt: skip
+            message = {**message, "content": "".join(texts)}
+        marked.append(message)
+    return marked
 
 
 async def _timed(chunks: AsyncIterator[dict[str, Any]], started: float) -> AsyncIterator[Any]:

@@ -28,6 +28,7 @@ from ..guard import shown_path
 from ..images import prepare_images
 from ..schemas import ChatCompletionRequest, parse_body, parse_object
 from ..state import ServerState, admit_completion, run_leased
+from .chat import with_media_markers
 from .completion import start_completion
 from .request import FIELDS, MEDIA_MARKER, NativeRequest, default_settings, parse_native
 from .slots import SlotTables
@@ -77,13 +78,13 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
                 raise APIError(400, "add_generation_prompt must be a boolean",
                                param="add_generation_prompt", code="invalid_type")  # fmt: skip
             body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.images)
+            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
             thinking = body.options().get("enable_thinking")
             extra = {} if thinking is None else {"enable_thinking": thinking}
             try:
                 ctx.chat_prompt_parts(body.messages)  # checks them as a chat request would
                 prompt = ctx.chat_template.render(
-                    _media_markers(body.messages),
+                    with_media_markers(body.messages),
                     add_generation_prompt=generation,
                     tools=body.tools,
                     **extra,
@@ -99,7 +100,7 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
     async def chat_input_tokens(request: Request) -> Response:
         def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
             body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.images)
+            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
             try:
                 tokens = chat_prompt_tokens(ctx, body.messages, **body.options())
                 count = ctx.prompt_positions(tokens)
@@ -126,20 +127,6 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
         return JSONResponse(llama_body(error), status_code=501)
 
     return router
-
-
-def _media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """(Checked) ``messages`` with each list of content parts as one string, an image as
-    llama-server's media marker, as its ``/apply-template`` shows them."""
-    marked = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text", "") if p.get("type") == "text" else MEDIA_MARKER
-                     for p in content]  # fmt: skip
-            message = {**message, "content": "".join(texts)}
-        marked.append(message)
-    return marked
 
 
 def _check_num_images(body: NativeRequest, most: int) -> None:
