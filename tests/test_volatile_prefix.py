@@ -88,15 +88,24 @@ def claude_code_turns(
     client: anthropic.Anthropic, num_turns: int, *, stream: bool = False
 ) -> list[Any]:
     """A Claude-Code-shaped session: each turn resends the whole conversation with a fresh
-    billing block, and grows it by the reply's ``tool_use`` and its ``tool_result``."""
-    conversation: list[dict[str, Any]] = [{"role": "user", "content": "What does app.py do?"}]
+    billing block and its ``cache_control`` breakpoint on the newest block, and grows it by
+    the reply (with a signed ``thinking`` block, as Claude Code sends them back) and a
+    ``tool_result``."""
+    reminder = "<system-reminder>Today's date is 2026-12-02.</system-reminder>"
+    first = [{"type": "text", "text": reminder}, {"type": "text", "text": "What does app.py do?"}]
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": first}]
     usages = []
     for _ in range(num_turns):
+        last = conversation[-1]
+        newest = [
+            *last["content"][:-1],
+            {**last["content"][-1], "cache_control": {"type": "ephemeral"}},
+        ]
         request: dict[str, Any] = {
             "model": "claude-sonnet-4-5",
             "max_tokens": 200,
             "system": claude_code_system(),
-            "messages": conversation,
+            "messages": [*conversation[:-1], {**last, "content": newest}],
             "tools": [READ, BASH],
             "metadata": {"user_id": "user_abc_account_x_session_" + secrets.token_hex(4)},
             "extra_body": {"temperature": 0},
@@ -110,7 +119,17 @@ def claude_code_turns(
         use = next(block for block in message.content if block.type == "tool_use")
         conversation = [
             *conversation,
-            {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "thinking",
+                        "thinking": "Read it.",
+                        "signature": secrets.token_hex(32),
+                    },
+                    *(b.model_dump(exclude_none=True) for b in message.content),
+                ],
+            },
             {
                 "role": "user",
                 "content": [
