@@ -16,6 +16,10 @@ Supported and not, plainly:
   ``thinking`` (``enabled``, ``adaptive`` or ``disabled``) is passed to templates as
   ``enable_thinking``; ``budget_tokens`` is not enforced.
 - One reply per request (Anthropic has no ``n``).
+- Claude Code's per-request attribution block (a system text block starting with
+  ``x-anthropic-billing-header:``) is left out of the prompt, so the prefix cache keeps
+  working from turn to turn (:mod:`llamax.anthropic.volatile`); ``keep_billing_header=True``
+  renders it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..openai.fields import accept_fields, honoured
 from ..openai.options import check_flag
 from ..results import Completion, FinishReason
 from .fields import MESSAGES
+from .volatile import without_billing_header
 
 if TYPE_CHECKING:
     from .. import Context
@@ -40,44 +45,61 @@ __all__ = ["amessages", "count_tokens", "messages"]
 
 REQUEST_FIELDS = honoured(MESSAGES)
 """The Messages request fields this layer takes."""
-_COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def messages(ctx: Context, request: Mapping[str, Any]) -> dict[str, Any] | Iterator[dict[str, Any]]:
+def messages(
+    ctx: Context, request: Mapping[str, Any], *, keep_billing_header: bool = False
+) -> dict[str, Any] | Iterator[dict[str, Any]]:
     """Answer one Messages request: the ``message`` object, or with ``stream: true`` an
     iterator of its events (closing it cancels the request).
+
+    Args:
+        ctx: The context.
+        request: A mapping shaped as the ``POST /v1/messages`` body.
+        keep_billing_header: Render Claude Code's ``x-anthropic-billing-header:`` system
+            block; by default it is left out, as it changes on every request and would
+            break the prefix cache (:mod:`llamax.anthropic.volatile`).
 
     Raises:
         InvalidRequestError: the request is malformed (nothing was enqueued).
         ContextLengthError: the conversation does not fit.
     """
-    submitted, stops = _submit(ctx, request)
+    submitted, stops = _submit(ctx, request, keep_billing_header)
     if request.get("stream"):
         return submitted.events(_EventBuilder(submitted, stops))
     return _message(submitted, submitted.handle.result(), stops)
 
 
 async def amessages(
-    ctx: Context, request: Mapping[str, Any]
+    ctx: Context, request: Mapping[str, Any], *, keep_billing_header: bool = False
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`messages` (needs the context's background loop). Mapping,
     rendering and tokenizing run in a worker thread, so the event loop stays free."""
-    submitted, stops = await submit_in_worker(lambda: _submit(ctx, request), lambda s: s[0])
+    submitted, stops = await submit_in_worker(
+        lambda: _submit(ctx, request, keep_billing_header), lambda s: s[0]
+    )
     if request.get("stream"):
         return submitted.aevents(_EventBuilder(submitted, stops))
     return _message(submitted, await submitted.handle, stops)
 
 
-def count_tokens(ctx: Context, request: Mapping[str, Any]) -> dict[str, int]:
+def count_tokens(
+    ctx: Context, request: Mapping[str, Any], *, keep_billing_header: bool = False
+) -> dict[str, int]:
     """``POST /v1/messages/count_tokens``: the prompt tokens of the request's conversation
-    (system, messages and tools), as :func:`messages` would render them."""
+    (system, messages and tools), as :func:`messages` would render them (with the same
+    ``keep_billing_header``). It takes every field :func:`messages` takes, checked the
+    same way: those that shape only the reply (``max_tokens``, sampling, stops,
+    ``output_config``, ``stream``) change nothing counted."""
     if not isinstance(request, Mapping):
         raise InvalidRequestError("a count_tokens request must be an object")
     request = accept_fields(MESSAGES, request)  # hints such as cache_control change nothing
-    _check_fields(request, _COUNT_FIELDS, "count_tokens")
-    chat, options = _chat_request({**request, "max_tokens": 1})
-    options.pop("max_tokens")
+    _check_fields(request, REQUEST_FIELDS, "count_tokens")  # what /v1/messages takes
+    check_flag(request.get("stream"), "stream")
+    chat, options = _chat_request({"max_tokens": 1, **request}, keep_billing_header)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "stop"):
+        options.pop(name, None)  # they shape the reply, not the prompt
     return {"input_tokens": ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))}
 
 
@@ -90,13 +112,15 @@ def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: st
         raise InvalidRequestError(f"{where}: unsupported field(s): {', '.join(unknown)}")
 
 
-def _submit(ctx: Context, request: Mapping[str, Any]) -> tuple[OpenAIRequest, list[str]]:
+def _submit(
+    ctx: Context, request: Mapping[str, Any], keep_billing_header: bool
+) -> tuple[OpenAIRequest, list[str]]:
     if not isinstance(request, Mapping):
         raise InvalidRequestError("a messages request must be an object")
     request = accept_fields(MESSAGES, request)
     _check_fields(request, REQUEST_FIELDS, "messages")
     check_flag(request.get("stream"), "stream")  # "no" must not stream
-    chat, options = _chat_request(request)
+    chat, options = _chat_request(request, keep_billing_header)
     prefill = ""
     last = chat[-1]
     if last["role"] == "assistant" and not last.get("tool_calls") and len(chat) > 1:
@@ -106,13 +130,17 @@ def _submit(ctx: Context, request: Mapping[str, Any]) -> tuple[OpenAIRequest, li
     return submitted, list(options.get("stop") or [])
 
 
-def _chat_request(request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _chat_request(
+    request: Mapping[str, Any], keep_billing_header: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The chat messages and options of a Messages request."""
     max_tokens = request.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise InvalidParameterError(f"max_tokens is required, a positive integer: {max_tokens!r}")
     chat: list[dict[str, Any]] = []
     system = request.get("system")
+    if not keep_billing_header:
+        system = without_billing_header(system)
     if system is not None:
         chat.append({"role": "system", "content": _text_of(system, "system")})
     turns = request.get("messages")

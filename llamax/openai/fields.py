@@ -193,9 +193,10 @@ def check_include(name: str, value: Any) -> None:
             raise InvalidParameterError(f"{name}: unknown item {item!r}")
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise InvalidParameterError(f"{name} must be a positive integer, got {value!r}")
+def _count(name: str, value: Any) -> None:
+    """A count: an integer from 0 (``max_tool_calls: 0`` allows no calls), or null."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise InvalidParameterError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 # ---------------------------------------------------------------------- the tables
@@ -461,8 +462,8 @@ RESPONSES = table(
     RequestField(
         "max_tool_calls",
         HINT,
-        "no effect: it bounds built-in tool calls, and llamax runs none",
-        _positive_int,
+        "no effect: it bounds built-in tool calls, and llamax runs none (0 or more)",
+        _count,
     ),
     "prompt_cache_options",
     RequestField(

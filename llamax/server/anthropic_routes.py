@@ -33,6 +33,7 @@ _ENDPOINT = "messages"
 def anthropic_routes(state: ServerState) -> APIRouter:
     """The Anthropic routes (they check the API key themselves, to answer in its shape)."""
     router = APIRouter()
+    keep = state.keep_billing_header
 
     def parse(raw: bytes) -> dict[str, Any]:
         body = parse_object(raw)
@@ -49,7 +50,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             _ENDPOINT,
             parse,
             _model_of,
-            lambda body, ctx: amessages(ctx, body),
+            lambda body, ctx: amessages(ctx, body, keep_billing_header=keep),
             dialect=ANTHROPIC,
             fields=REQUEST_FIELDS,
             prompt_field="messages",
@@ -62,7 +63,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
     async def count_tokens_route(request: Request) -> Response:
         def work(body: dict[str, Any], ctx: llamax.Context) -> dict[str, Any]:
             try:
-                return count_tokens(ctx, body)
+                return count_tokens(ctx, body, keep_billing_header=keep)
             except Exception as exc:
                 raise from_exception(exc, REQUEST_FIELDS, "messages") from exc
 

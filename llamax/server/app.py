@@ -61,6 +61,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
 
     max_sequences: int = DEFAULT_MAX_SEQUENCES,
+    keep_billing_header: bool = False,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
@@ -124,6 +125,9 @@ def create_app(
             too (:mod:`llamax.server.guard`).
         max_sequences: Most sequences one request may queue: its prompts times its
             choices (``n``, ``n_cmpl``); more get 400 (default 64; docs/server.md).
+        keep_billing_header: Render Claude Code's per-request ``x-anthropic-billing-header:``
+            system block on ``/v1/messages``; by default it is left out of the prompt, as
+            it changes every request and would break the prefix cache (docs/anthropic.md).
 
     Returns:
         A FastAPI application.
@@ -172,6 +176,7 @@ def create_app(
         model_alias=model_alias,
         images=images or ImagePolicy(),
         max_sequences=max_sequences,
+        keep_billing_header=keep_billing_header,
     )
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state

@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of answering 400 (default: strict, so a typo is not silently ignored)",
     )
     p.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="render Claude Code's per-request 'x-anthropic-billing-header:' system block on "
+        "/v1/messages (default: left out, as it changes every request and defeats the "
+        "prefix cache)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=8 << 20,
@@ -357,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "slot_save_path": ns.slot_save_path,
             "slot_idle_seconds": ns.slot_idle_seconds,
             "lenient": ns.lenient,
+            "keep_billing_header": ns.keep_billing_header,
             "default_max_tokens": None if ns.n_predict in (None, -1) else ns.n_predict,
             "default_seed": None if ns.seed in (None, -1) else ns.seed,
             "model_alias": ns.alias,

@@ -9,6 +9,8 @@ prefix the KV cache already holds; an id the store does not hold gets a 404. A s
 reply is sent as ``event: TYPE`` / ``data: {...}`` pairs with no ``[DONE]``. The request is
 parsed, mapped, rendered and tokenized in a worker thread, and a client that leaves cancels
 it (see :class:`~llamax.server.responses.CompletionResponse`).
+``POST /v1/responses/compact`` is answered with a 400 ``unsupported_endpoint`` (no
+server-side compaction) rather than a bare 405.
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ def responses_routes(state: ServerState) -> APIRouter:
             return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
         return await run_leased(state, request, parse, lambda b: b.get("model"), work)
+
+    @router.post("/v1/responses/compact")
+    @router.post("/responses/compact")
+    async def compact_route() -> JSONResponse:
+        raise APIError(
+            400,
+            "POST /v1/responses/compact is not supported: llamax does not compact "
+            "conversations on the server (OpenAI's compaction returns a model-written "
+            "summary as an encrypted item that only its own API reads back). Compact on the "
+            "client, or send truncation: 'auto' to drop the oldest turns",
+            code="unsupported_endpoint",
+        )
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_route(response_id: str, request: Request) -> JSONResponse:

@@ -66,6 +66,9 @@ class ServerState:
             fetched (:mod:`llamax.server.images`).
         max_sequences: Most sequences (prompts x choices) one request may queue; more
             get 400 (:mod:`llamax.server.fairness`).
+        keep_billing_header: Render Claude Code's ``x-anthropic-billing-header:`` system
+            block on ``/v1/messages`` (``--keep-billing-header``); by default it is left
+            out (:mod:`llamax.anthropic.volatile`).
     """
 
     source: llamax.Context | Future[llamax.Context] | ModelPool
@@ -82,6 +85,7 @@ class ServerState:
     model_alias: str | None = None
     images: ImagePolicy = field(default_factory=ImagePolicy)
     max_sequences: int = DEFAULT_MAX_SEQUENCES
+    keep_billing_header: bool = False
     image_fetcher: ImageFetcher = field(init=False)
     """Fetches the image URLs of requests (``images.allow_urls``), a bounded number at once."""
     metrics: ServerMetrics = field(init=False)
