@@ -181,7 +181,7 @@ def _parameters(where: str, parameters: Any) -> Mapping[str, Any]:
         )
     try:
         schema_to_gbnf(json.dumps(schema))
-    except (GrammarError, TypeError, ValueError) as exc:
+    except (GrammarError, TypeError, ValueError, RecursionError) as exc:
         raise InvalidParameterError(f"{where}.parameters: {exc}") from exc
     return schema
 
