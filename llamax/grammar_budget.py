@@ -54,9 +54,9 @@ MAX_SCHEMA_REPETITION = 10_000
 """Largest ``minItems``/``maxItems``/``minLength``/``maxLength`` and pattern quantifier: the
 converter writes each repetition out."""
 
-MAX_REPEATED_BYTES = 4 * MAX_GRAMMAR_BYTES
+MAX_REPEATED_BYTES = MAX_GRAMMAR_BYTES
 """Most bytes a GBNF's ``{m,n}`` repetitions may expand to in llama.cpp's parser (each
-repeated symbol counted by its text)."""
+repeated symbol counted by its text; llama.cpp keeps 8 bytes a character)."""
 
 MAX_GBNF_NESTING = 256
 """Deepest nesting of groups in a GBNF (llama.cpp's parser recurses on each)."""
