@@ -19,6 +19,7 @@ from .grammar_ranges import int_range_rule
 
 __all__ = [
     "JSON_OBJECT_SCHEMA",
+    "MAX_GRAMMAR_BYTES",
     "MAX_REPETITION",
     "check_repetitions",
     "check_schema_shape",

@@ -18,6 +18,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import GrammarError
@@ -158,38 +159,58 @@ def check_schema_size(schema: Any, budget: GrammarBudget) -> None:
         GrammarError: nested deeper than :data:`MAX_SCHEMA_DEPTH`, a count over
             :data:`MAX_SCHEMA_REPETITION`, or the estimates over the budget (names the place).
     """
-    stack: list[tuple[Any, str, int]] = [(schema, "", 0)]
+    stack: list[tuple[Any, _Place, int]] = [(schema, _Place("", 0), 0)]
     while stack:
-        node, path, depth = stack.pop()
+        node, place, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
-            raise GrammarError(
-                f"{path or 'the schema'} is nested deeper than the limit of {MAX_SCHEMA_DEPTH}"
-            )
+            where = place.path or "the schema"
+            raise GrammarError(f"{where} is nested deeper than the limit of {MAX_SCHEMA_DEPTH}")
         if isinstance(node, Mapping):
-            _charge_repeats(node, path, budget)
-            stack.extend((v, _join(path, str(k)), depth + 1) for k, v in node.items())
+            _charge_repeats(node, place, budget)
+            stack.extend((v, place.child(str(k)), depth + 1) for k, v in node.items())
         elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+            stack.extend((v, place.child(f"[{i}]", ""), depth + 1) for i, v in enumerate(node))
 
 
-def _charge_repeats(node: Mapping[str, Any], path: str, budget: GrammarBudget) -> None:
+@dataclass(frozen=True, slots=True)
+class _Place:
+    """Where a node is: its path for messages (its last 200 characters), and the length of
+    the rule name the converter makes of it (every key in full, as it writes them)."""
+
+    path: str
+    num_name_chars: int
+
+    def child(self, key: str, dot: str = ".") -> _Place:
+        path = f"{self.path}{dot}{key}" if self.path else key
+        path = path if len(path) <= 200 else "..." + path[-197:]
+        return _Place(path, self.num_name_chars + len(key) + 1)
+
+
+def _charge_repeats(node: Mapping[str, Any], place: _Place, budget: GrammarBudget) -> None:
     """Charge what the converter writes for ``node``'s repetitions: each repeated item is a
-    rule name or one character (about the path's length plus some syntax)."""
+    rule name (as long as the node's) or one character, and some syntax."""
+    item_bytes = place.num_name_chars + 32
     for key in _REPEATS:
         value = node.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            _charge_count(_join(path, key), value, len(path) + 32, budget)
+            _charge_count(_join(place.path, key), value, item_bytes, budget)
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         for match in _QUANTIFIER.finditer(pattern):
-            count = max(int(n) for n in (match.group(1) or "0", match.group(2) or "0"))
-            _charge_count(f"{_join(path, 'pattern')} {match.group(0)}", count,
-                          len(path) + 32, budget)  # fmt: skip
+            count = max(_count(n) for n in match.groups())
+            where = f"{_join(place.path, 'pattern')} {match.group(0)[:40]}"
+            _charge_count(where, count, item_bytes, budget)
+
+
+def _count(digits: str | None) -> int:
+    """A quantifier's count (0 for none); one of more than 9 digits as 10**9."""
+    return 0 if not digits else 10**9 if len(digits) > 9 else int(digits)
 
 
 def _charge_count(where: str, count: float, item_bytes: int, budget: GrammarBudget) -> None:
     if count > MAX_SCHEMA_REPETITION:
-        raise GrammarError(f"{where} is {count}, over the limit of {MAX_SCHEMA_REPETITION}")
+        shown = count if count < 10**12 else f"{count:.3g}"
+        raise GrammarError(f"{where} is {shown}, over the limit of {MAX_SCHEMA_REPETITION}")
     budget.reserve(where, int(max(count, 0)) * item_bytes)
 
 
@@ -220,7 +241,7 @@ def gbnf_problem(grammar: str) -> str | None:
             token = "("
         elif token.startswith("{"):
             match = _QUANTIFIER.fullmatch(token)
-            counts = [int(n) for n in (match.groups() if match else ()) if n]
+            counts = [_count(n) for n in (match.groups() if match else ())]
             repeated += max(counts, default=1) * (len(last) + 8)
             if repeated > MAX_REPEATED_BYTES:
                 return f"its repetitions would expand past {MAX_REPEATED_BYTES} bytes"

@@ -135,8 +135,8 @@ def request_grammar(backend: Backend, params: SamplingParams) -> str | None:
     if params.json_schema is not None:
         try:
             text = json.dumps(params.json_schema)  # keeps property order
-        except RecursionError as exc:
-            raise GrammarError("the JSON schema is nested too deeply to convert") from exc
+        except (RecursionError, ValueError) as exc:  # too deep; an integer of 4,300+ digits
+            raise GrammarError(f"the JSON schema cannot be read: {exc}") from exc
         grammar = schema_to_gbnf(text)
     if grammar is not None:
         problem = (

@@ -209,6 +209,15 @@ def test_many_repetitions_together_are_held_by_the_byte_budget() -> None:
         schema_to_gbnf(json.dumps(many))
 
 
+def test_a_repetition_is_charged_at_the_length_of_its_rule_name() -> None:
+    """Each repeated item is the item's rule name, made of every key on its path: a long
+    name repeated 5,000 times is 10 MB that the converter would write before adding it."""
+    items = {"type": "array", "items": {"type": "integer"}, "maxItems": 5000}
+    schema = {"type": "object", "properties": {"k" * 2000: items}}
+    with pytest.raises(llamax.GrammarError, match=f"limit of {MAX_GRAMMAR_BYTES} bytes"):
+        schema_to_gbnf(json.dumps(schema))
+
+
 def test_deep_schemas_are_grammar_errors_never_recursion_errors() -> None:
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(900):
@@ -223,6 +232,23 @@ def test_deep_schemas_are_grammar_errors_never_recursion_errors() -> None:
         schema_to_gbnf(json.dumps(optional))
 
 
+def test_a_requests_tools_share_one_grammar_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llamax.tools import call_grammar, prepare_tools, spec, tool_call_grammar
+
+    field = {"type": "array", "items": {"type": "integer"}, "maxItems": 2000}
+    schema = {"type": "object", "properties": {"xs": field}}
+    size = len(schema_to_gbnf(json.dumps(schema)))
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+             for i in range(10)]  # fmt: skip
+    monkeypatch.setattr(spec, "MAX_GRAMMAR_BYTES", 5 * size)
+    with pytest.raises(llamax.InvalidParameterError, match=r"tools\[5\].*in all"):
+        prepare_tools(tools)
+    monkeypatch.setattr(spec, "MAX_GRAMMAR_BYTES", 20 * size)
+    monkeypatch.setattr(call_grammar, "MAX_GRAMMAR_BYTES", 5 * size)  # with rule prefixes
+    with pytest.raises(llamax.GrammarError, match="at function 'f3'"):
+        tool_call_grammar(prepare_tools(tools))
+
+
 # ---------------------------------------------------------------- GBNF text
 def test_a_gbnf_is_measured_before_llama_cpp_parses_it(ctx: llamax.Context) -> None:
     """Old: llama.cpp's parser got each (a 1 KB literal repeated 10,000 times is 10 MB of
@@ -231,6 +257,7 @@ def test_a_gbnf_is_measured_before_llama_cpp_parses_it(ctx: llamax.Context) -> N
     nested = "root ::= " + "(" * (MAX_GBNF_NESTING + 1) + '"a"' + ")" * (MAX_GBNF_NESTING + 1)
     huge = 'root ::= "a"\n' + "# padding\n" * (MAX_GRAMMAR_BYTES // 10)
     assert gbnf_problem('root ::= "a"{3} [0-9]{0,15} ("b"){2}') is None
+    assert "expand" in (gbnf_problem('root ::= "a"{' + "9" * 5000 + "}") or "")
     parsed: list[str] = []
     check = ctx._backend.check_grammar
     ctx._backend.check_grammar = lambda g: parsed.append(g) or check(g)  # type: ignore[method-assign,func-returns-value]

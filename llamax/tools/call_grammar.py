@@ -19,8 +19,7 @@ import json
 import re
 
 from ..errors import GrammarError
-from ..grammar import schema_to_gbnf
-from ..grammar_budget import MAX_GRAMMAR_BYTES
+from ..grammar import MAX_GRAMMAR_BYTES, schema_to_gbnf
 from .spec import ToolFunction, ToolPlan
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "MAX_PARALLEL_CALLS", "tool_call_grammar"]
@@ -48,7 +47,7 @@ def tool_call_grammar(plan: ToolPlan) -> str | None:
 
     Raises:
         GrammarError: the functions' grammars pass
-            :data:`~llamax.grammar_budget.MAX_GRAMMAR_BYTES` in all (checked after each).
+            :data:`~llamax.grammar.MAX_GRAMMAR_BYTES` in all (checked after each).
 
     Args:
         plan: The checked tool options (from :func:`prepare_tools`).
