@@ -165,11 +165,10 @@ def schema_to_gbnf(schema_json: str) -> str:
 
     llama-cpp-python's converter, with integer ranges (``minimum``, ``maximum`` and their
     exclusive forms on an ``integer``) enforced as llama.cpp's own converter does (bounds
-    of over 18 digits by :mod:`llamax.grammar_long_ranges`, in rules linear in the
-    digits; at most 1,000 digits), and the
-    bounds of a ``number`` and ``multipleOf`` (on either) enforced by rules of
-    :mod:`llamax.grammar_numbers`: values are then written as plain decimals (no exponent)
-    of at most 15 significant digits.
+    of over 18 digits by :mod:`llamax.grammar_long_ranges`, in rules linear in the digits;
+    at most 1,000 digits), and the bounds of a ``number`` and ``multipleOf`` (on either)
+    enforced by rules of :mod:`llamax.grammar_numbers`: values are then written as plain
+    decimals (no exponent) of at most 15 significant digits.
 
     Raises:
         GrammarError: the schema or its grammar passes a limit of
