@@ -219,7 +219,7 @@ def _join(path: str, key: str) -> str:
 
 
 _GBNF_TOKEN = re.compile(
-    r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|\{[^}]*\}|[a-zA-Z0-9_-]+|\s+|.', re.S
+    r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|\{[^}]*\}|::=|[a-zA-Z0-9_-]+|\s+|.', re.S
 )
 
 
@@ -229,10 +229,12 @@ def gbnf_problem(grammar: str) -> str | None:
     groups nested deeper than :data:`MAX_GBNF_NESTING`. Linear in the text."""
     if len(grammar) > MAX_GRAMMAR_BYTES:
         return f"the grammar has {len(grammar)} bytes, over the limit of {MAX_GRAMMAR_BYTES}"
-    repeated = depth = 0
+    repeated = depth = num_name_chars = 0
     last = ""  # the symbol a repetition applies to ("(" for a group)
     for token in _GBNF_TOKEN.findall(grammar):
-        if token == "(":
+        if token == "::=":  # each optional copy is a rule named after this one
+            num_name_chars = len(last)
+        elif token == "(":
             depth += 1
             if depth > MAX_GBNF_NESTING:
                 return f"the grammar nests groups deeper than {MAX_GBNF_NESTING}"
@@ -242,7 +244,7 @@ def gbnf_problem(grammar: str) -> str | None:
         elif token.startswith("{"):
             match = _QUANTIFIER.fullmatch(token)
             counts = [_count(n) for n in (match.groups() if match else ())]
-            repeated += max(counts, default=1) * (len(last) + 8)
+            repeated += max(counts, default=1) * (len(last) + num_name_chars + 8)
             if repeated > MAX_REPEATED_BYTES:
                 return f"its repetitions would expand past {MAX_REPEATED_BYTES} bytes"
             continue

@@ -258,6 +258,10 @@ def test_a_gbnf_is_measured_before_llama_cpp_parses_it(ctx: llamax.Context) -> N
     huge = 'root ::= "a"\n' + "# padding\n" * (MAX_GRAMMAR_BYTES // 10)
     assert gbnf_problem('root ::= "a"{3} [0-9]{0,15} ("b"){2}') is None
     assert "expand" in (gbnf_problem('root ::= "a"{' + "9" * 5000 + "}") or "")
+    named = "r" * 500  # llama.cpp names each optional copy after its rule
+    assert gbnf_problem(f'root ::= {named}\n{named} ::= "a"{{0,1000}}') is None
+    many = "\n".join(f'{named}{i} ::= "a"{{0,10000}}' for i in range(10))
+    assert "expand" in (gbnf_problem(many) or "")
     parsed: list[str] = []
     check = ctx._backend.check_grammar
     ctx._backend.check_grammar = lambda g: parsed.append(g) or check(g)  # type: ignore[method-assign,func-returns-value]
