@@ -4,7 +4,6 @@ it leaves out enforced (:mod:`llamax.grammar_numbers`)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -13,11 +12,14 @@ from decimal import Decimal
 from typing import Any
 
 from .errors import GrammarError
+from .grammar_budget import MAX_GRAMMAR_BYTES, GrammarBudget, GrammarCache, check_schema_size
+from .grammar_long_ranges import long_int_range_rule
 from .grammar_numbers import Bound, NumberDomain, NumberRules
 from .grammar_ranges import int_range_rule
 
 __all__ = [
     "JSON_OBJECT_SCHEMA",
+    "MAX_GRAMMAR_BYTES",
     "MAX_REPETITION",
     "check_repetitions",
     "check_schema_shape",
@@ -157,38 +159,70 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-@functools.lru_cache(maxsize=64)
 def schema_to_gbnf(schema_json: str) -> str:
-    """Convert a JSON schema (as JSON text) to a GBNF grammar; cached per schema.
+    """Convert a JSON schema (as JSON text) to a GBNF grammar; the last ones are cached
+    (:class:`~llamax.grammar_budget.GrammarCache`, 16 MiB in all).
 
     llama-cpp-python's converter, with integer ranges (``minimum``, ``maximum`` and their
-    exclusive forms on an ``integer``) enforced as llama.cpp's own converter does, and the
-    bounds of a ``number`` and ``multipleOf`` (on either) enforced by rules of
-    :mod:`llamax.grammar_numbers`: values are then written as plain decimals (no exponent)
-    of at most 15 significant digits.
+    exclusive forms on an ``integer``) enforced as llama.cpp's own converter does (bounds
+    of over 18 digits by :mod:`llamax.grammar_long_ranges`, in rules linear in the digits;
+    at most 1,000 digits), and the bounds of a ``number`` and ``multipleOf`` (on either)
+    enforced by rules of :mod:`llamax.grammar_numbers`: values are then written as plain
+    decimals (no exponent) of at most 15 significant digits.
 
     Raises:
-        GrammarError: the schema is malformed (the message names the place), its numeric
-            keywords admit no value or need a grammar over
+        GrammarError: the schema or its grammar passes a limit of
+            :mod:`llamax.grammar_budget` (the message names it and the place; checked
+            before and while it is built), the schema is malformed (the message names the
+            place), its numeric keywords admit no value or need a grammar over
             :data:`~llamax.grammar_numbers.MAX_NUMBER_RULES` rules (the message names the
             field), or the converter rejected it.
     """
-    schema = json.loads(schema_json)
-    check_schema_shape(schema)
+    return _cache(schema_json)
+
+
+def _schema_to_gbnf(schema_json: str) -> str:
+    """:func:`schema_to_gbnf` uncached; every error a :class:`GrammarError`."""
+    budget = GrammarBudget()
     try:
-        return _convert(schema)
+        schema = json.loads(schema_json)
+        check_schema_size(schema, budget)  # first: iterative, and bounds the depth
+        check_schema_shape(schema)
+        return _convert(schema, budget)
     except GrammarError:
         raise
+    except RecursionError as exc:
+        raise GrammarError("the JSON schema is nested too deeply to convert") from exc
     except Exception as exc:  # the converter raises assorted errors for bad schemas
         raise GrammarError(f"cannot convert the JSON schema to a grammar: {exc}") from exc
 
 
-def _convert(schema: Any) -> str:
-    from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+_cache = GrammarCache(_schema_to_gbnf, 4 * MAX_GRAMMAR_BYTES)
+
+
+def _convert(schema: Any, budget: GrammarBudget) -> str:
+    from llama_cpp.llama_grammar import INVALID_RULE_CHARS_RE, RESERVED_NAMES, SchemaConverter
 
     numbers = NumberRules(lambda name, body: str(converter._add_rule(name, body)))
+    keys: dict[tuple[str, str], str] = {}
+    next_index: dict[str, int] = {}
 
     class _Converter(SchemaConverter):
+        def _add_rule(self, name: str, rule: str) -> str:
+            """The converter's, charged to the budget, and a name's next free index
+            remembered (the converter's own scans every index: quadratic)."""
+            base = INVALID_RULE_CHARS_RE.sub("-", name)
+            key = keys.get((base, rule))
+            budget.charge(f"rule {base!r}", len(base) + len(rule) + 6, is_new=key is None)
+            if key is None:
+                key, i = base, next_index.get(base, 0)
+                while key in self._rules and self._rules[key] != rule:
+                    key, i = f"{base}{i}", i + 1
+                next_index[base] = i
+                keys[base, rule] = key
+                self._rules[key] = rule
+            return key
+
         def visit(self, schema: Any, name: str) -> Any:
             if isinstance(schema, dict) and not any(key in schema for key in _COMBINATORS):
                 kind = schema.get("type")
@@ -234,7 +268,8 @@ def _numeric_rule(
         low, high = integer_bounds(schema)
         if low is None and high is None:
             return None
-        return str(converter._add_rule(name, "(" + int_range_rule(low, high) + ") space"))
+        expression = _int_range(converter, schema, low, high, name)
+        return str(converter._add_rule(name, f"({expression}) space"))
     lower, upper = number_bounds(schema)
     if lower is None and upper is None and multiple is None:
         return None
@@ -245,6 +280,37 @@ def _numeric_rule(
         field = "the schema" if name == "root" else f"field {name!r}"
         raise GrammarError(f"{field} ({kind}, {given}): {exc}") from exc
     return str(converter._add_rule(name, f"({start}) space"))
+
+
+def _int_range(
+    converter: Any, schema: Mapping[str, Any], low: int | None, high: int | None, name: str
+) -> str:
+    """llama.cpp's range rule for bounds of up to :data:`_SHORT_DIGITS` digits (its
+    output, quadratic in the digits), else :mod:`llamax.grammar_long_ranges`' (linear).
+
+    Raises:
+        GrammarError: a bound is over :data:`~llamax.grammar_long_ranges.MAX_INTEGER_DIGITS`
+            digits, or no integer of the open side's digits meets them (names the field).
+    """
+    digits = max(len(str(abs(b))) for b in (low, high) if b is not None)
+    if digits <= _SHORT_DIGITS:
+        return int_range_rule(low, high)
+    try:
+        return long_int_range_rule(low, high, converter._add_rule, name)
+    except ValueError as exc:
+        given = ", ".join(f"{k}={_short(schema[k])}" for k in _NUMERIC_KEYWORDS if k in schema)
+        field = "the schema" if name == "root" else f"field {name!r}"
+        raise GrammarError(f"{field} (integer, {given}): {exc}") from exc
+
+
+_SHORT_DIGITS = 18
+"""Longest bound (in digits) written by llama.cpp's construction (a few KB at most)."""
+
+
+def _short(value: Any) -> str:
+    """``value`` for a message: a long number by its first digits and its length."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
 
 
 def check_repetitions(grammar: str) -> str | None:

@@ -24,6 +24,7 @@ from .errors import (
     RequestFailedError,
 )
 from .grammar import check_repetitions, schema_to_gbnf
+from .grammar_budget import gbnf_problem
 from .handle import RequestHandle
 from .images import Image, ImagePrompts, is_parts
 from .params import SamplingParams
@@ -132,9 +133,15 @@ def request_grammar(backend: Backend, params: SamplingParams) -> str | None:
     """
     grammar = params.grammar
     if params.json_schema is not None:
-        grammar = schema_to_gbnf(json.dumps(params.json_schema))  # keeps property order
+        try:
+            text = json.dumps(params.json_schema)  # keeps property order
+        except (RecursionError, ValueError) as exc:  # too deep; an integer of 4,300+ digits
+            raise GrammarError(f"the JSON schema cannot be read: {exc}") from exc
+        grammar = schema_to_gbnf(text)
     if grammar is not None:
-        problem = check_repetitions(grammar) or backend.check_grammar(grammar)
+        problem = (
+            gbnf_problem(grammar) or check_repetitions(grammar) or backend.check_grammar(grammar)
+        )
         if problem is not None:
             raise GrammarError(f"invalid grammar: {problem}")
     return grammar

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import re
 
-from ..grammar import schema_to_gbnf
+from ..errors import GrammarError
+from ..grammar import MAX_GRAMMAR_BYTES, schema_to_gbnf
 from .spec import ToolFunction, ToolPlan
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "MAX_PARALLEL_CALLS", "tool_call_grammar"]
@@ -44,6 +45,10 @@ def tool_call_grammar(plan: ToolPlan) -> str | None:
     marker, optionally followed by such calls. Every call's ``arguments`` match its
     function's JSON schema. At most :data:`MAX_PARALLEL_CALLS` calls are allowed.
 
+    Raises:
+        GrammarError: the functions' grammars pass
+            :data:`~llamax.grammar.MAX_GRAMMAR_BYTES` in all (checked after each).
+
     Args:
         plan: The checked tool options (from :func:`prepare_tools`).
 
@@ -58,8 +63,16 @@ def tool_call_grammar(plan: ToolPlan) -> str | None:
     lines = [root]
     names = " | ".join(f"fn-{index}" for index in range(len(functions)))
     lines.append(f'call ::= "{_literal(CALL_OPEN)}\\n" ( {names} ) "\\n{_literal(CALL_CLOSE)}"')
+    num_bytes = 0
     for index, function in enumerate(functions):
-        lines.extend(_function_rules(index, function))
+        rules = _function_rules(index, function)
+        num_bytes += sum(len(rule) + 1 for rule in rules)
+        if num_bytes > MAX_GRAMMAR_BYTES:
+            raise GrammarError(
+                f"the tools' grammar would exceed its limit of {MAX_GRAMMAR_BYTES} bytes "
+                f"(at function {function.name!r})"
+            )
+        lines.extend(rules)
     if plan.mode == "auto":
         lines.extend(_text_rules(CALL_OPEN))
     return "\n".join(lines) + "\n"

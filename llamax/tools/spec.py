@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import GrammarError, InvalidParameterError
-from ..grammar import schema_to_gbnf
+from ..grammar import MAX_GRAMMAR_BYTES, schema_to_gbnf
 
 __all__ = ["ToolChoiceMode", "ToolFunction", "ToolPlan", "prepare_tools"]
 
@@ -123,7 +123,7 @@ def _functions(tools: Any) -> tuple[ToolFunction, ...]:
         raise InvalidParameterError(f"tools must be a list, got {type(tools).__name__}")
     if not tools:
         raise InvalidParameterError("tools must hold at least one function (or be left out)")
-    functions = tuple(_function(index, tool) for index, tool in enumerate(tools))
+    functions = _within_budget(tools)
     seen: set[str] = set()
     for index, function in enumerate(functions):
         if function.name in seen:
@@ -134,7 +134,25 @@ def _functions(tools: Any) -> tuple[ToolFunction, ...]:
     return functions
 
 
-def _function(index: int, tool: Any) -> ToolFunction:
+def _within_budget(tools: Sequence[Any]) -> tuple[ToolFunction, ...]:
+    """Each tool's function, while their grammars make at most
+    :data:`~llamax.grammar.MAX_GRAMMAR_BYTES` in all (checked after each: one heavy schema
+    per tool would otherwise be built as often as tools are given)."""
+    functions, num_bytes = [], 0
+    for index, tool in enumerate(tools):
+        function, size = _function(index, tool)
+        num_bytes += size
+        if num_bytes > MAX_GRAMMAR_BYTES:
+            raise InvalidParameterError(
+                f"tools[{index}].function.parameters: the tools' grammars would exceed "
+                f"their limit of {MAX_GRAMMAR_BYTES} bytes in all"
+            )
+        functions.append(function)
+    return tuple(functions)
+
+
+def _function(index: int, tool: Any) -> tuple[ToolFunction, int]:
+    """The tool's function, and the size of its arguments' grammar."""
     where = f"tools[{index}]"
     if not isinstance(tool, Mapping):
         raise InvalidParameterError(f"{where} must be a dict, got {type(tool).__name__}")
@@ -161,14 +179,15 @@ def _function(index: int, tool: Any) -> ToolFunction:
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise InvalidParameterError(f"{where}.strict must be a bool, got {strict!r}")
-    parameters = _parameters(f"{where} ({name!r})", function.get("parameters"))
-    return ToolFunction(name, description or "", parameters)
+    parameters, size = _parameters(f"{where} ({name!r})", function.get("parameters"))
+    return ToolFunction(name, description or "", parameters), size
 
 
-def _parameters(where: str, parameters: Any) -> Mapping[str, Any]:
-    """The arguments' schema: an object schema the grammar converter accepts."""
+def _parameters(where: str, parameters: Any) -> tuple[Mapping[str, Any], int]:
+    """The arguments' schema (an object schema the grammar converter accepts), and the
+    size of its grammar."""
     if parameters is None:
-        return {"type": "object", "properties": {}}
+        return {"type": "object", "properties": {}}, 0
     if not isinstance(parameters, Mapping):
         raise InvalidParameterError(
             f"{where}.parameters must be a JSON schema dict, got {type(parameters).__name__}"
@@ -180,10 +199,10 @@ def _parameters(where: str, parameters: Any) -> Mapping[str, Any]:
             f"{where}.parameters must describe an object (type 'object'), got type {kind!r}"
         )
     try:
-        schema_to_gbnf(json.dumps(schema))
-    except (GrammarError, TypeError, ValueError) as exc:
+        size = len(schema_to_gbnf(json.dumps(schema)))
+    except (GrammarError, TypeError, ValueError, RecursionError) as exc:
         raise InvalidParameterError(f"{where}.parameters: {exc}") from exc
-    return schema
+    return schema, size
 
 
 def _choice(tool_choice: Any, names: list[str]) -> tuple[ToolChoiceMode, str | None]:

@@ -3,6 +3,7 @@ with ``id_slot``): its slot, handle and clock, and its answer shaped by :mod:`.r
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -41,6 +42,23 @@ async def run_job(
         await stack.aclose()
         raise
     return job.chunks() if request.stream else await job.whole()
+
+
+async def _added_in_worker(add: Callable[[], llamax.RequestHandle]) -> llamax.RequestHandle:
+    """``add()`` (which checks the request and builds its grammar) in the loop's default
+    executor, as the chat routes submit theirs, so the event loop stays free; a caller
+    cancelled meanwhile has the request cancelled as soon as it exists."""
+    future = asyncio.get_running_loop().run_in_executor(None, add)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_cancel_added)
+        raise
+
+
+def _cancel_added(future: asyncio.Future[llamax.RequestHandle]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().cancel()
 
 
 class NativeJob:
@@ -86,10 +104,8 @@ class NativeJob:
             slot = slots.idle()
         slots.begin(slot, request.settings, num_positions)
         stack.callback(slots.end, slot)
-        if session is not None:
-            handle = session.add_request(tokens, params)
-        else:
-            handle = ctx.add_request(tokens, params)
+        add = ctx.add_request if session is None else session.add_request
+        handle = await _added_in_worker(lambda: add(tokens, params))
         stack.callback(handle.cancel)  # a no-op once it has finished
         return cls(ctx, slot, request, tokens, num_positions, handle, stack, model)
 
