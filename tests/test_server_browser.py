@@ -177,8 +177,8 @@ def test_a_model_without_a_projector_takes_no_images(page: Page) -> None:
 def phone_page(browser: Browser) -> Iterator[Page]:
     """The page on a 390 x 664 phone screen, served behind a proxy at ``/llm/`` (the
     fake backend: the layout, not the model, is under test)."""
-    from test_server_subpath import behind_proxy
     from test_server_fake import fake_context
+    from test_server_subpath import behind_proxy
 
     ctx = fake_context()
     with BackgroundServer(behind_proxy(create_app(ctx))) as server:

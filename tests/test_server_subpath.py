@@ -13,7 +13,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
-from test_server_fake import TEMPLATE, SPECIALS
+from test_server_fake import SPECIALS, TEMPLATE
 
 import llamax
 from llamax.server import create_app
@@ -86,8 +86,7 @@ def test_page_fetches_are_relative_and_reach_the_server_behind_a_prefix(
 
 def test_favicon_is_not_a_404(ctx: llamax.Context) -> None:
     answer = request(create_app(ctx, api_key="k"), "GET", "/favicon.ico")
-    assert answer.status_code == 204
-    assert 'rel="icon"' in PAGE  # the page's own icon, inline
+    assert answer.status_code == 204  # public, as browsers ask for it without a key
 
 
 def test_models_id_is_the_file_name_and_the_old_name_still_answers(
@@ -120,5 +119,3 @@ def test_the_page_fits_a_phone_and_short_bubbles_do_not_wrap() -> None:
     assert re.search(r"\.bubble \{[^}]*max-width: 100%", PAGE)
     assert re.search(r"main \{[^}]*min-height: 0", PAGE)
     assert "100dvh" in PAGE
-
-
