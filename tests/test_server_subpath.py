@@ -100,6 +100,8 @@ def test_models_id_is_the_file_name_and_the_old_name_still_answers(
         assert got.status_code == 200 and got.json()["id"] == "SmolLM2-135M-Instruct-Q8_0"
     assert request(app, "GET", "/v1/models/nope").status_code == 404
     assert request(app, "GET", "/health").json()["model"] == "SmolLM2-135M-Instruct-Q8_0"
+    reply = request(app, "POST", "/v1/chat/completions", json={"messages": HELLO, "max_tokens": 1})
+    assert reply.json()["model"] == "SmolLM2-135M-Instruct-Q8_0"  # a request naming none
 
 
 def test_a_context_without_a_file_keeps_its_metadata_name() -> None:
