@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import importlib
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -60,29 +61,45 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llamax {llamax.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", "-m", help="GGUF file (default: $LLAMAX_MODEL or SmolLM2)")
-    add_option_flags(model, llamax.ContextConfig, skip=("n_seq_max",))  # set by each command
-    sampling = argparse.ArgumentParser(add_help=False)
-    add_option_flags(sampling, llamax.SamplingParams, defaults=_SAMPLING_DEFAULTS)
-    sampling.add_argument("--system", help="a system message")
-
     run = commands.add_parser(
-        "run", parents=[model, sampling], help="answer one prompt, streamed to stdout"
+        "run",
+        help="answer one prompt, streamed to stdout",
+        usage="llamax run [options] [MODEL.gguf] [PROMPT ...]",
+        description="Answer one prompt with the model's chat template, streamed to stdout. "
+        "The command's own flags come first, then sampling, then model and engine flags.",
     )
-    run.add_argument("prompt", nargs="?", help="the user message (default: read stdin)")
+    run.add_argument(
+        "prompt",
+        nargs="*",
+        metavar="PROMPT",
+        help="the user message, its words joined by spaces (default: read stdin); a first "
+        "word ending in .gguf is the model file when --model is not given",
+    )
+    run.add_argument("--system", help="a system message")
     run.add_argument(
         "--raw", action="store_true", help="send the prompt as is, without the chat template"
     )
+    _add_sampling_flags(run)
+    _add_model_flags(run)
     run.set_defaults(handler=_run)
 
-    chat = commands.add_parser("chat", parents=[model, sampling], help="interactive chat")
+    chat = commands.add_parser(
+        "chat", help="interactive chat", usage="llamax chat [options] [MODEL.gguf]"
+    )
+    chat.add_argument("model_file", nargs="?", metavar="MODEL.gguf", help="the model (--model)")
+    chat.add_argument("--system", help="a system message")
     chat.add_argument("--max-context", type=int, help="conversation budget (default: n_ctx)")
+    _add_sampling_flags(chat)
+    _add_model_flags(chat)
     chat.set_defaults(handler=_chat)
 
-    bench = commands.add_parser("bench", parents=[model], help="quick throughput check")
+    bench = commands.add_parser(
+        "bench", help="quick throughput check", usage="llamax bench [options] [MODEL.gguf]"
+    )
+    bench.add_argument("model_file", nargs="?", metavar="MODEL.gguf", help="the model (--model)")
     bench.add_argument("--n", type=int, nargs="+", default=[1, 16], help="streams (1 16)")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens per stream (64)")
+    _add_model_flags(bench)
     bench.set_defaults(handler=_bench)
 
     info = commands.add_parser("info", help="print a model's GGUF metadata")
@@ -97,13 +114,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and the engine's flags (``ContextConfig``), as a group after the
+    command's own."""
+    group = parser.add_argument_group("model and engine (the options of llamax.ContextConfig)")
+    group.add_argument(
+        "--model", "-m", metavar="PATH", help="GGUF file (default: $LLAMAX_MODEL or SmolLM2)"
+    )
+    add_option_flags(group, llamax.ContextConfig, skip=("n_seq_max",))  # set by each command
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """The sampling flags (``SamplingParams``), as a group after the command's own."""
+    group = parser.add_argument_group("sampling (the options of llamax.SamplingParams)")
+    add_option_flags(group, llamax.SamplingParams, defaults=_SAMPLING_DEFAULTS)
+
+
 _SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.7}
 """Where the command line's sampling defaults differ from ``SamplingParams``'."""
 
 
 def _context(ns: argparse.Namespace, *, n_seq_max: int) -> llamax.Context:
     options = {"n_seq_max": n_seq_max, **option_values(ns, llamax.ContextConfig)}
-    return llamax.Context(ns.model, **options)
+    return llamax.Context(_model_path(ns), **options)
+
+
+def _model_path(ns: argparse.Namespace) -> str | None:
+    """The model a command names: ``--model``, or its ``MODEL.gguf`` argument.
+
+    Raises:
+        ModelLoadError: the model file does not exist (said before a prompt is read).
+    """
+    given = getattr(ns, "model_file", None)
+    if given is not None and ns.model is not None and given != ns.model:
+        raise llamax.ModelLoadError(f"two models given: {given} and --model {ns.model}")
+    path: str | None = ns.model or given
+    if path is not None and not os.path.isfile(os.path.expanduser(path)):
+        raise llamax.ModelLoadError(f"model file not found: {path}")
+    return path
 
 
 def _params(ns: argparse.Namespace) -> llamax.SamplingParams:
@@ -120,7 +168,11 @@ def _write_events(events: Iterable[llamax.TokenEvent]) -> None:
 
 
 def _run(ns: argparse.Namespace) -> int:
-    prompt = ns.prompt
+    words = list(ns.prompt)
+    if words and ns.model is None and words[0].lower().endswith(".gguf"):
+        ns.model_file = words.pop(0)  # llamax run model.gguf "prompt"
+    _model_path(ns)  # a missing model is said before stdin is read
+    prompt = " ".join(words) if words else None
     if prompt is None:
         if sys.stdin.isatty():
             print("llamax run: give a prompt, or pipe one on stdin", file=sys.stderr)

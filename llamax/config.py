@@ -138,7 +138,12 @@ class ContextConfig:
 
     model_path: str
     n_ctx: int = field(
-        default=4096, metadata=spec(doc="KV cells: what the KV cache costs in memory", flag=True)
+        default=4096,
+        metadata=spec(
+            doc="KV cells: what the KV cache costs in memory (llama.cpp pads it to a multiple "
+            "of 256; less than 256 gets 256, with a warning)",
+            flag=True,
+        ),
     )
     n_seq_max: int = field(
         default=16,

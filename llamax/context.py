@@ -77,7 +77,8 @@ class Context:
     ``closed``, ``stats()`` and ``has_work()`` keep answering.
 
     Args:
-        model_path: a GGUF file. ``None`` uses ``$LLAMAX_MODEL`` or the default model.
+        model_path: a GGUF file (a leading ``~`` is the home folder). ``None`` uses
+            ``$LLAMAX_MODEL`` or the default model.
         autostart: start the background loop.
         config: a complete :class:`ContextConfig` (instead of keyword options).
         backend: an already built backend (e.g. :class:`llamax.testing.FakeBackend`).
@@ -106,7 +107,7 @@ class Context:
                 path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
             else:
                 path = model_path or f"<{type(backend).__name__}>"
-            config = ContextConfig.from_options(os.fspath(path), options)
+            config = ContextConfig.from_options(os.path.expanduser(os.fspath(path)), options)
         owned = backend is None
         if backend is None:
             from .backend.llama_cpp import LlamaCppBackend

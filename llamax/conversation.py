@@ -178,8 +178,14 @@ class Chat:
         params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
         turn = validate_messages([{"role": "user", "content": content}])
         wanted = [*self._messages, *turn]
-        budget = self._max_context - (params.max_tokens or 1)
-        kept = drop_oldest_turns(wanted, lambda m: len(self._ids(self._render(m))), budget)
+        reserve = params.max_tokens or 1
+        kept = drop_oldest_turns(
+            wanted,
+            lambda m: len(self._ids(self._render(m))),
+            self._max_context - reserve,
+            reserve=reserve,
+            limit_name="n_ctx" if self._max_context == self._ctx.n_ctx_seq else "max_context",
+        )
         dropped = len(wanted) - len(kept)
         shifted = self._shift(kept, dropped) if dropped else 0
         prompt = self._render(kept)

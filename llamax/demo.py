@@ -214,7 +214,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="T",
         help="sampling temperature (default: 0.7)",
     )
-    add("--threads", type=int, metavar="N", help="llama.cpp CPU threads (default: every core)")
+    add(  # the llamax command's spelling; --threads, the demo's first, still works
+        "--n-threads",
+        "--threads",
+        dest="threads",
+        type=int,
+        metavar="N",
+        help="llama.cpp CPU threads (default: every core; --threads is the same)",
+    )
     add("--chunk", type=int, default=40, metavar="N", help="characters per printed piece (40)")
     add("--n-ctx", type=int, default=4096, metavar="N", help="KV cells for all streams (4096)")
     args = parser.parse_args(argv)

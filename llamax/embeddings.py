@@ -88,7 +88,7 @@ class Embedder:
             raise InvalidParameterError(f"n_threads must be an int >= 1, got {n_threads!r}")
         path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
         config = EmbeddingConfig(
-            model_path=Path(path),
+            model_path=Path(path).expanduser(),
             pooling=POOLING_TYPES[pooling],
             n_ctx=n_ctx,
             n_seq_max=n_seq_max,

@@ -20,13 +20,19 @@ import dataclasses
 import os
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 __all__ = ["add_option_flags", "option_values"]
 
 
+class _FlagTarget(Protocol):
+    """What flags are added to: an ``argparse`` parser or one of its argument groups."""
+
+    def add_argument(self, *name_or_flags: str, **kwargs: Any) -> argparse.Action: ...
+
+
 def add_option_flags(
-    parser: argparse.ArgumentParser,
+    parser: _FlagTarget,
     options: type,
     *,
     skip: Sequence[str] = (),

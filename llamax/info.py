@@ -68,5 +68,5 @@ def model_info(
     """
     from .backend.model_info import read_model_facts
 
-    path = Path(model_path or os.environ.get("LLAMAX_MODEL") or default_model_path())
+    path = Path(model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()).expanduser()
     return ModelInfo(path=path, **read_model_facts(path, mmproj=mmproj))

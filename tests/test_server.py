@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 
 import llamax
 from llamax.server import BackgroundServer, create_app
+from llamax.server.state import model_id
 from llamax.testing import assert_idle
 
 pytestmark = pytest.mark.model
@@ -444,7 +445,9 @@ def test_api_key(server_ctx: llamax.Context) -> None:
         assert ("POST", "/tokenize") in routes and ("POST", "/v1/embeddings") in routes
         for method, path in routes:  # every route, so a new one cannot forget the key
             response = httpx.request(method, keyed.url + path, json={})
-            if path in ("/", "/health", "/v1/health"):  # /v1/health: public, as llama-server's
+            if path == "/favicon.ico":  # public: browsers ask for it without a key
+                assert response.status_code == 204, (method, path)
+            elif path in ("/", "/health", "/v1/health"):  # /v1/health: public, as llama-server's
                 assert response.status_code == 200, (method, path)
             else:
                 assert response.status_code == 401, (method, path, response.text)
@@ -453,7 +456,7 @@ def test_api_key(server_ctx: llamax.Context) -> None:
                 else:
                     assert response.json()["error"]["code"] == "invalid_api_key"
         good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="s3cret", max_retries=0)
-        assert good.models.list().data[0].id == server_ctx.model_name
+        assert good.models.list().data[0].id == model_id(server_ctx)  # the file name
 
 
 def test_body_too_large(server_ctx: llamax.Context) -> None:
@@ -512,7 +515,8 @@ def test_health_metrics_models_tokenize(server: BackgroundServer, client: openai
 
 def test_lookups_by_id(client: openai.OpenAI, server_ctx: llamax.Context) -> None:
     """``models.retrieve`` and a two-turn conversation's ``input_items`` (issue 44)."""
-    assert client.models.retrieve(server_ctx.model_name).id == server_ctx.model_name
+    assert client.models.retrieve(model_id(server_ctx)).id == model_id(server_ctx)
+    assert client.models.retrieve(server_ctx.model_name).id == model_id(server_ctx)  # 0.x's id
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("gpt-4o")
     first = client.responses.create(model="m", input="Say hello.", max_output_tokens=8)

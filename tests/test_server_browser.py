@@ -171,3 +171,41 @@ def test_a_model_without_a_projector_takes_no_images(page: Page) -> None:
     page.evaluate(DROP_FILE, ["#composer", "drop", b64, "dropped.png"])
     expect(page.locator("#hint")).to_contain_text("does not take images")
     expect(page.locator("#attachments .thumb")).to_have_count(0)
+
+
+@pytest.fixture
+def phone_page(browser: Browser) -> Iterator[Page]:
+    """The page on a 390 x 664 phone screen, served behind a proxy at ``/llm/`` (the
+    fake backend: the layout, not the model, is under test)."""
+    from test_server_fake import fake_context
+    from test_server_subpath import behind_proxy
+
+    ctx = fake_context()
+    with BackgroundServer(behind_proxy(create_app(ctx))) as server:
+        context = browser.new_context(viewport={"width": 390, "height": 664})
+        tab = context.new_page()
+        tab.goto(server.url + "/llm/")
+        yield tab
+        context.close()
+    assert_idle(ctx)
+    ctx.close()
+
+
+def test_behind_a_prefix_on_a_phone(phone_page: Page, tmp_path: Path) -> None:
+    """Relative URLs: /health, /props and the chat reach the server through /llm/; a short
+    bubble stays on one line; the message box stays on a 390 px screen."""
+    page = phone_page
+    expect(page.locator("#health")).to_contain_text("ok", timeout=10_000)
+    composer = page.locator("#composer").bounding_box()
+    assert composer is not None and composer["y"] + composer["height"] <= 664
+    page.fill("#max-tokens", "4")
+    page.fill("#input", "Hi!")
+    page.keyboard.press("Enter")
+    expect(page.locator(".msg.assistant .meta").last).to_contain_text("tokens", timeout=10_000)
+    bubble = page.locator(".msg.user .bubble").last
+    line = float(bubble.evaluate("b => parseFloat(getComputedStyle(b).lineHeight)"))
+    box = bubble.bounding_box()
+    assert box is not None and box["height"] < 2 * line + 24, box  # one line plus padding
+    composer = page.locator("#composer").bounding_box()
+    assert composer is not None and composer["y"] + composer["height"] <= 664
+    page.screenshot(path=str(tmp_path / "phone.png"))

@@ -132,6 +132,12 @@ class LlamaCppBackend(LlamaCppModel):
         self._kv_cells = context.n_ctx()
         # a unified cache's cells: what n_ctx asked for, padded as llama.cpp pads it
         self._n_ctx = padded(config.n_ctx) if self._can_relayout else self._kv_cells
+        if config.n_ctx < self._n_ctx and config.n_ctx < padded(1):
+            _log.warning(
+                "n_ctx=%d is below llama.cpp's smallest context, %d cells: the context "
+                "holds %d tokens",
+                config.n_ctx, padded(1), self._n_ctx,
+            )  # fmt: skip
         self._n_seq_max = context.n_seq_max()
         self._n_ctx_stream = context.n_ctx_seq() if not self._is_unified else self._n_ctx
         native_seq = config.n_ctx if self._can_relayout else self._n_ctx_stream

@@ -30,6 +30,7 @@ __all__ = [
     "bindings",
     "check_gguf",
     "context_params",
+    "native_log_level",
     "utf8",
 ]
 
@@ -62,7 +63,7 @@ def bindings() -> Any:
             @C.llama_log_callback  # type: ignore[untyped-decorator]
             def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
                 if level != 5:
-                    last[0] = _LEVELS.get(level, logging.DEBUG)
+                    last[0] = native_log_level(level, text)
                 if _log.isEnabledFor(last[0]):
                     _log.log(last[0], "%s", text.decode("utf-8", "replace").rstrip())
 
@@ -72,6 +73,20 @@ def bindings() -> Any:
             C.llama_log_set(forward, ctypes.c_void_p(0))
             C.llama_backend_init()
     return C
+
+
+_EXPECTED = (b"n_ctx is not divisible by n_seq_max",)
+"""llama.cpp's warnings about what llamax asks for on purpose: in streams each sequence's
+cells are padded to 256, so ``n_ctx=2048, n_seq_max=6`` says "rounding down to 3072" (more
+than asked). llamax reports the cells it got (``Context.n_ctx``, ``stats().kv_cells_total``;
+docs/kv-cache.md), so the line is noise: it goes to DEBUG."""
+
+
+def native_log_level(level: int, text: bytes) -> int:
+    """The ``logging`` level of a llama.cpp log line of ``level`` (GGML's 1-4)."""
+    if any(part in text for part in _EXPECTED):
+        return logging.DEBUG
+    return _LEVELS.get(level, logging.DEBUG)
 
 
 def check_gguf(path: Path) -> None:

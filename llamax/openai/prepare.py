@@ -250,7 +250,8 @@ def _plain_chat(
                 num_prompt_tokens=size,
                 n_ctx=model.n_ctx_seq,
             )
-        tokens, size = render(drop_oldest_turns(msgs, lambda m: render(m)[1], budget))
+        kept = drop_oldest_turns(msgs, lambda m: render(m)[1], budget, reserve=reserve)
+        tokens, size = render(kept)
     return tokens
 
 

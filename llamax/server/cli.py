@@ -29,7 +29,7 @@ from .images import (
 )
 from .models import DEFAULT_MAX_LOADED, ModelPool
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "chat_page_url", "main"]
 
 log = logging.getLogger("llamax.server")
 
@@ -388,14 +388,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             except BaseException:
                 models.close()
                 raise
+            log.info("chat page: %s", chat_page_url(ns.host, ns.port))
             return _serve_pool(app, models, ns)
         with ThreadPoolExecutor(1, thread_name_prefix="llamax-load") as pool:
             loading = pool.submit(llamax.Context, ns.model, **options)
             app = create_app(loading, **app_options)
+            log.info("chat page: %s", chat_page_url(ns.host, ns.port))
             return _serve(app, loading, ns)
     except (OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
+
+
+def chat_page_url(host: str, port: int) -> str:
+    """The chat page's address for a server bound to ``host:port``: a wildcard address
+    (``0.0.0.0``, ``::``, all interfaces) is reached at ``localhost`` from this machine."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "localhost"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal
+    return f"http://{host}:{port}/"
 
 
 def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) -> int:

@@ -27,13 +27,18 @@ _STARTED = int(time.time())
 
 
 def public_routes(state: ServerState) -> APIRouter:
-    """``/`` (the chat page) and ``/health``: no API key needed."""
+    """``/`` (the chat page), ``/favicon.ico`` (204: no icon) and ``/health``: no API key
+    needed (a browser sends none for the page and its icon)."""
     router = APIRouter()
     page = resources.files(__package__).joinpath("static/chat.html").read_text("utf-8")
 
     @router.get("/")
     async def chat_page() -> HTMLResponse:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @router.get("/favicon.ico")
+    async def favicon() -> Response:  # no icon, and no 404 in the browser's console
+        return Response(status_code=204, headers={"Cache-Control": "max-age=86400"})
 
     @router.get("/health")
     @router.get("/v1/health")  # llama-server's alias
@@ -89,9 +94,12 @@ def info_routes(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> JSONResponse:
-        for listed in shown_models(_models(state), request.headers):
+        models = shown_models(_models(state), request.headers)
+        for listed in models:
             if listed["id"] == model_id:
                 return JSONResponse(listed)
+        if state.pool is None and model_id in state.model_names(state.context()):
+            return JSONResponse(models[0])  # the GGUF's display name, llamax 0.x's id
         raise APIError(  # OpenAI's words and code for an unknown model
             404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
         )

@@ -62,7 +62,7 @@ def api_routes(state: ServerState) -> APIRouter:
             return options
 
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            reply = ctx.achat_completion(body.messages, **options, **_echo(state, body))
+            reply = ctx.achat_completion(body.messages, **options, **_echo(state, body, ctx))
             if not (body.timings_per_token or body.verbose):
                 return reply
             return with_llama_extras(ctx, body.messages, options, reply,
@@ -86,7 +86,7 @@ def api_routes(state: ServerState) -> APIRouter:
             prompt = body.prompt
             if body.suffix:  # tokenized in a worker: the event loop stays free
                 prompt = await run_in_threadpool(fim_prompt, ctx, body.prompt, body.suffix)
-            result = await ctx.acompletion(prompt, **options, **_echo(state, body))
+            result = await ctx.acompletion(prompt, **options, **_echo(state, body, ctx))
             if not body.echo:
                 return result
             prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
@@ -108,7 +108,7 @@ def api_routes(state: ServerState) -> APIRouter:
                 for i, v in enumerate(vectors)
             ]
             usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-            model = _echo(state, body).get("model", ctx.model_name)
+            model = _echo(state, body, ctx)["model"]
             return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage})
 
         return await _in_worker(state, request, EmbeddingRequest, work)
@@ -194,17 +194,17 @@ def _model_of(body: Any) -> object:
     return getattr(body, "model", None)
 
 
-def _echo(state: ServerState, body: Any) -> dict[str, Any]:
+def _echo(state: ServerState, body: Any, ctx: llamax.Context) -> dict[str, Any]:
     """The ``model`` option that makes a response name the model as the request did (as
     OpenAI and llama-server do); with several models, a request naming none gets the
-    default model's name, and with one model served under an alias, the alias. Empty: the
-    GGUF's name."""
+    default model's name, and with one model the name ``/v1/models`` lists (the alias, or
+    the file's name)."""
     model = body.model
     if model is None and state.pool is not None:
         model = state.pool.default
     if model is None:
-        model = state.model_alias
-    return {} if model is None else {"model": model}
+        model = state.model_name(ctx)
+    return {"model": model}
 
 
 def _shortened(vectors: Any, dimensions: int | None) -> Any:

@@ -8,6 +8,7 @@ import hmac
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -30,12 +31,22 @@ __all__ = [
     "ServerState",
     "admit_leased",
     "admit_parsed",
+    "model_id",
     "read_body",
     "run_leased",
 ]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def model_id(ctx: llamax.Context) -> str:
+    """The id a single model is served under: its GGUF file's name without ``.gguf``
+    (``SmolLM2-135M-Instruct-Q8_0``), what clients send back as ``model``; the name in the
+    GGUF's metadata (``Smollm2 135M ...``) for a context without a file (a test backend).
+    """
+    path = PurePath(ctx.config.model_path.replace("\\", "/"))
+    return path.stem if path.suffix.lower() == ".gguf" and path.stem else ctx.model_name
 
 
 @dataclass(eq=False, kw_only=True)
@@ -104,10 +115,15 @@ class ServerState:
 
     def model_name(self, ctx: llamax.Context) -> str:
         """The name ``ctx``'s model is served under: the alias, when one is set and the
-        server has one model; else the GGUF's name."""
+        server has one model; else :func:`model_id`."""
         if self.model_alias is not None and self.pool is None:
             return self.model_alias
-        return ctx.model_name
+        return model_id(ctx)
+
+    def model_names(self, ctx: llamax.Context) -> tuple[str, ...]:
+        """Every name a client may use for ``ctx``'s model (``/v1/models/{id}``): the name
+        it is served under, and the GGUF's display name that llamax 0.x served."""
+        return (self.model_name(ctx), ctx.model_name)
 
     def with_defaults(self, options: dict[str, Any], max_tokens: str = "max_tokens") -> None:
         """Fill in the server's default reply length (under the name ``max_tokens``) and
