@@ -22,6 +22,7 @@ from .app import create_app
 from .fairness import DEFAULT_MAX_SEQUENCES
 from .images import DEFAULT_MAX_IMAGES, DEFAULT_URL_BYTES, DEFAULT_URL_SECONDS, ImagePolicy
 from .models import DEFAULT_MAX_LOADED, ModelPool
+from .shutdown import GracefulServer
 
 __all__ = ["build_parser", "main"]
 
@@ -296,10 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     With ``--model NAME=PATH`` or ``--models-dir`` it serves several models, each loaded
     when a request first names it (docs/models.md). On
     SIGINT or SIGTERM it stops accepting connections, lets requests in flight finish for
-    ``--shutdown-timeout`` seconds, cancels the rest, then closes the context.
+    ``--shutdown-timeout`` seconds, cuts the rest (an open stream gets its API's error
+    event, then its end; :mod:`.shutdown`), then closes the context. A second Ctrl-C cuts
+    them at once.
 
     Returns:
-        The exit status: 0 after a shutdown, 1 if the model did not load, 2 for bad arguments.
+        The exit status: 0 after a shutdown, 130 after a forced one (a second Ctrl-C), 1 if
+        the model did not load, 2 for bad arguments.
     """
     args = list(argv) if argv is not None else None
     if args and args[0] == "serve":
@@ -359,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+_FORCED_EXIT = 130
+"""The exit status after a second Ctrl-C, as a shell reports a process ended by SIGINT."""
+
+
 def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app,
@@ -368,7 +376,7 @@ def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) ->
         timeout_graceful_shutdown=ns.shutdown_timeout,
         http=ns.http,
     )
-    server = uvicorn.Server(config)
+    server = GracefulServer(config)
 
     def stop_if_failed(future: Future[llamax.Context]) -> None:
         if future.exception() is not None:
@@ -383,7 +391,9 @@ def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) ->
             if loading.exception() is None:
                 log.info("closing the model")
                 loading.result().close(timeout=ns.shutdown_timeout)
-    return 1 if loading.exception() is not None else 0
+    if loading.exception() is not None:
+        return 1
+    return _FORCED_EXIT if server.force_exit else 0
 
 
 def _serve_pool(app: Any, models: ModelPool, ns: argparse.Namespace) -> int:
@@ -397,13 +407,14 @@ def _serve_pool(app: Any, models: ModelPool, ns: argparse.Namespace) -> int:
         http=ns.http,
     )
     log.info("serving models: %s", ", ".join(models.names))
+    server = GracefulServer(config)
     with _signals_after_shutdown_ignored():
         try:
-            uvicorn.Server(config).run()
+            server.run()
         finally:
             log.info("closing the models")
             models.close(timeout=ns.shutdown_timeout)
-    return 0
+    return _FORCED_EXIT if server.force_exit else 0
 
 
 @contextlib.contextmanager
