@@ -63,12 +63,12 @@ class GracefulServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Stop accepting; let requests finish within the timeout; answer the rest."""
-        num_open = len(self.server_state.tasks)
+        num_open, seconds = len(self.server_state.tasks), self.config.timeout_graceful_shutdown
         if num_open:
             logger.warning(
-                "shutting down: %d request(s) in flight get %s s to finish, then are cut "
+                "shutting down: %d request(s) in flight get %s to finish, then are cut "
                 "with an error; press Ctrl-C again to cut them now",
-                num_open, self.config.timeout_graceful_shutdown,
+                num_open, "all the time they need" if seconds is None else f"{seconds} s",
             )  # fmt: skip
         await super().shutdown(sockets)
         if self.force_exit:
