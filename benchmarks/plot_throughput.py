@@ -5,7 +5,7 @@ llama-cpp-python and (when the report has it) llama-server, and writes a PNG for
 
     .venv/bin/python benchmarks/plot_throughput.py [--json-in PATH] [--out PATH]
 
-Needs matplotlib (``pip install 'llamax[docs]'``).
+Needs matplotlib (``pip install '.[docs]'`` in a clone).
 """
 
 from __future__ import annotations

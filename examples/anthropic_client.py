@@ -1,7 +1,7 @@
 """The anthropic client against llamax's Messages endpoint: a server on the default model
 in this process, then a reply, a stream and a token count through the client.
 
-Needs the extras: pip install 'llamax[server]' anthropic"""
+Needs the extras: pip install '.[server]' anthropic"""
 
 import anthropic
 

@@ -2,7 +2,7 @@
 and bots written for llama.cpp's server call), streamed and not, with token
 probabilities, then ``/apply-template`` and ``/props``.
 
-Needs the extras: pip install 'llamax[server]'"""
+Needs the extras: pip install '.[server]'"""
 
 import json
 

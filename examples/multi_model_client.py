@@ -1,6 +1,6 @@
 """Serve the default model under two names from one server, and pick one per request.
 
-Needs ``pip install 'llamax[server]' openai``. From a shell the same server is
+Needs ``pip install '.[server]' openai``. From a shell the same server is
 ``llamax serve --model a=PATH --model b=PATH --idle-unload 600`` (see docs/models.md).
 """
 

@@ -1,7 +1,7 @@
 """Two llamax replicas on a local Ray Serve cluster, called through the OpenAI client.
 
 Requests that share a system prompt land on the same replica and reuse its prefix cache.
-Needs ``pip install 'llamax[ray]' openai``; takes ~30 s (Ray start + two model loads).
+Needs ``pip install '.[ray]' openai``; takes ~30 s (Ray start + two model loads).
 """
 
 from __future__ import annotations

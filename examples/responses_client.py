@@ -2,7 +2,7 @@
 process, then a reply, a follow-up through previous_response_id, a stream and a function
 call through the client.
 
-Needs the extras: pip install 'llamax[server]' openai"""
+Needs the extras: pip install '.[server]' openai"""
 
 import json
 

@@ -1,6 +1,6 @@
 """Serve the default model over HTTP in-process and talk to it with the ``openai`` client.
 
-Needs ``pip install 'llamax[server]' openai``. From a shell the same server is
+Needs ``pip install '.[server]' openai``. From a shell the same server is
 ``llamax serve`` (or ``python -m llamax.server``), with a chat page at http://127.0.0.1:8000/.
 """
 

@@ -25,7 +25,8 @@ from llamax.info import ModelInfo, model_info
 __all__ = ["main"]
 
 _SERVER_MISSING = (
-    "llamax serve needs the server extra: pip install 'llamax[server]' (install llamax[server])"
+    "llamax serve needs the server extra: pip install '.[server]' in a llamax clone "
+    "(install llamax[server])"
 )
 
 

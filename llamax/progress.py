@@ -41,7 +41,7 @@ class BatchProgress:
             except ImportError:
                 if progress:
                     raise InvalidParameterError(
-                        "progress=True needs tqdm: pip install 'llamax[notebook]'"
+                        "progress=True needs tqdm: pip install tqdm"
                     ) from None
                 return
             self._tqdm = tqdm

@@ -6,7 +6,7 @@
 
 From a shell: ``serve run llamax.ray:app num_replicas=2`` or ``serve run
 examples/ray_serve.yaml``, or ``python -m llamax.ray``. Needs the extra:
-``pip install 'llamax[ray]'``. See docs/scale-out.md.
+``pip install '.[ray]'`` in a llamax clone. See docs/scale-out.md.
 """
 
 try:
@@ -15,7 +15,9 @@ try:
     from .keys import HashRing, routing_key
     from .router import PrefixAffinityRouter
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(f"llamax.ray needs its extra: pip install 'llamax[ray]' ({exc})") from exc
+    raise ImportError(
+        f"llamax.ray needs its extra: pip install '.[ray]' in a llamax clone ({exc})"
+    ) from exc
 
 __all__ = [
     "HashRing",

@@ -6,7 +6,7 @@
 >>> uvicorn.run(create_app(ctx), host="127.0.0.1", port=8000)    # doctest: +SKIP
 
 From a shell: ``llamax serve [MODEL.gguf]`` or ``python -m llamax.server``. Needs the extra:
-``pip install 'llamax[server]'``.
+``pip install '.[server]'`` in a llamax clone (docs/install.md).
 """
 
 try:
@@ -17,7 +17,7 @@ try:
     from .models import ModelPool
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        f"llamax.server needs its extra: pip install 'llamax[server]' ({exc})"
+        f"llamax.server needs its extra: pip install '.[server]' in a llamax clone ({exc})"
     ) from exc
 
 __all__ = ["BackgroundServer", "ImagePolicy", "ModelPool", "create_app", "main"]

@@ -32,6 +32,7 @@ from .llama.slots import SlotPolicy
 from .models import ModelPool
 from .responses_routes import responses_routes
 from .routes import api_routes
+from .shutdown import CUT_TAIL_KEY, CutTail, shutdown_error
 from .state import ServerState
 
 __all__ = ["create_app"]
@@ -238,7 +239,8 @@ class _AnswerCutRequests:
     uvicorn cancels the tasks still running when ``timeout_graceful_shutdown`` ends (its
     only use of ``Task.cancel``; a client that leaves is noticed otherwise). Cancelling the
     task also cancels the llamax request it awaits, which frees its KV cells. A response
-    already started (a stream) is ended where it is.
+    already started (a stream) ends with the :class:`~.shutdown.CutTail` it left in the
+    scope (its dialect's error event), then the end of its body (:mod:`.shutdown`).
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -248,11 +250,13 @@ class _AnswerCutRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started, ended, cut = False, False, CutTail()
+        scope[CUT_TAIL_KEY] = cut
 
         async def watched(message: Message) -> None:
-            nonlocal started
+            nonlocal started, ended
             started = started or message["type"] == "http.response.start"
+            ended = message["type"] == "http.response.body" and not message.get("more_body")
             await send(message)
 
         try:
@@ -261,16 +265,14 @@ class _AnswerCutRequests:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # answered: the cut is handled here
-            logger.info("cut by the shutdown timeout: %s %s", scope["method"], scope["path"])
-            if started:
-                await send({"type": "http.response.body", "body": b""})
+            logger.info("cut by the shutdown: %s %s", scope["method"], scope["path"])
+            if ended:
                 return
-            error = APIError(
-                503,
-                "the server shut down before the request finished (its shutdown timeout "
-                "ran out); send it again",
-                code="server_shutting_down",
-            )
+            if started:
+                tail = b"" if cut.render is None else cut.render()
+                await send({"type": "http.response.body", "body": tail})
+                return
+            error = shutdown_error()
             anthropic = scope["path"].rstrip("/").endswith(("/v1/messages", "/count_tokens"))
             body = anthropic_body(error) if anthropic else error.body()
             await send({"type": "http.response.start", "status": 503,

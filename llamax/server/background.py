@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import uvicorn
 
+from .shutdown import GracefulServer
+
 __all__ = ["BackgroundServer"]
 
 
@@ -40,7 +42,7 @@ class BackgroundServer:
             app, log_level="warning", lifespan="off", timeout_graceful_shutdown=shutdown_timeout,
             http=http,
         )  # fmt: skip
-        self._server = uvicorn.Server(config)
+        self._server = GracefulServer(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True,
             name=f"llamax-server-{self.port}",
@@ -64,9 +66,16 @@ class BackgroundServer:
                 raise TimeoutError(f"the server on {self.url} did not start")
             time.sleep(0.01)
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop accepting, let requests in flight finish (or cancel them), and join."""
+    def stop(self, timeout: float = 30.0, *, force: bool = False) -> None:
+        """Stop accepting, let requests in flight finish within the shutdown timeout, cut
+        the rest (a stream gets its API's error event, then its end), and join.
+
+        Args:
+            timeout: Seconds to wait for the server thread.
+            force: Cut the requests in flight at once, as a second Ctrl-C does.
+        """
         self._server.should_exit = True
+        self._server.force_exit = self._server.force_exit or force
         self._thread.join(timeout)
         self._socket.close()
 

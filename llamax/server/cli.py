@@ -28,6 +28,7 @@ from .images import (
     ImagePolicy,
 )
 from .models import DEFAULT_MAX_LOADED, ModelPool
+from .shutdown import GracefulServer
 
 __all__ = ["build_parser", "chat_page_url", "main"]
 
@@ -331,10 +332,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     With ``--model NAME=PATH`` or ``--models-dir`` it serves several models, each loaded
     when a request first names it (docs/models.md). On
     SIGINT or SIGTERM it stops accepting connections, lets requests in flight finish for
-    ``--shutdown-timeout`` seconds, cancels the rest, then closes the context.
+    ``--shutdown-timeout`` seconds, cuts the rest (an open stream gets its API's error
+    event, then its end; :mod:`.shutdown`), then closes the context. A second Ctrl-C cuts
+    them at once.
 
     Returns:
-        The exit status: 0 after a shutdown, 1 if the model did not load, 2 for bad arguments.
+        The exit status: 0 after a shutdown, 130 after a forced one (a second Ctrl-C), 1 if
+        the model did not load, 2 for bad arguments.
     """
     args = list(argv) if argv is not None else None
     if args and args[0] == "serve":
@@ -410,6 +414,10 @@ def chat_page_url(host: str, port: int) -> str:
     return f"http://{host}:{port}/"
 
 
+_FORCED_EXIT = 130
+"""The exit status after a second Ctrl-C, as a shell reports a process ended by SIGINT."""
+
+
 def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app,
@@ -419,7 +427,7 @@ def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) ->
         timeout_graceful_shutdown=ns.shutdown_timeout,
         http=ns.http,
     )
-    server = uvicorn.Server(config)
+    server = GracefulServer(config)
 
     def stop_if_failed(future: Future[llamax.Context]) -> None:
         if future.exception() is not None:
@@ -434,7 +442,9 @@ def _serve(app: Any, loading: Future[llamax.Context], ns: argparse.Namespace) ->
             if loading.exception() is None:
                 log.info("closing the model")
                 loading.result().close(timeout=ns.shutdown_timeout)
-    return 1 if loading.exception() is not None else 0
+    if loading.exception() is not None:
+        return 1
+    return _FORCED_EXIT if server.force_exit else 0
 
 
 def _serve_pool(app: Any, models: ModelPool, ns: argparse.Namespace) -> int:
@@ -448,13 +458,14 @@ def _serve_pool(app: Any, models: ModelPool, ns: argparse.Namespace) -> int:
         http=ns.http,
     )
     log.info("serving models: %s", ", ".join(models.names))
+    server = GracefulServer(config)
     with _signals_after_shutdown_ignored():
         try:
-            uvicorn.Server(config).run()
+            server.run()
         finally:
             log.info("closing the models")
             models.close(timeout=ns.shutdown_timeout)
-    return 0
+    return _FORCED_EXIT if server.force_exit else 0
 
 
 @contextlib.contextmanager

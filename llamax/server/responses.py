@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from .dialects import OPENAI, Dialect, StreamMeter, sse
 from .errors import from_exception
 from .metrics import ServerMetrics, TokenClock
+from .shutdown import CUT_TAIL_KEY, CutTail, shutdown_error
 
 __all__ = ["CompletionJob", "CompletionResponse", "outcome_of"]
 
@@ -101,8 +102,10 @@ class CompletionResponse(Response):
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(_cancel_on_disconnect, receive, tasks.cancel_scope)
-                respond = self._stream if self.job.stream else self._whole
-                outcome = await respond(send)
+                if self.job.stream:
+                    outcome = await self._stream(send, scope.get(CUT_TAIL_KEY))
+                else:
+                    outcome = await self._whole(send)
                 tasks.cancel_scope.cancel()
         finally:
             self.job.finish(outcome)
@@ -121,21 +124,25 @@ class CompletionResponse(Response):
         await _send_json(send, 200, result, {})
         return "success"
 
-    async def _stream(self, send: Send) -> str:
+    async def _stream(self, send: Send, cut: CutTail | None) -> str:
+        job = self.job
         chunks: AsyncGenerator[dict[str, Any], None]
         try:
-            chunks = await self.job.start()
+            chunks = await job.start()
             first = await anext(chunks)
         except Exception as exc:
             return await self._error(send, exc)
+        meter = StreamMeter(job.metrics, TokenClock(job.metrics, job.started), job.include_usage)
+        if cut is not None:  # what the stream ends with if the shutdown cuts it
+            cut.render = lambda: job.dialect.error_event(shutdown_error(), meter) + job.dialect.done
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            if self.job.ping_seconds is None:
-                return await self._send_chunks(send, first, chunks)
-            pinged = _PingedSender(send, self.job.ping_seconds)
+            if job.ping_seconds is None:
+                return await self._send_chunks(send, first, chunks, meter)
+            pinged = _PingedSender(send, job.ping_seconds)
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(pinged.ping_while_quiet)
-                outcome = await self._send_chunks(pinged.send, first, chunks)
+                outcome = await self._send_chunks(pinged.send, first, chunks, meter)
                 tasks.cancel_scope.cancel()
             return outcome
         finally:
@@ -143,10 +150,13 @@ class CompletionResponse(Response):
                 await chunks.aclose()
 
     async def _send_chunks(
-        self, send: Send, first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]
+        self,
+        send: Send,
+        first: dict[str, Any],
+        chunks: AsyncIterator[dict[str, Any]],
+        meter: StreamMeter,
     ) -> str:
         job = self.job
-        meter = StreamMeter(job.metrics, TokenClock(job.metrics, job.started), job.include_usage)
         outcome, tail = "success", job.dialect.done
         try:
             await self._send_chunk(send, first, meter)

@@ -1,6 +1,6 @@
 """Chat templates: render a model's own Jinja template, sandboxed and on a budget.
 
-Needs ``jinja2`` (``pip install 'llamax[chat]'``).
+Needs ``jinja2``, one of llamax's dependencies.
 
 >>> from llamax.templates import ChatTemplate
 >>> template = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}")

@@ -19,7 +19,7 @@ try:
     import jinja2
     from jinja2.exceptions import SecurityError
 except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError("llamax.templates needs jinja2: pip install 'llamax[chat]'") from exc
+    raise ImportError("llamax.templates needs jinja2: pip install jinja2") from exc
 
 from ..errors import (
     InvalidParameterError,
