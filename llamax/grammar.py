@@ -13,9 +13,9 @@ from decimal import Decimal
 from typing import Any
 
 from .errors import GrammarError
+from .grammar_json import JsonSafeRules
 from .grammar_numbers import Bound, NumberDomain, NumberRules
 from .grammar_ranges import int_range_rule
-from .grammar_strings import JSON_SAFE_RULES, gbnf_literal
 
 __all__ = [
     "JSON_OBJECT_SCHEMA",
@@ -162,7 +162,8 @@ def _join(path: str, key: str) -> str:
 def schema_to_gbnf(schema_json: str) -> str:
     """Convert a JSON schema (as JSON text) to a GBNF grammar; cached per schema.
 
-    llama-cpp-python's converter, with strings JSON allows (:mod:`llamax.grammar_strings`),
+    llama-cpp-python's converter, with JSON-safe strings and objects in schema order
+    (:mod:`llamax.grammar_json`),
     integer ranges (``minimum``, ``maximum`` and their
     exclusive forms on an ``integer``) enforced as llama.cpp's own converter does, and the
     bounds of a ``number`` and ``multipleOf`` (on either) enforced by rules of
@@ -190,7 +191,7 @@ def _convert(schema: Any) -> str:
 
     numbers = NumberRules(lambda name, body: str(converter._add_rule(name, body)))
 
-    class _Converter(SchemaConverter):
+    class _Converter(JsonSafeRules, SchemaConverter):
         def visit(self, schema: Any, name: str) -> Any:
             if isinstance(schema, dict) and not any(key in schema for key in _COMBINATORS):
                 kind = schema.get("type")
@@ -202,13 +203,6 @@ def _convert(schema: Any) -> str:
                     if rule is not None:
                         return rule
             return super().visit(schema, name)  # type: ignore[no-untyped-call]
-
-        def _add_rule(self, name: str, rule: str) -> str:
-            """JSON-safe strings and numbers (:mod:`llamax.grammar_strings`)."""
-            return str(super()._add_rule(name, JSON_SAFE_RULES.get(rule, rule)))  # type: ignore[no-untyped-call]
-
-        def _format_literal(self, literal: str) -> str:
-            return gbnf_literal(literal)
 
     converter: Any = _Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)  # type: ignore[no-untyped-call]
     schema = converter.resolve_refs(schema, "stdin")
