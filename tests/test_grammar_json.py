@@ -73,6 +73,13 @@ def test_a_patterns_dot_stays_inside_the_string() -> None:
         assert not grammar.accepts('"a' + inside + 'b"'), inside
 
 
+def test_a_patterns_negated_classes_stay_inside_the_string() -> None:
+    grammar = _grammar({"type": "string", "pattern": "^[^,]{1,4}$"})
+    assert grammar.accepts('"ab c"')
+    for inside in ('"', "\\", "\n", "\x01", ","):
+        assert not grammar.accepts('"a' + inside + 'b"'), inside
+
+
 def test_numbers_stay_finite() -> None:
     grammar = _grammar({"type": "number"})
     assert grammar.accepts("-1.5e99")
@@ -175,6 +182,8 @@ def _leaves() -> st.SearchStrategy[dict[str, Any]]:
         st.just({"type": "boolean"}),
         st.just({"type": "null"}),
         st.just({"type": "string", "format": "date"}),
+        st.just({"type": "string", "pattern": "^[^,]{1,6}$"}),
+        st.just({"type": "string", "pattern": "^a.b$"}),
         st.lists(_ENUM_VALUES, min_size=1, max_size=4, unique=True).map(lambda v: {"enum": v}),
         bounded,
         lengths,
@@ -222,7 +231,7 @@ def _validate(text: str, schema: dict[str, Any]) -> None:
 
 
 @pytest.mark.model
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(SCHEMAS, st.randoms(use_true_random=False))
 def test_every_string_the_grammar_accepts_is_json_that_meets_the_schema(
     walker: _Walker, schema: dict[str, Any], rng: random.Random
