@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import GrammarError
 from .grammar_budget import MAX_GRAMMAR_BYTES, GrammarBudget, GrammarCache, check_schema_size
+from .grammar_json import JsonSafeRules
 from .grammar_long_ranges import long_int_range_rule
 from .grammar_numbers import Bound, NumberDomain, NumberRules
 from .grammar_ranges import int_range_rule
@@ -163,7 +164,8 @@ def schema_to_gbnf(schema_json: str) -> str:
     """Convert a JSON schema (as JSON text) to a GBNF grammar; the last ones are cached
     (:class:`~llamax.grammar_budget.GrammarCache`, 16 MiB in all).
 
-    llama-cpp-python's converter, with integer ranges (``minimum``, ``maximum`` and their
+    llama-cpp-python's converter, with JSON-safe strings and objects in schema order
+    (:mod:`llamax.grammar_json`), integer ranges (``minimum``, ``maximum`` and their
     exclusive forms on an ``integer``) enforced as llama.cpp's own converter does (bounds
     of over 18 digits by :mod:`llamax.grammar_long_ranges`, in rules linear in the digits;
     at most 1,000 digits), and the bounds of a ``number`` and ``multipleOf`` (on either)
@@ -207,7 +209,7 @@ def _convert(schema: Any, budget: GrammarBudget) -> str:
     keys: dict[tuple[str, str], str] = {}
     next_index: dict[str, int] = {}
 
-    class _Converter(SchemaConverter):
+    class _Budgeted(SchemaConverter):
         def _add_rule(self, name: str, rule: str) -> str:
             """The converter's, charged to the budget, and a name's next free index
             remembered (the converter's own scans every index: quadratic)."""
@@ -223,6 +225,7 @@ def _convert(schema: Any, budget: GrammarBudget) -> str:
                 self._rules[key] = rule
             return key
 
+    class _Converter(JsonSafeRules, _Budgeted):  # JSON-safe rules, then charged
         def visit(self, schema: Any, name: str) -> Any:
             if isinstance(schema, dict) and not any(key in schema for key in _COMBINATORS):
                 kind = schema.get("type")

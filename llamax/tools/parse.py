@@ -94,8 +94,11 @@ class _ObjectEnd:
         self._escaped = False
         self.is_done = False
 
-    def scan(self, text: str) -> int:
-        """How many characters of ``text`` belong to the value (all, until it closes)."""
+    def scan(self, text: str) -> tuple[int, str]:
+        """How many characters of ``text`` belong to the value (all, until it closes), and
+        those characters as JSON: a raw control character inside a string (which
+        ``json.loads`` refuses, and a grammar from before issue 56 let through) escaped."""
+        out: list[str] = []
         for at, char in enumerate(text):
             if self._in_string:
                 if self._escaped:
@@ -104,6 +107,8 @@ class _ObjectEnd:
                     self._escaped = True
                 elif char == '"':
                     self._in_string = False
+                elif char < " ":
+                    char = json.dumps(char)[1:-1]
             elif char == '"':
                 self._in_string = True
             elif char in "{[":
@@ -112,8 +117,10 @@ class _ObjectEnd:
                 self._depth -= 1
                 if self._depth <= 0:
                     self.is_done = True
-                    return at + 1
-        return len(text)
+                    out.append(char)
+                    return at + 1, "".join(out)
+            out.append(char)
+        return len(text), "".join(out)
 
 
 class ToolCallStreamParser:
@@ -244,15 +251,15 @@ class ToolCallStreamParser:
         if self._num_args_sent == 0:
             self._pending = self._pending.lstrip()
         if not self._arguments_end.is_done:
-            fresh = self._pending[self._num_args_sent :]
-            self._add_arguments(deltas, fresh[: self._arguments_end.scan(fresh)])
+            num_chars, fragment = self._arguments_end.scan(self._pending[self._num_args_sent :])
+            self._add_arguments(deltas, num_chars, fragment)
             if not self._arguments_end.is_done:
                 return False
         rest = self._pending[self._num_args_sent :]
         end = rest.find(CALL_CLOSE)
         if end < 0:
             return False
-        arguments = self._pending[: self._num_args_sent]
+        arguments = self._current["function"]["arguments"] if self._current else ""
         if rest[:end].strip() != "}" or not _is_json_object(arguments):
             self.is_malformed = True
         if self._current is not None:
@@ -263,8 +270,8 @@ class ToolCallStreamParser:
         self._state = _State.CONTENT
         return True
 
-    def _add_arguments(self, deltas: list[ToolDelta], fragment: str) -> None:
-        self._num_args_sent += len(fragment)
+    def _add_arguments(self, deltas: list[ToolDelta], num_chars: int, fragment: str) -> None:
+        self._num_args_sent += num_chars
         if not fragment or self._current is None:
             return
         self._current["function"]["arguments"] += fragment
@@ -304,10 +311,12 @@ class ParsedReply:
 def parse_tool_calls(text: str, plan: ToolPlan, finish_reason: str = "stop") -> ParsedReply:
     """Split a finished reply into content and OpenAI ``tool_calls``.
 
-    A reply whose call is malformed is returned unchanged as content, with no calls. A
-    call cut off by ``max_tokens`` (or a cancel) is dropped: the calls before it are kept
-    and ``finish_reason`` stays ``"length"``. Call markup never reaches the content
-    otherwise.
+    A reply whose call is malformed is returned unchanged as content, with no calls; a
+    raw control character in an argument string is no malformation (it comes back
+    escaped). A call cut off by ``max_tokens`` (or a cancel, or, when ``tool_choice``
+    forces a call, a stop string) is dropped: the calls before it are kept and
+    ``finish_reason`` stays ``"length"`` (``"stop"``). Call markup never reaches the
+    content otherwise.
 
     Args:
         text: The generated text.
@@ -319,7 +328,9 @@ def parse_tool_calls(text: str, plan: ToolPlan, finish_reason: str = "stop") -> 
     """
     parser = ToolCallStreamParser(plan)
     deltas = parser.feed(text) + parser.close()
-    cut_off_by_stop = parser.is_truncated and finish_reason == "stop"
+    # A forced call cut off by a stop string is dropped like one cut off by max_tokens:
+    # its markup is no answer (``stop_reason: stop_sequence`` says what happened).
+    cut_off_by_stop = parser.is_truncated and finish_reason == "stop" and plan.mode == "auto"
     if parser.is_malformed or cut_off_by_stop or not (parser.tool_calls or parser.is_truncated):
         return ParsedReply(text, (), finish_reason)
     content = "".join(delta.get("content", "") for delta in deltas)

@@ -252,12 +252,15 @@ def tool_prompt_tokens(
 
 
 def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Validated messages whose ``tool`` turns each answer a call of the turn before."""
+    """Validated messages whose ``tool`` turns each answer a call of the turn before, each
+    run of them in the order of the calls (:func:`_in_call_order`)."""
     checked = validate_messages(messages)
-    pending: set[str] = set()
+    pending: list[str] = []
+    runs: list[tuple[int, list[str]]] = []
     for index, message in enumerate(checked):
         if message["role"] != "tool":
-            pending = {call["id"] for call in _calls(index, message)}
+            pending = [call["id"] for call in _calls(index, message)]
+            runs.append((index + 1, pending))
             continue
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
@@ -273,7 +276,20 @@ def _checked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 index=index,
                 field="tool_call_id",
             )
+    for start, call_ids in runs:
+        _in_call_order(checked, start, call_ids)
     return checked
+
+
+def _in_call_order(messages: list[dict[str, Any]], start: int, call_ids: list[str]) -> None:
+    """Sort the run of ``tool`` messages from ``start`` into the order of the calls they
+    answer, matched by ``tool_call_id``: a client may send results in any order (parallel
+    calls finish when they finish), and the prompt pairs results with calls by position."""
+    end = start
+    while end < len(messages) and messages[end]["role"] == "tool":
+        end += 1
+    order = {call_id: n for n, call_id in reversed(list(enumerate(call_ids)))}
+    messages[start:end] = sorted(messages[start:end], key=lambda m: order[m["tool_call_id"]])
 
 
 def _calls(index: int, message: Mapping[str, Any]) -> list[dict[str, Any]]:
