@@ -168,8 +168,13 @@ def _close_contexts(namespace: dict[str, Any]) -> None:
 
 @pytest.mark.model
 @pytest.mark.parametrize("page", RUNNABLE)
-def test_docs_blocks_run(page: str, tmp_path: Path) -> None:
-    """Run a page's blocks in order in one namespace, on the default model."""
+def test_docs_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a page's blocks in order in one namespace, on the default model.
+
+    With a reader's defaults: thread adaptation on (the suite turns it off for its
+    exact-output checks), so a busy machine slows the pages down less.
+    """
+    monkeypatch.setenv("LLAMAX_ADAPT_THREADS", "1")
     namespace: dict[str, Any] = {"__name__": "__main__"}
     with _in_directory(tmp_path):
         try:
