@@ -86,7 +86,7 @@ def _marker_before(lines: list[str], fence: int, page: str) -> tuple[str, str]:
     while j >= 0 and not lines[j].strip():
         j -= 1
     match = _MARKER.match(lines[j].strip()) if j >= 0 else None
-    if match is None or match["kind"] not in KINDS and "fragment" not in match["kind"]:
+    if match is None or "fragment" not in match["kind"]:  # another comment: not a marker
         return "run", ""
     if match["kind"] not in KINDS[1:]:
         raise ValueError(f"{page}:{j + 1}: unknown block marker {match['kind']!r} ({KINDS[1:]})")
@@ -181,6 +181,6 @@ def test_docs_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
             for block in BLOCKS[page]:
                 code = compile_block(block)
                 if block.kind == "run":
-                    exec(code, namespace)  # noqa: S102 - the docs' own code
+                    exec(code, namespace)
         finally:
             _close_contexts(namespace)
