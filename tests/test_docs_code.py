@@ -28,6 +28,8 @@ from typing import Any
 import pytest
 
 import llamax
+import llamax.config
+import llamax.embeddings
 from llamax.testing import assert_idle
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,10 +173,13 @@ def _close_contexts(namespace: dict[str, Any]) -> None:
 def test_docs_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run a page's blocks in order in one namespace, on the default model.
 
-    With a reader's defaults: thread adaptation on (the suite turns it off for its
-    exact-output checks), so a busy machine slows the pages down less.
+    Contexts the pages make compute with one thread unless a block says otherwise: the
+    pages check that the code runs, and beside a busy process a two-thread step waits on
+    its slower thread (measured on 2 busy cores: the README took 49 s with two threads,
+    4 s with one).
     """
-    monkeypatch.setenv("LLAMAX_ADAPT_THREADS", "1")
+    monkeypatch.setattr(llamax.config, "_default_threads", lambda: 1)
+    monkeypatch.setattr(llamax.embeddings, "_default_threads", lambda: 1)
     namespace: dict[str, Any] = {"__name__": "__main__"}
     with _in_directory(tmp_path):
         try:
