@@ -23,9 +23,11 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from script_modules import load_script
 
 import llamax
 import llamax.config
@@ -189,3 +191,21 @@ def test_docs_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
                     exec(code, namespace)
         finally:
             _close_contexts(namespace)
+
+
+def test_mkdocs_links_into_the_repository_point_at_site_copies() -> None:
+    """A docs link to a repository file (it 404s on the site) is pointed at the hook's copy
+    under ``repo/``; a link to no file is left for ``mkdocs --strict`` to report."""
+    hooks = load_script("mkdocs_hooks")
+    config = {"docs_dir": str(REPO / "docs")}
+
+    def rewrite(text: str, page_uri: str) -> str:
+        page = SimpleNamespace(file=SimpleNamespace(src_uri=page_uri))
+        return str(hooks.on_page_markdown(text, page, config, None))
+
+    text = "[a](../examples/server_client.py#L3), [b](../nope.py), [c](chat.md)"
+    assert rewrite(text, "server.md") == (
+        "[a](repo/examples/server_client.py#L3), [b](../nope.py), [c](chat.md)"
+    )
+    nested = rewrite("[a](../../examples/server_client.py)", "reference/x.md")
+    assert nested == "[a](../repo/examples/server_client.py)"
