@@ -9,7 +9,13 @@ cd "$repo"
 "$py" -m ruff check .
 "$py" -m mypy
 # The docs site: a broken link or a public name without a docstring fails the build.
+# (--quiet would hide the warnings --strict counts: print the log when it fails.)
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --quiet --site-dir "$site"
+if ! NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --site-dir "$site/html" \
+    >"$site/mkdocs.log" 2>&1; then
+  grep -v '^INFO' "$site/mkdocs.log" >&2 || true
+  echo "mkdocs build --strict failed (the warnings above)" >&2
+  exit 1
+fi
 "$py" -m pytest -q --durations=15 "$@"
