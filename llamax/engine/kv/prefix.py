@@ -114,14 +114,8 @@ class PrefixCache:
     # ------------------------------------------------------------------ retention
     def retire(self, slot: Slot) -> None:
         """A sequence finished: keep its slot for reuse (most recently used) or release it."""
-        if slot.pinned:
-            return
-        if self._retain and slot.tokens:
-            slot.move(SlotState.RETAINED)
-            self._retained[slot.seq_id] = slot
-            self._retained.move_to_end(slot.seq_id)
-        else:
-            self._cache.release(slot)
+        if not slot.pinned:
+            self.unpin(slot)
 
     def unpin(self, slot: Slot) -> None:
         """A session gave its pinned slot up (it yields): keep the slot for its prefix
