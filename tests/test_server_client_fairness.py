@@ -188,3 +188,18 @@ def test_a_body_cannot_name_its_fairness_key(
     assert set(codes.values()) == ({200} if lenient else {400}), codes
     assert {key for _, _, key in submitted} <= {"client:10.0.0.1"}
     assert len(submitted) == (3 if lenient else 0)
+
+
+def test_the_key_is_the_peer_address_or_none() -> None:
+    """The peer's host names the client (its port does not: one client, many connections);
+    with no peer known there is no client key (a request is a share of its own)."""
+    from starlette.requests import Request
+
+    from llamax.server.fairness import client_key
+
+    def scope(client: tuple[str, int] | None) -> Request:
+        return Request({"type": "http", "client": client, "headers": []})
+
+    assert client_key(scope(("10.0.0.1", 1))) == client_key(scope(("10.0.0.1", 2)))
+    assert client_key(scope(("10.0.0.1", 1))) == "client:10.0.0.1"
+    assert client_key(scope(None)) is None
