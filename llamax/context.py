@@ -618,6 +618,7 @@ class Context:
         messages: Sequence[Mapping[str, Any]],
         *,
         stream: Literal[False] = False,
+        fair_key: str | None = None,
         **options: Unpack[ChatOptions],
     ) -> ChatCompletion: ...
     @overload
@@ -626,6 +627,7 @@ class Context:
         messages: Sequence[Mapping[str, Any]],
         *,
         stream: Literal[True],
+        fair_key: str | None = None,
         **options: Unpack[ChatOptions],
     ) -> Iterator[ChatCompletionChunk]: ...
     def chat_completion(
@@ -633,10 +635,14 @@ class Context:
         messages: Sequence[Mapping[str, Any]],
         *,
         stream: bool = False,
+        fair_key: str | None = None,
         **options: Unpack[ChatOptions],
     ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
         """An OpenAI-shaped ``chat.completion``, or with ``stream=True`` an iterator of
         ``chat.completion.chunk`` dicts (closing it early cancels the request).
+        ``fair_key`` is a keyword of the call, not an option: the fairness key the
+        request's sequences share with others of that key (:meth:`add_request`; the server
+        passes the client's address).
 
         Raises:
             TypeError: an unknown option (the message names the closest valid one).
@@ -644,7 +650,7 @@ class Context:
                 bad values, messages, or a conversation that does not fit.
         """
         stream = check_flag(stream, "stream")
-        request = self._openai(lambda: prepare_chat(self._chat, messages, options))
+        request = self._openai(lambda: prepare_chat(self._chat, messages, options), fair_key)
         return respond(request, stream, options)  # type: ignore[return-value]
 
     @overload
@@ -653,6 +659,7 @@ class Context:
         prompt: str | Sequence[int],
         *,
         stream: Literal[False] = False,
+        fair_key: str | None = None,
         **options: Unpack[CompletionOptions],
     ) -> TextCompletion: ...
     @overload
@@ -661,6 +668,7 @@ class Context:
         prompt: str | Sequence[int],
         *,
         stream: Literal[True],
+        fair_key: str | None = None,
         **options: Unpack[CompletionOptions],
     ) -> Iterator[TextCompletion]: ...
     def completion(
@@ -668,16 +676,18 @@ class Context:
         prompt: str | Sequence[int],
         *,
         stream: bool = False,
+        fair_key: str | None = None,
         **options: Unpack[CompletionOptions],
     ) -> TextCompletion | Iterator[TextCompletion]:
-        """An OpenAI-shaped ``text_completion``, or a stream of them with ``stream=True``.
+        """An OpenAI-shaped ``text_completion``, or a stream of them with ``stream=True``;
+        ``fair_key`` as in :meth:`chat_completion`.
 
         Raises:
             TypeError: an unknown option.
             InvalidParameterError, ContextLengthError: bad values or a prompt that does not fit.
         """
         stream = check_flag(stream, "stream")
-        request = self._openai(lambda: prepare_text(prompt, options))
+        request = self._openai(lambda: prepare_text(prompt, options), fair_key)
         return respond(request, stream, options)  # type: ignore[return-value]
 
     @overload
@@ -686,6 +696,7 @@ class Context:
         messages: Sequence[Mapping[str, Any]],
         *,
         stream: Literal[False] = False,
+        fair_key: str | None = None,
         **options: Unpack[ChatOptions],
     ) -> ChatCompletion: ...
     @overload
@@ -694,6 +705,7 @@ class Context:
         messages: Sequence[Mapping[str, Any]],
         *,
         stream: Literal[True],
+        fair_key: str | None = None,
         **options: Unpack[ChatOptions],
     ) -> AsyncIterator[ChatCompletionChunk]: ...
     async def achat_completion(
@@ -701,13 +713,15 @@ class Context:
         messages: Sequence[Mapping[str, Any]],
         *,
         stream: bool = False,
+        fair_key: str | None = None,
         **options: Unpack[ChatOptions],
     ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
         """Async twin of :meth:`chat_completion` (needs the background loop); rendering,
         truncation and tokenizing run in a worker thread, so the event loop stays free."""
         stream = check_flag(stream, "stream")
         request = await submit_in_worker(
-            lambda: self._openai(lambda: prepare_chat(self._chat, messages, options)), _itself
+            lambda: self._openai(lambda: prepare_chat(self._chat, messages, options), fair_key),
+            _itself,
         )
         return await arespond(request, stream, options)  # type: ignore[return-value]
 
@@ -717,6 +731,7 @@ class Context:
         prompt: str | Sequence[int],
         *,
         stream: Literal[False] = False,
+        fair_key: str | None = None,
         **options: Unpack[CompletionOptions],
     ) -> TextCompletion: ...
     @overload
@@ -725,6 +740,7 @@ class Context:
         prompt: str | Sequence[int],
         *,
         stream: Literal[True],
+        fair_key: str | None = None,
         **options: Unpack[CompletionOptions],
     ) -> AsyncIterator[TextCompletion]: ...
     async def acompletion(
@@ -732,20 +748,24 @@ class Context:
         prompt: str | Sequence[int],
         *,
         stream: bool = False,
+        fair_key: str | None = None,
         **options: Unpack[CompletionOptions],
     ) -> TextCompletion | AsyncIterator[TextCompletion]:
         """Async twin of :meth:`completion` (needs the background loop)."""
         stream = check_flag(stream, "stream")
         request = await submit_in_worker(
-            lambda: self._openai(lambda: prepare_text(prompt, options)), _itself
+            lambda: self._openai(lambda: prepare_text(prompt, options), fair_key), _itself
         )
         return await arespond(request, stream, options)  # type: ignore[return-value]
 
-    def _openai(self, prepare: Callable[[], Prepared]) -> OpenAIRequest:
-        """Prepare an OpenAI request and submit it; the returned object shapes its results."""
+    def _openai(self, prepare: Callable[[], Prepared], fair_key: str | None) -> OpenAIRequest:
+        """Prepare an OpenAI request and submit it under ``fair_key`` (:meth:`add_request`);
+        the returned object shapes its results."""
         self._check_open("add a request")
         prepared = prepare()
-        handle = self._submit(prepared.prompt, prepared.params, request_id=prepared.request_id)
+        handle = self._submit(
+            prepared.prompt, prepared.params, request_id=prepared.request_id, fair_key=fair_key
+        )
         return OpenAIRequest.of(handle, prepared, self._chat)
 
     # ------------------------------------------------------------------ notebooks, pipelines

@@ -76,9 +76,11 @@ def test_openai_n_over_the_bound_is_a_400_naming_n(fake: Any) -> None:
 def test_a_large_allowed_batch_does_not_hold_a_bystander_back(
     fake: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """16 prompts x 4 choices (64 sequences, allowed) then a one-token bystander: the
-    bystander's prompt is computed within a few steps of its submission. Before: it waited
-    until every one of the batch's prompts had been admitted (hundreds of steps)."""
+    """16 prompts x 4 choices (64 sequences, allowed) then a one-token bystander from
+    another client: the bystander's prompt is computed within a few steps of its
+    submission. Before: it waited until every one of the batch's prompts had been admitted
+    (hundreds of steps). (One client's own requests queue behind each other: they share
+    its key, tests/test_server_client_fairness.py.)"""
     ctx, backend = fake
     app = create_app(ctx)
     bystander = ctx.tokenize("ZZZZ", add_special=False)[0]
@@ -94,15 +96,19 @@ def test_a_large_allowed_batch_does_not_hold_a_bystander_back(
     batch = {"prompt": [f"story {i}" for i in range(16)], "n_cmpl": 4, "n_predict": 200}
 
     async def go() -> tuple[httpx.Response, bool]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        transport = httpx.ASGITransport(app=app, client=("10.0.0.1", 123))
+        other = httpx.ASGITransport(app=app, client=("10.0.0.2", 123))
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+            httpx.AsyncClient(transport=other, base_url="http://test") as bystander_client,
+        ):
             big = asyncio.ensure_future(client.post("/completion", json=batch, timeout=120))
             for _ in range(10_000):  # until the batch is decoding
                 if len(backend.decode_log) >= 3:
                     break
                 await asyncio.sleep(0.01)
             small = {"prompt": "ZZZZ", "n_predict": 1}
-            answer = await client.post("/completion", json=small, timeout=120)
+            answer = await bystander_client.post("/completion", json=small, timeout=120)
             running = not big.done()
             big.cancel()  # the client leaves: its sequences are cancelled
             return answer, running

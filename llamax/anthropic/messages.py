@@ -65,19 +65,25 @@ def messages(
         InvalidRequestError: the request is malformed (nothing was enqueued).
         ContextLengthError: the conversation does not fit.
     """
-    submitted, stops = _submit(ctx, request, keep_billing_header)
+    submitted, stops = _submit(ctx, request, keep_billing_header, None)
     if request.get("stream"):
         return submitted.events(_EventBuilder(submitted, stops))
     return _message(submitted, submitted.handle.result(), stops)
 
 
 async def amessages(
-    ctx: Context, request: Mapping[str, Any], *, keep_billing_header: bool = False
+    ctx: Context,
+    request: Mapping[str, Any],
+    *,
+    keep_billing_header: bool = False,
+    fair_key: str | None = None,
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`messages` (needs the context's background loop). Mapping,
-    rendering and tokenizing run in a worker thread, so the event loop stays free."""
+    rendering and tokenizing run in a worker thread, so the event loop stays free.
+    ``fair_key``: the fairness key of the submitted request (``llamax.openai.submit_chat``;
+    the server passes the client's address), never a field of ``request``."""
     submitted, stops = await submit_in_worker(
-        lambda: _submit(ctx, request, keep_billing_header), lambda s: s[0]
+        lambda: _submit(ctx, request, keep_billing_header, fair_key), lambda s: s[0]
     )
     if request.get("stream"):
         return submitted.aevents(_EventBuilder(submitted, stops))
@@ -113,7 +119,7 @@ def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: st
 
 
 def _submit(
-    ctx: Context, request: Mapping[str, Any], keep_billing_header: bool
+    ctx: Context, request: Mapping[str, Any], keep_billing_header: bool, fair_key: str | None
 ) -> tuple[OpenAIRequest, list[str]]:
     if not isinstance(request, Mapping):
         raise InvalidRequestError("a messages request must be an object")
@@ -126,7 +132,8 @@ def _submit(
     if last["role"] == "assistant" and not last.get("tool_calls") and len(chat) > 1:
         prefill = (last.get("content") or "").rstrip()  # Anthropic refuses trailing space
         chat = chat[:-1]
-    submitted = submit_chat(ctx, chat, prefill=prefill, **options).named(request.get("model"))
+    submitted = submit_chat(ctx, chat, prefill=prefill, fair_key=fair_key, **options)
+    submitted = submitted.named(request.get("model"))
     return submitted, list(options.get("stop") or [])
 
 

@@ -55,17 +55,25 @@ class ChatHost(ChatModel, Protocol):
         *,
         priority: int = 0,
         request_id: str | None = None,
+        fair_key: str | None = None,
     ) -> RequestHandle:
         """Submit a prompt; returns its handle at once."""
 
 
-def _submitted(ctx: ChatHost, prepared: Prepared) -> OpenAIRequest:
-    handle = ctx.add_request(prepared.prompt, prepared.params, request_id=prepared.request_id)
+def _submitted(ctx: ChatHost, prepared: Prepared, fair_key: str | None = None) -> OpenAIRequest:
+    handle = ctx.add_request(
+        prepared.prompt, prepared.params, request_id=prepared.request_id, fair_key=fair_key
+    )
     return OpenAIRequest.of(handle, prepared, ctx)
 
 
 def submit_chat(
-    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], *, prefill: str = "", **options: Any
+    ctx: ChatHost,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    prefill: str = "",
+    fair_key: str | None = None,
+    **options: Any,
 ) -> OpenAIRequest:
     """The submitted request behind :func:`chat_completion`: its handle, and the methods
     that shape its results. For layers that build other shapes on it (``llamax.anthropic``).
@@ -77,6 +85,9 @@ def submit_chat(
         prefill: The start of the reply (Anthropic's assistant prefill): put after the
             opened assistant turn as plain text, so the model continues it; the result
             holds only what follows it.
+        fair_key: The fairness key the request's sequences share with other requests of
+            that key (``Context.add_request``; the server passes the client's address).
+            A keyword of the call, never an option, so a request body cannot set it.
         **options: Chat options.
 
     Raises:
@@ -90,7 +101,7 @@ def submit_chat(
         prepared = dataclasses.replace(
             prepared, prompt=[*prepared.prompt, *tail], num_positions=num
         )
-    return _submitted(ctx, prepared)
+    return _submitted(ctx, prepared, fair_key)
 
 
 def chat_prompt_tokens(
@@ -136,42 +147,66 @@ async def arespond(
 
 
 def chat_completion(
-    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
+    ctx: ChatHost,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    stream: bool = False,
+    fair_key: str | None = None,
+    **options: Any,
 ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
     """A ``chat.completion`` dict, or an iterator of ``chat.completion.chunk`` dicts when
     ``stream=True`` (first delta carries the role, the last chunk of each choice its
     ``finish_reason``; ``stream_options={"include_usage": True}`` adds a usage chunk).
-    Closing the iterator early cancels the request."""
+    Closing the iterator early cancels the request. ``fair_key``: see :func:`submit_chat`."""
     stream = check_flag(stream, "stream")
-    return respond(submit_chat(ctx, messages, **options), stream, options)  # type: ignore[return-value]
+    request = submit_chat(ctx, messages, fair_key=fair_key, **options)
+    return respond(request, stream, options)  # type: ignore[return-value]
 
 
 def completion(
-    ctx: ChatHost, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
+    ctx: ChatHost,
+    prompt: str | Sequence[int],
+    *,
+    stream: bool = False,
+    fair_key: str | None = None,
+    **options: Any,
 ) -> TextCompletion | Iterator[TextCompletion]:
-    """A ``text_completion`` dict, or an iterator of them when ``stream=True``."""
+    """A ``text_completion`` dict, or an iterator of them when ``stream=True``
+    (``fair_key``: see :func:`submit_chat`)."""
     stream = check_flag(stream, "stream")
-    request = _submitted(ctx, prepare.prepare_text(prompt, options))
+    request = _submitted(ctx, prepare.prepare_text(prompt, options), fair_key)
     return respond(request, stream, options)  # type: ignore[return-value]
 
 
 async def achat_completion(
-    ctx: ChatHost, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **options: Any
+    ctx: ChatHost,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    stream: bool = False,
+    fair_key: str | None = None,
+    **options: Any,
 ) -> ChatCompletion | AsyncIterator[ChatCompletionChunk]:
     """Async twin of :func:`chat_completion` (needs the background loop); ``aclose()`` on the
     returned iterator cancels the request. Rendering, truncation and tokenizing run in a
     worker thread, so the event loop stays free."""
     stream = check_flag(stream, "stream")
-    request = await _off_the_loop(lambda: submit_chat(ctx, messages, **options))
+    request = await _off_the_loop(lambda: submit_chat(ctx, messages, fair_key=fair_key, **options))
     return await arespond(request, stream, options)  # type: ignore[return-value]
 
 
 async def acompletion(
-    ctx: ChatHost, prompt: str | Sequence[int], *, stream: bool = False, **options: Any
+    ctx: ChatHost,
+    prompt: str | Sequence[int],
+    *,
+    stream: bool = False,
+    fair_key: str | None = None,
+    **options: Any,
 ) -> TextCompletion | AsyncIterator[TextCompletion]:
     """Async twin of :func:`completion`; tokenizing runs in a worker thread."""
     stream = check_flag(stream, "stream")
-    request = await _off_the_loop(lambda: _submitted(ctx, prepare.prepare_text(prompt, options)))
+    request = await _off_the_loop(
+        lambda: _submitted(ctx, prepare.prepare_text(prompt, options), fair_key)
+    )
     return await arespond(request, stream, options)  # type: ignore[return-value]
 
 

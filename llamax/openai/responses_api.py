@@ -78,7 +78,7 @@ def create_response(
         NotFoundError: ``previous_response_id`` names no stored response.
         ContextLengthError: the conversation does not fit.
     """
-    job = _submit(ctx, request, store, stored_input)
+    job = _submit(ctx, request, store, stored_input, None)
     if request.get("stream"):
         return job.submitted.events(ResponseEvents(job))
     return job.finish(job.submitted.handle.result())
@@ -90,12 +90,14 @@ async def acreate_response(
     *,
     store: ResponseStore | None = None,
     stored_input: Any = None,
+    fair_key: str | None = None,
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`create_response` (needs the context's background loop).
     Mapping, rendering and tokenizing run in a worker thread, so the event loop stays
-    free."""
+    free. ``fair_key``: the fairness key of the submitted request (:func:`submit_chat`;
+    the server passes the client's address), never a field of ``request``."""
     job = await submit_in_worker(
-        lambda: _submit(ctx, request, store, stored_input), lambda j: j.submitted
+        lambda: _submit(ctx, request, store, stored_input, fair_key), lambda j: j.submitted
     )
     if request.get("stream"):
         return job.submitted.aevents(ResponseEvents(job))
@@ -119,10 +121,14 @@ def response_input_tokens(
 
 
 def _submit(
-    ctx: ChatHost, request: Mapping[str, Any], store: ResponseStore | None, stored_input: Any
+    ctx: ChatHost,
+    request: Mapping[str, Any],
+    store: ResponseStore | None,
+    stored_input: Any,
+    fair_key: str | None,
 ) -> ResponseJob:
     request, chat, turn, options, earlier_items = _conversation(request, store)
-    submitted = submit_chat(ctx, chat, **options).named(request.get("model"))
+    submitted = submit_chat(ctx, chat, fair_key=fair_key, **options).named(request.get("model"))
     keep = store if request.get("store", True) is not False else None
     kept = dict(request) if stored_input is None else {**request, "input": stored_input}
     return ResponseJob(submitted, kept, turn, keep, options.get("max_tokens"), earlier_items)

@@ -21,6 +21,7 @@ from llamax.anthropic.fields import MESSAGES
 
 from .dialects import ANTHROPIC
 from .errors import APIError, anthropic_error_response, from_exception
+from .fairness import client_key
 from .images import prepare_images
 from .schemas import parse_object, without_unknown
 from .state import ServerState, admit_completion, run_leased
@@ -50,7 +51,9 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             _ENDPOINT,
             parse,
             _model_of,
-            lambda body, ctx: amessages(ctx, body, keep_billing_header=keep),
+            lambda body, ctx: amessages(
+                ctx, body, keep_billing_header=keep, fair_key=client_key(request)
+            ),
             dialect=ANTHROPIC,
             fields=REQUEST_FIELDS,
             prompt_field="messages",

@@ -31,6 +31,7 @@ from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
+from .fairness import client_key
 from .images import has_image_urls, prepare_images
 from .llama import timed_response_events
 from .schemas import parse_object, without_unknown
@@ -70,7 +71,9 @@ def responses_routes(state: ServerState) -> APIRouter:
             _ENDPOINT,
             parse,
             lambda body: body.get("model"),
-            lambda body, ctx: _create(state, body, ctx, llama=_is_llama_alias(request)),
+            lambda body, ctx: _create(
+                state, body, ctx, llama=_is_llama_alias(request), fair_key=client_key(request)
+            ),
             dialect=RESPONSES,
             fields=_FIELDS,
             prompt_field="input",
@@ -204,15 +207,18 @@ def _not_found(response_id: str) -> APIError:
 
 
 async def _create(
-    state: ServerState, body: dict[str, Any], ctx: llamax.Context, *, llama: bool
-) -> Any:
+    state: ServerState, body: dict[str, Any], ctx: llamax.Context, *, llama: bool,
+    fair_key: str | None,
+) -> Any:  # fmt: skip
     """:func:`acreate_response`; a stream with llama-server's ``timings`` where the request
     asks for ``timings_per_token``, and on llama-server's alias (``llama``) ended by
     ``response.completed`` as llama-server ends every stream (it sends no
-    ``response.incomplete``; the response's ``status`` still says ``incomplete``)."""
+    ``response.incomplete``; the response's ``status`` still says ``incomplete``). The
+    request holds its client's share (``fair_key``)."""
     started = time.perf_counter()
     reply = await acreate_response(ctx, _with_defaults(state, body), store=state.responses,
-                                   stored_input=getattr(body, "input_as_sent", None))  # fmt: skip
+                                   stored_input=getattr(body, "input_as_sent", None),
+                                   fair_key=fair_key)  # fmt: skip
     if isinstance(reply, dict) or body.get("stream") is not True:
         return reply
     if llama:

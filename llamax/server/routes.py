@@ -17,7 +17,7 @@ import llamax
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
-from .fairness import check_num_sequences
+from .fairness import check_num_sequences, client_key
 from .images import prepare_images
 from .llama import with_llama_extras
 from .schemas import (
@@ -62,7 +62,8 @@ def api_routes(state: ServerState) -> APIRouter:
             return options
 
         def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            reply = ctx.achat_completion(body.messages, **options, **_echo(state, body, ctx))
+            reply = ctx.achat_completion(body.messages, **options, **_echo(state, body, ctx),
+                                         fair_key=client_key(request))  # fmt: skip
             if not (body.timings_per_token or body.verbose):
                 return reply
             return with_llama_extras(ctx, body.messages, options, reply,
@@ -86,7 +87,8 @@ def api_routes(state: ServerState) -> APIRouter:
             prompt = body.prompt
             if body.suffix:  # tokenized in a worker: the event loop stays free
                 prompt = await run_in_threadpool(fim_prompt, ctx, body.prompt, body.suffix)
-            result = await ctx.acompletion(prompt, **options, **_echo(state, body, ctx))
+            result = await ctx.acompletion(prompt, **options, **_echo(state, body, ctx),
+                                           fair_key=client_key(request))  # fmt: skip
             if not body.echo:
                 return result
             prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)

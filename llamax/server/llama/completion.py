@@ -31,10 +31,11 @@ __all__ = ["start_completion"]
 
 async def start_completion(
     request: NativeRequest, ctx: llamax.Context, model: str,
-    tables: SlotTables,
+    tables: SlotTables, *, fair_key: str | None = None,
 ) -> Any:  # fmt: skip
-    """Submit ``request`` and answer: a result (a list of them for several prompts or
-    choices), or an async iterator of chunks when it streams.
+    """Submit ``request`` under its client's ``fair_key``
+    (:func:`~llamax.server.fairness.client_key`) and answer: a result (a list of them for
+    several prompts or choices), or an async iterator of chunks when it streams.
 
     Raises:
         LlamaError: 400 for ``id_slot`` with several prompts or choices; what
@@ -48,8 +49,9 @@ async def start_completion(
                              "(send several prompts, or n_cmpl > 1, without it)")  # fmt: skip
         params = await run_in_threadpool(_with_text_bias, ctx, request)
         tokens = partial(_prompt_tokens, ctx, request.prompts[0])
-        return await run_job(ctx, tables, request, params, tokens, model=request.model or model)
-    return await _start(request, ctx, model)
+        return await run_job(ctx, tables, request, params, tokens,
+                             model=request.model or model, fair_key=fair_key)  # fmt: skip
+    return await _start(request, ctx, model, fair_key)
 
 
 def _prompt_tokens(ctx: llamax.Context, prompt: NativePrompt) -> list[int | llamax.Image]:
@@ -80,12 +82,12 @@ def _with_text_bias(ctx: llamax.Context, request: NativeRequest) -> llamax.Sampl
 
 
 def _submit(
-    ctx: llamax.Context, request: NativeRequest
+    ctx: llamax.Context, request: NativeRequest, fair_key: str | None
 ) -> tuple[list[list[int | llamax.Image]], list[int], list[llamax.RequestHandle]]:
     """Tokenize every prompt, count its positions (reading its images) and submit it (none
-    when ``n_predict`` is 0), several under one fairness key of this call's
-    (:mod:`~llamax.server.fairness`); if one is refused, the ones already submitted are
-    cancelled."""
+    when ``n_predict`` is 0), all under the client's ``fair_key``, or where the peer is
+    unknown several under one key of this call's (:mod:`~llamax.server.fairness`); if one
+    is refused, the ones already submitted are cancelled."""
     prompts = [_prompt_tokens(ctx, p) for p in request.prompts]
     sizes = [num_positions(ctx, p) for p in prompts]
     handles: list[llamax.RequestHandle] = []
@@ -95,7 +97,7 @@ def _submit(
                 raise llamax.EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
         return prompts, sizes, handles
     params = _with_text_bias(ctx, request)
-    key = call_key() if len(prompts) > 1 else None  # the prompts hold one fair share
+    key = fair_key or (call_key() if len(prompts) > 1 else None)  # one fair share
     try:
         for tokens in prompts:
             handles.append(ctx.add_request(tokens, params, fair_key=key))
@@ -146,8 +148,10 @@ class _Run:
         )  # fmt: skip
 
 
-async def _start(request: NativeRequest, ctx: llamax.Context, model: str) -> Any:
-    prompts, sizes, handles = await run_in_threadpool(_submit, ctx, request)
+async def _start(
+    request: NativeRequest, ctx: llamax.Context, model: str, fair_key: str | None
+) -> Any:
+    prompts, sizes, handles = await run_in_threadpool(_submit, ctx, request, fair_key)
     run = _Run(ctx, request, prompts, sizes, model)
     if request.stream:
         return _stream(run, handles)

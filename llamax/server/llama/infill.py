@@ -32,6 +32,7 @@ from starlette.responses import Response
 import llamax
 
 from ..dialects import LLAMA
+from ..fairness import client_key
 from ..schemas import parse_object
 from ..state import ServerState, admit_completion
 from .errors import LlamaError
@@ -207,7 +208,8 @@ def infill_routes(state: ServerState, tables: SlotTables) -> APIRouter:
                 n_predict=-1 if n_predict is None else n_predict,
             )  # fmt: skip
             model = native.model or state.model_name(ctx)
-            return await run_job(ctx, tables, native, native.params, tokens, model=model)
+            return await run_job(ctx, tables, native, native.params, tokens, model=model,
+                                 fair_key=client_key(request))  # fmt: skip
 
         return await admit_completion(
             state, request, "infill", partial(_parse, state=state),

@@ -24,10 +24,12 @@ async def run_job(
     ctx: llamax.Context, tables: SlotTables,
     request: NativeRequest, params: llamax.SamplingParams,
     tokens: Callable[[], Sequence[int | llamax.Image]], *, model: str,
+    fair_key: str | None = None,
 ) -> Any:  # fmt: skip
     """Build the prompt (``tokens()``, and its images read to count its positions, in a
     worker: a bad image is refused there), start a :class:`NativeJob` on it and answer: its
-    chunks when ``request.stream``, else its whole answer.
+    chunks when ``request.stream``, else its whole answer. ``fair_key``: the client's
+    (:func:`~llamax.server.fairness.client_key`).
 
     Raises:
         LlamaError: see :meth:`NativeJob.start`; and what ``tokens`` raises.
@@ -36,7 +38,15 @@ async def run_job(
     try:
         prompt, size = await run_in_threadpool(lambda: _counted(ctx, tokens()))
         job = await NativeJob.start(
-            ctx, table_of(tables, ctx), request, params, prompt, size, stack, model=model
+            ctx,
+            table_of(tables, ctx),
+            request,
+            params,
+            prompt,
+            size,
+            stack,
+            model=model,
+            fair_key=fair_key,
         )
     except BaseException:
         await stack.aclose()
@@ -81,13 +91,15 @@ class NativeJob:
     async def start(
         cls, ctx: llamax.Context, slots: SlotTable, request: NativeRequest,
         params: llamax.SamplingParams, tokens: list[int | llamax.Image], num_positions: int,
-        stack: AsyncExitStack, *, model: str,
+        stack: AsyncExitStack, *, model: str, fair_key: str | None = None,
     ) -> NativeJob:  # fmt: skip
         """Take the slot ``request.id_slot`` names (waiting while another request holds
         it; ``-1``: any sequence) and submit ``tokens`` (``num_positions`` of them, an
         image counted by its positions) with ``params``. What ``stack``
         holds (the slot, the handle) is given back when the job ends; ``model`` is the name
-        the answer gives the model.
+        the answer gives the model. Off a slot the request holds its client's share
+        (``fair_key``); on a slot it runs on the slot's session, whose sequence id it
+        holds already.
 
         Raises:
             LlamaError: 400 for a bad ``id_slot``; llamax's errors for a prompt it refuses,
@@ -104,8 +116,12 @@ class NativeJob:
             slot = slots.idle()
         slots.begin(slot, request.settings, num_positions)
         stack.callback(slots.end, slot)
-        add = ctx.add_request if session is None else session.add_request
-        handle = await _added_in_worker(lambda: add(tokens, params))
+        if session is None:
+            handle = await _added_in_worker(
+                lambda: ctx.add_request(tokens, params, fair_key=fair_key)
+            )
+        else:
+            handle = await _added_in_worker(lambda: session.add_request(tokens, params))
         stack.callback(handle.cancel)  # a no-op once it has finished
         return cls(ctx, slot, request, tokens, num_positions, handle, stack, model)
 

@@ -23,7 +23,7 @@ from llamax.openai import chat_prompt_tokens
 
 from ..dialects import LLAMA
 from ..errors import APIError, from_exception, llama_body
-from ..fairness import check_num_sequences
+from ..fairness import check_num_sequences, client_key
 from ..guard import shown_path
 from ..images import prepare_images
 from ..schemas import ChatCompletionRequest, parse_body, parse_object
@@ -63,7 +63,9 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
             "completion",
             parse,
             lambda body: body.model,
-            lambda body, ctx: start_completion(body, ctx, state.model_name(ctx), tables),
+            lambda body, ctx: start_completion(
+                body, ctx, state.model_name(ctx), tables, fair_key=client_key(request)
+            ),
             dialect=LLAMA,
             fields=FIELDS,
             prompt_field="prompt",
