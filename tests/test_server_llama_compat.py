@@ -167,7 +167,7 @@ def test_llamax_serve_sends_cors_names_as_llama_server_on_the_wire(
     args = ["m.gguf"] if http == "h11" else ["m.gguf", "--http", http]
     with monkeypatch.context() as patched:  # what `llamax serve` hands uvicorn
         patched.setattr(cli.uvicorn, "Config", lambda app, **kw: configs.append(kw))
-        patched.setattr(cli.uvicorn, "Server", lambda config: _NoServer())
+        patched.setattr(cli, "GracefulServer", lambda config: _NoServer())
         patched.setattr(ctx, "close", lambda timeout=None: None)
         cli._serve(create_app(ctx), loading, build_parser().parse_args(args))
     assert configs[-1]["http"] == http
@@ -185,6 +185,8 @@ def test_llamax_serve_sends_cors_names_as_llama_server_on_the_wire(
 
 
 class _NoServer:
+    force_exit = False
+
     def run(self) -> None:
         pass
 
