@@ -20,7 +20,7 @@ from dataclasses import asdict
 import llamax
 from llamax.batch import generate
 from llamax.flags import add_option_flags, option_values
-from llamax.info import ModelInfo, model_info
+from llamax.info import ModelInfo, max_cells, model_info
 
 __all__ = ["main"]
 
@@ -307,7 +307,28 @@ def _info_rows(info: ModelInfo, mmproj: str | None = None) -> list[tuple[str, st
         ("chat template", yes(info.has_chat_template)),
         ("memory", f"{memory}; can shift: {yes(info.can_shift)}, can copy: {yes(info.can_copy)}"),
         ("sees images", yes(info.sees_images) + ("" if mmproj else " (no --mmproj given)")),
+        *_memory_rows(info),
     ]
+
+
+def _memory_rows(info: ModelInfo) -> list[tuple[str, str]]:
+    """What the KV cache costs (measured by :func:`~llamax.model_info`) and the largest
+    ``n_ctx`` (cells over all sequences) beside the weights in a few RAM sizes."""
+    cell = info.kv_bytes_per_cell
+    per_8k = f"n_ctx 8192: {cell * 8192 / 2**20:.0f} MiB"
+    rows = [("KV per cell", f"{cell / 1024:.1f} KiB (F16; {per_8k})")]
+    state = info.state_bytes_per_seq
+    if state >= 1024:
+        rows.append(("state per seq", f"{state / 1024:.1f} KiB (whatever its length)"))
+    if cell:
+        fits = ", ".join(f"{gib} GiB: {max_cells(info, gib << 30):,}" for gib in (8, 16, 32))
+        rows.append(("n_ctx in RAM", f"{fits} (beside the weights; compute buffers extra)"))
+    elif state:
+        fits = ", ".join(
+            f"{gib} GiB: {max(0, (gib << 30) - info.size_bytes) // state:,}" for gib in (8, 16, 32)
+        )
+        rows.append(("seqs in RAM", f"{fits} (beside the weights; compute buffers extra)"))
+    return rows
 
 
 def _serve(argv: list[str]) -> int:

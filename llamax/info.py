@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .models import default_model_path
 
-__all__ = ["ModelInfo", "model_info"]
+__all__ = ["ModelInfo", "max_cells", "model_info"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,15 @@ class ModelInfo:
     """Whether the KV memory supports position shifts (chat history shift)."""
     can_copy: bool
     """Whether partial sequence copies work (prefix sharing): false for recurrent memories."""
+    kv_bytes_per_cell: int = 0
+    """Memory one more token of a sequence takes (attention KV at F16), measured on a
+    small context as the growth of a sequence's saved state (which adds a cell's position
+    and sequence id, 12 bytes): ``n_ctx`` cells take about ``n_ctx * kv_bytes_per_cell``.
+    0 for a recurrent model. A sliding-window layer holds only its window, so past the
+    window this is an upper bound."""
+    state_bytes_per_seq: int = 0
+    """Memory a sequence takes whatever its length (a recurrent or hybrid model's state;
+    about 0 for attention alone), measured as :attr:`kv_bytes_per_cell` is."""
     sees_images: bool = False
     """Whether prompts may hold images: a projector (``mmproj``) that encodes them goes
     with the model (``model_info(path, mmproj=...)``, or a context's ``model_info()``)."""
@@ -70,3 +79,16 @@ def model_info(
 
     path = Path(model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()).expanduser()
     return ModelInfo(path=path, **read_model_facts(path, mmproj=mmproj))
+
+
+def max_cells(info: ModelInfo, ram_bytes: int, *, n_seq_max: int = 1) -> int:
+    """The most KV cells (``n_ctx``, over all sequences) that fit in ``ram_bytes`` beside
+    the model's weights and ``n_seq_max`` sequences' fixed state, by ``info``'s measured
+    costs; 0 when the weights alone do not fit. A rough plan: llama.cpp's compute buffers
+    (about 100 MiB for a small model) and the process come on top."""
+    room = ram_bytes - info.size_bytes - n_seq_max * info.state_bytes_per_seq
+    if room <= 0:
+        return 0
+    if info.kv_bytes_per_cell == 0:
+        return info.context_length * n_seq_max
+    return room // info.kv_bytes_per_cell

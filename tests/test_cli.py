@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import llamax.info
 from llamax import cli
 
 pexpect = pytest.importorskip("pexpect")
@@ -148,6 +149,26 @@ def test_info_prints_gguf_metadata(capsys: pytest.CaptureFixture[str], model_pat
     assert facts["n_embd"] == 576 and facts["has_chat_template"] is True
     assert cli.main(["info", str(model_path.with_suffix(".missing"))]) == 1
     assert "llamax: error: model file not found" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_info_measures_what_the_kv_cache_costs(
+    capsys: pytest.CaptureFixture[str], model_path: Path
+) -> None:
+    """``llamax info`` measures a cell's cost (issue 57: the "Choosing a model" page's
+    table): SmolLM2 has 30 layers of 3 KV heads of 64 dims, K and V in F16, so 23,040 bytes
+    a cell, plus the 12 bytes a saved cell carries (its position and sequence id)."""
+    info = llamax.model_info(model_path)
+    assert info.kv_bytes_per_cell == 30 * 3 * 64 * 2 * 2 + 12
+    assert info.state_bytes_per_seq < 4096  # attention alone: a header, no fixed state
+    assert llamax.info.max_cells(info, 8 << 30) == (
+        ((8 << 30) - info.size_bytes - info.state_bytes_per_seq) // info.kv_bytes_per_cell
+    )
+    assert llamax.info.max_cells(info, info.size_bytes) == 0
+    assert cli.main(["info", str(model_path)]) == 0
+    out = capsys.readouterr().out
+    assert "KV per cell:    22.5 KiB (F16; n_ctx 8192: 180 MiB)" in out
+    assert "n_ctx in RAM:   8 GiB: " in out
 
 
 @pytest.mark.model

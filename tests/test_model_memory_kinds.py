@@ -81,6 +81,11 @@ def test_the_written_models_are_the_memory_kinds_they_claim(
         "sliding_window": ("gemma3", False, False, 32),
     }
     assert all(path.stat().st_size < 10_000_000 for path in memory_models.values())
+    # `llamax info` measures memory (issue 57): a recurrent state does not grow a token at
+    # a time; attention (the hybrid's attention layers, the sliding window's) does
+    assert infos["recurrent"].kv_bytes_per_cell == 0 < infos["recurrent"].state_bytes_per_seq
+    assert infos["hybrid"].kv_bytes_per_cell > 0 < infos["hybrid"].state_bytes_per_seq
+    assert infos["sliding_window"].kv_bytes_per_cell > 0
     again = memory_model_files.script().write_memory_model(
         memory_models["hybrid"].with_name("again.gguf"), kind="hybrid", tokenizer_from=model_path
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelLoadError
-from .native import NativeContext, NativeModel, bindings, context_params
+from .native import NativeBatch, NativeContext, NativeModel, bindings, context_params
 
 __all__ = ["read_model_facts"]
 
@@ -39,7 +39,31 @@ def read_model_facts(path: Path, *, mmproj: str | os.PathLike[str] | None = None
             raise ModelLoadError(f"llama.cpp could not create a context for {path}")
         with closing(context):
             facts["can_shift"] = context.can_shift()
+            facts["kv_bytes_per_cell"], facts["state_bytes_per_seq"] = _measure_memory(
+                C, model, context
+            )
         return facts
+
+
+def _measure_memory(C: Any, model: NativeModel, context: NativeContext) -> tuple[int, int]:
+    """What one more cell of a sequence costs, and what a sequence costs before any cell,
+    measured: the size of sequence 0's saved state after one token, and after two
+    (``llama_state_seq_get_size``). Attention KV grows by a cell a token (at the
+    context's KV type, F16 here); a recurrent state does not grow."""
+    batch = NativeBatch(C, 2)
+    try:
+        sizes = []
+        for pos in (0, 1):
+            batch.tokens[0], batch.pos[0], batch.logits[0] = model.bos(), pos, 0
+            batch.seq_rows[0][0] = 0
+            batch.set_n_tokens(1)
+            if context.decode(batch) != 0:
+                raise ModelLoadError("llama.cpp could not decode a token to measure the memory")
+            sizes.append(int(C.llama_state_seq_get_size(context.ptr, 0)))
+    finally:
+        batch.close()
+    per_cell = max(0, sizes[1] - sizes[0])
+    return per_cell, max(0, sizes[0] - per_cell)
 
 
 def _model_facts(model: NativeModel) -> dict[str, Any]:
