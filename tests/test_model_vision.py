@@ -181,17 +181,35 @@ def test_bad_image_files_are_typed_errors(projector: Projector, data: bytes, say
         projector.decode_image(data, **LIMITS)
 
 
+def _with_idat(good: bytes, body: bytes) -> bytes:
+    """``good`` (a PNG of one IDAT chunk) with that chunk's data replaced by ``body``."""
+    idat = good.index(b"IDAT") - 4
+    (length,) = struct.unpack(">I", good[idat : idat + 4])
+    chunk = struct.pack(">I", len(body)) + b"IDAT" + body
+    crc = struct.pack(">I", zlib.crc32(b"IDAT" + body))
+    return good[:idat] + chunk + crc + good[idat + 12 + length :]
+
+
 def test_pixels_stb_cannot_read_fail_in_the_decoder_not_in_ffmpeg(
     projector: Projector, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A whole PNG (CRCs right) whose IDAT is no zlib stream: stb_image refuses it and
-    mtmd's helper tries it as a video, with an ffmpeg directory that holds none."""
+    """A whole PNG (CRCs right) whose IDAT is no zlib stream is refused by llamax's own
+    inflate check (issue 54: what IDAT inflates to is bounded before stb_image runs). One
+    whose rows inflate to the right size but name a filter PNG does not have (5) passes
+    that check: stb_image refuses it and mtmd's helper tries it as a video, with an ffmpeg
+    directory that holds none."""
     good = png(pixels(3))
     idat = good.index(b"IDAT") - 4
     (length,) = struct.unpack(">I", good[idat : idat + 4])
-    garbage = b"\x00" * length
-    chunk = good[idat : idat + 8] + garbage + struct.pack(">I", zlib.crc32(b"IDAT" + garbage))
-    data = good[:idat] + chunk + good[idat + 12 + length :]
+    garbage = _with_idat(good, b"\x00" * length)
+    with pytest.raises(ImageError, match="does not inflate"):
+        projector.decode_image(garbage)
+    rows = bytearray(zlib.decompress(good[idat + 8 : idat + 8 + length]))
+    (height,) = struct.unpack(">I", good[20:24])  # IHDR: width, then height
+    row_bytes = len(rows) // height  # each row: a filter byte, then its RGB
+    for row in range(height):
+        rows[row * row_bytes] = 5
+    data = _with_idat(good, zlib.compress(bytes(rows)))
     assert read_image_header(data).format == "png"
     with (
         caplog.at_level(logging.DEBUG, logger="llamax.llama_cpp"),

@@ -8,6 +8,8 @@ steps), never in seconds."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,25 @@ def recorded(ctx: llamax.Context, backend: FakeBackend, mp: pytest.MonkeyPatch) 
     return submitted
 
 
+def hold_until_the_bystander_came(
+    backend: FakeBackend, submitted: Submitted, token: int, mp: pytest.MonkeyPatch
+) -> None:
+    """Hold the engine's steps until the request holding ``token`` is submitted, so the
+    flood is still queued when the second client comes however fast the engine steps
+    (on a busy machine the HTTP side is slower, and the flood could end first)."""
+    decode, came = backend.decode, threading.Event()
+
+    def held(items: Any) -> int:
+        for _ in range(12_000):
+            if came.is_set() or any(token in tokens for _, tokens, _ in submitted):
+                came.set()
+                break
+            time.sleep(0.01)
+        return decode(items)
+
+    mp.setattr(backend, "decode", held)
+
+
 def admitted_at(backend: FakeBackend, token: int) -> int:
     """The first step that computes a prompt holding ``token``."""
     return next(i for i, step in enumerate(backend.decode_log)
@@ -123,6 +144,7 @@ def test_a_second_client_is_admitted_within_steps_of_40_requests_of_another(
     ctx, backend = fake
     submitted = recorded(ctx, backend, monkeypatch)
     bystander = ctx.tokenize("ZZZZ", add_special=False)[0]
+    hold_until_the_bystander_came(backend, submitted, bystander, monkeypatch)
     answer, running = asyncio.run(_flood_then_bystander(create_app(ctx), path, submitted))
     assert answer.status_code == 200, answer.text[:300]
     came = next(step for step, tokens, _ in submitted if bystander in tokens)
