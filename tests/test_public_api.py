@@ -74,7 +74,7 @@ EXPECTED_ALL = [
 PUBLIC_MODULES = {
     "llamax.batch": ["Prompt", "agenerate", "generate"],
     "llamax.embeddings": ["Embedder", "Pooling"],
-    "llamax.info": ["ModelInfo", "model_info"],
+    "llamax.info": ["ModelInfo", "max_cells", "model_info"],
     "llamax.cli": ["main"],
     "llamax.anthropic": ["REQUEST_FIELDS", "amessages", "count_tokens", "messages"],
     "llamax.openai": [
