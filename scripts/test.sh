@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (idempotent), then lint, type-check and run the whole test suite.
+# Set up (idempotent), then lint, type-check and run the tests: the default selection plus
+# the `integration` and `browser` markers (docs/testing.md says which marker runs where).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$repo/scripts/bootstrap.sh"
@@ -18,4 +19,4 @@ if ! NO_MKDOCS_2_WARNING=1 "$py" -m mkdocs build --strict --site-dir "$site/html
   echo "mkdocs build --strict failed (the warnings above)" >&2
   exit 1
 fi
-"$py" -m pytest -q --durations=15 "$@"
+"$py" -m pytest -q --durations=15 -m "not soak and not cluster and not gpu" "$@"

@@ -42,6 +42,7 @@ def finish(child: object) -> int:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_run_streams_a_chat_reply() -> None:
     child = spawn(
         "run",
@@ -59,6 +60,7 @@ def test_run_streams_a_chat_reply() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_run_writes_as_tokens_arrive(monkeypatch: pytest.MonkeyPatch, model_path: Path) -> None:
     writes: list[str] = []
     monkeypatch.setattr(sys.stdout, "write", writes.append)
@@ -84,6 +86,7 @@ def test_run_writes_as_tokens_arrive(monkeypatch: pytest.MonkeyPatch, model_path
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_chat_repl_streams_resets_and_exits() -> None:
     child = spawn("chat", "--max-tokens", "12", "--temperature", "0", *FAST)
     child.expect("/reset clears the conversation")
@@ -101,6 +104,7 @@ def test_chat_repl_streams_resets_and_exits() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on() -> None:
     child = spawn("chat", "--max-tokens", "400", "--temperature", "0", *FAST)
     child.expect("> ")
@@ -121,6 +125,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_chat_shifts_history_and_ends_at_eof() -> None:
     child = spawn("chat", "--max-tokens", "16", "--temperature", "0", "--max-context", "96", *FAST)
     child.expect("> ")
@@ -137,6 +142,7 @@ def test_chat_shifts_history_and_ends_at_eof() -> None:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_info_prints_gguf_metadata(capsys: pytest.CaptureFixture[str], model_path: Path) -> None:
     child = spawn("info", str(model_path))
     child.expect(r"architecture:\s+llama")
@@ -152,6 +158,7 @@ def test_info_prints_gguf_metadata(capsys: pytest.CaptureFixture[str], model_pat
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_info_measures_what_the_kv_cache_costs(
     capsys: pytest.CaptureFixture[str], model_path: Path
 ) -> None:
@@ -172,6 +179,7 @@ def test_info_measures_what_the_kv_cache_costs(
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_info_says_whether_the_model_sees_images(
     capsys: pytest.CaptureFixture[str], model_path: Path
 ) -> None:
@@ -190,6 +198,7 @@ def test_info_says_whether_the_model_sees_images(
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_bench_prints_tokens_per_second() -> None:
     child = spawn("bench", "--n", "1", "4", "--max-tokens", "8", *FAST, timeout=300)
     child.expect(r"N=1\s+[\d.]+ tok/s")

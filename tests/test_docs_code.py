@@ -171,6 +171,7 @@ def _close_contexts(namespace: dict[str, Any]) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 @pytest.mark.parametrize("page", RUNNABLE)
 def test_docs_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Run a page's blocks in order in one namespace, on the default model.

@@ -190,6 +190,7 @@ def served(walk: Walk) -> Iterator[str]:
     assert "Traceback" not in output, output[-3000:]
 
 
+@pytest.mark.browser
 def test_the_chat_page_behind_a_prefix_answers_in_chromium(served: str) -> None:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run 'bash scripts/install_browser.sh' (as root) "

@@ -22,7 +22,7 @@ import llamax
 from llamax.server import BackgroundServer, create_app
 from llamax.testing import assert_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.integration]
 
 
 class SetAge(BaseModel):

@@ -23,7 +23,7 @@ import llamax
 from llamax.server import BackgroundServer, create_app
 from llamax.testing import assert_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.browser]
 
 CHROMIUM = os.environ.get("LLAMAX_CHROMIUM", "/usr/bin/chromium")
 SCREENSHOT = Path(__file__).parent.parent / "docs" / "img" / "chat-page.png"
