@@ -48,8 +48,8 @@ def lora_ctx(model_path: Path, adapters: dict[str, str]) -> Iterator[llamax.Cont
     ctx.close()
 
 
-def greedy(**options: Any) -> llamax.SamplingParams:
-    return llamax.SamplingParams(max_tokens=24, temperature=0, **options)
+def greedy(max_tokens: int = 24, **options: Any) -> llamax.SamplingParams:
+    return llamax.SamplingParams(max_tokens=max_tokens, temperature=0, **options)
 
 
 def test_scale_zero_is_the_base_model_and_the_adapter_changes_greedy_output(
@@ -143,21 +143,22 @@ def test_a_fork_or_a_loaded_session_never_gives_its_adapter_kv_to_base_requests(
 ) -> None:
     """Regression: a fork, and a session loaded from a file, lost the adapter set their
     cells were computed under: a base request on them, and another user's plain request
-    sharing the prompt, reused the adapter's KV and answered from it."""
+    sharing the prompt, reused the adapter's KV and answered from it. Eight tokens: reused
+    KV shows in ``cached_tokens`` (asserted 0), whatever the length."""
     lora_ctx.clear_cache()
-    cold = lora_ctx.add_request(PROMPT, greedy()).result()
+    cold = lora_ctx.add_request(PROMPT, greedy(8)).result()
     lora_ctx.clear_cache()
     path = tmp_path / "warm.llamax"
     with lora_ctx.session() as session:
-        session.add_request(PROMPT, greedy(lora={"warm": 1.0})).result()
+        session.add_request(PROMPT, greedy(8, lora={"warm": 1.0})).result()
         session.save(path)
         with session.fork() as fork:
-            plain = lora_ctx.add_request(PROMPT, greedy()).result()
-            on_fork = fork.add_request(PROMPT, greedy()).result()
+            plain = lora_ctx.add_request(PROMPT, greedy(8)).result()
+            on_fork = fork.add_request(PROMPT, greedy(8)).result()
     lora_ctx.clear_cache()
     with lora_ctx.load_session(path) as loaded:
-        plain_after_load = lora_ctx.add_request(PROMPT, greedy()).result()
-        on_loaded = loaded.add_request(PROMPT, greedy()).result()
+        plain_after_load = lora_ctx.add_request(PROMPT, greedy(8)).result()
+        on_loaded = loaded.add_request(PROMPT, greedy(8)).result()
     lora_ctx.clear_cache()
     probe = make_real(n_ctx=1024, n_seq_max=1, lora=adapters)
     for done in (plain, on_fork, plain_after_load, on_loaded):
