@@ -98,7 +98,10 @@ def test_llama_cpp_accepts_every_grammar_shape(
     assert real_ctx.add_request("Hello", params).result(timeout=60).usage.completion_tokens == 1
 
 
+@pytest.mark.integration
 def test_required_weather_call_validates(real_ctx: llamax.Context) -> None:
+    """Integration: the default run makes the same required call through chat_completion
+    (test_chat_completion_required_and_named_calls), its arguments validated alike."""
     plan = prepare_tools([WEATHER], "required", parallel_tool_calls=False)
     reply, done = _generate(real_ctx, ASK_WEATHER, plan, max_tokens=48)
     assert done.finish_reason == "stop" and reply.finish_reason == "tool_calls"
