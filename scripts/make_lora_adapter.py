@@ -16,6 +16,7 @@ the ``gguf`` package (the ``bench`` and ``dev`` extras).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -46,10 +47,7 @@ def write_lora_adapter(
 
     from llamax.models import default_model_path
 
-    reader = gguf.GGUFReader(str(model or default_model_path()))
-    arch = str(reader.fields["general.architecture"].contents())
-    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}  # ggml ne order
-    blocks = int(reader.fields[f"{arch}.block_count"].contents())  # type: ignore[arg-type]
+    arch, shapes, blocks = _model_layout(str(model or default_model_path()))
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")
@@ -69,6 +67,21 @@ def write_lora_adapter(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+@functools.cache
+def _model_layout(model: str) -> tuple[str, dict[str, list[int]], int]:
+    """The model's architecture, tensor shapes (ggml ``ne`` order) and block count.
+
+    Cached: reading the model's header (its whole vocabulary) costs more than writing an
+    adapter, and the tests write several for the same model."""
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+    arch = str(reader.fields["general.architecture"].contents())
+    shapes = {t.name: [int(n) for n in t.shape] for t in reader.tensors}
+    blocks = int(reader.fields[f"{arch}.block_count"].contents())
+    return arch, shapes, blocks
 
 
 def main(argv: list[str]) -> int:

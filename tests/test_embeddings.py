@@ -57,7 +57,8 @@ def test_paraphrases_are_closer_than_unrelated_sentences(embedder: Embedder) -> 
 
 
 def test_many_texts_are_packed_per_decode_and_match_one_by_one(embedder: Embedder) -> None:
-    texts = [f"Sentence number {i} is about {TEXTS[i % 5]}" for i in range(10)]
+    """Six texts on n_seq_max=4: a full decode of four, then the remainder of two."""
+    texts = [f"Sentence number {i} is about {TEXTS[i % 5]}" for i in range(6)]
     backend = embedder._backend
     assert backend is not None
     sizes: list[int] = []
@@ -73,7 +74,7 @@ def test_many_texts_are_packed_per_decode_and_match_one_by_one(embedder: Embedde
         alone = np.concatenate([embedder.embed([t]) for t in texts])
     finally:
         del backend.embed_batch
-    assert sizes[:3] == [4, 4, 2]  # n_seq_max=4 texts per llama_decode
+    assert sizes == [4, 2] + [1] * 6  # n_seq_max=4 texts per llama_decode, then one by one
     for a, b in zip(together, alone, strict=True):
         assert cosine(a, b) > 0.999
 
@@ -117,8 +118,10 @@ def test_typed_errors(embedder: Embedder, model_path: Path) -> None:
         closed.embed(["a"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
 def test_matches_llama_cpp_python(model_path: Path, pooling: Pooling) -> None:
+    """Integration: llama-cpp-python loads a second native model for the reference."""
     llama_cpp = pytest.importorskip("llama_cpp")
     pooling_type = {
         "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,

@@ -400,9 +400,13 @@ def llama_accepts(model_path: Path) -> Iterator[Callable[[str, str], bool]]:
         C.llama_sampler_apply(sampler, ctypes.byref(array))
         return bool(data[0].logit != -math.inf)
 
+    parsed: dict[str, Any] = {}  # a clone copies the parsed rules: parsing is the cost
+
     def accepts(grammar: str, text: str) -> bool:
-        sampler = C.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-        assert sampler, "llama.cpp refused the grammar"
+        if grammar not in parsed:
+            parsed[grammar] = C.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            assert parsed[grammar], "llama.cpp refused the grammar"
+        sampler = C.llama_sampler_clone(parsed[grammar])
         try:
             for char in text:
                 if not survives(sampler, tokens[char]):
@@ -413,6 +417,8 @@ def llama_accepts(model_path: Path) -> Iterator[Callable[[str, str], bool]]:
             C.llama_sampler_free(sampler)
 
     yield accepts
+    for sampler in parsed.values():
+        C.llama_sampler_free(sampler)
     C.llama_model_free(model)
 
 

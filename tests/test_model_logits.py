@@ -203,18 +203,22 @@ def run_batch(
     return [h.result(0) for h in handles], other
 
 
+@pytest.mark.integration
 def test_raising_processor_fails_only_its_request(make_real: MakeReal) -> None:
-    """A processor that raises fails its own request; its 15 batch neighbours finish normally.
+    """A processor that raises fails its own request; its 7 batch neighbours finish normally.
 
-    Neighbours are compared token for token with two references: the 15 prompts run
+    Neighbours are compared token for token with two references: the 7 prompts run
     without the faulty one (faulty request submitted last), and the same batch where the
     faulty request is replaced by a well-behaved one that stops at the same step (faulty
     request in the middle). The middle case cannot be compared with the run without it:
     once any neighbour leaves, llama.cpp puts later tokens into the cells it freed, which
     reorders the attention sums of the sequences after it and can flip near-tie tokens.
+    Seven neighbours (the faulty row between three and four of them) force the same rows
+    as fifteen did. Integration: four batches on a fresh context; the default run keeps
+    the one-step form (test_wrong_shape_or_dtype_fails_the_request).
     """
-    ctx = make_real(autostart=False, n_ctx=2048, n_seq_max=16, prefix_cache=False)
-    prompts = [chatml(q) for q in QUESTIONS]
+    ctx = make_real(autostart=False, n_ctx=2048, n_seq_max=8, prefix_cache=False)
+    prompts = [chatml(q) for q in QUESTIONS[:7]]
     boom = RuntimeError("bug in a user processor")
     calls: list[int] = []
 
@@ -227,8 +231,8 @@ def test_raising_processor_fails_only_its_request(make_real: MakeReal) -> None:
     stops_at_once = (faulty_prompt, llamax.SamplingParams(max_tokens=1, temperature=0))
 
     alone, _ = run_batch(ctx, prompts)
-    mid_reference, _ = run_batch(ctx, prompts, extra=stops_at_once, at=7)
-    for at, reference in ((len(prompts), alone), (7, mid_reference)):
+    mid_reference, _ = run_batch(ctx, prompts, extra=stops_at_once, at=3)
+    for at, reference in ((len(prompts), alone), (3, mid_reference)):
         calls.clear()
         neighbours, handle = run_batch(ctx, prompts, extra=faulty, at=at)
         assert handle is not None
@@ -320,7 +324,7 @@ def test_json_schema_output_matches_the_schema(real_ctx: llamax.Context) -> None
                 max_tokens=96, temperature=0.8, seed=seed, json_schema=PERSON_SCHEMA
             ),
         )
-        for seed in range(20)
+        for seed in range(6)
     ]
     for handle in handles:
         done = handle.result(TIMEOUT)
@@ -342,7 +346,7 @@ def test_json_schema_integer_bounds_are_enforced(real_ctx: llamax.Context) -> No
             prompt,
             llamax.SamplingParams(max_tokens=24, temperature=1.5, seed=seed, json_schema=bounded),
         )
-        for seed in range(12)
+        for seed in range(6)
     ]
     for handle in handles:
         done = handle.result(TIMEOUT)
@@ -370,7 +374,7 @@ def test_json_schema_number_bounds_and_multiples_are_enforced(real_ctx: llamax.C
             prompt,
             llamax.SamplingParams(max_tokens=80, temperature=1.2, seed=seed, json_schema=bounded),
         )
-        for seed in range(6)
+        for seed in range(3)
     ]
     for handle in handles:
         done = handle.result(TIMEOUT)
@@ -477,6 +481,7 @@ print("PEAK_MIB", hwm_kib // 1024)
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "case", ["control", "unsatisfiable", "min-above-max", "ignore-eos", "processor-bans-all"]
 )
@@ -485,7 +490,8 @@ def test_grammar_dead_ends_never_crash_or_hang(model_path: Path, case: str) -> N
 
     Each case runs in a child process (address space capped at 1 GiB) so that an abort, a
     hang or a runaway allocation cannot take pytest or the machine down. ``control`` is a
-    well-formed grammar that checks the harness itself.
+    well-formed grammar that checks the harness itself. Integration: each case is a process
+    that loads its own model.
     """
     script = textwrap.dedent(_DEAD_END_SCRIPT)
     try:

@@ -8,6 +8,7 @@ HTTP the ``openai`` client picks an adapter with ``extra_body={"lora": [...]}``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,8 @@ def lora_ctx(model_path: Path, adapters: dict[str, str]) -> Iterator[llamax.Cont
     ctx.close()
 
 
-def greedy(**options: Any) -> llamax.SamplingParams:
-    return llamax.SamplingParams(max_tokens=24, temperature=0, **options)
+def greedy(max_tokens: int = 24, **options: Any) -> llamax.SamplingParams:
+    return llamax.SamplingParams(max_tokens=max_tokens, temperature=0, **options)
 
 
 def test_scale_zero_is_the_base_model_and_the_adapter_changes_greedy_output(
@@ -63,6 +64,7 @@ def test_scale_zero_is_the_base_model_and_the_adapter_changes_greedy_output(
     assert_idle(lora_ctx)
 
 
+@pytest.mark.integration
 def test_mixed_adapter_sets_together_give_what_each_gives_alone(
     lora_ctx: llamax.Context, make_real: Callable[..., llamax.Context], adapters: dict[str, str]
 ) -> None:
@@ -102,7 +104,10 @@ def test_a_bad_adapter_file_is_a_typed_error_and_the_engine_goes_on(
     assert lora_ctx.add_request(PROMPT, greedy(lora={"cold": 1.0})).result().text
 
 
+@pytest.mark.integration
 def test_the_openai_client_picks_an_adapter(lora_ctx: llamax.Context) -> None:
+    """The user's path over a real socket; the default run keeps the seam itself
+    (test_scale_zero_is_the_base_model_and_the_adapter_changes_greedy_output)."""
     with BackgroundServer(create_app(lora_ctx)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         (model,) = client.models.list().data
@@ -138,21 +143,22 @@ def test_a_fork_or_a_loaded_session_never_gives_its_adapter_kv_to_base_requests(
 ) -> None:
     """Regression: a fork, and a session loaded from a file, lost the adapter set their
     cells were computed under: a base request on them, and another user's plain request
-    sharing the prompt, reused the adapter's KV and answered from it."""
+    sharing the prompt, reused the adapter's KV and answered from it. Eight tokens: reused
+    KV shows in ``cached_tokens`` (asserted 0), whatever the length."""
     lora_ctx.clear_cache()
-    cold = lora_ctx.add_request(PROMPT, greedy()).result()
+    cold = lora_ctx.add_request(PROMPT, greedy(8)).result()
     lora_ctx.clear_cache()
     path = tmp_path / "warm.llamax"
     with lora_ctx.session() as session:
-        session.add_request(PROMPT, greedy(lora={"warm": 1.0})).result()
+        session.add_request(PROMPT, greedy(8, lora={"warm": 1.0})).result()
         session.save(path)
         with session.fork() as fork:
-            plain = lora_ctx.add_request(PROMPT, greedy()).result()
-            on_fork = fork.add_request(PROMPT, greedy()).result()
+            plain = lora_ctx.add_request(PROMPT, greedy(8)).result()
+            on_fork = fork.add_request(PROMPT, greedy(8)).result()
     lora_ctx.clear_cache()
     with lora_ctx.load_session(path) as loaded:
-        plain_after_load = lora_ctx.add_request(PROMPT, greedy()).result()
-        on_loaded = loaded.add_request(PROMPT, greedy()).result()
+        plain_after_load = lora_ctx.add_request(PROMPT, greedy(8)).result()
+        on_loaded = loaded.add_request(PROMPT, greedy(8)).result()
     lora_ctx.clear_cache()
     probe = make_real(n_ctx=1024, n_seq_max=1, lora=adapters)
     for done in (plain, on_fork, plain_after_load, on_loaded):
@@ -168,8 +174,16 @@ def test_a_fork_or_a_loaded_session_never_gives_its_adapter_kv_to_base_requests(
     ("options", "match"),
     [
         ({"dtype": "int8"}, r"'blk.0.attn_q.weight.lora_a' is I8; a LoRA tensor must be"),
-        ({"dtype": "int32"}, r"'blk.0.attn_q.weight.lora_a' is I32"),
-        ({"dtype": "float64"}, r"'blk.0.attn_q.weight.lora_a' is F64"),
+        pytest.param(
+            {"dtype": "int32"},
+            r"'blk.0.attn_q.weight.lora_a' is I32",
+            marks=pytest.mark.integration,
+        ),
+        pytest.param(
+            {"dtype": "float64"},
+            r"'blk.0.attn_q.weight.lora_a' is F64",
+            marks=pytest.mark.integration,
+        ),
         ({"strength": float("nan")}, r"'blk.0.attn_q.weight.lora_b' holds NaN"),
         ({"alpha": float("nan")}, r"'adapter.lora.alpha' is nan"),
     ],
@@ -179,11 +193,16 @@ def test_an_adapter_llama_cpp_would_crash_or_fail_on_is_refused_at_load(
     lora_ctx: llamax.Context, tmp_path: Path, options: dict[str, Any], match: str
 ) -> None:
     """Regression: these loaded; the first request under an int8, int32 or float64 adapter
-    killed the process in llama_decode, and NaN weights or alpha gave empty output."""
+    killed the process in llama_decode, and NaN weights or alpha gave empty output.
+
+    The int32 and float64 cases take the same branch as int8 (a tensor type outside
+    ``LORA_TENSOR_TYPES``, in backend/lora_file.py): integration. The engine goes on: a few
+    tokens under an adapter and without."""
     path = _writer()(tmp_path / "bad.gguf", seed=3, **options)
     with pytest.raises(llamax.ModelLoadError, match=rf"'bad': could not load .*bad.gguf.*{match}"):
         lora_ctx.load_adapter("bad", path)
     assert list(lora_ctx.adapters) == ["warm", "cold"]
-    assert lora_ctx.add_request(PROMPT, greedy(lora={"warm": 1.0})).result().text
-    assert lora_ctx.add_request(PROMPT, greedy()).result().text
+    few = llamax.SamplingParams(max_tokens=4, temperature=0)
+    assert lora_ctx.add_request(PROMPT, dataclasses.replace(few, lora={"warm": 1.0})).result().text
+    assert lora_ctx.add_request(PROMPT, few).result().text
     assert_idle(lora_ctx)

@@ -73,9 +73,13 @@ def first_logprobs(out: llamax.Completion) -> dict[int, float]:
     return {t.token_id: t.logprob for t in lp[0].top_logprobs}
 
 
+@pytest.mark.integration
 def test_a_three_turn_chat_with_an_image_agrees_with_a_cold_run(
     ctx: llamax.Context, probe: llamax.Context
 ) -> None:
+    """A user's path end to end, with a cold probe context: integration. The default run
+    keeps an image's reuse (test_model_images.py's prefix hit equal to the cold run) and a
+    session holding one (the saved session below)."""
     positions = ctx.prompt_positions([image(1)])
     with ctx.chat(params=GREEDY) as chat:
         chat.send([{"type": "text", "text": "What is in this picture?"}, image(1)])

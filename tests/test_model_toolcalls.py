@@ -98,7 +98,10 @@ def test_llama_cpp_accepts_every_grammar_shape(
     assert real_ctx.add_request("Hello", params).result(timeout=60).usage.completion_tokens == 1
 
 
+@pytest.mark.integration
 def test_required_weather_call_validates(real_ctx: llamax.Context) -> None:
+    """Integration: the default run makes the same required call through chat_completion
+    (test_chat_completion_required_and_named_calls), its arguments validated alike."""
     plan = prepare_tools([WEATHER], "required", parallel_tool_calls=False)
     reply, done = _generate(real_ctx, ASK_WEATHER, plan, max_tokens=48)
     assert done.finish_reason == "stop" and reply.finish_reason == "tool_calls"
@@ -108,6 +111,7 @@ def test_required_weather_call_validates(real_ctx: llamax.Context) -> None:
     assert reply.content is None
 
 
+@pytest.mark.integration
 def test_two_functions_required_parallel(real_ctx: llamax.Context) -> None:
     plan = prepare_tools([WEATHER, CLOCK], "required", parallel_tool_calls=True)
     question = [{"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"}]
@@ -150,6 +154,7 @@ def test_auto_gives_text_or_valid_calls(real_ctx: llamax.Context) -> None:
             assert reply.content == done.text and CALL_OPEN not in done.text
 
 
+@pytest.mark.integration
 def test_round_trip_call_result_answer(real_ctx: llamax.Context) -> None:
     tools = [WEATHER]
     reply, _ = _generate(real_ctx, ASK_WEATHER, prepare_tools(tools, "required", False), 48)
@@ -181,6 +186,7 @@ def test_prefix_cache_reuses_the_tool_laden_system_turn(real_ctx: llamax.Context
     assert num_common - 3 <= second.usage.cached_tokens <= num_common
 
 
+@pytest.mark.integration
 def test_native_template_path(make_real: Callable[..., llamax.Context]) -> None:
     ctx = make_real(chat_template=HERMES_TEMPLATE, n_ctx=1024, n_seq_max=2, n_threads=2)
     plan = prepare_tools([WEATHER], "required", parallel_tool_calls=False)
@@ -227,9 +233,13 @@ def test_chat_completion_required_and_named_calls(real_ctx: llamax.Context) -> N
     assert [c.function.name for c in _chat_calls(response, {"get_time"})] == ["get_time"]
 
 
+@pytest.mark.integration
 def test_a_forced_call_keeps_float_bounds_and_multiples(real_ctx: llamax.Context) -> None:
     # Field(gt=0, lt=1) and Field(ge=-2.5, le=1e3, multiple_of=0.5) on floats are grammar
-    # rules (issue 44): hot sampling cannot leave them, seed after seed.
+    # rules (issue 44): hot sampling cannot leave them, seed after seed. Integration: the
+    # default run checks the same rules through json_schema
+    # (test_model_logits.py::test_json_schema_number_bounds_and_multiples_are_enforced) and
+    # the grammar on every value (test_grammar_numbers.py).
     measure = {
         "type": "function",
         "function": {
@@ -266,6 +276,7 @@ def test_a_forced_call_keeps_float_bounds_and_multiples(real_ctx: llamax.Context
         assert -2.5 <= arguments["offset"] <= 1000 and arguments["offset"] % 0.5 == 0, arguments
 
 
+@pytest.mark.integration
 def test_chat_completion_round_trip_and_streamed_deltas(real_ctx: llamax.Context) -> None:
     from openai.types.chat import ChatCompletionChunk
 
