@@ -86,6 +86,7 @@ USE_AFTER_CLOSE = """
 """
 
 
+@pytest.mark.integration
 def test_every_call_after_close_raises_instead_of_crashing(
     model_path: Path, tmp_path: Path
 ) -> None:
@@ -146,6 +147,7 @@ RACE_CLOSE = """
 """
 
 
+@pytest.mark.integration
 def test_calls_racing_close_from_eight_threads_never_crash(
     model_path: Path, tmp_path: Path
 ) -> None:

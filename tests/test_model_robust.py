@@ -25,18 +25,22 @@ def greedy(max_tokens: int, **options: object) -> llamax.SamplingParams:
     )
 
 
+@pytest.mark.integration
 def test_default_layout_preempts_under_kv_pressure(
     make_real: MakeReal, real_ctx: llamax.Context
 ) -> None:
-    """4 prompts of 100 tokens x 200 new tokens in ``n_ctx=512, n_seq_max=4``: 4 streams
-    of 256 cells hold more than the 512-cell unified layout (the issue's case is 8 in
-    ``n_ctx=1024``). Before: every one failed with ``RequestFailedError: the request needs
-    257 KV cells, one stream holds 256, and ... the new KV layout refused sequence 2``."""
+    """4 prompts of 200 tokens x 60 new tokens in ``n_ctx=512, n_seq_max=4``: each needs
+    more than a stream's 256 cells, and 4 streams of 256 cells hold more than the 512-cell
+    unified layout (the issue's case is 8 in ``n_ctx=1024``). Before: every one failed with
+    ``RequestFailedError: the request needs 257 KV cells, one stream holds 256, and ... the
+    new KV layout refused sequence 2``. (Long prompts and short outputs: prefill is cheap,
+    decode steps are the cost.)"""
     ctx = make_real(n_ctx=512, n_seq_max=4)
     assert ctx.kv_layout == "streams"
-    body = ctx.tokenize(" The river ran past the old mill and on to the sea." * 8)[:99]
+    body = ctx.tokenize(" The river ran past the old mill and on to the sea." * 16)[:200]
+    assert len(body) == 200
     prompts = [[*body[:-1], body[-1] + i] for i in range(4)]
-    handles = [ctx.add_request(p, greedy(200)) for p in prompts]
+    handles = [ctx.add_request(p, greedy(60)) for p in prompts]
     done = [h.result(timeout=600) for h in handles]
     assert [c.finish_reason for c in done] == ["length"] * 4
     stats = ctx.stats()
@@ -44,11 +48,12 @@ def test_default_layout_preempts_under_kv_pressure(
     assert_idle(ctx)
     # the newest is one of those preempted (recomputed later): each equals the request alone
     for prompt, completion in list(zip(prompts, done, strict=True))[-1:]:
-        alone = real_ctx.add_request(prompt, greedy(200)).result(timeout=600)
+        alone = real_ctx.add_request(prompt, greedy(60)).result(timeout=600)
         real_ctx.clear_cache()
         assert_greedy_agrees(real_ctx, prompt, alone.token_ids, completion.token_ids)
 
 
+@pytest.mark.integration
 def test_a_request_failing_in_a_split_step_leaves_the_engine_sound(make_real: MakeReal) -> None:
     """70 decode rows in a unified cache are split into two decodes; an ``n=8`` request
     whose choices straddle the split fails in the first part. Before: its released
@@ -80,6 +85,7 @@ def test_a_request_failing_in_a_split_step_leaves_the_engine_sound(make_real: Ma
     assert_idle(ctx)
 
 
+@pytest.mark.integration
 def test_sessions_holding_the_cache_never_wedge_requests(make_real: MakeReal) -> None:
     """A session holds most of a small unified cache. Before: a request needing more than
     the rest never settled, the ones behind it queued forever and ``close(drain=True)``
