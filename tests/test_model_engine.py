@@ -202,11 +202,12 @@ def test_asyncio_api_inside_a_running_loop(real_ctx: llamax.Context) -> None:
 
 def test_manual_loop_matches_background_loop(make_real: MakeReal, real_ctx: llamax.Context) -> None:
     manual = make_real(n_ctx=1024, n_seq_max=4, autostart=False)
-    handle = manual.add_request(PROMPTS[0], GREEDY)
+    params = dataclasses.replace(GREEDY, max_tokens=12)
+    handle = manual.add_request(PROMPTS[0], params)
     while manual.has_work():
         manual.process()
     assert (
-        handle.result(0).token_ids == real_ctx.add_request(PROMPTS[0], GREEDY).result(60).token_ids
+        handle.result(0).token_ids == real_ctx.add_request(PROMPTS[0], params).result(60).token_ids
     )
     with pytest.raises(llamax.LoopOwnershipError):
         real_ctx.process()
