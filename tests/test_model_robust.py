@@ -29,19 +29,15 @@ def greedy(max_tokens: int, **options: object) -> llamax.SamplingParams:
 def test_default_layout_preempts_under_kv_pressure(
     make_real: MakeReal, real_ctx: llamax.Context
 ) -> None:
-    """4 prompts of 240 tokens x 60 new tokens in ``n_ctx=512, n_seq_max=4``: each needs
-    more than a stream's 256 cells, and 4 streams of 256 cells hold more than the 512-cell
-    unified layout (the issue's case is 8 in ``n_ctx=1024``). Before: every one failed with
-    ``RequestFailedError: the request needs 257 KV cells, one stream holds 256, and ... the
-    new KV layout refused sequence 2``. Long prompts and short outputs (prefill is cheap,
-    decode steps are the cost); the prompts part at their second token, since a shared head
-    would be cached once and ease the pressure (two running need 600 cells)."""
+    """4 prompts of 100 tokens x 200 new tokens in ``n_ctx=512, n_seq_max=4``: 4 streams
+    of 256 cells hold more than the 512-cell unified layout (the issue's case is 8 in
+    ``n_ctx=1024``). Before: every one failed with ``RequestFailedError: the request needs
+    257 KV cells, one stream holds 256, and ... the new KV layout refused sequence 2``."""
     ctx = make_real(n_ctx=512, n_seq_max=4)
     assert ctx.kv_layout == "streams"
-    text = " The river ran past the old mill and on to the sea." * 24
-    prompts = [ctx.tokenize(f"{i}{text}")[:240] for i in range(4)]
-    assert all(len(p) == 240 for p in prompts) and len({p[1] for p in prompts}) == 4
-    handles = [ctx.add_request(p, greedy(60)) for p in prompts]
+    body = ctx.tokenize(" The river ran past the old mill and on to the sea." * 8)[:99]
+    prompts = [[*body[:-1], body[-1] + i] for i in range(4)]
+    handles = [ctx.add_request(p, greedy(200)) for p in prompts]
     done = [h.result(timeout=600) for h in handles]
     assert [c.finish_reason for c in done] == ["length"] * 4
     stats = ctx.stats()
@@ -49,7 +45,7 @@ def test_default_layout_preempts_under_kv_pressure(
     assert_idle(ctx)
     # the newest is one of those preempted (recomputed later): each equals the request alone
     for prompt, completion in list(zip(prompts, done, strict=True))[-1:]:
-        alone = real_ctx.add_request(prompt, greedy(60)).result(timeout=600)
+        alone = real_ctx.add_request(prompt, greedy(200)).result(timeout=600)
         real_ctx.clear_cache()
         assert_greedy_agrees(real_ctx, prompt, alone.token_ids, completion.token_ids)
 
