@@ -340,10 +340,10 @@ def test_long_history_needs_truncate(make_real: MakeReal) -> None:
 
 def test_history_shift_without_a_system_message(make_real: MakeReal) -> None:
     ctx = make_real(n_ctx=256, n_seq_max=2)
-    params = llamax.SamplingParams(max_tokens=24, temperature=0)
+    params = llamax.SamplingParams(max_tokens=8, temperature=0)
     with ctx.chat() as chat:
         stats = []
-        # answers are 3 to 24 tokens depending on the CPU's numerics: enough turns to
+        # answers are 3 to 8 tokens depending on the CPU's numerics: enough turns to
         # outgrow 256 cells either way (~28 tokens a turn with the shortest answers)
         for i in range(12):
             chat.send(
@@ -389,6 +389,41 @@ COLD_CHECKS = 6  # cold prefills of ~900 tokens are the slow part
 AGREE = 16
 
 
+@pytest.mark.integration
+def test_history_shift_keeps_the_system_message_and_drops_whole_turns(
+    make_real: MakeReal,
+) -> None:
+    """The sixty-turn chat's contract (now a soak) at a size that must shift: eight turns
+    of ~55 tokens with a system message on 256 cells. Each turn prefills only its new
+    message, the previous reply and template glue; shifts drop whole user+reply turns and
+    keep the system message; the history never outgrows the context."""
+    ctx = make_real(n_ctx=256, n_seq_max=2)
+    assert ctx.can_shift
+    reply = llamax.SamplingParams(max_tokens=8, temperature=0)
+    chat = ctx.chat(system=SYSTEM)
+    turns = []
+    for text in USER_MESSAGES[:8]:
+        done = chat.send(text, reply)
+        assert chat.last_turn is not None
+        turns.append((len(ctx.tokenize(text, add_special=False)), chat.last_turn, done))
+    messages, final_tokens = chat.messages, len(chat.session.token_ids)
+    chat.close()
+    for n, (user_tokens, stats, done) in enumerate(turns):
+        assert done.finish_reason in (llamax.FinishReason.STOP, llamax.FinishReason.LENGTH)
+        assert IM_END not in done.text
+        assert stats.prompt_tokens + 8 <= ctx.n_ctx
+        if n:
+            bound = user_tokens + len(turns[n - 1][2].token_ids) + 64
+            assert stats.computed_tokens <= bound, (n, stats)
+    shifted = [stats for _, stats, _ in turns if stats.dropped_messages]
+    assert len(shifted) >= 2, [stats for _, stats, _ in turns]
+    assert all(s.shifted_tokens > 0 and s.dropped_messages % 2 == 0 for s in shifted)
+    assert messages[0] == {"role": "system", "content": SYSTEM}
+    assert messages[-2] == {"role": "user", "content": USER_MESSAGES[7]}
+    assert len(messages) < 2 * 8 + 1
+    assert final_tokens <= ctx.n_ctx
+
+
 @dataclass(frozen=True)
 class Turn:
     user_tokens: int
@@ -432,6 +467,7 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(2400)
 def test_sixty_turn_chat_shifts_history(long_chat: LongChat) -> None:
     ctx, turns = long_chat.ctx, long_chat.turns
@@ -460,6 +496,7 @@ def test_sixty_turn_chat_shifts_history(long_chat: LongChat) -> None:
     assert long_chat.final_tokens <= ctx.n_ctx
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(2400)
 def test_shifted_turns_match_a_cold_prefill(long_chat: LongChat, make_real: MakeReal) -> None:
     """After a shift, greedy output matches a cold prefill of the shortened conversation.

@@ -25,6 +25,7 @@ def greedy(max_tokens: int, **options: object) -> llamax.SamplingParams:
     )
 
 
+@pytest.mark.integration
 def test_default_layout_preempts_under_kv_pressure(
     make_real: MakeReal, real_ctx: llamax.Context
 ) -> None:
@@ -49,6 +50,7 @@ def test_default_layout_preempts_under_kv_pressure(
         assert_greedy_agrees(real_ctx, prompt, alone.token_ids, completion.token_ids)
 
 
+@pytest.mark.integration
 def test_a_request_failing_in_a_split_step_leaves_the_engine_sound(make_real: MakeReal) -> None:
     """70 decode rows in a unified cache are split into two decodes; an ``n=8`` request
     whose choices straddle the split fails in the first part. Before: its released
@@ -80,6 +82,7 @@ def test_a_request_failing_in_a_split_step_leaves_the_engine_sound(make_real: Ma
     assert_idle(ctx)
 
 
+@pytest.mark.integration
 def test_sessions_holding_the_cache_never_wedge_requests(make_real: MakeReal) -> None:
     """A session holds most of a small unified cache. Before: a request needing more than
     the rest never settled, the ones behind it queued forever and ``close(drain=True)``

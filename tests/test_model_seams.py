@@ -18,8 +18,9 @@ PARAMS = llamax.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 TIMEOUT = 120
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_200_requests_with_clear_cache_between_bursts_while_stats_are_polled(
+def test_bursts_with_clear_cache_between_them_while_stats_are_polled(
     real_ctx: llamax.Context,
 ) -> None:
     ctx = real_ctx
@@ -49,10 +50,10 @@ def test_200_requests_with_clear_cache_between_bursts_while_stats_are_polled(
     poller.start()
     done = 0
     try:
-        for burst in range(10):
+        for burst in range(6):
             handles = [
                 ctx.add_request(f"Burst {burst % 2}. Question {i}: name a colour.", PARAMS)
-                for i in range(20)
+                for i in range(16)
             ]
             done += sum(len(h.result(TIMEOUT).token_ids) == 4 for h in handles)
             ctx.clear_cache()
@@ -60,7 +61,7 @@ def test_200_requests_with_clear_cache_between_bursts_while_stats_are_polled(
         stop.set()
         poller.join(60)
     assert not problems, problems
-    assert done == 200 and polls > 0
+    assert done == 96 and polls > 0
 
 
 def test_done_callbacks_may_call_every_public_context_method(real_ctx: llamax.Context) -> None:

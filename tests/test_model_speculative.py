@@ -113,6 +113,7 @@ def solo(ctx: llamax.Context, prompt: str, params: llamax.SamplingParams) -> lla
     return done
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("layout", ["unified", "streams"])
 def test_greedy_copy_heavy_equals_plain_and_drafts_are_accepted(
     make_real: MakeReal, layout: str
@@ -133,6 +134,7 @@ def test_greedy_copy_heavy_equals_plain_and_drafts_are_accepted(
     assert stats.num_accepted_tokens > 40
 
 
+@pytest.mark.integration
 def test_seeded_sampling_with_drafts_is_reproducible(make_real: MakeReal) -> None:
     ctx = drafting(make_real(n_ctx=4096, n_seq_max=4, n_threads=2))
     params = llamax.SamplingParams(max_tokens=120, temperature=0.7, seed=11, speculative=True)
@@ -154,6 +156,7 @@ def test_stop_string_inside_an_accepted_draft(make_real: MakeReal) -> None:
     assert spec.usage.accepted_tokens > 0
 
 
+@pytest.mark.integration
 def test_grammar_constrained_request_with_drafts(make_real: MakeReal) -> None:
     schema = {
         "type": "object",
@@ -172,11 +175,12 @@ def test_grammar_constrained_request_with_drafts(make_real: MakeReal) -> None:
     assert spec.usage.drafted_tokens > 0
 
 
+@pytest.mark.integration
 def test_concurrent_drafting_and_plain_requests(make_real: MakeReal) -> None:
     ctx = drafting(
-        make_real(n_ctx=4096, n_seq_max=8, n_threads=2, speculative=llamax.PromptLookup())
+        make_real(n_ctx=2048, n_seq_max=8, n_threads=2, speculative=llamax.PromptLookup())
     )
-    params = llamax.SamplingParams(max_tokens=48, temperature=0.0)
+    params = llamax.SamplingParams(max_tokens=24, temperature=0.0)
     handles = [
         ctx.add_request(p, dataclasses.replace(params, speculative=spec))
         for p in COPY_PROMPTS * 2

@@ -51,6 +51,7 @@ def test_the_default_threads_are_every_core_and_adapt_unless_turned_off(
         assert ctx.config.adapts_threads
 
 
+@pytest.mark.integration
 def test_a_machine_the_os_calls_quiet_keeps_its_threads(
     model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

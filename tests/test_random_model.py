@@ -20,6 +20,7 @@ def _script() -> Any:
     return load_script("make_random_model")
 
 
+@pytest.mark.integration
 def test_tiny_random_model_generates_with_smollm2_tokens(tmp_path: Path, model_path: Path) -> None:
     script = _script()
     tokenizer = script.write_tokenizer(tmp_path / "tok.gguf", source=model_path)

@@ -11,9 +11,9 @@ within a bound (a result, a cancellation, or a typed error that its own features
 explain), ``audit()`` is clean, the context ends idle, and resident memory grows by at
 most a few KiB per request after a warm-up.
 
-The default suite runs 1,000 requests on the fake backend and 1,000 short ones on the
-real model; ``pytest -m soak tests/test_soak.py`` runs 10,000 of each, with outputs up to
-256 tokens (``LLAMAX_SOAK_REQUESTS`` overrides the count).
+The default suite runs 1,000 requests on the fake backend; ``pytest -m soak
+tests/test_soak.py`` runs 500 short ones on the real model and 10,000 of each, with outputs
+up to 256 tokens (``LLAMAX_SOAK_REQUESTS`` overrides the count).
 """
 
 from __future__ import annotations
@@ -803,6 +803,7 @@ def _write_adapter(path: Path, seed: int, strength: float = 1.0) -> Path:
     return written
 
 
+@pytest.mark.soak
 @pytest.mark.model
 @pytest.mark.timeout(900)
 def test_mixed_soak_model(make_real: Callable[..., llamax.Context], tmp_path: Path) -> None:

@@ -21,9 +21,10 @@ checkpoints agree with cold runs: exactly on the (batch-invariant) fake; on the 
 within llama.cpp's batch noise (:func:`near_tie.forced_regrets`), and after the soak, where
 the batch composition can be the same, exactly (logprobs to the bit).
 
-The default suite runs 1,000 requests on the fake in each layout and 400 on the model
-(unified); ``pytest -m soak tests/test_soak_checkpoints.py`` runs 5,000 on each in each
-layout (``LLAMAX_SOAK_REQUESTS`` overrides the count).
+The default suite runs 1,000 requests on the fake in each layout; ``pytest -m soak
+tests/test_soak_checkpoints.py`` runs 400 on the model (unified) and 5,000 on each in each
+layout (``LLAMAX_SOAK_REQUESTS`` overrides the count). The default run's checkpoints on the
+model are tests/test_model_checkpoints.py's.
 """
 
 from __future__ import annotations
@@ -507,6 +508,7 @@ def model_soak(path: Path, num_requests: int, kv_layout: str) -> None:
         assert_idle(ctx)
 
 
+@pytest.mark.soak
 @pytest.mark.model
 @pytest.mark.timeout(600)
 def test_checkpoint_soak_hybrid(short_interval: None, hybrid_model: Path) -> None:
