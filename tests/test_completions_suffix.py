@@ -130,7 +130,7 @@ def test_a_suffix_on_the_fim_copy_of_smollm2(fim_model: Path) -> None:
     above in issue 55: the copy is written and loaded for this test alone)."""
     body = SMOL_BODY
     with (
-        llamax.Context(fim_model, n_ctx=1024, n_seq_max=2, n_threads=1) as fim_ctx,
+        llamax.Context(fim_model, n_ctx=1024, n_seq_max=2) as fim_ctx,
         BackgroundServer(create_app(fim_ctx)) as running,
     ):
         reply = httpx.post(running.url + "/v1/completions", json={**body, "temperature": 0})

@@ -37,10 +37,10 @@ QUESTION = "What is this:\n"
 
 @pytest.fixture(scope="module")
 def vision_ctx(model_path: Path) -> Iterator[llamax.Context]:
-    """SmolLM2 with Janus-Pro's (causal) random projector, on one thread."""
+    """SmolLM2 with Janus-Pro's (causal) random projector."""
     mmproj = vision_files.script().cached_vision_model(projector="janus_pro")
     with llamax.Context(
-        model_path, mmproj=str(mmproj), n_ctx=2048, n_seq_max=4, n_batch=256, n_threads=1
+        model_path, mmproj=str(mmproj), n_ctx=2048, n_seq_max=4, n_batch=256
     ) as ctx:
         yield ctx
 
@@ -201,7 +201,7 @@ def each_projector(
         return
     mmproj = vision_files.script().cached_vision_model(projector="gemma3")
     with llamax.Context(
-        model_path, mmproj=str(mmproj), n_ctx=1024, n_seq_max=2, n_batch=256, n_threads=1
+        model_path, mmproj=str(mmproj), n_ctx=1024, n_seq_max=2, n_batch=256
     ) as ctx:
         yield ctx
         assert_idle(ctx, timeout=60)
