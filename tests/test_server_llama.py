@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -266,27 +267,31 @@ def test_apply_template_bad_messages_is_400(app: Any) -> None:
 
 
 @pytest.mark.model
-def test_completion_on_smollm2_over_http(real_ctx: llamax.Context) -> None:
-    """On the session's shared context (its own n_ctx=512 one before issue 55)."""
+def test_completion_on_smollm2_over_http(model_path: Path) -> None:
     from openai import OpenAI
 
-    app = create_app(real_ctx)
-    body = post(app, "/completion", {"prompt": "The capital of France is", "n_predict": 4,
-                                     "temperature": 0, "n_probs": 2}).json()  # fmt: skip
-    assert body["tokens_predicted"] == 4 and body["stop_type"] == "limit"
-    assert len(body["completion_probabilities"]) == 4
-    again = post(app, "/completion", {"prompt": "The capital of France is", "n_predict": 4,
-                                      "temperature": 0}).json()  # fmt: skip
-    assert again["content"] == body["content"] and again["tokens_cached"] > 0
-    assert post(app, "/completion", {"prompt": "word " * 5000}).json()["error"]["type"] == (
-        "exceed_context_size_error"
-    )
-    transport = httpx.Client(transport=_SyncASGI(app), base_url="http://t")
-    client = OpenAI(base_url="http://t", api_key="x", http_client=transport)
-    reply = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
-    )
-    assert reply.choices[0].message.content is not None
+    ctx = llamax.Context(model_path, n_ctx=512, n_seq_max=2)
+    try:
+        app = create_app(ctx)
+        body = post(app, "/completion", {"prompt": "The capital of France is", "n_predict": 4,
+                                         "temperature": 0, "n_probs": 2}).json()  # fmt: skip
+        assert body["tokens_predicted"] == 4 and body["stop_type"] == "limit"
+        assert len(body["completion_probabilities"]) == 4
+        again = post(app, "/completion", {"prompt": "The capital of France is", "n_predict": 4,
+                                          "temperature": 0}).json()  # fmt: skip
+        assert again["content"] == body["content"] and again["tokens_cached"] > 0
+        assert post(app, "/completion", {"prompt": "word " * 600}).json()["error"]["type"] == (
+            "exceed_context_size_error"
+        )
+        transport = httpx.Client(transport=_SyncASGI(app), base_url="http://t")
+        client = OpenAI(base_url="http://t", api_key="x", http_client=transport)
+        reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3
+        )
+        assert reply.choices[0].message.content is not None
+        assert_idle(ctx, timeout=60)
+    finally:
+        ctx.close()
 
 
 @pytest.mark.model

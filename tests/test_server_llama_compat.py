@@ -377,42 +377,46 @@ def test_responses_input_tokens_counts_what_a_response_would_submit(
 # ------------------------------------------------------------------------ on SmolLM2
 @pytest.mark.model
 @pytest.mark.integration
-def test_llama_server_flags_and_chat_extensions_on_smollm2(real_ctx: llamax.Context) -> None:
-    """On the session's shared context (its own n_ctx=512 one before issue 55)."""
+def test_llama_server_flags_and_chat_extensions_on_smollm2(model_path: Path) -> None:
     from openai import OpenAI
     from test_server_llama import _SyncASGI
 
-    app = create_app(real_ctx, default_max_tokens=6, default_seed=42, model_alias="tinyllama-2")
-    http = httpx.Client(transport=_SyncASGI(app), base_url="http://t")
-    client = OpenAI(base_url="http://t/v1", api_key="x", http_client=http)
-    assert [m.id for m in client.models.list()] == ["tinyllama-2"]
-    stream = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "What is the best book?"}],
-        temperature=0, logprobs=True, top_logprobs=3, stream=True,
-    )  # fmt: skip
-    chunks = [c for c in stream if c.choices]
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[0].choices[0].delta.content is None
-    texts = [c.choices[0] for c in chunks[1:] if c.choices[0].finish_reason is None]
-    assert all(c.delta.role is None and c.logprobs and c.logprobs.content for c in texts)
-    text = "".join(c.delta.content or "" for c in texts)
-    tokens = [
-        t.token for c in texts for t in (c.logprobs.content if c.logprobs else None) or []
-    ]
-    assert text == "".join(tokens)
-    assert chunks[-1].choices[0].finish_reason == "length"  # the server's -n: 6 tokens
-    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True,
-            "timings_per_token": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    last = sse_events(post(app, "/chat/completions", body).text)[-1]
-    assert last["timings"]["predicted_n"] == last["usage"]["completion_tokens"] == 6
-    first = post(app, "/completion", {"prompt": "Once upon a time", "temperature": 1})
-    again = post(app, "/completion", {"prompt": "Once upon a time", "temperature": 1})
-    assert first.json()["content"] == again.json()["content"]  # the server's seed
-    assert first.json()["generation_settings"]["seed"] == 42
-    preflight = call(app, "OPTIONS", "/completions", headers=PREFLIGHT)
-    assert preflight.headers["access-control-allow-origin"] == "http://web.example"
-    counted = post(app, "/responses/input_tokens", {"input": "What is the best book?"})
-    assert counted.json()["input_tokens"] > 5
+    ctx = llamax.Context(model_path, n_ctx=512, n_seq_max=2)
+    try:
+        app = create_app(ctx, default_max_tokens=6, default_seed=42, model_alias="tinyllama-2")
+        http = httpx.Client(transport=_SyncASGI(app), base_url="http://t")
+        client = OpenAI(base_url="http://t/v1", api_key="x", http_client=http)
+        assert [m.id for m in client.models.list()] == ["tinyllama-2"]
+        stream = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "What is the best book?"}],
+            temperature=0, logprobs=True, top_logprobs=3, stream=True,
+        )  # fmt: skip
+        chunks = [c for c in stream if c.choices]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[0].choices[0].delta.content is None
+        texts = [c.choices[0] for c in chunks[1:] if c.choices[0].finish_reason is None]
+        assert all(c.delta.role is None and c.logprobs and c.logprobs.content for c in texts)
+        text = "".join(c.delta.content or "" for c in texts)
+        tokens = [
+            t.token for c in texts for t in (c.logprobs.content if c.logprobs else None) or []
+        ]
+        assert text == "".join(tokens)
+        assert chunks[-1].choices[0].finish_reason == "length"  # the server's -n: 6 tokens
+        body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                "timings_per_token": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        last = sse_events(post(app, "/chat/completions", body).text)[-1]
+        assert last["timings"]["predicted_n"] == last["usage"]["completion_tokens"] == 6
+        first = post(app, "/completion", {"prompt": "Once upon a time", "temperature": 1})
+        again = post(app, "/completion", {"prompt": "Once upon a time", "temperature": 1})
+        assert first.json()["content"] == again.json()["content"]  # the server's seed
+        assert first.json()["generation_settings"]["seed"] == 42
+        preflight = call(app, "OPTIONS", "/completions", headers=PREFLIGHT)
+        assert preflight.headers["access-control-allow-origin"] == "http://web.example"
+        counted = post(app, "/responses/input_tokens", {"input": "What is the best book?"})
+        assert counted.json()["input_tokens"] > 5
+        assert_idle(ctx, timeout=60)
+    finally:
+        ctx.close()
 
 
 @pytest.mark.model

@@ -785,7 +785,7 @@ def test_real_models_swap_fairly_under_traffic(model_path: Path) -> None:
     ``quiet`` is answered while two clients keep asking ``busy``, and ``busy`` answers
     again after it (its requests meanwhile waited for its reload, none failed)."""
     pool = ModelPool({"busy": model_path, "quiet": model_path}, max_loaded=1,
-                     max_wait_seconds=120, n_ctx=512, n_seq_max=2,
+                     max_wait_seconds=120, n_ctx=512, n_seq_max=2, n_threads=1,
                      calibrate=False)  # fmt: skip
     stop = threading.Event()
     outcomes: list[str] = []
@@ -841,7 +841,7 @@ def test_one_real_gguf_under_two_names_with_a_disk_tier(model_path: Path, tmp_pa
     """Regression (issue 36, item 9): ``--prefix-disk-dir`` with one GGUF under two names
     gave the second name 500 ``model_load_failed`` (the tier folder's lock)."""
     pool = ModelPool({"smol-a": model_path, "smol-b": model_path}, n_ctx=512, n_seq_max=2,
-                     calibrate=False, prefix_disk_dir=str(tmp_path),
+                     n_threads=1, calibrate=False, prefix_disk_dir=str(tmp_path),
                      prefix_disk_bytes=64 << 20)  # fmt: skip
     try:
         app = create_app(pool)
