@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct has no FIM tokens, so ``/infill`` on it is refused (501, as
 llama-server refuses it); the other tests run on a copy whose metadata names three of its
-unused control tokens as FIM tokens (``scripts/make_fim_model.py``). The refusal is the
-default selection's; the rest walks llama-server's editor and slot paths (``integration``).
+unused control tokens as FIM tokens (``scripts/make_fim_model.py``). The refusal, a
+restored slot and the router are the default selection's; the FIM copy's editor batching,
+slot round trip and four slots are ``integration`` (issue 55).
 """
 
 from __future__ import annotations
@@ -115,7 +116,6 @@ def test_slot_round_trip_on_smollm2(fim_ctx: llamax.Context, tmp_path: Path) -> 
     post(app, "/slots/0?action=erase")
 
 
-@pytest.mark.integration
 def test_completion_on_a_restored_slot_continues_from_it_on_smollm2(
     real_ctx: llamax.Context, tmp_path: Path
 ) -> None:
@@ -177,7 +177,6 @@ def test_four_slots_never_lock_others_out_on_smollm2(model_path: Path) -> None:
         ctx.close()
 
 
-@pytest.mark.integration
 def test_router_load_and_unload_on_smollm2(model_path: Path) -> None:
     from llamax.server import ModelPool
 

@@ -3,9 +3,11 @@
 One uvicorn server on a free 127.0.0.1 port serves this module's context; after each
 test the engine must be idle (nothing running, no leaked sequence or KV cell).
 
-The default selection keeps the seam's contract over a real socket: a reply, a stream, the
-typed errors only llama.cpp raises, a client leaving mid-stream and a graceful shutdown.
-The rest walks a user's path on the real model and is ``integration`` (issue 55). Moved to
+The default selection keeps the seam's contract over a real socket, each a request or two:
+replies (sync, async, n=2), streams (usage, n=3), logprobs, a JSON schema, the prefix
+cache's usage, embeddings, health and metrics, the typed errors only llama.cpp raises, a
+client leaving mid-stream and a graceful shutdown. The slower walks (number bounds, tool
+calls, the Responses API, many clients, the CLI) are ``integration`` (issue 55). Moved to
 the fake backend: bad bodies, body size, a full queue and the client's 401s
 (``test_server_errors.py``). Merged away, their assurance elsewhere: the per-route API key
 (``test_server_robust.py::test_every_route_needs_the_api_key``), lookups by id
@@ -99,7 +101,6 @@ def test_chat_completion_sync(client: openai.OpenAI, server_ctx: llamax.Context)
     assert reply.usage is not None and 0 < reply.usage.completion_tokens <= 16
 
 
-@pytest.mark.integration
 def test_clients_share_the_prefix_cache(client: openai.OpenAI) -> None:
     system = {"role": "system", "content": "You answer questions about the weather. " * 20}
     for question, cached in (("Is it sunny?", False), ("Will it rain?", True)):
@@ -113,7 +114,6 @@ def test_clients_share_the_prefix_cache(client: openai.OpenAI) -> None:
         assert (details is not None and (details.cached_tokens or 0) > 100) == cached
 
 
-@pytest.mark.integration
 def test_chat_completion_async(aclient: openai.AsyncOpenAI) -> None:
     async def ask() -> Any:
         return await aclient.chat.completions.create(
@@ -129,7 +129,6 @@ def test_chat_completion_async(aclient: openai.AsyncOpenAI) -> None:
     assert all(c.message.content for c in reply.choices)
 
 
-@pytest.mark.integration
 def test_text_completion_with_logprobs(client: openai.OpenAI) -> None:
     reply = client.completions.create(
         model="any", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
@@ -152,7 +151,6 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens <= 12
 
 
-@pytest.mark.integration
 def test_chat_stream_n3_streams_each_index(aclient: openai.AsyncOpenAI) -> None:
     async def collect() -> dict[int, list[Any]]:
         stream = await aclient.chat.completions.create(
@@ -172,7 +170,6 @@ def test_chat_stream_n3_streams_each_index(aclient: openai.AsyncOpenAI) -> None:
         assert all(c.finish_reason is None for c in choices[:-1])
 
 
-@pytest.mark.integration
 def test_chat_json_schema(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
@@ -280,7 +277,6 @@ def test_responses_json_schema_and_a_follow_up(client: openai.OpenAI) -> None:
     assert text and final.output_text == text
 
 
-@pytest.mark.integration
 def test_chat_logprobs_and_llama_extensions(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model="any", messages=HELLO, max_tokens=6, temperature=0.7, seed=1, logprobs=True,  # type: ignore[arg-type]
@@ -379,7 +375,6 @@ def test_disconnect_while_waiting_for_a_whole_reply(
     assert server_ctx.stats().num_decode_tokens - decoded < 200  # stopped long before 3000
 
 
-@pytest.mark.integration
 def test_health_metrics_models_tokenize(server: BackgroundServer, client: openai.OpenAI) -> None:
     client.chat.completions.create(
         model="any",
@@ -527,7 +522,6 @@ def test_tool_calls_over_http(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-@pytest.mark.integration
 def test_embeddings_over_http(client: openai.OpenAI) -> None:
     texts = ["The cat sat on the mat.", "A cat was sitting on the mat.", "Stock prices fell."]
     response = client.embeddings.create(model="x", input=texts)  # base64 on the wire
@@ -543,7 +537,6 @@ def test_embeddings_over_http(client: openai.OpenAI) -> None:
         client.embeddings.create(model="x", input="")
 
 
-@pytest.mark.integration
 def test_embedding_dimensions_truncate_and_renormalise(client: openai.OpenAI) -> None:
     full = client.embeddings.create(model="x", input="The cat sat.").data[0].embedding
     short = client.embeddings.create(model="x", input="The cat sat.", dimensions=64)
