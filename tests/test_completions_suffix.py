@@ -109,15 +109,28 @@ def test_a_suffix_without_fim_tokens_is_a_400_naming_it() -> None:
 
 
 # --- SmolLM2 ---------------------------------------------------------------------------------
+SMOL_BODY = {"prompt": "def add(a, b):\n", "suffix": "\n\nprint(add(1, 2))\n", "max_tokens": 8}
+
+
 @pytest.mark.model
-def test_a_suffix_on_smollm2_and_its_fim_copy(real_ctx: llamax.Context, fim_model: Path) -> None:
-    body = {"prompt": "def add(a, b):\n", "suffix": "\n\nprint(add(1, 2))\n", "max_tokens": 8}
+def test_a_suffix_on_smollm2_is_a_400_naming_it(real_ctx: llamax.Context) -> None:
+    """SmolLM2 has no FIM tokens: ``suffix`` is refused before anything is queued."""
+    before = real_ctx.stats().num_steps
     with BackgroundServer(create_app(real_ctx)) as running:
-        refused = httpx.post(running.url + "/v1/completions", json=body)
+        refused = httpx.post(running.url + "/v1/completions", json=SMOL_BODY)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "suffix"
+    assert real_ctx.stats().num_steps == before
+
+
+@pytest.mark.model
+@pytest.mark.integration
+def test_a_suffix_on_the_fim_copy_of_smollm2(fim_model: Path) -> None:
+    """The FIM copy answers with the prompt ``fim_prompt`` builds (split from the refusal
+    above in issue 55: the copy is written and loaded for this test alone)."""
+    body = SMOL_BODY
     with (
-        llamax.Context(fim_model, n_ctx=1024, n_seq_max=2, n_threads=1) as fim_ctx,
+        llamax.Context(fim_model, n_ctx=1024, n_seq_max=2) as fim_ctx,
         BackgroundServer(create_app(fim_ctx)) as running,
     ):
         reply = httpx.post(running.url + "/v1/completions", json={**body, "temperature": 0})

@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct has no FIM tokens, so ``/infill`` on it is refused (501, as
 llama-server refuses it); the other tests run on a copy whose metadata names three of its
-unused control tokens as FIM tokens (``scripts/make_fim_model.py``).
+unused control tokens as FIM tokens (``scripts/make_fim_model.py``). The refusal, a
+restored slot and the router are the default selection's; the FIM copy's editor batching,
+slot round trip and four slots are ``integration`` (issue 55).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def fim_model(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Pat
 
 @pytest.fixture
 def fim_ctx(fim_model: Path) -> Iterator[llamax.Context]:
-    ctx = llamax.Context(fim_model, n_ctx=8192, n_seq_max=16, n_batch=512)
+    ctx = llamax.Context(fim_model, n_ctx=4096, n_seq_max=8, n_batch=512)
     yield ctx
     assert_idle(ctx)
     ctx.close()
@@ -71,13 +73,16 @@ def test_infill_is_refused_on_smollm2(real_ctx: llamax.Context) -> None:
     assert real_ctx.stats().num_steps == before
 
 
-def test_32_editor_requests_are_batched_and_share_the_file_prefix(
+@pytest.mark.integration
+def test_editor_requests_are_batched_and_share_the_file_prefix(
     fim_ctx: llamax.Context,
 ) -> None:
+    """Eight editors' requests at once, as many as the context's sequences (32 on 16 before
+    issue 55: the same batching and prefix sharing, at a quarter of the prefill)."""
     app = create_app(fim_ctx)
     extra = [{"filename": "lib.h", "text": HEADER}]
     bodies = [BODY | {"input_extra": extra, "prompt": f"    int n{i} = helper_{i % 24}("}
-              for i in range(32)]  # fmt: skip
+              for i in range(8)]  # fmt: skip
     before = fim_ctx.stats()
     responses = asyncio.run(post_all(app, bodies))
     after = fim_ctx.stats()
@@ -87,12 +92,13 @@ def test_32_editor_requests_are_batched_and_share_the_file_prefix(
     prompt_n = [a["tokens_evaluated"] for a in answers]
     cached = [a["timings"]["cache_n"] for a in answers]
     assert min(prompt_n) > 300  # the shared file is most of each prompt
-    assert sum(c > 300 for c in cached) >= 31, cached  # all but the first copy the prefix
+    assert sum(c > 300 for c in cached) >= len(bodies) - 1, cached  # all but the first copy it
     steps = after.num_steps - before.num_steps
     decoded = after.num_decode_tokens - before.num_decode_tokens
     assert decoded / steps > 2, (decoded, steps)  # several sequences per step
 
 
+@pytest.mark.integration
 def test_slot_round_trip_on_smollm2(fim_ctx: llamax.Context, tmp_path: Path) -> None:
     app = create_app(fim_ctx, slot_save_path=tmp_path)
     first = post(app, "/infill", BODY | {"id_slot": 1, "cache_prompt": True}).json()
@@ -142,6 +148,7 @@ def test_completion_on_a_restored_slot_continues_from_it_on_smollm2(
         post(app, f"/slots/{slot}?action=erase")
 
 
+@pytest.mark.integration
 def test_four_slots_never_lock_others_out_on_smollm2(model_path: Path) -> None:
     """Issue 54: ``id_slot`` 0..3 on ``n_seq_max=4``, then a plain request and a chat are
     served (before: 500, every id held by a slot's session); the slot that yielded its

@@ -376,6 +376,7 @@ def test_responses_input_tokens_counts_what_a_response_would_submit(
 
 # ------------------------------------------------------------------------ on SmolLM2
 @pytest.mark.model
+@pytest.mark.integration
 def test_llama_server_flags_and_chat_extensions_on_smollm2(model_path: Path) -> None:
     from openai import OpenAI
     from test_server_llama import _SyncASGI
@@ -419,6 +420,7 @@ def test_llama_server_flags_and_chat_extensions_on_smollm2(model_path: Path) -> 
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_return_progress_and_responses_telemetry_on_smollm2(model_path: Path) -> None:
     """llama.cpp's test_return_progress[64-2-True] and test_responses_stream_with_llama_
     telemetry on SmolLM2 (n_batch 32, so a prompt comes in chunks): the first report has

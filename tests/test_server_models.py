@@ -735,6 +735,7 @@ def client(real_server: BackgroundServer, real_pool: ModelPool) -> Iterator[open
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_two_real_models_interleaved(client: openai.OpenAI, real_pool: ModelPool) -> None:
     def ask(model: str) -> str:
         reply = client.chat.completions.create(
@@ -766,6 +767,7 @@ def test_two_real_models_interleaved(client: openai.OpenAI, real_pool: ModelPool
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_a_bad_path_leaves_the_others_serving(client: openai.OpenAI) -> None:
     with pytest.raises(openai.InternalServerError) as failed:
         client.completions.create(model="broken", prompt="Hi", max_tokens=2)
@@ -777,6 +779,7 @@ def test_a_bad_path_leaves_the_others_serving(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_real_models_swap_fairly_under_traffic(model_path: Path) -> None:
     """Issue 36 item 6 on SmolLM2 over HTTP: with one model loaded at a time, a request for
     ``quiet`` is answered while two clients keep asking ``busy``, and ``busy`` answers
@@ -793,7 +796,7 @@ def test_real_models_swap_fairly_under_traffic(model_path: Path) -> None:
             def keep_asking() -> None:
                 while not stop.is_set():
                     reply = client.completions.create(
-                        model="busy", prompt="Once", max_tokens=24, temperature=0
+                        model="busy", prompt="Once", max_tokens=8, temperature=0
                     )
                     outcomes.append(reply.choices[0].text)
 
@@ -820,6 +823,7 @@ def test_real_models_swap_fairly_under_traffic(model_path: Path) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_a_real_model_unloads_when_idle(client: openai.OpenAI, real_pool: ModelPool) -> None:
     client.completions.create(model="smol-a", prompt="Hi", max_tokens=2)
     loaded = real_pool.loaded("smol-a")
@@ -832,6 +836,7 @@ def test_a_real_model_unloads_when_idle(client: openai.OpenAI, real_pool: ModelP
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_one_real_gguf_under_two_names_with_a_disk_tier(model_path: Path, tmp_path: Path) -> None:
     """Regression (issue 36, item 9): ``--prefix-disk-dir`` with one GGUF under two names
     gave the second name 500 ``model_load_failed`` (the tier folder's lock)."""

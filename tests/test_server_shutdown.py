@@ -142,6 +142,7 @@ def test_a_forced_stop_cuts_streams_at_once_whatever_the_timeout(
 
 
 @pytest.mark.model
+@pytest.mark.integration
 def test_a_second_ctrl_c_exits_at_once_without_a_traceback(model_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
