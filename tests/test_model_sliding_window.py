@@ -33,11 +33,16 @@ PARAMS = llamax.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, l
 
 @pytest.fixture(scope="module")
 def window_model(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
-    folder = tmp_path_factory.mktemp("sliding_window")
-    return memory_model_files.write(folder, "sliding_window", model_path)
+    return memory_model_files.shared(tmp_path_factory, "sliding_window", model_path)
 
 
-@pytest.fixture(params=["unified", "streams", "auto"])
+@pytest.fixture(
+    params=[
+        "unified",
+        pytest.param("streams", marks=pytest.mark.integration),
+        pytest.param("auto", marks=pytest.mark.integration),
+    ]
+)
 def layout(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
