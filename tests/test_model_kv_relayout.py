@@ -27,6 +27,7 @@ def counting(ctx: llamax.Context, start: int, n: int) -> list[int]:
     return list(ctx.tokenize(", ".join(str(start + k) for k in range(n)) + ","))
 
 
+@pytest.mark.integration
 def test_long_prompt_moves_running_streams_to_unified_and_back(
     make_real: MakeReal, tmp_path: Path
 ) -> None:
@@ -41,12 +42,12 @@ def test_long_prompt_moves_running_streams_to_unified_and_back(
         session.save(tmp_path / "short.session")
 
     shorts = [counting(ctx, 10 * i, 5) for i in (1, 7)]
-    handles = [ctx.add_request(t, greedy(48)) for t in shorts]
-    for handle in handles:
-        next(iter(handle))  # both are decoding, in their own streams
     long_prompt = counting(ctx, 1000, 150)  # ~900 tokens: more than a stream holds
     assert len(long_prompt) > 512
-    long = ctx.add_request(long_prompt, greedy(8))
+    handles = [ctx.add_request(t, greedy(32)) for t in shorts]
+    for handle in handles:
+        next(iter(handle))  # both are decoding, in their own streams
+    long = ctx.add_request(long_prompt, greedy(8))  # admitted at the next step
     outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
     long_output = list(long.result(timeout=300).choices[0].token_ids)
     # moved to unified for the long prompt; maybe back already, once it was done
@@ -60,9 +61,10 @@ def test_long_prompt_moves_running_streams_to_unified_and_back(
         more = restored.add_request(counting(ctx, 506, 2), greedy(4)).result(timeout=300)
         assert more.choices[0].token_ids
 
-    # many short ones, long enough to outlast the cooldown: back to streams
+    # many short ones, long enough to outlast the cooldown (counted in steps, not seconds):
+    # back to streams
     again = [counting(ctx, 100 * i, 5) for i in range(1, 4)]
-    handles = [ctx.add_request(t, greedy(RELAYOUT_COOLDOWN_STEPS + 24)) for t in again]
+    handles = [ctx.add_request(t, greedy(RELAYOUT_COOLDOWN_STEPS + 8)) for t in again]
     outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
     assert ctx.kv_layout == "streams" and ctx.stats().num_relayouts == 2
     assert ctx.stats().kv_cells_total == 2048
