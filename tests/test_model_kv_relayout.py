@@ -31,10 +31,11 @@ def counting(ctx: llamax.Context, start: int, n: int) -> list[int]:
 def test_long_prompt_moves_running_streams_to_unified_and_back(
     make_real: MakeReal, tmp_path: Path
 ) -> None:
-    ctx = make_real(n_ctx=2048, n_seq_max=4, n_threads=2)
+    # streams of 256 cells (llama.cpp's smallest): a ~300-token prompt outgrows one
+    ctx = make_real(n_ctx=1024, n_seq_max=4, n_threads=2)
     stats = ctx.stats()
-    assert ctx.kv_layout == "streams" and ctx.n_ctx_seq == 2048
-    assert stats.kv_cells_per_stream == 512 and stats.kv_cells_total == 2048
+    assert ctx.kv_layout == "streams" and ctx.n_ctx_seq == 1024
+    assert stats.kv_cells_per_stream == 256 and stats.kv_cells_total == 1024
     probe = make_real(n_ctx=1024, n_seq_max=1, n_threads=2)
 
     with ctx.session() as session:  # saved in streams, loaded after the move
@@ -42,8 +43,8 @@ def test_long_prompt_moves_running_streams_to_unified_and_back(
         session.save(tmp_path / "short.session")
 
     shorts = [counting(ctx, 10 * i, 5) for i in (1, 7)]
-    long_prompt = counting(ctx, 1000, 150)  # ~900 tokens: more than a stream holds
-    assert len(long_prompt) > 512
+    long_prompt = counting(ctx, 1000, 50)  # ~300 tokens: more than a stream holds
+    assert len(long_prompt) > 256
     handles = [ctx.add_request(t, greedy(32)) for t in shorts]
     for handle in handles:
         next(iter(handle))  # both are decoding, in their own streams
@@ -67,7 +68,7 @@ def test_long_prompt_moves_running_streams_to_unified_and_back(
     handles = [ctx.add_request(t, greedy(RELAYOUT_COOLDOWN_STEPS + 8)) for t in again]
     outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
     assert ctx.kv_layout == "streams" and ctx.stats().num_relayouts == 2
-    assert ctx.stats().kv_cells_total == 2048
+    assert ctx.stats().kv_cells_total == 1024
     for prompt, got in zip(again, outputs, strict=True):
         solo = probe.add_request(prompt, greedy(len(got))).result(timeout=300)
         assert_greedy_agrees(probe, prompt, list(solo.choices[0].token_ids), got)

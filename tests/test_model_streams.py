@@ -94,6 +94,7 @@ def test_burst_and_n_choices_share_the_prefix(streams: llamax.Context) -> None:
     assert ctx.audit() == []
 
 
+@pytest.mark.integration
 def test_sessions_fork_rewind_save_and_load(streams: llamax.Context, tmp_path: Path) -> None:
     ctx = streams
     prompt = ctx.tokenize(SYS + user(QUESTIONS[0]))
