@@ -126,6 +126,7 @@ def test_a_fork_saved_at_once_holds_the_forks_kv(
     assert "tiger" in from_fork.text  # the fork itself copies list A
 
 
+@pytest.mark.integration
 def test_the_teacher_forced_check_passes_a_cold_reply_and_refuses_another_prompts(
     make_real: MakeReal,
 ) -> None:

@@ -12,7 +12,7 @@ import pytest
 from near_tie import assert_greedy_agrees
 
 import llamax
-from llamax.engine.kv.layout_policy import RELAYOUT_COOLDOWN_STEPS
+from llamax.engine.kv import relayout
 
 pytestmark = pytest.mark.model
 
@@ -29,8 +29,11 @@ def counting(ctx: llamax.Context, start: int, n: int) -> list[int]:
 
 @pytest.mark.integration
 def test_long_prompt_moves_running_streams_to_unified_and_back(
-    make_real: MakeReal, tmp_path: Path
+    make_real: MakeReal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # a cooldown of 4 steps (32 in use): the move back is forced with 12-token replies
+    cooldown = 4
+    monkeypatch.setattr(relayout, "RELAYOUT_COOLDOWN_STEPS", cooldown)
     # streams of 256 cells (llama.cpp's smallest): a ~300-token prompt outgrows one
     ctx = make_real(n_ctx=1024, n_seq_max=4, n_threads=2)
     stats = ctx.stats()
@@ -65,7 +68,7 @@ def test_long_prompt_moves_running_streams_to_unified_and_back(
     # many short ones, long enough to outlast the cooldown (counted in steps, not seconds):
     # back to streams
     again = [counting(ctx, 100 * i, 5) for i in range(1, 4)]
-    handles = [ctx.add_request(t, greedy(RELAYOUT_COOLDOWN_STEPS + 8)) for t in again]
+    handles = [ctx.add_request(t, greedy(cooldown + 8)) for t in again]
     outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
     assert ctx.kv_layout == "streams" and ctx.stats().num_relayouts == 2
     assert ctx.stats().kv_cells_total == 1024

@@ -254,6 +254,7 @@ def test_session_next_turn_and_fork_equal_cold(
             assert_greedy_agrees(cold_ctx, main_prompt, cold(main_prompt).token_ids, main.token_ids)
 
 
+@pytest.mark.integration
 def test_session_save_load_round_trip(
     real_ctx: llamax.Context, make_real: MakeReal, tmp_path: Path
 ) -> None:

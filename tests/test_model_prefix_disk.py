@@ -39,9 +39,8 @@ def _restore(ctx: llamax.Context, prompt: str) -> llamax.Completion:
     return done
 
 
-@pytest.mark.parametrize(
-    "kv_layout", ["unified", pytest.param("streams", marks=pytest.mark.integration)]
-)
+@pytest.mark.integration  # the RAM tier's restore is the default run's tier contract
+@pytest.mark.parametrize("kv_layout", ["unified", "streams"])
 def test_a_prefix_restored_from_disk_gives_the_output_of_a_kv_hit(
     make_real: MakeReal, model_path: Path, kv_layout: str, tmp_path: Path
 ) -> None:

@@ -22,7 +22,8 @@ MakeReal = Callable[..., llamax.Context]
 LONG = " ".join(f"Note {i}: the lighthouse keeper logged the weather at dawn." for i in range(13))
 
 
-@pytest.mark.parametrize("flash_attn", [None, pytest.param(False, marks=pytest.mark.integration)])
+@pytest.mark.integration
+@pytest.mark.parametrize("flash_attn", [None, False])
 def test_steps_beside_a_stream_count_padded_tiles(
     make_real: MakeReal, caplog: pytest.LogCaptureFixture, flash_attn: bool | None
 ) -> None:

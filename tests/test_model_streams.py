@@ -59,6 +59,7 @@ def test_auto_starts_with_streams_and_says_what_each_sequence_may_hold(
         make_real(n_ctx=1024, n_seq_max=4, n_ctx_seq=512, kv_layout="streams")
 
 
+@pytest.mark.integration
 def test_prefix_hit_copies_the_stream_and_equals_a_split_cold_prefill(
     streams: llamax.Context, make_real: MakeReal
 ) -> None:
@@ -94,7 +95,6 @@ def test_burst_and_n_choices_share_the_prefix(streams: llamax.Context) -> None:
     assert ctx.audit() == []
 
 
-@pytest.mark.integration
 def test_sessions_fork_rewind_save_and_load(streams: llamax.Context, tmp_path: Path) -> None:
     ctx = streams
     prompt = ctx.tokenize(SYS + user(QUESTIONS[0]))
