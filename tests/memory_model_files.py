@@ -20,3 +20,15 @@ def write(folder: Path, kind: str, tokenizer_from: Path) -> Path:
         folder / f"{kind}.gguf", kind=kind, tokenizer_from=tokenizer_from
     )
     return path
+
+
+_SHARED: dict[tuple[str, Path], Path] = {}
+
+
+def shared(tmp_path_factory: Any, kind: str, tokenizer_from: Path) -> Path:
+    """The model of memory ``kind``, written once per test session and shared by every
+    module that only reads it (writing one takes seconds: the tokenizer is copied)."""
+    key = (kind, tokenizer_from)
+    if key not in _SHARED:
+        _SHARED[key] = write(tmp_path_factory.mktemp(f"memory_{kind}"), kind, tokenizer_from)
+    return _SHARED[key]

@@ -28,15 +28,19 @@ INTERVAL = 64
 GREEDY = llamax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["hybrid", "recurrent"])
+# the hybrid (recurrent blocks and attention) in the default run, the recurrent one and the
+# streams layout in the integration run
+@pytest.fixture(
+    scope="module", params=["hybrid", pytest.param("recurrent", marks=pytest.mark.integration)]
+)
 def memory_model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_path: Path
 ) -> Path:
     kind = str(request.param)
-    return memory_model_files.write(tmp_path_factory.mktemp(f"checkpoint_{kind}"), kind, model_path)
+    return memory_model_files.shared(tmp_path_factory, kind, model_path)
 
 
-@pytest.fixture(params=["unified", "streams"])
+@pytest.fixture(params=["unified", pytest.param("streams", marks=pytest.mark.integration)])
 def ctx(
     request: pytest.FixtureRequest, memory_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[llamax.Context]:

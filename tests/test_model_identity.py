@@ -20,7 +20,7 @@ import llamax
 from llamax.backend.gguf_file import read_header
 from llamax.testing import assert_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.integration]
 
 MakeCtx = Callable[..., llamax.Context]
 OPTIONS = {"n_ctx": 2048, "n_seq_max": 2, "kv_layout": "unified", "n_batch": 512}

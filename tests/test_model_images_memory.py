@@ -19,7 +19,7 @@ from vision_files import pixels, png
 import llamax
 from llamax.testing import assert_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.integration]
 GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
 HEAD = "<|im_start|>system\nYou describe pictures in a few words.<|im_end|>\n<|im_start|>user\n"
 
@@ -27,7 +27,7 @@ HEAD = "<|im_start|>system\nYou describe pictures in a few words.<|im_end|>\n<|i
 @pytest.fixture(scope="module", params=["hybrid", "recurrent", "sliding_window"])
 def text_model(request: Any, model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     kind = str(request.param)
-    return memory_model_files.write(tmp_path_factory.mktemp(f"images_{kind}"), kind, model_path)
+    return memory_model_files.shared(tmp_path_factory, kind, model_path)
 
 
 @pytest.fixture(params=["gemma3", "janus_pro"])

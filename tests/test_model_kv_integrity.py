@@ -57,6 +57,7 @@ def cold(probe: llamax.Context, prompt: str, max_tokens: int) -> tuple[list[int]
     return tokens, list(done.token_ids)
 
 
+@pytest.mark.integration
 def test_a_tier_restore_never_changes_what_a_queued_copy_gives(make_real: MakeReal) -> None:
     # X copies its prefix from the retained slot P (the copy is queued); in the same round
     # a RAM-tier restore for Y evicts P and writes Y's state into P's stream; the queued
@@ -83,6 +84,7 @@ def test_a_tier_restore_never_changes_what_a_queued_copy_gives(make_real: MakeRe
         assert_greedy_agrees(probe, tokens, expected, list(handle.result(0).token_ids), nats=0.2)
 
 
+@pytest.mark.integration
 def test_n_choices_survive_a_layout_move_right_after_the_fork(make_real: MakeReal) -> None:
     # n=2 forks the second choice after the prefill (a queued stream copy); a long prompt
     # then moved the layout before any decode, reading the fork's state before its copy
@@ -103,7 +105,9 @@ def test_n_choices_survive_a_layout_move_right_after_the_fork(make_real: MakeRea
     assert_greedy_agrees(probe, tokens, first, second, nats=0.2)
 
 
-@pytest.mark.parametrize("kv_layout", ["streams", "unified"])
+@pytest.mark.parametrize(
+    "kv_layout", ["streams", pytest.param("unified", marks=pytest.mark.integration)]
+)
 def test_a_fork_saved_at_once_holds_the_forks_kv(
     make_real: MakeReal, tmp_path: Path, kv_layout: str
 ) -> None:
@@ -122,6 +126,7 @@ def test_a_fork_saved_at_once_holds_the_forks_kv(
     assert "tiger" in from_fork.text  # the fork itself copies list A
 
 
+@pytest.mark.integration
 def test_the_teacher_forced_check_passes_a_cold_reply_and_refuses_another_prompts(
     make_real: MakeReal,
 ) -> None:

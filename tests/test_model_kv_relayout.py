@@ -12,7 +12,7 @@ import pytest
 from near_tie import assert_greedy_agrees
 
 import llamax
-from llamax.engine.kv.layout_policy import RELAYOUT_COOLDOWN_STEPS
+from llamax.engine.kv import relayout
 
 pytestmark = pytest.mark.model
 
@@ -27,13 +27,18 @@ def counting(ctx: llamax.Context, start: int, n: int) -> list[int]:
     return list(ctx.tokenize(", ".join(str(start + k) for k in range(n)) + ","))
 
 
+@pytest.mark.integration
 def test_long_prompt_moves_running_streams_to_unified_and_back(
-    make_real: MakeReal, tmp_path: Path
+    make_real: MakeReal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ctx = make_real(n_ctx=2048, n_seq_max=4, n_threads=2)
+    # a cooldown of 4 steps (32 in use): the move back is forced with 12-token replies
+    cooldown = 4
+    monkeypatch.setattr(relayout, "RELAYOUT_COOLDOWN_STEPS", cooldown)
+    # streams of 256 cells (llama.cpp's smallest): a ~300-token prompt outgrows one
+    ctx = make_real(n_ctx=1024, n_seq_max=4, n_threads=2)
     stats = ctx.stats()
-    assert ctx.kv_layout == "streams" and ctx.n_ctx_seq == 2048
-    assert stats.kv_cells_per_stream == 512 and stats.kv_cells_total == 2048
+    assert ctx.kv_layout == "streams" and ctx.n_ctx_seq == 1024
+    assert stats.kv_cells_per_stream == 256 and stats.kv_cells_total == 1024
     probe = make_real(n_ctx=1024, n_seq_max=1, n_threads=2)
 
     with ctx.session() as session:  # saved in streams, loaded after the move
@@ -41,12 +46,12 @@ def test_long_prompt_moves_running_streams_to_unified_and_back(
         session.save(tmp_path / "short.session")
 
     shorts = [counting(ctx, 10 * i, 5) for i in (1, 7)]
-    handles = [ctx.add_request(t, greedy(48)) for t in shorts]
+    long_prompt = counting(ctx, 1000, 50)  # ~300 tokens: more than a stream holds
+    assert len(long_prompt) > 256
+    handles = [ctx.add_request(t, greedy(32)) for t in shorts]
     for handle in handles:
         next(iter(handle))  # both are decoding, in their own streams
-    long_prompt = counting(ctx, 1000, 150)  # ~900 tokens: more than a stream holds
-    assert len(long_prompt) > 512
-    long = ctx.add_request(long_prompt, greedy(8))
+    long = ctx.add_request(long_prompt, greedy(8))  # admitted at the next step
     outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
     long_output = list(long.result(timeout=300).choices[0].token_ids)
     # moved to unified for the long prompt; maybe back already, once it was done
@@ -60,12 +65,13 @@ def test_long_prompt_moves_running_streams_to_unified_and_back(
         more = restored.add_request(counting(ctx, 506, 2), greedy(4)).result(timeout=300)
         assert more.choices[0].token_ids
 
-    # many short ones, long enough to outlast the cooldown: back to streams
+    # many short ones, long enough to outlast the cooldown (counted in steps, not seconds):
+    # back to streams
     again = [counting(ctx, 100 * i, 5) for i in range(1, 4)]
-    handles = [ctx.add_request(t, greedy(RELAYOUT_COOLDOWN_STEPS + 24)) for t in again]
+    handles = [ctx.add_request(t, greedy(cooldown + 8)) for t in again]
     outputs = [list(h.result(timeout=300).choices[0].token_ids) for h in handles]
     assert ctx.kv_layout == "streams" and ctx.stats().num_relayouts == 2
-    assert ctx.stats().kv_cells_total == 2048
+    assert ctx.stats().kv_cells_total == 1024
     for prompt, got in zip(again, outputs, strict=True):
         solo = probe.add_request(prompt, greedy(len(got))).result(timeout=300)
         assert_greedy_agrees(probe, prompt, list(solo.choices[0].token_ids), got)

@@ -37,8 +37,7 @@ P, N, TAIL = 96, 160, 24  # checkpoint position, where the sequence went on to, 
 
 @pytest.fixture(scope="module")
 def memory_models(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("memory_models")
-    return {kind: memory_model_files.write(folder, kind, model_path) for kind in KINDS}
+    return {kind: memory_model_files.shared(tmp_path_factory, kind, model_path) for kind in KINDS}
 
 
 @pytest.fixture(params=["unified", "streams"])
@@ -59,15 +58,28 @@ def _backend(path: Path, layout: str) -> LlamaCppBackend:
     )
 
 
-@pytest.fixture(params=KINDS)
+# the hybrid (a recurrent state and attention) in the default run, the others in the
+# integration run
+DEFAULT_KINDS = [
+    "hybrid",
+    pytest.param("recurrent", marks=pytest.mark.integration),
+    pytest.param("sliding_window", marks=pytest.mark.integration),
+]
+
+
+@pytest.fixture(params=DEFAULT_KINDS)
 def backend(
-    request: pytest.FixtureRequest, memory_models: dict[str, Path], layout: str
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    model_path: Path,
+    layout: str,
 ) -> Iterator[LlamaCppBackend]:
-    made = _backend(memory_models[request.param], layout)
+    made = _backend(memory_model_files.shared(tmp_path_factory, request.param, model_path), layout)
     yield made
     made.close()
 
 
+@pytest.mark.integration
 def test_the_written_models_are_the_memory_kinds_they_claim(
     memory_models: dict[str, Path], model_path: Path
 ) -> None:
@@ -142,9 +154,9 @@ def test_a_partial_state_completes_a_copied_prefix(backend: LlamaCppBackend) -> 
         assert backend.seq_rm(seq_id, -1, -1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DEFAULT_KINDS)
 def test_running_queued_copies_with_every_sequence_in_use_leaves_each_as_it_was(
-    memory_models: dict[str, Path], kind: str
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, kind: str
 ) -> None:
     """llama.cpp runs a cross-stream copy only at a decode, so ``run_queued_copies`` decodes
     one token into the shortest sequence and removes it. A recurrent state cannot remove
@@ -153,7 +165,7 @@ def test_running_queued_copies_with_every_sequence_in_use_leaves_each_as_it_was(
     sequence never had). Now the state is set back: the sequence goes on exactly. (Copies
     are queued only between streams; in one unified buffer other sequences' cells change
     the sums, so the comparison is made in streams.)"""
-    backend = _backend(memory_models[kind], "streams")
+    backend = _backend(memory_model_files.shared(tmp_path_factory, kind, model_path), "streams")
     try:
         _check_queued_copies(backend)
     finally:
@@ -176,26 +188,30 @@ def _check_queued_copies(backend: LlamaCppBackend) -> None:
         assert backend.seq_rm(seq_id, -1, -1)
 
 
+@pytest.mark.parametrize(
+    "kind", ["hybrid", pytest.param("recurrent", marks=pytest.mark.integration)]
+)
 def test_without_the_checkpoint_a_recurrent_or_hybrid_memory_refuses_the_cut(
-    memory_models: dict[str, Path], layout: str
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, layout: str, kind: str
 ) -> None:
-    for kind in ("hybrid", "recurrent"):
-        backend = _backend(memory_models[kind], layout)
-        try:
-            _run(backend, 1, PROMPT, 0)
-            assert not backend.seq_rm(1, P, -1)  # refused, and nothing changed:
-            assert backend.seq_pos_max(1) == N - 1
-            assert backend.seq_rm(1, -1, -1)
-        finally:
-            backend.close()
+    backend = _backend(memory_model_files.shared(tmp_path_factory, kind, model_path), layout)
+    try:
+        _run(backend, 1, PROMPT, 0)
+        assert not backend.seq_rm(1, P, -1)  # refused, and nothing changed:
+        assert backend.seq_pos_max(1) == N - 1
+        assert backend.seq_rm(1, -1, -1)
+    finally:
+        backend.close()
 
 
+@pytest.mark.integration
 def test_a_full_size_window_cache_cuts_exactly_without_a_checkpoint(
-    memory_models: dict[str, Path], layout: str
+    tmp_path_factory: pytest.TempPathFactory, model_path: Path, layout: str
 ) -> None:
     """llamax keeps llama.cpp's default full-size sliding-window cache (``swa_full``), so a
     cut needs no checkpoint there; a window-sized cache would need one."""
-    backend = _backend(memory_models["sliding_window"], layout)
+    window = memory_model_files.shared(tmp_path_factory, "sliding_window", model_path)
+    backend = _backend(window, layout)
     try:
         cold = _cold(backend, 0)
         _run(backend, 1, PROMPT, 0)

@@ -29,7 +29,9 @@ Prompt = str | Sequence[int]
 Cold = Callable[[Prompt], llamax.Completion]
 
 TIMEOUT = 240.0
-GREEDY = llamax.SamplingParams(temperature=0.0, max_tokens=24)
+# Eight tokens: a reused cell that differs from a computed one shows in the first logits,
+# and every later token depends on those cells alike.
+GREEDY = llamax.SamplingParams(temperature=0.0, max_tokens=8)
 VALID_FINISH = {llamax.FinishReason.STOP, llamax.FinishReason.LENGTH}
 
 SYS_TEXT = (
@@ -136,6 +138,7 @@ def split_cold(make_real: MakeReal, prompt: Sequence[int], at: int) -> llamax.Co
     return done
 
 
+@pytest.mark.integration
 def test_cache_hit_output_equals_cold_output(
     real_ctx: llamax.Context, cold: Cold, cold_ctx: llamax.Context, make_real: MakeReal
 ) -> None:
@@ -166,8 +169,11 @@ def test_cache_hit_output_equals_cold_output(
     assert again.token_ids == reference.token_ids
 
 
+@pytest.mark.parametrize(
+    "question", [QUESTIONS[2], pytest.param(QUESTIONS[7], marks=pytest.mark.integration)]
+)
 def test_cache_hit_equals_a_cold_prefill_split_at_the_prefix(
-    real_ctx: llamax.Context, make_real: MakeReal
+    real_ctx: llamax.Context, make_real: MakeReal, question: str
 ) -> None:
     """The exact property behind "a hit equals a cold run", on near-tie prompts.
 
@@ -180,16 +186,16 @@ def test_cache_hit_equals_a_cold_prefill_split_at_the_prefix(
     n_sys = len(ctx.tokenize(SYS))
     split = make_real(n_ctx=1024, n_seq_max=1, prefix_cache=False, n_batch=n_sys)
     ctx.add_request(SYS + user(QUESTIONS[0]), GREEDY).result(TIMEOUT)
-    for question in (QUESTIONS[2], QUESTIONS[7]):
-        prompt = ctx.tokenize(SYS + user(question))
-        hit = ctx.add_request(prompt, GREEDY).result(TIMEOUT)
-        assert hit.usage.cached_tokens == n_sys
-        reference = split.add_request(prompt, GREEDY).result(TIMEOUT)
-        assert reference.usage.cached_tokens == 0
-        assert hit.token_ids == reference.token_ids, question
+    prompt = ctx.tokenize(SYS + user(question))
+    hit = ctx.add_request(prompt, GREEDY).result(TIMEOUT)
+    assert hit.usage.cached_tokens == n_sys
+    reference = split.add_request(prompt, GREEDY).result(TIMEOUT)
+    assert reference.usage.cached_tokens == 0
+    assert hit.token_ids == reference.token_ids, question
 
 
 # ---------------------------------------------------------------------- sessions
+@pytest.mark.integration
 def test_session_divergent_edit_equals_cold(real_ctx: llamax.Context, cold: Cold) -> None:
     ctx = real_ctx
     n_sys = len(ctx.tokenize(SYS))
@@ -211,6 +217,7 @@ def test_session_divergent_edit_equals_cold(real_ctx: llamax.Context, cold: Cold
         assert edited.token_ids == cold(edited_prompt).token_ids
 
 
+@pytest.mark.integration
 def test_session_next_turn_and_fork_equal_cold(
     real_ctx: llamax.Context, cold: Cold, cold_ctx: llamax.Context
 ) -> None:
@@ -247,6 +254,7 @@ def test_session_next_turn_and_fork_equal_cold(
             assert_greedy_agrees(cold_ctx, main_prompt, cold(main_prompt).token_ids, main.token_ids)
 
 
+@pytest.mark.integration
 def test_session_save_load_round_trip(
     real_ctx: llamax.Context, make_real: MakeReal, tmp_path: Path
 ) -> None:
@@ -334,36 +342,39 @@ def test_session_load_rejects_damaged_and_foreign_files(
 
 
 # ---------------------------------------------------------------------- burst
-def test_burst_with_shared_prefix_computes_it_once(make_real: MakeReal, cold: Cold) -> None:
-    ctx = make_real(n_ctx=8192, n_seq_max=16)
+@pytest.mark.integration
+def test_burst_with_shared_prefix_computes_it_once(make_real: MakeReal) -> None:
+    """Eight requests sharing SYS, submitted at once: SYS is computed once, in flight.
+
+    Eight distinct questions force the same sharing as sixteen did; the solo cold runs
+    the old version printed (and asserted nothing on) are gone: a hit's output is checked
+    against cold runs in the tests above, one request at a time.
+    """
+    questions = QUESTIONS[:8]
+    ctx = make_real(n_ctx=4096, n_seq_max=len(questions))  # streams of 512 cells, as before
     n_sys = len(ctx.tokenize(SYS))
-    prompts = [ctx.tokenize(SYS + user(q)) for q in QUESTIONS]
+    prompts = [ctx.tokenize(SYS + user(q)) for q in questions]
     for p in prompts:
         assert p[:n_sys] == ctx.tokenize(SYS)
     question_tokens = sum(len(p) - n_sys for p in prompts)
     before = ctx.stats()
-    handles = [ctx.add_request(p, GREEDY) for p in prompts]
+    params = llamax.SamplingParams(temperature=0.0, max_tokens=4)
+    handles = [ctx.add_request(p, params) for p in prompts]
     results = [h.result(TIMEOUT) for h in handles]
     after = ctx.stats()
 
     prefill = after.num_prefill_tokens - before.num_prefill_tokens
     cached = after.num_cached_tokens - before.num_cached_tokens
+    num_followers = len(questions) - 1
     assert prefill <= n_sys + question_tokens + 16, (prefill, n_sys, question_tokens)
-    assert cached >= 15 * n_sys - 16, (cached, n_sys)
+    assert cached >= num_followers * n_sys - 16, (cached, n_sys)
     assert after.num_preemptions == before.num_preemptions
     assert sum(r.usage.cached_tokens for r in results) == cached
-    assert sum(r.usage.cached_tokens >= n_sys - 3 for r in results) >= 15  # all but the leader
+    assert sum(r.usage.cached_tokens >= n_sys - 3 for r in results) >= num_followers
     for p, r in zip(prompts, results, strict=True):
         assert r.text.strip(), r
         assert r.finish_reason in VALID_FINISH
         assert r.usage.prompt_tokens == len(p)
-
-    same = [r.token_ids == cold(p).token_ids for p, r in zip(prompts, results, strict=True)]
-    print(
-        f"\nburst: {sum(same)}/16 outputs equal the solo cold output "
-        f"(prefill {prefill} tokens for n_sys={n_sys} + questions={question_tokens}; "
-        f"cached {cached}); differing: {[i for i, s in enumerate(same) if not s]}"
-    )
 
 
 # ---------------------------------------------------------------------- n > 1
@@ -465,6 +476,7 @@ def test_session_is_busy_while_a_request_runs(make_real: MakeReal, tmp_path: Pat
         assert second.result(0).token_ids == first.result(0).token_ids
 
 
+@pytest.mark.integration
 def test_session_rewind_drops_tokens(real_ctx: llamax.Context, make_real: MakeReal) -> None:
     ctx = real_ctx
     prompt = ctx.tokenize(SYS + user(QUESTIONS[9]))
@@ -500,6 +512,7 @@ def test_session_rewind_drops_tokens(real_ctx: llamax.Context, make_real: MakeRe
         assert ctx.stats().kv_cells_used == 0
 
 
+@pytest.mark.integration
 def test_session_is_not_evicted_by_other_requests(make_real: MakeReal, cold: Cold) -> None:
     ctx = make_real(n_ctx=1024, n_seq_max=2)
     prompt = ctx.tokenize(SYS + user(QUESTIONS[10]))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from adversaries import deadline
 from test_model_prefix_cache import QUESTIONS, SYS, user
-from test_model_prefix_ram import GREEDY, OTHER, TIMEOUT
+from test_model_prefix_ram import FIRST, GREEDY, OPTIONS, OTHER, SECOND, TIMEOUT, kv_hit
 
 import llamax
 
@@ -39,37 +39,33 @@ def _restore(ctx: llamax.Context, prompt: str) -> llamax.Completion:
     return done
 
 
+@pytest.mark.integration  # the RAM tier's restore is the default run's tier contract
 @pytest.mark.parametrize("kv_layout", ["unified", "streams"])
 def test_a_prefix_restored_from_disk_gives_the_output_of_a_kv_hit(
-    make_real: MakeReal, kv_layout: str, tmp_path: Path
+    make_real: MakeReal, model_path: Path, kv_layout: str, tmp_path: Path
 ) -> None:
-    options = {"n_ctx": 2048, "n_seq_max": 2, "kv_layout": kv_layout, "n_batch": 512}
-    first, second = SYS + user(QUESTIONS[0]), SYS + user(QUESTIONS[1])
-
-    kv_hit = make_real(prefix_ram_bytes=0, **options)
-    kv_hit.add_request(first, GREEDY).result(TIMEOUT)
-    reference = kv_hit.add_request(second, GREEDY).result(TIMEOUT)
-    assert reference.usage.cached_tokens > 200
-    kv_hit.close()
+    options = {"kv_layout": kv_layout, **OPTIONS}
+    reference = kv_hit(model_path, kv_layout)  # shared with test_model_prefix_ram.py
 
     disk = {"prefix_ram_bytes": 0, "prefix_disk_dir": str(tmp_path), "prefix_disk_bytes": 1 << 30}
     ctx = make_real(**disk, **options)
-    ctx.add_request(first, GREEDY).result(TIMEOUT)
+    ctx.add_request(FIRST, GREEDY).result(TIMEOUT)
     for other in OTHER[:2]:  # two more prompts: the first one's slot is evicted to disk
         ctx.add_request(other + "Hi", GREEDY).result(TIMEOUT)
     assert ctx.stats().num_prefix_disk_stores >= 1
-    restored = _restore(ctx, second)
+    restored = _restore(ctx, SECOND)
     assert restored.usage.cached_tokens == reference.usage.cached_tokens
     assert (restored.token_ids, restored.text) == (reference.token_ids, reference.text)
     ctx.close()
 
     again = make_real(**disk, **options)  # a restart: the file stayed after the restore
     assert again.stats().prefix_disk_entries >= 1
-    restarted = _restore(again, second)
+    restarted = _restore(again, SECOND)
     assert restarted.usage.cached_tokens == reference.usage.cached_tokens
     assert (restarted.token_ids, restarted.text) == (reference.token_ids, reference.text)
 
 
+@pytest.mark.integration
 def test_a_fifo_in_a_files_place_is_refused_at_once_and_the_files_are_private(
     make_real: MakeReal, tmp_path: Path
 ) -> None:

@@ -15,7 +15,7 @@ from vision_files import pixels, png
 import llamax
 from llamax.testing import assert_idle
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.integration]
 GREEDY = llamax.SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
 TIMEOUT = 300
 OPTIONS: dict[str, Any] = {"n_ctx": 1024, "n_seq_max": 1, "n_batch": 256, "n_threads": 2}

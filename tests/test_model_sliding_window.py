@@ -25,7 +25,7 @@ import pytest
 import llamax
 
 pytest.importorskip("gguf")
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.integration]  # checkpoints: the hybrid is default
 
 P, TAIL = 150, 40  # cached prefix (several windows), tokens after it
 PARAMS = llamax.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -33,8 +33,7 @@ PARAMS = llamax.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, l
 
 @pytest.fixture(scope="module")
 def window_model(tmp_path_factory: pytest.TempPathFactory, model_path: Path) -> Path:
-    folder = tmp_path_factory.mktemp("sliding_window")
-    return memory_model_files.write(folder, "sliding_window", model_path)
+    return memory_model_files.shared(tmp_path_factory, "sliding_window", model_path)
 
 
 @pytest.fixture(params=["unified", "streams", "auto"])

@@ -18,9 +18,11 @@ import llamax
 pytestmark = pytest.mark.model
 
 MakeReal = Callable[..., llamax.Context]
-LONG = " ".join(f"Note {i}: the lighthouse keeper logged the weather at dawn." for i in range(40))
+# ~170 tokens: one chunk of 100 rows (tiled), then one under 64 (not), beside the stream
+LONG = " ".join(f"Note {i}: the lighthouse keeper logged the weather at dawn." for i in range(13))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flash_attn", [None, False])
 def test_steps_beside_a_stream_count_padded_tiles(
     make_real: MakeReal, caplog: pytest.LogCaptureFixture, flash_attn: bool | None
