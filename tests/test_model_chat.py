@@ -232,6 +232,7 @@ def test_async_twins(ctx: llamax.Context) -> None:
     OpenAICompletion.model_validate(text)
 
 
+@pytest.mark.integration
 def test_concurrent_chat_completions_share_the_system_prompt(ctx: llamax.Context) -> None:
     system = {
         "role": "system",
@@ -316,6 +317,7 @@ def test_bad_messages_are_invalid_requests(
         ctx.chat_completion("not a list", max_tokens=4)  # type: ignore[arg-type]
 
 
+@pytest.mark.integration
 def test_long_history_needs_truncate(make_real: MakeReal) -> None:
     ctx = make_real(n_ctx=512, n_seq_max=2)
     history: list[Message] = [{"role": "system", "content": "You are terse."}]

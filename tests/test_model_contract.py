@@ -185,6 +185,7 @@ def test_greedy_output_does_not_depend_on_when_a_request_joins(make_real: MakeRe
 
 
 @pytest.mark.parametrize("stage", ["queued", "queued_behind_other", "prefill", "decode"])
+@pytest.mark.integration
 def test_cancel_frees_kv_at_next_step(make_real: MakeReal, stage: str) -> None:
     ctx = make_real(n_ctx=1024, n_seq_max=1, n_batch=64, autostart=False)
     params = llamax.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -287,6 +288,7 @@ def test_stop_string_spanning_tokens(real_ctx: llamax.Context) -> None:
     assert completion.usage.completion_tokens == k + 3
 
 
+@pytest.mark.integration
 def test_stop_strings_first_match_wins_and_absent_stop_is_harmless(
     real_ctx: llamax.Context,
 ) -> None:
@@ -351,6 +353,7 @@ MULTIBYTE_PROMPTS = (  # (prompt, the greedy reply must hold non-ASCII character
 )
 
 
+@pytest.mark.integration
 def test_streaming_emoji_and_cjk(real_ctx: llamax.Context) -> None:
     params = llamax.SamplingParams(max_tokens=24, temperature=0.0)
     handles = [(p, must, real_ctx.add_request(p, params)) for p, must in MULTIBYTE_PROMPTS]
@@ -388,6 +391,7 @@ def test_max_tokens_ending_mid_character_yields_no_replacement_char(
 
 
 # ---------------------------------------------------------------------- KV pressure
+@pytest.mark.integration
 def test_sequence_fills_context(make_real: MakeReal) -> None:
     ctx = make_real(n_ctx=256, n_seq_max=2)
     prompt = [ctx.tokenize("Hello")[0]] * (ctx.n_ctx - 10)

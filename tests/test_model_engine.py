@@ -186,6 +186,7 @@ def test_small_context_under_pressure_loses_nothing(make_real: MakeReal) -> None
     assert same >= len(prompts) // 2, f"only {same}/{len(prompts)} equal after preemption"
 
 
+@pytest.mark.integration
 def test_asyncio_api_inside_a_running_loop(real_ctx: llamax.Context) -> None:
     params = dataclasses.replace(GREEDY, max_tokens=8)
 

@@ -315,6 +315,7 @@ def test_batch_hook_sees_every_row_and_its_edits_apply(make_real: MakeReal) -> N
 
 
 # ---------------------------------------------------------------------- grammars
+@pytest.mark.integration
 def test_json_schema_output_matches_the_schema(real_ctx: llamax.Context) -> None:
     prompt = real_ctx.chat_prompt(PERSON_REQUEST)
     handles = [
@@ -393,6 +394,7 @@ def test_json_schema_keeps_the_property_order(real_ctx: llamax.Context) -> None:
     assert list(json.loads(done.text)) == ["color", "age", "name"], done.text
 
 
+@pytest.mark.integration
 def test_chat_response_format_gives_json(real_ctx: llamax.Context) -> None:
     formats: list[dict[str, Any]] = [
         {"type": "json_schema", "json_schema": {"name": "x", "schema": PERSON_SCHEMA}},

@@ -420,6 +420,7 @@ PREFIXES = (  # distinct first tokens: no two share a prefix
 )
 
 
+@pytest.mark.integration
 def test_retained_prefixes_are_evicted_lru(make_real: MakeReal, cold: Cold) -> None:
     # the KV tier alone: with the host-RAM tier an evicted prefix comes back from RAM
     # (tests/test_model_prefix_ram.py)

@@ -78,6 +78,7 @@ def test_prefix_hit_copies_the_stream_and_equals_a_split_cold_prefill(
     assert ctx.audit() == []
 
 
+@pytest.mark.integration
 def test_burst_and_n_choices_share_the_prefix(streams: llamax.Context) -> None:
     ctx = streams
     n_sys = len(ctx.tokenize(SYS))

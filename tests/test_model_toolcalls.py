@@ -145,6 +145,7 @@ def test_named_choice_streams_deltas(real_ctx: llamax.Context) -> None:
     assert not any(d.get("content") for d in deltas)
 
 
+@pytest.mark.integration
 def test_auto_gives_text_or_valid_calls(real_ctx: llamax.Context) -> None:
     plan = prepare_tools([WEATHER, CLOCK], "auto")
     for messages in (ASK_WEATHER, [{"role": "user", "content": "Say hello."}]):
@@ -170,6 +171,7 @@ def test_round_trip_call_result_answer(real_ctx: llamax.Context) -> None:
     ChatCompletionMessage.model_validate(answer.message())
 
 
+@pytest.mark.integration
 def test_prefix_cache_reuses_the_tool_laden_system_turn(real_ctx: llamax.Context) -> None:
     plan = prepare_tools([WEATHER, CLOCK], "required", parallel_tool_calls=False)
     system = {"role": "system", "content": "You are the tool-cache test assistant #4711."}
@@ -210,6 +212,7 @@ def _chat_calls(response: Any, names: set[str]) -> list[ChatCompletionMessageToo
     return calls
 
 
+@pytest.mark.integration
 def test_chat_completion_required_and_named_calls(real_ctx: llamax.Context) -> None:
     response = real_ctx.chat_completion(
         ASK_WEATHER,
