@@ -4,14 +4,10 @@ alone, and the same draw for the same seed."""
 from __future__ import annotations
 
 import ast
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "mutants.py"
+from script_modules import load_script
 
 SOURCE = '''\
 """A docstring with 1 < 2 in it."""
@@ -40,11 +36,7 @@ class Box:
 
 @pytest.fixture(scope="module")
 def mutants() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mutants_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    module: ModuleType = load_script("mutants")
     return module
 
 
