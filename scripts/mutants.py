@@ -15,8 +15,9 @@ context per test, built once per tests tree), fastest first, with ``-x``: the fi
 kills it. Spawned Python processes are measured too: a ``sitecustomize`` starts coverage in
 them with the spawning test's id as the context (a process killed by SIGKILL, or started
 with a ``PYTHONPATH`` of its own, records nothing; its test still counts through its own
-process's lines). Lines that only ran at import (module constants) fall back to the tests
-that cover any line of their file.
+process's lines). A mutant outside every function body (a module constant, a default) ran
+at import, under whichever test imported its module first: it gets every test that covers a
+line of its file.
 
 Usage (``nice -n 10``: the machine is shared)::
 
@@ -539,14 +540,32 @@ class Outcome:
     rc: int | None
 
 
-def candidates(covmap: dict[str, Any], mutant: Mutant) -> tuple[list[str], str]:
-    """The tests that cover ``mutant``'s lines (or, for import-only lines, its file)."""
+def runs_at_import(source: str, mutant: Mutant) -> bool:
+    """Whether ``mutant`` sits outside every function body (module and class level,
+    defaults, decorators): such a line runs once, at import, under whichever test (or
+    collection) imported the module first."""
+    at = (mutant.line, mutant.col)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            body = node.body if isinstance(node.body, list) else [node.body]
+            start = (body[0].lineno, body[0].col_offset)
+            end = (body[-1].end_lineno or 0, body[-1].end_col_offset or 0)
+            if start <= at < end:
+                return False
+    return True
+
+
+def candidates(
+    covmap: dict[str, Any], mutant: Mutant, at_import: bool = False
+) -> tuple[list[str], str]:
+    """The tests that cover ``mutant``'s lines; for a line that runs at import (or one no
+    test context covers), every test that covers a line of its file."""
     by_line: dict[str, list[int]] = covmap["lines"].get(mutant.file, {})
     ids: set[int] = set()
     for line in range(mutant.line, mutant.end_line + 1):
         ids.update(by_line.get(str(line), ()))
     kind = "line"
-    if not ids:
+    if at_import or not ids:
         kind = "file"
         for covering in by_line.values():
             ids.update(covering)
@@ -601,11 +620,11 @@ def run_one(
     tree: Path, mutant: Mutant, covmap: dict[str, Any], durations: dict[str, float],
     args: argparse.Namespace, markers: str | None, logs: Path,
 ) -> Outcome:
-    tests, kind = candidates(covmap, mutant)
-    if not tests:
-        return Outcome(mutant.id, mutant.area, "no_tests", None, 0.0, 0, 0, kind, None)
     target = tree / mutant.file
     original = target.read_text()
+    tests, kind = candidates(covmap, mutant, runs_at_import(original, mutant))
+    if not tests:
+        return Outcome(mutant.id, mutant.area, "no_tests", None, 0.0, 0, 0, kind, None)
     # A mutant often keeps the file's size, and its mtime may fall in the same second as
     # the original's: a cached .pyc would pass for either, so none is kept across the swap.
     _forget_bytecode(target)

@@ -97,3 +97,9 @@ def test_the_areas_name_their_files(mutants: ModuleType) -> None:
 def test_a_node_id_names_its_junit_case(mutants: ModuleType) -> None:
     key = mutants.nodeid_key("tests/test_a.py::TestB::test_c[x-1]")
     assert key == "tests.test_a.TestB.test_c[x-1]"
+
+
+def test_module_constants_and_defaults_run_at_import(mutants: ModuleType) -> None:
+    found = mutants.find_mutants(SOURCE, "llamax/grammar_x.py", "grammar")
+    at_import = {m.line for m in found if mutants.runs_at_import(SOURCE, m)}
+    assert at_import == {5, 8}  # LIMIT = 3; flag: bool = True
