@@ -51,6 +51,7 @@ import hashlib
 import io
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -62,6 +63,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -452,53 +454,34 @@ def nodeid_key(nodeid: str) -> str:
 
 
 def build_map(args: argparse.Namespace) -> None:
-    """Run the selection's suite once under coverage; write ``{file: {line: tests}}``."""
-    from coverage import CoverageData  # only this subcommand needs coverage
+    """Run the selection's suite once under coverage; write ``{file: {line: tests}}``.
 
+    With ``--jobs N`` the test files are split into N groups of about the same time (by
+    ``--durations``, else by count), each run by its own pytest process in its own tree.
+    """
     tests_rev, markers = selection(args)
     source_rev = resolve(args.source or tests_rev)
     work = Path(tempfile.mkdtemp(prefix="mutants-cov-", dir=args.workdir))
-    tree = make_tree(work / "tree", tests_rev, source_rev)
-    site = work / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    (site / "mutants_context.py").write_text(PLUGIN)
-    env = os.environ | {
-        "PYTHONPATH": f"{tree}{os.pathsep}{site}",
-        "COVERAGE_FILE": str(work / ".coverage"),
-        "MUTANTS_COV_DIR": str(work),
-    }
-    junit = work / "junit.xml"
-    command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "mutants_context", "-p", "no:cacheprovider",
-        "--cov=llamax", "--cov-context=test", "--cov-report=", f"--junitxml={junit}",
-        *(["-m", markers] if markers else []), *args.pytest_args,
-    ]
+    groups: list[list[str]] = [list(args.pytest_args)]
+    if args.jobs > 1:
+        groups = split_files(make_tree(work / "files", tests_rev, source_rev), args)
     started = time.monotonic()
-    rc = subprocess.run(command, cwd=tree, env=env, check=False).returncode
-    print(f"pytest exited {rc} after {time.monotonic() - started:.0f} s", file=sys.stderr)
-    tests: dict[str, int] = {}
-    lines: dict[str, dict[int, set[int]]] = {}
-    for data_file in [work / ".coverage", *work.glob(".coverage.child*")]:
-        data = CoverageData(str(data_file))
-        data.read()
-        for measured in data.measured_files():
-            file = _package_path(measured)
-            if file is None or area_of(file) is None:
-                continue
-            by_line = lines.setdefault(file, {})
-            for line, contexts in data.contexts_by_lineno(measured).items():
-                for context in contexts:
-                    test = context.rpartition("|")[0] if "|" in context else context
-                    if test:
-                        by_line.setdefault(line, set()).add(tests.setdefault(test, len(tests)))
-    results = junit_results(junit) if junit.exists() else {}
+    procs: list[tuple[Path, subprocess.Popen[bytes]]] = []
+    for i, group in enumerate(groups):
+        procs.append(_start_coverage(work / f"g{i}", tests_rev, source_rev, markers, group))
+    rcs = [proc.wait() for _, proc in procs]
+    print(f"pytest exited {rcs} after {time.monotonic() - started:.0f} s", file=sys.stderr)
+    tests, lines = read_contexts([d for d, _ in procs])
+    results: dict[str, tuple[float, bool]] = {}
+    for group_dir, _ in procs:
+        if (group_dir / "junit.xml").exists():
+            results |= junit_results(group_dir / "junit.xml")
     names = sorted(tests, key=tests.__getitem__)
     covmap = {
         "tests_rev": tests_rev,
         "source_rev": source_rev,
         "markers": markers,
-        "pytest_rc": rc,
+        "pytest_rc": max(rcs),
         "seconds": round(time.monotonic() - started),
         "tests": names,
         "failed": sorted(t for t in names if not results.get(nodeid_key(t), (0.0, True))[1]),
@@ -512,6 +495,76 @@ def build_map(args: argparse.Namespace) -> None:
     print(f"{len(names)} tests cover {len(lines)} files; map in {args.out}", file=sys.stderr)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def split_files(tree: Path, args: argparse.Namespace) -> list[list[str]]:
+    """The test files (``args.pytest_args``, else the tree's) in ``args.jobs`` groups, the
+    longest first into the lightest."""
+    files = list(args.pytest_args) or sorted(
+        str(f.relative_to(tree)) for f in (tree / "tests").glob("test_*.py")
+    )
+    weight = dict.fromkeys(files, 1.0)
+    if args.durations:
+        for key, (seconds, _) in junit_results(Path(args.durations)).items():
+            for file in files:
+                if key.startswith(file.removesuffix(".py").replace("/", ".") + "."):
+                    weight[file] += seconds
+    groups: list[list[str]] = [[] for _ in range(args.jobs)]
+    loads = [0.0] * args.jobs
+    for file in sorted(files, key=lambda f: -weight[f]):
+        lightest = loads.index(min(loads))
+        groups[lightest].append(file)
+        loads[lightest] += weight[file]
+    return [sorted(group) for group in groups if group]
+
+
+def _start_coverage(
+    work: Path, tests_rev: str, source_rev: str, markers: str | None, pytest_args: list[str]
+) -> tuple[Path, subprocess.Popen[bytes]]:
+    tree = make_tree(work / "tree", tests_rev, source_rev)
+    site = work / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (site / "mutants_context.py").write_text(PLUGIN)
+    # pytest-cov combines the .coverage.* files beside its own at the end, the spawned
+    # processes' included (their contexts carry no "|run" suffix).
+    env = os.environ | {
+        "PYTHONPATH": f"{tree}{os.pathsep}{site}",
+        "COVERAGE_FILE": str(work / ".coverage"),
+        "MUTANTS_COV_DIR": str(work),
+    }
+    command = [
+        sys.executable, "-m", "pytest", "-q", "-p", "mutants_context", "-p", "no:cacheprovider",
+        "--cov=llamax", "--cov-context=test", "--cov-report=",
+        f"--junitxml={work / 'junit.xml'}", *(["-m", markers] if markers else []),
+        *pytest_args,
+    ]
+    with (work / "pytest.log").open("w") as log:
+        proc = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return work, proc
+
+
+def read_contexts(dirs: list[Path]) -> tuple[dict[str, int], dict[str, dict[int, set[int]]]]:
+    """``(test -> index, {file: {line: test indices}})`` from the groups' coverage data."""
+    from coverage import CoverageData  # only the map needs coverage
+
+    tests: dict[str, int] = {}
+    lines: dict[str, dict[int, set[int]]] = {}
+    data_files = [f for d in dirs for f in [d / ".coverage", *d.glob(".coverage.*")]]
+    for data_file in (f for f in data_files if f.exists()):
+        data = CoverageData(str(data_file))
+        data.read()
+        for measured in data.measured_files():
+            file = _package_path(measured)
+            if file is None or area_of(file) is None:
+                continue
+            by_line = lines.setdefault(file, {})
+            for line, contexts in data.contexts_by_lineno(measured).items():
+                for context in contexts:
+                    test = context.rpartition("|")[0] if "|" in context else context
+                    if test:
+                        by_line.setdefault(line, set()).add(tests.setdefault(test, len(tests)))
+    return tests, lines
 
 
 def _package_path(measured: str) -> str | None:
@@ -702,24 +755,39 @@ def run_mutants(args: argparse.Namespace) -> None:
     if args.durations:
         durations |= {k: v for k, (v, _) in junit_results(Path(args.durations)).items()}
     work = Path(tempfile.mkdtemp(prefix="mutants-run-", dir=args.workdir))
-    tree = make_tree(work / "tree", tests_rev, source_rev)
+    trees: queue.Queue[Path] = queue.Queue()
+    for i in range(max(1, args.jobs)):
+        trees.put(make_tree(work / f"tree{i}", tests_rev, source_rev))
+    tree = trees.queue[0]
     logs = work / "logs"
     logs.mkdir()
     started = time.monotonic()
     outcomes: list[Outcome] = []
-    for i, mutant in enumerate(mutants, 1):
-        outcome = run_one(tree, mutant, covmap, durations, args, markers, logs)
-        outcomes.append(outcome)
+
+    def one(mutant: Mutant) -> Outcome | None:
+        if args.budget and time.monotonic() - started > args.budget:
+            return None  # the budget is spent: not run
+        mine = trees.get()
+        try:
+            outcome = run_one(mine, mutant, covmap, durations, args, markers, logs)
+        finally:
+            trees.put(mine)
         print(
-            f"[{i}/{len(mutants)} {time.monotonic() - started:.0f}s] {mutant.id} {mutant.area} "
-            f"{mutant.file}:{mutant.line} {mutant.original!r}->{mutant.replacement!r}: "
-            f"{outcome.status} {outcome.killer or ''} ({outcome.num_run}/"
-            f"{outcome.num_candidates} tests, {outcome.seconds}s)",
+            f"[{len(outcomes) + 1}/{len(mutants)} {time.monotonic() - started:.0f}s] "
+            f"{mutant.id} {mutant.area} {mutant.file}:{mutant.line} "
+            f"{mutant.original!r}->{mutant.replacement!r}: {outcome.status} "
+            f"{outcome.killer or ''} ({outcome.num_run}/{outcome.num_candidates} tests, "
+            f"{outcome.seconds}s)",
             file=sys.stderr, flush=True,
         )
-        if args.budget and time.monotonic() - started > args.budget:
-            print("budget spent: the remaining mutants are not run", file=sys.stderr)
-            break
+        outcomes.append(outcome)
+        return outcome
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        done = list(pool.map(one, round_robin(mutants)))
+    if None in done:
+        print(f"budget spent: {done.count(None)} mutants not run", file=sys.stderr)
+    outcomes.sort(key=lambda o: [m.id for m in mutants].index(o.id))
     verify_kills(tree, outcomes, markers, logs)
     by_id = {m.id: m for m in mutants}
     result = {
@@ -731,6 +799,7 @@ def run_mutants(args: argparse.Namespace) -> None:
         "wall_s": round(time.monotonic() - started),
         "cpu": cpu_model(),
         "counts": counts(outcomes),
+        "not_run": [m.id for m in mutants if m.id not in {o.id for o in outcomes}],
         "outcomes": [asdict(o) | asdict(by_id[o.id]) for o in outcomes],
         "logs": str(logs) if args.keep else None,
     }
@@ -738,6 +807,15 @@ def run_mutants(args: argparse.Namespace) -> None:
     print(json.dumps(result["counts"]), file=sys.stderr)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def round_robin(mutants: list[Mutant]) -> list[Mutant]:
+    """One mutant of each area in turn, so that a spent budget leaves the areas even."""
+    by_area = [[m for m in mutants if m.area == area] for area in AREAS]
+    order: list[Mutant] = []
+    for i in range(max((len(group) for group in by_area), default=0)):
+        order.extend(group[i] for group in by_area if i < len(group))
+    return order
 
 
 def cpu_model() -> str:
@@ -823,7 +901,9 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--workdir", default=None, help="where the temporary trees go")
         sub.add_argument("--keep", action="store_true", help="keep the work directory")
     cov = commands.choices["covermap"]
-    cov.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    cov.add_argument("--jobs", type=int, default=1, help="pytest processes side by side")
+    cov.add_argument("--durations", help="a junit XML whose times balance the groups")
+    cov.add_argument("pytest_args", nargs="*", help="test files or node ids (after --)")
     run = commands.choices["run"]
     run.add_argument("--mutants", required=True)
     run.add_argument("--map", required=True)
@@ -831,6 +911,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--cap", type=float, default=240.0, help="seconds per mutant")
     run.add_argument("--budget", type=float, default=0.0, help="stop after this many seconds")
     run.add_argument("--only", nargs="*", help="run these mutant ids only")
+    run.add_argument("--jobs", type=int, default=1, help="mutants run side by side")
     cmp = commands.add_parser("compare", help="two run results side by side")
     cmp.add_argument("results", nargs=2)
     cmp.add_argument("--out")
