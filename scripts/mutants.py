@@ -45,20 +45,14 @@ candidate passed, *timeout* when the per-mutant cap (``--cap``) ended the run fi
 from __future__ import annotations
 
 import argparse
-import ast
-import bisect
-import hashlib
-import io
 import json
 import os
 import queue
-import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -68,514 +62,19 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from mutants_gen import AREAS, Mutant, apply, generate, runs_at_import
+from mutants_map import (
+    build_map,
+    junit_key,
+    junit_results,
+    make_tree,
+    nodeid_key,
+    package_sources,
+    resolve,
+)
+
 OLD_TESTS = "c548be1"
 OLD_MARKERS = "not cluster and not soak and not gpu"
-
-# The KV tiers: the prefix cache and the tiers under it (the seam, host RAM, disk).
-TIER_FILES = (
-    "llamax/engine/kv/prefix.py",
-    "llamax/engine/kv/prefix_tier.py",
-    "llamax/engine/kv/prefix_ram.py",
-    "llamax/engine/kv/prefix_disk.py",
-    "llamax/engine/kv/disk_files.py",
-)
-# The dialects: the OpenAI and Anthropic codecs, the server's dialect objects and the
-# llama-server native API (llamax/server/llama/).
-DIALECT_DIRS = ("llamax/openai/", "llamax/anthropic/", "llamax/server/llama/")
-DIALECT_FILES = ("llamax/server/dialects.py",)
-AREAS = ("engine", "tiers", "dialects", "grammar")
-
-LOG_METHODS = frozenset({"debug", "info", "warning", "error", "exception", "critical", "log"})
-FLIPS: dict[type[ast.cmpop], tuple[str, str]] = {
-    ast.Lt: ("<", "<="),
-    ast.LtE: ("<=", "<"),
-    ast.Gt: (">", ">="),
-    ast.GtE: (">=", ">"),
-    ast.Eq: ("==", "!="),
-    ast.NotEq: ("!=", "=="),
-    ast.Is: ("is", "is not"),
-    ast.IsNot: ("is not", "is"),
-    ast.In: ("in", "not in"),
-    ast.NotIn: ("not in", "in"),
-}
-OP_PATTERNS = {
-    "<": r"<(?!=)",
-    "<=": r"<=",
-    ">": r">(?!=)",
-    ">=": r">=",
-    "==": r"==",
-    "!=": r"!=",
-    "is": r"\bis\b(?!\s+not\b)",
-    "is not": r"\bis\s+not\b",
-    "in": r"(?<!not )\bin\b",
-    "not in": r"\bnot\s+in\b",
-    "and": r"\band\b",
-    "or": r"\bor\b",
-}
-
-
-def area_of(path: str) -> str | None:
-    """The area a package-relative path (``llamax/...``) belongs to, or None."""
-    if path in TIER_FILES:
-        return "tiers"
-    if path.startswith("llamax/engine/"):
-        return "engine"
-    if path.startswith(DIALECT_DIRS) or path in DIALECT_FILES:
-        return "dialects"
-    if re.fullmatch(r"llamax/grammar[a-z_]*\.py", path) or path.startswith(
-        "llamax/grammar_numbers/"
-    ):
-        return "grammar"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class Mutant:
-    """One textual change to one file; ``line``/``col`` are 1-based/0-based, like ``ast``."""
-
-    id: str
-    area: str
-    file: str
-    line: int
-    col: int
-    end_line: int
-    end_col: int
-    operator: str
-    original: str
-    replacement: str
-
-
-# ---------------------------------------------------------------- generation
-
-
-class _Offsets:
-    """Character offsets of ``ast`` positions (lines 1-based, columns in UTF-8 bytes)."""
-
-    def __init__(self, source: str) -> None:
-        self.lines = source.splitlines(keepends=True)
-        self.starts = [0]
-        for line in self.lines:
-            self.starts.append(self.starts[-1] + len(line))
-
-    def offset(self, line: int, col: int) -> int:
-        text = self.lines[line - 1].encode()[:col].decode(errors="replace")
-        return self.starts[line - 1] + len(text)
-
-    def position(self, offset: int) -> tuple[int, int]:
-        line = min(bisect.bisect_right(self.starts, offset), len(self.lines))
-        col = len(self.lines[line - 1][: offset - self.starts[line - 1]].encode())
-        return line, col
-
-
-def _is_logging_call(node: ast.AST) -> bool:
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-        return False
-    owner = node.func.value
-    name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
-    return node.func.attr in LOG_METHODS and ("log" in name.lower())
-
-
-class _Finder(ast.NodeVisitor):
-    """Collects ``(start, end, operator, original, replacement)`` character spans."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.at = _Offsets(source)
-        self.found: list[tuple[int, int, str, str, str]] = []
-
-    def start(self, node: ast.AST) -> int:
-        return self.at.offset(node.lineno, node.col_offset)  # type: ignore[attr-defined]
-
-    def end(self, node: ast.AST) -> int:
-        return self.at.offset(node.end_lineno, node.end_col_offset)  # type: ignore[attr-defined]
-
-    def add_between(self, left: ast.AST, right: ast.AST, text: str, new: str, op: str) -> None:
-        """The operator ``text`` between two operands (parentheses may sit around it)."""
-        lo, hi = self.end(left), self.start(right)
-        match = re.search(OP_PATTERNS.get(text, re.escape(text)), self.source[lo:hi])
-        if match is not None:
-            self.found.append((lo + match.start(), lo + match.end(), op, match.group(), new))
-
-    def skip(self, node: ast.AST) -> None:
-        """Visit nothing below ``node``."""
-
-    visit_Assert = skip
-    visit_JoinedStr = skip
-
-    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
-        if node.name == "__repr__":
-            return
-        for dec in node.decorator_list:
-            self.visit(dec)
-        for default in [*node.args.defaults, *node.args.kw_defaults]:
-            if default is not None:
-                self.visit(default)
-        self.body(node.body)
-
-    visit_AsyncFunctionDef = visit_FunctionDef
-
-    def visit_ClassDef(self, node: ast.ClassDef) -> None:
-        for item in [*node.decorator_list, *node.bases, *node.keywords]:
-            self.visit(item)
-        self.body(node.body)
-
-    def visit_Module(self, node: ast.Module) -> None:
-        self.body(node.body)
-
-    def body(self, stmts: list[ast.stmt]) -> None:
-        """A body without its docstring."""
-        first = stmts[0] if stmts else None
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-            stmts = stmts[1:]
-        for stmt in stmts:
-            self.visit(stmt)
-
-    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
-        if node.value is not None:
-            self.visit(node.value)
-
-    def visit_Call(self, node: ast.Call) -> None:
-        if not _is_logging_call(node):
-            self.generic_visit(node)
-
-    def visit_If(self, node: ast.If | ast.While) -> None:
-        test = ast.unparse(node.test)
-        if test in ("TYPE_CHECKING", "typing.TYPE_CHECKING", "__name__ == '__main__'"):
-            return
-        lo, hi = self.start(node.test), self.end(node.test)
-        original = self.source[lo:hi]
-        self.found.append((lo, hi, "negate_condition", original, f"not ({original})"))
-        self.generic_visit(node)
-
-    visit_While = visit_If
-
-    def visit_Compare(self, node: ast.Compare) -> None:
-        operands = [node.left, *node.comparators]
-        for i, op in enumerate(node.ops):
-            old, new = FLIPS[type(op)]
-            self.add_between(operands[i], operands[i + 1], old, new, "compare")
-        self.generic_visit(node)
-
-    def visit_BoolOp(self, node: ast.BoolOp) -> None:
-        old, new = ("and", "or") if isinstance(node.op, ast.And) else ("or", "and")
-        for left, right in zip(node.values, node.values[1:], strict=False):
-            self.add_between(left, right, old, new, "and_or")
-        self.generic_visit(node)
-
-    def visit_UnaryOp(self, node: ast.UnaryOp) -> None:
-        if isinstance(node.op, ast.Not):
-            lo = self.start(node)
-            match = re.match(r"not\b\s*", self.source[lo : self.start(node.operand)])
-            if match is not None:
-                self.found.append((lo, lo + match.end(), "drop_not", match.group(), ""))
-        self.generic_visit(node)
-
-    def visit_BinOp(self, node: ast.BinOp) -> None:
-        texts = {ast.Add: ("+", "-"), ast.Sub: ("-", "+")}.get(type(node.op))
-        strings = (ast.JoinedStr, ast.List, ast.Tuple)
-        is_text = any(
-            isinstance(side, strings)
-            or (isinstance(side, ast.Constant) and not isinstance(side.value, int | float))
-            for side in (node.left, node.right)
-        )
-        if texts is not None and not is_text:
-            self.add_between(node.left, node.right, texts[0], texts[1], "add_sub")
-        self.generic_visit(node)
-
-    def visit_AugAssign(self, node: ast.AugAssign) -> None:
-        texts = {ast.Add: ("+=", "-="), ast.Sub: ("-=", "+=")}.get(type(node.op))
-        if texts is not None:
-            self.add_between(node.target, node.value, texts[0], texts[1], "add_sub")
-        self.generic_visit(node)
-
-    def visit_Constant(self, node: ast.Constant) -> None:
-        lo, hi = self.start(node), self.end(node)
-        if isinstance(node.value, bool):
-            new = "False" if node.value else "True"
-            self.found.append((lo, hi, "bool", self.source[lo:hi], new))
-        elif isinstance(node.value, int):
-            self.found.append((lo, hi, "int", self.source[lo:hi], str(node.value + 1)))
-
-
-def apply(source: str, mutant: Mutant) -> str:
-    """``source`` with ``mutant`` applied; ValueError if its text is not where it says."""
-    at = _Offsets(source)
-    lo, hi = at.offset(mutant.line, mutant.col), at.offset(mutant.end_line, mutant.end_col)
-    if source[lo:hi] != mutant.original:
-        raise ValueError(f"{mutant.id}: {mutant.file}:{mutant.line} does not hold the original")
-    return source[:lo] + mutant.replacement + source[hi:]
-
-
-def find_mutants(source: str, file: str, area: str) -> list[Mutant]:
-    """Every mutant of one file's source that compiles and changes its syntax tree."""
-    finder = _Finder(source)
-    tree = ast.parse(source)
-    finder.visit(tree)
-    before = ast.dump(tree)
-    mutants: list[Mutant] = []
-    for lo, hi, operator, original, replacement in sorted(set(finder.found)):
-        line, col = finder.at.position(lo)
-        end_line, end_col = finder.at.position(hi)
-        key = f"{file}:{line}:{col}:{operator}:{replacement}"
-        digest = hashlib.sha1(key.encode()).hexdigest()[:10]
-        mutant = Mutant(
-            digest, area, file, line, col, end_line, end_col, operator, original, replacement
-        )
-        try:
-            changed = ast.dump(ast.parse(apply(source, mutant)))
-        except (SyntaxError, ValueError):
-            continue
-        if changed != before:
-            mutants.append(mutant)
-    return mutants
-
-
-def generate(sources: dict[str, str], seed: int, per_area: int) -> list[Mutant]:
-    """``per_area`` mutants of each area, drawn with ``seed`` (the same draw every time)."""
-    pools: dict[str, list[Mutant]] = {area: [] for area in AREAS}
-    for file in sorted(sources):
-        area = area_of(file)
-        if area is not None:
-            pools[area].extend(find_mutants(sources[file], file, area))
-    chosen: list[Mutant] = []
-    for area in AREAS:
-        pool = pools[area]
-        rng = random.Random(f"{seed}:{area}")
-        chosen.extend(sorted(rng.sample(pool, min(per_area, len(pool))), key=_order))
-    return chosen
-
-
-def _order(mutant: Mutant) -> tuple[str, int, int, str]:
-    return mutant.file, mutant.line, mutant.col, mutant.operator
-
-
-# ---------------------------------------------------------------- trees
-
-
-def git(*args: str) -> bytes:
-    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True).stdout
-
-
-def package_sources(rev: str) -> dict[str, str]:
-    """Every ``llamax/**.py`` file at ``rev``, by path."""
-    sources: dict[str, str] = {}
-    with tarfile.open(fileobj=io.BytesIO(git("archive", rev, "llamax"))) as tar:
-        for member in tar.getmembers():
-            if member.isfile() and member.name.endswith(".py"):
-                data = tar.extractfile(member)
-                if data is not None:
-                    sources[member.name] = data.read().decode()
-    return sources
-
-
-def make_tree(dest: Path, tests_rev: str, source_rev: str) -> Path:
-    """``tests_rev``'s whole tree in ``dest``, with ``llamax/`` from ``source_rev``."""
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(git("archive", tests_rev))) as tar:
-        tar.extractall(dest, filter="data")
-    if source_rev != tests_rev:
-        shutil.rmtree(dest / "llamax")
-        with tarfile.open(fileobj=io.BytesIO(git("archive", source_rev, "llamax"))) as tar:
-            tar.extractall(dest, filter="data")
-    return dest
-
-
-def resolve(rev: str) -> str:
-    return git("rev-parse", "--short=12", f"{rev}^{{commit}}").decode().strip()
-
-
-# ---------------------------------------------------------------- coverage map
-
-SITECUSTOMIZE = '''\
-"""Coverage in processes the tests spawn, with the spawning test as the context."""
-import os
-
-if os.environ.get("MUTANTS_COV_CONTEXT") and os.environ.get("MUTANTS_COV_DIR"):
-    import atexit
-
-    import coverage
-
-    _cov = coverage.Coverage(
-        data_file=os.path.join(os.environ["MUTANTS_COV_DIR"], ".coverage.child"),
-        data_suffix=True, source=["llamax"], config_file=False,
-        context=os.environ["MUTANTS_COV_CONTEXT"],
-    )
-    _cov.set_option("run:sigterm", True)
-    _cov.start()
-
-    def _save() -> None:
-        _cov.stop()
-        _cov.save()
-
-    atexit.register(_save)
-'''
-
-PLUGIN = '''\
-"""Names the running test in MUTANTS_COV_CONTEXT, for the processes it spawns."""
-import os
-
-import pytest
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    os.environ["MUTANTS_COV_CONTEXT"] = item.nodeid
-    try:
-        return (yield)
-    finally:
-        os.environ.pop("MUTANTS_COV_CONTEXT", None)
-'''
-
-
-def junit_results(path: Path) -> dict[str, tuple[float, bool]]:
-    """``{nodeid: (seconds, passed)}`` from a pytest junit XML file."""
-    results: dict[str, tuple[float, bool]] = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        key = _junit_key(case.get("classname", ""), case.get("name", ""))
-        failed = any(case.find(tag) is not None for tag in ("failure", "error"))
-        skipped = case.find("skipped") is not None
-        seconds = float(case.get("time", "0") or 0)
-        previous = results.get(key)
-        passed = not failed and not skipped and (previous is None or previous[1])
-        results[key] = ((previous[0] if previous else 0.0) + seconds, passed)
-    return results
-
-
-def _junit_key(classname: str, name: str) -> str:
-    return f"{classname}.{name}"
-
-
-def nodeid_key(nodeid: str) -> str:
-    """The junit key of a node id: ``tests/a.py::C::t[x]`` -> ``tests.a.C.t[x]``."""
-    path, _, rest = nodeid.partition("::")
-    module = path.removesuffix(".py").replace("/", ".")
-    return ".".join([module, *rest.split("::")])
-
-
-def build_map(args: argparse.Namespace) -> None:
-    """Run the selection's suite once under coverage; write ``{file: {line: tests}}``.
-
-    With ``--jobs N`` the test files are split into N groups of about the same time (by
-    ``--durations``, else by count), each run by its own pytest process in its own tree.
-    """
-    tests_rev, markers = selection(args)
-    source_rev = resolve(args.source or tests_rev)
-    work = Path(tempfile.mkdtemp(prefix="mutants-cov-", dir=args.workdir))
-    groups: list[list[str]] = [list(args.pytest_args)]
-    if args.jobs > 1:
-        groups = split_files(make_tree(work / "files", tests_rev, source_rev), args)
-    started = time.monotonic()
-    procs: list[tuple[Path, subprocess.Popen[bytes]]] = []
-    for i, group in enumerate(groups):
-        procs.append(_start_coverage(work / f"g{i}", tests_rev, source_rev, markers, group))
-    rcs = [proc.wait() for _, proc in procs]
-    print(f"pytest exited {rcs} after {time.monotonic() - started:.0f} s", file=sys.stderr)
-    tests, lines = read_contexts([d for d, _ in procs])
-    results: dict[str, tuple[float, bool]] = {}
-    for group_dir, _ in procs:
-        if (group_dir / "junit.xml").exists():
-            results |= junit_results(group_dir / "junit.xml")
-    names = sorted(tests, key=tests.__getitem__)
-    covmap = {
-        "tests_rev": tests_rev,
-        "source_rev": source_rev,
-        "markers": markers,
-        "pytest_rc": max(rcs),
-        "seconds": round(time.monotonic() - started),
-        "tests": names,
-        "failed": sorted(t for t in names if not results.get(nodeid_key(t), (0.0, True))[1]),
-        "durations": {key: round(value[0], 3) for key, value in results.items()},
-        "lines": {
-            file: {str(line): sorted(ids) for line, ids in sorted(by_line.items())}
-            for file, by_line in sorted(lines.items())
-        },
-    }
-    Path(args.out).write_text(json.dumps(covmap))
-    print(f"{len(names)} tests cover {len(lines)} files; map in {args.out}", file=sys.stderr)
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def split_files(tree: Path, args: argparse.Namespace) -> list[list[str]]:
-    """The test files (``args.pytest_args``, else the tree's) in ``args.jobs`` groups, the
-    longest first into the lightest."""
-    files = list(args.pytest_args) or sorted(
-        str(f.relative_to(tree)) for f in (tree / "tests").glob("test_*.py")
-    )
-    weight = dict.fromkeys(files, 1.0)
-    if args.durations:
-        for key, (seconds, _) in junit_results(Path(args.durations)).items():
-            for file in files:
-                if key.startswith(file.removesuffix(".py").replace("/", ".") + "."):
-                    weight[file] += seconds
-    groups: list[list[str]] = [[] for _ in range(args.jobs)]
-    loads = [0.0] * args.jobs
-    for file in sorted(files, key=lambda f: -weight[f]):
-        lightest = loads.index(min(loads))
-        groups[lightest].append(file)
-        loads[lightest] += weight[file]
-    return [sorted(group) for group in groups if group]
-
-
-def _start_coverage(
-    work: Path, tests_rev: str, source_rev: str, markers: str | None, pytest_args: list[str]
-) -> tuple[Path, subprocess.Popen[bytes]]:
-    tree = make_tree(work / "tree", tests_rev, source_rev)
-    site = work / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    (site / "mutants_context.py").write_text(PLUGIN)
-    # pytest-cov combines the .coverage.* files beside its own at the end, the spawned
-    # processes' included (their contexts carry no "|run" suffix).
-    env = os.environ | {
-        "PYTHONPATH": f"{tree}{os.pathsep}{site}",
-        "COVERAGE_FILE": str(work / ".coverage"),
-        "MUTANTS_COV_DIR": str(work),
-    }
-    command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "mutants_context", "-p", "no:cacheprovider",
-        "--cov=llamax", "--cov-context=test", "--cov-report=",
-        f"--junitxml={work / 'junit.xml'}", *(["-m", markers] if markers else []),
-        *pytest_args,
-    ]
-    with (work / "pytest.log").open("w") as log:
-        proc = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return work, proc
-
-
-def read_contexts(dirs: list[Path]) -> tuple[dict[str, int], dict[str, dict[int, set[int]]]]:
-    """``(test -> index, {file: {line: test indices}})`` from the groups' coverage data."""
-    from coverage import CoverageData  # only the map needs coverage
-
-    tests: dict[str, int] = {}
-    lines: dict[str, dict[int, set[int]]] = {}
-    data_files = [f for d in dirs for f in [d / ".coverage", *d.glob(".coverage.*")]]
-    for data_file in (f for f in data_files if f.exists()):
-        data = CoverageData(str(data_file))
-        data.read()
-        for measured in data.measured_files():
-            file = _package_path(measured)
-            if file is None or area_of(file) is None:
-                continue
-            by_line = lines.setdefault(file, {})
-            for line, contexts in data.contexts_by_lineno(measured).items():
-                for context in contexts:
-                    test = context.rpartition("|")[0] if "|" in context else context
-                    if test:
-                        by_line.setdefault(line, set()).add(tests.setdefault(test, len(tests)))
-    return tests, lines
-
-
-def _package_path(measured: str) -> str | None:
-    parts = Path(measured).parts
-    if "llamax" not in parts:
-        return None
-    index = len(parts) - 1 - parts[::-1].index("llamax")
-    return "/".join(parts[index:])
-
-
-# ---------------------------------------------------------------- running mutants
 
 
 @dataclass(slots=True)
@@ -591,21 +90,6 @@ class Outcome:
     num_run: int
     covered_by: str  # line | file | none
     rc: int | None
-
-
-def runs_at_import(source: str, mutant: Mutant) -> bool:
-    """Whether ``mutant`` sits outside every function body (module and class level,
-    defaults, decorators): such a line runs once, at import, under whichever test (or
-    collection) imported the module first."""
-    at = (mutant.line, mutant.col)
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            body = node.body if isinstance(node.body, list) else [node.body]
-            start = (body[0].lineno, body[0].col_offset)
-            end = (body[-1].end_lineno or 0, body[-1].end_col_offset or 0)
-            if start <= at < end:
-                return False
-    return True
 
 
 def candidates(
@@ -662,7 +146,7 @@ def run_pytest(
         for case in ET.parse(junit).getroot().iter("testcase"):
             num_run += 1
             if killer is None and any(case.find(t) is not None for t in ("failure", "error")):
-                killer = _junit_key(case.get("classname", ""), case.get("name", ""))
+                killer = junit_key(case.get("classname", ""), case.get("name", ""))
     if killer is None and rc is not None and rc != 0:
         match = re.search(r"^(?:FAILED|ERROR) (\S+)", log.read_text(), re.MULTILINE)
         killer = match.group(1) if match else None
@@ -833,6 +317,8 @@ def compare(args: argparse.Namespace) -> None:
     status = [{o["id"]: o["status"] for o in run["outcomes"]} for run in runs]
     shared = sorted(set(status[0]) & set(status[1]))
     labels = [str(run["selection"]) for run in runs]
+    if labels[0] == labels[1]:
+        labels = [f"{label}_{i}" for i, label in enumerate(labels, 1)]
     report = {
         "counts": {label: counts_of(run, shared) for label, run in zip(labels, runs, strict=True)},
         "mutants": len(shared),
@@ -865,6 +351,10 @@ def selection(args: argparse.Namespace) -> tuple[str, str | None]:
     if args.selection == "old":
         return resolve(args.tests or OLD_TESTS), args.markers or OLD_MARKERS
     return resolve(args.tests or "HEAD"), args.markers
+
+
+def write_map(args: argparse.Namespace) -> None:
+    build_map(args, *selection(args))
 
 
 def write_mutants(args: argparse.Namespace) -> None:
@@ -920,7 +410,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Iterator[str] | Sequence[str] | None = None) -> None:
     args = parser().parse_args(list(argv) if argv is not None else None)
-    {"generate": write_mutants, "covermap": build_map, "run": run_mutants, "compare": compare}[
+    {"generate": write_mutants, "covermap": write_map, "run": run_mutants, "compare": compare}[
         args.command
     ](args)
 

@@ -1,5 +1,5 @@
-"""scripts/mutants.py's generator, on a small source string: its operators, what it leaves
-alone, and the same draw for the same seed."""
+"""scripts/mutants.py's generator (scripts/mutants_gen.py), on a small source string: its
+operators, what it leaves alone, and the same draw for the same seed."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Box:
 
 @pytest.fixture(scope="module")
 def mutants() -> ModuleType:
-    module: ModuleType = load_script("mutants")
+    module: ModuleType = load_script("mutants_gen")
     return module
 
 
@@ -95,7 +95,7 @@ def test_the_areas_name_their_files(mutants: ModuleType) -> None:
 
 
 def test_a_node_id_names_its_junit_case(mutants: ModuleType) -> None:
-    key = mutants.nodeid_key("tests/test_a.py::TestB::test_c[x-1]")
+    key = load_script("mutants_map").nodeid_key("tests/test_a.py::TestB::test_c[x-1]")
     assert key == "tests.test_a.TestB.test_c[x-1]"
 
 
