@@ -116,16 +116,18 @@ def fastest_first(tests: list[str], durations: dict[str, float]) -> list[str]:
 
 
 def run_pytest(
-    tree: Path, tests: list[str], markers: str | None, cap: float, log: Path
+    tree: Path, tests: list[str], markers: str | None, cap: float, log: Path, per_test: float
 ) -> tuple[int | None, str | None, int, float]:
     """Run ``tests`` in ``tree`` with ``-x``: ``(rc or None at the cap, first failing test,
-    tests run, seconds)``."""
+    tests run, seconds)``. A test past ``per_test`` seconds fails (pytest-timeout): a
+    mutant that makes a test hang is killed, not left to the cap."""
     argsfile, junit = log.with_suffix(".args"), log.with_suffix(".xml")
     argsfile.write_text("\n".join(tests) + "\n")
     junit.unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
-        f"--junitxml={junit}", *(["-m", markers] if markers else []), f"@{argsfile}",
+        f"--timeout={per_test:.0f}", f"--junitxml={junit}",
+        *(["-m", markers] if markers else []), f"@{argsfile}",
     ]
     env = os.environ | {"PYTHONPATH": str(tree)}
     started = time.monotonic()
@@ -167,9 +169,11 @@ def run_one(
     _forget_bytecode(target)
     target.write_text(apply(original, mutant))
     try:
-        rc, killer, num_run, seconds = run_pytest(
-            tree, fastest_first(tests, durations), markers, args.cap, logs / f"{mutant.id}.log"
-        )
+        ordered = fastest_first(tests, durations)
+        slowest = max(durations.get(nodeid_key(test), 1.0) for test in ordered)
+        per_test = min(args.cap, max(args.test_timeout, 3 * slowest))
+        log = logs / f"{mutant.id}.log"
+        rc, killer, num_run, seconds = run_pytest(tree, ordered, markers, args.cap, log, per_test)
     finally:
         target.write_text(original)
         _forget_bytecode(target)
@@ -399,6 +403,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--map", required=True)
     run.add_argument("--durations", help="a junit XML whose times order the tests")
     run.add_argument("--cap", type=float, default=240.0, help="seconds per mutant")
+    run.add_argument(
+        "--test-timeout", type=float, default=60.0,
+        help="seconds per test (at least 3x its time in --durations)",
+    )
     run.add_argument("--budget", type=float, default=0.0, help="stop after this many seconds")
     run.add_argument("--only", nargs="*", help="run these mutant ids only")
     run.add_argument("--jobs", type=int, default=1, help="mutants run side by side")
