@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
@@ -271,28 +272,42 @@ def run_mutants(args: argparse.Namespace) -> None:
         outcomes.append(outcome)
         return outcome
 
+    by_id = {m.id: m for m in mutants}
+
+    def save() -> None:
+        """The results so far (after each mutant, so a stopped run keeps them)."""
+        ran = sorted(outcomes, key=lambda o: order.index(o.id))
+        result = {
+            "selection": args.selection,
+            "tests_rev": tests_rev,
+            "source_rev": source_rev,
+            "markers": markers,
+            "cap_s": args.cap,
+            "wall_s": round(time.monotonic() - started),
+            "cpu": cpu_model(),
+            "counts": counts(ran),
+            "not_run": [i for i in order if i not in {o.id for o in ran}],
+            "outcomes": [asdict(o) | asdict(by_id[o.id]) for o in ran],
+            "logs": str(logs) if args.keep else None,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    order = [m.id for m in mutants]
+    saving = threading.Lock()
+
+    def run_and_save(mutant: Mutant) -> Outcome | None:
+        outcome = one(mutant)
+        with saving:
+            save()
+        return outcome
+
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        done = list(pool.map(one, round_robin(mutants)))
+        done = list(pool.map(run_and_save, round_robin(mutants)))
     if None in done:
         print(f"budget spent: {done.count(None)} mutants not run", file=sys.stderr)
-    outcomes.sort(key=lambda o: [m.id for m in mutants].index(o.id))
     verify_kills(tree, outcomes, markers, logs)
-    by_id = {m.id: m for m in mutants}
-    result = {
-        "selection": args.selection,
-        "tests_rev": tests_rev,
-        "source_rev": source_rev,
-        "markers": markers,
-        "cap_s": args.cap,
-        "wall_s": round(time.monotonic() - started),
-        "cpu": cpu_model(),
-        "counts": counts(outcomes),
-        "not_run": [m.id for m in mutants if m.id not in {o.id for o in outcomes}],
-        "outcomes": [asdict(o) | asdict(by_id[o.id]) for o in outcomes],
-        "logs": str(logs) if args.keep else None,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["counts"]), file=sys.stderr)
+    save()
+    print(json.dumps(counts(outcomes)), file=sys.stderr)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
 
