@@ -33,6 +33,7 @@ Usage (``nice -n 10``: the machine is shared)::
     $py scripts/mutants.py run --selection new --tests REV --mutants /tmp/i55/mutants.json \\
         --map /tmp/i55/covmap-new.json --out /tmp/i55/mutants-new.json
     $py scripts/mutants.py compare /tmp/i55/mutants-old.json /tmp/i55/mutants-new.json
+    $py scripts/mutants.py report /tmp/i55/mutants-new.json --md /tmp/i55/mutants-new.md
 
 ``--selection old`` is what ``scripts/test.sh`` ran at c548be1 (its ``tests/`` and
 ``-m 'not cluster and not soak and not gpu'``); ``--selection new`` takes ``--tests REV``
@@ -350,6 +351,41 @@ def compare(args: argparse.Namespace) -> None:
     print(text)
 
 
+def report(args: argparse.Namespace) -> None:
+    """A run's counts per area, and its survivors and timeouts one a line, as Markdown."""
+    run = json.loads(Path(args.result).read_text())
+    statuses = ("killed", "survived", "timeout", "flaky", "no_tests", "error")
+    rows = [
+        "| area | " + " | ".join(statuses) + " |",
+        "|---" * (len(statuses) + 1) + "|",
+    ]
+    for area in [*AREAS, "all"]:
+        row = run["counts"].get(area, {})
+        rows.append(f"| {area} | " + " | ".join(str(row.get(s, 0)) for s in statuses) + " |")
+    lines = [
+        f"Selection `{run['selection']}`: tests of {run['tests_rev']}, `-m {run['markers']!r}`, "
+        f"llamax/ of {run['source_rev']}; cap {run['cap_s']:.0f} s a mutant; "
+        f"{run['wall_s']} s wall; {run['cpu']}.",
+        "",
+        *rows,
+        "",
+        "| mutant | status | area | where | change | tests (run/candidates, by) | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for o in run["outcomes"]:
+        if o["status"] != "killed":
+            change = f"`{o['original'][:40]}` → `{o['replacement'][:46]}`"
+            lines.append(
+                f"| {o['id']} | {o['status']} | {o['area']} | {o['file']}:{o['line']} | "
+                f"{change} | {o['num_run']}/{o['num_candidates']} ({o['covered_by']}) | "
+                f"{o['seconds']} |"
+            )
+    text = "\n".join(lines) + "\n"
+    if args.md:
+        Path(args.md).write_text(text)
+    print(text)
+
+
 def counts_of(run: dict[str, Any], ids: list[str]) -> dict[str, dict[str, int]]:
     keep = set(ids)
     names = [field.name for field in fields(Outcome)]
@@ -425,6 +461,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--budget", type=float, default=0.0, help="stop after this many seconds")
     run.add_argument("--only", nargs="*", help="run these mutant ids only")
     run.add_argument("--jobs", type=int, default=1, help="mutants run side by side")
+    rep = commands.add_parser("report", help="a run's counts and survivors as Markdown")
+    rep.add_argument("result")
+    rep.add_argument("--md")
     cmp = commands.add_parser("compare", help="two run results side by side")
     cmp.add_argument("results", nargs=2)
     cmp.add_argument("--out")
@@ -433,9 +472,14 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Iterator[str] | Sequence[str] | None = None) -> None:
     args = parser().parse_args(list(argv) if argv is not None else None)
-    {"generate": write_mutants, "covermap": write_map, "run": run_mutants, "compare": compare}[
-        args.command
-    ](args)
+    commands = {
+        "generate": write_mutants,
+        "covermap": write_map,
+        "run": run_mutants,
+        "compare": compare,
+        "report": report,
+    }
+    commands[args.command](args)
 
 
 if __name__ == "__main__":
