@@ -1,9 +1,10 @@
 """scripts/mutants.py's trees and coverage map: a commit's tree with ``llamax/`` from
 another, junit times, and the suite run once under coverage with one context per test.
 
-Spawned Python processes are measured too: a ``sitecustomize`` on their ``PYTHONPATH``
-starts coverage in them with the spawning test's id as the context (a process killed by
-SIGKILL, or started with a ``PYTHONPATH`` of its own, records nothing).
+Spawned Python processes are measured too: a ``sitecustomize`` at the tree's root (on their
+``PYTHONPATH``) starts coverage in them with the spawning test's id as the context. A process
+killed by SIGKILL, or started without the tree on its path (``tests/test_install.py``'s
+fresh venv), records nothing: its test counts only through its own process's lines.
 """
 
 from __future__ import annotations
@@ -191,14 +192,14 @@ def _start_coverage(
     work: Path, tests_rev: str, source_rev: str, markers: str | None, pytest_args: list[str]
 ) -> tuple[Path, subprocess.Popen[bytes]]:
     tree = make_tree(work / "tree", tests_rev, source_rev)
-    site = work / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    (site / "mutants_context.py").write_text(PLUGIN)
+    # At the tree's root: a child a test starts with PYTHONPATH set to the checkout (or its
+    # working directory there) finds them too.
+    (tree / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (tree / "mutants_context.py").write_text(PLUGIN)
     # pytest-cov combines the .coverage.* files beside its own at the end, the spawned
     # processes' included (their contexts carry no "|run" suffix).
     env = os.environ | {
-        "PYTHONPATH": f"{tree}{os.pathsep}{site}",
+        "PYTHONPATH": str(tree),
         "COVERAGE_FILE": str(work / ".coverage"),
         "MUTANTS_COV_DIR": str(work),
     }
