@@ -131,7 +131,7 @@ def run_pytest(
         f"--timeout={per_test:.0f}", f"--junitxml={junit}",
         *(["-m", markers] if markers else []), f"@{argsfile}",
     ]
-    env = os.environ | {"PYTHONPATH": str(tree)}
+    env = test_env(tree)
     started = time.monotonic()
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -194,6 +194,15 @@ def run_one(
     )
 
 
+def test_env(tree: Path) -> dict[str, str]:
+    """The environment of a run in ``tree``: its ``llamax/`` first on the path, and bytecode
+    cached (each run would compile the package again; the mutated module's own cache is
+    dropped before and after, see :func:`run_one`)."""
+    env = os.environ | {"PYTHONPATH": str(tree)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def _forget_bytecode(source: Path) -> None:
     for cached in (source.parent / "__pycache__").glob(f"{source.stem}.*.pyc"):
         cached.unlink(missing_ok=True)
@@ -211,7 +220,7 @@ def verify_kills(tree: Path, outcomes: list[Outcome], markers: str | None, logs:
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
         *(["-m", markers] if markers else []), f"@{argsfile}",
     ]
-    env = os.environ | {"PYTHONPATH": str(tree)}
+    env = test_env(tree)
     with (logs / "verify.log").open("w") as out:
         subprocess.run(command, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     if not junit.exists():
