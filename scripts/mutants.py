@@ -85,7 +85,7 @@ class Outcome:
 
     id: str
     area: str
-    status: str  # killed | survived | timeout | flaky | no_tests | error
+    status: str  # killed | survived | timeout | flaky | no_tests | error | stale
     killer: str | None
     seconds: float
     num_candidates: int
@@ -168,8 +168,12 @@ def run_one(
         return Outcome(mutant.id, mutant.area, "no_tests", None, 0.0, 0, 0, kind, None)
     # A mutant often keeps the file's size, and its mtime may fall in the same second as
     # the original's: a cached .pyc would pass for either, so none is kept across the swap.
+    try:
+        mutated = apply(original, mutant)
+    except ValueError:  # --source is not the commit the mutants were drawn from
+        return Outcome(mutant.id, mutant.area, "stale", None, 0.0, len(tests), 0, kind, None)
     _forget_bytecode(target)
-    target.write_text(apply(original, mutant))
+    target.write_text(mutated)
     try:
         ordered = fastest_first(tests, durations)
         slowest = max(durations.get(nodeid_key(test), 1.0) for test in ordered)
@@ -363,7 +367,7 @@ def compare(args: argparse.Namespace) -> None:
 def report(args: argparse.Namespace) -> None:
     """A run's counts per area, and its survivors and timeouts one a line, as Markdown."""
     run = json.loads(Path(args.result).read_text())
-    statuses = ("killed", "survived", "timeout", "flaky", "no_tests", "error")
+    statuses = ("killed", "survived", "timeout", "flaky", "no_tests", "error", "stale")
     rows = [
         "| area | " + " | ".join(statuses) + " |",
         "|---" * (len(statuses) + 1) + "|",
