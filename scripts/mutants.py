@@ -265,7 +265,8 @@ def run_mutants(args: argparse.Namespace) -> None:
     logs = work / "logs"
     logs.mkdir()
     started = time.monotonic()
-    outcomes: list[Outcome] = []
+    outcomes, earlier_s = resumed(Path(args.out)) if args.resume else ([], 0)
+    to_run = [m for m in mutants if m.id not in {o.id for o in outcomes}]
 
     def one(mutant: Mutant) -> Outcome | None:
         if args.budget and time.monotonic() - started > args.budget:
@@ -297,7 +298,7 @@ def run_mutants(args: argparse.Namespace) -> None:
             "source_rev": source_rev,
             "markers": markers,
             "cap_s": args.cap,
-            "wall_s": round(time.monotonic() - started),
+            "wall_s": earlier_s + round(time.monotonic() - started),
             "cpu": cpu_model(),
             "counts": counts(ran),
             "not_run": [i for i in order if i not in {o.id for o in ran}],
@@ -316,7 +317,7 @@ def run_mutants(args: argparse.Namespace) -> None:
         return outcome
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        done = list(pool.map(run_and_save, round_robin(mutants)))
+        done = list(pool.map(run_and_save, round_robin(to_run)))
     if None in done:
         print(f"budget spent: {done.count(None)} mutants not run", file=sys.stderr)
     verify_kills(tree, outcomes, markers, logs)
@@ -324,6 +325,16 @@ def run_mutants(args: argparse.Namespace) -> None:
     print(json.dumps(counts(outcomes)), file=sys.stderr)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def resumed(out: Path) -> tuple[list[Outcome], int]:
+    """The outcomes an earlier run left in ``out`` (``--resume``), and its wall seconds."""
+    if not out.exists():
+        return [], 0
+    earlier = json.loads(out.read_text())
+    names = [field.name for field in fields(Outcome)]
+    outcomes = [Outcome(**{k: o[k] for k in names}) for o in earlier["outcomes"]]
+    return outcomes, int(earlier["wall_s"])
 
 
 def round_robin(mutants: list[Mutant]) -> list[Mutant]:
@@ -473,6 +484,9 @@ def parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--budget", type=float, default=0.0, help="stop after this many seconds")
     run.add_argument("--only", nargs="*", help="run these mutant ids only")
+    run.add_argument(
+        "--resume", action="store_true", help="keep the outcomes already in --out, run the rest"
+    )
     run.add_argument("--jobs", type=int, default=1, help="mutants run side by side")
     rep = commands.add_parser("report", help="a run's counts and survivors as Markdown")
     rep.add_argument("result")
