@@ -19,21 +19,28 @@ process's lines). A mutant outside every function body (a module constant, a def
 at import, under whichever test imported its module first: it gets every test that covers a
 line of its file.
 
-Usage (``nice -n 10``: the machine is shared)::
+Usage (``nice -n 10``: the machine is shared; the c548be1 baseline: a 41-minute map with
+``--jobs 2`` on a loaded 2-core machine)::
 
     py=/work/main/.venv/bin/python   # with pytest-cov installed
     $py scripts/mutants.py generate --source c548be1 --seed 55 --per-area 18 \\
         --out /tmp/i55/mutants.json
-    $py scripts/mutants.py covermap --selection old --out /tmp/i55/covmap-old.json
+    $py scripts/mutants.py covermap --selection old --jobs 2 \\
+        --durations /tmp/i55/before.xml --out /tmp/i55/covmap-old.json
     $py scripts/mutants.py run --selection old --mutants /tmp/i55/mutants.json \\
-        --map /tmp/i55/covmap-old.json --durations /tmp/i55/before.xml \\
-        --out /tmp/i55/mutants-old.json
-    # the same for a later tests tree, then the two side by side:
-    $py scripts/mutants.py covermap --selection new --tests REV --out /tmp/i55/covmap-new.json
+        --map /tmp/i55/covmap-old.json --durations /tmp/i55/before.xml --jobs 2 \\
+        --cap 150 --test-timeout 90 --out /tmp/i55/mutants-old.json
+    # the same for a later tests tree (REV), then the two side by side:
+    $py scripts/mutants.py covermap --selection new --tests REV --jobs 2 \\
+        --out /tmp/i55/covmap-new.json
     $py scripts/mutants.py run --selection new --tests REV --mutants /tmp/i55/mutants.json \\
-        --map /tmp/i55/covmap-new.json --out /tmp/i55/mutants-new.json
+        --map /tmp/i55/covmap-new.json --jobs 2 --cap 150 --test-timeout 90 \\
+        --out /tmp/i55/mutants-new.json
     $py scripts/mutants.py compare /tmp/i55/mutants-old.json /tmp/i55/mutants-new.json
     $py scripts/mutants.py report /tmp/i55/mutants-new.json --md /tmp/i55/mutants-new.md
+
+``run --resume`` keeps the outcomes already in ``--out`` and runs the rest (after a
+``--budget`` stop, say).
 
 ``--selection old`` is what ``scripts/test.sh`` ran at c548be1 (its ``tests/`` and
 ``-m 'not cluster and not soak and not gpu'``); ``--selection new`` takes ``--tests REV``
