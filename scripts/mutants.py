@@ -158,6 +158,9 @@ def run_pytest(
             num_run += 1
             if killer is None and any(case.find(t) is not None for t in ("failure", "error")):
                 killer = junit_key(case.get("classname", ""), case.get("name", ""))
+    if not junit.exists():  # stopped at the cap: count the progress characters
+        progress = re.findall(r"^[.sxXEF]+(?:\s+\[\s*\d+%\])?$", log.read_text(), re.MULTILINE)
+        num_run = sum(len(line.split()[0]) for line in progress)
     if killer is None and rc is not None and rc != 0:
         match = re.search(r"^(?:FAILED|ERROR) (\S+)", log.read_text(), re.MULTILINE)
         killer = match.group(1) if match else None
