@@ -90,6 +90,11 @@ def test_numbers_stay_finite() -> None:
 # --- llama.cpp's grammar engine as the judge -------------------------------------------------
 _CANDIDATES = [chr(c) for c in range(0x80)] + ["\u00e9", "\u20ac", "\u4e2d"]
 _ENDING = ['"', "}", "]", "0", "1"]
+"""What a closing walk picks first (a quote first: inside a string a brace is text)."""
+_STEPS_PAST_BUDGET = 4_000
+"""Steps a closing walk may take: the shortest string a schema of 8 leaves accepts can run
+to hundreds of characters (arrays of objects with ``minItems``, each field a date; a
+fresh-clone run ended one at 200 steps inside such an array)."""
 _INTERESTING = set(chr(c) for c in range(0x20)) | set('\\"u0dD-\x7f')
 
 
@@ -124,7 +129,7 @@ class _Walker:
         assert sampler, "llama.cpp refused the grammar"
         out: list[str] = []
         try:
-            for step in range(budget * 20):
+            for step in range(budget + _STEPS_PAST_BUDGET):
                 allowed, can_end = self._allowed(sampler)
                 if can_end and (not allowed or step >= budget or rng.random() < 0.05):
                     return "".join(out)
@@ -134,7 +139,7 @@ class _Walker:
                 out.append(char)
         finally:
             lib.llama_sampler_free(sampler)
-        raise AssertionError(f"no end after {budget * 20} steps: {''.join(out)!r}")
+        raise AssertionError(f"no end after {budget + _STEPS_PAST_BUDGET} steps: {''.join(out)!r}")
 
     @staticmethod
     def _choose(allowed: list[str], rng: random.Random, closing: bool) -> str:
@@ -231,7 +236,14 @@ def _validate(text: str, schema: dict[str, Any]) -> None:
 
 
 @pytest.mark.model
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same 100 schemas every run (a suite that lands changes must not draw new
+# ones each time); vary them with --hypothesis-seed to explore
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(SCHEMAS, st.randoms(use_true_random=False))
 def test_every_string_the_grammar_accepts_is_json_that_meets_the_schema(
     walker: _Walker, schema: dict[str, Any], rng: random.Random
