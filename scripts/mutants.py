@@ -134,7 +134,7 @@ def run_pytest(
     argsfile.write_text("\n".join(tests) + "\n")
     junit.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE",
+        sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", "-rfE",
         f"--timeout={per_test:.0f}", f"--junitxml={junit}",
         *(["-m", markers] if markers else []), f"@{argsfile}",
     ]
@@ -231,7 +231,8 @@ def verify_kills(tree: Path, outcomes: list[Outcome], markers: str | None, logs:
     junit, argsfile = logs / "verify.xml", logs / "verify.args"
     argsfile.write_text("\n".join(nodeids) + "\n")
     command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+        sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+        f"--junitxml={junit}",
         *(["-m", markers] if markers else []), f"@{argsfile}",
     ]
     env = test_env(tree)

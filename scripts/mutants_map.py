@@ -204,7 +204,8 @@ def _start_coverage(
         "MUTANTS_COV_DIR": str(work),
     }
     command = [
-        sys.executable, "-m", "pytest", "-q", "-p", "mutants_context", "-p", "no:cacheprovider",
+        sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "mutants_context",
+        "-p", "no:cacheprovider",
         "--cov=llamax", "--cov-context=test", "--cov-report=",
         f"--junitxml={work / 'junit.xml'}", *(["-m", markers] if markers else []),
         *pytest_args,

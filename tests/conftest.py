@@ -19,6 +19,45 @@ from llamax.testing import FakeBackend, assert_idle
 # test_model_threads.py); `LLAMAX_ADAPT_THREADS=1 pytest` runs the suite with it on.
 os.environ.setdefault("LLAMAX_ADAPT_THREADS", "0")
 
+
+def _share_the_cores() -> None:
+    """Under ``pytest -n N`` (pytest-xdist) each worker keeps its own share of the CPUs, so
+    llama.cpp's threads in one worker do not fight the other workers' (a context's default
+    thread count is its affinity)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_getaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < count:
+        return
+    index = int(worker[2:])
+    share = cpus[index * len(cpus) // count : (index + 1) * len(cpus) // count]
+    os.sched_setaffinity(0, share)
+
+
+_share_the_cores()
+
+_MOST_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (the default, see pyproject's ``addopts``): one worker per CPU this
+    process may use, at most eight; none (the tests run in this process) for a run that
+    names single tests (``file.py::test``), or with one CPU, or with
+    ``$PYTEST_XDIST_AUTO_NUM_WORKERS`` set to ``0``."""
+    named = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if named:
+        return int(named)
+    if any("::" in str(arg) for arg in config.args):
+        return 0
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cpus = os.cpu_count() or 1
+    workers = min(cpus, _MOST_WORKERS)
+    return workers if workers >= 2 else 0
+
 NO_RAY = (
     "{} starts (or runs beside) Ray without the `cluster` marker: a Ray cluster takes "
     "minutes to start and does not belong in the default selection (mark the test "
