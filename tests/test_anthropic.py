@@ -91,6 +91,9 @@ def test_a_text_reply() -> None:
         final = stream[-2]["usage"]  # the cache's share is known by the end
         assert final["input_tokens"] + final["cache_read_input_tokens"] == prompt
         assert final["cache_read_input_tokens"] > 0  # the same prompt, asked again
+        # ... and already in message_start, where Claude Code reads its cache counts
+        started = stream[0]["message"]["usage"]
+        assert started == {**final, "output_tokens": 0}
         assert_idle(ctx)
 
 

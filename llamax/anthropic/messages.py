@@ -28,7 +28,14 @@ import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..chat_stream import ChatPart, ContentDelta, Finished, ReasoningDelta, ToolCallDelta
+from ..chat_stream import (
+    ChatPart,
+    ContentDelta,
+    Finished,
+    Progress,
+    ReasoningDelta,
+    ToolCallDelta,
+)
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError
 from ..images import Image
 from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
@@ -132,6 +139,8 @@ def _submit(
     if last["role"] == "assistant" and not last.get("tool_calls") and len(chat) > 1:
         prefill = (last.get("content") or "").rstrip()  # Anthropic refuses trailing space
         chat = chat[:-1]
+    if request.get("stream") is True:  # message_start waits for the cached count
+        options["return_progress"] = True
     submitted = submit_chat(ctx, chat, prefill=prefill, fair_key=fair_key, **options)
     submitted = submitted.named(request.get("model"))
     return submitted, list(options.get("stop") or [])
@@ -425,19 +434,32 @@ def _message(
 
 class _EventBuilder:
     """Encodes a chat request's typed stream as Messages stream events, one content block
-    at a time: ``thinking``, then ``text``, then each ``tool_use``."""
+    at a time: ``thinking``, then ``text``, then each ``tool_use``.
+
+    ``message_start`` is sent once the prompt's first chunk is computed (the request is
+    submitted with ``prefill_progress``), so its ``usage`` says truly how many prompt
+    tokens the cache held, as Anthropic's does; Claude Code reads its cache counts there."""
 
     def __init__(self, submitted: OpenAIRequest, stops: Sequence[str]) -> None:
         self._submitted, self._stops = submitted, stops
         self._index = -1
         self._open: str | None = None
         self._finish: str | None = None
+        self._started = False
 
     def start(self) -> list[dict[str, Any]]:
+        """Nothing yet: ``message_start`` waits for the prompt's first progress part, which
+        says how many of its tokens the cache held (:meth:`parts`)."""
+        return []
+
+    def _message_start(self, cached: int) -> list[dict[str, Any]]:
+        """``message_start`` (usage as Anthropic counts it: ``input_tokens`` are the prompt
+        tokens computed, ``cache_read_input_tokens`` those the cache held) and a ping."""
+        self._started = True
         submitted = self._submitted
         usage = {
-            "input_tokens": submitted.num_prompt_tokens,
-            "cache_read_input_tokens": 0,
+            "input_tokens": submitted.num_prompt_tokens - cached,
+            "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0,
             "output_tokens": 0,
         }
@@ -472,6 +494,9 @@ class _EventBuilder:
     def parts(self, parts: Sequence[ChatPart]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for part in parts:
+            if not self._started:
+                cached = part.progress.num_cached_tokens if isinstance(part, Progress) else 0
+                events += self._message_start(cached)
             match part:
                 case ReasoningDelta(text=text):
                     if self._open != "thinking":
@@ -509,7 +534,9 @@ class _EventBuilder:
             else _STOP_REASONS.get(self._finish or "stop", "end_turn")
         )
         usage = _usage(completion)
+        begun = [] if self._started else self._message_start(completion.usage.cached_tokens)
         return [
+            *begun,
             *self._close(),
             {
                 "type": "message_delta",
