@@ -119,7 +119,11 @@ _KEYS = frozenset({"tokens", "size", "crc32"})
 
 def encode(tokens: Sequence[int], data: bytes, *, hinted: bool = False) -> bytes:
     """The preamble and header of a file holding ``data``, the state of ``tokens``."""
-    fields: dict[str, object] = {"tokens": list(tokens), "size": len(data), "crc32": zlib.crc32(data)}
+    fields: dict[str, object] = {
+        "tokens": list(tokens),
+        "size": len(data),
+        "crc32": zlib.crc32(data),
+    }
     if hinted:
         fields["hinted"] = True
     header = json.dumps(fields, separators=(",", ":")).encode()

@@ -4,7 +4,11 @@ are kept for that (LRU retention). Pure Python, over :class:`~llamax.engine.kv.k
 A finished sequence's slot is *retained*: its cells stay in KV so a later prompt that starts
 the same way copies them instead of computing them. Retained slots are evicted least
 recently used first whenever a sequence id or cells are needed; active and pinned (session)
-slots never are.
+slots never are. An evicted slot's state goes to the host-RAM tier below
+(:mod:`llamax.engine.kv.prefix_ram`) when one is enabled, and what that tier drops to stay
+within its budget goes to the disk tier (:mod:`llamax.engine.kv.prefix_disk`), if any (with
+no RAM tier, evicted slots go there directly); ``evict_all`` (``clear_cache``) empties
+every tier.
 
 Hints (``SamplingParams.keep_prefix``): a slot whose last request was hinted
 (:attr:`Slot.hinted <llamax.engine.kv.kvcache.Slot.hinted>`) is evicted only when no
@@ -12,11 +16,7 @@ unhinted retained slot is left, least recently used first among the hinted. The 
 the last request's that ran in the slot: a request that takes a retained slot over (a
 chat's next turn) marks it as it asks, hinted or not; copying a prefix from a slot leaves
 its mark as it was (the copier's own slot carries the copier's mark). An evicted slot's
-state goes to the tiers below with its mark, and they too drop unhinted entries first. An evicted slot's state goes to the host-RAM tier below
-(:mod:`llamax.engine.kv.prefix_ram`) when one is enabled, and what that tier drops to stay
-within its budget goes to the disk tier (:mod:`llamax.engine.kv.prefix_disk`), if any (with
-no RAM tier, evicted slots go there directly); ``evict_all`` (``clear_cache``) empties
-every tier.
+state goes to the tiers below with its mark, and they too drop unhinted entries first.
 
 Matching considers every slot, including those of running sequences. A running sequence
 that is still prefilling will soon hold more of its prompt than it holds now: ``match``
