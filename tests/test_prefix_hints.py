@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from test_chat import make as make_chat
 
@@ -25,6 +27,7 @@ from llamax.engine.kv.disk_files import MAGIC, encode
 from llamax.engine.kv.prefix_disk import PrefixDiskTier
 from llamax.engine.kv.prefix_ram import PrefixRamTier
 from llamax.openai import chat_completion, create_response
+from llamax.server import BackgroundServer, create_app
 from llamax.testing import FakeBackend, assert_idle
 
 HINTED = llamax.SamplingParams(max_tokens=6, temperature=0, keep_prefix=True)
@@ -390,3 +393,26 @@ def test_keep_prefix_is_a_typed_option() -> None:
     assert not llamax.SamplingParams().keep_prefix
     with pytest.raises(llamax.InvalidParameterError, match="keep_prefix must be a bool"):
         llamax.SamplingParams(keep_prefix=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": HI, "max_tokens": 8, "prompt_cache_key": "s1"}),
+        ("/v1/responses", {"input": "Hi!", "max_output_tokens": 8, "prompt_cache_key": "s1"}),
+        ("/v1/messages", {"messages": HI, "max_tokens": 8, "cache_control": EPHEMERAL}),
+    ],
+)
+def test_over_http_the_hint_leaves_a_hinted_slot(path: str, body: dict[str, Any]) -> None:
+    with make_chat("Hello there!", autostart=True, n_ctx=4096) as ctx:
+        with BackgroundServer(create_app(ctx)) as server:
+            plain = {
+                k: v for k, v in body.items() if k not in ("prompt_cache_key", "cache_control")
+            }
+            assert httpx.post(server.url + path, json=plain, timeout=30).status_code == 200
+            assert httpx.post(server.url + path, json=body, timeout=30).status_code == 200
+            end = time.monotonic() + 10
+            while ctx.stats().num_retained != 2 and time.monotonic() < end:
+                time.sleep(0.01)  # the last step's stats are published after the reply
+            assert (ctx.stats().num_retained, ctx.stats().num_retained_hinted) == (2, 1)
+        assert_idle(ctx)
