@@ -188,6 +188,13 @@ class SamplingParams:
     turns it off, ``True`` turns it on (with the context's method, else the default
     :class:`~llamax.PromptLookup`), and a :class:`~llamax.PromptLookup` picks the method.
     It never changes what is generated, only how fast.
+
+    ``keep_prefix`` is a hint that this request's prompt will be asked for again (an
+    agent's system prompt and tools; Anthropic's ``cache_control`` and OpenAI's
+    ``prompt_cache_key`` set it): when the request ends, its cached prefix is kept longer
+    than those of unhinted requests, in KV and in the RAM and disk tiers below it (see
+    docs/kv-cache.md, "Hints: what is kept longest"). Like ``speculative``, it never
+    changes what is generated.
     """
 
     max_tokens: int | None = field(
@@ -389,6 +396,15 @@ class SamplingParams:
             openai=None,
             openai_doc="speculative decoding on (`true`), off (`false`) or on with `PromptLookup` "
             'settings (`{"max_draft": 8}`); default: the context\'s',
+        ),
+    )
+
+    keep_prefix: bool = field(
+        default=False,
+        metadata=spec(
+            check=where(lambda v: isinstance(v, bool), "must be a bool", show_type=True),
+            doc="a hint that this prompt will be asked for again: its prefix is kept longer "
+            "than unhinted ones in KV and in the RAM and disk tiers (docs/kv-cache.md)",
         ),
     )
 

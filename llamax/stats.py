@@ -22,7 +22,7 @@ class ContextStats:
     num_running: int
     """Sequences being computed."""
     num_retained: int
-    """Finished sequences kept in KV for their prefix (evicted LRU)."""
+    """Finished sequences kept in KV for their prefix (evicted LRU, unhinted first)."""
     num_sessions: int
     """Open sessions (and chats), each pinning a sequence id."""
     num_unsettled: int
@@ -63,12 +63,17 @@ class ContextStats:
     fixed layout, the cells one sequence may hold in it."""
     num_relayouts: int = 0
     """Moves between the two layouts (``kv_layout="auto"``)."""
+    num_retained_hinted: int = 0
+    """Of ``num_retained``, those whose last request asked for its prefix to be kept
+    longer (``SamplingParams.keep_prefix``): evicted after the others."""
     prefix_ram_bytes: int = 0
     """Bytes of evicted prefixes' KV state held in host RAM (docs/prefix_ram.md)."""
     prefix_ram_budget_bytes: int = 0
     """The most bytes the RAM tier may hold (0: the tier is off)."""
     prefix_ram_entries: int = 0
     """Evicted prefixes held in host RAM."""
+    prefix_ram_hinted_entries: int = 0
+    """Of ``prefix_ram_entries``, those a hint asked to keep longer (dropped last)."""
     num_prefix_ram_stores: int = 0
     """Evicted prefixes stored in host RAM."""
     num_prefix_ram_hits: int = 0
@@ -87,6 +92,8 @@ class ContextStats:
     """The disk tier's budget (0: no disk tier)."""
     prefix_disk_entries: int = 0
     """Evicted prefixes kept on disk."""
+    prefix_disk_hinted_entries: int = 0
+    """Of ``prefix_disk_entries``, those a hint asked to keep longer (deleted last)."""
     num_prefix_disk_stores: int = 0
     """Prefixes written to disk (dropped from RAM, or evicted with no RAM tier)."""
     num_prefix_disk_hits: int = 0

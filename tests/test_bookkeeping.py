@@ -125,6 +125,7 @@ class EngineMachine(RuleBasedStateMachine):
             logits_processors=processors,
             grammar=grammar,
             ignore_eos=ignore_eos,
+            keep_prefix=data.draw(st.booleans()),  # hinted slots are evicted last
         )
 
     # ------------------------------------------------------------------ rules

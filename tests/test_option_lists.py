@@ -172,6 +172,8 @@ def test_the_server_schema_equals_the_hand_written_one() -> None:
                 "timings_per_token",  # llama-server's chat extensions (issue 41)
                 "verbose",
                 "return_progress",
+                "prompt_cache_key",  # hints that keep the prefix longer (issue 56)
+                "prompt_cache_retention",
             },
         ),
         (CompletionRequest, {"prompt", "logprobs", "echo", "suffix"}),

@@ -16,16 +16,23 @@ from ..openai.fields import (
     table,
 )
 
-__all__ = ["MESSAGES"]
+__all__ = ["MESSAGES", "check_cache_control"]
 
 H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
 
 
-def _cache_control(name: str, value: Any) -> None:
+def check_cache_control(name: str, value: Any) -> bool:
+    """Whether ``value``, a ``cache_control`` (of the request, a block or a tool), asks for
+    the prompt to be kept: ``{"type": "ephemeral"}`` (with a ``ttl``) does, null does not.
+
+    Raises:
+        InvalidParameterError: any other value.
+    """
     if value is None:
-        return
+        return False
     if not isinstance(value, Mapping) or value.get("type") != "ephemeral":
         raise InvalidParameterError(f'{name} must be {{"type": "ephemeral"}} (with a ttl)')
+    return True
 
 
 def _metadata(name: str, value: Any) -> None:
@@ -69,9 +76,8 @@ MESSAGES = table(
     "stream",
     RequestField(
         "cache_control",
-        HINT,
-        "no effect: llamax's prefix cache reuses every shared prefix on its own",
-        _cache_control,
+        H,
+        "a hint, as on a system block, a message's content block or a tool: the prompt's prefix is kept longer than unhinted ones in KV and the RAM and disk tiers (`SamplingParams.keep_prefix`); every shared prefix is reused with or without it",
     ),
     RequestField(
         "service_tier",

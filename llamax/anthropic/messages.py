@@ -13,6 +13,10 @@ Supported and not, plainly:
   (:class:`~llamax.InvalidRequestError`).
 - Fields: the table :data:`llamax.anthropic.fields.MESSAGES` says which are honoured,
   accepted as hints (no effect) or refused, and why; any other field is refused.
+- ``cache_control`` (the request's, or on any system block, content block or tool) is a
+  hint: the prompt's prefix is kept longer than unhinted ones
+  (``SamplingParams.keep_prefix``); where the breakpoints sit changes nothing, as every
+  shared prefix is reused.
   ``thinking`` (``enabled``, ``adaptive`` or ``disabled``) is passed to templates as
   ``enable_thinking``; ``budget_tokens`` is not enforced.
 - One reply per request (Anthropic has no ``n``).
@@ -42,7 +46,7 @@ from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_w
 from ..openai.fields import accept_fields, honoured
 from ..openai.options import check_flag
 from ..results import Completion, FinishReason
-from .fields import MESSAGES
+from .fields import MESSAGES, check_cache_control
 from .volatile import without_billing_header
 
 if TYPE_CHECKING:
@@ -107,7 +111,7 @@ def count_tokens(
     ``output_config``, ``stream``) change nothing counted."""
     if not isinstance(request, Mapping):
         raise InvalidRequestError("a count_tokens request must be an object")
-    request = accept_fields(MESSAGES, request)  # hints such as cache_control change nothing
+    request = accept_fields(MESSAGES, request)  # hints such as metadata change nothing
     _check_fields(request, REQUEST_FIELDS, "count_tokens")  # what /v1/messages takes
     check_flag(request.get("stream"), "stream")
     chat, options = _chat_request({"max_tokens": 1, **request}, keep_billing_header)
@@ -188,7 +192,37 @@ def _chat_request(
             raise InvalidParameterError("thinking.type must be 'enabled', 'adaptive' or 'disabled'")
         options["enable_thinking"] = kind != "disabled"
     options.update(_output_config(request.get("output_config")))
+    if _asks_to_cache(request):
+        options["keep_prefix"] = True  # the prefix is kept longer than unhinted ones
     return chat, options
+
+
+def _asks_to_cache(request: Mapping[str, Any]) -> bool:
+    """Whether any ``cache_control`` is set: the request's own (automatic caching), or on
+    a system block, a message's content block (a tool result's blocks included) or a tool.
+    Each is checked, all are read: a hint anywhere keeps the prompt's prefix longer.
+
+    Raises:
+        InvalidParameterError: a ``cache_control`` that is not ``{"type": "ephemeral"}``.
+    """
+    found = check_cache_control("cache_control", request.get("cache_control"))
+
+    def blocks(items: Any, where: str) -> None:
+        nonlocal found
+        if not isinstance(items, list):
+            return
+        for j, block in enumerate(items):
+            if isinstance(block, Mapping):
+                at = f"{where}[{j}]"
+                found |= check_cache_control(f"{at}.cache_control", block.get("cache_control"))
+                blocks(block.get("content"), f"{at}.content")  # a tool result's blocks
+
+    blocks(request.get("system"), "system")
+    for i, turn in enumerate(request.get("messages") or ()):
+        if isinstance(turn, Mapping):
+            blocks(turn.get("content"), f"messages[{i}].content")
+    blocks(request.get("tools"), "tools")
+    return found
 
 
 def _output_config(config: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 from ..errors import InvalidParameterError
 
 __all__ = [
+    "CACHE_RETENTIONS",
     "MAX_METADATA_KEY_CHARS",
     "MAX_METADATA_PAIRS",
     "MAX_METADATA_VALUE_CHARS",
@@ -203,6 +204,10 @@ def _count(name: str, value: Any) -> None:
 H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
 
 _CACHE_HINT = "no effect: llamax's prefix cache reuses every shared prefix on its own"
+_CACHE_KEPT = "a hint: the prompt's prefix is kept longer than unhinted ones in KV and the RAM and disk tiers (`SamplingParams.keep_prefix`); every shared prefix is reused whatever the key"
+_CACHE_RETAINED = "as `prompt_cache_key`: the prompt's prefix is kept longer (`in_memory` or `24h`)"
+CACHE_RETENTIONS = ("in_memory", "24h", "in-memory")
+"""The ``prompt_cache_retention`` values taken (``in-memory``: an older spelling)."""
 _TIER_HINT = "no effect: one local server has one tier"
 _SAFETY_HINT = "no effect: no abuse monitoring is done (a string of at most 256 characters)"
 
@@ -219,10 +224,8 @@ SHARED_FIELDS: dict[str, RequestField] = {
             H,
             "whether one reply may hold several calls (no effect without tools)",
         ),
-        RequestField("prompt_cache_key", HINT, _CACHE_HINT, check_text),
-        RequestField(
-            "prompt_cache_retention", HINT, _CACHE_HINT, one_of("in_memory", "24h", "in-memory")
-        ),
+        RequestField("prompt_cache_key", H, _CACHE_KEPT),
+        RequestField("prompt_cache_retention", H, _CACHE_RETAINED),
         RequestField("prompt_cache_options", HINT, _CACHE_HINT, check_object),
         RequestField(
             "service_tier", HINT, _TIER_HINT, one_of("auto", "default", "flex", "scale", "priority")

@@ -104,6 +104,17 @@ class ChatOptions(CompletionOptions, total=False):
     """llama-server extension: a stream's chunks report the prompt's progress
     (``prompt_progress``: ``total``, ``cache``, ``processed``, ``time_ms``) while it is
     computed, in chunks of their own before the reply (``SamplingParams.prefill_progress``)."""
+    prompt_cache_key: str | None
+    """OpenAI's cache key (a string of at most 256 characters): any key is a hint that the
+    prompt will be asked for again, so its prefix is kept longer
+    (``SamplingParams.keep_prefix``). The key itself routes nothing: one server has one
+    cache, and every shared prefix is reused whatever the key."""
+    prompt_cache_retention: str | None
+    """OpenAI's ``in_memory`` or ``24h`` (``in-memory`` too): either is the same hint as
+    ``prompt_cache_key``."""
+    keep_prefix: bool
+    """llamax extension: ``SamplingParams.keep_prefix`` itself (the prefix is kept longer);
+    what ``prompt_cache_key`` and Anthropic's ``cache_control`` set."""
 
 
 OPENAI_ONLY = frozenset(

@@ -20,6 +20,7 @@ from ..reasoning import ReasoningFormat, check_reasoning_format, opens_thinking
 from ..templates.messages import validate_messages
 from ..templates.truncation import drop_oldest_turns
 from ..tools import PromptRenderer, ToolPlan, prepare_tools, tool_call_grammar, tool_prompt_tokens
+from .fields import CACHE_RETENTIONS, check_text, one_of
 from .options import (
     CHAT_OPTIONS,
     COMPLETION_OPTIONS,
@@ -31,7 +32,14 @@ from .options import (
     sampling_params,
 )
 
-__all__ = ["ChatModel", "Prepared", "chat_prompt_tokens", "prepare_chat", "prepare_text"]
+__all__ = [
+    "ChatModel",
+    "Prepared",
+    "chat_prompt_tokens",
+    "keeps_prefix",
+    "prepare_chat",
+    "prepare_text",
+]
 
 
 class ChatModel(PromptRenderer, Protocol):
@@ -119,6 +127,8 @@ def prepare_chat(
     params = sampling_params(opts, chat=True)
     if check_flag(opts.get("return_progress"), "return_progress"):
         params = dataclasses.replace(params, prefill_progress=True)
+    if keeps_prefix(opts):
+        params = dataclasses.replace(params, keep_prefix=True)
     plan = prepare_tools(
         opts.get("tools"), opts.get("tool_choice"), opts.get("parallel_tool_calls")
     )
@@ -183,6 +193,22 @@ def chat_prompt_tokens(
     if plan.is_active or _mentions_tools(messages):
         return tool_prompt_tokens(model, messages, plan, **template_vars)
     return model.chat_prompt_parts(messages, **template_vars)
+
+
+def keeps_prefix(options: Mapping[str, Any]) -> bool:
+    """Whether a chat request's options hint that its prompt will be asked for again:
+    ``keep_prefix``, or OpenAI's ``prompt_cache_key`` or ``prompt_cache_retention`` given
+    (``SamplingParams.keep_prefix``).
+
+    Raises:
+        InvalidParameterError: ``keep_prefix`` is not a bool, the key not a string of at
+            most 256 characters, or the retention not ``in_memory`` or ``24h``.
+    """
+    keep = check_flag(options.get("keep_prefix"), "keep_prefix")
+    key, retention = options.get("prompt_cache_key"), options.get("prompt_cache_retention")
+    check_text("prompt_cache_key", key)
+    one_of(*CACHE_RETENTIONS)("prompt_cache_retention", retention)
+    return keep or key is not None or retention is not None
 
 
 def _model(name: object) -> str | None:

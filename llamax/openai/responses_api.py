@@ -34,6 +34,7 @@ from ..images import Image
 from .api import ChatHost, chat_prompt_tokens, submit_chat, submit_in_worker
 from .fields import MAX_USER_CHARS, RESPONSES, accept_fields, check_metadata, honoured
 from .options import check_flag
+from .prepare import keeps_prefix
 from .responses_output import ResponseEvents, ResponseJob, ResponseStore
 
 __all__ = [
@@ -337,6 +338,9 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
             options["enable_thinking"] = effort not in ("none", "minimal")
     if check_flag(request.get("return_progress"), "return_progress"):
         options["return_progress"] = True
+    hints = ("prompt_cache_key", "prompt_cache_retention")
+    if keeps_prefix({name: request.get(name) for name in hints}):
+        options["keep_prefix"] = True  # the prefix is kept longer
     check_flag(request.get("timings_per_token"), "timings_per_token")  # the server's
     truncation = request.get("truncation")
     if truncation not in (None, "auto", "disabled"):

@@ -205,6 +205,10 @@ class ChatCompletionRequest(_SamplingFields):
     """llama-server extension: a whole reply carries ``__verbose`` (the route adds it)."""
     return_progress: bool | None = None
     """llama-server extension: a stream reports the prompt's progress (``prompt_progress``)."""
+    prompt_cache_key: str | None = None
+    """OpenAI's cache key: a hint that the prompt's prefix is kept longer (``keep_prefix``)."""
+    prompt_cache_retention: Literal["in_memory", "24h", "in-memory"] | None = None
+    """OpenAI's cache retention: the same hint."""
 
     def options(self) -> dict[str, Any]:
         """As the base class, with ``max_completion_tokens`` read as ``max_tokens``,

@@ -1,7 +1,9 @@
 """The disk prefix tier's files: their format, and how they are written, read and deleted.
 
 File format: :data:`MAGIC`, the format version and the header's length (two little-endian
-``u32``), the header (JSON: ``tokens``, ``size`` and ``crc32`` of the state), the state.
+``u32``), the header (JSON: ``tokens``, ``size`` and ``crc32`` of the state, and
+``"hinted": true`` for an entry a hint asked to keep longer; an unhinted entry's header has
+no such key, so its file is the one earlier versions wrote), the state.
 Files that lie (another magic or version, an unreadable header, a length or checksum that
 does not match) are deleted when found and never reach the backend.
 
@@ -108,13 +110,23 @@ class DiskEntry:
     """The file."""
     num_bytes: int
     """The file's size (header and state)."""
+    hinted: bool = False
+    """Whether a hint asked to keep it longer (its header says so: it outlives the context)."""
 
 
-def encode(tokens: Sequence[int], data: bytes) -> bytes:
-    header = json.dumps(
-        {"tokens": list(tokens), "size": len(data), "crc32": zlib.crc32(data)},
-        separators=(",", ":"),
-    ).encode()
+_KEYS = frozenset({"tokens", "size", "crc32"})
+
+
+def encode(tokens: Sequence[int], data: bytes, *, hinted: bool = False) -> bytes:
+    """The preamble and header of a file holding ``data``, the state of ``tokens``."""
+    fields: dict[str, object] = {
+        "tokens": list(tokens),
+        "size": len(data),
+        "crc32": zlib.crc32(data),
+    }
+    if hinted:
+        fields["hinted"] = True
+    header = json.dumps(fields, separators=(",", ":")).encode()
     return _PREAMBLE.pack(MAGIC, VERSION, len(header)) + header
 
 
@@ -128,10 +140,12 @@ def _valid_tokens(tokens: object, images: bool) -> bool:
     return images and placeholder_problem(tokens) is None
 
 
-def _read_header(file: IO[bytes], images: bool) -> tuple[tuple[int, ...], int, int, int] | None:
-    """``(tokens, size, crc32, offset of the state)`` from an open file, or None if the
-    preamble or header is not exactly what :func:`encode` writes (placeholder ids among the
-    tokens only with ``images``)."""
+def _read_header(
+    file: IO[bytes], images: bool
+) -> tuple[tuple[int, ...], int, int, int, bool] | None:
+    """``(tokens, size, crc32, offset of the state, hinted)`` from an open file, or None if
+    the preamble or header is not exactly what :func:`encode` writes (placeholder ids among
+    the tokens only with ``images``)."""
     preamble = file.read(_PREAMBLE.size)
     if len(preamble) != _PREAMBLE.size:
         return None
@@ -145,7 +159,9 @@ def _read_header(file: IO[bytes], images: bool) -> tuple[tuple[int, ...], int, i
         header = json.loads(raw)
     except ValueError:
         return None
-    if not isinstance(header, dict) or set(header) != {"tokens", "size", "crc32"}:
+    if not isinstance(header, dict) or set(header) not in (_KEYS, _KEYS | {"hinted"}):
+        return None
+    if header.get("hinted", True) is not True:  # written only as true
         return None
     tokens, size, crc = header["tokens"], header["size"], header["crc32"]
     if not (
@@ -156,7 +172,7 @@ def _read_header(file: IO[bytes], images: bool) -> tuple[tuple[int, ...], int, i
         and 0 <= crc < 1 << 32
     ):
         return None
-    return tuple(tokens), size, crc, _PREAMBLE.size + length
+    return tuple(tokens), size, crc, _PREAMBLE.size + length, "hinted" in header
 
 
 def remove(path: str) -> OSError | None:
@@ -187,7 +203,7 @@ def _read_entry(path: str, images: bool) -> tuple[float, DiskEntry] | None:
         return None
     if header is None or header[3] + header[1] != info.st_size:
         return None
-    return info.st_mtime, DiskEntry(header[0], path, info.st_size)
+    return info.st_mtime, DiskEntry(header[0], path, info.st_size, header[4])
 
 
 def read_state(entry: DiskEntry, *, images: bool = False) -> bytes | None:
@@ -206,15 +222,17 @@ def read_state(entry: DiskEntry, *, images: bool = False) -> bytes | None:
             data = file.read(header[1])
     except OSError:
         return None
-    tokens, size, crc, _ = header
+    tokens, size, crc, _, _ = header
     if tokens != entry.tokens or len(data) != size or zlib.crc32(data) != crc:
         return None
     return data
 
 
-def write_entry(directory: str, tokens: tuple[int, ...], head: bytes, data: bytes) -> DiskEntry:
-    """Write ``head`` (:func:`encode`'s) and ``data`` into the file of ``tokens`` in
-    ``directory``, through a temporary file renamed into place (atomic).
+def write_entry(
+    directory: str, tokens: tuple[int, ...], head: bytes, data: bytes, *, hinted: bool = False
+) -> DiskEntry:
+    """Write ``head`` (:func:`encode`'s, with the same ``hinted``) and ``data`` into the file
+    of ``tokens`` in ``directory``, through a temporary file renamed into place (atomic).
 
     Raises:
         OSError: it could not be written (no file is left behind).
@@ -230,7 +248,7 @@ def write_entry(directory: str, tokens: tuple[int, ...], head: bytes, data: byte
     except OSError:
         remove(temp)
         raise
-    return DiskEntry(tokens, path, len(head) + len(data))
+    return DiskEntry(tokens, path, len(head) + len(data), hinted)
 
 
 def scan(directory: str, *, images: bool = False) -> list[DiskEntry]:

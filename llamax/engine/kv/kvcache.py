@@ -95,7 +95,7 @@ SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
 class Slot:
     """A sequence id and the tokens it holds in KV."""
 
-    __slots__ = ("_state", "adapters", "cells", "checkpoints", "seq_id", "tokens")
+    __slots__ = ("_state", "adapters", "cells", "checkpoints", "hinted", "seq_id", "tokens")
 
     def __init__(self, seq_id: int, *, pinned: bool = False) -> None:
         self.seq_id = seq_id
@@ -106,6 +106,10 @@ class Slot:
         a prefix is shared only between sequences of the same set."""
         self.checkpoints: dict[int, bytes] = {}
         """Partial states by position (a memory that cannot be cut: see the module)."""
+        self.hinted = False
+        """Whether the last request that ran in the slot asked for its prefix to be kept
+        longer (``SamplingParams.keep_prefix``): retained, it is evicted after the
+        unhinted ones (:mod:`llamax.engine.kv.prefix`)."""
         self._state = SlotState.PINNED if pinned else SlotState.ACTIVE
 
     @property
@@ -129,7 +133,8 @@ class Slot:
         self._state = state
 
     def __repr__(self) -> str:
-        return f"<Slot {self.seq_id} {self._state.value} {len(self.tokens)} tokens>"
+        hinted = " hinted" if self.hinted else ""
+        return f"<Slot {self.seq_id} {self._state.value}{hinted} {len(self.tokens)} tokens>"
 
 
 class KVCache:

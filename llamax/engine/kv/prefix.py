@@ -10,6 +10,14 @@ within its budget goes to the disk tier (:mod:`llamax.engine.kv.prefix_disk`), i
 no RAM tier, evicted slots go there directly); ``evict_all`` (``clear_cache``) empties
 every tier.
 
+Hints (``SamplingParams.keep_prefix``): a slot whose last request was hinted
+(:attr:`Slot.hinted <llamax.engine.kv.kvcache.Slot.hinted>`) is evicted only when no
+unhinted retained slot is left, least recently used first among the hinted. The mark is
+the last request's that ran in the slot: a request that takes a retained slot over (a
+chat's next turn) marks it as it asks, hinted or not; copying a prefix from a slot leaves
+its mark as it was (the copier's own slot carries the copier's mark). An evicted slot's
+state goes to the tiers below with its mark, and they too drop unhinted entries first.
+
 Matching considers every slot, including those of running sequences. A running sequence
 that is still prefilling will soon hold more of its prompt than it holds now: ``match``
 reports both, so a newcomer can wait for an in-flight prefix instead of computing it twice.
@@ -107,13 +115,20 @@ class PrefixCache:
         """Finished slots kept for their prefix."""
         return len(self._retained)
 
+    @property
+    def num_hinted(self) -> int:
+        """Retained slots whose last request asked for its prefix to be kept longer."""
+        return sum(slot.hinted for slot in self._retained.values())
+
     def retained(self) -> list[Slot]:
         """Retained slots, least recently used first."""
         return list(self._retained.values())
 
     # ------------------------------------------------------------------ retention
     def retire(self, slot: Slot) -> None:
-        """A sequence finished: keep its slot for reuse (most recently used) or release it."""
+        """A sequence finished: keep its slot for reuse (most recently used) or release it.
+        The slot keeps its :attr:`~llamax.engine.kv.kvcache.Slot.hinted` mark (the
+        scheduler sets it from the finished request)."""
         if not slot.pinned:
             self.unpin(slot)
 
@@ -138,12 +153,21 @@ class PrefixCache:
             self._retained.move_to_end(slot.seq_id)
 
     def evict_one(self, *, keep: Slot | None = None) -> bool:
-        """Release the least recently used retained slot (never ``keep``)."""
+        """Release the least recently used unhinted retained slot, else the least recently
+        used hinted one (never ``keep``)."""
+        fallback: Slot | None = None
         for slot in self._retained.values():
-            if slot is not keep:
+            if slot is keep:
+                continue
+            if not slot.hinted:
                 self.evict(slot)
                 return True
-        return False
+            if fallback is None:
+                fallback = slot
+        if fallback is None:
+            return False
+        self.evict(fallback)
+        return True
 
     def evict(self, slot: Slot) -> None:
         """Release one retained slot, its state kept in the RAM tier if it takes it."""
@@ -169,9 +193,10 @@ class PrefixCache:
         return count
 
     def spill(self, slot: Slot) -> None:
-        """Save ``slot``'s state into the uppermost tier that takes it: the RAM tier, or the
-        disk tier when there is no RAM tier or the state alone exceeds its budget (before
-        the slot is released, or cut by a newcomer that takes it over). A save that fails
+        """Save ``slot``'s state, with its hint mark, into the uppermost tier that takes it:
+        the RAM tier, or the disk tier when there is no RAM tier, the state alone exceeds
+        its budget, or (unhinted) it would fit only by dropping hinted entries (before the
+        slot is released, or cut by a newcomer that takes it over). A save that fails
         loses only the entry."""
         num_tokens = len(slot.tokens)
         wanting = [t for t in self.tiers if t.wants(num_tokens, slot.adapters)]
@@ -184,13 +209,14 @@ class PrefixCache:
             _log.warning("could not keep an evicted prefix in RAM: %s", exc)
             return
         for tier in wanting:
-            if tier.store(slot.tokens, data, slot.adapters):
+            if tier.store(slot.tokens, data, slot.adapters, hinted=slot.hinted):
                 return
 
     def _drop_to_disk(self, entry: RamEntry) -> None:
-        """The RAM tier dropped ``entry`` to stay within its budget: keep it on disk."""
+        """The RAM tier dropped ``entry`` to stay within its budget: keep it on disk (with
+        its mark)."""
         if self.disk is not None:
-            self.disk.store(entry.tokens, entry.data, entry.adapters)
+            self.disk.store(entry.tokens, entry.data, entry.adapters, hinted=entry.hinted)
 
     @classmethod
     def build(cls, cache: KVCache, config: EngineConfig, backend: Backend) -> PrefixCache:

@@ -107,6 +107,7 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
             key=lambda e: e.tokens,
             on_drop=self._dropped,
             label="the disk tier",
+            hinted=lambda e: e.hinted,
         )
         # counts: num_stored files written (dropped from RAM, or evicted from KV with no
         # RAM tier); num_dropped deleted to stay within the budget; num_refused did not
@@ -153,31 +154,45 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
         stored (before saving it)."""
         return self.is_enabled and adapters == () and num_tokens >= self.min_tokens
 
-    def store(self, tokens: Sequence[int], data: bytes, adapters: AdapterSet = NO_ADAPTERS) -> bool:
-        """Write ``data`` (the state of ``tokens``) as the most recently used entry,
-        deleting the least recently used files beyond the budget. False if it is not
-        wanted, alone exceeds the budget, or cannot be written (the entry is lost, logged
-        once); a file already holding these tokens is only marked recently used. A
-        prefix with an image (placeholder ids) only in a projector's folder (``images``):
-        its cells came from that projector."""
+    def store(
+        self,
+        tokens: Sequence[int],
+        data: bytes,
+        adapters: AdapterSet = NO_ADAPTERS,
+        *,
+        hinted: bool = False,
+    ) -> bool:
+        """Write ``data`` (the state of ``tokens``) as the most recently used entry, marked
+        ``hinted`` or not (in its header: the mark outlives the context), deleting files
+        beyond the budget (unhinted ones first, least recently used first). False if it is
+        not wanted, alone exceeds the budget, is unhinted and would fit only by deleting
+        hinted files, or cannot be written (the entry is lost, logged once); a file
+        already holding these tokens with the same mark is only marked recently used (with
+        the other mark it is written again). A prefix with an image (placeholder ids)
+        only in a projector's folder (``images``): its cells came from that projector."""
         key = tuple(tokens)
         if not self.wants(len(key), adapters) or not data or (min(key) < 0 and not self.images):
             return False
-        if self._lru.get(key) is not None:
+        held = self._lru.get(key)
+        if held is not None and held.hinted == hinted:
             self._lru.touch(key)
             return True
-        head = encode(key, data)
+        head = encode(key, data, hinted=hinted)
         size = len(head) + len(data)
-        if size > self.budget_bytes:
+        if not self._lru.fits(DiskEntry(key, "", size, hinted)):
             return False
+        if held is not None:  # the other mark: written again (the same name) below
+            self._lru.pop(key)
         self._lru.make_room(size)
         try:
-            entry = write_entry(self.directory, key, head, data)
+            entry = write_entry(self.directory, key, head, data, hinted=hinted)
         except OSError as exc:
             self.counts = self.counts.counted(num_store_failures=1)
             if not self._has_warned:
                 self._has_warned = True
                 _log.warning("could not keep an evicted prefix on disk: %s", exc)
+            if held is not None and not self._lru.put(held):  # its file is still there
+                remove(held.path)
             return False
         self._lru.put(entry)
         self.counts = self.counts.counted(num_stored=1)

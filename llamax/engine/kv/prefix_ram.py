@@ -73,6 +73,9 @@ class RamEntry:
     """The tokens the state holds, at positions ``0 .. len(tokens) - 1``."""
     data: bytes
     """The backend's serialised state (``KVMemory.state_seq_get``)."""
+    hinted: bool = False
+    """Whether a hint asked to keep it longer (``SamplingParams.keep_prefix``): dropped
+    only when no unhinted entry is left, and to the disk tier with its mark."""
 
     @property
     def key(self) -> Key:
@@ -100,6 +103,7 @@ class PrefixRamTier(StoredTier[Key, RamEntry]):
             key=lambda e: e.key,
             on_drop=self._dropped,
             label="the RAM tier",
+            hinted=lambda e: e.hinted,
         )
         super().__init__(lru, model=model, min_tokens=min_tokens)
         self.on_drop: Callable[[RamEntry], None] | None = None
@@ -116,12 +120,20 @@ class PrefixRamTier(StoredTier[Key, RamEntry]):
         any adapter set is."""
         return self.is_enabled and num_tokens >= self.min_tokens
 
-    def store(self, tokens: Sequence[int], data: bytes, adapters: AdapterSet = NO_ADAPTERS) -> bool:
-        """Keep ``data`` (the state of ``tokens``) as the most recently used entry, dropping
-        the least recently used ones beyond the budget; False if it alone exceeds it."""
-        if not self.wants(len(tokens)) or not self._lru.put(
-            RamEntry(adapters, tuple(tokens), data)
-        ):
+    def store(
+        self,
+        tokens: Sequence[int],
+        data: bytes,
+        adapters: AdapterSet = NO_ADAPTERS,
+        *,
+        hinted: bool = False,
+    ) -> bool:
+        """Keep ``data`` (the state of ``tokens``) as the most recently used entry, marked
+        ``hinted`` or not, dropping entries beyond the budget (unhinted ones first, least
+        recently used first); False if it alone exceeds the budget, or it is unhinted and
+        would fit only by dropping hinted entries (the disk tier may take it then)."""
+        entry = RamEntry(adapters, tuple(tokens), data, hinted)
+        if not self.wants(len(tokens)) or not self._lru.put(entry):
             return False
         self.counts = self.counts.counted(num_stored=1)
         return True

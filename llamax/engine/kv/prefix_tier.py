@@ -12,6 +12,12 @@ reported with its sizes; :class:`StoredTier` holds both for every tier.
 
 An entry is worth its longest common prefix with the prompt, never the prompt's last
 token (computed for its logits): :func:`best_prefix`.
+
+Hints: an entry may be *hinted* (stored from a slot whose last request asked for its
+prefix to be kept longer, ``SamplingParams.keep_prefix``). Making room drops the least
+recently used unhinted entry first and a hinted one only when no unhinted one is left,
+and an unhinted entry that would fit only by dropping hinted ones is not kept
+(:meth:`ByteLRU.put`): a hinted entry outlives every unhinted one.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ class StoredPrefix(Protocol):
 
     @property
     def tokens(self) -> tuple[int, ...]: ...
+
+    @property
+    def hinted(self) -> bool: ...
 
 
 E = TypeVar("E", bound=StoredPrefix)
@@ -80,6 +89,8 @@ class TierStats:
     """The most bytes held."""
     num_entries: int = 0
     """Entries held."""
+    num_hinted: int = 0
+    """Entries held that a hint asked to keep longer (``SamplingParams.keep_prefix``)."""
     num_stored: int = 0
     """States stored."""
     num_dropped: int = 0
@@ -134,9 +145,11 @@ class PrefixTier(Protocol[E]):
         stored (asked before saving its state)."""
         ...
 
-    def store(self, tokens: Sequence[int], data: bytes, adapters: AdapterSet) -> bool:
-        """Keep ``data``, the state of ``tokens``, as the most recently used entry; False
-        if not kept."""
+    def store(
+        self, tokens: Sequence[int], data: bytes, adapters: AdapterSet, *, hinted: bool = False
+    ) -> bool:
+        """Keep ``data``, the state of ``tokens``, as the most recently used entry (marked
+        ``hinted``: dropped after the unhinted ones); False if not kept."""
         ...
 
     def lookup(
@@ -221,7 +234,8 @@ def best_prefix(
 
 
 class ByteLRU(Generic[K, V]):
-    """Entries by key, least recently used first, within a byte budget.
+    """Entries by key, least recently used first, within a byte budget; hinted entries
+    (``hinted(entry)``) are dropped only when no unhinted one is left.
 
     Args:
         budget_bytes: The most bytes held.
@@ -229,6 +243,7 @@ class ByteLRU(Generic[K, V]):
         key: An entry's key.
         on_drop: Called with each entry dropped to stay within the budget.
         label: The tier's name in :meth:`audit`'s sentences ("the RAM tier").
+        hinted: Whether an entry is hinted (default: none is).
     """
 
     def __init__(
@@ -239,19 +254,33 @@ class ByteLRU(Generic[K, V]):
         key: Callable[[V], K],
         on_drop: Callable[[V], None],
         label: str,
+        hinted: Callable[[V], bool] = lambda entry: False,
     ) -> None:
         self.budget_bytes = budget_bytes
         self._size = size
         self._key = key
         self._on_drop = on_drop
         self._label = label
+        self._hinted = hinted
         self._entries: OrderedDict[K, V] = OrderedDict()  # LRU first
         self._num_bytes = 0
+        self._num_hinted = 0
+        self._hinted_bytes = 0
 
     @property
     def num_bytes(self) -> int:
         """Bytes held."""
         return self._num_bytes
+
+    @property
+    def num_hinted(self) -> int:
+        """Hinted entries held."""
+        return self._num_hinted
+
+    @property
+    def hinted_bytes(self) -> int:
+        """Bytes the hinted entries hold."""
+        return self._hinted_bytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -269,47 +298,82 @@ class ByteLRU(Generic[K, V]):
         if key in self._entries:
             self._entries.move_to_end(key)
 
-    def make_room(self, num_bytes: int) -> None:
-        """Drop least recently used entries until ``num_bytes`` more fit the budget."""
-        while self._entries and self._num_bytes + num_bytes > self.budget_bytes:
-            _, oldest = self._entries.popitem(last=False)
-            self._num_bytes -= self._size(oldest)
-            self._on_drop(oldest)
+    def _first_to_drop(self) -> K:
+        """The key of the least recently used unhinted entry, else of the least recently
+        used one (the store is not empty)."""
+        if self._num_hinted:
+            for key, entry in self._entries.items():
+                if not self._hinted(entry):
+                    return key
+        return next(iter(self._entries))
 
-    def put(self, entry: V) -> bool:
-        """Hold ``entry`` as the most recently used (replacing one under its key), dropping
-        least recently used entries beyond the budget; False (nothing dropped) if it alone
-        exceeds the budget."""
+    def make_room(self, num_bytes: int) -> None:
+        """Drop entries until ``num_bytes`` more fit the budget: the least recently used
+        unhinted ones first, then the least recently used hinted ones."""
+        while self._entries and self._num_bytes + num_bytes > self.budget_bytes:
+            dropped = self.pop(self._first_to_drop())
+            assert dropped is not None
+            self._on_drop(dropped)
+
+    def fits(self, entry: V) -> bool:
+        """Whether ``entry`` could be held: it alone is within the budget, and if it is
+        unhinted, beside every hinted entry (other than one under its own key)."""
         size = self._size(entry)
         if size > self.budget_bytes:
             return False
+        if self._hinted(entry):
+            return True
+        held = self._entries.get(self._key(entry))
+        hinted_bytes = self._hinted_bytes
+        if held is not None and self._hinted(held):
+            hinted_bytes -= self._size(held)
+        return hinted_bytes + size <= self.budget_bytes
+
+    def put(self, entry: V) -> bool:
+        """Hold ``entry`` as the most recently used (replacing one under its key), dropping
+        entries beyond the budget (:meth:`make_room`); False (nothing dropped) if it does
+        not :meth:`fits`: it alone exceeds the budget, or it is unhinted and would need a
+        hinted entry's room."""
+        if not self.fits(entry):
+            return False
+        size = self._size(entry)
         self.pop(self._key(entry))
         self.make_room(size)
+        self._add(entry)
+        return True
+
+    def _add(self, entry: V) -> None:
+        size = self._size(entry)
         self._entries[self._key(entry)] = entry
         self._num_bytes += size
-        return True
+        if self._hinted(entry):
+            self._num_hinted += 1
+            self._hinted_bytes += size
 
     def fill(self, entries: Iterable[V]) -> None:
         """Hold ``entries`` (keys unique, least recently used first) in an empty store,
-        then drop the least recently used beyond the budget."""
+        then drop what is beyond the budget (:meth:`make_room`)."""
         assert not self._entries, "fill() is for an empty store"
         for entry in entries:
-            self._entries[self._key(entry)] = entry
-            self._num_bytes += self._size(entry)
+            self._add(entry)
         self.make_room(0)
 
     def pop(self, key: K) -> V | None:
         """Forget the entry under ``key``, if any; return it."""
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self._num_bytes -= self._size(entry)
+            size = self._size(entry)
+            self._num_bytes -= size
+            if self._hinted(entry):
+                self._num_hinted -= 1
+                self._hinted_bytes -= size
         return entry
 
     def clear(self) -> int:
         """Forget every entry; return how many."""
         count = len(self._entries)
         self._entries.clear()
-        self._num_bytes = 0
+        self._num_bytes = self._num_hinted = self._hinted_bytes = 0
         return count
 
     def audit(self) -> list[str]:
@@ -323,6 +387,13 @@ class ByteLRU(Generic[K, V]):
         for key, entry in self._entries.items():
             if key != self._key(entry):
                 problems.append(f"an entry of {self._label} is filed under another key")
+        hinted = [e for e in self._entries.values() if self._hinted(e)]
+        hinted_bytes = sum(self._size(e) for e in hinted)
+        if (len(hinted), hinted_bytes) != (self._num_hinted, self._hinted_bytes):
+            problems.append(
+                f"{self._label} accounts {self._num_hinted} hinted entries of "
+                f"{self._hinted_bytes} bytes, holds {len(hinted)} of {hinted_bytes}"
+            )
         return problems
 
 
@@ -370,6 +441,7 @@ class StoredTier(Generic[K, E]):
             num_bytes=self.num_bytes,
             budget_bytes=self.budget_bytes,
             num_entries=self.num_entries,
+            num_hinted=self._lru.num_hinted,
         )
 
     def record_restore(self, num_tokens: int, seconds: float) -> None:

@@ -553,6 +553,8 @@ class Scheduler:
         elif seq in self._running:
             self._running.remove(seq)
         slot, seq.slot = seq.slot, None
+        if slot is not None and keep_cache:  # the mark of the last request run in it
+            slot.hinted = seq.request.params.keep_prefix
         if slot is not None and not slot.pinned:
             if keep_cache:
                 self.prefix.retire(slot)

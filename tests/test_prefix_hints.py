@@ -1,0 +1,418 @@
+"""Issue 56: cache hints decide what the prefix cache keeps longest. A request with
+``SamplingParams.keep_prefix`` (what Anthropic's ``cache_control`` and OpenAI's
+``prompt_cache_key`` set) leaves a *hinted* slot: evicted from KV only when no unhinted
+retained slot is left; the RAM and disk tiers below drop unhinted entries first, keep the
+mark when one drops to the other, and the disk tier's files keep it across contexts. Least
+recently used order within each class is unchanged. Fake backend, both KV layouts; the
+dialects through ``llamax.anthropic.messages``, ``llamax.openai.chat_completion`` and
+``llamax.openai.create_response``."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_chat import make as make_chat
+
+import llamax
+from llamax.anthropic import count_tokens, messages
+from llamax.engine.kv.disk_files import MAGIC, encode
+from llamax.engine.kv.prefix_disk import PrefixDiskTier
+from llamax.engine.kv.prefix_ram import PrefixRamTier
+from llamax.openai import chat_completion, create_response
+from llamax.server import BackgroundServer, create_app
+from llamax.testing import FakeBackend, assert_idle
+
+HINTED = llamax.SamplingParams(max_tokens=6, temperature=0, keep_prefix=True)
+PLAIN = llamax.SamplingParams(max_tokens=6, temperature=0)
+LETTERS = "ABCDEFGHIJ"
+RAM_ENTRY = 472
+"""Bytes of one of these prompts' state on the fake (system(i) + "?" and its reply)."""
+
+
+def system(i: int) -> str:
+    """A ~90-token system prompt (one fake token per byte) sharing not even its first token
+    with another's."""
+    return f"{LETTERS[i]}) You are assistant number {i}. " + "Answer briefly and politely. " * 2
+
+
+Make = Callable[..., llamax.Context]
+
+
+@pytest.fixture(params=["unified", "streams"])
+def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Make]:
+    """Contexts on the fake (``n_seq_max`` ids, 512 cells each), by default with no tier;
+    each is checked idle (tiers included) and closed after the test."""
+    layout = str(request.param)
+    made: list[llamax.Context] = []
+
+    def build(
+        *,
+        n_seq_max: int = 2,
+        prefix_ram_bytes: int = 0,
+        prefix_disk_bytes: int | None = None,
+    ) -> llamax.Context:
+        n_ctx = 512 * n_seq_max if layout == "streams" else 512
+        backend = FakeBackend(n_ctx=n_ctx, n_seq_max=n_seq_max, kv_layout=layout)
+        ctx = llamax.Context(
+            backend=backend,
+            autostart=False,
+            prefix_ram_bytes=prefix_ram_bytes,
+            prefix_disk_dir=None if prefix_disk_bytes is None else str(tmp_path),
+            prefix_disk_bytes=prefix_disk_bytes,
+        )
+        made.append(ctx)
+        return ctx
+
+    yield build
+    for ctx in made:
+        if not ctx.closed:
+            assert_idle(ctx)
+        ctx.close()
+
+
+def computed(ctx: llamax.Context, prompt: str, params: llamax.SamplingParams = PLAIN) -> int:
+    """Run ``prompt`` to its end; return the prompt tokens computed for it."""
+    before = ctx.stats().num_prefill_tokens
+    handle = ctx.add_request(prompt, params)
+    while ctx.has_work():
+        ctx.process()
+    handle.result(0)
+    return ctx.stats().num_prefill_tokens - before
+
+
+def retained(ctx: llamax.Context) -> list[str]:
+    """The retained slots, least recently used first, as their system prompt's letter
+    (lower case: hinted)."""
+    slots = ctx._engine.scheduler.prefix.retained()
+    return [chr(s.tokens[0] - 1).lower() if s.hinted else chr(s.tokens[0] - 1) for s in slots]
+
+
+# ---------------------------------------------------------------------- KV
+def test_a_hinted_slot_outlives_unhinted_ones_under_kv_pressure(make: Make) -> None:
+    ctx = make(n_seq_max=2)
+    computed(ctx, system(0) + "?", HINTED)
+    computed(ctx, system(1) + "?")
+    assert ctx.stats().num_retained_hinted == 1
+    computed(ctx, system(2) + "?")  # needs an id: the unhinted system(1) goes, not system(0)
+    assert retained(ctx) == ["a", "C"]
+    assert computed(ctx, system(0) + "!") == 1  # only "!": its prefix was still in KV
+    assert computed(ctx, system(1) + "!") == len(system(1)) + 1  # evicted: computed again
+    assert ctx.stats().num_evictions == 3  # C made room for the copy of a, then a for B
+
+
+def test_lru_order_within_each_class_is_unchanged(make: Make) -> None:
+    ctx = make(n_seq_max=4)
+    for i, params in enumerate((HINTED, PLAIN, HINTED, PLAIN)):
+        computed(ctx, system(i) + "?", params)
+    assert retained(ctx) == ["a", "B", "c", "D"]
+    computed(ctx, system(4) + "?")  # the least recently used unhinted one goes
+    assert retained(ctx) == ["a", "c", "D", "E"]
+    computed(ctx, system(5) + "?", HINTED)
+    computed(ctx, system(6) + "?", HINTED)
+    assert retained(ctx) == ["a", "c", "f", "g"]  # D, then E: no unhinted one is left
+    assert ctx.stats().num_retained_hinted == 4
+    computed(ctx, system(7) + "?")  # only hinted ones: the least recently used goes
+    assert retained(ctx) == ["c", "f", "g", "H"]
+    assert computed(ctx, system(2) + "!") == 1  # H made room for a copy from c, now used
+    assert retained(ctx) == ["f", "g", "c", "C"]
+
+
+def test_the_mark_is_the_last_request_run_in_the_slot(make: Make) -> None:
+    ctx = make(n_seq_max=1)
+    computed(ctx, system(0) + "?", HINTED)
+    assert retained(ctx) == ["a"] and ctx.stats().num_retained_hinted == 1
+    computed(ctx, system(0) + "??")  # takes the only slot over: unhinted now
+    assert retained(ctx) == ["A"] and ctx.stats().num_retained_hinted == 0
+    computed(ctx, system(0) + "???", HINTED)  # a hinted request marks it again
+    assert retained(ctx) == ["a"]
+
+
+def test_copying_from_a_hinted_slot_leaves_its_mark(make: Make) -> None:
+    ctx = make(n_seq_max=3)
+    computed(ctx, system(0) + "?", HINTED)
+    assert computed(ctx, system(0) + "!") == 1  # an unhinted copy in a slot of its own
+    computed(ctx, system(1) + "?")
+    assert retained(ctx) == ["a", "A", "B"]
+    computed(ctx, system(2) + "?")  # the unhinted copy goes first, though more recent
+    assert retained(ctx) == ["a", "B", "C"]
+
+
+# ---------------------------------------------------------------------- the RAM tier
+def test_the_ram_tier_drops_unhinted_entries_first(make: Make) -> None:
+    ctx = make(n_seq_max=1, prefix_ram_bytes=2 * RAM_ENTRY + 50)  # two entries
+    computed(ctx, system(0) + "?", HINTED)
+    for i in (1, 2, 3):  # each evicts the one before to RAM
+        computed(ctx, system(i) + "?")
+    ram = ctx._engine.scheduler.prefix.ram
+    assert [(e.tokens[0] - 1, e.hinted) for e in ram.entries()] == [(65, True), (67, False)]
+    stats = ctx.stats()
+    assert (stats.prefix_ram_entries, stats.prefix_ram_hinted_entries) == (2, 1)
+    assert computed(ctx, system(0) + "!") == 1  # restored from RAM
+    assert ctx.audit() == []
+
+
+def test_the_ram_tier_alone_keeps_lru_order_in_each_class() -> None:
+    tier = PrefixRamTier(10, min_tokens=2)
+    assert tier.store([1, 1], b"x" * 3, hinted=True)
+    assert tier.store([2, 2], b"x" * 3)
+    assert tier.store([3, 3], b"x" * 3)
+    assert tier.store([4, 4], b"x" * 3)  # drops [2, 2]: the oldest unhinted, not [1, 1]
+    assert [e.tokens for e in tier.entries()] == [(1, 1), (3, 3), (4, 4)]
+    assert tier.store([5, 5], b"x" * 3, hinted=True)  # drops [3, 3]
+    assert tier.store([6, 6], b"x" * 3, hinted=True)  # drops [4, 4]
+    assert [e.tokens for e in tier.entries()] == [(1, 1), (5, 5), (6, 6)]
+    assert not tier.store([7, 7], b"x" * 3)  # unhinted, it would push a hinted one out
+    assert tier.store([8, 8], b"x" * 3, hinted=True)  # hinted: the oldest hinted goes
+    assert [e.tokens for e in tier.entries()] == [(5, 5), (6, 6), (8, 8)]
+    assert not tier.store([9, 9], b"x" * 11, hinted=True)  # larger than the budget
+    assert tier.stats().num_hinted == 3 and tier.audit() == []
+    tier.store([5, 5], b"yy")  # the same key, stored unhinted, replaces the entry and mark
+    assert tier.stats().num_hinted == 2 and tier.num_bytes == 8 and tier.audit() == []
+
+
+# ---------------------------------------------------------------------- the disk tier
+def test_what_the_ram_tier_drops_goes_to_disk_with_its_mark(make: Make, tmp_path: Path) -> None:
+    # RAM holds one entry, disk two files (~900 bytes each); one sequence id: each request
+    # evicts the one before
+    ctx = make(n_seq_max=1, prefix_ram_bytes=RAM_ENTRY + 50, prefix_disk_bytes=2000)
+    computed(ctx, system(0) + "?", HINTED)
+    computed(ctx, system(1) + "?", HINTED)  # a to RAM
+    computed(ctx, system(2) + "?")  # b to RAM: a, the older hinted one, to disk, still hinted
+    computed(ctx, system(3) + "?")  # C: RAM keeps b (hinted), so C goes to disk
+    computed(ctx, system(4) + "?")  # D to disk: the disk tier deletes C, not the older a
+    prefix = ctx._engine.scheduler.prefix
+    assert prefix.disk is not None
+    assert [(e.tokens[0] - 1, e.hinted) for e in prefix.ram.entries()] == [(66, True)]
+    assert [(e.tokens[0] - 1, e.hinted) for e in prefix.disk.entries()] == [
+        (65, True),
+        (68, False),
+    ]
+    stats = ctx.stats()
+    assert (stats.prefix_disk_entries, stats.prefix_disk_hinted_entries) == (2, 1)
+    assert (stats.prefix_ram_entries, stats.prefix_ram_hinted_entries) == (1, 1)
+    assert computed(ctx, system(0) + "!") == 1  # restored from disk
+    assert ctx.audit() == []
+
+
+def tokens(i: int) -> list[int]:
+    """40 two-digit tokens starting at ``10 + i`` (every entry's file the same size)."""
+    return list(range(10 + i, 50 + i))
+
+
+def test_the_disk_tier_keeps_the_mark_across_contexts(tmp_path: Path) -> None:
+    data = b"x" * 60
+    size = len(encode(tokens(0), data)) + len(data)
+    budget = 3 * size + 40  # three files, two of them hinted (a longer header)
+    tier = PrefixDiskTier(str(tmp_path), budget, min_tokens=2)
+    try:
+        assert tier.store(tokens(1), data, hinted=True)
+        assert tier.store(tokens(2), data)
+        assert tier.store(tokens(3), data)
+        assert [e.tokens[0] for e in tier.entries()] == [11, 12, 13]
+    finally:
+        tier.close()
+    tier = PrefixDiskTier(str(tmp_path), budget, min_tokens=2)  # the next context
+    try:
+        marks = [(e.tokens[0], e.hinted) for e in tier.entries()]
+        assert marks == [(11, True), (12, False), (13, False)]
+        assert tier.store(tokens(4), data)  # deletes 12's file, not the older 11's
+        assert [e.tokens[0] for e in tier.entries()] == [11, 13, 14]
+        assert tier.stats().num_hinted == 1
+        assert not tier.store(tokens(5), b"x" * budget, hinted=True)  # larger than the budget
+        assert tier.store(tokens(3), data, hinted=True)  # the other mark: written again
+        marks = [(e.tokens[0], e.hinted) for e in tier.entries()]
+        assert marks == [(11, True), (14, False), (13, True)]
+        assert not tier.store(tokens(6), data + b"x" * 30)  # it would push a hinted file out
+        assert tier.store(tokens(7), data)  # fits in 14's room: 14 goes
+        assert [e.tokens[0] for e in tier.entries()] == [11, 13, 17]
+        assert len(list(Path(tier.directory).glob("*.kv"))) == 3 and tier.audit() == []
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("extra", [{}, {"hinted": True}])
+def test_a_file_says_its_mark_and_a_false_one_is_a_lie(
+    tmp_path: Path, extra: dict[str, Any]
+) -> None:
+    tier = PrefixDiskTier(str(tmp_path), 1 << 20, min_tokens=2)
+    folder = Path(tier.directory)
+    tier.close()
+    data = b"x" * 16
+    for name, fields in (
+        ("a.kv", {"tokens": [1, 2, 3], **extra}),
+        ("b.kv", {"tokens": [4, 5, 6], "hinted": False}),  # never written: a lie
+    ):
+        header = json.dumps({**fields, "size": len(data), "crc32": zlib.crc32(data)}).encode()
+        (folder / name).write_bytes(struct.pack("<8sII", MAGIC, 1, len(header)) + header + data)
+    tier = PrefixDiskTier(str(tmp_path), 1 << 20, min_tokens=2)
+    try:
+        assert [(e.tokens, e.hinted) for e in tier.entries()] == [((1, 2, 3), "hinted" in extra)]
+        assert not (folder / "b.kv").exists()
+    finally:
+        tier.close()
+
+
+# ---------------------------------------------------------------------- the dialects
+@pytest.fixture
+def chat_ctx(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[llamax.Context, list[bool]]]:
+    """A chat model on the fake, and the ``keep_prefix`` of every request submitted."""
+    with make_chat("Hello there!", autostart=True, n_ctx=4096) as ctx:
+        hints: list[bool] = []
+        submit = ctx.add_request
+
+        def recording(prompt: Any, params: llamax.SamplingParams, **kwargs: Any) -> Any:
+            hints.append(params.keep_prefix)
+            return submit(prompt, params, **kwargs)
+
+        monkeypatch.setattr(ctx, "add_request", recording)
+        yield ctx, hints
+        assert_idle(ctx)
+
+
+EPHEMERAL = {"type": "ephemeral"}
+HI = [{"role": "user", "content": "Hi!"}]
+TOOL = {"name": "Read", "description": "Reads a file.", "input_schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "hinted"),
+    [
+        ({}, False),
+        ({"cache_control": EPHEMERAL}, True),  # automatic caching
+        ({"cache_control": None}, False),
+        ({"system": [{"type": "text", "text": "Be brief.", "cache_control": EPHEMERAL}]}, True),
+        ({"system": [{"type": "text", "text": "Be brief."}]}, False),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "Hi!", "cache_control": EPHEMERAL}],
+                    }
+                ]
+            },
+            True,
+        ),
+        ({"tools": [{**TOOL, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}, True),
+        ({"tools": [TOOL]}, False),
+    ],
+)
+def test_anthropic_cache_control_sets_keep_prefix(
+    chat_ctx: tuple[llamax.Context, list[bool]], body: dict[str, Any], hinted: bool
+) -> None:
+    ctx, hints = chat_ctx
+    request = {"messages": HI, "max_tokens": 8, **body}
+    reply = messages(ctx, request)
+    assert isinstance(reply, dict) and reply["type"] == "message"
+    assert hints == [hinted]
+    assert count_tokens(ctx, request)["input_tokens"] > 0  # the same fields are taken
+
+
+def test_anthropic_cache_control_in_a_tool_result_and_a_bad_one(
+    chat_ctx: tuple[llamax.Context, list[bool]],
+) -> None:
+    ctx, hints = chat_ctx
+    turns = [
+        {"role": "user", "content": "Read it."},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [{"type": "text", "text": "x = 1", "cache_control": EPHEMERAL}],
+                }
+            ],
+        },
+    ]
+    messages(ctx, {"messages": turns, "tools": [TOOL], "max_tokens": 8})
+    assert hints == [True]
+    for bad in ({"type": "persistent"}, "yes"):
+        system = [{"type": "text", "text": "Be brief.", "cache_control": bad}]
+        with pytest.raises(llamax.InvalidParameterError, match=r"system\[0\]\.cache_control"):
+            messages(ctx, {"messages": HI, "system": system, "max_tokens": 8})
+    assert hints == [True]  # nothing was submitted
+
+
+@pytest.mark.parametrize(
+    ("options", "hinted"),
+    [
+        ({}, False),
+        ({"prompt_cache_key": "session-42"}, True),
+        ({"prompt_cache_retention": "24h"}, True),
+        ({"prompt_cache_retention": "in_memory"}, True),
+        ({"prompt_cache_key": None}, False),
+    ],
+)
+def test_openai_prompt_cache_key_sets_keep_prefix(
+    chat_ctx: tuple[llamax.Context, list[bool]], options: dict[str, Any], hinted: bool
+) -> None:
+    ctx, hints = chat_ctx
+    chat_completion(ctx, HI, max_tokens=8, **options)
+    create_response(ctx, {"input": "Hi!", "max_output_tokens": 8, **options})
+    assert hints == [hinted, hinted]
+
+
+def test_keep_prefix_is_a_chat_option_too(chat_ctx: tuple[llamax.Context, list[bool]]) -> None:
+    ctx, hints = chat_ctx
+    chat_completion(ctx, HI, max_tokens=8, keep_prefix=True)
+    assert hints == [True]
+    ctx.chat_completion(HI, max_tokens=8, prompt_cache_key="s")  # typed (ChatOptions) too
+    with pytest.raises(llamax.InvalidParameterError, match="keep_prefix must be a boolean"):
+        chat_completion(ctx, HI, max_tokens=8, keep_prefix="yes")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"prompt_cache_key": "k" * 257}, {"prompt_cache_key": 7}, {"prompt_cache_retention": "1w"}],
+)
+def test_a_bad_prompt_cache_hint_is_refused(
+    chat_ctx: tuple[llamax.Context, list[bool]], options: dict[str, Any]
+) -> None:
+    ctx, hints = chat_ctx
+    with pytest.raises(llamax.InvalidParameterError, match="prompt_cache"):
+        chat_completion(ctx, HI, max_tokens=8, **options)
+    with pytest.raises(llamax.InvalidParameterError, match="prompt_cache"):
+        create_response(ctx, {"input": "Hi!", "max_output_tokens": 8, **options})
+    assert hints == []
+
+
+def test_keep_prefix_is_a_typed_option() -> None:
+    assert not llamax.SamplingParams().keep_prefix
+    with pytest.raises(llamax.InvalidParameterError, match="keep_prefix must be a bool"):
+        llamax.SamplingParams(keep_prefix=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": HI, "max_tokens": 8, "prompt_cache_key": "s1"}),
+        ("/v1/responses", {"input": "Hi!", "max_output_tokens": 8, "prompt_cache_key": "s1"}),
+        ("/v1/messages", {"messages": HI, "max_tokens": 8, "cache_control": EPHEMERAL}),
+    ],
+)
+def test_over_http_the_hint_leaves_a_hinted_slot(path: str, body: dict[str, Any]) -> None:
+    with make_chat("Hello there!", autostart=True, n_ctx=4096) as ctx:
+        with BackgroundServer(create_app(ctx)) as server:
+            plain = {
+                k: v for k, v in body.items() if k not in ("prompt_cache_key", "cache_control")
+            }
+            assert httpx.post(server.url + path, json=plain, timeout=30).status_code == 200
+            assert httpx.post(server.url + path, json=body, timeout=30).status_code == 200
+            end = time.monotonic() + 10
+            while ctx.stats().num_retained != 2 and time.monotonic() < end:
+                time.sleep(0.01)  # the last step's stats are published after the reply
+            assert (ctx.stats().num_retained, ctx.stats().num_retained_hinted) == (2, 1)
+        assert_idle(ctx)
