@@ -20,6 +20,8 @@ prompt, where the first difference is and why:
   ``arguments`` as SmolLM2-135M wrote them under llamax's tool grammar
   (``{ "location": "Paris", "unit": "celsius"}``: the grammar lets a space in).
 * ``tools-canonical``: the same with ``arguments`` spaced as ``json.dumps`` writes them.
+* ``think-tools``: ``tools`` with thinking before the call and before the answer (an
+  agent's loop on a thinking model).
 
 "The reply as the model wrote it" is an approximation, per family of generation format:
 
@@ -300,8 +302,8 @@ def play(
     """Play ``conversation`` on ``template``: three requests, two reuse measurements."""
     played = Played(name, conversation)
     family = Family(template)
-    tools = conversation.startswith("tools")
-    kw: dict[str, Any] = {"enable_thinking": conversation == "think"}
+    tools = "tools" in conversation
+    kw: dict[str, Any] = {"enable_thinking": conversation.startswith("think")}
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     try:
         render(template, [*messages, {"role": "user", "content": USERS[0]}], tools, **kw)
@@ -329,33 +331,27 @@ def play(
 
 
 def next_reply(family: Family, conversation: str, turn: int, prompt: str) -> Reply | None:
-    answer = ANSWERS[turn]
-    message: dict[str, Any]
-    if conversation == "think":
-        raw = family.thinking(prompt, THOUGHTS[turn], answer)
-        if raw is None:
-            return None
-        message = {"role": "assistant", "content": answer, "reasoning_content": THOUGHTS[turn]}
-        return Reply(raw, message)
-    if conversation.startswith("tools") and turn == 0:
+    """The model's reply after ``prompt`` and the message a client sends back for it."""
+    thinks = conversation.startswith("think")
+    if "tools" in conversation and turn == 0:
         canonical = conversation.endswith("canonical")
         arguments = ARGUMENTS_CANONICAL if canonical else ARGUMENTS_AS_WRITTEN
-        call = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
-        message = {
+        text = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+        function = {"name": "get_weather", "arguments": arguments}
+        message: dict[str, Any] = {
             "role": "assistant",
             "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": arguments},
-                }
-            ],
+            "tool_calls": [{"id": "call_1", "type": "function", "function": function}],
         }
-        return Reply(family.answer(prompt, call), message)
-    if conversation.startswith("tools"):
-        answer = "It is 21 °C and clear in Paris."
-    return Reply(family.answer(prompt, answer), {"role": "assistant", "content": answer})
+    else:
+        text = "It is 21 °C and clear in Paris." if "tools" in conversation else ANSWERS[turn]
+        message = {"role": "assistant", "content": text}
+    if not thinks:
+        return Reply(family.answer(prompt, text), message)
+    raw = family.thinking(prompt, THOUGHTS[turn], text)
+    if raw is None:
+        return None
+    return Reply(raw, {**message, "reasoning_content": THOUGHTS[turn]})
 
 
 def measure(
@@ -433,7 +429,7 @@ def _vocab(path: str) -> Tokenizer:
     return tokenize
 
 
-CONVERSATIONS = ("plain", "think", "tools", "tools-canonical")
+CONVERSATIONS = ("plain", "think", "tools", "tools-canonical", "think-tools")
 
 
 def summary_cell(played: Played) -> str:
@@ -478,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for conversation in CONVERSATIONS:
             played = play(name, template, conversation, tokenize)
             results.append(played)
-            tools = ("native" if native else "fallback") if conversation.startswith("t") else ""
+            tools = ("native" if native else "fallback") if "tools" in conversation else ""
             head = f"{name} [{conversation}{' ' + tools if tools else ''}]"
             if played.error:
                 print(f"{head}: {played.error}")
