@@ -109,3 +109,21 @@ def test_a_tool_loop_keeps_the_thought_and_reuses_it() -> None:
         _, answer, kv = _round_trip(ctx)
         assert _cached(answer) == kv + len(THOUGHT)
         assert_idle(ctx)
+
+
+def test_the_measuring_script_finds_the_same_boundaries() -> None:
+    """``scripts/template_reuse.py`` (which docs/kv-cache.md's table comes from), on the
+    templates in tests/data: SmolLM2's tool round trip reuses everything, a Qwen3-style
+    template's next user turn stops at the reply's thought."""
+    from script_modules import load_script
+
+    script = load_script("template_reuse")
+    smollm2 = script.load(DATA / "smollm2_chat_template.jinja")
+    tools = script.play("smollm2", smollm2, "tools", None)
+    assert tools.error is None and len(tools.turns) == 2
+    assert all(t.reused_chars == t.kv_chars for t in tools.turns)
+    think = script.play("qwen3", script.load(DATA / "qwen3_style_thinking_template.jinja"),
+                        "think", None)  # fmt: skip
+    first = think.turns[0]
+    assert first.reason == "past thinking dropped"
+    assert "assistant\n|<think>\n" in first.kv_at and "assistant\n|Paris." in first.next_at
