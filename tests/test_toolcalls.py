@@ -259,6 +259,28 @@ def test_calls_and_results_render_as_hermes_turns(template: ChatTemplate) -> Non
     assert text.count("<tools>\n") == 1
 
 
+def test_fallback_keeps_the_arguments_as_written_and_the_reasoning() -> None:
+    """An ``arguments`` string goes back as it was written (the model's spacing: the next
+    turn's prompt then repeats the reply to the byte); an object is serialized; an
+    assistant turn's ``reasoning_content`` reaches the template."""
+    written = '{ "location": "Paris" ,"unit":"celsius"}'
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": written}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": {"a": 1}}},
+    ]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": calls, "reasoning_content": "R"},
+    ]
+    (_, _, turn) = fallback_messages(messages, prepare_tools([WEATHER]))
+    assert turn == {
+        "role": "assistant",
+        "content": f'<tool_call>\n{{"name": "f", "arguments": {written}}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {"a": 1}}\n</tool_call>',
+        "reasoning_content": "R",
+    }
+
+
 BAD_CONVERSATIONS = [
     ([{"role": "tool", "tool_call_id": "call_1", "content": "x"}], "no preceding"),
     ([*ROUND_TRIP[:2], {"role": "tool", "tool_call_id": "call_9", "content": "x"}], "call_9"),

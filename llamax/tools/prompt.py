@@ -150,7 +150,8 @@ def fallback_messages(
         plan: The checked tool options.
 
     Returns:
-        New message dicts with ``role`` and ``content`` (and ``name`` if given) only.
+        New message dicts with ``role`` and ``content`` only (and ``name``, and an
+        assistant's ``reasoning_content``, if given).
 
     Raises:
         InvalidMessageError: a message, a ``tool_calls`` entry or a ``tool`` message is
@@ -177,9 +178,14 @@ def _text_turn(index: int, message: Mapping[str, Any]) -> dict[str, Any]:
     turn = {"role": message["role"], "content": message["content"] or ""}
     if message.get("name") is not None:
         turn["name"] = message["name"]
+    if message["role"] == "assistant" and message.get("reasoning_content") is not None:
+        # the template decides, as in a chat without tools (Qwen3 keeps the thinking of
+        # the turns after the last user message: a tool loop's KV stays reusable)
+        turn["reasoning_content"] = message["reasoning_content"]
     calls = _calls(index, message)
     if calls:
-        blocks = [_call_block(call) for call in calls]
+        sent = message["tool_calls"]
+        blocks = [_call_block(call, written) for call, written in zip(calls, sent, strict=True)]
         turn["content"] = "\n".join([turn["content"].rstrip(), *blocks]).lstrip("\n")
     return turn
 
@@ -342,12 +348,18 @@ def _call(where: str, index: int, call: Any) -> dict[str, Any]:
     }
 
 
-def _call_block(call: Mapping[str, Any]) -> str:
+def _call_block(call: Mapping[str, Any], written: Mapping[str, Any]) -> str:
+    """``call`` as the Hermes markup the tool grammar makes the model write. ``arguments``
+    sent as a string (OpenAI's shape, and what llamax's reply held: the model's own text)
+    are kept as they are, so the block is the model's reply again, to the byte, and the
+    next turn reuses its KV past it; re-serialized, they would differ wherever the model
+    spaced its JSON otherwise (the grammar lets it). Objects are serialized."""
     function = call["function"]
-    body = json.dumps(
-        {"name": function["name"], "arguments": function["arguments"]}, ensure_ascii=False
-    )
-    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+    arguments = written["function"].get("arguments", "{}")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(function["arguments"], ensure_ascii=False)
+    name = json.dumps(function["name"], ensure_ascii=False)
+    return f'{CALL_OPEN}\n{{"name": {name}, "arguments": {arguments.strip()}}}\n{CALL_CLOSE}'
 
 
 def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
