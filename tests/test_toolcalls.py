@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,25 @@ def test_template_detection() -> None:
     assert template_supports_tools(HERMES)
     assert not template_supports_tools(SMOLLM2)
     assert not template_supports_tools(ChatTemplate("{{ tools }}{{ messages }}"))
+
+
+def test_a_probe_out_of_time_is_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine that makes the tool probe overrun its render budget gets False for
+    that request only: the answer is not cached, and the next probe finds the tools (a
+    copy of HERMES, so no earlier test's cached answer is reused)."""
+    from llamax.templates import sandbox
+
+    hermes = ChatTemplate(HERMES.source + "{# a copy #}")
+    start = sandbox.RenderBudget.start
+    with monkeypatch.context() as patched:  # each render's deadline has passed as it starts
+        patched.setattr(
+            sandbox.RenderBudget,
+            "start",
+            classmethod(lambda cls, seconds, chars: cls(seconds, chars, time.monotonic() - 1)),
+        )
+        assert not template_supports_tools(hermes)
+    assert sandbox.RenderBudget.start == start
+    assert template_supports_tools(hermes)
 
 
 def test_fallback_merges_tools_into_the_first_system_message() -> None:

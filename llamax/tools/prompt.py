@@ -16,7 +16,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ..images import Image
-from ..templates import ChatTemplate, InvalidMessageError, TemplateError, validate_messages
+from ..templates import (
+    ChatTemplate,
+    InvalidMessageError,
+    TemplateBudgetError,
+    TemplateError,
+    validate_messages,
+)
 from .call_grammar import CALL_CLOSE, CALL_OPEN
 from .spec import ToolPlan
 
@@ -74,13 +80,14 @@ class PromptRenderer(Protocol):
         image sits)."""
 
 
-@functools.lru_cache(maxsize=16)
 def template_supports_tools(template: ChatTemplate) -> bool:
     """Whether ``template`` renders tools, tool calls and tool results in Hermes markup.
 
     Probes by rendering: the tool list must appear only when passed as ``tools``, and a
     conversation with an assistant call and a tool result must show both. Cached per
-    template.
+    template, except a probe that ran out of its render budget (a machine too busy to
+    render within ``max_render_seconds``): that answers False this once and is probed
+    again next time, so a moment of load never sets the answer for good.
 
     Args:
         template: A compiled chat template (e.g. ``ctx.chat_template``).
@@ -88,6 +95,16 @@ def template_supports_tools(template: ChatTemplate) -> bool:
     Returns:
         True when :func:`render_tool_prompt` may hand tools to the template itself.
     """
+    try:
+        return _probe_tools(template)
+    except TemplateBudgetError:
+        return False
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_tools(template: ChatTemplate) -> bool:
+    """:func:`template_supports_tools`'s probe; a :class:`TemplateBudgetError` is raised,
+    so ``lru_cache`` does not keep it."""
     if "tools" not in template.source or CALL_OPEN not in template.source:
         return False
     user = _PROBE_CONVERSATION[:1]
@@ -95,6 +112,8 @@ def template_supports_tools(template: ChatTemplate) -> bool:
         with_tools = template.render(user, tools=[_PROBE_TOOL])
         without_tools = template.render(user)
         conversation = template.render(_PROBE_CONVERSATION, tools=[_PROBE_TOOL])
+    except TemplateBudgetError:
+        raise
     except TemplateError:
         return False
     name = "llamax_probe_tool"
