@@ -99,6 +99,9 @@ class Turn:
         return self.prompt_tokens - self.cached_tokens
 
 
+_CURRENT: list[Session] = []  # the session running now (its turns so far, if it fails)
+
+
 @dataclass
 class Session:
     """The turns of one session on one server."""
@@ -408,6 +411,7 @@ def claude_code(client: httpx.Client, args: argparse.Namespace, *, billing: bool
         }
 
     session = Session("claude_code" if billing else "claude_code_plain", long_prompt)
+    _CURRENT[:] = [session]
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "text", "text": TASKS[0]}]}
     ]
@@ -476,6 +480,7 @@ def _responses_first(event: dict[str, Any]) -> bool:
 def codex(client: httpx.Client, args: argparse.Namespace) -> Session:
     instructions = system_prompt(args.system_tokens)
     session = Session("codex", instructions)
+    _CURRENT[:] = [session]
     key = str(uuid.UUID(int=5656))
     inputs: list[dict[str, Any]] = [
         {
@@ -515,7 +520,8 @@ def codex(client: httpx.Client, args: argparse.Namespace) -> Session:
             "temperature": 0,
         }
         events, ttft, seconds = post_stream(client, "/v1/responses", body, _responses_first)
-        final = next((e["response"] for e in events if e.get("type") == "response.completed"), {})
+        ends = ("response.completed", "response.incomplete", "response.failed")
+        final = next((e["response"] for e in events if e.get("type") in ends), {})
         usage = final.get("usage") or {}
         prompt = int(usage.get("input_tokens", 0))
         cached = int((usage.get("input_tokens_details") or {}).get("cached_tokens", 0))
@@ -558,6 +564,7 @@ def _chat_first(event: dict[str, Any]) -> bool:
 def opencode(client: httpx.Client, args: argparse.Namespace) -> Session:
     prompt_text = system_prompt(args.system_tokens)
     session = Session("opencode", prompt_text)
+    _CURRENT[:] = [session]
     environment = (
         "Here is some useful information about the environment you are running in:\n"
         "<env>\n  Working directory: /work/app\n  Is directory a git repo: yes\n"
@@ -640,6 +647,10 @@ def summarize(session: Session, slack: int) -> dict[str, Any]:
         "first_ttft_s": first,
         "median_ttft_later_s": median_later,
         "later_over_first": ratio(median_later, first),
+        "median_computed_later": statistics.median(t.computed_tokens for t in later)
+        if later
+        else None,
+        "median_new_later": statistics.median(t.new_tokens for t in later) if later else None,
         "turns_computing_more_than_new_plus_slack": over,
         "sub_agents_computed": [t.computed_tokens for t in subs],
         "sub_agents_prompt": [t.prompt_tokens for t in subs],
@@ -647,23 +658,28 @@ def summarize(session: Session, slack: int) -> dict[str, Any]:
 
 
 def run_server(peer: Any, args: argparse.Namespace) -> dict[str, Any]:
-    proc = _server.start(peer, args.slots)
+    """Every session on a server of its own (started fresh: its first turn is cold)."""
     report: dict[str, Any] = {}
-    try:
-        with httpx.Client(base_url=peer.url, timeout=args.timeout) as client:
-            for name in args.sessions:
-                log(f"[agents] {peer.name}: {name}")
-                try:
-                    report[name] = summarize(SESSIONS[name](client, args), args.slack)
-                except Exception as exc:  # a peer that refuses a shape: recorded, not fatal
-                    log(f"[agents] {peer.name} {name} failed: {exc}")
-                    report[name] = {"error": str(exc)[:500]}
-    finally:
-        proc.terminate()
+    for name in args.sessions:
+        log(f"[agents] {peer.name}: {name}")
+        proc = _server.start(peer, args.slots)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            with httpx.Client(base_url=peer.url, timeout=args.timeout) as client:
+                report[name] = summarize(SESSIONS[name](client, args), args.slack)
+        except Exception as exc:  # a peer that refuses a shape or fails: recorded, not fatal
+            log(f"[agents] {peer.name} {name} failed: {exc}")
+            done = _CURRENT[0].turns if _CURRENT and _CURRENT[0].name == name else []
+            report[name] = {
+                **(summarize(_CURRENT[0], args.slack) if done else {}),
+                "error": str(exc)[:500],
+                "failed_at_turn": 1 + max((t.turn for t in done), default=0),
+            }
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     return report
 
 
@@ -724,7 +740,7 @@ def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
     mine = systems.get("llamax", {})
     peer = systems.get("llama-server", {})
     for name, got in mine.items():
-        if "error" in got:
+        if "error" in got or not got.get("turns"):
             continue
         theirs = peer.get(name, {})
         out[name] = {
