@@ -41,6 +41,10 @@ replay; ``claude_code`` within 10% of ``claude_code_plain``.
     .venv/bin/python benchmarks/agents.py --llama-server "$(bash benchmarks/peers.sh)" \\
         --json-out benchmarks/results/agents.json
 
+``--no-tools`` sends no tool schemas: on a template that renders no tools (SmolLM2's)
+llamax writes them into the system turn and llama-server leaves them out, so only without
+them are the two servers' prompts the same.
+
 Both servers get the same model, ``--n-ctx`` cells, ``--slots`` sequences and
 ``LLAMAX_BENCH_THREADS`` threads; llama-server with a unified KV cache (``-kvu``, so one
 conversation may use every cell, as llamax's) and its default prompt cache.
@@ -389,7 +393,7 @@ def messages_turn(
 def claude_code(client: httpx.Client, args: argparse.Namespace, *, billing: bool) -> Session:
     rng = random.Random(56)
     long_prompt = system_prompt(args.system_tokens)
-    tools = anthropic_tools()
+    tools = anthropic_tools() if args.tools else []
 
     def system() -> list[dict[str, Any]]:
         blocks = [
@@ -405,7 +409,7 @@ def claude_code(client: httpx.Client, args: argparse.Namespace, *, billing: bool
             "temperature": 0,
             "stream": True,
             "system": system(),
-            "tools": tools,
+            **({"tools": tools} if tools else {}),
             "messages": messages,
             "metadata": {"user_id": "user_bench_account__session_" + str(uuid.UUID(int=56))},
         }
@@ -509,8 +513,9 @@ def codex(client: httpx.Client, args: argparse.Namespace) -> Session:
             "model": "gpt-5-codex",
             "instructions": instructions,
             "input": inputs,
-            "tools": openai_tools(responses=True),
-            "tool_choice": "auto",
+            **(
+                {"tools": openai_tools(responses=True), "tool_choice": "auto"} if args.tools else {}
+            ),
             "parallel_tool_calls": False,
             "store": False,
             "stream": True,
@@ -580,8 +585,11 @@ def opencode(client: httpx.Client, args: argparse.Namespace) -> Session:
         body = {
             "model": "local",
             "messages": messages,
-            "tools": openai_tools(responses=False),
-            "tool_choice": "auto",
+            **(
+                {"tools": openai_tools(responses=False), "tool_choice": "auto"}
+                if args.tools
+                else {}
+            ),
             "stream": True,
             "stream_options": {"include_usage": True},
             "max_tokens": args.max_tokens,
@@ -770,6 +778,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="each reply (greedy)")
     p.add_argument("--n-ctx", type=int, default=8192)
     p.add_argument("--slots", type=int, default=4, help="sequences (llama-server's -np)")
+    p.add_argument(
+        "--no-tools",
+        dest="tools",
+        action="store_false",
+        help="send no tool schemas (the same prompt on both servers, for templates such as "
+        "SmolLM2's that render no tools: llamax writes them into the system turn, "
+        "llama-server leaves them out)",
+    )
     p.add_argument("--slack", type=int, default=64, help="computed <= new + slack")
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args()
