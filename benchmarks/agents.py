@@ -710,6 +710,8 @@ def peers(args: argparse.Namespace, model: Path) -> list[Any]:
                 str(N_THREADS),
                 "--log-level",
                 "warning",
+                "--kv-layout",
+                args.kv_layout,
             ],
             0,
         )
@@ -785,6 +787,9 @@ def main() -> None:
         help="send no tool schemas (the same prompt on both servers, for templates such as "
         "SmolLM2's that render no tools: llamax writes them into the system turn, "
         "llama-server leaves them out)",
+    )
+    p.add_argument(
+        "--kv-layout", choices=["auto", "unified", "streams"], default="auto", help="llamax's"
     )
     p.add_argument("--slack", type=int, default=64, help="computed <= new + slack")
     p.add_argument("--timeout", type=float, default=600)
