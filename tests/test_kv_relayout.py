@@ -221,7 +221,7 @@ def test_a_long_session_keeps_the_unified_layout_and_saves_across_layouts(tmp_pa
 def test_a_failed_move_fails_only_the_sequences_that_need_it() -> None:
     ctx, backend = make()
 
-    def refuse(unified: bool) -> None:
+    def refuse(unified: bool, shared: object = ()) -> None:
         raise RequestFailedError("out of memory (injected)")
 
     backend.relayout = refuse  # type: ignore[method-assign]
@@ -289,3 +289,49 @@ def test_random_traffic_matches_the_unified_layout(seed: int) -> None:
     unified, _ = replay("unified")
     assert auto == unified
     assert moves >= 1
+
+
+def test_a_chats_next_turn_goes_on_in_its_slot_while_ids_are_free() -> None:
+    """A prompt that continues a retained slot whole (an agent's next turn) computes in
+    that slot. The old code copied it into a free sequence id each turn while one was
+    free: a whole stream copied per turn, and a second, shorter copy of the conversation
+    kept, which a move to the unified layout then held twice."""
+    ctx, backend = make()
+    with ctx:
+        tokens = ctx.tokenize("turn one")
+        for turn in range(3):
+            handle = ctx.add_request(tokens, GREEDY)
+            drain(ctx)
+            result = handle.result()
+            tokens = [*tokens, *result.choices[0].token_ids, *ctx.tokenize(f" next {turn}")]
+            stats = ctx.stats()
+            assert stats.num_retained == 1 and backend.num_copies == 0
+            if turn:
+                assert stats.num_cached_tokens > 0
+        assert_idle(ctx)
+
+
+def test_a_move_to_unified_shares_a_prefix_kept_beside_its_longer_slot() -> None:
+    """A prompt whose reply begins another slot's (a retry with fewer tokens) is kept
+    beside it in streams; the move to the unified layout gives it that slot's cells,
+    not copies (the old code held them twice), and every reply is the unified layout's."""
+    short = llamax.SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    ctx, backend = make()
+    with ctx:
+        first = run(ctx, ["a prompt asked twice"])
+        again = run(ctx, ["a prompt asked twice"], short)
+        assert again[0] == first[0][: len(again[0])] and ctx.stats().num_retained == 2
+        kept = len(backend.cells[1])  # the prompt and 3 of its 4 tokens (the last is not)
+        texts = run(ctx, [LONG])
+        assert ctx.kv_layout == "unified" and backend.num_relayouts == 1
+        stats = ctx.stats()
+        assert stats.num_retained == 3 and stats.kv_cells_used == backend.num_cells_used
+        held = sum(len(backend.cells[i]) for i in range(4))
+        assert kept == len(ctx.tokenize("a prompt asked twice")) + 3
+        assert held - backend.num_cells_used >= kept
+        texts += run(ctx, ["a prompt asked twice and more"], short)
+        assert_idle(ctx)
+    unified, _ = make("unified")
+    with unified:
+        assert run(unified, ["a prompt asked twice"]) == first
+        assert run(unified, [LONG, "a prompt asked twice and more"], short)[1] == texts[1]

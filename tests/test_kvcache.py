@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from llamax.adapters import AdapterSet
 from llamax.backend import BatchItem
+from llamax.backend.base import SharedPrefix
 from llamax.engine.kv.kvcache import KVCache, Slot, SlotState
 from llamax.testing import FakeBackend
 
@@ -100,3 +102,43 @@ def test_a_slot_moves_only_as_slot_moves_allows() -> None:
                     slot.move(end)
                 assert slot.state is start
     assert Slot(1, pinned=True).pinned and not Slot(2).pinned
+
+
+def test_a_move_to_unified_shares_only_whole_prefixes_under_the_same_adapters() -> None:
+    """A slot whose every token begins a longer slot (a chat's earlier turn kept beside
+    its continuation) shares that slot's cells after a move to the unified layout instead
+    of holding copies that every later decode would attend over. The fake checks that
+    each share reads exactly the K/V its slot computed (the old code copied them all)."""
+    backend = FakeBackend(n_ctx=256, n_seq_max=4, kv_layout="auto")
+    kv = KVCache(backend, 4)
+    assert not kv.is_unified
+    long, turn, other_lora, diverged = (kv.allocate() for _ in range(4))
+    assert long and turn and other_lora and diverged
+    compute(kv, backend, long, list(range(1, 11)))
+    compute(kv, backend, turn, list(range(1, 7)))  # computed on its own: the same K/V
+    compute(kv, backend, other_lora, list(range(1, 7)))
+    other_lora.adapters = AdapterSet.of([("style", 1.0)])  # its K/V differ
+    compute(kv, backend, diverged, [1, 2, 3, 99])  # shares 3 tokens, then goes its own way
+    assert kv.unify_shares() == [SharedPrefix(turn.seq_id, long.seq_id, 6)]
+    assert kv.cells_to_unify() == 10 + 6 + 4
+    kv.relayout(True)
+    assert kv.is_unified and kv.num_cells_used == 20 == backend.num_cells_used
+    assert turn.cells == long.cells[:6]
+    kv.release(long)  # the turn keeps the cells it shares
+    assert kv.num_cells_used == 6 + 6 + 4 == backend.num_cells_used
+    compute(kv, backend, turn, [42])  # and grows in cells of its own
+    assert kv.num_cells_used == 17 == backend.num_cells_used
+    assert backend.cells[turn.seq_id] == [*range(1, 7), 42]
+
+
+def test_a_move_back_to_streams_gives_every_slot_its_own_cells() -> None:
+    backend = FakeBackend(n_ctx=256, n_seq_max=2, kv_layout="auto")
+    kv = KVCache(backend, 2)
+    long, turn = kv.allocate(), kv.allocate()
+    assert long and turn
+    compute(kv, backend, long, [1, 2, 3, 4])
+    compute(kv, backend, turn, [1, 2])
+    kv.relayout(True)
+    assert kv.num_cells_used == 4 == backend.num_cells_used
+    kv.relayout(False)
+    assert kv.num_cells_used == 6 == backend.num_cells_used

@@ -86,3 +86,34 @@ def test_auto_picks_streams_only_within_twice_the_memory(make_real: MakeReal) ->
     # 66 x 256 > 2 x 4096: stays unified
     narrow = make_real(n_ctx=4096, n_seq_max=66, n_threads=2)
     assert narrow.kv_layout == "unified" and narrow.stats().kv_cells_per_stream == 4096
+
+
+def test_a_prefix_kept_beside_its_longer_slot_shares_cells_after_the_move(
+    make_real: MakeReal,
+) -> None:
+    """A retried prompt's shorter reply, kept in its own stream beside the first reply,
+    is tagged on the first reply's cells when a long prompt moves the cache to the
+    unified layout (``seq_cp`` after the states moved), not copied; both then go on
+    reading their own K/V (the old code held the prefix twice)."""
+    ctx = make_real(n_ctx=1024, n_seq_max=4, n_threads=2)
+    probe = make_real(n_ctx=1024, n_seq_max=1, n_threads=2)
+    assert ctx.kv_layout == "streams" and ctx.stats().kv_cells_per_stream == 256
+    prompt = counting(ctx, 10, 8)
+    first = list(ctx.add_request(prompt, greedy(12)).result(timeout=300).choices[0].token_ids)
+    again = list(ctx.add_request(prompt, greedy(4)).result(timeout=300).choices[0].token_ids)
+    assert again == first[:4]  # a counting prompt: no near tie among its next tokens
+    assert ctx.stats().num_retained == 2
+    long_prompt = counting(ctx, 500, 60)  # shares no token with ``prompt``
+    assert len(long_prompt) > 256 and long_prompt[0] != prompt[0]
+    ctx.add_request(long_prompt, greedy(4)).result(timeout=300)
+    stats = ctx.stats()
+    assert ctx.kv_layout == "unified" and stats.num_relayouts == 1 and stats.num_retained == 3
+    held = len(prompt) + 11 + len(prompt) + 3 + len(long_prompt) + 3
+    assert stats.kv_cells_used == held - (len(prompt) + 3)  # the retry's cells are shared
+    assert ctx.audit() == []
+    for reply in (again, first):  # the retry's slot first: it grows beside the shared cells
+        more = [*prompt, *reply, *counting(ctx, 40, 3)]
+        got = list(ctx.add_request(more, greedy(6)).result(timeout=300).choices[0].token_ids)
+        solo = list(probe.add_request(more, greedy(6)).result(timeout=300).choices[0].token_ids)
+        assert_greedy_agrees(probe, more, solo, got)
+    assert ctx.audit() == []

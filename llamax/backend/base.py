@@ -37,6 +37,7 @@ __all__ = [
     "MachineLoad",
     "Sampler",
     "SamplerFactory",
+    "SharedPrefix",
     "Threaded",
 ]
 
@@ -49,6 +50,16 @@ class DecodeStatus(IntEnum):
     """No free KV slot for the batch; memory was restored. Retry smaller or later."""
     ABORTED = 2
     """An abort callback stopped the decode. llamax installs none, so it is treated as fatal."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """In a move to the unified layout: ``seq_id`` holds the first ``num_tokens`` tokens of
+    ``source`` and nothing else, so it shares ``source``'s cells instead of a copy."""
+
+    seq_id: int
+    source: int
+    num_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +279,13 @@ class KVMemory(Protocol):
         """Whether :meth:`relayout` may be called (``kv_layout="auto"``)."""
         ...
 
-    def relayout(self, unified: bool) -> None:
-        """Move every sequence's cells into the other layout. Afterwards no two sequences
-        share a cell; each must fit the new layout's :attr:`n_ctx_stream`."""
+    def relayout(self, unified: bool, shared: Sequence[SharedPrefix] = ()) -> None:
+        """Move every sequence's cells into the other layout; each must fit the new
+        layout's :attr:`n_ctx_stream`. Afterwards no two sequences share a cell, except
+        that, moving to the unified layout, each of ``shared`` is tagged on its source's
+        first cells (a ``seq_cp`` once the source has moved) instead of getting copies:
+        a chat's earlier turns, kept for their prefix, then take no cells of their own,
+        and a decode does not attend over duplicates of them."""
         ...
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from ..config import ContextConfig
 from ..errors import RequestFailedError
+from .base import SharedPrefix
 from .native import NativeBatch, NativeContext
 from .seq_state import cell_positions, restream
 
@@ -50,15 +51,24 @@ def adapts_layout(config: ContextConfig, plain_kv: bool) -> bool:
     )
 
 
-def move_states(old: NativeContext, new: NativeContext, n_seq_max: int, n_stream: int) -> None:
-    """Copy every sequence's state from ``old`` into ``new`` (of ``n_stream`` streams).
+def move_states(
+    old: NativeContext,
+    new: NativeContext,
+    n_seq_max: int,
+    n_stream: int,
+    shared: Sequence[SharedPrefix] = (),
+) -> None:
+    """Copy every sequence's state from ``old`` into ``new`` (of ``n_stream`` streams),
+    except those of ``shared`` (into a unified ``new`` only): each is tagged on its
+    source's first cells once the source has moved.
 
     Raises:
         RequestFailedError: a state could not be moved (a sequence that does not fit its
             stream).
     """
+    sharers = {share.seq_id for share in shared}
     for seq_id in range(n_seq_max):
-        if old.seq_pos_max(seq_id) < 0:
+        if seq_id in sharers or old.seq_pos_max(seq_id) < 0:
             continue
         try:
             data = restream(old.state_seq_get(seq_id), n_stream)
@@ -66,6 +76,10 @@ def move_states(old: NativeContext, new: NativeContext, n_seq_max: int, n_stream
             raise RequestFailedError(f"sequence {seq_id}'s state: {exc}") from exc
         if not new.state_seq_set(seq_id, data):
             raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
+    for share in shared:
+        if share.source in sharers or new.seq_pos_max(share.source) + 1 < share.num_tokens:
+            raise RequestFailedError(f"sequence {share.seq_id} shares a prefix not moved")
+        new.seq_cp(share.source, share.seq_id, 0, share.num_tokens)
 
 
 def loadable_state(data: bytes, n_stream: int, n_ctx_stream: int) -> bytes | None:

@@ -23,7 +23,7 @@ from ..adapters import NO_ADAPTERS, AdapterSet
 from ..config import ContextConfig
 from ..errors import ImageError, ModelLoadError, RequestFailedError
 from ..params import SamplingParams
-from .base import BatchItem, Drawn
+from .base import BatchItem, Drawn, SharedPrefix
 from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES
 from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
@@ -199,12 +199,13 @@ class LlamaCppBackend(LlamaCppModel):
         """Whether :meth:`relayout` may switch layouts (``kv_layout="auto"``, plain KV)."""
         return self._can_relayout
 
-    def relayout(self, unified: bool) -> None:
+    def relayout(self, unified: bool, shared: Sequence[SharedPrefix] = ()) -> None:
         """Move every sequence's cells into a new context with the other KV layout.
 
         The new context is made first, so a failure leaves the old one as it was. Each
         sequence's state moves with ``llama_state_seq_get_data``/``set_data`` (rewritten for
-        the new stream count): copied prefixes no longer share cells afterwards.
+        the new stream count): copied prefixes no longer share cells afterwards, except
+        ``shared`` ones in a move to the unified layout (``seq_cp`` from their sources).
 
         Raises:
             RequestFailedError: llama.cpp could not create the context, or a state could not
@@ -217,7 +218,13 @@ class LlamaCppBackend(LlamaCppModel):
         if new is None:
             raise RequestFailedError("llama.cpp could not create a context for the new KV layout")
         try:
-            move_states(self._context, new, self._n_seq_max, 1 if unified else self._n_seq_max)
+            move_states(
+                self._context,
+                new,
+                self._n_seq_max,
+                1 if unified else self._n_seq_max,
+                shared if unified else (),
+            )
         except BaseException:
             new.close()
             raise

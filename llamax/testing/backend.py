@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..adapters import AdapterSet
-from ..backend.base import BatchItem, DecodeStatus, Drawn
+from ..backend.base import BatchItem, DecodeStatus, Drawn, SharedPrefix
 from ..backend.vision import MediaPrompt, RgbImage
 from ..errors import ContextClosedError, ImageError
 from ..params import SamplingParams
@@ -186,12 +186,15 @@ class FakeBackend:
         """With ``kv_layout="auto"``."""
         return self._can_relayout
 
-    def relayout(self, unified: bool) -> None:
-        """Switch layouts as llama.cpp does: every sequence gets cells of its own.
+    def relayout(self, unified: bool, shared: Sequence[SharedPrefix] = ()) -> None:
+        """Switch layouts as llama.cpp does: every sequence gets cells of its own, except
+        ``shared`` ones moving to the unified layout (tagged on their sources' cells).
 
         Raises:
             RequestFailedError: the sequences hold more cells than the new layout has (as
                 llama.cpp refuses a sequence's state it cannot place).
+            AssertionError: a share whose sequence holds anything but its source's first
+                tokens, as computed (it would read another sequence's KV).
         """
         if not self._can_relayout:
             raise AssertionError("relayout without kv_layout='auto'")
@@ -199,7 +202,7 @@ class FakeBackend:
         if unified == self._memory.is_unified:
             return
         limit = self._n_ctx if unified else self._stream_cells
-        self._memory.relayout(unified, limit, self._n_ctx)
+        self._memory.relayout(unified, limit, self._n_ctx, shared if unified else ())
         self.num_relayouts += 1
 
     @property

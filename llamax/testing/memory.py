@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..adapters import NO_ADAPTERS, AdapterSet
+from ..backend.base import SharedPrefix
 from ..errors import RequestFailedError
 
 __all__ = ["Computed", "FakeMemory"]
@@ -203,33 +204,57 @@ class FakeMemory:
         )
         return True
 
-    def relayout(self, unified: bool, limit: int, n_ctx: int) -> None:
+    def relayout(
+        self, unified: bool, limit: int, n_ctx: int, shared: Sequence[SharedPrefix] = ()
+    ) -> None:
         """Give every sequence cells of its own in the other layout, each state read as it
-        is now (a queued copy never runs there); ``limit`` cells per sequence.
+        is now (a queued copy never runs there); ``limit`` cells per sequence. Each of
+        ``shared`` (to unified only) is tagged on its source's first cells instead, once
+        checked: it holds exactly that many cells, each computed as its source's was.
 
         Raises:
             RequestFailedError: the sequences hold more than the ``n_ctx`` cells of the
                 unified layout.
+            AssertionError: a share that would let a sequence read KV it did not compute.
         """
+        sharers = {share.seq_id: share for share in shared}
+        for share in shared:
+            mine, theirs = self._read_all(share.seq_id), self._read_all(share.source)
+            if (
+                share.source in sharers
+                or len(mine) != share.num_tokens
+                or theirs[: share.num_tokens] != mine
+                or self.cells[share.source][: share.num_tokens] != self.cells[share.seq_id]
+            ):
+                raise AssertionError(f"{share} is not a prefix of its source")
         held_cells = 0
         for seq_id, cells in self.cells.items():
             if None in cells:
                 raise AssertionError(f"relayout of seq {seq_id} with a hole")
             if len(cells) > limit:
                 raise AssertionError(f"seq {seq_id} holds {len(cells)} cells, a stream {limit}")
-            held_cells += len(cells)
+            held_cells += 0 if seq_id in sharers else len(cells)
             if unified and held_cells > n_ctx:
                 raise RequestFailedError(f"the new KV layout refused sequence {seq_id}")
-        held = {seq_id: (list(held), self._read_all(seq_id)) for seq_id, held in self.cells.items()}
+        held = {
+            seq_id: (list(held), self._read_all(seq_id))
+            for seq_id, held in self.cells.items()
+            if seq_id not in sharers
+        }
         self._refs.clear()
         self._data.clear()
         self._queued.clear()
         for seq_id in held:
             self._buffers[seq_id] = {}
             self.cells[seq_id], self._cell_ids[seq_id], self._chains[seq_id] = [], [], []
+        for seq_id in sharers:
+            self._buffers[seq_id] = {}
+            self.cells[seq_id], self._cell_ids[seq_id], self._chains[seq_id] = [], [], []
         self.is_unified = unified
         for seq_id, (tokens, data) in held.items():
             self.store(seq_id, [t for t in tokens if t is not None], data)
+        for share in shared:
+            self.copy(share.source, share.seq_id, 0, share.num_tokens)
 
     def remove(self, seq_id: int, p0: int, p1: int) -> None:
         """Drop positions ``[p0, p1)``; one inside the sequence leaves a hole."""

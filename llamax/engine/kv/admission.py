@@ -148,12 +148,12 @@ class SlotPlacer:
             match = self._prefix.match(token_ids, in_flight, adapters)  # the source may be gone
             source, now = match.slot, match.num_now
         if (
-            source is not None
-            and source.state is SlotState.RETAINED
-            and now == len(source.tokens)
-            and self._kv.num_free_seq_ids == 0
-        ):  # a continuation of a retained slot (a chat's next turn) goes on in it, rather
-            # than evict another conversation's slot to copy this one's into
+            source is not None and source.state is SlotState.RETAINED and now == len(source.tokens)
+        ):  # a continuation of a retained slot (a chat's next turn) goes on in it: a copy
+            # would keep a second, shorter copy of the conversation (a stream's worth of
+            # bytes copied each turn, cells spilled to the tiers when evicted) that holds
+            # nothing the continuation does not; and it would evict another
+            # conversation's slot when no sequence id is free
             return self._take_over(source, token_ids, num_pending, adapters)
         if self._kv.num_free_seq_ids == 0 and not self._prefix.evict_one(keep=source):
             return self._take_over(source, token_ids, num_pending, adapters)

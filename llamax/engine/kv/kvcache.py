@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from ...adapters import NO_ADAPTERS, AdapterSet
-from ...backend.base import DecodeStatus, KVMemory
+from ...backend.base import DecodeStatus, KVMemory, SharedPrefix
 from ...errors import InvalidParameterError
 from .checkpoints import least_needed, pack_state, unpack_state
 from .stream_copies import QueuedCopies
@@ -328,7 +328,8 @@ class KVCache:
 
     def relayout(self, unified: bool) -> None:
         """Move every slot into the other layout (``KVMemory.relayout``). The memory gives
-        each sequence cells of its own, so shared cells are counted once per slot after.
+        each sequence cells of its own, except, moving to the unified layout, the slots of
+        :meth:`unify_shares`, which share their sources' cells as a copied prefix does.
 
         Raises:
             RuntimeError: The layout may not move (:attr:`can_relayout` is False).
@@ -339,14 +340,55 @@ class KVCache:
         self._check_move(LayoutState.UNIFIED if unified else LayoutState.STREAMS)
         if self._queued:  # the move reads every state, and the old context's queue never runs
             self._run_queue()
-        self._memory.relayout(unified)
+        shared = self.unify_shares() if unified else []
+        self._memory.relayout(unified, shared)
         self._refs.clear()
+        sharers = {share.seq_id for share in shared}
         for slot in self._slots.values():
+            if slot.seq_id in sharers:
+                continue
             slot.cells = []
             for _ in slot.tokens:
                 cell = next(self._next_cell)
                 self._refs[cell] = 1
                 slot.cells.append(cell)
+        for share in shared:
+            slot, source = self._slots[share.seq_id], self._slots[share.source]
+            slot.cells = source.cells[: share.num_tokens]
+            for cell in slot.cells:
+                self._refs[cell] += 1
+
+    def unify_shares(self) -> list[SharedPrefix]:
+        """The slots that, in a move to the unified layout, share the cells of a slot that
+        holds all their tokens first (under the same adapters, so the same K/V) instead of
+        copies: a chat's earlier turns kept beside its latest, a retried prompt. The
+        longest slots keep cells of their own; a shorter one shares with the first of them
+        that it begins."""
+        owners: list[Slot] = []
+        shared: list[SharedPrefix] = []
+        for slot in sorted(self._slots.values(), key=lambda s: len(s.tokens), reverse=True):
+            n = len(slot.tokens)
+            source = next(
+                (
+                    owner
+                    for owner in owners
+                    if n
+                    and not slot.checkpoints
+                    and owner.adapters == slot.adapters
+                    and owner.tokens[:n] == slot.tokens
+                ),
+                None,
+            )
+            if source is None:
+                owners.append(slot)
+            else:
+                shared.append(SharedPrefix(slot.seq_id, source.seq_id, n))
+        return shared
+
+    def cells_to_unify(self) -> int:
+        """The cells every slot holds once moved to the unified layout (shares counted once)."""
+        shared = {share.seq_id for share in self.unify_shares()}
+        return sum(len(slot.tokens) for slot in self._slots.values() if slot.seq_id not in shared)
 
     def release(self, slot: Slot) -> None:
         """Drop every cell of ``slot`` and free its sequence id.

@@ -476,8 +476,9 @@ class Scheduler:
         fork.state = SequenceState.PREFILLING
 
     def _make_room_to_unify(self) -> None:
-        """Before a move to the unified layout (no cells shared, ``n_ctx`` of them)."""
-        self._make_room(lambda: sum(len(slot.tokens) for slot in self.kv.slots()), keep=0)
+        """Before a move to the unified layout (``n_ctx`` cells; only whole prefixes of
+        another slot shared: :meth:`KVCache.unify_shares`)."""
+        self._make_room(self.kv.cells_to_unify, keep=0)
 
     def _make_room(self, num_cells: Callable[[], int], *, keep: int) -> None:
         """Evict retained prefixes, then preempt the newest running sequence (while more
