@@ -97,6 +97,8 @@ class Turn:
     new_tokens: int = 0
     agent: str = "main"
     error: str | None = None
+    server_prompt_s: float | None = None
+    """llama-server's own time computing the prompt (``timings.prompt_ms``), where given."""
 
     @property
     def computed_tokens(self) -> int:
@@ -614,7 +616,18 @@ def opencode(client: httpx.Client, args: argparse.Namespace) -> Session:
                     slot["function"]["arguments"] += function.get("arguments") or ""
         prompt = int(usage.get("prompt_tokens", 0))
         cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-        session.turns.append(Turn(turn, prompt, cached, ttft, seconds, prompt - previous))
+        timings = next((e["timings"] for e in reversed(events) if e.get("timings")), None)
+        session.turns.append(
+            Turn(
+                turn,
+                prompt,
+                cached,
+                ttft,
+                seconds,
+                prompt - previous,
+                server_prompt_s=timings["prompt_ms"] / 1e3 if timings else None,
+            )
+        )
         log(f"[agents] opencode turn {turn}: {prompt} prompt, {cached} cached, ttft {ttft:.2f}s")
         previous = prompt
         assistant: dict[str, Any] = {"role": "assistant", "content": content or None}
@@ -650,6 +663,7 @@ def summarize(session: Session, slack: int) -> dict[str, Any]:
     first = main[0].ttft_s if main else None
     median_later = statistics.median(t.ttft_s for t in later) if later else None
     over = [t.turn for t in later if t.computed_tokens > t.new_tokens + slack]
+    prompts = [t.server_prompt_s for t in later if t.server_prompt_s is not None]
     return {
         "turns": [asdict(t) | {"computed_tokens": t.computed_tokens} for t in session.turns],
         "first_ttft_s": first,
@@ -660,6 +674,7 @@ def summarize(session: Session, slack: int) -> dict[str, Any]:
         else None,
         "median_new_later": statistics.median(t.new_tokens for t in later) if later else None,
         "turns_computing_more_than_new_plus_slack": over,
+        "median_server_prompt_later_s": statistics.median(prompts) if prompts else None,
         "sub_agents_computed": [t.computed_tokens for t in subs],
         "sub_agents_prompt": [t.prompt_tokens for t in subs],
     }
@@ -712,6 +727,7 @@ def peers(args: argparse.Namespace, model: Path) -> list[Any]:
                 "warning",
                 "--kv-layout",
                 args.kv_layout,
+                *(["--chat-template", args.chat_template] if args.chat_template else []),
             ],
             0,
         )
@@ -738,6 +754,11 @@ def peers(args: argparse.Namespace, model: Path) -> list[Any]:
                     "-tb",
                     str(N_THREADS),
                     "--log-disable",
+                    *(
+                        ["--jinja", "--chat-template-file", args.chat_template]
+                        if args.chat_template
+                        else []
+                    ),
                 ],
                 0,
             )
@@ -792,6 +813,12 @@ def main() -> None:
         "--kv-layout", choices=["auto", "unified", "streams"], default="auto", help="llamax's"
     )
     p.add_argument("--slack", type=int, default=64, help="computed <= new + slack")
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template for both servers (for a GGUF without one, such as "
+        "Gemma 3 270M's: SmolLM2's ChatML, as llama-server would fall back to)",
+    )
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args()
     _server = load_module(REPO / "benchmarks" / "server.py")
