@@ -160,44 +160,81 @@ def test_the_ram_tier_drops_unhinted_entries_first(make: Make) -> None:
 
 
 def test_the_ram_tier_alone_keeps_lru_order_in_each_class() -> None:
-    tier = PrefixRamTier(10, min_tokens=2)
+    # one owner (no fair_key): its hinted entries are protected up to half the budget, 6
+    tier = PrefixRamTier(12, min_tokens=2)
     assert tier.store([1, 1], b"x" * 3, hinted=True)
-    assert tier.store([2, 2], b"x" * 3)
-    assert tier.store([3, 3], b"x" * 3)
-    assert tier.store([4, 4], b"x" * 3)  # drops [2, 2]: the oldest unhinted, not [1, 1]
-    assert [e.tokens for e in tier.entries()] == [(1, 1), (3, 3), (4, 4)]
-    assert tier.store([5, 5], b"x" * 3, hinted=True)  # drops [3, 3]
-    assert tier.store([6, 6], b"x" * 3, hinted=True)  # drops [4, 4]
-    assert [e.tokens for e in tier.entries()] == [(1, 1), (5, 5), (6, 6)]
-    assert not tier.store([7, 7], b"x" * 3)  # unhinted, it would push a hinted one out
-    assert tier.store([8, 8], b"x" * 3, hinted=True)  # hinted: the oldest hinted goes
-    assert [e.tokens for e in tier.entries()] == [(5, 5), (6, 6), (8, 8)]
-    assert not tier.store([9, 9], b"x" * 11, hinted=True)  # larger than the budget
-    assert tier.stats().num_hinted == 3 and tier.audit() == []
-    tier.store([5, 5], b"yy")  # the same key, stored unhinted, replaces the entry and mark
-    assert tier.stats().num_hinted == 2 and tier.num_bytes == 8 and tier.audit() == []
+    for i in (2, 3, 4):
+        assert tier.store([i, i], b"x" * 3)
+    assert tier.store([5, 5], b"x" * 3)  # drops [2, 2]: the oldest unhinted, not [1, 1]
+    assert [e.tokens[0] for e in tier.entries()] == [1, 3, 4, 5]
+    assert tier.store([6, 6], b"x" * 3, hinted=True)  # drops [3, 3]
+    assert tier.store([7, 7], b"x" * 3)  # drops [4, 4]
+    assert [e.tokens[0] for e in tier.entries()] == [1, 5, 6, 7]
+    assert tier.share_bytes() == 6 and tier.stats().num_hinted == 2
+    # 9 bytes would not fit: the unhinted give 6, the hinted within their share no more
+    assert not tier.store([8, 8], b"x" * 9)
+    assert not tier.store([9, 9], b"x" * 13, hinted=True)  # larger than the budget
+    assert tier.store([10, 10], b"x" * 3, hinted=True)  # drops [5, 5], the oldest unhinted
+    assert [e.tokens[0] for e in tier.entries()] == [1, 6, 7, 10]
+    # hinted 9 bytes > the share of 6: the oldest hinted is dropped like an unhinted one
+    assert tier.store([11, 11], b"x" * 3)
+    assert [e.tokens[0] for e in tier.entries()] == [6, 7, 10, 11]
+    assert tier.store([12, 12], b"x" * 3)  # within the share again: [7, 7] goes
+    assert [e.tokens[0] for e in tier.entries()] == [6, 10, 11, 12]
+    assert tier.stats().num_hinted == 2 and tier.audit() == []
+    tier.store([6, 6], b"yy")  # the same key, stored unhinted, replaces the entry and mark
+    assert tier.stats().num_hinted == 1 and tier.num_bytes == 11 and tier.audit() == []
+
+
+def test_one_client_hinting_everything_holds_only_its_share() -> None:
+    """Hints are a claim on a shared tier, so each owner (a request's ``fair_key``) is
+    protected up to ``budget / (owners + 1)``: a client that hints every request cannot
+    keep another client's hinted prefixes, or everyone's unhinted ones, out of the tier.
+    The old code kept every hinted entry against every unhinted one, whoever sent it."""
+    tier = PrefixRamTier(12, min_tokens=2)
+    for i in range(1, 5):  # "a" alone fills the tier with hints
+        assert tier.store([i, i], b"x" * 3, hinted=True, owner="a")
+    assert tier.share_bytes() == 6 and tier.share_bytes("b") == 4
+    assert tier.store([5, 5], b"x" * 3, hinted=True, owner="b")  # a's oldest goes
+    assert tier.store([6, 6], b"x" * 3)  # unhinted: a's next oldest goes (a is over 4)
+    assert tier.store([7, 7], b"x" * 3)  # and the next: a is within its share after
+    assert [e.tokens[0] for e in tier.entries()] == [4, 5, 6, 7]
+    assert tier.store([8, 8], b"x" * 3)  # a's [4, 4] and b's [5, 5] are kept: [6, 6] goes
+    assert [(e.tokens[0], e.owner) for e in tier.entries() if e.hinted] == [(4, "a"), (5, "b")]
+    # a's new hints take a's own old room, never b's
+    assert tier.store([9, 9], b"x" * 3, hinted=True, owner="a")  # [7, 7] goes (unhinted)
+    assert tier.store([10, 10], b"x" * 6, hinted=True, owner="a")  # [8, 8], then a's [4, 4]
+    assert [(e.tokens[0], e.owner) for e in tier.entries() if e.hinted] == [
+        (5, "b"),
+        (9, "a"),
+        (10, "a"),
+    ]
+    assert tier.audit() == []
 
 
 # ---------------------------------------------------------------------- the disk tier
 def test_what_the_ram_tier_drops_goes_to_disk_with_its_mark(make: Make, tmp_path: Path) -> None:
-    # RAM holds one entry, disk two files (~900 bytes each); one sequence id: each request
-    # evicts the one before
-    ctx = make(n_seq_max=1, prefix_ram_bytes=RAM_ENTRY + 50, prefix_disk_bytes=2000)
+    # RAM holds two entries (its hints protected up to one: half the budget), disk two
+    # files (~900 bytes each); one sequence id: each request evicts the one before
+    ctx = make(n_seq_max=1, prefix_ram_bytes=2 * RAM_ENTRY + 50, prefix_disk_bytes=2000)
     computed(ctx, system(0) + "?", HINTED)
     computed(ctx, system(1) + "?", HINTED)  # a to RAM
-    computed(ctx, system(2) + "?")  # b to RAM: a, the older hinted one, to disk, still hinted
-    computed(ctx, system(3) + "?")  # C: RAM keeps b (hinted), so C goes to disk
-    computed(ctx, system(4) + "?")  # D to disk: the disk tier deletes C, not the older a
+    computed(ctx, system(2) + "?")  # b to RAM: two hinted, one more than the share
+    computed(ctx, system(3) + "?")  # C to RAM: a, the older hinted one, to disk, still hinted
+    computed(ctx, system(4) + "?")  # D to RAM: b is within the share, so C goes to disk
     prefix = ctx._engine.scheduler.prefix
     assert prefix.disk is not None
-    assert [(e.tokens[0] - 1, e.hinted) for e in prefix.ram.entries()] == [(66, True)]
+    assert [(e.tokens[0] - 1, e.hinted) for e in prefix.ram.entries()] == [
+        (66, True),
+        (68, False),
+    ]
     assert [(e.tokens[0] - 1, e.hinted) for e in prefix.disk.entries()] == [
         (65, True),
-        (68, False),
+        (67, False),
     ]
     stats = ctx.stats()
     assert (stats.prefix_disk_entries, stats.prefix_disk_hinted_entries) == (2, 1)
-    assert (stats.prefix_ram_entries, stats.prefix_ram_hinted_entries) == (1, 1)
+    assert (stats.prefix_ram_entries, stats.prefix_ram_hinted_entries) == (2, 1)
     assert computed(ctx, system(0) + "!") == 1  # restored from disk
     assert ctx.audit() == []
 
@@ -210,30 +247,31 @@ def tokens(i: int) -> list[int]:
 def test_the_disk_tier_keeps_the_mark_across_contexts(tmp_path: Path) -> None:
     data = b"x" * 60
     size = len(encode(tokens(0), data)) + len(data)
-    budget = 3 * size + 40  # three files, two of them hinted (a longer header)
+    # four files, two of them hinted (a longer header): within the hints' share, half
+    budget = 4 * size + 80
     tier = PrefixDiskTier(str(tmp_path), budget, min_tokens=2)
     try:
         assert tier.store(tokens(1), data, hinted=True)
-        assert tier.store(tokens(2), data)
-        assert tier.store(tokens(3), data)
-        assert [e.tokens[0] for e in tier.entries()] == [11, 12, 13]
+        for i in (2, 3, 4):
+            assert tier.store(tokens(i), data)
+        assert [e.tokens[0] for e in tier.entries()] == [11, 12, 13, 14]
     finally:
         tier.close()
     tier = PrefixDiskTier(str(tmp_path), budget, min_tokens=2)  # the next context
     try:
         marks = [(e.tokens[0], e.hinted) for e in tier.entries()]
-        assert marks == [(11, True), (12, False), (13, False)]
-        assert tier.store(tokens(4), data)  # deletes 12's file, not the older 11's
-        assert [e.tokens[0] for e in tier.entries()] == [11, 13, 14]
+        assert marks == [(11, True), (12, False), (13, False), (14, False)]
+        assert tier.store(tokens(5), data)  # deletes 12's file, not the older 11's
+        assert [e.tokens[0] for e in tier.entries()] == [11, 13, 14, 15]
         assert tier.stats().num_hinted == 1
-        assert not tier.store(tokens(5), b"x" * budget, hinted=True)  # larger than the budget
+        assert not tier.store(tokens(6), b"x" * budget, hinted=True)  # larger than the budget
         assert tier.store(tokens(3), data, hinted=True)  # the other mark: written again
         marks = [(e.tokens[0], e.hinted) for e in tier.entries()]
-        assert marks == [(11, True), (14, False), (13, True)]
-        assert not tier.store(tokens(6), data + b"x" * 30)  # it would push a hinted file out
+        assert marks == [(11, True), (14, False), (15, False), (13, True)]
+        assert not tier.store(tokens(6), b"x" * (3 * size))  # it would push a hinted file out
         assert tier.store(tokens(7), data)  # fits in 14's room: 14 goes
-        assert [e.tokens[0] for e in tier.entries()] == [11, 13, 17]
-        assert len(list(Path(tier.directory).glob("*.kv"))) == 3 and tier.audit() == []
+        assert [e.tokens[0] for e in tier.entries()] == [11, 15, 13, 17]
+        assert len(list(Path(tier.directory).glob("*.kv"))) == 4 and tier.audit() == []
     finally:
         tier.close()
 
@@ -416,3 +454,28 @@ def test_over_http_the_hint_leaves_a_hinted_slot(path: str, body: dict[str, Any]
                 time.sleep(0.01)  # the last step's stats are published after the reply
             assert (ctx.stats().num_retained, ctx.stats().num_retained_hinted) == (2, 1)
         assert_idle(ctx)
+
+
+def test_each_clients_hints_hold_a_share_of_the_ram_tier(make: Make) -> None:
+    """Through the engine: a request's ``fair_key`` (the server's client key) owns the hint
+    its evicted slot carries into the RAM tier. Client a hints four prompts, b one: a's
+    oldest hints go first, then, with b hinting too, a keeps one share (a third of the
+    budget) and b its own, and unhinted prefixes still pass through the rest. The old
+    code let a's hints keep b's unhinted traffic out of the tier altogether."""
+    ctx = make(n_seq_max=1, prefix_ram_bytes=3 * RAM_ENTRY + 50)
+
+    def run(i: int, key: str | None, params: llamax.SamplingParams) -> None:
+        handle = ctx.add_request(system(i) + "?", params, fair_key=key)
+        while ctx.has_work():
+            ctx.process()
+        handle.result(0)
+
+    for i in range(4):
+        run(i, "a", HINTED)
+    run(4, "b", HINTED)
+    for i in (5, 6, 7):
+        run(i, "b", PLAIN)  # each evicts the one before into RAM
+    prefix = ctx._engine.scheduler.prefix
+    held = [(e.tokens[0] - 1, e.hinted, e.owner) for e in prefix.ram.entries()]
+    assert held == [(ord("D"), True, "a"), (ord("E"), True, "b"), (ord("G"), False, "b")]
+    assert ctx.stats().prefix_ram_hinted_entries == 2 and ctx.audit() == []

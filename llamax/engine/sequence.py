@@ -140,6 +140,13 @@ class Request:
         return self if self._fair_key is None else self._fair_key
 
     @property
+    def hint_owner(self) -> str | None:
+        """Whose share of the prefix tiers' hinted bytes this request's hints draw on:
+        the ``fair_key`` it was submitted with (None: the one share of requests without
+        a key). See :class:`~llamax.engine.kv.prefix_tier.ByteLRU`."""
+        return self._fair_key
+
+    @property
     def is_finished(self) -> bool:
         """Whether every sequence reached a terminal state."""
         return all(seq.state in TERMINAL_STATES for seq in self.sequences)

@@ -112,6 +112,9 @@ class DiskEntry:
     """The file's size (header and state)."""
     hinted: bool = False
     """Whether a hint asked to keep it longer (its header says so: it outlives the context)."""
+    owner: str | None = None
+    """The ``fair_key`` of the request that hinted it, while this process runs (a file
+    read at start has none: client keys are not written to disk)."""
 
 
 _KEYS = frozenset({"tokens", "size", "crc32"})
@@ -229,7 +232,13 @@ def read_state(entry: DiskEntry, *, images: bool = False) -> bytes | None:
 
 
 def write_entry(
-    directory: str, tokens: tuple[int, ...], head: bytes, data: bytes, *, hinted: bool = False
+    directory: str,
+    tokens: tuple[int, ...],
+    head: bytes,
+    data: bytes,
+    *,
+    hinted: bool = False,
+    owner: str | None = None,
 ) -> DiskEntry:
     """Write ``head`` (:func:`encode`'s, with the same ``hinted``) and ``data`` into the file
     of ``tokens`` in ``directory``, through a temporary file renamed into place (atomic).
@@ -248,7 +257,7 @@ def write_entry(
     except OSError:
         remove(temp)
         raise
-    return DiskEntry(tokens, path, len(head) + len(data), hinted)
+    return DiskEntry(tokens, path, len(head) + len(data), hinted, owner)
 
 
 def scan(directory: str, *, images: bool = False) -> list[DiskEntry]:

@@ -95,7 +95,16 @@ SLOT_MOVES: dict[SlotState, frozenset[SlotState]] = {
 class Slot:
     """A sequence id and the tokens it holds in KV."""
 
-    __slots__ = ("_state", "adapters", "cells", "checkpoints", "hinted", "seq_id", "tokens")
+    __slots__ = (
+        "_state",
+        "adapters",
+        "cells",
+        "checkpoints",
+        "hint_owner",
+        "hinted",
+        "seq_id",
+        "tokens",
+    )
 
     def __init__(self, seq_id: int, *, pinned: bool = False) -> None:
         self.seq_id = seq_id
@@ -110,6 +119,9 @@ class Slot:
         """Whether the last request that ran in the slot asked for its prefix to be kept
         longer (``SamplingParams.keep_prefix``): retained, it is evicted after the
         unhinted ones (:mod:`llamax.engine.kv.prefix`)."""
+        self.hint_owner: str | None = None
+        """The ``fair_key`` of that request, whose share of the tiers' hinted bytes the
+        slot's state draws on when evicted (None: no key)."""
         self._state = SlotState.PINNED if pinned else SlotState.ACTIVE
 
     @property

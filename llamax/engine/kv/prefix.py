@@ -209,14 +209,18 @@ class PrefixCache:
             _log.warning("could not keep an evicted prefix in RAM: %s", exc)
             return
         for tier in wanting:
-            if tier.store(slot.tokens, data, slot.adapters, hinted=slot.hinted):
+            if tier.store(
+                slot.tokens, data, slot.adapters, hinted=slot.hinted, owner=slot.hint_owner
+            ):
                 return
 
     def _drop_to_disk(self, entry: RamEntry) -> None:
         """The RAM tier dropped ``entry`` to stay within its budget: keep it on disk (with
         its mark)."""
         if self.disk is not None:
-            self.disk.store(entry.tokens, entry.data, entry.adapters, hinted=entry.hinted)
+            self.disk.store(
+                entry.tokens, entry.data, entry.adapters, hinted=entry.hinted, owner=entry.owner
+            )
 
     @classmethod
     def build(cls, cache: KVCache, config: EngineConfig, backend: Backend) -> PrefixCache:

@@ -108,6 +108,7 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
             on_drop=self._dropped,
             label="the disk tier",
             hinted=lambda e: e.hinted,
+            owner=lambda e: e.owner,
         )
         # counts: num_stored files written (dropped from RAM, or evicted from KV with no
         # RAM tier); num_dropped deleted to stay within the budget; num_refused did not
@@ -161,15 +162,18 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
         adapters: AdapterSet = NO_ADAPTERS,
         *,
         hinted: bool = False,
+        owner: str | None = None,
     ) -> bool:
         """Write ``data`` (the state of ``tokens``) as the most recently used entry, marked
         ``hinted`` or not (in its header: the mark outlives the context), deleting files
-        beyond the budget (unhinted ones first, least recently used first). False if it is
-        not wanted, alone exceeds the budget, is unhinted and would fit only by deleting
-        hinted files, or cannot be written (the entry is lost, logged once); a file
-        already holding these tokens with the same mark is only marked recently used (with
-        the other mark it is written again). A prefix with an image (placeholder ids)
-        only in a projector's folder (``images``): its cells came from that projector."""
+        beyond the budget (unhinted ones first, least recently used first; hinted ones
+        within ``owner``'s share: :class:`~llamax.engine.kv.prefix_tier.ByteLRU`). False
+        if it is not wanted, alone exceeds the budget, would fit only by deleting hinted
+        files within their owners' shares, or cannot be written (the entry is lost, logged
+        once); a file already holding these tokens with the same mark is only marked
+        recently used (with the other mark it is written again). A prefix with an image
+        (placeholder ids) only in a projector's folder (``images``): its cells came from
+        that projector."""
         key = tuple(tokens)
         if not self.wants(len(key), adapters) or not data or (min(key) < 0 and not self.images):
             return False
@@ -179,13 +183,12 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
             return True
         head = encode(key, data, hinted=hinted)
         size = len(head) + len(data)
-        if not self._lru.fits(DiskEntry(key, "", size, hinted)):
+        if not self._lru.make_room_for(DiskEntry(key, "", size, hinted, owner)):
             return False
         if held is not None:  # the other mark: written again (the same name) below
             self._lru.pop(key)
-        self._lru.make_room(size)
         try:
-            entry = write_entry(self.directory, key, head, data, hinted=hinted)
+            entry = write_entry(self.directory, key, head, data, hinted=hinted, owner=owner)
         except OSError as exc:
             self.counts = self.counts.counted(num_store_failures=1)
             if not self._has_warned:

@@ -75,7 +75,10 @@ class RamEntry:
     """The backend's serialised state (``KVMemory.state_seq_get``)."""
     hinted: bool = False
     """Whether a hint asked to keep it longer (``SamplingParams.keep_prefix``): dropped
-    only when no unhinted entry is left, and to the disk tier with its mark."""
+    after the unhinted entries, within its owner's share (:class:`~llamax.engine.kv.
+    prefix_tier.ByteLRU`), and to the disk tier with its mark."""
+    owner: str | None = None
+    """The ``fair_key`` of the request that hinted it (None: none), whose share it uses."""
 
     @property
     def key(self) -> Key:
@@ -104,6 +107,7 @@ class PrefixRamTier(StoredTier[Key, RamEntry]):
             on_drop=self._dropped,
             label="the RAM tier",
             hinted=lambda e: e.hinted,
+            owner=lambda e: e.owner,
         )
         super().__init__(lru, model=model, min_tokens=min_tokens)
         self.on_drop: Callable[[RamEntry], None] | None = None
@@ -127,12 +131,14 @@ class PrefixRamTier(StoredTier[Key, RamEntry]):
         adapters: AdapterSet = NO_ADAPTERS,
         *,
         hinted: bool = False,
+        owner: str | None = None,
     ) -> bool:
         """Keep ``data`` (the state of ``tokens``) as the most recently used entry, marked
-        ``hinted`` or not, dropping entries beyond the budget (unhinted ones first, least
-        recently used first); False if it alone exceeds the budget, or it is unhinted and
-        would fit only by dropping hinted entries (the disk tier may take it then)."""
-        entry = RamEntry(adapters, tuple(tokens), data, hinted)
+        ``hinted`` (for ``owner``) or not, dropping entries beyond the budget (unhinted
+        ones first, least recently used first: :class:`~llamax.engine.kv.prefix_tier.
+        ByteLRU`); False if it alone exceeds the budget, or would fit only by dropping
+        hinted entries within their owners' shares (the disk tier may take it then)."""
+        entry = RamEntry(adapters, tuple(tokens), data, hinted, owner)
         if not self.wants(len(tokens)) or not self._lru.put(entry):
             return False
         self.counts = self.counts.counted(num_stored=1)

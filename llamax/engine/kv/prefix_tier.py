@@ -146,10 +146,17 @@ class PrefixTier(Protocol[E]):
         ...
 
     def store(
-        self, tokens: Sequence[int], data: bytes, adapters: AdapterSet, *, hinted: bool = False
+        self,
+        tokens: Sequence[int],
+        data: bytes,
+        adapters: AdapterSet,
+        *,
+        hinted: bool = False,
+        owner: str | None = None,
     ) -> bool:
         """Keep ``data``, the state of ``tokens``, as the most recently used entry (marked
-        ``hinted``: dropped after the unhinted ones); False if not kept."""
+        ``hinted``: dropped after the unhinted ones, within ``owner``'s share of the
+        hinted bytes, :class:`ByteLRU`); False if not kept."""
         ...
 
     def lookup(
@@ -233,9 +240,24 @@ def best_prefix(
     return best
 
 
+_NOBODY = object()  # an owner no entry has
+
+
 class ByteLRU(Generic[K, V]):
     """Entries by key, least recently used first, within a byte budget; hinted entries
-    (``hinted(entry)``) are dropped only when no unhinted one is left.
+    (``hinted(entry)``) are kept longer than unhinted ones, within their owner's share.
+
+    Each hinted entry has an owner (``owner(entry)``: the ``fair_key`` of the request that
+    hinted it, None for requests without one). Hints are a claim on a shared resource, so
+    no owner's claim is unbounded: with ``n`` owners holding hinted entries (a newcomer's
+    counted), each owner's hinted entries are protected up to ``budget / (n + 1)`` bytes,
+    the last share left to the traffic that sends no hints. Making room for an entry
+    drops, least recently used first, the unhinted entries and the hinted ones of owners
+    beyond their share; then, for a hinted entry, its own owner's hinted ones; never
+    another owner's hinted entries within its share. An entry that cannot fit that way is
+    not kept (:meth:`put` returns False). So one client that hints every request holds
+    at most half a tier against everyone else's unhinted prefixes, and with others
+    hinting too, an equal share each.
 
     Args:
         budget_bytes: The most bytes held.
@@ -244,6 +266,7 @@ class ByteLRU(Generic[K, V]):
         on_drop: Called with each entry dropped to stay within the budget.
         label: The tier's name in :meth:`audit`'s sentences ("the RAM tier").
         hinted: Whether an entry is hinted (default: none is).
+        owner: A hinted entry's owner (default: one owner for all).
     """
 
     def __init__(
@@ -255,6 +278,7 @@ class ByteLRU(Generic[K, V]):
         on_drop: Callable[[V], None],
         label: str,
         hinted: Callable[[V], bool] = lambda entry: False,
+        owner: Callable[[V], Hashable] = lambda entry: None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self._size = size
@@ -262,10 +286,13 @@ class ByteLRU(Generic[K, V]):
         self._on_drop = on_drop
         self._label = label
         self._hinted = hinted
+        self._owner = owner
         self._entries: OrderedDict[K, V] = OrderedDict()  # LRU first
         self._num_bytes = 0
         self._num_hinted = 0
         self._hinted_bytes = 0
+        self._owner_bytes: dict[Hashable, int] = {}  # hinted bytes by owner holding any
+        self._owner_entries: dict[Hashable, int] = {}
 
     @property
     def num_bytes(self) -> int:
@@ -315,30 +342,80 @@ class ByteLRU(Generic[K, V]):
             assert dropped is not None
             self._on_drop(dropped)
 
-    def fits(self, entry: V) -> bool:
-        """Whether ``entry`` could be held: it alone is within the budget, and if it is
-        unhinted, beside every hinted entry (other than one under its own key)."""
-        size = self._size(entry)
+    def share_bytes(self, owner: Hashable | None = None) -> int:
+        """The bytes each owner's hinted entries are protected up to, with ``owner``
+        counted among the owners holding some (see the class)."""
+        owners = len(self._owner_bytes) + (owner is not None and owner not in self._owner_bytes)
+        return self.budget_bytes // (owners + 1)
+
+    def _drops_for(self, entry: V) -> list[K] | None:
+        """The keys to drop, in order, so that ``entry`` fits (the entry under its own key
+        is replaced, not counted); None if it cannot fit without dropping another owner's
+        hinted entries within that owner's share, or alone exceeds the budget."""
+        size, key = self._size(entry), self._key(entry)
         if size > self.budget_bytes:
-            return False
-        if self._hinted(entry):
-            return True
-        held = self._entries.get(self._key(entry))
-        hinted_bytes = self._hinted_bytes
+            return None
+        held = self._entries.get(key)
+        owners = dict(self._owner_bytes)
+        held_owner: Hashable = _NOBODY
         if held is not None and self._hinted(held):
-            hinted_bytes -= self._size(held)
-        return hinted_bytes + size <= self.budget_bytes
+            held_owner = self._owner(held)
+            owners[held_owner] -= self._size(held)
+        mine = self._owner(entry) if self._hinted(entry) else None
+        holding = {o for o, n in self._owner_entries.items() if n > (held_owner == o)}
+        share = self.budget_bytes // (len(holding | ({mine} if mine is not None else set())) + 1)
+        over = self._num_bytes - (self._size(held) if held is not None else 0) + size
+        over -= self.budget_bytes
+        drops: list[K] = []
+        for other, held_entry in self._entries.items():  # unhinted, and hints beyond a share
+            if over <= 0:
+                return drops
+            if other == key:
+                continue
+            if self._hinted(held_entry):
+                whose = self._owner(held_entry)
+                if owners[whose] <= share:
+                    continue
+                owners[whose] -= self._size(held_entry)
+            drops.append(other)
+            over -= self._size(held_entry)
+        if mine is not None:  # then the newcomer's own owner's hints
+            dropped = set(drops)
+            for other, held_entry in self._entries.items():
+                if over <= 0:
+                    break
+                if other == key or other in dropped or not self._hinted(held_entry):
+                    continue
+                if self._owner(held_entry) == mine:
+                    drops.append(other)
+                    over -= self._size(held_entry)
+        return drops if over <= 0 else None
+
+    def fits(self, entry: V) -> bool:
+        """Whether ``entry`` could be held: it alone is within the budget, and room is
+        made for it without dropping another owner's hinted entries within their share
+        (see the class)."""
+        return self._drops_for(entry) is not None
+
+    def make_room_for(self, entry: V) -> bool:
+        """Drop what :meth:`put` would drop for ``entry`` (without holding it); False,
+        nothing dropped, if it does not :meth:`fits`."""
+        drops = self._drops_for(entry)
+        if drops is None:
+            return False
+        for key in drops:
+            dropped = self.pop(key)
+            assert dropped is not None
+            self._on_drop(dropped)
+        return True
 
     def put(self, entry: V) -> bool:
         """Hold ``entry`` as the most recently used (replacing one under its key), dropping
-        entries beyond the budget (:meth:`make_room`); False (nothing dropped) if it does
-        not :meth:`fits`: it alone exceeds the budget, or it is unhinted and would need a
-        hinted entry's room."""
-        if not self.fits(entry):
+        entries to stay within the budget as the class says; False (nothing dropped) if
+        it does not :meth:`fits`."""
+        if not self.make_room_for(entry):
             return False
-        size = self._size(entry)
         self.pop(self._key(entry))
-        self.make_room(size)
         self._add(entry)
         return True
 
@@ -349,6 +426,9 @@ class ByteLRU(Generic[K, V]):
         if self._hinted(entry):
             self._num_hinted += 1
             self._hinted_bytes += size
+            owner = self._owner(entry)
+            self._owner_bytes[owner] = self._owner_bytes.get(owner, 0) + size
+            self._owner_entries[owner] = self._owner_entries.get(owner, 0) + 1
 
     def fill(self, entries: Iterable[V]) -> None:
         """Hold ``entries`` (keys unique, least recently used first) in an empty store,
@@ -367,6 +447,11 @@ class ByteLRU(Generic[K, V]):
             if self._hinted(entry):
                 self._num_hinted -= 1
                 self._hinted_bytes -= size
+                owner = self._owner(entry)
+                self._owner_bytes[owner] -= size
+                self._owner_entries[owner] -= 1
+                if not self._owner_entries[owner]:
+                    del self._owner_bytes[owner], self._owner_entries[owner]
         return entry
 
     def clear(self) -> int:
@@ -374,6 +459,8 @@ class ByteLRU(Generic[K, V]):
         count = len(self._entries)
         self._entries.clear()
         self._num_bytes = self._num_hinted = self._hinted_bytes = 0
+        self._owner_bytes.clear()
+        self._owner_entries.clear()
         return count
 
     def audit(self) -> list[str]:
@@ -394,6 +481,11 @@ class ByteLRU(Generic[K, V]):
                 f"{self._label} accounts {self._num_hinted} hinted entries of "
                 f"{self._hinted_bytes} bytes, holds {len(hinted)} of {hinted_bytes}"
             )
+        owners: dict[Hashable, int] = {}
+        for entry in hinted:
+            owners[self._owner(entry)] = owners.get(self._owner(entry), 0) + self._size(entry)
+        if owners != self._owner_bytes:
+            problems.append(f"{self._label} accounts hinted bytes by owner wrongly")
         return problems
 
 
@@ -433,6 +525,11 @@ class StoredTier(Generic[K, E]):
     def entries(self) -> list[E]:
         """Entries, least recently used first."""
         return list(self._lru)
+
+    def share_bytes(self, owner: Hashable | None = None) -> int:
+        """The bytes each owner's hinted entries are protected up to, with ``owner``
+        counted (:meth:`ByteLRU.share_bytes`)."""
+        return self._lru.share_bytes(owner)
 
     def stats(self) -> TierStats:
         """Counters and sizes, frozen."""

@@ -556,6 +556,7 @@ class Scheduler:
         slot, seq.slot = seq.slot, None
         if slot is not None and keep_cache:  # the mark of the last request run in it
             slot.hinted = seq.request.params.keep_prefix
+            slot.hint_owner = seq.request.hint_owner
         if slot is not None and not slot.pinned:
             if keep_cache:
                 self.prefix.retire(slot)
