@@ -479,3 +479,31 @@ def test_each_clients_hints_hold_a_share_of_the_ram_tier(make: Make) -> None:
     held = [(e.tokens[0] - 1, e.hinted, e.owner) for e in prefix.ram.entries()]
     assert held == [(ord("D"), True, "a"), (ord("E"), True, "b"), (ord("G"), False, "b")]
     assert ctx.stats().prefix_ram_hinted_entries == 2 and ctx.audit() == []
+
+
+def test_requests_without_a_key_share_one_owner_that_rotates_its_own_hints() -> None:
+    """None (no ``fair_key``) is an owner like any other: beyond its share its hints go as
+    unhinted ones do, and within it a new hint of its own takes its own older hint's
+    room (the first version of the shares treated None's hints as unhinted in that last
+    step, and refused the store)."""
+    tier = PrefixRamTier(12, min_tokens=2)
+    assert tier.store([1, 1], b"x" * 3, hinted=True, owner="a")
+    assert tier.store([2, 2], b"x" * 3, hinted=True, owner="b")
+    assert tier.store([3, 3], b"x" * 3, hinted=True)
+    assert tier.store([4, 4], b"x" * 3, hinted=True)  # the tier is full: 3 bytes a share
+    assert tier.share_bytes() == 3 and tier.share_bytes(None, "c") == 2
+    assert tier.store([5, 5], b"x" * 3)  # unhinted: None's oldest hint, beyond its share
+    assert tier.store([6, 6], b"x" * 3, hinted=True)  # [5, 5], unhinted, goes
+    assert [(e.tokens[0], e.owner) for e in tier.entries()] == [
+        (1, "a"),
+        (2, "b"),
+        (4, None),
+        (6, None),
+    ]
+    assert tier.store([7, 7], b"x" * 3)  # None is beyond its share again: [4, 4] goes
+    assert tier.store([8, 8], b"x" * 3, hinted=True)  # [7, 7] goes; None holds 6 again
+    assert tier.store([9, 9], b"x" * 3)  # [6, 6] goes: every owner within its share now
+    assert not tier.store([10, 10], b"x" * 6)  # unhinted, it would need a hint's room
+    assert tier.store([11, 11], b"x" * 6, hinted=True)  # [9, 9], then None's own [8, 8]
+    assert [(e.tokens[0], e.owner) for e in tier.entries()] == [(1, "a"), (2, "b"), (11, None)]
+    assert tier.audit() == []

@@ -342,11 +342,11 @@ class ByteLRU(Generic[K, V]):
             assert dropped is not None
             self._on_drop(dropped)
 
-    def share_bytes(self, owner: Hashable | None = None) -> int:
-        """The bytes each owner's hinted entries are protected up to, with ``owner``
-        counted among the owners holding some (see the class)."""
-        owners = len(self._owner_bytes) + (owner is not None and owner not in self._owner_bytes)
-        return self.budget_bytes // (owners + 1)
+    def share_bytes(self, *owners: Hashable) -> int:
+        """The bytes each owner's hinted entries are protected up to, with ``owners``
+        (newcomers: None is the owner of requests without a key) counted among those
+        holding some (see the class)."""
+        return self.budget_bytes // (len(set(self._owner_bytes) | set(owners)) + 1)
 
     def _drops_for(self, entry: V) -> list[K] | None:
         """The keys to drop, in order, so that ``entry`` fits (the entry under its own key
@@ -361,9 +361,9 @@ class ByteLRU(Generic[K, V]):
         if held is not None and self._hinted(held):
             held_owner = self._owner(held)
             owners[held_owner] -= self._size(held)
-        mine = self._owner(entry) if self._hinted(entry) else None
+        mine = self._owner(entry) if self._hinted(entry) else _NOBODY  # None is an owner
         holding = {o for o, n in self._owner_entries.items() if n > (held_owner == o)}
-        share = self.budget_bytes // (len(holding | ({mine} if mine is not None else set())) + 1)
+        share = self.budget_bytes // (len(holding | ({mine} - {_NOBODY})) + 1)
         over = self._num_bytes - (self._size(held) if held is not None else 0) + size
         over -= self.budget_bytes
         drops: list[K] = []
@@ -379,7 +379,7 @@ class ByteLRU(Generic[K, V]):
                 owners[whose] -= self._size(held_entry)
             drops.append(other)
             over -= self._size(held_entry)
-        if mine is not None:  # then the newcomer's own owner's hints
+        if mine is not _NOBODY:  # then the newcomer's own owner's hints
             dropped = set(drops)
             for other, held_entry in self._entries.items():
                 if over <= 0:
@@ -526,10 +526,10 @@ class StoredTier(Generic[K, E]):
         """Entries, least recently used first."""
         return list(self._lru)
 
-    def share_bytes(self, owner: Hashable | None = None) -> int:
-        """The bytes each owner's hinted entries are protected up to, with ``owner``
+    def share_bytes(self, *owners: Hashable) -> int:
+        """The bytes each owner's hinted entries are protected up to, with ``owners``
         counted (:meth:`ByteLRU.share_bytes`)."""
-        return self._lru.share_bytes(owner)
+        return self._lru.share_bytes(*owners)
 
     def stats(self) -> TierStats:
         """Counters and sizes, frozen."""
