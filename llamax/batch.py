@@ -10,6 +10,11 @@ Errors are per prompt: a prompt that cannot be submitted (too long, empty, bad g
 a request that fails while running does not stop the others when ``return_exceptions=True``;
 its exception takes its place in the result list. Otherwise the first error is raised once
 the other requests have been cancelled.
+
+Both work on a :class:`BatchHost`: what a batch needs of a context (submit a prompt, say
+whether the caller drives the loop, run one step). :class:`llamax.Context` is one, and
+hands itself down from :meth:`Context.generate <llamax.Context.generate>`; this module
+names no ``Context``, so the facade imports it as it imports chat preparation.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, overload
+from typing import Literal, Protocol, overload
 
 from .errors import (
     ContextClosedError,
@@ -32,12 +37,26 @@ from .progress import BatchProgress
 from .prompts import Prompt
 from .results import Completion
 
-if TYPE_CHECKING:
-    from . import Context
-
-__all__ = ["Prompt", "agenerate", "generate"]
+__all__ = ["BatchHost", "Prompt", "agenerate", "generate"]
 
 Outcome = Completion | BaseException
+
+
+class BatchHost(Protocol):
+    """What a batch needs of a context (:class:`llamax.Context` is one)."""
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Submit ``prompt``; its handle at once."""
+        ...
+
+    @property
+    def is_manual(self) -> bool:
+        """Whether the caller drives the loop (``autostart=False``) with :meth:`process`."""
+        ...
+
+    def process(self) -> bool:
+        """Run one step of the loop."""
+        ...
 
 _REFRESH_S = 0.5
 _SETTLE_TIMEOUT_S = 30.0
@@ -68,7 +87,7 @@ class _Batch:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: BatchHost,
         prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
         progress: bool | None,
@@ -137,7 +156,7 @@ class _Batch:
         return [o for o in self.outcomes if o is not None]
 
 
-def _step_manual(ctx: Context) -> bool:
+def _step_manual(ctx: BatchHost) -> bool:
     """Run one step if the caller may drive ``ctx``; False if another thread drives it."""
     if not ctx.is_manual:
         return False
@@ -177,7 +196,7 @@ def _wait_sync(
 
 @overload
 def generate(
-    ctx: Context,
+    ctx: BatchHost,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
@@ -186,7 +205,7 @@ def generate(
 ) -> list[Completion]: ...
 @overload
 def generate(
-    ctx: Context,
+    ctx: BatchHost,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
@@ -194,7 +213,7 @@ def generate(
     return_exceptions: bool,
 ) -> list[Completion | BaseException]: ...
 def generate(
-    ctx: Context,
+    ctx: BatchHost,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
@@ -246,7 +265,7 @@ def generate(
 
 @overload
 async def agenerate(
-    ctx: Context,
+    ctx: BatchHost,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
@@ -255,7 +274,7 @@ async def agenerate(
 ) -> list[Completion]: ...
 @overload
 async def agenerate(
-    ctx: Context,
+    ctx: BatchHost,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
@@ -263,7 +282,7 @@ async def agenerate(
     return_exceptions: bool,
 ) -> list[Completion | BaseException]: ...
 async def agenerate(
-    ctx: Context,
+    ctx: BatchHost,
     prompts: Sequence[Prompt],
     params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,

@@ -18,6 +18,8 @@ from typing_extensions import Self, Unpack
 from .adapters import AdapterNames
 from .backend.base import Backend, ImageHost
 from .backend.fingerprint import weights_fingerprint
+from .batch import agenerate as batch_agenerate
+from .batch import generate as batch_generate
 from .config import ContextConfig, ContextOptions
 from .engine.kv.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
@@ -769,8 +771,9 @@ class Context:
         return OpenAIRequest.of(handle, prepared, self._chat)
 
     # ------------------------------------------------------------------ notebooks, pipelines
-    # ``generate`` delegates to :mod:`llamax.batch` (a layer above, imported when called);
-    # ``embed`` to an :class:`~llamax.Embedder` the context owns and frees.
+    # ``generate`` hands this context down to :mod:`llamax.batch` (below the facade: it
+    # works on a ``BatchHost``); ``embed`` to an :class:`~llamax.Embedder` the context owns
+    # and frees.
     @overload
     def generate(
         self,
@@ -804,10 +807,8 @@ class Context:
         Raises:
             ContextClosedError: the context is closed.
         """
-        from .batch import generate
-
         self._check_open("generate")
-        return generate(
+        return batch_generate(
             self, prompts, params, progress=progress, return_exceptions=return_exceptions
         )
 
@@ -842,10 +843,8 @@ class Context:
         Raises:
             ContextClosedError: the context is closed.
         """
-        from .batch import agenerate
-
         self._check_open("generate")
-        return await agenerate(
+        return await batch_agenerate(
             self, prompts, params, progress=progress, return_exceptions=return_exceptions
         )
 

@@ -72,7 +72,7 @@ EXPECTED_ALL = [
 ]
 
 PUBLIC_MODULES = {
-    "llamax.batch": ["Prompt", "agenerate", "generate"],
+    "llamax.batch": ["BatchHost", "Prompt", "agenerate", "generate"],
     "llamax.embeddings": ["Embedder", "Pooling"],
     "llamax.info": ["ModelInfo", "max_cells", "model_info"],
     "llamax.cli": ["main"],
