@@ -308,7 +308,7 @@ def play(
     try:
         render(template, [*messages, {"role": "user", "content": USERS[0]}], tools, **kw)
     except TemplateError:
-        messages = []  # a template that refuses a system turn (gemma 2)
+        messages = []  # a template that refuses a system turn (none since llamax merges it)
     messages.append({"role": "user", "content": USERS[0]})
     try:
         for turn in range(2):

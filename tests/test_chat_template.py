@@ -452,3 +452,47 @@ def test_invalid_messages_name_index_and_field(
 def test_message_list_itself_is_checked(messages: Any) -> None:
     with pytest.raises(InvalidMessageError, match="messages"):
         validate_messages(messages)
+
+
+# ------------------------------------------------------------- templates without a system role
+DATA = Path(__file__).parent / "data"
+GEMMA2 = (DATA / "gemma2_chat_template.jinja").read_text()
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_next_turn() -> None:
+    """gemma 2's template raises on a system message. As llama.cpp's server does, the
+    leading system message is merged into the next one (its text, a newline, the next
+    text), so a system prompt reaches the model instead of failing the request (the old
+    code raised TemplateError: "System role not supported")."""
+    gemma = ChatTemplate(GEMMA2, bos_token="<bos>")
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert gemma.render(system) == (
+        "<bos><start_of_turn>user\nBe brief.\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text",
+              "text": "brief."}]}, {"role": "user", "content": "Hi"}]  # fmt: skip
+    assert gemma.render(parts) == gemma.render(system)
+    # a template with a system role renders it as written
+    smol = ChatTemplate((DATA / "smollm2_chat_template.jinja").read_text())
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in smol.render(system)
+    # a template that renders a system message's text, role or not, is left alone too
+    plain = ChatTemplate("{% for m in messages %}{{ m['content'] }};{% endfor %}")
+    assert plain.render(system) == "Be brief.;Hi;"
+
+
+def test_tools_on_a_template_without_a_system_role_go_into_the_first_user_turn() -> None:
+    """The tool fallback writes the tools into a system turn; on gemma 2 that turn is
+    merged into the user's, so the request is served and its prompt holds the schemas
+    (the old code answered TemplateError: "System role not supported")."""
+    from test_chat import make as make_chat
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
+    with make_chat("Sunny.", template=GEMMA2) as ctx:
+        plain = ctx.chat_completion(asked, max_tokens=2)["usage"]["prompt_tokens"]
+        with_tools = ctx.chat_completion(asked, tools=tools, max_tokens=2)["usage"]
+        schema = len(ctx.tokenize(json.dumps(tools[0]["function"]["parameters"])))
+        assert with_tools["prompt_tokens"] > plain + schema
+        prompt = ctx.detokenize(ctx.chat_prompt(asked))
+        assert prompt.startswith("<start_of_turn>user\nBe brief.\nWeather?<end_of_turn>")

@@ -9,6 +9,7 @@ filter that does not HTML-escape; ``trim_blocks``, ``lstrip_blocks`` and loop co
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
@@ -141,11 +142,40 @@ class ChatTemplate:
             The prompt text. Special tokens appear as text; tokenize it with special tokens
             parsed and without adding BOS again if the template already wrote it.
 
+        A template without a system role (gemma 2's raises on one; others drop it unread)
+        gets a leading system message merged into the next message, ``system + "\n" +
+        content``, as llama.cpp's server does (a lone system message is left out): so a
+        system prompt, or the tool text llamax writes into one, reaches such a model. If
+        the merged messages fail to render, they render as written (and fail as the
+        template says).
+
         Raises:
             TemplateSecurityError: The template broke a sandbox rule.
             TemplateBudgetError: Rendering went over the time or size budget.
             TemplateError: The template called ``raise_exception`` or failed otherwise.
         """
+        if messages and messages[0].get("role") == "system" and not supports_system_role(self):
+            merged = merge_system_message(messages)
+            try:
+                return self._render(
+                    merged, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+                )
+            except TemplateBudgetError:
+                raise
+            except TemplateError:  # the template wants its system turn after all: as written
+                pass
+        return self._render(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                            **kwargs)  # fmt: skip
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        **kwargs: Any,
+    ) -> str:
+        """:meth:`render` as the template writes it (no system-role workaround)."""
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
         variables.update(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools
@@ -169,3 +199,62 @@ class ChatTemplate:
             budget.check_time()
             chunks.append(chunk)
         return "".join(chunks)
+
+
+_PROBE_SYSTEM = "llamax_probe_system_text"
+
+
+def supports_system_role(template: ChatTemplate) -> bool:
+    """Whether ``template`` renders a leading system message's text (llama.cpp's
+    ``supports_system_role``): it renders one without raising and the text appears.
+    Cached per template; a probe over its render budget answers True this once (render
+    as written) and is tried again next time."""
+    try:
+        return _probe_system_role(template)
+    except TemplateBudgetError:
+        return True
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_system_role(template: ChatTemplate) -> bool:
+    messages = [
+        {"role": "system", "content": _PROBE_SYSTEM},
+        {"role": "user", "content": "llamax_probe_user_text"},
+    ]
+    try:
+        rendered = template._render(messages, add_generation_prompt=True, tools=None)
+    except TemplateBudgetError:
+        raise
+    except TemplateError:
+        return False
+    return _PROBE_SYSTEM in rendered
+
+
+def merge_system_message(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``messages`` with the leading system message merged into the next one (its text, a
+    newline, then the next message's text: llama.cpp's ``system_message_not_supported``),
+    or left out when nothing follows it. Text parts of either are joined as text; the next
+    message's other parts (images) stay after the merged text."""
+    system, rest = messages[0], list(messages[1:])
+    if not rest:
+        return rest
+    text = _text_of(system.get("content"))
+    head = dict(rest[0])
+    content = head.get("content")
+    if isinstance(content, list):
+        head["content"] = [{"type": "text", "text": text + "\n"}, *content]
+    else:
+        head["content"] = text + "\n" + (_text_of(content) if content is not None else "")
+    return [head, *rest[1:]]
+
+
+def _text_of(content: Any) -> str:
+    """A message's text: the string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text", "")) for part in content
+            if isinstance(part, Mapping) and part.get("type") == "text"
+        )  # fmt: skip
+    return ""
