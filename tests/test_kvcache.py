@@ -142,3 +142,22 @@ def test_a_move_back_to_streams_gives_every_slot_its_own_cells() -> None:
     assert kv.num_cells_used == 4 == backend.num_cells_used
     kv.relayout(False)
     assert kv.num_cells_used == 6 == backend.num_cells_used
+
+
+def test_a_sessions_slot_keeps_cells_of_its_own_through_a_move() -> None:
+    """A session's history shift moves its cells (``seq_add``): shared, it would move
+    another sequence's too. So a move to the unified layout shares no cell with a pinned
+    slot, either way (a fault-injection run caught "seq_add 0 moves cells another
+    sequence holds too" with sessions shared)."""
+    backend = FakeBackend(n_ctx=256, n_seq_max=3, kv_layout="auto")
+    kv = KVCache(backend, 3)
+    session, longer, retained = kv.allocate(pinned=True), kv.allocate(), kv.allocate()
+    assert session and longer and retained
+    compute(kv, backend, session, [1, 2, 3])
+    compute(kv, backend, longer, [1, 2, 3, 4, 5])
+    compute(kv, backend, retained, [1, 2, 3, 4])
+    assert kv.unify_shares() == [SharedPrefix(retained.seq_id, longer.seq_id, 4)]
+    kv.relayout(True)
+    assert kv.num_cells_used == 3 + 5 == backend.num_cells_used
+    assert kv.shift_out(session, 0, 1)  # the fake refuses a shift of shared cells
+    assert kv.num_cells_used == 2 + 5 == backend.num_cells_used

@@ -375,10 +375,13 @@ class KVCache:
         holds all their tokens first (under the same adapters, so the same K/V) instead of
         copies: a chat's earlier turns kept beside its latest, a retried prompt. The
         longest slots keep cells of their own; a shorter one shares with the first of them
-        that it begins."""
+        that it begins. A session's (pinned) slot neither shares nor is shared: its history
+        shift moves its cells (``seq_add``), which would move another sequence's too."""
         owners: list[Slot] = []
         shared: list[SharedPrefix] = []
         for slot in sorted(self._slots.values(), key=lambda s: len(s.tokens), reverse=True):
+            if slot.pinned:
+                continue
             n = len(slot.tokens)
             source = next(
                 (
