@@ -325,43 +325,33 @@ class ByteLRU(Generic[K, V]):
         if key in self._entries:
             self._entries.move_to_end(key)
 
-    def _first_to_drop(self) -> K:
-        """The key of the least recently used unhinted entry, else of the least recently
-        used one (the store is not empty)."""
-        if self._num_hinted:
-            for key, entry in self._entries.items():
-                if not self._hinted(entry):
-                    return key
-        return next(iter(self._entries))
-
-    def make_room(self, num_bytes: int) -> None:
-        """Drop entries until ``num_bytes`` more fit the budget: the least recently used
-        unhinted ones first, then the least recently used hinted ones."""
-        while self._entries and self._num_bytes + num_bytes > self.budget_bytes:
-            dropped = self.pop(self._first_to_drop())
-            assert dropped is not None
-            self._on_drop(dropped)
-
     def share_bytes(self, *owners: Hashable) -> int:
         """The bytes each owner's hinted entries are protected up to, with ``owners``
         (newcomers: None is the owner of requests without a key) counted among those
         holding some (see the class)."""
         return self.budget_bytes // (len(set(self._owner_bytes) | set(owners)) + 1)
 
-    def _drops_for(self, entry: V) -> list[K] | None:
+    def _drops_for(self, entry: V | None) -> list[K] | None:
         """The keys to drop, in order, so that ``entry`` fits (the entry under its own key
-        is replaced, not counted); None if it cannot fit without dropping another owner's
-        hinted entries within that owner's share, or alone exceeds the budget."""
-        size, key = self._size(entry), self._key(entry)
+        is replaced, not counted; None: so that what is held fits); None if it cannot fit
+        without dropping another owner's hinted entries within that owner's share, or
+        alone exceeds the budget. What is held always can: the shares sum to less than the
+        budget."""
+        if entry is None:
+            size, key, held = 0, _NOBODY, None
+        else:
+            size, key = self._size(entry), self._key(entry)
+            held = self._entries.get(key)
         if size > self.budget_bytes:
             return None
-        held = self._entries.get(key)
         owners = dict(self._owner_bytes)
         held_owner: Hashable = _NOBODY
         if held is not None and self._hinted(held):
             held_owner = self._owner(held)
             owners[held_owner] -= self._size(held)
-        mine = self._owner(entry) if self._hinted(entry) else _NOBODY  # None is an owner
+        mine: Hashable = _NOBODY  # None is an owner: requests without a key
+        if entry is not None and self._hinted(entry):
+            mine = self._owner(entry)
         holding = {o for o, n in self._owner_entries.items() if n > (held_owner == o)}
         share = self.budget_bytes // (len(holding | ({mine} - {_NOBODY})) + 1)
         over = self._num_bytes - (self._size(held) if held is not None else 0) + size
@@ -391,15 +381,10 @@ class ByteLRU(Generic[K, V]):
                     over -= self._size(held_entry)
         return drops if over <= 0 else None
 
-    def fits(self, entry: V) -> bool:
-        """Whether ``entry`` could be held: it alone is within the budget, and room is
-        made for it without dropping another owner's hinted entries within their share
-        (see the class)."""
-        return self._drops_for(entry) is not None
-
     def make_room_for(self, entry: V) -> bool:
         """Drop what :meth:`put` would drop for ``entry`` (without holding it); False,
-        nothing dropped, if it does not :meth:`fits`."""
+        nothing dropped, if it cannot fit: it alone exceeds the budget, or it would need
+        another owner's hinted entries within their share (see the class)."""
         drops = self._drops_for(entry)
         if drops is None:
             return False
@@ -412,7 +397,7 @@ class ByteLRU(Generic[K, V]):
     def put(self, entry: V) -> bool:
         """Hold ``entry`` as the most recently used (replacing one under its key), dropping
         entries to stay within the budget as the class says; False (nothing dropped) if
-        it does not :meth:`fits`."""
+        it cannot fit (:meth:`make_room_for`)."""
         if not self.make_room_for(entry):
             return False
         self.pop(self._key(entry))
@@ -432,11 +417,14 @@ class ByteLRU(Generic[K, V]):
 
     def fill(self, entries: Iterable[V]) -> None:
         """Hold ``entries`` (keys unique, least recently used first) in an empty store,
-        then drop what is beyond the budget (:meth:`make_room`)."""
+        then drop what is beyond the budget, by the rule :meth:`put` follows."""
         assert not self._entries, "fill() is for an empty store"
         for entry in entries:
             self._add(entry)
-        self.make_room(0)
+        for key in self._drops_for(None) or []:
+            dropped = self.pop(key)
+            assert dropped is not None
+            self._on_drop(dropped)
 
     def pop(self, key: K) -> V | None:
         """Forget the entry under ``key``, if any; return it."""
