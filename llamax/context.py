@@ -9,7 +9,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -20,7 +20,18 @@ from .backend.base import Backend, ImageHost
 from .backend.fingerprint import weights_fingerprint
 from .batch import agenerate as batch_agenerate
 from .batch import generate as batch_generate
+from .chat import (
+    ChatCall,
+    ChatHandle,
+    Prepared,
+    TextCall,
+    prepare_chat,
+    prepare_text,
+    submit_in_worker,
+)
+from .chat.options import ChatOptions, CompletionOptions, check_flag
 from .config import ContextConfig, ContextOptions
+from .conversation import Chat
 from .engine.kv.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
 from .engine.sched.sampling import BatchLogitsProcessor
@@ -34,10 +45,7 @@ from .errors import (
 from .handle import RequestHandle
 from .images import Image, ImagePrompts
 from .models import default_model_path
-from .openai.api import arespond, respond, submit_in_worker
-from .openai.options import check_flag
-from .openai.prepare import Prepared, prepare_chat, prepare_text
-from .openai.requests import OpenAIRequest
+from .openai.requests import OpenAIRequest, arespond, include_usage, respond
 from .openai.shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 from .params import SamplingParams
 from .prompts import Prompt, build_request, prompt_token_ids
@@ -52,10 +60,8 @@ if TYPE_CHECKING:  # the layers above, for annotations only: the methods import 
     import numpy as np
     import numpy.typing as npt
 
-    from .conversation import Chat
     from .embeddings import Embedder
     from .info import ModelInfo
-    from .openai.options import ChatOptions, CompletionOptions
     from .templates.template import ChatTemplate
 
 __all__ = ["Context"]
@@ -587,7 +593,7 @@ class Context:
         params: SamplingParams | None = None,
         reasoning_format: ReasoningFormat = "auto",
         enable_thinking: bool | None = None,
-    ) -> Chat:
+    ) -> Chat[Session]:
         """Open a :class:`~llamax.Chat`: a conversation whose KV cache stays resident and
         whose oldest turns are dropped by shifting the cache when it outgrows
         ``max_context`` (default ``n_ctx``). A reply's thinking is kept in the history's
@@ -598,8 +604,6 @@ class Context:
             ContextClosedError: the context is closed.
             InvalidParameterError: an argument is out of range.
         """
-        from .conversation import Chat
-
         self._check_open("open a chat")
         return Chat(
             self,
@@ -611,9 +615,57 @@ class Context:
             enable_thinking=enable_thinking,
         )
 
+    # ------------------------------------------------------------------ typed calls
+    # The one entry for chat and text requests: a checked call (:mod:`llamax.chat`) is
+    # prepared below the facade on the template binding this context holds and submitted
+    # here. The OpenAI-shaped methods after these are conveniences over them.
+    def submit_chat(self, call: ChatCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Render, fit and submit a chat call; returns its :class:`~llamax.chat.ChatHandle`
+        at once (the reply as typed parts, or whole). ``fair_key``: the fairness key the
+        request's sequences share with other requests of that key (:meth:`add_request`;
+        the server passes the client's address); a keyword of the call, never an option,
+        so a request body cannot set it.
+
+        Raises:
+            ContextClosedError: the context is closed.
+            InvalidParameterError, InvalidMessageError, TemplateError: bad values or
+                messages (nothing was enqueued).
+            ContextLengthError: the conversation does not fit.
+        """
+        self._check_open("add a request")
+        return self._submitted(prepare_chat(self._chat, call), fair_key)
+
+    def submit_text(self, call: TextCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Submit a text completion call (its prompt as given, no template); as
+        :meth:`submit_chat`.
+
+        Raises:
+            ContextClosedError: the context is closed.
+            InvalidParameterError, ContextLengthError: bad values or a prompt that does
+                not fit.
+        """
+        self._check_open("add a request")
+        return self._submitted(prepare_text(call), fair_key)
+
+    async def asubmit_chat(self, call: ChatCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Async twin of :meth:`submit_chat`: rendering, truncation and tokenizing run in a
+        worker thread, so the event loop stays free; a caller cancelled meanwhile cancels
+        the request as soon as it exists."""
+        return await submit_in_worker(lambda: self.submit_chat(call, fair_key=fair_key), _handle)
+
+    async def asubmit_text(self, call: TextCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Async twin of :meth:`submit_text` (tokenizing runs in a worker thread)."""
+        return await submit_in_worker(lambda: self.submit_text(call, fair_key=fair_key), _handle)
+
+    def _submitted(self, prepared: Prepared, fair_key: str | None) -> ChatHandle:
+        handle = self._submit(
+            prepared.prompt, prepared.params, request_id=prepared.request_id, fair_key=fair_key
+        )
+        return ChatHandle.of(handle, prepared, self._chat)
+
     # ------------------------------------------------------------------ OpenAI shapes
-    # Prepared below the facade (:mod:`llamax.openai.prepare`, on the template binding this
-    # context holds), submitted here, shaped by :class:`~llamax.openai.OpenAIRequest`.
+    # Conveniences over :meth:`submit_chat` / :meth:`submit_text`: OpenAI-named options
+    # become a call (``ChatCall.of``), the handle is read as OpenAI's shapes.
     @overload
     def chat_completion(
         self,
@@ -652,8 +704,9 @@ class Context:
                 bad values, messages, or a conversation that does not fit.
         """
         stream = check_flag(stream, "stream")
-        request = self._openai(lambda: prepare_chat(self._chat, messages, options), fair_key)
-        return respond(request, stream, options)  # type: ignore[return-value]
+        usage = include_usage(options.pop("stream_options", None))
+        handle = self.submit_chat(ChatCall.of(messages, **options), fair_key=fair_key)
+        return respond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
     def completion(
@@ -689,8 +742,9 @@ class Context:
             InvalidParameterError, ContextLengthError: bad values or a prompt that does not fit.
         """
         stream = check_flag(stream, "stream")
-        request = self._openai(lambda: prepare_text(prompt, options), fair_key)
-        return respond(request, stream, options)  # type: ignore[return-value]
+        usage = include_usage(options.pop("stream_options", None))
+        handle = self.submit_text(TextCall.of(prompt, **options), fair_key=fair_key)
+        return respond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
     async def achat_completion(
@@ -721,11 +775,12 @@ class Context:
         """Async twin of :meth:`chat_completion` (needs the background loop); rendering,
         truncation and tokenizing run in a worker thread, so the event loop stays free."""
         stream = check_flag(stream, "stream")
-        request = await submit_in_worker(
-            lambda: self._openai(lambda: prepare_chat(self._chat, messages, options), fair_key),
-            _itself,
+        usage = include_usage(options.pop("stream_options", None))
+        handle = await submit_in_worker(  # the call too: a schema compiles to a grammar
+            lambda: self.submit_chat(ChatCall.of(messages, **options), fair_key=fair_key),
+            _handle,
         )
-        return await arespond(request, stream, options)  # type: ignore[return-value]
+        return await arespond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
     async def acompletion(
@@ -755,20 +810,11 @@ class Context:
     ) -> TextCompletion | AsyncIterator[TextCompletion]:
         """Async twin of :meth:`completion` (needs the background loop)."""
         stream = check_flag(stream, "stream")
-        request = await submit_in_worker(
-            lambda: self._openai(lambda: prepare_text(prompt, options), fair_key), _itself
+        usage = include_usage(options.pop("stream_options", None))
+        handle = await submit_in_worker(
+            lambda: self.submit_text(TextCall.of(prompt, **options), fair_key=fair_key), _handle
         )
-        return await arespond(request, stream, options)  # type: ignore[return-value]
-
-    def _openai(self, prepare: Callable[[], Prepared], fair_key: str | None) -> OpenAIRequest:
-        """Prepare an OpenAI request and submit it under ``fair_key`` (:meth:`add_request`);
-        the returned object shapes its results."""
-        self._check_open("add a request")
-        prepared = prepare()
-        handle = self._submit(
-            prepared.prompt, prepared.params, request_id=prepared.request_id, fair_key=fair_key
-        )
-        return OpenAIRequest.of(handle, prepared, self._chat)
+        return await arespond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ notebooks, pipelines
     # ``generate`` hands this context down to :mod:`llamax.batch` (below the facade: it
@@ -964,8 +1010,8 @@ def _close_unreferenced(engine: Engine, name: str) -> None:
     engine.close()
 
 
-def _itself(request: OpenAIRequest) -> OpenAIRequest:
-    return request
+def _handle(chat: ChatHandle) -> RequestHandle:
+    return chat.handle
 
 
 class _SessionPort:

@@ -6,15 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..chat.options import check_text, one_of
 from ..errors import InvalidParameterError
-from ..openai.fields import (
-    RequestField,
-    Support,
-    check_object,
-    check_text,
-    one_of,
-    table,
-)
+from ..openai.fields import RequestField, Support, check_object, table
 
 __all__ = ["MESSAGES", "check_cache_control"]
 

@@ -32,6 +32,8 @@ import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..chat import ChatCall, chat_prompt_tokens, submit_in_worker
+from ..chat.options import check_flag
 from ..chat_stream import (
     ChatPart,
     ContentDelta,
@@ -42,9 +44,8 @@ from ..chat_stream import (
 )
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError
 from ..images import Image
-from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
+from ..openai import OpenAIRequest
 from ..openai.fields import accept_fields, honoured
-from ..openai.options import check_flag
 from ..results import Completion, FinishReason
 from .fields import MESSAGES, check_cache_control
 from .volatile import without_billing_header
@@ -91,10 +92,10 @@ async def amessages(
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`messages` (needs the context's background loop). Mapping,
     rendering and tokenizing run in a worker thread, so the event loop stays free.
-    ``fair_key``: the fairness key of the submitted request (``llamax.openai.submit_chat``;
+    ``fair_key``: the fairness key of the submitted request (``Context.submit_chat``;
     the server passes the client's address), never a field of ``request``."""
     submitted, stops = await submit_in_worker(
-        lambda: _submit(ctx, request, keep_billing_header, fair_key), lambda s: s[0]
+        lambda: _submit(ctx, request, keep_billing_header, fair_key), lambda s: s[0].handle
     )
     if request.get("stream"):
         return submitted.aevents(_EventBuilder(submitted, stops))
@@ -117,7 +118,8 @@ def count_tokens(
     chat, options = _chat_request({"max_tokens": 1, **request}, keep_billing_header)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "stop"):
         options.pop(name, None)  # they shape the reply, not the prompt
-    return {"input_tokens": ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))}
+    call = ChatCall.of(chat, **options)
+    return {"input_tokens": ctx.prompt_positions(chat_prompt_tokens(ctx, call))}
 
 
 # ---------------------------------------------------------------------- the request
@@ -145,8 +147,8 @@ def _submit(
         chat = chat[:-1]
     if request.get("stream") is True:  # message_start waits for the cached count
         options["return_progress"] = True
-    submitted = submit_chat(ctx, chat, prefill=prefill, fair_key=fair_key, **options)
-    submitted = submitted.named(request.get("model"))
+    handle = ctx.submit_chat(ChatCall.of(chat, prefill=prefill, **options), fair_key=fair_key)
+    submitted = OpenAIRequest(handle.named(request.get("model")))
     return submitted, list(options.get("stop") or [])
 
 
@@ -415,7 +417,7 @@ def _stop(submitted: OpenAIRequest, completion: Completion, stops: Sequence[str]
     choice = completion.choices[0]
     if choice.finish_reason is not FinishReason.STOP or not stops:
         return None
-    rest = submitted.chat_model.detokenize(choice.token_ids)[len(choice.text) :]
+    rest = submitted.chat.chat_model.detokenize(choice.token_ids)[len(choice.text) :]
     return next((s for s in stops if rest.startswith(s)), None)
 
 
@@ -456,7 +458,7 @@ def _message(
         "id": _message_id(submitted),
         "type": "message",
         "role": "assistant",
-        "model": submitted.model,
+        "model": submitted.chat.model,
         "content": content,
         "stop_reason": "stop_sequence"
         if stop_sequence
@@ -492,7 +494,7 @@ class _EventBuilder:
         self._started = True
         submitted = self._submitted
         usage = {
-            "input_tokens": submitted.num_prompt_tokens - cached,
+            "input_tokens": submitted.chat.num_prompt_tokens - cached,
             "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0,
             "output_tokens": 0,
@@ -501,7 +503,7 @@ class _EventBuilder:
             "id": _message_id(submitted),
             "type": "message",
             "role": "assistant",
-            "model": submitted.model,
+            "model": submitted.chat.model,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

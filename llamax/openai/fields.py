@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat.options import CACHE_RETENTIONS, MAX_USER_CHARS, check_text, one_of
 from ..errors import InvalidParameterError
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 """OpenAI's bounds on ``metadata``: pairs, and characters of a key and of a value."""
-MAX_USER_CHARS = 256
-"""Longest ``user`` (or ``safety_identifier``, ``prompt_cache_key``) string taken."""
 
 
 class Support(enum.Enum):
@@ -89,24 +88,6 @@ def check_bool(name: str, value: Any) -> None:
     """A JSON boolean or null."""
     if value is not None and not isinstance(value, bool):
         raise InvalidParameterError(f"{name} must be a boolean, got {type(value).__name__}")
-
-
-def check_text(name: str, value: Any) -> None:
-    """A string of at most :data:`MAX_USER_CHARS` characters, or null."""
-    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
-        raise InvalidParameterError(
-            f"{name} must be a string of at most {MAX_USER_CHARS} characters"
-        )
-
-
-def one_of(*values: str) -> Check:
-    """A check that the value is one of ``values`` (or null)."""
-
-    def check(name: str, value: Any) -> None:
-        if value is not None and value not in values:
-            raise InvalidParameterError(f"{name} must be one of {', '.join(values)}; got {value!r}")
-
-    return check
 
 
 def check_object(name: str, value: Any) -> None:
@@ -206,8 +187,6 @@ H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
 _CACHE_HINT = "no effect: llamax's prefix cache reuses every shared prefix on its own"
 _CACHE_KEPT = "a hint: the prompt's prefix is kept longer than unhinted ones in KV and the RAM and disk tiers (`SamplingParams.keep_prefix`); every shared prefix is reused whatever the key"
 _CACHE_RETAINED = "as `prompt_cache_key`: the prompt's prefix is kept longer (`in_memory` or `24h`)"
-CACHE_RETENTIONS = ("in_memory", "24h", "in-memory")
-"""The ``prompt_cache_retention`` values taken (``in-memory``: an older spelling)."""
 _TIER_HINT = "no effect: one local server has one tier"
 _SAFETY_HINT = "no effect: no abuse monitoring is done (a string of at most 256 characters)"
 

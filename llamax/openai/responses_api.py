@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
+from ..chat import CallHost, ChatCall, chat_prompt_tokens, submit_in_worker
+from ..chat.options import MAX_USER_CHARS, check_flag, keeps_prefix
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError, NotFoundError
 from ..images import Image
-from .api import ChatHost, chat_prompt_tokens, submit_chat, submit_in_worker
-from .fields import MAX_USER_CHARS, RESPONSES, accept_fields, check_metadata, honoured
-from .options import check_flag
-from .prepare import keeps_prefix
+from .fields import RESPONSES, accept_fields, check_metadata, honoured
+from .requests import OpenAIRequest
 from .responses_output import ResponseEvents, ResponseJob, ResponseStore
 
 __all__ = [
@@ -54,7 +54,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def create_response(
-    ctx: ChatHost,
+    ctx: CallHost,
     request: Mapping[str, Any],
     *,
     store: ResponseStore | None = None,
@@ -86,7 +86,7 @@ def create_response(
 
 
 async def acreate_response(
-    ctx: ChatHost,
+    ctx: CallHost,
     request: Mapping[str, Any],
     *,
     store: ResponseStore | None = None,
@@ -95,10 +95,10 @@ async def acreate_response(
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`create_response` (needs the context's background loop).
     Mapping, rendering and tokenizing run in a worker thread, so the event loop stays
-    free. ``fair_key``: the fairness key of the submitted request (:func:`submit_chat`;
+    free. ``fair_key``: the fairness key of the submitted request (``Context.submit_chat``;
     the server passes the client's address), never a field of ``request``."""
     job = await submit_in_worker(
-        lambda: _submit(ctx, request, store, stored_input, fair_key), lambda j: j.submitted
+        lambda: _submit(ctx, request, store, stored_input, fair_key), lambda j: j.submitted.handle
     )
     if request.get("stream"):
         return job.submitted.aevents(ResponseEvents(job))
@@ -107,7 +107,7 @@ async def acreate_response(
 
 # ---------------------------------------------------------------------- the request
 def response_input_tokens(
-    ctx: ChatHost, request: Mapping[str, Any], *, store: ResponseStore | None = None
+    ctx: CallHost, request: Mapping[str, Any], *, store: ResponseStore | None = None
 ) -> int:
     """How many prompt tokens a Responses request would submit (OpenAI's
     ``POST /v1/responses/input_tokens``): its conversation (``previous_response_id``'s
@@ -118,18 +118,19 @@ def response_input_tokens(
         NotFoundError: ``previous_response_id`` names no stored response.
     """
     _, chat, _, options, _ = _conversation(request, store)
-    return ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))
+    return ctx.prompt_positions(chat_prompt_tokens(ctx, ChatCall.of(chat, **options)))
 
 
 def _submit(
-    ctx: ChatHost,
+    ctx: CallHost,
     request: Mapping[str, Any],
     store: ResponseStore | None,
     stored_input: Any,
     fair_key: str | None,
 ) -> ResponseJob:
     request, chat, turn, options, earlier_items = _conversation(request, store)
-    submitted = submit_chat(ctx, chat, fair_key=fair_key, **options).named(request.get("model"))
+    handle = ctx.submit_chat(ChatCall.of(chat, **options), fair_key=fair_key)
+    submitted = OpenAIRequest(handle.named(request.get("model")))
     keep = store if request.get("store", True) is not False else None
     kept = dict(request) if stored_input is None else {**request, "input": stored_input}
     return ResponseJob(submitted, kept, turn, keep, options.get("max_tokens"), earlier_items)

@@ -1,7 +1,7 @@
 """A chat template bound to a model: which template, its end-of-turn tokens, prompt tokens.
 
 :class:`BoundTemplate` is what a context hands down to chat preparation
-(:mod:`llamax.openai.prepare`, :mod:`llamax.tools`): the template loaded once, the tokens a
+(:mod:`llamax.chat.prepare`, :mod:`llamax.tools`): the template loaded once, the tokens a
 turn ends at, rendering to prompt tokens, and the sizes a request is fitted to. Nothing in
 it calls back into the context.
 """

@@ -20,16 +20,26 @@ from ..params import SamplingParams
 from ..reasoning import ReasoningFormat
 
 __all__ = [
+    "CACHE_RETENTIONS",
+    "MAX_USER_CHARS",
     "ChatOptions",
     "CompletionOptions",
     "StreamOptions",
     "Truncate",
     "check_flag",
     "check_option_names",
+    "check_text",
+    "keeps_prefix",
+    "one_of",
     "sampling_params",
 ]
 
 Truncate = Literal["none", "oldest_messages"]
+
+MAX_USER_CHARS = 256
+"""Longest ``user`` (or ``safety_identifier``, ``prompt_cache_key``) string taken."""
+CACHE_RETENTIONS = ("in_memory", "24h", "in-memory")
+"""The ``prompt_cache_retention`` values taken (``in-memory``: an older spelling)."""
 
 
 class StreamOptions(TypedDict, total=False):
@@ -152,6 +162,40 @@ def check_option_names(options: Collection[str], allowed: Collection[str], where
             close = difflib.get_close_matches(name, sorted(allowed), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"{where}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def check_text(name: str, value: Any) -> None:
+    """A string of at most :data:`MAX_USER_CHARS` characters, or null."""
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+        raise InvalidParameterError(
+            f"{name} must be a string of at most {MAX_USER_CHARS} characters"
+        )
+
+
+def one_of(*values: str) -> Callable[[str, Any], None]:
+    """A check that the value is one of ``values`` (or null)."""
+
+    def check(name: str, value: Any) -> None:
+        if value is not None and value not in values:
+            raise InvalidParameterError(f"{name} must be one of {', '.join(values)}; got {value!r}")
+
+    return check
+
+
+def keeps_prefix(options: Mapping[str, Any]) -> bool:
+    """Whether a chat request's options hint that its prompt will be asked for again:
+    ``keep_prefix``, or OpenAI's ``prompt_cache_key`` or ``prompt_cache_retention`` given
+    (``SamplingParams.keep_prefix``).
+
+    Raises:
+        InvalidParameterError: ``keep_prefix`` is not a bool, the key not a string of at
+            most 256 characters, or the retention not ``in_memory`` or ``24h``.
+    """
+    keep = check_flag(options.get("keep_prefix"), "keep_prefix")
+    key, retention = options.get("prompt_cache_key"), options.get("prompt_cache_retention")
+    check_text("prompt_cache_key", key)
+    one_of(*CACHE_RETENTIONS)("prompt_cache_retention", retention)
+    return keep or key is not None or retention is not None
 
 
 def sampling_params(options: CompletionOptions, *, chat: bool) -> SamplingParams:
