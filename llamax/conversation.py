@@ -113,7 +113,9 @@ class Chat:
     ) -> None:
         self._reasoning_format = check_reasoning_format(reasoning_format)
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
-            raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+            raise InvalidParameterError(
+                f"enable_thinking must be a bool, got {enable_thinking!r}", param="enable_thinking"
+            )
         self._template_vars: dict[str, Any] = {}
         if enable_thinking is not None:
             self._template_vars["enable_thinking"] = enable_thinking
@@ -124,7 +126,9 @@ class Chat:
         self._ctx = ctx
         self._max_context = min(max_context or ctx.n_ctx_seq, ctx.n_ctx_seq)
         if self._max_context < 16:
-            raise InvalidParameterError(f"max_context must be >= 16, got {self._max_context}")
+            raise InvalidParameterError(
+                f"max_context must be >= 16, got {self._max_context}", param="max_context"
+            )
         self._params = params or SamplingParams(max_tokens=256)
         self._session: Session = ctx.session()
         self.last_turn: TurnStats | None = None
@@ -174,7 +178,7 @@ class Chat:
     def _start_turn(self, content: Content, params: SamplingParams | None) -> _Turn:
         params = params or self._params
         if params.n != 1:
-            raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}")
+            raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}", param="n")
         params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
         turn = validate_messages([{"role": "user", "content": content}])
         wanted = [*self._messages, *turn]

@@ -122,7 +122,8 @@ def _include_usage(options: Mapping[str, Any]) -> bool:
     stream_options = options.get("stream_options") or {}
     if not isinstance(stream_options, Mapping):
         raise InvalidParameterError(
-            f"stream_options must be an object, got {type(stream_options).__name__}"
+            f"stream_options must be an object, got {type(stream_options).__name__}",
+            param="stream_options",
         )
     return check_flag(stream_options.get("include_usage"), "stream_options.include_usage")
 

@@ -136,7 +136,9 @@ def prepare_chat(
     template_vars = _template_vars(opts.get("enable_thinking"))
     if plan.is_active or _mentions_tools(messages):
         if opts.get("truncate", "none") != "none":
-            raise InvalidParameterError("truncate is not supported together with tools")
+            raise InvalidParameterError(
+                "truncate is not supported together with tools", param="truncate"
+            )
         params, tokens = _tool_chat(model, messages, params, plan, template_vars)
     else:
         tokens = _plain_chat(
@@ -228,7 +230,9 @@ def _template_vars(enable_thinking: bool | None) -> dict[str, Any]:
     if enable_thinking is None:
         return {}
     if not isinstance(enable_thinking, bool):
-        raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+        raise InvalidParameterError(
+            f"enable_thinking must be a bool, got {enable_thinking!r}", param="enable_thinking"
+        )
     return {"enable_thinking": enable_thinking}
 
 
@@ -247,11 +251,12 @@ def _plain_chat(
     """
     if truncate not in ("none", "oldest_messages"):
         raise InvalidParameterError(
-            f"truncate must be 'none' or 'oldest_messages', got {truncate!r}"
+            f"truncate must be 'none' or 'oldest_messages', got {truncate!r}", param="truncate"
         )
     if not isinstance(parse_special_in_content, bool):
         raise InvalidParameterError(
-            f"parse_special_in_content must be a bool, got {parse_special_in_content!r}"
+            f"parse_special_in_content must be a bool, got {parse_special_in_content!r}",
+            param="parse_special_in_content",
         )
     msgs = validate_messages(messages)
     reserve = params.max_tokens or 1
@@ -299,7 +304,8 @@ def _tool_chat(
     if grammar is not None and (params.grammar is not None or params.json_schema is not None):
         raise InvalidParameterError(
             "tools cannot be combined with grammar or response_format: the tool-call grammar "
-            "already constrains the reply"
+            "already constrains the reply",
+            param="tools",
         )
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
