@@ -257,7 +257,9 @@ class Context:
         """
         self._check_open("tokenize")
         if not isinstance(text, str):
-            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+            raise InvalidRequestError(
+                f"text must be a str, got {type(text).__name__}", param="text"
+            )
         return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -359,7 +361,9 @@ class Context:
     ) -> RequestHandle:
         self._check_open("add a request")
         if request_id is not None and not (isinstance(request_id, str) and request_id):
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+            raise InvalidRequestError(
+                f"request_id must be a non-empty str, got {request_id!r}", param="request_id"
+            )
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
         with self._arrival_lock:
             arrival = next(self._arrivals)
@@ -410,9 +414,13 @@ class Context:
 
         self._check_open("load a LoRA adapter")
         if not isinstance(name, str) or not name:
-            raise InvalidParameterError(f"an adapter name must be a non-empty str, got {name!r}")
+            raise InvalidParameterError(
+                f"an adapter name must be a non-empty str, got {name!r}", param="name"
+            )
         if not isinstance(path, (str, os.PathLike)):
-            raise InvalidParameterError(f"an adapter path must be a path, got {path!r}")
+            raise InvalidParameterError(
+                f"an adapter path must be a path, got {path!r}", param="path"
+            )
         if not isinstance(self._backend, LoraHost):
             raise InvalidParameterError(
                 f"this backend ({type(self._backend).__name__}) cannot load LoRA adapters"
@@ -957,7 +965,9 @@ class Context:
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
         ):
-            raise InvalidParameterError(f"timeout must be None or a number >= 0, got {timeout!r}")
+            raise InvalidParameterError(
+                f"timeout must be None or a number >= 0, got {timeout!r}", param="timeout"
+            )
         self._engine.close(drain=drain, timeout=timeout)
         self._finalizer.detach()
         self._close_embedder()

@@ -169,7 +169,9 @@ class Chat(Generic[S]):
     ) -> None:
         self._reasoning_format = check_reasoning_format(reasoning_format)
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
-            raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+            raise InvalidParameterError(
+                f"enable_thinking must be a bool, got {enable_thinking!r}", param="enable_thinking"
+            )
         self._template_vars: dict[str, Any] = {}
         if enable_thinking is not None:
             self._template_vars["enable_thinking"] = enable_thinking
@@ -180,7 +182,9 @@ class Chat(Generic[S]):
         self._ctx = ctx
         self._max_context = min(max_context or ctx.n_ctx_seq, ctx.n_ctx_seq)
         if self._max_context < 16:
-            raise InvalidParameterError(f"max_context must be >= 16, got {self._max_context}")
+            raise InvalidParameterError(
+                f"max_context must be >= 16, got {self._max_context}", param="max_context"
+            )
         self._params = params or SamplingParams(max_tokens=256)
         self._session: S = ctx.session()
         self.last_turn: TurnStats | None = None
@@ -230,7 +234,7 @@ class Chat(Generic[S]):
     def _start_turn(self, content: Content, params: SamplingParams | None) -> _Turn:
         params = params or self._params
         if params.n != 1:
-            raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}")
+            raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}", param="n")
         params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
         turn = validate_messages([{"role": "user", "content": content}])
         wanted = [*self._messages, *turn]

@@ -75,17 +75,24 @@ class Embedder:
         normalize: bool = True,
     ) -> None:
         if pooling not in _POOLINGS:
-            raise InvalidParameterError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+            raise InvalidParameterError(
+                f"pooling must be one of {_POOLINGS}, got {pooling!r}", param="pooling"
+            )
         for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameterError(f"{name} must be an int >= 1, got {value!r}")
+                raise InvalidParameterError(
+                    f"{name} must be an int >= 1, got {value!r}", param=name
+                )
         if n_seq_max > min(n_ctx, 256):  # llama.cpp aborts the process, or refuses > 256
             raise InvalidParameterError(
                 f"n_seq_max ({n_seq_max}) must be <= n_ctx ({n_ctx}) and <= 256: a decode "
-                "holds one token of every sequence at least"
+                "holds one token of every sequence at least",
+                param="n_seq_max",
             )
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-            raise InvalidParameterError(f"n_threads must be an int >= 1, got {n_threads!r}")
+            raise InvalidParameterError(
+                f"n_threads must be an int >= 1, got {n_threads!r}", param="n_threads"
+            )
         path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
         config = EmbeddingConfig(
             model_path=Path(path).expanduser(),
@@ -173,10 +180,14 @@ class Embedder:
             EngineError: llama.cpp failed to decode.
         """
         if isinstance(texts, str) or not isinstance(texts, Sequence):
-            raise InvalidRequestError(f"texts must be a list of strings, got {type(texts)!r}")
+            raise InvalidRequestError(
+                f"texts must be a list of strings, got {type(texts)!r}", param="texts"
+            )
         for i, text in enumerate(texts):
             if not isinstance(text, str):
-                raise InvalidRequestError(f"texts[{i}] must be a str, got {type(text).__name__}")
+                raise InvalidRequestError(
+                    f"texts[{i}] must be a str, got {type(text).__name__}", param=f"texts[{i}]"
+                )
         with self._lock:
             backend = self._require_backend()
             token_lists = [backend.tokenize(text) for text in texts]

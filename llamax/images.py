@@ -207,7 +207,7 @@ class ImagePrompts:
             if isinstance(part, str):
                 if marker in part:
                     raise InvalidRequestError(
-                        f"prompt text may not hold the image marker {marker!r}"
+                        f"prompt text may not hold the image marker {marker!r}", param="prompt"
                     )
                 texts.append(part)
             elif isinstance(part, Image):
@@ -216,7 +216,8 @@ class ImagePrompts:
             else:
                 raise InvalidRequestError(
                     "a prompt's parts must be str or llamax.Image, or token ids and "
-                    f"llamax.Image, got {type(part).__name__}"
+                    f"llamax.Image, got {type(part).__name__}",
+                    param="prompt",
                 )
         return host.tokenize_images("".join(texts), images)
 
@@ -232,7 +233,8 @@ class ImagePrompts:
                 if not isinstance(part, Image):
                     raise InvalidRequestError(
                         "a prompt's parts must be str or llamax.Image, or token ids and "
-                        f"llamax.Image (not both text and ids), got {type(part).__name__}"
+                        f"llamax.Image (not both text and ids), got {type(part).__name__}",
+                        param="prompt",
                     )
                 if run:
                     chunks.append(TextChunk(tuple(run)))
@@ -323,7 +325,7 @@ class ImagePrompts:
             )
         if not tokens or tokens[-1] < 0:
             raise InvalidRequestError(
-                "a prompt with images must end with text after its last image"
+                "a prompt with images must end with text after its last image", param="prompt"
             )
         return tokens, tuple(placed)
 

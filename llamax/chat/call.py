@@ -90,34 +90,46 @@ class ChatCall:
         messages: object = self.messages
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise InvalidMessageError(
-                f"messages must be a list of message dicts, got {type(messages).__name__}"
+                f"messages must be a list of message dicts, got {type(messages).__name__}",
+                param="messages",
             )
         if not messages:
-            raise InvalidMessageError("messages must not be empty")
+            raise InvalidMessageError("messages must not be empty", param="messages")
         object.__setattr__(self, "messages", tuple(messages))
         if not isinstance(self.params, SamplingParams):
             raise InvalidParameterError("params must be a SamplingParams")
         if not isinstance(self.tools, ToolPlan):
-            raise InvalidParameterError("tools must be a ToolPlan (llamax.tools.prepare_tools)")
+            raise InvalidParameterError(
+                "tools must be a ToolPlan (llamax.tools.prepare_tools)", param="tools"
+            )
         check_reasoning_format(self.reasoning_format)
         if self.enable_thinking is not None and not isinstance(self.enable_thinking, bool):
             raise InvalidParameterError(
-                f"enable_thinking must be a bool, got {self.enable_thinking!r}"
+                f"enable_thinking must be a bool, got {self.enable_thinking!r}",
+                param="enable_thinking",
             )
         if self.truncate not in get_args(Truncate):
             raise InvalidParameterError(
-                f"truncate must be 'none' or 'oldest_messages', got {self.truncate!r}"
+                f"truncate must be 'none' or 'oldest_messages', got {self.truncate!r}",
+                param="truncate",
             )
         if self.truncate != "none" and self.tools.is_active:
-            raise InvalidParameterError("truncate is not supported together with tools")
+            raise InvalidParameterError(
+                "truncate is not supported together with tools", param="truncate"
+            )
         if not isinstance(self.parse_special_in_content, bool):
             raise InvalidParameterError(
-                f"parse_special_in_content must be a bool, got {self.parse_special_in_content!r}"
+                f"parse_special_in_content must be a bool, got {self.parse_special_in_content!r}",
+                param="parse_special_in_content",
             )
         if not isinstance(self.prefill, str):
-            raise InvalidParameterError(f"prefill must be a string, got {self.prefill!r}")
+            raise InvalidParameterError(
+                f"prefill must be a string, got {self.prefill!r}", param="prefill"
+            )
         if self.model is not None and not isinstance(self.model, str):
-            raise InvalidParameterError(f"model must be a string, got {self.model!r}")
+            raise InvalidParameterError(
+                f"model must be a string, got {self.model!r}", param="model"
+            )
 
     @classmethod
     def of(
@@ -180,12 +192,16 @@ class TextCall:
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
             if isinstance(self.prompt, bytes) or not isinstance(self.prompt, Sequence):
-                raise InvalidParameterError("prompt must be a string or a list of token ids")
+                raise InvalidParameterError(
+                    "prompt must be a string or a list of token ids", param="prompt"
+                )
             object.__setattr__(self, "prompt", tuple(self.prompt))
         if not isinstance(self.params, SamplingParams):
             raise InvalidParameterError("params must be a SamplingParams")
         if self.model is not None and not isinstance(self.model, str):
-            raise InvalidParameterError(f"model must be a string, got {self.model!r}")
+            raise InvalidParameterError(
+                f"model must be a string, got {self.model!r}", param="model"
+            )
 
     @classmethod
     def of(

@@ -108,7 +108,9 @@ def prepare_chat(model: ChatModel, call: ChatCall) -> Prepared:
     template_vars = _template_vars(call.enable_thinking)
     if plan.is_active or _mentions_tools(call.messages):
         if call.truncate != "none":
-            raise InvalidParameterError("truncate is not supported together with tools")
+            raise InvalidParameterError(
+                "truncate is not supported together with tools", param="truncate"
+            )
         params, tokens = _tool_chat(model, call.messages, params, plan, template_vars)
     else:
         tokens = _plain_chat(
@@ -232,7 +234,8 @@ def _tool_chat(
     if grammar is not None and (params.grammar is not None or params.json_schema is not None):
         raise InvalidParameterError(
             "tools cannot be combined with grammar or response_format: the tool-call grammar "
-            "already constrains the reply"
+            "already constrains the reply",
+            param="tools",
         )
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)

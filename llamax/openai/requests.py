@@ -459,7 +459,8 @@ def include_usage(stream_options: object) -> bool:
         return False
     if not isinstance(stream_options, Mapping):
         raise InvalidParameterError(
-            f"stream_options must be an object, got {type(stream_options).__name__}"
+            f"stream_options must be an object, got {type(stream_options).__name__}",
+            param="stream_options",
         )
     return check_flag(stream_options.get("include_usage"), "stream_options.include_usage")
 

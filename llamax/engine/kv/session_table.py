@@ -217,7 +217,8 @@ class SessionTable:
     def _rewind(self, slot: Slot, num_tokens: int) -> None:
         if not 0 <= num_tokens <= len(slot.tokens):
             raise InvalidParameterError(
-                f"cannot rewind {num_tokens} tokens: the session holds {len(slot.tokens)}"
+                f"cannot rewind {num_tokens} tokens: the session holds {len(slot.tokens)}",
+                param="num_tokens",
             )
         kv = self._scheduler.kv
         keep = kv.usable(slot, len(slot.tokens) - num_tokens)  # a memory cut at checkpoints
