@@ -774,7 +774,7 @@ def _real(
     )
     probe = make_real(n_ctx=1024, n_seq_max=1, n_threads=2, prefix_cache=False, lora=adapters)
     backend = probe._engine.backend
-    eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
+    eog = [t for t in range(backend.facts.n_vocab) if backend.is_eog(t)]
 
     def cold(sample: Sample) -> None:
         regrets = forced_regrets(

@@ -111,16 +111,6 @@ class LlamaCppModel:
         self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora*, freed with the model
 
     @property
-    def n_vocab(self) -> int:
-        """Vocabulary size."""
-        return self._n_vocab
-
-    @property
-    def model_name(self) -> str:
-        """``general.name`` from the GGUF metadata, else the file name."""
-        return self._model_name
-
-    @property
     def model_path(self) -> Path:
         """The loaded file."""
         return self._model_path
@@ -129,11 +119,6 @@ class LlamaCppModel:
     def eog_token_ids(self) -> frozenset[int]:
         """Every end-of-generation token of the vocabulary."""
         return self._eog
-
-    @property
-    def fim_tokens(self) -> FimTokens:
-        """The vocabulary's fill-in-the-middle tokens."""
-        return self._fim
 
     @property
     def bos_token_id(self) -> int | None:
