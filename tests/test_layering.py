@@ -328,6 +328,7 @@ VALUE_MODULES = (
     "llamax.checks",
     "llamax.config",
     "llamax.errors",
+    "llamax.facts",
     "llamax.params",
     "llamax.optionspec",
     "llamax.drafting",
