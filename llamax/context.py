@@ -162,7 +162,8 @@ class Context:
     def facts(self) -> ModelFacts:
         """The model's and the context's facts, computed once at load (:class:`ModelFacts`):
         ``n_ctx``, ``n_ctx_seq``, ``n_seq_max``, ``n_vocab``, ``model_name``, ``fim_tokens``,
-        ``sees_images`` (each also a property of the context), ``n_embd``, ``n_ctx_train``."""
+        ``sees_images`` (each also a property of the context), ``n_embd``, ``n_ctx_train``,
+        ``bos_token_id``, ``eos_token_id``."""
         return self._facts
 
     @property

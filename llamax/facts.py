@@ -42,3 +42,7 @@ class ModelFacts:
     sees_images: bool = False
     """Whether prompts may hold images: a projector (``mmproj``) that encodes them is
     loaded."""
+    bos_token_id: int | None = None
+    """The BOS token when the vocabulary adds one to prompts, else None."""
+    eos_token_id: int | None = None
+    """The EOS token, if the vocabulary has one."""

@@ -40,6 +40,8 @@ def test_the_fake_backend_computes_them_from_its_settings() -> None:
         n_seq_max=4,
         fim_tokens=llamax.FimTokens(prefix=300, suffix=301, middle=302, separator=303),
         sees_images=False,
+        bos_token_id=None,
+        eos_token_id=0,
     )
     assert backend.facts.fim_tokens.can_infill
     plain = FakeBackend(image_tokens=4).facts

@@ -32,6 +32,13 @@ def test_the_backend_computes_what_llama_cpp_says(real_ctx: llamax.Context) -> N
     # the shared context: n_ctx=4096, n_seq_max=16, kv_layout="auto" without n_ctx_seq
     assert (facts.n_ctx, facts.n_ctx_seq, facts.n_seq_max) == (4096, 4096, 16)
     assert not facts.sees_images and not facts.fim_tokens.can_infill  # SmolLM2: no FIM
+    native = real_ctx._backend._model  # type: ignore[attr-defined]  # what the old properties read
+    bos = native.bos() if native.add_bos() else -1
+    assert (facts.bos_token_id, facts.eos_token_id) == (
+        bos if bos >= 0 else None,
+        native.eos() if native.eos() >= 0 else None,
+    )
+    assert facts.eos_token_id is not None
     for name in ("n_ctx", "n_ctx_seq", "n_seq_max", "n_vocab", "model_name", "fim_tokens"):
         assert getattr(real_ctx, name) == getattr(facts, name), name
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -523,7 +523,7 @@ def fill_output_buffer(ctx: llamax.Context) -> None:
             slot = kv.allocate()
             assert slot is not None, "no free sequence id for the output-buffer fill"
             num = min(per_seq, backend.n_batch - offset)
-            tokens = [backend.bos_token_id or 0] * num
+            tokens = [backend.facts.bos_token_id or 0] * num
             items.append(BatchItem(slot.seq_id, tokens, 0, tuple(range(offset, offset + num))))
             kv.append(slot, tokens)
             slots.append(slot)

@@ -102,16 +102,6 @@ class LoadedModel(Protocol):
         :meth:`~Backend.close` too)."""
         ...
 
-    @property
-    def bos_token_id(self) -> int | None:
-        """The BOS token when the vocabulary adds one to prompts, else None."""
-        ...
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The EOS token, if any."""
-        ...
-
     def token_text(self, token: int) -> str:
         """A token's text with special tokens rendered (``<|im_end|>``)."""
         ...

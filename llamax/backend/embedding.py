@@ -85,6 +85,7 @@ class EmbeddingBackend:
         self._model, self._context, self._batch = model, context, batch
         n_ctx = min(context.n_ctx(), self._n_batch)  # one decode, and one text, at most
         self._n_embd = model.n_embd()
+        bos, eos = model.bos_eos()
         self._facts = ModelFacts(
             model_name=model.meta("general.name") or config.model_path.stem,
             n_vocab=model.n_vocab(),
@@ -93,6 +94,8 @@ class EmbeddingBackend:
             n_ctx=n_ctx,
             n_ctx_seq=n_ctx,
             n_seq_max=context.n_seq_max(),
+            bos_token_id=bos,
+            eos_token_id=eos,
         )
         self._pooling = context.pooling_type()
         self._closed = False

@@ -151,6 +151,8 @@ class LlamaCppBackend(LlamaCppModel):
             n_seq_max=self._n_seq_max,
             fim_tokens=self._fim,
             sees_images=sees_images,
+            bos_token_id=self._bos_eos[0],
+            eos_token_id=self._bos_eos[1],
         )
         kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
         self._kv_bytes_per_cell = 2 * 2 * kv_dim * model.n_layer()  # K+V, f16

@@ -187,8 +187,9 @@ def load_template(backend: Backend, override: str | None, model_name: str) -> Ch
             f"the model {model_name!r} has no chat template in its GGUF metadata; "
             "pass one with llamax.Context(..., chat_template='<jinja source>')"
         )
-    bos = backend.token_text(backend.bos_token_id) if backend.bos_token_id is not None else ""
-    eos = backend.token_text(backend.eos_token_id) if backend.eos_token_id is not None else ""
+    bos_id, eos_id = backend.facts.bos_token_id, backend.facts.eos_token_id
+    bos = backend.token_text(bos_id) if bos_id is not None else ""
+    eos = backend.token_text(eos_id) if eos_id is not None else ""
     return ChatTemplate(source, bos_token=bos, eos_token=eos)
 
 
@@ -310,7 +311,7 @@ def tokenize_conversation(
     if tokens is None:
         tokens = []
         pieces.tokenize(tokens, text, parse_special=True)
-    bos = backend.bos_token_id
+    bos = backend.facts.bos_token_id
     if bos is not None and (not tokens or tokens[0] != bos):
         tokens.insert(0, bos)
     pieces.check_placed()

@@ -125,6 +125,7 @@ class FakeBackend:
             n_seq_max=n_seq_max,
             fim_tokens=FimTokens(**{name: specials.get(f"<{text}>") for name, text in _FIM_TEXTS}),
             sees_images=self._vision is not None,
+            eos_token_id=EOS,  # the fake vocabulary adds no BOS
         )
         self._weights = weights
         self._memory = FakeMemory(
@@ -175,7 +176,7 @@ class FakeBackend:
         among ``special_tokens`` (``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``,
         ``<fim_pad>``, ``<repo_name>``, ``<file_sep>``), as llama.cpp does;
         ``sees_images`` with ``image_tokens`` (a fake projector,
-        :mod:`~llamax.testing.vision`)."""
+        :mod:`~llamax.testing.vision`); no BOS, token 0 the EOS."""
         return self._facts
 
     @property
@@ -269,16 +270,6 @@ class FakeBackend:
         return len(self.live_samplers)
 
     # ------------------------------------------------------------------ text
-    @property
-    def bos_token_id(self) -> int | None:
-        """The fake vocabulary adds no BOS."""
-        return None
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """Token 0."""
-        return EOS
-
     def token_text(self, token: int) -> str:
         """The token's bytes as text; special tokens by name."""
         return self._vocab.token_text(token)
