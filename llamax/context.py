@@ -42,6 +42,7 @@ from .errors import (
     InvalidRequestError,
     ModelLoadError,
 )
+from .facts import ModelFacts
 from .handle import RequestHandle
 from .images import Image, ImagePrompts
 from .models import default_model_path
@@ -144,12 +145,10 @@ class Context:
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
-        host = backend if isinstance(backend, ImageHost) else None  # reads its properties
+        self._facts = backend.facts  # known at load: they answer after close
+        host = backend if isinstance(backend, ImageHost) and self._facts.sees_images else None
         self._images = ImagePrompts(host)
-        self._sees_images = host is not None and host.sees_images  # answers after close
-        self._projector_identity = (
-            host.projector_identity if host is not None and host.sees_images else None
-        )
+        self._projector_identity = host.projector_identity if host is not None else None
         self._chat = BoundTemplate(backend, config.chat_template, self._images)
         self._embedder: Embedder | None = None
         self._embedder_finalizer: weakref.finalize[Any, Any] | None = None
@@ -166,11 +165,19 @@ class Context:
         return self._config
 
     @property
+    def facts(self) -> ModelFacts:
+        """The model's and the context's facts, computed once at load (:class:`ModelFacts`):
+        ``n_ctx``, ``n_ctx_seq``, ``n_seq_max``, ``n_vocab``, ``model_name``, ``fim_tokens``,
+        ``sees_images`` (each also a property of the context), ``n_embd``, ``n_ctx_train``,
+        ``bos_token_id``, ``eos_token_id``."""
+        return self._facts
+
+    @property
     def n_ctx(self) -> int:
         """KV cells granted (``n_ctx`` padded to a multiple of 256). ``stats().kv_cells_total``
         is what the current layout holds: with ``kv_layout="auto"`` in streams it may be up
         to twice as many, as llama.cpp rounds each stream up to 256 cells."""
-        return self._backend.n_ctx
+        return self._facts.n_ctx
 
     @property
     def calibration(self) -> Calibration | None:
@@ -183,12 +190,12 @@ class Context:
     @property
     def n_seq_max(self) -> int:
         """How many sequences may hold KV cells at once."""
-        return self._backend.n_seq_max
+        return self._facts.n_seq_max
 
     @property
     def n_ctx_seq(self) -> int:
         """The most tokens one sequence (prompt plus reply) may hold."""
-        return self._backend.n_ctx_seq
+        return self._facts.n_ctx_seq
 
     @property
     def kv_layout(self) -> str:
@@ -199,24 +206,24 @@ class Context:
     @property
     def n_vocab(self) -> int:
         """The vocabulary size: token ids are in ``[0, n_vocab)``."""
-        return self._backend.n_vocab
+        return self._facts.n_vocab
 
     @property
     def model_name(self) -> str:
         """The model's name from its metadata."""
-        return self._backend.model_name
+        return self._facts.model_name
 
     @property
     def fim_tokens(self) -> FimTokens:
         """The model's fill-in-the-middle tokens (``fim_tokens.can_infill``: whether it has
         the prefix, suffix and middle tokens that code infill needs)."""
-        return self._backend.fim_tokens
+        return self._facts.fim_tokens
 
     @property
     def sees_images(self) -> bool:
         """Whether prompts may hold images (:class:`~llamax.Image`): a projector
         (``mmproj``) that encodes them is loaded."""
-        return self._sees_images
+        return self._facts.sees_images
 
     def model_info(self) -> ModelInfo:
         """The model's :class:`~llamax.ModelInfo`, read from its file
@@ -234,7 +241,7 @@ class Context:
 
         self._check_open("read the model's info")
         info = model_info(self._config.model_path)
-        return dataclasses.replace(info, sees_images=self._sees_images)
+        return dataclasses.replace(info, sees_images=self._facts.sees_images)
 
     @property
     def closed(self) -> bool:

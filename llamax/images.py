@@ -113,7 +113,8 @@ class ImagePrompts:
     """Turns prompts of parts into token ids and :class:`PromptImage` s; any thread.
 
     Args:
-        host: The backend's projector role.
+        host: The backend's projector role, when a projector that encodes images is
+            loaded (``facts.sees_images``); ``None``: a prompt with an image raises.
         cache_bytes: The embeddings kept, by image id, for reuse.
     """
 
@@ -192,7 +193,7 @@ class ImagePrompts:
 
     def _projector(self) -> ImageHost:
         host = self._host
-        if host is None or not host.sees_images:
+        if host is None:
             raise ImageError(
                 "image input is not supported: this model does not take images "
                 "(no projector, mmproj, is loaded)"

@@ -109,7 +109,7 @@ def prompt_token_ids(backend: Backend, ids: object) -> list[int]:
 
 def _checked_ids(backend: Backend, ids: Sequence[object]) -> list[int]:
     """Plain ints from ``ids`` (numpy integers accepted), each within the vocabulary."""
-    n_vocab = backend.n_vocab
+    n_vocab = backend.facts.n_vocab
     tokens = []
     for t in ids:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
@@ -159,7 +159,7 @@ def check_token_ids(backend: Backend, params: SamplingParams) -> None:
     Raises:
         InvalidParameterError: naming the field and the ids out of range.
     """
-    n_vocab = backend.n_vocab
+    n_vocab = backend.facts.n_vocab
     for name, ids in (
         ("logit_bias", params.logit_bias.keys()),
         ("stop_token_ids", params.stop_token_ids),

@@ -329,6 +329,7 @@ VALUE_MODULES = (
     "llamax.checks",
     "llamax.config",
     "llamax.errors",
+    "llamax.facts",
     "llamax.params",
     "llamax.optionspec",
     "llamax.drafting",

@@ -424,6 +424,7 @@ def _context_calls(ctx: llamax.Context, tmp_path: Path) -> dict[str, Callable[[]
 STILL_ANSWER = {
     "config",
     "calibration",
+    "facts",
     "n_ctx",
     "n_seq_max",
     "n_ctx_seq",

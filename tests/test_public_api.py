@@ -44,6 +44,7 @@ EXPECTED_ALL = [
     "LogitsProcessor",
     "LogitsRow",
     "LoopOwnershipError",
+    "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
     "NotFoundError",
