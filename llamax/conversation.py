@@ -34,6 +34,7 @@ from typing import Any, Generic, Protocol
 from typing_extensions import Self, TypeVar
 
 from .errors import InvalidParameterError
+from .facts import ModelFacts
 from .handle import RequestHandle
 from .images import Image
 from .params import SamplingParams
@@ -80,8 +81,8 @@ class ChatHost(Protocol[S_co]):
     without climbing into a layer above it."""
 
     @property
-    def n_ctx_seq(self) -> int:
-        """The most tokens one sequence may hold."""
+    def facts(self) -> ModelFacts:
+        """The model's facts (``n_ctx_seq``: the most tokens one sequence may hold)."""
 
     @property
     def end_of_turn_token_ids(self) -> tuple[int, ...]:
@@ -180,7 +181,7 @@ class Chat(Generic[S]):
         )
         self._messages: list[Message] = validate_messages(start) if start else []
         self._ctx = ctx
-        self._max_context = min(max_context or ctx.n_ctx_seq, ctx.n_ctx_seq)
+        self._max_context = min(max_context or ctx.facts.n_ctx_seq, ctx.facts.n_ctx_seq)
         if self._max_context < 16:
             raise InvalidParameterError(
                 f"max_context must be >= 16, got {self._max_context}", param="max_context"
@@ -244,7 +245,7 @@ class Chat(Generic[S]):
             lambda m: len(self._ids(self._render(m))),
             self._max_context - reserve,
             reserve=reserve,
-            limit_name="n_ctx" if self._max_context == self._ctx.n_ctx_seq else "max_context",
+            limit_name="n_ctx" if self._max_context == self._ctx.facts.n_ctx_seq else "max_context",
         )
         dropped = len(wanted) - len(kept)
         shifted = self._shift(kept, dropped) if dropped else 0

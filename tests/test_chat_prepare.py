@@ -55,7 +55,7 @@ def test_options_tools_and_truncation_are_prepared_without_a_context() -> None:
     with pytest.raises(ContextLengthError):
         prepare_chat(small, ChatCall.of(long, max_tokens=8))
     fitted = prepare_chat(small, ChatCall.of(long, max_tokens=8, truncate="oldest_messages"))
-    assert len(fitted.prompt) + 8 <= small.n_ctx_seq
+    assert len(fitted.prompt) + 8 <= small.facts.n_ctx_seq
     with pytest.raises(TypeError, match="max_tokens"):
         ChatCall.of(long, max_token=8)
     assert prepare_text(TextCall.of("Hello", max_tokens=2)).num_prompt_tokens == 0

@@ -95,8 +95,6 @@ FACT_NAMES = frozenset(f.name for f in dataclasses.fields(llamax.ModelFacts))
 DEFINED_LEFT = {
     "Context": {*CONTEXT_FACTS},
     "Embedder": {"model_name", "n_embd", "n_ctx", "n_seq_max"},
-    "ChatModel": {"model_name", "n_ctx", "n_ctx_seq"},
-    "BoundTemplate": {"model_name", "n_ctx", "n_ctx_seq"},
     "NativeModel": {"n_ctx_train", "n_embd", "n_vocab"},
     "NativeContext": {"n_ctx", "n_ctx_seq", "n_seq_max"},
     "ServerState": {"model_name"},

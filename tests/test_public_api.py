@@ -213,6 +213,7 @@ UPPER_LAYERS = {
 PUBLIC_API = {
     "llamax",
     "llamax.errors",
+    "llamax.facts",
     "llamax.params",
     "llamax.config",
     "llamax.optionspec",

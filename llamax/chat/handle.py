@@ -57,7 +57,7 @@ class ChatHandle:
             chat_model,
             handle,
             prepared.kind,
-            prepared.model or chat_model.model_name,
+            prepared.model or chat_model.facts.model_name,
             int(time.time()),
             prepared.tools,
             prepared.reasoning_format,

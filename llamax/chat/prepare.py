@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ..errors import ContextLengthError, InvalidParameterError
+from ..facts import ModelFacts
 from ..images import Image
 from ..params import SamplingParams
 from ..reasoning import ReasoningFormat, opens_thinking
@@ -41,16 +42,9 @@ class ChatModel(PromptRenderer, Protocol):
         """Special tokens the template ends a turn with: chat stops there."""
 
     @property
-    def model_name(self) -> str:
-        """The model's name from its metadata."""
-
-    @property
-    def n_ctx(self) -> int:
-        """KV cells granted."""
-
-    @property
-    def n_ctx_seq(self) -> int:
-        """The most tokens one sequence (prompt plus reply) may hold."""
+    def facts(self) -> ModelFacts:
+        """The model's facts: its name, and the sizes a request must fit (``n_ctx_seq``:
+        the most tokens one sequence, prompt plus reply, may hold)."""
 
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
@@ -190,7 +184,7 @@ def _plain_chat(
     """
     msgs = validate_messages(messages)
     reserve = params.max_tokens or 1
-    budget = model.n_ctx_seq - reserve
+    budget = model.facts.n_ctx_seq - reserve
     rendered: dict[int, tuple[list[int | Image], int]] = {}  # by the number of messages kept
 
     def render(kept: list[dict[str, Any]]) -> tuple[list[int | Image], int]:
@@ -209,7 +203,7 @@ def _plain_chat(
                 f"more than a sequence may hold ({_limit(model)}); "
                 "pass truncate='oldest_messages' to drop old turns",
                 num_prompt_tokens=size,
-                n_ctx=model.n_ctx_seq,
+                n_ctx=model.facts.n_ctx_seq,
             )
         kept = drop_oldest_turns(msgs, lambda m: render(m)[1], budget, reserve=reserve)
         tokens, size = render(kept)
@@ -242,18 +236,18 @@ def _tool_chat(
     tokens = tool_prompt_tokens(model, messages, plan, **template_vars)
     reserve = params.max_tokens or 1
     size = model.prompt_positions(tokens)
-    if size + reserve > model.n_ctx_seq:
+    if size + reserve > model.facts.n_ctx_seq:
         raise ContextLengthError(
             f"the conversation with its tools needs {size} prompt tokens + {reserve} "
             f"for the reply, more than a sequence may hold ({_limit(model)})",
             num_prompt_tokens=size,
-            n_ctx=model.n_ctx_seq,
+            n_ctx=model.facts.n_ctx_seq,
         )
     return params, tokens
 
 
 def _limit(model: ChatModel) -> str:
     """``n_ctx=4096``, or ``n_ctx_seq=512`` when a sequence may hold less than ``n_ctx``."""
-    if model.n_ctx_seq == model.n_ctx:
-        return f"n_ctx={model.n_ctx}"
-    return f"n_ctx_seq={model.n_ctx_seq}"
+    if model.facts.n_ctx_seq == model.facts.n_ctx:
+        return f"n_ctx={model.facts.n_ctx}"
+    return f"n_ctx_seq={model.facts.n_ctx_seq}"

@@ -70,7 +70,7 @@ class BoundTemplate:
             TemplateError: the model has no template and none was given.
         """
         if self._template is None:
-            self._template = load_template(self._backend, self._override, self.model_name)
+            self._template = load_template(self._backend, self._override, self._facts.model_name)
         return self._template
 
     @property
@@ -84,22 +84,6 @@ class BoundTemplate:
     def facts(self) -> ModelFacts:
         """The model's facts (the backend's, computed at load)."""
         return self._facts
-
-    # what chat preparation's ``ChatModel`` reads
-    @property
-    def model_name(self) -> str:
-        """``facts.model_name``."""
-        return self._facts.model_name
-
-    @property
-    def n_ctx(self) -> int:
-        """``facts.n_ctx``."""
-        return self._facts.n_ctx
-
-    @property
-    def n_ctx_seq(self) -> int:
-        """``facts.n_ctx_seq``."""
-        return self._facts.n_ctx_seq
 
     def chat_prompt(
         self,
