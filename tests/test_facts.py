@@ -87,10 +87,9 @@ def test_a_move_between_layouts_changes_no_fact() -> None:
 
 # Where the package still defines a property (or method) named after a fact, by class
 # (not by file, so a module may move): the public faces that read ``facts`` (the facade,
-# the embedder), chat preparation's ``ChatModel`` protocol and the template binding that
-# implements it (preparation could take ``facts`` instead), the llama.cpp calls the backend
-# computes the facts from, and the server's served name (another thing: the alias). The
-# list may only shrink.
+# the embedder), the llama.cpp calls the backend computes the facts from, and the server's
+# served name (another thing: the alias). Chat preparation's ``ChatModel``, a ``Chat``'s
+# ``ChatHost`` and the template binding read ``facts``. The list may only shrink.
 FACT_NAMES = frozenset(f.name for f in dataclasses.fields(llamax.ModelFacts))
 DEFINED_LEFT = {
     "Context": {*CONTEXT_FACTS},
