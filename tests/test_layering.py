@@ -346,6 +346,7 @@ PUBLIC_MODULES = (
     "llamax.cli",
     "llamax.drafting",
     "llamax.flags",
+    "llamax.stats",
     "llamax.openai",
     "llamax.anthropic",
     "llamax.tools",
