@@ -4,8 +4,12 @@ The pool's per-model collector and the server's registry export the same engine 
 
 from __future__ import annotations
 
+import inspect
+
 import llamax
+from llamax.server import metrics as metrics_module
 from llamax.server.metrics import ServerMetrics, engine_metrics
+from llamax.stats import stat_fields
 from llamax.testing import FakeBackend
 
 # (metric, type, help, the flat ContextStats attribute it reads)
@@ -124,3 +128,21 @@ def test_server_registry_exports_the_pinned_metrics() -> None:
     assert found == sorted(expected)
     loading = ServerMetrics(lambda: None).registry  # no engine metrics while it loads
     assert sorted((m.name, m.type) for m in loading.collect()) == sorted(SERVER_METRICS)
+
+
+def test_every_metric_field_is_exported_from_its_metadata() -> None:
+    """The collector is derived: every field whose metadata names a metric is exported, as
+    declared, with its value, and ``server/metrics.py`` names no engine metric itself."""
+    stats = _stats()
+    declared = [f for f in stat_fields() if f.metric is not None]
+    names = [f.metric.name for f in declared if f.metric is not None]
+    assert len(names) == len(set(names))  # one field per metric
+    found = {m.name: m for m in engine_metrics([((), stats)])}
+    assert sorted(found) == sorted(names)
+    for field in declared:
+        assert field.metric is not None
+        metric = found[field.metric.name]
+        assert (metric.type, metric.documentation) == (field.metric.kind, field.metric.help)
+        assert metric.samples[0].value == float(field.value(stats)), field.path
+    source = inspect.getsource(metrics_module)
+    assert not [name for name in names if name in source]  # no hand-kept table

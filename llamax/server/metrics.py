@@ -48,7 +48,7 @@ def _engine_figures(stats: Callable[[], llamax.ContextStats | None]) -> Iterator
 def engine_metrics(
     rows: Sequence[tuple[Sequence[str], llamax.ContextStats]], labels: Sequence[str] = ()
 ) -> Iterator[Metric]:
-    """The engine's gauges and counters (``llamax_kv_cells_used`` ...), one sample per row:
+    """The engine's gauges and counters (KV cells, queue, prefix tiers ...), one sample per row:
     its label values (for ``labels``: ``("model",)`` with several models) and its stats.
     Each is a :class:`~llamax.ContextStats` field whose metadata names its metric
     (:func:`llamax.stats.stat_fields`): a new field with a metric is exported as it is."""
