@@ -13,6 +13,7 @@ names from before the groups): read-only properties generated on :class:`Context
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,8 +34,10 @@ __all__ = [
     "ThreadStats",
     "counter",
     "gauge",
+    "regenerate",
     "stat",
     "stat_fields",
+    "stats_table",
 ]
 
 KEY = "llamax.stat"
@@ -438,6 +441,43 @@ def _field(group: str, spec_of: dataclasses.Field[Any]) -> StatField:
     flat = spec.flat.format(group=group) if spec.flat is not None else None
     path = (group, spec_of.name) if group else (spec_of.name,)
     return StatField(path, flat, metric)
+
+
+def stats_table(kind: Literal["values", "metrics"]) -> str:
+    """A Markdown table of :class:`ContextStats`, from its fields' metadata: ``values``,
+    every value with its flat alias and metric; ``metrics``, the exported ones with their
+    type and help text (a counter's samples add ``_total`` to its name)."""
+    if kind == "values":
+        rows = ["| value | flat alias | metric |", "| --- | --- | --- |"]
+        for f in stat_fields():
+            metric = f"`{_exposed(f.metric)}`" if f.metric is not None else ""
+            rows.append(f"| `{'.'.join(f.path)}` | `{f.flat}` | {metric} |")
+    else:
+        rows = ["| metric | type | what | value |", "| --- | --- | --- | --- |"]
+        for f in stat_fields():
+            if (m := f.metric) is not None:
+                rows.append(f"| `{_exposed(m)}` | {m.kind} | {m.help} | `{'.'.join(f.path)}` |")
+    return "\n".join(rows) + "\n"
+
+
+def _exposed(metric: MetricSpec) -> str:
+    return metric.name + ("_total" if metric.kind == "counter" else "")
+
+
+_BLOCK = re.compile(
+    r"(<!-- stats: (?P<kind>values|metrics) -->\n)(?P<body>.*?)(<!-- /stats -->)", re.S
+)
+"""A generated block of the docs: ``<!-- stats: values -->``, the table, ``<!-- /stats -->``."""
+
+
+def regenerate(text: str) -> str:
+    """Markdown ``text`` with every generated stats block replaced by its current table."""
+
+    def table(m: re.Match[str]) -> str:
+        kind: Literal["values", "metrics"] = "values" if m["kind"] == "values" else "metrics"
+        return m[1] + stats_table(kind) + m[4]
+
+    return _BLOCK.sub(table, text)
 
 
 def _add_aliases() -> None:

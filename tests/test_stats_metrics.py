@@ -5,11 +5,12 @@ The pool's per-model collector and the server's registry export the same engine 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import llamax
 from llamax.server import metrics as metrics_module
 from llamax.server.metrics import ServerMetrics, engine_metrics
-from llamax.stats import stat_fields
+from llamax.stats import regenerate, stat_fields
 from llamax.testing import FakeBackend
 
 # (metric, type, help, the flat ContextStats attribute it reads)
@@ -146,3 +147,14 @@ def test_every_metric_field_is_exported_from_its_metadata() -> None:
         assert metric.samples[0].value == float(field.value(stats)), field.path
     source = inspect.getsource(metrics_module)
     assert not [name for name in names if name in source]  # no hand-kept table
+
+
+def test_the_docs_stats_tables_are_current() -> None:
+    found = 0
+    for path in sorted(Path(__file__).resolve().parent.parent.joinpath("docs").glob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        found += text.count("<!-- stats: ")
+        assert regenerate(text) == text, (
+            f"{path.name}: a stats table is stale; run python scripts/option_tables.py"
+        )
+    assert found == 2  # api.md (values), server.md (metrics)
