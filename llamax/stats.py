@@ -80,14 +80,16 @@ class StatSpec:
 
 def stat(
     flat: str | None = None,
-    metric: MetricSpec | Mapping[str, MetricSpec] | None = None,
+    metric: MetricSpec | None = None,
     *,
     default: object = 0,
+    **by_group: MetricSpec,
 ) -> Any:
     """A group's dataclass field (default ``default``) whose metadata holds a
     :class:`StatSpec`: ``cells_used: int = stat("kv_cells_used", gauge("llamax_kv_cells_used",
-    "KV cells in use"))``."""
-    return field(default=default, metadata={KEY: StatSpec(flat, metric)})
+    "KV cells in use"))``; a group held more than once names a metric per group name
+    (``prefix_ram=gauge(...), prefix_disk=gauge(...)``)."""
+    return field(default=default, metadata={KEY: StatSpec(flat, metric or by_group or None)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,52 +176,32 @@ class PrefixTierStats:
 
     num_bytes: int = stat(
         "{group}_bytes",
-        {
-            "prefix_ram": gauge(
-                "llamax_prefix_ram_bytes", "Bytes of evicted prefixes kept in host RAM"
-            ),
-            "prefix_disk": gauge(
-                "llamax_prefix_disk_bytes", "Bytes of evicted prefixes kept on disk"
-            ),
-        },
+        prefix_ram=gauge("llamax_prefix_ram_bytes", "Bytes of evicted prefixes kept in host RAM"),
+        prefix_disk=gauge("llamax_prefix_disk_bytes", "Bytes of evicted prefixes kept on disk"),
     )
     """Bytes of state held."""
     budget_bytes: int = stat(
         "{group}_budget_bytes",
-        {
-            "prefix_ram": gauge(
-                "llamax_prefix_ram_budget_bytes", "The host-RAM prefix tier's budget"
-            ),
-            "prefix_disk": gauge(
-                "llamax_prefix_disk_budget_bytes", "The disk prefix tier's budget"
-            ),
-        },
+        prefix_ram=gauge("llamax_prefix_ram_budget_bytes", "The host-RAM prefix tier's budget"),
+        prefix_disk=gauge("llamax_prefix_disk_budget_bytes", "The disk prefix tier's budget"),
     )
     """The most bytes held (0: the tier is off)."""
     num_entries: int = stat(
         "{group}_entries",
-        {
-            "prefix_ram": gauge("llamax_prefix_ram_entries", "Evicted prefixes kept in host RAM"),
-            "prefix_disk": gauge("llamax_prefix_disk_entries", "Evicted prefixes kept on disk"),
-        },
+        prefix_ram=gauge("llamax_prefix_ram_entries", "Evicted prefixes kept in host RAM"),
+        prefix_disk=gauge("llamax_prefix_disk_entries", "Evicted prefixes kept on disk"),
     )
     """Entries (evicted prefixes) held."""
     num_hinted: int = stat(
         "{group}_hinted_entries",
-        {
-            "prefix_ram": gauge(
-                "llamax_prefix_ram_hinted_entries", "Of those, kept longer by a hint"
-            ),
-            "prefix_disk": gauge(
-                "llamax_prefix_disk_hinted_entries", "Of those, kept longer by a hint"
-            ),
-        },
+        prefix_ram=gauge("llamax_prefix_ram_hinted_entries", "Of those, kept longer by a hint"),
+        prefix_disk=gauge("llamax_prefix_disk_hinted_entries", "Of those, kept longer by a hint"),
     )
     """Of :attr:`num_entries`, those a hint asked to keep longer
     (``SamplingParams.keep_prefix``): dropped last."""
     num_stored: int = stat(
         "num_{group}_stores",
-        {"prefix_disk": counter("llamax_prefix_disk_stores", "Prefixes written to disk")},
+        prefix_disk=counter("llamax_prefix_disk_stores", "Prefixes written to disk"),
     )
     """States stored (on disk: dropped from RAM, or evicted with no RAM tier)."""
     num_dropped: int = 0
@@ -228,61 +210,47 @@ class PrefixTierStats:
     """Stores that failed (the entry is lost)."""
     num_hits: int = stat(
         "num_{group}_hits",
-        {
-            "prefix_ram": counter(
-                "llamax_prefix_ram_hits", "Prompts whose longest prefix was in host RAM"
-            ),
-            "prefix_disk": counter(
-                "llamax_prefix_disk_hits", "Prompts whose longest prefix was on disk"
-            ),
-        },
+        prefix_ram=counter(
+            "llamax_prefix_ram_hits", "Prompts whose longest prefix was in host RAM"
+        ),
+        prefix_disk=counter("llamax_prefix_disk_hits", "Prompts whose longest prefix was on disk"),
     )
     """Prompts that found a longer prefix here than above (restores tried)."""
     num_restores: int = stat(
         "num_{group}_restores",
-        {
-            "prefix_ram": counter("llamax_prefix_ram_restores", "Prefixes restored from host RAM"),
-            "prefix_disk": counter("llamax_prefix_disk_restores", "Prefixes restored from disk"),
-        },
+        prefix_ram=counter("llamax_prefix_ram_restores", "Prefixes restored from host RAM"),
+        prefix_disk=counter("llamax_prefix_disk_restores", "Prefixes restored from disk"),
     )
     """Restores that succeeded."""
     num_refused: int = stat(
         "num_{group}_refused",
-        {
-            "prefix_ram": counter(
-                "llamax_prefix_ram_refused", "Restores from host RAM refused (recomputed)"
-            ),
-            "prefix_disk": counter(
-                "llamax_prefix_disk_refused", "Files or states from disk refused (recomputed)"
-            ),
-        },
+        prefix_ram=counter(
+            "llamax_prefix_ram_refused", "Restores from host RAM refused (recomputed)"
+        ),
+        prefix_disk=counter(
+            "llamax_prefix_disk_refused", "Files or states from disk refused (recomputed)"
+        ),
     )
     """Entries that did not read back, or states the memory refused: recomputed."""
     num_restored_tokens: int = stat(
         "num_{group}_tokens",
-        {
-            "prefix_ram": counter(
-                "llamax_prefix_ram_restored_tokens", "Prompt tokens restored from host RAM"
-            ),
-            "prefix_disk": counter(
-                "llamax_prefix_disk_restored_tokens", "Prompt tokens restored from disk"
-            ),
-        },
+        prefix_ram=counter(
+            "llamax_prefix_ram_restored_tokens", "Prompt tokens restored from host RAM"
+        ),
+        prefix_disk=counter(
+            "llamax_prefix_disk_restored_tokens", "Prompt tokens restored from disk"
+        ),
     )
     """Prompt tokens restored instead of computed (also counted in
     :attr:`SequenceStats.num_cached_tokens`)."""
     restore_seconds: float = stat(
         "{group}_restore_seconds",
-        {
-            "prefix_ram": counter(
-                "llamax_prefix_ram_restore_seconds",
-                "Time spent restoring prefixes from host RAM",
-            ),
-            "prefix_disk": counter(
-                "llamax_prefix_disk_restore_seconds", "Time spent restoring prefixes from disk"
-            ),
-        },
-        default=0.0,
+        prefix_ram=counter(
+            "llamax_prefix_ram_restore_seconds", "Time spent restoring prefixes from host RAM"
+        ),
+        prefix_disk=counter(
+            "llamax_prefix_disk_restore_seconds", "Time spent restoring prefixes from disk"
+        ),
     )
     """Time spent reading and restoring (successful or not)."""
 
