@@ -390,8 +390,8 @@ class StatField:
 
 @cache
 def stat_fields() -> tuple[StatField, ...]:
-    """Every value of :class:`ContextStats` that declares a :class:`StatSpec` (an alias, a
-    metric or both), in field order, groups' fields in place of their group."""
+    """Every value of :class:`ContextStats` with what its field declares (its flat alias,
+    its metric), in field order, groups' fields in place of their group."""
     found: list[StatField] = []
     hints = typing.get_type_hints(ContextStats)
     for top in dataclasses.fields(ContextStats):
@@ -400,7 +400,7 @@ def stat_fields() -> tuple[StatField, ...]:
             found += (_field(top.name, inner) for inner in dataclasses.fields(kind))
         else:
             found.append(_field("", top))
-    return tuple(f for f in found if f.flat is not None or f.metric is not None)
+    return tuple(found)
 
 
 def _field(group: str, spec_of: dataclasses.Field[Any]) -> StatField:
@@ -418,8 +418,9 @@ def stats_table(kind: Literal["values", "metrics"]) -> str:
     if kind == "values":
         rows = ["| value | flat alias | metric |", "| --- | --- | --- |"]
         for f in stat_fields():
+            flat = f"`{f.flat}`" if f.flat is not None else ""
             metric = f"`{_exposed(f.metric)}`" if f.metric is not None else ""
-            rows.append(f"| `{'.'.join(f.path)}` | `{f.flat}` | {metric} |")
+            rows.append(f"| `{'.'.join(f.path)}` | {flat} | {metric} |")
     else:
         rows = ["| metric | type | what | value |", "| --- | --- | --- | --- |"]
         for f in stat_fields():
