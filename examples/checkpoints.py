@@ -45,8 +45,8 @@ def chat(model: Path, *, prefix_cache: bool) -> list[tuple[int, int]]:
             messages.append({"role": "assistant", "content": done.text})
         stats = ctx.stats()
         print(
-            f"prefix_cache={prefix_cache}: {stats.num_checkpoints} checkpoints "
-            f"({stats.checkpoint_bytes} bytes), {stats.num_checkpoint_restores} restored"
+            f"prefix_cache={prefix_cache}: {stats.checkpoints.num_taken} checkpoints "
+            f"({stats.checkpoints.num_bytes} bytes), {stats.checkpoints.num_restores} restored"
         )
     return turns
 

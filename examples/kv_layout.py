@@ -11,8 +11,8 @@ def counting(start: int, n: int) -> str:
 def show(ctx: llamax.Context, when: str) -> None:
     stats = ctx.stats()
     print(
-        f"{when:<34} layout={stats.kv_layout:<8} moves={stats.num_relayouts} "
-        f"cells={stats.kv_cells_total} ({stats.kv_bytes_total / 2**20:.0f} MiB)"
+        f"{when:<34} layout={stats.kv.layout:<8} moves={stats.kv.num_relayouts} "
+        f"cells={stats.kv.cells_total} ({stats.kv.bytes_total / 2**20:.0f} MiB)"
     )
 
 
@@ -22,7 +22,7 @@ def main() -> None:
         show(ctx, "start")
         print(
             f"a sequence may hold {ctx.n_ctx_seq} tokens; its own stream holds "
-            f"{ctx.stats().kv_cells_per_stream}"
+            f"{ctx.stats().kv.cells_per_stream}"
         )
         shorts = [ctx.add_request(counting(10 * i, 5), params) for i in range(2)]
         for handle in shorts:

@@ -12,7 +12,7 @@ def main() -> None:
         done = ctx.add_request(prompt, params).result()
         for choice in done.choices:
             print(f"[{choice.index}] {choice.text.strip()!r} ({choice.finish_reason})")
-        print(done.usage, "prefill tokens:", ctx.stats().num_prefill_tokens)
+        print(done.usage, "prefill tokens:", ctx.stats().sequences.num_prefill_tokens)
 
 
 if __name__ == "__main__":

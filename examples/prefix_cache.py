@@ -28,8 +28,9 @@ def main() -> None:
             print(f"{done.usage.cached_tokens:5d} cached  {done.text!r}")
         stats = ctx.stats()
         print(
-            f"{time.perf_counter() - start:.1f}s, prefilled {stats.num_prefill_tokens} tokens, "
-            f"served {stats.num_cached_tokens} from the cache"
+            f"{time.perf_counter() - start:.1f}s, "
+            f"prefilled {stats.sequences.num_prefill_tokens} tokens, "
+            f"served {stats.sequences.num_cached_tokens} from the cache"
         )
 
 

@@ -37,9 +37,10 @@ def second_round(prefix_ram_bytes: int) -> list[float]:
             ]
         stats = ctx.stats()
         print(
-            f"prefix_ram_bytes={prefix_ram_bytes}: {stats.num_prefix_ram_restores} restores, "
-            f"{stats.prefix_ram_entries} entries ({stats.prefix_ram_bytes / 1e6:.0f} MB) in RAM, "
-            f"{stats.num_prefill_tokens} prompt tokens computed"
+            f"prefix_ram_bytes={prefix_ram_bytes}: {stats.prefix_ram.num_restores} restores, "
+            f"{stats.prefix_ram.num_entries} entries "
+            f"({stats.prefix_ram.num_bytes / 1e6:.0f} MB) in RAM, "
+            f"{stats.sequences.num_prefill_tokens} prompt tokens computed"
         )
         return times
 

@@ -57,7 +57,8 @@ def main() -> None:
         print(f"without speculation: {plain.usage.completion_tokens} tokens in {plain_s:.2f} s")
         print(f"same tokens: {fast.token_ids == plain.token_ids}")
         stats = ctx.stats()
-        print(f"context: {stats.num_accepted_tokens}/{stats.num_drafted_tokens} drafts accepted")
+        drafts = stats.speculation
+        print(f"context: {drafts.num_accepted_tokens}/{drafts.num_drafted_tokens} drafts accepted")
 
 
 if __name__ == "__main__":

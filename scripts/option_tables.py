@@ -1,5 +1,6 @@
-"""Regenerate the options tables of the docs from the option fields (see llamax.optionspec)
-and the request-field tables from the route tables (see llamax.openai.fields).
+"""Regenerate the options tables of the docs from the option fields (see llamax.optionspec),
+the request-field tables from the route tables (see llamax.openai.fields) and the stats
+tables from the stats fields (see llamax.stats).
 
 Usage: ``python scripts/option_tables.py [FILE.md ...]`` (default: ``docs/*.md``).
 """
@@ -13,15 +14,16 @@ from llamax.config import OPTION_LISTS
 from llamax.openai import fields
 from llamax.optionspec import regenerate
 from llamax.server.schemas import FIELD_TABLES
+from llamax.stats import regenerate as stats_tables
 
 
 def main(argv: list[str]) -> int:
-    """Rewrite the options and request-field tables of the given Markdown files (default:
+    """Rewrite the options, request-field and stats tables of the given Markdown files (default:
     ``docs/*.md``)."""
     paths = [Path(a) for a in argv] or sorted(Path("docs").glob("*.md"))
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        new = fields.regenerate(regenerate(text, OPTION_LISTS), FIELD_TABLES)
+        new = stats_tables(fields.regenerate(regenerate(text, OPTION_LISTS), FIELD_TABLES))
         if new != text:
             path.write_text(new, encoding="utf-8")
             print(f"updated {path}")

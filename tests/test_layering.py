@@ -349,6 +349,7 @@ PUBLIC_MODULES = (
     "llamax.drafting",
     "llamax.flags",
     "llamax.chat",
+    "llamax.stats",
     "llamax.openai",
     "llamax.anthropic",
     "llamax.tools",

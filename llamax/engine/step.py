@@ -5,7 +5,7 @@
     plan = scheduler.schedule() -> backend.decode(plan) (shrunk on NO_SLOT) -> sample rows
          -> scheduler.update(plan, sampled) -> learn the step's cost and threads
 
-and composes :class:`~llamax.stats.ContextStats` from each component's own stats.
+and composes :class:`~llamax.stats.ContextStats` from each component's own group.
 :func:`deliver` and :func:`settle` hand a step's events and endings to the requests'
 handles and futures; the loop calls them outside every engine lock.
 """
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import InvalidStateError
-from typing import Any
 
 from ..backend.base import Backend, DecodeStatus, ImageHost, LoraHost
 from ..errors import EngineError, RequestFailedError
 from ..results import TokenLogprob
 from ..stats import ContextStats
-from .kv.prefix_tier import TierStats
 from .plan import StepPlan, StepResult, split_images
 from .sched.sampling import BatchLogitsProcessor, keep_interrupt, sample_plan, sample_row
 from .sched.scheduler import Scheduler
@@ -153,62 +151,22 @@ class Stepper:
         return None
 
     def stats(self, state: str) -> ContextStats:
-        """The stats now (the engine in ``state``), composed from each component's own."""
-        s, backend = self._scheduler, self._backend
-        own, drafts, layout = s.stats(), s.drafts.stats(), s.layout.stats()
-        threads = self.threads.stats()
+        """The stats now (the engine in ``state``): each group is its component's own."""
+        s = self._scheduler
         return ContextStats(
             state=state,
-            num_waiting=own.num_waiting,
-            num_running=own.num_running,
-            num_retained=s.prefix.num_retained,
+            num_unsettled=0,  # the loop's to count
             num_sessions=s.sessions.num_open,
-            num_unsettled=0,
-            kv_cells_used=s.kv.num_cells_used,
-            kv_cells_total=backend.kv_cells,
-            kv_cells_per_seq=backend.facts.n_ctx_seq,
-            kv_layout="unified" if s.kv.is_unified else "streams",
-            kv_bytes_total=backend.kv_cells * backend.kv_bytes_per_cell,
-            num_free_seq_ids=s.kv.num_free_seq_ids,
             num_steps=self.num_steps,
-            num_prefill_tokens=own.num_prefill_tokens,
-            num_decode_tokens=own.num_decode_tokens,
-            num_cached_tokens=own.num_cached_tokens,
-            num_preemptions=own.num_preemptions,
-            num_evictions=s.prefix.num_evictions,
-            num_drafted_tokens=drafts.num_drafted_tokens,
-            num_accepted_tokens=drafts.num_accepted_tokens,
-            kv_cells_per_stream=layout.kv_cells_per_stream,
-            num_relayouts=layout.num_relayouts,
-            num_retained_hinted=s.prefix.num_hinted,
-            num_checkpoints=s.kv.num_checkpoints,
-            num_checkpoint_restores=s.kv.num_checkpoint_restores,
-            checkpoint_bytes=s.kv.checkpoint_bytes,
-            n_threads=threads.n_threads,
-            is_contended=threads.is_contended,
-            num_thread_changes=threads.num_thread_changes,
-            **{
-                field: value
-                for name, tier in s.prefix.tier_stats().items()
-                for field, value in _tier_fields(name, tier).items()
-            },
+            sequences=s.stats(),
+            kv=s.layout.stats(),
+            prefix=s.prefix.stats(),
+            prefix_ram=s.prefix.tier_stats("ram"),
+            prefix_disk=s.prefix.tier_stats("disk"),
+            checkpoints=s.kv.checkpoint_stats(),
+            threads=self.threads.stats(),
+            speculation=s.drafts.stats(),
         )
-
-
-def _tier_fields(name: str, tier: TierStats) -> dict[str, Any]:
-    """A prefix tier's fields of :class:`ContextStats` (``prefix_<name>_bytes``, ...)."""
-    return {
-        f"prefix_{name}_bytes": tier.num_bytes,
-        f"prefix_{name}_budget_bytes": tier.budget_bytes,
-        f"prefix_{name}_entries": tier.num_entries,
-        f"prefix_{name}_hinted_entries": tier.num_hinted,
-        f"num_prefix_{name}_stores": tier.num_stored,
-        f"num_prefix_{name}_hits": tier.num_hits,
-        f"num_prefix_{name}_restores": tier.num_restores,
-        f"num_prefix_{name}_refused": tier.num_refused,
-        f"num_prefix_{name}_tokens": tier.num_restored_tokens,
-        f"prefix_{name}_restore_seconds": tier.restore_seconds,
-    }
 
 
 def deliver(result: StepResult) -> None:

@@ -13,7 +13,6 @@ before picking a replica; so the custom router sits on the ingress → replica h
 import json
 import os
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict
 from typing import Any, cast
 
 from fastapi import FastAPI
@@ -42,14 +41,16 @@ def replica_summary(stats: llamax.ContextStats) -> dict[str, Any]:
         stats: The replica context's stats.
 
     Returns:
-        Every ``ContextStats`` field, plus ``cached_token_fraction`` (prompt tokens served
+        Every ``ContextStats`` value under its flat name (:meth:`~llamax.ContextStats.flat`),
+        plus ``cached_token_fraction`` (prompt tokens served
         from the prefix cache / all prompt tokens) and ``kv_used_fraction``.
     """
-    summary = asdict(stats)
-    prompt = stats.num_cached_tokens + stats.num_prefill_tokens
-    summary["cached_token_fraction"] = stats.num_cached_tokens / prompt if prompt else 0.0
+    summary = stats.flat()
+    tokens = stats.sequences
+    prompt = tokens.num_cached_tokens + tokens.num_prefill_tokens
+    summary["cached_token_fraction"] = tokens.num_cached_tokens / prompt if prompt else 0.0
     summary["kv_used_fraction"] = (
-        stats.kv_cells_used / stats.kv_cells_total if stats.kv_cells_total else 0.0
+        stats.kv.cells_used / stats.kv.cells_total if stats.kv.cells_total else 0.0
     )
     return summary
 

@@ -61,12 +61,13 @@ def _health(state: ServerState, status: str) -> dict[str, Any]:
         return body
     stats = ctx.stats()
     body["model"] = state.model_name(ctx)
-    body["queue"] |= {"waiting": stats.num_waiting, "running": stats.num_running}
+    queue = stats.sequences
+    body["queue"] |= {"waiting": queue.num_waiting, "running": queue.num_running}
     body["kv"] = {
-        "cells_used": stats.kv_cells_used,
-        "cells_total": stats.kv_cells_total,
-        "retained_sequences": stats.num_retained,
-        "free_seq_ids": stats.num_free_seq_ids,
+        "cells_used": stats.kv.cells_used,
+        "cells_total": stats.kv.cells_total,
+        "retained_sequences": stats.prefix.num_retained,
+        "free_seq_ids": stats.kv.num_free_seq_ids,
         "n_seq_max": ctx.n_seq_max,
     }
     return body

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 import llamax
+from llamax.stats import stat_fields
 
 __all__ = [
     "ScrapeCollector",
@@ -47,79 +48,18 @@ def _engine_figures(stats: Callable[[], llamax.ContextStats | None]) -> Iterator
 def engine_metrics(
     rows: Sequence[tuple[Sequence[str], llamax.ContextStats]], labels: Sequence[str] = ()
 ) -> Iterator[Metric]:
-    """The engine's gauges and counters (``llamax_kv_cells_used`` ...), one sample per row:
-    its label values (for ``labels``: ``("model",)`` with several models) and its stats."""
-    gauges = {
-        "llamax_queue_waiting_sequences": ("Sequences queued", "num_waiting"),
-        "llamax_running_sequences": ("Sequences being computed", "num_running"),
-        "llamax_retained_sequences": ("Finished sequences kept for their prefix", "num_retained"),
-        "llamax_retained_hinted_sequences": ("Of those, kept longer by a hint",
-                                             "num_retained_hinted"),
-        "llamax_kv_cells_used": ("KV cells in use", "kv_cells_used"),
-        "llamax_kv_cells_total": ("KV cells in the context", "kv_cells_total"),
-        "llamax_prefix_ram_bytes": ("Bytes of evicted prefixes kept in host RAM",
-                                    "prefix_ram_bytes"),
-        "llamax_prefix_ram_budget_bytes": ("The host-RAM prefix tier's budget",
-                                           "prefix_ram_budget_bytes"),
-        "llamax_prefix_ram_entries": ("Evicted prefixes kept in host RAM", "prefix_ram_entries"),
-        "llamax_prefix_ram_hinted_entries": ("Of those, kept longer by a hint",
-                                             "prefix_ram_hinted_entries"),
-        "llamax_prefix_disk_bytes": ("Bytes of evicted prefixes kept on disk",
-                                     "prefix_disk_bytes"),
-        "llamax_prefix_disk_budget_bytes": ("The disk prefix tier's budget",
-                                            "prefix_disk_budget_bytes"),
-        "llamax_prefix_disk_entries": ("Evicted prefixes kept on disk", "prefix_disk_entries"),
-        "llamax_prefix_disk_hinted_entries": ("Of those, kept longer by a hint",
-                                              "prefix_disk_hinted_entries"),
-        "llamax_checkpoint_bytes": ("Bytes of recurrent-state checkpoints held",
-                                    "checkpoint_bytes"),
-        "llamax_threads": ("CPU threads a step uses now", "n_threads"),
-        "llamax_contended": ("1 while other processes hold cores and fewer threads are used",
-                             "is_contended"),
-    }  # fmt: skip
-    counters = {
-        "llamax_engine_steps": ("Decodes run", "num_steps"),
-        "llamax_engine_prefill_tokens": ("Prompt tokens computed", "num_prefill_tokens"),
-        "llamax_engine_decode_tokens": ("Generated tokens computed", "num_decode_tokens"),
-        "llamax_engine_preemptions": ("Sequences preempted", "num_preemptions"),
-        "llamax_thread_changes": ("Changes of the thread count (contention)",
-                                  "num_thread_changes"),
-        "llamax_kv_relayouts": ("Moves between KV layouts", "num_relayouts"),
-        "llamax_checkpoints": ("Checkpoints taken (recurrent or hybrid memory)",
-                               "num_checkpoints"),
-        "llamax_checkpoint_restores": ("Cuts and copies at a checkpoint",
-                                       "num_checkpoint_restores"),
-        "llamax_prefix_ram_hits": ("Prompts whose longest prefix was in host RAM",
-                                   "num_prefix_ram_hits"),
-        "llamax_prefix_ram_restores": ("Prefixes restored from host RAM",
-                                       "num_prefix_ram_restores"),
-        "llamax_prefix_ram_refused": ("Restores from host RAM refused (recomputed)",
-                                      "num_prefix_ram_refused"),
-        "llamax_prefix_ram_restored_tokens": ("Prompt tokens restored from host RAM",
-                                              "num_prefix_ram_tokens"),
-        "llamax_prefix_ram_restore_seconds": ("Time spent restoring prefixes from host RAM",
-                                              "prefix_ram_restore_seconds"),
-        "llamax_prefix_disk_stores": ("Prefixes written to disk", "num_prefix_disk_stores"),
-        "llamax_prefix_disk_hits": ("Prompts whose longest prefix was on disk",
-                                    "num_prefix_disk_hits"),
-        "llamax_prefix_disk_restores": ("Prefixes restored from disk",
-                                        "num_prefix_disk_restores"),
-        "llamax_prefix_disk_refused": ("Files or states from disk refused (recomputed)",
-                                       "num_prefix_disk_refused"),
-        "llamax_prefix_disk_restored_tokens": ("Prompt tokens restored from disk",
-                                               "num_prefix_disk_tokens"),
-        "llamax_prefix_disk_restore_seconds": ("Time spent restoring prefixes from disk",
-                                               "prefix_disk_restore_seconds"),
-    }  # fmt: skip
-    kinds: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], dict[str, Any]]] = [
-        (GaugeMetricFamily, gauges), (CounterMetricFamily, counters)
-    ]  # fmt: skip
-    for family, table in kinds:
-        for name, (doc, field) in table.items():
-            metric = family(name, doc, labels=list(labels))
-            for values, stats in rows:
-                metric.add_metric(list(values), getattr(stats, field))
-            yield metric
+    """The engine's gauges and counters (KV cells, queue, prefix tiers ...), one sample per row:
+    its label values (for ``labels``: ``("model",)`` with several models) and its stats.
+    Each is a :class:`~llamax.ContextStats` field whose metadata names its metric
+    (:func:`llamax.stats.stat_fields`): a new field with a metric is exported as it is."""
+    for found in stat_fields():
+        if (spec := found.metric) is None:
+            continue
+        family = GaugeMetricFamily if spec.kind == "gauge" else CounterMetricFamily
+        metric = family(spec.name, spec.help, labels=list(labels))
+        for values, stats in rows:
+            metric.add_metric(list(values), float(found.value(stats)))
+        yield metric
 
 
 class ServerMetrics:

@@ -31,20 +31,19 @@ def assert_idle(ctx: Context, timeout: float = 60.0, *, clear_cache: bool = True
         ctx.clear_cache()
         problems = _leaks(ctx)
         stats = ctx.stats()
-        if stats.kv_cells_used or stats.num_retained:
+        ram, disk = stats.prefix_ram, stats.prefix_disk
+        if stats.kv.cells_used or stats.prefix.num_retained:
             problems.append(
-                f"{stats.kv_cells_used} cells in {stats.num_retained} retained sequences "
+                f"{stats.kv.cells_used} cells in {stats.prefix.num_retained} retained sequences "
                 "after clear_cache()"
             )
-        if stats.prefix_ram_entries or stats.prefix_ram_bytes:
+        if ram.num_entries or ram.num_bytes:
             problems.append(
-                f"{stats.prefix_ram_bytes} bytes in {stats.prefix_ram_entries} RAM prefixes "
-                "after clear_cache()"
+                f"{ram.num_bytes} bytes in {ram.num_entries} RAM prefixes after clear_cache()"
             )
-        if stats.prefix_disk_entries or stats.prefix_disk_bytes:
+        if disk.num_entries or disk.num_bytes:
             problems.append(
-                f"{stats.prefix_disk_bytes} bytes in {stats.prefix_disk_entries} disk prefixes "
-                "after clear_cache()"
+                f"{disk.num_bytes} bytes in {disk.num_entries} disk prefixes after clear_cache()"
             )
     if problems:
         raise AssertionError("engine not idle: " + "; ".join(problems))
@@ -55,8 +54,9 @@ def _leaks(ctx: Context) -> list[str]:
     problems = []
     if ctx.has_work():
         problems.append("engine still has work")
-    if stats.num_running or stats.num_waiting:
-        problems.append(f"{stats.num_running} running / {stats.num_waiting} waiting sequences")
+    queue = stats.sequences
+    if queue.num_running or queue.num_waiting:
+        problems.append(f"{queue.num_running} running / {queue.num_waiting} waiting sequences")
     if stats.num_unsettled:
         problems.append(f"{stats.num_unsettled} requests never settled")
     if stats.num_sessions:

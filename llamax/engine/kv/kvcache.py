@@ -39,6 +39,7 @@ from enum import Enum
 from ...adapters import NO_ADAPTERS, AdapterSet
 from ...backend.base import DecodeStatus, KVMemory, SharedPrefix
 from ...errors import InvalidParameterError
+from ...stats import CheckpointStats
 from .checkpoints import least_needed, pack_state, unpack_state
 from .stream_copies import QueuedCopies
 
@@ -267,6 +268,12 @@ class KVCache:
             return 0
         seen = {id(d): len(d) for slot in self._slots.values() for d in slot.checkpoints.values()}
         return sum(seen.values())
+
+    def checkpoint_stats(self) -> CheckpointStats:
+        """The checkpoints' counters and bytes now."""
+        return CheckpointStats(
+            self.num_checkpoints, self.num_checkpoint_restores, self.checkpoint_bytes
+        )
 
     def checkpoint(self, slot: Slot, max_kept: int) -> None:
         """Take a checkpoint of ``slot`` at its current length, keeping at most

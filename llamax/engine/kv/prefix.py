@@ -35,12 +35,13 @@ from typing import Any
 from ...adapters import NO_ADAPTERS, AdapterSet
 from ...backend.base import Backend, ImageHost
 from ...config import EngineConfig
+from ...stats import PrefixCacheStats, PrefixTierStats
 from ...tokens import common_prefix_len
 from .checkpoints import planned_checkpoint
 from .kvcache import KVCache, Slot, SlotState
 from .prefix_disk import PrefixDiskTier, default_disk_budget
 from .prefix_ram import PrefixRamTier, RamEntry, default_budget
-from .prefix_tier import PrefixTier, TierStats
+from .prefix_tier import PrefixTier
 
 __all__ = ["PrefixCache", "PrefixMatch"]
 
@@ -262,9 +263,14 @@ class PrefixCache:
             made.checkpoint_budget = int(default_budget() * config.prefix_ram_share)
         return made
 
-    def tier_stats(self) -> dict[str, TierStats]:
-        """Each tier's stats by its name (``ram``, ``disk``)."""
-        return {tier.name: tier.stats() for tier in self.tiers}
+    def stats(self) -> PrefixCacheStats:
+        """The retained slots' counts now."""
+        return PrefixCacheStats(self.num_retained, self.num_hinted, self.num_evictions)
+
+    def tier_stats(self, name: str) -> PrefixTierStats:
+        """The stats of the tier named ``name`` (``ram``, ``disk``): all 0 if there is none."""
+        found = [tier.stats() for tier in self.tiers if tier.name == name]
+        return found[0] if found else PrefixTierStats()
 
     def audit(self) -> list[str]:
         """Inconsistencies in the tiers' bookkeeping, as sentences."""

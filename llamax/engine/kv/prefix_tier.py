@@ -7,8 +7,9 @@ tokens of this prompt can you give me" (:meth:`PrefixTier.lookup`, a :class:`Pre
 and restores the best answer through one path (:meth:`PrefixTier.hold`, :meth:`~PrefixTier.read`,
 :meth:`~PrefixTier.release`), in the spirit of vLLM's KV connector. A tier is one class:
 its entries live in a :class:`ByteLRU` (least recently used out first, by bytes, with the
-byte audit) and it counts in a frozen :class:`TierStats` (:meth:`TierStats.counted`),
-reported with its sizes; :class:`StoredTier` holds both for every tier.
+byte audit) and it counts in a frozen :class:`~llamax.stats.PrefixTierStats`
+(:meth:`~llamax.stats.PrefixTierStats.counted`), reported with its sizes; :class:`StoredTier`
+holds both for every tier.
 
 An entry is worth its longest common prefix with the prompt, never the prompt's last
 token (computed for its logits): :func:`best_prefix`.
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from ...adapters import AdapterSet
+from ...stats import PrefixTierStats
 from ...tokens import common_prefix_len
 
 __all__ = [
@@ -38,7 +40,6 @@ __all__ = [
     "PrefixTier",
     "StoredPrefix",
     "StoredTier",
-    "TierStats",
     "best_prefix",
 ]
 
@@ -77,50 +78,6 @@ class PrefixHit(Generic[E]):
     def num_stored(self) -> int:
         """Tokens the entry's state holds (all land before the cut to :attr:`num_common`)."""
         return len(self.entry.tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    """One tier's counters and size, as of one moment."""
-
-    num_bytes: int = 0
-    """Bytes of state held."""
-    budget_bytes: int = 0
-    """The most bytes held."""
-    num_entries: int = 0
-    """Entries held."""
-    num_hinted: int = 0
-    """Entries held that a hint asked to keep longer (``SamplingParams.keep_prefix``)."""
-    num_stored: int = 0
-    """States stored."""
-    num_dropped: int = 0
-    """Entries dropped to stay within the budget."""
-    num_store_failures: int = 0
-    """Stores that failed (the entry is lost)."""
-    num_hits: int = 0
-    """Prompts that found a longer prefix here than above (restores tried)."""
-    num_restores: int = 0
-    """Restores that succeeded."""
-    num_refused: int = 0
-    """Entries that did not read back, or states the memory refused: recomputed."""
-    num_restored_tokens: int = 0
-    """Prompt tokens restored instead of computed."""
-    restore_seconds: float = 0.0
-    """Time spent reading and restoring (successful or not)."""
-
-    def counted(self, **deltas: float) -> TierStats:
-        """These stats with ``deltas`` added to the counters they name (a tier keeps its
-        counts in a :class:`TierStats` and reports it with its sizes)."""
-        return dataclasses.replace(
-            self, **{name: getattr(self, name) + delta for name, delta in deltas.items()}
-        )
-
-    def with_restore(self, num_tokens: int, seconds: float) -> TierStats:
-        """These stats after a restore gave ``num_tokens`` prompt tokens (0: none) in
-        ``seconds``."""
-        if not num_tokens:
-            return self.counted(restore_seconds=seconds)
-        return self.counted(restore_seconds=seconds, num_restores=1, num_restored_tokens=num_tokens)
 
 
 class PrefixTier(Protocol[E]):
@@ -191,7 +148,7 @@ class PrefixTier(Protocol[E]):
         """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
         ...
 
-    def stats(self) -> TierStats:
+    def stats(self) -> PrefixTierStats:
         """Counters and sizes, frozen."""
         ...
 
@@ -479,8 +436,8 @@ class ByteLRU(Generic[K, V]):
 
 class StoredTier(Generic[K, E]):
     """What every tier shares: its entries in a :class:`ByteLRU`, its counts in a
-    :class:`TierStats`, and the queries over both. A tier adds where its entries live
-    (:meth:`PrefixTier.store`, ``hold``, ``read``, ``release``, ``lookup``).
+    :class:`~llamax.stats.PrefixTierStats`, and the queries over both. A tier adds where its
+    entries live (:meth:`PrefixTier.store`, ``hold``, ``read``, ``release``, ``lookup``).
 
     Args:
         lru: The tier's entries.
@@ -492,7 +449,7 @@ class StoredTier(Generic[K, E]):
         self.model = model
         self.min_tokens = min_tokens
         self._lru = lru
-        self.counts = TierStats()
+        self.counts = PrefixTierStats()
         """The counters (:meth:`stats` adds the sizes)."""
 
     @property
@@ -519,7 +476,7 @@ class StoredTier(Generic[K, E]):
         counted (:meth:`ByteLRU.share_bytes`)."""
         return self._lru.share_bytes(*owners)
 
-    def stats(self) -> TierStats:
+    def stats(self) -> PrefixTierStats:
         """Counters and sizes, frozen."""
         return dataclasses.replace(
             self.counts,

@@ -11,26 +11,16 @@ scheduler's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ...backend.base import Backend
 from ...errors import RequestFailedError
+from ...stats import KVStats
 from ..sequence import Sequence as Seq
 from .kvcache import KVCache, LayoutState
 from .layout_policy import MOVE_PRIOR_S_PER_BYTE, RELAYOUT_COOLDOWN_STEPS, LayoutPolicy
 from .prefix import PrefixCache
 
-__all__ = ["LayoutStats", "Relayout"]
-
-
-@dataclass(frozen=True, slots=True)
-class LayoutStats:
-    """What the layout's moves report to :class:`~llamax.stats.ContextStats`."""
-
-    kv_cells_per_stream: int
-    """Cells one sequence holds in its own stream (see :attr:`Relayout.stream_cells`)."""
-    num_relayouts: int
-    """Moves between the two layouts."""
+__all__ = ["Relayout"]
 
 
 class Relayout:
@@ -56,9 +46,19 @@ class Relayout:
         unified layout beyond that), or what the fixed layout gives one sequence."""
         return self.policy.stream_cells if self._kv.can_relayout else self._kv.cells_per_seq
 
-    def stats(self) -> LayoutStats:
-        """The layout's counters now."""
-        return LayoutStats(self.stream_cells, self.num_relayouts)
+    def stats(self) -> KVStats:
+        """The KV cache's cells, layout and moves now."""
+        backend, kv = self._backend, self._kv
+        return KVStats(
+            cells_used=kv.num_cells_used,
+            cells_total=backend.kv_cells,
+            cells_per_seq=backend.facts.n_ctx_seq,
+            cells_per_stream=self.stream_cells,
+            layout="unified" if kv.is_unified else "streams",
+            bytes_total=backend.kv_cells * backend.kv_bytes_per_cell,
+            num_free_seq_ids=kv.num_free_seq_ids,
+            num_relayouts=self.num_relayouts,
+        )
 
     def should_unify_for(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` (a saved session) needs the unified layout."""

@@ -30,7 +30,6 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import TypeVar, cast
 
 from ...adapters import AdapterSet
@@ -38,6 +37,7 @@ from ...backend.base import Backend, Clocked
 from ...config import EngineConfig
 from ...errors import KVCapacityError, RequestFailedError
 from ...results import PrefillProgress, TokenEvent, TokenLogprob
+from ...stats import SequenceStats
 from ..images import cut_reuse
 from ..kv.admission import Outcome, SlotPlacer
 from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions
@@ -56,22 +56,10 @@ from .adapter_turns import AdapterTurns
 from .fair_share import FairShare
 from .step_planner import StepPlanner
 
-__all__ = ["ScheduledSequence", "Scheduler", "SchedulerStats", "StepPlan", "StepResult"]
+__all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
 T = TypeVar("T")
 _log = logging.getLogger("llamax.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """The scheduler's own counters (their meaning: :class:`~llamax.stats.ContextStats`)."""
-
-    num_waiting: int
-    num_running: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_cached_tokens: int
-    num_preemptions: int
 
 
 class Scheduler:
@@ -138,15 +126,15 @@ class Scheduler:
         """Every waiting and running sequence."""
         return self._waiting + self._running
 
-    def stats(self) -> SchedulerStats:
-        """The scheduler's own counters now."""
-        return SchedulerStats(
-            len(self._waiting),
-            len(self._running),
-            self.num_prefill_tokens,
-            self.num_decode_tokens,
-            self.num_cached_tokens,
-            self.num_preemptions,
+    def stats(self) -> SequenceStats:
+        """The scheduler's sequences and token counters now."""
+        return SequenceStats(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_preemptions=self.num_preemptions,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     # ------------------------------------------------------------------ changes

@@ -11,12 +11,12 @@ without drafts); the rejected drafts' cells are cut.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from ...backend.base import Backend
 from ...drafting import Speculative
 from ...errors import RequestFailedError
 from ...results import TokenLogprob
+from ...stats import SpeculationStats
 from ..images import text_only
 from ..kv.kvcache import KVCache
 from ..plan import ScheduledSequence, StepPlan
@@ -25,20 +25,10 @@ from ..sequence import Sequence as Seq
 from .draft_planner import DraftPlanner, confirms, draft_limit, drafting_method
 from .speculative import DraftState, new_draft_state
 
-__all__ = ["DraftStats", "Drafting", "Verify"]
+__all__ = ["Drafting", "Verify"]
 
 Verify = Callable[[Seq, int], tuple[int, TokenLogprob | None]]
 """Samples a sequence's token from one batch row (speculative verification, row by row)."""
-
-
-@dataclass(frozen=True, slots=True)
-class DraftStats:
-    """What drafting reports to :class:`~llamax.stats.ContextStats`."""
-
-    num_drafted_tokens: int
-    """Draft tokens fed to a decode."""
-    num_accepted_tokens: int
-    """Draft tokens sampling confirmed."""
 
 
 class Drafting:
@@ -73,9 +63,9 @@ class Drafting:
         self.num_drafted_tokens = 0
         self.num_accepted_tokens = 0
 
-    def stats(self) -> DraftStats:
+    def stats(self) -> SpeculationStats:
         """The draft counters now."""
-        return DraftStats(self.num_drafted_tokens, self.num_accepted_tokens)
+        return SpeculationStats(self.num_drafted_tokens, self.num_accepted_tokens)
 
     def start(self, request: Request) -> None:
         """Give each sequence of a new request the draft state its drafting method asks."""

@@ -12,14 +12,14 @@ machine is crowded comes from the backend if it simulates a machine
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from ...backend.base import Backend, MachineLoad, Threaded
+from ...stats import ThreadStats
 from .calibration import Calibration
 from .contention import ThreadPolicy
 from .step_budget import StepCostModel, StepFeatures, Waste
 
-__all__ = ["ThreadAdapter", "ThreadStats", "is_crowded", "runnable_tasks"]
+__all__ = ["ThreadAdapter", "is_crowded", "runnable_tasks"]
 
 _log = logging.getLogger("llamax")
 _REFERENCE_WARMUP = 16  # quiet steps an uncalibrated reference learns before it judges
@@ -44,18 +44,6 @@ def runnable_tasks() -> int | None:
             return int(f.read().split()[3].split(b"/")[0])
     except (OSError, ValueError, IndexError):
         return None
-
-
-@dataclass(frozen=True, slots=True)
-class ThreadStats:
-    """What the thread count reports to :class:`~llamax.stats.ContextStats`."""
-
-    n_threads: int
-    """Threads the backend computes with now (0: it has no thread count)."""
-    is_contended: bool
-    """Whether the policy runs fewer threads because another process holds a core."""
-    num_thread_changes: int
-    """Times the policy changed the thread count."""
 
 
 class ThreadAdapter:
