@@ -80,7 +80,7 @@ def test_each_group_is_its_components_snapshot(ran: tuple[llamax.Context, FakeBa
     assert queue.num_cached_tokens == len(system(0))  # the restore from RAM
     kv = stats.kv
     assert isinstance(kv, KVStats)
-    assert kv.cells_total == backend.kv_cells and kv.cells_per_seq == backend.n_ctx_seq
+    assert kv.cells_total == backend.kv_cells and kv.cells_per_seq == backend.facts.n_ctx_seq
     assert kv.bytes_total == backend.kv_cells * backend.kv_bytes_per_cell
     assert 0 < kv.cells_used <= kv.cells_total
     assert (kv.layout, kv.num_free_seq_ids, kv.num_relayouts) == ("unified", 0, 0)
