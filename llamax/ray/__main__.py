@@ -14,6 +14,7 @@ from ray import serve
 
 import llamax
 from llamax.flags import add_option_flags, option_values
+from llamax.server import ServerConfig
 
 from .builder import deployment
 
@@ -48,12 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         "--server-options",
         type=json.loads,
         default={},
-        help='llamax.server.create_app options (JSON), e.g. \'{"api_key": "...", "images": '
-        '{"max_images": 4, "allow_urls": true}}\'',
+        help='llamax.server.ServerConfig fields (JSON), e.g. \'{"api_key": "...", "images": '
+        '{"max_images": 4, "allow_urls": true}}\'; the flags below override them',
     )
     add_option_flags(parser, llamax.ContextConfig)
+    add_option_flags(parser.add_argument_group("server settings"), ServerConfig)
     args = parser.parse_args(argv)
     context_options: Any = {**args.context_options, **option_values(args, llamax.ContextConfig)}
+    server_config = ServerConfig.from_flags(args, args.server_options)  # before Ray starts
     ray.init(address=args.address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = deployment(
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         num_cpus_per_replica=args.cpus_per_replica,
         num_gpus_per_replica=args.gpus_per_replica,
         context_options=context_options,
-        server_options=args.server_options,
+        server_options=server_config,
         routing=args.routing,
     )
     serve.run(app, name="llamax", route_prefix="/")
