@@ -259,11 +259,16 @@ def _table_for(m: re.Match[str], classes: Mapping[str, type]) -> str:
 
 def generated_blocks(text: str, classes: Mapping[str, type]) -> Iterator[tuple[str, str]]:
     """``(current, wanted)`` for each generated options block of a Markdown ``text``;
-    ``classes`` maps the class names the blocks use to the classes."""
+    ``classes`` maps the class names the blocks use to the classes (a block of a class not
+    in it is left out: the server's settings are listed apart from the core's options)."""
     for m in _BLOCK.finditer(text):
-        yield m["body"], _table_for(m, classes)
+        if m["cls"] in classes:
+            yield m["body"], _table_for(m, classes)
 
 
 def regenerate(text: str, classes: Mapping[str, type]) -> str:
-    """``text`` with every generated options block replaced by its current table."""
-    return _BLOCK.sub(lambda m: m[1] + _table_for(m, classes) + m[6], text)
+    """``text`` with every generated options block of ``classes`` replaced by its current
+    table."""
+    return _BLOCK.sub(
+        lambda m: m[1] + _table_for(m, classes) + m[6] if m["cls"] in classes else m[0], text
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 from llamax.config import OPTION_LISTS
 from llamax.openai import fields
 from llamax.optionspec import regenerate
+from llamax.server.config import SERVER_OPTION_LISTS
 from llamax.server.schemas import FIELD_TABLES
 
 
@@ -21,7 +22,9 @@ def main(argv: list[str]) -> int:
     paths = [Path(a) for a in argv] or sorted(Path("docs").glob("*.md"))
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        new = fields.regenerate(regenerate(text, OPTION_LISTS), FIELD_TABLES)
+        new = fields.regenerate(
+            regenerate(text, {**OPTION_LISTS, **SERVER_OPTION_LISTS}), FIELD_TABLES
+        )
         if new != text:
             path.write_text(new, encoding="utf-8")
             print(f"updated {path}")

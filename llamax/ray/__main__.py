@@ -19,15 +19,9 @@ from llamax.server import ServerConfig
 from .builder import deployment
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line, deploy, and serve until interrupted.
-
-    Args:
-        argv: Arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m llamax.ray``: its own flags, the options of
+    ``llamax.ContextConfig`` and the settings of ``llamax.server.ServerConfig``."""
     parser = argparse.ArgumentParser(prog="python -m llamax.ray", description=__doc__)
     parser.add_argument("model", nargs="?", default=None, help="GGUF path valid on every node")
     parser.add_argument(
@@ -54,9 +48,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_option_flags(parser, llamax.ContextConfig)
     add_option_flags(parser.add_argument_group("server settings"), ServerConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, deploy, and serve until interrupted.
+
+    Args:
+        argv: Arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status (argparse exits with 2 for bad arguments or server settings).
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
     context_options: Any = {**args.context_options, **option_values(args, llamax.ContextConfig)}
-    server_config = ServerConfig.from_flags(args, args.server_options)  # before Ray starts
+    try:  # checked before Ray starts
+        server_config = ServerConfig.from_flags(args, args.server_options)
+    except (TypeError, ValueError) as exc:
+        parser.error(f"server settings: {exc}")  # exits with status 2
     ray.init(address=args.address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = deployment(

@@ -27,7 +27,7 @@ from .fairness import DEFAULT_MAX_SEQUENCES
 from .guard import SitePolicy
 from .images import ImagePolicy
 
-__all__ = ["API_KEY_ENV", "ServerConfig"]
+__all__ = ["API_KEY_ENV", "SERVER_OPTION_LISTS", "ServerConfig"]
 
 API_KEY_ENV = "LLAMAX_API_KEY"
 """The variable the command lines read the API key from when ``--api-key`` is not given."""
@@ -142,6 +142,7 @@ class ServerConfig:
             doc="let special-token text in chat message content act as special tokens, as "
             "llama-server does (unsafe: a user can forge turns and roles, see "
             "docs/server.md#role-injection); off: content is plain text",
+            default_doc="off",
             flag=True,
         ),
     )
@@ -151,6 +152,7 @@ class ServerConfig:
             doc="on the OpenAI and Anthropic routes, drop and log (a warning naming them) "
             "top-level request fields that are in neither API's reference, instead of a 400 "
             "(off: a typo is not silently ignored; docs/server.md#request-fields)",
+            default_doc="off (strict)",
             flag=True,
         ),
     )
@@ -160,6 +162,7 @@ class ServerConfig:
             doc="render Claude Code's per-request `x-anthropic-billing-header:` system block "
             "on `/v1/messages`; off, it is left out of the prompt, as it changes every request "
             "and would defeat the prefix cache (docs/anthropic.md)",
+            default_doc="off (left out)",
             flag=True,
         ),
     )
@@ -191,6 +194,8 @@ class ServerConfig:
             "inference and information routes (`/completion`, `/infill`, `/props` ...), as "
             "llama-server does; the other routes keep CORS off (`llamax.server.cors` says "
             "why); off: CORS off everywhere",
+            default_doc="on",
+            flag_default_doc="on (`--no-native-cors`: off)",
             flag=True,
         ),
     )
@@ -352,7 +357,7 @@ class ServerConfig:
             TypeError: an unknown setting, naming the closest valid one.
             InvalidParameterError: a bad value.
         """
-        values = {f.name: getattr(base or _DEFAULT, f.name) for f in dataclasses.fields(cls)}
+        values = {f.name: getattr(base or cls(), f.name) for f in dataclasses.fields(cls)}
         for layer in layers:
             for name, value in layer.items():
                 if name not in values:
@@ -388,4 +393,6 @@ def _merged(name: str, old: Any, new: Any) -> Any:
     return dataclasses.replace(old, **new)
 
 
-_DEFAULT = ServerConfig()
+SERVER_OPTION_LISTS: dict[str, type] = {"ServerConfig": ServerConfig, "ImagePolicy": ImagePolicy}
+"""The server's option lists by the names the docs' generated tables use
+(``<!-- options: ServerConfig flags -->``; ``scripts/option_tables.py`` regenerates them)."""

@@ -79,6 +79,7 @@ class ImagePolicy:
             doc="fetch remote `http(s)` image URLs in requests (from public addresses only, "
             "`image/*` only); off: such a URL is a 400 naming its field, only base64 images "
             "are read",
+            default_doc="off",
             flag=True,
             flag_name="--allow-image-urls",
         ),
