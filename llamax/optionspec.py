@@ -7,6 +7,7 @@ is derived from the fields: the server's request model (``llamax/server/schemas.
 OpenAI mapping (``llamax/openai/options.py``), the command-line flags (``llamax/cli.py``) and
 the options tables of the docs (:func:`markdown_table`, kept current by a test; regenerate
 them with ``python scripts/option_tables.py``). So a new option is one field plus its doc.
+The server's settings (``llamax.server.ServerConfig``) are built the same way.
 """
 
 from __future__ import annotations
