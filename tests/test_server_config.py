@@ -151,6 +151,8 @@ def test_an_unknown_setting_names_the_closest(ctx: llamax.Context) -> None:
         create_app(ctx, max_queu=3)
     with pytest.raises(TypeError, match="'api_key'"):
         ServerConfig.from_options({"apikey": "k"})
+    with pytest.raises(TypeError, match="ServerConfig"):
+        create_app(ctx, {"api_key": "k"})  # type: ignore[arg-type]
 
 
 def test_what_needs_more_than_the_settings_is_checked_by_create_app(

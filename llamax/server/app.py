@@ -67,11 +67,14 @@ def create_app(
         A FastAPI application.
 
     Raises:
-        TypeError: a keyword that is no setting (naming the closest one).
+        TypeError: a keyword that is no setting (naming the closest one), or a ``config``
+            that is not a :class:`~llamax.server.ServerConfig`.
         InvalidParameterError: a bad setting (a ``ValueError``; see
             :class:`~llamax.server.ServerConfig`), ``slot_save_path`` is not an existing
             folder, or ``model_alias`` is given with a pool (its models have names).
     """
+    if config is not None and not isinstance(config, ServerConfig):
+        raise TypeError(f"config must be a ServerConfig, got {type(config).__name__}")
     if settings or config is None:
         config = ServerConfig.from_options(settings, base=config)
     if config.model_alias is not None and isinstance(ctx, ModelPool):
