@@ -77,7 +77,7 @@ def measure(
         batched = [tuple(h.result(600).token_ids) for h in handles]
     with llamax.Context(n_ctx=1024, n_seq_max=1, prefix_cache=False, lora=adapters) as probe:
         backend = probe._engine.backend
-        eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
+        eog = [t for t in range(backend.facts.n_vocab) if backend.is_eog(t)]
         regrets: list[float] = []
         worst: list[float] = []
         changed = wrong_adapter = 0

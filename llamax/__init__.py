@@ -41,6 +41,7 @@ from .errors import (
     TemplateError,
     TemplateSecurityError,
 )
+from .facts import ModelFacts
 from .handle import RequestHandle
 from .images import Image
 from .info import ModelInfo, model_info
@@ -96,6 +97,7 @@ __all__ = [
     "LogitsProcessor",
     "LogitsRow",
     "LoopOwnershipError",
+    "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
     "NotFoundError",

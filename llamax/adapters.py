@@ -59,7 +59,9 @@ class AdapterNames:
         """
         with self._lock:
             if name in self._paths:
-                raise InvalidParameterError(f"a LoRA adapter named {name!r} is already loaded")
+                raise InvalidParameterError(
+                    f"a LoRA adapter named {name!r} is already loaded", param="name"
+                )
             weights = load()
             self._paths[name] = path
             self._weights[name] = weights
@@ -81,7 +83,7 @@ class AdapterNames:
             if isinstance(key, int):
                 if key >= len(names):
                     raise InvalidParameterError(
-                        f"lora: no adapter with index {key}; {len(names)} loaded"
+                        f"lora: no adapter with index {key}; {len(names)} loaded", param="lora"
                     )
                 name = names[key]
             elif key in self._paths:
@@ -89,9 +91,9 @@ class AdapterNames:
             else:
                 loaded = ", ".join(repr(n) for n in names) or "none"
                 raise InvalidParameterError(
-                    f"lora: no adapter named {key!r} is loaded (loaded: {loaded})"
+                    f"lora: no adapter named {key!r} is loaded (loaded: {loaded})", param="lora"
                 )
             if name in scales:
-                raise InvalidParameterError(f"lora: adapter {name!r} is given twice")
+                raise InvalidParameterError(f"lora: adapter {name!r} is given twice", param="lora")
             scales[name] = scale
         return AdapterSet.of(scales.items())

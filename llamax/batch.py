@@ -69,16 +69,20 @@ def _params_list(
         return [params] * num_prompts
     if not isinstance(params, Sequence):
         raise InvalidRequestError(
-            f"params must be a SamplingParams or a sequence of them, got {type(params).__name__}"
+            f"params must be a SamplingParams or a sequence of them, got {type(params).__name__}",
+            param="params",
         )
     if len(params) != num_prompts:
         raise InvalidParameterError(
             f"params has {len(params)} entries for {num_prompts} prompts; "
-            "pass one SamplingParams, or one per prompt"
+            "pass one SamplingParams, or one per prompt",
+            param="params",
         )
     for i, item in enumerate(params):
         if not isinstance(item, SamplingParams):
-            raise InvalidRequestError(f"params[{i}] must be a SamplingParams, got {item!r}")
+            raise InvalidRequestError(
+                f"params[{i}] must be a SamplingParams, got {item!r}", param=f"params[{i}]"
+            )
     return list(params)
 
 
@@ -95,7 +99,7 @@ class _Batch:
     ) -> None:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise InvalidRequestError(
-                f"prompts must be a list of prompts, got {type(prompts).__name__}"
+                f"prompts must be a list of prompts, got {type(prompts).__name__}", param="prompts"
             )
         self.ctx = ctx
         self.return_exceptions = return_exceptions

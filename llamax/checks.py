@@ -29,9 +29,11 @@ __all__ = [
 ]
 
 
-def require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str, param: str | None = None) -> None:
+    """Raise :class:`~llamax.errors.InvalidParameterError` with ``message`` (about the
+    field ``param``) unless ``ok``."""
     if not ok:
-        raise InvalidParameterError(message)
+        raise InvalidParameterError(message, param=param)
 
 
 def is_int(value: Any) -> bool:
@@ -77,7 +79,8 @@ def refuse_huge_ints(owner: object, names: Sequence[str]) -> None:
             if is_int(item) and item.bit_length() > _MAX_INT_BITS:
                 raise InvalidParameterError(
                     f"{name} is out of range: it holds an int of {item.bit_length()} bits "
-                    f"(at most {_MAX_INT_BITS})"
+                    f"(at most {_MAX_INT_BITS})",
+                    param=name,
                 )
 
 
@@ -85,6 +88,7 @@ def iterable(name: str, value: Any) -> tuple[Any, ...]:
     require(
         isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (bytes, Mapping)),
         f"{name} must be a list, got {type(value).__name__}",
+        name,
     )
     return tuple(value)
 
@@ -101,7 +105,7 @@ def where(ok: Callable[[Any], bool], must: str, *, show_type: bool = False) -> C
 
     def check(name: str, value: Any) -> Any:
         got = type(value).__name__ if show_type else repr(value)
-        require(ok(value), f"{name} {must}, got {got}")
+        require(ok(value), f"{name} {must}, got {got}", name)
         return value
 
     return check
@@ -111,8 +115,8 @@ def real(ok: Callable[[Any], bool], must: str) -> Check:
     """A check for a number field: a number (not a bool), then ``ok(value)``."""
 
     def check(name: str, value: Any) -> Any:
-        require(is_real(value), f"{name} must be a number, got {value!r}")
-        require(ok(value), f"{name} must be {must}, got {value}")
+        require(is_real(value), f"{name} must be a number, got {value!r}", name)
+        require(ok(value), f"{name} must be {must}, got {value}", name)
         return value
 
     return check

@@ -228,11 +228,11 @@ def _read_line() -> str | None:
 
 def _chat_turn(
     ctx: llamax.Context,
-    chat: llamax.Chat,
+    chat: llamax.Chat[llamax.Session],
     text: str,
     params: llamax.SamplingParams,
     max_context: int | None,
-) -> llamax.Chat:
+) -> llamax.Chat[llamax.Session]:
     """Stream one reply; Ctrl-C stops it and the conversation goes on without that turn."""
     try:
         _write_events(chat.stream(text, params))

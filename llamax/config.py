@@ -409,54 +409,68 @@ class ContextConfig:
         for name in _PATHS:  # a pathlib.Path is as good as its text
             if isinstance(getattr(self, name), os.PathLike):
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
-        require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}")
-        require(1 <= self.n_seq_max <= 256, f"n_seq_max must be in [1, 256], got {self.n_seq_max}")
-        require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}")
+        require(self.n_ctx >= 16, f"n_ctx must be >= 16, got {self.n_ctx}", "n_ctx")
+        require(
+            1 <= self.n_seq_max <= 256,
+            f"n_seq_max must be in [1, 256], got {self.n_seq_max}",
+            "n_seq_max",
+        )
+        require(self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch}", "n_batch")
         # llama.cpp reserves one output row per sequence in a batch of min(n_ctx, n_batch)
         # rows, and aborts the process (GGML_ASSERT) when they do not fit
         require(
             self.n_batch >= self.n_seq_max,
             f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): "
             "llama.cpp needs room for one token of every sequence in a batch",
+            "n_batch",
         )
         require(
             self.n_ctx >= self.n_seq_max,
             f"n_ctx ({self.n_ctx}) must be >= n_seq_max ({self.n_seq_max}): "
             "llama.cpp needs room for one token of every sequence in a batch",
+            "n_ctx",
         )
         require(
             self.kv_layout in ("auto", "unified", "streams"),
             f"kv_layout must be 'auto', 'unified' or 'streams', got {self.kv_layout!r}",
+            "kv_layout",
         )
         require(
             self.n_ctx_seq is None or 16 <= self.n_ctx_seq <= self.n_ctx,
             f"n_ctx_seq must be in [16, n_ctx={self.n_ctx}], got {self.n_ctx_seq}",
+            "n_ctx_seq",
         )
         require(
             self.kv_layout != "streams" or (self.n_ctx_seq or 16) * self.n_seq_max <= self.n_ctx,
             f"kv_layout='streams' gives each of the n_seq_max={self.n_seq_max} sequences "
             f"n_ctx // n_seq_max = {self.n_ctx // self.n_seq_max} cells, fewer than "
             f"n_ctx_seq={self.n_ctx_seq}; raise n_ctx or lower n_ctx_seq",
+            "kv_layout",
         )
         require(
             self.max_step_ms is None or self.max_step_ms > 0,
             f"max_step_ms must be > 0 or None, got {self.max_step_ms}",
+            "max_step_ms",
         )
         require(
             self.n_ubatch is None or 1 <= self.n_ubatch <= self.n_batch,
             f"n_ubatch must be in [1, n_batch], got {self.n_ubatch}",
+            "n_ubatch",
         )
         require(
             self.n_threads is None or self.n_threads >= 1,
             f"n_threads must be >= 1, got {self.n_threads}",
+            "n_threads",
         )
         require(
             self.rpc_servers is None or is_endpoint_list(self.rpc_servers),
             f"rpc_servers must be 'host:port[,host:port...]', got {self.rpc_servers!r}",
+            "rpc_servers",
         )
         require(
             self.n_threads_batch is None or self.n_threads_batch >= 1,
             f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
+            "n_threads_batch",
         )
 
     def _check_types(self) -> None:

@@ -9,7 +9,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
@@ -20,7 +20,18 @@ from .backend.base import Backend, ImageHost
 from .backend.fingerprint import weights_fingerprint
 from .batch import agenerate as batch_agenerate
 from .batch import generate as batch_generate
+from .chat import (
+    ChatCall,
+    ChatHandle,
+    Prepared,
+    TextCall,
+    prepare_chat,
+    prepare_text,
+    submit_in_worker,
+)
+from .chat.options import ChatOptions, CompletionOptions, check_flag
 from .config import ContextConfig, ContextOptions
+from .conversation import Chat
 from .engine.kv.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
 from .engine.sched.sampling import BatchLogitsProcessor
@@ -31,13 +42,11 @@ from .errors import (
     InvalidRequestError,
     ModelLoadError,
 )
+from .facts import ModelFacts
 from .handle import RequestHandle
 from .images import Image, ImagePrompts
 from .models import default_model_path
-from .openai.api import arespond, respond, submit_in_worker
-from .openai.options import check_flag
-from .openai.prepare import Prepared, prepare_chat, prepare_text
-from .openai.requests import OpenAIRequest
+from .openai.requests import OpenAIRequest, arespond, include_usage, respond
 from .openai.shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 from .params import SamplingParams
 from .prompts import Prompt, build_request, prompt_token_ids
@@ -52,10 +61,8 @@ if TYPE_CHECKING:  # the layers above, for annotations only: the methods import 
     import numpy as np
     import numpy.typing as npt
 
-    from .conversation import Chat
     from .embeddings import Embedder
     from .info import ModelInfo
-    from .openai.options import ChatOptions, CompletionOptions
     from .templates.template import ChatTemplate
 
 __all__ = ["Context"]
@@ -138,12 +145,10 @@ class Context:
         self._arrivals = itertools.count()
         self._arrival_lock = threading.Lock()
         self._embedder_lock = threading.Lock()
-        host = backend if isinstance(backend, ImageHost) else None  # reads its properties
+        self._facts = backend.facts  # known at load: they answer after close
+        host = backend if isinstance(backend, ImageHost) and self._facts.sees_images else None
         self._images = ImagePrompts(host)
-        self._sees_images = host is not None and host.sees_images  # answers after close
-        self._projector_identity = (
-            host.projector_identity if host is not None and host.sees_images else None
-        )
+        self._projector_identity = host.projector_identity if host is not None else None
         self._chat = BoundTemplate(backend, config.chat_template, self._images)
         self._embedder: Embedder | None = None
         self._embedder_finalizer: weakref.finalize[Any, Any] | None = None
@@ -160,11 +165,19 @@ class Context:
         return self._config
 
     @property
+    def facts(self) -> ModelFacts:
+        """The model's and the context's facts, computed once at load (:class:`ModelFacts`):
+        ``n_ctx``, ``n_ctx_seq``, ``n_seq_max``, ``n_vocab``, ``model_name``, ``fim_tokens``,
+        ``sees_images`` (each also a property of the context), ``n_embd``, ``n_ctx_train``,
+        ``bos_token_id``, ``eos_token_id``."""
+        return self._facts
+
+    @property
     def n_ctx(self) -> int:
         """KV cells granted (``n_ctx`` padded to a multiple of 256). ``stats().kv_cells_total``
         is what the current layout holds: with ``kv_layout="auto"`` in streams it may be up
         to twice as many, as llama.cpp rounds each stream up to 256 cells."""
-        return self._backend.n_ctx
+        return self._facts.n_ctx
 
     @property
     def calibration(self) -> Calibration | None:
@@ -177,12 +190,12 @@ class Context:
     @property
     def n_seq_max(self) -> int:
         """How many sequences may hold KV cells at once."""
-        return self._backend.n_seq_max
+        return self._facts.n_seq_max
 
     @property
     def n_ctx_seq(self) -> int:
         """The most tokens one sequence (prompt plus reply) may hold."""
-        return self._backend.n_ctx_seq
+        return self._facts.n_ctx_seq
 
     @property
     def kv_layout(self) -> str:
@@ -193,24 +206,24 @@ class Context:
     @property
     def n_vocab(self) -> int:
         """The vocabulary size: token ids are in ``[0, n_vocab)``."""
-        return self._backend.n_vocab
+        return self._facts.n_vocab
 
     @property
     def model_name(self) -> str:
         """The model's name from its metadata."""
-        return self._backend.model_name
+        return self._facts.model_name
 
     @property
     def fim_tokens(self) -> FimTokens:
         """The model's fill-in-the-middle tokens (``fim_tokens.can_infill``: whether it has
         the prefix, suffix and middle tokens that code infill needs)."""
-        return self._backend.fim_tokens
+        return self._facts.fim_tokens
 
     @property
     def sees_images(self) -> bool:
         """Whether prompts may hold images (:class:`~llamax.Image`): a projector
         (``mmproj``) that encodes them is loaded."""
-        return self._sees_images
+        return self._facts.sees_images
 
     def model_info(self) -> ModelInfo:
         """The model's :class:`~llamax.ModelInfo`, read from its file
@@ -228,7 +241,7 @@ class Context:
 
         self._check_open("read the model's info")
         info = model_info(self._config.model_path)
-        return dataclasses.replace(info, sees_images=self._sees_images)
+        return dataclasses.replace(info, sees_images=self._facts.sees_images)
 
     @property
     def closed(self) -> bool:
@@ -251,7 +264,9 @@ class Context:
         """
         self._check_open("tokenize")
         if not isinstance(text, str):
-            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+            raise InvalidRequestError(
+                f"text must be a str, got {type(text).__name__}", param="text"
+            )
         return self._backend.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -353,7 +368,9 @@ class Context:
     ) -> RequestHandle:
         self._check_open("add a request")
         if request_id is not None and not (isinstance(request_id, str) and request_id):
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+            raise InvalidRequestError(
+                f"request_id must be a non-empty str, got {request_id!r}", param="request_id"
+            )
         handle = RequestHandle(request_id or f"req-{uuid.uuid4().hex[:16]}")
         with self._arrival_lock:
             arrival = next(self._arrivals)
@@ -404,9 +421,13 @@ class Context:
 
         self._check_open("load a LoRA adapter")
         if not isinstance(name, str) or not name:
-            raise InvalidParameterError(f"an adapter name must be a non-empty str, got {name!r}")
+            raise InvalidParameterError(
+                f"an adapter name must be a non-empty str, got {name!r}", param="name"
+            )
         if not isinstance(path, (str, os.PathLike)):
-            raise InvalidParameterError(f"an adapter path must be a path, got {path!r}")
+            raise InvalidParameterError(
+                f"an adapter path must be a path, got {path!r}", param="path"
+            )
         if not isinstance(self._backend, LoraHost):
             raise InvalidParameterError(
                 f"this backend ({type(self._backend).__name__}) cannot load LoRA adapters"
@@ -587,7 +608,7 @@ class Context:
         params: SamplingParams | None = None,
         reasoning_format: ReasoningFormat = "auto",
         enable_thinking: bool | None = None,
-    ) -> Chat:
+    ) -> Chat[Session]:
         """Open a :class:`~llamax.Chat`: a conversation whose KV cache stays resident and
         whose oldest turns are dropped by shifting the cache when it outgrows
         ``max_context`` (default ``n_ctx``). A reply's thinking is kept in the history's
@@ -598,8 +619,6 @@ class Context:
             ContextClosedError: the context is closed.
             InvalidParameterError: an argument is out of range.
         """
-        from .conversation import Chat
-
         self._check_open("open a chat")
         return Chat(
             self,
@@ -611,9 +630,57 @@ class Context:
             enable_thinking=enable_thinking,
         )
 
+    # ------------------------------------------------------------------ typed calls
+    # The one entry for chat and text requests: a checked call (:mod:`llamax.chat`) is
+    # prepared below the facade on the template binding this context holds and submitted
+    # here. The OpenAI-shaped methods after these are conveniences over them.
+    def submit_chat(self, call: ChatCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Render, fit and submit a chat call; returns its :class:`~llamax.chat.ChatHandle`
+        at once (the reply as typed parts, or whole). ``fair_key``: the fairness key the
+        request's sequences share with other requests of that key (:meth:`add_request`;
+        the server passes the client's address); a keyword of the call, never an option,
+        so a request body cannot set it.
+
+        Raises:
+            ContextClosedError: the context is closed.
+            InvalidParameterError, InvalidMessageError, TemplateError: bad values or
+                messages (nothing was enqueued).
+            ContextLengthError: the conversation does not fit.
+        """
+        self._check_open("add a request")
+        return self._submitted(prepare_chat(self._chat, call), fair_key)
+
+    def submit_text(self, call: TextCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Submit a text completion call (its prompt as given, no template); as
+        :meth:`submit_chat`.
+
+        Raises:
+            ContextClosedError: the context is closed.
+            InvalidParameterError, ContextLengthError: bad values or a prompt that does
+                not fit.
+        """
+        self._check_open("add a request")
+        return self._submitted(prepare_text(call), fair_key)
+
+    async def asubmit_chat(self, call: ChatCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Async twin of :meth:`submit_chat`: rendering, truncation and tokenizing run in a
+        worker thread, so the event loop stays free; a caller cancelled meanwhile cancels
+        the request as soon as it exists."""
+        return await submit_in_worker(lambda: self.submit_chat(call, fair_key=fair_key), _handle)
+
+    async def asubmit_text(self, call: TextCall, *, fair_key: str | None = None) -> ChatHandle:
+        """Async twin of :meth:`submit_text` (tokenizing runs in a worker thread)."""
+        return await submit_in_worker(lambda: self.submit_text(call, fair_key=fair_key), _handle)
+
+    def _submitted(self, prepared: Prepared, fair_key: str | None) -> ChatHandle:
+        handle = self._submit(
+            prepared.prompt, prepared.params, request_id=prepared.request_id, fair_key=fair_key
+        )
+        return ChatHandle.of(handle, prepared, self._chat)
+
     # ------------------------------------------------------------------ OpenAI shapes
-    # Prepared below the facade (:mod:`llamax.openai.prepare`, on the template binding this
-    # context holds), submitted here, shaped by :class:`~llamax.openai.OpenAIRequest`.
+    # Conveniences over :meth:`submit_chat` / :meth:`submit_text`: OpenAI-named options
+    # become a call (``ChatCall.of``), the handle is read as OpenAI's shapes.
     @overload
     def chat_completion(
         self,
@@ -652,8 +719,9 @@ class Context:
                 bad values, messages, or a conversation that does not fit.
         """
         stream = check_flag(stream, "stream")
-        request = self._openai(lambda: prepare_chat(self._chat, messages, options), fair_key)
-        return respond(request, stream, options)  # type: ignore[return-value]
+        usage = include_usage(options.pop("stream_options", None))
+        handle = self.submit_chat(ChatCall.of(messages, **options), fair_key=fair_key)
+        return respond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
     def completion(
@@ -689,8 +757,9 @@ class Context:
             InvalidParameterError, ContextLengthError: bad values or a prompt that does not fit.
         """
         stream = check_flag(stream, "stream")
-        request = self._openai(lambda: prepare_text(prompt, options), fair_key)
-        return respond(request, stream, options)  # type: ignore[return-value]
+        usage = include_usage(options.pop("stream_options", None))
+        handle = self.submit_text(TextCall.of(prompt, **options), fair_key=fair_key)
+        return respond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
     async def achat_completion(
@@ -721,11 +790,12 @@ class Context:
         """Async twin of :meth:`chat_completion` (needs the background loop); rendering,
         truncation and tokenizing run in a worker thread, so the event loop stays free."""
         stream = check_flag(stream, "stream")
-        request = await submit_in_worker(
-            lambda: self._openai(lambda: prepare_chat(self._chat, messages, options), fair_key),
-            _itself,
+        usage = include_usage(options.pop("stream_options", None))
+        handle = await submit_in_worker(  # the call too: a schema compiles to a grammar
+            lambda: self.submit_chat(ChatCall.of(messages, **options), fair_key=fair_key),
+            _handle,
         )
-        return await arespond(request, stream, options)  # type: ignore[return-value]
+        return await arespond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
     async def acompletion(
@@ -755,20 +825,11 @@ class Context:
     ) -> TextCompletion | AsyncIterator[TextCompletion]:
         """Async twin of :meth:`completion` (needs the background loop)."""
         stream = check_flag(stream, "stream")
-        request = await submit_in_worker(
-            lambda: self._openai(lambda: prepare_text(prompt, options), fair_key), _itself
+        usage = include_usage(options.pop("stream_options", None))
+        handle = await submit_in_worker(
+            lambda: self.submit_text(TextCall.of(prompt, **options), fair_key=fair_key), _handle
         )
-        return await arespond(request, stream, options)  # type: ignore[return-value]
-
-    def _openai(self, prepare: Callable[[], Prepared], fair_key: str | None) -> OpenAIRequest:
-        """Prepare an OpenAI request and submit it under ``fair_key`` (:meth:`add_request`);
-        the returned object shapes its results."""
-        self._check_open("add a request")
-        prepared = prepare()
-        handle = self._submit(
-            prepared.prompt, prepared.params, request_id=prepared.request_id, fair_key=fair_key
-        )
-        return OpenAIRequest.of(handle, prepared, self._chat)
+        return await arespond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ notebooks, pipelines
     # ``generate`` hands this context down to :mod:`llamax.batch` (below the facade: it
@@ -911,7 +972,9 @@ class Context:
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
         ):
-            raise InvalidParameterError(f"timeout must be None or a number >= 0, got {timeout!r}")
+            raise InvalidParameterError(
+                f"timeout must be None or a number >= 0, got {timeout!r}", param="timeout"
+            )
         self._engine.close(drain=drain, timeout=timeout)
         self._finalizer.detach()
         self._close_embedder()
@@ -964,8 +1027,8 @@ def _close_unreferenced(engine: Engine, name: str) -> None:
     engine.close()
 
 
-def _itself(request: OpenAIRequest) -> OpenAIRequest:
-    return request
+def _handle(chat: ChatHandle) -> RequestHandle:
+    return chat.handle
 
 
 class _SessionPort:

@@ -29,29 +29,85 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol
 
-from typing_extensions import Self
+from typing_extensions import Self, TypeVar
 
 from .errors import InvalidParameterError
+from .facts import ModelFacts
 from .handle import RequestHandle
 from .images import Image
 from .params import SamplingParams
+from .prompts import Prompt
 from .reasoning import ReasoningFormat, check_reasoning_format, opens_thinking, split_reasoning
 from .results import Completion, TokenEvent
 from .templates.messages import has_images, validate_messages
 from .templates.truncation import drop_oldest_turns, leading_system_count
 from .tokens import common_prefix_len
 
-if TYPE_CHECKING:
-    from . import Context, Session
-
-__all__ = ["Chat", "TurnStats"]
+__all__ = ["Chat", "ChatHost", "ChatSession", "TurnStats"]
 
 Message = dict[str, Any]
 Content = str | Sequence[Mapping[str, Any] | Image]
 """A user message's content: text, or OpenAI content parts (``{"type": "text", ...}``,
 ``{"type": "image_url", ...}``) and :class:`~llamax.Image` s."""
+
+
+class ChatSession(Protocol):
+    """What a :class:`Chat` needs of its resident sequence (a :class:`llamax.Session`)."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The ids the sequence holds, one per position."""
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Continue the sequence with ``prompt``; returns the reply's handle."""
+
+    def shift(self, start: int, end: int) -> bool:
+        """Drop positions ``[start, end)`` and move the rest back (False: cannot)."""
+
+    def close(self) -> None:
+        """Free the sequence."""
+
+
+S_co = TypeVar("S_co", bound=ChatSession, covariant=True)
+S = TypeVar("S", bound=ChatSession, covariant=True, default=ChatSession)
+
+
+class ChatHost(Protocol[S_co]):
+    """What a :class:`Chat` needs of its context (a :class:`llamax.Context`, which hands
+    itself down from ``ctx.chat()``): a session to hold the conversation, the template,
+    and the sizes a turn must fit. A chat names no context, so the facade builds one
+    without climbing into a layer above it."""
+
+    @property
+    def facts(self) -> ModelFacts:
+        """The model's facts (``n_ctx_seq``: the most tokens one sequence may hold)."""
+
+    @property
+    def end_of_turn_token_ids(self) -> tuple[int, ...]:
+        """The tokens the template ends a turn with."""
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether the memory can move cells (the history shift)."""
+
+    def session(self) -> S_co:
+        """Open the resident sequence the chat holds."""
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Join the pieces of ``token_ids`` into text."""
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
+        """The prompt token ids of ``messages`` (text only)."""
+
+    def chat_prompt_parts(
+        self, messages: Sequence[Mapping[str, Any]], **options: Any
+    ) -> list[int | Image]:
+        """The prompt of ``messages``, with an :class:`~llamax.Image` where each sits."""
+
+    def prompt_token_ids(self, prompt: Sequence[int | Image]) -> list[int]:
+        """One id a position (an image's placeholder ids)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +136,12 @@ class TurnStats:
     """Cells removed by the history shift (0 when nothing was dropped or shifting failed)."""
 
 
-class Chat:
-    """A multi-turn conversation on a resident KV sequence. Create with ``ctx.chat()``.
+class Chat(Generic[S]):
+    """A multi-turn conversation on a resident KV sequence. Create with ``ctx.chat()``
+    (a ``Chat[Session]``: :attr:`session` is the context's :class:`~llamax.Session`).
 
     Args:
-        ctx: the context.
+        ctx: the context (any :class:`ChatHost`).
         system: an optional system message.
         messages: earlier messages to start from.
         max_context: token budget of the conversation (prompt plus reply); default n_ctx.
@@ -102,7 +159,7 @@ class Chat:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: ChatHost[S],
         *,
         system: str | None = None,
         messages: Sequence[Mapping[str, Any]] = (),
@@ -113,7 +170,9 @@ class Chat:
     ) -> None:
         self._reasoning_format = check_reasoning_format(reasoning_format)
         if enable_thinking is not None and not isinstance(enable_thinking, bool):
-            raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
+            raise InvalidParameterError(
+                f"enable_thinking must be a bool, got {enable_thinking!r}", param="enable_thinking"
+            )
         self._template_vars: dict[str, Any] = {}
         if enable_thinking is not None:
             self._template_vars["enable_thinking"] = enable_thinking
@@ -122,11 +181,13 @@ class Chat:
         )
         self._messages: list[Message] = validate_messages(start) if start else []
         self._ctx = ctx
-        self._max_context = min(max_context or ctx.n_ctx_seq, ctx.n_ctx_seq)
+        self._max_context = min(max_context or ctx.facts.n_ctx_seq, ctx.facts.n_ctx_seq)
         if self._max_context < 16:
-            raise InvalidParameterError(f"max_context must be >= 16, got {self._max_context}")
+            raise InvalidParameterError(
+                f"max_context must be >= 16, got {self._max_context}", param="max_context"
+            )
         self._params = params or SamplingParams(max_tokens=256)
-        self._session: Session = ctx.session()
+        self._session: S = ctx.session()
         self.last_turn: TurnStats | None = None
         """Costs of the latest turn."""
 
@@ -136,7 +197,7 @@ class Chat:
         return [dict(m) for m in self._messages]
 
     @property
-    def session(self) -> Session:
+    def session(self) -> S:
         """The underlying resident KV sequence."""
         return self._session
 
@@ -174,7 +235,7 @@ class Chat:
     def _start_turn(self, content: Content, params: SamplingParams | None) -> _Turn:
         params = params or self._params
         if params.n != 1:
-            raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}")
+            raise InvalidParameterError(f"n must be 1 in a chat, got {params.n}", param="n")
         params = params.with_stop_token_ids(self._ctx.end_of_turn_token_ids)
         turn = validate_messages([{"role": "user", "content": content}])
         wanted = [*self._messages, *turn]
@@ -184,7 +245,7 @@ class Chat:
             lambda m: len(self._ids(self._render(m))),
             self._max_context - reserve,
             reserve=reserve,
-            limit_name="n_ctx" if self._max_context == self._ctx.n_ctx_seq else "max_context",
+            limit_name="n_ctx" if self._max_context == self._ctx.facts.n_ctx_seq else "max_context",
         )
         dropped = len(wanted) - len(kept)
         shifted = self._shift(kept, dropped) if dropped else 0

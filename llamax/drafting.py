@@ -48,19 +48,24 @@ class PromptLookup:
         for name in ("max_draft", "ngram_max", "ngram_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidParameterError(f"PromptLookup.{name} must be an int, got {value!r}")
+                raise InvalidParameterError(
+                    f"PromptLookup.{name} must be an int, got {value!r}", param=name
+                )
             if value.bit_length() > 63:  # before any message shows it (repr past 4,300 digits)
                 raise InvalidParameterError(
-                    f"PromptLookup.{name} is out of range: an int of {value.bit_length()} bits"
+                    f"PromptLookup.{name} is out of range: an int of {value.bit_length()} bits",
+                    param=name,
                 )
         if not 1 <= self.max_draft <= MAX_DRAFT:
             raise InvalidParameterError(
-                f"PromptLookup.max_draft must be in [1, {MAX_DRAFT}], got {self.max_draft}"
+                f"PromptLookup.max_draft must be in [1, {MAX_DRAFT}], got {self.max_draft}",
+                param="max_draft",
             )
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
             raise InvalidParameterError(
                 "PromptLookup needs 1 <= ngram_min <= ngram_max <= 16, got "
-                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}"
+                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}",
+                param="ngram_min" if not 1 <= self.ngram_min <= 16 else "ngram_max",
             )
 
     def new_drafter(self) -> PromptLookupDrafter:

@@ -28,6 +28,7 @@ from .errors import (
     InvalidParameterError,
     InvalidRequestError,
 )
+from .facts import ModelFacts
 from .models import default_model_path
 
 __all__ = ["Embedder", "Pooling"]
@@ -75,17 +76,24 @@ class Embedder:
         normalize: bool = True,
     ) -> None:
         if pooling not in _POOLINGS:
-            raise InvalidParameterError(f"pooling must be one of {_POOLINGS}, got {pooling!r}")
+            raise InvalidParameterError(
+                f"pooling must be one of {_POOLINGS}, got {pooling!r}", param="pooling"
+            )
         for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidParameterError(f"{name} must be an int >= 1, got {value!r}")
+                raise InvalidParameterError(
+                    f"{name} must be an int >= 1, got {value!r}", param=name
+                )
         if n_seq_max > min(n_ctx, 256):  # llama.cpp aborts the process, or refuses > 256
             raise InvalidParameterError(
                 f"n_seq_max ({n_seq_max}) must be <= n_ctx ({n_ctx}) and <= 256: a decode "
-                "holds one token of every sequence at least"
+                "holds one token of every sequence at least",
+                param="n_seq_max",
             )
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
-            raise InvalidParameterError(f"n_threads must be an int >= 1, got {n_threads!r}")
+            raise InvalidParameterError(
+                f"n_threads must be an int >= 1, got {n_threads!r}", param="n_threads"
+            )
         path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
         config = EmbeddingConfig(
             model_path=Path(path).expanduser(),
@@ -96,19 +104,22 @@ class Embedder:
             n_gpu_layers=n_gpu_layers,
         )
         self._backend: EmbeddingBackend | None = EmbeddingBackend(config)
-        self._n_embd = self._backend.n_embd
-        self._n_ctx = self._backend.n_ctx
-        self._n_seq_max = self._backend.n_seq_max
+        self._facts = self._backend.facts
         self._pooling = self._backend.pooling
-        self._model_name = self._backend.model_name
         self._model_path = config.model_path
         self._normalize = normalize
         self._lock = threading.Lock()
 
     @property
+    def facts(self) -> ModelFacts:
+        """The model's facts, computed at load: ``n_ctx``, ``n_seq_max``, ``n_embd`` and
+        ``model_name`` are also properties of their own."""
+        return self._facts
+
+    @property
     def model_name(self) -> str:
         """The model's name from its metadata (else the file name)."""
-        return self._model_name
+        return self._facts.model_name
 
     @property
     def model_path(self) -> Path:
@@ -118,17 +129,17 @@ class Embedder:
     @property
     def n_embd(self) -> int:
         """Width of an embedding."""
-        return self._n_embd
+        return self._facts.n_embd
 
     @property
     def n_ctx(self) -> int:
         """The most tokens one text may have."""
-        return self._n_ctx
+        return self._facts.n_ctx
 
     @property
     def n_seq_max(self) -> int:
         """The most texts computed in one ``llama_decode``."""
-        return self._n_seq_max
+        return self._facts.n_seq_max
 
     @property
     def pooling(self) -> str:
@@ -173,15 +184,19 @@ class Embedder:
             EngineError: llama.cpp failed to decode.
         """
         if isinstance(texts, str) or not isinstance(texts, Sequence):
-            raise InvalidRequestError(f"texts must be a list of strings, got {type(texts)!r}")
+            raise InvalidRequestError(
+                f"texts must be a list of strings, got {type(texts)!r}", param="texts"
+            )
         for i, text in enumerate(texts):
             if not isinstance(text, str):
-                raise InvalidRequestError(f"texts[{i}] must be a str, got {type(text).__name__}")
+                raise InvalidRequestError(
+                    f"texts[{i}] must be a str, got {type(text).__name__}", param=f"texts[{i}]"
+                )
         with self._lock:
             backend = self._require_backend()
             token_lists = [backend.tokenize(text) for text in texts]
             self._check_lengths(token_lists)
-            out = np.empty((len(texts), self._n_embd), dtype=np.float32)
+            out = np.empty((len(texts), self._facts.n_embd), dtype=np.float32)
             for start, stop in self._batches(token_lists):
                 out[start:stop] = backend.embed_batch(token_lists[start:stop])
         if self._normalize if normalize is None else normalize:
@@ -193,12 +208,12 @@ class Embedder:
         for i, tokens in enumerate(token_lists):
             if not tokens:
                 raise EmptyPromptError(f"texts[{i}] has no tokens")
-            if len(tokens) > self._n_ctx:
+            if len(tokens) > self._facts.n_ctx:
                 raise ContextLengthError(
-                    f"texts[{i}] has {len(tokens)} tokens, more than n_ctx={self._n_ctx}; "
+                    f"texts[{i}] has {len(tokens)} tokens, more than n_ctx={self._facts.n_ctx}; "
                     "split it into shorter texts or create the Embedder with a larger n_ctx",
                     num_prompt_tokens=len(tokens),
-                    n_ctx=self._n_ctx,
+                    n_ctx=self._facts.n_ctx,
                 )
 
     def _batches(self, token_lists: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
@@ -207,7 +222,7 @@ class Embedder:
         start, num_tokens = 0, 0
         for i, tokens in enumerate(token_lists):
             if i > start and (
-                num_tokens + len(tokens) > self._n_ctx or i - start >= self._n_seq_max
+                num_tokens + len(tokens) > self._facts.n_ctx or i - start >= self._facts.n_seq_max
             ):
                 ranges.append((start, i))
                 start, num_tokens = i, 0
@@ -240,5 +255,5 @@ class Embedder:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"n_embd={self._n_embd} pooling={self._pooling}"
+        state = "closed" if self.closed else f"n_embd={self._facts.n_embd} pooling={self._pooling}"
         return f"<llamax.Embedder {state}>"

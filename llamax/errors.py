@@ -73,11 +73,26 @@ class ProjectorError(ModelLoadError):
 
 
 class InvalidRequestError(LlamaxError, ValueError):
-    """The request cannot be served as given; nothing was enqueued."""
+    """The request cannot be served as given; nothing was enqueued.
+
+    Args:
+        *args: The message (as for any exception).
+        param: The request field the error is about, when one is: a top-level field
+            (``"top_p"``) or a path into one in the API's spelling
+            (``"response_format.json_schema"``, ``"tools[0].function.name"``). HTTP layers
+            answer with it as OpenAI's ``param``; ``None`` when no one field is at fault.
+    """
+
+    param: str | None
+    """The request field the error is about (see above), or ``None``."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidParameterError(InvalidRequestError):
-    """A parameter is out of range. The message names the field."""
+    """A parameter is out of range. The message names the field, and ``param`` holds it."""
 
 
 class EmptyPromptError(InvalidRequestError):
@@ -87,8 +102,10 @@ class EmptyPromptError(InvalidRequestError):
 class ContextLengthError(InvalidRequestError):
     """The prompt (plus room for one new token) does not fit in the context."""
 
-    def __init__(self, message: str, *, num_prompt_tokens: int, n_ctx: int) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, num_prompt_tokens: int, n_ctx: int, param: str | None = None
+    ) -> None:
+        super().__init__(message, param=param)
         self.num_prompt_tokens = num_prompt_tokens
         self.n_ctx = n_ctx
 
@@ -154,8 +171,15 @@ class SessionLoadError(SessionError):
 class InvalidMessageError(InvalidRequestError):
     """A chat message is malformed. ``index`` and ``field`` say where (when known)."""
 
-    def __init__(self, message: str, *, index: int | None = None, field: str | None = None):
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str,
+        *,
+        index: int | None = None,
+        field: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message, param=param)
         self.index = index
         self.field = field
 

@@ -113,7 +113,8 @@ class ImagePrompts:
     """Turns prompts of parts into token ids and :class:`PromptImage` s; any thread.
 
     Args:
-        host: The backend's projector role.
+        host: The backend's projector role, when a projector that encodes images is
+            loaded (``facts.sees_images``); ``None``: a prompt with an image raises.
         cache_bytes: The embeddings kept, by image id, for reuse.
     """
 
@@ -192,7 +193,7 @@ class ImagePrompts:
 
     def _projector(self) -> ImageHost:
         host = self._host
-        if host is None or not host.sees_images:
+        if host is None:
             raise ImageError(
                 "image input is not supported: this model does not take images "
                 "(no projector, mmproj, is loaded)"
@@ -207,7 +208,7 @@ class ImagePrompts:
             if isinstance(part, str):
                 if marker in part:
                     raise InvalidRequestError(
-                        f"prompt text may not hold the image marker {marker!r}"
+                        f"prompt text may not hold the image marker {marker!r}", param="prompt"
                     )
                 texts.append(part)
             elif isinstance(part, Image):
@@ -216,7 +217,8 @@ class ImagePrompts:
             else:
                 raise InvalidRequestError(
                     "a prompt's parts must be str or llamax.Image, or token ids and "
-                    f"llamax.Image, got {type(part).__name__}"
+                    f"llamax.Image, got {type(part).__name__}",
+                    param="prompt",
                 )
         return host.tokenize_images("".join(texts), images)
 
@@ -232,7 +234,8 @@ class ImagePrompts:
                 if not isinstance(part, Image):
                     raise InvalidRequestError(
                         "a prompt's parts must be str or llamax.Image, or token ids and "
-                        f"llamax.Image (not both text and ids), got {type(part).__name__}"
+                        f"llamax.Image (not both text and ids), got {type(part).__name__}",
+                        param="prompt",
                     )
                 if run:
                     chunks.append(TextChunk(tuple(run)))
@@ -323,7 +326,7 @@ class ImagePrompts:
             )
         if not tokens or tokens[-1] < 0:
             raise InvalidRequestError(
-                "a prompt with images must end with text after its last image"
+                "a prompt with images must end with text after its last image", param="prompt"
             )
         return tokens, tuple(placed)
 

@@ -40,6 +40,7 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
         require(
             isinstance(token, int) and token >= 0,
             f"{name} must hold token ids >= 0, got {token!r}",
+            name,
         )
     return ids
 
@@ -47,21 +48,23 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
 def _processors(name: str, value: Any) -> tuple[Any, ...]:
     processors = iterable(name, value)
     for fn in processors:
-        require(callable(fn), f"{name} must hold callables, got {fn!r}")
+        require(callable(fn), f"{name} must hold callables, got {fn!r}", name)
     return processors
 
 
 def _logit_bias(name: str, value: Any) -> Mapping[int, float]:
-    require(isinstance(value, Mapping), f"{name} must be a dict, got {type(value).__name__}")
+    require(isinstance(value, Mapping), f"{name} must be a dict, got {type(value).__name__}", name)
     bias: dict[int, float] = {}
     for token, number in dict(value).items():
         require(
             isinstance(token, int) and token >= 0,
             f"{name} keys must be token ids >= 0, got {token!r}",
+            name,
         )
         require(
             is_real(number) and not math.isnan(float(number)),
             f"{name} values must be numbers, got {number!r} for token {token}",
+            name,
         )
         bias[token] = float(number)
     return MappingProxyType(bias)
@@ -71,6 +74,7 @@ def _speculative(name: str, value: Any) -> Any:
     require(
         value is None or isinstance(value, (bool, DraftMethod)),
         f"{name} must be None, a bool or a llamax.PromptLookup, got {type(value).__name__}",
+        name,
     )
     return value
 
@@ -94,16 +98,19 @@ def _freeze_stop(name: str, value: Any) -> tuple[str, ...]:
     require(
         len(items) <= MAX_STOP_STRINGS,
         f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(items)}",
+        "stop",
     )
     for item in items:
         require(
             isinstance(item, str) and item != "",
             f"stop must hold non-empty strings, got {item!r}",
+            "stop",
         )
     num_chars = sum(map(len, items))
     require(
         num_chars <= MAX_STOP_CHARS,
         f"stop strings may hold at most {MAX_STOP_CHARS} characters in all, got {num_chars}",
+        "stop",
     )
     return items
 
@@ -142,18 +149,22 @@ def _lora(name: str, value: object) -> dict[str | int, float] | None:
     """``SamplingParams.lora`` checked: adapter names (or load indices) to finite scales."""
     if value is None:
         return None
-    require(isinstance(value, Mapping), f"lora must be a dict of name -> scale, got {value!r}")
+    require(
+        isinstance(value, Mapping), f"lora must be a dict of name -> scale, got {value!r}", "lora"
+    )
     assert isinstance(value, Mapping)
     checked: dict[str | int, float] = {}
     for key, scale in value.items():
         require(
             (isinstance(key, str) and key != "") or (is_int(key) and key >= 0),
             f"lora keys must be adapter names or load indices >= 0, got {key!r}",
+            "lora",
         )
         require(
             is_real(scale) and math.isfinite(scale) and abs(scale) <= MAX_LORA_SCALE,
             f"lora scale for {key!r} must be a finite number in [-{MAX_LORA_SCALE:g}, "
             f"{MAX_LORA_SCALE:g}], got {scale!r}",
+            "lora",
         )
         checked[key] = float(scale)
     return checked
@@ -430,10 +441,12 @@ class SamplingParams:
         require(
             self.grammar is None or self.json_schema is None,
             "grammar and json_schema cannot both be set",
+            "json_schema",
         )
         require(
             self.logprobs is not None or not self.logprobs_after_sampling,
             "logprobs_after_sampling needs logprobs (how many alternatives to report)",
+            "logprobs_after_sampling",
         )
 
     @property

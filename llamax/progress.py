@@ -41,7 +41,7 @@ class BatchProgress:
             except ImportError:
                 if progress:
                     raise InvalidParameterError(
-                        "progress=True needs tqdm: pip install tqdm"
+                        "progress=True needs tqdm: pip install tqdm", param="progress"
                     ) from None
                 return
             self._tqdm = tqdm

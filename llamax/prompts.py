@@ -71,7 +71,8 @@ def prompt_tokens(backend: Backend, prompt: Prompt, n_ctx: int) -> list[int]:
     else:
         raise InvalidRequestError(
             f"prompt must be a str, a list of token ids or a 1-D integer array, "
-            f"got {type(prompt).__name__}"
+            f"got {type(prompt).__name__}",
+            param="prompt",
         )
     if not tokens:
         raise EmptyPromptError("the prompt is empty (it tokenized to zero tokens)")
@@ -95,23 +96,28 @@ def prompt_token_ids(backend: Backend, ids: object) -> list[int]:
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise InvalidRequestError(
                 f"a token id array must be 1-D and of an integer dtype, got {ids.dtype} "
-                f"of shape {ids.shape}"
+                f"of shape {ids.shape}",
+                param="prompt",
             )
         return _checked_ids(backend, ids.tolist())
     if not isinstance(ids, (list, tuple)):
-        raise InvalidRequestError(f"token ids must be a list of ints, got {type(ids).__name__}")
+        raise InvalidRequestError(
+            f"token ids must be a list of ints, got {type(ids).__name__}", param="prompt"
+        )
     return _checked_ids(backend, ids)
 
 
 def _checked_ids(backend: Backend, ids: Sequence[object]) -> list[int]:
     """Plain ints from ``ids`` (numpy integers accepted), each within the vocabulary."""
-    n_vocab = backend.n_vocab
+    n_vocab = backend.facts.n_vocab
     tokens = []
     for t in ids:
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}")
+            raise InvalidRequestError(f"prompt token ids must be ints, got {t!r}", param="prompt")
         if not 0 <= t < n_vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {n_vocab}), got {t!r}")
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {n_vocab}), got {t!r}", param="prompt"
+            )
         tokens.append(int(t))
     return tokens
 
@@ -153,7 +159,7 @@ def check_token_ids(backend: Backend, params: SamplingParams) -> None:
     Raises:
         InvalidParameterError: naming the field and the ids out of range.
     """
-    n_vocab = backend.n_vocab
+    n_vocab = backend.facts.n_vocab
     for name, ids in (
         ("logit_bias", params.logit_bias.keys()),
         ("stop_token_ids", params.stop_token_ids),
@@ -161,7 +167,7 @@ def check_token_ids(backend: Backend, params: SamplingParams) -> None:
         bad = [t for t in ids if t >= n_vocab]
         if bad:
             raise InvalidParameterError(
-                f"{name} holds token ids outside the vocabulary [0, {n_vocab}): {bad}"
+                f"{name} holds token ids outside the vocabulary [0, {n_vocab}): {bad}", param=name
             )
 
 
@@ -190,13 +196,17 @@ def build_request(
     """
     params = params if params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
-        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        raise InvalidRequestError(
+            f"params must be a SamplingParams, got {type(params).__name__}", param="params"
+        )
     if session_id is not None and params.n != 1:
-        raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}")
+        raise InvalidParameterError(f"n must be 1 for a session request, got {params.n}", param="n")
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+        raise InvalidRequestError(f"priority must be an int, got {priority!r}", param="priority")
     if fair_key is not None and not (isinstance(fair_key, str) and fair_key):
-        raise InvalidRequestError(f"fair_key must be a non-empty str, got {fair_key!r}")
+        raise InvalidRequestError(
+            f"fair_key must be a non-empty str, got {fair_key!r}", param="fair_key"
+        )
     parts = is_parts(prompt)
     if not parts:
         tokens = prompt_tokens(backend, prompt, n_ctx)

@@ -77,7 +77,9 @@ def check_reasoning_format(value: object) -> ReasoningFormat:
     """
     if value not in get_args(ReasoningFormat):
         allowed = ", ".join(repr(v) for v in get_args(ReasoningFormat))
-        raise InvalidParameterError(f"reasoning_format must be one of {allowed}, got {value!r}")
+        raise InvalidParameterError(
+            f"reasoning_format must be one of {allowed}, got {value!r}", param="reasoning_format"
+        )
     return value  # type: ignore[return-value]
 
 

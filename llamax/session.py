@@ -205,7 +205,9 @@ class Session:
             ContextClosedError: the context is closed.
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise InvalidParameterError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+            raise InvalidParameterError(
+                f"num_tokens must be an int >= 0, got {num_tokens!r}", param="num_tokens"
+            )
         self._apply(lambda session_id: RewindSession(session_id, num_tokens))
 
     def shift(self, start: int, end: int) -> bool:
@@ -224,7 +226,10 @@ class Session:
         """
         for value in (start, end):
             if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidParameterError(f"start and end must be ints, got {value!r}")
+                raise InvalidParameterError(
+                    f"start and end must be ints, got {value!r}",
+                    param="start" if value is start else "end",
+                )
         return self._apply(lambda session_id: ShiftSession(session_id, start, end))
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -216,7 +216,7 @@ class EngineMachine(RuleBasedStateMachine):
     def accounting_matches_backend(self) -> None:
         assert self.ctx.audit() == []  # ids, extents, contents, cells and samplers
         stats = self.ctx.stats()
-        assert self.backend.num_cells_used == stats.kv_cells_used <= self.backend.n_ctx
+        assert self.backend.num_cells_used == stats.kv_cells_used <= self.backend.facts.n_ctx
 
     @invariant()
     def requests_settle_in_bounded_steps(self) -> None:
@@ -259,8 +259,8 @@ class EngineMachine(RuleBasedStateMachine):
         unified = self.backend.is_unified
         held = {session: len(session.token_ids) for session in self.sessions}
         pinned = sum(held.values()) if unified else 0  # forks share cells: counted twice
-        free_ids = self.backend.n_seq_max - len(self.sessions)
-        room = self.backend.n_ctx if unified else self.backend.n_ctx_seq
+        free_ids = self.backend.facts.n_seq_max - len(self.sessions)
+        room = self.backend.facts.n_ctx if unified else self.backend.facts.n_ctx_seq
 
         def blocked(t: Tracked) -> bool:
             if not self.sessions:

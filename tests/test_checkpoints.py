@@ -116,7 +116,7 @@ def test_the_fake_recurrent_memory_refuses_a_cut_and_catches_a_stale_state() -> 
 
 def test_a_checkpoint_set_back_cuts_the_fake_exactly() -> None:
     backend = FakeBackend(recurrent=True)
-    kv = KVCache(backend, backend.n_seq_max)
+    kv = KVCache(backend, backend.facts.n_seq_max)
     slot = kv.allocate()
     assert slot is not None
     _decode(backend, slot.seq_id, [5, 6], 0)

@@ -140,7 +140,7 @@ def test_stats_from_another_thread_never_raise_and_are_consistent(make_fake: Mak
             polls += 1
             sessions = getattr(s, "num_sessions", 0)
             held = s.num_running + s.num_retained + s.num_free_seq_ids + sessions
-            if held != backend.n_seq_max or not 0 <= s.kv_cells_used <= s.kv_cells_total:
+            if held != backend.facts.n_seq_max or not 0 <= s.kv_cells_used <= s.kv_cells_total:
                 problems.append(f"inconsistent snapshot {s}")
                 return
 

@@ -72,7 +72,7 @@ def test_the_model_greedy_path_builds_no_chain_and_agrees_with_llama_cpp(
     C = backend._C
     try:
         prompt = backend.tokenize("The capital of France is", parse_special=False)
-        n_vocab = backend.n_vocab
+        n_vocab = backend.facts.n_vocab
         eog = [t for t in range(n_vocab) if backend.is_eog(t)]
         assert backend.decode([BatchItem(0, prompt, 0, (len(prompt) - 1,))]) == 0
         row = len(prompt) - 1

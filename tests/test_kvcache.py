@@ -61,7 +61,7 @@ def test_truncate_shift_and_clear_keep_counts_exact() -> None:
 
 def test_refused_partial_removal_changes_nothing() -> None:
     backend = FakeBackend(can_share_prefix=False)
-    kv = KVCache(backend, backend.n_seq_max)
+    kv = KVCache(backend, backend.facts.n_seq_max)
     slot = kv.allocate()
     assert slot is not None
     compute(kv, backend, slot, [1, 2, 3])

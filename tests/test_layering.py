@@ -3,7 +3,7 @@
 The graph has one node per module of ``llamax`` (a package is its ``__init__``) and an edge
 for every import that runs when the module is imported: the module-level statements,
 including those under a plain ``if``/``try``, but not imports inside a function (lazy
-imports, as ``Context.chat()`` does) nor those under ``if TYPE_CHECKING:`` (annotations
+imports) nor those under ``if TYPE_CHECKING:`` (annotations
 only). Importing ``a.b.c`` also runs ``a.b``: that parent is an edge too, except the root
 ``llamax``, which Python has always started before any of its modules, so only an explicit
 ``import llamax`` / ``from llamax import X`` is an edge to it.
@@ -30,7 +30,6 @@ FACADE = ("llamax.context", "llamax.session")
 # Built on the public API (docs/architecture.md): nothing the facade imports may be here.
 ABOVE_THE_FACADE = (
     "llamax.anthropic",
-    "llamax.conversation",
     "llamax.server",
     "llamax.ray",
     "llamax.cli",
@@ -156,10 +155,10 @@ def test_the_graph_sees_the_imports_it_should() -> None:
     assert "llamax.engine.loop" in graph["llamax.context"]
     assert {"llamax.server", "llamax.ray.keys"} <= graph["llamax.ray.deployment"]
     assert ROOT in graph["llamax.server.app"]  # ``import llamax``
-    assert "llamax.openai.requests" in graph["llamax.openai.api"]  # relative, one level
-    assert "llamax.tools" in graph["llamax.openai.prepare"]  # relative, two levels
-    assert "llamax.templates" in graph["llamax.openai.prepare"]  # parent of templates.messages
-    assert "llamax.conversation" not in graph["llamax.context"]  # lazy, inside chat()
+    assert "llamax.chat.handle" in graph["llamax.openai.requests"]  # relative, two levels
+    assert "llamax.chat.call" in graph["llamax.chat.prepare"]  # relative, one level
+    assert "llamax.templates" in graph["llamax.chat.prepare"]  # parent of templates.messages
+    assert "llamax.conversation" in graph["llamax.context"]  # at module level (issue 58)
 
 
 def test_no_import_cycle_passes_through_the_facade() -> None:
@@ -242,9 +241,11 @@ def _lazy_imports(path: Path, modules: dict[str, Path]) -> dict[str, int]:
     return found
 
 
-# Chat preparation and the OpenAI shapes, and batch generation: the facade imports them, so
-# they never need it.
+# Typed calls and their preparation, the OpenAI shapes, chats and batch generation: the
+# facade imports them, so they never need it.
 BELOW_THE_FACADE_CHAT = (
+    "llamax.chat",
+    "llamax.conversation",
     "llamax.openai",
     "llamax.tools",
     "llamax.chat_stream",
@@ -278,11 +279,10 @@ def _names_context(name: str, path: Path, modules: dict[str, Path]) -> list[str]
     return found
 
 
-# Lazy climbs the facade still makes: ``Context.chat`` builds a ``Chat`` (which calls the
-# context's public chat methods). It must go by handing down what it needs, as chat
-# preparation and ``llamax.batch`` (on a ``BatchHost``, issue 58) do; the list may only
-# shrink.
-LAZY_CLIMBS_LEFT = {("llamax.context", "llamax.conversation")}
+# Lazy climbs the facade still makes: none since issue 58 (``Context.chat`` hands itself
+# down to a ``Chat`` as a ``ChatHost``, as ``generate`` hands down a ``BatchHost``); the
+# set may only stay empty.
+LAZY_CLIMBS_LEFT: set[tuple[str, str]] = set()
 
 
 def test_the_facade_makes_no_lazy_import_into_a_layer_above_it() -> None:
@@ -311,14 +311,15 @@ def test_chat_preparation_never_refers_to_the_context() -> None:
     """Regression (issue 39): ``llamax.openai`` (``api``, ``requests``, ``responses_api``)
     and ``llamax.tools.prompt`` took a ``Context`` and called back into it. They now work
     on small typed interfaces the facade hands down (``ChatModel``, ``PromptRenderer``;
-    ``ChatHost`` for the context-first functions), and name no ``Context``."""
+    ``CallHost`` for the Responses API, ``ChatHost`` for a ``Chat``), and name no
+    ``Context``."""
     modules = package_modules()
     for name, path in sorted(modules.items()):
         if _within(name, BELOW_THE_FACADE_CHAT):
             found = _names_context(name, path, modules)
             assert not found, f"{name} refers to Context: {found}"
-    # guards the check: ``from . import Context, Session`` under TYPE_CHECKING
-    assert _names_context("llamax.conversation", modules["llamax.conversation"], modules)
+    # guards the check: ``llamax.Context`` in code
+    assert _names_context("llamax.server.state", modules["llamax.server.state"], modules)
 
 
 # The modules of the package root that hold plain values (errors, options, results, text
@@ -328,6 +329,7 @@ VALUE_MODULES = (
     "llamax.checks",
     "llamax.config",
     "llamax.errors",
+    "llamax.facts",
     "llamax.params",
     "llamax.optionspec",
     "llamax.drafting",
@@ -346,6 +348,7 @@ PUBLIC_MODULES = (
     "llamax.cli",
     "llamax.drafting",
     "llamax.flags",
+    "llamax.chat",
     "llamax.openai",
     "llamax.anthropic",
     "llamax.tools",

@@ -20,6 +20,7 @@ import pytest
 from adversaries import in_thread
 
 import llamax
+from llamax.chat import ChatCall, TextCall
 from llamax.testing import FakeBackend, assert_idle
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
@@ -410,6 +411,10 @@ def _context_calls(ctx: llamax.Context, tmp_path: Path) -> dict[str, Callable[[]
         "chat_completion": lambda: ctx.chat_completion(messages),
         "acompletion": lambda: asyncio.run(ctx.acompletion("abc")),
         "achat_completion": lambda: asyncio.run(ctx.achat_completion(messages)),
+        "submit_chat": lambda: ctx.submit_chat(ChatCall(messages=tuple(messages))),
+        "submit_text": lambda: ctx.submit_text(TextCall(prompt="abc")),
+        "asubmit_chat": lambda: asyncio.run(ctx.asubmit_chat(ChatCall(messages=tuple(messages)))),
+        "asubmit_text": lambda: asyncio.run(ctx.asubmit_text(TextCall(prompt="abc"))),
         "Session.load": lambda: llamax.Session.load(ctx, tmp_path / "saved.llamax"),
         "load_session": lambda: ctx.load_session(tmp_path / "saved.llamax"),
     }
@@ -419,6 +424,7 @@ def _context_calls(ctx: llamax.Context, tmp_path: Path) -> dict[str, Callable[[]
 STILL_ANSWER = {
     "config",
     "calibration",
+    "facts",
     "n_ctx",
     "n_seq_max",
     "n_ctx_seq",

@@ -133,7 +133,7 @@ def test_batch_hook_sees_every_row_once_per_step() -> None:
     ]
     run(ctx)
     assert all(h.result(0).text == "zzz" for h in handles)
-    assert calls[0] == (["r0", "r1"], (2, backend.n_vocab))
+    assert calls[0] == (["r0", "r1"], (2, backend.facts.n_vocab))
     ctx.close()
 
 

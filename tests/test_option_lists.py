@@ -19,10 +19,10 @@ import pytest
 
 import llamax
 from llamax import cli, flags
+from llamax.chat import options as openai_options
+from llamax.chat.options import CompletionOptions, sampling_params
 from llamax.config import OPTION_LISTS, ContextConfig, ContextOptions
 from llamax.drafting import Drafter, DraftMethod
-from llamax.openai import options as openai_options
-from llamax.openai.options import CompletionOptions, sampling_params
 from llamax.optionspec import generated_blocks, markdown_table, openai_defaults, spec
 from llamax.params import SamplingParams
 from llamax.server.schemas import StreamOptions

@@ -36,10 +36,10 @@ _BACKENDS: dict[int, FakeBackend] = {}
 
 def _placer(n_ctx: int = 64, n_seq_max: int = 2) -> tuple[SlotPlacer, KVCache, PrefixCache]:
     backend = FakeBackend(n_ctx=n_ctx, n_seq_max=n_seq_max)
-    kv = KVCache(backend, backend.n_seq_max)
+    kv = KVCache(backend, backend.facts.n_seq_max)
     _BACKENDS[id(kv)] = backend
     prefix = PrefixCache(kv)
-    return SlotPlacer(kv, prefix, backend.n_ctx), kv, prefix
+    return SlotPlacer(kv, prefix, backend.facts.n_ctx), kv, prefix
 
 
 def _compute(kv: KVCache, slot: Slot, tokens: list[int]) -> None:

@@ -4,7 +4,7 @@
 retained slot is left; the RAM and disk tiers below drop unhinted entries first, keep the
 mark when one drops to the other, and the disk tier's files keep it across contexts. Least
 recently used order within each class is unchanged. Fake backend, both KV layouts; the
-dialects through ``llamax.anthropic.messages``, ``llamax.openai.chat_completion`` and
+dialects through ``llamax.anthropic.messages``, ``ctx.chat_completion`` and
 ``llamax.openai.create_response``."""
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from test_chat import make as make_chat
 
 import llamax
 from llamax.anthropic import count_tokens, messages
+from llamax.chat import ChatCall
 from llamax.engine.kv.disk_files import MAGIC, encode
 from llamax.engine.kv.prefix_disk import PrefixDiskTier
 from llamax.engine.kv.prefix_ram import PrefixRamTier
-from llamax.openai import chat_completion, create_response
+from llamax.openai import create_response
 from llamax.server import BackgroundServer, create_app
 from llamax.testing import FakeBackend, assert_idle
 
@@ -304,13 +305,13 @@ def chat_ctx(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[llamax.Context, 
     """A chat model on the fake, and the ``keep_prefix`` of every request submitted."""
     with make_chat("Hello there!", autostart=True, n_ctx=4096) as ctx:
         hints: list[bool] = []
-        submit = ctx.add_request
+        submit = ctx.submit_chat  # the one entry every dialect submits through
 
-        def recording(prompt: Any, params: llamax.SamplingParams, **kwargs: Any) -> Any:
-            hints.append(params.keep_prefix)
-            return submit(prompt, params, **kwargs)
+        def recording(call: ChatCall, **kwargs: Any) -> Any:
+            hints.append(call.params.keep_prefix)
+            return submit(call, **kwargs)
 
-        monkeypatch.setattr(ctx, "add_request", recording)
+        monkeypatch.setattr(ctx, "submit_chat", recording)
         yield ctx, hints
         assert_idle(ctx)
 
@@ -398,18 +399,18 @@ def test_openai_prompt_cache_key_sets_keep_prefix(
     chat_ctx: tuple[llamax.Context, list[bool]], options: dict[str, Any], hinted: bool
 ) -> None:
     ctx, hints = chat_ctx
-    chat_completion(ctx, HI, max_tokens=8, **options)
+    ctx.chat_completion(HI, max_tokens=8, **options)
     create_response(ctx, {"input": "Hi!", "max_output_tokens": 8, **options})
     assert hints == [hinted, hinted]
 
 
 def test_keep_prefix_is_a_chat_option_too(chat_ctx: tuple[llamax.Context, list[bool]]) -> None:
     ctx, hints = chat_ctx
-    chat_completion(ctx, HI, max_tokens=8, keep_prefix=True)
+    ctx.chat_completion(HI, max_tokens=8, keep_prefix=True)
     assert hints == [True]
     ctx.chat_completion(HI, max_tokens=8, prompt_cache_key="s")  # typed (ChatOptions) too
     with pytest.raises(llamax.InvalidParameterError, match="keep_prefix must be a boolean"):
-        chat_completion(ctx, HI, max_tokens=8, keep_prefix="yes")
+        ctx.chat_completion(HI, max_tokens=8, keep_prefix="yes")
 
 
 @pytest.mark.parametrize(
@@ -421,7 +422,7 @@ def test_a_bad_prompt_cache_hint_is_refused(
 ) -> None:
     ctx, hints = chat_ctx
     with pytest.raises(llamax.InvalidParameterError, match="prompt_cache"):
-        chat_completion(ctx, HI, max_tokens=8, **options)
+        ctx.chat_completion(HI, max_tokens=8, **options)
     with pytest.raises(llamax.InvalidParameterError, match="prompt_cache"):
         create_response(ctx, {"input": "Hi!", "max_output_tokens": 8, **options})
     assert hints == []

@@ -44,6 +44,7 @@ EXPECTED_ALL = [
     "LogitsProcessor",
     "LogitsRow",
     "LoopOwnershipError",
+    "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
     "NotFoundError",
@@ -77,6 +78,23 @@ PUBLIC_MODULES = {
     "llamax.info": ["ModelInfo", "max_cells", "model_info"],
     "llamax.cli": ["main"],
     "llamax.anthropic": ["REQUEST_FIELDS", "amessages", "count_tokens", "messages"],
+    "llamax.chat": [
+        "CallHost",
+        "ChatCall",
+        "ChatHandle",
+        "ChatModel",
+        "ChatOptions",
+        "CompletionOptions",
+        "Prepared",
+        "StreamOptions",
+        "TextCall",
+        "Truncate",
+        "chat_prompt_tokens",
+        "new_request_id",
+        "prepare_chat",
+        "prepare_text",
+        "submit_in_worker",
+    ],
     "llamax.openai": [
         "ChatCompletion",
         "ChatCompletionChunk",
@@ -89,16 +107,9 @@ PUBLIC_MODULES = {
         "ResponseStore",
         "StreamOptions",
         "TextCompletion",
-        "achat_completion",
-        "acompletion",
         "acreate_response",
-        "chat_completion",
-        "chat_prompt_tokens",
-        "completion",
         "create_response",
         "response_input_tokens",
-        "submit_chat",
-        "submit_in_worker",
     ],
     "llamax.reasoning": [
         "CHANNEL",
@@ -173,16 +184,21 @@ def _imported_modules(path: Path) -> set[str]:
 
 # The layers of docs/architecture.md, top down: the apps (server, ray, cli); the layers built
 # on the public API (anthropic, conversation, batch with its progress bar); the facade
-# (context, session); chat preparation and the OpenAI shapes (openai with its tools and the
-# chat stream: below the facade, yet using only the public API's modules too); templates;
+# (context, session); typed calls and their preparation (chat, with the tools and the chat
+# stream) and the OpenAI shapes (openai, on chat): below the facade, yet using only the
+# public API's modules too; templates;
 # the engine and the backend.
 UPPER_LAYERS = {
     # layer: (its modules, the upper layers below it that it may also use)
-    "server": ({"llamax.server"}, {"llamax.anthropic", "llamax.openai"}),
+    "server": ({"llamax.server"}, {"llamax.anthropic", "llamax.openai", "llamax.chat"}),
     "ray": ({"llamax.ray"}, {"llamax.server"}),
     "cli": ({"llamax.cli"}, {"llamax.server", "llamax.batch"}),
-    "anthropic": ({"llamax.anthropic"}, {"llamax.openai", "llamax.tools", "llamax.chat_stream"}),
-    "openai": ({"llamax.openai"}, {"llamax.tools", "llamax.chat_stream"}),
+    "anthropic": (
+        {"llamax.anthropic"},
+        {"llamax.openai", "llamax.chat", "llamax.tools", "llamax.chat_stream"},
+    ),
+    "openai": ({"llamax.openai"}, {"llamax.chat", "llamax.tools", "llamax.chat_stream"}),
+    "chat": ({"llamax.chat"}, {"llamax.tools", "llamax.chat_stream"}),
     "chat_stream": ({"llamax.chat_stream"}, {"llamax.tools"}),
     "tools": ({"llamax.tools"}, set()),
     "conversation": ({"llamax.conversation"}, set()),
@@ -197,6 +213,7 @@ UPPER_LAYERS = {
 PUBLIC_API = {
     "llamax",
     "llamax.errors",
+    "llamax.facts",
     "llamax.params",
     "llamax.config",
     "llamax.optionspec",
@@ -275,8 +292,8 @@ def test_layers_above_the_core_use_only_the_public_api(layer: str) -> None:
 def test_the_layering_check_sees_internals() -> None:
     """Guards the parser behind the layering test: relative imports resolve, and what the
     test must refuse is found."""
-    tree = PACKAGE / "openai" / "prepare.py"
-    assert {"llamax.openai.options", "llamax.tools", "llamax.errors"} <= _imported_modules(tree)
+    tree = PACKAGE / "chat" / "prepare.py"
+    assert {"llamax.chat.options", "llamax.tools", "llamax.errors"} <= _imported_modules(tree)
     assert "llamax.engine.loop" in _imported_modules(PACKAGE / "context.py")
     assert "llamax.server" in _imported_modules(PACKAGE / "ray" / "deployment.py")
     assert _private_context_members(PACKAGE / "context.py")  # the facade's own privates

@@ -16,7 +16,8 @@ from test_chat import make
 from test_chat_reasoning import QWEN3, THOUGHT
 
 import llamax
-from llamax.openai import ResponseStore, acreate_response, chat_prompt_tokens, create_response
+from llamax.chat import ChatCall, chat_prompt_tokens
+from llamax.openai import ResponseStore, acreate_response, create_response
 from llamax.testing import assert_idle
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -155,7 +156,7 @@ def test_input_items_become_the_conversation() -> None:
                  "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         ]  # fmt: skip
-        expected = chat_prompt_tokens(ctx, chat, tools=[CHAT_WEATHER])
+        expected = chat_prompt_tokens(ctx, ChatCall.of(chat, tools=[CHAT_WEATHER]))
         assert reply["usage"]["input_tokens"] == len(expected)
 
 
@@ -223,7 +224,7 @@ def test_a_function_call_round_trip_through_previous_response_id() -> None:
                  "function": {"name": "get_weather", "arguments": call["arguments"]}}]},
             {"role": "tool", "tool_call_id": call["call_id"], "content": "sunny"},
         ]  # fmt: skip
-        expected = chat_prompt_tokens(ctx, chat, tools=[CHAT_WEATHER])
+        expected = chat_prompt_tokens(ctx, ChatCall.of(chat, tools=[CHAT_WEATHER]))
         assert follow["usage"]["input_tokens"] == len(expected)
         assert follow["usage"]["input_tokens_details"]["cached_tokens"] > 0
         forced = respond(

@@ -523,7 +523,7 @@ def fill_output_buffer(ctx: llamax.Context) -> None:
             slot = kv.allocate()
             assert slot is not None, "no free sequence id for the output-buffer fill"
             num = min(per_seq, backend.n_batch - offset)
-            tokens = [backend.bos_token_id or 0] * num
+            tokens = [backend.facts.bos_token_id or 0] * num
             items.append(BatchItem(slot.seq_id, tokens, 0, tuple(range(offset, offset + num))))
             kv.append(slot, tokens)
             slots.append(slot)
@@ -774,7 +774,7 @@ def _real(
     )
     probe = make_real(n_ctx=1024, n_seq_max=1, n_threads=2, prefix_cache=False, lora=adapters)
     backend = probe._engine.backend
-    eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
+    eog = [t for t in range(backend.facts.n_vocab) if backend.is_eog(t)]
 
     def cold(sample: Sample) -> None:
         regrets = forced_regrets(

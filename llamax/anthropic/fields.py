@@ -6,15 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..chat.options import check_text, one_of
 from ..errors import InvalidParameterError
-from ..openai.fields import (
-    RequestField,
-    Support,
-    check_object,
-    check_text,
-    one_of,
-    table,
-)
+from ..openai.fields import RequestField, Support, check_object, table
 
 __all__ = ["MESSAGES", "check_cache_control"]
 
@@ -31,7 +25,9 @@ def check_cache_control(name: str, value: Any) -> bool:
     if value is None:
         return False
     if not isinstance(value, Mapping) or value.get("type") != "ephemeral":
-        raise InvalidParameterError(f'{name} must be {{"type": "ephemeral"}} (with a ttl)')
+        raise InvalidParameterError(
+            f'{name} must be {{"type": "ephemeral"}} (with a ttl)', param=name
+        )
     return True
 
 
@@ -39,7 +35,7 @@ def _metadata(name: str, value: Any) -> None:
     check_object(name, value)
     for key, item in (value or {}).items():
         if key != "user_id":
-            raise InvalidParameterError(f"{name} has unknown field {key!r}")
+            raise InvalidParameterError(f"{name} has unknown field {key!r}", param=name)
         check_text(f"{name}.user_id", item)
 
 

@@ -32,6 +32,8 @@ import json
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..chat import ChatCall, chat_prompt_tokens, submit_in_worker
+from ..chat.options import check_flag
 from ..chat_stream import (
     ChatPart,
     ContentDelta,
@@ -42,9 +44,8 @@ from ..chat_stream import (
 )
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError
 from ..images import Image
-from ..openai import OpenAIRequest, chat_prompt_tokens, submit_chat, submit_in_worker
+from ..openai import OpenAIRequest
 from ..openai.fields import accept_fields, honoured
-from ..openai.options import check_flag
 from ..results import Completion, FinishReason
 from .fields import MESSAGES, check_cache_control
 from .volatile import without_billing_header
@@ -91,10 +92,10 @@ async def amessages(
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`messages` (needs the context's background loop). Mapping,
     rendering and tokenizing run in a worker thread, so the event loop stays free.
-    ``fair_key``: the fairness key of the submitted request (``llamax.openai.submit_chat``;
+    ``fair_key``: the fairness key of the submitted request (``Context.submit_chat``;
     the server passes the client's address), never a field of ``request``."""
     submitted, stops = await submit_in_worker(
-        lambda: _submit(ctx, request, keep_billing_header, fair_key), lambda s: s[0]
+        lambda: _submit(ctx, request, keep_billing_header, fair_key), lambda s: s[0].handle
     )
     if request.get("stream"):
         return submitted.aevents(_EventBuilder(submitted, stops))
@@ -117,7 +118,8 @@ def count_tokens(
     chat, options = _chat_request({"max_tokens": 1, **request}, keep_billing_header)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "stop"):
         options.pop(name, None)  # they shape the reply, not the prompt
-    return {"input_tokens": ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))}
+    call = ChatCall.of(chat, **options)
+    return {"input_tokens": ctx.prompt_positions(chat_prompt_tokens(ctx, call))}
 
 
 # ---------------------------------------------------------------------- the request
@@ -126,7 +128,9 @@ def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: st
         raise InvalidRequestError(f"a {where} request must be an object")
     unknown = sorted(set(request) - allowed)
     if unknown:
-        raise InvalidRequestError(f"{where}: unsupported field(s): {', '.join(unknown)}")
+        raise InvalidRequestError(
+            f"{where}: unsupported field(s): {', '.join(unknown)}", param=unknown[0]
+        )
 
 
 def _submit(
@@ -145,8 +149,8 @@ def _submit(
         chat = chat[:-1]
     if request.get("stream") is True:  # message_start waits for the cached count
         options["return_progress"] = True
-    submitted = submit_chat(ctx, chat, prefill=prefill, fair_key=fair_key, **options)
-    submitted = submitted.named(request.get("model"))
+    handle = ctx.submit_chat(ChatCall.of(chat, prefill=prefill, **options), fair_key=fair_key)
+    submitted = OpenAIRequest(handle.named(request.get("model")))
     return submitted, list(options.get("stop") or [])
 
 
@@ -156,7 +160,9 @@ def _chat_request(
     """The chat messages and options of a Messages request."""
     max_tokens = request.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidParameterError(f"max_tokens is required, a positive integer: {max_tokens!r}")
+        raise InvalidParameterError(
+            f"max_tokens is required, a positive integer: {max_tokens!r}", param="max_tokens"
+        )
     chat: list[dict[str, Any]] = []
     system = request.get("system")
     if not keep_billing_header:
@@ -165,7 +171,7 @@ def _chat_request(
         chat.append({"role": "system", "content": _text_of(system, "system")})
     turns = request.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise InvalidRequestError("messages must be a non-empty list")
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
     for i, turn in enumerate(turns):
         chat += _turn(turn, i)
     options: dict[str, Any] = {"max_tokens": max_tokens}
@@ -174,11 +180,15 @@ def _chat_request(
             options[name] = request[name]
     temperature = options.get("temperature")
     if isinstance(temperature, (int, float)) and not 0 <= temperature <= 1:
-        raise InvalidParameterError(f"temperature must be in [0, 1], got {temperature}")
+        raise InvalidParameterError(
+            f"temperature must be in [0, 1], got {temperature}", param="temperature"
+        )
     stops = request.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise InvalidParameterError("stop_sequences must be a list of non-empty strings")
+            raise InvalidParameterError(
+                "stop_sequences must be a list of non-empty strings", param="stop_sequences"
+            )
         options["stop"] = stops
     if request.get("tools"):
         tools = _list(request["tools"], "tools")
@@ -189,7 +199,9 @@ def _chat_request(
     if thinking is not None:
         kind = thinking.get("type") if isinstance(thinking, Mapping) else None
         if kind not in ("enabled", "adaptive", "disabled"):
-            raise InvalidParameterError("thinking.type must be 'enabled', 'adaptive' or 'disabled'")
+            raise InvalidParameterError(
+                "thinking.type must be 'enabled', 'adaptive' or 'disabled'", param="thinking.type"
+            )
         options["enable_thinking"] = kind != "disabled"
     options.update(_output_config(request.get("output_config")))
     if _asks_to_cache(request):
@@ -231,29 +243,37 @@ def _output_config(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if not isinstance(config, Mapping):
-        raise InvalidParameterError("output_config must be an object")
+        raise InvalidParameterError("output_config must be an object", param="output_config")
     unknown = sorted(set(config) - {"effort", "format"})
     if unknown:
-        raise InvalidParameterError(f"output_config has unknown field {unknown[0]!r}")
+        raise InvalidParameterError(
+            f"output_config has unknown field {unknown[0]!r}", param="output_config"
+        )
     if config.get("effort") not in (None, "low", "medium", "high", "max"):
         raise InvalidParameterError(
-            f"output_config.effort must be low, medium, high or max, got {config['effort']!r}"
+            f"output_config.effort must be low, medium, high or max, got {config['effort']!r}",
+            param="output_config.effort",
         )
     fmt = config.get("format")
     if fmt is None:
         return {}
     if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema":
-        raise InvalidParameterError("output_config.format must be {'type': 'json_schema', ...}")
+        raise InvalidParameterError(
+            "output_config.format must be {'type': 'json_schema', ...}",
+            param="output_config.format",
+        )
     schema = fmt.get("schema")
     if not isinstance(schema, Mapping):
-        raise InvalidParameterError("output_config.format needs a 'schema' object")
+        raise InvalidParameterError(
+            "output_config.format needs a 'schema' object", param="output_config.format.schema"
+        )
     wrapper = {"name": "output", "schema": dict(schema)}
     return {"response_format": {"type": "json_schema", "json_schema": wrapper}}
 
 
 def _list(value: Any, where: str) -> list[Any]:
     if not isinstance(value, list):
-        raise InvalidRequestError(f"{where} must be a list")
+        raise InvalidRequestError(f"{where} must be a list", param=where)
     return value
 
 
@@ -264,9 +284,9 @@ def _text_of(content: Any, where: str) -> str:
     parts = []
     for block in _list(content, where):
         if not isinstance(block, Mapping) or block.get("type") != "text":
-            raise InvalidRequestError(f"{where}: only text blocks are supported here")
+            raise InvalidRequestError(f"{where}: only text blocks are supported here", param=where)
         if not isinstance(block.get("text"), str):
-            raise InvalidRequestError(f"{where}: a text block needs a string 'text'")
+            raise InvalidRequestError(f"{where}: a text block needs a string 'text'", param=where)
         parts.append(block["text"])
     return "".join(parts)
 
@@ -276,7 +296,9 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
     messages, then the user's text, if any)."""
     where = f"messages[{i}]"
     if not isinstance(turn, Mapping) or turn.get("role") not in ("user", "assistant"):
-        raise InvalidRequestError(f"{where}: role must be 'user' or 'assistant'")
+        raise InvalidRequestError(
+            f"{where}: role must be 'user' or 'assistant'", param=f"{where}.role"
+        )
     role, content = turn["role"], turn.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -294,13 +316,17 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
             texts.append(_image(block, at))
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("name"), str) or not isinstance(block.get("id"), str):
-                raise InvalidRequestError(f"{at}: a tool_use block needs an id and a name")
+                raise InvalidRequestError(
+                    f"{at}: a tool_use block needs an id and a name", param=at
+                )
             arguments = json.dumps(block.get("input", {}))
             function = {"name": block["name"], "arguments": arguments}
             calls.append({"id": block["id"], "type": "function", "function": function})
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
-                raise InvalidRequestError(f"{at}: a tool_result block needs a tool_use_id")
+                raise InvalidRequestError(
+                    f"{at}: a tool_result block needs a tool_use_id", param=at
+                )
             text = _text_of(block.get("content", ""), f"{at}.content")
             if block.get("is_error"):
                 text = f"Error: {text}"
@@ -308,7 +334,9 @@ def _turn(turn: Any, i: int) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # the template renders what the model answered, not what it thought
         else:
-            raise InvalidRequestError(f"{at}: unsupported content block {kind!r} for {role}")
+            raise InvalidRequestError(
+                f"{at}: unsupported content block {kind!r} for {role}", param=at
+            )
     if role == "assistant":
         text = "".join(t for t in texts if isinstance(t, str))
         message: dict[str, Any] = {"role": "assistant", "content": text or None}
@@ -329,12 +357,18 @@ def _image(block: Mapping[str, Any], where: str) -> Image:
     if kind == "url":
         raise InvalidRequestError(
             f"{where}.source: image URLs are not fetched here; send a base64 source "
-            "(llamax serve fetches them with --allow-image-urls)"
+            "(llamax serve fetches them with --allow-image-urls)",
+            param=f"{where}.source",
         )
     if kind != "base64" or not isinstance(source, Mapping):
-        raise InvalidRequestError(f"{where}.source.type must be 'base64' or 'url', got {kind!r}")
+        raise InvalidRequestError(
+            f"{where}.source.type must be 'base64' or 'url', got {kind!r}",
+            param=f"{where}.source.type",
+        )
     if not isinstance(source.get("data"), str) or not isinstance(source.get("media_type"), str):
-        raise InvalidRequestError(f"{where}.source needs a media_type and base64 data")
+        raise InvalidRequestError(
+            f"{where}.source needs a media_type and base64 data", param=f"{where}.source"
+        )
     try:
         return Image.from_base64(source["data"], source["media_type"])
     except ImageError as exc:
@@ -353,7 +387,8 @@ def _document(block: Mapping[str, Any], where: str) -> str:
     else:
         raise InvalidRequestError(
             f"{where}: only text documents are supported (source type 'text' or 'content'), "
-            f"not {kind!r}"
+            f"not {kind!r}",
+            param=where,
         )
     title = block.get("title")
     return f"{title}\n{text}" if isinstance(title, str) and title else text
@@ -364,13 +399,19 @@ def _tool(tool: Any, index: int) -> dict[str, Any]:
     if kind not in (None, "custom"):
         raise InvalidRequestError(
             f"tools[{index}]: server tool {kind!r} is not supported (llamax runs no server "
-            "tools; declare a custom tool with an input_schema and run it yourself)"
+            "tools; declare a custom tool with an input_schema and run it yourself)",
+            param=f"tools[{index}]",
         )
     if not isinstance(tool, Mapping) or not isinstance(tool.get("name"), str):
-        raise InvalidRequestError("a tool needs a 'name' and an 'input_schema'")
+        raise InvalidRequestError(
+            "a tool needs a 'name' and an 'input_schema'", param=f"tools[{index}]"
+        )
     schema = tool.get("input_schema")
     if not isinstance(schema, Mapping):
-        raise InvalidRequestError(f"tool {tool['name']!r}: input_schema must be an object")
+        raise InvalidRequestError(
+            f"tool {tool['name']!r}: input_schema must be an object",
+            param=f"tools[{index}].input_schema",
+        )
     function: dict[str, Any] = {"name": tool["name"], "parameters": dict(schema)}
     if tool.get("strict") is not None:
         function["strict"] = tool["strict"]
@@ -392,7 +433,8 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
         mapped = {"tool_choice": {"type": "function", "function": {"name": choice["name"]}}}
     else:
         raise InvalidParameterError(
-            "tool_choice.type must be auto, any, tool (with a name) or none"
+            "tool_choice.type must be auto, any, tool (with a name) or none",
+            param="tool_choice.type",
         )
     disable = check_flag(choice.get("disable_parallel_tool_use"), "disable_parallel_tool_use")
     if disable and kind != "none":
@@ -415,7 +457,7 @@ def _stop(submitted: OpenAIRequest, completion: Completion, stops: Sequence[str]
     choice = completion.choices[0]
     if choice.finish_reason is not FinishReason.STOP or not stops:
         return None
-    rest = submitted.chat_model.detokenize(choice.token_ids)[len(choice.text) :]
+    rest = submitted.chat.chat_model.detokenize(choice.token_ids)[len(choice.text) :]
     return next((s for s in stops if rest.startswith(s)), None)
 
 
@@ -456,7 +498,7 @@ def _message(
         "id": _message_id(submitted),
         "type": "message",
         "role": "assistant",
-        "model": submitted.model,
+        "model": submitted.chat.model,
         "content": content,
         "stop_reason": "stop_sequence"
         if stop_sequence
@@ -492,7 +534,7 @@ class _EventBuilder:
         self._started = True
         submitted = self._submitted
         usage = {
-            "input_tokens": submitted.num_prompt_tokens - cached,
+            "input_tokens": submitted.chat.num_prompt_tokens - cached,
             "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0,
             "output_tokens": 0,
@@ -501,7 +543,7 @@ class _EventBuilder:
             "id": _message_id(submitted),
             "type": "message",
             "role": "assistant",
-            "model": submitted.model,
+            "model": submitted.chat.model,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

@@ -17,8 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..adapters import AdapterSet
+from ..facts import ModelFacts
 from ..params import SamplingParams
-from ..tokens import FimTokens
 from .vision.chunks import MediaPrompt, RgbImage
 
 __all__ = [
@@ -97,23 +97,9 @@ class LoadedModel(Protocol):
     """The loaded model: vocabulary, metadata and grammar checks. Safe from any thread."""
 
     @property
-    def n_vocab(self) -> int:
-        """Vocabulary size."""
-        ...
-
-    @property
-    def model_name(self) -> str:
-        """A short identity of the loaded model."""
-        ...
-
-    @property
-    def bos_token_id(self) -> int | None:
-        """The BOS token when the vocabulary adds one to prompts, else None."""
-        ...
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The EOS token, if any."""
+    def facts(self) -> ModelFacts:
+        """The model's and the context's facts, computed once at load (they answer after
+        :meth:`~Backend.close` too)."""
         ...
 
     def token_text(self, token: int) -> str:
@@ -143,11 +129,6 @@ class LoadedModel(Protocol):
         ...
 
     @property
-    def fim_tokens(self) -> FimTokens:
-        """The vocabulary's fill-in-the-middle tokens."""
-        ...
-
-    @property
     def model_identity(self) -> dict[str, object]:
         """What identifies the model, for checking saved sessions."""
         ...
@@ -157,24 +138,8 @@ class BatchDecoder(Protocol):
     """Multi-sequence forward passes and their output rows. Engine thread only."""
 
     @property
-    def n_ctx(self) -> int:
-        """KV cells available in the unified cache (also the per-sequence limit)."""
-        ...
-
-    @property
     def kv_cells(self) -> int:
         """KV cells allocated in the current layout (what the cache costs in memory)."""
-        ...
-
-    @property
-    def n_seq_max(self) -> int:
-        """How many sequence ids exist (0 .. n_seq_max-1)."""
-        ...
-
-    @property
-    def n_ctx_seq(self) -> int:
-        """Most tokens one sequence may hold (``n_ctx`` in a unified cache, at most its
-        stream's cells with one buffer per sequence)."""
         ...
 
     @property
@@ -444,14 +409,10 @@ class LoraHost(Protocol):
 
 @runtime_checkable
 class ImageHost(Protocol):
-    """Optional: a backend with a multimodal projector (``mmproj``), whose prompts may hold
-    images (:mod:`llamax.engine.images`). Reading, tokenizing and encoding images may run
+    """Optional: a backend that may load a multimodal projector (``mmproj``), whose prompts
+    may then hold images (:mod:`llamax.engine.images`; ``facts.sees_images`` says whether
+    one that encodes images is loaded). Reading, tokenizing and encoding images may run
     on any thread (encodes one at a time); :meth:`decode_embeddings` on the engine's."""
-
-    @property
-    def sees_images(self) -> bool:
-        """Whether a projector that encodes images is loaded."""
-        ...
 
     @property
     def projector_identity(self) -> dict[str, object] | None:

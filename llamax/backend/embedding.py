@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import EngineError, ModelLoadError
+from ..facts import ModelFacts
 from .native import NativeBatch, NativeContext, NativeModel, bindings, context_params, utf8
 
 __all__ = ["POOLING_TYPES", "EmbeddingBackend", "EmbeddingConfig"]
@@ -82,32 +83,29 @@ class EmbeddingBackend:
             stack.callback(batch.close)
             self._stack = stack.pop_all()
         self._model, self._context, self._batch = model, context, batch
-        self._n_ctx = context.n_ctx()
-        self._n_seq_max = context.n_seq_max()
+        n_ctx = min(context.n_ctx(), self._n_batch)  # one decode, and one text, at most
         self._n_embd = model.n_embd()
+        bos, eos = model.bos_eos()
+        self._facts = ModelFacts(
+            model_name=model.meta("general.name") or config.model_path.stem,
+            n_vocab=model.n_vocab(),
+            n_embd=self._n_embd,
+            n_ctx_train=model.n_ctx_train(),
+            n_ctx=n_ctx,
+            n_ctx_seq=n_ctx,
+            n_seq_max=context.n_seq_max(),
+            bos_token_id=bos,
+            eos_token_id=eos,
+        )
         self._pooling = context.pooling_type()
-        self._model_name = model.meta("general.name") or config.model_path.stem
         self._closed = False
 
     @property
-    def model_name(self) -> str:
-        """``general.name`` from the GGUF metadata, else the file name."""
-        return self._model_name
-
-    @property
-    def n_ctx(self) -> int:
-        """KV cells granted: the most tokens one decode (and one text) may hold."""
-        return min(self._n_ctx, self._n_batch)
-
-    @property
-    def n_seq_max(self) -> int:
-        """The most texts one decode may hold."""
-        return self._n_seq_max
-
-    @property
-    def n_embd(self) -> int:
-        """Width of an embedding."""
-        return self._n_embd
+    def facts(self) -> ModelFacts:
+        """The model's and the context's facts: ``n_ctx`` (and ``n_ctx_seq``) are the KV
+        cells granted, the most tokens one decode (and one text) may hold; ``n_seq_max`` the
+        most texts one decode may hold; ``n_embd`` the width of an embedding."""
+        return self._facts
 
     @property
     def pooling(self) -> str:

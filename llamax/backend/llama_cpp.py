@@ -22,6 +22,7 @@ import numpy.typing as npt
 from ..adapters import NO_ADAPTERS, AdapterSet
 from ..config import ContextConfig
 from ..errors import ImageError, ModelLoadError, RequestFailedError
+from ..facts import ModelFacts
 from ..params import SamplingParams
 from .base import BatchItem, Drawn, SharedPrefix
 from .fingerprint import weights_fingerprint
@@ -84,8 +85,7 @@ class LlamaCppBackend(LlamaCppModel):
                 stack.callback(self._projector.close)
                 # what a saved session whose KV holds images must match
                 self._projector_identity = {"weights": weights_fingerprint(config.mmproj)}
-            # a fact known at load: it answers after close, as the other facts do
-            self._sees_images = self._projector is not None and self._projector.supports_vision
+            sees_images = self._projector is not None and self._projector.supports_vision
             # one KV section (no sliding window, no recurrent state): a sequence's saved
             # state can move between layouts (seq_state.restream)
             self._plain_kv = not (model.is_recurrent() or model.is_hybrid() or model.n_swa() > 0)
@@ -141,7 +141,19 @@ class LlamaCppBackend(LlamaCppModel):
         self._n_seq_max = context.n_seq_max()
         self._n_ctx_stream = context.n_ctx_seq() if not self._is_unified else self._n_ctx
         native_seq = config.n_ctx if self._can_relayout else self._n_ctx_stream
-        self._n_ctx_seq = min(native_seq, config.n_ctx_seq or native_seq)
+        self._facts = ModelFacts(  # known at load: they answer after close
+            model_name=self._model_name,
+            n_vocab=self._n_vocab,
+            n_embd=model.n_embd(),
+            n_ctx_train=model.n_ctx_train(),
+            n_ctx=self._n_ctx,
+            n_ctx_seq=min(native_seq, config.n_ctx_seq or native_seq),
+            n_seq_max=self._n_seq_max,
+            fim_tokens=self._fim,
+            sees_images=sees_images,
+            bos_token_id=self._bos_eos[0],
+            eos_token_id=self._bos_eos[1],
+        )
         kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
         self._kv_bytes_per_cell = 2 * 2 * kv_dim * model.n_layer()  # K+V, f16
         self._adapter_set: AdapterSet | None = NO_ADAPTERS  # None: not yet applied
@@ -151,26 +163,17 @@ class LlamaCppBackend(LlamaCppModel):
 
     # ------------------------------------------------------------------ facts
     @property
-    def n_ctx(self) -> int:
-        """KV cells of the unified cache, as granted (``n_ctx`` padded to a multiple of 256);
-        with a fixed ``"streams"`` layout, all the streams' cells."""
-        return self._n_ctx
+    def facts(self) -> ModelFacts:
+        """The model's and the context's facts, computed at load. Their ``n_ctx``: the
+        unified cache's cells, as granted (``n_ctx`` padded to a multiple of 256); with a
+        fixed ``"streams"`` layout, all the streams' cells."""
+        return self._facts
 
     @property
     def kv_cells(self) -> int:
         """KV cells allocated now: ``kv_layout="auto"`` in streams may hold more than
-        :attr:`n_ctx`, since llama.cpp rounds each stream up to 256 cells."""
+        ``facts.n_ctx``, since llama.cpp rounds each stream up to 256 cells."""
         return self._kv_cells
-
-    @property
-    def n_seq_max(self) -> int:
-        """Sequence ids available."""
-        return self._n_seq_max
-
-    @property
-    def n_ctx_seq(self) -> int:
-        """Most tokens one sequence may hold (its stream's cells, or ``n_ctx_seq``)."""
-        return self._n_ctx_seq
 
     @property
     def is_unified(self) -> bool:
@@ -232,8 +235,11 @@ class LlamaCppBackend(LlamaCppModel):
         old.close()
         self._adapter_set = None  # the new context has none applied yet
         self._kv_cells = new.n_ctx()
-        if unified:
-            self._n_ctx = self._kv_cells
+        if unified and self._kv_cells != self._n_ctx:  # facts.n_ctx predicted them
+            _log.warning(
+                "the unified KV cache holds %d cells, not the %d reported as n_ctx",
+                self._kv_cells, self._n_ctx,
+            )  # fmt: skip
 
     def _close_context(self) -> None:
         self._context.close()
@@ -323,12 +329,6 @@ class LlamaCppBackend(LlamaCppModel):
         return self._context.decode(batch)
 
     # ------------------------------------------------------------------ images
-    @property
-    def sees_images(self) -> bool:
-        """Whether ``mmproj`` loaded a projector that encodes images.
-        (:class:`~llamax.backend.base.ImageHost`)"""
-        return self._sees_images
-
     @property
     def projector_identity(self) -> dict[str, object] | None:
         """A fingerprint of the projector file's weights (None without one); known at load.

@@ -73,7 +73,9 @@ class NativeGuard:
 
 class LlamaCppModel:
     """A llama.cpp model and what any thread may ask of it (the ``LoadedModel`` and
-    ``LoraHost`` roles of :mod:`~llamax.backend.base`).
+    ``LoraHost`` roles of :mod:`~llamax.backend.base`, but ``facts``: it reads the model's,
+    and :class:`~llamax.backend.llama_cpp.LlamaCppBackend` adds the context's to make
+    :class:`~llamax.ModelFacts`).
     :class:`~llamax.backend.llama_cpp.LlamaCppBackend` is one with a context: it inherits
     these methods rather than holding a model, since they are its own protocol methods and
     holding one would repeat each as a forwarding method."""
@@ -103,22 +105,12 @@ class LlamaCppModel:
         self._model = model
         self._model_path = path
         self._n_vocab = model.n_vocab()
-        self._add_bos = model.add_bos()
+        self._bos_eos = model.bos_eos()
         self._eog = frozenset(t for t in range(self._n_vocab) if model.is_eog(t))
         fim = {name: model.fim(role) for name, role in _FIM_ROLES.items()}
         self._fim = FimTokens(**{name: t if t >= 0 else None for name, t in fim.items()})
         self._model_name = self.metadata("general.name") or path.stem
         self._adapters: dict[str, Any] = {}  # name -> llama_adapter_lora*, freed with the model
-
-    @property
-    def n_vocab(self) -> int:
-        """Vocabulary size."""
-        return self._n_vocab
-
-    @property
-    def model_name(self) -> str:
-        """``general.name`` from the GGUF metadata, else the file name."""
-        return self._model_name
 
     @property
     def model_path(self) -> Path:
@@ -129,25 +121,6 @@ class LlamaCppModel:
     def eog_token_ids(self) -> frozenset[int]:
         """Every end-of-generation token of the vocabulary."""
         return self._eog
-
-    @property
-    def fim_tokens(self) -> FimTokens:
-        """The vocabulary's fill-in-the-middle tokens."""
-        return self._fim
-
-    @property
-    def bos_token_id(self) -> int | None:
-        """BOS when the vocabulary adds it to prompts."""
-        with self._guard.entered():
-            bos = self._model.bos()
-        return bos if self._add_bos and bos >= 0 else None
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The EOS token, if the vocabulary has one."""
-        with self._guard.entered():
-            eos = self._model.eos()
-        return eos if eos >= 0 else None
 
     def token_text(self, token: int) -> str:
         """The token's text with special tokens rendered."""

@@ -245,6 +245,12 @@ class NativeModel:
         """The EOS token (negative: none)."""
         return int(self.C.llama_vocab_eos(self.vocab))
 
+    def bos_eos(self) -> tuple[int | None, int | None]:
+        """``(BOS, EOS)`` as ``ModelFacts`` holds them: BOS only when the vocabulary adds it
+        to prompts; None for one the vocabulary lacks."""
+        bos, eos = self.bos(), self.eos()
+        return (bos if self.add_bos() and bos >= 0 else None), (eos if eos >= 0 else None)
+
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation."""
         return bool(self.C.llama_vocab_is_eog(self.vocab, token))

@@ -137,7 +137,8 @@ class Engine:
             self._raise_if_not_running()
             if request.request_id in self._live:
                 raise InvalidRequestError(
-                    f"request id {request.request_id!r} is already in use by an unfinished request"
+                    f"request id {request.request_id!r} is already in use by an unfinished request",
+                    param="request_id",
                 )
             self._inbox.append(request)
             self._live[request.request_id] = request

@@ -166,7 +166,7 @@ class Stepper:
             num_unsettled=0,
             kv_cells_used=s.kv.num_cells_used,
             kv_cells_total=backend.kv_cells,
-            kv_cells_per_seq=backend.n_ctx_seq,
+            kv_cells_per_seq=backend.facts.n_ctx_seq,
             kv_layout="unified" if s.kv.is_unified else "streams",
             kv_bytes_total=backend.kv_cells * backend.kv_bytes_per_cell,
             num_free_seq_ids=s.kv.num_free_seq_ids,

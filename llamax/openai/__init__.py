@@ -1,22 +1,13 @@
 """OpenAI-shaped completions and responses, below the facade.
 
-A request is prepared (:mod:`~llamax.openai.prepare`: options and messages to prompt
-tokens and :class:`~llamax.SamplingParams`) on a chat model the context hands down, never
-on the context; the context submits it and :class:`OpenAIRequest` shapes the result. The
-functions here take the context first (a :class:`~llamax.openai.api.ChatHost`) and do the
-same through its public ``add_request``; the shapes are ``TypedDict`` s matching OpenAI's.
+OpenAI-named options become a :class:`~llamax.chat.ChatCall` (``ChatCall.of``), which the
+context submits (``Context.submit_chat``, the one entry); :class:`OpenAIRequest` reads the
+submitted call as OpenAI's shapes (``TypedDict`` s matching OpenAI's). The Responses API
+(:func:`create_response`) builds its call the same way, on a
+:class:`~llamax.chat.CallHost`.
 """
 
-from .api import (
-    achat_completion,
-    acompletion,
-    chat_completion,
-    chat_prompt_tokens,
-    completion,
-    submit_chat,
-    submit_in_worker,
-)
-from .options import ChatOptions, CompletionOptions, StreamOptions
+from ..chat.options import ChatOptions, CompletionOptions, StreamOptions
 from .requests import EventBuilder, OpenAIRequest
 from .responses_api import (
     RESPONSE_FIELDS,
@@ -39,14 +30,7 @@ __all__ = [
     "ResponseStore",
     "StreamOptions",
     "TextCompletion",
-    "achat_completion",
-    "acompletion",
     "acreate_response",
-    "chat_completion",
-    "chat_prompt_tokens",
-    "completion",
     "create_response",
     "response_input_tokens",
-    "submit_chat",
-    "submit_in_worker",
 ]

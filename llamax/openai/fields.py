@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..chat.options import CACHE_RETENTIONS, MAX_USER_CHARS, check_text, one_of
 from ..errors import InvalidParameterError
 
 __all__ = [
@@ -47,8 +48,6 @@ __all__ = [
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 """OpenAI's bounds on ``metadata``: pairs, and characters of a key and of a value."""
-MAX_USER_CHARS = 256
-"""Longest ``user`` (or ``safety_identifier``, ``prompt_cache_key``) string taken."""
 
 
 class Support(enum.Enum):
@@ -88,31 +87,17 @@ class RequestField:
 def check_bool(name: str, value: Any) -> None:
     """A JSON boolean or null."""
     if value is not None and not isinstance(value, bool):
-        raise InvalidParameterError(f"{name} must be a boolean, got {type(value).__name__}")
-
-
-def check_text(name: str, value: Any) -> None:
-    """A string of at most :data:`MAX_USER_CHARS` characters, or null."""
-    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
         raise InvalidParameterError(
-            f"{name} must be a string of at most {MAX_USER_CHARS} characters"
+            f"{name} must be a boolean, got {type(value).__name__}", param=name
         )
-
-
-def one_of(*values: str) -> Check:
-    """A check that the value is one of ``values`` (or null)."""
-
-    def check(name: str, value: Any) -> None:
-        if value is not None and value not in values:
-            raise InvalidParameterError(f"{name} must be one of {', '.join(values)}; got {value!r}")
-
-    return check
 
 
 def check_object(name: str, value: Any) -> None:
     """A JSON object or null."""
     if value is not None and not isinstance(value, Mapping):
-        raise InvalidParameterError(f"{name} must be an object, got {type(value).__name__}")
+        raise InvalidParameterError(
+            f"{name} must be an object, got {type(value).__name__}", param=name
+        )
 
 
 def check_metadata(name: str, metadata: Any) -> None:
@@ -126,20 +111,23 @@ def check_metadata(name: str, metadata: Any) -> None:
         return
     if not isinstance(metadata, Mapping):
         raise InvalidParameterError(
-            f"{name} must be an object of string pairs, got {type(metadata).__name__}"
+            f"{name} must be an object of string pairs, got {type(metadata).__name__}", param=name
         )
     if len(metadata) > MAX_METADATA_PAIRS:
         raise InvalidParameterError(
-            f"{name} has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed"
+            f"{name} has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed",
+            param=name,
         )
     for key, value in metadata.items():
         if not isinstance(key, str) or len(key) > MAX_METADATA_KEY_CHARS:
             raise InvalidParameterError(
-                f"{name} keys must be strings of at most {MAX_METADATA_KEY_CHARS} characters"
+                f"{name} keys must be strings of at most {MAX_METADATA_KEY_CHARS} characters",
+                param=name,
             )
         if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
             raise InvalidParameterError(
-                f"{name}[{key!r}] must be a string of at most {MAX_METADATA_VALUE_CHARS} characters"
+                f"{name}[{key!r}] must be a string of at most {MAX_METADATA_VALUE_CHARS} characters",
+                param=name,
             )
 
 
@@ -147,11 +135,12 @@ def _modalities(name: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-        raise InvalidParameterError(f"{name} must be a list of strings")
+        raise InvalidParameterError(f"{name} must be a list of strings", param=name)
     other = sorted(set(value) - {"text"})
     if other:
         raise InvalidParameterError(
-            f"{name}: llamax produces text only; {', '.join(other)} output is not supported"
+            f"{name}: llamax produces text only; {', '.join(other)} output is not supported",
+            param=name,
         )
 
 
@@ -159,7 +148,7 @@ def _stream_options(name: str, value: Any) -> None:
     check_object(name, value)
     for key, flag in (value or {}).items():
         if key not in ("include_obfuscation", "include_usage"):
-            raise InvalidParameterError(f"{name} has unknown field {key!r}")
+            raise InvalidParameterError(f"{name} has unknown field {key!r}", param=name)
         check_bool(f"{name}.{key}", flag)
 
 
@@ -183,21 +172,24 @@ def check_include(name: str, value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise InvalidParameterError(f"{name} must be a list of strings")
+        raise InvalidParameterError(f"{name} must be a list of strings", param=name)
     for item in value:
         if item == "message.output_text.logprobs":
             raise InvalidParameterError(
                 f"{name}: {item} is not supported on /v1/responses (use /v1/chat/completions "
-                "with logprobs)"
+                "with logprobs)",
+                param=name,
             )
         if item not in _RESPONSE_INCLUDES:
-            raise InvalidParameterError(f"{name}: unknown item {item!r}")
+            raise InvalidParameterError(f"{name}: unknown item {item!r}", param=name)
 
 
 def _count(name: str, value: Any) -> None:
     """A count: an integer from 0 (``max_tool_calls: 0`` allows no calls), or null."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise InvalidParameterError(f"{name} must be a non-negative integer, got {value!r}")
+        raise InvalidParameterError(
+            f"{name} must be a non-negative integer, got {value!r}", param=name
+        )
 
 
 # ---------------------------------------------------------------------- the tables
@@ -206,8 +198,6 @@ H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
 _CACHE_HINT = "no effect: llamax's prefix cache reuses every shared prefix on its own"
 _CACHE_KEPT = "a hint: the prompt's prefix is kept longer than unhinted ones in KV and the RAM and disk tiers (`SamplingParams.keep_prefix`); every shared prefix is reused whatever the key"
 _CACHE_RETAINED = "as `prompt_cache_key`: the prompt's prefix is kept longer (`in_memory` or `24h`)"
-CACHE_RETENTIONS = ("in_memory", "24h", "in-memory")
-"""The ``prompt_cache_retention`` values taken (``in-memory``: an older spelling)."""
 _TIER_HINT = "no effect: one local server has one tier"
 _SAFETY_HINT = "no effect: no abuse monitoring is done (a string of at most 256 characters)"
 
@@ -248,7 +238,7 @@ def table(*rows: RequestField | str) -> tuple[RequestField, ...]:
 def _slot(name: str, value: Any) -> None:
     """llama-server's ``id_slot``: an int >= -1 (``-1``: any slot), or null."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < -1):
-        raise InvalidParameterError(f"{name} must be an int >= -1, got {value!r}")
+        raise InvalidParameterError(f"{name} must be an int >= -1, got {value!r}", param=name)
 
 
 _SAMPLING = table(
@@ -551,7 +541,7 @@ def accept_fields(table: tuple[RequestField, ...], request: Mapping[str, Any]) -
             if field.check is not None:
                 field.check(name, value)
         elif not field.harmless(value, request):
-            raise InvalidParameterError(f"{name} is not supported: {_plain(field.doc)}")
+            raise InvalidParameterError(f"{name} is not supported: {_plain(field.doc)}", param=name)
     return kept
 
 

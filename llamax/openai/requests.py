@@ -1,19 +1,20 @@
 """OpenAI-shaped results of a submitted request, below the facade.
 
-A :class:`OpenAIRequest` is a handle and what its :class:`~llamax.openai.prepare.Prepared`
-request said; it turns the handle's :class:`~llamax.Completion` into a ``chat.completion``
-/ ``text_completion`` dict, and its events into chunks (or, through an
+A :class:`OpenAIRequest` reads a submitted call (:class:`~llamax.chat.ChatHandle`): it
+turns the handle's :class:`~llamax.Completion` into a ``chat.completion`` /
+``text_completion`` dict, and its events into chunks (or, through an
 :class:`EventBuilder`, another API's events).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
+from ..chat.handle import ChatHandle
+from ..chat.options import check_flag
 from ..chat_stream import (
     ChatPart,
     ChatStream,
@@ -24,8 +25,9 @@ from ..chat_stream import (
     Started,
     ToolCallDelta,
 )
+from ..errors import InvalidParameterError
 from ..handle import RequestHandle
-from ..reasoning import ReasoningFormat, split_reasoning
+from ..reasoning import split_reasoning
 from ..results import (
     Choice,
     Completion,
@@ -36,9 +38,8 @@ from ..results import (
     TopLogprob,
     Usage,
 )
-from ..tools import ToolPlan, parse_tool_calls
+from ..tools import parse_tool_calls
 from ..tools.parse import ToolCallDelta as OpenAIToolCallDelta
-from .prepare import ChatModel, Prepared
 from .shapes import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -51,7 +52,16 @@ from .shapes import (
     TextCompletion,
 )
 
-__all__ = ["AsyncChunkStream", "ChunkStream", "EventBuilder", "OpenAIRequest", "prompt_progress"]
+__all__ = [
+    "AsyncChunkStream",
+    "ChunkStream",
+    "EventBuilder",
+    "OpenAIRequest",
+    "arespond",
+    "include_usage",
+    "prompt_progress",
+    "respond",
+]
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
@@ -156,72 +166,36 @@ class EventBuilder(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
-    """A submitted OpenAI-style request: the handle plus what the response needs."""
+    """A submitted chat or text call (:class:`~llamax.chat.ChatHandle`) read as OpenAI's
+    shapes: a ``chat.completion`` / ``text_completion``, or their chunks; or, through an
+    :class:`EventBuilder`, another API's events."""
 
-    chat_model: ChatModel
-    """The model's tokenizer (another API's encoder counts or reads tokens with it)."""
-    handle: RequestHandle
-    kind: Literal["chat", "text"]
-    model: str
-    created: int
-    tools: ToolPlan = field(default_factory=ToolPlan)
-    """Tool calling asked for (``mode="none"``: replies are plain text)."""
-    reasoning_format: ReasoningFormat = "none"
-    """How the reply's thinking is reported (:mod:`llamax.reasoning`; chat only)."""
-    thinking_opened: bool = False
-    """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
-    num_prompt_tokens: int = 0
-    """Tokens of the rendered prompt (chat; 0 for a text prompt given as a string)."""
-    submitted: float = field(default_factory=time.perf_counter)
-    """When it was submitted (``time.perf_counter``): ``prompt_progress.time_ms`` counts
-    from there."""
-
-    @classmethod
-    def of(cls, handle: RequestHandle, prepared: Prepared, chat_model: ChatModel) -> OpenAIRequest:
-        """The request ``prepared`` became once submitted as ``handle``."""
-        return cls(
-            chat_model,
-            handle,
-            prepared.kind,
-            prepared.model or chat_model.model_name,
-            int(time.time()),
-            prepared.tools,
-            prepared.reasoning_format,
-            prepared.thinking_opened,
-            prepared.num_prompt_tokens,
-        )
-
-    def named(self, model: object) -> OpenAIRequest:
-        """This request answering as ``model`` when that is a non-empty str (a request's
-        own ``model`` field is echoed, as OpenAI and llama-server do); else unchanged."""
-        if isinstance(model, str) and model:
-            return dataclasses.replace(self, model=model)
-        return self
+    chat: ChatHandle
 
     @property
-    def splits_reasoning(self) -> bool:
-        """Whether the reply's thinking goes to ``reasoning_content``."""
-        return self.kind == "chat" and self.reasoning_format != "none"
+    def handle(self) -> RequestHandle:
+        """The request's handle."""
+        return self.chat.handle
 
-    def chat_stream(self) -> ChatStream:
-        """A fresh typed stream of this chat request's parts (one per iteration)."""
-        return ChatStream(self.tools, self.splits_reasoning, self.thinking_opened)
+    def named(self, model: object) -> OpenAIRequest:
+        """This request answering as ``model`` (:meth:`ChatHandle.named`)."""
+        return OpenAIRequest(self.chat.named(model))
 
     @property
     def response_id(self) -> str:
         """``chatcmpl-...`` or ``cmpl-...``, derived from the request id."""
-        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        prefix = "chatcmpl" if self.chat.kind == "chat" else "cmpl"
         return f"{prefix}-{self.handle.request_id.removeprefix('req-')}"
 
     # ------------------------------------------------------------------ whole results
     def response(self, completion: Completion) -> ChatCompletion | TextCompletion:
         """The full response object for a finished request."""
-        if self.kind == "chat":
+        if self.chat.kind == "chat":
             return {
                 "id": self.response_id,
                 "object": "chat.completion",
-                "created": self.created,
-                "model": self.model,
+                "created": self.chat.created,
+                "model": self.chat.model,
                 "choices": [
                     {
                         "index": c.index,
@@ -237,8 +211,8 @@ class OpenAIRequest:
         return {
             "id": self.response_id,
             "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
+            "created": self.chat.created,
+            "model": self.chat.model,
             "choices": [
                 {
                     "index": c.index,
@@ -258,13 +232,13 @@ class OpenAIRequest:
         rather than returned as content with its markup."""
         finish = _finish_reason(choice.finish_reason) or "stop"
         text, reasoning = choice.text, None
-        if self.splits_reasoning:
+        if self.chat.splits_reasoning:
             cut = choice.finish_reason != "stop"
-            reasoning, text = split_reasoning(text, inside=self.thinking_opened, cut=cut)
-        if not self.tools.is_active:
+            reasoning, text = split_reasoning(text, inside=self.chat.thinking_opened, cut=cut)
+        if not self.chat.tools.is_active:
             message: ChatCompletionMessage = {"role": "assistant", "content": text}
         else:
-            parsed = parse_tool_calls(text, self.tools, str(choice.finish_reason))
+            parsed = parse_tool_calls(text, self.chat.tools, str(choice.finish_reason))
             message = {"role": "assistant", "content": parsed.content}
             if parsed.tool_calls:
                 message["tool_calls"] = list(parsed.tool_calls)
@@ -298,7 +272,7 @@ class OpenAIRequest:
 
     def events(self, builder: EventBuilder) -> Iterator[dict[str, Any]]:
         """A chat request's stream as ``builder``'s events; closing it cancels the request."""
-        stream = self.chat_stream()
+        stream = self.chat.chat_stream()
         try:
             yield from builder.start()
             for event in self.handle:
@@ -309,7 +283,7 @@ class OpenAIRequest:
 
     async def aevents(self, builder: EventBuilder) -> AsyncIterator[dict[str, Any]]:
         """Async twin of :meth:`events`; ``aclose()`` cancels the request."""
-        stream = self.chat_stream()
+        stream = self.chat.chat_stream()
         try:
             for encoded in builder.start():
                 yield encoded
@@ -324,7 +298,7 @@ class OpenAIRequest:
     def _chunks(
         self, include_usage: bool
     ) -> Generator[ChatCompletionChunk | TextCompletion, None, None]:
-        stream = self.chat_stream()
+        stream = self.chat.chat_stream()
         try:
             for event in self.handle:
                 yield from self._event_chunks(event, stream)
@@ -336,7 +310,7 @@ class OpenAIRequest:
     async def _achunks(
         self, include_usage: bool
     ) -> AsyncGenerator[ChatCompletionChunk | TextCompletion, None]:
-        stream = self.chat_stream()
+        stream = self.chat.chat_stream()
         try:
             async for event in self.handle:
                 for chunk in self._event_chunks(event, stream):
@@ -349,7 +323,7 @@ class OpenAIRequest:
     def _event_chunks(
         self, event: TokenEvent, stream: ChatStream
     ) -> Iterator[ChatCompletionChunk | TextCompletion]:
-        if self.kind == "chat":
+        if self.chat.kind == "chat":
             yield from self._encode(stream.parts(event))
             return
         finish = _finish_reason(event.finish_reason)
@@ -370,7 +344,7 @@ class OpenAIRequest:
         if parts and isinstance(parts[0], Progress):
             yield self._progress_chunk(parts[0])
             return
-        if self.tools.is_active:
+        if self.chat.tools.is_active:
             for part in parts:
                 if isinstance(part, Finished):
                     yield self._finish_chunk(part)
@@ -397,7 +371,7 @@ class OpenAIRequest:
 
     def _progress_chunk(self, part: Progress) -> ChatCompletionChunk:
         chunk = self._delta_chunk(part.index, {})
-        chunk["prompt_progress"] = prompt_progress(part.progress, self.submitted)
+        chunk["prompt_progress"] = prompt_progress(part.progress, self.chat.submitted)
         return chunk
 
     def _finish_chunk(self, part: Finished) -> ChatCompletionChunk:
@@ -414,8 +388,8 @@ class OpenAIRequest:
         return {
             "id": self.response_id,
             "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
+            "created": self.chat.created,
+            "model": self.chat.model,
             "choices": choices,
         }
 
@@ -425,14 +399,16 @@ class OpenAIRequest:
         return {
             "id": self.response_id,
             "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
+            "created": self.chat.created,
+            "model": self.chat.model,
             "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": None}],
         }
 
     def _usage_chunk(self, completion: Completion) -> ChatCompletionChunk | TextCompletion:
-        chunk: Any = self._chat_chunk([]) if self.kind == "chat" else self._text_chunk(0, "", None)
-        if self.kind == "text":
+        chunk: Any = (
+            self._chat_chunk([]) if self.chat.kind == "chat" else self._text_chunk(0, "", None)
+        )
+        if self.chat.kind == "text":
             chunk["choices"] = []
         chunk["usage"] = _usage(completion.usage)
         return chunk  # type: ignore[no-any-return]
@@ -470,3 +446,35 @@ def _call_delta(part: ToolCallDelta) -> OpenAIToolCallDelta:
         "type": "function",
         "function": {"name": part.name or "", "arguments": part.arguments},
     }
+
+
+def include_usage(stream_options: object) -> bool:
+    """Whether OpenAI's ``stream_options`` asks for a usage chunk.
+
+    Raises:
+        InvalidParameterError: ``stream_options`` is not an object, or its
+            ``include_usage`` not a boolean.
+    """
+    if stream_options is None:
+        return False
+    if not isinstance(stream_options, Mapping):
+        raise InvalidParameterError(
+            f"stream_options must be an object, got {type(stream_options).__name__}",
+            param="stream_options",
+        )
+    return check_flag(stream_options.get("include_usage"), "stream_options.include_usage")
+
+
+def respond(
+    request: OpenAIRequest, stream: bool, include_usage: bool
+) -> ChatCompletion | TextCompletion | Iterator[ChatCompletionChunk | TextCompletion]:
+    """A submitted request's whole response, or with ``stream`` its chunks (with a usage
+    chunk when ``include_usage``)."""
+    return request.chunks(include_usage) if stream else request.result()
+
+
+async def arespond(
+    request: OpenAIRequest, stream: bool, include_usage: bool
+) -> ChatCompletion | TextCompletion | AsyncIterator[ChatCompletionChunk | TextCompletion]:
+    """Async twin of :func:`respond`."""
+    return request.achunks(include_usage) if stream else await request.aresult()

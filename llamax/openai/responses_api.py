@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
+from ..chat import CallHost, ChatCall, chat_prompt_tokens, submit_in_worker
+from ..chat.options import MAX_USER_CHARS, check_flag, keeps_prefix
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError, NotFoundError
 from ..images import Image
-from .api import ChatHost, chat_prompt_tokens, submit_chat, submit_in_worker
-from .fields import MAX_USER_CHARS, RESPONSES, accept_fields, check_metadata, honoured
-from .options import check_flag
-from .prepare import keeps_prefix
+from .fields import RESPONSES, accept_fields, check_metadata, honoured
+from .requests import OpenAIRequest
 from .responses_output import ResponseEvents, ResponseJob, ResponseStore
 
 __all__ = [
@@ -54,7 +54,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def create_response(
-    ctx: ChatHost,
+    ctx: CallHost,
     request: Mapping[str, Any],
     *,
     store: ResponseStore | None = None,
@@ -86,7 +86,7 @@ def create_response(
 
 
 async def acreate_response(
-    ctx: ChatHost,
+    ctx: CallHost,
     request: Mapping[str, Any],
     *,
     store: ResponseStore | None = None,
@@ -95,10 +95,10 @@ async def acreate_response(
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """Async twin of :func:`create_response` (needs the context's background loop).
     Mapping, rendering and tokenizing run in a worker thread, so the event loop stays
-    free. ``fair_key``: the fairness key of the submitted request (:func:`submit_chat`;
+    free. ``fair_key``: the fairness key of the submitted request (``Context.submit_chat``;
     the server passes the client's address), never a field of ``request``."""
     job = await submit_in_worker(
-        lambda: _submit(ctx, request, store, stored_input, fair_key), lambda j: j.submitted
+        lambda: _submit(ctx, request, store, stored_input, fair_key), lambda j: j.submitted.handle
     )
     if request.get("stream"):
         return job.submitted.aevents(ResponseEvents(job))
@@ -107,7 +107,7 @@ async def acreate_response(
 
 # ---------------------------------------------------------------------- the request
 def response_input_tokens(
-    ctx: ChatHost, request: Mapping[str, Any], *, store: ResponseStore | None = None
+    ctx: CallHost, request: Mapping[str, Any], *, store: ResponseStore | None = None
 ) -> int:
     """How many prompt tokens a Responses request would submit (OpenAI's
     ``POST /v1/responses/input_tokens``): its conversation (``previous_response_id``'s
@@ -118,18 +118,19 @@ def response_input_tokens(
         NotFoundError: ``previous_response_id`` names no stored response.
     """
     _, chat, _, options, _ = _conversation(request, store)
-    return ctx.prompt_positions(chat_prompt_tokens(ctx, chat, **options))
+    return ctx.prompt_positions(chat_prompt_tokens(ctx, ChatCall.of(chat, **options)))
 
 
 def _submit(
-    ctx: ChatHost,
+    ctx: CallHost,
     request: Mapping[str, Any],
     store: ResponseStore | None,
     stored_input: Any,
     fair_key: str | None,
 ) -> ResponseJob:
     request, chat, turn, options, earlier_items = _conversation(request, store)
-    submitted = submit_chat(ctx, chat, fair_key=fair_key, **options).named(request.get("model"))
+    handle = ctx.submit_chat(ChatCall.of(chat, **options), fair_key=fair_key)
+    submitted = OpenAIRequest(handle.named(request.get("model")))
     keep = store if request.get("store", True) is not False else None
     kept = dict(request) if stored_input is None else {**request, "input": stored_input}
     return ResponseJob(submitted, kept, turn, keep, options.get("max_tokens"), earlier_items)
@@ -152,33 +153,42 @@ def _conversation(
     request = accept_fields(RESPONSES, request)
     unknown = sorted(set(request) - RESPONSE_FIELDS)
     if unknown:
-        raise InvalidRequestError(f"responses: unsupported field(s): {', '.join(unknown)}")
+        raise InvalidRequestError(
+            f"responses: unsupported field(s): {', '.join(unknown)}", param=unknown[0]
+        )
     for flag in ("stream", "store", "parallel_tool_calls"):  # "no" must not mean yes
         check_flag(request.get(flag), flag)
     check_metadata("metadata", request.get("metadata"))
     user = request.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
-        raise InvalidParameterError(f"user must be a string of at most {MAX_USER_CHARS} characters")
+        raise InvalidParameterError(
+            f"user must be a string of at most {MAX_USER_CHARS} characters", param="user"
+        )
     history: list[dict[str, Any]] = []
     earlier_items: list[dict[str, Any]] = []
     previous = request.get("previous_response_id")
     if previous is not None:
         if not isinstance(previous, str):
-            raise InvalidParameterError("previous_response_id must be a string")
+            raise InvalidParameterError(
+                "previous_response_id must be a string", param="previous_response_id"
+            )
         if store is None:
             raise NotFoundError(
-                f"previous_response_id: {previous!r} cannot be found: no response store"
+                f"previous_response_id: {previous!r} cannot be found: no response store",
+                param="previous_response_id",
             )
         try:
             history, earlier_items = store.follow_up(previous)
         except NotFoundError as exc:
-            raise NotFoundError(f"previous_response_id: {exc}") from None
+            raise NotFoundError(
+                f"previous_response_id: {exc}", param="previous_response_id"
+            ) from None
     turn = _input(request.get("input"))
     chat = history + turn
     instructions = request.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise InvalidParameterError("instructions must be a string")
+            raise InvalidParameterError("instructions must be a string", param="instructions")
         chat.insert(0, {"role": "system", "content": instructions})
     return request, chat, history + turn, _options(request), earlier_items
 
@@ -188,27 +198,34 @@ def _input(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise InvalidRequestError("input must be a string or a non-empty list of items")
+        raise InvalidRequestError(
+            "input must be a string or a non-empty list of items", param="input"
+        )
     chat: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, Mapping):
-            raise InvalidRequestError(f"{where} must be an object")
+            raise InvalidRequestError(f"{where} must be an object", param=where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise InvalidRequestError(
-                    f"{where}: role must be user, assistant, system or developer"
+                    f"{where}: role must be user, assistant, system or developer",
+                    param=f"{where}.role",
                 )
             chat.append({"role": role, "content": _content_of(item.get("content"), where, role)})
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             arguments = item.get("arguments", "{}")
             if not isinstance(call_id, str) or not isinstance(name, str):
-                raise InvalidRequestError(f"{where}: a function_call needs a call_id and a name")
+                raise InvalidRequestError(
+                    f"{where}: a function_call needs a call_id and a name", param=where
+                )
             if not isinstance(arguments, str):
-                raise InvalidRequestError(f"{where}: arguments must be a JSON string")
+                raise InvalidRequestError(
+                    f"{where}: arguments must be a JSON string", param=f"{where}.arguments"
+                )
             call = {
                 "id": call_id,
                 "type": "function",
@@ -222,13 +239,17 @@ def _input(value: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
-                raise InvalidRequestError(f"{where}: a function_call_output needs a call_id")
+                raise InvalidRequestError(
+                    f"{where}: a function_call_output needs a call_id", param=f"{where}.call_id"
+                )
             output = _text_of(item.get("output", ""), f"{where}.output")
             chat.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             continue  # the template renders what the model answered, not what it thought
         else:
-            raise InvalidRequestError(f"{where}: unsupported input item type {kind!r}")
+            raise InvalidRequestError(
+                f"{where}: unsupported input item type {kind!r}", param=f"{where}.type"
+            )
     return chat
 
 
@@ -252,23 +273,30 @@ def _input_image(part: Mapping[str, Any], where: str) -> Image:
     """An ``input_image`` part's image: its ``image_url`` must be a base64 ``data:`` URL."""
     unknown = sorted(set(part) - {"type", "image_url", "file_id", "detail"})
     if unknown:
-        raise InvalidRequestError(f"{where}: input_image has unknown field {unknown[0]!r}")
+        raise InvalidRequestError(
+            f"{where}: input_image has unknown field {unknown[0]!r}", param=where
+        )
     if part.get("detail") not in (None, "auto", "low", "high"):
         raise InvalidParameterError(
-            f"{where}.detail must be 'auto', 'low' or 'high', got {part['detail']!r}"
+            f"{where}.detail must be 'auto', 'low' or 'high', got {part['detail']!r}",
+            param=f"{where}.detail",
         )
     if part.get("file_id") is not None:
         raise InvalidRequestError(
             f"{where}: input_image by file_id is not supported (llamax stores no files); "
-            "send image_url as a data: URL"
+            "send image_url as a data: URL",
+            param=f"{where}.file_id",
         )
     url = part.get("image_url")
     if not isinstance(url, str):
-        raise InvalidRequestError(f"{where}: an input_image needs image_url, a data: URL")
+        raise InvalidRequestError(
+            f"{where}: an input_image needs image_url, a data: URL", param=f"{where}.image_url"
+        )
     if url.startswith(("http://", "https://")):
         raise InvalidRequestError(
             f"{where}.image_url: remote image URLs are not fetched here; send a data: URL "
-            "(llamax serve fetches them with --allow-image-urls)"
+            "(llamax serve fetches them with --allow-image-urls)",
+            param=f"{where}.image_url",
         )
     try:
         return Image.from_data_url(url)
@@ -281,7 +309,9 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequestError(f"{where}: content must be a string or a list of parts")
+        raise InvalidRequestError(
+            f"{where}: content must be a string or a list of parts", param=where
+        )
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
@@ -291,7 +321,8 @@ def _text_of(content: Any, where: str) -> str:
             parts.append(part["refusal"])
         else:
             raise InvalidRequestError(
-                f"{where}.content[{j}]: unsupported content part {kind!r} (text only)"
+                f"{where}.content[{j}]: unsupported content part {kind!r} (text only)",
+                param=f"{where}.content[{j}]",
             )
     return "".join(parts)
 
@@ -302,20 +333,25 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
     limit = request.get("max_output_tokens")
     if limit is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise InvalidParameterError(f"max_output_tokens must be a positive integer: {limit!r}")
+            raise InvalidParameterError(
+                f"max_output_tokens must be a positive integer: {limit!r}",
+                param="max_output_tokens",
+            )
         options["max_tokens"] = limit
     for name in ("temperature", "top_p", "user"):
         if request.get(name) is not None:
             options[name] = request[name]
     temperature = options.get("temperature")
     if isinstance(temperature, (int, float)) and not 0 <= temperature <= 2:
-        raise InvalidParameterError(f"temperature must be in [0, 2], got {temperature}")
+        raise InvalidParameterError(
+            f"temperature must be in [0, 2], got {temperature}", param="temperature"
+        )
     if request.get("tools"):
         if request.get("parallel_tool_calls") is not None:
             options["parallel_tool_calls"] = request["parallel_tool_calls"]
         tools = request["tools"]
         if not isinstance(tools, list):
-            raise InvalidRequestError("tools must be a list")
+            raise InvalidRequestError("tools must be a list", param="tools")
         options["tools"] = [_tool(t) for t in tools]
     choice = request.get("tool_choice")
     if choice is not None:
@@ -323,17 +359,19 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
     text = request.get("text")
     if text is not None:
         if not isinstance(text, Mapping) or set(text) - {"format", "verbosity"}:
-            raise InvalidParameterError("text must be an object with a 'format'")
+            raise InvalidParameterError("text must be an object with a 'format'", param="text")
         response_format = _format(text.get("format"))
         if response_format is not None:
             options["response_format"] = response_format
     reasoning = request.get("reasoning")
     if reasoning is not None:
         if not isinstance(reasoning, Mapping):
-            raise InvalidParameterError("reasoning must be an object")
+            raise InvalidParameterError("reasoning must be an object", param="reasoning")
         effort = reasoning.get("effort")
         if effort not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
-            raise InvalidParameterError(f"reasoning.effort is not an effort: {effort!r}")
+            raise InvalidParameterError(
+                f"reasoning.effort is not an effort: {effort!r}", param="reasoning.effort"
+            )
         if effort is not None:
             options["enable_thinking"] = effort not in ("none", "minimal")
     if check_flag(request.get("return_progress"), "return_progress"):
@@ -344,7 +382,7 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
     check_flag(request.get("timings_per_token"), "timings_per_token")  # the server's
     truncation = request.get("truncation")
     if truncation not in (None, "auto", "disabled"):
-        raise InvalidParameterError("truncation must be 'auto' or 'disabled'")
+        raise InvalidParameterError("truncation must be 'auto' or 'disabled'", param="truncation")
     if truncation == "auto":
         options["truncate"] = "oldest_messages"
     return options
@@ -353,9 +391,11 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
 def _tool(tool: Any) -> dict[str, Any]:
     if not isinstance(tool, Mapping) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, Mapping) else None
-        raise InvalidRequestError(f"tools: only function tools are supported, not {kind!r}")
+        raise InvalidRequestError(
+            f"tools: only function tools are supported, not {kind!r}", param="tools"
+        )
     if not isinstance(tool.get("name"), str):
-        raise InvalidRequestError("tools: a function tool needs a 'name'")
+        raise InvalidRequestError("tools: a function tool needs a 'name'", param="tools")
     function: dict[str, Any] = {"name": tool["name"]}
     for name in ("description", "parameters", "strict"):
         if tool.get(name) is not None:
@@ -373,7 +413,8 @@ def _tool_choice(choice: Any) -> Any:
     ):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise InvalidParameterError(
-        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}"
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        param="tool_choice",
     )
 
 
@@ -386,11 +427,14 @@ def _format(fmt: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         assert isinstance(fmt, Mapping)
         if not isinstance(fmt.get("schema"), Mapping):
-            raise InvalidParameterError("text.format json_schema needs a 'schema' object")
+            raise InvalidParameterError(
+                "text.format json_schema needs a 'schema' object", param="text.format"
+            )
         wrapper = {"name": fmt.get("name", "response"), "schema": fmt["schema"]}
         if fmt.get("strict") is not None:
             wrapper["strict"] = fmt["strict"]
         return {"type": "json_schema", "json_schema": wrapper}
     raise InvalidParameterError(
-        f"text.format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        f"text.format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        param="text.format.type",
     )

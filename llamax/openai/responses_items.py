@@ -70,19 +70,21 @@ def page_of_items(
     check_include("include", list(include))
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise InvalidParameterError(f"order must be 'asc' or 'desc', got {order!r}")
+        raise InvalidParameterError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
     raw_limit = query.get("limit", "20")
     limit = int(raw_limit) if raw_limit.isdigit() else 0
     if not 1 <= limit <= MAX_PAGE_ITEMS:
         raise InvalidParameterError(
-            f"limit must be an integer from 1 to {MAX_PAGE_ITEMS}, got {raw_limit!r}"
+            f"limit must be an integer from 1 to {MAX_PAGE_ITEMS}, got {raw_limit!r}", param="limit"
         )
     ordered = list(items) if order == "asc" else list(reversed(items))
     after = query.get("after")
     if after is not None:
         ids = [item.get("id") for item in ordered]
         if after not in ids:
-            raise InvalidParameterError(f"after: no input item of this response has id {after!r}")
+            raise InvalidParameterError(
+                f"after: no input item of this response has id {after!r}", param="after"
+            )
         ordered = ordered[ids.index(after) + 1 :]
     data = [dict(item) for item in ordered[:limit]]
     return {

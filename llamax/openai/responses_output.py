@@ -240,13 +240,13 @@ class ResponseJob:
         return {
             "id": self.id,
             "object": "response",
-            "created_at": self.submitted.created,
+            "created_at": self.submitted.chat.created,
             "status": status,
             "error": None,
             "incomplete_details": incomplete,
             "instructions": request.get("instructions"),
             "max_output_tokens": self.max_output_tokens,
-            "model": self.submitted.model,
+            "model": self.submitted.chat.model,
             "output": output,
             "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "previous_response_id": request.get("previous_response_id"),
@@ -265,7 +265,7 @@ class ResponseJob:
 
     def usage(self, completion: Completion, reasoning: str) -> dict[str, Any]:
         usage = completion.usage
-        tokenize = self.submitted.chat_model.tokenize
+        tokenize = self.submitted.chat.chat_model.tokenize
         thought = len(tokenize(reasoning, add_special=False)) if reasoning else 0
         return {
             "input_tokens": usage.prompt_tokens,
@@ -429,7 +429,7 @@ class ResponseEvents:
                         job.event(
                             "response.in_progress",
                             response=job.response("in_progress", [], None),
-                            prompt_progress=prompt_progress(progress, job.submitted.submitted),
+                            prompt_progress=prompt_progress(progress, job.submitted.chat.submitted),
                         )
                     )
                 case ReasoningDelta(text=text):

@@ -7,14 +7,13 @@ shape the ``openai`` client turns into its typed exceptions (``BadRequestError``
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 import llamax
-from llamax import ImageError, InvalidMessageError, TemplateError
+from llamax import ImageError, InvalidMessageError, InvalidRequestError, TemplateError
 
 __all__ = [
     "APIError",
@@ -24,6 +23,7 @@ __all__ = [
     "from_exception",
     "handle_api_error",
     "llama_body",
+    "param_in",
 ]
 
 _STATUS_TYPES = {
@@ -124,13 +124,16 @@ async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
-_FIELD = re.compile(r"^([a-z_]+)\b")
-
-
-def _param_named_in(message: str, fields: frozenset[str]) -> str | None:
-    """llamax's messages start with the field they are about ("top_p must be ...")."""
-    match = _FIELD.match(message)
-    return match.group(1) if match and match.group(1) in fields else None
+def param_in(exc: InvalidRequestError, fields: frozenset[str]) -> str | None:
+    """``exc.param`` when it is one of the request's ``fields`` or a path into one
+    (``response_format.json_schema``, ``tools[0].function.name``), else ``None``: a name
+    the library uses that this route's request does not (``texts`` on ``/v1/embeddings``)
+    names nothing the client sent."""
+    param = exc.param
+    if param is None:
+        return None
+    head = param.split(".", 1)[0].split("[", 1)[0]
+    return param if head in fields else None
 
 
 def from_exception(
@@ -140,7 +143,8 @@ def from_exception(
 
     Args:
         exc: What was raised while serving the request.
-        fields: The request's field names, to name the one a message is about.
+        fields: The request's field names: the error's ``param`` is answered when it is
+            one of them (or a path into one), see :func:`param_in`.
         prompt_field: The field holding the prompt (``messages`` or ``prompt``).
 
     Returns:
@@ -166,9 +170,9 @@ def from_exception(
     if isinstance(exc, TemplateError):
         return APIError(400, f"chat template: {message}", param="messages", code="template_error")
     if isinstance(exc, llamax.NotFoundError):
-        return APIError(404, message, param=_param_named_in(message, fields), code="not_found")
+        return APIError(404, message, param=param_in(exc, fields), code="not_found")
     if isinstance(exc, llamax.InvalidRequestError):
-        return APIError(400, message, param=_param_named_in(message, fields), code="invalid_value")
+        return APIError(400, message, param=param_in(exc, fields), code="invalid_value")
     if isinstance(exc, llamax.ContextClosedError):
         return APIError(503, f"the model is not available: {message}", code="model_unavailable")
     if isinstance(exc, llamax.CacheClearError):

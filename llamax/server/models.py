@@ -264,7 +264,8 @@ class ModelPool:
             entry = self._entries.get(name)
             if entry is None:
                 raise llamax.NotFoundError(
-                    f"model {name!r} is not served here; the models are: {', '.join(self.names)}"
+                    f"model {name!r} is not served here; the models are: {', '.join(self.names)}",
+                    param="model",
                 )
             entry.last_used = self._clock()
             if entry.future is None:  # not loaded, or draining: queue a load
@@ -320,14 +321,16 @@ class ModelPool:
         with self._cond:
             entry = self._entries.get(name)
             if entry is None:
-                raise llamax.NotFoundError(f"model {name!r} is not served here")
+                raise llamax.NotFoundError(f"model {name!r} is not served here", param="model")
             if entry.state is not ModelState.LOADED:
-                raise llamax.InvalidRequestError(f"model {name!r} is not running "
-                                                 f"({entry.state.value})")  # fmt: skip
+                raise llamax.InvalidRequestError(
+                    f"model {name!r} is not running ({entry.state.value})", param="model"
+                )
             if entry.num_users:
                 raise llamax.InvalidRequestError(
                     f"model {name!r} is in use by {entry.num_users} requests; unload it once "
-                    "they finish"
+                    "they finish",
+                    param="model",
                 )
             ctx = self._begin_unload(entry)
         self._finish_unload(entry, ctx)

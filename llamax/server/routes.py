@@ -163,7 +163,8 @@ def fim_prompt(ctx: llamax.Context, prompt: str | list[int], suffix: str) -> lis
                                   ("middle", fim.middle)) if t is None]  # fmt: skip
         raise llamax.InvalidParameterError(
             f"suffix needs a model with fill-in-the-middle tokens, and this one has no FIM "
-            f"{', '.join(missing)} token: send the prompt alone, or serve a FIM model"
+            f"{', '.join(missing)} token: send the prompt alone, or serve a FIM model",
+            param="suffix",
         )
 
     def plain(text: str) -> list[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import types
 import typing
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
@@ -375,9 +374,8 @@ def parse_body(model: type[RequestT], raw: bytes, *, lenient: bool = False) -> R
             data = accept_fields(table, data)
         except InvalidParameterError as exc:
             message = str(exc)
-            param = re.match(r"[a-z_]+", message)
             code = "unsupported_parameter" if " is not supported: " in message else "invalid_value"
-            raise APIError(400, message, param=param and param[0], code=code) from exc
+            raise APIError(400, message, param=exc.param, code=code) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:

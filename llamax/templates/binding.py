@@ -1,7 +1,7 @@
 """A chat template bound to a model: which template, its end-of-turn tokens, prompt tokens.
 
 :class:`BoundTemplate` is what a context hands down to chat preparation
-(:mod:`llamax.openai.prepare`, :mod:`llamax.tools`): the template loaded once, the tokens a
+(:mod:`llamax.chat.prepare`, :mod:`llamax.tools`): the template loaded once, the tokens a
 turn ends at, rendering to prompt tokens, and the sizes a request is fitted to. Nothing in
 it calls back into the context.
 """
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..backend.base import Backend
+from ..facts import ModelFacts
 from ..images import Image, ImagePrompts
 from .messages import InvalidMessageError, has_images, validate_messages
 from .template import ChatTemplate, TemplateError
@@ -50,12 +51,13 @@ class BoundTemplate:
             counting a prompt with images raises :class:`~llamax.ImageError`).
     """
 
-    __slots__ = ("_backend", "_end_of_turn", "_images", "_override", "_template")
+    __slots__ = ("_backend", "_end_of_turn", "_facts", "_images", "_override", "_template")
 
     def __init__(
         self, backend: Backend, override: str | None = None, images: ImagePrompts | None = None
     ) -> None:
         self._backend, self._override = backend, override
+        self._facts = backend.facts
         self._images = images
         self._template: ChatTemplate | None = None
         self._end_of_turn: tuple[int, ...] | None = None
@@ -68,7 +70,7 @@ class BoundTemplate:
             TemplateError: the model has no template and none was given.
         """
         if self._template is None:
-            self._template = load_template(self._backend, self._override, self.model_name)
+            self._template = load_template(self._backend, self._override, self._facts.model_name)
         return self._template
 
     @property
@@ -79,19 +81,9 @@ class BoundTemplate:
         return self._end_of_turn
 
     @property
-    def model_name(self) -> str:
-        """The model's name from its metadata."""
-        return self._backend.model_name
-
-    @property
-    def n_ctx(self) -> int:
-        """KV cells granted."""
-        return self._backend.n_ctx
-
-    @property
-    def n_ctx_seq(self) -> int:
-        """The most tokens one sequence (prompt plus reply) may hold."""
-        return self._backend.n_ctx_seq
+    def facts(self) -> ModelFacts:
+        """The model's facts (the backend's, computed at load)."""
+        return self._facts
 
     def chat_prompt(
         self,
@@ -179,8 +171,9 @@ def load_template(backend: Backend, override: str | None, model_name: str) -> Ch
             f"the model {model_name!r} has no chat template in its GGUF metadata; "
             "pass one with llamax.Context(..., chat_template='<jinja source>')"
         )
-    bos = backend.token_text(backend.bos_token_id) if backend.bos_token_id is not None else ""
-    eos = backend.token_text(backend.eos_token_id) if backend.eos_token_id is not None else ""
+    bos_id, eos_id = backend.facts.bos_token_id, backend.facts.eos_token_id
+    bos = backend.token_text(bos_id) if bos_id is not None else ""
+    eos = backend.token_text(eos_id) if eos_id is not None else ""
     return ChatTemplate(source, bos_token=bos, eos_token=eos)
 
 
@@ -302,7 +295,7 @@ def tokenize_conversation(
     if tokens is None:
         tokens = []
         pieces.tokenize(tokens, text, parse_special=True)
-    bos = backend.bos_token_id
+    bos = backend.facts.bos_token_id
     if bos is not None and (not tokens or tokens[0] != bos):
         tokens.insert(0, bos)
     pieces.check_placed()

@@ -110,14 +110,18 @@ class ChatTemplate:
 
     def __post_init__(self) -> None:
         if not isinstance(self.source, str):
-            raise InvalidParameterError(f"source must be a str, got {type(self.source).__name__}")
+            raise InvalidParameterError(
+                f"source must be a str, got {type(self.source).__name__}", param="source"
+            )
         if not self.max_render_seconds > 0:
             raise InvalidParameterError(
-                f"max_render_seconds must be > 0, got {self.max_render_seconds!r}"
+                f"max_render_seconds must be > 0, got {self.max_render_seconds!r}",
+                param="max_render_seconds",
             )
         if not (isinstance(self.max_output_chars, int) and self.max_output_chars > 0):
             raise InvalidParameterError(
-                f"max_output_chars must be a positive int, got {self.max_output_chars!r}"
+                f"max_output_chars must be a positive int, got {self.max_output_chars!r}",
+                param="max_output_chars",
             )
         object.__setattr__(self, "_compiled", _compile(self.source))
 

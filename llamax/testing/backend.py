@@ -15,6 +15,7 @@ from ..adapters import AdapterSet
 from ..backend.base import BatchItem, DecodeStatus, Drawn, SharedPrefix
 from ..backend.vision import MediaPrompt, RgbImage
 from ..errors import ContextClosedError, ImageError
+from ..facts import ModelFacts
 from ..params import SamplingParams
 from ..tokens import FimTokens
 from .memory import FakeMemory
@@ -28,7 +29,7 @@ from .model import (
     row_logits,
     sample,
 )
-from .vision import FakeVision, ids_of_rows
+from .vision import FAKE_N_EMBD, FakeVision, ids_of_rows
 
 __all__ = ["FAULT_POINTS", "FakeBackend"]
 
@@ -110,11 +111,22 @@ class FakeBackend:
         self._can_relayout = kv_layout == "auto"
         self._cpu_attention = cpu_attention
         self._attention_tiles = attention_tiles
-        self._n_ctx_seq = n_ctx if kv_layout != "streams" else self._stream_cells
         self.num_relayouts = 0
         self._next_token = next_token
         self._vocab = FakeVocab(extra_pieces, special_tokens)
-        self._model_name = model_name
+        specials = self._vocab.specials
+        self._facts = ModelFacts(
+            model_name=model_name,
+            n_vocab=max(self._vocab.pieces) + 1,
+            n_embd=FAKE_N_EMBD,
+            n_ctx_train=n_ctx,
+            n_ctx=n_ctx,
+            n_ctx_seq=n_ctx if kv_layout != "streams" else self._stream_cells,
+            n_seq_max=n_seq_max,
+            fim_tokens=FimTokens(**{name: specials.get(f"<{text}>") for name, text in _FIM_TEXTS}),
+            sees_images=self._vision is not None,
+            eos_token_id=EOS,  # the fake vocabulary adds no BOS
+        )
         self._weights = weights
         self._memory = FakeMemory(
             n_seq_max, is_unified=kv_layout == "unified", model=weights, recurrent=recurrent
@@ -152,24 +164,26 @@ class FakeBackend:
         self.live_samplers: set[int] = set()
         self.closed = False
         self._rows: dict[int, int] = {}  # batch row -> output index
-        self._logits = np.zeros((0, self.n_vocab), np.float32)
+        self._logits = np.zeros((0, self._facts.n_vocab), np.float32)
 
     # ------------------------------------------------------------------ facts
     @property
-    def n_ctx(self) -> int:
-        """Total KV cells."""
-        return self._n_ctx
+    def facts(self) -> ModelFacts:
+        """As configured: ``model_name``, ``n_ctx`` (also ``n_ctx_train``), ``n_seq_max``;
+        ``n_ctx_seq`` is ``n_ctx``, or each stream's ``stream_cells`` with
+        ``kv_layout="streams"``; ``n_vocab`` covers every piece; ``n_embd`` is
+        :data:`~llamax.testing.vision.FAKE_N_EMBD`; ``fim_tokens`` are found by their text
+        among ``special_tokens`` (``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``,
+        ``<fim_pad>``, ``<repo_name>``, ``<file_sep>``), as llama.cpp does;
+        ``sees_images`` with ``image_tokens`` (a fake projector,
+        :mod:`~llamax.testing.vision`); no BOS, token 0 the EOS."""
+        return self._facts
 
     @property
     def kv_cells(self) -> int:
         """Cells the current layout holds: ``n_ctx``, or ``stream_cells`` per sequence with
         streams (llama.cpp pads each stream to 256 cells, so streams may hold more)."""
         return self._n_ctx if self._memory.is_unified else self._stream_cells * self._n_seq_max
-
-    @property
-    def n_ctx_seq(self) -> int:
-        """``n_ctx``, or each stream's ``stream_cells`` with ``kv_layout="streams"``."""
-        return self._n_ctx_seq
 
     @property
     def is_unified(self) -> bool:
@@ -221,24 +235,9 @@ class FakeBackend:
         return 1024
 
     @property
-    def n_seq_max(self) -> int:
-        """Sequence ids."""
-        return self._n_seq_max
-
-    @property
     def n_batch(self) -> int:
         """Most tokens per decode."""
         return self._n_batch
-
-    @property
-    def n_vocab(self) -> int:
-        """Vocabulary size."""
-        return max(self._vocab.pieces) + 1
-
-    @property
-    def model_name(self) -> str:
-        """The fake model's name."""
-        return self._model_name
 
     @property
     def num_cells_used(self) -> int:
@@ -271,16 +270,6 @@ class FakeBackend:
         return len(self.live_samplers)
 
     # ------------------------------------------------------------------ text
-    @property
-    def bos_token_id(self) -> int | None:
-        """The fake vocabulary adds no BOS."""
-        return None
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """Token 0."""
-        return EOS
-
     def token_text(self, token: int) -> str:
         """The token's bytes as text; special tokens by name."""
         return self._vocab.token_text(token)
@@ -288,13 +277,6 @@ class FakeBackend:
     def metadata(self, key: str) -> str | None:
         """Values passed as ``metadata=``."""
         return self._metadata.get(key)
-
-    @property
-    def fim_tokens(self) -> FimTokens:
-        """Found by their text among ``special_tokens`` (``<fim_prefix>``, ``<fim_suffix>``,
-        ``<fim_middle>``, ``<fim_pad>``, ``<repo_name>``, ``<file_sep>``), as llama.cpp does."""
-        found = {name: self._vocab.specials.get(f"<{text}>") for name, text in _FIM_TEXTS}
-        return FimTokens(**found)
 
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
@@ -329,7 +311,7 @@ class FakeBackend:
         if status is not None:
             return status
         self._rows.clear()
-        self._logits = np.zeros((sum(len(i.rows) for i in items), self.n_vocab), np.float32)
+        self._logits = np.zeros((sum(len(i.rows) for i in items), self._facts.n_vocab), np.float32)
         offset = 0
         for item in items:
             known = self._memory.history(item.seq_id, item.start_pos)
@@ -339,7 +321,7 @@ class FakeBackend:
                 history = known + list(item.token_ids[: row - offset + 1])
                 self._rows[row] = len(self._rows)
                 token = self._adapters.shift(self._next_token(history), self._memory.adapters)
-                self._logits[len(self._rows) - 1] = row_logits(token, self.n_vocab)
+                self._logits[len(self._rows) - 1] = row_logits(token, self._facts.n_vocab)
             self._memory.store(item.seq_id, item.token_ids)
             offset += len(item.token_ids)
         self._applied(items)
@@ -381,11 +363,6 @@ class FakeBackend:
             self._clock += self._step_seconds(items)
 
     # ------------------------------------------------------------------ images
-    @property
-    def sees_images(self) -> bool:
-        """With ``image_tokens``: a fake projector (:mod:`~llamax.testing.vision`)."""
-        return self._vision is not None
-
     @property
     def projector_identity(self) -> dict[str, object] | None:
         """The fake projector's settings (None without one): another ``image_tokens`` or
@@ -449,7 +426,7 @@ class FakeBackend:
         if status is not None:
             return status
         self._rows.clear()
-        self._logits = np.zeros((0, self.n_vocab), np.float32)
+        self._logits = np.zeros((0, self._facts.n_vocab), np.float32)
         for item in items:
             self._memory.history(item.seq_id, item.start_pos)  # reads only its own cells
             assert item.embeddings is not None
@@ -619,7 +596,11 @@ class FakeBackend:
     @property
     def model_identity(self) -> dict[str, object]:
         """The fake model's identity, its weights included."""
-        return {"name": self._model_name, "n_vocab": self.n_vocab, "weights": self._weights}
+        return {
+            "name": self._facts.model_name,
+            "n_vocab": self._facts.n_vocab,
+            "weights": self._weights,
+        }
 
     def state_seq_get(self, seq_id: int, *, partial: bool = False) -> bytes:
         """The sequence's state as JSON: a header, then its tokens by position (null for a

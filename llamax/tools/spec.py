@@ -103,13 +103,19 @@ def prepare_tools(
     functions = _functions(tools)
     if not functions:
         if tool_choice not in (None, "none"):
-            raise InvalidParameterError("tool_choice is only allowed when tools are given")
+            raise InvalidParameterError(
+                "tool_choice is only allowed when tools are given", param="tool_choice"
+            )
         if parallel_tool_calls is not None:
-            raise InvalidParameterError("parallel_tool_calls is only allowed when tools are given")
+            raise InvalidParameterError(
+                "parallel_tool_calls is only allowed when tools are given",
+                param="parallel_tool_calls",
+            )
         return ToolPlan()
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise InvalidParameterError(
-            f"parallel_tool_calls must be a bool, got {type(parallel_tool_calls).__name__}"
+            f"parallel_tool_calls must be a bool, got {type(parallel_tool_calls).__name__}",
+            param="parallel_tool_calls",
         )
     mode, forced = _choice(tool_choice, [f.name for f in functions])
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
@@ -120,15 +126,20 @@ def _functions(tools: Any) -> tuple[ToolFunction, ...]:
     if tools is None:
         return ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-        raise InvalidParameterError(f"tools must be a list, got {type(tools).__name__}")
+        raise InvalidParameterError(
+            f"tools must be a list, got {type(tools).__name__}", param="tools"
+        )
     if not tools:
-        raise InvalidParameterError("tools must hold at least one function (or be left out)")
+        raise InvalidParameterError(
+            "tools must hold at least one function (or be left out)", param="tools"
+        )
     functions = _within_budget(tools)
     seen: set[str] = set()
     for index, function in enumerate(functions):
         if function.name in seen:
             raise InvalidParameterError(
-                f"tools[{index}].function.name {function.name!r} is declared twice"
+                f"tools[{index}].function.name {function.name!r} is declared twice",
+                param=f"tools[{index}].function.name",
             )
         seen.add(function.name)
     return functions
@@ -145,7 +156,8 @@ def _within_budget(tools: Sequence[Any]) -> tuple[ToolFunction, ...]:
         if num_bytes > MAX_GRAMMAR_BYTES:
             raise InvalidParameterError(
                 f"tools[{index}].function.parameters: the tools' grammars would exceed "
-                f"their limit of {MAX_GRAMMAR_BYTES} bytes in all"
+                f"their limit of {MAX_GRAMMAR_BYTES} bytes in all",
+                param=f"tools[{index}].function.parameters",
             )
         functions.append(function)
     return tuple(functions)
@@ -155,53 +167,65 @@ def _function(index: int, tool: Any) -> tuple[ToolFunction, int]:
     """The tool's function, and the size of its arguments' grammar."""
     where = f"tools[{index}]"
     if not isinstance(tool, Mapping):
-        raise InvalidParameterError(f"{where} must be a dict, got {type(tool).__name__}")
+        raise InvalidParameterError(
+            f"{where} must be a dict, got {type(tool).__name__}", param=where
+        )
     _no_unknown_keys(where, tool, _TOOL_KEYS)
     if tool.get("type") != "function":
-        raise InvalidParameterError(f"{where}.type must be 'function', got {tool.get('type')!r}")
+        raise InvalidParameterError(
+            f"{where}.type must be 'function', got {tool.get('type')!r}", param=f"{where}.type"
+        )
     function = tool.get("function")
     if not isinstance(function, Mapping):
         raise InvalidParameterError(
-            f"{where}.function must be a dict, got {type(function).__name__}"
+            f"{where}.function must be a dict, got {type(function).__name__}",
+            param=f"{where}.function",
         )
     where += ".function"
     _no_unknown_keys(where, function, _FUNCTION_KEYS)
     name = function.get("name")
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidParameterError(
-            f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}"
+            f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}", param=f"{where}.name"
         )
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise InvalidParameterError(
-            f"{where}.description must be a str, got {type(description).__name__}"
+            f"{where}.description must be a str, got {type(description).__name__}",
+            param=f"{where}.description",
         )
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise InvalidParameterError(f"{where}.strict must be a bool, got {strict!r}")
-    parameters, size = _parameters(f"{where} ({name!r})", function.get("parameters"))
+        raise InvalidParameterError(
+            f"{where}.strict must be a bool, got {strict!r}", param=f"{where}.strict"
+        )
+    parameters, size = _parameters(
+        f"{where} ({name!r})", function.get("parameters"), path=f"{where}.parameters"
+    )
     return ToolFunction(name, description or "", parameters), size
 
 
-def _parameters(where: str, parameters: Any) -> tuple[Mapping[str, Any], int]:
+def _parameters(where: str, parameters: Any, *, path: str) -> tuple[Mapping[str, Any], int]:
     """The arguments' schema (an object schema the grammar converter accepts), and the
-    size of its grammar."""
+    size of its grammar; ``path`` is the field's path (the errors' ``param``)."""
     if parameters is None:
         return {"type": "object", "properties": {}}, 0
     if not isinstance(parameters, Mapping):
         raise InvalidParameterError(
-            f"{where}.parameters must be a JSON schema dict, got {type(parameters).__name__}"
+            f"{where}.parameters must be a JSON schema dict, got {type(parameters).__name__}",
+            param=path,
         )
     schema = dict(parameters)
     kind = schema.setdefault("type", "object")
     if kind != "object":
         raise InvalidParameterError(
-            f"{where}.parameters must describe an object (type 'object'), got type {kind!r}"
+            f"{where}.parameters must describe an object (type 'object'), got type {kind!r}",
+            param=path,
         )
     try:
         size = len(schema_to_gbnf(json.dumps(schema)))
     except (GrammarError, TypeError, ValueError, RecursionError) as exc:
-        raise InvalidParameterError(f"{where}.parameters: {exc}") from exc
+        raise InvalidParameterError(f"{where}.parameters: {exc}", param=path) from exc
     return schema, size
 
 
@@ -218,16 +242,19 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[ToolChoiceMode, str | N
         if tool_choice.get("type") != "function" or not isinstance(name, str):
             raise InvalidParameterError(
                 "tool_choice as a dict must be "
-                f'{{"type": "function", "function": {{"name": ...}}}}, got {dict(tool_choice)!r}'
+                f'{{"type": "function", "function": {{"name": ...}}}}, got {dict(tool_choice)!r}',
+                param="tool_choice",
             )
         if name not in names:
             raise InvalidParameterError(
-                f"tool_choice names the function {name!r}, which is not in tools {names}"
+                f"tool_choice names the function {name!r}, which is not in tools {names}",
+                param="tool_choice",
             )
         return "required", name
     raise InvalidParameterError(
         "tool_choice must be 'none', 'auto', 'required' or "
-        f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}'
+        f'{{"type": "function", "function": {{"name": ...}}}}, got {tool_choice!r}',
+        param="tool_choice",
     )
 
 
@@ -235,5 +262,5 @@ def _no_unknown_keys(where: str, mapping: Mapping[str, Any], allowed: frozenset[
     unknown = sorted(str(key) for key in mapping if key not in allowed)
     if unknown:
         raise InvalidParameterError(
-            f"{where} has unknown keys {unknown}; allowed: {sorted(allowed)}"
+            f"{where} has unknown keys {unknown}; allowed: {sorted(allowed)}", param=where
         )

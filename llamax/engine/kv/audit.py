@@ -22,13 +22,14 @@ def audit(
     problems: list[str] = []
     slots = {slot.seq_id: slot for slot in kv.slots()}
     pinned = {slot.seq_id for slot in session_slots}
-    if len(slots) + kv.num_free_seq_ids != backend.n_seq_max:
+    n_seq_max = backend.facts.n_seq_max
+    if len(slots) + kv.num_free_seq_ids != n_seq_max:
         problems.append(
-            f"{len(slots)} held + {kv.num_free_seq_ids} free sequence ids != {backend.n_seq_max}"
+            f"{len(slots)} held + {kv.num_free_seq_ids} free sequence ids != {n_seq_max}"
         )
     inspectable = backend if isinstance(backend, Inspectable) else None
     owners = {s.slot.seq_id for s in sequences if s.slot is not None}
-    for seq_id in range(backend.n_seq_max):
+    for seq_id in range(n_seq_max):
         slot = slots.get(seq_id)
         extent = backend.seq_pos_max(seq_id)
         if slot is None:

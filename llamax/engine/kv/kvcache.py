@@ -522,7 +522,8 @@ class KVCache:
         """
         if not 0 <= start <= end <= len(slot.tokens):
             raise InvalidParameterError(
-                f"cannot shift out [{start}, {end}): the session holds {len(slot.tokens)} tokens"
+                f"cannot shift out [{start}, {end}): the session holds {len(slot.tokens)} tokens",
+                param="end",
             )
         if start == end:
             return True

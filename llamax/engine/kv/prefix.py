@@ -244,7 +244,7 @@ class PrefixCache:
         ram = PrefixRamTier(ram_bytes if retain else 0, model=model)
         # an image's cells come from the projector too: with one loaded, the disk tier's
         # folder is this model's and this projector's (a file outlives the context)
-        host = backend if isinstance(backend, ImageHost) and backend.sees_images else None
+        host = backend if isinstance(backend, ImageHost) and backend.facts.sees_images else None
         disk_model = model
         if host is not None:
             disk_model = json.dumps(

@@ -121,7 +121,7 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
             lock = open_private(os.path.join(self.directory, LOCK), os.O_RDWR | os.O_CREAT)
         except OSError as exc:
             raise InvalidParameterError(
-                f"prefix_disk_dir {directory!r} cannot be used: {exc}"
+                f"prefix_disk_dir {directory!r} cannot be used: {exc}", param="prefix_disk_dir"
             ) from exc
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -130,10 +130,11 @@ class PrefixDiskTier(StoredTier[tuple[int, ...], DiskEntry]):
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise InvalidParameterError(
                     f"prefix_disk_dir {directory!r} is in use by another context "
-                    "(one context per directory and model)"
+                    "(one context per directory and model)",
+                    param="prefix_disk_dir",
                 ) from None
             raise InvalidParameterError(
-                f"prefix_disk_dir {directory!r} cannot be locked: {exc}"
+                f"prefix_disk_dir {directory!r} cannot be locked: {exc}", param="prefix_disk_dir"
             ) from exc
         self._lock_fd = lock
         self._lru.fill(scan(self.directory, images=images))  # what an earlier context left

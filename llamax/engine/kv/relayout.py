@@ -125,9 +125,8 @@ class Relayout:
         if self._kv.num_free_seq_ids == 0 and self._prefix.num_retained == 0:
             return False
         backend = self._backend
-        next_up = [
-            seq.token_ids for seq in waiting[: backend.n_seq_max] if seq.request.session_id is None
-        ]
+        n_seq_max = backend.facts.n_seq_max
+        next_up = [seq.token_ids for seq in waiting[:n_seq_max] if seq.request.session_id is None]
         move_s = self._move_s
         if move_s is None:
             move_s = backend.kv_cells * backend.kv_bytes_per_cell * MOVE_PRIOR_S_PER_BYTE

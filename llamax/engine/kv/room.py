@@ -28,7 +28,8 @@ class Room:
     def __init__(
         self, backend: Backend, kv: KVCache, relayout: Relayout, sessions: SessionTable
     ) -> None:
-        self.policy = SessionRoom(backend.n_ctx, backend.n_ctx_seq, backend.n_seq_max)
+        facts = backend.facts
+        self.policy = SessionRoom(facts.n_ctx, facts.n_ctx_seq, facts.n_seq_max)
         self._kv = kv
         self._relayout = relayout
         self._sessions = sessions

@@ -217,7 +217,8 @@ class SessionTable:
     def _rewind(self, slot: Slot, num_tokens: int) -> None:
         if not 0 <= num_tokens <= len(slot.tokens):
             raise InvalidParameterError(
-                f"cannot rewind {num_tokens} tokens: the session holds {len(slot.tokens)}"
+                f"cannot rewind {num_tokens} tokens: the session holds {len(slot.tokens)}",
+                param="num_tokens",
             )
         kv = self._scheduler.kv
         keep = kv.usable(slot, len(slot.tokens) - num_tokens)  # a memory cut at checkpoints
@@ -254,7 +255,7 @@ class SessionTable:
         scheduler, kv = self._scheduler, self._scheduler.kv
         if not kv.is_unified:
             return
-        n_ctx = scheduler.backend.n_ctx
+        n_ctx = scheduler.backend.facts.n_ctx
         while kv.num_cells_used + scheduler.num_pending_tokens + num_cells > n_ctx:
             if not scheduler.prefix.evict_one() and not self.yield_idle(self._busy()):
                 free = n_ctx - kv.num_cells_used - scheduler.num_pending_tokens

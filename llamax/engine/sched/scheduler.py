@@ -99,10 +99,10 @@ class Scheduler:
         self.backend = backend
         """The backend this scheduler drives."""
         self._n_batch = backend.n_batch
-        self.kv = KVCache(backend, backend.n_seq_max)
+        self.kv = KVCache(backend, backend.facts.n_seq_max)
         self.prefix = PrefixCache.build(self.kv, config, backend)
-        self.placer = SlotPlacer(self.kv, self.prefix, backend.n_ctx)
-        self.fair: FairShare[Hashable] = FairShare(backend.n_seq_max)
+        self.placer = SlotPlacer(self.kv, self.prefix, backend.facts.n_ctx)
+        self.fair: FairShare[Hashable] = FairShare(backend.facts.n_seq_max)
         self.planner = StepPlanner(backend, config.max_step_ms, self.kv, self.prefix, self.fair)
         self.budget = self.planner.budget
         self.step_cost = self.budget.cost
@@ -483,7 +483,7 @@ class Scheduler:
     def _make_room(self, num_cells: Callable[[], int], *, keep: int) -> None:
         """Evict retained prefixes, then preempt the newest running sequence (while more
         than ``keep`` run), until ``num_cells()`` and the pending tokens fit ``n_ctx``."""
-        while num_cells() + self.num_pending_tokens > self.backend.n_ctx:
+        while num_cells() + self.num_pending_tokens > self.backend.facts.n_ctx:
             if self.prefix.evict_one():
                 continue
             if len(self._running) <= keep:

@@ -66,7 +66,7 @@ class Drafting:
     ) -> None:
         self.planner = DraftPlanner(max_step_s)
         self._kv = kv
-        self._n_ctx = backend.n_ctx
+        self._n_ctx = backend.facts.n_ctx
         self._speculative = speculative
         self.can_draft = allow and backend.can_share_prefix
         self.priced = True  # tests turn it off to verify every proposal

@@ -216,7 +216,7 @@ def calibrate(
         _log.warning("calibration failed, starting from the built-in step costs: %s", exc)
     finally:
         left = []
-        for seq_id in range(backend.n_seq_max):
+        for seq_id in range(backend.facts.n_seq_max):
             with contextlib.suppress(Exception):
                 backend.seq_rm(seq_id)
             with contextlib.suppress(Exception):
@@ -260,7 +260,8 @@ class _Timer:
 
 def _measure(backend: Backend) -> Calibration | None:
     started = time.perf_counter()
-    room = min(backend.n_ctx_stream, backend.n_ctx) if not backend.is_unified else backend.n_ctx
+    n_ctx = backend.facts.n_ctx
+    room = min(backend.n_ctx_stream, n_ctx) if not backend.is_unified else n_ctx
     need = CHUNK + CHUNK + ROW_CHUNK + 2
     if backend.n_batch < CHUNK or room < need:
         return None
@@ -272,7 +273,7 @@ def _measure(backend: Backend) -> Calibration | None:
     for _ in range(3):
         timer.run(one, cells_used=0)
         backend.seq_rm(0)
-    rows = min(MAX_DECODE_ROWS, backend.n_seq_max, backend.n_batch)
+    rows = min(MAX_DECODE_ROWS, backend.facts.n_seq_max, backend.n_batch)
     if rows > 1:
         many = [BatchItem(s, [token], 0, (s,)) for s in range(rows)]
         for _ in range(2):

@@ -367,12 +367,13 @@ def _sampling_params(options: dict[str, Any]) -> llamax.SamplingParams:
     try:
         return llamax.SamplingParams(**options)
     except llamax.InvalidParameterError as exc:
-        message = str(exc)
-        option = next((o for o in _FIELD_OF if message.startswith(o + " ")), None)
-        if option is None:
+        message, option = str(exc), exc.param
+        if option is None or option not in _FIELD_OF:
             raise _bad(message) from exc
         name = _FIELD_OF[option]
-        raise _bad(name + message[len(option) :], name) from exc
+        if message.startswith(option + " "):
+            message = name + message[len(option) :]
+        raise _bad(message, name) from exc
 
 
 def _other_options(body: Mapping[str, Any], options: dict[str, Any], ignore_eos: bool) -> None:

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import llamax
-from llamax.openai import chat_prompt_tokens
+from llamax.chat import ChatCall, chat_prompt_tokens
 
 from ..dialects import LLAMA
 from ..errors import APIError, from_exception, llama_body
@@ -105,7 +105,7 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
             body = parse_body(ChatCompletionRequest, _dumps(raw))
             prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
             try:
-                tokens = chat_prompt_tokens(ctx, body.messages, **body.options())
+                tokens = chat_prompt_tokens(ctx, ChatCall.of(body.messages, **body.options()))
                 count = ctx.prompt_positions(tokens)
             except Exception as exc:
                 raise from_exception(exc, frozenset(ChatCompletionRequest.model_fields)) from exc

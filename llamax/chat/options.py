@@ -20,16 +20,26 @@ from ..params import SamplingParams
 from ..reasoning import ReasoningFormat
 
 __all__ = [
+    "CACHE_RETENTIONS",
+    "MAX_USER_CHARS",
     "ChatOptions",
     "CompletionOptions",
     "StreamOptions",
     "Truncate",
     "check_flag",
     "check_option_names",
+    "check_text",
+    "keeps_prefix",
+    "one_of",
     "sampling_params",
 ]
 
 Truncate = Literal["none", "oldest_messages"]
+
+MAX_USER_CHARS = 256
+"""Longest ``user`` (or ``safety_identifier``, ``prompt_cache_key``) string taken."""
+CACHE_RETENTIONS = ("in_memory", "24h", "in-memory")
+"""The ``prompt_cache_retention`` values taken (``in-memory``: an older spelling)."""
 
 
 class StreamOptions(TypedDict, total=False):
@@ -136,7 +146,9 @@ def check_flag(value: object, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise InvalidParameterError(f"{name} must be a boolean, got {type(value).__name__}")
+        raise InvalidParameterError(
+            f"{name} must be a boolean, got {type(value).__name__}", param=name
+        )
     return value
 
 
@@ -152,6 +164,42 @@ def check_option_names(options: Collection[str], allowed: Collection[str], where
             close = difflib.get_close_matches(name, sorted(allowed), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(f"{where}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def check_text(name: str, value: Any) -> None:
+    """A string of at most :data:`MAX_USER_CHARS` characters, or null."""
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+        raise InvalidParameterError(
+            f"{name} must be a string of at most {MAX_USER_CHARS} characters", param=name
+        )
+
+
+def one_of(*values: str) -> Callable[[str, Any], None]:
+    """A check that the value is one of ``values`` (or null)."""
+
+    def check(name: str, value: Any) -> None:
+        if value is not None and value not in values:
+            raise InvalidParameterError(
+                f"{name} must be one of {', '.join(values)}; got {value!r}", param=name
+            )
+
+    return check
+
+
+def keeps_prefix(options: Mapping[str, Any]) -> bool:
+    """Whether a chat request's options hint that its prompt will be asked for again:
+    ``keep_prefix``, or OpenAI's ``prompt_cache_key`` or ``prompt_cache_retention`` given
+    (``SamplingParams.keep_prefix``).
+
+    Raises:
+        InvalidParameterError: ``keep_prefix`` is not a bool, the key not a string of at
+            most 256 characters, or the retention not ``in_memory`` or ``24h``.
+    """
+    keep = check_flag(options.get("keep_prefix"), "keep_prefix")
+    key, retention = options.get("prompt_cache_key"), options.get("prompt_cache_retention")
+    check_text("prompt_cache_key", key)
+    one_of(*CACHE_RETENTIONS)("prompt_cache_retention", retention)
+    return keep or key is not None or retention is not None
 
 
 def sampling_params(options: CompletionOptions, *, chat: bool) -> SamplingParams:
@@ -178,22 +226,24 @@ def _lora(value: object) -> dict[str | int, float] | None:
     if value is None or isinstance(value, Mapping):
         return None if value is None else dict(value)
     if not isinstance(value, list):
-        raise InvalidParameterError(f"lora must be a list of adapters, got {type(value).__name__}")
+        raise InvalidParameterError(
+            f"lora must be a list of adapters, got {type(value).__name__}", param="lora"
+        )
     adapters: dict[str | int, float] = {}
     for index, entry in enumerate(value):
         where = f"lora[{index}]"
         if not isinstance(entry, Mapping):
-            raise InvalidParameterError(f"{where} must be an object, got {entry!r}")
+            raise InvalidParameterError(f"{where} must be an object, got {entry!r}", param=where)
         unknown = sorted(set(entry) - {"id", "name", "scale"})
         if unknown:
-            raise InvalidParameterError(f"{where} has unknown field {unknown[0]!r}")
+            raise InvalidParameterError(f"{where} has unknown field {unknown[0]!r}", param=where)
         if ("id" in entry) == ("name" in entry):
-            raise InvalidParameterError(f"{where} needs one of 'id' or 'name'")
+            raise InvalidParameterError(f"{where} needs one of 'id' or 'name'", param=where)
         key = entry["id"] if "id" in entry else entry["name"]
         if isinstance(key, bool) or not isinstance(key, (int, str)):
-            raise InvalidParameterError(f"{where}: id must be an int and name a str")
+            raise InvalidParameterError(f"{where}: id must be an int and name a str", param=where)
         if key in adapters:
-            raise InvalidParameterError(f"{where}: adapter {key!r} is given twice")
+            raise InvalidParameterError(f"{where}: adapter {key!r} is given twice", param=where)
         adapters[key] = entry.get("scale", 1.0)
     return adapters
 
@@ -203,32 +253,44 @@ def _speculative(value: object) -> bool | PromptLookup | None:
         return value
     if not isinstance(value, Mapping):
         raise InvalidParameterError(
-            f"speculative must be a bool or an object, got {type(value).__name__}"
+            f"speculative must be a bool or an object, got {type(value).__name__}",
+            param="speculative",
         )
     known = {f.name for f in dataclasses.fields(PromptLookup)}
     unknown = sorted(set(value) - known)
     if unknown:
         raise InvalidParameterError(
-            f"speculative has unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}"
+            f"speculative has unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}",
+            param="speculative",
         )
-    return PromptLookup(**value)
+    try:
+        return PromptLookup(**value)
+    except InvalidParameterError as exc:  # about a PromptLookup field: name it in the request
+        exc.param = f"speculative.{exc.param}" if exc.param else "speculative"
+        raise
 
 
 def _logit_bias(logit_bias: Mapping[str | int, float] | None) -> dict[int, float]:
     bias: dict[int, float] = {}
     if not isinstance(logit_bias, (Mapping, type(None))):
-        raise InvalidParameterError(f"logit_bias must be a dict, got {type(logit_bias).__name__}")
+        raise InvalidParameterError(
+            f"logit_bias must be a dict, got {type(logit_bias).__name__}", param="logit_bias"
+        )
     for token, value in (logit_bias or {}).items():
         try:
             token_id = int(token)
         except (TypeError, ValueError) as exc:
             raise InvalidParameterError(
-                f"logit_bias keys must be token ids, got {token!r}"
+                f"logit_bias keys must be token ids, got {token!r}", param="logit_bias"
             ) from exc
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidParameterError(f"logit_bias values must be numbers, got {value!r}")
+            raise InvalidParameterError(
+                f"logit_bias values must be numbers, got {value!r}", param="logit_bias"
+            )
         if not -100 <= value <= 100:
-            raise InvalidParameterError(f"logit_bias values must be in [-100, 100], got {value}")
+            raise InvalidParameterError(
+                f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias"
+            )
         bias[token_id] = -math.inf if value == -100 else float(value)
     return bias
 
@@ -238,12 +300,14 @@ def _logprobs(options: CompletionOptions, *, chat: bool) -> int | None:
     wanted = options.get("logprobs")
     if chat:
         if options.get("top_logprobs") and not wanted:
-            raise InvalidParameterError("top_logprobs needs logprobs=True")
+            raise InvalidParameterError("top_logprobs needs logprobs=True", param="top_logprobs")
         return (options.get("top_logprobs") or 0) if wanted else None
     if wanted is None or wanted is False:
         return None
     if not isinstance(wanted, int):
-        raise InvalidParameterError(f"logprobs must be an int in [0, 20], got {wanted!r}")
+        raise InvalidParameterError(
+            f"logprobs must be an int in [0, 20], got {wanted!r}", param="logprobs"
+        )
     return int(wanted)
 
 
@@ -259,7 +323,8 @@ def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, 
         return None
     if not isinstance(response_format, Mapping):
         raise InvalidParameterError(
-            f"response_format must be an object, got {type(response_format).__name__}"
+            f"response_format must be an object, got {type(response_format).__name__}",
+            param="response_format",
         )
     kind = response_format.get("type")
     if kind == "text":
@@ -271,14 +336,19 @@ def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, 
         if not isinstance(wrapper, Mapping):
             raise InvalidParameterError(
                 'response_format json_schema must be an object like {"name": ..., '
-                f'"schema": {{...}}}}, got {type(wrapper).__name__}'
+                f'"schema": {{...}}}}, got {type(wrapper).__name__}',
+                param="response_format.json_schema",
             )
         schema = wrapper.get("schema")
         if not isinstance(schema, Mapping):
-            raise InvalidParameterError("response_format json_schema needs a 'schema' object")
+            raise InvalidParameterError(
+                "response_format json_schema needs a 'schema' object",
+                param="response_format.json_schema",
+            )
         return schema
     raise InvalidParameterError(
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        param="response_format.type",
     )
 
 

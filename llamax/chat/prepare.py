@@ -1,6 +1,6 @@
-"""A chat or text request's preparation, below the facade: OpenAI options and messages in,
-a :class:`Prepared` request out (prompt tokens, :class:`~llamax.SamplingParams` and what
-the stream's parser needs). Nothing is submitted here, and no context is called: the work
+"""A chat or text call's preparation, below the facade: a :class:`~llamax.chat.ChatCall`
+in, a :class:`Prepared` request out (prompt tokens, :class:`~llamax.SamplingParams` and
+what the stream's parser needs). Nothing is submitted here, and no context is called: the work
 runs on a :class:`ChatModel` (the template binding a context hands down, or a context
 itself), and the caller submits ``prepared.prompt`` with ``prepared.params``.
 """
@@ -8,35 +8,25 @@ itself), and the caller submits ``prepared.prompt`` with ``prepared.params``.
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ..errors import ContextLengthError, InvalidParameterError
+from ..facts import ModelFacts
 from ..images import Image
 from ..params import SamplingParams
-from ..reasoning import ReasoningFormat, check_reasoning_format, opens_thinking
+from ..reasoning import ReasoningFormat, opens_thinking
 from ..templates.messages import validate_messages
 from ..templates.truncation import drop_oldest_turns
-from ..tools import PromptRenderer, ToolPlan, prepare_tools, tool_call_grammar, tool_prompt_tokens
-from .fields import CACHE_RETENTIONS, check_text, one_of
-from .options import (
-    CHAT_OPTIONS,
-    COMPLETION_OPTIONS,
-    ChatOptions,
-    CompletionOptions,
-    Truncate,
-    check_flag,
-    check_option_names,
-    sampling_params,
-)
+from ..tools import PromptRenderer, ToolPlan, tool_call_grammar, tool_prompt_tokens
+from .call import ChatCall, TextCall, new_request_id
+from .options import Truncate
 
 __all__ = [
     "ChatModel",
     "Prepared",
     "chat_prompt_tokens",
-    "keeps_prefix",
     "prepare_chat",
     "prepare_text",
 ]
@@ -52,16 +42,9 @@ class ChatModel(PromptRenderer, Protocol):
         """Special tokens the template ends a turn with: chat stops there."""
 
     @property
-    def model_name(self) -> str:
-        """The model's name from its metadata."""
-
-    @property
-    def n_ctx(self) -> int:
-        """KV cells granted."""
-
-    @property
-    def n_ctx_seq(self) -> int:
-        """The most tokens one sequence (prompt plus reply) may hold."""
+    def facts(self) -> ModelFacts:
+        """The model's facts: its name, and the sizes a request must fit (``n_ctx_seq``:
+        the most tokens one sequence, prompt plus reply, may hold)."""
 
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
@@ -73,10 +56,6 @@ class ChatModel(PromptRenderer, Protocol):
 
     def prompt_positions(self, prompt: Sequence[int | Image]) -> int:
         """The positions a prompt of token ids and images takes in a sequence."""
-
-
-def _new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +76,7 @@ class Prepared:
     """How the reply's thinking is reported (:mod:`llamax.reasoning`; chat only)."""
     thinking_opened: bool = False
     """Whether the rendered prompt left a ``<think>`` open (the reply starts thinking)."""
-    request_id: str = field(default_factory=_new_request_id)
+    request_id: str = field(default_factory=new_request_id)
     num_positions: int | None = None
     """The positions the prompt takes (its images' included); None: one per item."""
 
@@ -110,110 +89,72 @@ class Prepared:
         return 0 if isinstance(self.prompt, str) else len(self.prompt)
 
 
-def prepare_chat(
-    model: ChatModel, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
-) -> Prepared:
-    """Check a chat request's options, render and fit its messages (with tools, tool calls
-    or tool results through :mod:`llamax.tools`), and say how its reply is parsed.
-    ``stream`` and ``stream_options`` are not options here (the caller chooses).
+def prepare_chat(model: ChatModel, call: ChatCall) -> Prepared:
+    """Render and fit a chat call's messages (with tools, tool calls or tool results
+    through :mod:`llamax.tools`), put its prefill after the opened assistant turn, and say
+    how its reply is parsed.
 
     Raises:
-        TypeError: an unknown option (the message names the closest valid one).
         InvalidParameterError, InvalidMessageError, TemplateError: bad values or messages.
         ContextLengthError: the conversation does not fit (and ``truncate`` is not set).
     """
-    check_option_names(options, CHAT_OPTIONS, "chat_completion")
-    opts: ChatOptions = options  # type: ignore[assignment]
-    params = sampling_params(opts, chat=True)
-    if check_flag(opts.get("return_progress"), "return_progress"):
-        params = dataclasses.replace(params, prefill_progress=True)
-    if keeps_prefix(opts):
-        params = dataclasses.replace(params, keep_prefix=True)
-    plan = prepare_tools(
-        opts.get("tools"), opts.get("tool_choice"), opts.get("parallel_tool_calls")
-    )
-    reasoning_format = check_reasoning_format(opts.get("reasoning_format", "auto"))
-    template_vars = _template_vars(opts.get("enable_thinking"))
-    if plan.is_active or _mentions_tools(messages):
-        if opts.get("truncate", "none") != "none":
-            raise InvalidParameterError("truncate is not supported together with tools")
-        params, tokens = _tool_chat(model, messages, params, plan, template_vars)
+    params, plan = call.params, call.tools
+    template_vars = _template_vars(call.enable_thinking)
+    if plan.is_active or _mentions_tools(call.messages):
+        if call.truncate != "none":
+            raise InvalidParameterError(
+                "truncate is not supported together with tools", param="truncate"
+            )
+        params, tokens = _tool_chat(model, call.messages, params, plan, template_vars)
     else:
         tokens = _plain_chat(
             model,
-            messages,
+            call.messages,
             params,
-            opts.get("truncate", "none"),
-            opts.get("parse_special_in_content", False),
+            call.truncate,
+            call.parse_special_in_content,
             template_vars,
         )
     tail = [t for t in tokens[-8:] if not isinstance(t, Image)]
-    opened = reasoning_format != "none" and opens_thinking(model.detokenize(tail))
+    opened = call.reasoning_format != "none" and opens_thinking(model.detokenize(tail))
     num_images = sum(isinstance(t, Image) for t in tokens)
+    num = model.prompt_positions(tokens) if num_images else None
+    if call.prefill:
+        prefill = model.tokenize(call.prefill, add_special=False, parse_special=False)
+        tokens = [*tokens, *prefill]
+        num = None if num is None else num + len(prefill)
     return Prepared(
         tokens,
         params.with_stop_token_ids(model.end_of_turn_token_ids),
         "chat",
-        _model(opts.get("model")),
+        call.model,
         plan,
-        reasoning_format,
+        call.reasoning_format,
         opened,
-        num_positions=model.prompt_positions(tokens) if num_images else None,
+        request_id=call.request_id,
+        num_positions=num,
     )
 
 
-def prepare_text(prompt: str | Sequence[int], options: Mapping[str, Any]) -> Prepared:
-    """Check a text completion's options.
+def prepare_text(call: TextCall) -> Prepared:
+    """A text call as a :class:`Prepared` request (its prompt completed as given)."""
+    prompt = call.prompt if isinstance(call.prompt, str) else list(call.prompt)
+    return Prepared(prompt, call.params, "text", call.model, request_id=call.request_id)
+
+
+def chat_prompt_tokens(model: ChatModel, call: ChatCall) -> list[int | Image]:
+    """The prompt tokens :func:`prepare_chat` renders for ``call`` (tools and
+    ``enable_thinking`` included; an image where each image sits), unfitted and without
+    its prefill: for token counting (``model.prompt_positions`` counts an image's
+    positions).
 
     Raises:
-        TypeError: an unknown option.
-        InvalidParameterError: a bad value.
+        InvalidRequestError: a message is invalid.
     """
-    check_option_names(options, COMPLETION_OPTIONS, "completion")
-    opts: CompletionOptions = options  # type: ignore[assignment]
-    return Prepared(prompt, sampling_params(opts, chat=False), "text", _model(opts.get("model")))
-
-
-def chat_prompt_tokens(
-    model: ChatModel, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
-) -> list[int | Image]:
-    """The prompt tokens :func:`prepare_chat` renders for ``messages`` (tools and
-    ``enable_thinking`` included; an image where each image sits), unfitted: for token
-    counting (``model.prompt_positions`` counts an image's positions).
-
-    Raises:
-        InvalidRequestError: an option or a message is invalid.
-    """
-    check_option_names(options, CHAT_OPTIONS, "chat_prompt_tokens")
-    plan = prepare_tools(
-        options.get("tools"), options.get("tool_choice"), options.get("parallel_tool_calls")
-    )
-    thinking = options.get("enable_thinking")
-    template_vars = {} if thinking is None else {"enable_thinking": thinking}
-    if plan.is_active or _mentions_tools(messages):
-        return tool_prompt_tokens(model, messages, plan, **template_vars)
-    return model.chat_prompt_parts(messages, **template_vars)
-
-
-def keeps_prefix(options: Mapping[str, Any]) -> bool:
-    """Whether a chat request's options hint that its prompt will be asked for again:
-    ``keep_prefix``, or OpenAI's ``prompt_cache_key`` or ``prompt_cache_retention`` given
-    (``SamplingParams.keep_prefix``).
-
-    Raises:
-        InvalidParameterError: ``keep_prefix`` is not a bool, the key not a string of at
-            most 256 characters, or the retention not ``in_memory`` or ``24h``.
-    """
-    keep = check_flag(options.get("keep_prefix"), "keep_prefix")
-    key, retention = options.get("prompt_cache_key"), options.get("prompt_cache_retention")
-    check_text("prompt_cache_key", key)
-    one_of(*CACHE_RETENTIONS)("prompt_cache_retention", retention)
-    return keep or key is not None or retention is not None
-
-
-def _model(name: object) -> str | None:
-    """A request's own ``model`` when it is a non-empty str (OpenAI and llama-server echo it)."""
-    return name if isinstance(name, str) and name else None
+    template_vars = _template_vars(call.enable_thinking)
+    if call.tools.is_active or _mentions_tools(call.messages):
+        return tool_prompt_tokens(model, call.messages, call.tools, **template_vars)
+    return model.chat_prompt_parts(call.messages, **template_vars)
 
 
 def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
@@ -225,11 +166,7 @@ def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
 
 
 def _template_vars(enable_thinking: bool | None) -> dict[str, Any]:
-    if enable_thinking is None:
-        return {}
-    if not isinstance(enable_thinking, bool):
-        raise InvalidParameterError(f"enable_thinking must be a bool, got {enable_thinking!r}")
-    return {"enable_thinking": enable_thinking}
+    return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
 
 def _plain_chat(
@@ -245,17 +182,9 @@ def _plain_chat(
     With ``truncate="oldest_messages"`` the cut is found by a binary search over turn
     boundaries (a few renders, whatever the length); each rendering is tokenized once.
     """
-    if truncate not in ("none", "oldest_messages"):
-        raise InvalidParameterError(
-            f"truncate must be 'none' or 'oldest_messages', got {truncate!r}"
-        )
-    if not isinstance(parse_special_in_content, bool):
-        raise InvalidParameterError(
-            f"parse_special_in_content must be a bool, got {parse_special_in_content!r}"
-        )
     msgs = validate_messages(messages)
     reserve = params.max_tokens or 1
-    budget = model.n_ctx_seq - reserve
+    budget = model.facts.n_ctx_seq - reserve
     rendered: dict[int, tuple[list[int | Image], int]] = {}  # by the number of messages kept
 
     def render(kept: list[dict[str, Any]]) -> tuple[list[int | Image], int]:
@@ -274,7 +203,7 @@ def _plain_chat(
                 f"more than a sequence may hold ({_limit(model)}); "
                 "pass truncate='oldest_messages' to drop old turns",
                 num_prompt_tokens=size,
-                n_ctx=model.n_ctx_seq,
+                n_ctx=model.facts.n_ctx_seq,
             )
         kept = drop_oldest_turns(msgs, lambda m: render(m)[1], budget, reserve=reserve)
         tokens, size = render(kept)
@@ -299,25 +228,26 @@ def _tool_chat(
     if grammar is not None and (params.grammar is not None or params.json_schema is not None):
         raise InvalidParameterError(
             "tools cannot be combined with grammar or response_format: the tool-call grammar "
-            "already constrains the reply"
+            "already constrains the reply",
+            param="tools",
         )
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     tokens = tool_prompt_tokens(model, messages, plan, **template_vars)
     reserve = params.max_tokens or 1
     size = model.prompt_positions(tokens)
-    if size + reserve > model.n_ctx_seq:
+    if size + reserve > model.facts.n_ctx_seq:
         raise ContextLengthError(
             f"the conversation with its tools needs {size} prompt tokens + {reserve} "
             f"for the reply, more than a sequence may hold ({_limit(model)})",
             num_prompt_tokens=size,
-            n_ctx=model.n_ctx_seq,
+            n_ctx=model.facts.n_ctx_seq,
         )
     return params, tokens
 
 
 def _limit(model: ChatModel) -> str:
     """``n_ctx=4096``, or ``n_ctx_seq=512`` when a sequence may hold less than ``n_ctx``."""
-    if model.n_ctx_seq == model.n_ctx:
-        return f"n_ctx={model.n_ctx}"
-    return f"n_ctx_seq={model.n_ctx_seq}"
+    if model.facts.n_ctx_seq == model.facts.n_ctx:
+        return f"n_ctx={model.facts.n_ctx}"
+    return f"n_ctx_seq={model.facts.n_ctx_seq}"
