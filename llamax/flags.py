@@ -22,9 +22,19 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
-from .optionspec import flag_of, nested_options
+from .optionspec import OptionSpec, byte_size, flag_of, nested_options, spec
 
-__all__ = ["add_option_flags", "option_values"]
+__all__ = [
+    "OptionSpec",
+    "add_option_flags",
+    "byte_size",
+    "nested_options",
+    "option_values",
+    "spec",
+]
+"""``spec``, ``OptionSpec``, ``byte_size`` and ``nested_options`` are
+:mod:`llamax.optionspec`'s, here for the layers above the core that declare options of
+their own (``llamax.server.ServerConfig``)."""
 
 
 class _FlagTarget(Protocol):

@@ -16,7 +16,7 @@ import pytest
 from test_server_fake import call, fake_context
 
 import llamax
-from llamax.errors import InvalidParameterError
+from llamax import InvalidParameterError
 from llamax.flags import add_option_flags, option_values
 from llamax.optionspec import flag_of, generated_blocks, options_of, spec
 from llamax.server import ImagePolicy, ModelPool, ServerConfig, create_app
@@ -137,8 +137,9 @@ BAD = [
 @pytest.mark.parametrize("bad", BAD, ids=lambda bad: next(iter(bad)))
 def test_a_bad_setting_is_a_typed_error_naming_it(bad: dict[str, Any], ctx: llamax.Context) -> None:
     name = next(iter(bad))
-    with pytest.raises(InvalidParameterError, match=name.rstrip("s")):
+    with pytest.raises(InvalidParameterError, match=name.rstrip("s")) as caught:
         ServerConfig.from_options(bad)
+    assert caught.value.param is not None and caught.value.param.startswith(name)
     with pytest.raises(InvalidParameterError, match=name.rstrip("s")):
         create_app(ctx, **bad)
     if not isinstance(bad[name], dict):

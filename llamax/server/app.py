@@ -17,7 +17,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import llamax
-from llamax.errors import InvalidParameterError
 
 from .anthropic_routes import anthropic_routes
 from .config import ServerConfig
@@ -78,12 +77,13 @@ def create_app(
     if settings or config is None:
         config = ServerConfig.from_options(settings, base=config)
     if config.model_alias is not None and isinstance(ctx, ModelPool):
-        raise InvalidParameterError("model_alias names a single model; a pool's models have "
-                                    "their own names")  # fmt: skip
+        raise llamax.InvalidParameterError("model_alias names a single model; a pool's models have "
+                                    "their own names", param="model_alias")  # fmt: skip
     save_path = None if config.slot_save_path is None else Path(config.slot_save_path)
     if save_path is not None and not save_path.is_dir():
-        raise InvalidParameterError(
-            f"slot_save_path must be an existing folder, got {config.slot_save_path!r}"
+        raise llamax.InvalidParameterError(
+            f"slot_save_path must be an existing folder, got {config.slot_save_path!r}",
+            param="slot_save_path",
         )
     state = ServerState(source=ctx, config=config)
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)

@@ -19,9 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamax.errors import InvalidParameterError
-from llamax.flags import option_values
-from llamax.optionspec import byte_size, nested_options, spec
+import llamax
+from llamax.flags import byte_size, nested_options, option_values, spec
 
 from .fairness import DEFAULT_MAX_SEQUENCES
 from .guard import SitePolicy
@@ -51,9 +50,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str, param: str) -> None:
     if not ok:
-        raise InvalidParameterError(message)
+        raise llamax.InvalidParameterError(message, param=param)
 
 
 _COUNTS = ("max_queue", "max_sequences", "max_body_bytes", "retry_after_seconds",
@@ -284,56 +283,64 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in _COUNTS:
             value = getattr(self, name)
-            _require(_is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}")
-            _require(value.bit_length() <= 63, f"{name} is out of range: {value}")
+            _require(
+                _is_int(value) and value >= 1, f"{name} must be an int >= 1, got {value!r}", name
+            )
+            _require(value.bit_length() <= 63, f"{name} is out of range: {value}", name)
         for name in _SECONDS:
             value = getattr(self, name)
             ok = _is_number(value) and value > 0
-            _require(ok, f"{name} must be a number > 0, got {value!r}")
+            _require(ok, f"{name} must be a number > 0, got {value!r}", name)
         for name in _FLAGS:
             value = getattr(self, name)
-            _require(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
+            _require(isinstance(value, bool), f"{name} must be a bool, got {value!r}", name)
         for name in _NAMES:
             value = getattr(self, name)
             ok = not isinstance(value, (str, bytes, Mapping)) and hasattr(value, "__iter__")
             value = tuple(value) if ok else value
             ok = ok and all(isinstance(item, str) for item in value)
-            _require(ok, f"{name} must be a list of names, got {value!r}")
+            _require(ok, f"{name} must be a list of names, got {value!r}", name)
             object.__setattr__(self, name, value)
         _require(
             self.api_key is None or (isinstance(self.api_key, str) and self.api_key != ""),
             "api_key must be a non-empty str (None for no key)",
+            "api_key",
         )
         seed = self.default_seed
         _require(
             seed is None or (_is_int(seed) and 0 <= seed < 1 << 32),
             f"default_seed must be None or an int in [0, 2**32), got {seed!r}",
+            "default_seed",
         )
         tokens = self.default_max_tokens
         _require(
             tokens is None or (_is_int(tokens) and 1 <= tokens < 1 << 63),
             f"default_max_tokens must be None or an int >= 1, got {tokens!r}",
+            "default_max_tokens",
         )
         alias = self.model_alias
         _require(
             alias is None or (isinstance(alias, str) and alias != ""),
             f"model_alias must be None or a non-empty name, got {alias!r}",
+            "model_alias",
         )
         path = self.slot_save_path
         _require(
             path is None or (isinstance(path, (str, os.PathLike)) and os.fspath(path) != ""),
             f"slot_save_path must be None or a folder path, got {path!r}",
+            "slot_save_path",
         )
         if path is not None:
             object.__setattr__(self, "slot_save_path", os.fspath(path))
         _require(
             isinstance(self.images, ImagePolicy),
             f"images must be an ImagePolicy, got {type(self.images).__name__}",
+            "images",
         )
         try:
             self.site  # noqa: B018 - checks allowed_hosts
         except ValueError as exc:
-            raise InvalidParameterError(str(exc)) from None
+            raise llamax.InvalidParameterError(str(exc), param="allowed_hosts") from None
 
     @property
     def site(self) -> SitePolicy:
@@ -389,8 +396,13 @@ def _merged(name: str, old: Any, new: Any) -> Any:
         return new
     unknown = sorted(set(new) - {f.name for f in dataclasses.fields(inner)})
     if unknown:  # a value (from JSON, YAML) that is wrong, not a wrong keyword
-        raise InvalidParameterError(f"{name}: {inner.__name__} has no field {unknown[0]!r}")
-    return dataclasses.replace(old, **new)
+        message = f"{name}: {inner.__name__} has no field {unknown[0]!r}"
+        raise llamax.InvalidParameterError(message, param=f"{name}.{unknown[0]}")
+    try:
+        return dataclasses.replace(old, **new)
+    except llamax.InvalidParameterError as exc:  # about a field of the nested class
+        param = name if exc.param is None else f"{name}.{exc.param}"
+        raise llamax.InvalidParameterError(str(exc), param=param) from None
 
 
 SERVER_OPTION_LISTS: dict[str, type] = {"ServerConfig": ServerConfig, "ImagePolicy": ImagePolicy}

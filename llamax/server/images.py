@@ -25,8 +25,8 @@ from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from llamax.errors import InvalidParameterError
-from llamax.optionspec import byte_size, spec
+import llamax
+from llamax.flags import byte_size, spec
 
 from .errors import APIError
 from .image_addresses import parse_networks
@@ -140,12 +140,17 @@ class ImagePolicy:
 
     def __post_init__(self) -> None:
         if self.max_images < 0:
-            raise InvalidParameterError(f"max_images must be >= 0, got {self.max_images}")
+            raise llamax.InvalidParameterError(
+                f"max_images must be >= 0, got {self.max_images}", param="max_images"
+            )
         if self.max_url_bytes < 1 or not self.url_seconds > 0:
-            raise InvalidParameterError("max_url_bytes and url_seconds must be positive")
+            raise llamax.InvalidParameterError(
+                "max_url_bytes and url_seconds must be positive", param="max_url_bytes"
+            )
         if not 1 <= self.max_url_fetches <= 32:
-            raise InvalidParameterError(
-                f"max_url_fetches must be in [1, 32], got {self.max_url_fetches}"
+            raise llamax.InvalidParameterError(
+                f"max_url_fetches must be in [1, 32], got {self.max_url_fetches}",
+                param="max_url_fetches",
             )
         networks = self.url_allow_networks
         object.__setattr__(self, "url_allow_networks", (networks,) if isinstance(networks, str)
