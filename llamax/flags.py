@@ -22,7 +22,19 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
-__all__ = ["add_option_flags", "option_values"]
+from .optionspec import OptionSpec, byte_size, flag_of, nested_options, spec
+
+__all__ = [
+    "OptionSpec",
+    "add_option_flags",
+    "byte_size",
+    "nested_options",
+    "option_values",
+    "spec",
+]
+"""``spec``, ``OptionSpec``, ``byte_size`` and ``nested_options`` are
+:mod:`llamax.optionspec`'s, here for the layers above the core that declare options of
+their own (``llamax.server.ServerConfig``)."""
 
 
 class _FlagTarget(Protocol):
@@ -39,7 +51,8 @@ def add_option_flags(
     defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """Add a flag for each option of ``options`` whose spec asks for one (``--n-ctx`` for
-    ``n_ctx``; a bool gets ``--name``/``--no-name``), with the option's doc as its help.
+    ``n_ctx``; a bool gets ``--name``/``--no-name``; a ``tuple[str, ...]`` a repeatable
+    flag), with the option's doc as its help.
     An option's older spellings are accepted too, hidden from ``--help``. Read the values
     back with :func:`option_values`.
 
@@ -55,6 +68,10 @@ def add_option_flags(
         spec = f.metadata.get("llamax")  # an option's spec (llamax.optionspec)
         if spec is None or not spec.flag or f.name in skip:
             continue
+        inner = nested_options(hints[f.name])
+        if inner is not None:  # an option dataclass (ServerConfig.images): its own flags
+            add_option_flags(parser, inner)
+            continue
         shown = (
             str(defaults[f.name])
             if f.name in defaults
@@ -68,7 +85,8 @@ def add_option_flags(
         }
         if spec.metavar:
             kwargs["metavar"] = spec.metavar
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        names = (spec.short_flag, flag_of(f.name, spec))
+        parser.add_argument(*(name for name in names if name), **kwargs)
         for alias in spec.aliases:
             parser.add_argument(
                 alias, **{**kwargs, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
@@ -77,16 +95,26 @@ def add_option_flags(
 
 def option_values(ns: argparse.Namespace, options: type) -> dict[str, Any]:
     """The options given by the flags of :func:`add_option_flags` (those left out are not
-    in the result, so the options' own defaults apply), as keyword arguments of ``options``.
+    in the result, so the options' own defaults apply), as keyword arguments of ``options``;
+    a nested option dataclass's (``ServerConfig.images``) as a mapping of the fields given
+    (absent when none is).
 
     Raises:
         OSError: a flag names a file (``--chat-template FILE``) that cannot be read.
     """
     values: dict[str, Any] = {}
+    hints = typing.get_type_hints(options)
     for f in dataclasses.fields(options):
         spec = f.metadata.get("llamax")
+        if spec is None or not spec.flag:
+            continue
+        inner = nested_options(hints[f.name])
+        if inner is not None:
+            if nested := option_values(ns, inner):
+                values[f.name] = nested
+            continue
         value = getattr(ns, f.name, None)
-        if spec is None or not spec.flag or value is None:
+        if value is None:
             continue
         values[f.name] = spec.from_flag(value) if spec.from_flag else value
     return values
@@ -94,6 +122,10 @@ def option_values(ns: argparse.Namespace, options: type) -> dict[str, Any]:
 
 def _flag_kind(flag_type: Any, hint: Any) -> dict[str, Any]:
     """argparse's ``type``/``action``/``choices`` for an option of type ``hint``."""
+    if typing.get_origin(hint) is tuple and flag_type is None:  # a repeatable flag
+        item, *rest = typing.get_args(hint)
+        if rest == [Ellipsis] and item in (int, float, str):
+            return {"action": "append", "type": item}
     if flag_type is not None:
         return {"type": flag_type}
     parts = [p for p in typing.get_args(hint) or (hint,) if p is not type(None)]

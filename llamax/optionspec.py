@@ -7,6 +7,7 @@ is derived from the fields: the server's request model (``llamax/server/schemas.
 OpenAI mapping (``llamax/openai/options.py``), the command-line flags (``llamax/cli.py``) and
 the options tables of the docs (:func:`markdown_table`, kept current by a test; regenerate
 them with ``python scripts/option_tables.py``). So a new option is one field plus its doc.
+The server's settings (``llamax.server.ServerConfig``) are built the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ __all__ = [
     "NOT_OPENAI",
     "OptionSpec",
     "byte_size",
+    "flag_of",
     "markdown_table",
+    "nested_options",
     "openai_defaults",
     "options_of",
     "read_text",
@@ -53,7 +56,14 @@ class OptionSpec:
     default_doc: str | None = None
     """The default as the docs say it, where the value says too little (``"all cores"``)."""
     flag: bool = False
-    """Whether the command lines offer it, as ``--name-with-dashes``."""
+    """Whether the command lines offer it, as ``--name-with-dashes`` (or :attr:`flag_name`).
+    On a field whose type is an option dataclass (``ServerConfig.images``), the flags are
+    that class's own options'."""
+    flag_name: str | None = None
+    """The flag where it is not the field's name with dashes (``--n-predict`` for
+    ``default_max_tokens``: llama-server's spelling)."""
+    short_flag: str | None = None
+    """A one-letter spelling shown beside the flag in ``--help`` (``-n``)."""
     flag_type: Callable[[str], Any] | None = None
     """Parses the flag's text (default: from the field's type)."""
     metavar: str | None = None
@@ -133,8 +143,8 @@ class Option:
 
     @property
     def flag(self) -> str:
-        """The command-line flag: ``--n-ctx`` for ``n_ctx``."""
-        return "--" + self.name.replace("_", "-")
+        """The command-line flag: ``--n-ctx`` for ``n_ctx`` (or the spec's ``flag_name``)."""
+        return flag_of(self.name, self.spec)
 
     @property
     def default_text(self) -> str:
@@ -142,6 +152,19 @@ class Option:
         if self.spec.default_doc is not None:
             return self.spec.default_doc
         return _code(self.default)
+
+
+def flag_of(name: str, spec: OptionSpec) -> str:
+    """The flag of option ``name``: its spec's ``flag_name``, else ``--name-with-dashes``."""
+    return spec.flag_name or "--" + name.replace("_", "-")
+
+
+def nested_options(hint: Any) -> type | None:
+    """The option dataclass a field of type ``hint`` holds (``ImagePolicy`` for
+    ``ServerConfig.images``), or ``None``: its options are offered as flags of their own."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and options_of(hint):
+        return hint
+    return None
 
 
 def options_of(cls: type) -> list[Option]:
@@ -198,13 +221,24 @@ def markdown_table(
         if table == "fields":
             rows.append(f"| `{o.name}` | {o.default_text} | {_cell(o.spec.doc)} |")
         elif table == "flags" and o.spec.flag:
-            name = f"{o.flag} {o.spec.metavar}" if o.spec.metavar else o.flag
-            default = (defaults or {}).get(o.name) or o.spec.flag_default_doc or o.default_text
-            rows.append(f"| `{name}` | {default} | {_cell(o.spec.doc)} |")
+            rows += _flag_rows(o, defaults or {})
         elif table == "openai" and o.spec.is_openai:
             doc = o.spec.openai_doc or o.spec.doc
             rows.append(f"| `{o.name}` | {_code(o.spec.openai)} | {_cell(doc)} |")
     return "\n".join(rows) + "\n"
+
+
+def _flag_rows(o: Option, defaults: Mapping[str, str]) -> list[str]:
+    """The rows of ``o``'s flag in a ``flags`` table; of its class's flags for a nested
+    option dataclass."""
+    inner = nested_options(o.type)
+    if inner is not None:
+        return [row for i in options_of(inner) if i.spec.flag for row in _flag_rows(i, {})]
+    name = f"`{o.flag} {o.spec.metavar}`" if o.spec.metavar else f"`{o.flag}`"
+    if o.spec.short_flag:
+        name = f"`{o.spec.short_flag}`, {name}"
+    default = defaults.get(o.name) or o.spec.flag_default_doc or o.default_text
+    return [f"| {name} | {default} | {_cell(o.spec.doc)} |"]
 
 
 _BLOCK = re.compile(
@@ -226,11 +260,16 @@ def _table_for(m: re.Match[str], classes: Mapping[str, type]) -> str:
 
 def generated_blocks(text: str, classes: Mapping[str, type]) -> Iterator[tuple[str, str]]:
     """``(current, wanted)`` for each generated options block of a Markdown ``text``;
-    ``classes`` maps the class names the blocks use to the classes."""
+    ``classes`` maps the class names the blocks use to the classes (a block of a class not
+    in it is left out: the server's settings are listed apart from the core's options)."""
     for m in _BLOCK.finditer(text):
-        yield m["body"], _table_for(m, classes)
+        if m["cls"] in classes:
+            yield m["body"], _table_for(m, classes)
 
 
 def regenerate(text: str, classes: Mapping[str, type]) -> str:
-    """``text`` with every generated options block replaced by its current table."""
-    return _BLOCK.sub(lambda m: m[1] + _table_for(m, classes) + m[6], text)
+    """``text`` with every generated options block of ``classes`` replaced by its current
+    table."""
+    return _BLOCK.sub(
+        lambda m: m[1] + _table_for(m, classes) + m[6] if m["cls"] in classes else m[0], text
+    )

@@ -13,6 +13,7 @@ from pathlib import Path
 from llamax.config import OPTION_LISTS
 from llamax.openai import fields
 from llamax.optionspec import regenerate
+from llamax.server.config import SERVER_OPTION_LISTS
 from llamax.server.schemas import FIELD_TABLES
 from llamax.stats import regenerate as stats_tables
 
@@ -23,7 +24,11 @@ def main(argv: list[str]) -> int:
     paths = [Path(a) for a in argv] or sorted(Path("docs").glob("*.md"))
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        new = stats_tables(fields.regenerate(regenerate(text, OPTION_LISTS), FIELD_TABLES))
+        new = stats_tables(
+            fields.regenerate(
+                regenerate(text, {**OPTION_LISTS, **SERVER_OPTION_LISTS}), FIELD_TABLES
+            )
+        )
         if new != text:
             path.write_text(new, encoding="utf-8")
             print(f"updated {path}")

@@ -88,15 +88,15 @@ def test_deployment_takes_the_image_policy_as_json() -> None:
     """``serve run llamax.ray:app server_options='{"images": {...}}'`` (or YAML) gives the
     replicas an ImagePolicy (issue 42); a bad field fails before any replica starts."""
     import llamax.ray
-    from llamax.server import ImagePolicy
+    from llamax.server import ImagePolicy, ServerConfig
 
     built = llamax.ray.app({"server_options": '{"images": {"max_images": 4, "allow_urls": true}}'})
     replica = built._bound_deployment.init_args[0]._bound_deployment  # type: ignore[attr-defined]
-    assert replica.init_args[2]["images"] == ImagePolicy(max_images=4, allow_urls=True)
+    assert replica.init_args[2].images == ImagePolicy(max_images=4, allow_urls=True)
     policy = ImagePolicy(max_images=2)
     built = llamax.ray.deployment(server_options={"images": policy, "api_key": "k"})
     replica = built._bound_deployment.init_args[0]._bound_deployment  # type: ignore[attr-defined]
-    assert replica.init_args[2] == {"images": policy, "api_key": "k"}
+    assert replica.init_args[2] == ServerConfig(images=policy, api_key="k")
     for bad in ({"max_image": 4}, {"max_images": -1}, 4):
         with pytest.raises(ValueError, match="images"):
             llamax.ray.deployment(server_options={"images": bad})

@@ -4,6 +4,7 @@ ASGI transport, whose ``Host`` is ``test``, the address the app is told it serve
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from test_server_fake import HELLO, SPECIALS, TEMPLATE, call
 
 import llamax
 from llamax.server import ModelPool, create_app
-from llamax.server.cli import _allowed_hosts, build_parser
+from llamax.server.cli import build_parser, server_config
 from llamax.server.guard import SitePolicy, path_free
 from llamax.testing import FakeBackend, FakeSampler, assert_idle
 
@@ -210,13 +211,16 @@ def test_allowed_hosts_adds_names_or_turns_the_check_off(ctx: llamax.Context) ->
 
 
 def test_llamax_serve_passes_allowed_hosts_and_its_bind_name() -> None:
+    def allowed_hosts(ns: argparse.Namespace) -> list[str]:
+        return list(server_config(ns).allowed_hosts)
+
     ns = build_parser().parse_args(["m.gguf", "--allowed-hosts", "llm.lan, *.corp.example"])
-    assert _allowed_hosts(ns) == ["llm.lan", "*.corp.example", "127.0.0.1"]
+    assert allowed_hosts(ns) == ["llm.lan", "*.corp.example", "127.0.0.1"]
     ns = build_parser().parse_args(["m.gguf", "--host", "box.lan"])
-    assert _allowed_hosts(ns) == ["box.lan"]
-    assert SitePolicy.of(_allowed_hosts(ns), None, True).allows_host("box.lan", None)
+    assert allowed_hosts(ns) == ["box.lan"]
+    assert SitePolicy.of(allowed_hosts(ns), None, True).allows_host("box.lan", None)
     ns = build_parser().parse_args(["m.gguf", "--host", "::", "--allowed-hosts", "*"])
-    assert SitePolicy.of(_allowed_hosts(ns), None, True).allows_host("evil.example", None)
+    assert SitePolicy.of(allowed_hosts(ns), None, True).allows_host("evil.example", None)
 
 
 # ------------------------------------------------------ absolute paths, other origins

@@ -464,19 +464,21 @@ def test_urls_are_fetched_off_the_event_loop(
 
 
 def test_the_cli_flags_make_the_policy() -> None:
-    from llamax.server.cli import build_parser
+    from llamax.server.cli import build_parser, server_config
 
-    ns = build_parser().parse_args([])
-    assert (ns.max_images_per_request, ns.allow_image_urls) == (16, False)
+    def images(*args: str) -> ImagePolicy:
+        return server_config(build_parser().parse_args(args)).images
+
+    ns = images()
+    assert (ns.max_images, ns.allow_urls) == (16, False)
     flags = "--allow-image-urls --max-images-per-request 2 --image-url-max-bytes 1000"
-    ns = build_parser().parse_args([*flags.split(), "--image-url-timeout", "2.5"])
-    assert (ns.max_images_per_request, ns.allow_image_urls) == (2, True)
-    assert (ns.image_url_max_bytes, ns.image_url_timeout) == (1000, 2.5)
-    assert (ns.image_url_fetches, ns.image_url_allow_network, ns.image_url_proxy) == (4, [], None)
+    ns = images(*flags.split(), "--image-url-timeout", "2.5")
+    assert (ns.max_images, ns.allow_urls) == (2, True)
+    assert (ns.max_url_bytes, ns.url_seconds) == (1000, 2.5)
+    assert (ns.max_url_fetches, ns.url_allow_networks, ns.url_proxy) == (4, (), None)
     more = "--image-url-fetches 2 --image-url-allow-network 10.0.0.0/8 --image-url-proxy"
-    ns = build_parser().parse_args([*more.split(), "http://proxy:3128",
-                                    "--image-url-allow-network", "fd00::/8"])  # fmt: skip
-    assert (ns.image_url_fetches, ns.image_url_proxy) == (2, "http://proxy:3128")
-    assert ns.image_url_allow_network == ["10.0.0.0/8", "fd00::/8"]
+    ns = images(*more.split(), "http://proxy:3128", "--image-url-allow-network", "fd00::/8")
+    assert (ns.max_url_fetches, ns.url_proxy) == (2, "http://proxy:3128")
+    assert ns.url_allow_networks == ("10.0.0.0/8", "fd00::/8")
     with pytest.raises(ValueError):
         ImagePolicy(max_images=-1)

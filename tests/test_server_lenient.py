@@ -16,7 +16,7 @@ from test_chat import make
 
 import llamax
 from llamax.server import BackgroundServer, create_app
-from llamax.server.cli import build_parser
+from llamax.server.cli import build_parser, server_config
 from llamax.server.errors import APIError
 from llamax.server.schemas import EmbeddingRequest, parse_body
 from llamax.testing import assert_idle
@@ -99,12 +99,12 @@ def test_lenient_embeddings_parse(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_the_flag() -> None:
-    assert build_parser().parse_args([]).lenient is False
-    assert build_parser().parse_args(["--lenient"]).lenient is True
+    assert server_config(build_parser().parse_args([])).lenient is False
+    assert server_config(build_parser().parse_args(["--lenient"])).lenient is True
 
 
 def test_lenient_is_off_by_default_in_create_app() -> None:
     ctx: llamax.Context = make()
     with ctx:
         app = create_app(ctx)
-        assert app.state.llamax.lenient is False
+        assert app.state.llamax.config.lenient is False

@@ -20,7 +20,7 @@ from test_server_fake import HELLO, SPECIALS, TEMPLATE, call
 
 import llamax
 from llamax.server import create_app
-from llamax.server.cli import build_parser
+from llamax.server.cli import build_parser, server_config
 from llamax.testing import FakeBackend, FakeSampler, assert_idle
 
 
@@ -119,10 +119,12 @@ def test_bad_defaults_are_refused_when_the_app_is_built(ctx: llamax.Context) -> 
 
 
 def test_serve_flags_of_llama_server() -> None:
-    ns = build_parser().parse_args(["m.gguf", "-n", "64", "--seed", "42", "--alias", "x"])
-    assert (ns.n_predict, ns.seed, ns.alias) == (64, 42, "x")
-    ns = build_parser().parse_args(["m.gguf", "--n-predict", "-1"])
-    assert ns.n_predict == -1 and ns.seed is None and ns.alias is None
+    config = server_config(build_parser().parse_args(["m.gguf", "-n", "64", "--seed", "42",
+                                                      "--alias", "x"]))  # fmt: skip
+    assert (config.default_max_tokens, config.default_seed, config.model_alias) == (64, 42, "x")
+    config = server_config(build_parser().parse_args(["m.gguf", "--n-predict", "-1"]))
+    assert config.default_max_tokens is None  # -1: each API's own, as llama-server
+    assert config.default_seed is None and config.model_alias is None
 
 
 # ----------------------------------------------------------------------------- CORS
@@ -171,11 +173,14 @@ def test_llamax_serve_sends_cors_names_as_llama_server_on_the_wire(
         patched.setattr(ctx, "close", lambda timeout=None: None)
         cli._serve(create_app(ctx), loading, build_parser().parse_args(args))
     assert configs[-1]["http"] == http
-    with BackgroundServer(create_app(ctx), http=http) as server, socket.create_connection(
-        (server.host, server.port), timeout=30
-    ) as conn:
-        conn.sendall(b"OPTIONS /completions HTTP/1.1\r\nHost: localhost\r\nOrigin: http://w\r\n"
-                     b"Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n")
+    with (
+        BackgroundServer(create_app(ctx), http=http) as server,
+        socket.create_connection((server.host, server.port), timeout=30) as conn,
+    ):
+        conn.sendall(
+            b"OPTIONS /completions HTTP/1.1\r\nHost: localhost\r\nOrigin: http://w\r\n"
+            b"Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n"
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             head += conn.recv(4096)

@@ -196,10 +196,11 @@ def test_the_server_keeps_the_billing_block_when_told() -> None:
 
 
 def test_the_cli_switch_reaches_the_app() -> None:
-    from llamax.server.cli import build_parser
+    from llamax.server.cli import build_parser, server_config
 
-    assert build_parser().parse_args(["--keep-billing-header"]).keep_billing_header is True
-    assert build_parser().parse_args([]).keep_billing_header is False
+    keep = server_config(build_parser().parse_args(["--keep-billing-header"]))
+    assert keep.keep_billing_header is True
+    assert server_config(build_parser().parse_args([])).keep_billing_header is False
 
 
 # ---------------------------------------------------------------------- Codex, /v1/responses

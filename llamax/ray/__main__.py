@@ -14,19 +14,14 @@ from ray import serve
 
 import llamax
 from llamax.flags import add_option_flags, option_values
+from llamax.server import ServerConfig
 
 from .builder import deployment
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line, deploy, and serve until interrupted.
-
-    Args:
-        argv: Arguments (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status.
-    """
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m llamax.ray``: its own flags, the options of
+    ``llamax.ContextConfig`` and the settings of ``llamax.server.ServerConfig``."""
     parser = argparse.ArgumentParser(prog="python -m llamax.ray", description=__doc__)
     parser.add_argument("model", nargs="?", default=None, help="GGUF path valid on every node")
     parser.add_argument(
@@ -48,12 +43,30 @@ def main(argv: list[str] | None = None) -> int:
         "--server-options",
         type=json.loads,
         default={},
-        help='llamax.server.create_app options (JSON), e.g. \'{"api_key": "...", "images": '
-        '{"max_images": 4, "allow_urls": true}}\'',
+        help='llamax.server.ServerConfig fields (JSON), e.g. \'{"api_key": "...", "images": '
+        '{"max_images": 4, "allow_urls": true}}\'; the flags below override them',
     )
     add_option_flags(parser, llamax.ContextConfig)
+    add_option_flags(parser.add_argument_group("server settings"), ServerConfig)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, deploy, and serve until interrupted.
+
+    Args:
+        argv: Arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status (argparse exits with 2 for bad arguments or server settings).
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
     context_options: Any = {**args.context_options, **option_values(args, llamax.ContextConfig)}
+    try:  # checked before Ray starts
+        server_config = ServerConfig.from_flags(args, args.server_options)
+    except (TypeError, ValueError) as exc:
+        parser.error(f"server settings: {exc}")  # exits with status 2
     ray.init(address=args.address, include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     app = deployment(
@@ -62,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         num_cpus_per_replica=args.cpus_per_replica,
         num_gpus_per_replica=args.gpus_per_replica,
         context_options=context_options,
-        server_options=args.server_options,
+        server_options=server_config,
         routing=args.routing,
     )
     serve.run(app, name="llamax", route_prefix="/")

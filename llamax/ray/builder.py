@@ -10,7 +10,7 @@ from ray import serve
 from ray.serve import Application
 
 from llamax import ContextOptions
-from llamax.server import ImagePolicy
+from llamax.server import ServerConfig
 
 from .deployment import LlamaxIngress, LlamaxReplica
 
@@ -26,7 +26,7 @@ def deployment(
     num_cpus_per_replica: float = 1,
     num_gpus_per_replica: float = 0,
     context_options: ContextOptions | None = None,
-    server_options: Mapping[str, Any] | None = None,
+    server_options: ServerConfig | Mapping[str, Any] | None = None,
     routing: Literal["prefix", "default"] = "prefix",
     imbalance_threshold: int = 4,
     max_ongoing_requests: int = 64,
@@ -46,9 +46,10 @@ def deployment(
             ``n_threads`` of its context.
         num_gpus_per_replica: Ray GPUs per replica (0 on CPU-only clusters).
         context_options: ``llamax.Context`` keyword options for every replica.
-        server_options: ``llamax.server.create_app`` keyword options (``api_key``...);
-            ``images`` may be a :class:`~llamax.server.ImagePolicy` or a mapping of its
-            fields (``{"max_images": 4, "allow_urls": true}`` from JSON or YAML).
+        server_options: The replicas' server settings: a
+            :class:`~llamax.server.ServerConfig`, or a mapping of its fields
+            (``{"api_key": "...", "images": {"max_images": 4, "allow_urls": true}}`` from
+            JSON or YAML; ``images`` may also be an :class:`~llamax.server.ImagePolicy`).
         routing: ``"prefix"`` (:class:`~llamax.ray.router.PrefixAffinityRouter`) or
             ``"default"`` (Ray's power-of-two-choices router).
         imbalance_threshold: Queue difference (requests) at which prefix routing gives way
@@ -62,8 +63,9 @@ def deployment(
         A bound ``ray.serve.Application``.
 
     Raises:
-        ValueError: a count is out of range, ``routing`` is unknown, or ``images`` in
-            ``server_options`` is not an image policy.
+        ValueError: a count is out of range, ``routing`` is unknown, or a server setting
+            is bad (checked here, before any replica starts).
+        TypeError: an unknown server setting.
     """
     if routing not in ("prefix", "default"):
         raise ValueError(f"routing must be 'prefix' or 'default', got {routing!r}")
@@ -93,28 +95,16 @@ def deployment(
         max_ongoing_requests=max(1000, max_ongoing_requests * num_replicas),
     )(LlamaxIngress)
     bound: Application = ingress.bind(
-        replica.bind(model_path, options, _server_options(server_options)),
+        replica.bind(model_path, options, _server_config(server_options)),
         max_attempts=max_attempts,
     )
     return bound
 
 
-def _server_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``given``, with ``images`` made an :class:`~llamax.server.ImagePolicy` (checked here,
-    before any replica starts) when it is a mapping of its fields."""
-    options = dict(given or {})
-    images = options.get("images")
-    if isinstance(images, Mapping):
-        try:
-            options["images"] = ImagePolicy(**images)
-        except TypeError as exc:
-            raise ValueError(f"server_options images: {exc}") from None
-    elif images is not None and not isinstance(images, ImagePolicy):
-        raise ValueError(
-            "server_options images must be an ImagePolicy or a mapping of its fields, "
-            f"got {type(images).__name__}"
-        )
-    return options
+def _server_config(given: ServerConfig | Mapping[str, Any] | None) -> ServerConfig:
+    """``given`` as a :class:`~llamax.server.ServerConfig` (checked here, before any
+    replica starts)."""
+    return given if isinstance(given, ServerConfig) else ServerConfig.from_options(given or {})
 
 
 _INT_ARGS = ("num_replicas", "imbalance_threshold", "max_ongoing_requests", "max_attempts")

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 import llamax
-from llamax.server import create_app
+from llamax.server import ServerConfig, create_app
 
 from .asgi import ForwardedRequest, ResponseStart, run_asgi
 from .keys import routing_key
@@ -62,17 +62,17 @@ class LlamaxReplica:
         model_path: The GGUF to load (``None``: ``$LLAMAX_MODEL`` or the default model,
             resolved on the replica's node).
         context_options: Keyword options of ``llamax.Context``.
-        server_options: Keyword options of ``llamax.server.create_app``.
+        server_config: The server's settings.
     """
 
     def __init__(
         self,
         model_path: str | None,
         context_options: Mapping[str, Any],
-        server_options: Mapping[str, Any],
+        server_config: ServerConfig,
     ) -> None:
         self.ctx = llamax.Context(model_path, **context_options)
-        self.app = create_app(self.ctx, **server_options)
+        self.app = create_app(self.ctx, server_config)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def forward(

@@ -34,13 +34,14 @@ _ENDPOINT = "messages"
 def anthropic_routes(state: ServerState) -> APIRouter:
     """The Anthropic routes (they check the API key themselves, to answer in its shape)."""
     router = APIRouter()
-    keep = state.keep_billing_header
+    keep = state.config.keep_billing_header
 
     def parse(raw: bytes) -> dict[str, Any]:
         body = parse_object(raw)
-        if state.lenient:
+        if state.config.lenient:
             body = without_unknown(body, MESSAGES, "/v1/messages")
-        prepare_images(body, "anthropic", state.images, state.image_fetcher)  # a worker: fetches
+        images = state.config.images
+        prepare_images(body, "anthropic", images, state.image_fetcher)  # a worker: fetches
         return body
 
     @router.post("/v1/messages")
@@ -59,7 +60,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             prompt_field="messages",
             stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
             check_key=True,
-            ping_seconds=state.stream_ping_seconds,
+            ping_seconds=state.config.stream_ping_seconds,
         )
 
     @router.post("/v1/messages/count_tokens")

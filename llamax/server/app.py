@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -18,14 +17,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import llamax
-from llamax.openai import ResponseStore
 
 from .anthropic_routes import anthropic_routes
+from .config import ServerConfig
 from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
-from .fairness import DEFAULT_MAX_SEQUENCES
-from .guard import SiteGuard, SitePolicy
-from .images import ImagePolicy
+from .guard import SiteGuard
 from .info import info_routes, public_routes
 from .llama import infill_routes, llama_routes, router_routes, slot_routes, slot_tables
 from .llama.slots import SlotPolicy
@@ -42,151 +39,60 @@ logger = logging.getLogger("llamax.server")
 
 def create_app(
     ctx: llamax.Context | Future[llamax.Context] | ModelPool,
-    *,
-    api_key: str | None = None,
-    max_queue: int = 256,
-    max_body_bytes: int = 8 << 20,
-    cors_origins: Sequence[str] | None = None,
-    native_cors: bool = True,
-    retry_after_seconds: int = 1,
-    parse_special_in_content: bool = False,
-    max_stored_responses: int = 1024,
-    stream_ping_seconds: float = 10.0,
-    slot_save_path: str | os.PathLike[str] | None = None,
-    slot_idle_seconds: float = 300.0,
-    lenient: bool = False,
-    default_max_tokens: int | None = None,
-    default_seed: int | None = None,
-    model_alias: str | None = None,
-    images: ImagePolicy | None = None,
-    allowed_hosts: Sequence[str] | None = None,
-
-    max_sequences: int = DEFAULT_MAX_SEQUENCES,
-    keep_billing_header: bool = False,
+    config: ServerConfig | None = None,
+    **settings: Any,
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 
     Mount it in your own ASGI app or run it with uvicorn. The app never closes ``ctx``:
     whoever made the context closes it (``llamax serve`` does, after a graceful shutdown).
 
+    ``create_app(ctx, ServerConfig(api_key="k", max_queue=64))`` and
+    ``create_app(ctx, api_key="k", max_queue=64)`` build the same app: keyword settings are
+    the fields of :class:`~llamax.server.ServerConfig` (where each is documented), applied
+    over ``config`` (:meth:`ServerConfig.from_options`; ``images`` may also be a mapping
+    of some of :class:`~llamax.server.ImagePolicy`'s fields).
+
     Args:
         ctx: The context to serve, or a future that will hold it once it has loaded (the
             server answers ``/health`` with ``loading`` and inference with 503 until then),
             or a :class:`~llamax.server.ModelPool` of named models: each request's
             ``model`` picks one (docs/models.md). The app closes neither.
-        api_key: When set, every endpoint but ``/`` and ``/health`` needs
-            ``Authorization: Bearer <api_key>`` (else 401).
-        max_queue: Most requests in flight at once (completions, embeddings, tokenize and
-            detokenize, from the moment their body has arrived); more get 503 +
-            Retry-After.
-        max_body_bytes: Largest request body accepted (else 413).
-        cors_origins: Origins allowed by CORS on every route (``["*"]`` for any); ``None``:
-            only ``native_cors``.
-        native_cors: Without ``cors_origins``, answer any origin on llama-server's own
-            inference and information routes (``/completion``, ``/infill``, ``/props`` ...),
-            as llama-server does by default; every other route keeps CORS off
-            (:mod:`llamax.server.cors` lists them and says why). ``False``: CORS off
-            everywhere.
-        retry_after_seconds: The ``Retry-After`` sent with a 503.
-        parse_special_in_content: Let special-token text in chat message content act as
-            special tokens (llama-server's way; lets a user forge turns and roles). Off by
-            default: content is plain text, only the template's markers are special.
-        max_stored_responses: Most responses the Responses API keeps for
-            ``previous_response_id`` (least recently used go first; their conversations
-            are also bounded to 64 MiB of text).
-        stream_ping_seconds: An Anthropic Messages stream that has sent nothing for this
-            long (a long prefill, a slow step) gets a ``ping`` event, as Anthropic's API
-            sends, so that idle timeouts along the way do not cut it.
-        slot_save_path: The folder where llama-server's ``POST /slots/{id}?action=save``
-            writes and ``restore`` reads (file names only, no paths); ``None``: those
-            actions are refused with 501, as llama-server does without ``--slot-save-path``.
-        slot_idle_seconds: A slot of the native routes (``id_slot``) whose session has run
-            nothing for this long is closed, its KV freed (an idle slot also yields its
-            sequence to any request that needs it before then).
-        lenient: On the OpenAI and Anthropic routes, a top-level request field that is in
-            neither API's reference (no field table names it) is dropped and logged as a
-            warning instead of refused with a 400. Off by default: a typo must not be
-            silently ignored. Refused fields stay refused and hints stay checked.
-        default_max_tokens: The reply length of a request that sets none, on every API
-            that lets a request leave it out (llama-server's ``-n``: a request may ask for
-            more); ``None``: each API's own default (until the end of generation or of the
-            context; 16 on ``/v1/completions``, as OpenAI).
-        default_seed: The seed of a request that sets none (llama-server's ``--seed``);
-            ``None``: a random one.
-        model_alias: The name the model is served under (``/v1/models``, ``/props``, the
-            ``model`` of a response that names none; llama-server's ``--alias``); ``None``:
-            the GGUF's name. Not with a pool (its models have names).
-        images: How many images one request may send (default 16), and whether remote
-            image URLs are fetched, within what size and time (default: refused with a
-            400); see :class:`~llamax.server.images.ImagePolicy` and docs/images.md.
-        allowed_hosts: ``Host`` names answered beside localhost names, IP literals, this
-            machine's name and the address the ASGI server listens on (``*.example.com``
-            for a domain's names, ``["*"]``: any Host); every other Host gets 403, which
-            stops DNS rebinding. Cross-origin writes that CORS would not allow are refused
-            too (:mod:`llamax.server.guard`).
-        max_sequences: Most sequences one request may queue: its prompts times its
-            choices (``n``, ``n_cmpl``); more get 400 (default 64; docs/server.md).
-        keep_billing_header: Render Claude Code's per-request ``x-anthropic-billing-header:``
-            system block on ``/v1/messages``; by default it is left out of the prompt, as
-            it changes every request and would break the prefix cache (docs/anthropic.md).
+        config: The server's settings (default: :class:`~llamax.server.ServerConfig`'s
+            defaults).
+        **settings: Fields of :class:`~llamax.server.ServerConfig` to set over ``config``.
 
     Returns:
         A FastAPI application.
 
     Raises:
-        ValueError: ``max_queue``, ``max_body_bytes``, ``retry_after_seconds``,
-            ``max_stored_responses``, ``max_sequences`` or ``stream_ping_seconds`` is not
-            positive,
-            ``api_key`` is empty, ``slot_save_path`` is not a folder,
-            ``default_max_tokens`` is below 1, ``default_seed`` is not in [0, 2**32),
-            ``model_alias`` is empty or given with a
-            pool, ``allowed_hosts`` holds something that is not a host name.
+        TypeError: a keyword that is no setting (naming the closest one), or a ``config``
+            that is not a :class:`~llamax.server.ServerConfig`.
+        InvalidParameterError: a bad setting (a ``ValueError``; see
+            :class:`~llamax.server.ServerConfig`), ``slot_save_path`` is not an existing
+            folder, or ``model_alias`` is given with a pool (its models have names).
     """
-    for name, value in (("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
-                        ("retry_after_seconds", retry_after_seconds),
-                        ("max_stored_responses", max_stored_responses),
-                        ("max_sequences", max_sequences)):  # fmt: skip
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if not stream_ping_seconds > 0:
-        raise ValueError(f"stream_ping_seconds must be > 0, got {stream_ping_seconds}")
-    if api_key is not None and not api_key:
-        raise ValueError("api_key must not be empty (pass None for no key)")
-    if default_max_tokens is not None and default_max_tokens < 1:
-        raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
-    if default_seed is not None:
-        llamax.SamplingParams(seed=default_seed)  # InvalidParameterError (a ValueError)
-    if model_alias is not None and (not model_alias or isinstance(ctx, ModelPool)):
-        raise ValueError("model_alias must be a non-empty name, and a pool's models have "
-                         "their own names")  # fmt: skip
-    if slot_save_path is not None and not Path(slot_save_path).is_dir():
-        raise ValueError(f"slot_save_path must be an existing folder, got {slot_save_path!r}")
-    site = SitePolicy.of(allowed_hosts, cors_origins, native_cors)
-    state = ServerState(
-        source=ctx,
-        api_key=api_key,
-        max_queue=max_queue,
-        max_body_bytes=max_body_bytes,
-        retry_after_seconds=retry_after_seconds,
-        parse_special_in_content=parse_special_in_content,
-        responses=ResponseStore(max_stored_responses),
-        stream_ping_seconds=stream_ping_seconds,
-        lenient=lenient,
-        default_max_tokens=default_max_tokens,
-        default_seed=default_seed,
-        model_alias=model_alias,
-        images=images or ImagePolicy(),
-        max_sequences=max_sequences,
-        keep_billing_header=keep_billing_header,
-    )
+    if config is not None and not isinstance(config, ServerConfig):
+        raise TypeError(f"config must be a ServerConfig, got {type(config).__name__}")
+    if settings or config is None:
+        config = ServerConfig.from_options(settings, base=config)
+    if config.model_alias is not None and isinstance(ctx, ModelPool):
+        raise llamax.InvalidParameterError("model_alias names a single model; a pool's models have "
+                                    "their own names", param="model_alias")  # fmt: skip
+    save_path = None if config.slot_save_path is None else Path(config.slot_save_path)
+    if save_path is not None and not save_path.is_dir():
+        raise llamax.InvalidParameterError(
+            f"slot_save_path must be an existing folder, got {config.slot_save_path!r}",
+            param="slot_save_path",
+        )
+    state = ServerState(source=ctx, config=config)
     app = FastAPI(title="llamax", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.llamax = state
     app.add_exception_handler(APIError, handle_api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientDisconnect, _client_left)
     app.add_exception_handler(Exception, _internal_error)
-    slots = slot_tables(SlotPolicy(slot_idle_seconds))  # llama-server's native routes
-    save_path = None if slot_save_path is None else Path(slot_save_path)
+    slots = slot_tables(SlotPolicy(config.slot_idle_seconds))  # llama-server's native routes
     routers = (
         public_routes(state),
         router_routes(state),  # first: with several models its GET /models is the router's
@@ -201,16 +107,16 @@ def create_app(
     for router in routers:
         app.include_router(router)
     app.add_middleware(_AnswerCutRequests)
-    if not cors_origins and native_cors:
+    if not config.cors_origins and config.native_cors:
         app.add_middleware(LlamaCors)
-    if cors_origins:
+    if config.cors_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(cors_origins),
+            allow_origins=list(config.cors_origins),
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
-    app.add_middleware(SiteGuard, policy=site)  # outermost: before CORS answers anything
+    app.add_middleware(SiteGuard, policy=config.site)  # outermost: before CORS answers anything
     return app
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -19,18 +20,11 @@ import llamax
 from llamax.flags import add_option_flags, option_values
 
 from .app import create_app
-from .fairness import DEFAULT_MAX_SEQUENCES
-from .images import (
-    DEFAULT_MAX_IMAGES,
-    DEFAULT_URL_BYTES,
-    DEFAULT_URL_FETCHES,
-    DEFAULT_URL_SECONDS,
-    ImagePolicy,
-)
+from .config import ServerConfig
 from .models import DEFAULT_MAX_LOADED, ModelPool
 from .shutdown import GracefulServer
 
-__all__ = ["build_parser", "chat_page_url", "main"]
+__all__ = ["build_parser", "chat_page_url", "main", "server_config"]
 
 log = logging.getLogger("llamax.server")
 
@@ -45,117 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     add_option_flags(p, llamax.ContextConfig)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("LLAMAX_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' (default: $LLAMAX_API_KEY)",
+    settings = p.add_argument_group(
+        "server settings", "the fields of llamax.server.ServerConfig (docs/server.md)"
     )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=256,
-        help="most requests in flight, tokenize and embeddings included; more get 503 "
-        "(default: 256)",
-    )
-    p.add_argument(
-        "--max-sequences-per-request",
-        type=int,
-        default=DEFAULT_MAX_SEQUENCES,
-        metavar="N",
-        help="most sequences one request may queue (its prompts x n or n_cmpl); more get "
-        f"400 (default: {DEFAULT_MAX_SEQUENCES})",
-    )
-    p.add_argument(
-        "--parse-special-in-content",
-        action="store_true",
-        help="let special-token text in chat message content act as special tokens, as "
-        "llama-server does (unsafe: a user can forge turns and roles; default: plain text)",
-    )
-    p.add_argument(
-        "--lenient",
-        action="store_true",
-        help="drop and log request fields in neither the OpenAI nor the Anthropic reference "
-        "instead of answering 400 (default: strict, so a typo is not silently ignored)",
-    )
-    p.add_argument(
-        "--keep-billing-header",
-        action="store_true",
-        help="render Claude Code's per-request 'x-anthropic-billing-header:' system block on "
-        "/v1/messages (default: left out, as it changes every request and defeats the "
-        "prefix cache)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=8 << 20,
-        help="largest request body; larger get 413 (default: 8 MiB)",
-    )
-    p.add_argument(
-        "--max-stored-responses",
-        type=int,
-        default=1024,
-        help="most responses /v1/responses keeps for previous_response_id (default: 1024)",
-    )
-    p.add_argument(
-        "--cors-origin",
-        action="append",
-        default=None,
-        metavar="ORIGIN",
-        help="allow this origin by CORS on every route (repeatable; '*' for any; default: "
-        "llama-server's own routes answer any origin, the others none)",
-    )
-    p.add_argument(
-        "--no-native-cors",
-        dest="native_cors",
-        action="store_false",
-        help="without --cors-origin, CORS is off on llama-server's own routes too",
-    )
-    p.add_argument(
-        "--allowed-hosts",
-        metavar="HOSTS",
-        default=None,
-        help="comma-separated Host names answered beside localhost names, IP literals, this "
-        "machine's name and --host ('*.example.com' for a domain; '*': any); other Hosts get "
-        "403, which stops DNS rebinding (default: none more)",
-    )
-    p.add_argument(
-        "--slot-save-path",
-        metavar="DIR",
-        default=None,
-        help="folder for llama-server's POST /slots/ID?action=save|restore (created if "
-        "missing; default: those actions are refused with 501)",
-    )
-    p.add_argument(
-        "--slot-idle-seconds",
-        type=float,
-        metavar="S",
-        default=300.0,
-        help="close a slot (id_slot) whose session has run nothing for S seconds "
-        "(default 300; an idle slot yields its sequence to other requests before then)",
-    )
-    p.add_argument(
-        "-n",
-        "--n-predict",
-        type=int,
-        default=None,
-        metavar="N",
-        help="reply length of a request that sets none, on every API (llama-server's -n; "
-        "a request may ask for more; default, or -1: each API's own)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="seed of a request that sets none (llama-server's --seed; default, or -1: random)",
-    )
-    p.add_argument(
-        "--alias",
-        default=None,
-        metavar="NAME",
-        help="serve the model under this name in /v1/models, /props and responses "
-        "(llama-server's --alias; default: the GGUF's name)",
-    )
-    _add_image_flags(p)
+    add_option_flags(settings, ServerConfig)
     p.add_argument(
         "--shutdown-timeout",
         type=int,
@@ -187,64 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_image_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of images in requests (docs/images.md)."""
-    p.add_argument(
-        "--max-images-per-request",
-        type=int,
-        default=DEFAULT_MAX_IMAGES,
-        metavar="N",
-        help=f"most images one request may send; more get 400 (default: {DEFAULT_MAX_IMAGES})",
-    )
-    p.add_argument(
-        "--allow-image-urls",
-        action="store_true",
-        help="fetch remote http(s) image URLs in requests (default: refused with 400; only "
-        "base64 images are read)",
-    )
-    p.add_argument(
-        "--image-url-max-bytes",
-        type=int,
-        default=DEFAULT_URL_BYTES,
-        metavar="BYTES",
-        help="with --allow-image-urls, the largest image fetched (default: 10 MiB)",
-    )
-    p.add_argument(
-        "--image-url-timeout",
-        type=float,
-        default=DEFAULT_URL_SECONDS,
-        metavar="SECONDS",
-        help=f"with --allow-image-urls, the longest the fetches of one request may take "
-        f"(default: {DEFAULT_URL_SECONDS:g})",
-    )
-    p.add_argument(
-        "--image-url-fetches",
-        type=int,
-        default=DEFAULT_URL_FETCHES,
-        metavar="N",
-        help="with --allow-image-urls, most requests fetching image URLs at once; more get "
-        f"503 (default: {DEFAULT_URL_FETCHES})",
-    )
-    p.add_argument(
-        "--image-url-allow-network",
-        action="append",
-        default=[],
-        metavar="CIDR",
-        help="with --allow-image-urls, also fetch from this private, loopback or link-local "
-        "network (repeatable; default: public addresses only)",
-    )
-    p.add_argument(
-        "--image-url-proxy",
-        metavar="URL",
-        help="with --allow-image-urls, fetch through this http://host:port proxy (CONNECT); "
-        "default: none (proxy environment variables are ignored)",
-    )
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    """The server settings ``llamax serve``'s flags give (:meth:`ServerConfig.from_flags`:
+    the key from ``$LLAMAX_API_KEY`` when ``--api-key`` is not given), with ``--host``
+    among the allowed hosts (a name it binds is one of the server's).
 
-
-def _allowed_hosts(ns: argparse.Namespace) -> list[str]:
-    """``--allowed-hosts``' names, and ``--host`` (a name it binds is one of the server's)."""
-    given = [name.strip() for name in (ns.allowed_hosts or "").split(",") if name.strip()]
-    return [*given, ns.host]
+    Raises:
+        InvalidParameterError: a bad setting (a ``ValueError``).
+    """
+    config = ServerConfig.from_flags(ns)
+    return dataclasses.replace(config, allowed_hosts=(*config.allowed_hosts, ns.host))
 
 
 def _name_path(text: str) -> tuple[str, str]:
@@ -356,39 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(set(names)) != len(names):
                 raise ValueError(f"--lora names must differ, got {names}")
             options["lora"] = dict(ns.lora)
-        app_options = {
-            "api_key": ns.api_key,
-            "max_queue": ns.max_queue,
-            "max_sequences": ns.max_sequences_per_request,
-            "max_body_bytes": ns.max_body_bytes,
-            "cors_origins": ns.cors_origin,
-            "native_cors": ns.native_cors,
-            "parse_special_in_content": ns.parse_special_in_content,
-            "max_stored_responses": ns.max_stored_responses,
-            "slot_save_path": ns.slot_save_path,
-            "slot_idle_seconds": ns.slot_idle_seconds,
-            "lenient": ns.lenient,
-            "keep_billing_header": ns.keep_billing_header,
-            "default_max_tokens": None if ns.n_predict in (None, -1) else ns.n_predict,
-            "default_seed": None if ns.seed in (None, -1) else ns.seed,
-            "model_alias": ns.alias,
-            "allowed_hosts": _allowed_hosts(ns),
-            "images": ImagePolicy(
-                max_images=ns.max_images_per_request,
-                allow_urls=ns.allow_image_urls,
-                max_url_bytes=ns.image_url_max_bytes,
-                url_seconds=ns.image_url_timeout,
-                max_url_fetches=ns.image_url_fetches,
-                url_allow_networks=tuple(ns.image_url_allow_network),
-                url_proxy=ns.image_url_proxy,
-            ),
-        }
-        if ns.slot_save_path is not None:
-            os.makedirs(ns.slot_save_path, exist_ok=True)
+        config = server_config(ns)  # checked before the model loads
+        if config.slot_save_path is not None:
+            os.makedirs(config.slot_save_path, exist_ok=True)
         models = _model_pool(ns, options)
         if models is not None:
             try:
-                app = create_app(models, **app_options)
+                app = create_app(models, config)
             except BaseException:
                 models.close()
                 raise
@@ -396,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve_pool(app, models, ns)
         with ThreadPoolExecutor(1, thread_name_prefix="llamax-load") as pool:
             loading = pool.submit(llamax.Context, ns.model, **options)
-            app = create_app(loading, **app_options)
+            app = create_app(loading, config)
             log.info("chat page: %s", chat_page_url(ns.host, ns.port))
             return _serve(app, loading, ns)
     except (OSError, ValueError) as exc:

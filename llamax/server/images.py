@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import llamax
+from llamax.flags import byte_size, spec
 
 from .errors import APIError
 from .image_addresses import parse_networks
@@ -54,33 +57,101 @@ Api = Literal["openai", "anthropic", "responses"]
 
 @dataclass(frozen=True, slots=True)
 class ImagePolicy:
-    """What the server lets a request do with images."""
+    """What the server lets a request do with images (``ServerConfig.images``); each field
+    is also a flag of ``llamax serve`` (``--max-images-per-request`` ...).
 
-    max_images: int = DEFAULT_MAX_IMAGES
-    """Most image parts one request may hold (more: 400)."""
-    allow_urls: bool = False
-    """Fetch remote ``http(s)`` image URLs (off: 400 naming the field)."""
-    max_url_bytes: int = DEFAULT_URL_BYTES
-    """Largest body a fetched URL may have."""
-    url_seconds: float = DEFAULT_URL_SECONDS
-    """Longest the fetches of one request's URLs may take, start to end (every read
-    waits at most what is left)."""
-    max_url_fetches: int = DEFAULT_URL_FETCHES
-    """Most requests fetching URLs at once; more: 503 (never queued)."""
-    url_allow_networks: tuple[str, ...] = ()
-    """Networks (CIDR) fetched from although private, loopback or link-local (intranet
-    images); by default only public addresses are."""
-    url_proxy: str | None = None
-    """An ``http://host:port`` proxy fetches go through (``CONNECT``); ``None``: none
-    (proxy environment variables are ignored)."""
+    Raises:
+        InvalidParameterError: a bad value (a ``ValueError``).
+    """
+
+    max_images: int = field(
+        default=DEFAULT_MAX_IMAGES,
+        metadata=spec(
+            doc="most images one request may send; more get 400",
+            flag=True,
+            flag_name="--max-images-per-request",
+            metavar="N",
+        ),
+    )
+    allow_urls: bool = field(
+        default=False,
+        metadata=spec(
+            doc="fetch remote `http(s)` image URLs in requests (from public addresses only, "
+            "`image/*` only); off: such a URL is a 400 naming its field, only base64 images "
+            "are read",
+            default_doc="off",
+            flag=True,
+            flag_name="--allow-image-urls",
+        ),
+    )
+    max_url_bytes: int = field(
+        default=DEFAULT_URL_BYTES,
+        metadata=spec(
+            doc="with `allow_urls`, the largest image fetched, in bytes (flag: also `10M`)",
+            default_doc="10 MiB",
+            flag=True,
+            flag_name="--image-url-max-bytes",
+            flag_type=byte_size,
+            metavar="BYTES",
+        ),
+    )
+    url_seconds: float = field(
+        default=DEFAULT_URL_SECONDS,
+        metadata=spec(
+            doc="with `allow_urls`, the longest the fetches of one request's image URLs may "
+            "take, start to end (every read waits at most what is left)",
+            flag=True,
+            flag_name="--image-url-timeout",
+            metavar="SECONDS",
+        ),
+    )
+    max_url_fetches: int = field(
+        default=DEFAULT_URL_FETCHES,
+        metadata=spec(
+            doc="with `allow_urls`, most requests fetching image URLs at once (1 to 32); more "
+            "get 503, never queued",
+            flag=True,
+            flag_name="--image-url-fetches",
+            metavar="N",
+        ),
+    )
+    url_allow_networks: tuple[str, ...] = field(
+        default=(),
+        metadata=spec(
+            doc="with `allow_urls`, networks (CIDR) also fetched from although private, "
+            "loopback or link-local (intranet images; flag: repeatable)",
+            default_doc="none: public addresses only",
+            flag=True,
+            flag_name="--image-url-allow-network",
+            metavar="CIDR",
+        ),
+    )
+    url_proxy: str | None = field(
+        default=None,
+        metadata=spec(
+            doc="with `allow_urls`, an `http://host:port` proxy the fetches go through "
+            "(`CONNECT`); proxy environment variables are ignored",
+            default_doc="none",
+            flag=True,
+            flag_name="--image-url-proxy",
+            metavar="URL",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.max_images < 0:
-            raise ValueError(f"max_images must be >= 0, got {self.max_images}")
+            raise llamax.InvalidParameterError(
+                f"max_images must be >= 0, got {self.max_images}", param="max_images"
+            )
         if self.max_url_bytes < 1 or not self.url_seconds > 0:
-            raise ValueError("max_url_bytes and url_seconds must be positive")
+            raise llamax.InvalidParameterError(
+                "max_url_bytes and url_seconds must be positive", param="max_url_bytes"
+            )
         if not 1 <= self.max_url_fetches <= 32:
-            raise ValueError(f"max_url_fetches must be in [1, 32], got {self.max_url_fetches}")
+            raise llamax.InvalidParameterError(
+                f"max_url_fetches must be in [1, 32], got {self.max_url_fetches}",
+                param="max_url_fetches",
+            )
         networks = self.url_allow_networks
         object.__setattr__(self, "url_allow_networks", (networks,) if isinstance(networks, str)
                            else tuple(networks))  # fmt: skip

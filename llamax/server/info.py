@@ -52,7 +52,7 @@ def public_routes(state: ServerState) -> APIRouter:
 def _health(state: ServerState, status: str) -> dict[str, Any]:
     body: dict[str, Any] = {
         "status": status,
-        "queue": {"in_flight": state.num_in_flight, "max_queue": state.max_queue},
+        "queue": {"in_flight": state.num_in_flight, "max_queue": state.config.max_queue},
     }
     if state.pool is not None:
         body["models"] = {m.name: m.state.value for m in state.pool.models()}

@@ -55,11 +55,11 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     def parse(raw: bytes) -> dict[str, Any]:
         body = parse_object(raw)
-        if state.lenient:
+        if state.config.lenient:
             body = without_unknown(body, RESPONSE_TABLE, "/v1/responses")
         _check_chain_images(body, state)  # before a fetch: what the stored turns hold counts
         sent = copy.deepcopy(body["input"]) if has_image_urls(body, "responses") else None
-        prepare_images(body, "responses", state.images, state.image_fetcher)  # may fetch
+        prepare_images(body, "responses", state.config.images, state.image_fetcher)  # may fetch
         return body if sent is None else _Fetched(body, input_as_sent=sent)
 
     @router.post("/v1/responses")
@@ -162,7 +162,7 @@ def _check_chain_images(body: dict[str, Any], state: ServerState) -> None:
         for item in (items if isinstance(items, list) else [])
         if isinstance(item, dict)
     )
-    most = state.images.max_images
+    most = state.config.images.max_images
     if stored + own > most:
         raise APIError(
             400,
@@ -251,6 +251,6 @@ async def _completed_at_the_end(
 
 def _with_defaults(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` with the server's default reply length where it sets none."""
-    if state.default_max_tokens is None or body.get("max_output_tokens") is not None:
+    if state.config.default_max_tokens is None or body.get("max_output_tokens") is not None:
         return body
-    return body | {"max_output_tokens": state.default_max_tokens}
+    return body | {"max_output_tokens": state.config.default_max_tokens}

@@ -52,9 +52,9 @@ def api_routes(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         def options(body: ChatCompletionRequest) -> dict[str, Any]:
             # a worker: it may fetch
-            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
+            prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
             options = _stream_options(body)
-            if state.parse_special_in_content:
+            if state.config.parse_special_in_content:
                 options["parse_special_in_content"] = True
             state.with_defaults(options)
             if dialect is OPENAI_LLAMA:
@@ -78,8 +78,9 @@ def api_routes(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         def options(body: CompletionRequest) -> dict[str, Any]:
             options = _stream_options(body)
-            if getattr(body, "max_tokens", None) is None and state.default_max_tokens is not None:
-                options["max_tokens"] = state.default_max_tokens  # over OpenAI's 16
+            default = state.config.default_max_tokens
+            if getattr(body, "max_tokens", None) is None and default is not None:
+                options["max_tokens"] = default  # over OpenAI's 16
             state.with_defaults(options)
             return options
 
@@ -287,7 +288,7 @@ async def _in_worker(
     """
 
     def parse(raw: bytes) -> RequestT:
-        return parse_body(schema, raw, lenient=state.lenient)
+        return parse_body(schema, raw, lenient=state.config.lenient)
 
     return await run_leased(state, request, parse, _model_of, work)
 
@@ -307,9 +308,9 @@ async def _admit(
     waiting."""
 
     def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
-        body = parse_body(model, raw, lenient=state.lenient)
+        body = parse_body(model, raw, lenient=state.config.lenient)
         n = _num_choices(getattr(body, "n", None))  # before any image is read or fetched
-        check_num_sequences(1, n, state.max_sequences, param="n")
+        check_num_sequences(1, n, state.config.max_sequences, param="n")
         return body, options(body)
 
     chat = endpoint == "chat"

@@ -18,10 +18,10 @@ from starlette.responses import Response
 import llamax
 from llamax.openai import ResponseStore
 
+from .config import ServerConfig
 from .dialects import Dialect
 from .errors import APIError
-from .fairness import DEFAULT_MAX_SEQUENCES
-from .images import ImageFetcher, ImagePolicy
+from .images import ImageFetcher
 from .metrics import ServerMetrics
 from .models import ModelPool
 from .responses import CompletionJob, CompletionResponse, outcome_of
@@ -56,54 +56,21 @@ class ServerState:
     Args:
         source: The context, or a future that will hold it once the model has loaded, or
             a pool of named models (each request's ``model`` picks one; docs/models.md).
-        api_key: The key clients must send as ``Authorization: Bearer ...``; ``None``: none.
-        max_queue: Most requests admitted at once (being parsed, tokenized, rendered,
-            running or waiting, tokenize and embeddings requests included); more get 503.
-        max_body_bytes: Largest request body; larger ones get 413.
-        retry_after_seconds: The ``Retry-After`` of a 503.
-        parse_special_in_content: Chat message content may hold special tokens (unsafe;
-            off by default, see docs/chat.md).
-        responses: The Responses API's store of recent responses (``previous_response_id``).
-        stream_ping_seconds: An Anthropic stream quiet this long gets a ``ping`` event.
-        lenient: Top-level request fields in no route table are dropped and logged
-            instead of refused (``--lenient``).
-        default_max_tokens: The reply length of a request that sets none (llama-server's
-            ``-n``); ``None``: each API's own default.
-        default_seed: The seed of a request that sets none (llama-server's ``--seed``);
-            ``None``: a random one.
-        model_alias: The name the single model is served under (llama-server's
-            ``--alias``); ``None``: the GGUF's name.
-        images: How many images a request may send, and whether remote image URLs are
-            fetched (:mod:`llamax.server.images`).
-        max_sequences: Most sequences (prompts x choices) one request may queue; more
-            get 400 (:mod:`llamax.server.fairness`).
-        keep_billing_header: Render Claude Code's ``x-anthropic-billing-header:`` system
-            block on ``/v1/messages`` (``--keep-billing-header``); by default it is left
-            out (:mod:`llamax.anthropic.volatile`).
+        config: The server's settings (limits, key, defaults, images ...).
     """
 
     source: llamax.Context | Future[llamax.Context] | ModelPool
-    api_key: str | None = None
-    max_queue: int = 256
-    max_body_bytes: int = 8 << 20
-    retry_after_seconds: int = 1
-    parse_special_in_content: bool = False
-    responses: ResponseStore = field(default_factory=ResponseStore)
-    stream_ping_seconds: float = 10.0
-    lenient: bool = False
-    default_max_tokens: int | None = None
-    default_seed: int | None = None
-    model_alias: str | None = None
-    images: ImagePolicy = field(default_factory=ImagePolicy)
-    max_sequences: int = DEFAULT_MAX_SEQUENCES
-    keep_billing_header: bool = False
+    config: ServerConfig = field(default_factory=ServerConfig)
+    responses: ResponseStore = field(init=False)
+    """The Responses API's store of recent responses (``previous_response_id``)."""
     image_fetcher: ImageFetcher = field(init=False)
     """Fetches the image URLs of requests (``images.allow_urls``), a bounded number at once."""
     metrics: ServerMetrics = field(init=False)
     num_in_flight: int = 0
 
     def __post_init__(self) -> None:
-        self.image_fetcher = ImageFetcher(self.images)
+        self.responses = ResponseStore(self.config.max_stored_responses)
+        self.image_fetcher = ImageFetcher(self.config.images)
         self.metrics = ServerMetrics(self.stats)
         if self.pool is not None:
             self.metrics.registry.register(self.pool.collector())
@@ -116,8 +83,8 @@ class ServerState:
     def model_name(self, ctx: llamax.Context) -> str:
         """The name ``ctx``'s model is served under: the alias, when one is set and the
         server has one model; else :func:`model_id`."""
-        if self.model_alias is not None and self.pool is None:
-            return self.model_alias
+        if self.config.model_alias is not None and self.pool is None:
+            return self.config.model_alias
         return model_id(ctx)
 
     def model_names(self, ctx: llamax.Context) -> tuple[str, ...]:
@@ -128,10 +95,10 @@ class ServerState:
     def with_defaults(self, options: dict[str, Any], max_tokens: str = "max_tokens") -> None:
         """Fill in the server's default reply length (under the name ``max_tokens``) and
         seed where ``options`` (llamax's OpenAI-named options) sets none."""
-        if self.default_max_tokens is not None and options.get(max_tokens) is None:
-            options[max_tokens] = self.default_max_tokens
-        if self.default_seed is not None and options.get("seed") is None:
-            options["seed"] = self.default_seed
+        if self.config.default_max_tokens is not None and options.get(max_tokens) is None:
+            options[max_tokens] = self.config.default_max_tokens
+        if self.config.default_seed is not None and options.get("seed") is None:
+            options["seed"] = self.config.default_seed
 
     def lease(self, model: object) -> ContextLease:
         """The context a request for ``model`` (its ``model`` field) runs on. Cheap: with
@@ -183,9 +150,9 @@ class ServerState:
         """
         ctx = self.loaded()
         if ctx is None or ctx.closed:
-            status = self.status()
+            status, retry = self.status(), str(self.config.retry_after_seconds)
             raise APIError(503, f"the model is not available ({status})", code=f"model_{status}",
-                           headers={"Retry-After": str(self.retry_after_seconds)})  # fmt: skip
+                           headers={"Retry-After": retry})  # fmt: skip
         return ctx
 
     def stats(self) -> llamax.ContextStats | None:
@@ -200,13 +167,13 @@ class ServerState:
         Raises:
             APIError: 503 with ``Retry-After`` when ``max_queue`` requests are in flight.
         """
-        if self.num_in_flight >= self.max_queue:
+        if self.num_in_flight >= self.config.max_queue:
             raise APIError(
                 503,
                 f"the server is busy: {self.num_in_flight} requests in flight "
-                f"(max_queue={self.max_queue}); retry later",
+                f"(max_queue={self.config.max_queue}); retry later",
                 code="queue_full",
-                headers={"Retry-After": str(self.retry_after_seconds)},
+                headers={"Retry-After": str(self.config.retry_after_seconds)},
             )
         self.num_in_flight += 1
         self.metrics.in_flight.inc()
@@ -218,12 +185,14 @@ class ServerState:
 
     def check_api_key(self, request: Request) -> None:
         """Raise 401 unless the request carries the key (when one is set)."""
-        if self.api_key is None:
+        if self.config.api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
             given = request.headers.get("x-api-key", "")  # Anthropic's clients send this
-        if not given or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+        if not given or not hmac.compare_digest(
+            given.strip().encode(), self.config.api_key.encode()
+        ):
             raise APIError(
                 401, "missing or wrong API key (send 'Authorization: Bearer <key>' or "
                 "'x-api-key: <key>')", code="invalid_api_key",
@@ -269,7 +238,7 @@ async def admit_parsed(
     try:
         if check_key:
             state.check_api_key(request)
-        raw = await read_body(request, state.max_body_bytes)
+        raw = await read_body(request, state.config.max_body_bytes)
         state.admit()
         admitted = True
         return await run_in_threadpool(parse, raw)
@@ -330,7 +299,7 @@ class ContextLease:
                 ) from exc  # fmt: skip
         assert self._ctx is not None
         if self._ctx.closed:
-            retry = {"Retry-After": str(self._state.retry_after_seconds)}
+            retry = {"Retry-After": str(self._state.config.retry_after_seconds)}
             raise APIError(503, "the model is not available (closed)", code="model_closed",
                            headers=retry)  # fmt: skip
         return self._ctx
@@ -351,7 +320,7 @@ class ContextLease:
                 503, f"model {name!r} was not ready within {pool.max_wait_seconds:g} s (it "
                 "waits for room: requests to other models finish first); retry later",
                 code="model_wait_timeout",
-                headers={"Retry-After": str(self._state.retry_after_seconds)},
+                headers={"Retry-After": str(self._state.config.retry_after_seconds)},
             )  # fmt: skip
         return waiter.result()
 
@@ -456,7 +425,7 @@ async def run_leased(
     """
     if check_key:
         state.check_api_key(request)
-    raw = await read_body(request, state.max_body_bytes)
+    raw = await read_body(request, state.config.max_body_bytes)
     state.admit()
     lease: ContextLease | None = None
     try:

@@ -224,7 +224,9 @@ def _parse(raw: bytes, *, state: ServerState) -> InfillRequest:
     body = parse_object(raw)
     _check_body(body)
     params = sampling_params(
-        body, default_n_predict=state.default_max_tokens, default_seed=state.default_seed
+        body,
+        default_n_predict=state.config.default_max_tokens,
+        default_seed=state.config.default_seed,
     )
     model = body.get("model")
     if model is not None and not isinstance(model, str):

@@ -46,7 +46,7 @@ def router_routes(state: ServerState) -> APIRouter:
     loads: set[asyncio.Task[None]] = set()
 
     async def model_named(request: Request) -> str:
-        body = parse_object(await read_body(request, state.max_body_bytes))
+        body = parse_object(await read_body(request, state.config.max_body_bytes))
         name = body.get("model")
         if not isinstance(name, str) or not name:
             raise LlamaError(400, "model must be a non-empty string")

@@ -49,11 +49,12 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
     @router.post("/completions")
     async def completion(request: Request) -> Response:
         def parse(raw: bytes) -> NativeRequest:
-            body = parse_native(parse_object(raw), default_n_predict=state.default_max_tokens,
-                                default_seed=state.default_seed)  # fmt: skip
-            _check_num_images(body, state.images.max_images)
+            config = state.config
+            body = parse_native(parse_object(raw), default_n_predict=config.default_max_tokens,
+                                default_seed=config.default_seed)  # fmt: skip
+            _check_num_images(body, state.config.images.max_images)
             n = body.params.n if body.params is not None else 1
-            check_num_sequences(len(body.prompts), n, state.max_sequences,
+            check_num_sequences(len(body.prompts), n, state.config.max_sequences,
                                 param="n_cmpl" if n > 1 else "prompt")  # fmt: skip
             return body
 
@@ -80,7 +81,7 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
                 raise APIError(400, "add_generation_prompt must be a boolean",
                                param="add_generation_prompt", code="invalid_type")  # fmt: skip
             body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
+            prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
             thinking = body.options().get("enable_thinking")
             extra = {} if thinking is None else {"enable_thinking": thinking}
             try:
@@ -102,7 +103,7 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
     async def chat_input_tokens(request: Request) -> Response:
         def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
             body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.images, state.image_fetcher)
+            prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
             try:
                 tokens = chat_prompt_tokens(ctx, ChatCall.of(body.messages, **body.options()))
                 count = ctx.prompt_positions(tokens)
@@ -164,7 +165,7 @@ def _props(state: ServerState, ctx: llamax.Context) -> dict[str, Any]:
         "default_generation_settings": {
             "id": 0, "id_task": -1, "n_ctx": ctx.n_ctx_seq, "speculative": False,
             "is_processing": False, "prompt": "",
-            "params": default_settings(state.default_max_tokens, state.default_seed),
+            "params": default_settings(state.config.default_max_tokens, state.config.default_seed),
         },
         "total_slots": ctx.n_seq_max,
         "model_alias": state.model_name(ctx),

@@ -307,7 +307,7 @@ def slot_routes(state: ServerState, tables: SlotTables, save_path: Path | None) 
     @router.post("/slots/{id_slot}")
     async def post_slot(request: Request, id_slot: str) -> Response:
         try:
-            raw = await read_body(request, state.max_body_bytes)
+            raw = await read_body(request, state.config.max_body_bytes)
             body = parse_object(raw) if raw.strip() else {}
             model = body.get("model") or request.query_params.get("model")
             async with leased(state, model) as ctx:
