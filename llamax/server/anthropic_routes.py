@@ -24,44 +24,66 @@ from .errors import APIError, anthropic_error_response, from_exception
 from .fairness import client_key
 from .images import prepare_images
 from .schemas import parse_object, without_unknown
-from .state import ServerState, admit_completion, run_leased
+from .serve import add_completion_routes
+from .state import ServerState, run_leased
 
 __all__ = ["anthropic_routes"]
 
 _ENDPOINT = "messages"
 
 
+class AnthropicMessages:
+    """``POST /v1/messages`` (a :class:`~.serve.CompletionRoute`): the key checked here, to
+    answer a 401 in Anthropic's shape; a quiet stream gets ``ping`` events."""
+
+    endpoint = _ENDPOINT
+    dialect = ANTHROPIC
+    fields = REQUEST_FIELDS
+    prompt_field = "messages"
+    check_key = True
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.ping_seconds: float | None = state.config.stream_ping_seconds
+
+    def parse(self, raw: bytes) -> dict[str, Any]:
+        """The body as an object, images read (a worker: it may fetch)."""
+        return _parse(self.state, raw)
+
+    def model(self, body: dict[str, Any]) -> object:
+        """The ``model`` the body names."""
+        return body.get("model")
+
+    def stream(self, body: dict[str, Any]) -> bool:
+        """Whether the reply streams (a non-boolean ``stream`` is refused later)."""
+        return body.get("stream") is True
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        """Anthropic's stream always carries its usage."""
+        return False
+
+    def start(self, body: dict[str, Any], ctx: llamax.Context, request: Request) -> Any:
+        """Map, render and submit the request in a worker; read it as Anthropic's shapes."""
+        return amessages(ctx, body, keep_billing_header=self.state.config.keep_billing_header,
+                         fair_key=client_key(request))  # fmt: skip
+
+
+def _parse(state: ServerState, raw: bytes) -> dict[str, Any]:
+    body = parse_object(raw)
+    if state.config.lenient:
+        body = without_unknown(body, MESSAGES, "/v1/messages")
+    prepare_images(body, "anthropic", state.config.images, state.image_fetcher)  # may fetch
+    return body
+
+
 def anthropic_routes(state: ServerState) -> APIRouter:
     """The Anthropic routes (they check the API key themselves, to answer in its shape)."""
     router = APIRouter()
     keep = state.config.keep_billing_header
+    add_completion_routes(router, state, {"/v1/messages": AnthropicMessages(state)})
 
     def parse(raw: bytes) -> dict[str, Any]:
-        body = parse_object(raw)
-        if state.config.lenient:
-            body = without_unknown(body, MESSAGES, "/v1/messages")
-        images = state.config.images
-        prepare_images(body, "anthropic", images, state.image_fetcher)  # a worker: fetches
-        return body
-
-    @router.post("/v1/messages")
-    async def messages_route(request: Request) -> Response:
-        return await admit_completion(
-            state,
-            request,
-            _ENDPOINT,
-            parse,
-            _model_of,
-            lambda body, ctx: amessages(
-                ctx, body, keep_billing_header=keep, fair_key=client_key(request)
-            ),
-            dialect=ANTHROPIC,
-            fields=REQUEST_FIELDS,
-            prompt_field="messages",
-            stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
-            check_key=True,
-            ping_seconds=state.config.stream_ping_seconds,
-        )
+        return _parse(state, raw)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens_route(request: Request) -> Response:

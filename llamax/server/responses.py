@@ -16,50 +16,62 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .dialects import OPENAI, Dialect, StreamMeter, sse
+from .dialects import StreamMeter, sse
 from .errors import from_exception
 from .metrics import ServerMetrics, TokenClock
 from .shutdown import CUT_TAIL_KEY, CutTail, shutdown_error
 
+if TYPE_CHECKING:
+    from .route import CompletionRoute, Lease
+
 __all__ = ["CompletionJob", "CompletionResponse", "outcome_of"]
 
 
-@dataclass(eq=False)
 class CompletionJob:
-    """One admitted request: what to run, and the bookkeeping when it ends.
+    """One admitted request: its route, its parsed body, the lease on its model, and the
+    bookkeeping when it ends.
 
-    ``start`` returns the response dict, or (streaming) an async iterator of chunk dicts that
-    always ends with a usage chunk; ``include_usage`` says whether the client sees it.
+    :meth:`start` returns the response dict, or (streaming) an async iterator of event
+    dicts; a stream of OpenAI's chunks always ends with a usage chunk, which the client sees
+    when ``include_usage``.
     """
 
-    endpoint: str
-    start: Callable[[], Awaitable[Any]]
-    metrics: ServerMetrics
-    release: Callable[[], None]
-    stream: bool = False
-    include_usage: bool = False
-    fields: frozenset[str] = frozenset()
-    prompt_field: str = "messages"
-    dialect: Dialect = OPENAI
-    """The API's shapes: stream framing, error bodies, usage (:mod:`.dialects`)."""
-    ping_seconds: float | None = None
-    """Send an Anthropic ``ping`` event whenever the stream has been quiet this long (a
-    long prefill, a slow step), so that proxies and clients with idle timeouts wait."""
-    started: float = field(default_factory=time.perf_counter)
+    def __init__(
+        self,
+        route: CompletionRoute[Any],
+        body: Any,
+        lease: Lease,
+        request: Request,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.route, self.body, self.lease, self.request = route, body, lease, request
+        self.metrics = metrics
+        self.endpoint, self.dialect = route.endpoint, route.dialect
+        self.fields, self.prompt_field = route.fields, route.prompt_field
+        self.ping_seconds = route.ping_seconds
+        """Send a ``ping`` event whenever the stream has been quiet this long (a long
+        prefill, a slow step), so that proxies and clients with idle timeouts wait."""
+        self.stream = route.stream(body)
+        self.include_usage = route.include_usage(body)
+        self.started = time.perf_counter()
+
+    async def start(self) -> Any:
+        """Wait for the model, then submit the request on its context."""
+        return await self.route.start(self.body, await self.lease.context(), self.request)
 
     def finish(self, outcome: str) -> None:
-        """Record the outcome and free the admission slot."""
+        """Record the outcome and free the lease and the admission slot."""
         self.metrics.requests.labels(self.endpoint, outcome).inc()
         self.metrics.duration.labels(self.endpoint).observe(time.perf_counter() - self.started)
-        self.release()
+        self.lease.release()
 
 
 def outcome_of(status: int) -> str:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 
 import llamax
 from llamax import InvalidRequestError
@@ -35,7 +35,8 @@ from .fairness import client_key
 from .images import has_image_urls, prepare_images
 from .llama import timed_response_events
 from .schemas import parse_object, without_unknown
-from .state import ServerState, admit_completion, run_leased
+from .serve import add_completion_routes
+from .state import ServerState, run_leased
 
 __all__ = ["responses_routes"]
 
@@ -54,31 +55,12 @@ def responses_routes(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(require_key)])
 
     def parse(raw: bytes) -> dict[str, Any]:
-        body = parse_object(raw)
-        if state.config.lenient:
-            body = without_unknown(body, RESPONSE_TABLE, "/v1/responses")
-        _check_chain_images(body, state)  # before a fetch: what the stored turns hold counts
-        sent = copy.deepcopy(body["input"]) if has_image_urls(body, "responses") else None
-        prepare_images(body, "responses", state.config.images, state.image_fetcher)  # may fetch
-        return body if sent is None else _Fetched(body, input_as_sent=sent)
+        return _parse(state, raw)
 
-    @router.post("/v1/responses")
-    @router.post("/responses")  # llama-server's alias
-    async def create_route(request: Request) -> Response:
-        return await admit_completion(
-            state,
-            request,
-            _ENDPOINT,
-            parse,
-            lambda body: body.get("model"),
-            lambda body, ctx: _create(
-                state, body, ctx, llama=_is_llama_alias(request), fair_key=client_key(request)
-            ),
-            dialect=RESPONSES,
-            fields=_FIELDS,
-            prompt_field="input",
-            stream=lambda body: body.get("stream") is True,  # a non-boolean: refused later
-        )
+    add_completion_routes(router, state, {
+        "/v1/responses": ResponsesCreate(state, llama=False),
+        "/responses": ResponsesCreate(state, llama=True),  # llama-server's alias
+    })  # fmt: skip
 
     @router.post("/v1/responses/input_tokens")
     @router.post("/responses/input_tokens")  # llama-server's alias
@@ -138,6 +120,51 @@ def responses_routes(state: ServerState) -> APIRouter:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     return router
+
+
+class ResponsesCreate:
+    """``POST /v1/responses`` (a :class:`~.serve.CompletionRoute`); with ``llama``,
+    llama-server's ``/responses``, whose streams end with ``response.completed``."""
+
+    endpoint = _ENDPOINT
+    dialect = RESPONSES
+    fields = _FIELDS
+    prompt_field = "input"
+    check_key = False  # the router's dependency checks it
+    ping_seconds = None
+
+    def __init__(self, state: ServerState, *, llama: bool) -> None:
+        self.state, self.llama = state, llama
+
+    def parse(self, raw: bytes) -> dict[str, Any]:
+        """The body as an object, images read (a worker: it may fetch)."""
+        return _parse(self.state, raw)
+
+    def model(self, body: dict[str, Any]) -> object:
+        """The ``model`` the body names."""
+        return body.get("model")
+
+    def stream(self, body: dict[str, Any]) -> bool:
+        """Whether the reply streams (a non-boolean ``stream`` is refused later)."""
+        return body.get("stream") is True
+
+    def include_usage(self, body: dict[str, Any]) -> bool:
+        """The Responses stream always carries its usage."""
+        return False
+
+    def start(self, body: dict[str, Any], ctx: llamax.Context, request: Request) -> Any:
+        """Map, render and submit the request; read it as the Responses API's shapes."""
+        return _create(self.state, body, ctx, llama=self.llama, fair_key=client_key(request))
+
+
+def _parse(state: ServerState, raw: bytes) -> dict[str, Any]:
+    body = parse_object(raw)
+    if state.config.lenient:
+        body = without_unknown(body, RESPONSE_TABLE, "/v1/responses")
+    _check_chain_images(body, state)  # before a fetch: what the stored turns hold counts
+    sent = copy.deepcopy(body["input"]) if has_image_urls(body, "responses") else None
+    prepare_images(body, "responses", state.config.images, state.image_fetcher)  # may fetch
+    return body if sent is None else _Fetched(body, input_as_sent=sent)
 
 
 def _check_chain_images(body: dict[str, Any], state: ServerState) -> None:
@@ -226,11 +253,6 @@ async def _create(
     if body.get("timings_per_token") is True:
         return timed_response_events(reply, started)
     return reply
-
-
-def _is_llama_alias(request: Request) -> bool:
-    """Whether ``request`` came on llama-server's un-prefixed ``/responses``."""
-    return request.url.path.rstrip("/") == "/responses"
 
 
 async def _completed_at_the_end(

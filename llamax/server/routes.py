@@ -29,7 +29,8 @@ from .schemas import (
     TokenizeRequest,
     parse_body,
 )
-from .state import ServerState, admit_completion, run_leased
+from .serve import add_completion_routes
+from .state import ServerState, run_leased
 
 __all__ = ["api_routes", "fim_prompt"]
 
@@ -47,55 +48,11 @@ def api_routes(state: ServerState) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(require_key)])
 
-    @router.post("/v1/chat/completions")
-    @router.post("/chat/completions")  # llama-server's alias: its error shape
-    async def chat_completions(request: Request) -> Response:
-        def options(body: ChatCompletionRequest) -> dict[str, Any]:
-            # a worker: it may fetch
-            prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
-            options = _stream_options(body)
-            if state.config.parse_special_in_content:
-                options["parse_special_in_content"] = True
-            state.with_defaults(options)
-            if dialect is OPENAI_LLAMA:
-                _check_trailing_assistants(body.messages)
-            return options
-
-        def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Awaitable[Any]:
-            reply = ctx.achat_completion(body.messages, **options, **_echo(state, body, ctx),
-                                         fair_key=client_key(request))  # fmt: skip
-            if not (body.timings_per_token or body.verbose):
-                return reply
-            return with_llama_extras(ctx, body.messages, options, reply,
-                                     timings=bool(body.timings_per_token),
-                                     verbose=bool(body.verbose))  # fmt: skip
-
-        dialect = _dialect_of(request)
-        return await _admit(state, request, "chat", ChatCompletionRequest, options, start,
-                            dialect)  # fmt: skip
-
-    @router.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        def options(body: CompletionRequest) -> dict[str, Any]:
-            options = _stream_options(body)
-            default = state.config.default_max_tokens
-            if getattr(body, "max_tokens", None) is None and default is not None:
-                options["max_tokens"] = default  # over OpenAI's 16
-            state.with_defaults(options)
-            return options
-
-        async def start(ctx: llamax.Context, body: Any, options: dict[str, Any]) -> Any:
-            prompt = body.prompt
-            if body.suffix:  # tokenized in a worker: the event loop stays free
-                prompt = await run_in_threadpool(fim_prompt, ctx, body.prompt, body.suffix)
-            result = await ctx.acompletion(prompt, **options, **_echo(state, body, ctx),
-                                           fair_key=client_key(request))  # fmt: skip
-            if not body.echo:
-                return result
-            prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
-            return _with_prompt(result, prompt)
-
-        return await _admit(state, request, "completions", CompletionRequest, options, start)
+    add_completion_routes(router, state, {
+        "/v1/chat/completions": OpenAIChat(state, OPENAI),
+        "/chat/completions": OpenAIChat(state, OPENAI_LLAMA),  # llama-server's: its errors
+        "/v1/completions": OpenAIText(state),
+    })  # fmt: skip
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -175,11 +132,6 @@ def fim_prompt(ctx: llamax.Context, prompt: str | list[int], suffix: str) -> lis
     return [*head, fim.prefix, *before, fim.suffix, *plain(suffix), fim.middle]
 
 
-def _dialect_of(request: Request) -> Dialect:
-    """OpenAI's errors under ``/v1``; llama-server's on its un-prefixed aliases."""
-    return OPENAI if request.url.path.startswith("/v1/") else OPENAI_LLAMA
-
-
 def _check_trailing_assistants(messages: list[dict[str, Any]]) -> None:
     """llama-server's rule on its ``/chat/completions``: a last assistant message is the
     start of the reply, so two cannot end the list (OpenAI's ``/v1`` takes them as turns).
@@ -191,6 +143,115 @@ def _check_trailing_assistants(messages: list[dict[str, Any]]) -> None:
     if len(roles) == 2 and roles == ["assistant", "assistant"]:
         raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.",
                        param="messages", code="invalid_value")  # fmt: skip
+
+
+ChatBody = tuple[ChatCompletionRequest, dict[str, Any]]
+TextBody = tuple[CompletionRequest, dict[str, Any]]
+
+
+class OpenAIChat:
+    """``POST /v1/chat/completions`` (a :class:`~.serve.CompletionRoute`); with the
+    ``OPENAI_LLAMA`` dialect llama-server's ``/chat/completions``: its error shape, and its
+    rule that two assistant messages cannot end the list."""
+
+    endpoint = "chat"
+    fields = _CHAT_FIELDS
+    prompt_field = "messages"
+    check_key = False  # the router's dependency checks it
+    ping_seconds = None
+
+    def __init__(self, state: ServerState, dialect: Dialect) -> None:
+        self.state, self.dialect = state, dialect
+
+    def parse(self, raw: bytes) -> ChatBody:
+        """The body and its llamax options (a worker: images may be fetched)."""
+        state = self.state
+        body = parse_body(ChatCompletionRequest, raw, lenient=state.config.lenient)
+        n = _num_choices(getattr(body, "n", None))  # before any image is read or fetched
+        check_num_sequences(1, n, state.config.max_sequences, param="n")
+        prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
+        options = _stream_options(body)
+        if state.config.parse_special_in_content:
+            options["parse_special_in_content"] = True
+        state.with_defaults(options)
+        if self.dialect is OPENAI_LLAMA:
+            _check_trailing_assistants(body.messages)
+        return body, options
+
+    def model(self, parsed: ChatBody) -> object:
+        """The ``model`` the body names."""
+        return _model_of(parsed[0])
+
+    def stream(self, parsed: ChatBody) -> bool:
+        """Whether the reply streams."""
+        return bool(parsed[0].is_stream)
+
+    def include_usage(self, parsed: ChatBody) -> bool:
+        """Whether the client asked for the usage chunk."""
+        return bool(parsed[0].include_usage)
+
+    def start(self, parsed: ChatBody, ctx: llamax.Context, request: Request) -> Awaitable[Any]:
+        """Submit the chat (rendered in a worker) and read it as OpenAI's shapes."""
+        body, options = parsed
+        reply = ctx.achat_completion(body.messages, **options, **_echo(self.state, body, ctx),
+                                     fair_key=client_key(request))  # fmt: skip
+        if not (body.timings_per_token or body.verbose):
+            return reply
+        return with_llama_extras(ctx, body.messages, options, reply,
+                                 timings=bool(body.timings_per_token),
+                                 verbose=bool(body.verbose))  # fmt: skip
+
+
+class OpenAIText:
+    """``POST /v1/completions`` (a :class:`~.serve.CompletionRoute`)."""
+
+    endpoint = "completions"
+    dialect = OPENAI
+    fields = _TEXT_FIELDS
+    prompt_field = "prompt"
+    check_key = False  # the router's dependency checks it
+    ping_seconds = None
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def parse(self, raw: bytes) -> TextBody:
+        """The body and its llamax options."""
+        state = self.state
+        body = parse_body(CompletionRequest, raw, lenient=state.config.lenient)
+        check_num_sequences(1, _num_choices(getattr(body, "n", None)),
+                            state.config.max_sequences, param="n")  # fmt: skip
+        options = _stream_options(body)
+        default = state.config.default_max_tokens
+        if getattr(body, "max_tokens", None) is None and default is not None:
+            options["max_tokens"] = default  # over OpenAI's 16
+        state.with_defaults(options)
+        return body, options
+
+    def model(self, parsed: TextBody) -> object:
+        """The ``model`` the body names."""
+        return _model_of(parsed[0])
+
+    def stream(self, parsed: TextBody) -> bool:
+        """Whether the reply streams."""
+        return bool(parsed[0].is_stream)
+
+    def include_usage(self, parsed: TextBody) -> bool:
+        """Whether the client asked for the usage chunk."""
+        return bool(parsed[0].include_usage)
+
+    async def start(self, parsed: TextBody, ctx: llamax.Context, request: Request) -> Any:
+        """Submit the text completion (a ``suffix`` as a fill-in-the-middle prompt)."""
+        body, options = parsed
+        prompt = body.prompt
+        if body.suffix:  # tokenized in a worker: the event loop stays free
+            prompt = await run_in_threadpool(fim_prompt, ctx, body.prompt, body.suffix)
+        result = await ctx.acompletion(prompt, **options, **_echo(self.state, body, ctx),
+                                       fair_key=client_key(request))  # fmt: skip
+        if not body.echo:
+            return result
+        prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
+        return _with_prompt(result, prompt)
 
 
 def _model_of(body: Any) -> object:
@@ -291,42 +352,6 @@ async def _in_worker(
         return parse_body(schema, raw, lenient=state.config.lenient)
 
     return await run_leased(state, request, parse, _model_of, work)
-
-
-async def _admit(
-    state: ServerState,
-    request: Request,
-    endpoint: str,
-    model: type[Any],
-    options: Callable[[Any], dict[str, Any]],
-    start: Callable[[llamax.Context, Any, dict[str, Any]], Awaitable[Any]],
-    dialect: Dialect = OPENAI,
-) -> Response:
-    """An OpenAI completion request through :func:`~.state.admit_completion`: the body
-    parsed and its options checked in a worker, then rendered and tokenized in a worker
-    too (see ``achat_completion``); a client that leaves while its model loads stops
-    waiting."""
-
-    def parse(raw: bytes) -> tuple[Any, dict[str, Any]]:
-        body = parse_body(model, raw, lenient=state.config.lenient)
-        n = _num_choices(getattr(body, "n", None))  # before any image is read or fetched
-        check_num_sequences(1, n, state.config.max_sequences, param="n")
-        return body, options(body)
-
-    chat = endpoint == "chat"
-    return await admit_completion(
-        state,
-        request,
-        endpoint,
-        parse,
-        lambda parsed: _model_of(parsed[0]),
-        lambda parsed, ctx: start(ctx, *parsed),
-        dialect=dialect,
-        fields=_CHAT_FIELDS if chat else _TEXT_FIELDS,
-        prompt_field="messages" if chat else "prompt",
-        stream=lambda parsed: bool(parsed[0].is_stream),
-        include_usage=lambda parsed: bool(parsed[0].include_usage),
-    )
 
 
 def _num_choices(n: object) -> int:

@@ -13,18 +13,16 @@ from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response
 
 import llamax
 from llamax.openai import ResponseStore
 
 from .config import ServerConfig
-from .dialects import Dialect
 from .errors import APIError
 from .images import ImageFetcher
 from .metrics import ServerMetrics
 from .models import ModelPool
-from .responses import CompletionJob, CompletionResponse, outcome_of
+from .responses import outcome_of
 
 __all__ = [
     "ContextLease",
@@ -362,49 +360,6 @@ async def admit_leased(
         state.metrics.requests.labels(endpoint, outcome_of(error.status)).inc()
         state.release()
         raise
-
-
-async def admit_completion(
-    state: ServerState,
-    request: Request,
-    endpoint: str,
-    parse: Callable[[bytes], T],
-    model_of: Callable[[T], object],
-    start: Callable[[T, llamax.Context], Awaitable[Any]],
-    *,
-    dialect: Dialect,
-    fields: frozenset[str],
-    prompt_field: str,
-    stream: Callable[[T], bool],
-    include_usage: Callable[[T], bool] = lambda body: False,
-    check_key: bool = False,
-    ping_seconds: float | None = None,
-) -> Response:
-    """A completion route's whole admission: :func:`admit_leased` (the body parsed in a
-    worker, the model it names leased), then the ASGI response that waits for the model
-    and runs ``start(body, ctx)`` while watching for the client to leave. The admission
-    slot is held from the moment the body has arrived until the response ends, so
-    ``max_queue`` bounds the parsing, the wait for a model's load and the rendering as well
-    as the inference. An error before the response starts is in ``dialect``'s shape."""
-    try:
-        body, lease = await admit_leased(
-            state, request, endpoint, parse, model_of, check_key=check_key
-        )
-    except APIError as error:
-        return dialect.error_response(error)
-    job = CompletionJob(
-        endpoint=endpoint,
-        start=lambda: lease.run(lambda ctx: start(body, ctx)),
-        metrics=state.metrics,
-        release=lease.release,
-        stream=stream(body),
-        include_usage=include_usage(body),
-        fields=fields,
-        prompt_field=prompt_field,
-        dialect=dialect,
-        ping_seconds=ping_seconds,
-    )
-    return CompletionResponse(job)
 
 
 async def run_leased(

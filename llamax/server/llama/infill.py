@@ -27,14 +27,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
-from starlette.responses import Response
 
 import llamax
 
 from ..dialects import LLAMA
 from ..fairness import client_key
 from ..schemas import parse_object
-from ..state import ServerState, admit_completion
+from ..serve import add_completion_routes
+from ..state import ServerState
 from .errors import LlamaError
 from .jobs import run_job
 from .request import NUMBERS, NativeRequest
@@ -196,28 +196,55 @@ def infill_routes(state: ServerState, tables: SlotTables) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(require_key)])
 
-    @router.post("/infill")
-    async def infill(request: Request) -> Response:
-        async def start(infill: InfillRequest, ctx: llamax.Context) -> Any:
-            body, native = infill.body, infill.request
-            assert native.params is not None
-            n_predict = native.params.max_tokens
-            tokens = partial(
-                infill_tokens, ctx, body["input_prefix"], body["input_suffix"],
-                body.get("input_extra", []), body.get("prompt", ""),
-                n_predict=-1 if n_predict is None else n_predict,
-            )  # fmt: skip
-            model = native.model or state.model_name(ctx)
-            return await run_job(ctx, tables, native, native.params, tokens, model=model,
-                                 fair_key=client_key(request))  # fmt: skip
-
-        return await admit_completion(
-            state, request, "infill", partial(_parse, state=state),
-            lambda infill: infill.request.model, start, dialect=LLAMA, fields=_FIELDS,
-            prompt_field="prompt", stream=lambda infill: infill.request.stream,
-        )  # fmt: skip
+    add_completion_routes(router, state, {"/infill": Infill(state, tables)})
 
     return router
+
+
+class Infill:
+    """llama-server's ``POST /infill`` (a :class:`~..serve.CompletionRoute`): answered as
+    ``/completion`` answers (whole or streamed), on the slot ``id_slot`` names or on any
+    sequence."""
+
+    endpoint = "infill"
+    dialect = LLAMA
+    fields = _FIELDS
+    prompt_field = "prompt"
+    check_key = False  # the router's dependency checks it (OpenAI's shape, as every route)
+    ping_seconds = None
+
+    def __init__(self, state: ServerState, tables: SlotTables) -> None:
+        self.state, self.tables = state, tables
+
+    def parse(self, raw: bytes) -> InfillRequest:
+        """The body, checked."""
+        return _parse(raw, state=self.state)
+
+    def model(self, infill: InfillRequest) -> object:
+        """The ``model`` the body names."""
+        return infill.request.model
+
+    def stream(self, infill: InfillRequest) -> bool:
+        """Whether the reply streams."""
+        return infill.request.stream
+
+    def include_usage(self, infill: InfillRequest) -> bool:
+        """llama-server's last event carries the counts."""
+        return False
+
+    async def start(self, infill: InfillRequest, ctx: llamax.Context, request: Request) -> Any:
+        """The fill-in-the-middle prompt (tokenized in a worker), run as a completion."""
+        body, native = infill.body, infill.request
+        assert native.params is not None
+        n_predict = native.params.max_tokens
+        tokens = partial(
+            infill_tokens, ctx, body["input_prefix"], body["input_suffix"],
+            body.get("input_extra", []), body.get("prompt", ""),
+            n_predict=-1 if n_predict is None else n_predict,
+        )  # fmt: skip
+        model = native.model or self.state.model_name(ctx)
+        return await run_job(ctx, self.tables, native, native.params, tokens, model=model,
+                             fair_key=client_key(request))  # fmt: skip
 
 
 def _parse(raw: bytes, *, state: ServerState) -> InfillRequest:

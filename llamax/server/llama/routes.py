@@ -27,7 +27,8 @@ from ..fairness import check_num_sequences, client_key
 from ..guard import shown_path
 from ..images import prepare_images
 from ..schemas import ChatCompletionRequest, parse_body, parse_object
-from ..state import ServerState, admit_completion, run_leased
+from ..serve import add_completion_routes
+from ..state import ServerState, run_leased
 from .chat import with_media_markers
 from .completion import start_completion
 from .request import FIELDS, MEDIA_MARKER, NativeRequest, default_settings, parse_native
@@ -45,33 +46,8 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(require_key)])
 
-    @router.post("/completion")
-    @router.post("/completions")
-    async def completion(request: Request) -> Response:
-        def parse(raw: bytes) -> NativeRequest:
-            config = state.config
-            body = parse_native(parse_object(raw), default_n_predict=config.default_max_tokens,
-                                default_seed=config.default_seed)  # fmt: skip
-            _check_num_images(body, state.config.images.max_images)
-            n = body.params.n if body.params is not None else 1
-            check_num_sequences(len(body.prompts), n, state.config.max_sequences,
-                                param="n_cmpl" if n > 1 else "prompt")  # fmt: skip
-            return body
-
-        return await admit_completion(
-            state,
-            request,
-            "completion",
-            parse,
-            lambda body: body.model,
-            lambda body, ctx: start_completion(
-                body, ctx, state.model_name(ctx), tables, fair_key=client_key(request)
-            ),
-            dialect=LLAMA,
-            fields=FIELDS,
-            prompt_field="prompt",
-            stream=lambda body: body.stream,
-        )
+    completion = NativeCompletion(state, tables)
+    add_completion_routes(router, state, {"/completion": completion, "/completions": completion})
 
     @router.post("/apply-template")
     async def apply_template(request: Request) -> Response:
@@ -130,6 +106,49 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
         return JSONResponse(llama_body(error), status_code=501)
 
     return router
+
+
+class NativeCompletion:
+    """llama-server's ``POST /completion`` (a :class:`~..serve.CompletionRoute`): its
+    prompts, on the slot ``id_slot`` names or on any sequence."""
+
+    endpoint = "completion"
+    dialect = LLAMA
+    fields = FIELDS
+    prompt_field = "prompt"
+    check_key = False  # the router's dependency checks it
+    ping_seconds = None
+
+    def __init__(self, state: ServerState, tables: SlotTables) -> None:
+        self.state, self.tables = state, tables
+
+    def parse(self, raw: bytes) -> NativeRequest:
+        """The body, checked."""
+        config = self.state.config
+        body = parse_native(parse_object(raw), default_n_predict=config.default_max_tokens,
+                            default_seed=config.default_seed)  # fmt: skip
+        _check_num_images(body, config.images.max_images)
+        n = body.params.n if body.params is not None else 1
+        check_num_sequences(len(body.prompts), n, config.max_sequences,
+                            param="n_cmpl" if n > 1 else "prompt")  # fmt: skip
+        return body
+
+    def model(self, body: NativeRequest) -> object:
+        """The ``model`` the body names."""
+        return body.model
+
+    def stream(self, body: NativeRequest) -> bool:
+        """Whether the reply streams."""
+        return body.stream
+
+    def include_usage(self, body: NativeRequest) -> bool:
+        """llama-server's last event carries the counts."""
+        return False
+
+    def start(self, body: NativeRequest, ctx: llamax.Context, request: Request) -> Any:
+        """Submit the prompts (on their slot) and read them as llama-server's events."""
+        return start_completion(body, ctx, self.state.model_name(ctx), self.tables,
+                                fair_key=client_key(request))  # fmt: skip
 
 
 def _check_num_images(body: NativeRequest, most: int) -> None:
