@@ -65,4 +65,5 @@ def _endpoint(
         return await serve(state, route, request)
 
     endpoint.__name__ = f"{route.endpoint}_route"
+    endpoint.route = route  # type: ignore[attr-defined]  # what serves it, for introspection
     return endpoint
