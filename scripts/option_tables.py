@@ -1,5 +1,6 @@
 """Regenerate the options tables of the docs from the option fields (see llamax.optionspec)
-and the request-field tables from the route tables (see llamax.openai.fields).
+and the request-field tables from the route tables (see llamax.openai.fields; llama-server's
+native routes: llamax.server.llama.fields).
 
 Usage: ``python scripts/option_tables.py [FILE.md ...]`` (default: ``docs/*.md``).
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 from llamax.config import OPTION_LISTS
 from llamax.openai import fields
 from llamax.optionspec import regenerate
+from llamax.server.llama.fields import NATIVE_TABLES
 from llamax.server.schemas import FIELD_TABLES
 
 
@@ -21,7 +23,7 @@ def main(argv: list[str]) -> int:
     paths = [Path(a) for a in argv] or sorted(Path("docs").glob("*.md"))
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        new = fields.regenerate(regenerate(text, OPTION_LISTS), FIELD_TABLES)
+        new = fields.regenerate(regenerate(text, OPTION_LISTS), FIELD_TABLES | NATIVE_TABLES)
         if new != text:
             path.write_text(new, encoding="utf-8")
             print(f"updated {path}")

@@ -1,4 +1,4 @@
-# ruff: noqa: E501  (the tables hold one-line docs)
+# ruff: noqa: E501, RUF001  (the tables hold one-line docs, some with a multiplication sign)
 """llama-server's native request fields, ``/completion``'s and ``/infill``'s, as
 :class:`~llamax.openai.fields.RequestField` tables (the policy mechanism of every
 dialect): each field is honoured, a hint (accepted with any value, no effect) or refused
@@ -191,7 +191,7 @@ COMPLETION = (
     RequestField(
         "n_cmpl",
         H,
-        "`n` choices sharing one prefill; `prompts x n_cmpl` results, `index` = prompt x n_cmpl + choice",
+        "`n` choices sharing one prefill; `prompts × n_cmpl` results, `index` = prompt × n_cmpl + choice",
         option="n",
     ),
     RequestField(
