@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import llamax
-from llamax.openai.fields import RequestField, Support
+from llamax.openai.fields import RequestField, Support, refusal
 from llamax.optionspec import options_of
 
 from ..errors import APIError
@@ -109,14 +109,10 @@ with the :class:`~llamax.SamplingParams` option and value that turn it off (``te
 left out is ``1``; ``dry`` and ``xtc`` are never on)."""
 
 
-def _json(value: object) -> str:
-    return json.dumps(value)
-
-
 def _off(name: str, value: object, why: str) -> RequestField:
     """A ``/completion`` field refused unless at ``value``, which turns its feature off."""
     return RequestField(
-        name, R, f"{why}; accepted at `{_json(value)}`, which turns it off",
+        name, R, f"{why}; accepted at `{json.dumps(value)}`, which turns it off",
         harmless=lambda given, body: bool(given == value),
         refusal=f"{name} is not supported by llamax (only {value!r}, which turns it off); see "
         "docs/server.md",
@@ -126,7 +122,7 @@ def _off(name: str, value: object, why: str) -> RequestField:
 def _unless(name: str, value: object, why: str) -> RequestField:
     """An ``/infill`` field refused unless absent, null or at ``value`` (llama-server's
     default)."""
-    accepted = "absent or null" if value is None else f"absent, null or `{_json(value)}`"
+    accepted = "absent or null" if value is None else f"absent, null or `{json.dumps(value)}`"
     return RequestField(
         name, R, f"{why}; accepted only {accepted}",
         harmless=lambda given, body: given is None or given == value,
@@ -343,7 +339,7 @@ def check_fields(
     Raises:
         APIError: 400 ``unknown_field`` or ``unsupported_field``, naming the field as
             ``param`` (a refused field's message is its row's
-            :attr:`~llamax.openai.fields.RequestField.refusal`).
+            :func:`~llamax.openai.fields.refusal`).
     """
     if unknown == "refuse":
         extra = sorted(set(body) - {f.name for f in table})
@@ -351,8 +347,7 @@ def check_fields(
             raise APIError(400, f"unknown field {extra[0]!r}", param=extra[0], code="unknown_field")
     for f in table:
         if f.support is R and f.name in body and not f.harmless(body[f.name], body):
-            assert f.refusal is not None
-            raise APIError(400, f.refusal, param=f.name, code="unsupported_field")
+            raise APIError(400, refusal(f), param=f.name, code="unsupported_field")
 
 
 def generation_settings(params: llamax.SamplingParams) -> dict[str, Any]:

@@ -204,9 +204,8 @@ def _samplers(value: object, options: dict[str, Any]) -> None:
                    f"{', '.join(SAMPLERS)})", "samplers")  # fmt: skip
     order = [SAMPLERS.index(s) for s in value]
     if order != sorted(set(order)):
-        raise _bad("samplers: llamax applies its samplers in one order (dry, top_k, typ_p, "
-                   "top_p, min_p, xtc, temperature), each once; give them in that order",
-                   "samplers")  # fmt: skip
+        raise _bad(f"samplers: llamax applies its samplers in one order ({', '.join(SAMPLERS)}), "
+                   "each once; give them in that order", "samplers")  # fmt: skip
     for name, (option, neutral) in SAMPLER_OFF.items():
         if name not in value:
             options[option] = neutral
