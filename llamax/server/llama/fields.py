@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 import llamax
 from llamax.openai.fields import RequestField, Support, refusal
-from llamax.optionspec import options_of
 
 from ..errors import APIError
 
@@ -49,29 +48,27 @@ _DEFAULTS = llamax.SamplingParams(max_tokens=None)
 """:class:`~llamax.SamplingParams`' defaults, replying until the end of generation or of the
 context (llama-server's ``n_predict: -1``)."""
 
-_OPTION_DOCS = {o.name: o.spec.doc for o in options_of(llamax.SamplingParams)}
 
-
-def _sampling(name: str, option: str | None = None) -> RequestField:
+def _sampling(name: str, doc: str, option: str | None = None) -> RequestField:
     """An honoured field that is the :class:`~llamax.SamplingParams` option ``option``
-    (default: the same name), a number taken as given; its doc is the option's."""
-    option = option or name
-    doc = _OPTION_DOCS[option]
-    if option != name:
-        doc += f" (`SamplingParams.{option}`)"
-    return RequestField(name, H, doc, option=option)
+    (default: the same name), a number taken as given."""
+    return RequestField(name, H, doc, option=option or name)
 
 
 SAMPLING = (
-    _sampling("temperature"),
-    _sampling("top_k"),
-    _sampling("top_p"),
-    _sampling("min_p"),
-    _sampling("typical_p"),
-    _sampling("repeat_last_n", "penalty_last_n"),
-    _sampling("repeat_penalty"),
-    _sampling("presence_penalty"),
-    _sampling("frequency_penalty"),
+    _sampling("temperature", "`0` is greedy"),
+    _sampling("top_k", "top-k sampling; `0` disables it"),
+    _sampling("top_p", "nucleus sampling; `1` disables it"),
+    _sampling("min_p", "min-p sampling; `0` disables it"),
+    _sampling("typical_p", "locally typical sampling; `1` disables it"),
+    _sampling(
+        "repeat_last_n",
+        "how many recent tokens the penalties look at (`SamplingParams.penalty_last_n`); `-1`: the whole context",
+        "penalty_last_n",
+    ),
+    _sampling("repeat_penalty", "llama.cpp's repeat penalty; `1` disables it"),
+    _sampling("presence_penalty", "OpenAI's presence penalty, in [-2, 2]"),
+    _sampling("frequency_penalty", "OpenAI's frequency penalty, in [-2, 2]"),
 )
 """llama-server's numeric sampling fields, each a :class:`~llamax.SamplingParams` option
 (:attr:`~llamax.openai.fields.RequestField.option`) taken as given, in the order
@@ -83,8 +80,13 @@ _IGNORE_EOS = RequestField(
     "ban the end-of-generation tokens: generate `n_predict` tokens",
     option="ignore_eos",
 )
-_GRAMMAR = RequestField("grammar", H, _OPTION_DOCS["grammar"], option="grammar")
-_JSON_SCHEMA = RequestField("json_schema", H, _OPTION_DOCS["json_schema"], option="json_schema")
+_GRAMMAR = RequestField("grammar", H, "a GBNF grammar the output must follow", option="grammar")
+_JSON_SCHEMA = RequestField(
+    "json_schema",
+    H,
+    "a JSON schema the output must follow (not with `grammar`)",
+    option="json_schema",
+)
 
 _SEED = RequestField(
     "seed", H,
