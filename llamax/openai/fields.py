@@ -43,6 +43,7 @@ __all__ = [
     "honoured",
     "markdown_table",
     "one_of",
+    "refusal",
     "table",
 ]
 
@@ -81,6 +82,13 @@ class RequestField:
     are let through, such as ``null``."""
     extension: bool = False
     """Not in the API reference: a llama.cpp, vLLM or llamax extension."""
+    option: str | None = None
+    """For an honoured field: the :class:`~llamax.SamplingParams` field its value goes to,
+    where a route maps it by name (llama-server's ``repeat_last_n`` is ``penalty_last_n``);
+    ``None``: the route's parser maps it its own way."""
+    refusal: str | None = None
+    """For a refused field: the 400's message, where a route words it its own way (default:
+    ``NAME is not supported: DOC``)."""
 
 
 # ---------------------------------------------------------------------- value checks
@@ -541,8 +549,14 @@ def accept_fields(table: tuple[RequestField, ...], request: Mapping[str, Any]) -
             if field.check is not None:
                 field.check(name, value)
         elif not field.harmless(value, request):
-            raise InvalidParameterError(f"{name} is not supported: {_plain(field.doc)}", param=name)
+            raise InvalidParameterError(refusal(field), param=name)
     return kept
+
+
+def refusal(field: RequestField) -> str:
+    """The message a refused field's 400 carries: :attr:`RequestField.refusal`, or
+    ``NAME is not supported: DOC`` (the doc without its Markdown)."""
+    return field.refusal or f"{field.name} is not supported: {_plain(field.doc)}"
 
 
 def _plain(doc: str) -> str:

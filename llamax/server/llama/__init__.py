@@ -2,6 +2,9 @@
 ``/props``, ``/apply-template``, the model router (``/models/load`` ...) and llama-server's
 extensions of the OpenAI chat route. The table of routes and fields is in docs/server.md.
 
+- :mod:`.fields` holds the ``/completion`` and ``/infill`` fields as request-field tables
+  (the parsers' policy and the docs tables), and the one mapping of llama-server's sampling
+  names onto :class:`~llamax.SamplingParams` (with ``generation_settings``).
 - :mod:`.request` checks a ``/completion`` body and maps it onto llamax's parameters;
   :mod:`.results` shapes every native route's results (one shaper, whole and streamed).
 - :mod:`.completion` runs ``/completion``; :mod:`.jobs` runs one sequence on a slot

@@ -36,8 +36,9 @@ from ..schemas import parse_object
 from ..serve import add_completion_routes
 from ..state import ServerState
 from .errors import LlamaError
+from .fields import INFILL, NO_SEED, TAKEN_AS_GIVEN, check_fields, generation_settings
 from .jobs import run_job
-from .request import NUMBERS, NativeRequest
+from .request import NativeRequest
 from .slots import SlotTables
 
 __all__ = ["infill_routes", "infill_tokens"]
@@ -152,31 +153,16 @@ def infill_tokens(
 
 def _settings(body: Mapping[str, Any], params: llamax.SamplingParams) -> dict[str, Any]:
     """llama-server's ``generation_settings`` / a slot's ``params``, from what llamax runs."""
-    return {
-        "n_predict": -1 if params.max_tokens is None else params.max_tokens,
-        "seed": 0xFFFFFFFF if params.seed is None else params.seed,
-        "temperature": params.temperature,
-        "top_k": params.top_k,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "typical_p": params.typical_p,
-        "repeat_last_n": params.penalty_last_n,
-        "repeat_penalty": params.repeat_penalty,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "ignore_eos": params.ignore_eos,
-        "stop": list(params.stop),
+    return generation_settings(params) | {
         "stream": bool(body.get("stream", False)),
         "n_probs": 0,
         "cache_prompt": bool(body.get("cache_prompt", True)),
     }
 
 
-_FIELDS = frozenset({"input_prefix", "input_suffix", "input_extra", "prompt", "id_slot",
-                     "model", "stream", "cache_prompt", "return_tokens", "n_predict", "seed",
-                     "stop", *NUMBERS, "ignore_eos", "grammar", "json_schema"})  # fmt: skip
-"""The ``/infill`` fields llamax reads (the fields it refuses are in :data:`_REFUSED_UNLESS`;
-others, which editor plugins send for llama-server's own limits, are ignored)."""
+_FIELDS = frozenset(f.name for f in INFILL)
+"""The ``/infill`` fields llamax reads or refuses (:data:`~.fields.INFILL`; others, which
+editor plugins send for llama-server's own limits, are ignored)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,47 +268,27 @@ def _slot_id(value: object) -> int:
     return value
 
 
-_REFUSED_UNLESS = {
-    "mirostat": 0,
-    "dynatemp_range": 0.0,
-    "xtc_probability": 0.0,
-    "dry_multiplier": 0.0,
-    "top_n_sigma": -1.0,
-    "n_probs": 0,
-    "n_cmpl": 1,
-    "samplers": None,
-    "lora": None,
-    "logit_bias": None,
-    "n_keep": 0,
-}
-"""Fields llama-server takes that ``/infill`` does not: refused (400) unless absent or at
-llama-server's default, never silently ignored."""
-
-
 def sampling_params(
     body: Mapping[str, Any], *, default_n_predict: int | None = None,
     default_seed: int | None = None,
 ) -> llamax.SamplingParams:  # fmt: skip
     """llama-server's sampling fields as :class:`~llamax.SamplingParams`: ``n_predict``
-    (``-1``: until the end of generation or the context), the numbers of
-    :data:`~.request.NUMBERS`, ``seed`` (``-1``: random), ``stop``, ``ignore_eos``,
-    ``grammar``, ``json_schema``. ``default_n_predict`` and ``default_seed`` (the server's
-    ``-n`` and ``--seed``) stand for a field left out.
+    (``-1``: until the end of generation or the context), the fields of
+    :data:`~.fields.TAKEN_AS_GIVEN` (the sampling numbers, ``ignore_eos``, ``grammar``,
+    ``json_schema``), ``seed`` (``-1``: random), ``stop``. ``default_n_predict`` and
+    ``default_seed`` (the server's ``-n`` and ``--seed``) stand for a field left out.
 
     Raises:
-        LlamaError: 400 for a field ``/infill`` refuses (:data:`_REFUSED_UNLESS`) or a value
-            :class:`~llamax.SamplingParams` refuses.
+        APIError: 400 for a field ``/infill`` refuses (a refused row of
+            :data:`~.fields.INFILL`), naming it.
+        LlamaError: 400 for a value :class:`~llamax.SamplingParams` refuses.
     """
-    for name, default in _REFUSED_UNLESS.items():
-        if name in body and body[name] not in (default, None):
-            raise LlamaError(400, f"{name} is not supported by llamax on this route "
-                             f"(send {default!r} or leave it out)")  # fmt: skip
+    check_fields(INFILL, body, unknown="ignore")
     options: dict[str, Any] = {
-        ours: body[theirs] for theirs, ours in NUMBERS.items() if body.get(theirs) is not None
+        f.option: body[f.name]
+        for f in TAKEN_AS_GIVEN
+        if f.option is not None and body.get(f.name) is not None
     }
-    for name in ("ignore_eos", "grammar", "json_schema"):
-        if body.get(name) is not None:
-            options[name] = body[name]
     n_predict = body.get("n_predict", body.get("max_tokens", -1))
     if not isinstance(n_predict, int) or isinstance(n_predict, bool):
         raise LlamaError(400, f"n_predict must be an int, got {n_predict!r}")
@@ -330,7 +296,7 @@ def sampling_params(
         n_predict = default_n_predict
     options["max_tokens"] = None if n_predict < 0 else n_predict
     seed = body.get("seed", -1 if default_seed is None else default_seed)
-    if seed not in (-1, 0xFFFFFFFF, None):
+    if seed not in (-1, NO_SEED, None):
         options["seed"] = seed
     stop = body.get("stop")
     if stop is not None:

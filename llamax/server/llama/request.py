@@ -5,7 +5,8 @@ Every field llama-server takes is either mapped, accepted at the value that turn
 (``mirostat: 0``, ``dry_multiplier: 0`` ...: a sampler llamax does not have), or refused
 with a 400 that names it, so no request is silently sampled otherwise than it asked. A
 field llama-server does not know is refused too (llama-server ignores it; llamax refuses
-unknown fields everywhere). The table of fields is in docs/server.md.
+unknown fields everywhere). The fields are the rows of :data:`~.fields.COMPLETION`, which
+docs/server.md shows.
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from typing import Any
 import llamax
 
 from ..errors import APIError
+from .fields import (
+    COMPLETION,
+    DEFAULT_SETTINGS,
+    NO_SEED,
+    SAMPLER_OFF,
+    SAMPLERS,
+    SAMPLING,
+    check_fields,
+)
 
 __all__ = [
-    "DEFAULT_SETTINGS",
     "FIELDS",
     "MEDIA_MARKER",
-    "NUMBERS",
     "NativePrompt",
     "NativeRequest",
     "default_settings",
@@ -39,66 +47,14 @@ NativePrompt = str | tuple[int | str | llamax.Image, ...]
 """One ``/completion`` prompt: text, token ids mixed with text pieces, or text pieces and
 images (a ``prompt_string`` with ``multimodal_data``)."""
 
-_DEFAULT_SAMPLERS = ("dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-"""llama-server's default sampler order; llamax's chain applies the same order (penalties
-first), with ``dry`` and ``xtc`` never active."""
-
-DEFAULT_SETTINGS: dict[str, Any] = {
-    "seed": 0xFFFFFFFF, "temperature": 0.8, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
-    "top_k": 40, "top_p": 0.95, "min_p": 0.05, "top_n_sigma": -1.0, "xtc_probability": 0.0,
-    "xtc_threshold": 0.1, "typical_p": 1.0, "repeat_last_n": 64, "repeat_penalty": 1.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0,
-    "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
-    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
-    "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9, "stop": [],
-    "max_tokens": -1, "n_predict": -1, "n_keep": 0, "n_discard": 0, "ignore_eos": False,
-    "stream": False, "logit_bias": [], "n_probs": 0, "min_keep": 0, "grammar": "",
-    "grammar_lazy": False, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"],
-    "timings_per_token": False, "post_sampling_probs": False, "backend_sampling": False,
-    "lora": [],
-}  # fmt: skip
-"""``generation_settings`` (and ``/props``' defaults) in llama-server's names: what
-``/completion`` uses for a field a request leaves out (``SamplingParams``' defaults;
-``n_predict: -1``: until the sequence fills its context)."""
-
-_OFF: dict[str, object] = {
-    "mirostat": 0, "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0,
-    "top_n_sigma": -1, "adaptive_target": -1, "n_indent": 0, "n_discard": 0,
-    "t_max_predict_ms": 0, "t_max_prompt_ms": -1, "min_keep": 0, "grammar_lazy": False,
-}  # fmt: skip
-"""Fields accepted only at the value that turns their feature off: llamax has no such
-sampler or limit."""
-
-_MOOT = frozenset(
-    {"dynatemp_exponent", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-     "dry_sequence_breakers", "mirostat_tau", "mirostat_eta", "xtc_threshold",
-     "adaptive_decay", "n_keep", "n_cache_reuse", "sse_ping_interval", "verbose",
-     "backend_sampling"}
-)  # fmt: skip
-"""Fields with no effect here, accepted with any value: settings of samplers that are off
-(see :data:`_OFF`), ``n_keep`` and ``n_cache_reuse`` (llamax neither shifts the context nor
-reuses by shifting; its prefix cache needs no setting), ``sse_ping_interval``,
-``backend_sampling`` (where llama-server runs its samplers, on the GPU or the CPU, with the
-same results; llamax samples on the CPU)."""
-
-NUMBERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-            "min_p": "min_p", "typical_p": "typical_p", "repeat_penalty": "repeat_penalty",
-            "repeat_last_n": "penalty_last_n", "presence_penalty": "presence_penalty",
-            "frequency_penalty": "frequency_penalty"}  # fmt: skip
-"""llama-server's numeric sampling fields and their :class:`~llamax.SamplingParams` names."""
-
 _FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos",
                     "post_sampling_probs", "return_progress"})  # fmt: skip
-FIELDS = frozenset(
-    {"prompt", "n_predict", "n_probs", "seed", "stop", "logit_bias", "grammar",
-     "json_schema", "lora", "n_cmpl", "samplers", "id_slot", "response_fields", "model",
-     "stream_options", *_FLAGS, *NUMBERS, *_OFF, *_MOOT}
-)  # fmt: skip
-"""Every field ``/completion`` takes."""
+FIELDS = frozenset(f.name for f in COMPLETION)
+"""Every field ``/completion`` takes (its table, :data:`~.fields.COMPLETION`)."""
 
 _MAX_PROMPTS = 64
-_NO_SEED = 0xFFFFFFFF
-"""llama-server's ``LLAMA_DEFAULT_SEED``: a random seed."""
+_TEMPERATURE = DEFAULT_SETTINGS["temperature"]
+"""The temperature of a request that sets none."""
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -120,7 +76,7 @@ class NativeRequest:
     response_fields: tuple[str, ...] = ()
     model: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
-    """``generation_settings``: :data:`DEFAULT_SETTINGS` with the fields given."""
+    """``generation_settings``: :data:`~.fields.DEFAULT_SETTINGS` with the fields given."""
     text_bias: tuple[tuple[str, float], ...] = ()
     """``logit_bias`` entries given as text: each of its tokens gets the bias (the route
     tokenizes them and adds them to ``params``)."""
@@ -242,26 +198,23 @@ def _samplers(value: object, options: dict[str, Any]) -> None:
     llama-server's default order, so a list in another order is refused)."""
     if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
         raise _bad("samplers must be a list of sampler names", "samplers")
-    unknown = [s for s in value if s not in _DEFAULT_SAMPLERS]
+    unknown = [s for s in value if s not in SAMPLERS]
     if unknown:
         raise _bad(f"samplers: llamax has no sampler {unknown[0]!r} (it has "
-                   f"{', '.join(_DEFAULT_SAMPLERS)})", "samplers")  # fmt: skip
-    order = [_DEFAULT_SAMPLERS.index(s) for s in value]
+                   f"{', '.join(SAMPLERS)})", "samplers")  # fmt: skip
+    order = [SAMPLERS.index(s) for s in value]
     if order != sorted(set(order)):
-        raise _bad("samplers: llamax applies its samplers in one order (dry, top_k, typ_p, "
-                   "top_p, min_p, xtc, temperature), each once; give them in that order",
-                   "samplers")  # fmt: skip
-    off = {"top_k": ("top_k", 0), "typ_p": ("typical_p", 1.0), "top_p": ("top_p", 1.0),
-           "min_p": ("min_p", 0.0)}  # fmt: skip
-    for name, (option, neutral) in off.items():
+        raise _bad(f"samplers: llamax applies its samplers in one order ({', '.join(SAMPLERS)}), "
+                   "each once; give them in that order", "samplers")  # fmt: skip
+    for name, (option, neutral) in SAMPLER_OFF.items():
         if name not in value:
             options[option] = neutral
-    if "temperature" not in value and options.get("temperature", 0.8) > 0:
+    if "temperature" not in value and options.get("temperature", _TEMPERATURE) > 0:
         options["temperature"] = 1.0
 
 
 def default_settings(n_predict: int | None = None, seed: int | None = None) -> dict[str, Any]:
-    """:data:`DEFAULT_SETTINGS` under the server's default reply length and seed
+    """:data:`~.fields.DEFAULT_SETTINGS` under the server's default reply length and seed
     (llama-server's ``-n`` and ``--seed``; ``None``: llamax's)."""
     settings = dict(DEFAULT_SETTINGS)
     if n_predict is not None:
@@ -289,27 +242,16 @@ def parse_native(
             refuses (``SamplingParams``' own message) or a field llamax does not support
             at that value.
     """
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise APIError(400, f"unknown field {unknown[0]!r}", param=unknown[0], code="unknown_field")
-    for name, neutral in _OFF.items():
-        if (
-            name in body
-            and body[name] != neutral
-            and not (isinstance(neutral, int) and _is_real(body[name]) and body[name] == neutral)
-        ):
-            raise APIError(400, f"{name} is not supported by llamax (only {neutral!r}, which "
-                           f"turns it off); see docs/server.md", param=name,
-                           code="unsupported_field")  # fmt: skip
+    check_fields(COMPLETION, body, unknown="refuse")
     if "prompt" not in body:
         raise APIError(400, '"prompt" must be provided', param="prompt", code="missing_field")
     prompts = _prompts(body["prompt"])
     flags = {name: _flag(body, name, default=name == "cache_prompt") for name in _FLAGS}
     options: dict[str, Any] = {}
-    for name, option in NUMBERS.items():
-        value = _number(body, name)
-        if value is not None:
-            options[option] = value
+    for row in SAMPLING:
+        value = _number(body, row.name)
+        if value is not None and row.option is not None:
+            options[row.option] = value
     if "samplers" in body:
         _samplers(body["samplers"], options)
     n_predict = _number(body, "n_predict")
@@ -321,7 +263,7 @@ def parse_native(
     seed = _number(body, "seed")
     if seed is None:
         seed = default_seed
-    if seed is not None and seed not in (-1, _NO_SEED):
+    if seed is not None and seed not in (-1, NO_SEED):
         options["seed"] = seed
     n_probs = _number(body, "n_probs") or 0
     if n_probs:
@@ -353,11 +295,7 @@ def parse_native(
                          flags["post_sampling_probs"])  # fmt: skip
 
 
-_FIELD_OF = {v: k for k, v in NUMBERS.items()} | {
-    "max_tokens": "n_predict", "logprobs": "n_probs", "n": "n_cmpl", "seed": "seed",
-    "stop": "stop", "logit_bias": "logit_bias", "grammar": "grammar",
-    "json_schema": "json_schema", "lora": "lora",
-}  # fmt: skip
+_FIELD_OF = {f.option: f.name for f in COMPLETION if f.option is not None}
 """llamax's option names and the ``/completion`` fields they come from."""
 
 
