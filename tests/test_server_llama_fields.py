@@ -138,7 +138,8 @@ def test_infill_reads_each_honoured_field_and_no_other(monkeypatch: pytest.Monke
         | {f.name: DEFAULT_SETTINGS[f.name] for f in SAMPLING}
     )  # fmt: skip
     monkeypatch.setattr(infill, "parse_object", lambda raw: body)
-    infill._parse(b"", state=SimpleNamespace(default_max_tokens=None, default_seed=None))  # type: ignore[arg-type]
+    config = SimpleNamespace(default_max_tokens=None, default_seed=None)
+    infill._parse(b"", state=SimpleNamespace(config=config))  # type: ignore[arg-type]
     assert body.read == honoured(INFILL)
 
 
