@@ -85,7 +85,9 @@ class _Walk:
             return
         self.threads.add(threading.current_thread().name)
         name = code.co_qualname
-        comprehension = any(k in name for k in ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>"))
+        comprehension = any(
+            k in name for k in ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>")
+        )
         if "/llamax/server/" in code.co_filename and "<locals>" in name and not comprehension:
             self.closures.add(name)
 
