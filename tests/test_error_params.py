@@ -8,6 +8,7 @@ no regex recovers a field from a message any more.
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 from typing import Any
 
@@ -196,7 +197,10 @@ def _post(app: Any, path: str, body: dict[str, Any]) -> httpx.Response:
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            return await client.post(path, json=body)
+            raw = json.dumps(body).encode()  # ASCII: a lone surrogate goes as its escape
+            return await client.post(
+                path, content=raw, headers={"content-type": "application/json"}
+            )
 
     return asyncio.run(go())
 
@@ -216,6 +220,11 @@ HTTP: list[tuple[str, dict[str, Any], str]] = [
     # the message begins "input[0]: role must be ...": the path names the field within
     ("/v1/responses", {"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
     ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
+    # a malformed message (a lone surrogate no tokenizer can take) is about the conversation:
+    # on the Responses API that is ``input`` (it answered ``messages`` before)
+    ("/v1/responses", {"input": [{"role": "user", "content": "\ud800"}]}, "input"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
+     "messages"),
 ]  # fmt: skip
 
 

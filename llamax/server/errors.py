@@ -159,8 +159,8 @@ def from_exception(
         error = APIError(400, message, param=prompt_field, code="context_length_exceeded")
         error.details = {"n_prompt_tokens": exc.num_prompt_tokens, "n_ctx": exc.n_ctx}
         return error
-    if isinstance(exc, InvalidMessageError):
-        return APIError(400, message, param="messages", code="invalid_message")
+    if isinstance(exc, InvalidMessageError):  # the conversation: messages, or input
+        return APIError(400, message, param=prompt_field, code="invalid_message")
     if isinstance(exc, ImageError):  # not an image, damaged, too large, no projector
         return APIError(400, message, param=prompt_field, code="invalid_image")
     if isinstance(exc, llamax.EmptyPromptError):
