@@ -26,6 +26,8 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CacheClearError",
     "ContextClosedError",
@@ -55,7 +57,23 @@ __all__ = [
 
 
 class LlamaxError(Exception):
-    """Base class of every error llamax raises on purpose."""
+    """Base class of every error llamax raises on purpose.
+
+    Every one pickles (a Ray replica sends its errors to the caller's process): it is
+    rebuilt from its ``args`` and attributes, whatever its ``__init__`` takes.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[LlamaxError], args: tuple[Any, ...], state: dict[str, Any]) -> LlamaxError:
+    """An error of ``cls`` with ``args`` and the attributes ``state``, without calling its
+    ``__init__`` (whose keyword-only arguments ``args`` does not hold)."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ModelLoadError(LlamaxError):
