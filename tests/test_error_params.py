@@ -146,6 +146,9 @@ CHAT: list[tuple[dict[str, Any], str]] = [
     ({"speculative": {"max_draft": 0}}, "speculative.max_draft"),  # PromptLookup's message
     ({"lora": [{"id": 0, "name": "a"}]}, "lora[0]"),
     ({"lora": 3}, "lora"),
+    # OpenAI's name: SamplingParams' check on its ``logprobs`` answered "logprobs" before
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
 ]  # fmt: skip
 
 

@@ -299,9 +299,15 @@ def _logprobs(options: CompletionOptions, *, chat: bool) -> int | None:
     """Chat: ``logprobs=True`` plus ``top_logprobs=k``; text: ``logprobs=k``."""
     wanted = options.get("logprobs")
     if chat:
-        if options.get("top_logprobs") and not wanted:
+        top = options.get("top_logprobs")
+        if top and not wanted:
             raise InvalidParameterError("top_logprobs needs logprobs=True", param="top_logprobs")
-        return (options.get("top_logprobs") or 0) if wanted else None
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                                or not 0 <= top <= 20):  # fmt: skip
+            raise InvalidParameterError(  # OpenAI's name, not SamplingParams' logprobs
+                f"top_logprobs must be an int in [0, 20], got {top!r}", param="top_logprobs"
+            )
+        return (top or 0) if wanted else None
     if wanted is None or wanted is False:
         return None
     if not isinstance(wanted, int):
