@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llamax.chat_stream import (
     ChatPart,
     ChatStream,
@@ -112,3 +114,63 @@ def test_a_progress_event_is_a_progress_part_before_the_choice_starts() -> None:
     progress = PrefillProgress(40, 8, 24)
     assert stream.parts(TokenEvent("", (), 0, progress=progress)) == [Progress(0, progress)]
     assert run(stream, "Hi") == [Started(0), ContentDelta(0, "Hi"), Finished(0, "stop")]
+
+
+# ---------------------------------------------------------------------- folds (issue 58)
+FOLD_TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}},
+]
+FOLD_TEXTS = [
+    "Hello there!",
+    "<think>hm</think>\n\nHi",
+    "<think>cut off",
+    "plain <tool_call>",
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+    'Sure. <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "g", "arguments": {"b": "x"}}\n</tool_call>',
+    "<tool_call>\nnot json\n</tool_call>",
+    '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"a": ',
+    '<think>x</think><tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+]
+
+
+def _fold(
+    text: str, pieces: list[str], finish: FinishReason, tools: bool, split: bool
+) -> tuple[str, str, list[tuple[str, str]], str | None]:
+    """A reply's parts folded: content, thinking, the calls (name, arguments), finish."""
+    stream = ChatStream(prepare_tools(FOLD_TOOLS if tools else None, None, None), split)
+    content = reasoning = ""
+    calls: dict[int, list[str]] = {}
+    reason = None
+    for i, piece in enumerate(pieces):
+        event = TokenEvent(piece, (), 0, finish if i == len(pieces) - 1 else None)
+        for part in stream.parts(event):
+            if isinstance(part, ContentDelta):
+                content += part.text
+            elif isinstance(part, ReasoningDelta):
+                reasoning += part.text
+            elif isinstance(part, ToolCallDelta):
+                call = calls.setdefault(part.position, ["", ""])
+                call[0] = part.name or call[0]
+                call[1] += part.arguments
+            elif isinstance(part, Finished):
+                reason = part.reason
+    return content, reasoning, [(n, a) for _, (n, a) in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("tools", [False, True])
+@pytest.mark.parametrize("finish", [FinishReason.STOP, FinishReason.LENGTH])
+@pytest.mark.parametrize("text", FOLD_TEXTS)
+def test_a_reply_folds_the_same_whatever_its_event_boundaries(
+    text: str, finish: FinishReason, tools: bool, split: bool
+) -> None:
+    """The ground a whole reply built as the fold of its parts stands on: the thinking
+    split and the tool-call parser give the same parts, folded, whether the text comes in
+    one event, one character at a time, or cut anywhere."""
+    whole = _fold(text, [text], finish, tools, split)
+    assert _fold(text, list(text), finish, tools, split) == whole
+    for cut in range(1, len(text)):
+        assert _fold(text, [text[:cut], text[cut:]], finish, tools, split) == whole, cut
