@@ -720,7 +720,9 @@ class Context:
         """
         stream = check_flag(stream, "stream")
         usage = include_usage(options.pop("stream_options", None))
-        handle = self.submit_chat(ChatCall.of(messages, **options), fair_key=fair_key)
+        handle = self.submit_chat(
+            ChatCall.of(messages, **options, _where="chat_completion"), fair_key=fair_key
+        )
         return respond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
@@ -758,7 +760,9 @@ class Context:
         """
         stream = check_flag(stream, "stream")
         usage = include_usage(options.pop("stream_options", None))
-        handle = self.submit_text(TextCall.of(prompt, **options), fair_key=fair_key)
+        handle = self.submit_text(
+            TextCall.of(prompt, **options, _where="completion"), fair_key=fair_key
+        )
         return respond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 
     @overload
@@ -792,7 +796,9 @@ class Context:
         stream = check_flag(stream, "stream")
         usage = include_usage(options.pop("stream_options", None))
         handle = await submit_in_worker(  # the call too: a schema compiles to a grammar
-            lambda: self.submit_chat(ChatCall.of(messages, **options), fair_key=fair_key),
+            lambda: self.submit_chat(
+                ChatCall.of(messages, **options, _where="achat_completion"), fair_key=fair_key
+            ),
             _handle,
         )
         return await arespond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
@@ -827,7 +833,10 @@ class Context:
         stream = check_flag(stream, "stream")
         usage = include_usage(options.pop("stream_options", None))
         handle = await submit_in_worker(
-            lambda: self.submit_text(TextCall.of(prompt, **options), fair_key=fair_key), _handle
+            lambda: self.submit_text(
+                TextCall.of(prompt, **options, _where="acompletion"), fair_key=fair_key
+            ),
+            _handle,
         )
         return await arespond(OpenAIRequest(handle), stream, usage)  # type: ignore[return-value]
 

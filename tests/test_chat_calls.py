@@ -250,3 +250,14 @@ def test_a_chat_works_on_any_chat_host(ctx: llamax.Context) -> None:
     with ctx.chat(params=greedy) as chat:  # what the facade builds: a Chat[Session]
         chat.send("Hi!")
         assert chat.session.token_ids  # typed as the context's Session
+
+
+def test_an_unknown_option_is_named_by_the_call_that_took_it(ctx: llamax.Context) -> None:
+    with pytest.raises(TypeError, match=r"^ChatCall\.of\(\) got .*'temprature'"):
+        ChatCall.of(USER, temprature=0.5)
+    with pytest.raises(TypeError, match=r"^TextCall\.of\(\) got .*'temprature'"):
+        TextCall.of("Hi", temprature=0.5)
+    with pytest.raises(TypeError, match=r"^chat_completion\(\) got .*'temprature'"):
+        ctx.chat_completion(USER, temprature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^acompletion\(\) got .*'temprature'"):
+        asyncio.run(ctx.acompletion("Hi", temprature=0.5))  # type: ignore[call-overload]

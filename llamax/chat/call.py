@@ -149,7 +149,8 @@ class ChatCall:
             TypeError: an unknown option (the message names the closest valid one).
             InvalidParameterError: a bad value.
         """
-        check_option_names(options, CHAT_OPTIONS - {"stream", "stream_options"}, "chat_completion")
+        where = options.pop("_where", "ChatCall.of")  # the facade's conveniences name themselves
+        check_option_names(options, CHAT_OPTIONS - {"stream", "stream_options"}, where)
         opts: ChatOptions = options  # type: ignore[assignment]
         params = sampling_params(opts, chat=True)
         if check_flag(opts.get("return_progress"), "return_progress"):
@@ -215,7 +216,7 @@ class TextCall:
             InvalidParameterError: a bad value.
         """
         allowed = COMPLETION_OPTIONS - {"stream", "stream_options"}
-        check_option_names(options, allowed, "completion")
+        check_option_names(options, allowed, options.pop("_where", "TextCall.of"))
         opts: CompletionOptions = options  # type: ignore[assignment]
         params = sampling_params(opts, chat=False)
         extra = {} if request_id is None else {"request_id": request_id}
