@@ -352,6 +352,7 @@ PUBLIC_MODULES = (
     "llamax.stats",
     "llamax.openai",
     "llamax.anthropic",
+    "llamax.dialects",
     "llamax.tools",
     "llamax.server",
     "llamax.ray",
@@ -439,3 +440,4 @@ def test_server_ray_and_cli_import_only_the_public_api() -> None:
                 assert target == ROOT or _within(target, (layer, *PUBLIC_MODULES)), (
                     f"{name} imports {target}, which is not public API"
                 )
+
