@@ -1,7 +1,7 @@
 """Regenerate the options tables of the docs from the option fields (see llamax.optionspec),
-the request-field tables from the route tables (see llamax.openai.fields; llama-server's
-native routes: llamax.server.llama.fields) and the stats tables from the stats fields (see
-llamax.stats).
+the request-field tables from the dialects' route tables (llamax.dialects.TABLES: one
+FieldTable per route, OpenAI's, Anthropic's and llama-server's native ones) and the stats
+tables from the stats fields (see llamax.stats).
 
 Usage: ``python scripts/option_tables.py [FILE.md ...]`` (default: ``docs/*.md``).
 """
@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 
 from llamax.config import OPTION_LISTS
-from llamax.openai import fields
+from llamax.dialects import TABLES
+from llamax.dialects.fields import regenerate as field_tables
 from llamax.optionspec import regenerate
 from llamax.server.config import SERVER_OPTION_LISTS
-from llamax.server.llama.fields import NATIVE_TABLES
-from llamax.server.schemas import FIELD_TABLES
 from llamax.stats import regenerate as stats_tables
 
 
@@ -27,10 +26,7 @@ def main(argv: list[str]) -> int:
     for path in paths:
         text = path.read_text(encoding="utf-8")
         new = stats_tables(
-            fields.regenerate(
-                regenerate(text, {**OPTION_LISTS, **SERVER_OPTION_LISTS}),
-                FIELD_TABLES | NATIVE_TABLES,
-            )
+            field_tables(regenerate(text, {**OPTION_LISTS, **SERVER_OPTION_LISTS}), TABLES)
         )
         if new != text:
             path.write_text(new, encoding="utf-8")

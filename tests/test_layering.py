@@ -12,7 +12,9 @@ The facade (``llamax.context`` and ``llamax.session``) sits below the layers bui
 public API, so neither may reach them at import time, nor climb into them lazily, and no
 import cycle may pass through it. Chat preparation and the OpenAI shapes
 (``llamax.openai``, ``llamax.tools``, ``llamax.chat_stream``) sit below the facade: they
-work on the template binding the facade hands down and never name ``Context``.
+work on the template binding the facade hands down and never name ``Context``. The dialects
+(``llamax.dialects``: the request-field tables of every API) are pure codecs: they reach
+neither the facade nor the server nor a web framework, at import time or lazily.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import ast
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 import llamax
 
@@ -352,6 +356,7 @@ PUBLIC_MODULES = (
     "llamax.stats",
     "llamax.openai",
     "llamax.anthropic",
+    "llamax.dialects",
     "llamax.tools",
     "llamax.server",
     "llamax.ray",
@@ -439,3 +444,84 @@ def test_server_ray_and_cli_import_only_the_public_api() -> None:
                 assert target == ROOT or _within(target, (layer, *PUBLIC_MODULES)), (
                     f"{name} imports {target}, which is not public API"
                 )
+
+
+# The dialects (issue 58): pure codecs, below the facade and the server.
+DIALECTS = "llamax.dialects"
+NOT_FOR_DIALECTS = (*FACADE, ROOT, "llamax.server")
+"""What no module of the dialects may reach: the facade, the package root (which imports
+the facade) and the server."""
+WEB_FRAMEWORKS = frozenset({"starlette", "fastapi"})
+
+
+def _third_party(path: Path, *, lazy: bool) -> set[str]:
+    """The top-level packages outside ``llamax`` a module imports (at import time; with
+    ``lazy``, anywhere in it)."""
+    body = ast.parse(path.read_text()).body
+    found: set[str] = set()
+    for node in _every_import(body) if lazy else _module_level(body):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - {ROOT}
+
+
+def dialect_violations(modules: dict[str, Path]) -> list[str]:
+    """Where the dialects break their rule: a chain from a module of ``llamax.dialects`` to
+    the facade, the root or the server (the dialects' own imports counted wherever they sit,
+    lazy and ``TYPE_CHECKING`` ones included, then what those import at import time), a
+    ``Context`` named in them, or Starlette/FastAPI imported by any module on the way."""
+    graph = {
+        name: import_edges(name, path, modules, lazy=_within(name, (DIALECTS,)))
+        for name, path in modules.items()
+    }
+    found: list[str] = []
+    for name in sorted(n for n in modules if _within(n, (DIALECTS,))):
+        for goal in NOT_FOR_DIALECTS:
+            chain = _path(graph, name, goal)
+            if chain is not None:
+                found.append(" -> ".join(chain))
+        found += [f"{name} {where}" for where in _names_context(name, modules[name], modules)]
+        reached, queue = {name}, deque([name])
+        while queue:
+            for nxt in graph.get(queue.popleft(), ()):
+                if nxt not in reached and nxt in modules:
+                    reached.add(nxt)
+                    queue.append(nxt)
+        for module in sorted(reached):
+            lazy = _within(module, (DIALECTS,))
+            for framework in sorted(_third_party(modules[module], lazy=lazy) & WEB_FRAMEWORKS):
+                found.append(f"{name} reaches {framework} through {module}")
+    return found
+
+
+def test_the_dialects_reach_neither_the_facade_nor_the_server() -> None:
+    """Issue 58: ``llamax.dialects`` holds pure codecs (the field tables and their
+    policy); the server and the facade build on them, never the other way round."""
+    modules = package_modules()
+    assert _within("llamax.dialects.fields", tuple(modules))  # the package is there
+    assert dialect_violations(modules) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("import llamax\n", "llamax.dialects.fake -> llamax"),
+        ("from llamax import Context\n", "line 1: from llamax import"),
+        ("def f():\n    from ..server import app\n", "-> llamax.server"),
+        ("def f():\n    from ..session import Session\n", "-> llamax.session"),
+        ("if TYPE_CHECKING:\n    from llamax.context import Context\n", "-> llamax.context"),
+        ("from ..chat.options import one_of\nimport starlette.responses\n", "starlette"),
+        ("def f():\n    from fastapi import Request\n", "fastapi"),
+    ],
+)
+def test_the_dialect_rule_catches_a_violation(tmp_path: Path, source: str, flagged: str) -> None:
+    """Guards the checker: a synthetic module of the dialects that imports what the rule
+    forbids (at import time, lazily, for type checking only, or a web framework) is
+    flagged."""
+    fake = tmp_path / "fake.py"
+    fake.write_text(source)
+    modules = package_modules() | {"llamax.dialects.fake": fake}
+    found = dialect_violations(modules)
+    assert any(flagged in line for line in found), found

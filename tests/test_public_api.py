@@ -78,6 +78,7 @@ PUBLIC_MODULES = {
     "llamax.info": ["ModelInfo", "max_cells", "model_info"],
     "llamax.cli": ["main"],
     "llamax.anthropic": ["REQUEST_FIELDS", "amessages", "count_tokens", "messages"],
+    "llamax.dialects": ["TABLES"],
     "llamax.chat": [
         "CallHost",
         "ChatCall",
@@ -186,18 +187,26 @@ def _imported_modules(path: Path) -> set[str]:
 # on the public API (anthropic, conversation, batch with its progress bar); the facade
 # (context, session); typed calls and their preparation (chat, with the tools and the chat
 # stream) and the OpenAI shapes (openai, on chat): below the facade, yet using only the
-# public API's modules too; templates;
+# public API's modules too; the dialects' field tables (dialects, on chat's options: pure
+# codecs, no facade, no server); templates;
 # the engine and the backend.
 UPPER_LAYERS = {
     # layer: (its modules, the upper layers below it that it may also use)
-    "server": ({"llamax.server"}, {"llamax.anthropic", "llamax.openai", "llamax.chat"}),
+    "server": (
+        {"llamax.server"},
+        {"llamax.anthropic", "llamax.openai", "llamax.chat", "llamax.dialects"},
+    ),
     "ray": ({"llamax.ray"}, {"llamax.server"}),
     "cli": ({"llamax.cli"}, {"llamax.server", "llamax.batch"}),
     "anthropic": (
         {"llamax.anthropic"},
-        {"llamax.openai", "llamax.chat", "llamax.tools", "llamax.chat_stream"},
+        {"llamax.openai", "llamax.chat", "llamax.tools", "llamax.chat_stream", "llamax.dialects"},
     ),
-    "openai": ({"llamax.openai"}, {"llamax.chat", "llamax.tools", "llamax.chat_stream"}),
+    "openai": (
+        {"llamax.openai"},
+        {"llamax.chat", "llamax.tools", "llamax.chat_stream", "llamax.dialects"},
+    ),
+    "dialects": ({"llamax.dialects"}, {"llamax.chat"}),
     "chat": ({"llamax.chat"}, {"llamax.tools", "llamax.chat_stream"}),
     "chat_stream": ({"llamax.chat_stream"}, {"llamax.tools"}),
     "tools": ({"llamax.tools"}, set()),
@@ -269,8 +278,8 @@ def _private_context_members(path: Path) -> list[str]:
 @pytest.mark.parametrize("layer", sorted(UPPER_LAYERS))
 def test_layers_above_the_core_use_only_the_public_api(layer: str) -> None:
     """Every module of a layer built on the public API (server/, ray/, cli.py, anthropic/,
-    conversation.py, batch.py; and openai/, tools/, chat_stream.py, which sit below the
-    facade but use nothing else) imports from ``llamax`` only: the public API
+    conversation.py, batch.py; and openai/, dialects/, tools/, chat_stream.py, which sit
+    below the facade but use nothing else) imports from ``llamax`` only: the public API
     (the package itself and the value modules in ``PUBLIC_API``), its own layer's modules,
     and the upper layers below it (ray uses ``llamax.server.create_app``, cli the server and
     batch, openai the tools and the chat stream). Every import counts, wherever it sits (a

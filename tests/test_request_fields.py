@@ -17,20 +17,12 @@ from test_chat import make
 
 import llamax
 from llamax.anthropic import REQUEST_FIELDS
-from llamax.anthropic.fields import MESSAGES
+from llamax.dialects.anthropic import MESSAGES
+from llamax.dialects.fields import SHARED_FIELDS, Support, generated_blocks, honoured
+from llamax.dialects.llama import NATIVE_TABLES
+from llamax.dialects.openai import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from llamax.openai import RESPONSE_FIELDS
-from llamax.openai.fields import (
-    CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    RESPONSES,
-    SHARED_FIELDS,
-    Support,
-    generated_blocks,
-    honoured,
-)
 from llamax.server import BackgroundServer, create_app
-from llamax.server.llama.fields import NATIVE_TABLES
 from llamax.server.schemas import (
     FIELD_TABLES,
     ChatCompletionRequest,

@@ -1,5 +1,5 @@
 """llama-server's native fields as ``RequestField`` tables (issue 58): ``/completion``'s and
-``/infill``'s parsers are driven by the rows of ``llamax.server.llama.fields``, the docs
+``/infill``'s parsers are driven by the rows of ``llamax.dialects.llama``, the docs
 tables are generated from them, and one function reports ``generation_settings``. The
 behaviour pinned here is the one before the tables (the same fields accepted and refused,
 the same messages, codes and ``param``s, the same settings)."""
@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 
 import llamax
-from llamax.openai.fields import Support, generated_blocks, honoured
-from llamax.server.errors import APIError
-from llamax.server.llama import infill, request
-from llamax.server.llama.fields import (
+from llamax.dialects.fields import Support, generated_blocks, honoured
+from llamax.dialects.llama import (
     COMPLETION,
     DEFAULT_SETTINGS,
     INFILL,
     NATIVE_TABLES,
     SAMPLING,
     TAKEN_AS_GIVEN,
-    check_fields,
     generation_settings,
 )
+from llamax.server.errors import APIError
+from llamax.server.llama import infill, request
+from llamax.server.llama.request import check_fields
 from llamax.server.schemas import FIELD_TABLES
 
 DOCS = Path(__file__).parent.parent / "docs"
@@ -234,3 +234,19 @@ def test_a_refused_sampling_value_is_named_as_the_client_gave_it() -> None:
         request.parse_native({"prompt": "Hi", "repeat_last_n": -5})
     assert caught.value.param == "repeat_last_n"
     assert caught.value.message.startswith("repeat_last_n ")
+
+
+def test_the_pure_check_says_what_the_server_refuses() -> None:
+    """The policy is in ``llamax.dialects.llama`` (no server error type); the server's
+    ``check_fields`` answers its verdict as a 400."""
+    from llamax.dialects.llama import FieldRefusal, field_refusal
+
+    assert field_refusal(INFILL, {"dry_base": 3, "samplers_x": 1}, unknown="ignore") is None
+    assert field_refusal(COMPLETION, {"samplers_x": 1}, unknown="refuse") == FieldRefusal(
+        "samplers_x", "unknown field 'samplers_x'", "unknown_field"
+    )
+    refused = field_refusal(COMPLETION, {"mirostat": 2}, unknown="refuse")
+    assert refused is not None and (refused.param, refused.code) == (
+        "mirostat",
+        "unsupported_field",
+    )

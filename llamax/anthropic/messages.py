@@ -11,7 +11,7 @@ Supported and not, plainly:
   ``--allow-image-urls``) and ``thinking`` (assistant; dropped from the prompt: the
   template sees the text). Images in tool results and PDF or URL documents are refused
   (:class:`~llamax.InvalidRequestError`).
-- Fields: the table :data:`llamax.anthropic.fields.MESSAGES` says which are honoured,
+- Fields: the table :data:`llamax.dialects.anthropic.MESSAGES` says which are honoured,
   accepted as hints (no effect) or refused, and why; any other field is refused.
 - ``cache_control`` (the request's, or on any system block, content block or tool) is a
   hint: the prompt's prefix is kept longer than unhinted ones
@@ -42,12 +42,12 @@ from ..chat_stream import (
     ReasoningDelta,
     ToolCallDelta,
 )
+from ..dialects.anthropic import MESSAGES, check_cache_control
+from ..dialects.fields import accept_fields, honoured
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError
 from ..images import Image
 from ..openai import OpenAIRequest
-from ..openai.fields import accept_fields, honoured
 from ..results import Completion, FinishReason
-from .fields import MESSAGES, check_cache_control
 from .volatile import without_billing_header
 
 if TYPE_CHECKING:

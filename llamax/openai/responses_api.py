@@ -12,7 +12,7 @@ Supported and not, plainly:
   the template sees the text). Image files by ``file_id``, remote image URLs (``llamax
   serve`` fetches those with ``--allow-image-urls``), files, audio and item references
   are refused (:class:`~llamax.InvalidRequestError`).
-- Fields: the table :data:`llamax.openai.fields.RESPONSES` says which are honoured,
+- Fields: the table :data:`llamax.dialects.openai.RESPONSES` says which are honoured,
   accepted as hints (no effect) or refused, and why; any other field is refused. Built-in
   tools such as web search are refused; ``reasoning.effort`` ``none``/``minimal`` turns
   thinking off, other efforts on, through the template's ``enable_thinking``; ``summary``
@@ -31,9 +31,10 @@ from typing import Any
 
 from ..chat import CallHost, ChatCall, chat_prompt_tokens, submit_in_worker
 from ..chat.options import MAX_USER_CHARS, check_flag, keeps_prefix
+from ..dialects.fields import accept_fields, honoured
+from ..dialects.openai import RESPONSES, check_metadata
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError, NotFoundError
 from ..images import Image
-from .fields import RESPONSES, accept_fields, check_metadata, honoured
 from .requests import OpenAIRequest
 from .responses_output import ResponseEvents, ResponseJob, ResponseStore
 
@@ -47,7 +48,7 @@ __all__ = [
 
 RESPONSE_FIELDS = honoured(RESPONSES)
 """The Responses request fields this layer takes (the honoured ones of
-:data:`llamax.openai.fields.RESPONSES`)."""
+:data:`llamax.dialects.openai.RESPONSES`)."""
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 from llamax.anthropic import REQUEST_FIELDS, amessages, count_tokens
-from llamax.anthropic.fields import MESSAGES
+from llamax.dialects.anthropic import MESSAGES
 
 from .dialects import ANTHROPIC
 from .errors import APIError, anthropic_error_response, from_exception

@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse
 
 import llamax
 from llamax import InvalidRequestError
+from llamax.dialects.openai import RESPONSES as RESPONSE_TABLE
 from llamax.openai import acreate_response, response_input_tokens
-from llamax.openai.fields import RESPONSES as RESPONSE_TABLE
 from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES

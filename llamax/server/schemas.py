@@ -17,15 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from llamax import InvalidParameterError, SamplingParams
-from llamax.anthropic.fields import MESSAGES
-from llamax.openai.fields import (
-    CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    ROUTES,
-    RequestField,
-    accept_fields,
-)
+from llamax.dialects.anthropic import MESSAGES
+from llamax.dialects.fields import FieldTable, accept_fields
+from llamax.dialects.openai import CHAT, COMPLETIONS, EMBEDDINGS, ROUTES
 
 from .errors import APIError
 
@@ -331,9 +325,7 @@ def parse_object(raw: bytes) -> dict[str, Any]:
 _log = logging.getLogger("llamax.server")
 
 
-def without_unknown(
-    data: dict[str, Any], table: tuple[RequestField, ...], route: str
-) -> dict[str, Any]:
+def without_unknown(data: dict[str, Any], table: FieldTable, route: str) -> dict[str, Any]:
     """``data`` without the top-level fields ``table`` does not name, each logged as a
     warning: what ``--lenient`` does with a field in neither API's reference (strict, the
     default, refuses it). Hints are still checked and refused fields still refused, and
@@ -382,19 +374,19 @@ def parse_body(model: type[RequestT], raw: bytes, *, lenient: bool = False) -> R
         raise _validation_error(exc) from exc
 
 
-_TABLES: dict[type[BaseModel], tuple[RequestField, ...]] = {
+_TABLES: dict[type[BaseModel], FieldTable] = {
     ChatCompletionRequest: CHAT,
     CompletionRequest: COMPLETIONS,
     EmbeddingRequest: EMBEDDINGS,
 }
-"""Each OpenAI request model's field table (:mod:`llamax.openai.fields`)."""
+"""Each OpenAI request model's field table (:mod:`llamax.dialects.openai`)."""
 _PATHS = {
     ChatCompletionRequest: "/v1/chat/completions",
     CompletionRequest: "/v1/completions",
     EmbeddingRequest: "/v1/embeddings",
 }
 
-FIELD_TABLES: dict[str, tuple[RequestField, ...]] = {**ROUTES, "messages": MESSAGES}
+FIELD_TABLES: dict[str, FieldTable] = {**ROUTES, "messages": MESSAGES}
 """Every route's field table, by the name the docs blocks use (``<!-- fields: chat -->``)."""
 
 

@@ -29,6 +29,7 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 
 import llamax
+from llamax.dialects.llama import INFILL, NO_SEED, TAKEN_AS_GIVEN, generation_settings
 
 from ..dialects import LLAMA
 from ..fairness import client_key
@@ -36,9 +37,8 @@ from ..schemas import parse_object
 from ..serve import add_completion_routes
 from ..state import ServerState
 from .errors import LlamaError
-from .fields import INFILL, NO_SEED, TAKEN_AS_GIVEN, check_fields, generation_settings
 from .jobs import run_job
-from .request import NativeRequest
+from .request import NativeRequest, check_fields
 from .slots import SlotTables
 
 __all__ = ["infill_routes", "infill_tokens"]
@@ -161,8 +161,8 @@ def _settings(body: Mapping[str, Any], params: llamax.SamplingParams) -> dict[st
 
 
 _FIELDS = frozenset(f.name for f in INFILL)
-"""The ``/infill`` fields llamax reads or refuses (:data:`~.fields.INFILL`; others, which
-editor plugins send for llama-server's own limits, are ignored)."""
+"""The ``/infill`` fields llamax reads or refuses (:data:`~llamax.dialects.llama.INFILL`;
+others, which editor plugins send for llama-server's own limits, are ignored)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,13 +274,13 @@ def sampling_params(
 ) -> llamax.SamplingParams:  # fmt: skip
     """llama-server's sampling fields as :class:`~llamax.SamplingParams`: ``n_predict``
     (``-1``: until the end of generation or the context), the fields of
-    :data:`~.fields.TAKEN_AS_GIVEN` (the sampling numbers, ``ignore_eos``, ``grammar``,
-    ``json_schema``), ``seed`` (``-1``: random), ``stop``. ``default_n_predict`` and
+    :data:`~llamax.dialects.llama.TAKEN_AS_GIVEN` (the sampling numbers, ``ignore_eos``,
+    ``grammar``, ``json_schema``), ``seed`` (``-1``: random), ``stop``. ``default_n_predict`` and
     ``default_seed`` (the server's ``-n`` and ``--seed``) stand for a field left out.
 
     Raises:
         APIError: 400 for a field ``/infill`` refuses (a refused row of
-            :data:`~.fields.INFILL`), naming it.
+            :data:`~llamax.dialects.llama.INFILL`), naming it.
         LlamaError: 400 for a value :class:`~llamax.SamplingParams` refuses.
     """
     check_fields(INFILL, body, unknown="ignore")

@@ -5,8 +5,8 @@ Every field llama-server takes is either mapped, accepted at the value that turn
 (``mirostat: 0``, ``dry_multiplier: 0`` ...: a sampler llamax does not have), or refused
 with a 400 that names it, so no request is silently sampled otherwise than it asked. A
 field llama-server does not know is refused too (llama-server ignores it; llamax refuses
-unknown fields everywhere). The fields are the rows of :data:`~.fields.COMPLETION`, which
-docs/server.md shows.
+unknown fields everywhere). The fields are the rows of
+:data:`~llamax.dialects.llama.COMPLETION`, which docs/server.md shows.
 """
 
 from __future__ import annotations
@@ -14,26 +14,28 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import llamax
-
-from ..errors import APIError
-from .fields import (
+from llamax.dialects.fields import FieldTable
+from llamax.dialects.llama import (
     COMPLETION,
     DEFAULT_SETTINGS,
     NO_SEED,
     SAMPLER_OFF,
     SAMPLERS,
     SAMPLING,
-    check_fields,
+    field_refusal,
 )
+
+from ..errors import APIError
 
 __all__ = [
     "FIELDS",
     "MEDIA_MARKER",
     "NativePrompt",
     "NativeRequest",
+    "check_fields",
     "default_settings",
     "parse_native",
 ]
@@ -43,6 +45,23 @@ MEDIA_MARKER = "<__media__>"
 as ``media_marker``): llama-server's default marker. llama-server may pick a random one at
 each start; llamax keeps this one."""
 
+
+def check_fields(
+    table: FieldTable, body: Mapping[str, Any], *, unknown: Literal["refuse", "ignore"]
+) -> None:
+    """Check a body's fields against a native route's table
+    (:func:`~llamax.dialects.llama.field_refusal`: an unknown field refused or ignored as
+    ``unknown`` says, then the first refused field that is not harmless).
+
+    Raises:
+        APIError: 400 ``unknown_field`` or ``unsupported_field``, naming the field as
+            ``param``.
+    """
+    refused = field_refusal(table, body, unknown=unknown)
+    if refused is not None:
+        raise APIError(400, refused.message, param=refused.param, code=refused.code)
+
+
 NativePrompt = str | tuple[int | str | llamax.Image, ...]
 """One ``/completion`` prompt: text, token ids mixed with text pieces, or text pieces and
 images (a ``prompt_string`` with ``multimodal_data``)."""
@@ -50,7 +69,7 @@ images (a ``prompt_string`` with ``multimodal_data``)."""
 _FLAGS = frozenset({"stream", "cache_prompt", "return_tokens", "timings_per_token", "ignore_eos",
                     "post_sampling_probs", "return_progress"})  # fmt: skip
 FIELDS = frozenset(f.name for f in COMPLETION)
-"""Every field ``/completion`` takes (its table, :data:`~.fields.COMPLETION`)."""
+"""Every field ``/completion`` takes (its table, :data:`~llamax.dialects.llama.COMPLETION`)."""
 
 _MAX_PROMPTS = 64
 _TEMPERATURE = DEFAULT_SETTINGS["temperature"]
@@ -76,7 +95,8 @@ class NativeRequest:
     response_fields: tuple[str, ...] = ()
     model: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
-    """``generation_settings``: :data:`~.fields.DEFAULT_SETTINGS` with the fields given."""
+    """``generation_settings``: :data:`~llamax.dialects.llama.DEFAULT_SETTINGS` with the
+    fields given."""
     text_bias: tuple[tuple[str, float], ...] = ()
     """``logit_bias`` entries given as text: each of its tokens gets the bias (the route
     tokenizes them and adds them to ``params``)."""
@@ -214,8 +234,8 @@ def _samplers(value: object, options: dict[str, Any]) -> None:
 
 
 def default_settings(n_predict: int | None = None, seed: int | None = None) -> dict[str, Any]:
-    """:data:`~.fields.DEFAULT_SETTINGS` under the server's default reply length and seed
-    (llama-server's ``-n`` and ``--seed``; ``None``: llamax's)."""
+    """:data:`~llamax.dialects.llama.DEFAULT_SETTINGS` under the server's default reply
+    length and seed (llama-server's ``-n`` and ``--seed``; ``None``: llamax's)."""
     settings = dict(DEFAULT_SETTINGS)
     if n_predict is not None:
         settings["n_predict"] = settings["max_tokens"] = n_predict

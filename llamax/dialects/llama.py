@@ -1,11 +1,11 @@
 # ruff: noqa: E501, RUF001  (the tables hold one-line docs, some with a multiplication sign)
 """llama-server's native request fields, ``/completion``'s and ``/infill``'s, as
-:class:`~llamax.openai.fields.RequestField` tables (the policy mechanism of every
+:data:`~llamax.dialects.fields.FieldTable` tables (the policy mechanism of every
 dialect): each field is honoured, a hint (accepted with any value, no effect) or refused
-unless :attr:`~llamax.openai.fields.RequestField.harmless` (at the value that turns its
-feature off). The parsers (:mod:`.request`, :mod:`.infill`) check a body against these rows
-(:func:`check_fields`) and the tables in docs/server.md are generated from them
-(``python scripts/option_tables.py``).
+unless :attr:`~llamax.dialects.fields.RequestField.harmless` (at the value that turns its
+feature off). The server's parsers (``llamax.server.llama.request``, ``.infill``) check a
+body against these rows (:func:`field_refusal`) and the tables in docs/server.md are
+generated from them (``python scripts/option_tables.py``).
 
 The one mapping of llama-server's sampling names onto :class:`~llamax.SamplingParams` is
 here too: the rows of :data:`SAMPLING` (each names its option), which both routes take as
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import llamax
-from llamax.openai.fields import RequestField, Support, refusal
-
-from ..errors import APIError
+from ..params import SamplingParams
+from .fields import FieldTable, RequestField, Support, refusal
 
 __all__ = [
     "COMPLETION",
@@ -35,7 +34,8 @@ __all__ = [
     "SAMPLER_OFF",
     "SAMPLING",
     "TAKEN_AS_GIVEN",
-    "check_fields",
+    "FieldRefusal",
+    "field_refusal",
     "generation_settings",
 ]
 
@@ -44,7 +44,7 @@ H, HINT, R = Support.HONOURED, Support.HINT, Support.REFUSED
 NO_SEED = 0xFFFFFFFF
 """llama-server's ``LLAMA_DEFAULT_SEED``: a random seed."""
 
-_DEFAULTS = llamax.SamplingParams(max_tokens=None)
+_DEFAULTS = SamplingParams(max_tokens=None)
 """:class:`~llamax.SamplingParams`' defaults, replying until the end of generation or of the
 context (llama-server's ``n_predict: -1``)."""
 
@@ -71,7 +71,7 @@ SAMPLING = (
     _sampling("frequency_penalty", "OpenAI's frequency penalty, in [-2, 2]"),
 )
 """llama-server's numeric sampling fields, each a :class:`~llamax.SamplingParams` option
-(:attr:`~llamax.openai.fields.RequestField.option`) taken as given, in the order
+(:attr:`~llamax.dialects.fields.RequestField.option`) taken as given, in the order
 llama-server reports them (:func:`generation_settings`)."""
 
 _IGNORE_EOS = RequestField(
@@ -325,34 +325,39 @@ INFILL = (
 """The ``POST /infill`` fields llamax reads or refuses; other fields, which editor plugins
 send for llama-server's own limits, are ignored."""
 
-NATIVE_TABLES: dict[str, tuple[RequestField, ...]] = {"completion": COMPLETION, "infill": INFILL}
+NATIVE_TABLES: dict[str, FieldTable] = {"completion": COMPLETION, "infill": INFILL}
 """The native routes' tables, by the name the docs blocks use (``<!-- fields: infill -->``)."""
 
 
-def check_fields(
-    table: tuple[RequestField, ...], body: Mapping[str, Any], *,
-    unknown: Literal["refuse", "ignore"],
-) -> None:  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class FieldRefusal:
+    """Why a native route refuses a body: the field (``param``), the message and the code
+    (``unknown_field`` or ``unsupported_field``); the server answers it as a 400."""
+
+    param: str
+    message: str
+    code: Literal["unknown_field", "unsupported_field"]
+
+
+def field_refusal(
+    table: FieldTable, body: Mapping[str, Any], *, unknown: Literal["refuse", "ignore"]
+) -> FieldRefusal | None:
     """Check a body's fields against a native route's table: a field in no row is refused
     (``unknown="refuse"``, the first in sorted order) or left alone (``"ignore"``), then the
-    first refused field (in the table's order) that is not harmless is refused. Hints and
-    honoured fields are left to the route's parser.
-
-    Raises:
-        APIError: 400 ``unknown_field`` or ``unsupported_field``, naming the field as
-            ``param`` (a refused field's message is its row's
-            :func:`~llamax.openai.fields.refusal`).
-    """
+    first refused field (in the table's order) that is not harmless is refused (its row's
+    :func:`~llamax.dialects.fields.refusal` is the message). Hints and honoured fields are
+    left to the route's parser. ``None``: nothing is refused."""
     if unknown == "refuse":
         extra = sorted(set(body) - {f.name for f in table})
         if extra:
-            raise APIError(400, f"unknown field {extra[0]!r}", param=extra[0], code="unknown_field")
+            return FieldRefusal(extra[0], f"unknown field {extra[0]!r}", "unknown_field")
     for f in table:
         if f.support is R and f.name in body and not f.harmless(body[f.name], body):
-            raise APIError(400, refusal(f), param=f.name, code="unsupported_field")
+            return FieldRefusal(f.name, refusal(f), "unsupported_field")
+    return None
 
 
-def generation_settings(params: llamax.SamplingParams) -> dict[str, Any]:
+def generation_settings(params: SamplingParams) -> dict[str, Any]:
     """What ``params`` runs, in llama-server's ``generation_settings`` names: ``n_predict``
     (``-1``: until the end), ``seed`` (:data:`NO_SEED`: random), the options of
     :data:`SAMPLING`, ``ignore_eos`` and ``stop``."""

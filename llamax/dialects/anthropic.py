@@ -1,5 +1,6 @@
 # ruff: noqa: E501  (the tables hold one-line docs)
-"""The Messages request fields: what llamax does with each (see :mod:`llamax.openai.fields`)."""
+"""Anthropic's request fields: the ``POST /v1/messages`` :data:`~llamax.dialects.fields.FieldTable`
+(the mechanism is :mod:`llamax.dialects.fields`) and the check of its ``cache_control``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from ..chat.options import check_text, one_of
 from ..errors import InvalidParameterError
-from ..openai.fields import RequestField, Support, check_object, table
+from .fields import RequestField, Support, check_object, table
 
 __all__ = ["MESSAGES", "check_cache_control"]
 
