@@ -2,10 +2,12 @@
 
 :func:`messages`, :func:`amessages` and :func:`count_tokens` take the context and a
 Messages request (a mapping shaped as Anthropic's ``POST /v1/messages`` body) and return
-Anthropic's shapes; ``llamax serve`` builds its ``/v1/messages`` route on them. Built on
-:mod:`llamax.openai`.
+Anthropic's shapes; ``llamax serve`` builds its ``/v1/messages`` route on them. The request
+side (fields, mapping onto a :class:`~llamax.chat.ChatCall`) is the dialect's codec,
+:mod:`llamax.dialects.anthropic`; the reply is read through :mod:`llamax.openai`.
 """
 
-from .messages import REQUEST_FIELDS, amessages, count_tokens, messages
+from ..dialects.anthropic import REQUEST_FIELDS
+from .messages import amessages, count_tokens, messages
 
 __all__ = ["REQUEST_FIELDS", "amessages", "count_tokens", "messages"]
