@@ -23,6 +23,7 @@ from .dialects import ANTHROPIC
 from .errors import APIError, anthropic_error_response, from_exception
 from .fairness import client_key
 from .images import prepare_images
+from .route import JSONObjectRoute
 from .schemas import parse_object, without_unknown
 from .serve import add_completion_routes
 from .state import ServerState, run_leased
@@ -32,8 +33,8 @@ __all__ = ["anthropic_routes"]
 _ENDPOINT = "messages"
 
 
-class AnthropicMessages:
-    """``POST /v1/messages`` (a :class:`~.serve.CompletionRoute`): the key checked here, to
+class AnthropicMessages(JSONObjectRoute):
+    """``POST /v1/messages`` (a :class:`~.route.CompletionRoute`): the key checked here, to
     answer a 401 in Anthropic's shape; a quiet stream gets ``ping`` events."""
 
     endpoint = _ENDPOINT
@@ -49,18 +50,6 @@ class AnthropicMessages:
     def parse(self, raw: bytes) -> dict[str, Any]:
         """The body as an object, images read (a worker: it may fetch)."""
         return _parse(self.state, raw)
-
-    def model(self, body: dict[str, Any]) -> object:
-        """The ``model`` the body names."""
-        return body.get("model")
-
-    def stream(self, body: dict[str, Any]) -> bool:
-        """Whether the reply streams (a non-boolean ``stream`` is refused later)."""
-        return body.get("stream") is True
-
-    def include_usage(self, body: dict[str, Any]) -> bool:
-        """Anthropic's stream always carries its usage."""
-        return False
 
     def start(self, body: dict[str, Any], ctx: llamax.Context, request: Request) -> Any:
         """Map, render and submit the request in a worker; read it as Anthropic's shapes."""

@@ -34,6 +34,7 @@ from .errors import APIError, from_exception
 from .fairness import client_key
 from .images import has_image_urls, prepare_images
 from .llama import timed_response_events
+from .route import JSONObjectRoute
 from .schemas import parse_object, without_unknown
 from .serve import add_completion_routes
 from .state import ServerState, run_leased
@@ -122,8 +123,8 @@ def responses_routes(state: ServerState) -> APIRouter:
     return router
 
 
-class ResponsesCreate:
-    """``POST /v1/responses`` (a :class:`~.serve.CompletionRoute`); with ``llama``,
+class ResponsesCreate(JSONObjectRoute):
+    """``POST /v1/responses`` (a :class:`~.route.CompletionRoute`); with ``llama``,
     llama-server's ``/responses``, whose streams end with ``response.completed``."""
 
     endpoint = _ENDPOINT
@@ -139,18 +140,6 @@ class ResponsesCreate:
     def parse(self, raw: bytes) -> dict[str, Any]:
         """The body as an object, images read (a worker: it may fetch)."""
         return _parse(self.state, raw)
-
-    def model(self, body: dict[str, Any]) -> object:
-        """The ``model`` the body names."""
-        return body.get("model")
-
-    def stream(self, body: dict[str, Any]) -> bool:
-        """Whether the reply streams (a non-boolean ``stream`` is refused later)."""
-        return body.get("stream") is True
-
-    def include_usage(self, body: dict[str, Any]) -> bool:
-        """The Responses stream always carries its usage."""
-        return False
 
     def start(self, body: dict[str, Any], ctx: llamax.Context, request: Request) -> Any:
         """Map, render and submit the request; read it as the Responses API's shapes."""

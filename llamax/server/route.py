@@ -4,7 +4,7 @@ runs it: a :class:`CompletionRoute` (one object per route, built once per app) a
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
@@ -13,7 +13,7 @@ import llamax
 
 from .dialects import Dialect
 
-__all__ = ["CompletionRoute", "Lease"]
+__all__ = ["CompletionRoute", "JSONObjectRoute", "Lease"]
 
 B = TypeVar("B")
 
@@ -73,3 +73,22 @@ class Lease(Protocol):
 
     def release(self) -> None:
         """Give the model and the admission slot back (idempotent)."""
+
+
+class JSONObjectRoute:
+    """What the routes whose parsed body is the JSON object itself (Anthropic's Messages,
+    the Responses API) read of it the same way: its ``model``, whether it streams (a
+    non-boolean ``stream`` is refused when the body is mapped), and no usage chunk to
+    show (those streams carry their usage in their own events)."""
+
+    def model(self, body: Mapping[str, Any]) -> object:
+        """The ``model`` the body names."""
+        return body.get("model")
+
+    def stream(self, body: Mapping[str, Any]) -> bool:
+        """Whether the reply streams."""
+        return body.get("stream") is True
+
+    def include_usage(self, body: Mapping[str, Any]) -> bool:
+        """No OpenAI usage chunk: the dialect's own events carry the usage."""
+        return False

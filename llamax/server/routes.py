@@ -150,7 +150,7 @@ TextBody = tuple[CompletionRequest, dict[str, Any]]
 
 
 class OpenAIChat:
-    """``POST /v1/chat/completions`` (a :class:`~.serve.CompletionRoute`); with the
+    """``POST /v1/chat/completions`` (a :class:`~.route.CompletionRoute`); with the
     ``OPENAI_LLAMA`` dialect llama-server's ``/chat/completions``: its error shape, and its
     rule that two assistant messages cannot end the list."""
 
@@ -203,7 +203,7 @@ class OpenAIChat:
 
 
 class OpenAIText:
-    """``POST /v1/completions`` (a :class:`~.serve.CompletionRoute`)."""
+    """``POST /v1/completions`` (a :class:`~.route.CompletionRoute`)."""
 
     endpoint = "completions"
     dialect = OPENAI

@@ -188,7 +188,7 @@ def infill_routes(state: ServerState, tables: SlotTables) -> APIRouter:
 
 
 class Infill:
-    """llama-server's ``POST /infill`` (a :class:`~..serve.CompletionRoute`): answered as
+    """llama-server's ``POST /infill`` (a :class:`~..route.CompletionRoute`): answered as
     ``/completion`` answers (whole or streamed), on the slot ``id_slot`` names or on any
     sequence."""
 

@@ -109,7 +109,7 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
 
 
 class NativeCompletion:
-    """llama-server's ``POST /completion`` (a :class:`~..serve.CompletionRoute`): its
+    """llama-server's ``POST /completion`` (a :class:`~..route.CompletionRoute`): its
     prompts, on the slot ``id_slot`` names or on any sequence."""
 
     endpoint = "completion"
