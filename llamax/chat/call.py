@@ -138,19 +138,21 @@ class ChatCall:
         *,
         prefill: str = "",
         request_id: str | None = None,
+        _where: str = "ChatCall.of",
         **options: Any,
     ) -> ChatCall:
         """The call for ``messages`` with OpenAI-named chat options (``max_tokens``,
         ``temperature``, ``tools``, ``response_format``, ``truncate`` ...: see
         :class:`~llamax.chat.options.ChatOptions`). ``stream`` and ``stream_options`` are
-        not options here (they say how the result is read, not what is asked).
+        not options here (they say how the result is read, not what is asked). ``_where``:
+        the name an unknown option's ``TypeError`` gives the call (the facade's
+        conveniences give theirs).
 
         Raises:
             TypeError: an unknown option (the message names the closest valid one).
             InvalidParameterError: a bad value.
         """
-        where = options.pop("_where", "ChatCall.of")  # the facade's conveniences name themselves
-        check_option_names(options, CHAT_OPTIONS - {"stream", "stream_options"}, where)
+        check_option_names(options, CHAT_OPTIONS - {"stream", "stream_options"}, _where)
         opts: ChatOptions = options  # type: ignore[assignment]
         params = sampling_params(opts, chat=True)
         if check_flag(opts.get("return_progress"), "return_progress"):
@@ -206,17 +208,23 @@ class TextCall:
 
     @classmethod
     def of(
-        cls, prompt: str | Sequence[int], *, request_id: str | None = None, **options: Any
+        cls,
+        prompt: str | Sequence[int],
+        *,
+        request_id: str | None = None,
+        _where: str = "TextCall.of",
+        **options: Any,
     ) -> TextCall:
         """The call for ``prompt`` with OpenAI-named completion options
-        (:class:`~llamax.chat.options.CompletionOptions`).
+        (:class:`~llamax.chat.options.CompletionOptions`); ``_where`` as in
+        :meth:`ChatCall.of`.
 
         Raises:
             TypeError: an unknown option.
             InvalidParameterError: a bad value.
         """
         allowed = COMPLETION_OPTIONS - {"stream", "stream_options"}
-        check_option_names(options, allowed, options.pop("_where", "TextCall.of"))
+        check_option_names(options, allowed, _where)
         opts: CompletionOptions = options  # type: ignore[assignment]
         params = sampling_params(opts, chat=False)
         extra = {} if request_id is None else {"request_id": request_id}
