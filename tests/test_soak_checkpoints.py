@@ -162,8 +162,10 @@ def plain_request(
     ctx: llamax.Context, rng: random.Random, tally: Tally, turns: list[list[int]]
 ) -> None:
     """A prompt on a shared head, or a next turn of an earlier one (its prompt and reply)."""
+    room = ctx.n_ctx_seq - 100  # twelve words and ten reply tokens must still fit a sequence
     with tally.lock:
-        earlier = rng.choice(turns) if turns and rng.random() < 0.3 else None
+        fitting = [turn for turn in turns if len(turn) <= room]
+        earlier = rng.choice(fitting) if fitting and rng.random() < 0.3 else None
     head = earlier if earlier is not None else shared_head(ctx, rng.choice(HEAD_TOKENS))
     prompt = head + ctx.tokenize(" " + words(rng, 1, 12), add_special=False)
     n = rng.choice([1, 1, 1, 1, 2, 3])
