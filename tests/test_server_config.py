@@ -6,7 +6,9 @@ builds the app its keywords build. A new server setting is one field plus its do
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,3 +276,21 @@ def test_every_setting_has_a_doc() -> None:
     for cls in (ServerConfig, ImagePolicy):
         for f in dataclasses.fields(cls):
             assert f.metadata["llamax"].doc.strip(), f"{cls.__name__}.{f.name} has no doc"
+
+
+def test_the_typed_keywords_of_create_app_are_the_config_fields() -> None:
+    """``create_app(ctx, **settings)`` is typed by ``ServerSettings``: the same names as
+    ``ServerConfig``'s fields, and each field's type is one a keyword may take."""
+    from llamax.server import ServerSettings
+
+    fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    hints = typing.get_type_hints(ServerSettings)
+    assert list(hints) == list(fields)
+    config_hints = typing.get_type_hints(ServerConfig)
+    for name, hint in hints.items():
+        given = set(typing.get_args(hint)) or {hint}
+        wanted = set(typing.get_args(config_hints[name])) or {config_hints[name]}
+        if typing.get_origin(config_hints[name]) is tuple:  # a sequence of names is kept as a tuple
+            assert hint == collections.abc.Sequence[str], name
+        else:
+            assert wanted <= given, (name, hint, config_hints[name])

@@ -16,7 +16,7 @@ try:
     from .app import create_app
     from .background import BackgroundServer
     from .cli import main
-    from .config import ServerConfig
+    from .config import ServerConfig, ServerSettings
     from .images import ImagePolicy
     from .models import ModelPool
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
@@ -24,4 +24,12 @@ except ImportError as exc:  # pragma: no cover - depends on the installed extras
         f"llamax.server needs its extra: pip install '.[server]' in a llamax clone ({exc})"
     ) from exc
 
-__all__ = ["BackgroundServer", "ImagePolicy", "ModelPool", "ServerConfig", "create_app", "main"]
+__all__ = [
+    "BackgroundServer",
+    "ImagePolicy",
+    "ModelPool",
+    "ServerConfig",
+    "ServerSettings",
+    "create_app",
+    "main",
+]

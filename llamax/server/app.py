@@ -7,7 +7,7 @@ import json
 import logging
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Unpack
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import llamax
 
 from .anthropic_routes import anthropic_routes
-from .config import ServerConfig
+from .config import ServerConfig, ServerSettings
 from .cors import LlamaCors
 from .errors import APIError, anthropic_body, error_response, handle_api_error
 from .guard import SiteGuard
@@ -40,7 +40,7 @@ logger = logging.getLogger("llamax.server")
 def create_app(
     ctx: llamax.Context | Future[llamax.Context] | ModelPool,
     config: ServerConfig | None = None,
-    **settings: Any,
+    **settings: Unpack[ServerSettings],
 ) -> FastAPI:
     """Build the OpenAI-compatible server for ``ctx``.
 

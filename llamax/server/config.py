@@ -6,7 +6,7 @@ Built like :class:`llamax.ContextConfig`: each setting is a dataclass field whos
 read back by :meth:`ServerConfig.from_flags`), :func:`~llamax.server.create_app` takes the
 config (or its fields as keywords), and the app's state holds it (``state.config``); the
 settings table of docs/server.md is generated from it. So a new server setting is one field
-plus its doc.
+with its doc, and its typed line in :class:`ServerSettings` (``create_app``'s keywords).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import argparse
 import dataclasses
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import llamax
 from llamax.flags import byte_size, nested_options, option_values, spec
@@ -26,7 +26,7 @@ from .fairness import DEFAULT_MAX_SEQUENCES
 from .guard import SitePolicy
 from .images import ImagePolicy
 
-__all__ = ["API_KEY_ENV", "SERVER_OPTION_LISTS", "ServerConfig"]
+__all__ = ["API_KEY_ENV", "SERVER_OPTION_LISTS", "ServerConfig", "ServerSettings"]
 
 API_KEY_ENV = "LLAMAX_API_KEY"
 """The variable the command lines read the API key from when ``--api-key`` is not given."""
@@ -64,6 +64,32 @@ _FLAGS = ("parse_special_in_content", "lenient", "keep_billing_header", "native_
 """Settings that are bools."""
 _NAMES = ("cors_origins", "allowed_hosts")
 """Settings that are lists of names (kept as tuples)."""
+
+
+class ServerSettings(TypedDict, total=False):
+    """:class:`ServerConfig`'s fields as keywords (``create_app(ctx, api_key="k")``), typed
+    for checkers; each is documented on the field. A test keeps the two in step."""
+
+    api_key: str | None
+    max_queue: int
+    max_sequences: int
+    max_body_bytes: int
+    retry_after_seconds: int
+    max_stored_responses: int
+    parse_special_in_content: bool
+    lenient: bool
+    keep_billing_header: bool
+    stream_ping_seconds: float
+    cors_origins: Sequence[str]
+    native_cors: bool
+    allowed_hosts: Sequence[str]
+    slot_save_path: str | os.PathLike[str] | None
+    slot_idle_seconds: float
+    default_max_tokens: int | None
+    default_seed: int | None
+    model_alias: str | None
+    images: ImagePolicy | Mapping[str, Any]
+    """An :class:`~.images.ImagePolicy`, or a mapping of some of its fields."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
