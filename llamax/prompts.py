@@ -135,8 +135,18 @@ def request_grammar(backend: Backend, params: SamplingParams) -> str | None:
     """The GBNF grammar of ``params`` (converted from ``json_schema`` if given), checked.
 
     Raises:
-        GrammarError: the schema cannot be converted or llama.cpp refuses the grammar.
+        GrammarError: the schema cannot be converted or llama.cpp refuses the grammar; its
+            ``param`` is ``"json_schema"`` or ``"grammar"``, whichever the grammar came from.
     """
+    source = "json_schema" if params.json_schema is not None else "grammar"
+    try:
+        return _checked_grammar(backend, params)
+    except GrammarError as exc:
+        exc.param = exc.param or source  # the field at fault, for the HTTP layers
+        raise
+
+
+def _checked_grammar(backend: Backend, params: SamplingParams) -> str | None:
     grammar = params.grammar
     if params.json_schema is not None:
         try:

@@ -208,6 +208,11 @@ def _post(app: Any, path: str, body: dict[str, Any]) -> httpx.Response:
     return asyncio.run(go())
 
 
+EMPTY_RANGE = {"type": "integer", "minimum": 5, "maximum": 1}
+"""A schema no integer meets: its grammar cannot be built (a ``GrammarError``)."""
+DEEP_GRAMMAR = "root ::= " + "(" * 300 + '"a"' + ")" * 300
+"""A grammar nested past llamax's limit (refused before llama.cpp's parser sees it)."""
+
 HTTP: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"messages": HI, "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "yaml"}},
@@ -228,6 +233,14 @@ HTTP: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/responses", {"input": [{"role": "user", "content": "\ud800"}]}, "input"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]},
      "messages"),
+    # a grammar refused at submission names the field it came from (it said "grammar" for all)
+    ("/v1/chat/completions", {"messages": HI, "grammar": DEEP_GRAMMAR}, "grammar"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_schema",
+     "json_schema": {"name": "n", "schema": EMPTY_RANGE}}}, "response_format"),
+    ("/v1/completions", {"prompt": "Hi", "response_format": {"type": "json_schema",
+     "json_schema": {"name": "n", "schema": EMPTY_RANGE}}}, "response_format"),
+    ("/v1/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "n",
+     "schema": EMPTY_RANGE}}}, "text"),
 ]  # fmt: skip
 
 

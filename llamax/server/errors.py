@@ -136,6 +136,21 @@ def param_in(exc: InvalidRequestError, fields: frozenset[str]) -> str | None:
     return param if head in fields else None
 
 
+_SCHEMA_FIELDS = ("response_format", "text", "output_config")
+"""Where each API's requests give a JSON schema (OpenAI's chat and text, the Responses
+API, Anthropic's Messages): what ``json_schema`` was built from."""
+
+
+def _grammar_field(exc: InvalidRequestError, fields: frozenset[str]) -> str | None:
+    """The field a :class:`~llamax.GrammarError` is about, in the route's spelling: its
+    ``param`` (``grammar``, ``json_schema``, ``tools``) when the route has that field, else,
+    for a schema, the field this API gives schemas in."""
+    given = param_in(exc, fields)
+    if given is None and exc.param == "json_schema":
+        return next((name for name in _SCHEMA_FIELDS if name in fields), None)
+    return given
+
+
 def from_exception(
     exc: BaseException, fields: frozenset[str] = frozenset(), prompt_field: str = "messages"
 ) -> APIError:
@@ -166,7 +181,7 @@ def from_exception(
     if isinstance(exc, llamax.EmptyPromptError):
         return APIError(400, message, param=prompt_field, code="empty_prompt")
     if isinstance(exc, llamax.GrammarError):
-        return APIError(400, message, param="grammar", code="invalid_grammar")
+        return APIError(400, message, param=_grammar_field(exc, fields), code="invalid_grammar")
     if isinstance(exc, TemplateError):
         return APIError(400, f"chat template: {message}", param="messages", code="template_error")
     if isinstance(exc, llamax.NotFoundError):

@@ -70,7 +70,8 @@ def tool_call_grammar(plan: ToolPlan) -> str | None:
         if num_bytes > MAX_GRAMMAR_BYTES:
             raise GrammarError(
                 f"the tools' grammar would exceed its limit of {MAX_GRAMMAR_BYTES} bytes "
-                f"(at function {function.name!r})"
+                f"(at function {function.name!r})",
+                param="tools",
             )
         lines.extend(rules)
     if plan.mode == "auto":
