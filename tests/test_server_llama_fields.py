@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 import llamax
-from llamax.dialects.fields import Support, generated_blocks, honoured
+from llamax.dialects import llama_native
+from llamax.dialects.fields import FieldError, Support, generated_blocks, honoured
 from llamax.dialects.llama import (
     COMPLETION,
     DEFAULT_SETTINGS,
@@ -26,9 +27,18 @@ from llamax.dialects.llama import (
     generation_settings,
 )
 from llamax.server.errors import APIError
-from llamax.server.llama import infill, request
-from llamax.server.llama.request import check_fields
+from llamax.server.llama import infill
+from llamax.server.llama.errors import as_llama_error
 from llamax.server.schemas import FIELD_TABLES
+
+
+def parse_native(body: dict[str, Any]) -> Any:
+    """``/completion``'s codec, its refusals as the route answers them (an ``APIError``)."""
+    try:
+        return llama_native.parse_native(body)
+    except FieldError as exc:
+        raise as_llama_error(exc) from exc
+
 
 DOCS = Path(__file__).parent.parent / "docs"
 
@@ -95,7 +105,7 @@ def test_each_row_is_one_field_with_a_doc(table: Any) -> None:
 
 
 def test_completion_takes_refuses_and_ignores_what_it_did() -> None:
-    assert {f.name for f in COMPLETION} == request.FIELDS
+    assert {f.name for f in COMPLETION} == llama_native.FIELDS
     assert {f.name: f.support for f in COMPLETION if f.support is not Support.HONOURED} == {
         **dict.fromkeys(MOOT, Support.HINT),
         **dict.fromkeys(OFF, Support.REFUSED),
@@ -125,7 +135,7 @@ def test_completion_reads_each_honoured_field_and_no_hint() -> None:
         | {name: DEFAULT_SETTINGS.get(name, 1) for name in MOOT - {"stream_options"}}
     )  # fmt: skip
     assert set(body) == honoured(COMPLETION) | MOOT
-    request.parse_native(body)
+    parse_native(body)
     assert body.read == honoured(COMPLETION)
 
 
@@ -147,7 +157,7 @@ def test_infill_reads_each_honoured_field_and_no_other(monkeypatch: pytest.Monke
 @pytest.mark.parametrize(("name", "value"), OFF.items())
 def test_completion_refuses_an_off_field_unless_off(name: str, value: object) -> None:
     with pytest.raises(APIError) as caught:
-        request.parse_native({"prompt": "Hi", name: 7})
+        parse_native({"prompt": "Hi", name: 7})
     error = caught.value
     assert (error.status, error.code, error.param) == (400, "unsupported_field", name)
     assert error.message == (
@@ -155,14 +165,14 @@ def test_completion_refuses_an_off_field_unless_off(name: str, value: object) ->
         "docs/server.md"
     )
     for harmless in (value, float(value) if isinstance(value, int) else value):
-        request.parse_native({"prompt": "Hi", name: harmless})
+        parse_native({"prompt": "Hi", name: harmless})
     with pytest.raises(APIError):
-        request.parse_native({"prompt": "Hi", name: None})
+        parse_native({"prompt": "Hi", name: None})
 
 
 def test_completion_refuses_an_unknown_field_before_anything_else() -> None:
     with pytest.raises(APIError) as caught:
-        request.parse_native({"zzz": 1, "nonsense": 1, "mirostat": 2})
+        parse_native({"zzz": 1, "nonsense": 1, "mirostat": 2})
     error = caught.value
     assert (error.message, error.param, error.code) == (
         "unknown field 'nonsense'",
@@ -185,9 +195,11 @@ def test_infill_refuses_a_field_unless_absent_null_or_its_default(name: str, val
 
 
 def test_infill_ignores_fields_in_no_row() -> None:
-    check_fields(INFILL, {"dry_base": 3, "t_max_prompt_ms": 500, "samplers_x": 1}, unknown="ignore")
-    with pytest.raises(APIError):
-        check_fields(COMPLETION, {"samplers_x": 1}, unknown="refuse")
+    llama_native.check_fields(
+        INFILL, {"dry_base": 3, "t_max_prompt_ms": 500, "samplers_x": 1}, unknown="ignore"
+    )
+    with pytest.raises(FieldError):
+        llama_native.check_fields(COMPLETION, {"samplers_x": 1}, unknown="refuse")
 
 
 # --- one mapping of the sampling names -------------------------------------------------------
@@ -197,7 +209,7 @@ def test_the_default_settings_are_byte_for_byte_llama_servers_shape() -> None:
     for row in SAMPLING:  # derived from SamplingParams' defaults
         assert row.option is not None
         assert DEFAULT_SETTINGS[row.name] == getattr(defaults, row.option)
-    assert request.default_settings(64, 42) == DEFAULT_SETTINGS | {
+    assert llama_native.default_settings(64, 42) == DEFAULT_SETTINGS | {
         "n_predict": 64,
         "max_tokens": 64,
         "seed": 42,
@@ -207,7 +219,7 @@ def test_the_default_settings_are_byte_for_byte_llama_servers_shape() -> None:
 @pytest.mark.parametrize("row", SAMPLING, ids=lambda row: row.name)
 def test_each_sampling_field_maps_to_its_option_on_both_routes(row: Any) -> None:
     value = {"top_k": 7, "repeat_last_n": 9}.get(row.name, 0.5)
-    native = request.parse_native({"prompt": "Hi", row.name: value})
+    native = parse_native({"prompt": "Hi", row.name: value})
     assert native.params is not None and getattr(native.params, row.option) == value
     assert native.settings[row.name] == value
     params = infill.sampling_params({row.name: value})
@@ -231,7 +243,7 @@ def test_infill_settings_are_what_runs_in_llama_servers_names() -> None:
 
 def test_a_refused_sampling_value_is_named_as_the_client_gave_it() -> None:
     with pytest.raises(APIError) as caught:
-        request.parse_native({"prompt": "Hi", "repeat_last_n": -5})
+        parse_native({"prompt": "Hi", "repeat_last_n": -5})
     assert caught.value.param == "repeat_last_n"
     assert caught.value.message.startswith("repeat_last_n ")
 

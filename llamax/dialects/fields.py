@@ -31,6 +31,7 @@ from ..errors import InvalidParameterError
 __all__ = [
     "SHARED_FIELDS",
     "Check",
+    "FieldError",
     "FieldTable",
     "RequestField",
     "Support",
@@ -52,6 +53,18 @@ class Support(enum.Enum):
     HONOURED = "honoured"
     HINT = "hint"
     REFUSED = "refused"
+
+
+class FieldError(InvalidParameterError):
+    """A request field a dialect's codec refuses, with the code the API answers it with
+    (``unknown_field``, ``unsupported_field``, ``missing_field``, ``invalid_value`` ...);
+    ``param`` names the field as the client spelled it."""
+
+    code: str
+
+    def __init__(self, message: str, *, param: str | None, code: str = "invalid_value") -> None:
+        super().__init__(message, param=param)
+        self.code = code
 
 
 Check = Callable[[str, Any], None]

@@ -3,7 +3,7 @@
 :data:`~llamax.dialects.fields.FieldTable` tables (the policy mechanism of every
 dialect): each field is honoured, a hint (accepted with any value, no effect) or refused
 unless :attr:`~llamax.dialects.fields.RequestField.harmless` (at the value that turns its
-feature off). The server's parsers (``llamax.server.llama.request``, ``.infill``) check a
+feature off). The parsers (:mod:`llamax.dialects.llama_native`, the server's ``.infill``) check a
 body against these rows (:func:`field_refusal`) and the tables in docs/server.md are
 generated from them (``python scripts/option_tables.py``).
 

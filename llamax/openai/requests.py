@@ -8,7 +8,6 @@ turns the handle's :class:`~llamax.Completion` into a ``chat.completion`` /
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -25,6 +24,7 @@ from ..chat_stream import (
     Started,
     ToolCallDelta,
 )
+from ..dialects.llama_native import prompt_progress
 from ..errors import InvalidParameterError
 from ..handle import RequestHandle
 from ..reasoning import split_reasoning
@@ -32,7 +32,6 @@ from ..results import (
     Choice,
     Completion,
     FinishReason,
-    PrefillProgress,
     TokenEvent,
     TokenLogprob,
     TopLogprob,
@@ -48,7 +47,6 @@ from .shapes import (
     ChatDelta,
     CompletionUsage,
     OpenAIFinishReason,
-    PromptProgress,
     TextCompletion,
 )
 
@@ -59,7 +57,6 @@ __all__ = [
     "OpenAIRequest",
     "arespond",
     "include_usage",
-    "prompt_progress",
     "respond",
 ]
 
@@ -412,17 +409,6 @@ class OpenAIRequest:
             chunk["choices"] = []
         chunk["usage"] = _usage(completion.usage)
         return chunk  # type: ignore[no-any-return]
-
-
-def prompt_progress(progress: PrefillProgress, submitted: float) -> PromptProgress:
-    """llama-server's ``prompt_progress`` of a :class:`~llamax.PrefillProgress` (``time_ms``
-    since ``submitted``, a ``time.perf_counter`` reading)."""
-    return {
-        "total": progress.num_prompt_tokens,
-        "cache": progress.num_cached_tokens,
-        "processed": progress.num_computed_tokens,
-        "time_ms": int((time.perf_counter() - submitted) * 1000),
-    }
 
 
 def _delta(part: Started | ReasoningDelta | ContentDelta | ToolCallDelta) -> ChatDelta:

@@ -15,10 +15,11 @@ from functools import partial
 from typing import Any
 
 from ..chat_stream import ChatPart, ContentDelta, Progress, ReasoningDelta, ToolCallDelta
+from ..dialects.llama_native import prompt_progress
 from ..errors import NotFoundError
 from ..images import Image
 from ..results import Completion, FinishReason
-from .requests import OpenAIRequest, prompt_progress
+from .requests import OpenAIRequest
 from .responses_items import input_items
 
 __all__ = ["ResponseEvents", "ResponseJob", "ResponseStore"]

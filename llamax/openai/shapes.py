@@ -6,6 +6,7 @@ from typing import Any, Literal, TypedDict
 
 from typing_extensions import NotRequired
 
+from ..dialects.llama_native import PromptProgress
 from ..tools.parse import ToolCall, ToolCallDelta
 
 __all__ = [
@@ -82,17 +83,6 @@ class ChatCompletionChunkChoice(TypedDict):
     delta: ChatDelta
     finish_reason: OpenAIFinishReason | None
     logprobs: Any
-
-
-class PromptProgress(TypedDict):
-    """llama-server's ``prompt_progress``: the prompt's tokens (``total``), those the cache
-    held (``cache``), those computed so far, cached ones included (``processed``), and the
-    milliseconds since the request was submitted (``time_ms``)."""
-
-    total: int
-    cache: int
-    processed: int
-    time_ms: int
 
 
 class ChatCompletionChunk(TypedDict):

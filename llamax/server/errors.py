@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 
 import llamax
 from llamax import ImageError, InvalidMessageError, InvalidRequestError, TemplateError
+from llamax.dialects.fields import FieldError
 
 __all__ = [
     "APIError",
@@ -180,6 +181,8 @@ def from_exception(
         return APIError(400, message, param=prompt_field, code="invalid_image")
     if isinstance(exc, llamax.EmptyPromptError):
         return APIError(400, message, param=prompt_field, code="empty_prompt")
+    if isinstance(exc, FieldError):  # a codec's refusal, with its API's code
+        return APIError(400, message, param=exc.param, code=exc.code)
     if isinstance(exc, llamax.GrammarError):
         return APIError(400, message, param=_grammar_field(exc, fields), code="invalid_grammar")
     if isinstance(exc, TemplateError):

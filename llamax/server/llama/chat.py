@@ -16,9 +16,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 import llamax
-
-from .request import MEDIA_MARKER
-from .results import Timings
+from llamax.dialects.llama_native import MEDIA_MARKER, Timings
 
 __all__ = ["timed_response_events", "with_llama_extras", "with_media_markers"]
 

@@ -18,12 +18,18 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 import llamax
+from llamax.dialects.llama_native import (
+    NativePrompt,
+    NativeRequest,
+    Timings,
+    final_result,
+    partial_result,
+    stop_of,
+)
 
 from ..fairness import call_key
 from .errors import LlamaError
 from .jobs import num_positions, prompt_text, run_job
-from .request import NativePrompt, NativeRequest
-from .results import Timings, final_result, partial_result, stop_of
 from .slots import SlotTables
 
 __all__ = ["start_completion"]

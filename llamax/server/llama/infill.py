@@ -29,16 +29,17 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 
 import llamax
+from llamax.dialects.fields import FieldError
 from llamax.dialects.llama import INFILL, NO_SEED, TAKEN_AS_GIVEN, generation_settings
+from llamax.dialects.llama_native import NativeRequest, check_fields
 
 from ..dialects import LLAMA
 from ..fairness import client_key
 from ..schemas import parse_object
 from ..serve import add_completion_routes
 from ..state import ServerState
-from .errors import LlamaError
+from .errors import LlamaError, as_llama_error
 from .jobs import run_job
-from .request import NativeRequest, check_fields
 from .slots import SlotTables
 
 __all__ = ["infill_routes", "infill_tokens"]
@@ -283,7 +284,10 @@ def sampling_params(
             :data:`~llamax.dialects.llama.INFILL`), naming it.
         LlamaError: 400 for a value :class:`~llamax.SamplingParams` refuses.
     """
-    check_fields(INFILL, body, unknown="ignore")
+    try:
+        check_fields(INFILL, body, unknown="ignore")
+    except FieldError as exc:
+        raise as_llama_error(exc) from exc
     options: dict[str, Any] = {
         f.option: body[f.name]
         for f in TAKEN_AS_GIVEN

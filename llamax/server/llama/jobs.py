@@ -12,9 +12,15 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 import llamax
+from llamax.dialects.llama_native import (
+    MEDIA_MARKER,
+    NativeRequest,
+    Timings,
+    final_result,
+    partial_result,
+    stop_of,
+)
 
-from .request import MEDIA_MARKER, NativeRequest
-from .results import Timings, final_result, partial_result, stop_of
 from .slots import Slot, SlotTable, SlotTables, table_of
 
 __all__ = ["NativeJob", "num_positions", "prompt_text", "run_job"]

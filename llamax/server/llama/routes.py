@@ -20,6 +20,14 @@ from starlette.responses import JSONResponse, Response
 
 import llamax
 from llamax.chat import ChatCall, chat_prompt_tokens
+from llamax.dialects.fields import FieldError
+from llamax.dialects.llama_native import (
+    FIELDS,
+    MEDIA_MARKER,
+    NativeRequest,
+    default_settings,
+    parse_native,
+)
 
 from ..dialects import LLAMA
 from ..errors import APIError, from_exception, llama_body
@@ -31,7 +39,7 @@ from ..serve import add_completion_routes
 from ..state import ServerState, run_leased
 from .chat import with_media_markers
 from .completion import start_completion
-from .request import FIELDS, MEDIA_MARKER, NativeRequest, default_settings, parse_native
+from .errors import as_llama_error
 from .slots import SlotTables
 
 __all__ = ["llama_routes"]
@@ -125,8 +133,11 @@ class NativeCompletion:
     def parse(self, raw: bytes) -> NativeRequest:
         """The body, checked."""
         config = self.state.config
-        body = parse_native(parse_object(raw), default_n_predict=config.default_max_tokens,
-                            default_seed=config.default_seed)  # fmt: skip
+        try:
+            body = parse_native(parse_object(raw), default_n_predict=config.default_max_tokens,
+                                default_seed=config.default_seed)  # fmt: skip
+        except FieldError as exc:
+            raise as_llama_error(exc) from exc
         _check_num_images(body, config.images.max_images)
         n = body.params.n if body.params is not None else 1
         check_num_sequences(len(body.prompts), n, config.max_sequences,

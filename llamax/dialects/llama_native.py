@@ -1,5 +1,8 @@
-"""llama-server's native ``/completion`` body: parsed into llamax's :class:`~llamax.SamplingParams`
-and prompts, and its results shaped as llama-server shapes them.
+"""llama-server's native ``/completion`` as a codec: the body parsed into llamax's
+:class:`~llamax.SamplingParams` and prompts (:func:`parse_native`), and the results shaped
+as llama-server shapes them (:func:`partial_result`, :func:`final_result`). Pure: no
+context, no server; a refusal is a :class:`~llamax.dialects.fields.FieldError` naming the
+field, which the server answers as llama-server's 400.
 
 Every field llama-server takes is either mapped, accepted at the value that turns it off
 (``mirostat: 0``, ``dry_multiplier: 0`` ...: a sampler llamax does not have), or refused
@@ -12,13 +15,17 @@ unknown fields everywhere). The fields are the rows of
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
-import llamax
-from llamax.dialects.fields import FieldTable
-from llamax.dialects.llama import (
+from ..errors import ImageError, InvalidParameterError
+from ..images import Image
+from ..params import SamplingParams
+from ..results import Choice, FinishReason, PrefillProgress, TokenEvent, TokenLogprob
+from .fields import FieldError, FieldTable
+from .llama import (
     COMPLETION,
     DEFAULT_SETTINGS,
     NO_SEED,
@@ -28,16 +35,21 @@ from llamax.dialects.llama import (
     field_refusal,
 )
 
-from ..errors import APIError
-
 __all__ = [
     "FIELDS",
     "MEDIA_MARKER",
     "NativePrompt",
     "NativeRequest",
+    "PromptProgress",
+    "Timings",
     "check_fields",
     "default_settings",
+    "final_result",
     "parse_native",
+    "partial_result",
+    "probs_json",
+    "prompt_progress",
+    "stop_of",
 ]
 
 MEDIA_MARKER = "<__media__>"
@@ -54,15 +66,15 @@ def check_fields(
     ``unknown`` says, then the first refused field that is not harmless).
 
     Raises:
-        APIError: 400 ``unknown_field`` or ``unsupported_field``, naming the field as
+        FieldError: ``unknown_field`` or ``unsupported_field``, naming the field as
             ``param``.
     """
     refused = field_refusal(table, body, unknown=unknown)
     if refused is not None:
-        raise APIError(400, refused.message, param=refused.param, code=refused.code)
+        raise FieldError(refused.message, param=refused.param, code=refused.code)
 
 
-NativePrompt = str | tuple[int | str | llamax.Image, ...]
+NativePrompt = str | tuple[int | str | Image, ...]
 """One ``/completion`` prompt: text, token ids mixed with text pieces, or text pieces and
 images (a ``prompt_string`` with ``multimodal_data``)."""
 
@@ -76,8 +88,8 @@ _TEMPERATURE = DEFAULT_SETTINGS["temperature"]
 """The temperature of a request that sets none."""
 
 
-def _bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
+def _bad(message: str, param: str | None = None) -> FieldError:
+    return FieldError(message, param=param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +98,7 @@ class NativeRequest:
 
     prompts: tuple[NativePrompt, ...]
     """Each prompt: text, token ids mixed with text pieces, or text and images."""
-    params: llamax.SamplingParams | None
+    params: SamplingParams | None
     """``None``: ``n_predict`` is 0 (the prompt is only tokenized, nothing generated)."""
     stream: bool = False
     return_tokens: bool = False
@@ -140,11 +152,11 @@ def _prompt_object(value: dict[str, Any]) -> NativePrompt:
     if len(pieces) != len(data) + 1:
         raise _bad(f"prompt: prompt_string holds {len(pieces) - 1} media markers "
                    f"({MEDIA_MARKER}) for {len(data)} multimodal_data items", "prompt")  # fmt: skip
-    parts: list[str | llamax.Image] = [pieces[0]]
+    parts: list[str | Image] = [pieces[0]]
     for i, (item, piece) in enumerate(zip(data, pieces[1:], strict=True)):
         try:
-            parts += [llamax.Image.from_base64(item), piece]
-        except llamax.ImageError as exc:
+            parts += [Image.from_base64(item), piece]
+        except ImageError as exc:
             raise _bad(f"prompt: multimodal_data[{i}]: {exc}", "prompt") from None
     return tuple(parts)
 
@@ -258,13 +270,13 @@ def parse_native(
             that gives ``-1`` still gets a random one).
 
     Raises:
-        APIError: 400 naming the field for an unknown field, a wrong type, a value llamax
+        FieldError: naming the field for an unknown field, a wrong type, a value llamax
             refuses (``SamplingParams``' own message) or a field llamax does not support
             at that value.
     """
     check_fields(COMPLETION, body, unknown="refuse")
     if "prompt" not in body:
-        raise APIError(400, '"prompt" must be provided', param="prompt", code="missing_field")
+        raise FieldError('"prompt" must be provided', param="prompt", code="missing_field")
     prompts = _prompts(body["prompt"])
     flags = {name: _flag(body, name, default=name == "cache_prompt") for name in _FLAGS}
     options: dict[str, Any] = {}
@@ -319,12 +331,12 @@ _FIELD_OF = {f.option: f.name for f in COMPLETION if f.option is not None}
 """llamax's option names and the ``/completion`` fields they come from."""
 
 
-def _sampling_params(options: dict[str, Any]) -> llamax.SamplingParams:
+def _sampling_params(options: dict[str, Any]) -> SamplingParams:
     """``SamplingParams(**options)``; a refusal is a 400 naming the field as the client
     gave it (``n_probs must be ...``, not ``logprobs must be ...``)."""
     try:
-        return llamax.SamplingParams(**options)
-    except llamax.InvalidParameterError as exc:
+        return SamplingParams(**options)
+    except InvalidParameterError as exc:
         message, option = str(exc), exc.param
         if option is None or option not in _FIELD_OF:
             raise _bad(message) from exc
@@ -361,3 +373,165 @@ def _other_options(body: Mapping[str, Any], options: dict[str, Any], ignore_eos:
 def _check_slot(id_slot: object) -> None:
     if isinstance(id_slot, bool) or not isinstance(id_slot, int) or id_slot < -1:
         raise _bad(f"id_slot must be an int >= -1, got {id_slot!r}", "id_slot")
+
+
+# ---------------------------------------------------------------------- results
+
+
+def stop_of(choice: Choice, full_text: str, stops: Sequence[str]) -> tuple[str, str]:
+    """llama-server's ``stop_type`` and ``stopping_word`` of a finished choice: ``word``
+    when a stop string cut the text (``full_text``, the detokenized tokens, goes on with it),
+    ``eos`` for an end-of-generation token, ``limit`` for ``n_predict`` or the context."""
+    if choice.finish_reason is FinishReason.LENGTH:
+        return "limit", ""
+    if choice.finish_reason is FinishReason.STOP:
+        rest = full_text[len(choice.text) :]
+        word = next((s for s in sorted(stops, key=len, reverse=True) if rest.startswith(s)), "")
+        return ("word", word) if word else ("eos", "")
+    return "none", ""
+
+
+@dataclass(slots=True)
+class Timings:
+    """One sequence's clock and counts, for llama-server's ``timings`` object."""
+
+    submitted: float
+    first_token: float | None = None
+    num_prompt: int = 0
+    num_cached: int = 0
+    """Prompt tokens served from the cache (``cache_n``)."""
+    num_predicted: int = 0
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        """``timings``: ``cache_n``, ``prompt_n`` (computed), ``predicted_n`` and their
+        milliseconds and rates."""
+        first = self.first_token if self.first_token is not None else now
+        prompt_ms = (first - self.submitted) * 1e3
+        predicted_ms = (now - first) * 1e3
+        num_prompt = max(self.num_prompt - self.num_cached, 0)
+        num_predicted = self.num_predicted
+        return {
+            "cache_n": self.num_cached,
+            "prompt_n": num_prompt,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / num_prompt if num_prompt else 0.0,
+            "prompt_per_second": 1e3 * num_prompt / prompt_ms if prompt_ms > 0 else 0.0,
+            "predicted_n": self.num_predicted,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / num_predicted if num_predicted else 0.0,
+            "predicted_per_second": 1e3 * num_predicted / predicted_ms if predicted_ms > 0 else 0.0,
+        }  # fmt: skip
+
+
+def probs_json(
+    logprobs: Sequence[TokenLogprob], post_sampling: bool = False
+) -> list[dict[str, Any]]:
+    """``completion_probabilities``: llama-server's ``id``/``token``/``bytes``/``logprob`` and
+    ``top_logprobs`` per generated token; with ``post_sampling`` (the probabilities of the
+    distribution the sampler chain drew from) ``prob`` and ``top_probs``, as llama-server
+    names them there."""
+    if post_sampling:
+        return [
+            {"id": lp.token_id, "token": lp.token, "bytes": list(lp.bytes),
+             "prob": math.exp(lp.logprob),
+             "top_probs": [{"id": t.token_id, "token": t.token, "bytes": list(t.bytes),
+                            "prob": math.exp(t.logprob)} for t in lp.top_logprobs]}
+            for lp in logprobs
+        ]  # fmt: skip
+    return [
+        {"id": lp.token_id, "token": lp.token, "bytes": list(lp.bytes), "logprob": lp.logprob,
+         "top_logprobs": [{"id": t.token_id, "token": t.token, "bytes": list(t.bytes),
+                           "logprob": t.logprob} for t in lp.top_logprobs]}
+        for lp in logprobs
+    ]  # fmt: skip
+
+
+def partial_result(
+    request: NativeRequest, event: TokenEvent, *, index: int, id_slot: int,
+    timings: Timings, now: float,
+) -> dict[str, Any]:  # fmt: skip
+    """One streamed event of a sequence (``stop: false``): its text and tokens (always, as
+    llama-server sends them), ``timings`` with ``timings_per_token``, its tokens'
+    ``completion_probabilities`` with ``n_probs``, and for a progress event (``return_progress``:
+    no text, no tokens) ``prompt_progress``."""
+    chunk: dict[str, Any] = {
+        "index": index, "content": event.text, "tokens": list(event.token_ids), "stop": False,
+        "id_slot": id_slot, "tokens_predicted": timings.num_predicted,
+        "tokens_evaluated": timings.num_prompt,
+    }  # fmt: skip
+    if request.timings_per_token:
+        chunk["timings"] = timings.to_json(now)
+    if event.progress is not None:
+        chunk["prompt_progress"] = prompt_progress(event.progress, timings.submitted)
+    if request.n_probs and event.logprobs:
+        chunk["completion_probabilities"] = probs_json(event.logprobs, request.post_sampling_probs)
+    return chunk
+
+
+def final_result(
+    request: NativeRequest, *, index: int, id_slot: int, text: str, token_ids: Sequence[int],
+    prompt: str, stop: tuple[str, str], model: str, n_ctx: int, timings: Timings, now: float,
+    logprobs: Sequence[TokenLogprob] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The last result of a sequence (``stop: true``); in a stream its ``content`` and
+    ``tokens`` are empty (the events carried them). ``tokens_cached`` is what llama-server
+    reports there: the tokens its slot holds afterwards (prompt and reply)."""
+    stream = request.stream
+    result: dict[str, Any] = {
+        "index": index,
+        "content": "" if stream else text,
+        "tokens": list(token_ids) if request.return_tokens and not stream else [],
+        "id_slot": id_slot,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": timings.num_predicted,
+        "tokens_evaluated": timings.num_prompt,
+        "generation_settings": {"n_ctx": n_ctx, "model": model, **request.settings},
+        "prompt": prompt,
+        "has_new_line": "\n" in text,
+        "truncated": False,
+        "stop_type": stop[0],
+        "stopping_word": stop[1],
+        "tokens_cached": timings.num_prompt + timings.num_predicted,
+        "timings": timings.to_json(now),
+    }
+    if request.n_probs and logprobs and not stream:
+        result["completion_probabilities"] = probs_json(logprobs, request.post_sampling_probs)
+    return _pick(result, request.response_fields) if request.response_fields else result
+
+
+class PromptProgress(TypedDict):
+    """llama-server's ``prompt_progress``: the prompt's tokens (``total``), those the cache
+    held (``cache``), those computed so far, cached ones included (``processed``), and the
+    milliseconds since the request was submitted (``time_ms``)."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
+def prompt_progress(progress: PrefillProgress, submitted: float) -> PromptProgress:
+    """llama-server's ``prompt_progress`` of a :class:`~llamax.PrefillProgress` (``time_ms``
+    since ``submitted``, a ``time.perf_counter`` reading); its OpenAI routes send it too."""
+    return {
+        "total": progress.num_prompt_tokens,
+        "cache": progress.num_cached_tokens,
+        "processed": progress.num_computed_tokens,
+        "time_ms": int((time.perf_counter() - submitted) * 1000),
+    }
+
+
+def _pick(result: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """llama-server's ``response_fields``: the named fields only; ``a/b`` brings ``b`` of
+    the object ``a`` up to the top (under the name ``a/b``), a missing one is left out."""
+    out: dict[str, Any] = {}
+    for name in names:
+        value: Any = result
+        for part in name.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            out[name] = value
+    return out
