@@ -44,18 +44,13 @@ class ResponseStore(Protocol):
     """Where :func:`parse_create` reads the responses ``previous_response_id`` names."""
 
     def follow_up(self, response_id: str) -> tuple[Messages, Messages]:
-        """The stored response's conversation (chat messages, its reply included, without
-        its ``instructions``) and its items (its input items, then its output).
-
-        Raises:
-            LookupError: no response has that id.
-        """
+        """The stored response's conversation (its reply included, not its
+        ``instructions``) and items (input, then output); ``LookupError``: no such id."""
 
 
 @dataclass(frozen=True, slots=True)
 class ResponsesRequest:
-    """A Responses request, parsed: the call it asks for and what its reply echoes and
-    stores."""
+    """A Responses request, parsed: its call, and what its reply echoes and stores."""
 
     call: ChatCall
     """``instructions``, the stored conversation, then the input; the request's model."""
@@ -73,9 +68,7 @@ class ResponsesRequest:
     metadata: Mapping[str, str]
 
 
-def parse_create(
-    request: Mapping[str, Any], store: ResponseStore | None = None
-) -> ResponsesRequest:
+def parse_create(body: Mapping[str, Any], store: ResponseStore | None = None) -> ResponsesRequest:
     """The call a ``POST /v1/responses`` body asks for: its fields checked against
     :data:`RESPONSES`, ``previous_response_id``'s conversation read from ``store``, the
     input items and ``instructions`` mapped onto chat messages, the rest onto options.
@@ -85,39 +78,33 @@ def parse_create(
         NotFoundError: ``previous_response_id`` names no stored response (or ``store`` is
             ``None``).
     """
-    request = accept_request(RESPONSES, request, "responses")
+    request = accept_request(RESPONSES, body, "responses")
     for flag in ("stream", "store", "parallel_tool_calls"):  # "no" must not mean yes
         check_flag(request.get(flag), flag)
     check_metadata("metadata", request.get("metadata"))
     check_text("user", request.get("user"))
     history: Messages = []
     earlier_items: Messages = []
-    previous = request.get("previous_response_id")
+    param = "previous_response_id"
+    previous = request.get(param)
     if previous is not None:
         if not isinstance(previous, str):
-            raise InvalidParameterError(
-                "previous_response_id must be a string", param="previous_response_id"
-            )
+            raise InvalidParameterError(f"{param} must be a string", param=param)
         if store is None:
             raise NotFoundError(
-                f"previous_response_id: {previous!r} cannot be found: no response store",
-                param="previous_response_id",
+                f"{param}: {previous!r} cannot be found: no response store", param=param
             )
         try:
             history, earlier_items = store.follow_up(previous)
         except LookupError as exc:
-            raise NotFoundError(
-                f"previous_response_id: {exc}", param="previous_response_id"
-            ) from None
+            raise NotFoundError(f"{param}: {exc}", param=param) from None
     conversation = history + _input(request.get("input"))
-    chat = list(conversation)
     instructions = request.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise InvalidParameterError("instructions must be a string", param="instructions")
-        chat.insert(0, {"role": "system", "content": instructions})
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidParameterError("instructions must be a string", param="instructions")
+    chat = [] if instructions is None else [{"role": "system", "content": instructions}]
     options = _options(request)
-    call = ChatCall.of(chat, model=request.get("model"), **options)
+    call = ChatCall.of(chat + conversation, model=request.get("model"), **options)
     return ResponsesRequest(
         call, request, tuple(conversation), tuple(earlier_items), request.get("stream") is True,
         request.get("store") is not False, options.get("max_tokens"), previous,
@@ -300,8 +287,7 @@ def _options(request: Mapping[str, Any]) -> dict[str, Any]:
             options["enable_thinking"] = effort not in ("none", "minimal")
     if check_flag(request.get("return_progress"), "return_progress"):
         options["return_progress"] = True
-    hints = ("prompt_cache_key", "prompt_cache_retention")
-    if keeps_prefix({name: request.get(name) for name in hints}):
+    if keeps_prefix(request):  # prompt_cache_key, prompt_cache_retention
         options["keep_prefix"] = True  # the prefix is kept longer
     check_flag(request.get("timings_per_token"), "timings_per_token")  # the server's
     truncation = request.get("truncation")

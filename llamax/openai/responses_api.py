@@ -96,12 +96,9 @@ def response_input_tokens(
 
 
 def _submit(
-    ctx: CallHost,
-    request: Mapping[str, Any],
-    store: ResponseStore | None,
-    stored_input: Any,
+    ctx: CallHost, request: Mapping[str, Any], store: ResponseStore | None, stored_input: Any,
     fair_key: str | None,
-) -> ResponseJob:
+) -> ResponseJob:  # fmt: skip
     parsed = parse_create(request, store)
     submitted = OpenAIRequest(ctx.submit_chat(parsed.call, fair_key=fair_key))
     body = parsed.body if stored_input is None else {**parsed.body, "input": stored_input}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -55,9 +56,7 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(require_key)])
 
-    def parse(raw: bytes) -> dict[str, Any]:
-        return _parse(state, raw)
-
+    parse = partial(_parse, state)
     add_completion_routes(router, state, {
         "/v1/responses": ResponsesCreate(state, llama=False),
         "/responses": ResponsesCreate(state, llama=True),  # llama-server's alias
