@@ -7,6 +7,7 @@ does with every field, with no :class:`~llamax.Context` and no web framework.
   :func:`~llamax.dialects.fields.markdown_table`.
 - :mod:`llamax.dialects.openai`: OpenAI's routes (chat, completions, embeddings, responses).
 - :mod:`llamax.dialects.anthropic`: Anthropic's Messages.
+- :mod:`llamax.dialects.responses`: the Responses API's request (``parse_create``).
 - :mod:`llamax.dialects.llama`: llama-server's native ``/completion`` and ``/infill``, with
   the mapping of its sampling names onto :class:`~llamax.SamplingParams`.
 

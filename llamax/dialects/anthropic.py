@@ -17,7 +17,7 @@ from ..chat.options import check_flag, check_text, one_of
 from ..errors import ImageError, InvalidParameterError, InvalidRequestError
 from ..images import Image
 from .anthropic_volatile import without_billing_header
-from .fields import RequestField, Support, accept_fields, check_object, honoured, table
+from .fields import RequestField, Support, accept_request, check_object, honoured, table
 
 __all__ = [
     "MESSAGES",
@@ -143,10 +143,7 @@ def parse_messages(
     Raises:
         InvalidRequestError: the request is malformed.
     """
-    if not isinstance(request, Mapping):
-        raise InvalidRequestError("a messages request must be an object")
-    request = accept_fields(MESSAGES, request)
-    _check_fields(request, REQUEST_FIELDS, "messages")
+    request = accept_request(MESSAGES, request, "messages")
     stream = check_flag(request.get("stream"), "stream")  # "no" must not stream
     chat, options = _chat_request(request, keep_billing_header)
     prefill = ""
@@ -170,25 +167,12 @@ def parse_count(request: Mapping[str, Any], *, keep_billing_header: bool = False
     Raises:
         InvalidRequestError: the request is malformed.
     """
-    if not isinstance(request, Mapping):
-        raise InvalidRequestError("a count_tokens request must be an object")
-    request = accept_fields(MESSAGES, request)  # hints such as metadata change nothing
-    _check_fields(request, REQUEST_FIELDS, "count_tokens")  # what /v1/messages takes
+    request = accept_request(MESSAGES, request, "count_tokens")  # what /v1/messages takes
     check_flag(request.get("stream"), "stream")
     chat, options = _chat_request({"max_tokens": 1, **request}, keep_billing_header)
     for name in ("max_tokens", "temperature", "top_p", "top_k", "stop"):
         options.pop(name, None)  # they shape the reply, not the prompt
     return ChatCall.of(chat, **options)
-
-
-def _check_fields(request: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
-    if not isinstance(request, Mapping):
-        raise InvalidRequestError(f"a {where} request must be an object")
-    unknown = sorted(set(request) - allowed)
-    if unknown:
-        raise InvalidRequestError(
-            f"{where}: unsupported field(s): {', '.join(unknown)}", param=unknown[0]
-        )
 
 
 def _chat_request(

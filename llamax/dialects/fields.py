@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..chat.options import check_text, one_of
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, InvalidRequestError
 
 __all__ = [
     "SHARED_FIELDS",
@@ -36,6 +36,7 @@ __all__ = [
     "RequestField",
     "Support",
     "accept_fields",
+    "accept_request",
     "check_bool",
     "check_object",
     "generated_blocks",
@@ -188,6 +189,25 @@ def accept_fields(table: FieldTable, request: Mapping[str, Any]) -> dict[str, An
                 field.check(name, value)
         elif not field.harmless(value, request):
             raise InvalidParameterError(refusal(field), param=name)
+    return kept
+
+
+def accept_request(table: FieldTable, request: Any, where: str) -> dict[str, Any]:
+    """:func:`accept_fields` on a ``where`` request (``messages`` ...), which must be an
+    object whose every field is in ``table``; what is left are its honoured fields.
+
+    Raises:
+        InvalidRequestError: not an object, or a field the table does not name.
+        InvalidParameterError: a refused field, or a hint with a bad value.
+    """
+    if not isinstance(request, Mapping):
+        raise InvalidRequestError(f"a {where} request must be an object")
+    kept = accept_fields(table, request)
+    unknown = sorted(set(kept) - honoured(table))
+    if unknown:
+        raise InvalidRequestError(
+            f"{where}: unsupported field(s): {', '.join(unknown)}", param=unknown[0]
+        )
     return kept
 
 

@@ -39,7 +39,7 @@ __all__ = [
     "DEFAULT_URL_SECONDS",
     "ImageFetcher",
     "ImagePolicy",
-    "has_image_urls",
+    "count_images",
     "prepare_images",
 ]
 
@@ -236,10 +236,11 @@ def prepare_images(
         part.set_bytes(data, media_type)
 
 
-def has_image_urls(body: Any, api: Api) -> bool:
-    """Whether a parsed body holds a remote image URL (as :func:`prepare_images` reads
-    ``body``)."""
-    return any(part.url is not None for part in _image_parts(body, api))
+def count_images(body: Any, api: Api) -> tuple[int, bool]:
+    """How many image parts a parsed body holds, and whether one has a remote URL (as
+    :func:`prepare_images` reads ``body``)."""
+    parts = list(_image_parts(body, api))
+    return len(parts), any(part.url is not None for part in parts)
 
 
 def _image_parts(body: Any, api: Api) -> Iterator[_Part]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -32,7 +33,7 @@ from llamax.openai.responses_items import page_of_items
 from .dialects import RESPONSES
 from .errors import APIError, from_exception
 from .fairness import client_key
-from .images import has_image_urls, prepare_images
+from .images import count_images, prepare_images
 from .llama import timed_response_events
 from .route import JSONObjectRoute
 from .schemas import parse_object, without_unknown
@@ -55,9 +56,7 @@ def responses_routes(state: ServerState) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(require_key)])
 
-    def parse(raw: bytes) -> dict[str, Any]:
-        return _parse(state, raw)
-
+    parse = partial(_parse, state)
     add_completion_routes(router, state, {
         "/v1/responses": ResponsesCreate(state, llama=False),
         "/responses": ResponsesCreate(state, llama=True),  # llama-server's alias
@@ -150,16 +149,18 @@ def _parse(state: ServerState, raw: bytes) -> dict[str, Any]:
     body = parse_object(raw)
     if state.config.lenient:
         body = without_unknown(body, RESPONSE_TABLE, "/v1/responses")
-    _check_chain_images(body, state)  # before a fetch: what the stored turns hold counts
-    sent = copy.deepcopy(body["input"]) if has_image_urls(body, "responses") else None
+    own, urls = count_images(body, "responses")
+    _check_chain_images(body, state, own)  # before a fetch: what the stored turns hold counts
+    sent = copy.deepcopy(body["input"]) if urls else None
     prepare_images(body, "responses", state.config.images, state.image_fetcher)  # may fetch
     return body if sent is None else _Fetched(body, input_as_sent=sent)
 
 
-def _check_chain_images(body: dict[str, Any], state: ServerState) -> None:
+def _check_chain_images(body: dict[str, Any], state: ServerState, own: int) -> None:
     """Refuse a follow-up whose prompt would hold more images than a request may: the
     images of the conversation stored under ``previous_response_id`` (decoded again for
-    every turn) and the request's own. An id the store does not hold is left to the 404.
+    every turn) and the request's own (``own``). An id the store does not hold is left to
+    the 404.
 
     Raises:
         APIError: 400 (``too_many_images``) naming both counts.
@@ -171,13 +172,8 @@ def _check_chain_images(body: dict[str, Any], state: ServerState) -> None:
         history = state.responses.conversation(previous)
     except LookupError:
         return
-    stored = sum(_num_images(message.get("content")) for message in history)
-    items = body.get("input")
-    own = sum(
-        _num_images(item.get("content"), kind="input_image")
-        for item in (items if isinstance(items, list) else [])
-        if isinstance(item, dict)
-    )
+    contents = [m["content"] for m in history if isinstance(m.get("content"), list)]
+    stored = sum(isinstance(part, llamax.Image) for content in contents for part in content)
     most = state.config.images.max_images
     if stored + own > most:
         raise APIError(
@@ -188,16 +184,6 @@ def _check_chain_images(body: dict[str, Any], state: ServerState) -> None:
             param="previous_response_id" if stored > most else "input",
             code="too_many_images",
         )
-
-
-def _num_images(content: Any, kind: str | None = None) -> int:
-    """Images in a message's content: :class:`llamax.Image` s of a stored message, or
-    parts of type ``kind`` in a request's."""
-    if not isinstance(content, list):
-        return 0
-    if kind is None:
-        return sum(isinstance(part, llamax.Image) for part in content)
-    return sum(isinstance(part, dict) and part.get("type") == kind for part in content)
 
 
 class _Fetched(dict[str, Any]):
@@ -226,14 +212,16 @@ async def _create(
     state: ServerState, body: dict[str, Any], ctx: llamax.Context, *, llama: bool,
     fair_key: str | None,
 ) -> Any:  # fmt: skip
-    """:func:`acreate_response`; a stream with llama-server's ``timings`` where the request
+    """:func:`acreate_response` (the server's default reply length where the body sets
+    none); a stream with llama-server's ``timings`` where the request
     asks for ``timings_per_token``, and on llama-server's alias (``llama``) ended by
     ``response.completed`` as llama-server ends every stream (it sends no
     ``response.incomplete``; the response's ``status`` still says ``incomplete``). The
     request holds its client's share (``fair_key``)."""
-    started = time.perf_counter()
-    reply = await acreate_response(ctx, _with_defaults(state, body), store=state.responses,
-                                   stored_input=getattr(body, "input_as_sent", None),
+    started, sent = time.perf_counter(), getattr(body, "input_as_sent", None)
+    if state.config.default_max_tokens is not None and body.get("max_output_tokens") is None:
+        body = body | {"max_output_tokens": state.config.default_max_tokens}
+    reply = await acreate_response(ctx, body, store=state.responses, stored_input=sent,
                                    fair_key=fair_key)  # fmt: skip
     if isinstance(reply, dict) or body.get("stream") is not True:
         return reply
@@ -258,10 +246,3 @@ async def _completed_at_the_end(
         close = getattr(events, "aclose", None)
         if close is not None:
             await close()
-
-
-def _with_defaults(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with the server's default reply length where it sets none."""
-    if state.config.default_max_tokens is None or body.get("max_output_tokens") is not None:
-        return body
-    return body | {"max_output_tokens": state.config.default_max_tokens}
