@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse
 
 import llamax
 from llamax import ImageError, InvalidMessageError, InvalidRequestError, TemplateError
+from llamax.dialects.json_types import FieldError
 
 __all__ = [
     "APIError",
@@ -155,6 +156,8 @@ def from_exception(
     if isinstance(exc, APIError):
         return exc
     message = str(exc)
+    if isinstance(exc, FieldError):  # a body's field: unknown, missing, mistyped, refused
+        return APIError(400, message, param=exc.param, code=exc.code)
     if isinstance(exc, llamax.ContextLengthError):
         error = APIError(400, message, param=prompt_field, code="context_length_exceeded")
         error.details = {"n_prompt_tokens": exc.num_prompt_tokens, "n_ctx": exc.n_ctx}

@@ -10,7 +10,7 @@ layer's own: :mod:`llamax.openai`).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -25,7 +25,7 @@ __all__ = ["timed_response_events", "with_llama_extras", "with_media_markers"]
 
 async def with_llama_extras(
     ctx: llamax.Context,
-    messages: list[dict[str, Any]],
+    messages: Sequence[Mapping[str, Any]],
     options: Mapping[str, Any],
     reply: Awaitable[Any],
     *,
@@ -45,7 +45,7 @@ async def with_llama_extras(
     return result
 
 
-def _rendered(ctx: llamax.Context, messages: list[dict[str, Any]], options: Mapping[str, Any]
+def _rendered(ctx: llamax.Context, messages: Sequence[Mapping[str, Any]], options: Mapping[str, Any]
               ) -> str:  # fmt: skip
     """The prompt as the chat template renders it (what ``/apply-template`` answers): an
     image as the media marker, never its bytes (a fetched URL's bytes are not for the
@@ -58,7 +58,7 @@ def _rendered(ctx: llamax.Context, messages: list[dict[str, Any]], options: Mapp
     )  # fmt: skip
 
 
-def with_media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_media_markers(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """(Checked) ``messages`` with each list of content parts as one string, an image as
     llama-server's media marker, as its ``/apply-template`` shows them."""
     marked = []
