@@ -25,7 +25,7 @@ from llamax.dialects.openai import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from llamax.dialects.openai_parse import CHAT_TYPES, TEXT_TYPES, parse_chat
 from llamax.openai import RESPONSE_FIELDS
 from llamax.server import BackgroundServer, create_app
-from llamax.server.schemas import FIELD_TABLES, EmbeddingRequest
+from llamax.server.schemas import EMBEDDING_FIELDS, FIELD_TABLES
 from llamax.testing import assert_idle
 from llamax.tools import ToolPlan
 
@@ -49,7 +49,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}
     [
         (CHAT, set(CHAT_TYPES)),
         (COMPLETIONS, set(TEXT_TYPES)),
-        (EMBEDDINGS, set(EmbeddingRequest.model_fields)),
+        (EMBEDDINGS, set(EMBEDDING_FIELDS)),
         (RESPONSES, set(RESPONSE_FIELDS)),
         (MESSAGES, set(REQUEST_FIELDS)),
     ],

@@ -5,14 +5,16 @@ does with every field, with no :class:`~llamax.Context` and no web framework.
   :data:`~llamax.dialects.fields.FieldTable` per route (each field honoured, a hint or
   refused), applied by :func:`~llamax.dialects.fields.accept_fields` and documented by
   :func:`~llamax.dialects.fields.markdown_table`.
-- :mod:`llamax.dialects.openai`: OpenAI's routes (chat, completions, embeddings, responses).
+- :mod:`llamax.dialects.openai`: OpenAI's routes (chat, completions, embeddings, responses);
+  :mod:`llamax.dialects.openai_parse` parses a chat or text completion body to its call,
+  its JSON types checked by :mod:`llamax.dialects.json_types`.
 - :mod:`llamax.dialects.anthropic`: Anthropic's Messages.
 - :mod:`llamax.dialects.llama`: llama-server's native ``/completion`` and ``/infill``, with
   the mapping of its sampling names onto :class:`~llamax.SamplingParams`.
 
 Adding a request field is one row in its dialect's table. The layering rule
 (``tests/test_layering.py``): this package imports neither the facade (``llamax.context``,
-``llamax.session``) nor the server, nor Starlette.
+``llamax.session``) nor the server, nor Starlette or pydantic.
 """
 
 from __future__ import annotations

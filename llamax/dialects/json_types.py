@@ -19,9 +19,10 @@ from typing import Any, Literal, Union
 
 from typing_extensions import is_typeddict
 
-from ..errors import InvalidParameterError
+from ..errors import InvalidParameterError, InvalidRequestError
+from .fields import FieldTable, accept_fields
 
-__all__ = ["FieldError", "checked"]
+__all__ = ["FieldError", "checked", "read_fields"]
 
 Loc = tuple[str | int, ...]
 Problem = tuple[str, Loc, str]
@@ -69,7 +70,8 @@ def checked(
             continue
         value, found = _check(body[name], hint, (name,))
         if name in non_empty and not found and not value:
-            found = [("too_short", (name,), "List should have at least 1 item after "
+            kind = "List" if typing.get_origin(hint) is list else "Value"
+            found = [("too_short", (name,), f"{kind} should have at least 1 item after "
                       "validation, not 0")]  # fmt: skip
         problems += found
         if value is not None:
@@ -78,6 +80,33 @@ def checked(
     if problems:
         raise _error(next((p for p in problems if p[0] == "extra_forbidden"), problems[0]))
     return values
+
+
+def read_fields(
+    body: Mapping[str, Any],
+    table: FieldTable,
+    fields: Mapping[str, Any],
+    required: str,
+    non_empty: bool = False,
+) -> dict[str, Any]:
+    """A route's body read: its hints dropped once checked and its refused fields refused
+    (:func:`~llamax.dialects.fields.accept_fields`), then :func:`checked`, with the
+    ``required`` field (``non_empty``: not empty either).
+
+    Raises:
+        InvalidRequestError: the body is not an object.
+        FieldError: as :func:`checked`, or a refused field (``unsupported_parameter``) or
+            a hint's bad value (``invalid_value``).
+    """
+    if not isinstance(body, Mapping):
+        raise InvalidRequestError("the request must be an object")
+    try:
+        body = accept_fields(table, body)
+    except InvalidParameterError as exc:
+        message = str(exc)
+        code = "unsupported_parameter" if " is not supported: " in message else "invalid_value"
+        raise FieldError(message, param=exc.param, code=code) from exc
+    return checked(body, fields, frozenset({required}), frozenset({required} if non_empty else ()))
 
 
 def _error(problem: Problem) -> FieldError:

@@ -1,15 +1,11 @@
-"""OpenAI's chat and text completions, the request side: :func:`parse_chat` takes a
-``POST /v1/chat/completions`` body and :func:`parse_text` a ``POST /v1/completions`` one,
-each to the typed call it asks for (:class:`~llamax.chat.ChatCall`,
-:class:`~llamax.chat.TextCall`) and what reading its reply needs. Pure: no context, no
-server; the server submits the call and shapes the reply.
-
-The fields are checked against :data:`~llamax.dialects.openai.CHAT` and
-:data:`~llamax.dialects.openai.COMPLETIONS`, then their JSON types strictly
-(:mod:`llamax.dialects.json_types`); the sampling fields and their types come from
-:class:`~llamax.SamplingParams` (each option with an OpenAI default), so a new option is
-one field there. Value ranges are the call's business (``InvalidParameterError`` naming
-the field), so the two layers never disagree about what is valid.
+"""OpenAI's chat and text completions, the request side: :func:`parse_chat` and
+:func:`parse_text` take a ``POST /v1/chat/completions`` or ``POST /v1/completions`` body to
+the call it asks for (:class:`~llamax.chat.ChatCall`, :class:`~llamax.chat.TextCall`) and
+what reading its reply needs. Pure: no context, no server. The fields are checked against
+:data:`~llamax.dialects.openai.CHAT` and :data:`~llamax.dialects.openai.COMPLETIONS`, then
+their JSON types strictly (:mod:`llamax.dialects.json_types`); the sampling fields come from
+:class:`~llamax.SamplingParams` (each option with an OpenAI default), and their value ranges
+are the call's business, so the two layers never disagree about what is valid.
 """
 
 from __future__ import annotations
@@ -24,10 +20,8 @@ from typing import Any, Literal, Union
 from typing_extensions import TypedDict
 
 from ..chat import ChatCall, TextCall
-from ..errors import InvalidParameterError, InvalidRequestError
 from ..params import SamplingParams
-from .fields import FieldTable, accept_fields
-from .json_types import FieldError, checked
+from .json_types import FieldError, read_fields
 from .openai import CHAT, COMPLETIONS
 
 __all__ = [
@@ -145,39 +139,31 @@ _NOT_OPTIONS = ("model", "user", "stream", "stream_options", "timings_per_token"
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """A chat completion request, parsed: the call and how its reply is read."""
+    """A chat completion request, parsed: the call (the request's ``model`` in it), whether
+    the reply streams, whether a stream ends with a usage chunk, the ``model`` as given,
+    and llama-server's extras (a stream's usage chunk carries ``timings``; a whole reply
+    carries ``__verbose``)."""
 
     call: ChatCall
-    """The chat call (the request's ``model`` in it)."""
     stream: bool
-    """Whether the reply is streamed as chunks."""
     include_usage: bool
-    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
     model: str | None
-    """The ``model`` the request names, as given."""
     timings_per_token: bool = False
-    """llama-server's: a stream's usage chunk carries ``timings``."""
     verbose: bool = False
-    """llama-server's: a whole reply carries ``__verbose``."""
 
 
 @dataclass(frozen=True, slots=True)
 class TextRequest:
-    """A text completion request, parsed: the call and how its reply is read."""
+    """A text completion request, parsed: as :class:`ChatRequest`, with ``echo`` (the
+    prompt's text goes before each choice's) and ``suffix`` (the text after the
+    completion: a fill-in-the-middle prompt; null or empty: none)."""
 
     call: TextCall
-    """The text call (the request's ``prompt`` and ``model`` in it)."""
     stream: bool
-    """Whether the reply is streamed as chunks."""
     include_usage: bool
-    """Whether a stream ends with a usage chunk (``stream_options.include_usage``)."""
     model: str | None
-    """The ``model`` the request names, as given."""
     echo: bool = False
-    """Put the prompt's text before each choice's text."""
     suffix: str | None = None
-    """The text after the completion: a fill-in-the-middle prompt is made of the prompt
-    and the suffix with the model's FIM tokens (null or empty: no suffix)."""
 
 
 def parse_chat(body: Mapping[str, Any], *, defaults: Mapping[str, Any] = {}) -> ChatRequest:
@@ -210,7 +196,7 @@ def chat_options(body: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
             bad ``temperature``, ``stop``, ``chat_template_kwargs`` or
             ``max_completion_tokens``.
     """
-    values = _fields(body, CHAT, CHAT_TYPES, "messages")
+    values = read_fields(body, CHAT, CHAT_TYPES, "messages", non_empty=True)
     options = _options(values)
     effort = options.pop("reasoning_effort", None)
     if not options.get("tools"):
@@ -248,30 +234,13 @@ def parse_text(body: Mapping[str, Any], *, defaults: Mapping[str, Any] = {}) -> 
         FieldError: a refused, unknown or missing field, or one of the wrong type.
         InvalidRequestError: a bad value (the call's own errors as well).
     """
-    values = _fields(body, COMPLETIONS, TEXT_TYPES, "prompt")
+    values = read_fields(body, COMPLETIONS, TEXT_TYPES, "prompt")
     options = {**defaults, **_options(values)}
     options.setdefault("max_tokens", DEFAULT_COMPLETION_TOKENS)
     prompt, echo, suffix = options.pop("prompt"), options.pop("echo", False), options.pop(
         "suffix", None)  # fmt: skip
     call = TextCall.of(prompt, model=values.get("model"), **options)
     return TextRequest(call, *_reading(values), echo=echo, suffix=suffix)
-
-
-def _fields(
-    body: Mapping[str, Any], table: FieldTable, fields: Mapping[str, Any], prompt: str
-) -> dict[str, Any]:
-    """The body's fields, its hints dropped (checked), refused ones refused and the others
-    checked for their JSON types; nulls left out."""
-    if not isinstance(body, Mapping):
-        raise InvalidRequestError("the request must be an object")
-    try:
-        body = accept_fields(table, body)
-    except InvalidParameterError as exc:
-        message = str(exc)
-        code = "unsupported_parameter" if " is not supported: " in message else "invalid_value"
-        raise FieldError(message, param=exc.param, code=code) from exc
-    non_empty = frozenset({prompt}) if prompt == "messages" else frozenset()
-    return checked(body, fields, required=frozenset({prompt}), non_empty=non_empty)
 
 
 def _options(values: Mapping[str, Any]) -> dict[str, Any]:

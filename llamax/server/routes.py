@@ -34,11 +34,11 @@ from .fairness import check_num_sequences, client_key
 from .images import prepare_images
 from .llama import with_llama_extras
 from .schemas import (
-    DetokenizeRequest,
-    EmbeddingRequest,
-    RequestT,
-    TokenizeRequest,
+    DETOKENIZE_FIELDS,
+    EMBEDDING_FIELDS,
+    TOKENIZE_FIELDS,
     parse_body,
+    parse_embedding,
     parse_object,
     without_unknown,
 )
@@ -49,8 +49,8 @@ __all__ = ["api_routes", "fim_prompt"]
 
 _CHAT_FIELDS = frozenset(CHAT_TYPES)
 _TEXT_FIELDS = frozenset(TEXT_TYPES)
-_EMBED_FIELDS = frozenset(EmbeddingRequest.model_fields)
-_TOKENIZE_FIELDS = frozenset(TokenizeRequest.model_fields)
+_EMBED_FIELDS = frozenset(EMBEDDING_FIELDS)
+_TOKENIZE_FIELDS = frozenset(TOKENIZE_FIELDS)
 
 
 def api_routes(state: ServerState) -> APIRouter:
@@ -69,50 +69,52 @@ def api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        def work(body: EmbeddingRequest, ctx: llamax.Context) -> Response:
-            texts = [body.input] if isinstance(body.input, str) else body.input
+        def parse(raw: bytes) -> dict[str, Any]:
+            return parse_embedding(raw, lenient=state.config.lenient)
+
+        def work(body: dict[str, Any], ctx: llamax.Context) -> Response:
+            texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
             try:
-                vectors = _shortened(ctx.embed(texts), body.dimensions)
+                vectors = _shortened(ctx.embed(texts), body.get("dimensions"))
                 num_tokens = sum(len(ctx.tokenize(text)) for text in texts)
             except Exception as exc:  # too long, empty, model refused: OpenAI's error shape
                 raise from_exception(exc, _EMBED_FIELDS, "input") from exc
-            data = [
-                {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-                for i, v in enumerate(vectors)
-            ]
+            encoding = body.get("encoding_format", "float")
+            data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)}
+                    for i, v in enumerate(vectors)]  # fmt: skip
             usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-            model = _echo(state, body.model, ctx)
+            model = _echo(state, body.get("model"), ctx)
             return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage})
 
-        return await _in_worker(state, request, EmbeddingRequest, work)
+        return await run_leased(state, request, parse, _model_of, work)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        def work(body: TokenizeRequest, ctx: llamax.Context) -> Response:
+        def work(body: dict[str, Any], ctx: llamax.Context) -> Response:
+            special = {"add_special": body.get("add_special", False),
+                       "parse_special": body.get("parse_special", True)}  # fmt: skip
             try:
-                tokens = ctx.tokenize(
-                    body.content, add_special=body.add_special, parse_special=body.parse_special
-                )
+                tokens = ctx.tokenize(body["content"], **special)
             except Exception as exc:
                 raise from_exception(exc, _TOKENIZE_FIELDS, "content") from exc
-            if not body.with_pieces:
+            if not body.get("with_pieces"):
                 return JSONResponse({"tokens": tokens})
             pieces = [{"id": t, "piece": ctx.detokenize([t])} for t in tokens]
             return JSONResponse({"tokens": pieces})
 
-        return await _in_worker(state, request, TokenizeRequest, work)
+        return await _in_worker(state, request, TOKENIZE_FIELDS, "content", work)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        def work(body: DetokenizeRequest, ctx: llamax.Context) -> Response:
-            size = ctx.n_vocab
-            bad = [t for t in body.tokens if not 0 <= t < size]
+        def work(body: dict[str, Any], ctx: llamax.Context) -> Response:
+            size, tokens = ctx.n_vocab, body["tokens"]
+            bad = [t for t in tokens if not 0 <= t < size]
             if bad:
                 raise APIError(400, f"token ids outside the vocabulary [0, {size}): {bad[:8]}",
                                param="tokens", code="invalid_value")  # fmt: skip
-            return JSONResponse({"content": ctx.detokenize(body.tokens)})
+            return JSONResponse({"content": ctx.detokenize(tokens)})
 
-        return await _in_worker(state, request, DetokenizeRequest, work)
+        return await _in_worker(state, request, DETOKENIZE_FIELDS, "tokens", work)
 
     return router
 
@@ -297,9 +299,9 @@ async def _reply(submitted: Awaitable[ChatHandle], stream: bool) -> Any:
     return await arespond(OpenAIRequest(await submitted), stream, True)
 
 
-def _model_of(body: Any) -> object:
+def _model_of(body: dict[str, Any]) -> object:
     """The ``model`` a parsed body names (``None``: the default)."""
-    return getattr(body, "model", None)
+    return body.get("model")
 
 
 def _echo(state: ServerState, model: str | None, ctx: llamax.Context) -> str:
@@ -370,19 +372,20 @@ def _encode(vector: Any, encoding_format: str) -> list[float] | str:
 async def _in_worker(
     state: ServerState,
     request: Request,
-    schema: type[RequestT],
-    work: Callable[[RequestT, llamax.Context], Response],
+    fields: dict[str, Any],
+    required: str,
+    work: Callable[[dict[str, Any], llamax.Context], Response],
 ) -> Response:
-    """Read the body, take an admission slot, parse it in a worker, wait for the model it
-    names, and run ``work(body, ctx)`` (tokenizing, building the response) in a worker
-    thread, so the event loop stays free.
+    """Read the body, take an admission slot, parse it in a worker (its ``fields``, strictly:
+    :func:`~.schemas.parse_body`), wait for the model it names, and run ``work(body, ctx)``
+    (tokenizing, building the response) in a worker thread, so the event loop stays free.
 
     Raises:
         APIError: 413 for a body too large, 503 when ``max_queue`` requests are in flight,
             404 for an unknown model, or what ``work`` raises.
     """
 
-    def parse(raw: bytes) -> RequestT:
-        return parse_body(schema, raw, lenient=state.config.lenient)
+    def parse(raw: bytes) -> dict[str, Any]:
+        return parse_body(raw, fields, required)
 
     return await run_leased(state, request, parse, _model_of, work)

@@ -1,73 +1,59 @@
 """Request bodies: the JSON object checks every route shares (:func:`parse_object`), and the
-pydantic models of the routes that are not completions (embeddings, tokenize, detokenize),
-which refuse unknown fields and wrong types strictly (``"3"`` is not a number, ``1`` is not
-``true``). Chat and text completions are parsed by their pure codec
-(:mod:`llamax.dialects.openai_parse`), with the same strictness and the same 400s.
+fields of the routes that are not completions (embeddings, tokenize, detokenize), checked
+strictly as the completions' codec checks its own (:mod:`llamax.dialects.json_types`:
+``"3"`` is not a number, ``1`` is not ``true``, an unknown field is refused).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from llamax import InvalidParameterError
 from llamax.dialects.anthropic import MESSAGES
-from llamax.dialects.fields import FieldTable, accept_fields
+from llamax.dialects.fields import FieldTable
+from llamax.dialects.json_types import read_fields
 from llamax.dialects.openai import EMBEDDINGS, ROUTES
 
-from .errors import APIError
+from .errors import APIError, from_exception
 
 __all__ = [
-    "DetokenizeRequest",
-    "EmbeddingRequest",
-    "TokenizeRequest",
+    "DETOKENIZE_FIELDS",
+    "EMBEDDING_FIELDS",
+    "TOKENIZE_FIELDS",
     "parse_body",
+    "parse_embedding",
     "parse_object",
     "without_unknown",
 ]
 
-RequestT = TypeVar("RequestT", bound=BaseModel)
-
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays and objects a body may have (a JSON schema rarely needs 10)."""
 
+EMBEDDING_FIELDS: dict[str, Any] = {
+    "input": str | list[str],
+    "model": str | None,
+    "encoding_format": Literal["float", "base64"],
+    "user": str | None,
+    "dimensions": int | None,
+}
+"""``POST /v1/embeddings`` (``input`` required, not empty; ``encoding_format`` by default
+``float``; ``dimensions``, at least 1: keep the first components, renormalised)."""
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+TOKENIZE_FIELDS: dict[str, Any] = {
+    "content": str,
+    "add_special": bool,
+    "parse_special": bool,
+    "with_pieces": bool,
+    "model": str | None,
+}
+"""``POST /tokenize`` (llama-server's shape; ``content`` required): ``add_special`` (BOS
+and the like; by default false, as llama-server), ``parse_special`` (special-token text
+becomes special tokens; by default true), ``with_pieces``, and ``model``: which model's
+tokenizer, when the server has several (docs/models.md)."""
 
-
-class EmbeddingRequest(_Strict):
-    """``POST /v1/embeddings``."""
-
-    input: str | list[str] = Field(min_length=1)
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
-    dimensions: int | None = Field(default=None, ge=1)
-    """Keep the first ``dimensions`` components, renormalised to length 1."""
-
-
-class TokenizeRequest(_Strict):
-    """``POST /tokenize`` (llama-server's shape)."""
-
-    content: str
-    add_special: bool = False
-    """BOS and the like (llama-server's default: none)."""
-    parse_special: bool = True
-    """Special-token text becomes special tokens (``False``: plain text)."""
-    with_pieces: bool = False
-    model: str | None = None
-    """Which model's tokenizer, when the server has several (docs/models.md)."""
-
-
-class DetokenizeRequest(_Strict):
-    """``POST /detokenize``."""
-
-    tokens: list[int]
-    model: str | None = None
+DETOKENIZE_FIELDS: dict[str, Any] = {"tokens": list[int], "model": str | None}
+"""``POST /detokenize`` (``tokens`` required)."""
 
 
 def _reject_constant(name: str) -> float:
@@ -76,7 +62,7 @@ def _reject_constant(name: str) -> float:
 
 def parse_object(raw: bytes) -> dict[str, Any]:
     """A JSON object body, checked as :func:`parse_body` checks one (JSON, depth, text),
-    without a model: for requests whose fields another layer checks (``/v1/messages``).
+    without its fields: for requests whose fields another layer checks (``/v1/messages``).
 
     Raises:
         APIError: 400, as :func:`parse_body`.
@@ -112,17 +98,21 @@ def without_unknown(data: dict[str, Any], table: FieldTable, route: str) -> dict
     return {name: value for name, value in data.items() if name in known}
 
 
-def parse_body(model: type[RequestT], raw: bytes, *, lenient: bool = False) -> RequestT:
-    """Parse and validate a JSON request body.
-
-    Args:
-        model: The request model.
-        raw: The body's bytes.
-        lenient: Drop (and log) top-level fields the model's route table does not name,
-            instead of refusing them (:func:`without_unknown`).
-
-    Returns:
-        The validated request.
+def parse_body(
+    raw: bytes,
+    fields: dict[str, Any],
+    required: str,
+    table: FieldTable = (),
+    route: str = "",
+    *,
+    non_empty: bool = False,
+    lenient: bool = False,
+) -> dict[str, Any]:
+    """A JSON request body, its fields checked (:func:`~llamax.dialects.json_types.
+    read_fields`, nulls left out): ``required`` must be there (``non_empty``: and not
+    empty); ``table`` is
+    the route's field policy, whose unknown fields ``lenient`` drops (and logs) instead of
+    refusing them (:func:`without_unknown`).
 
     Raises:
         APIError: 400, for malformed JSON, a body that is not an object, nesting deeper
@@ -131,25 +121,27 @@ def parse_body(model: type[RequestT], raw: bytes, *, lenient: bool = False) -> R
             a field of the wrong type.
     """
     data = parse_object(raw)
-    table = _TABLES.get(model)
-    if table is not None:
-        if lenient:
-            data = without_unknown(data, table, _PATHS[model])
-        try:
-            data = accept_fields(table, data)
-        except InvalidParameterError as exc:
-            message = str(exc)
-            code = "unsupported_parameter" if " is not supported: " in message else "invalid_value"
-            raise APIError(400, message, param=exc.param, code=code) from exc
+    if lenient and table:
+        data = without_unknown(data, table, route)
     try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc) from exc
+        return read_fields(data, table, fields, required, non_empty)
+    except Exception as exc:
+        raise from_exception(exc) from exc
 
 
-_TABLES: dict[type[BaseModel], FieldTable] = {EmbeddingRequest: EMBEDDINGS}
-"""Each OpenAI request model's field table (:mod:`llamax.dialects.openai`)."""
-_PATHS: dict[type[BaseModel], str] = {EmbeddingRequest: "/v1/embeddings"}
+def parse_embedding(raw: bytes, *, lenient: bool = False) -> dict[str, Any]:
+    """A ``POST /v1/embeddings`` body (:data:`EMBEDDING_FIELDS`), as :func:`parse_body`.
+
+    Raises:
+        APIError: 400, as :func:`parse_body`, or ``dimensions`` below 1.
+    """
+    body = parse_body(raw, EMBEDDING_FIELDS, "input", EMBEDDINGS, "/v1/embeddings",
+                      non_empty=True, lenient=lenient)  # fmt: skip
+    if body.get("dimensions", 1) < 1:
+        raise APIError(400, "dimensions: Input should be greater than or equal to 1",
+                       param="dimensions", code="invalid_type")  # fmt: skip
+    return body
+
 
 FIELD_TABLES: dict[str, FieldTable] = {**ROUTES, "messages": MESSAGES}
 """Every route's field table, by the name the docs blocks use (``<!-- fields: chat -->``)."""
@@ -201,15 +193,3 @@ def _check_text(text: str, path: tuple[str | int, ...]) -> None:
 
 def _where(path: tuple[str | int, ...]) -> str:
     return ".".join(str(part) for part in path)
-
-
-def _validation_error(exc: ValidationError) -> APIError:
-    errors = exc.errors()
-    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    location = ".".join(str(part) for part in first["loc"])
-    param = str(first["loc"][0]) if first["loc"] else None
-    if first["type"] == "extra_forbidden":
-        return APIError(400, f"unknown field {location!r}", param=param, code="unknown_field")
-    if first["type"] == "missing":
-        return APIError(400, f"missing field {param!r}", param=param, code="missing_field")
-    return APIError(400, f"{location}: {first['msg']}", param=param, code="invalid_type")
