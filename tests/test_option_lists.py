@@ -22,7 +22,7 @@ from llamax import cli, flags
 from llamax.chat import options as openai_options
 from llamax.chat.options import CompletionOptions, sampling_params
 from llamax.config import OPTION_LISTS, ContextConfig, ContextOptions
-from llamax.dialects.json_types import FieldError, checked
+from llamax.dialects.json_types import FieldError, read_fields
 from llamax.dialects.openai_parse import (
     CHAT_TYPES,
     TEXT_TYPES,
@@ -55,11 +55,11 @@ def test_a_new_sampling_option_reaches_the_server_schema() -> None:
     fields = sampling_types(WithTailFree)
     assert fields["tfs_z"] == float | None
     assert "tfs_z" not in sampling_types()
-    assert checked({"tfs_z": 0.5}, fields) == {"tfs_z": 0.5}
+    assert read_fields({"tfs_z": 0.5}, fields) == {"tfs_z": 0.5}
     with pytest.raises(FieldError, match="valid number"):
-        checked({"tfs_z": "0.5"}, fields)  # strict, as every other number
+        read_fields({"tfs_z": "0.5"}, fields)  # strict, as every other number
     with pytest.raises(FieldError, match="unknown field 'tfs'"):
-        checked({"tfs": 0.5}, fields)
+        read_fields({"tfs": 0.5}, fields)
 
 
 def test_a_new_sampling_option_reaches_the_openai_mapping(monkeypatch: pytest.MonkeyPatch) -> None:

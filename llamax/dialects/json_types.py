@@ -22,7 +22,7 @@ from typing_extensions import is_typeddict
 from ..errors import InvalidParameterError, InvalidRequestError
 from .fields import FieldTable, accept_fields
 
-__all__ = ["FieldError", "checked", "read_fields"]
+__all__ = ["FieldError", "read_fields"]
 
 Loc = tuple[str | int, ...]
 Problem = tuple[str, Loc, str]
@@ -45,31 +45,44 @@ class FieldError(InvalidParameterError):
         self.code = code
 
 
-def checked(
+def read_fields(
     body: Mapping[str, Any],
     fields: Mapping[str, Any],
-    required: frozenset[str] = frozenset(),
-    non_empty: frozenset[str] = frozenset(),
+    table: FieldTable = (),
+    required: str | None = None,
+    non_empty: bool = False,
 ) -> dict[str, Any]:
-    """The fields of ``body`` that are not null, each checked against its type in
-    ``fields`` (an integer given for a number becomes a float); a ``non_empty`` list must
-    hold an item.
+    """A body's fields that are not null: its hints dropped once checked and its refused
+    fields refused, as the route's ``table`` says (:func:`~llamax.dialects.fields.
+    accept_fields`), then each checked against its type in ``fields`` (an integer given
+    for a number becomes a float); the ``required`` field must be there (``non_empty``: and
+    hold an item).
 
     Raises:
-        FieldError: an unknown field (``unknown_field``), a ``required`` one missing
-            (``missing_field``) or a value of the wrong type (``invalid_type``): the first
-            unknown field, nested or not, else the first problem in the order of
-            ``fields``.
+        InvalidRequestError: the body is not an object.
+        FieldError: a refused field (``unsupported_parameter``), a hint's bad value
+            (``invalid_value``), else the first unknown field, nested or not
+            (``unknown_field``), else the first problem in the order of ``fields``: the
+            required field missing (``missing_field``) or a value of the wrong type
+            (``invalid_type``).
     """
+    if not isinstance(body, Mapping):
+        raise InvalidRequestError("the request must be an object")
+    try:
+        body = accept_fields(table, body)
+    except InvalidParameterError as exc:
+        message = str(exc)
+        code = "unsupported_parameter" if " is not supported: " in message else "invalid_value"
+        raise FieldError(message, param=exc.param, code=code) from exc
     problems: list[Problem] = []
     values: dict[str, Any] = {}
     for name, hint in fields.items():
         if name not in body:
-            if name in required:
+            if name == required:
                 problems.append(("missing", (name,), "Field required"))
             continue
         value, found = _check(body[name], hint, (name,))
-        if name in non_empty and not found and not value:
+        if non_empty and name == required and not found and not value:
             kind = "List" if typing.get_origin(hint) is list else "Value"
             found = [("too_short", (name,), f"{kind} should have at least 1 item after "
                       "validation, not 0")]  # fmt: skip
@@ -80,33 +93,6 @@ def checked(
     if problems:
         raise _error(next((p for p in problems if p[0] == "extra_forbidden"), problems[0]))
     return values
-
-
-def read_fields(
-    body: Mapping[str, Any],
-    table: FieldTable,
-    fields: Mapping[str, Any],
-    required: str,
-    non_empty: bool = False,
-) -> dict[str, Any]:
-    """A route's body read: its hints dropped once checked and its refused fields refused
-    (:func:`~llamax.dialects.fields.accept_fields`), then :func:`checked`, with the
-    ``required`` field (``non_empty``: not empty either).
-
-    Raises:
-        InvalidRequestError: the body is not an object.
-        FieldError: as :func:`checked`, or a refused field (``unsupported_parameter``) or
-            a hint's bad value (``invalid_value``).
-    """
-    if not isinstance(body, Mapping):
-        raise InvalidRequestError("the request must be an object")
-    try:
-        body = accept_fields(table, body)
-    except InvalidParameterError as exc:
-        message = str(exc)
-        code = "unsupported_parameter" if " is not supported: " in message else "invalid_value"
-        raise FieldError(message, param=exc.param, code=code) from exc
-    return checked(body, fields, frozenset({required}), frozenset({required} if non_empty else ()))
 
 
 def _error(problem: Problem) -> FieldError:

@@ -196,7 +196,7 @@ def chat_options(body: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
             bad ``temperature``, ``stop``, ``chat_template_kwargs`` or
             ``max_completion_tokens``.
     """
-    values = read_fields(body, CHAT, CHAT_TYPES, "messages", non_empty=True)
+    values = read_fields(body, CHAT_TYPES, CHAT, "messages", non_empty=True)
     options = _options(values)
     effort = options.pop("reasoning_effort", None)
     if not options.get("tools"):
@@ -234,7 +234,7 @@ def parse_text(body: Mapping[str, Any], *, defaults: Mapping[str, Any] = {}) -> 
         FieldError: a refused, unknown or missing field, or one of the wrong type.
         InvalidRequestError: a bad value (the call's own errors as well).
     """
-    values = read_fields(body, COMPLETIONS, TEXT_TYPES, "prompt")
+    values = read_fields(body, TEXT_TYPES, COMPLETIONS, "prompt")
     options = {**defaults, **_options(values)}
     options.setdefault("max_tokens", DEFAULT_COMPLETION_TOKENS)
     prompt, echo, suffix = options.pop("prompt"), options.pop("echo", False), options.pop(

@@ -40,7 +40,6 @@ from .schemas import (
     parse_body,
     parse_embedding,
     parse_object,
-    without_unknown,
 )
 from .serve import add_completion_routes
 from .state import ServerState, run_leased
@@ -160,28 +159,41 @@ def _check_trailing_assistants(messages: Sequence[Mapping[str, Any]]) -> None:
                        param="messages", code="invalid_value")  # fmt: skip
 
 
-ChatBody = tuple[ChatRequest, dict[str, Any]]
-"""A chat body parsed, and the body itself (its ``tools`` as sent, for ``verbose``)."""
+class _OpenAIRoute:
+    """What the chat and text routes (each a :class:`~.route.CompletionRoute`) share: the
+    parsed body is the codec's request and the body itself (a chat's ``tools`` as sent,
+    for ``verbose``)."""
 
-
-class OpenAIChat:
-    """``POST /v1/chat/completions`` (a :class:`~.route.CompletionRoute`); with the
-    ``OPENAI_LLAMA`` dialect llama-server's ``/chat/completions``: its error shape, and its
-    rule that two assistant messages cannot end the list."""
-
-    endpoint = "chat"
-    fields = _CHAT_FIELDS
-    prompt_field = "messages"
     check_key = False  # the router's dependency checks it
     ping_seconds = None
 
-    def __init__(self, state: ServerState, dialect: Dialect) -> None:
+    def __init__(self, state: ServerState, dialect: Dialect = OPENAI) -> None:
         self.state, self.dialect = state, dialect
 
-    def parse(self, raw: bytes) -> ChatBody:
+    def model(self, parsed: tuple[ChatRequest | TextRequest, Any]) -> object:
+        """The ``model`` the body names."""
+        return parsed[0].model
+
+    def stream(self, parsed: tuple[ChatRequest | TextRequest, Any]) -> bool:
+        """Whether the reply streams."""
+        return parsed[0].stream
+
+    def include_usage(self, parsed: tuple[ChatRequest | TextRequest, Any]) -> bool:
+        """Whether the client asked for the usage chunk."""
+        return parsed[0].include_usage
+
+
+class OpenAIChat(_OpenAIRoute):
+    """``POST /v1/chat/completions``; with the ``OPENAI_LLAMA`` dialect llama-server's
+    ``/chat/completions``: its error shape, and its rule that two assistant messages
+    cannot end the list."""
+
+    endpoint, fields, prompt_field = "chat", _CHAT_FIELDS, "messages"
+
+    def parse(self, raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         """The body and its call (a worker: images may be fetched, a schema compiled)."""
         state = self.state
-        body = _body(state, raw, CHAT, "/v1/chat/completions")
+        body = parse_object(raw, CHAT, "/v1/chat/completions", lenient=state.config.lenient)
         defaults = _defaults(state)
         if state.config.parse_special_in_content:
             defaults["parse_special_in_content"] = True
@@ -196,19 +208,8 @@ class OpenAIChat:
             _check_trailing_assistants(messages)
         return parsed, body
 
-    def model(self, parsed: ChatBody) -> object:
-        """The ``model`` the body names."""
-        return parsed[0].model
-
-    def stream(self, parsed: ChatBody) -> bool:
-        """Whether the reply streams."""
-        return parsed[0].stream
-
-    def include_usage(self, parsed: ChatBody) -> bool:
-        """Whether the client asked for the usage chunk."""
-        return parsed[0].include_usage
-
-    def start(self, parsed: ChatBody, ctx: llamax.Context, request: Request) -> Awaitable[Any]:
+    def start(self, parsed: tuple[ChatRequest, dict[str, Any]], ctx: llamax.Context,
+              request: Request) -> Awaitable[Any]:  # fmt: skip
         """Submit the chat (rendered in a worker) and read it as OpenAI's shapes."""
         chat, body = parsed
         call = _named(self.state, chat.model, ctx, chat.call)
@@ -221,60 +222,35 @@ class OpenAIChat:
                                  timings=chat.timings_per_token, verbose=chat.verbose)  # fmt: skip
 
 
-class OpenAIText:
-    """``POST /v1/completions`` (a :class:`~.route.CompletionRoute`)."""
+class OpenAIText(_OpenAIRoute):
+    """``POST /v1/completions``."""
 
-    endpoint = "completions"
-    dialect = OPENAI
-    fields = _TEXT_FIELDS
-    prompt_field = "prompt"
-    check_key = False  # the router's dependency checks it
-    ping_seconds = None
+    endpoint, fields, prompt_field = "completions", _TEXT_FIELDS, "prompt"
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
-
-    def parse(self, raw: bytes) -> TextRequest:
+    def parse(self, raw: bytes) -> tuple[TextRequest, None]:
         """The body's call."""
         state = self.state
-        body = _body(state, raw, COMPLETIONS, "/v1/completions")
+        body = parse_object(raw, COMPLETIONS, "/v1/completions", lenient=state.config.lenient)
         try:
             parsed = parse_text(body, defaults=_defaults(state))
         except Exception as exc:
             raise from_exception(exc, self.fields, self.prompt_field) from exc
         check_num_sequences(1, parsed.call.params.n, state.config.max_sequences, param="n")
-        return parsed
+        return parsed, None
 
-    def model(self, parsed: TextRequest) -> object:
-        """The ``model`` the body names."""
-        return parsed.model
-
-    def stream(self, parsed: TextRequest) -> bool:
-        """Whether the reply streams."""
-        return parsed.stream
-
-    def include_usage(self, parsed: TextRequest) -> bool:
-        """Whether the client asked for the usage chunk."""
-        return parsed.include_usage
-
-    async def start(self, parsed: TextRequest, ctx: llamax.Context, request: Request) -> Any:
+    async def start(self, parsed: tuple[TextRequest, None], ctx: llamax.Context,
+                    request: Request) -> Any:  # fmt: skip
         """Submit the text completion (a ``suffix`` as a fill-in-the-middle prompt)."""
-        call = _named(self.state, parsed.model, ctx, parsed.call)
+        text = parsed[0]
+        call = _named(self.state, text.model, ctx, text.call)
         prompt = call.prompt
-        if parsed.suffix:  # tokenized in a worker: the event loop stays free
-            fim = await run_in_threadpool(fim_prompt, ctx, prompt, parsed.suffix)
+        if text.suffix:  # tokenized in a worker: the event loop stays free
+            fim = await run_in_threadpool(fim_prompt, ctx, prompt, text.suffix)
             call = dataclasses.replace(call, prompt=tuple(fim))
-        submitted = ctx.asubmit_text(call, fair_key=client_key(request))
-        result = await _reply(submitted, parsed.stream)
-        if not parsed.echo:
+        result = await _reply(ctx.asubmit_text(call, fair_key=client_key(request)), text.stream)
+        if not text.echo:
             return result
         return _with_prompt(result, prompt if isinstance(prompt, str) else ctx.detokenize(prompt))
-
-
-def _body(state: ServerState, raw: bytes, table: Any, route: str) -> dict[str, Any]:
-    """The JSON object, without the fields ``table`` does not name under ``--lenient``."""
-    body = parse_object(raw)
-    return without_unknown(body, table, route) if state.config.lenient else body
 
 
 def _defaults(state: ServerState) -> dict[str, Any]:

@@ -60,9 +60,12 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_object(raw: bytes) -> dict[str, Any]:
+def parse_object(
+    raw: bytes, table: FieldTable = (), route: str = "", *, lenient: bool = False
+) -> dict[str, Any]:
     """A JSON object body, checked as :func:`parse_body` checks one (JSON, depth, text),
-    without its fields: for requests whose fields another layer checks (``/v1/messages``).
+    without its fields: for requests whose fields another layer checks (``/v1/messages``);
+    ``lenient`` drops the top-level fields ``table`` does not name (:func:`without_unknown`).
 
     Raises:
         APIError: 400, as :func:`parse_body`.
@@ -78,7 +81,7 @@ def parse_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
     _check_tree(data)
-    return data
+    return without_unknown(data, table, route) if lenient else data
 
 
 _log = logging.getLogger("llamax.server")
@@ -120,11 +123,9 @@ def parse_body(
             is valid JSON but not Unicode text), an unknown field (named in ``param``) or
             a field of the wrong type.
     """
-    data = parse_object(raw)
-    if lenient and table:
-        data = without_unknown(data, table, route)
+    data = parse_object(raw, table, route, lenient=lenient)
     try:
-        return read_fields(data, table, fields, required, non_empty)
+        return read_fields(data, fields, table, required, non_empty)
     except Exception as exc:
         raise from_exception(exc) from exc
 
