@@ -216,9 +216,7 @@ class OpenAIChat(_OpenAIRoute):
         reply = _reply(ctx.asubmit_chat(call, fair_key=client_key(request)), chat.stream)
         if not (chat.timings_per_token or chat.verbose):
             return reply
-        options = {"stream": chat.stream, "tools": body.get("tools"),
-                   "enable_thinking": call.enable_thinking}  # fmt: skip
-        return with_llama_extras(ctx, list(call.messages), options, reply,
+        return with_llama_extras(ctx, call, body.get("tools"), reply, stream=chat.stream,
                                  timings=chat.timings_per_token, verbose=chat.verbose)  # fmt: skip
 
 
