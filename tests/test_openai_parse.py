@@ -1,8 +1,9 @@
 """The OpenAI chat and text codec (:mod:`llamax.dialects.openai_parse`) answers as the
 server's pydantic request models did: these bodies, and what those models made of them
 (the call options, or the 400's code, param and message), were recorded from the models
-before they were removed; a throwaway differential over 500,000 random and adversarial
-bodies found no difference."""
+before they were removed. A throwaway differential (old parse, ``options()`` and
+``ChatCall.of`` against the codec) found no difference over 1,475,000 random and
+adversarial chat, text and ``/apply-template`` bodies."""
 
 from __future__ import annotations
 
