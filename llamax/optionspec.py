@@ -3,7 +3,7 @@
 Each option of :class:`~llamax.SamplingParams` and :class:`~llamax.ContextConfig` is a
 dataclass field whose metadata (made by :func:`spec`) holds an :class:`OptionSpec`: a one-line
 doc, and how the option appears on the command line and in OpenAI requests. Everything else
-is derived from the fields: the server's request model (``llamax/server/schemas.py``), the
+is derived from the fields: the OpenAI request types (``llamax/dialects/openai_parse.py``), the
 OpenAI mapping (``llamax/openai/options.py``), the command-line flags (``llamax/cli.py``) and
 the options tables of the docs (:func:`markdown_table`, kept current by a test; regenerate
 them with ``python scripts/option_tables.py``). So a new option is one field plus its doc.

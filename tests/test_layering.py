@@ -451,7 +451,9 @@ DIALECTS = "llamax.dialects"
 NOT_FOR_DIALECTS = (*FACADE, ROOT, "llamax.server")
 """What no module of the dialects may reach: the facade, the package root (which imports
 the facade) and the server."""
-WEB_FRAMEWORKS = frozenset({"starlette", "fastapi"})
+WEB_FRAMEWORKS = frozenset({"starlette", "fastapi", "pydantic"})
+"""The server extra's packages (pyproject's ``server``: a web framework, and pydantic under
+it): a codec checks its JSON on its own, so the core needs none of them."""
 
 
 def _third_party(path: Path, *, lazy: bool) -> set[str]:
@@ -471,7 +473,8 @@ def dialect_violations(modules: dict[str, Path]) -> list[str]:
     """Where the dialects break their rule: a chain from a module of ``llamax.dialects`` to
     the facade, the root or the server (the dialects' own imports counted wherever they sit,
     lazy and ``TYPE_CHECKING`` ones included, then what those import at import time), a
-    ``Context`` named in them, or Starlette/FastAPI imported by any module on the way."""
+    ``Context`` named in them, or Starlette/FastAPI/pydantic imported by any module on the
+    way."""
     graph = {
         name: import_edges(name, path, modules, lazy=_within(name, (DIALECTS,)))
         for name, path in modules.items()
@@ -514,6 +517,7 @@ def test_the_dialects_reach_neither_the_facade_nor_the_server() -> None:
         ("if TYPE_CHECKING:\n    from llamax.context import Context\n", "-> llamax.context"),
         ("from ..chat.options import one_of\nimport starlette.responses\n", "starlette"),
         ("def f():\n    from fastapi import Request\n", "fastapi"),
+        ("from pydantic import BaseModel\n", "pydantic"),
     ],
 )
 def test_the_dialect_rule_catches_a_violation(tmp_path: Path, source: str, flagged: str) -> None:

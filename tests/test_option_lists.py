@@ -22,10 +22,18 @@ from llamax import cli, flags
 from llamax.chat import options as openai_options
 from llamax.chat.options import CompletionOptions, sampling_params
 from llamax.config import OPTION_LISTS, ContextConfig, ContextOptions
+from llamax.dialects.json_types import FieldError, read_fields
+from llamax.dialects.openai_parse import (
+    CHAT_TYPES,
+    TEXT_TYPES,
+    StreamOptions,
+    parse_chat,
+    parse_text,
+    sampling_types,
+)
 from llamax.drafting import Drafter, DraftMethod
 from llamax.optionspec import generated_blocks, markdown_table, openai_defaults, spec
 from llamax.params import SamplingParams
-from llamax.server.schemas import StreamOptions
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -44,16 +52,14 @@ class WithTailFree(SamplingParams):
 
 
 def test_a_new_sampling_option_reaches_the_server_schema() -> None:
-    from llamax.server.schemas import sampling_fields
-
-    model = sampling_fields(WithTailFree)
-    assert model.model_fields["tfs_z"].annotation == float | None
-    assert model.model_fields["tfs_z"].default is None
-    assert model.model_validate({"tfs_z": 0.5}).options() == {"tfs_z": 0.5}
-    with pytest.raises(pydantic.ValidationError, match="valid number"):
-        model.model_validate({"tfs_z": "0.5"})  # strict, as every other number
-    with pytest.raises(pydantic.ValidationError, match="Extra inputs"):
-        model.model_validate({"tfs": 0.5})
+    fields = sampling_types(WithTailFree)
+    assert fields["tfs_z"] == float | None
+    assert "tfs_z" not in sampling_types()
+    assert read_fields({"tfs_z": 0.5}, fields) == {"tfs_z": 0.5}
+    with pytest.raises(FieldError, match="valid number"):
+        read_fields({"tfs_z": "0.5"}, fields)  # strict, as every other number
+    with pytest.raises(FieldError, match="unknown field 'tfs'"):
+        read_fields({"tfs": 0.5}, fields)
 
 
 def test_a_new_sampling_option_reaches_the_openai_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,12 +156,10 @@ OLD_SAMPLING_FIELDS: dict[str, Any] = {  # the hand-written model, in its order
 
 
 def test_the_server_schema_equals_the_hand_written_one() -> None:
-    from llamax.server.schemas import ChatCompletionRequest, CompletionRequest
-
     expected = OLD_SAMPLING_FIELDS
-    for model, own in (
+    for fields, own in (
         (
-            ChatCompletionRequest,
+            CHAT_TYPES,
             {
                 "messages",
                 "max_completion_tokens",
@@ -176,14 +180,11 @@ def test_the_server_schema_equals_the_hand_written_one() -> None:
                 "prompt_cache_retention",
             },
         ),
-        (CompletionRequest, {"prompt", "logprobs", "echo", "suffix"}),
+        (TEXT_TYPES, {"prompt", "logprobs", "echo", "suffix"}),
     ):
-        fields = model.model_fields
         assert set(fields) == set(expected) | own
         for name, annotation in expected.items():
-            assert fields[name].annotation == annotation, name
-            assert fields[name].default is None, name
-        assert model.model_config["extra"] == "forbid" and model.model_config["strict"]
+            assert fields[name] == annotation, name
 
 
 BAD_BODIES = [
@@ -210,22 +211,25 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize("extra", BAD_BODIES, ids=str)
 def test_bad_bodies_get_todays_400(extra: dict[str, Any]) -> None:
-    import json
-
-    from llamax.server.errors import APIError
-    from llamax.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
-
     expected = {
-        ChatCompletionRequest: _old_message(extra, chat=True),
-        CompletionRequest: _old_message(extra, chat=False),
+        parse_chat: _old_message(extra, chat=True),
+        parse_text: _old_message(extra, chat=False),
     }
-    for model, (param, message) in expected.items():
+    for parse, (param, message) in expected.items():
         body = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", **extra}
-        body.pop("prompt" if model is ChatCompletionRequest else "messages")
-        with pytest.raises(APIError) as caught:
-            parse_body(model, json.dumps(body).encode())
-        assert caught.value.status == 400
-        assert (caught.value.param, str(caught.value.message)) == (param, message)
+        body.pop("prompt" if parse is parse_chat else "messages")
+        with pytest.raises(FieldError) as caught:
+            parse(body)
+        assert caught.value.code in ("unknown_field", "invalid_type")
+        assert (caught.value.param, str(caught.value)) == (param, message)
+
+
+class _OldStreamOptions(pydantic.BaseModel):
+    """The hand-written ``stream_options`` model."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True, title="StreamOptions")
+    include_usage: bool = False
+    include_obfuscation: bool = False
 
 
 def _old_message(extra: dict[str, Any], *, chat: bool) -> tuple[str | None, str]:
@@ -235,6 +239,7 @@ def _old_message(extra: dict[str, Any], *, chat: bool) -> tuple[str | None, str]
     fields: dict[str, Any] = {
         name: (annotation, None) for name, annotation in OLD_SAMPLING_FIELDS.items()
     }
+    fields["stream_options"] = (_OldStreamOptions | None, None)
     fields["messages" if chat else "prompt"] = (list[dict[str, Any]] if chat else str, ...)
     old = create_model("Old", __config__=ConfigDict(extra="forbid", strict=True), **fields)
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}

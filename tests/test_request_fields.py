@@ -17,19 +17,17 @@ from test_chat import make
 
 import llamax
 from llamax.anthropic import REQUEST_FIELDS
+from llamax.chat import ChatCall
 from llamax.dialects.anthropic import MESSAGES
 from llamax.dialects.fields import SHARED_FIELDS, Support, generated_blocks, honoured
 from llamax.dialects.llama import NATIVE_TABLES
 from llamax.dialects.openai import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from llamax.dialects.openai_parse import CHAT_TYPES, TEXT_TYPES, parse_chat
 from llamax.openai import RESPONSE_FIELDS
 from llamax.server import BackgroundServer, create_app
-from llamax.server.schemas import (
-    FIELD_TABLES,
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-)
+from llamax.server.schemas import EMBEDDING_FIELDS, FIELD_TABLES
 from llamax.testing import assert_idle
+from llamax.tools import ToolPlan
 
 DOCS = Path(__file__).parent.parent / "docs"
 HI = [{"role": "user", "content": "Hi!"}]
@@ -49,9 +47,9 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}
 @pytest.mark.parametrize(
     ("table", "fields"),
     [
-        (CHAT, set(ChatCompletionRequest.model_fields)),
-        (COMPLETIONS, set(CompletionRequest.model_fields)),
-        (EMBEDDINGS, set(EmbeddingRequest.model_fields)),
+        (CHAT, set(CHAT_TYPES)),
+        (COMPLETIONS, set(TEXT_TYPES)),
+        (EMBEDDINGS, set(EMBEDDING_FIELDS)),
         (RESPONSES, set(RESPONSE_FIELDS)),
         (MESSAGES, set(REQUEST_FIELDS)),
     ],
@@ -86,13 +84,13 @@ def test_the_docs_field_tables_are_current() -> None:
 
 
 def test_reasoning_effort_is_the_thinking_switch() -> None:
-    def options(**body: Any) -> dict[str, Any]:
-        return ChatCompletionRequest.model_validate({"messages": HI, **body}).options()
+    def call(**body: Any) -> ChatCall:
+        return parse_chat({"messages": HI, **body}).call
 
-    assert options(reasoning_effort="minimal")["enable_thinking"] is False
-    assert options(reasoning_effort="high")["enable_thinking"] is True
-    assert options(reasoning_effort="none", enable_thinking=True)["enable_thinking"] is True
-    assert "parallel_tool_calls" not in options(parallel_tool_calls=True)  # no tools: no effect
+    assert call(reasoning_effort="minimal").enable_thinking is False
+    assert call(reasoning_effort="high").enable_thinking is True
+    assert call(reasoning_effort="none", enable_thinking=True).enable_thinking is True
+    assert call(parallel_tool_calls=True).tools == ToolPlan()  # no tools: no effect
 
 
 # --- over HTTP, on the fake backend ----------------------------------------------------------

@@ -5,7 +5,9 @@ does with every field, with no :class:`~llamax.Context` and no web framework.
   :data:`~llamax.dialects.fields.FieldTable` per route (each field honoured, a hint or
   refused), applied by :func:`~llamax.dialects.fields.accept_fields` and documented by
   :func:`~llamax.dialects.fields.markdown_table`.
-- :mod:`llamax.dialects.openai`: OpenAI's routes (chat, completions, embeddings, responses).
+- :mod:`llamax.dialects.openai`: OpenAI's routes (chat, completions, embeddings, responses);
+  :mod:`llamax.dialects.openai_parse` parses a chat or text completion body to its call,
+  its JSON types checked by :mod:`llamax.dialects.json_types`.
 - :mod:`llamax.dialects.anthropic`: Anthropic's Messages.
 - :mod:`llamax.dialects.responses`: the Responses API's request (``parse_create``).
 - :mod:`llamax.dialects.llama`: llama-server's native ``/completion`` and ``/infill``, with
@@ -13,7 +15,7 @@ does with every field, with no :class:`~llamax.Context` and no web framework.
 
 Adding a request field is one row in its dialect's table. The layering rule
 (``tests/test_layering.py``): this package imports neither the facade (``llamax.context``,
-``llamax.session``) nor the server, nor Starlette.
+``llamax.session``) nor the server, nor Starlette or pydantic.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from .errors import APIError, anthropic_error_response, from_exception
 from .fairness import client_key
 from .images import prepare_images
 from .route import JSONObjectRoute
-from .schemas import parse_object, without_unknown
+from .schemas import parse_object
 from .serve import add_completion_routes
 from .state import ServerState, run_leased
 
@@ -58,9 +58,7 @@ class AnthropicMessages(JSONObjectRoute):
 
 
 def _parse(state: ServerState, raw: bytes) -> dict[str, Any]:
-    body = parse_object(raw)
-    if state.config.lenient:
-        body = without_unknown(body, MESSAGES, "/v1/messages")
+    body = parse_object(raw, MESSAGES, "/v1/messages", lenient=state.config.lenient)
     prepare_images(body, "anthropic", state.config.images, state.image_fetcher)  # may fetch
     return body
 

@@ -171,6 +171,8 @@ def from_exception(
     if isinstance(exc, APIError):
         return exc
     message = str(exc)
+    if isinstance(exc, FieldError):  # a body's field: unknown, missing, mistyped, refused
+        return APIError(400, message, param=exc.param, code=exc.code)
     if isinstance(exc, llamax.ContextLengthError):
         error = APIError(400, message, param=prompt_field, code="context_length_exceeded")
         error.details = {"n_prompt_tokens": exc.num_prompt_tokens, "n_ctx": exc.n_ctx}
@@ -181,8 +183,6 @@ def from_exception(
         return APIError(400, message, param=prompt_field, code="invalid_image")
     if isinstance(exc, llamax.EmptyPromptError):
         return APIError(400, message, param=prompt_field, code="empty_prompt")
-    if isinstance(exc, FieldError):  # a codec's refusal, with its API's code
-        return APIError(400, message, param=exc.param, code=exc.code)
     if isinstance(exc, llamax.GrammarError):
         return APIError(400, message, param=_grammar_field(exc, fields), code="invalid_grammar")
     if isinstance(exc, TemplateError):

@@ -4,8 +4,9 @@ and tokenization."""
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Depends
@@ -14,6 +15,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import llamax
+from llamax.chat import ChatCall, ChatHandle, TextCall
+from llamax.dialects.openai import CHAT, COMPLETIONS
+from llamax.dialects.openai_parse import (
+    CHAT_TYPES,
+    TEXT_TYPES,
+    ChatRequest,
+    TextRequest,
+    parse_chat,
+    parse_text,
+)
+from llamax.openai import OpenAIRequest
+from llamax.openai.requests import arespond
 
 from .dialects import OPENAI, OPENAI_LLAMA, Dialect
 from .errors import APIError, from_exception
@@ -21,23 +34,22 @@ from .fairness import check_num_sequences, client_key
 from .images import prepare_images
 from .llama import with_llama_extras
 from .schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    EmbeddingRequest,
-    RequestT,
-    TokenizeRequest,
+    DETOKENIZE_FIELDS,
+    EMBEDDING_FIELDS,
+    TOKENIZE_FIELDS,
     parse_body,
+    parse_embedding,
+    parse_object,
 )
 from .serve import add_completion_routes
 from .state import ServerState, run_leased
 
 __all__ = ["api_routes", "fim_prompt"]
 
-_CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields)
-_TEXT_FIELDS = frozenset(CompletionRequest.model_fields)
-_EMBED_FIELDS = frozenset(EmbeddingRequest.model_fields)
-_TOKENIZE_FIELDS = frozenset(TokenizeRequest.model_fields)
+_CHAT_FIELDS = frozenset(CHAT_TYPES)
+_TEXT_FIELDS = frozenset(TEXT_TYPES)
+_EMBED_FIELDS = frozenset(EMBEDDING_FIELDS)
+_TOKENIZE_FIELDS = frozenset(TOKENIZE_FIELDS)
 
 
 def api_routes(state: ServerState) -> APIRouter:
@@ -56,55 +68,57 @@ def api_routes(state: ServerState) -> APIRouter:
 
     @router.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        def work(body: EmbeddingRequest, ctx: llamax.Context) -> Response:
-            texts = [body.input] if isinstance(body.input, str) else body.input
+        def parse(raw: bytes) -> dict[str, Any]:
+            return parse_embedding(raw, lenient=state.config.lenient)
+
+        def work(body: dict[str, Any], ctx: llamax.Context) -> Response:
+            texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
             try:
-                vectors = _shortened(ctx.embed(texts), body.dimensions)
+                vectors = _shortened(ctx.embed(texts), body.get("dimensions"))
                 num_tokens = sum(len(ctx.tokenize(text)) for text in texts)
             except Exception as exc:  # too long, empty, model refused: OpenAI's error shape
                 raise from_exception(exc, _EMBED_FIELDS, "input") from exc
-            data = [
-                {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-                for i, v in enumerate(vectors)
-            ]
+            encoding = body.get("encoding_format", "float")
+            data = [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)}
+                    for i, v in enumerate(vectors)]  # fmt: skip
             usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
-            model = _echo(state, body, ctx)["model"]
+            model = _echo(state, body.get("model"), ctx)
             return JSONResponse({"object": "list", "data": data, "model": model, "usage": usage})
 
-        return await _in_worker(state, request, EmbeddingRequest, work)
+        return await run_leased(state, request, parse, _model_of, work)
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        def work(body: TokenizeRequest, ctx: llamax.Context) -> Response:
+        def work(body: dict[str, Any], ctx: llamax.Context) -> Response:
+            special = {"add_special": body.get("add_special", False),
+                       "parse_special": body.get("parse_special", True)}  # fmt: skip
             try:
-                tokens = ctx.tokenize(
-                    body.content, add_special=body.add_special, parse_special=body.parse_special
-                )
+                tokens = ctx.tokenize(body["content"], **special)
             except Exception as exc:
                 raise from_exception(exc, _TOKENIZE_FIELDS, "content") from exc
-            if not body.with_pieces:
+            if not body.get("with_pieces"):
                 return JSONResponse({"tokens": tokens})
             pieces = [{"id": t, "piece": ctx.detokenize([t])} for t in tokens]
             return JSONResponse({"tokens": pieces})
 
-        return await _in_worker(state, request, TokenizeRequest, work)
+        return await _in_worker(state, request, TOKENIZE_FIELDS, "content", work)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        def work(body: DetokenizeRequest, ctx: llamax.Context) -> Response:
-            size = ctx.n_vocab
-            bad = [t for t in body.tokens if not 0 <= t < size]
+        def work(body: dict[str, Any], ctx: llamax.Context) -> Response:
+            size, tokens = ctx.n_vocab, body["tokens"]
+            bad = [t for t in tokens if not 0 <= t < size]
             if bad:
                 raise APIError(400, f"token ids outside the vocabulary [0, {size}): {bad[:8]}",
                                param="tokens", code="invalid_value")  # fmt: skip
-            return JSONResponse({"content": ctx.detokenize(body.tokens)})
+            return JSONResponse({"content": ctx.detokenize(tokens)})
 
-        return await _in_worker(state, request, DetokenizeRequest, work)
+        return await _in_worker(state, request, DETOKENIZE_FIELDS, "tokens", work)
 
     return router
 
 
-def fim_prompt(ctx: llamax.Context, prompt: str | list[int], suffix: str) -> list[int]:
+def fim_prompt(ctx: llamax.Context, prompt: str | Sequence[int], suffix: str) -> list[int]:
     """OpenAI's ``suffix`` (insert mode) as a fill-in-the-middle prompt in the model's own
     tokens, in llama.cpp's prefix-suffix-middle order: BOS (when the vocabulary adds one),
     FIM prefix, the prompt, FIM suffix, the suffix, FIM middle; the model then writes what
@@ -132,144 +146,148 @@ def fim_prompt(ctx: llamax.Context, prompt: str | list[int], suffix: str) -> lis
     return [*head, fim.prefix, *before, fim.suffix, *plain(suffix), fim.middle]
 
 
-def _check_trailing_assistants(messages: list[dict[str, Any]]) -> None:
+def _check_trailing_assistants(messages: Sequence[Mapping[str, Any]]) -> None:
     """llama-server's rule on its ``/chat/completions``: a last assistant message is the
     start of the reply, so two cannot end the list (OpenAI's ``/v1`` takes them as turns).
 
     Raises:
         APIError: 400 with llama-server's words.
     """
-    roles = [m.get("role") for m in messages[-2:] if isinstance(m, dict)]
+    roles = [m.get("role") for m in messages[-2:] if isinstance(m, Mapping)]
     if len(roles) == 2 and roles == ["assistant", "assistant"]:
         raise APIError(400, "Cannot have 2 or more assistant messages at the end of the list.",
                        param="messages", code="invalid_value")  # fmt: skip
 
 
-ChatBody = tuple[ChatCompletionRequest, dict[str, Any]]
-TextBody = tuple[CompletionRequest, dict[str, Any]]
+class _OpenAIRoute:
+    """What the chat and text routes (each a :class:`~.route.CompletionRoute`) share: the
+    parsed body is the codec's request and the body itself (a chat's ``tools`` as sent,
+    for ``verbose``)."""
 
-
-class OpenAIChat:
-    """``POST /v1/chat/completions`` (a :class:`~.route.CompletionRoute`); with the
-    ``OPENAI_LLAMA`` dialect llama-server's ``/chat/completions``: its error shape, and its
-    rule that two assistant messages cannot end the list."""
-
-    endpoint = "chat"
-    fields = _CHAT_FIELDS
-    prompt_field = "messages"
     check_key = False  # the router's dependency checks it
     ping_seconds = None
 
-    def __init__(self, state: ServerState, dialect: Dialect) -> None:
+    def __init__(self, state: ServerState, dialect: Dialect = OPENAI) -> None:
         self.state, self.dialect = state, dialect
 
-    def parse(self, raw: bytes) -> ChatBody:
-        """The body and its llamax options (a worker: images may be fetched)."""
+    def model(self, parsed: tuple[ChatRequest | TextRequest, Any]) -> object:
+        """The ``model`` the body names."""
+        return parsed[0].model
+
+    def stream(self, parsed: tuple[ChatRequest | TextRequest, Any]) -> bool:
+        """Whether the reply streams."""
+        return parsed[0].stream
+
+    def include_usage(self, parsed: tuple[ChatRequest | TextRequest, Any]) -> bool:
+        """Whether the client asked for the usage chunk."""
+        return parsed[0].include_usage
+
+
+class OpenAIChat(_OpenAIRoute):
+    """``POST /v1/chat/completions``; with the ``OPENAI_LLAMA`` dialect llama-server's
+    ``/chat/completions``: its error shape, and its rule that two assistant messages
+    cannot end the list."""
+
+    endpoint, fields, prompt_field = "chat", _CHAT_FIELDS, "messages"
+
+    def parse(self, raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:
+        """The body and its call (a worker: images may be fetched, a schema compiled)."""
         state = self.state
-        body = parse_body(ChatCompletionRequest, raw, lenient=state.config.lenient)
-        n = _num_choices(getattr(body, "n", None))  # before any image is read or fetched
-        check_num_sequences(1, n, state.config.max_sequences, param="n")
-        prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
-        options = _stream_options(body)
+        body = parse_object(raw, CHAT, "/v1/chat/completions", lenient=state.config.lenient)
+        defaults = _defaults(state)
         if state.config.parse_special_in_content:
-            options["parse_special_in_content"] = True
-        state.with_defaults(options)
+            defaults["parse_special_in_content"] = True
+        try:
+            parsed = parse_chat(body, defaults=defaults)
+        except Exception as exc:
+            raise from_exception(exc, self.fields, self.prompt_field) from exc
+        messages = list(parsed.call.messages)  # the call's own: fetched images land in it
+        check_num_sequences(1, parsed.call.params.n, state.config.max_sequences, param="n")
+        prepare_images(messages, "openai", state.config.images, state.image_fetcher)
         if self.dialect is OPENAI_LLAMA:
-            _check_trailing_assistants(body.messages)
-        return body, options
+            _check_trailing_assistants(messages)
+        return parsed, body
 
-    def model(self, parsed: ChatBody) -> object:
-        """The ``model`` the body names."""
-        return _model_of(parsed[0])
-
-    def stream(self, parsed: ChatBody) -> bool:
-        """Whether the reply streams."""
-        return bool(parsed[0].is_stream)
-
-    def include_usage(self, parsed: ChatBody) -> bool:
-        """Whether the client asked for the usage chunk."""
-        return bool(parsed[0].include_usage)
-
-    def start(self, parsed: ChatBody, ctx: llamax.Context, request: Request) -> Awaitable[Any]:
+    def start(self, parsed: tuple[ChatRequest, dict[str, Any]], ctx: llamax.Context,
+              request: Request) -> Awaitable[Any]:  # fmt: skip
         """Submit the chat (rendered in a worker) and read it as OpenAI's shapes."""
-        body, options = parsed
-        reply = ctx.achat_completion(body.messages, **options, **_echo(self.state, body, ctx),
-                                     fair_key=client_key(request))  # fmt: skip
-        if not (body.timings_per_token or body.verbose):
+        chat, body = parsed
+        call = _named(self.state, chat.model, ctx, chat.call)
+        reply = _reply(ctx.asubmit_chat(call, fair_key=client_key(request)), chat.stream)
+        if not (chat.timings_per_token or chat.verbose):
             return reply
-        return with_llama_extras(ctx, body.messages, options, reply,
-                                 timings=bool(body.timings_per_token),
-                                 verbose=bool(body.verbose))  # fmt: skip
+        return with_llama_extras(ctx, call, body.get("tools"), reply, stream=chat.stream,
+                                 timings=chat.timings_per_token, verbose=chat.verbose)  # fmt: skip
 
 
-class OpenAIText:
-    """``POST /v1/completions`` (a :class:`~.route.CompletionRoute`)."""
+class OpenAIText(_OpenAIRoute):
+    """``POST /v1/completions``."""
 
-    endpoint = "completions"
-    dialect = OPENAI
-    fields = _TEXT_FIELDS
-    prompt_field = "prompt"
-    check_key = False  # the router's dependency checks it
-    ping_seconds = None
+    endpoint, fields, prompt_field = "completions", _TEXT_FIELDS, "prompt"
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
-
-    def parse(self, raw: bytes) -> TextBody:
-        """The body and its llamax options."""
+    def parse(self, raw: bytes) -> tuple[TextRequest, None]:
+        """The body's call."""
         state = self.state
-        body = parse_body(CompletionRequest, raw, lenient=state.config.lenient)
-        check_num_sequences(1, _num_choices(getattr(body, "n", None)),
-                            state.config.max_sequences, param="n")  # fmt: skip
-        options = _stream_options(body)
-        default = state.config.default_max_tokens
-        if getattr(body, "max_tokens", None) is None and default is not None:
-            options["max_tokens"] = default  # over OpenAI's 16
-        state.with_defaults(options)
-        return body, options
+        body = parse_object(raw, COMPLETIONS, "/v1/completions", lenient=state.config.lenient)
+        try:
+            parsed = parse_text(body, defaults=_defaults(state))
+        except Exception as exc:
+            raise from_exception(exc, self.fields, self.prompt_field) from exc
+        check_num_sequences(1, parsed.call.params.n, state.config.max_sequences, param="n")
+        return parsed, None
 
-    def model(self, parsed: TextBody) -> object:
-        """The ``model`` the body names."""
-        return _model_of(parsed[0])
-
-    def stream(self, parsed: TextBody) -> bool:
-        """Whether the reply streams."""
-        return bool(parsed[0].is_stream)
-
-    def include_usage(self, parsed: TextBody) -> bool:
-        """Whether the client asked for the usage chunk."""
-        return bool(parsed[0].include_usage)
-
-    async def start(self, parsed: TextBody, ctx: llamax.Context, request: Request) -> Any:
+    async def start(self, parsed: tuple[TextRequest, None], ctx: llamax.Context,
+                    request: Request) -> Any:  # fmt: skip
         """Submit the text completion (a ``suffix`` as a fill-in-the-middle prompt)."""
-        body, options = parsed
-        prompt = body.prompt
-        if body.suffix:  # tokenized in a worker: the event loop stays free
-            prompt = await run_in_threadpool(fim_prompt, ctx, body.prompt, body.suffix)
-        result = await ctx.acompletion(prompt, **options, **_echo(self.state, body, ctx),
-                                       fair_key=client_key(request))  # fmt: skip
-        if not body.echo:
+        text = parsed[0]
+        call = _named(self.state, text.model, ctx, text.call)
+        prompt = call.prompt
+        if text.suffix:  # tokenized in a worker: the event loop stays free
+            fim = await run_in_threadpool(fim_prompt, ctx, prompt, text.suffix)
+            call = dataclasses.replace(call, prompt=tuple(fim))
+        result = await _reply(ctx.asubmit_text(call, fair_key=client_key(request)), text.stream)
+        if not text.echo:
             return result
-        prompt = body.prompt if isinstance(body.prompt, str) else ctx.detokenize(body.prompt)
-        return _with_prompt(result, prompt)
+        return _with_prompt(result, prompt if isinstance(prompt, str) else ctx.detokenize(prompt))
 
 
-def _model_of(body: Any) -> object:
+def _defaults(state: ServerState) -> dict[str, Any]:
+    """The server's default ``max_tokens`` and ``seed``, as call options."""
+    defaults: dict[str, Any] = {}
+    state.with_defaults(defaults)
+    return defaults
+
+
+CallT = TypeVar("CallT", ChatCall, TextCall)
+
+
+def _named(state: ServerState, model: str | None, ctx: llamax.Context, call: CallT) -> CallT:
+    """``call`` naming the model as :func:`_echo` says the response does."""
+    name = _echo(state, model, ctx)
+    return dataclasses.replace(call, model=name or None)
+
+
+async def _reply(submitted: Awaitable[ChatHandle], stream: bool) -> Any:
+    """A submitted call read as OpenAI's shapes; a stream always asks for the usage chunk
+    (for the metrics)."""
+    return await arespond(OpenAIRequest(await submitted), stream, True)
+
+
+def _model_of(body: dict[str, Any]) -> object:
     """The ``model`` a parsed body names (``None``: the default)."""
-    return getattr(body, "model", None)
+    return body.get("model")
 
 
-def _echo(state: ServerState, body: Any, ctx: llamax.Context) -> dict[str, Any]:
-    """The ``model`` option that makes a response name the model as the request did (as
-    OpenAI and llama-server do); with several models, a request naming none gets the
+def _echo(state: ServerState, model: str | None, ctx: llamax.Context) -> str:
+    """The name a response gives the model: the request's ``model`` (as OpenAI and
+    llama-server echo it); with several models, a request naming none gets the
     default model's name, and with one model the name ``/v1/models`` lists (the alias, or
     the file's name)."""
-    model = body.model
     if model is None and state.pool is not None:
         model = state.pool.default
     if model is None:
         model = state.model_name(ctx)
-    return {"model": model}
+    return model
 
 
 def _shortened(vectors: Any, dimensions: int | None) -> Any:
@@ -325,36 +343,23 @@ def _encode(vector: Any, encoding_format: str) -> list[float] | str:
     return [float(x) for x in vector]
 
 
-def _stream_options(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
-    """The llamax options; a stream always asks for the usage chunk (for the metrics)."""
-    options = body.options()
-    if body.is_stream:
-        options |= {"stream": True, "stream_options": {"include_usage": True}}
-    return options
-
-
 async def _in_worker(
     state: ServerState,
     request: Request,
-    schema: type[RequestT],
-    work: Callable[[RequestT, llamax.Context], Response],
+    fields: dict[str, Any],
+    required: str,
+    work: Callable[[dict[str, Any], llamax.Context], Response],
 ) -> Response:
-    """Read the body, take an admission slot, parse it in a worker, wait for the model it
-    names, and run ``work(body, ctx)`` (tokenizing, building the response) in a worker
-    thread, so the event loop stays free.
+    """Read the body, take an admission slot, parse it in a worker (its ``fields``, strictly:
+    :func:`~.schemas.parse_body`), wait for the model it names, and run ``work(body, ctx)``
+    (tokenizing, building the response) in a worker thread, so the event loop stays free.
 
     Raises:
         APIError: 413 for a body too large, 503 when ``max_queue`` requests are in flight,
             404 for an unknown model, or what ``work`` raises.
     """
 
-    def parse(raw: bytes) -> RequestT:
-        return parse_body(schema, raw, lenient=state.config.lenient)
+    def parse(raw: bytes) -> dict[str, Any]:
+        return parse_body(raw, fields, required)
 
     return await run_leased(state, request, parse, _model_of, work)
-
-
-def _num_choices(n: object) -> int:
-    """A body's ``n`` (1 when unset or not a positive number: the params check refuses
-    that with its own 400)."""
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1

@@ -1,21 +1,21 @@
 """llama-server's extensions of the OpenAI chat and Responses routes: ``timings_per_token``
 (a chat stream's usage chunk carries llama-server's ``timings``; on ``/responses`` each
 ``response.output_text.delta`` and ``response.completed``) and ``verbose`` (a whole chat
-reply carries ``__verbose``, with the rendered prompt). They are added around what
-:meth:`~llamax.Context.achat_completion` and :func:`~llamax.openai.acreate_response`
-return; the engine sees the request as any other (``return_progress`` is the chat
-layer's own: :mod:`llamax.openai`).
+reply carries ``__verbose``, with the rendered prompt). They are added around a submitted
+chat call's reply and what :func:`~llamax.openai.acreate_response` returns; the engine
+sees the request as any other (``return_progress`` is the chat layer's own).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 import llamax
+from llamax.chat import ChatCall
 from llamax.dialects.llama_native import MEDIA_MARKER, Timings
 
 __all__ = ["timed_response_events", "with_llama_extras", "with_media_markers"]
@@ -23,40 +23,39 @@ __all__ = ["timed_response_events", "with_llama_extras", "with_media_markers"]
 
 async def with_llama_extras(
     ctx: llamax.Context,
-    messages: list[dict[str, Any]],
-    options: Mapping[str, Any],
+    call: ChatCall,
+    tools: Any,
     reply: Awaitable[Any],
     *,
+    stream: bool,
     timings: bool,
     verbose: bool,
 ) -> Any:
-    """``reply`` (a chat completion, or its chunks when streamed) with llama-server's
-    ``timings`` and ``__verbose`` where they were asked for."""
+    """``reply`` (a chat completion, or its chunks when ``stream``) with llama-server's
+    ``timings`` and ``__verbose`` (the prompt rendered with ``tools``, the body's) where
+    they were asked for."""
     started = time.perf_counter()
     result = await reply
-    if options.get("stream"):
+    if stream:
         return _timed(result, started) if timings else result
     if verbose:
-        prompt = await run_in_threadpool(_rendered, ctx, messages, options)
+        prompt = await run_in_threadpool(_rendered, ctx, call, tools)
         content = [c["message"].get("content") for c in result["choices"]]
         result["__verbose"] = {"prompt": prompt, "content": content[0] if content else None}
     return result
 
 
-def _rendered(ctx: llamax.Context, messages: list[dict[str, Any]], options: Mapping[str, Any]
-              ) -> str:  # fmt: skip
+def _rendered(ctx: llamax.Context, call: ChatCall, tools: Any) -> str:
     """The prompt as the chat template renders it (what ``/apply-template`` answers): an
     image as the media marker, never its bytes (a fetched URL's bytes are not for the
     client to read back)."""
-    thinking = options.get("enable_thinking")
+    thinking = call.enable_thinking
     extra = {} if thinking is None else {"enable_thinking": thinking}
-    return ctx.chat_template.render(
-        with_media_markers(messages), add_generation_prompt=True, tools=options.get("tools"),
-        **extra,
-    )  # fmt: skip
+    return ctx.chat_template.render(with_media_markers(call.messages),
+                                    add_generation_prompt=True, tools=tools, **extra)  # fmt: skip
 
 
-def with_media_markers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_media_markers(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """(Checked) ``messages`` with each list of content parts as one string, an image as
     llama-server's media marker, as its ``/apply-template`` shows them."""
     marked = []

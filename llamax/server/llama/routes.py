@@ -10,7 +10,6 @@ docs/server.md.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import llamax
-from llamax.chat import ChatCall, chat_prompt_tokens
+from llamax.chat import chat_prompt_tokens
 from llamax.dialects.fields import FieldError
 from llamax.dialects.llama_native import (
     FIELDS,
@@ -28,13 +27,14 @@ from llamax.dialects.llama_native import (
     default_settings,
     parse_native,
 )
+from llamax.dialects.openai_parse import CHAT_TYPES, chat_options, parse_chat
 
 from ..dialects import LLAMA
 from ..errors import APIError, from_exception, llama_body
 from ..fairness import check_num_sequences, client_key
 from ..guard import shown_path
 from ..images import prepare_images
-from ..schemas import ChatCompletionRequest, parse_body, parse_object
+from ..schemas import parse_object
 from ..serve import add_completion_routes
 from ..state import ServerState, run_leased
 from .chat import with_media_markers
@@ -43,6 +43,8 @@ from .errors import as_llama_error
 from .slots import SlotTables
 
 __all__ = ["llama_routes"]
+
+_CHAT_FIELDS = frozenset(CHAT_TYPES)
 
 
 def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
@@ -64,16 +66,20 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
             if not isinstance(generation, bool):
                 raise APIError(400, "add_generation_prompt must be a boolean",
                                param="add_generation_prompt", code="invalid_type")  # fmt: skip
-            body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
-            thinking = body.options().get("enable_thinking")
+            try:
+                _, options = chat_options(raw)
+            except Exception as exc:
+                raise from_exception(exc, _CHAT_FIELDS) from exc
+            messages = options["messages"]
+            prepare_images(messages, "openai", state.config.images, state.image_fetcher)
+            thinking = options.get("enable_thinking")
             extra = {} if thinking is None else {"enable_thinking": thinking}
             try:
-                ctx.chat_prompt_parts(body.messages)  # checks them as a chat request would
+                ctx.chat_prompt_parts(messages)  # checks them as a chat request would
                 prompt = ctx.chat_template.render(
-                    with_media_markers(body.messages),
+                    with_media_markers(messages),
                     add_generation_prompt=generation,
-                    tools=body.tools,
+                    tools=options.get("tools"),
                     **extra,
                 )
             except Exception as exc:
@@ -86,13 +92,13 @@ def llama_routes(state: ServerState, tables: SlotTables) -> APIRouter:
     @router.post("/v1/chat/completions/input_tokens")
     async def chat_input_tokens(request: Request) -> Response:
         def work(raw: dict[str, Any], ctx: llamax.Context) -> Response:
-            body = parse_body(ChatCompletionRequest, _dumps(raw))
-            prepare_images(body.messages, "openai", state.config.images, state.image_fetcher)
-            try:
-                tokens = chat_prompt_tokens(ctx, ChatCall.of(body.messages, **body.options()))
-                count = ctx.prompt_positions(tokens)
+            try:  # an APIError (images) passes through from_exception as it is
+                call = parse_chat(raw).call
+                prepare_images(list(call.messages), "openai", state.config.images,
+                               state.image_fetcher)  # fmt: skip
+                count = ctx.prompt_positions(chat_prompt_tokens(ctx, call))
             except Exception as exc:
-                raise from_exception(exc, frozenset(ChatCompletionRequest.model_fields)) from exc
+                raise from_exception(exc, _CHAT_FIELDS) from exc
             return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
         return await _llama_shaped(state, request, work)
@@ -169,10 +175,6 @@ def _check_num_images(body: NativeRequest, most: int) -> None:
         raise APIError(400, f"the request holds {num} images; at most {most} are allowed per "
                        "request (--max-images-per-request)", param="prompt",
                        code="too_many_images")  # fmt: skip
-
-
-def _dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body).encode()
 
 
 async def _llama_shaped(
