@@ -164,7 +164,7 @@ def _message(
                 "type": "tool_use",
                 "id": _tool_use_id(call["id"]),
                 "name": function["name"],
-                "input": json.loads(function["arguments"]),
+                "input": _input(function["arguments"]),
             }
         )
     stop_sequence = _stop(submitted, completion, stops)
@@ -180,6 +180,18 @@ def _message(
         "stop_sequence": stop_sequence,
         "usage": _usage(completion),
     }
+
+
+def _input(arguments: str) -> Any:
+    """A ``tool_use`` block's input: the call's arguments, or ``{}`` for a call the reply
+    never completed (cut off by ``max_tokens``, as Anthropic's own replies may end on an
+    incomplete ``tool_use``; its stream sent the same block) or whose arguments are no
+    JSON object."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class _EventBuilder:
