@@ -7,6 +7,14 @@ finish reason as the reply ended. OpenAI's chunks (``llamax.openai``), Anthropic
 events (``llamax.anthropic``) and the Responses API's events are encoders over these
 parts; none of them parses text.
 
+A whole (not streamed) reply is the fold of the same parts (:class:`ChatFold`,
+:func:`fold`): what a streaming client rebuilds from what it was sent is what a whole reply
+says, in every dialect. Parts are never taken back, so the tool-call parser's verdict at
+the end is in the parts themselves: markup that never named a call and ended on a stop
+that no forced call explains is sent back as content, verbatim, before :class:`Finished`;
+a call whose start was sent stays a call (:attr:`Finished.broken` says which never
+completed).
+
 Parts, in the order a choice streams them: :class:`Started` (first), then any of
 :class:`ReasoningDelta`, :class:`ContentDelta` and :class:`ToolCallDelta`, and
 :class:`Finished` (last). A request that asked for its prompt's progress
@@ -15,18 +23,20 @@ Parts, in the order a choice streams them: :class:`Started` (first), then any of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
 from .reasoning import ReasoningSplitter
 from .results import FinishReason, PrefillProgress, TokenEvent, TokenLogprob
 from .tools import ToolCallStreamParser, ToolPlan
-from .tools.parse import ToolDelta
+from .tools.parse import ToolCall, ToolDelta
 
 __all__ = [
     "ChatFinish",
+    "ChatFold",
     "ChatPart",
+    "ChatReply",
     "ChatStream",
     "ContentDelta",
     "Finished",
@@ -34,6 +44,7 @@ __all__ = [
     "ReasoningDelta",
     "Started",
     "ToolCallDelta",
+    "fold",
 ]
 
 ChatFinish: TypeAlias = Literal["stop", "length", "tool_calls"]
@@ -85,6 +96,9 @@ class Finished:
 
     index: int
     reason: ChatFinish
+    broken: tuple[int, ...] = ()
+    """Positions of calls whose start was sent but whose markup never completed into a
+    valid call (the reply was cut inside it, or its arguments are no JSON object)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +157,10 @@ class ChatStream:
         if self.tools.is_active:
             deltas = choice.parser.feed(text)
             if finished:
-                deltas += choice.parser.close()
+                # A stop inside markup that never named a call gives it back as content,
+                # unless a call was forced (then the markup is no answer).
+                give_back = event.finish_reason is FinishReason.STOP and self.tools.mode == "auto"
+                deltas += choice.parser.close(give_back)
             parts += _typed(index, deltas)
         elif text or event.logprobs:
             parts.append(ContentDelta(index, text, tuple(event.logprobs)))
@@ -152,7 +169,8 @@ class ChatStream:
             reason: ChatFinish = "length" if raw is FinishReason.LENGTH else "stop"
             if self.tools.is_active and choice.parser.finish_reason(str(raw)) == "tool_calls":
                 reason = "tool_calls"  # a cancel (reported as "stop") never ends on calls
-            parts.append(Finished(index, reason))
+            broken = tuple(choice.parser.broken) if self.tools.is_active else ()
+            parts.append(Finished(index, reason, broken))
         return parts
 
 
@@ -188,3 +206,85 @@ def _typed(index: int, deltas: Sequence[ToolDelta]) -> list[ChatPart]:
                 )
             )
     return parts
+
+
+@dataclass(frozen=True, slots=True)
+class ChatReply:
+    """One choice's whole reply: the fold of its parts (:class:`ChatFold`)."""
+
+    index: int
+    content: str | None
+    """The answer; None when the choice made calls and said nothing else."""
+    reasoning: str | None
+    """The thinking; None when there is none (or it was empty, as llama-server says)."""
+    tool_calls: tuple[ToolCall, ...]
+    finish: ChatFinish
+    broken: tuple[int, ...] = ()
+    """Positions of calls that never completed (:attr:`Finished.broken`)."""
+
+
+@dataclass(slots=True)
+class _Folding:
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, ToolCall] = field(default_factory=dict)
+    finished: Finished | None = None
+
+
+@dataclass(slots=True)
+class ChatFold:
+    """Folds a reply's parts, as they come (:meth:`add`), into its whole
+    :class:`ChatReply` per choice (:meth:`replies`): the one way a whole reply is built."""
+
+    _choices: dict[int, _Folding] = field(default_factory=dict, init=False, repr=False)
+
+    def add(self, part: ChatPart) -> None:
+        """Fold in one more part."""
+        if isinstance(part, Progress):
+            return
+        choice = self._choices.setdefault(part.index, _Folding())
+        if isinstance(part, ContentDelta):
+            if part.text:
+                choice.content.append(part.text)
+        elif isinstance(part, ReasoningDelta):
+            if part.text:
+                choice.reasoning.append(part.text)
+        elif isinstance(part, ToolCallDelta):
+            call = choice.calls.get(part.position)
+            if call is None:
+                call = choice.calls[part.position] = {
+                    "id": part.call_id or "",
+                    "type": "function",
+                    "function": {"name": part.name or "", "arguments": ""},
+                }
+            call["function"]["arguments"] += part.arguments
+        elif isinstance(part, Finished):
+            choice.finished = part
+
+    def replies(self) -> list[ChatReply]:
+        """Each choice's reply so far, by index (a choice not finished yet: ``"stop"``)."""
+        replies = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            calls = tuple(choice.calls[k] for k in sorted(choice.calls))
+            content = "".join(choice.content)
+            finished = choice.finished or Finished(index, "stop")
+            replies.append(
+                ChatReply(
+                    index,
+                    content if content or not calls else None,
+                    "".join(choice.reasoning) or None,
+                    calls,
+                    finished.reason,
+                    finished.broken,
+                )
+            )
+        return replies
+
+
+def fold(parts: Iterable[ChatPart]) -> list[ChatReply]:
+    """The whole reply, per choice, that ``parts`` stream (:class:`ChatFold`)."""
+    folding = ChatFold()
+    for part in parts:
+        folding.add(part)
+    return folding.replies()

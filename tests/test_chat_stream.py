@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Iterator
+from typing import Any
 
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from llamax.chat import ChatHandle
 from llamax.chat_stream import (
     ChatPart,
     ChatStream,
@@ -13,9 +18,20 @@ from llamax.chat_stream import (
     ReasoningDelta,
     Started,
     ToolCallDelta,
+    fold,
 )
-from llamax.results import FinishReason, PrefillProgress, TokenEvent, TokenLogprob
-from llamax.tools import ToolPlan, prepare_tools
+from llamax.openai import OpenAIRequest
+from llamax.reasoning import split_reasoning
+from llamax.results import (
+    Choice,
+    Completion,
+    FinishReason,
+    PrefillProgress,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+from llamax.tools import ToolPlan, parse_tool_calls, prepare_tools
 
 WEATHER = [
     {
@@ -174,3 +190,248 @@ def test_a_reply_folds_the_same_whatever_its_event_boundaries(
     assert _fold(text, list(text), finish, tools, split) == whole
     for cut in range(1, len(text)):
         assert _fold(text, [text[:cut], text[cut:]], finish, tools, split) == whole, cut
+
+
+# ------------------------------------------- the whole reply is the fold of the stream
+# Every format the stream reads (plain text, <think>, a prompt that opened the thinking,
+# gpt-oss's channels, llamax's call markup: whole, several, malformed, unknown, cut), each
+# reply cut at every position and ended there by a stop (a stop string or token inside
+# markup), by max_tokens and by a cancel, under every tool mode, split or not.
+HARMONY_REPLY = (
+    "<|channel|>analysis<|message|>Think.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>It is 4."
+)
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need f.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json"
+    '<|message|>{"a": 1}'
+)
+WHOLE_TEXTS = [
+    *FOLD_TEXTS,
+    "<think></think>Hi",
+    "<think>\n\n</think>\n\n",
+    "a <tool_cal b </tool_call>",
+    'Sure. <tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call> ok',
+    '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\nnonsense',
+    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments": {"s": "}"}} x\n</tool_call>',
+    HARMONY_REPLY,
+    HARMONY_CALL,
+]
+INSIDE_TEXTS = ["hm</think>Yes.", "</think>Yes.", "still thinking <tool_call>"]
+PLANS = {
+    "none": prepare_tools(None, None, None),
+    "auto": prepare_tools(FOLD_TOOLS, None, None),
+    "required": prepare_tools(FOLD_TOOLS, "required", None),
+    "forced": prepare_tools(FOLD_TOOLS, {"type": "function", "function": {"name": "f"}}, None),
+}
+CONFIGS = [  # (tool plan, split, the prompt opened the thinking)
+    ("none", False, False),
+    ("none", True, False),
+    ("auto", False, False),
+    ("auto", True, False),
+    ("required", True, False),
+    ("forced", True, False),
+]
+WHOLE_CASES = [(t, *c) for t in WHOLE_TEXTS for c in CONFIGS] + [
+    (t, plan, True, True) for t in INSIDE_TEXTS for plan in ("none", "auto", "forced")
+]
+FINISHES = [FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED]
+
+
+class _Handle:
+    """A finished request's handle: its events, then its completion."""
+
+    request_id = "req-fold"
+
+    def __init__(self, events: list[TokenEvent], completion: Completion) -> None:
+        self.events, self.completion = events, completion
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return iter(self.events)
+
+    def result(self) -> Completion:
+        return self.completion
+
+    def cancel(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True
+
+
+def _chat(text: str, pieces: list[str], finish: FinishReason, config: tuple) -> ChatHandle:
+    plan, split, inside = config
+    events = [
+        TokenEvent(piece, (), 0, finish if k == len(pieces) - 1 else None)
+        for k, piece in enumerate(pieces)
+    ]
+    completion = Completion("req-fold", (Choice(0, text, (), finish),), Usage(1, len(pieces)))
+    return ChatHandle(
+        None,  # type: ignore[arg-type]
+        _Handle(events, completion),  # type: ignore[arg-type]
+        "chat",
+        "m",
+        0,
+        PLANS[plan],
+        "auto" if split else "none",
+        inside,
+    )
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[k : k + size] for k in range(0, len(text), size)] or [""]
+
+
+def _message_of_parts(parts: list[ChatPart]) -> tuple[dict[str, Any], str | None]:
+    """The test's own fold of a choice's parts into OpenAI's message and finish reason."""
+    content = reasoning = ""
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for part in parts:
+        if isinstance(part, ContentDelta):
+            content += part.text
+        elif isinstance(part, ReasoningDelta):
+            reasoning += part.text
+        elif isinstance(part, ToolCallDelta):
+            if part.call_id is not None:
+                function = {"name": part.name, "arguments": ""}
+                calls[part.position] = {
+                    "id": part.call_id,
+                    "type": "function",
+                    "function": function,
+                }
+            calls[part.position]["function"]["arguments"] += part.arguments
+        elif isinstance(part, Finished):
+            finish = part.reason
+    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message, finish
+
+
+def _message_of_chunks(chunks: list[Any]) -> tuple[dict[str, Any], str | None]:
+    """What an OpenAI streaming client rebuilds from the chunks (content and thinking
+    joined, each call's id, name and joined arguments by its index, the finish reason)."""
+    message: dict[str, Any] = {"role": None, "content": None}
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            message["role"] = delta.get("role", message["role"])
+            for key in ("content", "reasoning_content"):
+                if delta.get(key) is not None:
+                    message[key] = (message.get(key) or "") + delta[key]
+            for call in delta.get("tool_calls", []):
+                entry = calls.setdefault(
+                    call["index"], {"id": None, "type": None, "function": {"name": None}}
+                )
+                entry["id"] = call.get("id", entry["id"])
+                entry["type"] = call.get("type", entry["type"])
+                function = call["function"]
+                entry["function"]["name"] = function.get("name", entry["function"]["name"])
+                arguments = entry["function"].get("arguments", "")
+                entry["function"]["arguments"] = arguments + function.get("arguments", "")
+            finish = choice["finish_reason"] or finish
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return message, finish
+
+
+def _without_ids(message: dict[str, Any]) -> dict[str, Any]:
+    calls = [{**c, "id": "call"} for c in message.get("tool_calls", [])]
+    return {**message, **({"tool_calls": calls} if calls else {})}
+
+
+def _old_whole(text: str, finish: FinishReason, config: tuple) -> tuple[dict[str, Any], str | None]:
+    """The whole reply as llamax built it before it was the fold: the whole text parsed
+    again (kept here to show where the fold differs, and that only where it must)."""
+    plan, split, inside = config
+    reasoning, content = None, text
+    if split:
+        reasoning, content = split_reasoning(text, inside=inside, cut=finish != "stop")
+    reason = "length" if finish is FinishReason.LENGTH else "stop"
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if PLANS[plan].is_active:
+        parsed = parse_tool_calls(content, PLANS[plan], str(finish))
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = [dict(c) for c in parsed.tool_calls]
+        reason = "tool_calls" if parsed.finish_reason == "tool_calls" else reason
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message, reason
+
+
+def _same_replies(
+    text: str, finish: FinishReason, config: tuple
+) -> tuple[dict[str, Any], str | None]:
+    """The reply to ``text`` as a whole, as the fold of its streamed parts (a character, or
+    three, an event) and as rebuilt from its chunks, checked to be one; returned."""
+    whole = OpenAIRequest(_chat(text, [text], finish, config)).result()["choices"][0]
+    expected = (_without_ids(whole["message"]), whole["finish_reason"])  # type: ignore[typeddict-item]
+    for size in (1, 3):
+        pieces = _pieces(text, size)
+        folded = _message_of_parts(list(_chat(text, pieces, finish, config).parts()))
+        assert (_without_ids(folded[0]), folded[1]) == expected, ("parts", size)
+        chunks = list(OpenAIRequest(_chat(text, pieces, finish, config)).chunks(False))
+        rebuilt, reason = _message_of_chunks(chunks)
+        assert rebuilt["role"] == "assistant"
+        rebuilt["content"] = rebuilt["content"] or (None if "tool_calls" in rebuilt else "")
+        assert (_without_ids(rebuilt), reason) == expected, ("chunks", size)
+    return expected
+
+
+def _differs_only_where_a_streamed_call_was_dropped(
+    old: tuple[dict[str, Any], str | None], new: tuple[dict[str, Any], str | None]
+) -> bool:
+    """Where the old whole reply is right, the fold gives it; the two may differ only where
+    the stream has sent a call (its start) that the old whole reply dropped, or turned back
+    into text with the markup (cut, malformed or after a stop): the new reply has those
+    calls, the old one's calls are where they were."""
+    old_calls = _without_ids(old[0]).get("tool_calls", [])
+    new_calls = _without_ids(new[0]).get("tool_calls", [])
+    return len(new_calls) > len(old_calls) and new_calls[: len(old_calls)] == old_calls
+
+
+@pytest.mark.parametrize(("text", "plan", "split", "inside"), WHOLE_CASES)
+def test_the_whole_reply_is_the_fold_of_the_streamed_parts(
+    text: str, plan: str, split: bool, inside: bool
+) -> None:
+    """For every cut of every reply, ended every way: the whole reply == the fold of the
+    parts streamed == what an OpenAI streaming client rebuilds from the chunks. And that
+    reply is the one the whole text's own parse gave, except (a) a call whose start has
+    streamed stays a call, cut or not, (c) an empty thinking is no thinking (llama-
+    server's ``reasoning_content`` is only there when it is not empty) and (d) a reply
+    with no calls has a string ``content``, if empty (not None, when cut call markup was
+    all it said)."""
+    config = (plan, split, inside)
+    for cut in range(len(text) + 1):
+        for finish in FINISHES:
+            new = _same_replies(text[:cut], finish, config)
+            old = _old_whole(text[:cut], finish, config)
+            if old[0].get("reasoning_content") == "":  # (c)
+                del old[0]["reasoning_content"]
+            if old[0]["content"] is None and "tool_calls" not in old[0]:  # (d)
+                old[0]["content"] = ""
+            if new != (_without_ids(old[0]), old[1]):
+                assert _differs_only_where_a_streamed_call_was_dropped(old, new), (cut, finish)
+
+
+def test_the_fold_of_a_replys_parts_is_its_whole_reply() -> None:
+    """llamax.chat_stream.fold, the one fold, over the parts of every whole case."""
+    for text, plan, split, inside in WHOLE_CASES[::5]:
+        for finish in FINISHES:
+            chat = _chat(text, _pieces(text, 2), finish, (plan, split, inside))
+            (reply,) = fold(chat.parts())
+            whole = OpenAIRequest(chat).result()["choices"][0]
+            message: Any = whole["message"]  # type: ignore[typeddict-item]
+            assert reply.content == message["content"]
+            assert reply.reasoning == message.get("reasoning_content")
+            calls = [dict(c["function"]) for c in reply.tool_calls]
+            assert calls == [c["function"] for c in message.get("tool_calls", [])]
+            assert reply.finish == whole["finish_reason"]

@@ -79,7 +79,11 @@ def harmony(reply: str, **options: Any) -> llamax.Context:
     return llamax.Context(backend=backend)
 
 
-def streamed(ctx: llamax.Context, **options: Any) -> tuple[str, str, list[Any], list[str]]:
+def streamed(
+    ctx: llamax.Context, markers: bool = False, **options: Any
+) -> tuple[str, str, list[Any], list[str]]:
+    """The stream's thinking, content, call deltas and finish reasons (no harmony marker
+    in the thinking or content, unless ``markers``: a reply cut inside a header)."""
     reasoning = content = ""
     calls: list[Any] = []
     finishes: list[str] = []
@@ -89,7 +93,8 @@ def streamed(ctx: llamax.Context, **options: Any) -> tuple[str, str, list[Any], 
             delta = choice["delta"]
             reasoning += delta.get("reasoning_content", "")
             piece = delta.get("content") or ""
-            assert "<|" not in piece and "<|" not in delta.get("reasoning_content", "")
+            said = piece + delta.get("reasoning_content", "")
+            assert markers or "<|" not in said
             content += piece
             calls += delta.get("tool_calls", [])
             if choice["finish_reason"]:
@@ -161,17 +166,50 @@ def test_a_commentary_call_becomes_a_tool_call() -> None:
         assert_idle(ctx)
 
 
-def test_a_call_cut_by_max_tokens_is_dropped() -> None:
+def test_a_call_cut_by_max_tokens_comes_back_as_far_as_it_streamed() -> None:
+    """The whole reply is the fold of the streamed parts: the cut call's name and the
+    arguments before the cut have gone out in the stream, so the whole reply has them too
+    (``finish_reason: length``, as OpenAI ends a call cut by ``max_tokens``)."""
     cut_at = len(script(CALLING)) - 5  # inside the arguments
     with harmony(CALLING) as ctx:
         response = ctx.chat_completion(USER, max_tokens=cut_at, temperature=0, tools=[WEATHER])
         choice = response["choices"][0]
         assert choice["finish_reason"] == "length"
-        assert "tool_calls" not in choice["message"]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        whole_arguments = call["function"]["arguments"]
+        assert whole_arguments and '{"location": "Paris"}'.startswith(whole_arguments)
         assert "<tool_call>" not in (choice["message"]["content"] or "")
         # streamed, the call's name has gone out before the cut, as for any call format
-        _, content, _, finishes = streamed(ctx, max_tokens=cut_at, tools=[WEATHER])
+        _, content, calls, finishes = streamed(ctx, max_tokens=cut_at, tools=[WEATHER])
         assert (content, finishes) == ("", ["length"])
+        assert "".join(c["function"].get("arguments", "") for c in calls) == whole_arguments
+
+
+@pytest.mark.parametrize("reply", [REPLY, CALLING])
+def test_the_whole_reply_is_what_its_stream_rebuilds_at_every_cut(reply: str) -> None:
+    """End to end, through the engine: cut by ``max_tokens`` at every token, or stopped by
+    a stop string inside the markup, the whole reply is what a client rebuilds from the
+    stream of the same request (its thinking, content, calls and finish reason)."""
+    endings: list[dict[str, Any]] = [{"max_tokens": n} for n in range(1, len(script(reply)))]
+    endings += [{"stop": [s]} for s in ("functions", "json", '"Par', "4.", "<|end|>")]
+    with harmony(reply) as ctx:
+        for ending in endings:
+            options = {"tools": [WEATHER], **ending}
+            whole = ctx.chat_completion(USER, temperature=0, **options)["choices"][0]
+            message = whole["message"]
+            reasoning, content, calls, finishes = streamed(ctx, markers=True, **options)
+            assert (reasoning or None, content or None) == (
+                message.get("reasoning_content"),
+                message["content"] or None,
+            ), ending
+            names = [c["function"]["name"] for c in calls if c["function"].get("name")]
+            arguments = "".join(c["function"].get("arguments", "") for c in calls)
+            whole_calls = message.get("tool_calls", [])
+            assert names == [c["function"]["name"] for c in whole_calls], ending
+            assert arguments == "".join(c["function"]["arguments"] for c in whole_calls)
+            assert finishes == [whole["finish_reason"]], ending
+        assert_idle(ctx)
 
 
 def test_messages_and_responses_split_the_channels_too() -> None:
@@ -187,6 +225,37 @@ def test_messages_and_responses_split_the_channels_too() -> None:
         kinds = [item["type"] for item in response["output"]]
         assert kinds == ["reasoning", "message"]
         assert response["output"][1]["content"][0]["text"] == "It is 4."
+        assert_idle(ctx)
+
+
+def test_messages_and_responses_end_on_a_cut_call_as_their_streams_do() -> None:
+    """A call cut by the token limit after its name streamed: Messages' whole reply has the
+    incomplete ``tool_use`` its stream opened (``input: {}``, as the arguments are no JSON
+    yet), the Responses API's the call with the arguments so far."""
+    cut_at = len(script(CALLING)) - 5  # inside the arguments
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    body = {"model": "m", "max_tokens": cut_at, "messages": USER, "temperature": 0}
+    with harmony(CALLING) as ctx:
+        message = messages(ctx, {**body, "tools": tools})
+        assert message["stop_reason"] == "max_tokens"
+        blocks = [(b["type"], b.get("name"), b.get("input")) for b in message["content"]]
+        assert blocks == [("thinking", None, None), ("tool_use", "get_weather", {})]
+        events = list(messages(ctx, {**body, "tools": tools, "stream": True}))
+        started = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+        assert started == ["thinking", "tool_use"]
+        response = create_response(
+            ctx,
+            {
+                "model": "m",
+                "input": "What is 2 + 2?",
+                "temperature": 0,
+                "max_output_tokens": cut_at,
+                "tools": [{"type": "function", **WEATHER["function"]}],
+            },
+        )
+        (call,) = [item for item in response["output"] if item["type"] == "function_call"]
+        assert call["name"] == "get_weather"
+        assert '{"location": "Paris"}'.startswith(call["arguments"]) and call["arguments"]
         assert_idle(ctx)
 
 

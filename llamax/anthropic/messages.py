@@ -148,23 +148,25 @@ def _usage(completion: Completion, output_tokens: int | None = None) -> dict[str
 def _message(
     submitted: OpenAIRequest, completion: Completion, stops: Sequence[str]
 ) -> dict[str, Any]:
-    choice = submitted.response(completion)["choices"][0]
-    message: Any = choice["message"]  # type: ignore[typeddict-item]
+    """The whole reply: the fold of the parts its stream sends (:meth:`ChatHandle.replies`).
+
+    A call that never completed (cut off by ``max_tokens``, as Anthropic's own replies may
+    end on an incomplete ``tool_use``) has ``input: {}``; its stream opened the same block.
+    """
+    reply = submitted.chat.replies(completion)[0]
     content: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        content.append(
-            {"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}
-        )
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls", []):
+    if reply.reasoning:
+        content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.content:
+        content.append({"type": "text", "text": reply.content})
+    for position, call in enumerate(reply.tool_calls):
         function = call["function"]
         content.append(
             {
                 "type": "tool_use",
                 "id": _tool_use_id(call["id"]),
                 "name": function["name"],
-                "input": json.loads(function["arguments"]),
+                "input": {} if position in reply.broken else json.loads(function["arguments"]),
             }
         )
     stop_sequence = _stop(submitted, completion, stops)
@@ -174,9 +176,7 @@ def _message(
         "role": "assistant",
         "model": submitted.chat.model,
         "content": content,
-        "stop_reason": "stop_sequence"
-        if stop_sequence
-        else _STOP_REASONS.get(str(choice["finish_reason"]), "end_turn"),
+        "stop_reason": "stop_sequence" if stop_sequence else _STOP_REASONS[reply.finish],
         "stop_sequence": stop_sequence,
         "usage": _usage(completion),
     }

@@ -5,7 +5,9 @@ reply needs, below the facade and below every API dialect.
 are the reply as typed parts (:mod:`llamax.chat_stream`: the thinking split off, tool
 calls parsed, the finish reason), the same parts every dialect encodes (OpenAI's chunks,
 Anthropic's events, the Responses API's events); :meth:`~ChatHandle.result` is the whole
-:class:`~llamax.Completion`.
+:class:`~llamax.Completion`, and :meth:`~ChatHandle.replies` its messages: the fold of the
+very parts its text streams as (:class:`~llamax.chat_stream.ChatFold`), so a whole reply
+says what a stream of it does.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..chat_stream import ChatPart, ChatStream
+from ..chat_stream import ChatFold, ChatPart, ChatReply, ChatStream
 from ..handle import RequestHandle
 from ..reasoning import ReasoningFormat
-from ..results import Completion
+from ..results import Completion, TokenEvent
 from ..tools import ToolPlan
 from .prepare import ChatModel, Prepared
 
@@ -109,12 +111,23 @@ class ChatHandle:
                 self.handle.cancel()
 
     def result(self) -> Completion:
-        """The whole reply (blocking)."""
+        """The whole reply (blocking); its messages are :meth:`replies`."""
         return self.handle.result()
 
     async def aresult(self) -> Completion:
         """Async twin of :meth:`result`."""
         return await self.handle
+
+    def replies(self, completion: Completion) -> list[ChatReply]:
+        """Each choice of the finished ``completion`` as a message: the fold of the parts
+        its text streams as (one event per choice; the fold does not depend on where the
+        events split the text). A text call's replies are its texts, unparsed."""
+        stream, folding = self.chat_stream(), ChatFold()
+        for choice in completion.choices:
+            event = TokenEvent(choice.text, choice.token_ids, choice.index, choice.finish_reason)
+            for part in stream.parts(event):
+                folding.add(part)
+        return folding.replies()
 
     def cancel(self) -> None:
         """Cancel the request (a no-op once it has finished)."""

@@ -3,7 +3,9 @@
 A :class:`OpenAIRequest` reads a submitted call (:class:`~llamax.chat.ChatHandle`): it
 turns the handle's :class:`~llamax.Completion` into a ``chat.completion`` /
 ``text_completion`` dict, and its events into chunks (or, through an
-:class:`EventBuilder`, another API's events).
+:class:`EventBuilder`, another API's events). A chat choice's whole message is the fold of
+the parts its text streams as (:meth:`ChatHandle.replies`), so what a client rebuilds
+from the chunks is the whole reply.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..chat.handle import ChatHandle
 from ..chat.options import check_flag
 from ..chat_stream import (
     ChatPart,
+    ChatReply,
     ChatStream,
     ContentDelta,
     Finished,
@@ -27,7 +30,6 @@ from ..chat_stream import (
 from ..dialects.llama_native import prompt_progress
 from ..errors import InvalidParameterError
 from ..handle import RequestHandle
-from ..reasoning import split_reasoning
 from ..results import (
     Choice,
     Completion,
@@ -37,7 +39,6 @@ from ..results import (
     TopLogprob,
     Usage,
 )
-from ..tools import parse_tool_calls
 from ..tools.parse import ToolCallDelta as OpenAIToolCallDelta
 from .shapes import (
     ChatCompletion,
@@ -188,6 +189,7 @@ class OpenAIRequest:
     def response(self, completion: Completion) -> ChatCompletion | TextCompletion:
         """The full response object for a finished request."""
         if self.chat.kind == "chat":
+            replies = {r.index: r for r in self.chat.replies(completion)}
             return {
                 "id": self.response_id,
                 "object": "chat.completion",
@@ -196,12 +198,11 @@ class OpenAIRequest:
                 "choices": [
                     {
                         "index": c.index,
-                        "message": message,
-                        "finish_reason": finish,
+                        "message": _message(replies[c.index]),
+                        "finish_reason": replies[c.index].finish,
                         "logprobs": _chat_logprobs(c),
                     }
                     for c in completion.choices
-                    for message, finish in (self._message(c),)
                 ],
                 "usage": _usage(completion.usage),
             }
@@ -221,29 +222,6 @@ class OpenAIRequest:
             ],
             "usage": _usage(completion.usage),
         }
-
-    def _message(self, choice: Choice) -> tuple[ChatCompletionMessage, OpenAIFinishReason]:
-        """A choice as an assistant message, its tool calls parsed out when tools are on.
-
-        The parser sees the raw finish reason, so a call cut off by a cancel is dropped
-        rather than returned as content with its markup."""
-        finish = _finish_reason(choice.finish_reason) or "stop"
-        text, reasoning = choice.text, None
-        if self.chat.splits_reasoning:
-            cut = choice.finish_reason != "stop"
-            reasoning, text = split_reasoning(text, inside=self.chat.thinking_opened, cut=cut)
-        if not self.chat.tools.is_active:
-            message: ChatCompletionMessage = {"role": "assistant", "content": text}
-        else:
-            parsed = parse_tool_calls(text, self.chat.tools, str(choice.finish_reason))
-            message = {"role": "assistant", "content": parsed.content}
-            if parsed.tool_calls:
-                message["tool_calls"] = list(parsed.tool_calls)
-            if parsed.finish_reason == "tool_calls":
-                finish = "tool_calls"
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        return message, finish
 
     def result(self) -> ChatCompletion | TextCompletion:
         """Wait (a manual context steps in this thread) and return the full response."""
@@ -409,6 +387,16 @@ class OpenAIRequest:
             chunk["choices"] = []
         chunk["usage"] = _usage(completion.usage)
         return chunk  # type: ignore[no-any-return]
+
+
+def _message(reply: ChatReply) -> ChatCompletionMessage:
+    """A choice's whole reply (the fold of its parts) as OpenAI's assistant message."""
+    message: ChatCompletionMessage = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = list(reply.tool_calls)
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    return message
 
 
 def _delta(part: Started | ReasoningDelta | ContentDelta | ToolCallDelta) -> ChatDelta:

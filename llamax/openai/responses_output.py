@@ -279,17 +279,16 @@ class ResponseJob:
     # -- a finished request
     def finish(self, completion: Completion) -> dict[str, Any]:
         """The whole ``response`` object (stored, unless the request said not to)."""
-        choice = self.submitted.response(completion)["choices"][0]
-        message: Any = choice["message"]  # type: ignore[typeddict-item]
+        reply = self.submitted.chat.replies(completion)[0]  # the fold of the stream's parts
         status = _status(completion)
         done = "incomplete" if status == "incomplete" else "completed"
         output: list[dict[str, Any]] = []
-        reasoning = message.get("reasoning_content") or ""
+        reasoning = reply.reasoning or ""
         if reasoning:
             output.append(self.reasoning_item(len(output), reasoning, done))
-        calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
-            output.append(self.message_item(len(output), message.get("content") or "", done))
+        calls = reply.tool_calls
+        if reply.content or not calls:
+            output.append(self.message_item(len(output), reply.content or "", done))
         for call in calls:
             output.append(self.call_item(len(output), call, "completed"))
         return self.done(self.response(status, output, self.usage(completion, reasoning)))

@@ -140,6 +140,10 @@ class ToolCallStreamParser:
         self._tool_calls: list[ToolCall] = []
         self._current: ToolCall | None = None
         self._is_after_call = False
+        self._space = ""  # the whitespace dropped before the markup being read
+        self.broken: list[int] = []
+        """Positions of calls whose start was sent but whose markup never completed into a
+        valid call (cut off, or arguments that are no JSON object)."""
         self.is_malformed = False
         """Whether the text after a call marker was no valid call."""
         self.is_truncated = False
@@ -167,11 +171,14 @@ class ToolCallStreamParser:
             pass
         return deltas
 
-    def close(self) -> list[ToolDelta]:
+    def close(self, give_back: bool = False) -> list[ToolDelta]:
         """Flush at the end of generation.
 
         Text ending inside a call (cut off by ``max_tokens``, a stop or a cancel) sets
-        :attr:`is_truncated`; that call is dropped, its markup is never sent as content.
+        :attr:`is_truncated`. A call whose start was sent stays started (its position
+        joins :attr:`broken`); markup that never named a call is dropped, or with
+        ``give_back`` (a stop that no forced call explains) sent as content, verbatim with
+        the whitespace before it.
 
         Returns:
             The content still held back, if any.
@@ -183,6 +190,10 @@ class ToolCallStreamParser:
                 _add_content(deltas, pending)
         else:
             self.is_truncated = True
+            if self._state is _State.HEADER and give_back:
+                _add_content(deltas, self._space + CALL_OPEN + pending)
+            elif self._state is _State.ARGUMENTS:
+                self.broken.append(len(self._tool_calls))
         self._state = _State.CONTENT
         self._current = None
         return deltas
@@ -205,7 +216,10 @@ class ToolCallStreamParser:
     def _step_content(self, deltas: list[ToolDelta]) -> bool:
         start = self._pending.find(CALL_OPEN)
         if start >= 0:
-            _add_content(deltas, self._pending[:start].rstrip())
+            before = self._pending[:start]
+            sent = before.rstrip()
+            _add_content(deltas, sent)
+            self._space = before[len(sent) :]
             self._pending = self._pending[start + len(CALL_OPEN) :]
             self._state = _State.HEADER
             return True
@@ -262,6 +276,7 @@ class ToolCallStreamParser:
         arguments = self._current["function"]["arguments"] if self._current else ""
         if rest[:end].strip() != "}" or not _is_json_object(arguments):
             self.is_malformed = True
+            self.broken.append(len(self._tool_calls))
         if self._current is not None:
             self._tool_calls.append(self._current)
             self._current = None
@@ -281,7 +296,7 @@ class ToolCallStreamParser:
     def _not_a_call(self, deltas: list[ToolDelta]) -> None:
         """The text after ``<tool_call>`` is no call: pass the marker on as content."""
         self.is_malformed = True
-        _add_content(deltas, CALL_OPEN)
+        _add_content(deltas, self._space + CALL_OPEN)
         self._state = _State.CONTENT
 
 
