@@ -32,6 +32,7 @@ from .chat import (
 from .chat.options import ChatOptions, CompletionOptions, check_flag
 from .config import ContextConfig, ContextOptions
 from .conversation import Chat
+from .dialects.openai_shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 from .engine.kv.kvops import Audit, ClearCache, KVOp, OpenSession
 from .engine.loop import Engine, EngineState
 from .engine.sched.sampling import BatchLogitsProcessor
@@ -47,7 +48,6 @@ from .handle import RequestHandle
 from .images import Image, ImagePrompts
 from .models import default_model_path
 from .openai.requests import OpenAIRequest, arespond, include_usage, respond
-from .openai.shapes import ChatCompletion, ChatCompletionChunk, TextCompletion
 from .params import SamplingParams
 from .prompts import Prompt, build_request, prompt_token_ids
 from .reasoning import ReasoningFormat

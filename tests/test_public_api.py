@@ -187,8 +187,8 @@ def _imported_modules(path: Path) -> set[str]:
 # on the public API (anthropic, conversation, batch with its progress bar); the facade
 # (context, session); typed calls and their preparation (chat, with the tools and the chat
 # stream) and the OpenAI shapes (openai, on chat): below the facade, yet using only the
-# public API's modules too; the dialects' field tables (dialects, on chat's options: pure
-# codecs, no facade, no server); templates;
+# public API's modules too; the dialects (pure codecs, no facade, no server: field tables
+# and parsers on chat's calls, encoders of the chat stream's parts); templates;
 # the engine and the backend.
 UPPER_LAYERS = {
     # layer: (its modules, the upper layers below it that it may also use)
@@ -206,7 +206,7 @@ UPPER_LAYERS = {
         {"llamax.openai"},
         {"llamax.chat", "llamax.tools", "llamax.chat_stream", "llamax.dialects"},
     ),
-    "dialects": ({"llamax.dialects"}, {"llamax.chat"}),
+    "dialects": ({"llamax.dialects"}, {"llamax.chat", "llamax.tools", "llamax.chat_stream"}),
     "chat": ({"llamax.chat"}, {"llamax.tools", "llamax.chat_stream"}),
     "chat_stream": ({"llamax.chat_stream"}, {"llamax.tools"}),
     "tools": ({"llamax.tools"}, set()),

@@ -8,6 +8,12 @@ submitted call as OpenAI's shapes (``TypedDict`` s matching OpenAI's). The Respo
 """
 
 from ..chat.options import ChatOptions, CompletionOptions, StreamOptions
+from ..dialects.openai_shapes import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    CompletionUsage,
+    TextCompletion,
+)
 from .requests import EventBuilder, OpenAIRequest
 from .responses_api import (
     RESPONSE_FIELDS,
@@ -16,7 +22,6 @@ from .responses_api import (
     response_input_tokens,
 )
 from .responses_output import ResponseStore
-from .shapes import ChatCompletion, ChatCompletionChunk, CompletionUsage, TextCompletion
 
 __all__ = [
     "RESPONSE_FIELDS",

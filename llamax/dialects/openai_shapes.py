@@ -6,8 +6,8 @@ from typing import Any, Literal, TypedDict
 
 from typing_extensions import NotRequired
 
-from ..dialects.llama_native import PromptProgress
 from ..tools.parse import ToolCall, ToolCallDelta
+from .llama_native import PromptProgress
 
 __all__ = [
     "ChatCompletion",
