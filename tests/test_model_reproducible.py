@@ -14,6 +14,7 @@ a fresh context for every reference."""
 from __future__ import annotations
 
 import random
+import runpy
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -470,3 +471,9 @@ def test_the_default_mode_reports_its_drift(
         compare(load, solo_on(alone))
     with capsys.disabled():
         print(f"\ndefault mode: {len(load.differences)} of {len(load.compared)} replies differ")
+
+
+def test_the_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "reproducible.py"
+    runpy.run_path(str(example), run_name="__main__")
+    assert "bit for bit the same: True" in capsys.readouterr().out
