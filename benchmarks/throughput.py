@@ -174,10 +174,23 @@ def build(
     """Load every system (llamax first: it routes native logs to Python logging)."""
     n_seq_max, model = max(ns), args.model
     log(f"loading systems: n_ctx={N_CTX} n_seq_max={n_seq_max} n_batch={N_BATCH}")
-    ctx = llamax.Context(model, n_ctx=N_CTX, n_seq_max=n_seq_max, n_batch=N_BATCH, n_threads=2)
+    ctx = llamax.Context(
+        model,
+        n_ctx=N_CTX,
+        n_seq_max=n_seq_max,
+        n_batch=N_BATCH,
+        n_threads=2,
+        reproducible=args.reproducible,
+    )
     closers.append(ctx.close)
     unified = llamax.Context(
-        model, n_ctx=N_CTX, n_seq_max=n_seq_max, n_batch=N_BATCH, n_threads=2, kv_layout="unified"
+        model,
+        n_ctx=N_CTX,
+        n_seq_max=n_seq_max,
+        n_batch=N_BATCH,
+        n_threads=2,
+        kv_layout="unified",
+        reproducible=False,
     )
     closers.append(unified.close)
     systems = [System(LLAMAX, llamax_run(ctx)), System(LLAMAX_UNIFIED, llamax_run(unified))]
@@ -306,6 +319,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs per system and N (median)")
     parser.add_argument("--quick", action="store_true", help="skip llama-cpp-python at N=64")
     parser.add_argument("--skip", nargs="*", default=[], help="system names not to run")
+    parser.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="llamax (not llamax_unified) in the reproducible mode (docs/reproducible.md)",
+    )
     parser.add_argument(
         "--llama-server",
         default="auto",

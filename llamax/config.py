@@ -39,7 +39,17 @@ def _default_threads() -> int:
 
 
 _ENV_ADAPT = "LLAMAX_ADAPT_THREADS"
+_ENV_REPRODUCIBLE = "LLAMAX_REPRODUCIBLE"
 _OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
+def _env_flag(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).strip().lower()
+    require(
+        value in _OFF + _ON,
+        f"${name} must be one of {', '.join(_OFF + _ON)}, got {value!r}",
+    )
+    return value in _ON
 
 
 def adapt_threads_default() -> bool:
@@ -49,12 +59,17 @@ def adapt_threads_default() -> bool:
     Raises:
         InvalidParameterError: the variable holds anything else.
     """
-    value = os.environ.get(_ENV_ADAPT, "1").strip().lower()
-    require(
-        value in _OFF + _ON,
-        f"${_ENV_ADAPT} must be one of {', '.join(_OFF + _ON)}, got {value!r}",
-    )
-    return value in _ON
+    return _env_flag(_ENV_ADAPT, "1")
+
+
+def reproducible_default() -> bool:
+    """``reproducible`` when it is not given: ``$LLAMAX_REPRODUCIBLE`` (``0``/``1``,
+    ``false``/``true``, ``no``/``yes``, ``off``/``on``), else off.
+
+    Raises:
+        InvalidParameterError: the variable holds anything else.
+    """
+    return _env_flag(_ENV_REPRODUCIBLE, "0")
 
 
 def _prompt_lookup(max_draft: int) -> PromptLookup | None:
@@ -91,7 +106,7 @@ _TYPE_CHECKS: tuple[tuple[Check, tuple[str, ...]], ...] = (
     (_INT, ("n_ctx", "n_seq_max", "n_batch", "n_gpu_layers")),
     (_INT_OR_NONE, ("n_ctx_seq", "n_ubatch", "n_threads", "n_threads_batch")),
     (_BOOL, ("use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate")),
-    (_BOOL, ("adapt_threads",)),
+    (_BOOL, ("adapt_threads", "reproducible")),
     (_BYTES, ("prefix_ram_bytes", "prefix_disk_bytes")),
     (_SHARE, ("prefix_ram_share", "prefix_disk_share")),
     (_DIR, ("prefix_disk_dir",)),
@@ -134,6 +149,15 @@ class ContextConfig:
     docs/scale-out.md). ``speculative`` (a :class:`~llamax.PromptLookup`) turns speculative
     decoding on for every request that does not say otherwise (see docs/speculative.md);
     ``None`` (default) leaves it to each request's ``SamplingParams.speculative``.
+    ``reproducible`` makes every reply (tokens and logprobs) bit-identical to the same
+    request run alone on a fresh context with the same options, whatever else runs (same
+    machine, same build; docs/reproducible.md): the KV cache stays in streams, the thread
+    count is fixed, prompt chunks start at multiples of one micro-batch (``n_ubatch``, at
+    most 256) and each is decoded alone, a prefix is reused only up to a chunk boundary it
+    was computed to as a prompt, flash attention and speculative decoding are off. It refuses
+    ``kv_layout="unified"``, ``adapt_threads=True``, ``flash_attn=True``, ``speculative``
+    and an ``n_threads_batch`` other than ``n_threads``; ``kv_layout="auto"`` becomes
+    ``"streams"``.
     """
 
     model_path: str
@@ -206,6 +230,17 @@ class ContextConfig:
     n_threads_batch: int | None = field(
         default=None,
         metadata=spec(default_doc="`n_threads`", doc="CPU threads for prompt batches", flag=True),
+    )
+    reproducible: bool | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="off (`$LLAMAX_REPRODUCIBLE=1`: on)",
+            doc="every reply's tokens and logprobs bit-identical to the same request run alone "
+            "on a fresh context with the same options, whatever else runs: streams pinned, "
+            "fixed threads, prompt chunks at fixed positions, no flash attention, no speculation "
+            "(docs/reproducible.md)",
+            flag=True,
+        ),
     )
     n_gpu_layers: int = field(
         default=-1, metadata=spec(doc="layers offloaded to the GPU (`-1`: all)", flag=True)
@@ -381,9 +416,25 @@ class ContextConfig:
         never changes, so outputs stay those of one count (a thread count changes
         llama.cpp's sums in some shapes: a decode over 300 cells parted by 0.53 in a
         logit between 1 and 2 threads)."""
-        if self.n_threads is not None:
+        if self.n_threads is not None or self.is_reproducible:
             return False
         return self.adapt_threads if self.adapt_threads is not None else adapt_threads_default()
+
+    @property
+    def is_reproducible(self) -> bool:
+        """Whether replies must not depend on what else runs (``reproducible``, else
+        :func:`reproducible_default`; docs/reproducible.md)."""
+        return self.reproducible if self.reproducible is not None else reproducible_default()
+
+    @property
+    def reproducible_chunk(self) -> int | None:
+        """The prompt chunk grid of the reproducible mode: one micro-batch (``n_ubatch``,
+        else ``n_batch``), at most 256 tokens (llama.cpp widens a micro-batch's attention
+        view in steps of 256 cells, so a finer grid costs a prompt nothing and lets a
+        prefix be reused at more places); None when off."""
+        if not self.is_reproducible:
+            return None
+        return min(self.n_ubatch or self.n_batch, 256)
 
     def engine_config(self, *, owns_backend: bool = True) -> EngineConfig:
         """What the engine needs of these options (:class:`EngineConfig`); ``calibrate``
@@ -394,6 +445,7 @@ class ContextConfig:
             speculative=self.speculative,
             calibrate=self.calibrate if self.calibrate is not None else owns_backend,
             adapt_threads=self.adapts_threads,
+            reproducible_chunk=self.reproducible_chunk,
             prefix_ram_bytes=self.prefix_ram_bytes,
             prefix_ram_share=self.prefix_ram_share,
             prefix_disk_dir=None
@@ -472,6 +524,54 @@ class ContextConfig:
             f"n_threads_batch must be >= 1, got {self.n_threads_batch}",
             "n_threads_batch",
         )
+        if self.is_reproducible:
+            self._check_reproducible()
+
+    def _check_reproducible(self) -> None:
+        """Refuse what contradicts ``reproducible``; ``kv_layout="auto"`` becomes streams."""
+        why = "reproducible=True needs "
+        require(
+            self.kv_layout != "unified",
+            why + "the streams layout (a unified cache's attention sums depend on the other "
+            "sequences' cells): kv_layout='unified' contradicts it",
+            "kv_layout",
+        )
+        require(
+            self.adapt_threads is not True,
+            why + "a fixed thread count (llama.cpp's sums depend on it): adapt_threads=True "
+            "contradicts it",
+            "adapt_threads",
+        )
+        require(
+            self.speculative is None,
+            why + "no speculative decoding (a verified draft's cells are computed in a batch "
+            "of rows, not one by one): speculative contradicts it",
+            "speculative",
+        )
+        require(
+            self.flash_attn is not True,
+            why + "attention without flash attention (ggml's CPU flash attention sums a "
+            "decode row differently beside other sequences' rows): flash_attn=True "
+            "contradicts it",
+            "flash_attn",
+        )
+        require(
+            self.n_threads_batch is None or self.n_threads_batch == self.resolved_n_threads,
+            why + "one thread count (a batch of decode rows runs on n_threads_batch, a lone "
+            f"row on n_threads): n_threads_batch={self.n_threads_batch} differs from "
+            f"n_threads={self.n_threads}",
+            "n_threads_batch",
+        )
+        object.__setattr__(self, "flash_attn", False)
+        if self.kv_layout == "auto":  # streams, pinned: never a move to unified
+            object.__setattr__(self, "kv_layout", "streams")
+            require(
+                (self.n_ctx_seq or 16) * self.n_seq_max <= self.n_ctx,
+                why + f"the streams layout, where each of the n_seq_max={self.n_seq_max} "
+                f"sequences gets n_ctx // n_seq_max = {self.n_ctx // self.n_seq_max} cells, "
+                f"fewer than n_ctx_seq={self.n_ctx_seq}; raise n_ctx or lower n_ctx_seq",
+                "n_ctx_seq",
+            )
 
     def _check_types(self) -> None:
         for check, names in _TYPE_CHECKS:
@@ -493,6 +593,9 @@ class EngineConfig:
     """Time a few steps at start (``ContextConfig.calibrate``, resolved)."""
     adapt_threads: bool = False
     """Lower the threads under contention (``ContextConfig.adapts_threads``)."""
+    reproducible_chunk: int | None = None
+    """The reproducible mode's prompt chunk grid (``ContextConfig.reproducible_chunk``);
+    None: off."""
     prefix_ram_bytes: int | None = 0
     """The RAM tier's budget; None: this context's share of the machine's default."""
     prefix_ram_share: float = 1.0
@@ -515,6 +618,7 @@ class ContextOptions(TypedDict, total=False):
     n_threads: int | None
     n_threads_batch: int | None
     adapt_threads: bool | None
+    reproducible: bool | None
     n_gpu_layers: int
     use_mmap: bool
     use_extra_bufts: bool | None

@@ -72,7 +72,8 @@ class Stepper:
         # images first, a decode each (no batch mixes ids and embeddings); a batch logits
         # processor sees the rest of the step at once, so it stays whole
         images, plan = split_images(plan)
-        rest = [plan] if self._batch_processor is not None else scheduler.planner.split(plan)
+        whole = self._batch_processor is not None and not scheduler.reproducible
+        rest = [plan] if whole else scheduler.planner.split(plan)
         for part in [*images, *rest]:
             part = part.without_ended()  # a request that failed in an earlier part is gone
             if not part.is_empty:

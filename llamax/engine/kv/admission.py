@@ -248,7 +248,7 @@ class SlotPlacer:
         none, None (released) if the memory refuses it or it does not hold what it claims."""
         try:
             kept: int | None = None
-            if self._kv.restore(slot, tokens, data):
+            if self._kv.restore(slot, tokens, data, exact=True):
                 keep = self._kv.usable(slot, num_common)
                 if not keep:
                     kept = 0

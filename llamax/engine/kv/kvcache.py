@@ -101,6 +101,8 @@ class Slot:
         "adapters",
         "cells",
         "checkpoints",
+        "chunked",
+        "exact",
         "hint_owner",
         "hinted",
         "seq_id",
@@ -123,6 +125,13 @@ class Slot:
         self.hint_owner: str | None = None
         """The ``fair_key`` of that request, whose share of the tiers' hinted bytes the
         slot's state draws on when evicted (None: no key)."""
+        self.exact = 0
+        """The reproducible mode's reusable head: its first ``exact`` tokens (a multiple
+        of the chunk grid) hold the cells a cold prompt computes (see
+        :meth:`KVCache.usable`)."""
+        self.chunked = 0
+        """Tokens ``[exact, chunked)`` were computed as this slot's prompt chunks, one after
+        the other from ``exact``: a chunk that ends on the grid extends ``exact``."""
         self._state = SlotState.PINNED if pinned else SlotState.ACTIVE
 
     @property
@@ -165,6 +174,9 @@ class KVCache:
         self.num_queue_runs = 0
         """Times a state call had to run the memory's queued stream copies first."""
         self._at_checkpoints = not memory.can_share_prefix and memory.can_checkpoint
+        self.grid: int | None = None
+        """The reproducible mode's chunk grid (None: off): a prefix is reused only up to a
+        multiple of it that its slot computed as prompt chunks (:meth:`usable`)."""
         self.num_checkpoints = 0
         """Checkpoints taken."""
         self.num_checkpoint_restores = 0
@@ -255,8 +267,12 @@ class KVCache:
     def usable(self, slot: Slot, num: int) -> int:
         """How many of ``slot``'s first ``num`` tokens a cut or copy can keep: all of them,
         unless the memory is cut at checkpoints (then the last one at or before ``num``, or
-        the whole slot)."""
+        the whole slot). In the reproducible mode (:attr:`grid`), only what a cold run of
+        the same prompt would hold bit for bit: the last grid boundary at or before
+        ``num`` within :attr:`Slot.exact` (none for a memory cut at checkpoints)."""
         num = min(num, len(slot.tokens))
+        if self.grid is not None:  # reproducible: a cold run's chunk boundary, or nothing
+            return 0 if self._at_checkpoints else min(num - num % self.grid, slot.exact)
         if not self._at_checkpoints or num == len(slot.tokens):
             return num
         return max((p for p in slot.checkpoints if p <= num), default=0)
@@ -439,6 +455,8 @@ class KVCache:
             if checkpoint is None:
                 raise ValueError(f"{src!r} has no checkpoint at {num} tokens to copy")
         dst.checkpoints = {p: d for p, d in src.checkpoints.items() if p <= num}
+        if self.grid is not None:
+            dst.exact = dst.chunked = min(src.exact, num - num % self.grid)
         if self._memory.is_unified:
             self._memory.seq_cp(src.seq_id, dst.seq_id, 0, num)
             dst.tokens = src.tokens[:num]
@@ -453,25 +471,36 @@ class KVCache:
                 self._memory.seq_rm(dst.seq_id, -1, -1)
                 dst.checkpoints = {}
                 raise ValueError(f"the memory cannot cut a copied stream to {num} tokens")
-            self.append(dst, src.tokens[:num])
+            self.append(dst, src.tokens[:num], prompt=False)
         # a recurrent state is shared whole whatever the range: set the copy's back
         if checkpoint is not None and not self._set_back(dst, num, checkpoint):
             self.clear(dst)
             return False
         return True
 
-    def append(self, slot: Slot, tokens: Sequence[int]) -> None:
-        """Record that ``tokens`` were computed at the end of ``slot`` in fresh cells."""
+    def append(self, slot: Slot, tokens: Sequence[int], *, prompt: bool = False) -> None:
+        """Record that ``tokens`` were computed at the end of ``slot`` in fresh cells
+        (``prompt``: as a prompt chunk, which may extend :attr:`Slot.exact`)."""
+        if self.grid is not None and prompt:
+            start, end = len(slot.tokens), len(slot.tokens) + len(tokens)
+            if start == slot.chunked:
+                slot.chunked = end
+                if end % self.grid == 0:
+                    slot.exact = end
         slot.tokens.extend(tokens)
         for _ in tokens:
             cell = next(self._next_cell)
             self._refs[cell] = 1
             slot.cells.append(cell)
 
-    def restore(self, slot: Slot, tokens: Sequence[int], state: bytes) -> bool:
+    def restore(
+        self, slot: Slot, tokens: Sequence[int], state: bytes, *, exact: bool = False
+    ) -> bool:
         """Load a saved sequence state into ``slot`` (empty); False if llama.cpp refused it
         or it does not hold exactly ``len(tokens)`` positions (then nothing is kept). A
-        memory cut at checkpoints gets the slot's checkpoints back from it too."""
+        memory cut at checkpoints gets the slot's checkpoints back from it too. ``exact``:
+        the state holds what a cold prompt computes (a prefix tier's entry in the
+        reproducible mode, cut to :attr:`Slot.exact` when it was saved)."""
         if slot.tokens:
             raise ValueError(f"restore into a non-empty slot {slot!r}")
         checkpoints: dict[int, bytes] = {}
@@ -491,6 +520,8 @@ class KVCache:
             return False
         self.append(slot, tokens)
         slot.checkpoints = checkpoints
+        if exact and self.grid is not None:
+            slot.exact = slot.chunked = len(tokens) - len(tokens) % self.grid
         return True
 
     def save(self, slot: Slot) -> bytes:
@@ -551,6 +582,7 @@ class KVCache:
         for cell in slot.cells[start:end]:
             self._unref(cell)
         del slot.cells[start:end], slot.tokens[start:end]
+        slot.exact = slot.chunked = min(slot.exact, start - start % (self.grid or 1))
         return True
 
     def drop_unrecorded(self, slot: Slot) -> None:
@@ -566,6 +598,8 @@ class KVCache:
         self._drop_cells(slot, 0)
 
     def _drop_cells(self, slot: Slot, keep: int) -> None:
+        if keep < len(slot.tokens):  # a cut: only a whole chunk from exact extends it again
+            slot.exact = slot.chunked = min(slot.exact, keep - keep % (self.grid or 1))
         for cell in slot.cells[keep:]:
             self._unref(cell)
         del slot.cells[keep:]

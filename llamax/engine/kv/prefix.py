@@ -199,6 +199,9 @@ class PrefixCache:
         its budget, or (unhinted) it would fit only by dropping hinted entries (before the
         slot is released, or cut by a newcomer that takes it over). A save that fails
         loses only the entry."""
+        reproducible = self._cache.grid is not None  # keep only what a cold prompt computes
+        if reproducible and (not slot.exact or not self._cache.truncate(slot, slot.exact)):
+            return
         num_tokens = len(slot.tokens)
         wanting = [t for t in self.tiers if t.wants(num_tokens, slot.adapters)]
         if not wanting or not self._cache.is_intact(slot):
@@ -235,7 +238,10 @@ class PrefixCache:
             InvalidParameterError: the disk tier's directory cannot be used (or is in use).
         """
         retain = config.prefix_cache and (backend.can_share_prefix or backend.can_checkpoint)
-        model = json.dumps(backend.model_identity, sort_keys=True, default=str)
+        identity = backend.model_identity
+        if config.reproducible_chunk is not None:  # entries cut to a chunk grid's boundary
+            identity = {"model": identity, "reproducible_chunk": config.reproducible_chunk}
+        model = json.dumps(identity, sort_keys=True, default=str)
         ram_bytes = config.prefix_ram_bytes
         if ram_bytes is None:
             ram_bytes = int(default_budget() * config.prefix_ram_share)
@@ -249,7 +255,7 @@ class PrefixCache:
         disk_model = model
         if host is not None:
             disk_model = json.dumps(
-                {"model": backend.model_identity, "projector": host.projector_identity},
+                {"model": identity, "projector": host.projector_identity},
                 sort_keys=True,
                 default=str,
             )
@@ -327,6 +333,10 @@ class PrefixCache:
                 continue
             if known is None:
                 later = now
+            elif self._cache.grid is not None:  # what the owner's prompt chunks will give
+                grid = self._cache.grid
+                later = max(now, min(later, len(known) - len(known) % grid))
+                later -= later % grid
             elif self._cache.cuts_at_checkpoints:
                 later = max(now, planned_checkpoint(later, len(known)))
             if (now, later) > (best.num_now, best.num_later):

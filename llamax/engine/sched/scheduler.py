@@ -35,7 +35,7 @@ from typing import TypeVar, cast
 from ...adapters import AdapterSet
 from ...backend.base import Backend, Clocked
 from ...config import EngineConfig
-from ...errors import KVCapacityError, RequestFailedError
+from ...errors import InvalidParameterError, KVCapacityError, RequestFailedError
 from ...results import PrefillProgress, TokenEvent, TokenLogprob
 from ...stats import SequenceStats
 from ..images import cut_reuse
@@ -73,7 +73,9 @@ class Scheduler:
         allow_drafts: Whether sequences may draft at all.
 
     Raises:
-        InvalidParameterError: the disk tier's directory cannot be used (or is in use).
+        InvalidParameterError: the disk tier's directory cannot be used (or is in use); a
+            reproducible engine (``reproducible_chunk``) over a cache that is or may become
+            unified.
     """
 
     def __init__(
@@ -88,6 +90,19 @@ class Scheduler:
         """The backend this scheduler drives."""
         self._n_batch = backend.n_batch
         self.kv = KVCache(backend, backend.facts.n_seq_max)
+        if config.reproducible_chunk is not None:
+            self.kv.grid = min(config.reproducible_chunk, backend.n_batch)
+        self.reproducible = self.kv.grid is not None
+        """Whether replies must not depend on what else runs (docs/reproducible.md): prompt
+        chunks on the grid (:attr:`KVCache.grid`), each decoded alone, no drafts."""
+        if self.reproducible and (
+            self.kv.can_relayout or (self.kv.is_unified and backend.facts.n_seq_max > 1)
+        ):
+            raise InvalidParameterError(
+                "reproducible=True needs the streams layout, pinned: this backend's KV cache "
+                "is unified or may move to unified",
+                param="kv_layout",
+            )
         self.prefix = PrefixCache.build(self.kv, config, backend)
         self.placer = SlotPlacer(self.kv, self.prefix, backend.facts.n_ctx)
         self.fair: FairShare[Hashable] = FairShare(backend.facts.n_seq_max)
@@ -96,7 +111,11 @@ class Scheduler:
         self.step_cost = self.budget.cost
         """What a step costs (learned from measured steps; the planner's time budget's)."""
         self.drafts = Drafting(
-            backend, self.kv, config.speculative, self.budget.max_step_s, allow=allow_drafts
+            backend,
+            self.kv,
+            config.speculative,
+            self.budget.max_step_s,
+            allow=allow_drafts and not self.reproducible,
         )
         self.turns = AdapterTurns()
         self.layout = Relayout(backend, self.kv, self.prefix)
@@ -181,7 +200,8 @@ class Scheduler:
         running = [seq for seq in self._running if ours(seq)]
         decode = [seq for seq in running if seq.num_pending == 1][: self._n_batch]
         slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
-        budget = self._n_batch - len(decode)
+        # reproducible: each prompt chunk is decoded alone, beside nothing
+        budget = self._n_batch - (0 if self.reproducible else len(decode))
         fixed = self.planner.start(decode)
         for seq in running:
             if seq.num_pending > 1 and budget > 0:
@@ -314,6 +334,7 @@ class Scheduler:
         evict a retained prefix, else preempt the newest sequence."""
         slots = [(e.seq, len(e.item.token_ids) - len(e.draft)) for e in plan.entries]
         whole = plan.num_drafted or any(e.item.non_causal for e in plan.entries)
+        whole = whole or self.reproducible  # a chunk is never cut off the grid
         halved = None if whole else halve_newest_chunk([n for _, n in slots])
         if halved is not None:
             slots = [(seq, n) for (seq, _), n in zip(slots, halved, strict=True) if n]
@@ -354,7 +375,8 @@ class Scheduler:
             reports = seq.request.params.prefill_progress and not is_decode
             if reports and len(seq.slot.tokens) == seq.request.num_cached_tokens:
                 self._report_progress(seq, result)  # the first chunk: what the cache held
-            self.kv.append(seq.slot, entry.item.token_ids)
+            is_prompt = not is_decode and len(seq.slot.tokens) + num <= seq.num_prompt_tokens
+            self.kv.append(seq.slot, entry.item.token_ids, prompt=is_prompt)
             if is_decode:
                 self.num_decode_tokens += 1
             else:

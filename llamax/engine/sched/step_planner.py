@@ -78,6 +78,9 @@ class StepPlanner:
                 num_cells_used=self._kv.num_cells_used,
                 unified=self._kv.is_unified,
             )
+        grid = self._kv.grid
+        if grid is not None:
+            return self._chunk_on_grid(seq, grid, budget, fixed)
         limit = min(seq.num_pending, budget)
         if images:
             limit = chunk_limit(images, seq.num_computed, limit)
@@ -97,6 +100,30 @@ class StepPlanner:
             unified=self._kv.is_unified,
         )
 
+    def _chunk_on_grid(
+        self, seq: Seq, grid: int, budget: int, fixed: StepFeatures | None
+    ) -> tuple[int, StepFeatures | None]:
+        """The reproducible mode's chunk (docs/reproducible.md): up to the next multiple of
+        ``grid`` (or the prompt's end, an image's edge, a checkpoint), whatever the time
+        budget wants, so that it is cut where a cold run of the prompt cuts it; nothing this
+        step if the batch has no room for all of it. Tokens past the prompt (a preempted
+        sequence's reply, computed again) go one at a time, as they were decoded."""
+        start = seq.num_computed
+        if start >= seq.num_prompt_tokens:
+            want = 1
+        else:
+            want = min(seq.num_prompt_tokens - start, grid - start % grid)
+        images = seq.request.images
+        if images:
+            want = chunk_limit(images, start, want)
+        if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
+            following = next_checkpoint(start, seq.num_prompt_tokens)
+            if start < seq.branch_at < (following or seq.num_prompt_tokens):
+                following = seq.branch_at
+            if following is not None:
+                want = min(want, following - start)
+        return (want if want <= budget else 0), fixed
+
     def build(
         self, slots: list[tuple[Seq, int]], drafts: dict[Seq, tuple[int, ...]] | None = None
     ) -> StepPlan:
@@ -113,6 +140,8 @@ class StepPlanner:
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache on the CPU,
         many decode rows go in smaller batches (:mod:`llamax.engine.sched.split_policy`)."""
+        if self._kv.grid is not None:
+            return self._split_reproducible(plan)
         groups = self.splitter.groups(
             [len(e.item.token_ids) for e in plan.entries],
             [e.seq.num_computed for e in plan.entries],
@@ -120,6 +149,17 @@ class StepPlanner:
             unified=self._kv.is_unified,
         )
         return [plan] if groups is None else split_plan(plan, groups)
+
+    @staticmethod
+    def _split_reproducible(plan: StepPlan) -> list[StepPlan]:
+        """The reproducible mode's decodes: the one-token rows together (without flash
+        attention a row's sums do not depend on the rows beside it: measured,
+        benchmarks/results/issue60), and each prompt chunk alone (beside other sequences'
+        rows llama.cpp cuts it into other micro-batches than a cold run does)."""
+        rows = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) == 1]
+        chunks = [[i] for i, e in enumerate(plan.entries) if len(e.item.token_ids) > 1]
+        groups = [rows, *chunks] if rows else chunks
+        return [plan] if len(groups) <= 1 else split_plan(plan, groups)
 
     def features(self, plan: StepPlan) -> StepFeatures:
         """What ``plan`` costs, in the terms of the cost model

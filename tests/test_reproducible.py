@@ -1,0 +1,221 @@
+"""The reproducible mode's rules (``reproducible=True``, docs/reproducible.md), on the fake
+backend, deterministically: the options it refuses or sets, prompt chunks at multiples of
+the grid and each alone in its decode whatever the load, decode rows together, no move of
+the layout, no thread adaptation, and a prefix reused only up to a grid boundary its slot
+computed as prompt chunks (never a reply's cells), from the KV cache, a session or the
+host-RAM tier. The real model's differential harness is tests/test_model_reproducible.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+import llamax
+from llamax.testing import FakeBackend, assert_idle
+
+GRID = 16
+GREEDY = llamax.SamplingParams(max_tokens=6, temperature=0.0)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [1 + (seed * 7 + i * 3) % 200 for i in range(length)]
+
+
+@pytest.fixture
+def made() -> Iterator[list[llamax.Context]]:
+    contexts: list[llamax.Context] = []
+    yield contexts
+    for ctx in contexts:
+        if not ctx.closed:
+            assert_idle(ctx)
+        ctx.close()
+
+
+def fake(made: list[llamax.Context], **options: Any) -> tuple[llamax.Context, FakeBackend]:
+    backend_options = {"n_ctx": 4 * 256, "n_seq_max": 4, "n_batch": GRID, "kv_layout": "streams"}
+    backend_options.update(options.pop("backend", {}))
+    backend = FakeBackend(**backend_options)
+    ctx = llamax.Context(backend=backend, autostart=False, reproducible=True, **options)
+    made.append(ctx)
+    return ctx, backend
+
+
+def drain(ctx: llamax.Context, handles: Sequence[llamax.RequestHandle]) -> list[llamax.Completion]:
+    while ctx.has_work():
+        ctx.process()
+    return [h.result(0) for h in handles]
+
+
+# ------------------------------------------------------------------ options
+
+
+def test_the_mode_is_off_by_default_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLAMAX_REPRODUCIBLE", raising=False)
+    config = llamax.ContextConfig("m.gguf")
+    assert not config.is_reproducible and config.reproducible_chunk is None
+    assert config.kv_layout == "auto" and config.flash_attn is None
+    assert config.engine_config().reproducible_chunk is None
+
+
+def test_the_mode_pins_streams_fixed_threads_and_no_flash_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LLAMAX_ADAPT_THREADS", "1")
+    config = llamax.ContextConfig("m.gguf", reproducible=True)
+    assert config.is_reproducible and config.kv_layout == "streams"
+    assert config.flash_attn is False and not config.adapts_threads
+    assert config.reproducible_chunk == 256  # n_batch 512, at most 256
+    assert llamax.ContextConfig("m.gguf", reproducible=True, n_ubatch=64).reproducible_chunk == 64
+    assert llamax.ContextConfig("m.gguf", reproducible=True, n_batch=32).reproducible_chunk == 32
+    assert config.engine_config().reproducible_chunk == 256
+    assert not config.engine_config().adapt_threads
+
+
+def test_the_environment_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMAX_REPRODUCIBLE", "1")
+    assert llamax.ContextConfig("m.gguf").is_reproducible
+    assert not llamax.ContextConfig("m.gguf", reproducible=False).is_reproducible
+    monkeypatch.setenv("LLAMAX_REPRODUCIBLE", "maybe")
+    with pytest.raises(llamax.InvalidParameterError, match="LLAMAX_REPRODUCIBLE"):
+        llamax.ContextConfig("m.gguf")
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"kv_layout": "unified"}, "kv_layout"),
+        ({"adapt_threads": True}, "adapt_threads"),
+        ({"flash_attn": True}, "flash_attn"),
+        ({"speculative": llamax.PromptLookup()}, "speculative"),
+        ({"n_threads": 2, "n_threads_batch": 4}, "n_threads_batch"),
+        ({"n_ctx": 1024, "n_seq_max": 4, "n_ctx_seq": 512}, "n_ctx_seq"),
+        ({"reproducible": "yes"}, "reproducible"),
+    ],
+)
+def test_what_contradicts_it_is_refused_naming_the_field(
+    options: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(llamax.InvalidParameterError) as caught:
+        llamax.ContextConfig("m.gguf", **{"reproducible": True, **options})
+    assert caught.value.param == field
+
+
+@pytest.mark.parametrize("layout", ["unified", "auto"])
+def test_a_backend_that_is_or_may_become_unified_is_refused(layout: str) -> None:
+    backend = FakeBackend(n_ctx=1024, n_seq_max=4, kv_layout=layout)
+    with pytest.raises(llamax.InvalidParameterError) as caught:
+        llamax.Context(backend=backend, reproducible=True)
+    assert caught.value.param == "kv_layout"
+    backend.close()
+
+
+# ------------------------------------------------------------------ chunks
+
+
+def check_decodes(backend: FakeBackend, grid: int = GRID) -> None:
+    """Each prompt chunk alone in its decode, from a multiple of the grid to at most the
+    next one; the one-token rows together."""
+    assert backend.decode_log
+    for items in backend.decode_log:
+        chunks = [i for i in items if len(i.token_ids) > 1]
+        if chunks:
+            assert len(items) == 1, f"a chunk beside other rows: {items}"
+            (chunk,) = chunks
+            assert chunk.start_pos % grid == 0, chunk
+            assert chunk.start_pos // grid == (chunk.start_pos + len(chunk.token_ids) - 1) // grid
+
+
+def test_chunks_start_on_the_grid_and_go_alone_whatever_the_load(
+    made: list[llamax.Context],
+) -> None:
+    ctx, backend = fake(made, max_step_ms=1.0)
+    first = [ctx.add_request(prompt(0, 5), llamax.SamplingParams(max_tokens=40))]
+    ctx.process()
+    ctx.process()  # it decodes: the burst's chunks come beside its rows
+    burst = [ctx.add_request(prompt(s, 20 + 9 * s), GREEDY) for s in range(1, 6)]
+    done = drain(ctx, first + burst)
+    assert all(len(d.token_ids) for d in done)
+    check_decodes(backend)
+    assert any(len(items) > 1 for items in backend.decode_log)  # rows still go together
+
+
+def test_the_default_mode_mixes_chunks_and_rows(made: list[llamax.Context]) -> None:
+    backend = FakeBackend(n_ctx=1024, n_seq_max=4, n_batch=GRID, kv_layout="streams")
+    ctx = llamax.Context(backend=backend, autostart=False)
+    made.append(ctx)
+    first = [ctx.add_request(prompt(0, 5), llamax.SamplingParams(max_tokens=40))]
+    ctx.process()
+    ctx.process()
+    drain(ctx, first + [ctx.add_request(prompt(s, 20 + 9 * s), GREEDY) for s in range(1, 6)])
+    mixed = [items for items in backend.decode_log if len(items) > 1]
+    assert any(any(len(i.token_ids) > 1 for i in items) for items in mixed)
+
+
+def test_replies_equal_their_solo_runs_on_the_fake(made: list[llamax.Context]) -> None:
+    ctx, _ = fake(made)
+    prompts = [prompt(s, 10 + 11 * s) for s in range(6)]
+    together = drain(ctx, [ctx.add_request(p, GREEDY) for p in prompts])
+    for p, got in zip(prompts, together, strict=True):
+        alone, _ = fake(made)
+        assert drain(alone, [alone.add_request(p, GREEDY)])[0].token_ids == got.token_ids
+
+
+# ------------------------------------------------------------------ prefix reuse
+
+
+def test_a_prefix_is_reused_only_up_to_a_boundary_of_the_sources_prompt(
+    made: list[llamax.Context],
+) -> None:
+    ctx, backend = fake(made)
+    head = prompt(1, 45)
+    a = drain(ctx, [ctx.add_request([*head, 9, 9, 9, 9, 9], GREEDY)])[0]  # 50: exact to 48
+    b = drain(ctx, [ctx.add_request([*head, 7, 7], GREEDY)])[0]  # shares 45
+    assert b.usage.cached_tokens == 32
+    # a continuation holds a's reply: only a's prompt, to its last boundary, is reused
+    follow = [*head, 9, 9, 9, 9, 9, *a.token_ids, 5, 5, 5]
+    c = drain(ctx, [ctx.add_request(follow, GREEDY)])[0]
+    assert c.usage.cached_tokens == 48
+    check_decodes(backend)
+
+
+def test_a_session_turn_keeps_only_its_prompts_boundary(made: list[llamax.Context]) -> None:
+    ctx, backend = fake(made)
+    session = ctx.session()
+    first = prompt(2, 40)
+    handle = session.add_request(first, GREEDY)
+    reply = drain(ctx, [handle])[0]
+    turn = [*first, *reply.token_ids, 3, 3, 3]
+    second = drain(ctx, [session.add_request(turn, GREEDY)])[0]
+    assert second.usage.cached_tokens == 32  # not the 46 the session holds
+    alone, _ = fake(made)
+    assert drain(alone, [alone.add_request(turn, GREEDY)])[0].token_ids == second.token_ids
+    session.close()
+    check_decodes(backend)
+
+
+def test_the_ram_tier_keeps_and_gives_back_only_the_aligned_part(
+    made: list[llamax.Context],
+) -> None:
+    ctx, backend = fake(made, prefix_ram_bytes=1 << 20, backend={"n_seq_max": 1, "n_ctx": 256})
+    head = prompt(3, 40)
+    drain(ctx, [ctx.add_request([*head, 1, 2], GREEDY)])  # 42: exact to 32
+    drain(ctx, [ctx.add_request(prompt(4, 30), GREEDY)])  # evicts it to RAM
+    assert ctx.stats().prefix_ram.num_entries >= 1
+    hit = drain(ctx, [ctx.add_request([*head, 1, 2, 3, 4], GREEDY)])[0]
+    assert ctx.stats().prefix_ram.num_restores == 1
+    assert hit.usage.cached_tokens == 32
+    check_decodes(backend)
+
+
+def test_n_greater_than_one_forks_and_equals_its_solo_run(made: list[llamax.Context]) -> None:
+    params = llamax.SamplingParams(max_tokens=5, temperature=0.9, seed=3, n=3)
+    ctx, backend = fake(made)
+    busy = ctx.add_request(prompt(5, 12), llamax.SamplingParams(max_tokens=30))
+    ctx.process()
+    got = drain(ctx, [busy, ctx.add_request(prompt(6, 37), params)])[1]
+    alone, _ = fake(made)
+    want = drain(alone, [alone.add_request(prompt(6, 37), params)])[0]
+    assert [c.token_ids for c in got.choices] == [c.token_ids for c in want.choices]
+    check_decodes(backend)
