@@ -160,6 +160,31 @@ def test_fatal_decode_fails_every_pending_request(
     _assert_failed_cleanly(ctx, backend)
 
 
+def test_a_failed_engine_shows_no_running_sequence_once_a_request_settles(
+    make_fake: MakeFake,
+) -> None:
+    """A request failed by a fatal step settles only once the stats say no sequence runs
+    or waits: a thread woken by the settled future reads the engine as it is (the stats
+    were republished only at teardown, after the futures, so a reader could see the last
+    step's running sequences; CI saw ``num_running=6, num_waiting=103``)."""
+    ctx, backend = make_fake(autostart=True, n_ctx=512, n_seq_max=4, n_batch=16)
+    Injector(backend, 7, fatal_at=5, fatal="raise")
+    seen: list[tuple[int, int]] = []
+
+    def look(_: object) -> None:  # runs as the future settles, before any teardown
+        stats = ctx.stats()
+        seen.append((stats.num_running, stats.num_waiting))
+
+    handles = [
+        ctx.add_request(f"prompt {i}", llamax.SamplingParams(max_tokens=20)) for i in range(8)
+    ]
+    for handle in handles:
+        handle.future.add_done_callback(look)
+    assert _outcomes(handles) == {"EngineError": 8}
+    assert seen == [(0, 0)] * 8
+    _assert_failed_cleanly(ctx, backend)
+
+
 @pytest.mark.parametrize("fatal", [-1, "raise"])
 def test_fatal_decode_in_manual_process(make_fake: MakeFake, fatal: int | str) -> None:
     ctx, backend = make_fake(n_ctx=512, n_seq_max=4, n_batch=16)

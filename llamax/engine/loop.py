@@ -439,6 +439,7 @@ class Engine:
             live = list(self._live.values())
         try:
             self.scheduler.fail_all(error)
+            self._publish_snapshot()  # before any future settles: a woken reader sees it
         except BaseException:  # the backend may be unusable; still reach every future
             _log.exception("could not release sequences after an engine failure")
         return StepResult(failed=[(request, error) for request in live])
