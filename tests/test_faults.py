@@ -167,7 +167,7 @@ def test_a_failed_engine_shows_no_running_sequence_once_a_request_settles(
     or waits: a thread woken by the settled future reads the engine as it is (the stats
     were republished only at teardown, after the futures, so a reader could see the last
     step's running sequences; CI saw ``num_running=6, num_waiting=103``)."""
-    ctx, backend = make_fake(autostart=True, n_ctx=512, n_seq_max=4, n_batch=16)
+    ctx, backend = make_fake(n_ctx=512, n_seq_max=4, n_batch=16)  # stepped here: no race
     Injector(backend, 7, fatal_at=5, fatal="raise")
     seen: list[tuple[int, int]] = []
 
@@ -180,6 +180,9 @@ def test_a_failed_engine_shows_no_running_sequence_once_a_request_settles(
     ]
     for handle in handles:
         handle.future.add_done_callback(look)
+    with pytest.raises(llamax.EngineError):
+        for _ in range(200):
+            ctx.process()
     assert _outcomes(handles) == {"EngineError": 8}
     assert seen == [(0, 0)] * 8
     _assert_failed_cleanly(ctx, backend)
