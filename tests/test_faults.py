@@ -164,16 +164,18 @@ def test_a_failed_engine_shows_no_running_sequence_once_a_request_settles(
     make_fake: MakeFake,
 ) -> None:
     """A request failed by a fatal step settles only once the stats say no sequence runs
-    or waits: a thread woken by the settled future reads the engine as it is (the stats
-    were republished only at teardown, after the futures, so a reader could see the last
-    step's running sequences; CI saw ``num_running=6, num_waiting=103``)."""
+    or waits and the backend is closed: a thread woken by the settled future reads the
+    engine as it is (the stats were republished only at teardown, after the futures, so a
+    reader could see the last step's running sequences; CI saw ``num_running=6,
+    num_waiting=103``; and the backend was freed after the futures settled, so a reader
+    under load once saw a closed context whose backend was still open)."""
     ctx, backend = make_fake(n_ctx=512, n_seq_max=4, n_batch=16)  # stepped here: no race
     Injector(backend, 7, fatal_at=5, fatal="raise")
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, bool]] = []
 
-    def look(_: object) -> None:  # runs as the future settles, before any teardown
+    def look(_: object) -> None:  # runs as the future settles
         stats = ctx.stats()
-        seen.append((stats.num_running, stats.num_waiting))
+        seen.append((stats.num_running, stats.num_waiting, backend.closed))
 
     handles = [
         ctx.add_request(f"prompt {i}", llamax.SamplingParams(max_tokens=20)) for i in range(8)
@@ -184,7 +186,7 @@ def test_a_failed_engine_shows_no_running_sequence_once_a_request_settles(
         for _ in range(200):
             ctx.process()
     assert _outcomes(handles) == {"EngineError": 8}
-    assert seen == [(0, 0)] * 8
+    assert seen == [(0, 0, True)] * 8
     _assert_failed_cleanly(ctx, backend)
 
 

@@ -355,11 +355,12 @@ class Engine:
                 result, error = self._step_safely()
             finally:
                 self._step_lock.release()
+            if error is not None:  # free the backend before a failed request settles:
+                self._teardown()  # a thread it wakes finds the context closed and freed
             self._publish(result)
         finally:
             self._local.stepping = was_stepping
         if error is not None:
-            self._teardown()
             raise error
         return result.computed
 
