@@ -12,6 +12,11 @@ does with every field, with no :class:`~llamax.Context` and no web framework.
 - :mod:`llamax.dialects.responses`: the Responses API's request (``parse_create``).
 - :mod:`llamax.dialects.llama`: llama-server's native ``/completion`` and ``/infill``, with
   the mapping of its sampling names onto :class:`~llamax.SamplingParams`.
+- Encoders, one per API (an :class:`~llamax.dialects.openai_encode.Encoder` each, driven
+  over a handle by :meth:`llamax.openai.OpenAIRequest.events`):
+  :mod:`llamax.dialects.openai_encode`, :mod:`llamax.dialects.anthropic_encode`,
+  :mod:`llamax.dialects.responses_encode`, and llama-server's results in
+  :mod:`llamax.dialects.llama_native`.
 
 Adding a request field is one row in its dialect's table. The layering rule
 (``tests/test_layering.py``): this package imports neither the facade (``llamax.context``,

@@ -15,13 +15,13 @@ from ..dialects.openai_shapes import (
     TextCompletion,
 )
 from .requests import EventBuilder, OpenAIRequest
+from .response_store import ResponseStore
 from .responses_api import (
     RESPONSE_FIELDS,
     acreate_response,
     create_response,
     response_input_tokens,
 )
-from .responses_output import ResponseStore
 
 __all__ = [
     "RESPONSE_FIELDS",

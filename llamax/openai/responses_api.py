@@ -16,8 +16,9 @@ from typing import Any
 from ..chat import CallHost, chat_prompt_tokens, submit_in_worker
 from ..dialects.responses import REQUEST_FIELDS as RESPONSE_FIELDS
 from ..dialects.responses import parse_create
+from ..dialects.responses_encode import ResponseEvents, ResponseIds, ResponseJob
 from .requests import OpenAIRequest
-from .responses_output import ResponseEvents, ResponseJob, ResponseStore
+from .response_store import ResponseStore
 
 __all__ = [
     "RESPONSE_FIELDS",
@@ -54,10 +55,11 @@ def create_response(
         NotFoundError: ``previous_response_id`` names no stored response.
         ContextLengthError: the conversation does not fit.
     """
-    job = _submit(ctx, request, store, stored_input, None)
+    submitted, job = _submit(ctx, request, store, stored_input, None)
     if request.get("stream"):
-        return job.submitted.events(ResponseEvents(job))
-    return job.finish(job.submitted.handle.result())
+        return submitted.events(ResponseEvents(job))
+    completion = submitted.handle.result()
+    return job.finish(completion, submitted.chat.replies(completion)[0])
 
 
 async def acreate_response(
@@ -72,12 +74,13 @@ async def acreate_response(
     Mapping, rendering and tokenizing run in a worker thread, so the event loop stays
     free. ``fair_key``: the fairness key of the submitted request (``Context.submit_chat``;
     the server passes the client's address), never a field of ``request``."""
-    job = await submit_in_worker(
-        lambda: _submit(ctx, request, store, stored_input, fair_key), lambda j: j.submitted.handle
+    submitted, job = await submit_in_worker(
+        lambda: _submit(ctx, request, store, stored_input, fair_key), lambda s: s[0].handle
     )
     if request.get("stream"):
-        return job.submitted.aevents(ResponseEvents(job))
-    return job.finish(await job.submitted.handle)
+        return submitted.aevents(ResponseEvents(job))
+    completion = await submitted.handle
+    return job.finish(completion, submitted.chat.replies(completion)[0])
 
 
 # ---------------------------------------------------------------------- the request
@@ -98,10 +101,13 @@ def response_input_tokens(
 def _submit(
     ctx: CallHost, request: Mapping[str, Any], store: ResponseStore | None, stored_input: Any,
     fair_key: str | None,
-) -> ResponseJob:  # fmt: skip
+) -> tuple[OpenAIRequest, ResponseJob]:  # fmt: skip
     parsed = parse_create(request, store)
-    submitted = OpenAIRequest(ctx.submit_chat(parsed.call, fair_key=fair_key))
+    chat = ctx.submit_chat(parsed.call, fair_key=fair_key)
+    ids = ResponseIds(chat.handle.request_id, chat.created, chat.model, chat.submitted,
+                      chat.chat_model.tokenize)  # fmt: skip
     body = parsed.body if stored_input is None else {**parsed.body, "input": stored_input}
-    return ResponseJob(submitted, dict(body), list(parsed.conversation),
-                       store if parsed.store else None, parsed.max_output_tokens,
-                       list(parsed.earlier_items))  # fmt: skip
+    job = ResponseJob(ids, dict(body), list(parsed.conversation),
+                      store if parsed.store else None, parsed.max_output_tokens,
+                      list(parsed.earlier_items))  # fmt: skip
+    return OpenAIRequest(chat), job

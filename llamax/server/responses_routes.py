@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse
 import llamax
 from llamax import InvalidRequestError
 from llamax.dialects.openai import RESPONSES as RESPONSE_TABLE
+from llamax.dialects.responses_items import page_of_items
 from llamax.openai import acreate_response, response_input_tokens
-from llamax.openai.responses_items import page_of_items
 
 from .dialects import RESPONSES
 from .errors import APIError, from_exception

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..dialects.openai import check_include
 from ..errors import InvalidParameterError
+from .openai import check_include
 
 __all__ = ["MAX_PAGE_ITEMS", "input_items", "page_of_items"]
 

@@ -1,133 +1,32 @@
-"""The Responses API's answer (``POST /v1/responses``): the ``response`` object, its
-output items (``reasoning``, ``message``, ``function_call``) and its typed stream events,
-encoded from a submitted chat request's result and typed stream; and the
-:class:`ResponseStore` that ``previous_response_id`` reads. The request's side is
-:mod:`llamax.openai.responses_api`.
+"""The Responses API's answer, encoded: the ``response`` object and its output items
+(``reasoning``, ``message``, ``function_call``) from a finished request
+(:meth:`ResponseJob.finish`), and a request's typed parts (:mod:`llamax.chat_stream`) as
+the typed stream events (:class:`ResponseEvents`, an
+:class:`~llamax.dialects.openai_encode.Encoder`: ``response.created``,
+``response.output_text.delta``, ``response.function_call_arguments.delta``,
+``response.completed`` ...). Pure: the caller submits the request, reads it
+(:meth:`llamax.openai.OpenAIRequest.events` drives the encoder) and frames what comes out;
+a finished response is handed to a :class:`ResponseSink` (``llamax.openai.ResponseStore``),
+which ``previous_response_id`` reads later.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
-from ..chat_stream import ChatPart, ContentDelta, Progress, ReasoningDelta, ToolCallDelta
-from ..dialects.llama_native import prompt_progress
-from ..errors import NotFoundError
-from ..images import Image
+from ..chat_stream import ChatPart, ChatReply, ContentDelta, Progress, ReasoningDelta, ToolCallDelta
 from ..results import Completion, FinishReason
-from .requests import OpenAIRequest
+from .llama_native import prompt_progress
 from .responses_items import input_items
 
-__all__ = ["ResponseEvents", "ResponseJob", "ResponseStore"]
+__all__ = ["ResponseEvents", "ResponseIds", "ResponseJob", "ResponseSink"]
 
 
-@dataclass(frozen=True, slots=True)
-class _Stored:
-    response: dict[str, Any]
-    conversation: tuple[dict[str, Any], ...]
-    items: tuple[dict[str, Any], ...]
-    size: int
-
-
-def _chars(value: Any) -> int:
-    """The characters of a stored object (its strings, keys included, nested; an image's
-    bytes; 8 for any other leaf), counted without serializing it: a store on the server's
-    event loop stays cheap."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, Mapping):
-        return sum(_chars(k) + _chars(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(_chars(v) for v in value)
-    if isinstance(value, Image):  # an input image in a stored conversation
-        return value.num_bytes
-    return 8
-
-
-class ResponseStore:
-    """A bounded, thread-safe store of recent responses, for ``previous_response_id``.
-
-    Least recently used entries go first once there are more than ``max_responses`` or
-    they hold more than ``max_chars`` characters. An entry is counted whole: its
-    ``response`` object (``metadata``, ``user``, ``instructions``, ``tools`` ... as echoed),
-    its conversation and its input items (each entry keeps its whole conversation, so a long
-    chain costs what its longest member holds); every string counts its characters, keys
-    too, and any other value 8.
-
-    Args:
-        max_responses: Most responses kept.
-        max_chars: Most characters kept, over all stored responses and conversations.
-
-    Raises:
-        ValueError: a bound is not positive.
-    """
-
-    def __init__(self, max_responses: int = 1024, max_chars: int = 64 << 20) -> None:
-        if max_responses < 1 or max_chars < 1:
-            raise ValueError("max_responses and max_chars must be >= 1")
-        self.max_responses, self.max_chars = max_responses, max_chars
-        self._entries: OrderedDict[str, _Stored] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    @property
-    def num_chars(self) -> int:
-        """The characters counted over every stored entry (at most ``max_chars``)."""
-        with self._lock:
-            return self._chars
-
-    def get(self, response_id: str) -> dict[str, Any]:
-        """The stored ``response`` object.
-
-        Raises:
-            NotFoundError: no response has that id (never stored, deleted or evicted).
-        """
-        return dict(self._entry(response_id).response)
-
-    def conversation(self, response_id: str) -> list[dict[str, Any]]:
-        """The chat messages up to and including the response's output (without its
-        ``instructions``).
-
-        Raises:
-            NotFoundError: no response has that id.
-        """
-        return [dict(m) for m in self._entry(response_id).conversation]
-
-    def input_items(self, response_id: str) -> list[dict[str, Any]]:
-        """The response's input items (``GET /v1/responses/{id}/input_items``), oldest
-        first: those of the conversation it continued, its outputs, then its own input.
-
-        Raises:
-            NotFoundError: no response has that id.
-        """
-        return [dict(item) for item in self._entry(response_id).items]
-
-    def follow_up(self, response_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """What a follow-up of the response starts with, read at once: its conversation
-        (as :meth:`conversation`) and its items (its input items, then its output).
-
-        Raises:
-            NotFoundError: no response has that id.
-        """
-        entry = self._entry(response_id)
-        items = [dict(item) for item in (*entry.items, *entry.response["output"])]
-        return [dict(m) for m in entry.conversation], items
-
-    def delete(self, response_id: str) -> bool:
-        """Forget a response; whether it was there."""
-        with self._lock:
-            entry = self._entries.pop(response_id, None)
-            if entry is not None:
-                self._chars -= entry.size
-            return entry is not None
+class ResponseSink(Protocol):
+    """Where a finished response is kept (``llamax.openai.ResponseStore``)."""
 
     def put(
         self,
@@ -135,56 +34,43 @@ class ResponseStore:
         conversation: Sequence[Mapping[str, Any]],
         items: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        """Keep ``response`` (by its ``id``) with its conversation and input items, evicting
-        the least recently used entries past the bounds. An entry larger than ``max_chars``
-        alone is not kept."""
-        kept = dict(response)
-        frozen = tuple(dict(m) for m in conversation)
-        frozen_items = tuple(dict(item) for item in items)
-        size = _chars(kept) + sum(_chars(m) for m in (*frozen, *frozen_items))
-        if size > self.max_chars:
-            return
-        with self._lock:
-            old = self._entries.pop(str(response["id"]), None)
-            if old is not None:
-                self._chars -= old.size
-            self._entries[str(response["id"])] = _Stored(kept, frozen, frozen_items, size)
-            self._chars += size
-            while len(self._entries) > self.max_responses or self._chars > self.max_chars:
-                _, evicted = self._entries.popitem(last=False)
-                self._chars -= evicted.size
+        """Keep ``response`` with its conversation and input items."""
 
-    def _entry(self, response_id: str) -> _Stored:
-        with self._lock:
-            entry = self._entries.get(response_id)
-            if entry is None:
-                raise NotFoundError(
-                    f"no stored response has id {response_id!r} "
-                    "(it was never stored, was deleted, or the store evicted it)"
-                )
-            self._entries.move_to_end(response_id)
-            return entry
+
+@dataclass(frozen=True, slots=True)
+class ResponseIds:
+    """What a response's objects repeat, and what counts its reasoning tokens."""
+
+    request_id: str
+    """The engine's request id (``req-...``); the response's id is ``resp_...`` of it."""
+    created: int
+    model: str
+    submitted: float = 0.0
+    """When the request was submitted (``time.perf_counter``), for ``prompt_progress``."""
+    tokenize: Callable[..., Sequence[int]] = field(default=lambda *_, **__: (), compare=False)
+    """The model's tokenizer (``tokenize(text, add_special=False)``): the reasoning's
+    tokens are counted in ``output_tokens_details``."""
 
 
 class ResponseJob:
-    """A submitted Responses request: builds its ``response`` object and stream events,
-    and stores the finished response."""
+    """A submitted Responses request, encoded: builds its ``response`` object and stream
+    events, and hands the finished response to its sink."""
 
     def __init__(
         self,
-        submitted: OpenAIRequest,
+        ids: ResponseIds,
         request: dict[str, Any],
         conversation: list[dict[str, Any]],
-        store: ResponseStore | None,
+        store: ResponseSink | None,
         max_output_tokens: int | None,
         earlier_items: list[dict[str, Any]] | None = None,
     ) -> None:
-        self.submitted, self.request = submitted, request
+        self.ids, self.request = ids, request
         self.conversation, self.store = conversation, store
         self.earlier_items = earlier_items or []
         """The items of the conversation ``previous_response_id`` continues."""
         self.max_output_tokens = max_output_tokens
-        self.id = "resp_" + submitted.handle.request_id.removeprefix("req-")
+        self.id = "resp_" + ids.request_id.removeprefix("req-")
         self._sequence = 0
 
     # -- shapes
@@ -241,13 +127,13 @@ class ResponseJob:
         return {
             "id": self.id,
             "object": "response",
-            "created_at": self.submitted.chat.created,
+            "created_at": self.ids.created,
             "status": status,
             "error": None,
             "incomplete_details": incomplete,
             "instructions": request.get("instructions"),
             "max_output_tokens": self.max_output_tokens,
-            "model": self.submitted.chat.model,
+            "model": self.ids.model,
             "output": output,
             "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "previous_response_id": request.get("previous_response_id"),
@@ -266,8 +152,7 @@ class ResponseJob:
 
     def usage(self, completion: Completion, reasoning: str) -> dict[str, Any]:
         usage = completion.usage
-        tokenize = self.submitted.chat.chat_model.tokenize
-        thought = len(tokenize(reasoning, add_special=False)) if reasoning else 0
+        thought = len(self.ids.tokenize(reasoning, add_special=False)) if reasoning else 0
         return {
             "input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
@@ -277,9 +162,9 @@ class ResponseJob:
         }
 
     # -- a finished request
-    def finish(self, completion: Completion) -> dict[str, Any]:
-        """The whole ``response`` object (stored, unless the request said not to)."""
-        reply = self.submitted.chat.replies(completion)[0]  # the fold of the stream's parts
+    def finish(self, completion: Completion, reply: ChatReply) -> dict[str, Any]:
+        """The whole ``response`` object (stored, unless the request said not to); ``reply``
+        is the fold of the stream's parts (:meth:`llamax.chat.ChatHandle.replies`)."""
         status = _status(completion)
         done = "incomplete" if status == "incomplete" else "completed"
         output: list[dict[str, Any]] = []
@@ -429,7 +314,7 @@ class ResponseEvents:
                         job.event(
                             "response.in_progress",
                             response=job.response("in_progress", [], None),
-                            prompt_progress=prompt_progress(progress, job.submitted.chat.submitted),
+                            prompt_progress=prompt_progress(progress, job.ids.submitted),
                         )
                     )
                 case ReasoningDelta(text=text):
