@@ -17,6 +17,8 @@ does with every field, with no :class:`~llamax.Context` and no web framework.
   :mod:`llamax.dialects.openai_encode`, :mod:`llamax.dialects.anthropic_encode`,
   :mod:`llamax.dialects.responses_encode`, and llama-server's results in
   :mod:`llamax.dialects.llama_native`.
+- :mod:`llamax.dialects.wire`: each API's wire format (server-sent event framing, what
+  ends a stream, its error shapes, and what an event says for the meters).
 
 Adding a request field is one row in its dialect's table. The layering rule
 (``tests/test_layering.py``): this package imports neither the facade (``llamax.context``,

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse
 import llamax
 from llamax import ImageError, InvalidMessageError, InvalidRequestError, TemplateError
 from llamax.dialects.fields import FieldError
+from llamax.dialects.wire import anthropic_error, llama_error, openai_error
 
 __all__ = [
     "APIError",
@@ -26,17 +27,6 @@ __all__ = [
     "llama_body",
     "param_in",
 ]
-
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    403: "permission_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    500: "server_error",
-    503: "unavailable_error",
-}
 
 
 class APIError(Exception):
@@ -70,43 +60,13 @@ class APIError(Exception):
 
     def body(self) -> dict[str, dict[str, str | None]]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
-        kind = _STATUS_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return openai_error(self)
 
 
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def anthropic_body(error: APIError) -> dict[str, object]:
-    """``error`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``
-    (what the ``anthropic`` client turns into its typed exceptions)."""
-    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
-
-_LLAMA_TYPES = {**_STATUS_TYPES, 403: "permission_error", 501: "not_supported_error"}
-
-
-def llama_body(error: APIError) -> dict[str, object]:
-    """``error`` in llama-server's shape: ``{"error": {"code", "message", "type"}}``, with
-    ``type: exceed_context_size_error`` (and ``n_prompt_tokens``, ``n_ctx``) for a prompt
-    past the context."""
-    if error.code == "context_length_exceeded":
-        kind = "exceed_context_size_error"
-    else:
-        kind = _LLAMA_TYPES.get(error.status, "server_error" if error.status >= 500 else "error")
-    return {"error": {"code": error.status, "message": error.message, "type": kind,
-                      **error.details}}  # fmt: skip
+anthropic_body = anthropic_error
+"""``error`` in Anthropic's shape (:func:`llamax.dialects.wire.anthropic_error`)."""
+llama_body = llama_error
+"""``error`` in llama-server's shape (:func:`llamax.dialects.wire.llama_error`)."""
 
 
 def anthropic_error_response(error: APIError) -> JSONResponse:
