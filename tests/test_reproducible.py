@@ -1,6 +1,7 @@
 """The reproducible mode's rules (``reproducible=True``, docs/reproducible.md), on the fake
 backend, deterministically: the options it refuses or sets, prompt chunks at multiples of
-the grid and each alone in its decode whatever the load, decode rows together, no move of
+the grid and each alone in its decode whatever the load, decode rows together only where
+a start-up probe finds a row's logits alike beside other rows (else each alone), no move of
 the layout, no thread adaptation, and a prefix reused only up to a grid boundary its slot
 computed as prompt chunks (never a reply's cells), from the KV cache, a session or the
 host-RAM tier. The real model's differential harness is tests/test_model_reproducible.py."""
@@ -33,12 +34,21 @@ def made() -> Iterator[list[llamax.Context]]:
         ctx.close()
 
 
-def fake(made: list[llamax.Context], **options: Any) -> tuple[llamax.Context, FakeBackend]:
-    backend_options = {"n_ctx": 4 * 256, "n_seq_max": 4, "n_batch": GRID, "kv_layout": "streams"}
+def fake(
+    made: list[llamax.Context], kind: type[FakeBackend] = FakeBackend, **options: Any
+) -> tuple[llamax.Context, FakeBackend]:
+    backend_options: dict[str, Any] = {
+        "n_ctx": 4 * 256,
+        "n_seq_max": 4,
+        "n_batch": GRID,
+        "kv_layout": "streams",
+    }
     backend_options.update(options.pop("backend", {}))
-    backend = FakeBackend(**backend_options)
+    backend = kind(**backend_options)
     ctx = llamax.Context(backend=backend, autostart=False, reproducible=True, **options)
     made.append(ctx)
+    assert_idle(ctx)  # the start-up probe of decode rows left nothing behind
+    backend.decode_log.clear()  # what the tests look at is the load's decodes
     return ctx, backend
 
 
@@ -219,3 +229,87 @@ def test_n_greater_than_one_forks_and_equals_its_solo_run(made: list[llamax.Cont
     want = drain(alone, [alone.add_request(prompt(6, 37), params)])[0]
     assert [c.token_ids for c in got.choices] == [c.token_ids for c in want.choices]
     check_decodes(backend)
+
+
+# ------------------------------------------------------------------ decode rows
+
+
+class RowsMoveBesideOthers(FakeBackend):
+    """A backend whose kernels compute a decode row differently beside other rows (as
+    llama.cpp's CPU matmuls do for F16 and Q4_K weights here): token 0's logit moves."""
+
+    def decode(self, items: Sequence[Any]) -> int:
+        status = super().decode(items)
+        if status == 0 and len(items) > 1:
+            self._logits[:, 0] += 1e-3
+        return status
+
+
+LOGPROBS = llamax.SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+
+
+def _bits(done: llamax.Completion) -> list[tuple[int, float]]:
+    assert done.choices[0].logprobs is not None
+    return [(lp.token_id, lp.logprob) for lp in done.choices[0].logprobs]
+
+
+def _burst_and_solos(
+    made: list[llamax.Context], kind: type[FakeBackend], **backend: Any
+) -> tuple[FakeBackend, list[list[tuple[int, float]]], list[list[tuple[int, float]]]]:
+    ctx, fake_backend = fake(made, kind, backend=backend)
+    prompts = [prompt(s, 10 + 11 * s) for s in range(4)]
+    together = [_bits(d) for d in drain(ctx, [ctx.add_request(p, LOGPROBS) for p in prompts])]
+    solo = []
+    for p in prompts:
+        alone, _ = fake(made, kind, backend=backend)
+        solo.append(_bits(drain(alone, [alone.add_request(p, LOGPROBS)])[0]))
+    return fake_backend, together, solo
+
+
+def test_rows_go_alone_where_a_row_moves_beside_others(made: list[llamax.Context]) -> None:
+    backend, together, solo = _burst_and_solos(made, RowsMoveBesideOthers)
+    assert together == solo
+    assert all(len(items) == 1 for items in backend.decode_log)
+
+
+def test_rows_together_beside_a_row_that_moves_differ(
+    made: list[llamax.Context], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule broken (the probe's verdict ignored, rows together as before it): the same
+    burst's logprobs differ from the solo runs'."""
+    monkeypatch.setattr("llamax.engine.sched.scheduler.rows_batch_invariant", lambda backend: True)
+    backend, together, solo = _burst_and_solos(made, RowsMoveBesideOthers)
+    assert any(len(items) > 1 for items in backend.decode_log)
+    assert together != solo
+
+
+@pytest.mark.parametrize("memory", [{"recurrent": True}, {"sliding_window": 8}])
+def test_a_recurrent_or_sliding_memory_decodes_rows_alone_without_a_probe(
+    made: list[llamax.Context], memory: dict[str, Any]
+) -> None:
+    ctx, backend = fake(made, backend=memory)
+    assert ctx._engine.scheduler.planner.rows_together is False
+    drain(ctx, [ctx.add_request(prompt(s, 10 + 11 * s), GREEDY) for s in range(4)])
+    assert all(len(items) == 1 for items in backend.decode_log)
+
+
+class KeyedFake(FakeBackend):
+    def calibration_key(self) -> str | None:
+        return "keyed fake"
+
+
+def test_a_verdict_is_probed_once_per_model_build_cpu_and_settings(
+    made: list[llamax.Context],
+) -> None:
+    first = KeyedFake(n_ctx=4 * 256, n_seq_max=4, n_batch=GRID, kv_layout="streams")
+    made.append(llamax.Context(backend=first, autostart=False, reproducible=True))
+    second = KeyedFake(n_ctx=4 * 256, n_seq_max=4, n_batch=GRID, kv_layout="streams")
+    made.append(llamax.Context(backend=second, autostart=False, reproducible=True))
+    assert first.decode_log and not second.decode_log
+    assert made[-1]._engine.scheduler.planner.rows_together is True
+
+
+def test_the_default_mode_probes_nothing(made: list[llamax.Context]) -> None:
+    backend = RowsMoveBesideOthers(n_ctx=1024, n_seq_max=4, n_batch=GRID, kv_layout="streams")
+    made.append(llamax.Context(backend=backend, autostart=False))
+    assert backend.decode_log == []

@@ -54,6 +54,7 @@ from ..timing.chunk_budget import halve_newest_chunk
 from ..timing.step_budget import StepFeatures
 from .adapter_turns import AdapterTurns
 from .fair_share import FairShare
+from .row_probe import rows_batch_invariant
 from .step_planner import StepPlanner
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
@@ -107,6 +108,8 @@ class Scheduler:
         self.placer = SlotPlacer(self.kv, self.prefix, backend.facts.n_ctx)
         self.fair: FairShare[Hashable] = FairShare(backend.facts.n_seq_max)
         self.planner = StepPlanner(backend, config.max_step_ms, self.kv, self.prefix, self.fair)
+        if self.reproducible:  # measured on this model, CPU and build (a few small decodes)
+            self.planner.rows_together = rows_batch_invariant(backend)
         self.budget = self.planner.budget
         self.step_cost = self.budget.cost
         """What a step costs (learned from measured steps; the planner's time budget's)."""

@@ -52,6 +52,10 @@ class StepPlanner:
         self._kv = kv
         self._prefix = prefix
         self._fair = fair
+        self.rows_together = True
+        """In the reproducible mode: whether one-token decode rows share a decode (the
+        backend computes a row's bits alike beside other rows: :mod:`.row_probe`), or each
+        goes alone."""
 
     def start(self, decode: list[Seq]) -> StepFeatures | None:
         """Start a step with the decode rows of ``decode`` (:meth:`ChunkBudget.start_step`)."""
@@ -150,15 +154,16 @@ class StepPlanner:
         )
         return [plan] if groups is None else split_plan(plan, groups)
 
-    @staticmethod
-    def _split_reproducible(plan: StepPlan) -> list[StepPlan]:
-        """The reproducible mode's decodes: the one-token rows together (without flash
-        attention a row's sums do not depend on the rows beside it: measured,
-        benchmarks/results/issue60), and each prompt chunk alone (beside other sequences'
-        rows llama.cpp cuts it into other micro-batches than a cold run does)."""
-        rows = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) == 1]
+    def _split_reproducible(self, plan: StepPlan) -> list[StepPlan]:
+        """The reproducible mode's decodes: the one-token rows together where the backend
+        computes a row alike beside others (:attr:`rows_together`; without flash attention
+        the attention sums do not depend on the rows beside it: measured,
+        benchmarks/results/issue60), else each alone; each prompt chunk alone (beside other
+        sequences' rows llama.cpp cuts it into other micro-batches than a cold run does)."""
+        single = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) == 1]
         chunks = [[i] for i, e in enumerate(plan.entries) if len(e.item.token_ids) > 1]
-        groups = [rows, *chunks] if rows else chunks
+        rows = [single] if self.rows_together and single else [[i] for i in single]
+        groups = [*rows, *chunks]
         return [plan] if len(groups) <= 1 else split_plan(plan, groups)
 
     def features(self, plan: StepPlan) -> StepFeatures:
