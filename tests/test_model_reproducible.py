@@ -249,6 +249,31 @@ def test_every_reply_of_a_random_concurrent_load_equals_its_solo_run(
     assert stats.num_relayouts == 0 and stats.kv_layout == "streams"
 
 
+def test_every_reply_equals_its_solo_run_with_the_disk_tier(
+    reproducible: Callable[..., llamax.Context], tmp_path: Path
+) -> None:
+    """The same load with evicted prefixes kept on disk instead of in RAM: a prefix read
+    back from a file holds the bits a cold run computes."""
+    disk = {"prefix_ram_bytes": 0, "prefix_disk_dir": str(tmp_path / "tier"),
+            "prefix_disk_bytes": 1 << 30}  # fmt: skip
+    ctx = reproducible(**disk)
+    load = run_load(ctx, seed=63, num_bursts=2)
+    p = llamax.SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    head = ctx.tokenize(HEAD)
+    for turn in range(2):  # fill every stream: the shared head goes to disk, then back
+        fillers = [ctx.tokenize(f"Filler {turn}.{i}: " + user(QUESTIONS[i])) for i in range(4)]
+        for handle in [ctx.add_request(f, p) for f in fillers]:
+            handle.result(TIMEOUT)
+        back = Job([*head, *ctx.tokenize(user(QUESTIONS[turn]), add_special=False)], p, "disk")
+        back.got = replies(ctx.add_request(back.prompt, p).result(TIMEOUT))
+        load.jobs.append(back)
+    stats = ctx.stats()
+    assert ctx.audit() == []
+    assert stats.prefix_disk.num_restores >= 1, stats.prefix_disk
+    compare(load, solo_on(reproducible()))
+    assert load.differences == [], load.differences
+
+
 @pytest.mark.soak
 def test_soak_every_reply_equals_its_run_on_a_fresh_context(
     reproducible: Callable[..., llamax.Context], model_path: Path
