@@ -7,6 +7,8 @@ bit for bit, its solo run on an emptied context."""
 
 from __future__ import annotations
 
+import random
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,17 @@ from typing import Any
 import memory_model_files
 import pytest
 from script_modules import load_script
-from test_model_reproducible import OPTIONS, compare, run_load, solo_on
+from test_model_reproducible import (
+    HEAD,
+    OPTIONS,
+    QUESTIONS,
+    TIMEOUT,
+    compare,
+    replies,
+    run_load,
+    solo_on,
+    user,
+)
 
 import llamax
 
@@ -63,3 +75,61 @@ def test_every_reply_equals_its_solo_run_on_each_kind_of_model(
     assert {"greedy", "session", "continuation"} <= {job.kind for job in load.compared}
     compare(load, solo_on(on_kind()))
     assert load.differences == [], load.differences
+
+
+def test_every_reply_under_its_own_adapters_equals_its_solo_run(
+    model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """LoRA adapters per request in the reproducible mode: bursts from threads of requests
+    under two adapters, one at two scales, and none, sharing a system prompt or not; every
+    reply bit for bit as it comes alone on an emptied context."""
+    folder = tmp_path_factory.mktemp("lora")
+    write = load_script("make_lora_adapter").write_lora_adapter
+    lora = {"warm": str(write(folder / "warm.gguf", seed=1)),
+            "cold": str(write(folder / "cold.gguf", seed=2))}  # fmt: skip
+    sets: list[dict[str, float] | None] = [None, {"warm": 1.0}, {"warm": 0.5}, {"cold": 1.0}]
+    options = {**OPTIONS, "reproducible": True, "lora": lora}
+    rng = random.Random(64)
+    results: list[tuple[list[int], llamax.SamplingParams, Any]] = []
+    with llamax.Context(model_path, **options) as ctx:
+        head = ctx.tokenize(HEAD)
+        for burst in range(3):
+            batch = []
+            for i in range(rng.randint(3, 5)):
+                question = user(rng.choice(QUESTIONS))
+                shared = rng.random() < 0.7
+                tokens = ([*head, *ctx.tokenize(question, add_special=False)] if shared
+                          else ctx.tokenize(f"Note {burst}.{i}: " + question))  # fmt: skip
+                p = llamax.SamplingParams(max_tokens=rng.randint(6, 12), temperature=0.0,
+                                          logprobs=2, lora=rng.choice(sets))  # fmt: skip
+                batch.append((tokens, p))
+            handles: dict[int, llamax.RequestHandle] = {}
+            threads = [
+                threading.Thread(target=_submit, args=(ctx, handles, i, *job))
+                for i, job in enumerate(batch)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(TIMEOUT)
+            for i, (tokens, p) in enumerate(batch):
+                results.append((tokens, p, replies(handles[i].result(TIMEOUT))))
+        assert ctx.audit() == []
+    differences = []
+    with llamax.Context(model_path, **options) as alone:
+        for tokens, p, got in results:
+            alone.clear_cache()
+            if replies(alone.add_request(tokens, p).result(TIMEOUT)) != got:
+                differences.append(f"{len(tokens)} tokens under {p.lora}")
+    assert {str(p.lora) for _, p, _ in results} >= {"None", "{'warm': 1.0}"}
+    assert differences == [], differences
+
+
+def _submit(
+    ctx: llamax.Context,
+    handles: dict[int, llamax.RequestHandle],
+    index: int,
+    tokens: list[int],
+    params: llamax.SamplingParams,
+) -> None:
+    handles[index] = ctx.add_request(tokens, params)

@@ -158,12 +158,18 @@ class StepPlanner:
         """The reproducible mode's decodes: the one-token rows together where the backend
         computes a row alike beside others (:attr:`rows_together`; without flash attention
         the attention sums do not depend on the rows beside it: measured,
-        benchmarks/results/issue60), else each alone; each prompt chunk alone (beside other
-        sequences' rows llama.cpp cuts it into other micro-batches than a cold run does)."""
-        single = [i for i, e in enumerate(plan.entries) if len(e.item.token_ids) == 1]
-        chunks = [[i] for i, e in enumerate(plan.entries) if len(e.item.token_ids) > 1]
-        rows = [single] if self.rows_together and single else [[i] for i in single]
-        groups = [*rows, *chunks]
+        benchmarks/results/issue60) and no LoRA adapter applies, else each alone; each
+        prompt chunk alone (beside other sequences' rows llama.cpp cuts it into other
+        micro-batches than a cold run does)."""
+        entries = plan.entries
+        single = [i for i, e in enumerate(entries) if len(e.item.token_ids) == 1]
+        chunks = [[i] for i, e in enumerate(entries) if len(e.item.token_ids) > 1]
+        # a LoRA adapter's products are F32 matmuls, which compute a row differently in a
+        # batch on this CPU (measured): rows under adapters go alone
+        plain = [i for i in single if not entries[i].seq.request.adapters]
+        apart = [[i] for i in single if entries[i].seq.request.adapters]
+        rows = [plain] if self.rows_together and plain else [[i] for i in plain]
+        groups = [*rows, *apart, *chunks]
         return [plan] if len(groups) <= 1 else split_plan(plan, groups)
 
     def features(self, plan: StepPlan) -> StepFeatures:
