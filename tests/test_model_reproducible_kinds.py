@@ -129,7 +129,47 @@ def _submit(
     ctx: llamax.Context,
     handles: dict[int, llamax.RequestHandle],
     index: int,
-    tokens: list[int],
+    tokens: Any,
     params: llamax.SamplingParams,
 ) -> None:
     handles[index] = ctx.add_request(tokens, params)
+
+
+def test_every_reply_with_images_equals_its_solo_run(model_path: Path) -> None:
+    """Images in the reproducible mode (a random gemma3-style projector): requests with an
+    image (two of them the same image), others with text only, sent together from
+    threads; every reply bit for bit as it comes alone on an emptied context."""
+    import vision_files
+    from vision_files import pixels, png
+
+    projector = vision_files.script().cached_vision_model(projector="gemma3")
+    options = {**OPTIONS, "n_batch": 256, "reproducible": True, "mmproj": str(projector)}
+    p = llamax.SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    prompts: list[Any] = [
+        ["<|im_start|>user\n", llamax.Image(png(pixels(seed, 48, 64))),
+         f" What is in picture {i}?<|im_end|>\n<|im_start|>assistant\n"]
+        for i, seed in enumerate((1, 2, 1))
+    ]  # fmt: skip
+    prompts += [HEAD + user(q) for q in QUESTIONS[:3]]
+    results = []
+    with llamax.Context(model_path, **options) as ctx:
+        for _ in range(2):  # the second round finds the images' prefixes cached
+            handles: dict[int, llamax.RequestHandle] = {}
+            threads = [
+                threading.Thread(target=_submit, args=(ctx, handles, i, prompt, p))
+                for i, prompt in enumerate(prompts)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(TIMEOUT)
+            results += [(prompt, replies(handles[i].result(TIMEOUT))) for i, prompt in
+                        enumerate(prompts)]  # fmt: skip
+        assert ctx.audit() == []
+    differences = []
+    with llamax.Context(model_path, **options) as alone:
+        for prompt, got in results:
+            alone.clear_cache()
+            if replies(alone.add_request(prompt, p).result(TIMEOUT)) != got:
+                differences.append(str(prompt)[:60])
+    assert differences == [], differences
