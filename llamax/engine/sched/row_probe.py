@@ -8,9 +8,9 @@ of llama.cpp's CPU kernels compute a row differently in a batch of several. Meas
 moved logprobs by up to 4e-3 beside other rows, as did a recurrent (Mamba2) and a
 sliding-window (Gemma 3) model, the last two only now and then (a few rows in a hundred)
 or only past the window; Q4_1, Q8_0 and Q6_K never did. Which types do depends on the CPU
-and the build, so it is measured, not listed: :func:`rows_batch_invariant` decodes rows of
-up to eight sequences alone and then together, joining one by one, and compares the logits
-bit for bit. A memory that is not one plain KV cache (recurrent, hybrid) or that slides
+and the build, so it is measured, not listed: :func:`rows_batch_invariant` decodes two
+steps of one-token rows of up to eight sequences (all, then all but one) each alone, cuts
+them off, decodes the same rows together, and compares the logits bit for bit. A memory that is not one plain KV cache (recurrent, hybrid) or that slides
 decodes its rows alone without a probe: their differences are too rare, or appear too far
 into a sequence, for a probe of start-up size to see.
 """
@@ -24,17 +24,15 @@ from ...backend.base import Backend, BatchItem
 __all__ = ["MAX_ROWS", "rows_batch_invariant"]
 
 MAX_ROWS = 8
-"""The probe's sequences (at most the context's ``n_seq_max``): rows 1 to 8 in a decode."""
-_STEPS = 2
-"""Decode steps after the last sequence joins: the rows of all of them together, twice."""
+"""The probe's sequences (at most the context's ``n_seq_max``)."""
 
 
 def _prompt(index: int, n_vocab: int, room: int) -> list[int]:
-    """Sequence ``index``'s prompt: ``8 + 3 * index`` ordinary token ids (none below 32,
+    """Sequence ``index``'s prompt: ``2 + index`` ordinary token ids (none below 32,
     where control tokens live, in a vocabulary that large), so the sequences sit at unequal
     positions; shorter where a sequence has less ``room``."""
     low = 32 if n_vocab > 64 else 0
-    length = max(1, min(8 + 3 * index, room))
+    length = max(1, min(2 + index, room))
     return [low + (7919 * (index + 1) * (j + 3)) % (n_vocab - low) for j in range(length)]
 
 
@@ -43,35 +41,47 @@ def _decode(backend: Backend, items: list[BatchItem]) -> None:
         raise RuntimeError("decode failed while probing decode rows")
 
 
-def _run(backend: Backend, prompts: list[list[int]], together: bool) -> list[np.ndarray]:
-    """Each prompt decoded alone, in chunks of the batch size; then sequence ``i`` joins at
-    step ``i`` and decodes a one-token row each step until :data:`_STEPS` steps after the
-    last joined (rows 1, 2 ... all of them together): each step's rows in one decode, or
-    each alone. Every row's logits, in order; no cell is left behind."""
+def _steps(prompts: list[list[int]]) -> list[list[BatchItem]]:
+    """Two steps of one-token rows after the prompts: every sequence's, then all but the
+    last one's (an odd count where the first is even)."""
+    count = len(prompts)
+    return [
+        [BatchItem(i, [prompts[i][(step + i) % len(prompts[i])]], len(prompts[i]) + step,
+                   rows=(row,)) for row, i in enumerate(range(count - step))]
+        for step in range(2)
+    ]  # fmt: skip
+
+
+def _probe(backend: Backend) -> bool:
+    """The prompts decoded alone, in chunks of the batch size; then each step's rows alone,
+    the rows cut off again, and the same rows together: every row's logits compared."""
+    facts = backend.facts
+    count = min(MAX_ROWS, facts.n_seq_max)
+    if count < 2:
+        return True  # rows never share a decode
+    room = backend.n_ctx_stream - 2  # the two rows after the prompt fit too
+    prompts = [_prompt(i, facts.n_vocab, room) for i in range(count)]
+    steps = _steps(prompts)
     n_batch = backend.n_batch
-    out: list[np.ndarray] = []
     try:
         for seq_id, tokens in enumerate(prompts):
             for start in range(0, len(tokens), n_batch):
                 _decode(backend, [BatchItem(seq_id, tokens[start : start + n_batch], start)])
-        for step in range(len(prompts) + _STEPS - 1):
-            active = [i for i in range(len(prompts)) if step >= i]
-            items = [
-                BatchItem(i, [prompts[i][(step + i) % len(prompts[i])]], len(prompts[i]) + step - i,
-                          rows=(row if together else 0,))
-                for row, i in enumerate(active)
-            ]  # fmt: skip
-            if together:
-                _decode(backend, items)
-                out += [backend.logits(row).copy() for row in range(len(items))]
-            else:
-                for item in items:
-                    _decode(backend, [item])
-                    out.append(backend.logits(0).copy())
+        alone = []
+        for items in steps:
+            for item in items:
+                _decode(backend, [BatchItem(item.seq_id, item.token_ids, item.start_pos, (0,))])
+                alone.append(backend.logits(0).copy())
+        for seq_id, tokens in enumerate(prompts):  # a plain KV cache: cut back to the prompt
+            backend.seq_rm(seq_id, len(tokens), -1)
+        together = []
+        for items in steps:
+            _decode(backend, items)
+            together += [backend.logits(row).copy() for row in range(len(items))]
     finally:
-        for seq_id in range(len(prompts)):
+        for seq_id in range(count):
             backend.seq_rm(seq_id)
-    return out
+    return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
 
 
 def rows_batch_invariant(backend: Backend) -> bool:
@@ -98,15 +108,3 @@ def rows_batch_invariant(backend: Backend) -> bool:
 _VERDICTS: dict[str, bool] = {}
 """The verdicts of this process, by :meth:`~llamax.backend.base.Calibratable.calibration_key`:
 another context on the same model, build, CPU and settings probes nothing."""
-
-
-def _probe(backend: Backend) -> bool:
-    facts = backend.facts
-    count = min(MAX_ROWS, facts.n_seq_max)
-    if count < 2:
-        return True  # rows never share a decode
-    room = backend.n_ctx_stream - count - _STEPS  # the rows after the prompt fit too
-    prompts = [_prompt(i, facts.n_vocab, room) for i in range(count)]
-    alone = _run(backend, prompts, together=False)
-    together = _run(backend, prompts, together=True)
-    return all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
