@@ -22,6 +22,7 @@ from test_model_reproducible import (
     QUESTIONS,
     TIMEOUT,
     compare,
+    manual_pair,
     replies,
     run_load,
     solo_on,
@@ -75,6 +76,25 @@ def test_every_reply_equals_its_solo_run_on_each_kind_of_model(
     assert {"greedy", "session", "continuation"} <= {job.kind for job in load.compared}
     compare(load, solo_on(on_kind()))
     assert load.differences == [], load.differences
+
+
+@pytest.mark.parametrize("on_kind", ["f16", "q4_k_m"], indirect=True)
+def test_broken_rows_together_differ_where_the_probe_says_apart(
+    on_kind: Callable[..., llamax.Context], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four prompts submitted at once to a manual context, so their decode rows meet: with
+    the probe's verdict they equal their solo runs. Where the probe says the rows go apart
+    (F16 and Q4_K on the AVX-512 EPYC this was written on; another CPU's kernels may not
+    differ, and then its rows go together), forcing them together (the mode before the
+    probe) makes them differ."""
+    prompts = [[1 + (17 * s + 5 * i) % 9000 for i in range(40 + 7 * s)] for s in range(4)]
+    apart = not on_kind(autostart=False)._engine.scheduler.planner.rows_together
+    together, solo = manual_pair(on_kind, prompts)
+    assert together == solo
+    if apart:
+        monkeypatch.setattr("llamax.engine.sched.scheduler.rows_batch_invariant", lambda _: True)
+        together, solo = manual_pair(on_kind, prompts)
+        assert together != solo
 
 
 def test_every_reply_under_its_own_adapters_equals_its_solo_run(
