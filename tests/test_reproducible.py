@@ -318,8 +318,8 @@ def test_the_default_mode_probes_nothing(made: list[llamax.Context]) -> None:
 def test_rows_under_an_adapter_go_alone(made: list[llamax.Context], tmp_path: Any) -> None:
     """A LoRA adapter's products are F32 matmuls, which compute a row differently in a
     batch (measured on SmolLM2 with a random adapter, rows together: 2 replies differed
-    from their solo runs, and the same test failed 2 of 2 reruns): under an adapter each decode row goes alone, without, they go
-    together as the probe allows."""
+    from their solo runs, and the same test failed 2 of 2 reruns): under an adapter each
+    decode row goes alone, without, they go together as the probe allows."""
     adapter = tmp_path / "a.gguf"
     adapter.write_bytes(b"GGUF fake adapter")
     backend = FakeBackend(n_ctx=4 * 256, n_seq_max=4, n_batch=GRID, kv_layout="streams")
