@@ -5,7 +5,7 @@ A row's logits must not depend on the rows beside it. Without flash attention th
 attention sums of one sequence do not (measured, ``benchmarks/results/issue60``), but some
 of llama.cpp's CPU kernels compute a row differently in a batch of several. Measured here
 (AMD EPYC, AVX-512; ``tests/test_model_reproducible_kinds.py``): F16 weights and Q4_K
-moved logprobs by up to 4e-3 beside other rows, as did a recurrent (Mamba2) and a sliding-
+moved logprobs by up to 0.08 nats beside other rows, as did a recurrent (Mamba2) and a sliding-
 window (Gemma 3) model, the last two only now and then (a few rows in a hundred) or only
 past the window; Q4_1, Q8_0 and Q6_K never did. Which types do depends on the CPU and the
 build, so it is measured, not listed: :func:`rows_batch_invariant` decodes two steps of
