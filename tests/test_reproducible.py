@@ -334,3 +334,25 @@ def test_rows_under_an_adapter_go_alone(made: list[llamax.Context], tmp_path: An
     backend.decode_log.clear()
     drain(ctx, [ctx.add_request(prompt(s, 10 + 11 * s), GREEDY) for s in range(4)])
     assert any(len(items) > 1 for items in backend.decode_log)
+
+
+class RefusesTogether(FakeBackend):
+    """A backend that refuses any decode of several sequences while ``refusing`` is set."""
+
+    refusing = True
+
+    def decode(self, items: Sequence[Any]) -> int:
+        if self.refusing and len(items) > 1:
+            return 1
+        return super().decode(items)
+
+
+def test_a_probe_that_cannot_decode_sends_rows_apart_and_leaves_nothing(
+    made: list[llamax.Context],
+) -> None:
+    ctx, backend = fake(made, RefusesTogether)  # asserts the context idle after the probe
+    assert ctx._engine.scheduler.planner.rows_together is False
+    assert isinstance(backend, RefusesTogether)
+    backend.refusing = False
+    drain(ctx, [ctx.add_request(prompt(s, 12), GREEDY) for s in range(3)])
+    assert all(len(items) == 1 for items in backend.decode_log)

@@ -18,11 +18,15 @@ start-up size to see.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ...backend.base import Backend, BatchItem
 
 __all__ = ["MAX_ROWS", "rows_batch_invariant"]
+
+_log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
 """The probe's sequences (at most the context's ``n_seq_max``)."""
@@ -91,8 +95,7 @@ def rows_batch_invariant(backend: Backend) -> bool:
     ``False`` without a probe for a memory that is not one plain KV cache or that slides
     (see the module's text).
 
-    Raises:
-        RuntimeError: a probe decode failed.
+    A probe whose decode fails says ``False`` (rows apart are always exact).
     """
     if not backend.can_share_prefix or backend.sliding_window:
         return False
@@ -100,7 +103,11 @@ def rows_batch_invariant(backend: Backend) -> bool:
     key = keyer() if callable(keyer) else None
     if key is not None and key in _VERDICTS:
         return _VERDICTS[key]
-    verdict = _probe(backend)
+    try:
+        verdict = _probe(backend)
+    except RuntimeError:  # a decode refused (no room?): apart is always exact
+        _log.warning("could not probe decode rows; each goes alone", exc_info=True)
+        return False
     if key is not None:
         _VERDICTS[key] = verdict
     return verdict
