@@ -61,10 +61,13 @@ class Recorder:
         setattr(cls, name, timed)
 
 
+RECORDER = Recorder()
+"""Wraps the backend's methods once (:func:`main`); each run clears and reads it."""
+
+
 def run_llamax(path: Path, prompts: list[str], n_ctx: int, layout: str) -> dict[str, Any]:
-    recorder = Recorder()
-    for name in TIMED:
-        recorder.wrap(LlamaCppBackend, name)
+    recorder = RECORDER
+    recorder.calls = []
     with llamax.Context(path, n_ctx=n_ctx, n_seq_max=N_SEQ_MAX, n_threads=2,
                         kv_layout=layout) as ctx:  # fmt: skip
         ctx.add_request("Hello there!", greedy(4)).result()
@@ -140,6 +143,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     path = model_path(args.model)
+    for name in TIMED:
+        RECORDER.wrap(LlamaCppBackend, name)
     prompts, workload = build_workload(path)
     runs: dict[str, list[dict[str, Any]]] = {"llamax": [], "floor_unified": []}
     load = [load_average()]
