@@ -77,6 +77,31 @@ def test_burst_with_shared_prefix_prefills_it_once(make_fake: MakeFake) -> None:
         assert handle.result(0).token_ids == cold(SYSTEM + q).token_ids
 
 
+@pytest.mark.parametrize("n_batch", [128, 512])
+def test_a_burst_computes_its_prefix_then_every_suffix_in_one_decode(
+    make_fake: MakeFake, n_batch: int
+) -> None:
+    """The first request's prompt chunks stop where the others' shared prefix ends, so its
+    suffix and theirs go in one decode with nobody decoding yet (the raw loop's shape);
+    before, its last chunk carried its own suffix, it decoded from the next step on, and
+    the others' suffixes went beside its row, as the step's time budget let them (issue
+    59). With ``n_batch=128`` the prefix takes two chunks."""
+    ctx, backend = make_fake(n_ctx=2048, n_seq_max=16, n_batch=n_batch)
+    system = SYSTEM * 2  # 232 tokens
+    questions = [f"{chr(ord('A') + i)}: q{i:02d}?" for i in range(16)]  # 7 tokens each
+    handles = [ctx.add_request(system + q, GREEDY) for q in questions]
+    run(ctx)
+    log = [[(i.start_pos, len(i.token_ids)) for i in items] for items in backend.decode_log]
+    suffixes = [i for i, items in enumerate(log) if any(p >= len(system) for p, _ in items)]
+    first = suffixes[0]
+    assert log[first] == [(len(system), 7)] * 16, log  # every suffix whole, nobody decoding
+    assert all(p < len(system) and n > 1 for items in log[:first] for p, n in items), log
+    assert all(n == 1 for items in log[first + 1 :] for _, n in items), log
+    assert ctx.stats().num_prefill_tokens == len(system) + 16 * 7
+    for q, handle in zip(questions, handles, strict=True):
+        assert handle.result(0).token_ids == cold(system + q).token_ids
+
+
 def test_n_choices_prefill_the_prompt_once_and_differ(make_fake: MakeFake) -> None:
     ctx, _ = make_fake(n_ctx=1024, n_seq_max=8)
     params = llamax.SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=8)

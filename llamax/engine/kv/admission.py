@@ -122,6 +122,26 @@ class SlotPlacer:
         placement = self._place(token_ids, in_flight, num_pending, adapters)
         return replace(placement, num_shared=min(shared, len(token_ids) - 1))
 
+    def wait_target(
+        self,
+        token_ids: Sequence[int],
+        in_flight: Mapping[int, Sequence[int]],
+        adapters: AdapterSet = NO_ADAPTERS,
+    ) -> tuple[int, int] | None:
+        """The in-flight prefix a newcomer would wait for if it were placed now: the
+        sequence id of the slot and the tokens it will give; None if it would not wait.
+        Changes nothing (the scheduler stops the slot's owner's prompt chunk there, so
+        that the waiters' suffixes go in one decode with the owner's)."""
+        if self._kv.cuts_at_checkpoints:
+            return None  # such a memory is cut where its checkpoints are, not here
+        match = self._prefix.match(token_ids, in_flight, adapters)
+        if match.slot is None or match.num_later <= match.num_now:
+            return None
+        hit = self._lookup(self._prefix.tiers, token_ids, adapters, match.num_now)
+        if not should_wait(match.num_now if hit is None else hit.num_common, match.num_later):
+            return None
+        return match.slot.seq_id, match.num_later
+
     def _place(
         self,
         token_ids: Sequence[int],

@@ -30,6 +30,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping
+from itertools import islice
 from typing import TypeVar, cast
 
 from ...adapters import AdapterSet
@@ -61,6 +62,10 @@ __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
 
 T = TypeVar("T")
 _log = logging.getLogger("llamax.engine")
+
+MAX_HOLD_PROBES = 32
+"""Waiting sequences asked each step which in-flight prefix they wait for
+(:meth:`Scheduler._prefix_holds`)."""
 
 
 class Scheduler:
@@ -230,10 +235,58 @@ class Scheduler:
                 if take:
                     slots.append((seq, take))
                     budget -= take
+        budget += self._hold_chunks(slots, group)
         drafts = self.drafts.plan(
             slots, budget, lambda: self.num_pending_tokens, self.room.capacity
         )
         return self.planner.build(slots, drafts)
+
+    def _hold_chunks(self, slots: list[tuple[Sequence, int]], group: AdapterSet | None) -> int:
+        """Stop the step's prompt chunks where waiting sequences' shared prefix ends (the
+        nearest such end past what a chunk's sequence holds: :meth:`SlotPlacer.wait_target`);
+        return the tokens that frees.
+
+        A burst sharing one long prompt prefix then goes as the raw loop does: the prefix
+        once, then every suffix (the first sequence's too) in one decode, with nobody
+        decoding yet. Unheld, the first sequence's last chunk carried its own suffix, it
+        decoded from the next step on, and the others' suffixes went beside its row as the
+        step's time budget let them (:mod:`~llamax.engine.timing.chunk_budget`): 16
+        suffixes in five decodes, each attending over the prefix again
+        (benchmarks/results/issue59). Only the first :data:`MAX_HOLD_PROBES` waiting
+        sequences in admission order are asked; a chunk of a prompt with images is left
+        whole (it may not be cut inside one).
+        """
+        if self.reproducible or not self._waiting:
+            return 0
+        chunks = {
+            seq.slot.seq_id: i
+            for i, (seq, take) in enumerate(slots)
+            if take > 1 and seq.slot is not None and not seq.request.images
+        }
+        if not chunks:
+            return 0
+        in_flight = {
+            s.slot.seq_id: s.token_ids
+            for s in self._running
+            if s.slot is not None and s.state is SequenceState.PREFILLING
+        }
+        holds: dict[int, int] = {}
+        for seq in islice(self._admission_order(group), MAX_HOLD_PROBES):
+            if seq.request.session_id is not None or self.planner.is_fork_candidate(seq):
+                continue
+            target = self.placer.wait_target(seq.token_ids, in_flight, seq.request.adapters)
+            if target is not None and target[0] in chunks:
+                seq_id, num_later = target
+                holds[seq_id] = min(holds.get(seq_id, num_later), num_later)
+        freed = 0
+        for seq_id, hold in holds.items():
+            i = chunks[seq_id]
+            seq, take = slots[i]
+            keep = hold - seq.num_computed
+            if 0 < keep < take:
+                slots[i] = (seq, keep)
+                freed += take - keep
+        return freed
 
     def _admission_order(self, group: AdapterSet | None) -> Iterator[Sequence]:
         """The waiting sequences of adapter set ``group`` (None: all) in the order they
