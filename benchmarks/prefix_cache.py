@@ -69,6 +69,7 @@ from _peers import LlamaCppPythonPeer
 import llamax
 
 N_REQUESTS, MAX_TOKENS, N_CTX, N_SEQ_MAX, N_BATCH = 16, 32, 8192, 16, 512
+KV_LAYOUT = "auto"  # llamax's (--kv-layout); the ideal loop is unified
 LCP_N_CTX = 2048  # one sequence at a time: prompt (~1,330) + 32 tokens fit
 SYSTEM_PROMPT_TOKENS, WARMUP_TOKENS = 1300, 4
 LIMITS = {
@@ -159,7 +160,12 @@ class RunResult:
 
 def run_llamax(model: Path, prompts: Sequence[str], *, prefix_cache: bool) -> RunResult:
     with llamax.Context(
-        model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, n_threads=N_THREADS, prefix_cache=prefix_cache
+        model,
+        n_ctx=N_CTX,
+        n_seq_max=N_SEQ_MAX,
+        n_threads=N_THREADS,
+        prefix_cache=prefix_cache,
+        kv_layout=KV_LAYOUT,
     ) as ctx:
         ctx.add_request("Hello there!", greedy(WARMUP_TOKENS)).result()
         ctx.clear_cache()
@@ -296,6 +302,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--n-ctx", type=int, default=N_CTX, help="KV cells of llamax and the ideal loop"
     )
+    parser.add_argument(
+        "--kv-layout", default=KV_LAYOUT, choices=["auto", "unified", "streams"],
+        help="llamax's KV layout (the ideal loop's is unified)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.repeats < 1 or not 0 <= args.alone <= N_REQUESTS:
         parser.error(f"--repeats must be >= 1 and --alone in [0, {N_REQUESTS}]")
@@ -304,9 +314,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    global N_CTX  # the systems read it: one value per run
+    global N_CTX, KV_LAYOUT  # the systems read them: one value per run
     args = parse_args(argv)
-    N_CTX = args.n_ctx
+    N_CTX, KV_LAYOUT = args.n_ctx, args.kv_layout
     load = load_average()
     log(f"load average: {load}")
     with stdout_to_stderr() as stdout:
@@ -332,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ]
         summary = {name: summarize(results) for name, results in runs.items()}
         r = ratios(summary)
-        sizes = {"n_ctx": N_CTX, "n_seq_max": N_SEQ_MAX, "n_batch": N_BATCH}
+        sizes = {"n_ctx": N_CTX, "n_seq_max": N_SEQ_MAX, "n_batch": N_BATCH,
+                 "kv_layout": KV_LAYOUT}  # fmt: skip
         config = base_config(args, load, **sizes, llama_cpp_python_n_ctx=LCP_N_CTX)
         report = {
             "config": config,
