@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, TypedDict
@@ -25,10 +26,50 @@ from .drafting import DraftMethod, PromptLookup, Speculative
 from .optionspec import byte_size, read_text, spec, zero_is_none
 from .params import SamplingParams
 
-__all__ = ["OPTION_LISTS", "ContextConfig", "ContextOptions", "EngineConfig", "KVLayout"]
+__all__ = [
+    "KV_TYPES",
+    "OPTION_LISTS",
+    "ContextConfig",
+    "ContextOptions",
+    "EngineConfig",
+    "KVLayout",
+    "KVType",
+    "is_quantized",
+    "kv_row_bytes",
+]
 
 KVLayout: TypeAlias = Literal["auto", "unified", "streams"]
 """How KV cells are laid out: one shared buffer, one buffer per sequence, or chosen."""
+
+KVType: TypeAlias = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"]
+"""The number type of the K or V cache: ggml's names, those llama-server's ``-ctk``/``-ctv``
+take."""
+
+_KV_BLOCKS: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q5_1": (32, 24),
+    "q5_0": (32, 22), "q4_1": (32, 20), "iq4_nl": (32, 18), "q4_0": (32, 18),
+}  # fmt: skip
+"""Each KV type's block: ``(values, bytes)`` (ggml's ``blck_size`` and ``type_size``)."""
+
+KV_TYPES: tuple[KVType, ...] = typing.get_args(KVType)
+"""The KV types ``kv_type``, ``kv_type_k`` and ``kv_type_v`` take, widest first."""
+
+
+def is_quantized(kv_type: str) -> bool:
+    """Whether ``kv_type`` stores blocks of values with a shared scale (``q8_0`` ...), not
+    one float a value: a quantized V cache needs flash attention."""
+    return _KV_BLOCKS[kv_type][0] > 1
+
+
+def kv_row_bytes(kv_type: str, num_values: int) -> int:
+    """The bytes ``num_values`` values take in ``kv_type`` (ggml's ``ggml_row_size``; a
+    quantized type's values come in whole blocks of 32).
+
+    Raises:
+        KeyError: not one of :data:`KV_TYPES`.
+    """
+    values, size = _KV_BLOCKS[kv_type]
+    return -(-num_values // values) * size
 
 
 def _default_threads() -> int:
@@ -157,7 +198,11 @@ class ContextConfig:
     was computed to as a prompt, flash attention and speculative decoding are off. It refuses
     ``kv_layout="unified"``, ``adapt_threads=True``, ``flash_attn=True``, ``speculative``
     and an ``n_threads_batch`` other than ``n_threads``; ``kv_layout="auto"`` becomes
-    ``"streams"``.
+    ``"streams"``. ``kv_type`` is the KV cache's number type (``"f16"``; ``"q8_0"`` takes
+    about half its memory, ``"q4_0"`` about a quarter; docs/kv-cache.md#quantized-kv);
+    ``kv_type_k`` and ``kv_type_v`` set K's or V's alone. llama.cpp computes attention over a
+    quantized V only with flash attention, so a quantized V refuses ``flash_attn=False``, and
+    ``reproducible`` (which turns flash attention off); a quantized K alone needs nothing.
     """
 
     model_path: str
@@ -260,6 +305,33 @@ class ContextConfig:
         default=None,
         metadata=spec(
             default_doc="auto", doc="flash attention (auto: llama.cpp decides)", flag=True
+        ),
+    )
+    kv_type: KVType = field(
+        default="f16",
+        metadata=spec(
+            doc="the KV cache's number type, K and V: `f16`, `q8_0` (half the memory), "
+            "`q4_0` ... (a quantized V needs flash attention; docs/kv-cache.md#quantized-kv)",
+            flag=True,
+        ),
+    )
+    kv_type_k: KVType | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="`kv_type`",
+            doc="the K cache's type, where it differs from `kv_type` (llama-server's `-ctk`)",
+            flag=True,
+            aliases=("--cache-type-k", "-ctk"),
+        ),
+    )
+    kv_type_v: KVType | None = field(
+        default=None,
+        metadata=spec(
+            default_doc="`kv_type`",
+            doc="the V cache's type, where it differs from `kv_type`; quantized, it needs "
+            "flash attention (llama-server's `-ctv`)",
+            flag=True,
+            aliases=("--cache-type-v", "-ctv"),
         ),
     )
     calibrate: bool | None = field(
@@ -401,6 +473,11 @@ class ContextConfig:
         return "streams" if fits and self.n_seq_max > 1 else "unified"
 
     @property
+    def kv_types(self) -> tuple[KVType, KVType]:
+        """The K and V caches' types: ``kv_type_k`` and ``kv_type_v``, else ``kv_type``."""
+        return (self.kv_type_k or self.kv_type, self.kv_type_v or self.kv_type)
+
+    @property
     def resolved_n_threads(self) -> int:
         """The threads a step starts with: ``n_threads``, or every core the process may use."""
         return self.n_threads if self.n_threads is not None else _default_threads()
@@ -487,6 +564,7 @@ class ContextConfig:
             f"kv_layout must be 'auto', 'unified' or 'streams', got {self.kv_layout!r}",
             "kv_layout",
         )
+        self._check_kv_types()
         require(
             self.n_ctx_seq is None or 16 <= self.n_ctx_seq <= self.n_ctx,
             f"n_ctx_seq must be in [16, n_ctx={self.n_ctx}], got {self.n_ctx_seq}",
@@ -527,6 +605,30 @@ class ContextConfig:
         if self.is_reproducible:
             self._check_reproducible()
 
+    def _kv_v_field(self) -> str:
+        """The field that set the V cache's type: ``kv_type_v``, else ``kv_type``."""
+        return "kv_type" if self.kv_type_v is None else "kv_type_v"
+
+    def _check_kv_types(self) -> None:
+        """Refuse a KV type llama.cpp does not take, and a quantized V without flash
+        attention (llama.cpp would refuse the context only once the model is loaded)."""
+        for name in ("kv_type", "kv_type_k", "kv_type_v"):
+            value = getattr(self, name)
+            require(
+                (value is None and name != "kv_type") or value in KV_TYPES,
+                f"{name} must be one of {', '.join(repr(t) for t in KV_TYPES)}"
+                f"{'' if name == 'kv_type' else ' or None'}, got {value!r}",
+                name,
+            )
+        v_type, v_field = self.kv_types[1], self._kv_v_field()
+        require(
+            not is_quantized(v_type) or self.flash_attn is not False,
+            f"{v_field}={v_type!r} quantizes the V cache, which llama.cpp computes only with "
+            "flash attention: flash_attn=False contradicts it (leave flash_attn to auto or "
+            f"turn it on, or quantize K alone: kv_type_k={v_type!r} with an f16 V)",
+            v_field,
+        )
+
     def _check_reproducible(self) -> None:
         """Refuse what contradicts ``reproducible``; ``kv_layout="auto"`` becomes streams."""
         why = "reproducible=True needs "
@@ -554,6 +656,15 @@ class ContextConfig:
             "decode row differently beside other sequences' rows): flash_attn=True "
             "contradicts it",
             "flash_attn",
+        )
+        v_type, v_field = self.kv_types[1], self._kv_v_field()
+        require(
+            not is_quantized(v_type),
+            why + f"attention without flash attention, and {v_field}={v_type!r} quantizes the "
+            "V cache, which llama.cpp computes only with flash attention: it contradicts "
+            f"reproducible=True (a quantized K alone does not: kv_type_k={v_type!r} with an "
+            "f16 V)",
+            v_field,
         )
         require(
             self.n_threads_batch is None or self.n_threads_batch == self.resolved_n_threads,
@@ -623,6 +734,9 @@ class ContextOptions(TypedDict, total=False):
     use_mmap: bool
     use_extra_bufts: bool | None
     flash_attn: bool | None
+    kv_type: KVType
+    kv_type_k: KVType | None
+    kv_type_v: KVType | None
     calibrate: bool | None
     prefix_cache: bool
     chat_template: str | None

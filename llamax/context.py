@@ -332,7 +332,9 @@ class Context:
         """Restore a session saved by :meth:`Session.save <llamax.Session.save>` (the same as
         ``llamax.Session.load(ctx, path)``).
 
-        A file is input: its header must name this model (weights included), its tokens
+        A file is input: its header must name this model (weights included) and this
+        context's KV cache types (``kv_type``: cells saved in ``f16`` cannot be read as
+        ``q8_0``; the error names the types to load it with), its tokens
         must be ids of this vocabulary that fit one sequence (``n_ctx_seq``), the LoRA
         adapters it was saved under must be loaded here under the same names, from the same
         files, and its KV state must be whole and hold exactly those tokens' positions.
@@ -342,7 +344,8 @@ class Context:
 
         Raises:
             SessionLoadError: the file is damaged, truncated, lies about its contents, or
-                was saved with a different model or under adapters not loaded here.
+                was saved with a different model, with other KV cache types, or under
+                adapters not loaded here.
             ContextClosedError: the context is closed.
             OSError: the file cannot be read.
         """

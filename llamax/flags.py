@@ -133,6 +133,8 @@ def _flag_kind(flag_type: Any, hint: Any) -> dict[str, Any]:
         parts = [p for p in parts if (typing.get_origin(p) or p) is not os.PathLike]
     if typing.get_origin(hint) is Literal:
         return {"choices": typing.get_args(hint)}
+    if len(parts) == 1 and typing.get_origin(parts[0]) is Literal:  # a Literal or None
+        return {"choices": typing.get_args(parts[0])}
     if parts == [bool]:
         return {"action": argparse.BooleanOptionalAction}
     if len(parts) == 1 and parts[0] in (int, float, str):

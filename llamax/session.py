@@ -233,7 +233,8 @@ class Session:
         return self._apply(lambda session_id: ShiftSession(session_id, start, end))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the session's tokens, KV state, model identity and the LoRA adapter set
+        """Write the session's tokens, KV state, model identity (with the KV cache's
+        types, ``kv_type``: a context of other types refuses the file) and the LoRA adapter set
         its cells were computed under (each adapter's name, scale and weights' fingerprint)
         to ``path``; for a session holding images, also the projector's identity (the
         tokens then hold each image's placeholder ids, as :attr:`token_ids` shows them).
@@ -484,6 +485,7 @@ def _check_header(
     n_ctx_seq: int,
 ) -> None:
     """Raise SessionLoadError unless a session file's header fits this context."""
+    _check_kv_types(path, saved_model, current)
     if saved_model != current:
         raise SessionLoadError(
             f"{path} was saved with model {saved_model} but this context runs {current}"
@@ -498,6 +500,34 @@ def _check_header(
             f"{path} lists {len(tokens)} tokens, more than one sequence may hold "
             f"(n_ctx_seq={n_ctx_seq})"
         )
+
+
+def _kv_options(kv_cache: object) -> str:
+    """The options that give a context the K/V types ``kv_cache`` names (``"Q8_0/F16"``:
+    ``kv_type_k='q8_0'``), as a sentence's words."""
+    k, _, v = str(kv_cache).lower().partition("/")
+    if k == v:
+        return f"kv_type={k!r}"
+    return f"kv_type_k={k!r}, kv_type_v={v!r}"
+
+
+def _check_kv_types(path: object, saved_model: object, current: object) -> None:
+    """Raise SessionLoadError, saying which types, if a session file was saved by this
+    model with a KV cache of other types than this context's (``kv_type``): llama.cpp
+    cannot read its cells at these."""
+    if not isinstance(saved_model, dict) or not isinstance(current, dict):
+        return
+    saved_kv, kv = saved_model.get("kv_cache"), current.get("kv_cache")
+    if saved_kv == kv:
+        return
+    others = {k: v for k, v in saved_model.items() if k != "kv_cache"}
+    if others != {k: v for k, v in current.items() if k != "kv_cache"}:
+        return  # another model altogether: that is what the error says
+    raise SessionLoadError(
+        f"{path} holds a KV cache of types {saved_kv} (K/V) and this context's is {kv}: "
+        f"its cells cannot be read at other types; load it into a context with "
+        f"{_kv_options(saved_kv)}"
+    )
 
 
 def _check_images(

@@ -177,6 +177,36 @@ def test_a_refused_context_frees_the_model_it_loaded(C: Bindings, gguf: Path) ->
     assert C.frees() == [("llama_model_free", "model")]
 
 
+def test_the_kv_types_reach_the_context_params_and_a_refusal_names_them(
+    C: Bindings, gguf: Path
+) -> None:
+    """Issue 61: ``type_k``/``type_v`` are ggml's numbers of ``kv_types``; a quantized V
+    left to auto gets flash attention (as llama.cpp's auto would); a cell is counted at the
+    types (one layer of K and V of 8 values: 16 bytes each in f16, a 34-byte block in
+    q8_0)."""
+    backend = _backend(gguf)
+    cparams = backend._cparams
+    assert (cparams.type_k, cparams.type_v, backend.kv_bytes_per_cell) == (1, 1, 32)
+    assert not hasattr(cparams, "flash_attn_type")  # llama.cpp's default: auto
+    backend.close()
+    backend = _backend(gguf, kv_type="q8_0", kv_type_k="q4_0")
+    cparams = backend._cparams
+    assert (cparams.type_k, cparams.type_v, cparams.flash_attn_type) == (2, 8, 1)
+    assert backend.kv_bytes_per_cell == 18 + 34
+    assert backend.model_identity["kv_cache"] == "Q4_0/Q8_0"
+    backend.close()
+    backend = _backend(gguf, kv_type_k="q8_0", flash_attn=False)  # K alone: no flash attention
+    cparams = backend._cparams
+    assert (cparams.type_k, cparams.type_v, cparams.flash_attn_type) == (8, 1, 0)
+    backend.close()
+    C.refuse = {"llama_init_from_model"}
+    with pytest.raises(ModelLoadError, match="K/V cache types q4_0/q8_0: a quantized type"):
+        _backend(gguf, kv_type="q8_0", kv_type_k="q4_0")
+    with pytest.raises(ModelLoadError, match="could not create a context") as caught:
+        _backend(gguf)
+    assert "cache types" not in str(caught.value)
+
+
 def test_embedding_backend_frees_batch_context_model(C: Bindings, gguf: Path) -> None:
     backend = EmbeddingBackend(
         EmbeddingConfig(model_path=gguf, pooling=1, n_ctx=8, n_seq_max=2, n_threads=1)

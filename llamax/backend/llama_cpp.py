@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..adapters import NO_ADAPTERS, AdapterSet
-from ..config import ContextConfig
+from ..config import ContextConfig, is_quantized, kv_row_bytes
 from ..errors import ImageError, ModelLoadError, RequestFailedError
 from ..facts import ModelFacts
 from ..params import SamplingParams
@@ -51,9 +51,22 @@ from .vision import (
     decode_embeddings,
 )
 
-__all__ = ["LlamaCppBackend"]
+__all__ = ["GGML_TYPES", "LlamaCppBackend"]
 
 _log = logging.getLogger("llamax.llama_cpp")
+
+GGML_TYPES: dict[str, int] = {name.lower(): number for number, name in GGML_TYPE_NAMES.items()}
+"""ggml's type numbers by the names ``kv_type`` takes (``"q8_0"``: 8)."""
+
+
+def _kv_types_refused(type_k: str, type_v: str) -> str:
+    """What may have made llama.cpp refuse a context with these KV types ("" for f16's)."""
+    if (type_k, type_v) == ("f16", "f16"):
+        return ""
+    return (
+        f", K/V cache types {type_k}/{type_v}: a quantized type needs every attention head's "
+        "size to be a multiple of 32, and some models (MLA) one type for K and V"
+    )
 
 
 class LlamaCppBackend(LlamaCppModel):
@@ -104,13 +117,18 @@ class LlamaCppBackend(LlamaCppModel):
                 n_threads_batch=config.n_threads_batch or config.resolved_n_threads,
                 kv_unified=self._is_unified,
             )
+            type_k, type_v = config.kv_types
+            self._cparams.type_k, self._cparams.type_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
             if config.flash_attn is not None:
                 self._cparams.flash_attn_type = 1 if config.flash_attn else 0
+            elif is_quantized(type_v):  # what llama.cpp's auto does: V needs flash attention
+                self._cparams.flash_attn_type = 1
             context = NativeContext.create(model, self._cparams)
             if context is None:
                 raise ModelLoadError(
                     f"llama.cpp could not create a context for {self._model_path} "
-                    f"(n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max}); out of memory?"
+                    f"(n_ctx={config.n_ctx}, n_seq_max={config.n_seq_max}"
+                    f"{_kv_types_refused(type_k, type_v)}); out of memory?"
                 )
             self._context = context
             stack.callback(self._close_context)  # the current one: relayout replaces it
@@ -155,7 +173,8 @@ class LlamaCppBackend(LlamaCppModel):
             eos_token_id=self._bos_eos[1],
         )
         kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
-        self._kv_bytes_per_cell = 2 * 2 * kv_dim * model.n_layer()  # K+V, f16
+        row_bytes = kv_row_bytes(type_k, kv_dim) + kv_row_bytes(type_v, kv_dim)
+        self._kv_bytes_per_cell = row_bytes * model.n_layer()  # K+V, every layer
         self._adapter_set: AdapterSet | None = NO_ADAPTERS  # None: not yet applied
         self._kv_types = "/".join(
             GGML_TYPE_NAMES.get(t, str(t)) for t in (self._cparams.type_k, self._cparams.type_v)
@@ -261,7 +280,7 @@ class LlamaCppBackend(LlamaCppModel):
 
     @property
     def kv_bytes_per_cell(self) -> int:
-        """Approximate memory of one KV cell (K and V in f16, every layer)."""
+        """Approximate memory of one KV cell (K and V at their types, every layer)."""
         return self._kv_bytes_per_cell
 
     @property

@@ -14,6 +14,7 @@ import numpy.typing as npt
 from ..adapters import AdapterSet
 from ..backend.base import BatchItem, DecodeStatus, Drawn, SharedPrefix
 from ..backend.vision import MediaPrompt, RgbImage
+from ..config import KV_TYPES, kv_row_bytes
 from ..errors import ContextClosedError, ImageError
 from ..facts import ModelFacts
 from ..params import SamplingParams
@@ -31,7 +32,10 @@ from .model import (
 )
 from .vision import FAKE_N_EMBD, FakeVision, ids_of_rows
 
-__all__ = ["FAULT_POINTS", "FakeBackend"]
+__all__ = ["FAKE_KV_VALUES", "FAULT_POINTS", "FakeBackend"]
+
+FAKE_KV_VALUES = 256
+"""The K values of a fake KV cell (as many V): 1024 bytes a cell in ``f16``."""
 
 FAULT_POINTS = (
     "tokenize",
@@ -67,6 +71,12 @@ class FakeBackend:
     Besides :class:`~llamax.backend.base.Backend` it implements
     :class:`~llamax.backend.base.Inspectable` (``seq_tokens``, ``num_cells_used``,
     ``num_live_samplers``), so ``Context.audit()`` also checks the tokens and cells it holds.
+
+    ``kv_type`` (and ``kv_type_v``, V's where it differs) model a quantized KV cache as
+    llama.cpp holds one: :attr:`kv_bytes_per_cell` is the types' size of a cell, the model
+    identity names them (so a session file or a disk-tier entry of other types is refused),
+    and a state of other types does not load. ``sized_states`` makes every whole state as
+    long as its cells take (:meth:`state_seq_get`), for tests of what counts bytes.
     """
 
     def __init__(
@@ -97,8 +107,17 @@ class FakeBackend:
         image_tokens: int | None = None,
         non_causal_images: bool = False,
         n_ubatch: int | None = None,
+        kv_type: str = "f16",
+        kv_type_v: str | None = None,
+        sized_states: bool = False,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
+        types = (kv_type, kv_type_v or kv_type)
+        if any(t not in KV_TYPES for t in types):
+            raise ValueError(f"kv_type and kv_type_v must be among {KV_TYPES}, got {types}")
+        self._kv_cache = "/".join(t.upper() for t in types)
+        self._kv_bytes_per_cell = sum(kv_row_bytes(t, FAKE_KV_VALUES) for t in types)
+        self._sized_states = sized_states
         self._n_ubatch = n_batch if n_ubatch is None else n_ubatch
         self._vision = (
             None
@@ -129,7 +148,11 @@ class FakeBackend:
         )
         self._weights = weights
         self._memory = FakeMemory(
-            n_seq_max, is_unified=kv_layout == "unified", model=weights, recurrent=recurrent
+            n_seq_max,
+            is_unified=kv_layout == "unified",
+            model=weights,
+            recurrent=recurrent,
+            kv_cache=self._kv_cache,
         )
         self.cells = self._memory.cells
         """Tokens each sequence id holds in the fake KV cache, by position."""
@@ -231,8 +254,10 @@ class FakeBackend:
 
     @property
     def kv_bytes_per_cell(self) -> int:
-        """A made-up size."""
-        return 1024
+        """What a cell of :data:`FAKE_KV_VALUES` K and as many V values takes at the
+        fake's ``kv_type`` (and ``kv_type_v``), as llama.cpp counts it: 1024 bytes in
+        ``f16``, 544 in ``q8_0``, 288 in ``q4_0`` (:func:`~llamax.config.kv_row_bytes`)."""
+        return self._kv_bytes_per_cell
 
     @property
     def n_batch(self) -> int:
@@ -595,25 +620,38 @@ class FakeBackend:
 
     @property
     def model_identity(self) -> dict[str, object]:
-        """The fake model's identity, its weights included."""
+        """The fake model's identity, its weights and KV cache types (``"F16/F16"``, as
+        the llama.cpp backend names them) included."""
         return {
             "name": self._facts.model_name,
             "n_vocab": self._facts.n_vocab,
             "weights": self._weights,
+            "kv_cache": self._kv_cache,
         }
 
     def state_seq_get(self, seq_id: int, *, partial: bool = False) -> bytes:
         """The sequence's state as JSON: a header, then its tokens by position (null for a
         removed cell). The header names the model and adapter set the cells were computed
         by and lists the cells whose buffer holds anything else (``[position, chain, model,
-        adapters]``, chain null for garbage: a copy still queued has not filled it)."""
+        adapters]``, chain null for garbage: a copy still queued has not filled it), and
+        its K/V types where they are not f16's. With ``sized_states``, a whole state is
+        as long as llama.cpp's would be, at least: blanks after the JSON make it
+        :attr:`kv_bytes_per_cell` longer a cell held, so budgets in bytes hold as many
+        cells as they would of real states."""
         self._fault("state_seq_get")
-        return self._memory.partial_state(seq_id) if partial else self._memory.state(seq_id)
+        if partial:
+            return self._memory.partial_state(seq_id)
+        data = self._memory.state(seq_id)
+        if self._sized_states:
+            held = sum(t is not None for t in self.cells[seq_id])
+            data += b" " * (held * self._kv_bytes_per_cell)
+        return data
 
     def state_seq_set(self, seq_id: int, data: bytes, *, partial: bool = False) -> bool:
         """Load tokens from :meth:`state_seq_get` into an empty sequence; False (nothing
         loaded) for a state that is not a list of tokens at positions ``0 .. n-1`` (one
-        with a removed cell, as llama.cpp's own check refuses) or does not fit."""
+        with a removed cell, as llama.cpp's own check refuses), does not fit, or holds K/V
+        of other types than the fake's (as llama.cpp refuses: "mismatched key type")."""
         if self._fault("state_seq_set") is not None:
             return False
         if partial:  # a checkpoint: the recurrent state only, the cells stay

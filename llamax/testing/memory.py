@@ -17,7 +17,10 @@ from ..adapters import NO_ADAPTERS, AdapterSet
 from ..backend.base import SharedPrefix
 from ..errors import RequestFailedError
 
-__all__ = ["Computed", "FakeMemory"]
+__all__ = ["F16_KV", "Computed", "FakeMemory"]
+
+F16_KV = "F16/F16"
+"""The default K/V cache types, as a model's identity names them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +59,18 @@ class FakeMemory:
     the state the sequence's own cells lead to."""
 
     def __init__(
-        self, n_seq_max: int, *, is_unified: bool, model: str, recurrent: bool = False
+        self,
+        n_seq_max: int,
+        *,
+        is_unified: bool,
+        model: str,
+        recurrent: bool = False,
+        kv_cache: str = F16_KV,
     ) -> None:
         self.is_unified = is_unified
         self.recurrent = recurrent
+        self.kv_cache = kv_cache
+        """The K/V cache's types (``"F16/F16"``): a state of other types is refused."""
         self._states: dict[int, tuple[int, Computed] | None] = dict.fromkeys(range(n_seq_max))
         # recurrent: each sequence's state, as (tokens it consumed, what it came from)
         self.model = model
@@ -359,6 +370,8 @@ class FakeMemory:
             elif (data.chain, data.model, data.adapters) != (expected[pos], model, adapters):
                 odd.append([pos, data.chain, data.model, [list(a) for a in data.adapters]])
         header: dict[str, object] = {"m": model, "a": [list(a) for a in adapters], "x": odd}
+        if self.kv_cache != F16_KV:  # an f16 state's header says nothing (as before)
+            header["k"] = self.kv_cache
         if self.recurrent:
             state = self._states[seq_id]
             header["r"] = None if state is None else [state[0], *_computed_json(state[1])]
@@ -366,13 +379,17 @@ class FakeMemory:
 
     def load(self, seq_id: int, data: bytes, *, n_ctx: int, n_ctx_stream: int) -> bool:
         """Load a :meth:`state` into an empty sequence; False (nothing loaded) for one that
-        is not a list of tokens at positions ``0 .. n-1`` or does not fit."""
+        is not a list of tokens at positions ``0 .. n-1``, does not fit, or holds K/V of
+        other types than :attr:`kv_cache` (as llama.cpp refuses one)."""
         try:
             loaded = json.loads(data)
             parsed = _parse_state(loaded)
         except (ValueError, TypeError, KeyError, IndexError):
             return False
         if parsed is None:
+            return False
+        header = loaded[0] if loaded and isinstance(loaded[0], dict) else {}
+        if header.get("k", F16_KV) != self.kv_cache:  # llama.cpp: "mismatched key type"
             return False
         tokens, computed = parsed
         if (
