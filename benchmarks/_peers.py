@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import llama_cpp
 from _common import N_THREADS, log
@@ -104,7 +104,7 @@ class LlamaCppPythonPeer:
         stream = self.llm.create_completion(
             prompt, max_tokens=max_tokens, temperature=0.0, logit_bias=self.logit_bias, stream=True
         )
-        for chunk in stream:
+        for chunk in cast(Iterator[Any], stream):  # stream=True: chunks, not one response
             if ttft is None:
                 ttft = time.perf_counter() - start
             pieces.append(chunk["choices"][0]["text"])
