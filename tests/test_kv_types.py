@@ -317,3 +317,37 @@ def test_the_disk_tier_of_one_type_never_restores_another_types_entries(
     again = make(disk)  # f16's entry is still there, and restores
     assert again.stats().prefix_disk_entries == 1
     assert complete(again, system(0) + "C3?").usage.cached_tokens == len(system(0))
+
+
+class _Shape:
+    """What :func:`kv_dims` reads of a model."""
+
+    def __init__(self, n_embd: int, n_head: int, n_head_kv: int, meta: dict[str, str]) -> None:
+        self._shape, self._meta = (n_embd, n_head, n_head_kv), meta
+
+    def n_embd(self) -> int:
+        return self._shape[0]
+
+    def n_head(self) -> int:
+        return self._shape[1]
+
+    def n_head_kv(self) -> int:
+        return self._shape[2]
+
+    def meta(self, key: str) -> str | None:
+        return self._meta.get(key)
+
+
+def test_a_cell_holds_the_heads_size_the_gguf_gives_not_n_embd_over_n_head() -> None:
+    """Gemma 3 270M: 640 wide, 4 heads, 1 KV head, heads of 256 (``key_length``): a cell
+    holds 256 K and 256 V values a layer (18 layers, f16: 18,432 bytes, as its saved state
+    grows), where ``n_embd / n_head`` counted 160 (11,520 bytes, 0.62x)."""
+    from llamax.backend.llama_cpp import kv_dims
+
+    gemma = {"general.architecture": "gemma3", "gemma3.attention.key_length": "256",
+             "gemma3.attention.value_length": "256"}  # fmt: skip
+    assert kv_dims(_Shape(640, 4, 1, gemma)) == (256, 256)
+    assert kv_dims(_Shape(576, 9, 3, {"general.architecture": "llama"})) == (192, 192)
+    odd = {"general.architecture": "x", "x.attention.key_length": "192",
+           "x.attention.value_length": "128"}  # fmt: skip
+    assert kv_dims(_Shape(1024, 8, 2, odd)) == (384, 256)

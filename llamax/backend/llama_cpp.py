@@ -175,8 +175,8 @@ class LlamaCppBackend(LlamaCppModel):
             bos_token_id=self._bos_eos[0],
             eos_token_id=self._bos_eos[1],
         )
-        kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
-        row_bytes = kv_row_bytes(type_k, kv_dim) + kv_row_bytes(type_v, kv_dim)
+        k_dim, v_dim = kv_dims(model)
+        row_bytes = kv_row_bytes(type_k, k_dim) + kv_row_bytes(type_v, v_dim)
         self._kv_bytes_per_cell = row_bytes * model.n_layer()  # K+V, every layer
         self._adapter_set: AdapterSet | None = NO_ADAPTERS  # None: not yet applied
         self._kv_types = "/".join(
@@ -611,3 +611,17 @@ class LlamaCppBackend(LlamaCppModel):
         """
         if self._guard.close():
             self._stack.close()  # each handle is freed even when an earlier free raises
+
+
+def kv_dims(model: Any) -> tuple[int, int]:
+    """The K and V values one KV cell holds in a layer: the heads' size times the KV heads.
+    The size is the GGUF's ``<arch>.attention.key_length`` / ``value_length`` where given
+    (Gemma 3 270M: 256, not ``n_embd / n_head`` = 160), else ``n_embd / n_head``."""
+    n_head_kv = model.n_head_kv()
+    head = model.n_embd() // max(1, model.n_head())
+    arch = model.meta("general.architecture") or ""
+    dims = []
+    for key in ("key_length", "value_length"):
+        value = model.meta(f"{arch}.attention.{key}")
+        dims.append(int(value) * n_head_kv if value and value.isdigit() else head * n_head_kv)
+    return dims[0], dims[1]
