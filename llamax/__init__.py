@@ -24,6 +24,7 @@ from .errors import (
     EngineError,
     GrammarError,
     ImageError,
+    InsufficientMemoryError,
     InvalidMessageError,
     InvalidParameterError,
     InvalidRequestError,
@@ -44,7 +45,7 @@ from .errors import (
 from .facts import ModelFacts
 from .handle import RequestHandle
 from .images import Image
-from .info import ModelInfo, model_info
+from .info import MemoryPlan, ModelInfo, model_info, plan_memory
 from .models import default_model_path
 from .params import LogitsProcessor, SamplingParams
 from .results import (
@@ -89,6 +90,7 @@ __all__ = [
     "GrammarError",
     "Image",
     "ImageError",
+    "InsufficientMemoryError",
     "InvalidMessageError",
     "InvalidParameterError",
     "InvalidRequestError",
@@ -97,6 +99,7 @@ __all__ = [
     "LogitsProcessor",
     "LogitsRow",
     "LoopOwnershipError",
+    "MemoryPlan",
     "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
@@ -122,4 +125,5 @@ __all__ = [
     "__version__",
     "default_model_path",
     "model_info",
+    "plan_memory",
 ]

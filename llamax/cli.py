@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -16,11 +17,20 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import llamax
 from llamax.batch import generate
-from llamax.flags import add_option_flags, option_values
-from llamax.info import ModelInfo, max_cells, model_info
+from llamax.flags import add_option_flags, byte_size, option_values
+from llamax.info import (
+    KV_TYPE_NAMES,
+    MAX_PLANNED_CTX,
+    MemoryPlan,
+    ModelInfo,
+    max_cells,
+    model_info,
+    plan_memory,
+)
 
 __all__ = ["main"]
 
@@ -103,12 +113,18 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_flags(bench)
     bench.set_defaults(handler=_bench)
 
-    info = commands.add_parser("info", help="print a model's GGUF metadata")
+    info = commands.add_parser(
+        "info",
+        help="print a model's GGUF metadata, or what a context of it costs in memory",
+        usage="llamax info [MODEL] [--json] [--mmproj FILE] [--n-ctx N --n-seq-max S "
+        "--kv-type T --memory BYTES ...]",
+    )
     info.add_argument("model_path", nargs="?", metavar="MODEL", help="GGUF file")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.add_argument(
         "--mmproj", metavar="FILE", help="the model's multimodal projector: does it see images"
     )
+    _add_plan_flags(info)
     info.set_defaults(handler=_info)
 
     commands.add_parser("serve", help="OpenAI-compatible HTTP server (llamax[server])")
@@ -123,6 +139,39 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--model", "-m", metavar="PATH", help="GGUF file (default: $LLAMAX_MODEL or SmolLM2)"
     )
     add_option_flags(group, llamax.ContextConfig, skip=("n_seq_max",))  # set by each command
+
+
+_PLAN_OPTIONS = (
+    "n_ctx", "n_seq_max", "n_ctx_seq", "kv_layout", "n_batch", "n_ubatch", "flash_attn",
+    "prefix_cache", "prefix_ram_bytes", "kv_type", "kv_type_k", "kv_type_v",
+)  # fmt: skip
+"""The options of ``llamax.ContextConfig`` that ``llamax info`` plans with (those of
+``llamax.plan_memory``)."""
+
+
+def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    """``llamax info``'s memory-plan flags: the context options a plan depends on, and
+    ``--memory``. Any of them prints the plan instead of the metadata."""
+    group = parser.add_argument_group(
+        "memory plan (any of these prints what a context of these options costs; "
+        "llamax.plan_memory)"
+    )
+    names = {f.name for f in dataclasses.fields(llamax.ContextConfig)}
+    add_option_flags(group, llamax.ContextConfig, skip=sorted(names - set(_PLAN_OPTIONS)))
+    if "kv_type" not in names:  # until ContextConfig has the KV type options
+        group.add_argument(
+            "--kv-type",
+            dest="kv_type",
+            choices=KV_TYPE_NAMES,
+            help="the KV cache's number type, K and V (default: f16)",
+        )
+    group.add_argument(
+        "--memory",
+        type=byte_size,
+        metavar="BYTES",
+        help="the memory to plan for (also 8G, 512M; default: what the kernel reports "
+        "available, MemAvailable)",
+    )
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -278,6 +327,13 @@ def _bench(ns: argparse.Namespace) -> int:
 
 
 def _info(ns: argparse.Namespace) -> int:
+    options: dict[str, Any] = {
+        name: value
+        for name, value in vars(ns).items()
+        if name in _PLAN_OPTIONS and value is not None
+    }
+    if options or ns.memory is not None:
+        return _plan(ns, options)
     info = model_info(ns.model_path, mmproj=ns.mmproj)
     if ns.json:
         print(json.dumps(asdict(info), default=str, indent=2))
@@ -328,6 +384,73 @@ def _memory_rows(info: ModelInfo) -> list[tuple[str, str]]:
             f"{gib} GiB: {max(0, (gib << 30) - info.size_bytes) // state:,}" for gib in (8, 16, 32)
         )
         rows.append(("seqs in RAM", f"{fits} (beside the weights; compute buffers extra)"))
+    return rows
+
+
+def _plan(ns: argparse.Namespace, options: dict[str, Any]) -> int:
+    if ns.model_path is not None and not os.path.isfile(os.path.expanduser(ns.model_path)):
+        raise llamax.ModelLoadError(f"model file not found: {ns.model_path}")
+    plan = plan_memory(ns.model_path, memory_bytes=ns.memory, **options)
+    if ns.json:
+        print(json.dumps(asdict(plan), default=str, indent=2))
+        return 0
+    for label, value in _plan_rows(plan, given_memory=ns.memory is not None):
+        print(f"{label + ':':<20}{value}")
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def _plan_rows(plan: MemoryPlan, *, given_memory: bool) -> list[tuple[str, str]]:
+    """:func:`llamax.plan_memory`'s plan as ``llamax info`` prints it."""
+    layout = f"{plan.kv_layout}, {plan.kv_cells:,} cells"
+    if plan.kv_layout == "streams":
+        layout += f" ({plan.kv_cells // plan.n_ctx_stream} x {plan.n_ctx_stream:,})"
+    rows = [
+        ("model", f"{plan.model_path.name} ({plan.description})"),
+        ("options", f"n_ctx {plan.n_ctx:,}, n_seq_max {plan.n_seq_max}"),
+        ("KV layout", layout + ("; moves to unified and back" if plan.moves_layout else "")),
+        ("weights", f"{_size(plan.weights_bytes)} (mapped from the file)"),
+        (
+            "KV cache",
+            f"{_size(plan.kv_bytes)} ({plan.kv_bytes_per_cell:,} bytes a cell at "
+            f"{plan.kv_type_k}/{plan.kv_type_v})",
+        ),
+    ]
+    if plan.state_bytes_per_seq:
+        rows.append(
+            (
+                "recurrent state",
+                f"{_size(plan.state_bytes)} ({plan.state_bytes_per_seq:,} bytes a sequence)",
+            )
+        )
+    rows += [
+        ("compute buffers", _size(plan.compute_bytes)),
+        ("output buffer", f"{_size(plan.output_bytes)} (logits of {plan.n_seq_max} rows)"),
+        ("at creation", f"{_size(plan.context_bytes)} (the above, beside the weights)"),
+    ]
+    if plan.relayout_bytes:
+        rows.append(("layout move", f"{_size(plan.relayout_bytes)} (both layouts for a moment)"))
+    rows += [
+        ("RAM prefix tier", f"{_size(plan.prefix_ram_bytes)} (a budget, filled as prefixes go)"),
+        ("total", _size(plan.total_bytes)),
+        (
+            "memory",
+            f"{_size(plan.memory_bytes)} ({'given' if given_memory else 'available now'}): "
+            + ("fits" if plan.fits else "does NOT fit"),
+        ),
+        (
+            "largest n_ctx",
+            f"{plan.max_n_ctx:,}{' or more' if plan.max_n_ctx == MAX_PLANNED_CTX else ''} "
+            f"(with n_seq_max {plan.n_seq_max})",
+        ),
+        ("largest n_seq_max", f"{plan.max_n_seq_max} (with n_ctx {plan.n_ctx:,})"),
+    ]
     return rows
 
 

@@ -5,7 +5,8 @@ Every error llamax raises on purpose derives from :class:`LlamaxError`::
     LlamaxError
     ├── ModelLoadError              model file missing, unreadable or not a model
     │   ├── DefaultModelNotInstalledError
-    │   └── ProjectorError          an ``mmproj`` file missing, not a projector, or unfit
+    │   ├── ProjectorError          an ``mmproj`` file missing, not a projector, or unfit
+    │   └── InsufficientMemoryError the context's buffers cannot fit the memory available
     ├── InvalidRequestError (also ValueError)
     │   ├── InvalidParameterError   a SamplingParams / config field is out of range
     │   ├── EmptyPromptError
@@ -37,6 +38,7 @@ __all__ = [
     "EngineError",
     "GrammarError",
     "ImageError",
+    "InsufficientMemoryError",
     "InvalidMessageError",
     "InvalidParameterError",
     "InvalidRequestError",
@@ -88,6 +90,30 @@ class ProjectorError(ModelLoadError):
     """A multimodal projector (``mmproj`` GGUF) is missing, is not a projector llama.cpp's
     ``mtmd`` can load, or does not fit the model (its output width is not the model's
     embedding width, or it needs positions the model does not use)."""
+
+
+class InsufficientMemoryError(ModelLoadError):
+    """A context's buffers (its KV cache, a recurrent model's state, llama.cpp's compute
+    and output buffers) would not fit in the memory the kernel can hand out, so it was
+    refused before llama.cpp allocated them (it zeroes the KV cache as it allocates it:
+    the process would be killed halfway). The message gives the numbers and the largest
+    ``n_ctx`` that fits; ``$LLAMAX_MEMORY_CHECK=0`` turns the check off (docs/memory.md).
+
+    Args:
+        message: What was refused and why.
+        plan: The context's :class:`~llamax.MemoryPlan`.
+        available_bytes: The memory it was compared with (``MemAvailable + SwapFree``).
+    """
+
+    plan: Any
+    """The refused context's :class:`~llamax.MemoryPlan`."""
+    available_bytes: int
+    """The memory the context's buffers were compared with."""
+
+    def __init__(self, message: str, *, plan: Any = None, available_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.plan = plan
+        self.available_bytes = available_bytes
 
 
 class InvalidRequestError(LlamaxError, ValueError):

@@ -1,4 +1,6 @@
-"""What a GGUF model is, without creating a full :class:`~llamax.Context`: :func:`model_info`."""
+"""What a GGUF model is, without creating a full :class:`~llamax.Context`: :func:`model_info`;
+and what a context of it will cost in memory: :func:`plan_memory` (from
+:mod:`llamax.memory_plan`)."""
 
 from __future__ import annotations
 
@@ -6,9 +8,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .memory_plan import KV_TYPE_NAMES, MAX_PLANNED_CTX, MemoryPlan, plan_memory
 from .models import default_model_path
 
-__all__ = ["ModelInfo", "max_cells", "model_info"]
+__all__ = [
+    "KV_TYPE_NAMES",
+    "MAX_PLANNED_CTX",
+    "MemoryPlan",
+    "ModelInfo",
+    "max_cells",
+    "model_info",
+    "plan_memory",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +96,8 @@ def max_cells(info: ModelInfo, ram_bytes: int, *, n_seq_max: int = 1) -> int:
     """The most KV cells (``n_ctx``, over all sequences) that fit in ``ram_bytes`` beside
     the model's weights and ``n_seq_max`` sequences' fixed state, by ``info``'s measured
     costs; 0 when the weights alone do not fit. A rough plan: llama.cpp's compute buffers
-    (about 100 MiB for a small model) and the process come on top."""
+    (about 100 MiB for a small model) and the process come on top; :func:`plan_memory`
+    counts them, at any KV type and layout."""
     room = ram_bytes - info.size_bytes - n_seq_max * info.state_bytes_per_seq
     if room <= 0:
         return 0

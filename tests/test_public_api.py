@@ -36,6 +36,7 @@ EXPECTED_ALL = [
     "FinishReason",
     "GrammarError",
     "ImageError",
+    "InsufficientMemoryError",
     "InvalidMessageError",
     "InvalidParameterError",
     "Image",
@@ -44,6 +45,7 @@ EXPECTED_ALL = [
     "LogitsProcessor",
     "LogitsRow",
     "LoopOwnershipError",
+    "MemoryPlan",
     "ModelFacts",
     "ModelInfo",
     "ModelLoadError",
@@ -70,12 +72,21 @@ EXPECTED_ALL = [
     "__version__",
     "default_model_path",
     "model_info",
+    "plan_memory",
 ]
 
 PUBLIC_MODULES = {
     "llamax.batch": ["BatchHost", "Prompt", "agenerate", "generate"],
     "llamax.embeddings": ["Embedder", "Pooling"],
-    "llamax.info": ["ModelInfo", "max_cells", "model_info"],
+    "llamax.info": [
+        "KV_TYPE_NAMES",
+        "MAX_PLANNED_CTX",
+        "MemoryPlan",
+        "ModelInfo",
+        "max_cells",
+        "model_info",
+        "plan_memory",
+    ],
     "llamax.cli": ["main"],
     "llamax.anthropic": ["REQUEST_FIELDS", "amessages", "count_tokens", "messages"],
     "llamax.dialects": ["TABLES"],

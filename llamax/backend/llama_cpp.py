@@ -30,6 +30,7 @@ from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES
 from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
 from .llama_model import LlamaCppModel
+from .memory_probe import check_context_memory
 from .native import (
     NativeBatch,
     NativeContext,
@@ -108,6 +109,8 @@ class LlamaCppBackend(LlamaCppModel):
             # "auto" without n_ctx_seq starts in streams and moves (relayout) as needed.
             self._can_relayout = adapts_layout(config, self._plain_kv)
             self._is_unified = config.resolved_kv_layout == "unified" and not self._can_relayout
+            # a cache that cannot fit is refused here, not zeroed until the kernel kills us
+            check_context_memory(model, config, unified=self._is_unified)
             self._cparams = context_params(
                 C,
                 n_ctx=config.n_ctx,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ __all__ = [
     "NativeModel",
     "NativeSampler",
     "bindings",
+    "captured_log",
     "check_gguf",
     "context_params",
     "native_log_level",
@@ -40,6 +43,8 @@ _INIT_LOCK = threading.Lock()
 # ggml_log_level: NONE=0, DEBUG=1, INFO=2, WARN=3, ERROR=4, CONT=5 (continues the last line)
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _CANDIDATE = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+_CAPTURE = threading.local()
+"""This thread's :func:`captured_log` list (``lines``), while one is open."""
 
 
 def bindings() -> Any:
@@ -62,6 +67,10 @@ def bindings() -> Any:
 
             @C.llama_log_callback  # type: ignore[untyped-decorator]
             def forward(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+                sink = getattr(_CAPTURE, "lines", None)
+                if sink is not None:  # a dry run's lines: read by its caller, not logged
+                    sink.append(text.decode("utf-8", "replace"))
+                    return
                 if level != 5:
                     last[0] = native_log_level(level, text)
                 if _log.isEnabledFor(last[0]):
@@ -73,6 +82,21 @@ def bindings() -> Any:
             C.llama_log_set(forward, ctypes.c_void_p(0))
             C.llama_backend_init()
     return C
+
+
+@contextmanager
+def captured_log() -> Iterator[list[str]]:
+    """Collect the llama.cpp log lines this thread causes, in a list, instead of logging
+    them (llama.cpp logs from the calling thread): what a dry run sizes is read from them
+    (:mod:`~llamax.backend.memory_probe`). Other threads' lines are logged as usual."""
+    bindings()  # the callback is installed
+    lines: list[str] = []
+    outer = getattr(_CAPTURE, "lines", None)
+    _CAPTURE.lines = lines
+    try:
+        yield lines
+    finally:
+        _CAPTURE.lines = outer
 
 
 _EXPECTED = (b"n_ctx is not divisible by n_seq_max",)
@@ -142,8 +166,12 @@ class NativeModel:
         n_gpu_layers: int,
         use_mmap: bool = True,
         use_extra_bufts: bool | None = None,
+        no_alloc: bool = False,
     ) -> None:
         """Check and load a GGUF file (``use_extra_bufts=None``: off where AMX crashes).
+        With ``no_alloc``, only its metadata and tensor shapes are read: llama.cpp then
+        sizes the contexts made on it without allocating them (a dry run), and it cannot
+        decode.
 
         Raises:
             ModelLoadError: the file is missing, not a GGUF, or llama.cpp refused it.
@@ -155,6 +183,8 @@ class NativeModel:
         mparams.use_extra_bufts = (
             default_use_extra_bufts() if use_extra_bufts is None else use_extra_bufts
         )
+        if no_alloc:  # llama.cpp maps nothing then: load mode NONE (an mmap asserts)
+            mparams.no_alloc, mparams.load_mode = True, 0
         ptr = C.llama_model_load_from_file(str(path).encode(), mparams)
         if not ptr:
             raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
