@@ -23,7 +23,6 @@ import llamax
 from llamax.batch import generate
 from llamax.flags import add_option_flags, byte_size, option_values
 from llamax.info import (
-    KV_TYPE_NAMES,
     MAX_PLANNED_CTX,
     MemoryPlan,
     ModelInfo,
@@ -158,13 +157,6 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
     )
     names = {f.name for f in dataclasses.fields(llamax.ContextConfig)}
     add_option_flags(group, llamax.ContextConfig, skip=sorted(names - set(_PLAN_OPTIONS)))
-    if "kv_type" not in names:  # until ContextConfig has the KV type options
-        group.add_argument(
-            "--kv-type",
-            dest="kv_type",
-            choices=KV_TYPE_NAMES,
-            help="the KV cache's number type, K and V (default: f16)",
-        )
     group.add_argument(
         "--memory",
         type=byte_size,

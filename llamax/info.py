@@ -8,11 +8,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .memory_plan import KV_TYPE_NAMES, MAX_PLANNED_CTX, MemoryPlan, plan_memory
+from .memory_plan import MAX_PLANNED_CTX, MemoryPlan, plan_memory
 from .models import default_model_path
 
 __all__ = [
-    "KV_TYPE_NAMES",
     "MAX_PLANNED_CTX",
     "MemoryPlan",
     "ModelInfo",

@@ -24,43 +24,24 @@ from pathlib import Path
 from typing import Literal, Protocol, TypeAlias
 
 from .checks import require
-from .config import ContextConfig, KVLayout
+from .config import ContextConfig, KVLayout, KVType, kv_row_bytes
 from .models import default_model_path
 
 __all__ = [
-    "KV_TYPE_NAMES",
     "MAX_DRY_RUN_CELLS",
     "MAX_PLANNED_CTX",
     "KVShape",
     "MemoryPlan",
     "ModelShape",
-    "PlanKVType",
     "Sizer",
     "assemble_plan",
     "available_memory",
-    "check_kv_types",
-    "is_quantized",
     "kv_bytes",
-    "kv_row_bytes",
     "layout_cells",
     "micro_batch",
+    "padded",
     "plan_memory",
 ]
-
-PlanKVType: TypeAlias = Literal[
-    "f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0"
-]
-"""A KV cache's number type: ggml's names, those llama-server's ``-ctk``/``-ctv`` take."""
-
-_BLOCKS: dict[str, tuple[int, int]] = {
-    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q5_1": (32, 24),
-    "q5_0": (32, 22), "q4_1": (32, 20), "iq4_nl": (32, 18), "q4_0": (32, 18),
-}  # fmt: skip
-"""Each KV type's block, ``(values, bytes)``: ggml's ``blck_size`` and ``type_size``
-(``ggml.c``'s ``type_traits``; a q8_0 block is 32 int8 values and one f16 scale)."""
-
-KV_TYPE_NAMES: tuple[str, ...] = tuple(_BLOCKS)
-"""The KV types :func:`plan_memory` takes, widest first."""
 
 _PAD = 256
 """llama.cpp pads ``n_ctx``, each stream and a window's cache to a multiple of this."""
@@ -75,40 +56,6 @@ does not grow with its context (recurrent) reports this one."""
 
 _MAX_SEQ = 256
 """llama.cpp's most sequences (``LLAMA_MAX_SEQ``), as ``n_seq_max`` allows."""
-
-
-def kv_row_bytes(kv_type: str, num_values: int) -> int:
-    """The bytes ``num_values`` values take in ``kv_type`` (ggml's ``ggml_row_size``: a
-    quantized type holds whole blocks of 32 values; llama.cpp refuses a quantized cache
-    whose rows are not whole blocks).
-
-    Raises:
-        KeyError: ``kv_type`` is not one of :data:`KV_TYPE_NAMES`.
-    """
-    values, size = _BLOCKS[kv_type]
-    return -(-num_values // values) * size
-
-
-def check_kv_types(kv_type: str, kv_type_k: str | None, kv_type_v: str | None) -> tuple[str, str]:
-    """The K and V caches' types (``kv_type_k``/``kv_type_v``, else ``kv_type``), checked.
-
-    Raises:
-        InvalidParameterError: a type is not one of :data:`KV_TYPE_NAMES`.
-    """
-    for name, value in (("kv_type", kv_type), ("kv_type_k", kv_type_k), ("kv_type_v", kv_type_v)):
-        require(
-            (value is None and name != "kv_type") or value in _BLOCKS,
-            f"{name} must be one of {', '.join(repr(t) for t in KV_TYPE_NAMES)}"
-            f"{'' if name == 'kv_type' else ' or None'}, got {value!r}",
-            name,
-        )
-    return kv_type_k or kv_type, kv_type_v or kv_type
-
-
-def is_quantized(kv_type: str) -> bool:
-    """Whether ``kv_type`` stores blocks of values with a shared scale (``q8_0`` ...): a
-    quantized V cache needs flash attention."""
-    return _BLOCKS[kv_type][0] > 1
 
 
 def padded(n: int) -> int:
@@ -147,7 +94,8 @@ class KVShape:
     """The sliding window of its layers (``llama_model_n_swa``); 0 for full attention."""
 
     def cell_bytes(self, type_k: str, type_v: str) -> int:
-        """Bytes of one cell of this cache at these types."""
+        """Bytes of one cell of this cache at these types (each layer's row is whole blocks
+        of a quantized type, or llama.cpp refuses the type, so the sum's row is theirs)."""
         return kv_row_bytes(type_k, self.k_values) + kv_row_bytes(type_v, self.v_values)
 
 
@@ -169,13 +117,14 @@ class ModelShape:
     """A recurrent or hybrid model's state (F32, its R and S tensors) for one sequence."""
     is_recurrent: bool = False
     is_hybrid: bool = False
+    n_swa: int = 0
+    """The sliding window (``llama_model_n_swa``), 0 when none."""
 
     @property
     def plain_kv(self) -> bool:
-        """One KV cache of full attention layers and nothing else: its sequences' states can
-        move between layouts (``kv_layout="auto"`` adapts)."""
-        windowed = any(cache.window for cache in self.caches)
-        return not (self.is_recurrent or self.is_hybrid or windowed)
+        """One KV cache of full attention and nothing else, as the backend decides it: its
+        sequences' states can move between layouts (``kv_layout="auto"`` adapts)."""
+        return not (self.is_recurrent or self.is_hybrid or self.n_swa > 0)
 
     def cell_bytes(self, type_k: str, type_v: str) -> int:
         """Bytes of one cell in every cache: what one more token of a sequence costs (a
@@ -244,8 +193,8 @@ class MemoryPlan:
     n_ctx: int
     """The ``n_ctx`` planned (KV cells asked for)."""
     n_seq_max: int
-    kv_type_k: str
-    kv_type_v: str
+    kv_type_k: KVType
+    kv_type_v: KVType
     kv_layout: Literal["unified", "streams"]
     """The layout the context starts in."""
     moves_layout: bool
@@ -357,7 +306,7 @@ def _need(
     sizer: Sizer,
     compute: Compute,
     config: ContextConfig,
-    kv_types: tuple[str, str],
+    kv_types: tuple[KVType, KVType],
     n_ctx: int,
     n_seq_max: int,
 ) -> _Need:
@@ -427,16 +376,16 @@ def assemble_plan(
     shape: ModelShape,
     sizer: Sizer,
     config: ContextConfig,
-    kv_types: tuple[str, str],
     memory_bytes: int,
     *,
     search: bool = True,
 ) -> MemoryPlan:
-    """The plan of a context of ``config`` at ``kv_types`` for a model of ``shape``, with
+    """The plan of a context of ``config`` (at its KV types) for a model of ``shape``, with
     its compute buffers and layout from ``sizer``, against ``memory_bytes``. With
     ``search``, the largest ``n_ctx`` and ``n_seq_max`` that fit are found by bisection
     (a few dry runs of llama.cpp's sizing); without, both are 0."""
     fixed = shape.weights_bytes + _ram_tier_bytes(config, memory_bytes)
+    kv_types = config.kv_types
 
     def total(need: _Need) -> int:
         return fixed + need.context + need.relayout
@@ -498,9 +447,9 @@ def plan_memory(
     *,
     n_ctx: int = 4096,
     n_seq_max: int = 16,
-    kv_type: str = "f16",
-    kv_type_k: str | None = None,
-    kv_type_v: str | None = None,
+    kv_type: KVType = "f16",
+    kv_type_k: KVType | None = None,
+    kv_type_v: KVType | None = None,
     n_ctx_seq: int | None = None,
     kv_layout: KVLayout = "auto",
     n_batch: int = 512,
@@ -514,48 +463,47 @@ def plan_memory(
 ) -> MemoryPlan:
     """Plan the memory of ``llamax.Context(model_path, **options)`` without creating it.
 
-    The options are :class:`~llamax.Context`'s, with its defaults, so a plan is the
-    context's that the same keywords create; ``kv_type`` (``"f16"``, ``"q8_0"`` ... see
-    :data:`KV_TYPE_NAMES`; ``kv_type_k``/``kv_type_v`` for K or V alone) is the KV cache's
-    number type. llama.cpp reads the model's metadata (not its weights) and sizes the
-    context without allocating it, in a few hundred milliseconds; the plan is for a context
-    on the CPU (with layers on a GPU, the KV cache and compute buffers go to its memory).
+    The options are :class:`~llamax.Context`'s that decide its memory, with its defaults,
+    so a plan is that of the context the same keywords create (they are checked as it
+    checks them). llama.cpp reads the model's metadata (not its weights) and sizes the
+    context without allocating it, in well under a second; the plan is for a context on
+    the CPU (with layers on a GPU, the KV cache and compute buffers go to its memory).
 
     Args:
         model_path: a GGUF file; ``None`` means ``$LLAMAX_MODEL`` or the default model.
         n_ctx: KV cells, over all sequences.
         n_seq_max: sequences computed at once.
-        kv_type: the K and V caches' type.
-        kv_type_k: the K cache's type, where it differs.
+        kv_type: the K and V caches' number type (``"f16"``, ``"q8_0"`` ...:
+            :data:`llamax.config.KV_TYPES`).
+        kv_type_k: the K cache's type, where it differs from ``kv_type``.
         kv_type_v: the V cache's type, where it differs (quantized, it needs flash
             attention: ``flash_attn=False`` is refused).
-        n_ctx_seq: the most tokens one sequence may hold (decides the layout).
+        n_ctx_seq: the most tokens one sequence may hold (it decides the layout).
         kv_layout: ``"auto"``, ``"unified"`` or ``"streams"``.
         n_batch: most tokens a decode carries.
-        n_ubatch: llama.cpp's micro-batch (the compute buffers' size follows it).
+        n_ubatch: llama.cpp's micro-batch (the compute buffers follow it).
         flash_attn: flash attention (``None``: llama.cpp decides).
-        prefix_cache: whether finished prefixes are kept (and so the RAM tier exists).
+        prefix_cache: whether finished prefixes are kept (and so whether the RAM tier is).
         prefix_ram_bytes: the RAM tier's budget (``None``: a quarter of ``memory_bytes``,
             at most 8 GiB, times ``prefix_ram_share``).
         prefix_ram_share: this context's share of the default RAM tier budget.
         memory_bytes: the memory to plan for (``None``: what the kernel reports available
             now, ``MemAvailable``).
-        search: find the largest ``n_ctx`` and ``n_seq_max`` that fit (some dozens of dry
+        search: find the largest ``n_ctx`` and ``n_seq_max`` that fit (a few more dry
             runs); without, :attr:`MemoryPlan.max_n_ctx` and ``max_n_seq_max`` are 0.
 
     Returns:
         The :class:`MemoryPlan`.
 
     Raises:
-        InvalidParameterError: an option is out of range (as :class:`~llamax.Context`
-            says), or a KV type is unknown.
+        InvalidParameterError: an option is out of range, as :class:`~llamax.Context`
+            says it (an unknown KV type, a quantized V without flash attention ...).
         ModelLoadError: the file is missing, not GGUF, or llama.cpp refuses it or the
             context.
     """
     from .backend.memory_probe import plan_with_probe
 
     path = Path(model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()).expanduser()
-    kv_types = check_kv_types(kv_type, kv_type_k, kv_type_v)
     require(
         memory_bytes is None or (isinstance(memory_bytes, int) and memory_bytes >= 0),
         f"memory_bytes must be None or an int >= 0, got {memory_bytes!r}",
@@ -565,6 +513,9 @@ def plan_memory(
         model_path=str(path),
         n_ctx=n_ctx,
         n_seq_max=n_seq_max,
+        kv_type=kv_type,
+        kv_type_k=kv_type_k,
+        kv_type_v=kv_type_v,
         n_ctx_seq=n_ctx_seq,
         kv_layout=kv_layout,
         n_batch=n_batch,
@@ -574,11 +525,5 @@ def plan_memory(
         prefix_ram_bytes=prefix_ram_bytes,
         prefix_ram_share=prefix_ram_share,
     )
-    require(  # after the config: reproducible turns flash attention off
-        not is_quantized(kv_types[1]) or config.flash_attn is not False,
-        f"kv_type_v={kv_types[1]!r} quantizes the V cache, which llama.cpp computes only with "
-        "flash attention: flash_attn=False (or reproducible) contradicts it",
-        "flash_attn",
-    )
     memory = available_memory() if memory_bytes is None else memory_bytes
-    return plan_with_probe(config, kv_types, memory, search=search)
+    return plan_with_probe(config, memory, search=search)

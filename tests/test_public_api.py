@@ -79,7 +79,6 @@ PUBLIC_MODULES = {
     "llamax.batch": ["BatchHost", "Prompt", "agenerate", "generate"],
     "llamax.embeddings": ["Embedder", "Pooling"],
     "llamax.info": [
-        "KV_TYPE_NAMES",
         "MAX_PLANNED_CTX",
         "MemoryPlan",
         "ModelInfo",

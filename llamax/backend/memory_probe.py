@@ -29,7 +29,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ContextConfig
+from ..config import ContextConfig, KVType, is_quantized, kv_row_bytes
 from ..errors import InsufficientMemoryError, InvalidParameterError, ModelLoadError
 from ..memory_plan import (
     MAX_DRY_RUN_CELLS,
@@ -38,8 +38,6 @@ from ..memory_plan import (
     ModelShape,
     assemble_plan,
     available_memory,
-    is_quantized,
-    kv_row_bytes,
     layout_cells,
     micro_batch,
     padded,
@@ -53,7 +51,6 @@ __all__ = [
     "DryRun",
     "SizeProbe",
     "check_context_memory",
-    "config_kv_types",
     "parse_dry_run",
     "plan_with_probe",
 ]
@@ -133,26 +130,18 @@ def parse_dry_run(lines: Sequence[str]) -> tuple[tuple[CacheLine, ...], int, flo
     return tuple(caches), state_cells, state_mib, round(compute_mib * _MIB)
 
 
-def config_kv_types(config: ContextConfig) -> tuple[str, str]:
-    """The K and V caches' types a config asks for: its ``kv_types`` (the ``kv_type``
-    options of issue 61), else llama.cpp's F16."""
-    types = getattr(config, "kv_types", ("f16", "f16"))
-    return str(types[0]), str(types[1])
-
-
 class SizeProbe:
     """A model loaded without its weights (``no_alloc``), on which llama.cpp sizes
     contexts without allocating them. It is the :class:`~llamax.memory_plan.Sizer` of the
-    plans of ``config`` at ``kv_types``; :meth:`close` frees it.
+    plans of ``config``; :meth:`close` frees it.
 
     Raises:
         ModelLoadError: the file is missing, not GGUF, or llama.cpp refuses it.
     """
 
-    def __init__(self, config: ContextConfig, kv_types: tuple[str, str]) -> None:
+    def __init__(self, config: ContextConfig) -> None:
         self._C = bindings()
         self._config = config
-        self._kv_types = kv_types
         path = Path(config.model_path)
         with captured_log():  # its loading lines are a dry run's too
             self._model = NativeModel(self._C, path, n_gpu_layers=0, no_alloc=True)
@@ -170,7 +159,7 @@ class SizeProbe:
         n_ctx: int,
         n_seq_max: int,
         unified: bool,
-        kv_types: tuple[str, str],
+        kv_types: tuple[KVType, KVType],
         swa_full: bool = True,
     ) -> DryRun:
         """Size a context of these sizes with the config's batch sizes and flash attention.
@@ -238,7 +227,7 @@ class SizeProbe:
             n_seq = min(256, int(_STATE_PROBE_BYTES // most))
             if n_seq > 1:
                 again = self.dry_run(
-                    n_ctx=padded(n_seq), n_seq_max=n_seq, unified=True, kv_types=self._kv_types
+                    n_ctx=padded(n_seq), n_seq_max=n_seq, unified=True, kv_types=("f16", "f16")
                 )
                 state = round(again.state_mib * _MIB / max(1, again.state_cells))
         return ModelShape(
@@ -251,6 +240,7 @@ class SizeProbe:
             state_bytes_per_seq=state,
             is_recurrent=model.is_recurrent(),
             is_hybrid=model.is_hybrid(),
+            n_swa=window,
         )
 
     # ------------------------------------------------------------------ Sizer
@@ -276,24 +266,23 @@ class SizeProbe:
         if per_seq:
             n_seq_max = max(1, min(n_seq_max, _COMPUTE_STATE_BYTES // per_seq))
         key = (min(padded(n_ctx), MAX_DRY_RUN_CELLS), n_seq_max, unified)
+        config = self._config
         if key not in self._compute:
             run = self.dry_run(
-                n_ctx=key[0], n_seq_max=n_seq_max, unified=unified, kv_types=self._kv_types
+                n_ctx=key[0], n_seq_max=n_seq_max, unified=unified, kv_types=config.kv_types
             )
             self._compute[key] = run.compute_bytes
         return self._compute[key]
 
 
-def plan_with_probe(
-    config: ContextConfig, kv_types: tuple[str, str], memory_bytes: int, *, search: bool = True
-) -> MemoryPlan:
-    """:func:`llamax.plan_memory`'s work: the plan of ``config`` at ``kv_types``.
+def plan_with_probe(config: ContextConfig, memory_bytes: int, *, search: bool = True) -> MemoryPlan:
+    """:func:`llamax.plan_memory`'s work: the plan of ``config``.
 
     Raises:
         ModelLoadError: llama.cpp refuses the file or the context.
     """
-    with closing(SizeProbe(config, kv_types)) as probe:
-        return assemble_plan(probe.shape(), probe, config, kv_types, memory_bytes, search=search)
+    with closing(SizeProbe(config)) as probe:
+        return assemble_plan(probe.shape(), probe, config, memory_bytes, search=search)
 
 
 def memory_check_enabled() -> bool:
@@ -344,13 +333,13 @@ def check_context_memory(model: NativeModel, config: ContextConfig, *, unified: 
     limit = available_memory(swap=True)
     if not limit:
         return
-    type_k, type_v = config_kv_types(config)
+    type_k, type_v = config.kv_types
     per_stream, n_stream = layout_cells(config.n_ctx, config.n_seq_max, unified)
     kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
     per_cell = (kv_row_bytes(type_k, kv_dim) + kv_row_bytes(type_v, kv_dim)) * model.n_layer()
     if per_cell * per_stream * n_stream <= limit // 2:
         return
-    plan = plan_with_probe(config, (type_k, type_v), limit)
+    plan = plan_with_probe(config, limit)
     if plan.context_bytes <= limit:
         return
     parts = [
