@@ -350,8 +350,8 @@ def check_context_memory(model: NativeModel, config: ContextConfig, *, unified: 
         parts.append(f"recurrent state {_size(plan.state_bytes)}")
     parts += [f"compute buffers {_size(plan.compute_bytes)}", f"output {_size(plan.output_bytes)}"]
     fits = (
-        f"the largest n_ctx that fits with n_seq_max={plan.n_seq_max}, beside the weights, "
-        f"the RAM tier and a move between layouts, is {plan.max_n_ctx:,}"
+        f"the largest n_ctx whose whole plan fits with n_seq_max={plan.n_seq_max} (the "
+        f"weights and the RAM tier counted too) is {plan.max_n_ctx:,}"
         if plan.max_n_ctx
         else f"no n_ctx fits with n_seq_max={plan.n_seq_max}"
     )
