@@ -21,7 +21,6 @@ what it allocates.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import re
 from collections.abc import Sequence
@@ -48,14 +47,14 @@ from .native import NativeContext, NativeModel, bindings, captured_log, context_
 
 __all__ = [
     "MEMORY_CHECK_ENV",
+    "CacheLine",
     "DryRun",
     "SizeProbe",
     "check_context_memory",
+    "memory_check_enabled",
     "parse_dry_run",
     "plan_with_probe",
 ]
-
-_log = logging.getLogger("llamax.llama_cpp")
 
 MEMORY_CHECK_ENV = "LLAMAX_MEMORY_CHECK"
 """``0`` (``false``, ``no``, ``off``) turns :func:`check_context_memory` off."""
