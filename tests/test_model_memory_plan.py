@@ -27,7 +27,7 @@ import pytest
 
 import llamax
 from llamax import cli
-from llamax.backend.llama_cpp import LlamaCppBackend
+from llamax.backend.llama_cpp import LlamaCppBackend, kv_dims
 from llamax.backend.memory_probe import (
     MEMORY_CHECK_ENV,
     SizeProbe,
@@ -148,12 +148,14 @@ def test_the_check_is_skipped_when_turned_off_or_plainly_fitting(
     C = bindings()
     absurd = ContextConfig(model_path=str(model_path), n_ctx=1 << 24, n_seq_max=1)
     with closing(NativeModel(C, model_path, n_gpu_layers=0)) as model:
+        dims = kv_dims(model)
         with pytest.raises(llamax.InsufficientMemoryError):
-            check_context_memory(model, absurd, unified=True)
+            check_context_memory(model, absurd, unified=True, dims=dims)
         monkeypatch.setenv(MEMORY_CHECK_ENV, "0")
-        check_context_memory(model, absurd, unified=True)  # no error: off
+        check_context_memory(model, absurd, unified=True, dims=dims)  # no error: off
         monkeypatch.delenv(MEMORY_CHECK_ENV)
-        check_context_memory(model, ContextConfig(model_path=str(model_path)), unified=True)
+        default = ContextConfig(model_path=str(model_path))
+        check_context_memory(model, default, unified=True, dims=dims)
 
 
 def test_the_largest_n_ctx_that_fits_fits_and_the_next_does_not(model_path: Path) -> None:

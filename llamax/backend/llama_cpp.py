@@ -110,7 +110,7 @@ class LlamaCppBackend(LlamaCppModel):
             self._can_relayout = adapts_layout(config, self._plain_kv)
             self._is_unified = config.resolved_kv_layout == "unified" and not self._can_relayout
             # a cache that cannot fit is refused here, not zeroed until the kernel kills us
-            check_context_memory(model, config, unified=self._is_unified)
+            check_context_memory(model, config, unified=self._is_unified, dims=kv_dims(model))
             self._cparams = context_params(
                 C,
                 n_ctx=config.n_ctx,

@@ -306,7 +306,9 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def check_context_memory(model: NativeModel, config: ContextConfig, *, unified: bool) -> None:
+def check_context_memory(
+    model: NativeModel, config: ContextConfig, *, unified: bool, dims: tuple[int, int]
+) -> None:
     """Refuse a context whose buffers cannot fit, before llama.cpp allocates them.
 
     llama.cpp zeroes the KV cache as it allocates it, so a cache larger than the memory
@@ -316,7 +318,8 @@ def check_context_memory(model: NativeModel, config: ContextConfig, *, unified: 
     refused. The weights (mapped, already loaded), the RAM tier (filled later) and a move
     between layouts do not count: this refuses only what cannot work. The exact plan (a
     dry run) is made only when the KV cache estimated from the model's attention shape
-    takes more than half that memory, so a context that plainly fits pays nothing.
+    (``dims``: a layer's K and V values a cell, every layer alike) takes more than half
+    that memory, so a context that plainly fits pays nothing.
     Skipped with layers on a GPU (the buffers are not in host memory) and with
     ``$LLAMAX_MEMORY_CHECK=0``.
 
@@ -334,8 +337,7 @@ def check_context_memory(model: NativeModel, config: ContextConfig, *, unified: 
         return
     type_k, type_v = config.kv_types
     per_stream, n_stream = layout_cells(config.n_ctx, config.n_seq_max, unified)
-    kv_dim = model.n_embd() // model.n_head() * model.n_head_kv()
-    per_cell = (kv_row_bytes(type_k, kv_dim) + kv_row_bytes(type_v, kv_dim)) * model.n_layer()
+    per_cell = (kv_row_bytes(type_k, dims[0]) + kv_row_bytes(type_v, dims[1])) * model.n_layer()
     if per_cell * per_stream * n_stream <= limit // 2:
         return
     plan = plan_with_probe(config, limit)
