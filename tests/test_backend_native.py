@@ -302,3 +302,23 @@ def test_two_threads_setting_up_the_bindings_at_once_install_one_live_log_callba
         thread.join(30)
     assert len(installed) == 1, f"the set-up ran {len(installed)} times"
     assert installed[0] is native.bindings.log_callback  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_use_mmap_false_loads_the_weights_without_a_map(
+    C: Bindings, gguf: Path, monkeypatch: pytest.MonkeyPatch, use_mmap: bool
+) -> None:
+    """llama-cpp-python 0.3.36's model params have ``load_mode`` where ``use_mmap`` was:
+    ``use_mmap=False`` sets ``LLAMA_LOAD_MODE_NONE`` (it set a ``use_mmap`` attribute
+    that llama.cpp never read); ``True`` leaves llama.cpp's own choice (a map on the CPU)."""
+    seen: list[Any] = []
+    params = SimpleNamespace(load_mode=-1)
+    monkeypatch.setitem(C._results, "llama_model_default_params", lambda: params)
+    load = C.__getattr__("llama_model_load_from_file")
+    monkeypatch.setattr(C, "llama_model_load_from_file",
+                        lambda path, p: (seen.append(p.load_mode), load(path))[1],
+                        raising=False)  # fmt: skip
+    model = native.NativeModel(C, gguf, n_gpu_layers=0, use_mmap=use_mmap)
+    assert seen == [-1 if use_mmap else native.LOAD_MODE_NONE]
+    assert not hasattr(params, "use_mmap")
+    model.close()

@@ -37,6 +37,10 @@ __all__ = [
     "utf8",
 ]
 
+LOAD_MODE_NONE = 0
+"""llama.h's ``LLAMA_LOAD_MODE_NONE``: the weights read into memory, no map (the model
+params' ``load_mode``, which replaced ``use_mmap``)."""
+
 _log = logging.getLogger("llamax.llama_cpp")
 _INIT_LOCK = threading.Lock()
 """Serialises :func:`bindings`' one-time set-up (the log callback, ``llama_backend_init``)."""
@@ -179,12 +183,13 @@ class NativeModel:
         check_gguf(path)
         mparams = C.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
-        mparams.use_mmap = use_mmap
+        if not use_mmap:  # llama.cpp's own choice (AUTO: a memory map on the CPU) otherwise
+            mparams.load_mode = LOAD_MODE_NONE
         mparams.use_extra_bufts = (
             default_use_extra_bufts() if use_extra_bufts is None else use_extra_bufts
         )
         if no_alloc:  # llama.cpp maps nothing then: load mode NONE (an mmap asserts)
-            mparams.no_alloc, mparams.load_mode = True, 0
+            mparams.no_alloc, mparams.load_mode = True, LOAD_MODE_NONE
         ptr = C.llama_model_load_from_file(str(path).encode(), mparams)
         if not ptr:
             raise ModelLoadError(f"llama.cpp could not load {path} (corrupt or unsupported model?)")
