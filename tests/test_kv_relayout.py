@@ -185,28 +185,6 @@ def test_a_burst_stays_in_streams_when_a_move_would_cost_more_than_its_copies() 
         assert_idle(ctx)
 
 
-@pytest.mark.parametrize("context_seconds", [0.0, 1e6])
-def test_the_time_the_context_took_prices_a_first_move(context_seconds: float) -> None:
-    """Before any move was timed, what creating the backend's context took (a move
-    creates one as large) prices the move, not a prior per byte of the cache: a cache
-    the prior calls huge moves when its context was quick to make, and one the prior
-    calls cheap stays in streams when its context was slow (issue 59: the prior, 2.3 s for
-    32,768 cells of SmolLM2, was four times a measured move)."""
-    cls = HugeCells if context_seconds == 0.0 else FakeBackend
-    backend = cls(n_ctx=1024, n_seq_max=4, n_batch=256, kv_layout="auto",
-                  context_seconds=context_seconds)  # fmt: skip
-    with llamax.Context(backend=backend, autostart=False, max_step_ms=None) as ctx:
-        handles = [ctx.add_request(f"{PREFIX}q{i}", GREEDY) for i in range(4)]
-        ctx.process()  # the move comes before the prefix is computed
-        moved = context_seconds == 0.0
-        assert backend.num_relayouts == int(moved)
-        assert ctx.kv_layout == ("unified" if moved else "streams")
-        drain(ctx)
-        assert all(h.result().finish_reason == "length" for h in handles)
-        assert backend.num_copies == 3  # the prefix computed once, in the layout chosen first
-        assert_idle(ctx)
-
-
 def test_a_short_shared_prefix_stays_in_streams() -> None:
     prompts = [f"{PREFIX[:40]} q{i}" for i in range(4)]  # under a quarter stream (64)
     ctx, backend = make_wide()

@@ -368,19 +368,6 @@ class MachineLoad(Protocol):
 
 
 @runtime_checkable
-class ContextTimed(Protocol):
-    """Optional: a backend that timed the creation of its native context (KV buffers
-    allocated and cleared, compute graphs reserved). A move between KV layouts creates
-    one more context of the same size, so this prices a move before any was timed
-    (:class:`~llamax.engine.kv.relayout.Relayout`)."""
-
-    @property
-    def context_seconds(self) -> float | None:
-        """Seconds creating the current context took (None: not timed)."""
-        ...
-
-
-@runtime_checkable
 class Calibratable(Protocol):
     """Optional: a backend whose step costs :mod:`llamax.engine.timing.calibration` may measure
     before the engine starts (both :class:`~llamax.backend.llama_cpp.LlamaCppBackend` and

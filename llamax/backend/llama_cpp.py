@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -127,9 +126,7 @@ class LlamaCppBackend(LlamaCppModel):
                 self._cparams.flash_attn_type = 1 if config.flash_attn else 0
             elif is_quantized(type_v):  # what llama.cpp's auto does: V needs flash attention
                 self._cparams.flash_attn_type = 1
-            started = time.perf_counter()
             context = NativeContext.create(model, self._cparams)
-            self._context_seconds = time.perf_counter() - started
             if context is None:
                 raise ModelLoadError(
                     f"llama.cpp could not create a context for {self._model_path} "
@@ -283,11 +280,6 @@ class LlamaCppBackend(LlamaCppModel):
         """The model's query heads and the batch threads, when attention is ggml's CPU
         flash attention (``flash_attn`` not False, nothing offloaded)."""
         return self._attention_tiles
-
-    @property
-    def context_seconds(self) -> float:
-        """Seconds creating the llama.cpp context took (:class:`~.base.ContextTimed`)."""
-        return self._context_seconds
 
     @property
     def kv_bytes_per_cell(self) -> int:

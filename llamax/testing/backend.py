@@ -110,7 +110,6 @@ class FakeBackend:
         kv_type: str = "f16",
         kv_type_v: str | None = None,
         sized_states: bool = False,
-        context_seconds: float | None = None,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
         types = (kv_type, kv_type_v or kv_type)
@@ -119,7 +118,6 @@ class FakeBackend:
         self._kv_cache = "/".join(t.upper() for t in types)
         self._kv_bytes_per_cell = sum(kv_row_bytes(t, FAKE_KV_VALUES) for t in types)
         self._sized_states = sized_states
-        self._context_seconds = context_seconds
         self._n_ubatch = n_batch if n_ubatch is None else n_ubatch
         self._vision = (
             None
@@ -253,12 +251,6 @@ class FakeBackend:
     def attention_tiles(self) -> tuple[int, int] | None:
         """As configured by ``attention_tiles`` (None: the cost model counts no tiles)."""
         return self._attention_tiles
-
-    @property
-    def context_seconds(self) -> float | None:
-        """As configured by ``context_seconds``: what creating the context "took", which
-        prices a first layout move (None: the prior per byte of the cache prices it)."""
-        return self._context_seconds
 
     @property
     def kv_bytes_per_cell(self) -> int:

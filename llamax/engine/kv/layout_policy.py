@@ -18,10 +18,7 @@ first time and 0.3 s after; there the move lost more than sharing gained. So str
 to the unified layout before waiting sequences would copy one prefix of at least a quarter
 stream into :data:`SHARED_PREFIX_MIN_COPIES` streams or more, only if what the copies
 would cost (:data:`COPIED_TOKEN_COST`) exceeds what a move costs: the last move this
-context timed, or before any, what creating the context took plus
-:data:`STATE_MOVE_S_PER_BYTE` of the cells in use (:data:`MOVE_PRIOR_S_PER_BYTE` of the KV
-cache where the backend did not time it). A burst sharing a long prefix is seen while it
-waits, before the prefix is computed, so the move carries almost nothing. The unified
+context timed, or before any, :data:`MOVE_PRIOR_S_PER_BYTE` of the KV cache. The unified
 layout then stays while the unfinished sequences hold :data:`SHARING_KEEPS_UNIFIED` times
 more tokens than the cache has cells in use.
 
@@ -45,7 +42,6 @@ __all__ = [
     "RELAYOUT_MIN_DECODING",
     "SHARED_PREFIX_MIN_COPIES",
     "SHARING_KEEPS_UNIFIED",
-    "STATE_MOVE_S_PER_BYTE",
     "LayoutPolicy",
 ]
 
@@ -64,9 +60,6 @@ MOVE_PRIOR_S_PER_BYTE = 3e-9
 """Seconds a layout move costs per byte of KV cache before this context timed one: the
 worst first move measured (32,768 cells, 720 MiB: 1.7-2.3 s). Later moves are judged by
 the last one's time."""
-STATE_MOVE_S_PER_BYTE = 2e-9
-"""Seconds a move spends per byte of the cells in use, read out of one context and written
-into the other (two passes through host memory), on top of creating the new context."""
 SHARING_KEEPS_UNIFIED = 1.5
 """The unified layout stays while the unfinished sequences hold this many times more tokens
 than the cache has cells in use (a move to streams would copy what they share)."""

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ...backend.base import Backend, ContextTimed
+from ...backend.base import Backend
 from ...errors import RequestFailedError
 from ...stats import KVStats
 from ..sequence import Sequence as Seq
 from .kvcache import KVCache, LayoutState
-from .layout_policy import (
-    MOVE_PRIOR_S_PER_BYTE,
-    RELAYOUT_COOLDOWN_STEPS,
-    STATE_MOVE_S_PER_BYTE,
-    LayoutPolicy,
-)
+from .layout_policy import MOVE_PRIOR_S_PER_BYTE, RELAYOUT_COOLDOWN_STEPS, LayoutPolicy
 from .prefix import PrefixCache
 
 __all__ = ["Relayout"]
@@ -134,21 +129,10 @@ class Relayout:
         next_up = [seq.token_ids for seq in waiting[:n_seq_max] if seq.request.session_id is None]
         move_s = self._move_s
         if move_s is None:
-            move_s = self._first_move_s()
+            move_s = backend.kv_cells * backend.kv_bytes_per_cell * MOVE_PRIOR_S_PER_BYTE
         return self.policy.should_unify_to_share(
             next_up, (s.tokens for s in self._kv.slots()), token_s=token_s, move_s=move_s
         )
-
-    def _first_move_s(self) -> float:
-        """What a move is expected to cost before one was timed: creating a context as
-        large as this one (what the backend's own took, :class:`~llamax.backend.base.ContextTimed`)
-        plus moving the cells in use through host memory; without that timing,
-        :data:`MOVE_PRIOR_S_PER_BYTE` of the whole cache."""
-        backend = self._backend
-        built = backend.context_seconds if isinstance(backend, ContextTimed) else None
-        if built is None:
-            return backend.kv_cells * backend.kv_bytes_per_cell * MOVE_PRIOR_S_PER_BYTE
-        return built + self._kv.num_cells_used * backend.kv_bytes_per_cell * STATE_MOVE_S_PER_BYTE
 
     def _sharing(self, sequences: Sequence[Seq]) -> tuple[int, int]:
         """Tokens the unfinished sequences hold, and the cells in use (the KV cache's own
