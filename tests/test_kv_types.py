@@ -1,16 +1,20 @@
 """Quantized KV (issue 61) without a model: the options and their refusals, the flags
-(llama-server's ``-ctk``/``-ctv`` too), the fake backend's cell sizes per type, and what
-moves KV between contexts (a session file, the disk tier) refusing cells of other types;
-on SmolLM2: tests/test_model_kv_types.py."""
+(llama-server's ``-ctk``/``-ctv`` too), the fake backend's cell sizes per type, what
+moves KV between contexts (a session file, the disk tier) refusing cells of other types,
+and every path that moves KV (a disk restore in the next context, checkpoints, a history
+shift, forks, rewinds, session files, adapters, drafts, images) giving at a quantized type
+what it gives at f16; on SmolLM2: tests/test_model_kv_types.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from vision_files import pixels, png
 
 import llamax
 from llamax import cli, flags
@@ -351,3 +355,160 @@ def test_a_cell_holds_the_heads_size_the_gguf_gives_not_n_embd_over_n_head() -> 
     odd = {"general.architecture": "x", "x.attention.key_length": "192",
            "x.attention.value_length": "128"}  # fmt: skip
     assert kv_dims(_Shape(1024, 8, 2, odd)) == (384, 256)
+
+
+# ---------------------------------------------------------------------- every path, each type
+# The fake's next token is a function of the tokens in KV, whatever their type: each path
+# that moves KV (a disk restore in the next context, a checkpoint set back, a history
+# shift, a fork, a rewind, a session file, adapters, drafts, images) must give at a
+# quantized type exactly what it gives at f16, reusing as much.
+TYPE_PAIRS = [("q8_0", None), ("q4_0", None), ("q8_0", "f16")]
+PAIR_IDS = ["q8_0", "q4_0", "q8_0-f16"]
+Scenario = Callable[[Make, Path, str, str | None], object]
+
+
+def _at_f16_and(
+    scenario: Scenario, make: Make, tmp_path: Path, kv_type: str, kv_type_v: str | None
+) -> object:
+    """``scenario`` run at ``kv_type``/``kv_type_v`` and at f16 (each in a folder of its
+    own): the same result; returns it."""
+    quantized = scenario(make, tmp_path / "quantized", kv_type, kv_type_v)
+    assert quantized == scenario(make, tmp_path / "f16", "f16", None)
+    return quantized
+
+
+def _types(kv_type: str, kv_type_v: str | None) -> dict[str, Any]:
+    return {"kv_type": kv_type, "kv_type_v": kv_type_v, "sized_states": True}
+
+
+def _disk_restore(make: Make, folder: Path, kv_type: str, kv_type_v: str | None) -> object:
+    disk = {"prefix_ram_bytes": 0, "prefix_disk_dir": str(folder), "prefix_disk_bytes": 4 * MB}
+    writer = make(disk, **_types(kv_type, kv_type_v))
+    first = complete(writer, system(0) + "A1?")
+    complete(writer, system(1) + "B2?")  # takes the only sequence id: system(0) to disk
+    assert writer.stats().prefix_disk_entries == 1
+    writer.close()
+    reader = make(disk, **_types(kv_type, kv_type_v))  # the next context on the folder
+    done = complete(reader, system(0) + "C3?")
+    stats = reader.stats()
+    assert (stats.num_prefix_disk_restores, stats.num_prefix_disk_refused) == (1, 0)
+    assert done.usage.cached_tokens == len(system(0))
+    return first.token_ids, done.token_ids, done.usage.cached_tokens
+
+
+def _checkpoints(make: Make, folder: Path, kv_type: str, kv_type_v: str | None) -> object:
+    ctx = make(n_ctx=1024, recurrent=True, **_types(kv_type, kv_type_v))
+    head = system(2) * 2  # ~180 tokens
+    outputs = [complete(ctx, head + tail) for tail in ("A1", "B2?", "C3!")]
+    assert outputs[2].usage.cached_tokens == len(head)  # where the second one parted
+    assert ctx.stats().num_checkpoint_restores >= 1
+    return [(o.token_ids, o.usage.cached_tokens) for o in outputs]
+
+
+def _session_ops(make: Make, folder: Path, kv_type: str, kv_type_v: str | None) -> object:
+    """A fork, a rewind, a history shift and a session file loaded in the next context."""
+    ctx = make(n_ctx=1024, n_seq_max=2, **_types(kv_type, kv_type_v))
+    prompt = system(3) + "Q?"
+    seen: list[object] = []
+    with ctx.session() as session:
+        reply = session.add_request(prompt, GREEDY).result()
+        held = session.token_ids
+        with session.fork() as fork:
+            assert fork.token_ids == held
+            branch = fork.add_request(prompt + reply.text + " more?", GREEDY).result()
+            assert branch.usage.cached_tokens == len(held)
+            seen.append(branch.token_ids)
+        session.rewind(len(held) - len(prompt))
+        again = session.add_request(prompt, GREEDY).result()
+        assert again.usage.cached_tokens == len(prompt) - 1
+        assert again.token_ids == reply.token_ids
+        assert session.shift(3, 40)  # the head of the system prompt out, the rest moved back
+        shortened = (prompt + again.text)[:3] + (prompt + again.text)[40:]
+        assert ctx.detokenize(session.token_ids) == shortened[:-1]
+        shifted = session.add_request(shortened + " and?", GREEDY).result()
+        assert shifted.usage.cached_tokens == len(shortened) - 1
+        seen.append(shifted.token_ids)
+        folder.mkdir(parents=True)
+        session.save(folder / "s.llamax")
+        saved = session.token_ids
+    loaded_ctx = make(n_ctx=1024, **_types(kv_type, kv_type_v))
+    with loaded_ctx.load_session(folder / "s.llamax") as loaded:
+        assert loaded.token_ids == saved
+        text = loaded_ctx.detokenize(saved)
+        resumed = loaded.add_request(text + "!", GREEDY).result()
+        assert resumed.usage.cached_tokens == len(saved)
+        seen.append(resumed.token_ids)
+    return seen
+
+
+def _adapters(make: Make, folder: Path, kv_type: str, kv_type_v: str | None) -> object:
+    folder.mkdir(parents=True)
+    files = {}
+    for name in ("a", "b"):
+        (folder / f"{name}.gguf").write_bytes(b"GGUF fake adapter")
+        files[name] = str(folder / f"{name}.gguf")
+    lora = {"lora": files}
+    ctx = make(lora, n_ctx=1024, n_seq_max=2, **_types(kv_type, kv_type_v))
+    under_a = llamax.SamplingParams(max_tokens=6, temperature=0, lora={"a": 1.0})
+    prompt = system(4)
+    base = complete(ctx, prompt)
+    with ctx.session() as session:
+        first = session.add_request(prompt, under_a).result()
+        assert first.usage.cached_tokens == 0 and first.token_ids != base.token_ids
+        session.save(folder / "a.llamax")
+        with session.fork() as fork:  # the fork keeps the set its cells were computed under
+            assert fork.add_request(prompt, GREEDY).result().usage.cached_tokens == 0
+    loaded_ctx = make(lora, n_ctx=1024, **_types(kv_type, kv_type_v))
+    with loaded_ctx.load_session(folder / "a.llamax") as loaded:
+        resumed = loaded.add_request(prompt, under_a).result()
+        assert resumed.usage.cached_tokens == len(prompt) - 1
+    assert resumed.token_ids == first.token_ids
+    return base.token_ids, first.token_ids
+
+
+def _drafts(make: Make, folder: Path, kv_type: str, kv_type_v: str | None) -> object:
+    context = {"speculative": llamax.PromptLookup()}
+    ctx = make(context, n_ctx=1024, n_seq_max=2, **_types(kv_type, kv_type_v))
+    ctx._engine.scheduler.drafts.priced = False  # every proposal verified
+    prompt = "abcdefghijklmnopqrstuvwxyz " * 3
+    params = llamax.SamplingParams(max_tokens=40, temperature=0)
+    plain = ctx.add_request(prompt, dataclasses.replace(params, speculative=False)).result()
+    ctx.clear_cache()
+    spec = ctx.add_request(prompt, params).result()
+    assert spec.token_ids == plain.token_ids
+    assert spec.usage.accepted_tokens > 0  # rejected cells removed, accepted ones kept
+    assert ctx.audit() == []
+    return spec.token_ids, spec.usage.accepted_tokens
+
+
+def _images(make: Make, folder: Path, kv_type: str, kv_type_v: str | None) -> object:
+    options = {"image_tokens": 20, "n_ctx": 1024, "n_seq_max": 2, **_types(kv_type, kv_type_v)}
+    ctx = make(**options)
+    picture = llamax.Image(png(pixels(5, 24, 32)))
+    prompt = ["look: ", picture, " what?"]
+    cold = ctx.add_request(prompt, GREEDY).result()
+    warm = ctx.add_request(prompt, GREEDY).result()
+    assert warm.usage.cached_tokens >= 6 + 20 and warm.token_ids == cold.token_ids
+    folder.mkdir(parents=True)
+    with ctx.session() as session:
+        session.add_request(prompt, GREEDY).result()
+        session.save(folder / "image.llamax")
+        held = session.token_ids
+    loaded_ctx = make(**options)
+    with loaded_ctx.load_session(folder / "image.llamax") as loaded:
+        assert loaded.token_ids == held
+        resumed = loaded.add_request([*prompt, " and?"], GREEDY).result()
+        assert resumed.usage.cached_tokens >= 6 + 20
+    return cold.token_ids, resumed.token_ids
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [_disk_restore, _checkpoints, _session_ops, _adapters, _drafts, _images],
+    ids=["disk", "checkpoints", "session-ops", "adapters", "drafts", "images"],
+)
+@pytest.mark.parametrize(("kv_type", "kv_type_v"), TYPE_PAIRS, ids=PAIR_IDS)
+def test_every_path_that_moves_kv_gives_at_a_quantized_type_what_it_gives_at_f16(
+    make: Make, tmp_path: Path, scenario: Scenario, kv_type: str, kv_type_v: str | None
+) -> None:
+    _at_f16_and(scenario, make, tmp_path, kv_type, kv_type_v)
