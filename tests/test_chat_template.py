@@ -354,6 +354,37 @@ def test_time_budget_is_configurable() -> None:
     assert time.monotonic() - started < 1.0
 
 
+def test_a_render_that_waits_for_a_core_is_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a busy machine a render of a few milliseconds may wait seconds for a core or the
+    GIL: the budget counts the rendering thread's CPU time, so the wall clock jumping 3 s
+    does not refuse it (a wall-clock budget did: a forced tool's schema came back 400
+    under a loaded test run); ten times the budget on the wall clock still stops it."""
+    template = ChatTemplate(SMOLLM2_SOURCE, max_render_seconds=1.0)
+    expected = template.render(CONVERSATIONS[2])
+    real = time.monotonic
+    jump = [0.0]
+
+    def busy_clock() -> float:
+        value = real() + jump[0]
+        jump[0] = 3.0  # every reading after the budget's start is 3 s later
+        return value
+
+    monkeypatch.setattr(time, "monotonic", busy_clock)
+    assert template.render(CONVERSATIONS[2]) == expected
+    jump[0] = 0.0
+
+    def stalled_clock() -> float:
+        value = real() + jump[0]
+        jump[0] = 11.0
+        return value
+
+    monkeypatch.setattr(time, "monotonic", stalled_clock)
+    with pytest.raises(TemplateBudgetError, match="10 s on the wall clock"):
+        template.render(CONVERSATIONS[2])
+
+
 def test_output_budget_is_exact() -> None:
     source = "{% for i in range(n) %}x{% endfor %}"
     assert ChatTemplate(source, max_output_chars=50).render([], n=50) == "x" * 50

@@ -23,6 +23,7 @@ import functools
 import math
 import re
 import string
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -58,24 +59,61 @@ class BudgetExceeded(Exception):
     """A render went over its time or size budget."""
 
 
+WALL_FACTOR = 10
+"""A render also stops once this many times its budget has passed on the wall clock (a
+backstop: the budget itself counts the rendering thread's CPU time)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RenderBudget:
-    """The limits of one render: a monotonic deadline and the largest value or output."""
+    """The limits of one render: the CPU time and the wall time it may take, and the
+    largest value or output.
+
+    The time budget counts the CPU time of the thread that renders (``time.thread_time``),
+    which is what a hostile template can burn: on a busy machine a render of a few
+    milliseconds may wait seconds for a core or for the GIL, and a wall-clock budget then
+    refused ordinary requests (a forced tool's schema rendered under a test suite beside
+    other processes took over 1 s). :data:`WALL_FACTOR` times the budget on the wall clock
+    stops it too; a check from another thread than the one that started it reads the wall
+    clock alone.
+    """
 
     max_render_seconds: float
     max_output_chars: int
     deadline: float
+    """The wall-clock (monotonic) deadline."""
+    cpu_deadline: float = 0.0
+    """The starting thread's CPU-time deadline."""
+    thread_id: int = 0
+    """The thread that started the budget."""
 
     @classmethod
     def start(cls, max_render_seconds: float, max_output_chars: int) -> RenderBudget:
-        """A budget whose clock starts now."""
-        return cls(max_render_seconds, max_output_chars, time.monotonic() + max_render_seconds)
+        """A budget whose clocks start now, on this thread."""
+        return cls(
+            max_render_seconds,
+            max_output_chars,
+            time.monotonic() + WALL_FACTOR * max_render_seconds,
+            time.thread_time() + max_render_seconds,
+            threading.get_ident(),
+        )
 
     def check_time(self) -> None:
-        """Raise :class:`BudgetExceeded` once the deadline has passed."""
-        if time.monotonic() > self.deadline:
+        """Raise :class:`BudgetExceeded` once the render has used its CPU time (or, from
+        another thread, its wall time), or :data:`WALL_FACTOR` times it on the wall clock."""
+        if threading.get_ident() == self.thread_id:
+            if time.thread_time() > self.cpu_deadline:
+                raise BudgetExceeded(
+                    f"chat template rendering took longer than {self.max_render_seconds:g} s"
+                )
+        elif time.monotonic() > self.deadline - (WALL_FACTOR - 1) * self.max_render_seconds:
             raise BudgetExceeded(
                 f"chat template rendering took longer than {self.max_render_seconds:g} s"
+            )
+        if time.monotonic() > self.deadline:
+            raise BudgetExceeded(
+                "chat template rendering took longer than "
+                f"{WALL_FACTOR * self.max_render_seconds:g} s on the wall clock"
             )
 
     def check_size(self, size: int, what: str) -> None:
