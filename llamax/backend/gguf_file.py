@@ -21,7 +21,15 @@ import os
 import struct
 from dataclasses import dataclass
 
-__all__ = ["GGML_TYPE_NAMES", "GGUFArray", "GGUFHeader", "GGUFTensor", "KVType", "read_header"]
+__all__ = [
+    "GGML_TYPES",
+    "GGML_TYPE_NAMES",
+    "GGUFArray",
+    "GGUFHeader",
+    "GGUFTensor",
+    "KVType",
+    "read_header",
+]
 
 MAGIC = b"GGUF"
 _MAX_HEADER = 1 << 30  # no real header comes near: a tokenizer of 256k tokens is ~10 MiB
@@ -59,6 +67,8 @@ GGML_TYPE_NAMES: dict[int, str] = {
 }  # fmt: skip
 """ggml's tensor types by number (``enum ggml_type`` of llama.cpp as vendored by
 llama-cpp-python 0.3.36)."""
+GGML_TYPES: dict[str, int] = {name.lower(): number for number, name in GGML_TYPE_NAMES.items()}
+"""ggml's type numbers by lower-case name, the names ``kv_type`` takes (``"q8_0"``: 8)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from ..facts import ModelFacts
 from ..params import SamplingParams
 from .base import BatchItem, Drawn, SharedPrefix
 from .fingerprint import weights_fingerprint
-from .gguf_file import GGML_TYPE_NAMES
+from .gguf_file import GGML_TYPE_NAMES, GGML_TYPES
 from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
 from .llama_model import LlamaCppModel
 from .memory_probe import check_context_memory
@@ -52,13 +52,9 @@ from .vision import (
     decode_embeddings,
 )
 
-__all__ = ["GGML_TYPES", "LlamaCppBackend"]
+__all__ = ["LlamaCppBackend"]
 
 _log = logging.getLogger("llamax.llama_cpp")
-
-GGML_TYPES: dict[str, int] = {name.lower(): number for number, name in GGML_TYPE_NAMES.items()}
-"""ggml's type numbers by the names ``kv_type`` takes (``"q8_0"``: 8)."""
-
 
 def _kv_types_refused(type_k: str, type_v: str) -> str:
     """What may have made llama.cpp refuse a context with these KV types ("" for f16's)."""

@@ -41,7 +41,7 @@ from ..memory_plan import (
     micro_batch,
     padded,
 )
-from .gguf_file import GGML_TYPE_NAMES
+from .gguf_file import GGML_TYPES
 from .kv_layout import adapts_layout
 from .native import NativeContext, NativeModel, bindings, captured_log, context_params
 
@@ -59,7 +59,6 @@ __all__ = [
 MEMORY_CHECK_ENV = "LLAMAX_MEMORY_CHECK"
 """``0`` (``false``, ``no``, ``off``) turns :func:`check_context_memory` off."""
 
-_GGML_TYPES = {name.lower(): number for number, name in GGML_TYPE_NAMES.items()}
 _MIB = 1 << 20
 _SHAPE_CELLS = 65536
 """The dry run the shape is read from: a cell's values over the layers are exact at F32."""
@@ -176,8 +175,8 @@ class SizeProbe:
             n_threads=1,
             n_threads_batch=1,
             kv_unified=unified,
-            type_k=_GGML_TYPES[kv_types[0]],
-            type_v=_GGML_TYPES[kv_types[1]],
+            type_k=GGML_TYPES[kv_types[0]],
+            type_v=GGML_TYPES[kv_types[1]],
             swa_full=swa_full,
         )
         if config.flash_attn is not None:
