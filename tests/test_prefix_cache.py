@@ -102,6 +102,33 @@ def test_a_burst_computes_its_prefix_then_every_suffix_in_one_decode(
         assert handle.result(0).token_ids == cold(system + q).token_ids
 
 
+def test_a_backlog_asks_no_waiting_request_which_prefix_it_waits_for(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While every sequence id is taken and no retained slot can give one up, nobody
+    waiting can start next step: the scheduler does not ask the waiting requests which
+    in-flight prefix they wait for (a cost every step of a backlog), and holds no chunk."""
+    ctx, _ = make_fake(n_ctx=2048, n_seq_max=2, n_batch=32)
+    placer = ctx._engine.scheduler.placer
+    asked: list[int] = []
+    real = placer.wait_target
+    monkeypatch.setattr(placer, "wait_target", lambda *a, **k: asked.append(1) or real(*a, **k))
+    prompts = [SYSTEM + "A?", "Another long prompt, shared with nobody. " * 3, SYSTEM + "C?"]
+    handles = [ctx.add_request(p, GREEDY) for p in prompts]
+    kv, prefix = ctx._engine.scheduler.kv, ctx._engine.scheduler.prefix
+    backlog_steps = 0
+    while ctx.has_work():
+        backlog = kv.num_free_seq_ids == 0 and prefix.num_retained == 0
+        before = len(asked)
+        ctx.process()
+        if backlog:  # the second prefills beside the first's decode; the third waits
+            backlog_steps += 1
+            assert len(asked) == before
+    assert backlog_steps >= 3
+    run(ctx)
+    assert [h.result(0).finish_reason for h in handles] == ["length"] * 3
+
+
 def test_n_choices_prefill_the_prompt_once_and_differ(make_fake: MakeFake) -> None:
     ctx, _ = make_fake(n_ctx=1024, n_seq_max=8)
     params = llamax.SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=8)

@@ -253,11 +253,14 @@ class Scheduler:
         step's time budget let them (:mod:`~llamax.engine.timing.chunk_budget`): 16
         suffixes in five decodes, each attending over the prefix again
         (benchmarks/results/issue59). Only the first :data:`MAX_HOLD_PROBES` waiting
-        sequences in admission order are asked; a chunk of a prompt with images is left
-        whole (it may not be cut inside one).
+        sequences in admission order are asked, and none while no sequence id can be had
+        (a backlog would pay the questions each step and gain nothing); a chunk of a prompt
+        with images is left whole (it may not be cut inside one).
         """
         if self.reproducible or not self._waiting:
             return 0
+        if self.kv.num_free_seq_ids == 0 and self.prefix.num_retained == 0:
+            return 0  # a backlog: nobody waiting can start next step, so nobody joins
         chunks = {
             seq.slot.seq_id: i
             for i, (seq, take) in enumerate(slots)
