@@ -34,6 +34,7 @@ __all__ = [
     "EngineConfig",
     "KVLayout",
     "KVType",
+    "flash_attention_is_row_exact",
     "is_quantized",
     "kv_row_bytes",
 ]
@@ -59,6 +60,20 @@ def is_quantized(kv_type: str) -> bool:
     """Whether ``kv_type`` stores blocks of values with a shared scale (``q8_0`` ...), not
     one float a value: a quantized V cache needs flash attention."""
     return _KV_BLOCKS[kv_type][0] > 1
+
+
+def flash_attention_is_row_exact(type_k: str, type_v: str) -> bool:
+    """Whether ggml's CPU flash attention computes each query row by itself over K and V of
+    these types, whatever the batch: its tiled kernel (a prompt chunk of many rows) and its
+    split kernel (a lone row over 512 cells or more, its cells shared among the threads)
+    take only an F16 K and V (F32 is cast to F16 first); any other pair (a quantized or BF16
+    K, or a V of another type than K) gets the row-by-row kernel, whose sums do not depend
+    on the rows beside a row, the chunking or the thread count (docs/reproducible.md)."""
+
+    def cast(kv_type: str) -> str:
+        return "f16" if kv_type == "f32" else kv_type
+
+    return not (cast(type_k) == "f16" and cast(type_v) == "f16")
 
 
 def kv_row_bytes(kv_type: str, num_values: int) -> int:
@@ -195,14 +210,16 @@ class ContextConfig:
     machine, same build; docs/reproducible.md): the KV cache stays in streams, the thread
     count is fixed, prompt chunks start at multiples of one micro-batch (``n_ubatch``, at
     most 256) and each is decoded alone, a prefix is reused only up to a chunk boundary it
-    was computed to as a prompt, flash attention and speculative decoding are off. It refuses
-    ``kv_layout="unified"``, ``adapt_threads=True``, ``flash_attn=True``, ``speculative``
-    and an ``n_threads_batch`` other than ``n_threads``; ``kv_layout="auto"`` becomes
+    was computed to as a prompt, speculative decoding is off, and so is flash attention unless
+    the KV types take its row-by-row kernel (a quantized V: see
+    :func:`flash_attention_is_row_exact`). It refuses ``kv_layout="unified"``,
+    ``adapt_threads=True``, ``flash_attn=True`` over an F16 K and V, ``speculative`` and an
+    ``n_threads_batch`` other than ``n_threads``; ``kv_layout="auto"`` becomes
     ``"streams"``. ``kv_type`` is the KV cache's number type (``"f16"``; ``"q8_0"`` takes
     about half its memory, ``"q4_0"`` about a quarter; docs/kv-cache.md#quantized-kv);
     ``kv_type_k`` and ``kv_type_v`` set K's or V's alone. llama.cpp computes attention over a
-    quantized V only with flash attention, so a quantized V refuses ``flash_attn=False``, and
-    ``reproducible`` (which turns flash attention off); a quantized K alone needs nothing.
+    quantized V only with flash attention, so a quantized V refuses ``flash_attn=False``; a
+    quantized K alone needs nothing.
     """
 
     model_path: str
@@ -650,21 +667,16 @@ class ContextConfig:
             "of rows, not one by one): speculative contradicts it",
             "speculative",
         )
+        type_k, type_v = self.kv_types
+        row_exact = flash_attention_is_row_exact(type_k, type_v)
         require(
-            self.flash_attn is not True,
-            why + "attention without flash attention (ggml's CPU flash attention sums a "
-            "decode row differently beside other sequences' rows): flash_attn=True "
-            "contradicts it",
+            self.flash_attn is not True or row_exact,
+            why + "attention computed row by row: over an f16 K and V, ggml's CPU flash "
+            "attention tiles a prompt chunk's rows and shares a lone row's cells among the "
+            "threads, so a row's sums depend on the batch: flash_attn=True contradicts it "
+            "(leave flash_attn to auto, or give a V of another type, e.g. kv_type_v='q8_0', "
+            "whose flash attention is computed row by row)",
             "flash_attn",
-        )
-        v_type, v_field = self.kv_types[1], self._kv_v_field()
-        require(
-            not is_quantized(v_type),
-            why + f"attention without flash attention, and {v_field}={v_type!r} quantizes the "
-            "V cache, which llama.cpp computes only with flash attention: it contradicts "
-            f"reproducible=True (a quantized K alone does not: kv_type_k={v_type!r} with an "
-            "f16 V)",
-            v_field,
         )
         require(
             self.n_threads_batch is None or self.n_threads_batch == self.resolved_n_threads,
@@ -673,7 +685,10 @@ class ContextConfig:
             f"n_threads={self.n_threads}",
             "n_threads_batch",
         )
-        object.__setattr__(self, "flash_attn", False)
+        # flash attention only where the types need it (a quantized V) or the caller asks:
+        # its row-by-row kernel is exact but no faster here (docs/reproducible.md)
+        flash = row_exact and (self.flash_attn is True or is_quantized(type_v))
+        object.__setattr__(self, "flash_attn", flash)
         if self.kv_layout == "auto":  # streams, pinned: never a move to unified
             object.__setattr__(self, "kv_layout", "streams")
             require(

@@ -120,21 +120,47 @@ def test_a_quantized_v_without_flash_attention_is_refused_before_any_load(kv_typ
     assert config.kv_types == (kv_type, "bf16")
 
 
-def test_the_reproducible_mode_refuses_a_quantized_v_and_takes_a_quantized_k(
+def test_the_reproducible_mode_takes_a_quantized_v_with_row_by_row_flash_attention(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with pytest.raises(llamax.InvalidParameterError, match="reproducible=True") as caught:
-        ContextConfig("m.gguf", reproducible=True, kv_type="q8_0")
-    assert caught.value.param == "kv_type"
-    assert "flash attention" in str(caught.value) and "kv_type_k='q8_0'" in str(caught.value)
-    with pytest.raises(llamax.InvalidParameterError, match="reproducible=True") as caught:
-        ContextConfig("m.gguf", reproducible=True, kv_type_v="q4_0")
-    assert caught.value.param == "kv_type_v"
+    """A quantized V needs flash attention, and over a quantized V ggml's CPU flash attention
+    computes each row by itself (no tiled or split kernel): the mode turns it on for one. A
+    quantized K alone keeps attention without flash attention (no faster row by row)."""
+    for options in ({"kv_type": "q8_0"}, {"kv_type_v": "q4_0"}, {"kv_type_v": "q8_0"}):
+        config = ContextConfig("m.gguf", reproducible=True, **options)
+        assert config.flash_attn is True and config.kv_layout == "streams", options
     config = ContextConfig("m.gguf", reproducible=True, kv_type_k="q4_0")
     assert (config.kv_types, config.flash_attn) == (("q4_0", "f16"), False)
+    config = ContextConfig("m.gguf", reproducible=True, kv_type_v="bf16", flash_attn=True)
+    assert config.flash_attn is True  # asked for, and row by row over these types
+    assert ContextConfig("m.gguf", reproducible=True, kv_type_v="bf16").flash_attn is False
+    for options in ({}, {"kv_type": "f32"}, {"kv_type_k": "f32"}):  # F32 is cast to F16
+        with pytest.raises(llamax.InvalidParameterError, match="kv_type_v='q8_0'") as caught:
+            ContextConfig("m.gguf", reproducible=True, flash_attn=True, **options)
+        assert caught.value.param == "flash_attn"
+    with pytest.raises(llamax.InvalidParameterError, match="flash_attn=False") as caught:
+        ContextConfig("m.gguf", reproducible=True, kv_type="q8_0", flash_attn=False)
+    assert caught.value.param == "kv_type"
     monkeypatch.setenv("LLAMAX_REPRODUCIBLE", "1")  # the mode from the environment too
+    assert ContextConfig("m.gguf", kv_type="q4_0").flash_attn is True
     with pytest.raises(llamax.InvalidParameterError, match="reproducible=True"):
-        ContextConfig("m.gguf", kv_type="q4_0")
+        ContextConfig("m.gguf", flash_attn=True)
+
+
+@pytest.mark.parametrize(
+    ("type_k", "type_v", "row_exact"),
+    [
+        ("f16", "f16", False), ("f32", "f16", False), ("f16", "f32", False),
+        ("f32", "f32", False), ("f16", "bf16", True), ("bf16", "bf16", True),
+        ("q8_0", "q8_0", True), ("q8_0", "f16", True), ("f16", "q4_0", True),
+    ],
+)  # fmt: skip
+def test_which_kv_types_take_the_row_by_row_flash_attention(
+    type_k: str, type_v: str, row_exact: bool
+) -> None:
+    """ggml's tiled and split flash attention kernels take an F16 K and V only (llama.cpp
+    casts an F32 K or V to F16 first)."""
+    assert llamax.config.flash_attention_is_row_exact(type_k, type_v) is row_exact
 
 
 # ---------------------------------------------------------------------- flags

@@ -450,8 +450,9 @@ def test_broken_flash_attention_differs(
     model_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With flash attention a decode row's sums change beside other sequences' rows (past
-    512 cells here), every other rule kept; without it they do not."""
+    """With flash attention over an F16 K and V a decode row's sums change beside other
+    sequences' rows (past 512 cells here), every other rule kept; without it, or with flash
+    attention over K and V types that ggml computes row by row, they do not."""
     with llamax.Context(model_path, n_ctx=512, n_seq_max=1, calibrate=False) as probe:
         mine = probe.tokenize("List: " + " ".join(f"item{i}" for i in range(150)) + "\nSum:")
         other = probe.tokenize("Story: " + " ".join(f"w{i}" for i in range(200)))
@@ -460,18 +461,24 @@ def test_broken_flash_attention_differs(
     p = llamax.SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
     busy = llamax.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
 
-    def run() -> tuple[tuple[Reply, ...], tuple[Reply, ...]]:
-        ctx = reproducible(**big)
+    def run(**kv: Any) -> tuple[tuple[Reply, ...], tuple[Reply, ...]]:
+        ctx = reproducible(**big, **kv)
         others = [ctx.add_request(o, busy) for o in (other, other[:-3])]
         for handle in others:
             next(iter(handle))  # both decode: the reply's rows go beside theirs
         together = replies(ctx.add_request(mine, p).result(TIMEOUT))
         for handle in others:
             handle.cancel()
-        return together, replies(reproducible(**big).add_request(mine, p).result(TIMEOUT))
+        alone = reproducible(**big, **kv)
+        return together, replies(alone.add_request(mine, p).result(TIMEOUT))
 
     together, solo = run()
     assert together == solo
+    # flash attention over a quantized V (the mode turns it on) or a BF16 V (asked for)
+    # takes ggml's row-by-row kernel: exact, past 512 cells and beside other rows too
+    for kv in ({"kv_type_v": "q8_0"}, {"kv_type_v": "bf16", "flash_attn": True}):
+        together, solo = run(**kv)
+        assert together == solo, kv
     check = llamax.ContextConfig._check_reproducible
 
     def with_flash_attention(self: llamax.ContextConfig) -> None:
@@ -481,6 +488,24 @@ def test_broken_flash_attention_differs(
     monkeypatch.setattr(llamax.ContextConfig, "_check_reproducible", with_flash_attention)
     together, solo = run()
     assert together != solo
+
+
+@pytest.mark.parametrize(
+    "kv", [{"kv_type_v": "q8_0"}, {"kv_type": "q4_0"}], ids=["v-q8_0", "kv-q4_0"]
+)
+def test_every_reply_with_a_quantized_v_equals_its_solo_run(
+    reproducible: Callable[..., llamax.Context], kv: dict[str, Any]
+) -> None:
+    """A quantized V needs flash attention, which the mode turns on for it: over these
+    types ggml computes each row by itself, so the load's replies stay exact."""
+    ctx = reproducible(**kv)
+    assert ctx.config.flash_attn is True and ctx.config.kv_types[1] == kv.get(
+        "kv_type_v", kv.get("kv_type")
+    )
+    load = run_load(ctx, seed=61, num_bursts=2)
+    assert ctx.audit() == []
+    compare(load, solo_on(reproducible(**kv)))
+    assert load.differences == [], load.differences
 
 
 def test_the_default_mode_reports_its_drift(
