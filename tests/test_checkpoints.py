@@ -10,6 +10,7 @@ fails loudly instead of answering from the wrong history.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -409,3 +410,92 @@ def test_conversations_on_every_sequence_id_each_go_on_in_their_own_slot(
             held[c] = done.usage.prompt_tokens + done.usage.completion_tokens - 1
             texts[c] += done.text + f" turn {turn} of chat {c}. "
     assert ctx.stats().num_evictions == 0
+
+
+# ---------------------------------------------------------------------- the head
+END = 300
+"""An end-of-turn token of the fake below (``<|im_end|>``), as ChatML closes a message."""
+
+
+def chat(system: str, *turns: str) -> str:
+    """A ChatML-shaped prompt: the system message, the turns, an open assistant turn."""
+    parts = [f"<|im_start|>system\n{system}<|im_end|>\n"]
+    parts += [f"<|im_start|>{role}\n{text}<|im_end|>\n" for role, text in
+              zip(itertools.cycle(("user", "assistant")), turns)]  # fmt: skip
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def make_chat_fake(make_fake: MakeFake) -> tuple[llamax.Context, FakeBackend]:
+    return make_fake(
+        n_ctx=2048, recurrent=True, special_tokens={"<|im_end|>": END, "<|im_start|>": END + 1},
+        eog_token_ids=(0, END),
+    )  # fmt: skip
+
+
+def test_a_shifted_conversation_reuses_its_system_prompt_from_a_head_checkpoint(
+    make_fake: MakeFake,
+) -> None:
+    """A conversation whose oldest turns are dropped (a history shift, truncation) keeps its
+    system prompt: the first prompt took a checkpoint where the system message ends (its
+    first end-of-turn token), so the shifted one reuses it. On the old code the system
+    prompt (below the 256-token interval) held no checkpoint: computed again, 0 cached."""
+    ctx, _ = make_chat_fake(make_fake)
+    ids = ctx.tokenize(chat(SYSTEM, "Where is the museum?"))
+    head = ids.index(END) + 1
+    assert checkpoints.MIN_BRANCH_GAIN <= head < checkpoints.CHECKPOINT_INTERVAL
+    long_turns = ("Tell me about clocks. " * 3, "Clocks tick. " * 4, "And sundials? " * 3)
+    first = complete(ctx, chat(SYSTEM, *long_turns))
+    shifted = chat(SYSTEM, "And sundials? " * 3)  # the first two turns dropped
+    second = complete(ctx, shifted)
+    assert second.usage.cached_tokens == head
+    assert second.token_ids == cold(shifted) and first.token_ids == cold(chat(SYSTEM, *long_turns))
+    assert ctx.stats().num_checkpoint_restores >= 1
+
+
+def test_a_new_conversation_with_the_same_system_prompt_reuses_it_at_once(
+    make_fake: MakeFake,
+) -> None:
+    """The second conversation with a system prompt reuses it (without the head checkpoint
+    only the third did, through the branch checkpoint the second took)."""
+    ctx, _ = make_chat_fake(make_fake)
+    head = ctx.tokenize(chat(SYSTEM, "q")).index(END) + 1
+    complete(ctx, chat(SYSTEM, "What is a pendulum?"))
+    second = complete(ctx, chat(SYSTEM, "Who made the first watch?"))
+    assert second.usage.cached_tokens == head
+    assert second.token_ids == cold(chat(SYSTEM, "Who made the first watch?"))
+
+
+def test_the_head_costs_one_chunk_cut_once(make_fake: MakeFake) -> None:
+    """The first prompt's chunk ends at the head (one decode more); a next turn that reuses
+    past the head cuts nothing there; a head shorter than MIN_BRANCH_GAIN takes none."""
+    ctx, backend = make_chat_fake(make_fake)
+    prompt = chat(SYSTEM, "What is a pendulum?")
+    head = ctx.tokenize(prompt).index(END) + 1
+    first = complete(ctx, prompt)
+    chunk_ends = [i.start_pos + len(i.token_ids) for d in backend.decode_log for i in d
+                  if len(i.token_ids) > 1]  # fmt: skip
+    assert head in chunk_ends
+    backend.decode_log.clear()
+    turn = prompt + first.text + "<|im_end|>\n<|im_start|>user\nAnd a spring?<|im_end|>\n"
+    second = complete(ctx, turn + "<|im_start|>assistant\n")
+    assert second.usage.cached_tokens > head
+    starts = [i.start_pos for d in backend.decode_log for i in d]
+    assert min(starts) >= second.usage.cached_tokens
+    short = chat("Be brief.", "What is a pendulum?")
+    assert ctx.tokenize(short).index(END) + 1 < checkpoints.MIN_BRANCH_GAIN
+    before = ctx.stats().num_checkpoints
+    complete(ctx, short)
+    assert ctx.stats().num_checkpoints - before == 1  # its last token but one only
+
+
+def test_head_point() -> None:
+    def eog(token: int) -> bool:
+        return token == 9
+
+    prompt = [1] * 100 + [9] + [2] * 50 + [9] + [3] * 5
+    assert checkpoints.head_point(prompt, eog, 0) == 101
+    assert checkpoints.head_point(prompt, eog, 101) == 0  # reused already
+    assert checkpoints.head_point(prompt, eog, 100) == 101
+    assert checkpoints.head_point([1] * 10 + [9] + [2] * 100, eog, 0) == 0  # too short
+    assert checkpoints.head_point([1] * 100 + [9, 2], eog, 0) == 0  # the prompt's own
+    assert checkpoints.head_point([1] * 200, eog, 0) == 0  # no end of turn

@@ -146,3 +146,37 @@ def test_a_history_shift_is_refused_on_a_recurrent_state(
     done = session.add_request(shortened, GREEDY).result(timeout=120)
     assert_greedy_agrees(probe, shortened, probe_run(probe, shortened), done.token_ids)
     session.close()
+
+
+SYSTEM = (
+    "You are the archivist of a small museum of clocks. You answer visitors' questions about "
+    "pendulums, escapements, chronometers, water clocks and sundials in two plain sentences, "
+    "naming a maker and a year where you can. Visitors are often children, so you keep every "
+    "word simple and explain each technical term the first time you use it."
+)
+
+
+def test_a_shifted_chat_reuses_its_system_prompt(ctx: llamax.Context) -> None:
+    """The first prompt of a chat takes a checkpoint where its system message ends (its
+    first ``<|im_end|>``): the same chat with its oldest turns dropped, and a new chat with
+    the same system prompt, reuse the system prompt from it (on the old code, computed
+    again: the system prompt is shorter than the checkpoint interval)."""
+    system = {"role": "system", "content": SYSTEM}
+    turns = [
+        {"role": "user", "content": "Who built the first pendulum clock?"},
+        {"role": "assistant", "content": "Christiaan Huygens, in 1656."},
+        {"role": "user", "content": "What is an escapement?"},
+        {"role": "assistant", "content": "The part that lets the gear train advance."},
+        {"role": "user", "content": "How old are sundials?"},
+    ]
+    ids = ctx.chat_prompt([system, *turns])
+    head = ids.index(ctx.tokenize("<|im_end|>", add_special=False, parse_special=True)[0]) + 1
+    assert checkpoints.MIN_BRANCH_GAIN <= head < INTERVAL * 4
+    params = {"max_tokens": 4, "temperature": 0.0}
+    ctx.chat_completion([system, *turns], **params)
+    before = ctx.stats().num_cached_tokens
+    ctx.chat_completion([system, *turns[4:]], **params)  # the oldest two turns dropped
+    assert ctx.stats().num_cached_tokens - before >= head
+    before = ctx.stats().num_cached_tokens
+    ctx.chat_completion([system, {"role": "user", "content": "What is a tourbillon?"}], **params)
+    assert ctx.stats().num_cached_tokens - before >= head

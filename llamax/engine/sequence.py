@@ -172,6 +172,7 @@ class Sequence:
         "branch_at",
         "detokenizer",
         "draft_state",
+        "head_at",
         "index",
         "logprobs",
         "num_prompt_tokens",
@@ -199,6 +200,11 @@ class Sequence:
         """Where the prompt parts from a prefix another slot holds but cannot be cut at (a
         memory cut only at checkpoints): the prompt takes a checkpoint there too, so the
         next prompt that shares it reuses it (0: none; set at admission)."""
+        self.head_at = 0
+        """Where the prompt's head ends (just past its first end-of-turn token: a chat's
+        system message) on a memory cut only at checkpoints: the prompt takes a checkpoint
+        there, so a later prompt that keeps the head and drops what followed it (a history
+        shift) reuses it (:func:`~llamax.engine.kv.checkpoints.head_point`). 0: none."""
         self.state = SequenceState.WAITING
         self.detokenizer = Detokenizer(token_to_piece)
         self.stop_matcher = StopMatcher(request.stop_strings)

@@ -22,13 +22,19 @@ examples part where their first user message does) takes a checkpoint where the 
 prompt of a head pays its prefill, and the second, which finds where they part; from the
 third on the head is a hit. In a chat the point lies at a message boundary or inside the
 first message that differs; no template is consulted.
+
+And one where a prompt's **head** ends (:func:`head_point`): just past its first
+end-of-turn token, the end of a chat's system message, so that a conversation shifted
+later (its oldest turns dropped, its system prompt kept) and a new conversation with the
+same system prompt reuse it from their first prompt on.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 __all__ = [
     "CHECKPOINT_INTERVAL",
@@ -36,6 +42,7 @@ __all__ = [
     "MIN_BRANCH_GAIN",
     "branch_point",
     "checkpoint_positions",
+    "head_point",
     "interval_for",
     "least_needed",
     "next_checkpoint",
@@ -69,6 +76,29 @@ def branch_point(num_reused: int, num_shared: int) -> int:
     """Where a prompt that reuses ``num_reused`` tokens but shares ``num_shared`` computed
     ones with a cached prompt takes a branch checkpoint (0: none)."""
     return num_shared if num_shared - num_reused >= MIN_BRANCH_GAIN else 0
+
+
+def head_point(prompt: Sequence[int], is_eog: Callable[[int], bool], num_reused: int) -> int:
+    """Where a prompt takes a **head** checkpoint (0: none): just past its first
+    end-of-turn token, where a chat's first message (its system prompt) ends in every
+    template that closes a message with one (ChatML's ``<|im_end|>``, Gemma's
+    ``<end_of_turn>``, Llama 3's ``<|eot_id|>``). A conversation shifted or truncated later
+    keeps that head and drops what followed it, and a new conversation with the same system
+    prompt starts with it: both reuse the checkpoint instead of computing the head again.
+    None where the head is shorter than :data:`MIN_BRANCH_GAIN` (cheaper to recompute), is
+    already reused (``num_reused``), or reaches the prompt's last token but one (its own
+    checkpoint). Only the first :data:`HEAD_SCAN` tokens are looked at."""
+    last = len(prompt) - 1
+    for index, token in enumerate(itertools.islice(prompt, min(last, HEAD_SCAN))):
+        if is_eog(token):
+            head = index + 1
+            return head if head >= MIN_BRANCH_GAIN and num_reused < head < last else 0
+    return 0
+
+
+HEAD_SCAN = 16384
+"""Tokens :func:`head_point` looks through for the first end-of-turn token (a system
+prompt longer than this takes no head checkpoint; its interval checkpoints cover it)."""
 
 
 def least_needed(positions: Collection[int]) -> int:

@@ -41,7 +41,7 @@ from ...results import PrefillProgress, TokenEvent, TokenLogprob
 from ...stats import SequenceStats
 from ..images import cut_reuse
 from ..kv.admission import Outcome, SlotPlacer
-from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions
+from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions, head_point
 from ..kv.kvcache import KVCache, Slot
 from ..kv.kvops import KVOp, RestoreSession
 from ..kv.prefix import PrefixCache
@@ -315,7 +315,9 @@ class Scheduler:
         num = len(slot.tokens)
         if num > seq.num_prompt_tokens:
             return
-        if num != seq.branch_at and num not in checkpoint_positions(seq.num_prompt_tokens):
+        if num not in (seq.branch_at, seq.head_at) and num not in checkpoint_positions(
+            seq.num_prompt_tokens
+        ):
             return
         try:
             self.kv.checkpoint(slot, MAX_CHECKPOINTS)
@@ -518,6 +520,9 @@ class Scheduler:
             seq.slot = placement.slot
             num_reused = self._cut_into_image(seq, placement.slot, placement.num_reused)
             seq.branch_at = branch_point(num_reused, placement.num_shared)
+            if self.kv.cuts_at_checkpoints:
+                prompt = seq.token_ids[: seq.num_prompt_tokens]
+                seq.head_at = head_point(prompt, self.backend.is_eog, num_reused)
             self.num_cached_tokens += num_reused
             if seq.index == 0 and seq.num_generated == 0:
                 seq.request.num_cached_tokens = num_reused

@@ -90,8 +90,9 @@ class StepPlanner:
             limit = chunk_limit(images, seq.num_computed, limit)
         if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
             following = next_checkpoint(seq.num_computed, seq.num_prompt_tokens)
-            if seq.num_computed < seq.branch_at < (following or seq.num_prompt_tokens):
-                following = seq.branch_at
+            for extra in (seq.branch_at, seq.head_at):
+                if seq.num_computed < extra < (following or seq.num_prompt_tokens):
+                    following = extra
             if following is not None:
                 limit = min(limit, following - seq.num_computed)
         return self.budget.chunk(
@@ -122,8 +123,9 @@ class StepPlanner:
             want = chunk_limit(images, start, want)
         if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
             following = next_checkpoint(start, seq.num_prompt_tokens)
-            if start < seq.branch_at < (following or seq.num_prompt_tokens):
-                following = seq.branch_at
+            for extra in (seq.branch_at, seq.head_at):
+                if start < extra < (following or seq.num_prompt_tokens):
+                    following = extra
             if following is not None:
                 want = min(want, following - start)
         return (want if want <= budget else 0), fixed
