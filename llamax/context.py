@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # the layers above, for annotations only: the methods import 
 
     from .embeddings import Embedder
     from .info import ModelInfo
+    from .memory_plan import MemoryPlan
     from .templates.template import ChatTemplate
 
 __all__ = ["Context"]
@@ -311,6 +312,37 @@ class Context:
         return self._submit(
             prompt, params, priority=priority, request_id=request_id, fair_key=fair_key
         )
+
+    @staticmethod
+    def plan(
+        model_path: str | os.PathLike[str] | None = None,
+        *,
+        memory_bytes: int | None = None,
+        search: bool = True,
+        **options: Unpack[ContextOptions],
+    ) -> MemoryPlan:
+        """Plan the memory of ``Context(model_path, **options)`` without creating it: the
+        weights, the KV cache at its types and layout, the compute buffers, the RAM tier's
+        budget, whether it all fits ``memory_bytes`` (default: the memory available now)
+        and the largest ``n_ctx`` and ``n_seq_max`` that do (docs/memory.md).
+
+        Every option is checked as the constructor checks it; those that decide memory
+        (``n_ctx``, ``n_seq_max``, ``kv_type``, ``kv_type_k``, ``kv_type_v``, ``n_ctx_seq``,
+        ``kv_layout``, ``n_batch``, ``n_ubatch``, ``flash_attn``, ``prefix_cache``,
+        ``prefix_ram_bytes``, ``prefix_ram_share``) go to :func:`llamax.plan_memory`.
+
+        Raises:
+            InvalidParameterError: an option is out of range.
+            TypeError: an unknown option.
+            ModelLoadError: the file is missing, not GGUF, or llama.cpp refuses it.
+        """
+        from .memory_plan import PLANNED_OPTIONS, plan_memory
+
+        path = model_path or os.environ.get("LLAMAX_MODEL") or default_model_path()
+        config = ContextConfig.from_options(os.path.expanduser(os.fspath(path)), options)
+        # the config's values: a mode's choices (reproducible: streams, flash attention) too
+        planned = {name: getattr(config, name) for name in PLANNED_OPTIONS}
+        return plan_memory(config.model_path, memory_bytes=memory_bytes, search=search, **planned)
 
     def session(self, *, yields: bool = False) -> Session:
         """Open a :class:`Session`: a KV sequence that stays resident between requests.

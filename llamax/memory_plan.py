@@ -30,6 +30,7 @@ from .models import default_model_path
 __all__ = [
     "MAX_DRY_RUN_CELLS",
     "MAX_PLANNED_CTX",
+    "PLANNED_OPTIONS",
     "KVShape",
     "MemoryPlan",
     "ModelShape",
@@ -440,6 +441,15 @@ def assemble_plan(
         max_n_ctx=max_n_ctx,
         max_n_seq_max=max_n_seq_max,
     )
+
+
+PLANNED_OPTIONS: tuple[str, ...] = (
+    "n_ctx", "n_seq_max", "kv_type", "kv_type_k", "kv_type_v", "n_ctx_seq", "kv_layout",
+    "n_batch", "n_ubatch", "flash_attn", "prefix_cache", "prefix_ram_bytes",
+    "prefix_ram_share",
+)  # fmt: skip
+"""The :class:`~llamax.Context` options :func:`plan_memory` takes: those that decide its
+memory."""
 
 
 def plan_memory(

@@ -258,3 +258,34 @@ def test_llamax_info_prints_the_plan(model_path: Path, capsys: pytest.CaptureFix
     )
     assert plan["compute_bytes"] == expected.compute_bytes
     assert cli.main(["info", str(model_path.with_suffix(".missing")), "--n-ctx", "64"]) == 1
+
+
+def test_context_plan_is_the_plan_of_the_context_the_same_options_create(
+    model_path: Path,
+) -> None:
+    """``Context.plan`` takes the constructor's options: those that decide memory are
+    planned, the others only checked; the reproducible mode's choices are its own."""
+    options = {"n_ctx": 2048, "n_seq_max": 4, "kv_type": "q8_0", "n_threads": 2}
+    plan = llamax.Context.plan(model_path, memory_bytes=8 << 30, search=False, **options)
+    want = llamax.plan_memory(
+        model_path, n_ctx=2048, n_seq_max=4, kv_type="q8_0", memory_bytes=8 << 30, search=False
+    )
+    assert plan == want and plan.fits
+    assert (
+        plan.kv_bytes_per_cell
+        < llamax.Context.plan(
+            model_path, memory_bytes=8 << 30, search=False, n_ctx=2048, n_seq_max=4
+        ).kv_bytes_per_cell
+    )  # q8_0 against the default f16
+    streams = llamax.Context.plan(
+        model_path, memory_bytes=8 << 30, search=False, reproducible=True, n_ctx=2048
+    )
+    assert streams == llamax.plan_memory(
+        model_path, n_ctx=2048, kv_layout="streams", flash_attn=False, memory_bytes=8 << 30,
+        search=False,
+    )  # fmt: skip
+    with pytest.raises(llamax.InvalidParameterError) as caught:
+        llamax.Context.plan(model_path, n_threads=0)
+    assert caught.value.param == "n_threads"
+    with pytest.raises(TypeError, match="n_ctxx"):
+        llamax.Context.plan(model_path, n_ctxx=4096)  # type: ignore[call-arg]
