@@ -439,6 +439,7 @@ STILL_ANSWER = {
     "has_work",
     "close",
     "adapters",
+    "plan",  # a static method: plans a context that does not exist yet
 }
 
 
