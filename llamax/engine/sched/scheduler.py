@@ -521,7 +521,7 @@ class Scheduler:
             num_reused = self._cut_into_image(seq, placement.slot, placement.num_reused)
             seq.branch_at = branch_point(num_reused, placement.num_shared)
             if self.kv.cuts_at_checkpoints:
-                prompt = seq.token_ids[: seq.num_prompt_tokens]
+                prompt = seq.request.prompt_token_ids  # the sequence's prompt, not a copy
                 seq.head_at = head_point(prompt, self.backend.is_eog, num_reused)
             self.num_cached_tokens += num_reused
             if seq.index == 0 and seq.num_generated == 0:

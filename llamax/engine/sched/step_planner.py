@@ -88,13 +88,9 @@ class StepPlanner:
         limit = min(seq.num_pending, budget)
         if images:
             limit = chunk_limit(images, seq.num_computed, limit)
-        if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
-            following = next_checkpoint(seq.num_computed, seq.num_prompt_tokens)
-            for extra in (seq.branch_at, seq.head_at):
-                if seq.num_computed < extra < (following or seq.num_prompt_tokens):
-                    following = extra
-            if following is not None:
-                limit = min(limit, following - seq.num_computed)
+        following = self._checkpoint_cut(seq, seq.num_computed)
+        if following is not None:
+            limit = min(limit, following - seq.num_computed)
         return self.budget.chunk(
             fixed,
             limit,
@@ -104,6 +100,18 @@ class StepPlanner:
             num_decode=num_decode,
             unified=self._kv.is_unified,
         )
+
+    def _checkpoint_cut(self, seq: Seq, start: int) -> int | None:
+        """Where a prompt chunk from ``start`` must end to take a checkpoint, on a memory cut
+        only at checkpoints (None: nowhere): the next interval checkpoint, or the branch or
+        head point (:mod:`~llamax.engine.kv.checkpoints`) if one comes first."""
+        if not (self._kv.cuts_at_checkpoints and self._prefix.is_enabled):
+            return None
+        following = next_checkpoint(start, seq.num_prompt_tokens)
+        for extra in (seq.branch_at, seq.head_at):
+            if start < extra < (following or seq.num_prompt_tokens):
+                following = extra
+        return following
 
     def _chunk_on_grid(
         self, seq: Seq, grid: int, budget: int, fixed: StepFeatures | None
@@ -121,13 +129,9 @@ class StepPlanner:
         images = seq.request.images
         if images:
             want = chunk_limit(images, start, want)
-        if self._kv.cuts_at_checkpoints and self._prefix.is_enabled:
-            following = next_checkpoint(start, seq.num_prompt_tokens)
-            for extra in (seq.branch_at, seq.head_at):
-                if start < extra < (following or seq.num_prompt_tokens):
-                    following = extra
-            if following is not None:
-                want = min(want, following - start)
+        following = self._checkpoint_cut(seq, start)
+        if following is not None:
+            want = min(want, following - start)
         return (want if want <= budget else 0), fixed
 
     def build(
