@@ -243,6 +243,34 @@ def test_a_chunk_that_fills_a_tile_beats_a_smaller_one_computed_row_by_row() -> 
     assert fair >= TILE_ROWS - 4
 
 
+def late_cost(f: StepFeatures) -> float:
+    """Like :func:`cliff_cost`, with row-by-row attention a little cheaper: late in a long
+    prompt 32 tokens row by row cost a little less than 60 tiled (measured 0.55-0.68 s
+    against 0.60-0.75 s on the 2-core EPYC, beside 4 decode rows at ~3,000 cells)."""
+    return 0.004 + 0.0035 * f.num_tokens + 1.1e-6 * f.attention + 1.4e-6 * f.row_attention
+
+
+def test_when_nothing_fits_a_much_faster_chunk_beats_the_cheapest() -> None:
+    """Nothing fits the budget: the step is over it whatever the chunk, so a chunk of 60
+    tiled tokens, predicted 1.07x the cheapest step (32 tokens row by row) and making
+    progress 1.75x faster, is taken: the gap grows 7%, the prompt's tail goes in half as
+    many steps. A chunk more than 1.1x the cheapest is not."""
+    model = fitted(seed=4, cost=late_cost)
+    decode = micro_batch(4, 4 * 3400)
+
+    def step_s(n: int) -> float:
+        return late_cost(step_with_chunk(decode, n, 3404, unified=True))
+
+    assert step_s(MIN_CHUNK) < step_s(TILE_ROWS - 4) < 1.1 * step_s(MIN_CHUNK)
+    k = model.largest_chunk(decode, 3404, 512, 0.3, unified=True)
+    assert k >= TILE_ROWS - 4
+    assert step_s(k) <= 1.1 * step_s(MIN_CHUNK) * 1.02
+    assert model.largest_chunk(decode, 3404, 512, 0.3, unified=True, overrun=False) == MIN_CHUNK
+    # row by row 1.3e-6 a cell: 60 tiled is 1.105x the cheapest, past the allowance
+    slower = fitted(seed=4, cost=lambda f: late_cost(f) - 1e-7 * f.row_attention)
+    assert slower.largest_chunk(decode, 3404, 512, 0.3, unified=True) == MIN_CHUNK
+
+
 def test_the_fit_tells_row_by_row_attention_apart() -> None:
     model = fitted(seed=5, cost=cliff_cost)
     for f in (micro_batch(40, 40 * 3400), micro_batch(64, 64 * 3400), micro_batch(4, 4 * 100)):
