@@ -210,6 +210,7 @@ def run_llamax(path: Path, args: argparse.Namespace, *, cache: bool) -> dict[str
         n_seq_max=args.conversations,
         n_threads=N_THREADS,
         prefix_cache=cache,
+        kv_layout=args.kv_layout,
     ) as ctx:
         started = time.perf_counter()
         turns = run_conversations(ctx, llamax_submit(ctx, args.max_tokens), args)
@@ -264,6 +265,12 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--n-ctx", type=int, default=16384)
+    parser.add_argument(
+        "--kv-layout",
+        default="auto",
+        choices=("auto", "unified", "streams"),
+        help="llamax's kv_layout (auto keeps a hybrid or recurrent model unified)",
+    )
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary (peers.sh)")
     args = parser.parse_args()
     load_at_start = load_average()
