@@ -127,6 +127,13 @@ class ModelShape:
         sequences' states can move between layouts (``kv_layout="auto"`` adapts)."""
         return not (self.is_recurrent or self.is_hybrid or self.n_swa > 0)
 
+    @property
+    def movable_kv(self) -> bool:
+        """Whether its sequences' states can move between layouts (``kv_layout="auto"``
+        adapts): one full-attention KV cache, alone (:attr:`plain_kv`) or beside a hybrid's
+        recurrent state (the backend decides it the same way)."""
+        return self.plain_kv or (self.is_hybrid and self.n_swa == 0)
+
     def cell_bytes(self, type_k: str, type_v: str) -> int:
         """Bytes of one cell in every cache: what one more token of a sequence costs (a
         window layer's cell holds a token of its window)."""

@@ -187,7 +187,8 @@ def test_a_recurrent_or_hybrid_model_s_state_is_counted_per_sequence(
     assert hybrid.state_bytes_per_seq == 2 * 2 * 64 * 4
     assert hybrid.state_bytes == 16 * hybrid.state_bytes_per_seq
     assert hybrid.kv_bytes_per_cell == 2 * 2 * 32 * 2 * 2 and hybrid.kv_bytes == 4096 * 512
-    assert hybrid.kv_layout == "unified" and not hybrid.moves_layout  # not a plain cache
+    # one attention cache beside the recurrent state: auto starts in streams and moves
+    assert hybrid.kv_layout == "streams" and hybrid.moves_layout
     # Mamba2: 2 blocks of a (4 - 1) x 160 convolution and a 16 x 128 state, F32; llama.cpp
     # logs them in MiB to two decimals, so the state is read to within a few bytes
     recurrent = llamax.plan_memory(memory_models["recurrent"], n_ctx=4096, n_seq_max=16)
@@ -196,6 +197,7 @@ def test_a_recurrent_or_hybrid_model_s_state_is_counted_per_sequence(
     assert recurrent.state_bytes == 16 * recurrent.state_bytes_per_seq
     assert (recurrent.kv_bytes, recurrent.kv_bytes_per_cell) == (0, 0)
     assert recurrent.max_n_ctx == llamax.info.MAX_PLANNED_CTX  # no cache grows with it
+    assert recurrent.kv_layout == "unified" and not recurrent.moves_layout  # no cells to part
     measured = llamax.model_info(memory_models["recurrent"]).state_bytes_per_seq
     assert 0 <= measured - exact <= 256  # a saved state adds a header to the state
 

@@ -36,16 +36,17 @@ def padded(n: int) -> int:
     return max(_PAD, -(-n // _PAD) * _PAD)
 
 
-def adapts_layout(config: ContextConfig, plain_kv: bool) -> bool:
+def adapts_layout(config: ContextConfig, movable_kv: bool) -> bool:
     """Whether ``kv_layout="auto"`` starts in streams and moves between layouts: the model
-    has one plain KV cache (its states can move, :func:`~llamax.backend.seq_state.restream`)
-    and the streams' cells cost at most :data:`MAX_STREAMS_MEMORY` times the unified ones."""
+    has one full-attention KV cache, alone or beside a hybrid's recurrent state (its states
+    can move, :func:`~llamax.backend.seq_state.restream`), and the streams' cells cost at
+    most :data:`MAX_STREAMS_MEMORY` times the unified ones."""
     n_ctx, n_seq_max = config.n_ctx, config.n_seq_max
     streams_cells = padded(padded(n_ctx) // n_seq_max) * n_seq_max
     return (
         config.kv_layout == "auto"
         and config.resolved_kv_layout == "unified"
-        and plain_kv
+        and movable_kv
         and n_seq_max > 1
         and streams_cells <= MAX_STREAMS_MEMORY * max(n_ctx, _PAD)
     )
@@ -57,6 +58,8 @@ def move_states(
     n_seq_max: int,
     n_stream: int,
     shared: Sequence[SharedPrefix] = (),
+    *,
+    tail: bool = False,
 ) -> None:
     """Copy every sequence's state from ``old`` into ``new`` (of ``n_stream`` streams),
     except those of ``shared`` (into a unified ``new`` only): each is tagged on its
@@ -65,13 +68,16 @@ def move_states(
     Raises:
         RequestFailedError: a state could not be moved (a sequence that does not fit its
             stream).
+
+    With ``tail`` (a hybrid model) each state's recurrent part follows its attention
+    cells and moves as it is (:func:`~llamax.backend.seq_state.restream`).
     """
     sharers = {share.seq_id for share in shared}
     for seq_id in range(n_seq_max):
         if seq_id in sharers or old.seq_pos_max(seq_id) < 0:
             continue
         try:
-            data = restream(old.state_seq_get(seq_id), n_stream)
+            data = restream(old.state_seq_get(seq_id), n_stream, tail=tail)
         except ValueError as exc:
             raise RequestFailedError(f"sequence {seq_id}'s state: {exc}") from exc
         if not new.state_seq_set(seq_id, data):

@@ -56,6 +56,7 @@ __all__ = ["LlamaCppBackend"]
 
 _log = logging.getLogger("llamax.llama_cpp")
 
+
 def _kv_types_refused(type_k: str, type_v: str) -> str:
     """What may have made llama.cpp refuse a context with these KV types ("" for f16's)."""
     if (type_k, type_v) == ("f16", "f16"):
@@ -99,10 +100,13 @@ class LlamaCppBackend(LlamaCppModel):
             # one KV section (no sliding window, no recurrent state): a sequence's saved
             # state can move between layouts (seq_state.restream)
             self._plain_kv = not (model.is_recurrent() or model.is_hybrid() or model.n_swa() > 0)
+            # a hybrid without a sliding window: one attention KV section, then the
+            # recurrent state, which moves as it is (restream(tail=True))
+            self._hybrid_kv = model.is_hybrid() and model.n_swa() == 0
             # streams: one buffer per sequence (a partial seq_cp between them aborts the
             # process, so the KV cache copies whole streams); unified: one shared buffer.
             # "auto" without n_ctx_seq starts in streams and moves (relayout) as needed.
-            self._can_relayout = adapts_layout(config, self._plain_kv)
+            self._can_relayout = adapts_layout(config, self._plain_kv or self._hybrid_kv)
             self._is_unified = config.resolved_kv_layout == "unified" and not self._can_relayout
             # a cache that cannot fit is refused here, not zeroed until the kernel kills us
             check_context_memory(model, config, unified=self._is_unified, dims=kv_dims(model))
@@ -217,7 +221,8 @@ class LlamaCppBackend(LlamaCppModel):
 
     @property
     def can_relayout(self) -> bool:
-        """Whether :meth:`relayout` may switch layouts (``kv_layout="auto"``, plain KV)."""
+        """Whether :meth:`relayout` may switch layouts (``kv_layout="auto"``, one
+        full-attention KV cache, alone or in a hybrid)."""
         return self._can_relayout
 
     def relayout(self, unified: bool, shared: Sequence[SharedPrefix] = ()) -> None:
@@ -245,6 +250,7 @@ class LlamaCppBackend(LlamaCppModel):
                 self._n_seq_max,
                 1 if unified else self._n_seq_max,
                 shared if unified else (),
+                tail=self._hybrid_kv,
             )
         except BaseException:
             new.close()
@@ -540,7 +546,12 @@ class LlamaCppBackend(LlamaCppModel):
         """
         with self._guard.entered():
             data = self._context.state_seq_get(seq_id, partial=partial)
-        return restream(data, 1) if self._plain_kv and data and not partial else data
+        if not data or partial or not (self._plain_kv or self._hybrid_kv):
+            return data
+        try:
+            return restream(data, 1, tail=self._hybrid_kv)
+        except ValueError:  # not a state this module can read: as llama.cpp wrote it
+            return data
 
     def calibration_key(self) -> str | None:
         """The model, llama.cpp's build and version, the settings step costs depend on, and
@@ -587,6 +598,11 @@ class LlamaCppBackend(LlamaCppModel):
             if checked is None:
                 return False
             data = checked
+        elif self._hybrid_kv:
+            try:
+                data = restream(data, 1 if self._is_unified else self._n_seq_max, tail=True)
+            except ValueError:
+                return False
         with self._guard.entered():
             return self._context.state_seq_set(seq_id, data)
 

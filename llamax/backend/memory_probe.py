@@ -250,7 +250,7 @@ class SizeProbe:
             n_seq_max=n_seq_max,
             n_batch=max(self._config.n_batch, n_seq_max),
         )
-        moves = adapts_layout(config, self.shape().plain_kv)
+        moves = adapts_layout(config, self.shape().movable_kv)
         return config.resolved_kv_layout == "unified" and not moves, moves
 
     def compute_bytes(self, n_ctx: int, n_seq_max: int, unified: bool) -> int:

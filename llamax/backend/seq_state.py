@@ -20,15 +20,18 @@ Inside it (``[ext]``: an M-RoPE model's 8-byte extra position)::
 own stream whatever its index. So moving a sequence between a unified cache (one stream)
 and one stream per sequence needs only a new header and the empty blocks around it.
 
-Only for caches with one KV section: a sliding-window model's state holds two, and a
-recurrent model's holds other sections; those are never rewritten.
+A hybrid model's state (attention and recurrent layers, no sliding window) holds the
+attention cache's section as above, then the recurrent state's, which has no streams:
+``restream(..., tail=True)`` rewrites the first and keeps the second as it is. A sliding-
+window model's state holds two KV sections and a recurrent-only model's none; those are
+never rewritten.
 """
 
 from __future__ import annotations
 
 import struct
 
-__all__ = ["cell_positions", "restream", "tile"]
+__all__ = ["cell_positions", "kv_section_end", "restream", "tile"]
 
 _HEADER = struct.Struct("<IiI")
 _EMPTY = b"\0\0\0\0"
@@ -75,6 +78,15 @@ def _block(data: bytes, offset: int, count: int, end: int) -> list[int]:
 
 
 def _cells(data: bytes, offset: int, count: int, cell_size: int, end: int) -> list[int]:
+    positions, offset = _walk(data, offset, count, cell_size, end)
+    if offset != end:
+        raise ValueError(f"a sequence state with {end - offset} bytes left over")
+    return positions
+
+
+def _walk(data: bytes, offset: int, count: int, cell_size: int, end: int) -> tuple[list[int], int]:
+    """Parse one stream's cells and K/V rows within ``data[:end]``: their positions and
+    where they end."""
     if count * cell_size > end - offset:
         raise ValueError(f"a sequence state that lists {count} cells is too short")
     positions = []
@@ -102,17 +114,63 @@ def _cells(data: bytes, offset: int, count: int, cell_size: int, end: int) -> li
             offset += 12 + row * count
         if offset > end:
             raise ValueError("a truncated sequence state")
-    if offset != end:
-        raise ValueError(f"a sequence state with {end - offset} bytes left over")
-    return positions
+    return positions, offset
 
 
-def restream(data: bytes, n_stream: int) -> bytes:
-    """``data`` (one sequence's state) as a context with ``n_stream`` streams expects it.
+def kv_section_end(data: bytes) -> int:
+    """Where the attention cache's section of ``data`` (one sequence's state) ends: its
+    header and ``n_stream`` blocks, parsed; a hybrid model's recurrent state follows.
 
     Raises:
-        ValueError: ``data`` is not one sequence of a plain KV cache.
+        ValueError: ``data`` does not start with such a section, or its cells are in more
+            than one stream.
     """
+    if len(data) < _HEADER.size + 4:
+        raise ValueError(f"a sequence state of {len(data)} bytes is too short")
+    _magic, _seq_id, n_stream = _HEADER.unpack_from(data)
+    if not 1 <= n_stream <= (len(data) - _HEADER.size) // 4:
+        raise ValueError(f"a sequence state with {n_stream} streams")
+    offset, found = _HEADER.size, False
+    for _ in range(n_stream):
+        (count,) = _U32.unpack_from(data, offset)
+        offset += 4
+        if not count:
+            continue
+        if found:
+            raise ValueError("a sequence state whose cells are in more than one stream")
+        found = True
+        offset = _block_end(data, offset, count)
+    return offset
+
+
+def _block_end(data: bytes, offset: int, count: int) -> int:
+    """Where a stream's block of ``count`` cells starting at ``offset`` ends (the cell
+    size is whichever parses: with or without an M-RoPE position)."""
+    problem = ""
+    for cell_size in _CELL_SIZES:
+        try:
+            return _walk(data, offset, count, cell_size, len(data))[1]
+        except (ValueError, struct.error) as exc:
+            problem = problem or str(exc)
+    raise ValueError(problem)
+
+
+def restream(data: bytes, n_stream: int, *, tail: bool = False) -> bytes:
+    """``data`` (one sequence's state) as a context with ``n_stream`` streams expects it.
+
+    Args:
+        data: The state.
+        n_stream: The streams of the context that will read it.
+        tail: ``data`` is a hybrid model's: the attention section is parsed to find its
+            end, and what follows it (the recurrent state) is kept as it is.
+
+    Raises:
+        ValueError: ``data`` is not one sequence of a plain KV cache (or, with ``tail``,
+            does not start with one).
+    """
+    if tail:
+        end = kv_section_end(data)
+        return restream(data[:end], n_stream) + data[end:]
     if len(data) < _HEADER.size + 4:
         raise ValueError(f"a sequence state of {len(data)} bytes is too short")
     magic, seq_id, n_from = _HEADER.unpack_from(data)

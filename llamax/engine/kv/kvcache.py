@@ -399,7 +399,11 @@ class KVCache:
         copies: a chat's earlier turns kept beside its latest, a retried prompt. The
         longest slots keep cells of their own; a shorter one shares with the first of them
         that it begins. A session's (pinned) slot neither shares nor is shared: its history
-        shift moves its cells (``seq_add``), which would move another sequence's too."""
+        shift moves its cells (``seq_add``), which would move another sequence's too.
+        None on a memory cut at checkpoints: a hybrid's ``seq_cp`` copies the source's whole
+        recurrent state, not the state at the shared prefix's end."""
+        if self._at_checkpoints:
+            return []
         owners: list[Slot] = []
         shared: list[SharedPrefix] = []
         for slot in sorted(self._slots.values(), key=lambda s: len(s.tokens), reverse=True):
