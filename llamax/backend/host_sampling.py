@@ -267,12 +267,34 @@ def _draw(p: F32, u: F64) -> I64:
 
 
 def _top(block: F32, width: int) -> tuple[I64, F32]:
-    """Each row's ``width`` largest logits, in descending order, and their token ids."""
-    n_vocab = block.shape[1]
-    ids = np.argpartition(block, n_vocab - width, axis=1)[:, n_vocab - width :]
-    values = np.take_along_axis(block, ids, axis=1)
+    """Each row's ``width`` largest logits, in descending order, and their token ids.
+
+    When the row splits into blocks of :data:`_BLOCK` tokens and ``width`` blocks are few
+    of them, only the ``width`` blocks with the largest maxima are searched: each holds a
+    logit at least the ``width``-th largest maximum, so the ``width`` largest logits are all
+    in them, and one pass of block maxima replaces a partition of the whole row."""
+    n_rows, n_vocab = block.shape
+    ids: I64
+    if n_vocab % _BLOCK == 0 and width * _BLOCK * 4 <= n_vocab:
+        n_blocks = n_vocab // _BLOCK
+        blocks = block.reshape(n_rows, n_blocks, _BLOCK)
+        peaks = blocks.max(axis=2)
+        best = np.argpartition(peaks, n_blocks - width, axis=1)[:, n_blocks - width :]
+        block = blocks[np.arange(n_rows)[:, None], best].reshape(n_rows, width * _BLOCK)
+        ids = (best[:, :, None] * _BLOCK + np.arange(_BLOCK)).reshape(n_rows, width * _BLOCK)
+        n_vocab = block.shape[1]
+        part = np.argpartition(block, n_vocab - width, axis=1)[:, n_vocab - width :]
+        ids = np.take_along_axis(ids, part, axis=1)
+        values = np.take_along_axis(block, part, axis=1)
+    else:
+        ids = np.argpartition(block, n_vocab - width, axis=1)[:, n_vocab - width :]
+        values = np.take_along_axis(block, ids, axis=1)
     order = np.argsort(-values, axis=1, kind="stable")
     return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+
+
+_BLOCK = 64
+"""Tokens per block of :func:`_top`'s first pass."""
 
 
 def _column(chains: Sequence[HostChain], name: str) -> F32:
