@@ -23,13 +23,13 @@ from llamax.params import SamplingParams
 C = bindings()
 MIXES = {
     "default": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
-    "top-p, min-p": {"temperature": 0.8, "top_k": 0, "top_p": 0.95, "min_p": 0.05},
     "top-k": {"temperature": 0.8, "top_k": 40, "top_p": 1.0, "min_p": 0.0},
-    "temperature": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
-    "top-p": {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "min_p": 0.0},
-    "min-p": {"temperature": 1.3, "top_k": 0, "top_p": 1.0, "min_p": 0.1},
+    "temperature": {"temperature": 1.0, "top_k": 40, "top_p": 1.0, "min_p": 0.0},
+    "top-k, top-p": {"temperature": 0.7, "top_k": 60, "top_p": 0.9, "min_p": 0.0},
+    "top-k, min-p": {"temperature": 1.3, "top_k": 50, "top_p": 1.0, "min_p": 0.1},
     "wide top-k": {"temperature": 0.6, "top_k": 300, "top_p": 0.9, "min_p": 0.02},
     "peaked": {"temperature": 0.5, "top_k": 5, "top_p": 0.5, "min_p": 0.5},
+    "one": {"temperature": 0.9, "top_k": 1, "top_p": 1.0, "min_p": 0.0},
 }
 BIAS = {3: 4.0, 7: float("-inf"), 11: 2.5, 12: -1.5}
 
@@ -131,20 +131,19 @@ def test_top_p_stops_where_the_float32_running_sum_reaches_p() -> None:
     """A row made so that top-p's running sum reaches ``p`` at the second candidate in
     float32 (llama.cpp's) but not in double: llama.cpp keeps two candidates, and so must
     the host path, whatever the draw (a double sum would keep a third, often drawn)."""
-    base = np.array([2.0, 0.0, 1.0, -1.0, -2.0], np.float32)
+    top = np.array([2.0, 1.0, 0.0, -1.0, -2.0], np.float32)  # descending, as top-k leaves it
     for second in np.linspace(1.0, 1.9, 2000, dtype=np.float32):
-        base[2] = second
-        p = expf(base - base.max())
+        top[1] = second
+        p = expf(top - top[0])
         p /= np.cumsum(p, dtype=np.float32)[-1]
-        order = np.argsort(-base)
-        two = np.float32(p[order[0]]) + np.float32(p[order[1]])
-        if float(p[order[0]]) + float(p[order[1]]) < float(two):  # float32 rounded it up
+        two = p[0] + p[1]
+        if float(p[0]) + float(p[1]) < float(two):  # float32 rounded the sum up
             break
     else:
         pytest.fail("no row whose float32 sum rounds up")
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=float(two), min_p=0.0)
+    params = SamplingParams(temperature=1.0, top_k=5, top_p=float(two), min_p=0.0)
     row = np.full(64, -30.0, np.float32)
-    row[:5] = base
+    row[[9, 3, 40, 22, 7]] = top
     for seed in range(60):
         native = sampler(params, seed, 64, host=False)
         host = sampler(params, seed, 64, host=True)
@@ -182,7 +181,7 @@ def test_a_single_candidate_still_consumes_a_draw() -> None:
     """llama.cpp's ``dist`` draws for a one-candidate row too: the next rows agree."""
     one = np.zeros(50, np.float32)
     one[4] = 30.0  # min-p 0.5 keeps it alone
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5)
+    params = SamplingParams(temperature=1.0, top_k=10, top_p=1.0, min_p=0.5)
     native, host = sampler(params, 5, 50, host=False), sampler(params, 5, 50, host=True)
     rng = np.random.default_rng(4)
     try:
@@ -207,6 +206,7 @@ def test_pick_takes_the_first_candidate_whose_running_sum_reaches_the_draw() -> 
     "change",
     [
         {"temperature": 0.0},
+        {"top_k": 0},
         {"repeat_penalty": 1.1},
         {"frequency_penalty": 0.5},
         {"typical_p": 0.9},
@@ -221,7 +221,7 @@ def test_a_grammar_stays_native_and_the_rest_goes_to_the_host() -> None:
     assert host_chain(SamplingParams(), {}, "root ::= [a-z]") is None
     chain = host_chain(SamplingParams(), {5: -1.0}, None)
     assert chain is not None
-    assert chain.shape == (40, True, True)
+    assert (chain.top_k, chain.top_p, chain.min_p) == (40, np.float32(0.95), np.float32(0.05))
 
 
 def test_the_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,11 @@
 """llama.cpp's common sampler chains, run on the host for many rows at once.
 
 A sampled (non-greedy) sequence whose chain is ``logit_bias`` → ``top_k`` → ``top_p`` →
-``min_p`` → ``temp`` → ``dist`` (any of the middle four off) is sampled here from the
-step's logits matrix, all such rows together, instead of one ``llama_sampler_sample`` per
-row: ``np.argpartition`` finds a top-k row's candidates and only those are sorted.
+``min_p`` → ``temp`` → ``dist`` (top-k on; bias, top-p and min-p optional) is sampled here
+from the step's logits matrix, all such rows together, instead of one
+``llama_sampler_sample`` per row, which copies and walks the whole row: one vectorised
+pass of group maxima finds where each row's top-k candidates are (:func:`_top`) and only
+those are sorted and sampled.
 
 Design note: the goal is the token llama.cpp's chain picks, bit for bit, for the same seed.
 What that takes, read from ``llama-sampler.cpp``:
@@ -15,9 +17,8 @@ What that takes, read from ``llama-sampler.cpp``:
   whose rounding glibc's FMA variant could decide otherwise asked of libm itself;
 * ``dist`` draws one ``uniform_real_distribution<double>`` per row, sampled or not (two
   32-bit outputs of the sequence's ``std::mt19937``, :class:`ChainRng`), and takes the
-  first candidate whose running double sum reaches ``sum * u``, in candidate order: the
-  token's id order when nothing sorted the row (temperature and min-p only), else
-  descending logits;
+  first candidate whose running double sum reaches ``sum * u``, in candidate order
+  (descending logits);
 * the order llama.cpp's ``std::partial_sort`` gives equal logits is its own: a row whose
   kept candidates (or the first one cut) hold equal logits is answered None, and the
   caller runs llama.cpp's filters on that row and only :func:`pick` here.
@@ -71,7 +72,7 @@ class HostChain:
     """Tokens ``logit_bias`` changes (``ignore_eos``'s bans included)."""
     bias_values: F32
     top_k: int
-    """0: off."""
+    """Rows of one ``top_k`` are sampled together."""
     top_p: np.float32
     """1: off."""
     min_p: np.float32
@@ -79,11 +80,6 @@ class HostChain:
     log_min_p: np.float32
     """``logf(min_p)``, libm's."""
     temperature: np.float32
-
-    @property
-    def shape(self) -> tuple[int, bool, bool]:
-        """Rows of one shape are sampled together: ``(top_k, top-p on, min-p on)``."""
-        return self.top_k, bool(self.top_p < 1), bool(self.min_p > 0)
 
 
 def host_sampling_enabled() -> bool:
@@ -107,8 +103,16 @@ def host_chain(
     params: SamplingParams, bias: dict[int, float], grammar: str | None
 ) -> HostChain | None:
     """The host chain for ``params`` (``bias``: the logit bias with ``ignore_eos``'s bans),
-    or None when the native chain must sample: greedy, penalties, typical-p, a grammar."""
-    if params.is_greedy or params.has_penalties or params.typical_p < 1 or grammar is not None:
+    or None when the native chain must sample: greedy, penalties, typical-p, a grammar, and
+    no top-k (a softmax over the whole row: glibc's ``expf`` of every token costs NumPy
+    several times what it costs llama.cpp, which then wins)."""
+    if (
+        params.is_greedy
+        or params.has_penalties
+        or params.typical_p < 1
+        or grammar is not None
+        or params.top_k == 0
+    ):
         return None
     min_p = np.float32(params.min_p)
     return HostChain(
@@ -153,19 +157,15 @@ def sample_rows(
     A row is None where equal logits among its candidates leave the answer to llama.cpp's
     own sort order (see the module note)."""
     out: list[int | None] = [None] * len(chains)
-    groups: dict[tuple[int, bool, bool], list[int]] = {}
+    groups: dict[int, list[int]] = {}
     for i, chain in enumerate(chains):
         if chain.bias_ids.size:
             logits[i, chain.bias_ids] += chain.bias_values
-        groups.setdefault(chain.shape, []).append(i)
-    for (top_k, has_top_p, has_min_p), rows in groups.items():
+        groups.setdefault(chain.top_k, []).append(i)
+    for top_k, rows in groups.items():
         block = logits if len(rows) == len(chains) else logits[rows]
-        group = [chains[i] for i in rows]
         u = np.array([draws[i] for i in rows])
-        if top_k == 0 and not has_top_p:
-            picks = _unsorted(block, group, u, has_min_p)
-        else:
-            picks = _sorted(block, group, u, top_k)
+        picks = _sorted(block, [chains[i] for i in rows], u, top_k)
         for i, token in zip(rows, picks, strict=True):
             out[i] = token
     return out
@@ -182,60 +182,19 @@ def pick(logits: F32, u: float) -> tuple[int, F32]:
     return index, (p / total[-1]).astype(np.float32)
 
 
-def _unsorted(block: F32, chains: Sequence[HostChain], u: F64, has_min_p: bool) -> list[int | None]:
-    """Rows that nothing sorts (temperature, min-p): ``dist`` in token id order."""
-    scaled = block / _column(chains, "temperature")
-    p = expf(scaled - scaled.max(axis=1, keepdims=True))
-    if has_min_p:
-        p[block < block.max(axis=1, keepdims=True) + _column(chains, "log_min_p")] = 0
-    return [int(t) for t in _draw(p, u)]
-
-
 def _sorted(block: F32, chains: Sequence[HostChain], u: F64, top_k: int) -> list[int | None]:
-    """Rows that top-k or top-p sorts: descending logits, top-p and min-p cut, ``dist``."""
-    n_vocab = block.shape[1]
-    if top_k:
-        kept = min(top_k, n_vocab)
-        norm = None
-    else:  # top-p over the whole row: its softmax's sum is in token id order
-        peak = block.max(axis=1, keepdims=True)
-        norm = np.cumsum(expf(block - peak), axis=1, dtype=np.float32)[:, -1]
-        kept = min(256, n_vocab)  # llama.cpp's first guess; rows that need more sort all
-    ids, values = _top(block, min(kept + 1, n_vocab))
+    """Top-k rows: their candidates in descending order, top-p and min-p cut, ``dist``."""
+    kept = min(top_k, block.shape[1])
+    ids, values = _top(block, min(kept + 1, block.shape[1]))
     top_p = _column(chains, "top_p")
     cut = np.full(len(chains), kept)
-    if norm is not None or (top_p < 1).any():
-        first = values[:, :kept]
-        if norm is None:
-            p = expf(first - first[:, :1])
-            p /= np.cumsum(p, axis=1, dtype=np.float32)[:, -1:]
-        else:
-            p = expf(first - peak) / norm[:, None]
+    if (top_p < 1).any():  # top-p's softmax and running sum, in float32 as llama.cpp's
+        p = expf(values[:, :kept] - values[:, :1])
+        p /= np.cumsum(p, axis=1, dtype=np.float32)[:, -1:]
         running = np.cumsum(p, axis=1, dtype=np.float32) >= top_p
-        reached = np.asarray(running.any(axis=1), dtype=np.bool_)
+        reached = running.any(axis=1) & (top_p[:, 0] < 1)  # top-p 1: no sampler
         cut = np.where(reached, running.argmax(axis=1) + 1, kept)
-        if norm is not None and not reached.all():
-            return _sort_all(block, chains, u, reached, ids, values, cut)
     return _cut_and_draw(ids, values, cut, chains, u)
-
-
-def _sort_all(
-    block: F32, chains: Sequence[HostChain], u: F64, reached: npt.NDArray[np.bool_],
-    ids: I64, values: F32, cut: I64,
-) -> list[int | None]:  # fmt: skip
-    """Top-p rows that 256 candidates do not fill: the rest sorted whole, as llama.cpp."""
-    out = _cut_and_draw(ids, values, cut, chains, u)
-    for i in np.flatnonzero(~reached).tolist():
-        row = block[i : i + 1]
-        all_ids, all_values = _top(row, row.shape[1])
-        p = (
-            expf(all_values - all_values[:, :1])
-            / np.cumsum(expf(row - row.max()), axis=1, dtype=np.float32)[:, -1:]
-        )
-        running = np.cumsum(p, axis=1, dtype=np.float32) >= chains[i].top_p
-        cut_i = np.array([int(running.argmax()) + 1 if running.any() else row.shape[1]])
-        out[i] = _cut_and_draw(all_ids, all_values, cut_i, [chains[i]], u[i : i + 1])[0]
-    return out
 
 
 def _cut_and_draw(
@@ -269,32 +228,34 @@ def _draw(p: F32, u: F64) -> I64:
 def _top(block: F32, width: int) -> tuple[I64, F32]:
     """Each row's ``width`` largest logits, in descending order, and their token ids.
 
-    When the row splits into blocks of :data:`_BLOCK` tokens and ``width`` blocks are few
-    of them, only the ``width`` blocks with the largest maxima are searched: each holds a
-    logit at least the ``width``-th largest maximum, so the ``width`` largest logits are all
-    in them, and one pass of block maxima replaces a partition of the whole row."""
+    When the row splits into :data:`_GROUP`-token strided groups (tokens ``g``, ``g + n``,
+    ``g + 2n`` ... of ``n`` groups) and ``width`` groups are few of them, only the ``width``
+    groups with the largest maxima are searched, and in them only the logits at least the
+    smallest of those maxima: each group holds one, so the ``width`` largest logits are
+    among them. The maxima are one vectorised pass over the rows, far cheaper than
+    partitioning them whole."""
     n_rows, n_vocab = block.shape
-    ids: I64
-    if n_vocab % _BLOCK == 0 and width * _BLOCK * 4 <= n_vocab:
-        n_blocks = n_vocab // _BLOCK
-        blocks = block.reshape(n_rows, n_blocks, _BLOCK)
-        peaks = blocks.max(axis=2)
-        best = np.argpartition(peaks, n_blocks - width, axis=1)[:, n_blocks - width :]
-        block = blocks[np.arange(n_rows)[:, None], best].reshape(n_rows, width * _BLOCK)
-        ids = (best[:, :, None] * _BLOCK + np.arange(_BLOCK)).reshape(n_rows, width * _BLOCK)
-        n_vocab = block.shape[1]
-        part = np.argpartition(block, n_vocab - width, axis=1)[:, n_vocab - width :]
-        ids = np.take_along_axis(ids, part, axis=1)
-        values = np.take_along_axis(block, part, axis=1)
-    else:
+    if n_vocab % _GROUP or width * _GROUP * 4 > n_vocab:
         ids = np.argpartition(block, n_vocab - width, axis=1)[:, n_vocab - width :]
         values = np.take_along_axis(block, ids, axis=1)
-    order = np.argsort(-values, axis=1, kind="stable")
-    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+        order = np.argsort(-values, axis=1, kind="stable")
+        return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
+    n_groups = n_vocab // _GROUP
+    peaks = block.reshape(n_rows, _GROUP, n_groups).max(axis=1)
+    best = np.argpartition(peaks, n_groups - width, axis=1)[:, n_groups - width :]
+    floor = np.take_along_axis(peaks, best[:, :1], axis=1)  # the width-th largest maximum
+    ids = (np.arange(_GROUP)[None, :, None] * n_groups + best[:, None, :]).reshape(n_rows, -1)
+    values = block.reshape(-1).take(ids + (np.arange(n_rows) * n_vocab)[:, None])
+    rows, cols = np.nonzero(values >= floor)
+    ids, values = ids[rows, cols], values[rows, cols]
+    order = np.lexsort((-values, rows))  # by row, then descending logit
+    starts = np.searchsorted(rows[order], np.arange(n_rows))
+    kept = order[starts[:, None] + np.arange(width)]
+    return ids[kept], values[kept]
 
 
-_BLOCK = 64
-"""Tokens per block of :func:`_top`'s first pass."""
+_GROUP = 64
+"""Tokens per group of :func:`_top`'s first pass."""
 
 
 def _column(chains: Sequence[HostChain], name: str) -> F32:
