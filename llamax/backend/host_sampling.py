@@ -229,10 +229,10 @@ def _top(block: F32, width: int) -> tuple[I64, F32]:
     """Each row's ``width`` largest logits, in descending order, and their token ids.
 
     When the row splits into :data:`_GROUP`-token strided groups (tokens ``g``, ``g + n``,
-    ``g + 2n`` ... of ``n`` groups) and ``width`` groups are few of them, only the ``width``
-    groups with the largest maxima are searched, and in them only the logits at least the
-    smallest of those maxima: each group holds one, so the ``width`` largest logits are
-    among them. The maxima are one vectorised pass over the rows, far cheaper than
+    ``g + 2n`` ... of ``n`` groups) and ``width`` groups are few of them, only the logits at
+    least the ``width``-th largest group maximum are sorted: the ``width`` groups with the
+    largest maxima hold one each, so the ``width`` largest logits are among them. The
+    maxima and the comparison are vectorised passes over the rows, far cheaper than
     partitioning them whole."""
     n_rows, n_vocab = block.shape
     if n_vocab % _GROUP or width * _GROUP * 4 > n_vocab:
@@ -242,15 +242,12 @@ def _top(block: F32, width: int) -> tuple[I64, F32]:
         return np.take_along_axis(ids, order, axis=1), np.take_along_axis(values, order, axis=1)
     n_groups = n_vocab // _GROUP
     peaks = block.reshape(n_rows, _GROUP, n_groups).max(axis=1)
-    best = np.argpartition(peaks, n_groups - width, axis=1)[:, n_groups - width :]
-    floor = np.take_along_axis(peaks, best[:, :1], axis=1)  # the width-th largest maximum
-    ids = (np.arange(_GROUP)[None, :, None] * n_groups + best[:, None, :]).reshape(n_rows, -1)
-    values = block.reshape(-1).take(ids + (np.arange(n_rows) * n_vocab)[:, None])
-    rows, cols = np.nonzero(values >= floor)
-    ids, values = ids[rows, cols], values[rows, cols]
+    floor = np.partition(peaks, n_groups - width, axis=1)[:, n_groups - width, None]
+    flat = np.flatnonzero(block >= floor)  # row by row: each row's at least width
+    rows, ids = np.divmod(flat, n_vocab)
+    values = block.reshape(-1)[flat]
     order = np.lexsort((-values, rows))  # by row, then descending logit
-    starts = np.searchsorted(rows[order], np.arange(n_rows))
-    kept = order[starts[:, None] + np.arange(width)]
+    kept = order[np.searchsorted(rows, np.arange(n_rows))[:, None] + np.arange(width)]
     return ids[kept], values[kept]
 
 
