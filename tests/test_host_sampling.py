@@ -156,6 +156,29 @@ def test_top_p_stops_where_the_float32_running_sum_reaches_p() -> None:
             host.close()
 
 
+def test_the_draw_compares_running_sums_in_double() -> None:
+    """``dist`` sums the float32 probabilities in double: with a draw between where a
+    double and a float32 running sum put the boundary, the double's side wins."""
+    for a in np.linspace(-0.5, -0.01, 500, dtype=np.float32):
+        top = np.array([0.0, a, a - 1], np.float32)
+        p = expf(top)
+        double = np.cumsum(p, dtype=np.float64)
+        single = np.cumsum(p, dtype=np.float32).astype(np.float64)
+        low, high = sorted((double[0] / double[-1], single[0] / single[-1]))
+        if low < high:
+            u = (low + high) / 2
+            break
+    else:
+        pytest.fail("no row where the sums differ")
+    row = np.full(64, -30.0, np.float32)
+    row[[5, 17, 33]] = top
+    want = [5, 17][int(not double[0] >= double[-1] * u)]  # llama.cpp: sum_run >= sum * u
+    chain = host_chain(SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0), {}, None)
+    assert chain is not None
+    assert host_sampling.sample_rows([chain], row[None].copy(), [u]) == [want]
+    assert pick(top, u)[0] == [5, 17].index(want)
+
+
 def test_expf_is_glibcs_bit_for_bit() -> None:
     libm = ctypes.CDLL("libm.so.6")
     libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
