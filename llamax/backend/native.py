@@ -485,14 +485,41 @@ def sample_on_host(
 ) -> list[int]:
     """The tokens of samplers with a host chain, each from its logits row, all together
     (:func:`~llamax.backend.host_sampling.sample_rows`); a row left to llama.cpp's order
-    goes through the sampler's :meth:`~NativeSampler.pick`, with the same draw."""
+    goes through the sampler's :meth:`~NativeSampler.pick`, with the same draw.
+
+    Rows that lie one after another in one buffer (a step's outputs, one per sequence) are
+    read in place, the biases added there and taken back exactly afterwards (the values
+    they replaced are kept); other rows are copied into one matrix first."""
     draws = [s.rng.uniform() for s in samplers if s.rng is not None]
     chains = [s.host for s in samplers if s.host is not None]
-    picks = sample_rows(chains, np.stack(rows), draws)
+    block = _consecutive(rows)
+    saved = []
+    if block is None:
+        block = np.stack(rows)
+    else:
+        saved = [(i, c.bias_ids, block[i, c.bias_ids]) for i, c in enumerate(chains)]
+    try:
+        picks = sample_rows(chains, block, draws)
+    finally:
+        for i, ids, values in saved:
+            block[i, ids] = values
     tokens = []
     for sampler, row, u, token in zip(samplers, rows, draws, picks, strict=True):
         tokens.append(token if token is not None else sampler.pick(row, u))
     return tokens
+
+
+def _consecutive(rows: Sequence[npt.NDArray[np.float32]]) -> npt.NDArray[np.float32] | None:
+    """One writable view of ``rows`` when each starts where the one before ends."""
+    first = rows[0]
+    size = first.nbytes
+    start = first.ctypes.data
+    if not all(
+        r.flags.c_contiguous and r.ctypes.data == start + i * size for i, r in enumerate(rows)
+    ):
+        return None
+    ptr = ctypes.cast(start, ctypes.POINTER(ctypes.c_float))
+    return np.ctypeslib.as_array(ptr, shape=(len(rows), first.size))
 
 
 class NativeSampler:
