@@ -34,6 +34,8 @@ NATIVE_MIXES: tuple[dict[str, Any], ...] = (
     {"temperature": 0.9, "top_k": 0},
     {"temperature": 0.8, "repeat_penalty": 1.1},
 )
+ENGINE_MIXES: tuple[dict[str, Any], ...] = ({"temperature": 0.7, "ignore_eos": True},)
+"""Only through the engine: end-of-generation tokens banned by a bias of -inf."""
 PROMPTS = (
     "Once upon a time",
     "The three primary colours are",
@@ -113,7 +115,7 @@ def test_a_seeded_reply_is_the_same_on_the_chain(
 
 def run_requests(add: Callable[..., Any]) -> list[tuple[tuple[int, ...], ...]]:
     handles = []
-    for i, mix in enumerate((*MIXES.values(), *NATIVE_MIXES)):
+    for i, mix in enumerate((*MIXES.values(), *NATIVE_MIXES, *ENGINE_MIXES)):
         params = SamplingParams(**mix, max_tokens=24, seed=1000 + i, n=2 if i % 2 else 1)
         handles.append(add(PROMPTS[i % len(PROMPTS)], params))
     return [tuple(c.token_ids for c in h.result(timeout=300).choices) for h in handles]
