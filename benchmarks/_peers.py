@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -228,14 +228,18 @@ class LlamaServerPeer:
         stream: bool,
         extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        return (extra or {}) | {
-            "prompt": prompt,
-            "n_predict": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "cache_prompt": self.cache_prompt,
-            "stream": stream,
-        }
+        """The request body: greedy unless ``extra`` sets the sampling fields."""
+        return (
+            {"temperature": 0.0}
+            | (extra or {})
+            | {
+                "prompt": prompt,
+                "n_predict": max_tokens,
+                "ignore_eos": True,
+                "cache_prompt": self.cache_prompt,
+                "stream": stream,
+            }
+        )
 
     def props(self) -> dict[str, Any]:
         """``GET /props`` (``media_marker``: where a prompt string's images go)."""
@@ -244,9 +248,11 @@ class LlamaServerPeer:
             raise RuntimeError(f"llama-server answered {status}: {data[:200]!r}")
         return dict(json.loads(data))
 
-    def complete(self, prompt: str, max_tokens: int) -> int:
-        """One greedy completion, not streamed; returns the number of generated tokens."""
-        status, data = self._request("POST", "/completion", self._body(prompt, max_tokens, False))
+    def complete(self, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None) -> int:
+        """One completion, not streamed (greedy unless ``extra`` sets sampling fields);
+        returns the number of generated tokens."""
+        body = self._body(prompt, max_tokens, False, extra)
+        status, data = self._request("POST", "/completion", body)
         if status != 200:
             raise RuntimeError(f"llama-server answered {status}: {data[:200]!r}")
         return int(json.loads(data)["tokens_predicted"])
@@ -304,14 +310,20 @@ class LlamaServerPeer:
         finally:
             conn.close()
 
-    def run_batch(self, prompts: Sequence[str], max_tokens: int) -> int:
-        """Every prompt at once, one client thread each; returns the generated tokens."""
+    def run_batch(
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        extra: Callable[[int], dict[str, Any]] | None = None,
+    ) -> int:
+        """Every prompt at once, one client thread each (prompt ``i`` with the body fields
+        ``extra(i)``); returns the generated tokens."""
         counts = [0] * len(prompts)
         errors: list[BaseException] = []
 
         def one(i: int) -> None:
             try:
-                counts[i] = self.complete(prompts[i], max_tokens)
+                counts[i] = self.complete(prompts[i], max_tokens, extra(i) if extra else None)
             except BaseException as exc:  # re-raised below
                 errors.append(exc)
 

@@ -2,22 +2,29 @@
 
 For each ``--shape NAME=GGUF`` (``scripts/make_random_model.py`` writes them: ``tiny``,
 whose decode costs almost nothing, then ``1b`` and ``8b``) and each N in ``--n`` (default
-1, 16, 64, 128), N distinct short prompts are completed with ``--max-tokens`` (128) greedy
-tokens each, end-of-generation banned. Score: generated tokens / wall time. Systems:
+1, 16, 64, 128), N distinct short prompts are completed with ``--max-tokens`` (128) tokens
+each, end-of-generation banned, in each sampling mode of ``--modes``: ``greedy``,
+``sampled`` (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05: llama-server's defaults,
+spelled out; prompt ``i`` seeded with ``i``) and ``sampled_penalty`` (the same with repeat
+penalty 1.1 over the last 64 tokens). Score: generated tokens / wall time. Systems (named
+``<system>_<mode>`` outside greedy):
 
 ``llamax``
     One ``llamax.Context(n_gpu_layers=-1)`` built for the largest N (KV streams, one per
     sequence), N ``add_request`` calls, then every result; cache cleared before each run.
 ``raw_streams``
     ``_loops.RawLoop`` on the same model (one KV stream per sequence), each sequence sampled
-    with a llama.cpp sampler chain (llamax samples greedy as an argmax of the row instead).
+    with a llama.cpp sampler chain (llamax samples greedy as an argmax of the row instead);
+    greedy only.
 ``llama_server``
     ``llama-server -np N -c N*256 -ngl 99`` of the same build (``--llama-server PATH``), one
-    process per N, N concurrent ``/completion`` requests.
+    process per N, N concurrent ``/completion`` requests (the mode's fields in the body:
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``, ``seed``).
 
 Then the overhead model at ``--overhead-n`` (64): one llamax run with ``backend.decode``
 followed by ``llama_synchronize`` (CUDA's ``llama_decode`` returns before the GPU is done,
-and the first logits read would wait instead) and ``backend.sample`` timed; per step,
+and the first logits read would wait instead) and ``backend.sample_rows`` timed (the engine
+samples plain requests' rows with it); per mode and step,
 ``decode_ms`` (GPU and graph work), ``sample_ms`` (llama.cpp's samplers and reading the
 logits), and ``python_ms``, the rest of the step's wall time (scheduling, detokenizing,
 futures, the engine thread's hand-offs). The synchronize moves the GPU wait from sampling
@@ -60,20 +67,41 @@ from _peers import LlamaServerPeer
 
 import llamax
 
+MODES: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "sampled": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+    "sampled_penalty": {
+        "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1,
+    },
+}  # fmt: skip
+"""Each mode's sampling fields: ``SamplingParams``' names are llama-server's body fields too
+(whose ``repeat_last_n`` is 64, as llamax's ``penalty_last_n``)."""
 CELLS_PER_SEQ = 256  # a short prompt (~11 tokens) and 128 generated fit with room
 N_BATCH = 2048  # every prompt of N = 128 prefills in one batch
 LLAMAX, RAW, SERVER = "llamax", "raw_streams", "llama_server"
 Run = Callable[[Sequence[str], int], tuple[int, float]]
 
 
-def llamax_run(ctx: llamax.Context) -> Run:
+def named(system: str, mode: str) -> str:
+    """A system's name in a mode: ``llamax``, ``llamax_sampled`` ..."""
+    return system if mode == "greedy" else f"{system}_{mode}"
+
+
+def sampling(mode: str, max_tokens: int, seed: int) -> llamax.SamplingParams:
+    """Request ``seed``'s parameters in ``mode``."""
+    if mode == "greedy":
+        return greedy(max_tokens)
+    return llamax.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed, **MODES[mode])
+
+
+def llamax_run(ctx: llamax.Context, mode: str = "greedy") -> Run:
     """N requests on the context at once; ``(tokens, seconds)``."""
 
     def run(prompts: Sequence[str], max_tokens: int) -> tuple[int, float]:
         ctx.clear_cache()
-        params = greedy(max_tokens)
+        params = [sampling(mode, max_tokens, i) for i in range(len(prompts))]
         start = time.perf_counter()
-        handles = [ctx.add_request(p, params) for p in prompts]
+        handles = [ctx.add_request(p, params[i]) for i, p in enumerate(prompts)]
         tokens = sum(h.result().usage.completion_tokens for h in handles)
         return tokens, time.perf_counter() - start
 
@@ -91,11 +119,18 @@ def raw_run(loop: RawLoop) -> Run:
     return run
 
 
-def server_run(binary: Path, model: Path, ngl: int, closers: list[Callable[[], None]]) -> Run:
-    """llama-server with ``-np N``, started on first use for each N (kept until the end)."""
+def server_runs(
+    binary: Path, model: Path, ngl: int, closers: list[Callable[[], None]]
+) -> Callable[[str], Run]:
+    """llama-server with ``-np N``, started on first use for each N (kept until the end,
+    shared by the modes); a mode's run."""
     servers: dict[int, LlamaServerPeer] = {}
 
-    def run(prompts: Sequence[str], max_tokens: int) -> tuple[int, float]:
+    def for_mode(mode: str) -> Run:
+        fields = {} if mode == "greedy" else MODES[mode]
+        return lambda prompts, max_tokens: run(prompts, max_tokens, fields)
+
+    def run(prompts: Sequence[str], max_tokens: int, fields: dict[str, Any]) -> tuple[int, float]:
         n = len(prompts)
         if n not in servers:
             extra = ["-ngl", str(ngl), "-b", str(N_BATCH)]
@@ -105,17 +140,17 @@ def server_run(binary: Path, model: Path, ngl: int, closers: list[Callable[[], N
             closers.append(servers[n].close)
             servers[n].run_batch(prompts, 4)  # warm-up
         start = time.perf_counter()
-        tokens = servers[n].run_batch(prompts, max_tokens)
+        tokens = servers[n].run_batch(prompts, max_tokens, lambda i: fields | {"seed": i})
         return tokens, time.perf_counter() - start
 
-    return run
+    return for_mode
 
 
-def overhead(ctx: llamax.Context, n: int, max_tokens: int) -> dict[str, float]:
+def overhead(ctx: llamax.Context, n: int, max_tokens: int, mode: str) -> dict[str, Any]:
     """Where a step's time goes at ``n`` streams: decode, sampling and the rest (Python)."""
     backend = ctx._engine.backend
     sync = backend._context.C.llama_synchronize
-    decode, sample = backend.decode, backend.sample
+    decode, sample = backend.decode, backend.sample_rows
     spent = {"decode": 0.0, "sample": 0.0}
 
     def timed_decode(items: Any) -> int:
@@ -125,22 +160,23 @@ def overhead(ctx: llamax.Context, n: int, max_tokens: int) -> dict[str, float]:
         spent["decode"] += time.perf_counter() - t
         return status
 
-    def timed_sample(sampler: Any, row: int) -> int:
+    def timed_sample(samplers: Any, rows: Any) -> list[int]:
         t = time.perf_counter()
-        token: int = sample(sampler, row)
+        tokens: list[int] = sample(samplers, rows)
         spent["sample"] += time.perf_counter() - t
-        return token
+        return tokens
 
-    backend.decode, backend.sample = timed_decode, timed_sample
+    backend.decode, backend.sample_rows = timed_decode, timed_sample
     try:
         steps = ctx.stats().num_steps
-        tokens, seconds = llamax_run(ctx)(short_prompts(n), max_tokens)
+        tokens, seconds = llamax_run(ctx, mode)(short_prompts(n), max_tokens)
         steps = ctx.stats().num_steps - steps
     finally:
-        del backend.decode, backend.sample  # the class's methods again
+        del backend.decode, backend.sample_rows  # the class's methods again
     per_step = {k: round(v / steps * 1e3, 3) for k, v in spent.items()}
     wall = seconds / steps * 1e3
     return {
+        "mode": mode,
         "n": n,
         "steps": steps,
         "tokens_per_s": round(tokens / seconds, 1),
@@ -166,15 +202,16 @@ def bench_shape(
             model, n_gpu_layers=ngl, n_threads=N_THREADS, kv_layout="streams", **options
         )
         closers.append(ctx.close)
-        systems: dict[str, Run] = {LLAMAX: llamax_run(ctx)}
-        if RAW not in args.skip:
+        systems: dict[str, Run] = {named(LLAMAX, m): llamax_run(ctx, m) for m in args.modes}
+        if RAW not in args.skip and "greedy" in args.modes:
             loop = RawLoop(model, kv_unified=False, **options)
             closers.append(loop.close)
             systems[RAW] = raw_run(loop)
         if args.llama_server is not None:
-            systems[SERVER] = server_run(args.llama_server, model, 0 if args.cpu else 99, closers)
+            server = server_runs(args.llama_server, model, 0 if args.cpu else 99, closers)
+            systems |= {named(SERVER, m): server(m) for m in args.modes}
         for system, run in systems.items():
-            if system != SERVER:
+            if not system.startswith(SERVER):
                 run(short_prompts(min(2, n_max)), 4)  # warm-up (the server warms per N)
         samples: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
         for repeat in range(args.repeats):
@@ -188,7 +225,7 @@ def bench_shape(
                         log(f"  warning: {system} made {tokens} != {n * args.max_tokens} tokens")
                     samples[system].setdefault(str(n), []).append(round(tokens / seconds, 2))
                     log(f"{name} N={n:<3} {system:<12} {tokens / seconds:9.1f} tok/s")
-        breakdown = overhead(ctx, args.overhead_n, args.max_tokens)
+        breakdown = [overhead(ctx, args.overhead_n, args.max_tokens, m) for m in args.modes]
         log(f"{name} overhead at N={args.overhead_n}: {breakdown}")
     finally:
         for close in reversed(closers):
@@ -199,10 +236,15 @@ def bench_shape(
         "model_bytes": model.stat().st_size,
         "median_tokens_per_s": {s: {n: round(v, 2) for n, v in m.items()} for s, m in med.items()},
         "ratios": {
-            f"llamax_over_{other}": {
-                str(n): ratio(med[LLAMAX].get(str(n)), med.get(other, {}).get(str(n))) for n in ns
+            f"{named(LLAMAX, m)}_over_{named(other, m)}": {
+                str(n): ratio(
+                    med[named(LLAMAX, m)].get(str(n)), med.get(named(other, m), {}).get(str(n))
+                )
+                for n in ns
             }
+            for m in args.modes
             for other in (SERVER, RAW)
+            if other != RAW or m == "greedy"
         },
         "overhead": breakdown,
         "samples": samples,
@@ -222,6 +264,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-server", help="llama-server binary of the same build, or 'none'")
     parser.add_argument("--skip", nargs="*", default=[], help="systems not to run (raw_streams)")
     parser.add_argument("--cpu", action="store_true", help="n_gpu_layers=0 and -ngl 0")
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="sampling modes"
+    )
     parser.add_argument("--quick", action="store_true", help="N = 1 16, 32 tokens, 1 repeat")
     args = parser.parse_args(argv)
     if args.quick:
@@ -243,8 +288,11 @@ def report(
 ) -> dict[str, Any]:
     """The JSON report: config, every shape's results, and the targets."""
     values = {
-        f"{name}_llamax_vs_llama_server_N{n}": result["ratios"][f"llamax_over_{SERVER}"].get(str(n))
+        f"{name}_{named(LLAMAX, m)}_vs_llama_server_N{n}": result["ratios"][
+            f"{named(LLAMAX, m)}_over_{named(SERVER, m)}"
+        ].get(str(n))
         for name, result in shapes.items()
+        for m in args.modes
         for n in ns
         if n >= 16
     }

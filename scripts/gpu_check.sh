@@ -17,7 +17,8 @@
 #   save         the build's bin/ as bin.tar.xz.aa, .ab... (15 MB parts) under $OUT
 #   test         pytest -m gpu on the random 1b, then on tiny (on a CPU: small, then tiny)
 #   bench        benchmarks/gpu_throughput.py on 1b and tiny (LLAMAX_GPU_BENCH_SHAPES), llama-server
-#                of this build
+#                of this build; greedy unless LLAMAX_GPU_BENCH_MODES names more
+#                ("greedy sampled sampled_penalty": about three times as long)
 #   bench-8b     the same on 8b (its 7.8 GB written first), its own report
 #   bench-quick  the same as bench at N = 1 and 16, 32 tokens each (a smoke run)
 # --cpu builds without CUDA (a dry run of every phase on a machine without a GPU).
@@ -63,6 +64,7 @@ fi
 lib_dir=$build/bin
 # the shapes the bench phase runs on a GPU, in order (a short device session: "1b")
 bench_shapes=${LLAMAX_GPU_BENCH_SHAPES:-1b tiny}
+bench_modes=${LLAMAX_GPU_BENCH_MODES:-greedy}
 jobs=$(nproc 2>/dev/null || echo 2)
 
 log() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$out/summary.txt" >&2; }
@@ -275,6 +277,8 @@ phase_bench() {
   local quick=$1 report=$2
   shift 2
   local -a args=(--llama-server "$lib_dir/llama-server" --json-out "$out/$report")
+  # shellcheck disable=SC2206  # the modes are words
+  args+=(--modes $bench_modes)
   local shape
   if [ "$cuda" = OFF ]; then
     args+=(--quick --cpu)

@@ -30,9 +30,14 @@ Tensors are written one at a time (``GGUFWriter.add_tensor_info`` for all, then
 for the 8B's 49,152 x 4,096 output matrix, measured 0.44 GB of peak RSS in Q8_0 and 0.62 GB
 in F16 (1.8 s and 2.4 s on this 2-core machine).
 
+``--n-vocab N`` pads the vocabulary to N tokens (``128256``: Llama 3's, so an 8B of that
+shape samples from rows as wide as a real one's): the added tokens are control tokens
+``<|reserved_token_i|>``, which no text tokenizes to; the embedding and output matrices
+grow to N rows.
+
 Usage: ``python scripts/make_random_model.py OUT.gguf --shape tiny [--dtype q8_0] [--seed N]
-[--tokenizer-from GGUF]``; ``--tokenizer-only`` writes just the tokenizer (~1 MB), which
-``scripts/carry_llama_cpp.sh`` carries to GPU machines in place of SmolLM2.
+[--n-vocab N] [--tokenizer-from GGUF]``; ``--tokenizer-only`` writes just the tokenizer
+(~1 MB), which ``scripts/carry_llama_cpp.sh`` carries to GPU machines in place of SmolLM2.
 Needs the ``gguf`` package (the ``bench`` and ``dev`` extras).
 """
 
@@ -122,16 +127,28 @@ def random_matrix(rng: np.random.Generator, n_out: int, n_in: int, dtype: str) -
     return blocks.reshape(n_out, -1)
 
 
-def _copy_tokenizer(writer: Any, reader: Any) -> None:
-    """Every ``tokenizer.*`` key of the source GGUF, with its own value type."""
+def _copy_tokenizer(writer: Any, reader: Any, n_vocab: int | None = None) -> None:
+    """Every ``tokenizer.*`` key of the source GGUF, with its own value type; with
+    ``n_vocab``, the per-token arrays padded with control tokens to that many."""
     import gguf
 
+    pads: dict[str, Any] = {}
+    if n_vocab is not None:
+        start = len(reader.fields["tokenizer.ggml.tokens"].data)
+        pads = {
+            "tokenizer.ggml.tokens": [f"<|reserved_token_{i}|>" for i in range(start, n_vocab)],
+            "tokenizer.ggml.token_type": [gguf.TokenType.CONTROL] * (n_vocab - start),
+            "tokenizer.ggml.scores": [0.0] * (n_vocab - start),
+        }
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         vtype = field.types[0]
         sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type)
+        value = field.contents()
+        if key in pads:
+            value = [*value, *pads[key]]
+        writer.add_key_value(key, value, vtype, sub_type)
 
 
 def write_random_model(
@@ -141,6 +158,7 @@ def write_random_model(
     dtype: str | None = None,
     seed: int = 0,
     tokenizer_from: Path | None = None,
+    n_vocab: int | None = None,
 ) -> Path:
     """Write a random llama GGUF of the named shape to ``out`` and return ``out``.
 
@@ -150,9 +168,10 @@ def write_random_model(
         dtype: ``"f16"`` or ``"q8_0"`` for the matrices (default: the shape's own).
         seed: the random generator's seed (same seed, same file).
         tokenizer_from: the GGUF whose tokenizer is copied (default: llamax's default model).
+        n_vocab: pad the vocabulary to this many tokens (default: the tokenizer's own).
 
     Raises:
-        ValueError: an unknown shape or dtype.
+        ValueError: an unknown shape or dtype, or ``n_vocab`` below the tokenizer's.
     """
     import gguf
 
@@ -165,12 +184,16 @@ def write_random_model(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     reader = gguf.GGUFReader(str(tokenizer_from or default_model_path()))
-    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_source = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_vocab is not None and n_vocab < n_source:
+        raise ValueError(f"n_vocab must be at least the tokenizer's {n_source}, got {n_vocab}")
+    pad_to, n_vocab = n_vocab, n_vocab or n_source
     ctx_len = int(reader.fields["llama.context_length"].contents())
     rope_base = float(reader.fields["llama.rope.freq_base"].contents())
 
     writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_name(f"llamax random {shape} ({dtype}, seed {seed}, SmolLM2 tokenizer)")
+    vocab = f", {n_vocab} tokens" if pad_to else ""
+    writer.add_name(f"llamax random {shape} ({dtype}, seed {seed}, SmolLM2 tokenizer{vocab})")
     writer.add_block_count(spec.n_layer)
     writer.add_context_length(ctx_len)
     writer.add_embedding_length(spec.n_embd)
@@ -183,7 +206,7 @@ def write_random_model(
     writer.add_vocab_size(n_vocab)
     file_type = gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0
     writer.add_file_type(file_type)
-    _copy_tokenizer(writer, reader)
+    _copy_tokenizer(writer, reader, pad_to)
 
     qtype = gguf.GGMLQuantizationType.F16 if dtype == "f16" else gguf.GGMLQuantizationType.Q8_0
     weights = matrices(spec, n_vocab)
@@ -240,6 +263,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=DTYPES, help="default: the shape's own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer-from", type=Path, help="GGUF to take the tokenizer from")
+    parser.add_argument("--n-vocab", type=int, help="pad the vocabulary (128256: Llama 3's)")
     parser.add_argument(
         "--tokenizer-only", action="store_true", help="write only the tokenizer (no weights)"
     )
@@ -254,6 +278,7 @@ def main(argv: list[str]) -> int:
         dtype=args.dtype,
         seed=args.seed,
         tokenizer_from=args.tokenizer_from,
+        n_vocab=args.n_vocab,
     )
     size = path.stat().st_size / 1e6
     print(f"{path} ({size:.1f} MB, {time.perf_counter() - start:.1f} s)")

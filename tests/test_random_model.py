@@ -44,6 +44,26 @@ def test_tiny_random_model_generates_with_smollm2_tokens(tmp_path: Path, model_p
     assert len(logprobs) == 8 and np.isfinite(logprobs).all()
 
 
+def test_the_vocabulary_pads_to_llama_3s_width(tmp_path: Path, model_path: Path) -> None:
+    """``n_vocab=128256``: rows as wide as Llama 3's (the GPU benchmark's 8B shape with
+    ``--n-vocab 128256``, here on the tiny shape); text tokenizes as before."""
+    script = _script()
+    tokenizer = script.write_tokenizer(tmp_path / "tok.gguf", source=model_path)
+    wide = script.write_random_model(
+        tmp_path / "wide.gguf", shape="tiny", tokenizer_from=tokenizer, n_vocab=128_256
+    )
+    params = llamax.SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True)
+    with llamax.Context(model_path, n_ctx=256, n_seq_max=1, n_threads=1) as smol:
+        expected = smol.tokenize("Once upon a time")
+    with llamax.Context(wide, n_ctx=256, n_seq_max=2, n_threads=1) as ctx:
+        assert ctx.n_vocab == 128_256
+        assert ctx.tokenize("Once upon a time") == expected
+        done = ctx.add_request("Once upon a time", params).result(timeout=60)
+    assert len(done.token_ids) == 6
+    with pytest.raises(ValueError, match="n_vocab must be at least"):
+        script.write_random_model(tmp_path / "x.gguf", tokenizer_from=tokenizer, n_vocab=100)
+
+
 def test_q8_0_blocks_match_ggml_layout() -> None:
     script = _script()
     rng = np.random.default_rng(0)

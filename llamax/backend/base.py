@@ -207,6 +207,12 @@ class SamplerFactory(Protocol):
         """Sample a token from the logits of batch ``row`` of the last decode."""
         ...
 
+    def sample_rows(self, samplers: Sequence[Sampler], rows: Sequence[int]) -> list[int]:
+        """:meth:`sample` for each sampler with its batch row (a row may repeat: forks), in
+        one call, so a backend may sample many rows together; each sampler moves on
+        exactly as with :meth:`sample`."""
+        ...
+
     def sample_drawn(self, sampler: Sampler, row: int, limit: int) -> Drawn:
         """:meth:`sample`, also reporting the distribution the chain drew from (at most
         ``limit`` of its likeliest candidates); the sampler moves on exactly as with

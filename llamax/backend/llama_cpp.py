@@ -27,6 +27,7 @@ from ..params import SamplingParams
 from .base import BatchItem, Drawn, SharedPrefix
 from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES, GGML_TYPES
+from .host_sampling import host_sampling_enabled
 from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
 from .llama_model import LlamaCppModel
 from .memory_probe import check_context_memory
@@ -36,6 +37,7 @@ from .native import (
     NativeSampler,
     bindings,
     context_params,
+    sample_on_host,
 )
 from .platform import calibration_key
 from .rpc import register_rpc_servers
@@ -77,6 +79,7 @@ class LlamaCppBackend(LlamaCppModel):
             _log.setLevel(logging.DEBUG)
         self._config = config
         self._samplers: dict[int, NativeSampler] = {}
+        self._host_sampling = host_sampling_enabled()
         if config.rpc_servers is not None:
             register_rpc_servers(C, config.rpc_servers)
         with (
@@ -445,7 +448,7 @@ class LlamaCppBackend(LlamaCppModel):
         (:func:`~llamax.backend.sampler_chain.new_sampler`)."""
         sampler = new_sampler(
             self._C, self._model, params, seed, history, grammar,
-            eog=self._eog, n_vocab=self._n_vocab, n_ctx=self._n_ctx,
+            eog=self._eog, n_vocab=self._n_vocab, n_ctx=self._n_ctx, host=self._host_sampling,
         )  # fmt: skip
         self._samplers[id(sampler)] = sampler
         return sampler
@@ -467,6 +470,26 @@ class LlamaCppBackend(LlamaCppModel):
         if sampler.grammar is not None:
             sampler.accept_grammar(token)
         return token
+
+    def sample_rows(self, samplers: Sequence[Any], rows: Sequence[int]) -> list[int]:
+        """:meth:`sample` for each sampler and its batch row: the samplers with a host chain
+        (:mod:`~llamax.backend.host_sampling`) all together, from one copy of their rows.
+
+        Raises:
+            RequestFailedError: a grammar allows no token at this point.
+        """
+        tokens = [0] * len(rows)
+        host = [i for i, s in enumerate(samplers) if s.host is not None]
+        for i, sampler in enumerate(samplers):
+            if sampler.host is None:
+                tokens[i] = self.sample(sampler, rows[i])
+        if host:
+            picks = sample_on_host(
+                [samplers[i] for i in host], [self.logits(rows[i]) for i in host]
+            )
+            for i, token in zip(host, picks, strict=True):
+                tokens[i] = token
+        return tokens
 
     def sample_drawn(self, sampler: Any, row: int, limit: int) -> Drawn:
         """:meth:`sample`, also reporting the distribution the chain drew from: the

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import InvalidRequestError, ModelLoadError
+from .host_sampling import ChainRng, HostChain, pick, sample_rows
 from .platform import default_use_extra_bufts
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "check_gguf",
     "context_params",
     "native_log_level",
+    "sample_on_host",
     "utf8",
 ]
 
@@ -478,6 +480,48 @@ def first_max(logits: npt.NDArray[np.float32], sampler: NativeSampler) -> int:
     return int(np.argmax(biased))
 
 
+def sample_on_host(
+    samplers: Sequence[NativeSampler], rows: Sequence[npt.NDArray[np.float32]]
+) -> list[int]:
+    """The tokens of samplers with a host chain, each from its logits row, all together
+    (:func:`~llamax.backend.host_sampling.sample_rows`); a row left to llama.cpp's order
+    goes through the sampler's :meth:`~NativeSampler.pick`, with the same draw.
+
+    Rows that lie one after another in one buffer (a step's outputs, one per sequence) are
+    read in place, the biases added there and taken back exactly afterwards (the values
+    they replaced are kept); other rows are copied into one matrix first."""
+    draws = [s.rng.uniform() for s in samplers if s.rng is not None]
+    chains = [s.host for s in samplers if s.host is not None]
+    block = _consecutive(rows)
+    saved = []
+    if block is None:
+        block = np.stack(rows)
+    else:
+        saved = [(i, c.bias_ids, block[i, c.bias_ids]) for i, c in enumerate(chains)]
+    try:
+        picks = sample_rows(chains, block, draws)
+    finally:
+        for i, ids, values in saved:
+            block[i, ids] = values
+    tokens = []
+    for sampler, row, u, token in zip(samplers, rows, draws, picks, strict=True):
+        tokens.append(token if token is not None else sampler.pick(row, u))
+    return tokens
+
+
+def _consecutive(rows: Sequence[npt.NDArray[np.float32]]) -> npt.NDArray[np.float32] | None:
+    """One writable view of ``rows`` when each starts where the one before ends."""
+    first = rows[0]
+    size = first.nbytes
+    start = first.ctypes.data
+    if not all(
+        r.flags.c_contiguous and r.ctypes.data == start + i * size for i, r in enumerate(rows)
+    ):
+        return None
+    ptr = ctypes.cast(start, ctypes.POINTER(ctypes.c_float))
+    return np.ctypeslib.as_array(ptr, shape=(len(rows), first.size))
+
+
 class NativeSampler:
     """One sequence's sampler chain, plus its grammar sampler kept outside the chain (see
     :meth:`LlamaCppBackend.sample <llamax.backend.llama_cpp.LlamaCppBackend.sample>`);
@@ -490,6 +534,10 @@ class NativeSampler:
     every bias lowers its token (banned tokens, ``ignore_eos``) and the row's maximum is
     not one of them, that maximum is the answer; otherwise a biased copy of the row is
     searched.
+
+    A sampler with a ``host`` chain (:mod:`~llamax.backend.host_sampling`) draws on the host
+    with ``rng``, its own copy of ``dist``'s generator: ``chain`` then holds llama.cpp's
+    filters without ``dist``, run only for a row whose equal logits leave the order to them.
     """
 
     __slots__ = (
@@ -502,8 +550,10 @@ class NativeSampler:
         "candidates",
         "chain",
         "grammar",
+        "host",
         "is_greedy",
         "n_vocab",
+        "rng",
     )
 
     def __init__(
@@ -517,8 +567,11 @@ class NativeSampler:
         argmax: bool = False,
         bias: dict[int, float] | None = None,
         is_greedy: bool = False,
+        host: HostChain | None = None,
+        rng: ChainRng | None = None,
     ) -> None:
         self.C, self.chain, self.grammar = C, chain, grammar
+        self.host, self.rng = host, rng
         self.argmax, self.n_vocab = argmax, n_vocab
         self.is_greedy = is_greedy or argmax
         self.banned = np.asarray(banned, dtype=np.int64)
@@ -532,29 +585,46 @@ class NativeSampler:
             self.candidates["id"] = np.arange(n_vocab, dtype=np.int32)
 
     def sample(self, context: NativeContext, row: int) -> int:
-        """``llama_sampler_sample`` with the chain (which also accepts the token), or the
-        biased row's first maximum for a greedy sampler without a chain."""
+        """``llama_sampler_sample`` with the chain (which also accepts the token), the host
+        chain's draw, or the biased row's first maximum for a greedy sampler without a chain."""
+        if self.host is not None:
+            return sample_on_host([self], [context.logits(row, self.n_vocab)])[0]
         if not self.argmax:
             return int(self.C.llama_sampler_sample(self.chain, context.ptr, row))
         return first_max(context.logits(row, self.n_vocab), self)
+
+    def pick(self, logits: npt.NDArray[np.float32], u: float) -> int:
+        """A host chain's token for a row it left to llama.cpp's order: llama.cpp's filters
+        on the row, then ``dist`` with the draw ``u`` here."""
+        kept, _ = self._apply(logits)
+        return int(kept["id"][pick(kept["logit"], u)[0]])
 
     def draw(self, context: NativeContext, row: int) -> tuple[npt.NDArray[np.void], int]:
         """:meth:`sample` with a chain, done as ``llama_sampler_sample`` does it (the chain
         applied to a candidate array of the row, the selected token accepted), on an array
         it returns: the candidates the chain kept, with the probabilities its last sampler
-        (``dist``) gave them, and the index of the selected one."""
+        (``dist``) gave them, and the index of the selected one. A host chain's ``dist``
+        runs here, after llama.cpp's filters."""
+        kept, selected = self._apply(context.logits(row, self.n_vocab))
+        if self.host is not None:
+            assert self.rng is not None
+            selected, kept["p"] = pick(kept["logit"], self.rng.uniform())
+            return kept, selected
+        self.C.llama_sampler_accept(self.chain, int(kept["id"][selected]))
+        return kept, selected
+
+    def _apply(self, logits: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.void], int]:
+        """The chain applied to a candidate array of ``logits``: the candidates it kept, in
+        its order, and the index it selected (-1 without ``dist``)."""
         candidates = np.empty(self.n_vocab, dtype=_CANDIDATE)
         candidates["id"] = np.arange(self.n_vocab, dtype=np.int32)
-        candidates["logit"] = context.logits(row, self.n_vocab)
+        candidates["logit"] = logits
         candidates["p"] = 0.0
         data = self.C.llama_token_data_array(
             candidates.ctypes.data_as(self.C.llama_token_data_p), self.n_vocab, -1, False
         )
         self.C.llama_sampler_apply(self.chain, ctypes.byref(data))
-        kept = candidates[: data.size]
-        selected = int(data.selected)
-        self.C.llama_sampler_accept(self.chain, int(kept["id"][selected]))
-        return kept, selected
+        return candidates[: data.size], int(data.selected)
 
     def accept_grammar(self, token: int) -> None:
         """Advance the grammar past ``token``."""

@@ -11,6 +11,7 @@ import numpy.typing as npt
 
 from ..errors import RequestFailedError
 from ..params import SamplingParams
+from .host_sampling import ChainRng, host_chain
 from .native import NativeModel, NativeSampler
 
 __all__ = ["constrain", "new_sampler"]
@@ -27,9 +28,12 @@ def new_sampler(
     eog: frozenset[int],
     n_vocab: int,
     n_ctx: int,
+    host: bool = False,
 ) -> NativeSampler:
     """The native sampler chain for one sequence (none for greedy with at most a bias:
     see :class:`~llamax.backend.native.NativeSampler`); penalties have seen ``history``.
+    With ``host``, a chain :mod:`~llamax.backend.host_sampling` can sample is sampled
+    there: llama.cpp's filters are built without ``dist``, whose generator lives on the host.
 
     Raises:
         RequestFailedError: llama.cpp could not parse ``grammar``.
@@ -40,6 +44,7 @@ def new_sampler(
     bias = {t: b for t, b in bias.items() if t < n_vocab}
     if params.is_greedy and not params.has_penalties and grammar is None:
         return NativeSampler(C, None, None, [], n_vocab, argmax=True, bias=bias)
+    chain_on_host = host_chain(params, bias, grammar) if host else None
     chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
     if bias:
         arr = (C.llama_logit_bias * len(bias))(*(C.llama_logit_bias(t, b) for t, b in bias.items()))
@@ -68,6 +73,10 @@ def new_sampler(
         if params.min_p > 0:
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(params.min_p, 1))
         C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(params.temperature))
+        if chain_on_host is not None:
+            return NativeSampler(
+                C, chain, None, [], n_vocab, host=chain_on_host, rng=ChainRng(seed)
+            )
         C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(seed))
     constraint = None
     if grammar is not None:

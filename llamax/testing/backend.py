@@ -561,6 +561,10 @@ class FakeBackend:
         self._fault("sample")
         return sample(sampler, self._logits[self._rows[row]], self._eog)
 
+    def sample_rows(self, samplers: Sequence[FakeSampler], rows: Sequence[int]) -> list[int]:
+        """:meth:`sample` for each sampler and its row, in order."""
+        return [self.sample(sampler, row) for sampler, row in zip(samplers, rows, strict=True)]
+
     def sample_drawn(self, sampler: FakeSampler, row: int, limit: int) -> Drawn:
         """:meth:`sample`, with the distribution it drew from
         (:func:`~llamax.testing.model.draw`)."""

@@ -100,16 +100,22 @@ def sample_plan(
     entries: Sequence[ScheduledSequence],
     batch_processor: BatchLogitsProcessor | None = None,
 ) -> Sampled:
-    """Sample the last row of every entry (each must want one), for it and its forks."""
+    """Sample the last row of every entry (each must want one), for it and its forks: the
+    rows of requests with no logits processors, logprobs or grammar in one
+    ``backend.sample_rows`` call (which may sample them together), the others row by row."""
     out = Sampled()
     if batch_processor is not None and entries:
         _run_batch_hook(backend, entries, batch_processor, out)
+    together: list[ScheduledSequence] = []
     for entry in entries:
         seq, row = entry.seq, entry.item.row
         request = seq.request
         if request.request_id in out.failed:
             continue
         assert row is not None
+        if _samples_plainly(request):
+            together.append(entry)
+            continue
         choices = (seq, *entry.forks)
         try:
             picks = _sample_row(backend, choices, row)
@@ -120,7 +126,53 @@ def sample_plan(
             out.tokens[s] = token
             if logprob is not None:
                 out.logprobs[s] = logprob
+    if together:
+        _sample_together(backend, together, out)
     return out
+
+
+def _samples_plainly(request: Request) -> bool:
+    """Whether a request's rows need only its sampler: no processors, logprobs, grammar."""
+    params = request.params
+    return not params.logits_processors and params.logprobs is None and request.grammar is None
+
+
+def _sample_together(backend: Backend, entries: Sequence[ScheduledSequence], out: Sampled) -> None:
+    """Sample every entry's row for it and its forks with one ``backend.sample_rows``; a
+    sampler that cannot be built fails its own request, a failing call every request in it."""
+    seqs: list[Seq] = []
+    samplers: list[Sampler] = []
+    rows: list[int] = []
+    for entry in entries:
+        choices = (entry.seq, *entry.forks)
+        try:
+            built = [_sampler_of(backend, s) for s in choices]
+        except Exception as exc:  # a grammar llama.cpp refused, a chain it could not build
+            request = entry.seq.request
+            out.failed[request.request_id] = (request, _sampler_failure(exc))
+            continue
+        assert entry.item.row is not None
+        seqs.extend(choices)
+        samplers.extend(built)
+        rows.extend([entry.item.row] * len(choices))
+    if not seqs:
+        return
+    try:
+        tokens = backend.sample_rows(samplers, rows)
+    except Exception as exc:
+        for seq in seqs:
+            out.failed.setdefault(seq.request.request_id, (seq.request, _sampler_failure(exc)))
+        return
+    for seq, token in zip(seqs, tokens, strict=True):
+        out.tokens[seq] = token
+
+
+def _sampler_failure(exc: Exception) -> RequestFailedError:
+    if isinstance(exc, RequestFailedError):
+        return exc
+    error = RequestFailedError(f"the native sampler failed: {exc!r}")
+    error.__cause__ = exc
+    return error
 
 
 def sample_row(backend: Backend, seq: Seq, row: int) -> tuple[int, TokenLogprob | None]:
