@@ -139,7 +139,8 @@ def _samples_plainly(request: Request) -> bool:
 
 def _sample_together(backend: Backend, entries: Sequence[ScheduledSequence], out: Sampled) -> None:
     """Sample every entry's row for it and its forks with one ``backend.sample_rows``; a
-    sampler that cannot be built fails its own request, a failing call every request in it."""
+    sampler that cannot be built fails its own request. When the call fails, each row is
+    sampled again on its own, so only the request whose row fails fails."""
     seqs: list[Seq] = []
     samplers: list[Sampler] = []
     rows: list[int] = []
@@ -159,9 +160,14 @@ def _sample_together(backend: Backend, entries: Sequence[ScheduledSequence], out
         return
     try:
         tokens = backend.sample_rows(samplers, rows)
-    except Exception as exc:
-        for seq in seqs:
-            out.failed.setdefault(seq.request.request_id, (seq.request, _sampler_failure(exc)))
+    except Exception:
+        for seq, sampler, row in zip(seqs, samplers, rows, strict=True):
+            if seq.request.request_id in out.failed:
+                continue
+            try:
+                (out.tokens[seq],) = backend.sample_rows([sampler], [row])
+            except Exception as exc:
+                out.failed[seq.request.request_id] = (seq.request, _sampler_failure(exc))
         return
     for seq, token in zip(seqs, tokens, strict=True):
         out.tokens[seq] = token
