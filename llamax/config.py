@@ -189,8 +189,9 @@ class ContextConfig:
     when ``n_ctx_seq`` is given and fits in one; otherwise streams while every sequence
     fits ``n_ctx // n_seq_max`` cells, moving the cache to the unified layout while one
     needs more and back when all fit again (models with one full-attention KV cache, alone
-    or in a hybrid; sliding-window and recurrent-only models stay unified). So a prompt that fits ``n_ctx_seq`` never fails because of the layout, and
-    many short sequences never attend over each other's cells. ``max_step_ms`` is the latency
+    or in a hybrid; sliding-window and recurrent-only models stay unified). So a prompt
+    that fits ``n_ctx_seq`` never fails because of the layout, and many short sequences
+    never attend over each other's cells. ``max_step_ms`` is the latency
     target of one step while sequences are decoding: long prompts are prefilled in chunks
     sized (from measured step costs) to keep every stream's tokens coming about that
     often; ``None`` uses fixed ``n_batch`` chunks. ``n_batch`` is the per-step token budget:
