@@ -336,11 +336,16 @@ BUDGET_PAYLOADS = {
 
 @pytest.mark.parametrize("source", BUDGET_PAYLOADS.values(), ids=BUDGET_PAYLOADS.keys())
 def test_pathological_templates_hit_the_budget_quickly(source: str) -> None:
+    """Stopped within its budget (1 s) of the rendering thread's CPU time, the clock the
+    budget counts, however busy the machine; the wall clock only within the backstop (ten
+    times the budget). Timed on the wall clock (< 3 s), two payloads failed in a full run
+    beside a benchmark on 2 cores."""
     template = ChatTemplate(source)
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.thread_time()
     with pytest.raises(TemplateBudgetError):
         template.render([USER])
-    assert time.monotonic() - started < 3.0
+    assert time.thread_time() - cpu_started < 1.5
+    assert time.monotonic() - started < 12.0
 
 
 def test_time_budget_is_configurable() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llamax.engine.timing.chunk_budget import ChunkBudget, halve_newest_chunk
-from llamax.engine.timing.step_budget import MIN_CHUNK, StepFeatures
+from llamax.engine.timing.step_budget import MIN_CHUNK, StepFeatures, step_with_chunk
 
 DECODE = [100, 200, 300, 400]  # tokens each decoding sequence holds
 
@@ -54,26 +54,40 @@ def test_a_chunk_stays_within_the_budget_or_its_stretch(unified: bool) -> None:
 
 
 def test_more_time_gives_larger_chunks() -> None:
-    takes = [first_chunk(ChunkBudget(512, ms)) for ms in (5, 20, 80, 320)]
+    takes = [first_chunk(ChunkBudget(512, ms)) for ms in (320, 640, 1280)]
     assert takes == sorted(takes) and takes[0] < takes[-1]
+    # where nothing of the floor fits, the chunk does not depend on the budget
+    tight = {first_chunk(ChunkBudget(512, ms)) for ms in (5, 20, 80)}
+    assert len(tight) == 1 and MIN_CHUNK <= tight.pop() <= takes[0] + 1
+
+
+def cheapest_floor_step(budget: ChunkBudget, fixed: StepFeatures) -> float:
+    """The cheapest predicted step with a chunk of at least ``MIN_CHUNK`` tokens."""
+    return min(
+        budget.cost.predict(step_with_chunk(fixed, n, 2000 + len(DECODE), unified=True))
+        for n in range(MIN_CHUNK, 513)
+    )
 
 
 def test_the_first_chunk_advances_and_a_later_one_may_get_nothing() -> None:
     budget = ChunkBudget(512, 50)
+    budget.note_pause(10.0)  # a pause beyond any budget: nothing fits
     fixed = budget.start_step(DECODE, unified=True)
-    budget.note_pause(10.0)  # a pause beyond any budget: only the floor is left
-    fixed = budget.start_step(DECODE, unified=True)
+    assert fixed is not None
     args = {"num_pending": 4000, "num_computed": 0, "num_cells_used": 2000}
-    take, fixed = budget.chunk(fixed, 512, **args, num_decode=len(DECODE), unified=True)
-    assert take == MIN_CHUNK
-    take, _ = budget.chunk(fixed, 512, **args, num_decode=len(DECODE), unified=True)
+    take, step = budget.chunk(fixed, 512, **args, num_decode=len(DECODE), unified=True)
+    # at least the floor, and a step at most 1.1x the cheapest that has it (32 tokens row
+    # by row, or 60 tiled making progress twice as fast: step_budget.largest_chunk)
+    assert take >= MIN_CHUNK and step is not None
+    assert budget.cost.predict(step) <= 1.1 * cheapest_floor_step(budget, fixed) + 1e-9
+    take, _ = budget.chunk(step, 512, **args, num_decode=len(DECODE), unified=True)
     assert take == 0
 
 
 def test_a_layout_pause_comes_off_one_step_only() -> None:
-    budget = ChunkBudget(512, 200)
+    budget = ChunkBudget(512, 1000)
     normal = first_chunk(budget)
-    budget.note_pause(0.15)
+    budget.note_pause(0.5)
     paused = first_chunk(budget)
     assert MIN_CHUNK <= paused < normal
     assert first_chunk(budget) == normal
