@@ -34,6 +34,7 @@ __all__ = [
     "EngineConfig",
     "KVLayout",
     "KVType",
+    "env_flag",
     "flash_attention_is_row_exact",
     "is_quantized",
     "kv_row_bytes",
@@ -99,7 +100,13 @@ _ENV_REPRODUCIBLE = "LLAMAX_REPRODUCIBLE"
 _OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
 
 
-def _env_flag(name: str, default: str) -> bool:
+def env_flag(name: str, default: str) -> bool:
+    """Environment variable ``name`` (``default`` when unset) as a switch: ``0``/``1``,
+    ``false``/``true``, ``no``/``yes``, ``off``/``on``, any case.
+
+    Raises:
+        InvalidParameterError: the variable holds anything else.
+    """
     value = os.environ.get(name, default).strip().lower()
     require(
         value in _OFF + _ON,
@@ -115,7 +122,7 @@ def adapt_threads_default() -> bool:
     Raises:
         InvalidParameterError: the variable holds anything else.
     """
-    return _env_flag(_ENV_ADAPT, "1")
+    return env_flag(_ENV_ADAPT, "1")
 
 
 def reproducible_default() -> bool:
@@ -125,7 +132,7 @@ def reproducible_default() -> bool:
     Raises:
         InvalidParameterError: the variable holds anything else.
     """
-    return _env_flag(_ENV_REPRODUCIBLE, "0")
+    return env_flag(_ENV_REPRODUCIBLE, "0")
 
 
 def _prompt_lookup(max_draft: int) -> PromptLookup | None:

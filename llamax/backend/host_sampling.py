@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import InvalidParameterError
+from ..config import env_flag
 from ..params import SamplingParams
 
 __all__ = [
@@ -90,13 +89,7 @@ def host_sampling_enabled() -> bool:
         InvalidParameterError: the variable holds something else than ``0``/``1``,
             ``false``/``true``, ``no``/``yes``, ``off``/``on``.
     """
-    value = os.environ.get(HOST_SAMPLING_ENV, "1").strip().lower()
-    if value not in ("0", "false", "no", "off", "1", "true", "yes", "on"):
-        raise InvalidParameterError(
-            f"${HOST_SAMPLING_ENV} must be one of 0, 1, false, true, no, yes, off, on; "
-            f"got {value!r}"
-        )
-    return value in ("1", "true", "yes", "on")
+    return env_flag(HOST_SAMPLING_ENV, "1")
 
 
 def host_chain(

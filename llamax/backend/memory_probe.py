@@ -21,15 +21,14 @@ what it allocates.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ContextConfig, KVType, is_quantized, kv_row_bytes
-from ..errors import InsufficientMemoryError, InvalidParameterError, ModelLoadError
+from ..config import ContextConfig, KVType, env_flag, is_quantized, kv_row_bytes
+from ..errors import InsufficientMemoryError, ModelLoadError
 from ..memory_plan import (
     MAX_DRY_RUN_CELLS,
     KVShape,
@@ -290,12 +289,7 @@ def memory_check_enabled() -> bool:
         InvalidParameterError: the variable holds something else than ``0``/``1``,
             ``false``/``true``, ``no``/``yes``, ``off``/``on``.
     """
-    value = os.environ.get(MEMORY_CHECK_ENV, "1").strip().lower()
-    if value not in ("0", "false", "no", "off", "1", "true", "yes", "on"):
-        raise InvalidParameterError(
-            f"${MEMORY_CHECK_ENV} must be one of 0, 1, false, true, no, yes, off, on; got {value!r}"
-        )
-    return value in ("1", "true", "yes", "on")
+    return env_flag(MEMORY_CHECK_ENV, "1")
 
 
 def _size(n: int) -> str:
