@@ -28,6 +28,9 @@ Systems, 2 threads each, every request of a run submitted at once:
     ``PromptLookup()``'s ``ngram_max`` and ``max_draft``,
     and a plain ``Llama``, one request after another (``Llama.generate``, temperature 0).
 
+Run it without ``OMP_WAIT_POLICY=passive`` on a quiet machine: there the passive policy
+halved the plain runs (code N=1 29 tok/s against 50-55, 2026-12-03; docs/performance.md).
+
 Score: generated tokens / wall time of the run (tokenization included). Each repeat runs
 every (workload, N, system), the system order rotating; the report holds medians, every
 sample, ratios, acceptance rates (accepted / drafted tokens), the greedy-output agreement
@@ -35,7 +38,7 @@ between each system and its own run without speculation, and the issue's targets
 
 ::
 
-    OMP_WAIT_POLICY=passive .venv/bin/python benchmarks/speculative.py --json-out spec.json
+    .venv/bin/python benchmarks/speculative.py --json-out spec.json
     .venv/bin/python benchmarks/speculative.py --quick      # a smoke run, ~2 min
 """
 

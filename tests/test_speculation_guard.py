@@ -220,8 +220,10 @@ def test_an_inherited_pause_ends_on_right_guesses_and_a_win_forgives_by_halves()
         state.tick()
     state.propose(text, 4)
     assert not state.paused  # its own text copies: it tries now
-    state.audit(0.004, 0.001)  # and that step paid: forgiven by half, not wholly
-    state.audit(0.001, 0.002)  # one losing step decides while the backoff is long
+    for _ in range(3):  # its first verdict weighs three steps; they paid: forgiven by
+        state.audit(0.004, 0.001)  # half, not wholly
+    assert not state.paused and shared.pause == 0
+    state.audit(0.001, 0.002)  # then one losing step decides while the backoff is long
     assert state.paused and shared.pause == 256  # paused 128, then 256 for the next
     other = DraftState(Collapsing(0), shared)  # wrong guesses: the inherited pause holds
     text = list(PROMPT[:20].encode())
@@ -231,3 +233,66 @@ def test_an_inherited_pause_ends_on_right_guesses_and_a_win_forgives_by_halves()
         text.append(text[-1])
         other.tick()
     assert other.paused
+
+
+def test_a_pause_inherited_from_steps_of_other_sizes_ends_and_the_first_verdict_weighs_three() -> (
+    None
+):
+    """Issue 59: after a 16-row throughput batch's drafts lost (at 85% acceptance: a cost of
+    the batch, not of the text), a one-row code request on SmolLM2 inherited a pause of
+    hundreds of steps that only 44 right guesses in a row could end, and its one retry,
+    judged on one unlucky step, doubled it: 5 tokens drafted of 400. A verdict at 16 rows
+    now holds a new sequence only in steps of 8 to 32 rows."""
+    shared = SharedAcceptance()
+    state = DraftState(Collapsing(0), shared)
+    for _ in range(3):
+        state.audit(0.001, 0.002, 16)
+    shared.pause, shared.loss_acceptance = 1024, 0.9
+    assert shared.loss_rows == 16
+    alike, unlike = DraftState(Collapsing(0), shared), DraftState(Collapsing(0), shared)
+    for _ in range(8):
+        alike.tick(12)
+    assert alike.paused  # a step like the losing one's: the pause holds
+    unlike.tick(1)
+    assert not unlike.paused  # a step of one row: judged on its own
+    unlike.audit(0.0, 0.002, 1)  # an unlucky first step does not decide alone
+    assert not unlike.paused
+    unlike.audit(0.006, 0.001, 1)
+    unlike.audit(0.006, 0.001, 1)
+    assert not unlike.paused and shared.pause == 0
+
+
+def test_a_copying_request_after_a_losing_batch_drafts_as_on_a_fresh_context() -> None:
+    """The context's record as a 16-row batch whose drafts lost at 90% acceptance leaves it
+    (a pause of 1,024 steps): a lone copying request after it gains what it gains on a
+    fresh context. Fails on the old rule (the whole pause inherited, ended only by a run of
+    right guesses as long as a 0.9 acceptance makes 1% likely: 44)."""
+    cost = COSTS["dear"]
+    paying = CollapsingMethod(10**9)
+
+    def paying_seconds(backend: FakeBackend, ctx: llamax.Context) -> float:
+        params = llamax.SamplingParams(
+            max_tokens=300, temperature=0, ignore_eos=True, speculative=paying
+        )
+        started = backend.clock()
+        handle = ctx.add_request(PROMPT, params)
+        while ctx.has_work():
+            ctx.process()
+        assert handle.result(0).usage.accepted_tokens > 0
+        return backend.clock() - started
+
+    fresh = FakeBackend(n_ctx=8192, n_seq_max=4, n_batch=512, step_seconds=cost)
+    with llamax.Context(backend=fresh, autostart=False) as ctx:
+        alone = paying_seconds(fresh, ctx)
+    backend = FakeBackend(n_ctx=8192, n_seq_max=4, n_batch=512, step_seconds=cost)
+    with llamax.Context(backend=backend, autostart=False) as ctx:
+        shared = ctx._engine.scheduler.drafts.planner.acceptance
+        loser = DraftState(Collapsing(0), shared)
+        for _ in range(3):
+            loser.audit(0.001, 0.002, 16)
+        shared.pause, shared.loss_acceptance = 1024, 0.9  # as after a few more losses
+        after = paying_seconds(backend, ctx)
+        assert ctx.audit() == []
+    plain, _, _, _ = run(cost, None)
+    assert plain[0] / alone >= 1.5  # what the paying drafts are worth here
+    assert after <= alone * 1.1, (alone, after, plain[0])

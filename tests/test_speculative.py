@@ -394,7 +394,7 @@ class _FixedCost:
     def __init__(self, base: float, per_token: float) -> None:
         self.base, self.per_token = base, per_token
 
-    def line(self, up_to: int) -> tuple[float, float]:
+    def line(self, up_to: int, rows: int | None = None) -> tuple[float, float]:
         return self.base, self.per_token
 
 
@@ -492,6 +492,32 @@ def test_big_steps_do_not_price_one_sequence_drafts_out() -> None:
         cost.observe(64, 0.52)
     base, per_token = cost.line(window(1))
     assert base == pytest.approx(0.013, rel=0.1) and per_token == pytest.approx(0.017, rel=0.1)
+
+
+def test_a_lone_sequence_is_priced_by_lone_steps_not_by_batches_of_as_many_tokens() -> None:
+    """Issue 59: on a context that ran 4-sequence batches, a 4-token step (4 rows over 4
+    sequences' cells, 40 ms) was averaged with a lone sequence's 1 row + 3 drafts (17 ms),
+    and the pooled line priced a lone draft token as a whole step: a quote request copying
+    at 95% drafted 65 tokens of 210 where a fresh context drafted 150-192. The line for a
+    step of one row is fitted to steps of one row."""
+    cost = DecodeCost()
+    for _ in range(200):  # batches of 4 rows, some with drafts: dear per token
+        for n in (4, 6, 9):
+            cost.observe(n, 0.004 + 0.009 * n, rows=4)
+    for _ in range(20):  # a lone sequence: 10 ms a step, 2.5 ms a draft token
+        for n in (1, 2, 4):
+            cost.observe(n, 0.0075 + 0.0025 * n, rows=1)
+    base, per_token = cost.line(window(1), rows=1)
+    assert base == pytest.approx(0.0075, rel=0.05) and per_token == pytest.approx(0.0025, rel=0.05)
+    base4, per_token4 = cost.line(window(4), rows=4)
+    assert per_token4 == pytest.approx(0.009, rel=0.05)
+    assert cost.plain(1) == pytest.approx(0.01) and cost.plain(4) == pytest.approx(0.04)
+    # rows never seen alone: the pooled line; one plain count seen: the prior's shape
+    assert cost.line(window(2), rows=2) == cost.line(window(2))
+    cost.observe(8, 0.08, rows=8)
+    base8, per_token8 = cost.line(window(8), rows=8)
+    assert base8 + 8 * per_token8 == pytest.approx(0.08)
+    assert base8 / per_token8 == pytest.approx(DecodeCost.PRIOR[0] / DecodeCost.PRIOR[1])
 
 
 def test_decode_rows_are_checked_by_the_fake() -> None:

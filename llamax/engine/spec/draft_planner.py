@@ -101,7 +101,7 @@ class DraftPlanner:
         position: dict[K, int] = {}
         for key, state, token_ids, limit in candidates:
             draft = state.propose(token_ids, limit)
-            state.tick()
+            state.tick(len(num_tokens))
             if draft and state.paused and priced:  # the guard stopped it: only learn
                 state.skipped(len(token_ids), draft)
             elif draft:
@@ -145,7 +145,7 @@ class DraftPlanner:
         plain = self.decode_cost.plain(num_rows)
         extra = max(0.0, seconds - plain)
         for state, num in drafted:
-            state.audit(state.last_accepted * plain / num_rows, extra * num / total)
+            state.audit(state.last_accepted * plain / num_rows, extra * num / total, num_rows)
 
     def price(
         self, num_tokens: Sequence[int], proposals: Sequence[Proposal[K]], room: int
@@ -172,7 +172,7 @@ class DraftPlanner:
         total = sum(num_tokens)
         if total > len(num_tokens):  # prompt chunks make the step compute-bound: no drafts
             return {}
-        base, cost = self.decode_cost.line(window(total))
+        base, cost = self.decode_cost.line(window(total), len(num_tokens))
         seconds = base + cost * total
         limit_s = seconds + self.max_step_s if self.max_step_s is not None else float("inf")
         useful = float(total)

@@ -151,4 +151,4 @@ class Drafting:
         ]
         if drafted:
             self.planner.audit(len(plan.entries), seconds, drafted)
-        self.planner.decode_cost.observe(plan.num_tokens, seconds)
+        self.planner.decode_cost.observe(plan.num_tokens, seconds, len(plan.entries))

@@ -42,7 +42,7 @@ class SharedAcceptance:
     expects before it has a record of its own. Decays slowly (0.98 per observation), so it
     follows the context's workload (copy-heavy or free text)."""
 
-    __slots__ = ("loss_acceptance", "pause", "successes", "trials")
+    __slots__ = ("loss_acceptance", "loss_rows", "pause", "successes", "trials")
 
     def __init__(self) -> None:
         # [not copying, copying]: a prior acceptance rate of 0.3 and 0.8
@@ -55,6 +55,9 @@ class SharedAcceptance:
         whose drafts lost last. A new sequence ends the pause it inherits early only on a
         run of right first guesses that rate would make unlikely (:func:`_hits_to_retry`):
         its text then copies more than the loser's did."""
+        self.loss_rows = 0
+        """The decode rows of the step whose verdict set :attr:`pause`: a new sequence
+        serves the pause only in steps of about as many rows (:meth:`DraftState.tick`)."""
 
     def rate(self, hot: bool) -> float:
         """The context's acceptance rate in one regime."""
@@ -72,9 +75,21 @@ _AUDITED_STEPS = 3
 """Verified steps the guard weighs together, each time, before it judges them."""
 _FIRST_PAUSE, _LONGEST_PAUSE = 8, 1024
 """Steps without drafting after the guard stops it the first time, and at most."""
+_INHERITED_PAUSE = 32
+"""The most steps a new sequence waits, at first, because another sequence's drafts lost:
+then it drafts and is judged on its own first few verified steps (see
+:meth:`DraftState.audit`)."""
 _RETRY_CHANCE = 0.01
 """How likely a run of right first guesses that ends an inherited pause may be at the
 acceptance rate of the drafts that lost (see :func:`_hits_to_retry`)."""
+
+
+def _similar_rows(rows: int, loss_rows: int) -> bool:
+    """Whether a step of ``rows`` decode rows is like the one of ``loss_rows`` whose drafts
+    lost: within a factor of two. What a draft token costs against what it saves depends on
+    the step's rows (with one row a step's fixed cost dominates; with 16 on a CPU each row
+    costs its share), so a verdict at 16 rows says little about a step of 1 or 4."""
+    return max(rows, loss_rows) <= 2 * max(1, min(rows, loss_rows))
 
 
 def _hits_to_retry(loss_acceptance: float) -> int:
@@ -111,6 +126,8 @@ class DraftState:
         "_gain_s",
         "_hot",
         "_inherited",
+        "_inherited_rows",
+        "_judged",
         "_paused",
         "_retry_after",
         "_shadow",
@@ -135,15 +152,19 @@ class DraftState:
         self.num_accepted = 0
         self.last_accepted = 0
         """Draft tokens accepted at the last verification."""
-        # the realized-gain guard (:meth:`audit`), starting where the context's stands
+        # the realized-gain guard (:meth:`audit`), starting where the context's stands: a
+        # short wait after a loss elsewhere, then a verdict on a few steps of its own, whose
+        # loss would pause it as long as the context's last one
         self._gain_s = self._cost_s = 0.0
         self._audits = 0
-        self._paused = self._shared.pause  # steps left without drafting
+        self._paused = min(self._shared.pause, _INHERITED_PAUSE)  # steps left without drafting
         self._backoff = max(self._shared.pause, _FIRST_PAUSE)
+        self._judged = False  # its first verdict weighs _AUDITED_STEPS steps
         # a pause inherited from the context ends early once this sequence's own text shows
         # it copies (see :meth:`propose`): a story's losing drafts once kept the next
         # request, copy-heavy code, from drafting for 512 steps
         self._inherited = self._paused > 0
+        self._inherited_rows = self._shared.loss_rows
         self._retry_after = _hits_to_retry(self._shared.loss_acceptance)
         self._streak = 0
         self.num_pauses = 0
@@ -154,12 +175,20 @@ class DraftState:
         """Whether the guard keeps this sequence from drafting now (:meth:`audit`)."""
         return self._paused > 0
 
-    def tick(self) -> None:
-        """One step passed in which this sequence could have drafted."""
-        if self._paused:
-            self._paused -= 1
+    def tick(self, rows: int | None = None) -> None:
+        """One step of ``rows`` decode rows passed in which this sequence could have
+        drafted. A pause inherited from a loss in steps unlike this one (see
+        :func:`_similar_rows`) ends here: the sequence is judged on its own steps, as a new
+        one. A code request that followed a throughput batch on SmolLM2 once inherited the
+        batch's pause of hundreds of steps at one row and drafted 5 tokens of 400."""
+        if not self._paused:
+            return
+        if self._inherited and rows is not None and not _similar_rows(rows, self._inherited_rows):
+            self._paused, self._backoff, self._inherited = 0, _FIRST_PAUSE, False
+            return
+        self._paused -= 1
 
-    def audit(self, gain_s: float, cost_s: float) -> None:
+    def audit(self, gain_s: float, cost_s: float, rows: int = 1) -> None:
         """Check one verified step's realized worth: the accepted tokens saved ``gain_s``
         seconds (what decoding them one step at a time would have cost) and the draft
         tokens added ``cost_s`` seconds to the step (measured, against the measured cost of
@@ -168,23 +197,30 @@ class DraftState:
         (half as long after steps that paid; a retry after a pause is judged on its first
         step), whatever the acceptance rate and the pricing line promised: speculation
         never keeps losing time. The context remembers
-        the last verdict: after a loss its next sequence starts paused and is judged on its
-        first verified step. The pause ends early once the new sequence's own text shows it
-        copies more than the loser's did (a run of right first guesses, checked for free,
-        that the loser's acceptance rate makes unlikely: :func:`_hits_to_retry`)."""
+        the last verdict: after a loss its next sequence starts paused (at most
+        :data:`_INHERITED_PAUSE` steps), is judged on its first few verified steps, and if
+        those lose too it pauses as long as the context's last verdict said. The inherited
+        pause ends early once the new sequence's own text shows it copies more than the
+        loser's did (a run of right first guesses, checked for free, that the loser's
+        acceptance rate makes unlikely: :func:`_hits_to_retry`), and at once in a step
+        whose ``rows`` (decode rows) are unlike the losing one's (:meth:`tick`)."""
         self._inherited = False  # judged on its own steps from now on
         self._gain_s += gain_s
         self._cost_s += cost_s
         self._audits += 1
-        # after a pause one step decides (a retry costs one step), else a few together
-        if self._audits < (1 if self._backoff > _FIRST_PAUSE else _AUDITED_STEPS):
+        # after a pause one step decides (a retry costs one step), else a few together (and
+        # always for the first verdict: a new sequence's first step may just be unlucky)
+        retry = self._judged and self._backoff > _FIRST_PAUSE
+        if self._audits < (1 if retry else _AUDITED_STEPS):
             return
+        self._judged = True
         shared = self._shared
         if self._cost_s > self._gain_s:
             self._paused = self._backoff
             self._backoff = min(2 * self._backoff, _LONGEST_PAUSE)
             self.num_pauses += 1
             shared.pause = self._backoff  # a new sequence of this context waits too
+            shared.loss_rows = rows
             shared.loss_acceptance = sum(self._successes) / max(1e-9, sum(self._trials))
         else:  # paid: forgiven by halves (a text that paid once may still stop paying)
             self._backoff = max(_FIRST_PAUSE, self._backoff // 2)
@@ -256,6 +292,14 @@ class DecodeCost:
     measured on a 2-thread CPU with a 135M model) scaled to the one that was. Averages
     per count, unlike a recursive fit, cannot wind up during long runs of equal steps (N
     streams decoding) and then jump.
+
+    The averages are also kept per number of decode rows (``rows``): a step of 4 tokens
+    that is 4 sequences attends over 4 sequences' cells, one that is 1 sequence and 3
+    draft tokens over one's, and on a context that ran 4-sequence batches the pooled
+    average priced a lone sequence's draft token as a whole step (issue 59: a quote
+    request that copies at 95% drafted 65 tokens of 210 where a fresh context drafted
+    150-192). Given ``rows``, :meth:`plain` and :meth:`line` use that many rows' steps
+    when seen, and the pooled averages only until then.
     """
 
     PRIOR = (0.006, 0.008)
@@ -267,45 +311,75 @@ class DecodeCost:
         self._smoothing = smoothing
         self._mean: dict[int, float] = {}
         self._count: dict[int, int] = {}
+        self._rows_mean: dict[int, dict[int, float]] = {}  # rows -> tokens -> seconds
+        self._rows_count: dict[int, dict[int, int]] = {}
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """Update the moving average of steps of ``num_tokens`` tokens."""
-        mean = self._mean.get(num_tokens)
-        self._mean[num_tokens] = (
-            seconds if mean is None else mean + self._smoothing * (seconds - mean)
-        )
-        self._count[num_tokens] = self._count.get(num_tokens, 0) + 1
+    def observe(self, num_tokens: int, seconds: float, rows: int | None = None) -> None:
+        """Update the moving average of steps of ``num_tokens`` tokens (and of such steps
+        of ``rows`` decode rows, if given)."""
+        self._update(self._mean, self._count, num_tokens, seconds)
+        if rows is not None:
+            self._update(
+                self._rows_mean.setdefault(rows, {}),
+                self._rows_count.setdefault(rows, {}),
+                num_tokens,
+                seconds,
+            )
+
+    def _update(
+        self, means: dict[int, float], counts: dict[int, int], num_tokens: int, seconds: float
+    ) -> None:
+        mean = means.get(num_tokens)
+        means[num_tokens] = seconds if mean is None else mean + self._smoothing * (seconds - mean)
+        counts[num_tokens] = counts.get(num_tokens, 0) + 1
 
     def plain(self, num_tokens: int) -> float:
         """Seconds a step of ``num_tokens`` decode rows takes: its measured average when
         such steps were seen, else the local line's prediction."""
-        mean = self._mean.get(num_tokens)
+        mean = self._rows_mean.get(num_tokens, {}).get(num_tokens)
+        if mean is None:
+            mean = self._mean.get(num_tokens)
         if mean is not None:
             return mean
         base, per_token = self.line(window(num_tokens))
         return base + per_token * num_tokens
 
-    def line(self, up_to: int) -> tuple[float, float]:
-        """``(base, per_token)`` seconds, fitted to the steps of at most ``up_to`` tokens.
+    def line(self, up_to: int, rows: int | None = None) -> tuple[float, float]:
+        """``(base, per_token)`` seconds, fitted to the steps of at most ``up_to`` tokens
+        (of ``rows`` decode rows, once two such token counts were seen; with one, the
+        prior's shape scaled to it).
 
         Local, because the cost is not linear over all sizes: a step of 64 decode rows in a
         unified cache attends over thousands of cells, and a line through it would price a
         one-sequence step as if it had no base cost at all.
         """
-        prior_base, prior_slope = self.prior
+        if rows is not None and (own := self._rows_mean.get(rows)):
+            seen = [n for n in own if n <= up_to]
+            if len(seen) >= 2:
+                return self._fit(own, self._rows_count[rows], seen)
+            if rows in own:  # the plain step alone: the prior's shape through it
+                return self._fit(own, self._rows_count[rows], [rows])
         seen = [n for n in self._mean if n <= up_to]
         if not seen and self._mean:
             seen = [min(self._mean)]
+        return self._fit(self._mean, self._count, seen)
+
+    def _fit(
+        self, means: dict[int, float], counts: dict[int, int], seen: list[int]
+    ) -> tuple[float, float]:
+        """The weighted line through ``means`` at the token counts ``seen`` (the prior's
+        shape scaled to a single one; the prior itself without any)."""
+        prior_base, prior_slope = self.prior
         if len(seen) <= 1:
             if not seen:
                 return self.prior
             n = seen[0]
-            scale = self._mean[n] / (prior_base + prior_slope * n)
+            scale = means[n] / (prior_base + prior_slope * n)
             return prior_base * scale, prior_slope * scale
         ns = np.array(seen, dtype=np.float64)
-        ts = np.array([self._mean[n] for n in seen])
-        counts = np.array([self._count[n] for n in seen], dtype=np.float64)
-        w = np.sqrt(np.minimum(counts, 50.0))
+        ts = np.array([means[n] for n in seen])
+        weights = np.array([counts[n] for n in seen], dtype=np.float64)
+        w = np.sqrt(np.minimum(weights, 50.0))
         design = np.stack([np.ones_like(ns), ns], axis=1) * w[:, None]
         (base, slope), *_ = np.linalg.lstsq(design, ts * w, rcond=None)
         slope = max(float(slope), 1e-4)
