@@ -510,7 +510,7 @@ def test_a_lone_sequence_is_priced_by_lone_steps_not_by_batches_of_as_many_token
     base, per_token = cost.line(window(1), rows=1)
     assert base == pytest.approx(0.0075, rel=0.05) and per_token == pytest.approx(0.0025, rel=0.05)
     base4, per_token4 = cost.line(window(4), rows=4)
-    assert per_token4 == pytest.approx(0.009, rel=0.05)
+    assert base4 == pytest.approx(0.004, rel=0.05) and per_token4 == pytest.approx(0.009, rel=0.05)
     assert cost.plain(1) == pytest.approx(0.01) and cost.plain(4) == pytest.approx(0.04)
     # rows never seen alone: the pooled line; one plain count seen: the prior's shape
     assert cost.line(window(2), rows=2) == cost.line(window(2))
