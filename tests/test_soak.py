@@ -426,16 +426,27 @@ def closing_burst(ctx: llamax.Context, tally: Tally, decodes: DecodeCounter, *, 
         tally.submitted += BURST
     steps, calls = ctx.stats().num_steps, decodes.calls
     with decodes.held():
-        handles = [ctx.add_request(soak_prompt(rng), params) for _ in range(BURST)]
+        prompts = [soak_prompt(rng)[:CLOSING_BURST_PROMPT] for _ in range(BURST)]
+        handles = [ctx.add_request(prompt, params) for prompt in prompts]
     for handle in handles:
         settle(tally, handle, False, False)
     steps, calls = ctx.stats().num_steps - steps, decodes.calls - calls
-    assert calls > steps, f"the closing burst split no step: {calls} decodes in {steps} steps"
+    assert calls > steps, (
+        f"the closing burst split no step: {calls} decodes in {steps} steps "
+        f"({ctx.stats().sequences.num_preemptions} preemptions so far)"
+    )
 
 
 CLOSING_BURST_TOKENS = 128
-"""More than the steps a burst's prefills take (``BURST`` prompts of at most ~90 tokens,
-at most ``n_batch`` = 256 tokens a step: under 30 steps)."""
+"""Many more than the steps the burst's prefills take (:data:`CLOSING_BURST_PROMPT`), so
+every request of the burst is decoding before the first ends."""
+CLOSING_BURST_PROMPT = 24
+"""Characters of each closing-burst prompt (the fake: a token each). With whole soak
+prompts (11-199 tokens, 8,156 in all: 32 or more steps of ``n_batch`` = 256, more where
+the step budget gives decoding rows the time) the first requests could finish decoding
+before the last had finished their prefill, and the burst ran in waves: a fresh-clone
+run (2026-12-03) measured 333 decodes in 333 steps, no step split, and with 64 tokens
+instead of 128, 2 runs of 9 failed so. 72 prompts of 24 tokens take 7 steps or more."""
 
 
 class DecodeCounter:
