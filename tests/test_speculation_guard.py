@@ -146,6 +146,20 @@ def run_on(
     return seconds, outputs, stats
 
 
+def paying_seconds(backend: FakeBackend, ctx: llamax.Context) -> float:
+    """Simulated seconds of one 300-token request whose drafts are always the true
+    continuation, run alone on ``ctx``; it must have accepted some."""
+    params = llamax.SamplingParams(
+        max_tokens=300, temperature=0, ignore_eos=True, speculative=CollapsingMethod(10**9)
+    )
+    started = backend.clock()
+    handle = ctx.add_request(PROMPT, params)
+    while ctx.has_work():
+        ctx.process()
+    assert handle.result(0).usage.accepted_tokens > 0
+    return backend.clock() - started
+
+
 def test_the_guard_pauses_doubles_and_forgives() -> None:
     shared = SharedAcceptance()
     state = DraftState(Collapsing(0), shared)
@@ -173,18 +187,6 @@ def test_a_request_after_losing_ones_drafts_again_when_its_text_copies() -> None
     drafted 119 tokens instead of 318 (pause 256), and the third of three code runs on one
     context ran 1.54x plain against 2.13x and 1.94x."""
     cost = COSTS["dear"]
-    paying = CollapsingMethod(10**9)  # always the true continuation
-
-    def paying_seconds(backend: FakeBackend, ctx: llamax.Context) -> float:
-        params = llamax.SamplingParams(
-            max_tokens=300, temperature=0, ignore_eos=True, speculative=paying
-        )
-        started = backend.clock()
-        handle = ctx.add_request(PROMPT, params)
-        while ctx.has_work():
-            ctx.process()
-        assert handle.result(0).usage.accepted_tokens > 0
-        return backend.clock() - started
 
     fresh = FakeBackend(n_ctx=8192, n_seq_max=4, n_batch=512, step_seconds=cost)
     with llamax.Context(backend=fresh, autostart=False) as ctx:
@@ -268,18 +270,6 @@ def test_a_copying_request_after_a_losing_batch_drafts_as_on_a_fresh_context() -
     fresh context. Fails on the old rule (the whole pause inherited, ended only by a run of
     right guesses as long as a 0.9 acceptance makes 1% likely: 44)."""
     cost = COSTS["dear"]
-    paying = CollapsingMethod(10**9)
-
-    def paying_seconds(backend: FakeBackend, ctx: llamax.Context) -> float:
-        params = llamax.SamplingParams(
-            max_tokens=300, temperature=0, ignore_eos=True, speculative=paying
-        )
-        started = backend.clock()
-        handle = ctx.add_request(PROMPT, params)
-        while ctx.has_work():
-            ctx.process()
-        assert handle.result(0).usage.accepted_tokens > 0
-        return backend.clock() - started
 
     fresh = FakeBackend(n_ctx=8192, n_seq_max=4, n_batch=512, step_seconds=cost)
     with llamax.Context(backend=fresh, autostart=False) as ctx:
