@@ -56,9 +56,16 @@ def compare(name: str, got: dict[str, Any], ref: dict[str, Any], **about: Any) -
 
 class Bench:
     def __init__(
-        self, model: Path, threads: int, chunk: int, max_tokens: int, flash_attn: bool | None
+        self,
+        model: Path,
+        threads: int,
+        chunk: int,
+        max_tokens: int,
+        flash_attn: bool | None,
+        kv_type_v: str | None = None,
     ) -> None:
         self.flash_attn = flash_attn
+        self.kv_type_v = kv_type_v
         self.model = model
         self.threads = threads
         self.chunk = chunk
@@ -77,6 +84,8 @@ class Bench:
             "calibrate": False,
             "flash_attn": self.flash_attn,
         }
+        if self.kv_type_v is not None:
+            base["kv_type_v"] = self.kv_type_v
         base.update(options)
         return llamax.Context(self.model, **base)
 
@@ -108,11 +117,17 @@ def main() -> None:
         default="auto",
         help="flash attention in every context (auto: llama.cpp decides)",
     )
+    parser.add_argument(
+        "--kv-type-v",
+        default=None,
+        help="the V cache's type in every context (q8_0 with --flash-attn on: ggml's "
+        "row-by-row flash attention)",
+    )
     args = parser.parse_args()
     real_stdout, sys.stdout = sys.stdout, sys.stderr
     path = model_path(args.model)
     flash_attn = {"auto": None, "on": True, "off": False}[args.flash_attn]
-    bench = Bench(path, args.threads, args.chunk, args.max_tokens, flash_attn)
+    bench = Bench(path, args.threads, args.chunk, args.max_tokens, flash_attn, args.kv_type_v)
     c = args.chunk
     with bench.context() as probe:
         head, a, b = prompts(probe)
@@ -262,6 +277,7 @@ def main() -> None:
         "threads": args.threads,
         "chunk": c,
         "flash_attn": args.flash_attn,
+        "kv_type_v": args.kv_type_v,
         "max_tokens": args.max_tokens,
         "prompt_tokens": len(p_b),
         "cases": cases,
