@@ -34,6 +34,8 @@ from llamax.backend.llama_cpp import LlamaCppBackend
 MODES: dict[str, dict[str, Any]] = {
     "default": {},
     "default_flash_attn_off": {"flash_attn": False},
+    "default_streams": {"kv_layout": "streams"},
+    "default_streams_v_q8_0": {"kv_layout": "streams", "kv_type_v": "q8_0"},
     "reproducible": {"reproducible": True},
     "reproducible_v_q8_0": {"reproducible": True, "kv_type_v": "q8_0"},
     "reproducible_flash_v_bf16": {"reproducible": True, "kv_type_v": "bf16", "flash_attn": True},
@@ -100,7 +102,14 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--n", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=[m for m in MODES if not m.startswith("default_streams")],
+        help="the default_streams modes (the default mode pinned to streams, with a q8_0 V "
+        "or not) tell the layout's and the V type's share of the cost from the mode's",
+    )
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     args = parser.parse_args()
     real_stdout, sys.stdout = sys.stdout, sys.stderr

@@ -307,7 +307,8 @@ class ContextConfig:
             default_doc="off (`$LLAMAX_REPRODUCIBLE=1`: on)",
             doc="every reply's tokens and logprobs bit-identical to the same request run alone "
             "on a fresh context with the same options, whatever else runs: streams pinned, "
-            "fixed threads, prompt chunks at fixed positions, no flash attention, no speculation "
+            "fixed threads, attention row by row, prompt chunks at fixed positions (none "
+            "where a start-up probe finds the model batch-invariant), no speculation "
             "(docs/reproducible.md)",
             flag=True,
         ),
@@ -548,6 +549,9 @@ class ContextConfig:
             calibrate=self.calibrate if self.calibrate is not None else owns_backend,
             adapt_threads=self.adapts_threads,
             reproducible_chunk=self.reproducible_chunk,
+            reproducible_row_attention=self.is_reproducible
+            and self.flash_attn is True
+            and flash_attention_is_row_exact(*self.kv_types),
             prefix_ram_bytes=self.prefix_ram_bytes,
             prefix_ram_share=self.prefix_ram_share,
             prefix_disk_dir=None
@@ -730,6 +734,12 @@ class EngineConfig:
     reproducible_chunk: int | None = None
     """The reproducible mode's prompt chunk grid (``ContextConfig.reproducible_chunk``);
     None: off."""
+    reproducible_row_attention: bool = False
+    """In the reproducible mode: attention is ggml's row-by-row flash attention (a V of a
+    type whose flash attention no kernel tiles or splits: :func:`flash_attention_is_row_exact`),
+    so a row's attention sums depend on nothing beside it; the engine then probes whether
+    the rest of the model is batch-invariant too, and drops the chunk grid where it is
+    (docs/reproducible.md)."""
     prefix_ram_bytes: int | None = 0
     """The RAM tier's budget; None: this context's share of the machine's default."""
     prefix_ram_share: float = 1.0

@@ -17,7 +17,7 @@ import random
 import runpy
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import llamax
 from llamax.engine.kv.kvcache import KVCache
 from llamax.engine.plan import StepPlan, split_plan
 from llamax.engine.sched.step_planner import StepPlanner
+from llamax.testing import assert_idle
 
 pytestmark = pytest.mark.model
 
@@ -249,14 +250,17 @@ def test_every_reply_of_a_random_concurrent_load_equals_its_solo_run(
     assert stats.num_relayouts == 0 and stats.kv_layout == "streams"
 
 
+@pytest.mark.parametrize("kv", [{}, {"kv_type_v": "q8_0"}], ids=["grid", "batch-invariant"])
 def test_every_reply_equals_its_solo_run_with_the_disk_tier(
-    reproducible: Callable[..., llamax.Context], tmp_path: Path
+    reproducible: Callable[..., llamax.Context], tmp_path: Path, kv: dict[str, Any]
 ) -> None:
     """The same load with evicted prefixes kept on disk instead of in RAM: a prefix read
-    back from a file holds the bits a cold run computes."""
+    back from a file holds the bits a cold run computes (cut to the grid, or whole where
+    the model is batch-invariant)."""
     disk = {"prefix_ram_bytes": 0, "prefix_disk_dir": str(tmp_path / "tier"),
-            "prefix_disk_bytes": 1 << 30}  # fmt: skip
+            "prefix_disk_bytes": 1 << 30, **kv}  # fmt: skip
     ctx = reproducible(**disk)
+    assert ctx._engine.scheduler.kv.invariant is bool(kv)
     load = run_load(ctx, seed=63, num_bursts=2)
     p = llamax.SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
     head = ctx.tokenize(HEAD)
@@ -270,17 +274,18 @@ def test_every_reply_equals_its_solo_run_with_the_disk_tier(
     stats = ctx.stats()
     assert ctx.audit() == []
     assert stats.prefix_disk.num_restores >= 1, stats.prefix_disk
-    compare(load, solo_on(reproducible()))
+    compare(load, solo_on(reproducible(**kv)))
     assert load.differences == [], load.differences
 
 
 @pytest.mark.soak
+@pytest.mark.parametrize("kv", [{}, {"kv_type_v": "q8_0"}], ids=["grid", "batch-invariant"])
 def test_soak_every_reply_equals_its_run_on_a_fresh_context(
-    reproducible: Callable[..., llamax.Context], model_path: Path
+    reproducible: Callable[..., llamax.Context], model_path: Path, kv: dict[str, Any]
 ) -> None:
-    ctx = reproducible(n_ctx=4096, n_seq_max=8)
+    ctx = reproducible(n_ctx=4096, n_seq_max=8, **kv)
     load = run_load(ctx, seed=61, num_bursts=8)
-    options = {**OPTIONS, "reproducible": True, "n_ctx": 4096, "n_seq_max": 8}
+    options = {**OPTIONS, "reproducible": True, "n_ctx": 4096, "n_seq_max": 8, **kv}
     compare(load, solo_fresh(model_path, options))
     assert len(load.compared) > 30
     assert load.differences == [], load.differences
@@ -502,10 +507,66 @@ def test_every_reply_with_a_quantized_v_equals_its_solo_run(
     assert ctx.config.flash_attn is True and ctx.config.kv_types[1] == kv.get(
         "kv_type_v", kv.get("kv_type")
     )
+    # the probe finds SmolLM2 Q4_1 batch-invariant here: no chunk grid, every cell reused
+    assert ctx._engine.scheduler.kv.invariant is True
     load = run_load(ctx, seed=61, num_bursts=2)
     assert ctx.audit() == []
     compare(load, solo_on(reproducible(**kv)))
     assert load.differences == [], load.differences
+
+
+def test_without_flash_attention_the_probe_keeps_the_grid(
+    reproducible: Callable[..., llamax.Context],
+) -> None:
+    """Without flash attention a one-row attention product sums otherwise than a chunk's
+    (a reply's cells differ from a prompt's): the start-up probe sees it, so the grid's
+    rules hold. The verdict is cached per model, build, CPU and options."""
+    from llamax.engine.sched import row_probe
+
+    ctx = reproducible(autostart=False)
+    assert ctx.config.flash_attn is False
+    backend = ctx._engine.scheduler.backend
+    assert ctx._engine.scheduler.kv.invariant is False
+    row_probe._CHUNK_VERDICTS.clear()  # probe again, not the cached verdict
+    assert row_probe._chunk_probe(backend) is False
+    assert row_probe.chunks_batch_invariant(backend) is False
+    assert_idle(ctx)
+
+
+def test_broken_the_grid_dropped_without_flash_attention_differs(
+    reproducible: Callable[..., llamax.Context],
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe's verdict overruled (no grid, chunks batched and reused as in the default
+    mode, on attention without flash attention): a burst's replies differ from their solo
+    runs."""
+    monkeypatch.setattr("llamax.engine.sched.scheduler.chunks_batch_invariant", lambda _: True)
+    engine_config = llamax.ContextConfig.engine_config
+
+    def row_attention(self: llamax.ContextConfig, **kw: Any) -> Any:
+        return replace(engine_config(self, **kw), reproducible_row_attention=True)
+
+    monkeypatch.setattr(llamax.ContextConfig, "engine_config", row_attention)
+    p = llamax.SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    busy = llamax.SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    ctx = reproducible(autostart=False, n_batch=67, n_ubatch=64)
+    assert ctx._engine.scheduler.kv.invariant is True
+    for i in range(3):
+        ctx.add_request(f"Tale {i}:", busy)
+    while ctx.stats().sequences.num_decode_tokens < 3:  # the three decode
+        ctx.process()
+    handle = ctx.add_request(prompts[3], p)
+    while not handle.done():
+        ctx.process()
+    together = replies(handle.result(0))
+    while ctx.has_work():
+        ctx.process()
+    alone = reproducible(autostart=False, n_batch=67, n_ubatch=64)
+    solo = alone.add_request(prompts[3], p)
+    while alone.has_work():
+        alone.process()
+    assert together != replies(solo.result(0))
 
 
 def test_the_default_mode_reports_its_drift(

@@ -34,8 +34,24 @@ def made() -> Iterator[list[llamax.Context]]:
         ctx.close()
 
 
+class ChunksMove(FakeBackend):
+    """A backend whose rows depend on how their prompt was chunked (as llama.cpp's CPU
+    attention without flash attention does: a one-row product sums otherwise than a
+    chunk's): a row's logits move with the length of its item. The start-up probe finds it,
+    so the grid's rules hold; the plain fake is batch-invariant (a row's logits are its
+    token's alone) and needs no grid."""
+
+    def decode(self, items: Sequence[Any]) -> int:
+        status = super().decode(items)
+        if status == 0:
+            for item in items:
+                for row in item.rows:
+                    self._logits[self._rows[row], 0] += 1e-4 * len(item.token_ids)
+        return status
+
+
 def fake(
-    made: list[llamax.Context], kind: type[FakeBackend] = FakeBackend, **options: Any
+    made: list[llamax.Context], kind: type[FakeBackend] = ChunksMove, **options: Any
 ) -> tuple[llamax.Context, FakeBackend]:
     backend_options: dict[str, Any] = {
         "n_ctx": 4 * 256,
@@ -234,7 +250,7 @@ def test_n_greater_than_one_forks_and_equals_its_solo_run(made: list[llamax.Cont
 # ------------------------------------------------------------------ decode rows
 
 
-class RowsMoveBesideOthers(FakeBackend):
+class RowsMoveBesideOthers(ChunksMove):
     """A backend whose kernels compute a decode row differently beside other rows (as
     llama.cpp's CPU matmuls do for F16 and Q4_K weights here): token 0's logit moves."""
 
@@ -356,3 +372,113 @@ def test_a_probe_that_cannot_decode_sends_rows_apart_and_leaves_nothing(
     backend.refusing = False
     drain(ctx, [ctx.add_request(prompt(s, 12), GREEDY) for s in range(3)])
     assert all(len(items) == 1 for items in backend.decode_log)
+
+
+# ------------------------------------------------------------------ batch-invariant models
+
+ROW_ATTENTION = {"kv_type_v": "q8_0"}
+"""A quantized V: the mode turns flash attention on, which ggml computes row by row."""
+
+
+def test_the_probe_finds_rows_that_move_with_their_chunk(made: list[llamax.Context]) -> None:
+    ctx, _ = fake(made)  # ChunksMove
+    assert ctx._engine.scheduler.planner.rows_together is True
+    assert ctx._engine.scheduler.kv.invariant is False
+    plain, _ = fake(made, FakeBackend, **ROW_ATTENTION)
+    assert plain._engine.scheduler.kv.invariant is True
+    small, _ = fake(made, FakeBackend, backend={"n_batch": 8}, **ROW_ATTENTION)
+    assert small._engine.scheduler.kv.invariant is False  # too small to look: the grid
+    f16, _ = fake(made, FakeBackend)  # attention without flash attention: not row by row
+    assert f16._engine.scheduler.kv.invariant is False
+    gpu, _ = fake(made, FakeBackend, backend={"cpu_attention": False}, **ROW_ATTENTION)
+    assert gpu._engine.scheduler.kv.invariant is False  # a GPU's kernels: not probed here
+
+
+def test_a_batch_invariant_model_batches_and_cuts_chunks_as_the_default_mode(
+    made: list[llamax.Context],
+) -> None:
+    """Where the probe finds every row alike however it is chunked and batched, the
+    grid's rules are not needed: chunks go beside rows and off the grid, as in the default
+    mode, and every reply still equals its solo run."""
+    ctx, backend = fake(made, FakeBackend, max_step_ms=1.0, **ROW_ATTENTION)
+    first = [ctx.add_request(prompt(0, 5), llamax.SamplingParams(max_tokens=40))]
+    ctx.process()
+    ctx.process()
+    prompts = [prompt(s, 20 + 9 * s) for s in range(1, 6)]
+    done = drain(ctx, first + [ctx.add_request(p, LOGPROBS) for p in prompts])
+    mixed = [items for items in backend.decode_log if len(items) > 1]
+    assert any(any(len(i.token_ids) > 1 for i in items) for items in mixed)
+    for p, got in zip(prompts, done[1:], strict=True):
+        alone, _ = fake(made, FakeBackend, **ROW_ATTENTION)
+        assert _bits(drain(alone, [alone.add_request(p, LOGPROBS)])[0]) == _bits(got)
+
+
+def test_a_batch_invariant_model_reuses_every_cell(made: list[llamax.Context]) -> None:
+    """A reply's cells and a prefix off the grid are reused whole: the model computes them
+    as a cold prompt does (the probe's one-token-at-a-time rows against a chunk)."""
+    ctx, _ = fake(made, FakeBackend, **ROW_ATTENTION)
+    head = prompt(1, 45)
+    a = drain(ctx, [ctx.add_request([*head, 9, 9, 9, 9, 9], GREEDY)])[0]
+    b = drain(ctx, [ctx.add_request([*head, 7, 7], GREEDY)])[0]
+    assert b.usage.cached_tokens == 45  # 32 on the grid
+    follow = [*head, 9, 9, 9, 9, 9, *a.token_ids, 5, 5, 5]
+    c = drain(ctx, [ctx.add_request(follow, GREEDY)])[0]
+    assert c.usage.cached_tokens == 50 + len(a.token_ids) - 1  # the reply's cells too
+
+
+def test_a_batch_invariant_model_keeps_the_grid_under_an_adapter(
+    made: list[llamax.Context], tmp_path: Any
+) -> None:
+    """An adapter's F32 products depend on the batch even where the base model's do not:
+    under one, chunks stay on the grid and alone, and reuse stops at a boundary."""
+    adapter = tmp_path / "a.gguf"
+    adapter.write_bytes(b"GGUF fake adapter")
+    ctx, backend = fake(made, FakeBackend, lora={"a": str(adapter)}, **ROW_ATTENTION)
+    assert ctx._engine.scheduler.kv.invariant is True
+    tuned = llamax.SamplingParams(max_tokens=6, temperature=0.0, lora={"a": 1.0})
+    busy = ctx.add_request(prompt(0, 5), llamax.SamplingParams(max_tokens=40, lora={"a": 1.0}))
+    ctx.process()
+    ctx.process()
+    head = prompt(1, 45)
+    drain(ctx, [busy, *(ctx.add_request(prompt(s, 20 + 9 * s), tuned) for s in range(2, 5))])
+    drain(ctx, [ctx.add_request([*head, 9, 9, 9, 9, 9], tuned)])
+    check_decodes(backend)
+    b = drain(ctx, [ctx.add_request([*head, 7, 7], tuned)])[0]
+    assert b.usage.cached_tokens == 32
+
+
+def test_a_batch_invariant_model_keeps_whole_prefixes_in_the_ram_tier(
+    made: list[llamax.Context],
+) -> None:
+    ctx, _ = fake(
+        made,
+        FakeBackend,
+        prefix_ram_bytes=1 << 20,
+        backend={"n_seq_max": 1, "n_ctx": 256},
+        **ROW_ATTENTION,
+    )
+    head = prompt(3, 40)
+    drain(ctx, [ctx.add_request([*head, 1, 2], GREEDY)])
+    drain(ctx, [ctx.add_request(prompt(4, 30), GREEDY)])  # evicts it to RAM
+    hit = drain(ctx, [ctx.add_request([*head, 1, 2, 3, 4], GREEDY)])[0]
+    assert ctx.stats().prefix_ram.num_restores == 1
+    assert hit.usage.cached_tokens >= 42  # the prompt whole (and the reply's cells)
+
+
+def test_the_grid_rule_broken_on_a_model_whose_chunks_move_differs(
+    made: list[llamax.Context], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's chunk verdict ignored (no grid on a model whose rows move with their
+    chunk): the same burst's logprobs differ from the solo runs'."""
+    monkeypatch.setattr("llamax.engine.sched.scheduler.chunks_batch_invariant", lambda _: True)
+    ctx, _ = fake(made, max_step_ms=1.0, **ROW_ATTENTION)
+    first = [ctx.add_request(prompt(0, 5), llamax.SamplingParams(max_tokens=40))]
+    ctx.process()
+    ctx.process()
+    prompts = [prompt(s, 20 + 9 * s) for s in range(1, 6)]
+    done = drain(ctx, first + [ctx.add_request(p, LOGPROBS) for p in prompts])
+    solo = []
+    for p in prompts:
+        alone, _ = fake(made, **ROW_ATTENTION)
+        solo.append(_bits(drain(alone, [alone.add_request(p, LOGPROBS)])[0]))
+    assert [_bits(d) for d in done[1:]] != solo

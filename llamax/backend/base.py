@@ -148,6 +148,13 @@ class BatchDecoder(Protocol):
         ...
 
     @property
+    def cpu_only(self) -> bool:
+        """Whether every op runs on ggml's CPU backend: a build with no GPU or RPC device
+        (one with a device may send a large batch's products to it even where no layer is
+        offloaded)."""
+        ...
+
+    @property
     def cpu_attention(self) -> bool:
         """Whether attention runs on ggml's CPU backend, whose flash attention computes
         micro-batches under 64 query rows row by row (the scheduler splits decode steps

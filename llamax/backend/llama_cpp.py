@@ -147,7 +147,8 @@ class LlamaCppBackend(LlamaCppModel):
                 stack.callback(self._embd_batch.close)
             stack.callback(self._free_samplers)
             self._stack = stack.pop_all()
-        self._cpu_attention = config.n_gpu_layers == 0 or not C.llama_supports_gpu_offload()
+        self._cpu_only = not C.llama_supports_gpu_offload()
+        self._cpu_attention = config.n_gpu_layers == 0 or self._cpu_only
         self._attention_tiles = (
             (model.n_head(), config.n_threads_batch or config.resolved_n_threads)
             if self._cpu_attention and config.flash_attn is not False
@@ -274,6 +275,11 @@ class LlamaCppBackend(LlamaCppModel):
     def _free_samplers(self) -> None:
         for sampler in list(self._samplers.values()):
             self.free_sampler(sampler)
+
+    @property
+    def cpu_only(self) -> bool:
+        """A build of llama.cpp with no GPU or RPC device: every op runs on the CPU."""
+        return self._cpu_only
 
     @property
     def cpu_attention(self) -> bool:

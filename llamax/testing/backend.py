@@ -243,6 +243,11 @@ class FakeBackend:
         self.num_relayouts += 1
 
     @property
+    def cpu_only(self) -> bool:
+        """As ``cpu_attention`` (a fake with GPU attention acts like a GPU build)."""
+        return self._cpu_attention
+
+    @property
     def cpu_attention(self) -> bool:
         """As configured by ``cpu_attention`` (True: act like ggml's CPU backend)."""
         return self._cpu_attention

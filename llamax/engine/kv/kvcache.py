@@ -177,6 +177,11 @@ class KVCache:
         self.grid: int | None = None
         """The reproducible mode's chunk grid (None: off): a prefix is reused only up to a
         multiple of it that its slot computed as prompt chunks (:meth:`usable`)."""
+        self.invariant = False
+        """In the reproducible mode: whether the base model computes a cell alike however
+        its prompt was chunked and whatever shared its decodes (measured at start-up,
+        :func:`~llamax.engine.sched.row_probe.chunks_batch_invariant`). The grid then binds
+        only cells computed under LoRA adapters (:meth:`on_grid`)."""
         self.num_checkpoints = 0
         """Checkpoints taken."""
         self.num_checkpoint_restores = 0
@@ -264,14 +269,21 @@ class KVCache:
         """Whether the memory is cut only where a slot took a checkpoint."""
         return self._at_checkpoints
 
+    def on_grid(self, adapters: AdapterSet) -> bool:
+        """Whether cells computed under ``adapters`` (``()``: the base model) are exact only
+        up to :attr:`Slot.exact` (the reproducible mode's grid; an adapter's products
+        depend on the batch even where the base model's do not)."""
+        return self.grid is not None and (not self.invariant or bool(adapters))
+
     def usable(self, slot: Slot, num: int) -> int:
         """How many of ``slot``'s first ``num`` tokens a cut or copy can keep: all of them,
         unless the memory is cut at checkpoints (then the last one at or before ``num``, or
         the whole slot). In the reproducible mode (:attr:`grid`), only what a cold run of
         the same prompt would hold bit for bit: the last grid boundary at or before
-        ``num`` within :attr:`Slot.exact` (none for a memory cut at checkpoints)."""
+        ``num`` within :attr:`Slot.exact` (none for a memory cut at checkpoints), unless
+        the model is batch-invariant (:attr:`invariant`, :meth:`on_grid`)."""
         num = min(num, len(slot.tokens))
-        if self.grid is not None:  # reproducible: a cold run's chunk boundary, or nothing
+        if self.grid is not None and self.on_grid(slot.adapters):  # a cold run's boundary
             return 0 if self._at_checkpoints else min(num - num % self.grid, slot.exact)
         if not self._at_checkpoints or num == len(slot.tokens):
             return num

@@ -199,8 +199,8 @@ class PrefixCache:
         its budget, or (unhinted) it would fit only by dropping hinted entries (before the
         slot is released, or cut by a newcomer that takes it over). A save that fails
         loses only the entry."""
-        reproducible = self._cache.grid is not None  # keep only what a cold prompt computes
-        if reproducible and (not slot.exact or not self._cache.truncate(slot, slot.exact)):
+        on_grid = self._cache.on_grid(slot.adapters)  # keep only what a cold prompt computes
+        if on_grid and (not slot.exact or not self._cache.truncate(slot, slot.exact)):
             return
         num_tokens = len(slot.tokens)
         wanting = [t for t in self.tiers if t.wants(num_tokens, slot.adapters)]
@@ -241,6 +241,8 @@ class PrefixCache:
         identity = backend.model_identity
         if config.reproducible_chunk is not None:  # entries cut to a chunk grid's boundary
             identity = {"model": identity, "reproducible_chunk": config.reproducible_chunk}
+            if cache.invariant:  # ... or whole: a batch-invariant model's (KVCache.invariant)
+                identity["batch_invariant"] = True
         model = json.dumps(identity, sort_keys=True, default=str)
         ram_bytes = config.prefix_ram_bytes
         if ram_bytes is None:
@@ -333,8 +335,8 @@ class PrefixCache:
                 continue
             if known is None:
                 later = now
-            elif self._cache.grid is not None:  # what the owner's prompt chunks will give
-                grid = self._cache.grid
+            elif self._cache.grid is not None and self._cache.on_grid(adapters):
+                grid = self._cache.grid  # what the owner's prompt chunks on the grid give
                 later = max(now, min(later, len(known) - len(known) % grid))
                 later -= later % grid
             elif self._cache.cuts_at_checkpoints:

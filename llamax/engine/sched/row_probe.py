@@ -1,4 +1,5 @@
-"""Whether one-token decode rows may share a decode in the reproducible mode: measured on the
+"""Whether one-token decode rows may share a decode in the reproducible mode, and whether
+its prompt chunks need the grid at all (:func:`chunks_batch_invariant`): measured on the
 loaded model, at start-up.
 
 A row's logits must not depend on the rows beside it. Without flash attention the
@@ -24,7 +25,7 @@ import numpy as np
 
 from ...backend.base import Backend, BatchItem
 
-__all__ = ["MAX_ROWS", "rows_batch_invariant"]
+__all__ = ["MAX_ROWS", "chunks_batch_invariant", "rows_batch_invariant"]
 
 _log = logging.getLogger(__name__)
 
@@ -116,3 +117,100 @@ def rows_batch_invariant(backend: Backend) -> bool:
 _VERDICTS: dict[str, bool] = {}
 """The verdicts of this process, by :meth:`~llamax.backend.base.Calibratable.calibration_key`:
 another context on the same model, build, CPU and settings probes nothing."""
+
+_CHUNK_LENGTHS = (12, 5, 9)
+"""The chunk probe's prompts: unequal, so llama.cpp's equal-split micro-batches cut them."""
+
+
+Logits = dict[tuple[int, int], np.ndarray]
+"""Rows' logits by ``(seq_id, position)``."""
+
+
+def _chunk_probe(backend: Backend) -> bool:
+    """Each prompt decoded as one chunk alone, every row's logits kept (the cold run);
+    then the first one token at a time (a reply's cells), and, with room for several
+    sequences, all of them again in two decodes that mix cut chunks of every sequence with
+    a decode row of another: every row's logits compared bit for bit with the cold run's."""
+    facts = backend.facts
+    count = min(len(_CHUNK_LENGTHS), facts.n_seq_max)
+    if backend.n_ctx_stream < max(_CHUNK_LENGTHS) + 2 or backend.n_batch < 16:
+        return False  # too small a context to look: the grid's rules hold
+    low = 32 if facts.n_vocab > 64 else 0
+    prompts = [
+        [low + (7919 * (i + 11) * (j + 3)) % (facts.n_vocab - low) for j in range(n)]
+        for i, n in enumerate(_CHUNK_LENGTHS[:count])
+    ]
+
+    def rows(items: list[BatchItem]) -> Logits:
+        _decode(backend, items)
+        return {
+            (item.seq_id, item.start_pos + k): backend.logits(row).copy()
+            for item in items
+            for k, row in enumerate(item.rows)
+        }
+
+    def chunk(seq_id: int, start: int, stop: int, at: int) -> BatchItem:
+        tokens = prompts[seq_id][start:stop]
+        return BatchItem(seq_id, tokens, start, tuple(range(at, at + len(tokens))))
+
+    cold: Logits = {}
+    got: Logits = {}
+    try:
+        for seq_id, tokens in enumerate(prompts):
+            cold |= rows([chunk(seq_id, 0, len(tokens), 0)])
+        if count > 1:  # the second sequence's one-token row after its prompt
+            cold |= rows([BatchItem(1, [prompts[1][0]], len(prompts[1]), (0,))])
+        for seq_id in range(count):
+            backend.seq_rm(seq_id)
+        for pos in range(len(prompts[0])):  # one token at a time, as a reply is computed
+            got |= rows([chunk(0, pos, pos + 1, 0)])
+        backend.seq_rm(0)
+        if count > 1:  # else nothing ever shares a decode
+            # unequal chunks: llama.cpp's equal-split micro-batches cut them again
+            first = [chunk(0, 0, 7, 0), chunk(1, 0, len(prompts[1]), 7)]
+            second = [chunk(0, 7, len(prompts[0]), 0)]
+            second.append(BatchItem(1, [prompts[1][0]], len(prompts[1]), (5,)))
+            if count > 2:
+                first.append(chunk(2, 0, 3, 7 + len(prompts[1])))
+                second.append(chunk(2, 3, len(prompts[2]), 6))
+            got |= rows(first)
+            got |= rows(second)
+    finally:
+        for seq_id in range(count):
+            backend.seq_rm(seq_id)
+    return all(np.array_equal(cold[key], logits) for key, logits in got.items())
+
+
+def chunks_batch_invariant(backend: Backend) -> bool:
+    """Whether the model computes a sequence's every row alike however its prompt is cut
+    into chunks and whatever shares their decodes: one token at a time (a reply's cells)
+    against one chunk, and cut chunks beside other sequences' chunks and rows. Measured on
+    three short prompts, after :func:`rows_batch_invariant` said yes (the caller asks it
+    first); ``False`` without a probe for a memory that is not one plain KV cache or that
+    slides, or too small a context.
+
+    On SmolLM2 Q4_1 here (AMD EPYC, AVX-512) it holds with flash attention row by row (a
+    quantized or F32 V: ggml's one-row kernel, each row over its cells in order), and not
+    without flash attention (a one-row attention product sums otherwise than a chunk's:
+    ``benchmarks/results/issue60``). Where it holds, the reproducible mode needs no chunk
+    grid: its chunks are cut and batched as in the default mode and every prefix is
+    reused (docs/reproducible.md).
+    """
+    if not backend.can_share_prefix or backend.sliding_window:
+        return False
+    keyer = getattr(backend, "calibration_key", None)
+    key = keyer() if callable(keyer) else None
+    if key is not None and key in _CHUNK_VERDICTS:
+        return _CHUNK_VERDICTS[key]
+    try:
+        verdict = _chunk_probe(backend)
+    except RuntimeError:
+        _log.warning("could not probe prompt chunks; they stay on the grid", exc_info=True)
+        return False
+    if key is not None:
+        _CHUNK_VERDICTS[key] = verdict
+    return verdict
+
+
+_CHUNK_VERDICTS: dict[str, bool] = {}
+""":func:`chunks_batch_invariant`'s verdicts of this process, as :data:`_VERDICTS`."""

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping
 from itertools import islice
 from typing import TypeVar, cast
 
-from ...adapters import AdapterSet
+from ...adapters import NO_ADAPTERS, AdapterSet
 from ...backend.base import Backend, Clocked
 from ...config import EngineConfig
 from ...errors import InvalidParameterError, KVCapacityError, RequestFailedError
@@ -55,7 +55,7 @@ from ..timing.chunk_budget import halve_newest_chunk
 from ..timing.step_budget import StepFeatures
 from .adapter_turns import AdapterTurns
 from .fair_share import FairShare
-from .row_probe import rows_batch_invariant
+from .row_probe import chunks_batch_invariant, rows_batch_invariant
 from .step_planner import StepPlanner
 
 __all__ = ["ScheduledSequence", "Scheduler", "StepPlan", "StepResult"]
@@ -109,12 +109,27 @@ class Scheduler:
                 "is unified or may move to unified",
                 param="kv_layout",
             )
+        rows_together = True
+        if self.reproducible:  # measured on this model, CPU and build (a few small decodes)
+            rows_together = rows_batch_invariant(backend)
+            self.kv.invariant = (
+                config.reproducible_row_attention
+                and backend.cpu_only
+                and rows_together
+                and chunks_batch_invariant(backend)
+            )
+            _log.info(
+                "reproducible: decode rows %s; prompt chunks %s",
+                "together" if rows_together else "each alone",
+                "as in the default mode (the model is batch-invariant)"
+                if self.kv.invariant
+                else f"on a grid of {self.kv.grid}, each alone",
+            )
         self.prefix = PrefixCache.build(self.kv, config, backend)
         self.placer = SlotPlacer(self.kv, self.prefix, backend.facts.n_ctx)
         self.fair: FairShare[Hashable] = FairShare(backend.facts.n_seq_max)
         self.planner = StepPlanner(backend, config.max_step_ms, self.kv, self.prefix, self.fair)
-        if self.reproducible:  # measured on this model, CPU and build (a few small decodes)
-            self.planner.rows_together = rows_batch_invariant(backend)
+        self.planner.rows_together = rows_together
         self.budget = self.planner.budget
         self.step_cost = self.budget.cost
         """What a step costs (learned from measured steps; the planner's time budget's)."""
@@ -208,8 +223,9 @@ class Scheduler:
         running = [seq for seq in self._running if ours(seq)]
         decode = [seq for seq in running if seq.num_pending == 1][: self._n_batch]
         slots: list[tuple[Sequence, int]] = [(seq, 1) for seq in decode]
-        # reproducible: each prompt chunk is decoded alone, beside nothing
-        budget = self._n_batch - (0 if self.reproducible else len(decode))
+        on_grid = self._on_grid(group)
+        # on the reproducible grid: each prompt chunk is decoded alone, beside nothing
+        budget = self._n_batch - (0 if on_grid else len(decode))
         fixed = self.planner.start(decode)
         for seq in running:
             if seq.num_pending > 1 and budget > 0:
@@ -235,11 +251,22 @@ class Scheduler:
                 if take:
                     slots.append((seq, take))
                     budget -= take
-        budget += self._hold_chunks(slots, group)
+        if not on_grid:
+            budget += self._hold_chunks(slots, group)
         drafts = self.drafts.plan(
             slots, budget, lambda: self.num_pending_tokens, self.room.capacity
         )
         return self.planner.build(slots, drafts)
+
+    def _on_grid(self, group: AdapterSet | None) -> bool:
+        """Whether the step over adapter set ``group`` (None: the one set every sequence
+        shares) keeps the reproducible mode's chunk grid (:meth:`KVCache.on_grid`)."""
+        if not self.reproducible:
+            return False
+        if group is not None:
+            return self.kv.on_grid(group)
+        seqs = [*self._running, *self._waiting]
+        return self.kv.on_grid(seqs[0].request.adapters if seqs else NO_ADAPTERS)
 
     def _hold_chunks(self, slots: list[tuple[Sequence, int]], group: AdapterSet | None) -> int:
         """Stop the step's prompt chunks where waiting sequences' shared prefix ends (the
@@ -257,7 +284,7 @@ class Scheduler:
         (a backlog would pay the questions each step and gain nothing); a chunk of a prompt
         with images is left whole (it may not be cut inside one).
         """
-        if self.reproducible or not self._waiting:
+        if not self._waiting:
             return 0
         if self.kv.num_free_seq_ids == 0 and self.prefix.num_retained == 0:
             return 0  # a backlog: nobody waiting can start next step, so nobody joins
@@ -395,7 +422,8 @@ class Scheduler:
         evict a retained prefix, else preempt the newest sequence."""
         slots = [(e.seq, len(e.item.token_ids) - len(e.draft)) for e in plan.entries]
         whole = plan.num_drafted or any(e.item.non_causal for e in plan.entries)
-        whole = whole or self.reproducible  # a chunk is never cut off the grid
+        # a chunk is never cut off the reproducible mode's grid
+        whole = whole or any(self.kv.on_grid(e.seq.request.adapters) for e in plan.entries)
         halved = None if whole else halve_newest_chunk([n for _, n in slots])
         if halved is not None:
             slots = [(seq, n) for (seq, _), n in zip(slots, halved, strict=True) if n]

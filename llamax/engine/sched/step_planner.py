@@ -83,7 +83,7 @@ class StepPlanner:
                 unified=self._kv.is_unified,
             )
         grid = self._kv.grid
-        if grid is not None:
+        if grid is not None and self._kv.on_grid(seq.request.adapters):
             return self._chunk_on_grid(seq, grid, budget, fixed)
         limit = min(seq.num_pending, budget)
         if images:
@@ -150,7 +150,7 @@ class StepPlanner:
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache on the CPU,
         many decode rows go in smaller batches (:mod:`llamax.engine.sched.split_policy`)."""
-        if self._kv.grid is not None:
+        if any(self._kv.on_grid(e.seq.request.adapters) for e in plan.entries):
             return self._split_reproducible(plan)
         groups = self.splitter.groups(
             [len(e.item.token_ids) for e in plan.entries],
