@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +71,7 @@ import llamax
 
 N_REQUESTS, MAX_TOKENS, N_CTX, N_SEQ_MAX, N_BATCH = 16, 32, 8192, 16, 512
 KV_LAYOUT = "auto"  # llamax's (--kv-layout); the ideal loop is unified
+LLAMAX_OPTIONS: dict[str, Any] = {}  # more Context options for llamax's runs (--llamax-option)
 LCP_N_CTX = 2048  # one sequence at a time: prompt (~1,330) + 32 tokens fit
 SYSTEM_PROMPT_TOKENS, WARMUP_TOKENS = 1300, 4
 LIMITS = {
@@ -166,6 +168,7 @@ def run_llamax(model: Path, prompts: Sequence[str], *, prefix_cache: bool) -> Ru
         n_threads=N_THREADS,
         prefix_cache=prefix_cache,
         kv_layout=KV_LAYOUT,
+        **LLAMAX_OPTIONS,
     ) as ctx:
         ctx.add_request("Hello there!", greedy(WARMUP_TOKENS)).result()
         ctx.clear_cache()
@@ -306,6 +309,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--kv-layout", default=KV_LAYOUT, choices=["auto", "unified", "streams"],
         help="llamax's KV layout (the ideal loop's is unified)",
     )  # fmt: skip
+    parser.add_argument(
+        "--llamax-option", action="append", default=[], metavar="NAME=JSON",
+        help="one more llamax.Context option for llamax's runs, its value as JSON "
+        "(reproducible=true, kv_type_v='\"q8_0\"'); repeatable",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.repeats < 1 or not 0 <= args.alone <= N_REQUESTS:
         parser.error(f"--repeats must be >= 1 and --alone in [0, {N_REQUESTS}]")
@@ -317,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     global N_CTX, KV_LAYOUT  # the systems read them: one value per run
     args = parse_args(argv)
     N_CTX, KV_LAYOUT = args.n_ctx, args.kv_layout
+    for option in args.llamax_option:
+        name, _, value = option.partition("=")
+        LLAMAX_OPTIONS[name] = json.loads(value)
     load = load_average()
     log(f"load average: {load}")
     with stdout_to_stderr() as stdout:
@@ -343,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = {name: summarize(results) for name, results in runs.items()}
         r = ratios(summary)
         sizes = {"n_ctx": N_CTX, "n_seq_max": N_SEQ_MAX, "n_batch": N_BATCH,
-                 "kv_layout": KV_LAYOUT}  # fmt: skip
+                 "kv_layout": KV_LAYOUT, "llamax_options": LLAMAX_OPTIONS}  # fmt: skip
         config = base_config(args, load, **sizes, llama_cpp_python_n_ctx=LCP_N_CTX)
         report = {
             "config": config,
