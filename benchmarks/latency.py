@@ -51,6 +51,7 @@ import llamax
 LONG_TOKENS, N_STREAMS, STREAM_MAX_TOKENS, WARM_TOKENS = 3400, 4, 1024, 8
 AFTER_S = 0.5  # streams keep running this long after the long prompt's first token
 N_CTX, N_SEQ_MAX = 8192, 8
+LLAMAX_OPTIONS: dict[str, Any] = {}  # more Context options for llamax's runs (--llamax-option)
 SERVER_SLOTS, SERVER_CELLS_PER_SLOT = 5, 4096
 LIMITS_MAX = {"worst_gap_s": 0.6, "ttft_over_lone": 1.35}
 HEAD = "Read the notes below carefully, then summarise the three most important ones."
@@ -199,9 +200,8 @@ def run_llamax(
     threads: dict[str, Any] = (
         {"adapt_threads": True} if adaptive else {"n_threads": bench.N_THREADS}
     )
-    with llamax.Context(
-        model, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, max_step_ms=max_step_ms, **threads
-    ) as ctx:
+    options = {"n_ctx": N_CTX, "n_seq_max": N_SEQ_MAX, "max_step_ms": max_step_ms, **threads}
+    with llamax.Context(model, **(options | LLAMAX_OPTIONS)) as ctx:
         out = measure(llamax_driver(ctx), long_text, repeats, ctx.clear_cache)
         stats = ctx.stats()
         return out | {
@@ -252,7 +252,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-step-ms", type=float, default=250.0, help="llamax's max_step_ms (250, the default)"
     )
+    parser.add_argument(
+        "--llamax-option", action="append", default=[], metavar="NAME=JSON",
+        help="one more llamax.Context option for llamax's runs, its value as JSON "
+        "(reproducible=true, kv_type_v='\"q8_0\"'); repeatable",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    for option in args.llamax_option:
+        name, _, value = option.partition("=")
+        LLAMAX_OPTIONS[name] = json.loads(value)
     global TRACE
     TRACE = StepTrace() if args.trace else None
     model = bench.model_path(args.model)
@@ -292,7 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.model, args.llama_server = model, binary
         server_args = f"-np {SERVER_SLOTS} -c {SERVER_SLOTS * SERVER_CELLS_PER_SLOT} -t 2"
         config = bench.base_config(
-            args, load, n_ctx=N_CTX, n_seq_max=N_SEQ_MAX, llama_server_args=server_args
+            args,
+            load,
+            n_ctx=N_CTX,
+            n_seq_max=N_SEQ_MAX,
+            llama_server_args=server_args,
+            llamax_options=LLAMAX_OPTIONS,
         )
         ratios = {}
         if "llamax" in systems and "llama_server" in systems:
