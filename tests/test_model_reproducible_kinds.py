@@ -155,15 +155,17 @@ def _submit(
     handles[index] = ctx.add_request(tokens, params)
 
 
-def test_every_reply_with_images_equals_its_solo_run(model_path: Path) -> None:
+@pytest.mark.parametrize("kv", [{}, {"kv_type_v": "q8_0"}], ids=["grid", "batch-invariant"])
+def test_every_reply_with_images_equals_its_solo_run(model_path: Path, kv: dict[str, Any]) -> None:
     """Images in the reproducible mode (a random gemma3-style projector): requests with an
     image (two of them the same image), others with text only, sent together from
-    threads; every reply bit for bit as it comes alone on an emptied context."""
+    threads; every reply bit for bit as it comes alone on an emptied context. With a
+    ``q8_0`` V the model is batch-invariant and the grid is off."""
     import vision_files
     from vision_files import pixels, png
 
     projector = vision_files.script().cached_vision_model(projector="gemma3")
-    options = {**OPTIONS, "n_batch": 256, "reproducible": True, "mmproj": str(projector)}
+    options = {**OPTIONS, "n_batch": 256, "reproducible": True, "mmproj": str(projector), **kv}
     p = llamax.SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
     prompts: list[Any] = [
         ["<|im_start|>user\n", llamax.Image(png(pixels(seed, 48, 64))),
@@ -173,6 +175,7 @@ def test_every_reply_with_images_equals_its_solo_run(model_path: Path) -> None:
     prompts += [HEAD + user(q) for q in QUESTIONS[:3]]
     results = []
     with llamax.Context(model_path, **options) as ctx:
+        assert ctx._engine.scheduler.kv.invariant is bool(kv)
         for _ in range(2):  # the second round finds the images' prefixes cached
             handles: dict[int, llamax.RequestHandle] = {}
             threads = [
