@@ -309,7 +309,7 @@ class ContextConfig:
             "on a fresh context with the same options, whatever else runs: streams pinned, "
             "fixed threads, attention row by row, prompt chunks at fixed positions (none "
             "where a start-up probe finds the model batch-invariant), no speculation "
-            "(docs/reproducible.md)",
+            "(but there) (docs/reproducible.md)",
             flag=True,
         ),
     )
@@ -673,14 +673,18 @@ class ContextConfig:
             "contradicts it",
             "adapt_threads",
         )
-        require(
-            self.speculative is None,
-            why + "no speculative decoding (a verified draft's cells are computed in a batch "
-            "of rows, not one by one): speculative contradicts it",
-            "speculative",
-        )
         type_k, type_v = self.kv_types
         row_exact = flash_attention_is_row_exact(type_k, type_v)
+        require(
+            self.speculative is None
+            or (row_exact and (self.flash_attn is True or is_quantized(type_v))),
+            why + "no speculative decoding over attention that is not computed row by row "
+            "(a verified draft's cells are computed in a batch of rows, not one by one): "
+            "speculative contradicts it (with flash attention row by row, e.g. "
+            "kv_type_v='q8_0', drafts are verified where a start-up probe finds the model "
+            "batch-invariant)",
+            "speculative",
+        )
         require(
             self.flash_attn is not True or row_exact,
             why + "attention computed row by row: over an f16 K and V, ggml's CPU flash "

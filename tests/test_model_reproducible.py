@@ -515,6 +515,51 @@ def test_every_reply_with_a_quantized_v_equals_its_solo_run(
     assert load.differences == [], load.differences
 
 
+COPY_TEXT = (
+    "Gear 12 meshes with pinion 7; pinion 7 drives wheel 40; wheel 40 turns the escape "
+    "wheel 15; the escape wheel 15 releases the pallet 3 twice a second."
+)
+
+
+def test_drafts_verified_on_a_batch_invariant_model_change_no_bit(
+    reproducible: Callable[..., llamax.Context],
+) -> None:
+    """Speculation in the mode (a q8_0 V: batch-invariant here): copy-heavy requests, greedy
+    and seeded-sampled, from threads, every draft verified (unpriced); each reply bit for
+    bit as it comes alone on a context without speculation."""
+    kv = {"kv_type_v": "q8_0"}
+    ctx = reproducible(speculative=llamax.PromptLookup(), **kv)
+    assert ctx._engine.scheduler.kv.invariant is True
+    ctx._engine.scheduler.drafts.priced = False  # every proposal verified
+    prompts = [
+        user(f"Copy this sentence exactly, twice: {COPY_TEXT} ({i})") + COPY_TEXT[: 20 + 9 * i]
+        for i in range(4)
+    ]
+    params = [
+        llamax.SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, ignore_eos=True),
+        llamax.SamplingParams(max_tokens=40, temperature=0.7, seed=5, logprobs=2, ignore_eos=True),
+    ]
+    handles: dict[int, llamax.RequestHandle] = {}
+
+    def submit(i: int) -> None:
+        handles[i] = ctx.add_request(prompts[i], params[i % 2])
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT)
+    done = {i: h.result(TIMEOUT) for i, h in handles.items()}
+    assert sum(d.usage.accepted_tokens for d in done.values()) > 0
+    assert ctx.audit() == []
+    alone = reproducible(**kv)
+    for i, got in done.items():
+        alone.clear_cache()
+        solo = alone.add_request(prompts[i], params[i % 2]).result(TIMEOUT)
+        assert solo.usage.drafted_tokens == 0
+        assert replies(solo) == replies(got), i
+
+
 def test_without_flash_attention_the_probe_keeps_the_grid(
     reproducible: Callable[..., llamax.Context],
 ) -> None:

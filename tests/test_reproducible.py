@@ -482,3 +482,67 @@ def test_the_grid_rule_broken_on_a_model_whose_chunks_move_differs(
         alone, _ = fake(made, **ROW_ATTENTION)
         solo.append(_bits(drain(alone, [alone.add_request(p, LOGPROBS)])[0]))
     assert [_bits(d) for d in done[1:]] != solo
+
+
+def copying(seed: int) -> str:
+    """A prompt the fake continues as it ran before (the fake's next letter follows the
+    last one, a..z cycling): prompt lookup drafts the alphabet again, the fake confirms it."""
+    return f"{seed}: " + "abcdefghijklmnopqrstuvwxyz" * 2
+
+
+COPY = llamax.SamplingParams(max_tokens=20, temperature=0.0, logprobs=1)
+
+
+def test_a_batch_invariant_model_verifies_drafts_and_stays_exact(
+    made: list[llamax.Context],
+) -> None:
+    """On a batch-invariant model a verified draft's cells are the cells a cold run
+    computes, so the mode drafts (``speculative=`` with a row-by-row attention is taken),
+    and every reply equals its solo run without drafts."""
+    ctx, _ = fake(made, FakeBackend, speculative=llamax.PromptLookup(), **ROW_ATTENTION)
+    assert ctx._engine.scheduler.kv.invariant is True
+    ctx._engine.scheduler.drafts.priced = False  # verify every proposal
+    done = drain(ctx, [ctx.add_request(copying(s), COPY) for s in range(3)])
+    assert sum(d.usage.drafted_tokens for d in done) > 0
+    assert sum(d.usage.accepted_tokens for d in done) > 0
+    for s, got in enumerate(done):
+        alone, _ = fake(made, FakeBackend, **ROW_ATTENTION)
+        assert _bits(drain(alone, [alone.add_request(copying(s), COPY)])[0]) == _bits(got)
+
+
+def test_drafts_stay_off_where_the_grid_holds(
+    made: list[llamax.Context], tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model whose rows move with their chunk keeps the grid, and nothing drafts (a
+    warning says why); under an adapter nothing drafts on a batch-invariant model either."""
+    with caplog.at_level("WARNING", logger="llamax.engine"):
+        ctx, _ = fake(made, speculative=llamax.PromptLookup(), **ROW_ATTENTION)
+    assert "not batch-invariant" in caplog.text
+    ctx._engine.scheduler.drafts.priced = False
+    done = drain(ctx, [ctx.add_request(copying(s), COPY) for s in range(2)])
+    assert sum(d.usage.drafted_tokens for d in done) == 0
+    adapter = tmp_path / "a.gguf"
+    adapter.write_bytes(b"GGUF fake adapter")
+    ctx, _ = fake(
+        made,
+        FakeBackend,
+        speculative=llamax.PromptLookup(),
+        lora={"a": str(adapter)},
+        **ROW_ATTENTION,
+    )
+    ctx._engine.scheduler.drafts.priced = False
+    tuned = llamax.SamplingParams(max_tokens=20, temperature=0.0, lora={"a": 1.0})
+    under = drain(ctx, [ctx.add_request(copying(s), tuned) for s in range(2)])
+    assert sum(d.usage.drafted_tokens for d in under) == 0
+    plain = drain(ctx, [ctx.add_request(copying(5), COPY)])
+    assert plain[0].usage.drafted_tokens > 0
+
+
+def test_speculation_without_row_by_row_attention_is_refused() -> None:
+    with pytest.raises(llamax.InvalidParameterError) as caught:
+        llamax.ContextConfig("m.gguf", reproducible=True, speculative=llamax.PromptLookup())
+    assert caught.value.param == "speculative"
+    taken = llamax.ContextConfig(
+        "m.gguf", reproducible=True, speculative=llamax.PromptLookup(), kv_type_v="q8_0"
+    )
+    assert taken.flash_attn is True and taken.speculative is not None

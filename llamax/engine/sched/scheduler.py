@@ -118,6 +118,11 @@ class Scheduler:
                 and rows_together
                 and chunks_batch_invariant(backend)
             )
+            if config.speculative is not None and not self.kv.invariant:
+                _log.warning(
+                    "reproducible: the model is not batch-invariant here, so nothing drafts "
+                    "(a verified draft's cells would differ from a cold run's)"
+                )
             _log.info(
                 "reproducible: decode rows %s; prompt chunks %s",
                 "together" if rows_together else "each alone",
@@ -138,7 +143,7 @@ class Scheduler:
             self.kv,
             config.speculative,
             self.budget.max_step_s,
-            allow=allow_drafts and not self.reproducible,
+            allow=allow_drafts and (not self.reproducible or self.kv.invariant),
         )
         self.turns = AdapterTurns()
         self.layout = Relayout(backend, self.kv, self.prefix)

@@ -69,9 +69,9 @@ class Drafting:
 
     def start(self, request: Request) -> None:
         """Give each sequence of a new request the draft state its drafting method asks."""
-        method = drafting_method(
-            request.params.speculative, self._speculative, can_draft=self.can_draft
-        )
+        # in the reproducible mode an adapter's rows depend on the batch: nothing drafts
+        can_draft = self.can_draft and not self._kv.on_grid(request.adapters)
+        method = drafting_method(request.params.speculative, self._speculative, can_draft=can_draft)
         if method is not None:
             for seq in request.sequences:
                 seq.draft_state = new_draft_state(method, self.planner.acceptance)
