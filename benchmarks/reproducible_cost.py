@@ -38,6 +38,7 @@ MODES: dict[str, dict[str, Any]] = {
     "default_streams_v_q8_0": {"kv_layout": "streams", "kv_type_v": "q8_0"},
     "reproducible": {"reproducible": True},
     "reproducible_v_q8_0": {"reproducible": True, "kv_type_v": "q8_0"},
+    "reproducible_kv_q8_0": {"reproducible": True, "kv_type": "q8_0"},
     "reproducible_flash_v_bf16": {"reproducible": True, "kv_type_v": "bf16", "flash_attn": True},
 }
 DECODES: list[tuple[int, int, float]] = []
@@ -106,7 +107,7 @@ def main() -> None:
         "--modes",
         nargs="+",
         choices=list(MODES),
-        default=[m for m in MODES if not m.startswith("default_streams")],
+        default=[m for m in MODES if not m.startswith("default_streams") and "kv_q8" not in m],
         help="the default_streams modes (the default mode pinned to streams, with a q8_0 V "
         "or not) tell the layout's and the V type's share of the cost from the mode's",
     )

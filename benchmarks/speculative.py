@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -207,7 +208,8 @@ def build(
     """Load the systems that are not skipped (llamax first: it routes native logs); also
     return a llamax context for tokenizing, if any."""
     n_seq_max = max(args.n + args.n_throughput)
-    common = {"n_ctx": N_CTX, "n_seq_max": n_seq_max, "n_batch": N_BATCH, "n_threads": 2}
+    common: dict[str, Any] = {"n_ctx": N_CTX, "n_seq_max": n_seq_max, "n_batch": N_BATCH}
+    common |= {"n_threads": 2, **args.llamax_options}
     systems: dict[str, Run] = {}
     ctx: llamax.Context | None = None
     if SPEC not in args.skip:
@@ -322,7 +324,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="1 repeat, N=1 and 4, 64 tokens, w1 at N=16 only"
     )
+    parser.add_argument(
+        "--llamax-option", action="append", default=[], metavar="NAME=JSON",
+        help="one more llamax.Context option for both llamax systems, its value as JSON "
+        "(reproducible=true, kv_type_v='\"q8_0\"'); repeatable",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    args.llamax_options = {}
+    for option in args.llamax_option:
+        name, _, value = option.partition("=")
+        args.llamax_options[name] = json.loads(value)
     if args.quick:
         args.repeats, args.n, args.n_throughput, args.max_tokens = 1, [1, 4], [16], 64
     if args.repeats < 1 or any(n < 1 for n in args.n + args.n_throughput):
