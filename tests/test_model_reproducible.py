@@ -373,6 +373,33 @@ def test_broken_chunks_off_the_grid_differ(
     assert elsewhere != solo
 
 
+def beside_three_rows(
+    reproducible: Callable[..., llamax.Context], prompt: Sequence[int], *, invariant: bool = False
+) -> tuple[tuple[Reply, ...], tuple[Reply, ...]]:
+    """``prompt`` (greedy, 12 tokens) submitted while three other sequences decode, on a
+    manual context (``n_batch=67``: room for a 64-token chunk beside the three rows), and
+    alone on another: both replies. ``invariant``: the context must have dropped the grid."""
+    p = llamax.SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    busy = llamax.SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    ctx = reproducible(autostart=False, n_batch=67, n_ubatch=64)
+    assert ctx._engine.scheduler.kv.invariant is invariant
+    for i in range(3):
+        ctx.add_request(f"Tale {i}:", busy)
+    while ctx.stats().sequences.num_decode_tokens < 3:  # the three decode
+        ctx.process()
+    handle = ctx.add_request(list(prompt), p)
+    while not handle.done():
+        ctx.process()
+    together = replies(handle.result(0))
+    while ctx.has_work():
+        ctx.process()
+    alone = reproducible(autostart=False, n_batch=67, n_ubatch=64)
+    solo = alone.add_request(list(prompt), p)
+    while alone.has_work():
+        alone.process()
+    return together, replies(solo.result(0))
+
+
 def test_broken_a_chunk_beside_other_rows_differs(
     reproducible: Callable[..., llamax.Context],
     prompts: list[list[int]],
@@ -389,24 +416,8 @@ def test_broken_a_chunk_beside_other_rows_differs(
         return split_plan(plan, [g for g in groups if g])
 
     monkeypatch.setattr(StepPlanner, "_split_reproducible", staticmethod(mixed))
-    p = llamax.SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
-    busy = llamax.SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    ctx = reproducible(autostart=False, n_batch=67, n_ubatch=64)
-    for i in range(3):
-        ctx.add_request(f"Tale {i}:", busy)
-    while ctx.stats().sequences.num_decode_tokens < 3:  # the three decode
-        ctx.process()
-    handle = ctx.add_request(prompts[3], p)
-    while not handle.done():
-        ctx.process()
-    together = replies(handle.result(0))
-    while ctx.has_work():
-        ctx.process()
-    alone = reproducible(autostart=False, n_batch=67, n_ubatch=64)
-    solo = alone.add_request(prompts[3], p)
-    while alone.has_work():
-        alone.process()
-    assert together != replies(solo.result(0))
+    together, solo = beside_three_rows(reproducible, prompts[3])
+    assert together != solo
 
 
 def test_broken_a_prefix_reused_from_a_reply_differs(
@@ -593,25 +604,8 @@ def test_broken_the_grid_dropped_without_flash_attention_differs(
         return replace(engine_config(self, **kw), reproducible_row_attention=True)
 
     monkeypatch.setattr(llamax.ContextConfig, "engine_config", row_attention)
-    p = llamax.SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
-    busy = llamax.SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
-    ctx = reproducible(autostart=False, n_batch=67, n_ubatch=64)
-    assert ctx._engine.scheduler.kv.invariant is True
-    for i in range(3):
-        ctx.add_request(f"Tale {i}:", busy)
-    while ctx.stats().sequences.num_decode_tokens < 3:  # the three decode
-        ctx.process()
-    handle = ctx.add_request(prompts[3], p)
-    while not handle.done():
-        ctx.process()
-    together = replies(handle.result(0))
-    while ctx.has_work():
-        ctx.process()
-    alone = reproducible(autostart=False, n_batch=67, n_ubatch=64)
-    solo = alone.add_request(prompts[3], p)
-    while alone.has_work():
-        alone.process()
-    assert together != replies(solo.result(0))
+    together, solo = beside_three_rows(reproducible, prompts[3], invariant=True)
+    assert together != solo
 
 
 def test_the_default_mode_reports_its_drift(

@@ -20,6 +20,7 @@ start-up size to see.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -98,19 +99,29 @@ def rows_batch_invariant(backend: Backend) -> bool:
 
     A probe whose decode fails says ``False`` (rows apart are always exact).
     """
+    return _verdict(backend, _probe, _VERDICTS, "could not probe decode rows; each goes alone")
+
+
+def _verdict(
+    backend: Backend, probe: Callable[[Backend], bool], verdicts: dict[str, bool], failed: str
+) -> bool:
+    """``probe``'s verdict on ``backend``, from ``verdicts`` where this process probed the
+    same model, build, CPU and settings before; ``False`` without a probe for a memory that
+    is not one plain KV cache or that slides, or where a decode fails (``failed`` is
+    logged): the grid's rules and rows apart are always exact."""
     if not backend.can_share_prefix or backend.sliding_window:
         return False
     keyer = getattr(backend, "calibration_key", None)  # model, build, CPU and settings
     key = keyer() if callable(keyer) else None
-    if key is not None and key in _VERDICTS:
-        return _VERDICTS[key]
+    if key is not None and key in verdicts:
+        return verdicts[key]
     try:
-        verdict = _probe(backend)
-    except RuntimeError:  # a decode refused (no room?): apart is always exact
-        _log.warning("could not probe decode rows; each goes alone", exc_info=True)
+        verdict = probe(backend)
+    except RuntimeError:  # a decode refused (no room?)
+        _log.warning(failed, exc_info=True)
         return False
     if key is not None:
-        _VERDICTS[key] = verdict
+        verdicts[key] = verdict
     return verdict
 
 
@@ -196,20 +207,9 @@ def chunks_batch_invariant(backend: Backend) -> bool:
     grid: its chunks are cut and batched as in the default mode and every prefix is
     reused (docs/reproducible.md).
     """
-    if not backend.can_share_prefix or backend.sliding_window:
-        return False
-    keyer = getattr(backend, "calibration_key", None)
-    key = keyer() if callable(keyer) else None
-    if key is not None and key in _CHUNK_VERDICTS:
-        return _CHUNK_VERDICTS[key]
-    try:
-        verdict = _chunk_probe(backend)
-    except RuntimeError:
-        _log.warning("could not probe prompt chunks; they stay on the grid", exc_info=True)
-        return False
-    if key is not None:
-        _CHUNK_VERDICTS[key] = verdict
-    return verdict
+    return _verdict(
+        backend, _chunk_probe, _CHUNK_VERDICTS, "could not probe prompt chunks; grid kept"
+    )
 
 
 _CHUNK_VERDICTS: dict[str, bool] = {}

@@ -100,7 +100,8 @@ class Scheduler:
             self.kv.grid = min(config.reproducible_chunk, backend.n_batch)
         self.reproducible = self.kv.grid is not None
         """Whether replies must not depend on what else runs (docs/reproducible.md): prompt
-        chunks on the grid (:attr:`KVCache.grid`), each decoded alone, no drafts."""
+        chunks on the grid (:attr:`KVCache.grid`), each decoded alone, no drafts, unless the
+        model is batch-invariant (:attr:`KVCache.invariant`: then only under an adapter)."""
         if self.reproducible and (
             self.kv.can_relayout or (self.kv.is_unified and backend.facts.n_seq_max > 1)
         ):
@@ -268,10 +269,10 @@ class Scheduler:
         shares) keeps the reproducible mode's chunk grid (:meth:`KVCache.on_grid`)."""
         if not self.reproducible:
             return False
-        if group is not None:
-            return self.kv.on_grid(group)
-        seqs = [*self._running, *self._waiting]
-        return self.kv.on_grid(seqs[0].request.adapters if seqs else NO_ADAPTERS)
+        if group is None:  # every sequence's set is the same one
+            seq = next(iter(self._running or self._waiting), None)
+            group = NO_ADAPTERS if seq is None else seq.request.adapters
+        return self.kv.on_grid(group)
 
     def _hold_chunks(self, slots: list[tuple[Sequence, int]], group: AdapterSet | None) -> int:
         """Stop the step's prompt chunks where waiting sequences' shared prefix ends (the
@@ -428,7 +429,9 @@ class Scheduler:
         slots = [(e.seq, len(e.item.token_ids) - len(e.draft)) for e in plan.entries]
         whole = plan.num_drafted or any(e.item.non_causal for e in plan.entries)
         # a chunk is never cut off the reproducible mode's grid
-        whole = whole or any(self.kv.on_grid(e.seq.request.adapters) for e in plan.entries)
+        whole = whole or (
+            self.reproducible and any(self.kv.on_grid(e.seq.request.adapters) for e in plan.entries)
+        )
         halved = None if whole else halve_newest_chunk([n for _, n in slots])
         if halved is not None:
             slots = [(seq, n) for (seq, _), n in zip(slots, halved, strict=True) if n]

@@ -150,7 +150,9 @@ class StepPlanner:
     def split(self, plan: StepPlan) -> list[StepPlan]:
         """The batches that compute ``plan``: usually one; in a unified cache on the CPU,
         many decode rows go in smaller batches (:mod:`llamax.engine.sched.split_policy`)."""
-        if any(self._kv.on_grid(e.seq.request.adapters) for e in plan.entries):
+        if self._kv.grid is not None and any(  # the reproducible mode only
+            self._kv.on_grid(e.seq.request.adapters) for e in plan.entries
+        ):
             return self._split_reproducible(plan)
         groups = self.splitter.groups(
             [len(e.item.token_ids) for e in plan.entries],
