@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from .step_budget import (
     MAX_STRETCH,
     MIN_CHUNK,
+    OVERRUN,
     StepCostModel,
     StepFeatures,
     Waste,
@@ -67,10 +68,12 @@ class ChunkBudget:
         fixed = self.decode_features(decode_computed, unified=unified)
         # the prompt chunks of a step may add up to max_step_ms to its decode rows, and a
         # chunk that would be unfair may stretch the step to MAX_STRETCH times the larger of
-        # max_step_ms and the decode rows' time; a layout move's pause comes off both
+        # max_step_ms and the decode rows' time, the overrun a faster chunk may take
+        # included (so the stretched budget is that over OVERRUN); a layout move's pause
+        # comes off both
         decode_s = self.cost.predict(fixed)
         self._step_s = self.max_step_s + decode_s - pause
-        self._stretched_s = MAX_STRETCH * max(self.max_step_s, decode_s) - pause
+        self._stretched_s = MAX_STRETCH * max(self.max_step_s, decode_s) / OVERRUN - pause
         return fixed
 
     def chunk(
@@ -89,9 +92,10 @@ class ChunkBudget:
         The first prompt chunk of a timed step always advances (``MIN_CHUNK`` at least).
         A chunk that the budget would keep smaller than its fair chunk gets the most that
         keeps the step within ``MAX_STRETCH`` times the larger of ``max_step_ms`` and the
-        decode rows' time instead, so a long prompt is not slowed down much by the decode
-        rows and a burst of short prompts is admitted in few steps; otherwise a chunk gets
-        only what room the prediction leaves.
+        decode rows' time instead (predicted within that over ``OVERRUN``, which only a
+        chunk making progress 1.5x faster may use), so a long prompt is not slowed down
+        much by the decode rows and a burst of short prompts is admitted in few steps;
+        otherwise a chunk gets only what room the prediction leaves.
 
         Args:
             fixed: What the step holds so far (from :meth:`start_step` or the last call).

@@ -29,13 +29,16 @@ smallest whose step is predicted to cost at most :data:`FAIR_SLOWDOWN` times wha
 tokens cost prefilled alone (in ``n_batch`` chunks, see :meth:`StepCostModel.fair_chunk`),
 the chunk gets the most that keeps the step within :data:`MAX_STRETCH` times the larger of
 ``max_step_ms`` and the decode rows' time: per token, a larger chunk is cheaper, and the
-prompt's time to first token matters too. Measured (SmolLM2, 2 threads, 4 streams, a
-3,400-token prompt): stopping at the fair chunk made the prefill 1.48x slower than alone;
-stretching to ``MAX_STRETCH`` budgets *beyond* the decode rows (0.53 s steps) gave worst
-gaps up to 0.87 s. The scheduler judges fairness where a prompt will end as well as where
-it is, so a prompt whose late chunks will need the stretch has it from its first chunk,
-and it splits a prompt's last chunks evenly when that is cheaper
-(:meth:`StepCostModel.last_chunks`).
+prompt's time to first token matters too. It is predicted within that over
+:data:`OVERRUN`, which leaves the machine its margin (only a chunk making progress 1.5x
+faster may use it): filled to ``MAX_STRETCH`` budgets, stretched steps measured up to
+1.10-1.24x their prediction and every worst gap passed 0.5 s at 250 ms (2-core EPYC, issue
+59). Measured (SmolLM2, 2 threads, 4 streams, a 3,400-token prompt): stopping at the fair
+chunk made the prefill 1.48x slower than alone; stretching to ``MAX_STRETCH`` budgets
+*beyond* the decode rows (0.53 s steps) gave worst gaps up to 0.87 s. The scheduler judges
+fairness where a prompt will end as well as where it is, so a prompt whose late chunks
+will need the stretch has it from its first chunk, and it splits a prompt's last chunks
+evenly when that is cheaper (:meth:`StepCostModel.last_chunks`).
 
 Until the first steps are measured the model predicts from a prior (a two-core CPU and
 SmolLM2-135M), so the very first steps are budgeted too. The fit's covariance is bounded:
@@ -57,6 +60,7 @@ __all__ = [
     "MAX_STRETCH",
     "MIN_CHUNK",
     "MIN_PROGRESS",
+    "OVERRUN",
     "PRIOR_COEFFICIENTS",
     "TILE_ROWS",
     "StepCostModel",
@@ -72,7 +76,10 @@ prompt's last :data:`TILE_ROWS` tokens may go in smaller chunks that fit the bud
 :meth:`StepCostModel.largest_chunk`)."""
 MIN_PROGRESS = 8
 """Fewest prompt tokens of such a smaller chunk."""
-_OVERRUN, _FASTER = 1.1, 1.5  # a chunk this much faster may be predicted this far over budget
+OVERRUN = 1.1
+"""How far over its budget a chunk making progress 1.5 times faster may be
+predicted (see :meth:`StepCostModel.largest_chunk`)."""
+_FASTER = 1.5
 FAIR_SLOWDOWN = 1.25
 """A long prompt's chunk keeps its prefill at most this much slower than alone (predicted)."""
 MAX_STRETCH = 2.0
@@ -254,7 +261,7 @@ class StepCostModel:
         if overrun:
             with np.errstate(divide="ignore", invalid="ignore"):
                 rate = k / np.maximum(step, 1e-12)
-            near = np.flatnonzero(step <= _OVERRUN * budget_s)
+            near = np.flatnonzero(step <= OVERRUN * budget_s)
             if near.size:
                 fastest = int(near[np.argmax(rate[near])])
                 if best < 0 or rate[fastest] >= _FASTER * rate[best]:
@@ -273,7 +280,7 @@ class StepCostModel:
         sizes, rest = k[floor - 1 :], step[floor - 1 :]
         cheapest = int(np.flatnonzero(rest <= rest.min() * (1 + 1e-9))[-1])
         if overrun:
-            near = np.flatnonzero(rest <= _OVERRUN * rest[cheapest])
+            near = np.flatnonzero(rest <= OVERRUN * rest[cheapest])
             rate = sizes[near] / np.maximum(rest[near], 1e-12)
             fastest = int(near[np.argmax(rate)])
             if rate.max() >= _FASTER * sizes[cheapest] / max(rest[cheapest], 1e-12):
