@@ -407,7 +407,7 @@ def test_a_stretched_step_leaves_the_overrun_as_margin(max_step_ms: int) -> None
     """A long prompt's every chunk beside 4 decode rows, priced by the cliff (tiles from 64
     rows, rows under them dearer). A stretched chunk used to fill 2 x max_step_ms (0.497-0.5
     s predicted at 250 ms), so what the machine adds made every such gap longer than that
-    (0.53-0.58 s measured on the 2-core EPYC, issue 59). Now it fills 2 x max_step_ms over
+    (0.53-0.67 s measured on the 2-core EPYC, issue 59). Now it fills 2 x max_step_ms over
     the 1.1x overrun, and only a chunk making progress 1.5x faster (the tile filled at the
     prompt's end) may use that margin: no step is predicted over 2 x max_step_ms."""
     budget = ChunkBudget(512, max_step_ms)
