@@ -16,7 +16,6 @@ from llamax.engine.timing.step_budget import (
     MIN_CHUNK,
     OVERRUN,
     TILE_ROWS,
-    LoneCost,
     StepCostModel,
     StepFeatures,
     micro_batch,
@@ -111,7 +110,7 @@ def test_the_scheduler_chunks_long_prompts_by_time_while_others_decode(
     model = ctx._engine.scheduler.step_cost
     for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
         model.observe(micro_batch(n, n * cells), 0.005 * n)  # a slow machine: 5 ms a token
-    monkeypatch.setattr(model, "observe", lambda *_, **__: None)  # the fake itself is fast
+    monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
     chunk = first_chunk_beside_two_streams(ctx, backend, 1500, stream_tokens=50)
     assert 40 <= chunk <= 52  # 250 ms at 5 ms a token, not n_batch = 512
 
@@ -171,7 +170,7 @@ def test_slow_decode_rows_stretch_the_first_chunk_up_to_twice_the_budget(
         for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
             f = micro_batch(n, n * cells)  # attention costs nothing here
             model.observe(f, cost(f, overhead))
-        monkeypatch.setattr(model, "observe", lambda *_, **__: None)  # the fake itself is fast
+        monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
         chunk = first_chunk_beside_two_streams(ctx, backend, 1500, stream_tokens=60)
         budget_chunk = 250 // 5 - 2  # what max_step_ms alone would give
         assert budget_chunk < chunk and expect_min <= chunk <= expect_max
@@ -205,7 +204,7 @@ def test_a_burst_of_short_prompts_is_admitted_within_twice_the_budget(
     model = ctx._engine.scheduler.step_cost
     for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
         model.observe(micro_batch(n, n * cells), 0.1 + 0.005 * n)  # attention costs nothing
-    monkeypatch.setattr(model, "observe", lambda *_, **__: None)
+    monkeypatch.setattr(model, "observe", lambda *_: None)
     streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=60)) for _ in range(2)]
     ctx.process()
     ctx.process()
@@ -355,7 +354,7 @@ def test_the_scheduler_counts_the_tiles_its_backend_reports(
     ctx, _ = make_fake(n_ctx=1024, n_batch=512, attention_tiles=tiles)
     seen: list[StepFeatures] = []
     model = ctx._engine.scheduler.step_cost
-    monkeypatch.setattr(model, "observe", lambda features, _s, **_: seen.append(features))
+    monkeypatch.setattr(model, "observe", lambda features, _s: seen.append(features))
     handle = ctx.add_request("x" * 100, llamax.SamplingParams(max_tokens=1))
     while ctx.has_work():
         ctx.process()
@@ -395,7 +394,7 @@ def test_a_prompt_that_will_need_the_stretch_has_it_from_its_first_chunk(
         n = rng.randint(1, 512)
         f = micro_batch(n, n * rng.randint(10, 3000), waste=model.waste)
         model.observe(f, tiled_row_cost(f))
-    monkeypatch.setattr(model, "observe", lambda *_, **__: None)  # the fake itself is fast
+    monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
     chunk = first_chunk_beside_two_streams(ctx, backend, prompt, stream_tokens=90)
     if stretched:
         assert 145 <= chunk <= 165
@@ -460,129 +459,3 @@ def test_the_last_chunks_split_evenly_where_a_small_one_would_go_row_by_row() ->
     assert model.last_chunks(decode, 3404, 70, 122, 0.3, unified=True) == 70
     assert model.last_chunks(decode, 3404, 70, 400, 0.6, unified=True) == 70
     assert model.last_chunks(decode, 3404, 60, 60, 0.6, unified=True) == 60
-
-
-# A process's first steps on the 2-core EPYC (issue 59, `gap-margin/ab2_after_r2_trace.json`):
-# warm-up rows, a lone prefill of a 3,414-token prompt (512-token chunks), then 4 streams'
-# first rows, as (tokens, attention, row_attention, tile_waste, measured seconds); and the
-# cached calibration the context started from (fixed, token, attended cell, row by row).
-_EPYC_CALIBRATION = (5.214e-3, 3.856e-3, 2.1788e-6, 3.637e-6)
-_EPYC_WARM_UP = [
-    (3, 3, 3, 0, 0.0144),
-    (1, 3, 3, 0, 0.0074),
-    (1, 4, 4, 0, 0.0065),
-    (1, 5, 5, 0, 0.0064),
-    (1, 6, 6, 0, 0.0065),
-    (1, 7, 7, 0, 0.0065),
-    (1, 8, 8, 0, 0.0064),
-    (1, 9, 9, 0, 0.0065),
-]
-_EPYC_LONE_PREFILL = [
-    (512, 262144, 0, 0, 1.4016),
-    (512, 524288, 0, 0, 1.596),
-    (512, 786432, 0, 0, 1.7974),
-    (512, 1048576, 0, 0, 2.0711),
-    (512, 1310720, 0, 0, 2.4183),
-    (512, 1572864, 0, 0, 2.6637),
-    (342, 1167588, 0, 191942, 1.963),
-]
-_EPYC_STREAMS = [
-    (12, 144, 144, 0, 0.0474),
-    (7, 127, 127, 0, 0.0331),
-    (4, 53, 53, 0, 0.0239),
-    (4, 57, 57, 0, 0.0231),
-    (4, 61, 61, 0, 0.0234),
-    (4, 65, 65, 0, 0.0233),
-    (4, 69, 69, 0, 0.0231),
-    (4, 73, 73, 0, 0.0238),
-    (4, 77, 77, 0, 0.023),
-    (4, 81, 81, 0, 0.0304),
-]
-
-
-def first_loaded_chunk(*, lone: bool) -> int:
-    """The 3,414-token prompt's first chunk beside the 4 streams, on the EPYC's steps
-    (observed with the lone prefill's chunks marked ``lone`` or not)."""
-    budget = ChunkBudget(512, 250, waste=tile_waste_table(512, 9, 2))
-    budget.cost.start_from(_EPYC_CALIBRATION)
-    for rows, is_lone in (
-        (_EPYC_WARM_UP, False),
-        (_EPYC_LONE_PREFILL, lone),
-        (_EPYC_STREAMS, False),
-    ):
-        for *features, seconds in rows:
-            budget.cost.observe(StepFeatures(*features), seconds, lone=is_lone)
-    fixed = budget.start_step([20] * 4, unified=True)
-    assert fixed is not None
-    take, _ = budget.chunk(
-        fixed, 508, num_pending=3414, num_computed=0, num_cells_used=51, num_decode=4, unified=True
-    )
-    return take
-
-
-def test_a_loaded_prompt_is_judged_against_its_lone_chunks_as_measured() -> None:
-    """Measured on the 2-core EPYC: the cached calibration priced a token at 3.9 ms, and
-    the lone prefill's 512-token chunks (2.2 ms a token plus ~1e-6 s an attended cell) left
-    the fit predicting such a chunk at the prompt's start 1.5x too dear, so 61 tokens beside
-    4 streams (0.23-0.29 s, 3.7-4.8 ms a token: 1.3-1.4x alone) looked fair and a process's
-    first loaded prompt took 19-25 unstretched steps (TTFT 1.34-1.52x its lone prefill,
-    against 1.17-1.38x stretched). Judged against the lone chunks as measured, it is
-    stretched from its first chunk."""
-    assert first_loaded_chunk(lone=False) == 61  # the fit alone: what the engine did
-    chunk = first_loaded_chunk(lone=True)
-    assert chunk > 100  # the stretched step (107 tokens, 0.45 s predicted)
-
-
-def test_the_lone_reference_is_a_line_through_recent_lone_chunks() -> None:
-    lone = LoneCost()
-    at = micro_batch(512, 512 * 2000)
-    assert lone.per_token(at, 0) is None  # nothing measured
-    for step, start in enumerate((0, 512, 1024)):
-        f = micro_batch(512, 512 * (start + 256))
-        lone.observe(f, 512 * (0.002 + 1e-6 * (start + 256)), step)
-    per_token = lone.per_token(at, 3)
-    assert per_token == pytest.approx(0.002 + 1e-6 * 2000, rel=1e-9)
-    # 1,024 steps on they no longer speak for the machine: the first is too old, then two
-    assert lone.per_token(at, 1 + 1024) == pytest.approx(per_token, rel=1e-9)
-    assert lone.per_token(at, 2 + 1024) is None
-
-
-def test_the_lone_reference_needs_chunks_spread_over_their_context() -> None:
-    """Lone chunks all at one depth give no slope; noise that makes a deeper token cheaper
-    gives none either (their mean)."""
-    lone = LoneCost()
-    for step in range(5):
-        lone.observe(micro_batch(512, 512 * (256 + step)), 1.0, step)
-    assert lone.per_token(micro_batch(512, 512 * 3000), 5) is None
-    lone.observe(micro_batch(512, 512 * 1000), 0.9, 5)  # deeper and cheaper
-    per_token = lone.per_token(micro_batch(512, 512 * 3000), 6)
-    assert per_token is not None
-    assert 0.9 / 512 < per_token < 1.0 / 512  # the weighted mean: no negative slope
-
-
-def test_only_steps_of_one_prompt_chunk_alone_are_lone(
-    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The scheduler marks a step lone when it holds one prompt chunk of a tile or more
-    and nothing else: not a decode step, not a short prompt, not a chunk beside streams."""
-    ctx, _ = make_fake(n_ctx=4096, n_batch=512)
-    model = ctx._engine.scheduler.step_cost
-    seen: list[tuple[int, bool]] = []
-    observe = model.observe
-
-    def spy(features: StepFeatures, seconds: float, *, lone: bool = False) -> None:
-        seen.append((features.num_tokens, lone))
-        observe(features, seconds, lone=lone)
-
-    monkeypatch.setattr(model, "observe", spy)
-    ctx.add_request("x" * 1200, llamax.SamplingParams(max_tokens=2)).result()
-    assert [lone for n, lone in seen if n >= TILE_ROWS] == [True] * 3  # 512, 512, 176
-    assert not any(lone for n, lone in seen if n < TILE_ROWS)
-    seen.clear()
-    streams = [ctx.add_request("ab", llamax.SamplingParams(max_tokens=30)) for _ in range(2)]
-    ctx.process()
-    ctx.process()
-    ctx.add_request("x" * 1200, llamax.SamplingParams(max_tokens=1)).result()
-    for stream in streams:
-        stream.result()
-    assert seen and not any(lone for _, lone in seen)  # every chunk went beside the streams

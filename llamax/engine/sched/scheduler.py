@@ -52,7 +52,7 @@ from ..plan import ScheduledSequence, StepPlan, StepResult
 from ..sequence import TERMINAL_STATES, Request, Sequence, SequenceState
 from ..spec.drafts import Drafting, Verify
 from ..timing.chunk_budget import halve_newest_chunk
-from ..timing.step_budget import TILE_ROWS, StepFeatures
+from ..timing.step_budget import StepFeatures
 from .adapter_turns import AdapterTurns
 from .fair_share import FairShare
 from .row_probe import chunks_batch_invariant, rows_batch_invariant
@@ -502,16 +502,8 @@ class Scheduler:
         result.events.append((request, TokenEvent("", (), 0, progress=progress)))
 
     def observe(self, plan: StepPlan, features: StepFeatures, seconds: float) -> None:
-        """Learn the step cost from a measured step (and the decode cost, if it decoded only);
-        a step of one prompt chunk alone is also what fairness is judged against."""
-        entries = plan.entries
-        lone = (
-            len(entries) == 1
-            and not entries[0].draft
-            and entries[0].item.embeddings is None
-            and len(entries[0].item.token_ids) >= TILE_ROWS
-        )
-        self.step_cost.observe(features, seconds, lone=lone)
+        """Learn the step cost from a measured step (and the decode cost, if it decoded only)."""
+        self.step_cost.observe(features, seconds)
         self.drafts.observe(plan, seconds)
 
     def abort(self, request: Request, result: StepResult) -> None:

@@ -49,7 +49,6 @@ they do not excite, and the next prefill step would throw the coefficients far o
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -64,7 +63,6 @@ __all__ = [
     "OVERRUN",
     "PRIOR_COEFFICIENTS",
     "TILE_ROWS",
-    "LoneCost",
     "StepCostModel",
     "StepFeatures",
     "micro_batch",
@@ -106,10 +104,6 @@ _MIN_OBSERVATIONS = 4
 _MAX_VARIANCE = 1.0  # bound on the covariance's eigenvalues: the prior's
 _CALIBRATED_VARIANCE = 0.25  # a calibrated start is trusted more than the prior
 _MIN_SPREAD, _OUTLIER_SPREADS = 0.05, 3.0
-_LONE_WINDOW = 16  # lone chunks the measured reference is fitted to
-_LONE_FORGETTING = 0.9  # weight of a lone chunk a newer one halves in ~7
-_LONE_MAX_AGE = 1024  # steps after which a lone chunk no longer speaks for the machine
-_LONE_SPAN = 256.0  # cells a token attends that lone chunks must span to give a slope
 _log = logging.getLogger("llamax.engine.timing.step_budget")
 
 
@@ -148,65 +142,6 @@ class StepFeatures:
         return vector * _SCALE if scaled else vector
 
 
-class LoneCost:
-    """What a prompt token costs computed alone, as measured: a line, seconds a token over
-    the cells a token attends, through the recent steps that held one prompt chunk of at
-    least :data:`TILE_ROWS` tokens and nothing else.
-
-    :meth:`StepCostModel.fair_chunk` compares a chunk beside decode rows with this. The
-    four-coefficient fit cannot stand in for it: a lone prefill's steps all have
-    ``n_batch`` tokens, so they pin the fit's prediction for such chunks where they were
-    measured but not how it splits between a token and an attended cell, and a fit that
-    started from a calibration too dear a token (SmolLM2 on a 2-core EPYC: 3.9 ms, where a
-    lone 512-token chunk costs 2.2 ms a token plus attention) predicts the early chunks of a
-    long prompt 1.5x too dear alone. A chunk beside decode rows then looks fair at half the
-    size it should have, and a loaded prompt took 19-25 unstretched steps before the fit
-    had learned (issue 59). Only chunks measured within :data:`_LONE_MAX_AGE` steps count
-    (the machine's load and threads change), newer ones weigh more, and the line needs
-    chunks spanning :data:`_LONE_SPAN` attended cells a token; until then
-    :meth:`per_token` answers None.
-    """
-
-    def __init__(self) -> None:
-        self._points: deque[tuple[int, float, float]] = deque(maxlen=_LONE_WINDOW)
-        self._line: tuple[int, int, tuple[float, float] | None] | None = None  # a cache
-
-    def observe(self, features: StepFeatures, seconds: float, step: int) -> None:
-        """A measured lone chunk, the model's ``step``-th observation."""
-        if features.num_tokens > 0:
-            cells = (features.attention + features.tile_waste) / features.num_tokens
-            self._points.append((step, cells, seconds / features.num_tokens))
-
-    def per_token(self, features: StepFeatures, step: int) -> float | None:
-        """Measured seconds a token of a lone chunk with ``features`` costs, or None while
-        too few recent lone chunks were measured."""
-        line = self._fit(step)
-        if line is None or features.num_tokens <= 0:
-            return None
-        base, slope = line
-        return base + slope * (features.attention + features.tile_waste) / features.num_tokens
-
-    def _fit(self, step: int) -> tuple[float, float] | None:
-        recent = [p for p in self._points if step - p[0] <= _LONE_MAX_AGE]
-        key = (recent[0][0] if recent else -1, len(recent))
-        if self._line is not None and self._line[:2] == key:
-            return self._line[2]
-        line = None
-        if len(recent) >= 2:
-            cells = np.array([p[1] for p in recent])
-            cost = np.array([p[2] for p in recent])
-            weight = _LONE_FORGETTING ** np.arange(len(recent) - 1, -1, -1, dtype=np.float64)
-            if float(cells.max() - cells.min()) >= _LONE_SPAN:
-                mean_x = float(np.average(cells, weights=weight))
-                mean_y = float(np.average(cost, weights=weight))
-                dx = cells - mean_x
-                slope = float(np.sum(weight * dx * (cost - mean_y)) / np.sum(weight * dx * dx))
-                slope = max(slope, 0.0)  # noise: a token never costs less deeper
-                line = (mean_y - slope * mean_x, slope)
-        self._line = (key[0], key[1], line)
-        return line
-
-
 class StepCostModel:
     """Online fit of step seconds from :class:`StepFeatures`.
 
@@ -228,8 +163,6 @@ class StepCostModel:
         self.num_observations = 0
         self.num_clipped = 0
         """Steps whose error was clipped as outliers."""
-        self.lone = LoneCost()
-        """Lone prompt chunks as measured, the reference of :meth:`fair_chunk`."""
 
     def start_from(self, coefficients: tuple[float, float, float, float]) -> None:
         """Start from measured coefficients (seconds: fixed, per token, per attended cell,
@@ -251,15 +184,12 @@ class StepCostModel:
         """Whether enough steps were measured to trust predictions."""
         return self.num_observations >= _MIN_OBSERVATIONS
 
-    def observe(self, features: StepFeatures, seconds: float, *, lone: bool = False) -> None:
-        """Update the fit with one measured step (``lone``: it held one prompt chunk of at
-        least :data:`TILE_ROWS` tokens and nothing else, which :attr:`lone` learns too).
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """Update the fit with one measured step.
 
         Each equation is divided by the measured time, so the fit minimises *relative*
         errors: a 5 ms decode step counts as much as a 500 ms prefill step.
         """
-        if lone:
-            self.lone.observe(features, seconds, self.num_observations)
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug(
                 "step tokens=%d attention=%d row_attention=%d tile_waste=%d "
@@ -370,16 +300,13 @@ class StepCostModel:
         """The fewest prompt tokens (at most ``limit``) a chunk attending to ``attend``
         cells must have so that a step already holding ``fixed`` costs at most ``slowdown``
         times what those tokens cost prefilled alone in chunks of ``lone_tokens``
-        (``limit`` when no chunk is that efficient). What they cost alone is measured
-        (:class:`LoneCost`) where recent lone chunks were, else predicted."""
+        (``limit`` when no chunk is that efficient)."""
         if limit <= 0:
             return 0
         alone = step_with_chunk(
             StepFeatures(), lone_tokens, attend, unified=unified, waste=self.waste
         )
-        per_token = self.lone.per_token(alone, self.num_observations)
-        if per_token is None:
-            per_token = self.predict(alone) / max(lone_tokens, 1)
+        per_token = self.predict(alone) / max(lone_tokens, 1)
         k, step = self._chunk_costs(fixed, attend, limit, unified=unified)
         fits = np.flatnonzero(step <= slowdown * per_token * k)
         return int(k[fits[0]]) if fits.size else limit
