@@ -101,3 +101,73 @@ def test_a_request_drafts_with_its_own_method_else_the_contexts() -> None:
     assert isinstance(drafting_method(True, None, can_draft=True), PromptLookup)
     assert drafting_method(False, context, can_draft=True) is None
     assert drafting_method(True, context, can_draft=False) is None
+
+
+# One stream on the 2-core EPYC (issue 59, verify_cost_probe.py): median seconds of a step
+# of 1..11 tokens at 400 cells, every row's logits read. A second token nearly doubles the
+# step; each one after it adds a third to a half of the first.
+EPYC_STEP_S = (
+    0.0095,
+    0.0181,
+    0.0202,
+    0.0264,
+    0.0322,
+    0.0363,
+    0.042,
+    0.0465,
+    0.0502,
+    0.0582,
+    0.0552,
+)
+
+
+class Sure:
+    """A draft state stand-in whose ``j``-th draft token is accepted with ``rate ** j``."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def expected_gain(self, j: int) -> float:
+        return float(self.rate**j)
+
+
+def measured_planner() -> DraftPlanner:
+    p = DraftPlanner(None)
+    for _ in range(5):
+        for tokens, seconds in enumerate(EPYC_STEP_S, start=1):
+            p.decode_cost.observe(tokens, seconds, 1)
+    return p
+
+
+def expected_speedup(rate: float, drafted: int) -> float:
+    tokens = 1 + sum(rate**j for j in range(1, drafted + 1))
+    return tokens / EPYC_STEP_S[drafted] * EPYC_STEP_S[0]
+
+
+def test_drafts_are_priced_by_the_steps_as_measured_not_token_by_token() -> None:
+    """With the measured costs the best draft of a copying sequence (95% a token) is all 10
+    tokens, 1.48x a plain step, though its first token alone would not pay (a 2-token step
+    costs 1.9x): the marginal rule stopped at 6 (1.37x). At 60% no draft pays: the line
+    through the sizes drafted 1 token, 0.84x. Every prefix of the best-first order is
+    weighed, so the planner keeps the best length."""
+    for rate, best in ((0.6, 0), (0.7, 2), (0.95, 10), (0.99, 10)):
+        proposal = [("a", Sure(rate), tuple(range(10)))]
+        keep = measured_planner().price([1], proposal, room=512)  # type: ignore[arg-type]
+        assert keep.get("a", 0) == best, rate
+        assert (
+            expected_speedup(rate, best)
+            >= max(expected_speedup(rate, d) for d in range(11)) - 1e-12
+        )
+    assert expected_speedup(0.95, 10) > 1.45 > expected_speedup(0.95, 6)
+
+
+def test_a_step_size_is_priced_by_its_average_once_measured_three_times() -> None:
+    p = DraftPlanner(None)
+    for tokens, seconds in ((1, 0.01), (2, 0.012), (3, 0.014)):
+        p.decode_cost.observe(tokens, seconds, 1)
+    line = p.decode_cost.line(11, 1)
+    assert p.decode_cost.step(2, 1, line) == line[0] + 2 * line[1]  # seen once: the line
+    for _ in range(2):
+        p.decode_cost.observe(2, 0.02, 1)
+    assert p.decode_cost.step(2, 1, line) == p.decode_cost.step(2, 1, (0.0, 0.0)) > 0.012
+    assert p.decode_cost.step(2, 4, line) == line[0] + 2 * line[1]  # other rows: the line
