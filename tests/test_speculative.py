@@ -397,9 +397,6 @@ class _FixedCost:
     def line(self, up_to: int, rows: int | None = None) -> tuple[float, float]:
         return self.base, self.per_token
 
-    def step(self, num_tokens: int, rows: int, line: tuple[float, float]) -> float:
-        return self.base + self.per_token * num_tokens
-
 
 def _price(num_decoding: int, acceptance_hits: int) -> dict[int, int]:
     """Plan drafts for ``num_decoding`` sequences whose drafts were right ``hits`` of 20."""

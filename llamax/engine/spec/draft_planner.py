@@ -154,17 +154,12 @@ class DraftPlanner:
         per predicted second is highest.
 
         The ``j``-th draft token of a sequence is accepted with probability ``a**j`` (its
-        measured rate ``a``). Tokens are taken best first (highest chance first) and the
-        step is priced with each (:meth:`~llamax.engine.spec.speculative.DecodeCost.step`:
-        steps of that size as measured, else the local line); the tokens kept are the
-        prefix of that order with the most expected tokens per second, none if no prefix
-        beats the step without drafts. Every prefix is weighed, not only while the next
-        token pays on its own: where a draft's first token costs nearly a whole step and
-        its later ones little (one stream on a CPU), a long draft of a copying sequence
-        pays though its first token alone would not. Under a full batch a token already
-        costs its full share, so drafting yields unless nearly certain; a step with prompt
-        chunks is compute-bound and gets no drafts. The step also stays within
-        ``max_step_s`` of its predicted time without drafts.
+        measured rate ``a``) and costs what one more token adds to a step of decode rows
+        (:class:`~llamax.engine.spec.speculative.DecodeCost`). Tokens are taken greedily, best
+        gain per second first, while each raises the step's expected tokens per second:
+        under a full batch a token already costs its full share, so drafting yields unless
+        nearly certain; a step with prompt chunks is compute-bound and gets no drafts. The
+        step also stays within ``max_step_s`` of its predicted time without drafts.
 
         Args:
             num_tokens: Tokens each sequence of the step feeds without drafts.
@@ -175,30 +170,24 @@ class DraftPlanner:
             Draft tokens to keep, by key (absent: none).
         """
         total = sum(num_tokens)
-        rows = len(num_tokens)
-        if total > rows:  # prompt chunks make the step compute-bound: no drafts
+        if total > len(num_tokens):  # prompt chunks make the step compute-bound: no drafts
             return {}
-        cost = self.decode_cost
-        line = cost.line(window(total), rows)
-        plain_s = cost.step(total, rows, line)
-        limit_s = plain_s + self.max_step_s if self.max_step_s is not None else float("inf")
-        useful, best_rate = float(total), total / plain_s
-        heap = [(-state.expected_gain(1), i, 1) for i, (_, state, _) in enumerate(proposals)]
+        base, cost = self.decode_cost.line(window(total), len(num_tokens))
+        seconds = base + cost * total
+        limit_s = seconds + self.max_step_s if self.max_step_s is not None else float("inf")
+        useful = float(total)
+        heap = [(-state.expected_gain(1) / cost, i, 1) for i, (_, state, _) in enumerate(proposals)]
         heapq.heapify(heap)
         keep: dict[K, int] = {}
-        best: dict[K, int] = {}
         while heap and room > 0:
-            neg_gain, i, j = heapq.heappop(heap)
-            total += 1
-            seconds = cost.step(total, rows, line)
-            if seconds > limit_s:
+            neg_ratio, i, j = heapq.heappop(heap)
+            if -neg_ratio * seconds <= useful or seconds + cost > limit_s:
                 break
             key, state, draft = proposals[i]
             keep[key] = j
-            useful -= neg_gain
+            useful += state.expected_gain(j)
+            seconds += cost
             room -= 1
-            if useful / seconds > best_rate:
-                best_rate, best = useful / seconds, dict(keep)
             if j < len(draft):
-                heapq.heappush(heap, (-state.expected_gain(j + 1), i, j + 1))
-        return best
+                heapq.heappush(heap, (-state.expected_gain(j + 1) / cost, i, j + 1))
+        return keep

@@ -344,21 +344,6 @@ class DecodeCost:
         base, per_token = self.line(window(num_tokens))
         return base + per_token * num_tokens
 
-    def step(self, num_tokens: int, rows: int, line: tuple[float, float]) -> float:
-        """Seconds a step of ``num_tokens`` tokens over ``rows`` decode rows takes: the
-        measured average of such steps once seen :data:`_MEASURED` times, else ``line``'s
-        prediction (:meth:`line`).
-
-        The cost is not a line at one stream: on a 2-core EPYC with SmolLM2 a step of 2
-        tokens took 1.9x one of 1 (the matrix kernels change at 2 rows) and each token after
-        them 0.3-0.5x more (issue 59, ``verify_cost_probe.py``), so a draft's first token
-        costs nearly a whole step and its later ones little.
-        """
-        if self._rows_count.get(rows, {}).get(num_tokens, 0) >= _MEASURED:
-            return self._rows_mean[rows][num_tokens]
-        base, per_token = line
-        return base + per_token * num_tokens
-
     def line(self, up_to: int, rows: int | None = None) -> tuple[float, float]:
         """``(base, per_token)`` seconds, fitted to the steps of at most ``up_to`` tokens
         (of ``rows`` decode rows, once two such token counts were seen; with one, the
@@ -400,11 +385,6 @@ class DecodeCost:
         slope = max(float(slope), 1e-4)
         base = max(float(base), 0.0)
         return base, slope
-
-
-_MEASURED = 3
-"""Steps of one size (tokens and decode rows) measured before their average prices drafts
-instead of the line (:meth:`DecodeCost.step`)."""
 
 
 def new_draft_state(method: DraftMethod, shared: SharedAcceptance | None = None) -> DraftState:
