@@ -108,10 +108,15 @@ Run = Callable[[Sequence[str], llamax.SamplingParams], RunResult]
 Runs = dict[str, dict[str, dict[int, list[RunResult]]]]  # workload -> system -> N -> runs
 
 
-def llamax_run(ctx: llamax.Context, *, spec: bool) -> Run:
-    """N ``add_request`` calls at once, then every result; the KV cache cleared first."""
+def llamax_run(
+    ctx: llamax.Context, *, spec: bool, speculative: llamax.PromptLookup | None = None
+) -> Run:
+    """N ``add_request`` calls at once, then every result; the KV cache cleared first.
+    ``speculative``: each request asks for it (``SamplingParams.speculative``)."""
 
     def run(prompts: Sequence[str], params: llamax.SamplingParams) -> RunResult:
+        if speculative is not None:
+            params = dataclasses.replace(params, speculative=speculative)
         ctx.clear_cache()  # untimed: no prompt reuse between runs
         before = ctx.stats()
         start = time.perf_counter()

@@ -20,9 +20,13 @@ The copy and story workloads stop at an end-of-generation token or ``max_tokens`
 Systems, 2 threads each, every request of a run submitted at once:
 
 ``llamax_spec``
-    ``Context(speculative=PromptLookup())``: llamax's defaults (``config.prompt_lookup``).
+    Requests with ``SamplingParams(speculative=PromptLookup())``: llamax's defaults
+    (``config.prompt_lookup``).
 ``llamax``
-    The same context without ``speculative``.
+    The same requests without ``speculative``, on the same context: two llama.cpp contexts
+    in one process ran 4-7% apart at every step for their whole life (issue 59), which a
+    ratio between two contexts carries. ``--separate-contexts``: one context each, the
+    speculative one built with ``Context(speculative=PromptLookup())``, as before.
 ``llama_cpp_python_lookup`` / ``llama_cpp_python``
     ``Llama(draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens))`` with
     ``PromptLookup()``'s ``ngram_max`` and ``max_draft``,
@@ -212,14 +216,24 @@ def build(
     common |= {"n_threads": 2, **args.llamax_options}
     systems: dict[str, Run] = {}
     ctx: llamax.Context | None = None
-    if SPEC not in args.skip:
-        ctx = llamax.Context(args.model, speculative=lookup(), **common)
-        closers.append(ctx.close)
-        systems[SPEC] = llamax_run(ctx, spec=True)
-    if PLAIN not in args.skip:
+    if args.separate_contexts:
+        if SPEC not in args.skip:
+            ctx = llamax.Context(args.model, speculative=lookup(), **common)
+            closers.append(ctx.close)
+            systems[SPEC] = llamax_run(ctx, spec=True)
+        if PLAIN not in args.skip:
+            ctx = llamax.Context(args.model, **common)
+            closers.append(ctx.close)
+            systems[PLAIN] = llamax_run(ctx, spec=False)
+    elif SPEC not in args.skip or PLAIN not in args.skip:
+        # one context for both: two llama.cpp contexts in one process ran 4-7% apart for
+        # their whole life (issue 59, results/issue59/speculation/context_instances.txt)
         ctx = llamax.Context(args.model, **common)
         closers.append(ctx.close)
-        systems[PLAIN] = llamax_run(ctx, spec=False)
+        if SPEC not in args.skip:
+            systems[SPEC] = llamax_run(ctx, spec=True, speculative=lookup())
+        if PLAIN not in args.skip:
+            systems[PLAIN] = llamax_run(ctx, spec=False)
     for name, draft in ((LCP_SPEC, lookup().max_draft), (LCP, None)):
         if name not in args.skip:
             peer = LlamaCppPythonPeer(
@@ -320,6 +334,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--peer-n", type=int, nargs="*", help="N at which llama-cpp-python runs (default: --n)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per system and N (median)")
+    parser.add_argument(
+        "--separate-contexts",
+        action="store_true",
+        help="a context per llamax system (Context(speculative=...)) instead of one context "
+        "whose speculative requests ask for it",
+    )
     parser.add_argument("--skip", nargs="*", default=[], choices=SYSTEMS, help="systems to skip")
     parser.add_argument(
         "--quick", action="store_true", help="1 repeat, N=1 and 4, 64 tokens, w1 at N=16 only"
