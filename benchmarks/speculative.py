@@ -20,13 +20,13 @@ The copy and story workloads stop at an end-of-generation token or ``max_tokens`
 Systems, 2 threads each, every request of a run submitted at once:
 
 ``llamax_spec``
-    Requests with ``SamplingParams(speculative=PromptLookup())``: llamax's defaults
-    (``config.prompt_lookup``).
+    ``Context(speculative=PromptLookup())``: llamax's defaults (``config.prompt_lookup``).
 ``llamax``
-    The same requests without ``speculative``, on the same context: two llama.cpp contexts
-    in one process ran 4-7% apart at every step for their whole life (issue 59), which a
-    ratio between two contexts carries. ``--separate-contexts``: one context each, the
-    speculative one built with ``Context(speculative=PromptLookup())``, as before.
+    The same context without ``speculative``. Two llama.cpp contexts in one process ran
+    4-7% apart at every step for their whole life (issue 59), which a ratio between the
+    two carries. ``--one-context``: both on one context, the speculative requests asking
+    for it (``SamplingParams.speculative``); there the speculative requests share what the
+    context learned from the plain ones (issue 59: code drafted a third as much).
 ``llama_cpp_python_lookup`` / ``llama_cpp_python``
     ``Llama(draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens))`` with
     ``PromptLookup()``'s ``ngram_max`` and ``max_draft``,
@@ -216,7 +216,7 @@ def build(
     common |= {"n_threads": 2, **args.llamax_options}
     systems: dict[str, Run] = {}
     ctx: llamax.Context | None = None
-    if args.separate_contexts:
+    if not args.one_context:
         if SPEC not in args.skip:
             ctx = llamax.Context(args.model, speculative=lookup(), **common)
             closers.append(ctx.close)
@@ -226,8 +226,8 @@ def build(
             closers.append(ctx.close)
             systems[PLAIN] = llamax_run(ctx, spec=False)
     elif SPEC not in args.skip or PLAIN not in args.skip:
-        # one context for both: two llama.cpp contexts in one process ran 4-7% apart for
-        # their whole life (issue 59, results/issue59/speculation/context_instances.txt)
+        # one context for both: no instance bias (two llama.cpp contexts in one process ran
+        # 4-7% apart for their whole life, results/issue59/speculation/context_instances.txt)
         ctx = llamax.Context(args.model, **common)
         closers.append(ctx.close)
         if SPEC not in args.skip:
@@ -335,10 +335,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per system and N (median)")
     parser.add_argument(
-        "--separate-contexts",
+        "--one-context",
         action="store_true",
-        help="a context per llamax system (Context(speculative=...)) instead of one context "
-        "whose speculative requests ask for it",
+        help="both llamax systems on one context, the speculative requests asking for it "
+        "(SamplingParams.speculative), instead of a context each",
     )
     parser.add_argument("--skip", nargs="*", default=[], choices=SYSTEMS, help="systems to skip")
     parser.add_argument(
