@@ -25,8 +25,8 @@ Systems, 2 threads each, every request of a run submitted at once:
     The same context without ``speculative``. Two llama.cpp contexts in one process ran
     4-7% apart at every step for their whole life (issue 59), which a ratio between the
     two carries. ``--one-context``: both on one context, the speculative requests asking
-    for it (``SamplingParams.speculative``); there the speculative requests share what the
-    context learned from the plain ones (issue 59: code drafted a third as much).
+    for it (``SamplingParams.speculative``); its first run drafted a third as much on code
+    as a context of its own (issue 59; not understood yet).
 ``llama_cpp_python_lookup`` / ``llama_cpp_python``
     ``Llama(draft_model=LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens))`` with
     ``PromptLookup()``'s ``ngram_max`` and ``max_draft``,
