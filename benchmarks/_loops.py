@@ -26,6 +26,8 @@ from typing import Any
 import llama_cpp.llama_cpp as C
 from _common import N_THREADS, common_prefix_len, cpu_advertises_amx
 
+from llamax.backend.openmp import release_threads
+
 __all__ = ["RawLoop", "RawOutput", "eog_token_ids", "tokenize"]
 
 Item = tuple[int, int, int, bool]  # token, position, seq_id, wants logits
@@ -207,6 +209,9 @@ class RawLoop:
         finally:
             for chain in chains:
                 C.llama_sampler_free(chain)
+            # this thread's OpenMP workers would throttle every other thread's compute
+            # (llamax's engine among them) for as long as it lives: llamax.backend.openmp
+            release_threads()
         return RawOutput(tuple(tuple(o) for o in outputs), tuple(ttfts), computed)
 
     def close(self) -> None:

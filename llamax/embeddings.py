@@ -197,8 +197,11 @@ class Embedder:
             token_lists = [backend.tokenize(text) for text in texts]
             self._check_lengths(token_lists)
             out = np.empty((len(texts), self._facts.n_embd), dtype=np.float32)
-            for start, stop in self._batches(token_lists):
-                out[start:stop] = backend.embed_batch(token_lists[start:stop])
+            try:
+                for start, stop in self._batches(token_lists):
+                    out[start:stop] = backend.embed_batch(token_lists[start:stop])
+            finally:  # the caller's thread keeps no compute workers to slow other contexts
+                backend.release_compute_threads()
         if self._normalize if normalize is None else normalize:
             norms = np.linalg.norm(out, axis=1, keepdims=True)
             out /= np.maximum(norms, np.finfo(np.float32).tiny)

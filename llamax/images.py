@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .backend.base import ImageHost
+from .backend.base import ComputeThreads, ImageHost
 from .backend.vision import (
     MAX_IMAGE_PIXELS,
     MAX_IMAGE_SIDE,
@@ -342,6 +342,9 @@ class ImagePrompts:
                 raise
             except Exception as exc:
                 raise RequestFailedError(f"encoding the image failed: {exc!r}") from exc
+            finally:  # a request's thread: its compute workers must not slow the engine's
+                if isinstance(host, ComputeThreads):
+                    host.release_compute_threads()
             embeddings.setflags(write=False)  # shared by every request that sends it
             self.num_encoded += 1
             self._cache[chunk.image_id] = embeddings

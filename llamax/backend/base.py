@@ -27,6 +27,7 @@ __all__ = [
     "BatchItem",
     "Calibratable",
     "Clocked",
+    "ComputeThreads",
     "DecodeStatus",
     "Drawn",
     "ImageHost",
@@ -364,6 +365,20 @@ class Threaded(Protocol):
 
     def set_n_threads(self, n_threads: int) -> None:
         """Use ``n_threads`` threads from the next step on (decode and prompt batches)."""
+        ...
+
+
+@runtime_checkable
+class ComputeThreads(Protocol):
+    """Optional: a backend whose compute keeps worker threads per calling thread (llama.cpp's
+    CPU backend under GNU OpenMP: :mod:`llamax.backend.openmp`). Pooled workers of a thread
+    that no longer computes make every other thread's compute slower, so the engine gives
+    them back when its loop goes idle, after calibrating on the constructing thread, and
+    after compute on a caller's thread (an image, a manual step that left no work)."""
+
+    def release_compute_threads(self) -> None:
+        """Free the worker threads the calling thread's compute keeps (the next compute on
+        it makes them again)."""
         ...
 
 

@@ -18,6 +18,7 @@ import numpy.typing as npt
 from ..errors import EngineError, ModelLoadError
 from ..facts import ModelFacts
 from .native import NativeBatch, NativeContext, NativeModel, bindings, context_params, utf8
+from .openmp import release_threads
 
 __all__ = ["POOLING_TYPES", "EmbeddingBackend", "EmbeddingConfig"]
 
@@ -121,6 +122,12 @@ class EmbeddingBackend:
             InvalidRequestError: ``text`` holds a lone surrogate.
         """
         return self._model.tokenize(utf8(text), add_special=True, parse_special=False)
+
+    def release_compute_threads(self) -> None:
+        """Free the OpenMP workers this thread's compute keeps
+        (:func:`~llamax.backend.openmp.release_threads`): ``Embedder.embed`` runs on its
+        caller's thread, which may not compute again."""
+        release_threads()
 
     def embed_batch(self, texts: Sequence[Sequence[int]]) -> npt.NDArray[np.float32]:
         """Decode ``texts`` (token ids) in one ``llama_decode``, one sequence each, and pool.

@@ -39,6 +39,7 @@ from .native import (
     context_params,
     sample_on_host,
 )
+from .openmp import release_threads
 from .platform import calibration_key
 from .rpc import register_rpc_servers
 from .sampler_chain import constrain, new_sampler
@@ -222,6 +223,12 @@ class LlamaCppBackend(LlamaCppModel):
         batch = self._config.n_threads_batch or n_threads
         self._cparams.n_threads, self._cparams.n_threads_batch = n_threads, batch
         self._context.set_n_threads(n_threads, batch)  # and a relayout's context, from cparams
+
+    def release_compute_threads(self) -> None:
+        """Free the OpenMP workers this thread's compute keeps
+        (:func:`~llamax.backend.openmp.release_threads`).
+        (:class:`~llamax.backend.base.ComputeThreads`)"""
+        release_threads()
 
     @property
     def can_relayout(self) -> bool:

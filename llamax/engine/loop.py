@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from ..backend.base import Backend
+from ..backend.base import Backend, ComputeThreads
 from ..config import EngineConfig
 from ..errors import (
     ContextClosedError,
@@ -74,6 +74,9 @@ class Engine:
         except BaseException:
             self._close_tiers()  # the directory is free for the next context
             raise
+        finally:
+            if config.calibrate:  # it may have decoded on this thread, which may not again
+                self._release_threads()
         """This machine's measured step costs the scheduler started from, or None."""
         if self.calibration is not None:
             apply_calibration(
@@ -248,6 +251,9 @@ class Engine:
             finished = phase in (LoopPhase.CLOSING, LoopPhase.TEARING_DOWN) or (
                 phase is LoopPhase.DRAINING and not (self._inbox or self.scheduler.has_work)
             )
+            left = bool(self._inbox) or self.scheduler.has_work
+        if computed and not left:  # this caller's thread may not step again
+            self._release_threads()
         if finished:  # close() was called inside this step, or a drain has just ended
             self._teardown()
         interrupt = pop_interrupt()
@@ -292,7 +298,10 @@ class Engine:
                     "has not returned); it frees the context when it does"
                 )
         elif drain:
-            self._drain_here(timeout)
+            try:
+                self._drain_here(timeout)
+            finally:
+                self._release_threads()  # it stepped on this thread
         self._teardown()
         with self._lock:
             error, self._close_error = self._close_error, None
@@ -322,11 +331,13 @@ class Engine:
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:
         self._local.stepping = True
+        released = True  # this thread keeps no compute workers yet
         while True:
+            if not released and self._is_idle():
+                self._release_threads()  # before waiting: an idle context slows no other
+                released = True
             with self._lock:
-                while not (self._inbox or self._cancels or self._ops or self._can_step()) and (
-                    self._phase is LoopPhase.RUNNING
-                ):
+                while self._is_idle():
                     self._wakeup.wait()
                 stop = self._phase is not LoopPhase.RUNNING and not (
                     self._phase is LoopPhase.DRAINING and (self._inbox or self._can_step())
@@ -334,11 +345,29 @@ class Engine:
             if stop:
                 break
             self._step_lock.acquire()
+            released = False
             try:
                 self._step_locked_then_publish()
             except EngineError:
                 return  # every request has its error; the engine is torn down
         self._teardown()
+
+    def _is_idle(self) -> bool:
+        """The loop has nothing to do until another thread submits, cancels, queues an
+        operation or closes (call it holding ``_lock``, or as a hint without)."""
+        return not (self._inbox or self._cancels or self._ops or self._can_step()) and (
+            self._phase is LoopPhase.RUNNING
+        )
+
+    def _release_threads(self) -> None:
+        """Give back the compute workers this thread keeps (:class:`ComputeThreads`): a
+        thread that stops computing must not slow the threads that go on (GNU OpenMP
+        throttles every barrier while more workers are pooled than there are CPUs)."""
+        if isinstance(self.backend, ComputeThreads):
+            try:
+                self.backend.release_compute_threads()
+            except Exception as exc:  # only a lost speed-up, never a request
+                _log.debug("could not release compute threads: %r", exc)
 
     def _can_step(self) -> bool:
         """Whether a step could change anything without news from other threads: there is

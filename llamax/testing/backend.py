@@ -4,6 +4,7 @@ vocabulary and sampling :mod:`~llamax.testing.model`."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -174,6 +175,12 @@ class FakeBackend:
         self._runnable_tasks = runnable_tasks
         self.thread_log: list[int] = []
         """Every thread count :meth:`set_n_threads` was given, in order."""
+        self.pooled_threads: set[int] = set()
+        """Idents of the threads that computed (a decode, an image encoded) and have not
+        called :meth:`release_compute_threads` since: those that would keep OpenMP workers
+        under llama.cpp's CPU backend (:class:`~llamax.backend.base.ComputeThreads`)."""
+        self.num_thread_releases = 0
+        """How many times :meth:`release_compute_threads` was called."""
         self.forced_statuses: deque[int] = deque()
         """Statuses to return from the next decodes instead of running them."""
         self.fault: Callable[[str], object] | None = None
@@ -331,6 +338,7 @@ class FakeBackend:
     # ------------------------------------------------------------------ compute
     def decode(self, items: Sequence[BatchItem]) -> int:
         """Check and apply a batch; remember the next token of every row that wants logits."""
+        self.pooled_threads.add(threading.get_ident())
         status = self._faulted("decode")
         if status is not None:
             return status
@@ -429,8 +437,15 @@ class FakeBackend:
 
     def encode_image(self, chunk: object) -> npt.NDArray[np.float32]:
         """Rows that encode the chunk's placeholder ids (:mod:`~llamax.testing.vision`)."""
+        self.pooled_threads.add(threading.get_ident())  # a failing encode may have computed
         self._fault("encode_image")
         return self._fake_vision().encode(chunk)  # type: ignore[arg-type]
+
+    def release_compute_threads(self) -> None:
+        """Forget the calling thread in :attr:`pooled_threads`.
+        (:class:`~llamax.backend.base.ComputeThreads`)"""
+        self.pooled_threads.discard(threading.get_ident())
+        self.num_thread_releases += 1
 
     def decode_embeddings(self, items: Sequence[BatchItem], *, non_causal: bool) -> int:
         """Check and apply a batch of image rows, as :meth:`decode` a batch of tokens. Each
@@ -440,6 +455,7 @@ class FakeBackend:
             ValueError: a non-causal batch over ``n_ubatch`` rows (llama.cpp would abort).
             AssertionError: an item without embeddings, or of the other attention.
         """
+        self.pooled_threads.add(threading.get_ident())
         status = self._faulted("decode_embeddings")
         if status is not None:
             return status

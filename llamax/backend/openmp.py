@@ -1,0 +1,78 @@
+"""Giving back the OpenMP worker threads a thread's compute left behind.
+
+llama.cpp's CPU backend, built with OpenMP as llama-cpp-python builds it by default on
+Linux, runs each graph in an OpenMP parallel region of the thread that calls
+``llama_decode`` (or encodes an image, or embeds). GNU libgomp keeps the workers of that
+region in a pool **per calling thread, for that thread's life**, and counts every pooled
+worker, busy or asleep. While the count is above the CPUs, every barrier of every region
+spins about a hundred times instead of ~300,000 before it sleeps in the kernel
+(``do_spin``'s throttled count), and a graph has hundreds of barriers. Measured on a 2-core
+AMD EPYC with SmolLM2 (``benchmarks/results/issue59/openmp-pools/``): once a second thread
+had decoded (the constructor's calibration, or a raw loop on the main thread), the engine's
+one-token steps took 15-37 ms instead of 9-11, for as long as that thread lived.
+
+:func:`release_threads` frees the **calling** thread's pool
+(``omp_pause_resource_all(omp_pause_soft)``, OpenMP 5.0; libgomp since GCC 9): a thread
+that has finished computing calls it, and its next compute makes the pool again (one
+thread creation per worker, ~50 µs). It does nothing where libgomp is not loaded (macOS's
+builds, Windows, a build without OpenMP, the fake backend), and never loads it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import Any
+
+__all__ = ["release_threads"]
+
+_log = logging.getLogger("llamax.llama_cpp")
+
+_LIBGOMP = "libgomp.so.1"
+_OMP_PAUSE_SOFT = 1
+"""``omp_pause_soft`` of ``omp_pause_resource_t``: libgomp frees the calling thread's pool
+for either kind."""
+
+_lock = threading.Lock()
+_pause: Any = None
+_looked = False
+
+
+def _find() -> Any:
+    """libgomp's ``omp_pause_resource_all`` if this process has libgomp loaded, else None."""
+    global _pause, _looked
+    with _lock:
+        if _looked:
+            return _pause
+        no_load = getattr(os, "RTLD_NOLOAD", None)
+        if no_load is None:  # Windows: no dlopen, no libgomp
+            _looked = True
+            return None
+        try:
+            lib = ctypes.CDLL(_LIBGOMP, mode=no_load | os.RTLD_LAZY)
+        except OSError:
+            return None  # not loaded (yet): llama.cpp may load it later; look again then
+        _looked = True
+        pause = getattr(lib, "omp_pause_resource_all", None)  # GCC 9 and later
+        if pause is not None:
+            pause.argtypes = [ctypes.c_int]
+            pause.restype = ctypes.c_int
+        _pause = pause
+        return _pause
+
+
+def release_threads() -> bool:
+    """Free the OpenMP worker threads the calling thread's compute keeps; True if it did.
+
+    Call it on a thread that has finished computing and may not compute again soon (not
+    inside a parallel region: from Python it never is). Other threads' pools are theirs.
+    """
+    pause = _find()
+    if pause is None:
+        return False
+    status = int(pause(_OMP_PAUSE_SOFT))
+    if status != 0:
+        _log.debug("omp_pause_resource_all returned %d", status)
+    return status == 0
