@@ -211,6 +211,7 @@ def run_llamax(path: Path, args: argparse.Namespace, *, cache: bool) -> dict[str
         n_threads=N_THREADS,
         prefix_cache=cache,
         kv_layout=args.kv_layout,
+        **step_budget(args),
     ) as ctx:
         started = time.perf_counter()
         turns = run_conversations(ctx, llamax_submit(ctx, args.max_tokens), args)
@@ -223,6 +224,14 @@ def run_llamax(path: Path, args: argparse.Namespace, *, cache: bool) -> dict[str
             "checkpoint_bytes": stats.checkpoint_bytes,
         }
         return out
+
+
+def step_budget(args: argparse.Namespace) -> dict[str, Any]:
+    """``max_step_ms`` for llamax.Context when ``--max-step-ms`` is given (0: None)."""
+    ms = getattr(args, "max_step_ms", None)
+    if ms is None:
+        return {}
+    return {"max_step_ms": ms or None}
 
 
 def run_server(binary: Path, path: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -269,9 +278,20 @@ def main() -> None:
         "--kv-layout",
         default="auto",
         choices=("auto", "unified", "streams"),
-        help="llamax's kv_layout (auto keeps a hybrid or recurrent model unified)",
+        help="llamax's kv_layout (auto adapts a hybrid as a plain model, keeps a recurrent "
+        "or sliding-window one unified)",
     )
     parser.add_argument("--llama-server", type=Path, help="a llama-server binary (peers.sh)")
+    parser.add_argument(
+        "--max-step-ms",
+        type=float,
+        help="llamax's max_step_ms (0: None, fixed n_batch chunks; default: llamax's own)",
+    )
+    parser.add_argument(
+        "--llama-server-first",
+        action="store_true",
+        help="run llama-server before llamax (to alternate the order between runs)",
+    )
     args = parser.parse_args()
     load_at_start = load_average()
     with stdout_to_stderr() as stdout, tempfile.TemporaryDirectory() as folder:
@@ -281,13 +301,17 @@ def main() -> None:
             models[args.memory_kind] = memory_model(args.memory_kind, smol, Path(folder))
         results: dict[str, Any] = {}
         for name, path in models.items():
+            row: dict[str, Any] = {}
+            if args.llama_server is not None and args.llama_server_first:
+                log(f"{name}: llama-server")
+                row["llama_server"] = run_server(args.llama_server, path, args)
             log(f"{name}: llamax")
-            row = {"llamax": run_llamax(path, args, cache=True)}
+            row["llamax"] = run_llamax(path, args, cache=True)
             log(f"{name}: llamax without the prefix cache")
             nocache_turns = min(args.nocache_turns or args.turns, args.turns)
             short = argparse.Namespace(**{**vars(args), "turns": nocache_turns})
             row["llamax_nocache"] = run_llamax(path, short, cache=False)
-            if args.llama_server is not None:
+            if args.llama_server is not None and not args.llama_server_first:
                 log(f"{name}: llama-server")
                 row["llama_server"] = run_server(args.llama_server, path, args)
             base = median_ttft(row["llamax_nocache"], nocache_turns)

@@ -7,9 +7,9 @@ region in a pool **per calling thread, for that thread's life**, and counts ever
 worker, busy or asleep. While the count is above the CPUs, every barrier of every region
 spins about a hundred times instead of ~300,000 before it sleeps in the kernel
 (``do_spin``'s throttled count), and a graph has hundreds of barriers. Measured on a 2-core
-AMD EPYC with SmolLM2 (``benchmarks/results/issue59/openmp-pools/``): once a second thread
-had decoded (the constructor's calibration, or a raw loop on the main thread), the engine's
-one-token steps took 15-37 ms instead of 9-11, for as long as that thread lived.
+AMD EPYC with SmolLM2 (``benchmarks/results/issue59/openmp-pools/``): after the constructor
+had calibrated on the main thread, the engine decoded one stream at 11.7-16.7 ms a token
+instead of 8.3-8.8, for as long as the main thread lived.
 
 :func:`release_threads` frees the **calling** thread's pool
 (``omp_pause_resource_all(omp_pause_soft)``, OpenMP 5.0; libgomp since GCC 9): a thread
