@@ -20,6 +20,7 @@ builds, Windows, a build without OpenMP, the fake backend), and never loads it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -41,25 +42,23 @@ _looked = False
 
 
 def _find() -> Any:
-    """libgomp's ``omp_pause_resource_all`` if this process has libgomp loaded, else None."""
+    """libgomp's ``omp_pause_resource_all`` if this process has libgomp loaded, else None.
+
+    Looked up once: every caller has computed before it asks, so llama.cpp has loaded its
+    CPU backend (and libgomp with it, where it uses OpenMP) by then."""
     global _pause, _looked
     with _lock:
-        if _looked:
-            return _pause
-        no_load = getattr(os, "RTLD_NOLOAD", None)
-        if no_load is None:  # Windows: no dlopen, no libgomp
+        if not _looked:
             _looked = True
-            return None
-        try:
-            lib = ctypes.CDLL(_LIBGOMP, mode=no_load | os.RTLD_LAZY)
-        except OSError:
-            return None  # not loaded (yet): llama.cpp may load it later; look again then
-        _looked = True
-        pause = getattr(lib, "omp_pause_resource_all", None)  # GCC 9 and later
-        if pause is not None:
-            pause.argtypes = [ctypes.c_int]
-            pause.restype = ctypes.c_int
-        _pause = pause
+            lib = None
+            no_load = getattr(os, "RTLD_NOLOAD", None)  # None on Windows: no libgomp
+            if no_load is not None:  # not loaded: llama.cpp runs without OpenMP here
+                with contextlib.suppress(OSError):
+                    lib = ctypes.CDLL(_LIBGOMP, mode=no_load | os.RTLD_LAZY)
+            _pause = getattr(lib, "omp_pause_resource_all", None)  # GCC 9 and later
+            if _pause is not None:
+                _pause.argtypes = [ctypes.c_int]
+                _pause.restype = ctypes.c_int
         return _pause
 
 
