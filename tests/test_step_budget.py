@@ -6,6 +6,7 @@ import itertools
 import random
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 import llamax
@@ -87,6 +88,88 @@ def test_it_follows_a_machine_that_slows_down() -> None:
     for _ in range(100):
         model.observe(f, 0.3)  # a neighbour took a core
     assert model.predict(f) == pytest.approx(0.3, rel=0.1)
+
+
+class NumpyFit:
+    """The fit as it was written in numpy (one eigendecomposition a step once the
+    covariance's trace passed the bound): the reference the Python-float fit must match."""
+
+    def __init__(self, coefficients: tuple[float, float, float, float]) -> None:
+        self.scale = np.array([1.0, 1e-2, 1e-5, 1e-5])
+        self.theta = np.array(coefficients) / self.scale  # as StepCostModel.start_from
+        self.p = np.eye(4) * 0.25
+        self.spread = 0.1
+        self.n = 4
+
+    def observe(self, f: StepFeatures, seconds: float) -> None:
+        weight = 1.0 / max(seconds, 1e-4)
+        x = f.vector() * weight
+        error = seconds * weight - x @ self.theta
+        if self.n >= 4:
+            bound = max(0.05, 3.0 * self.spread)
+            error = min(error, bound)
+            self.spread += 0.05 * (min(abs(error), bound) - self.spread)
+        px = self.p @ x
+        gain = px / (0.95 + x @ px)
+        self.theta = self.theta + gain * error
+        self.p = (self.p - np.outer(gain, px)) / 0.95
+        if float(np.trace(self.p)) > 1.0:
+            values, vectors = np.linalg.eigh(self.p)
+            self.p = (vectors * np.minimum(values, 1.0)) @ vectors.T
+        self.n += 1
+
+    def predict(self, f: StepFeatures) -> float:
+        return float(f.vector() @ np.maximum(self.theta, 0.0))
+
+
+def test_the_python_fit_matches_the_numpy_one_where_the_bound_does_not_bind() -> None:
+    """From a calibrated start, varied steps keep every direction excited, so no
+    eigenvalue reaches the bound and the two fits are the same arithmetic: the same
+    predictions, to rounding. (The reference rebuilds its covariance from an
+    eigendecomposition at every step once its trace passes 1, which moves the last digits,
+    and the outlier clipping lets such differences grow: 1e-12 apart after 150 steps,
+    1e-9 after 250, 1e-6 after 360.)"""
+    calibration = (0.005, 0.002, 4e-8, 1e-7)
+    model, reference = StepCostModel(), NumpyFit(calibration)
+    model.start_from(calibration)
+    rng = random.Random(7)
+    for _ in range(150):
+        f = random_step(rng)
+        seconds = true_cost(f) * rng.uniform(0.8, 1.3)
+        model.observe(f, seconds)
+        reference.observe(f, seconds)
+        assert model.largest_variance < 1.0
+        for probe in (f, StepFeatures(4, 1200), StepFeatures(300, 900_000, 50_000)):
+            assert model.predict(probe) == pytest.approx(reference.predict(probe), rel=1e-9)
+
+
+def test_the_covariance_stays_within_the_bound_at_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through long runs of alike decode steps (which excite one direction and let the
+    others grow by the forgetting factor each step), the covariance's largest eigenvalue
+    never passes the prior's, and it is decomposed at most once in five such steps."""
+    calls = []
+    eigh = np.linalg.eigh
+    monkeypatch.setattr(np.linalg, "eigh", lambda a: calls.append(1) or eigh(a))
+    model = StepCostModel()
+    rng = random.Random(3)
+    decode = StepFeatures(1, 300, 300)
+    for round_ in range(6):
+        for _ in range(50):
+            f = random_step(rng)
+            model.observe(f, true_cost(f))
+            assert model.largest_variance <= 1.0 + 1e-12
+        calls.clear()
+        for _ in range(500):
+            model.observe(decode, true_cost(decode) * rng.uniform(0.9, 1.1))
+            assert model.largest_variance <= 1.0 + 1e-12
+        assert len(calls) <= 500 // 5 + 1, round_
+    calibrated = StepCostModel()
+    calibrated.start_from((0.005, 0.002, 4e-8, 1e-7))
+    for _ in range(300):
+        calibrated.observe(decode, true_cost(decode))
+        assert calibrated.largest_variance <= 1.0 + 1e-12
 
 
 @pytest.mark.parametrize("unified", [True, False])

@@ -43,7 +43,12 @@ evenly when that is cheaper (:meth:`StepCostModel.last_chunks`).
 Until the first steps are measured the model predicts from a prior (a two-core CPU and
 SmolLM2-135M), so the very first steps are budgeted too. The fit's covariance is bounded:
 with forgetting, many alike decode steps would otherwise inflate it in the directions
-they do not excite, and the next prefill step would throw the coefficients far off.
+they do not excite, and the next prefill step would throw the coefficients far off. An
+eigenvalue past the bound is cut to :data:`_SPAN` steps of forgetting below it, so a run
+of decode steps decomposes the covariance once in five steps, not at every one. The fit
+runs at every step, just after a decode has flushed the caches: it is written in Python
+floats (numpy calls on four numbers cost more than the arithmetic there), 0.06 ms a step
+where numpy took 0.16-0.20 (issue 59, ``step-overhead/``).
 """
 
 from __future__ import annotations
@@ -94,15 +99,17 @@ Waste = npt.NDArray[np.float64]
 """``waste[n]``: the padded query rows, per row, the tiled kernel computes beside a
 micro-batch of ``n`` rows (zero below :data:`TILE_ROWS`); see :func:`tile_waste_table`."""
 
-_SCALE = np.array([1.0, 1e-2, 1e-5, 1e-5])  # keeps the least-squares problem well conditioned
+_SCALES = (1.0, 1e-2, 1e-5, 1e-5)  # keeps the least-squares problem well conditioned
+_SCALE = np.array(_SCALES)
 PRIOR_COEFFICIENTS = (0.004, 0.003, 1e-6, 2e-6)
 """Seconds a step costs, fixed, per token, per attended cell and per cell attended row by
 row, before anything was measured: a 2-thread CPU and SmolLM2-135M. A calibrated context
 starts from its machine's own (:mod:`llamax.engine.timing.calibration`)."""
-_PRIOR = np.array(PRIOR_COEFFICIENTS) / _SCALE
+_PRIOR_SCALED = tuple(c / s for c, s in zip(PRIOR_COEFFICIENTS, _SCALES, strict=True))
 _MIN_OBSERVATIONS = 4
 _MAX_VARIANCE = 1.0  # bound on the covariance's eigenvalues: the prior's
 _CALIBRATED_VARIANCE = 0.25  # a calibrated start is trusted more than the prior
+_SPAN = 5  # steps of forgetting an eigenvalue cut at the bound takes to reach it again
 _MIN_SPREAD, _OUTLIER_SPREADS = 0.05, 3.0
 _log = logging.getLogger("llamax.engine.timing.step_budget")
 
@@ -142,6 +149,21 @@ class StepFeatures:
         return vector * _SCALE if scaled else vector
 
 
+def _values(features: StepFeatures) -> tuple[float, float, float, float]:
+    """:meth:`StepFeatures.vector` unscaled, as Python floats."""
+    return (
+        1.0,
+        float(features.num_tokens),
+        float(features.attention + features.tile_waste),
+        float(features.row_attention),
+    )
+
+
+def _diagonal(value: float) -> list[list[float]]:
+    """A 4x4 diagonal matrix of ``value``, as lists."""
+    return [[value if i == j else 0.0 for j in range(4)] for i in range(4)]
+
+
 class StepCostModel:
     """Online fit of step seconds from :class:`StepFeatures`.
 
@@ -154,11 +176,19 @@ class StepCostModel:
     """
 
     def __init__(self, *, forgetting: float = 0.95, waste: Waste | None = None) -> None:
-        self._theta = _PRIOR.copy()
+        # The fit's state is in Python floats: :meth:`observe` runs at every step, right
+        # after a decode has flushed the caches, where numpy calls on four numbers cost more
+        # than the arithmetic (issue 59: 0.2 ms a step of 8-9 ms on SmolLM2 with numpy).
+        self._theta = list(_PRIOR_SCALED)
+        self._theta_clamped: npt.NDArray[np.float64] | None = None  # for the chunk searches
         self.waste = waste
         """The tiled kernel's waste by micro-batch rows (:func:`tile_waste_table`), or None."""
-        self._p = np.eye(len(_PRIOR))  # prior uncertainty, in scaled units
+        self._p = _diagonal(_MAX_VARIANCE)  # prior uncertainty, in scaled units
+        self._largest = _MAX_VARIANCE  # at least the covariance's largest eigenvalue
         self._forgetting = forgetting
+        # an eigenvalue past the bound is cut to this, so that the next few steps cannot
+        # pass the bound and need no eigendecomposition (one in _SPAN steps when decoding)
+        self._cut_to = _MAX_VARIANCE * forgetting**_SPAN
         self._spread = 1.0  # running mean of |relative error|: from the prior, no clipping yet
         self.num_observations = 0
         self.num_clipped = 0
@@ -167,8 +197,10 @@ class StepCostModel:
     def start_from(self, coefficients: tuple[float, float, float, float]) -> None:
         """Start from measured coefficients (seconds: fixed, per token, per attended cell,
         per cell attended row by row) instead of the prior, and trust them more."""
-        self._theta = np.asarray(coefficients, dtype=np.float64) / _SCALE
-        self._p = np.eye(len(_PRIOR)) * _CALIBRATED_VARIANCE
+        self._theta = [float(c) / s for c, s in zip(coefficients, _SCALES, strict=True)]
+        self._theta_clamped = None
+        self._p = _diagonal(_CALIBRATED_VARIANCE)
+        self._largest = _CALIBRATED_VARIANCE
         self._spread = 0.1
         self.num_observations = max(self.num_observations, _MIN_OBSERVATIONS)
 
@@ -176,13 +208,24 @@ class StepCostModel:
     def coefficients(self) -> tuple[float, float, float, float]:
         """The current coefficients in seconds (fixed, per token, per attended cell, per
         cell attended row by row), clamped at zero as predictions use them."""
-        theta = np.maximum(self._theta, 0.0) * _SCALE
-        return (float(theta[0]), float(theta[1]), float(theta[2]), float(theta[3]))
+        t, s = self._theta, _SCALES
+        return (
+            max(t[0], 0.0) * s[0],
+            max(t[1], 0.0) * s[1],
+            max(t[2], 0.0) * s[2],
+            max(t[3], 0.0) * s[3],
+        )
 
     @property
     def is_ready(self) -> bool:
         """Whether enough steps were measured to trust predictions."""
         return self.num_observations >= _MIN_OBSERVATIONS
+
+    @property
+    def largest_variance(self) -> float:
+        """The covariance's largest eigenvalue (scaled units), computed now; it never
+        exceeds the prior's (no wind-up)."""
+        return float(np.linalg.eigvalsh(np.array(self._p))[-1])
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
         """Update the fit with one measured step.
@@ -202,27 +245,47 @@ class StepCostModel:
                 seconds,
             )
         weight = 1.0 / max(seconds, 1e-4)
-        x = features.vector() * weight
-        error = seconds * weight - x @ self._theta  # relative: (measured - predicted) / measured
+        x = [v * s * weight for v, s in zip(_values(features), _SCALES, strict=True)]
+        theta, p, forgetting = self._theta, self._p, self._forgetting
+        # relative: (measured - predicted) / measured
+        error = seconds * weight - sum(xi * ti for xi, ti in zip(x, theta, strict=True))
         if self.is_ready:  # a spike is a slow step: only errors that way are clipped
             bound = max(_MIN_SPREAD, _OUTLIER_SPREADS * self._spread)
             if error > bound:
                 self.num_clipped += 1
                 error = bound
             self._spread += 0.05 * (min(abs(error), bound) - self._spread)
-        px = self._p @ x
-        gain = px / (self._forgetting + x @ px)
-        self._theta = self._theta + gain * error
-        self._p = (self._p - np.outer(gain, px)) / self._forgetting
-        if float(np.trace(self._p)) > _MAX_VARIANCE:
+        px = [sum(pij * xj for pij, xj in zip(row, x, strict=True)) for row in p]
+        denominator = forgetting + sum(xi * pxi for xi, pxi in zip(x, px, strict=True))
+        self._theta = [ti + pxi / denominator * error for ti, pxi in zip(theta, px, strict=True)]
+        self._theta_clamped = None
+        # pxi * pxj is pxj * pxi to the bit: the covariance stays exactly symmetric
+        p = [
+            [(pij - pxi * pxj / denominator) / forgetting for pij, pxj in zip(row, px, strict=True)]
+            for row, pxi in zip(p, px, strict=True)
+        ]
+        # The update removes a positive semi-definite term before dividing by the
+        # forgetting factor, so the largest eigenvalue grows at most that much a step.
+        self._largest /= forgetting
+        if self._largest > _MAX_VARIANCE:
             # no wind-up in the directions recent steps did not excite
-            values, vectors = np.linalg.eigh(self._p)
-            self._p = (vectors * np.minimum(values, _MAX_VARIANCE)) @ vectors.T
+            values, vectors = np.linalg.eigh(np.array(p))
+            if values[-1] > _MAX_VARIANCE:
+                values = np.minimum(values, self._cut_to)
+                p = ((vectors * values) @ vectors.T).tolist()
+            self._largest = float(values[-1])
+        self._p = p
         self.num_observations += 1
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted seconds (coefficients clamped at zero, so a noisy fit stays sane)."""
-        return float(features.vector() @ np.maximum(self._theta, 0.0))
+        return sum(v * c for v, c in zip(_values(features), self.coefficients, strict=True))
+
+    def _clamped(self) -> npt.NDArray[np.float64]:
+        """The coefficients in scaled units, clamped at zero, as an array (cached)."""
+        if self._theta_clamped is None:
+            self._theta_clamped = np.maximum(np.array(self._theta), 0.0)
+        return self._theta_clamped
 
     def largest_chunk(
         self,
@@ -363,7 +426,7 @@ class StepCostModel:
             fixed, k, attend, unified=unified, waste=self.waste
         )
         features = np.stack([np.ones_like(k), tokens, attention + wasted, rows], axis=1)
-        step: npt.NDArray[np.float64] = (features * _SCALE) @ np.maximum(self._theta, 0.0)
+        step: npt.NDArray[np.float64] = (features * _SCALE) @ self._clamped()
         return k, step
 
 
