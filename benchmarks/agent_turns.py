@@ -22,6 +22,12 @@ Systems, per model (each built, run and freed in turn; ``N_THREADS`` threads):
     llama.cpp): ``-np conversations -c n_ctx`` and its default context checkpoints,
     ``cache_prompt: true``, the same rendered prompts on ``/completion``.
 
+``--interleave`` (with ``--llama-server``, one conversation): llamax and llama-server
+run the same conversation turn by turn, both alive at once, which of the two goes first
+alternating each turn, so that a machine whose speed drifts between sittings (15-20% within
+an hour on the 2-core VMs, issue 59) slows both alike; ``wall_s`` is then the time in the
+system's own turns, and ``llamax_nocache`` is not run.
+
 Models: ``--model`` (default SmolLM2; ``--skip-default`` skips it) and ``--memory-kind``
 (default ``hybrid``: a random LFM2 written by ``scripts/make_memory_model.py``;
 ``hybrid_350m``: the same in LFM2-350M's shape; ``none`` skips it). ``--nocache-turns N``
@@ -80,14 +86,19 @@ def _tool_result(conversation: int, turn: int, count: Callable[[str], int], targ
     return "\n".join(lines)
 
 
+def system_prompt() -> str:
+    """The agents' system message (about 300 tokens)."""
+    return "\n".join(
+        ["You are an operations agent. Follow the handbook below."]
+        + [s for _, s in zip(range(14), filler_sentences("Rule"), strict=False)]
+    )
+
+
 def run_conversations(
     ctx: llamax.Context, submit: Submit, args: argparse.Namespace
 ) -> list[list[Turn]]:
     """Every conversation at once, one thread each; each conversation's turns in order."""
-    system = "\n".join(
-        ["You are an operations agent. Follow the handbook below."]
-        + [s for _, s in zip(range(14), filler_sentences("Rule"), strict=False)]
-    )
+    system = system_prompt()
 
     def count(text: str) -> int:
         return len(ctx.tokenize(text, add_special=False))
@@ -234,6 +245,53 @@ def step_budget(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_step_ms": ms or None}
 
 
+def run_interleaved(binary: Path, path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One conversation on llamax and on llama-server, turn by turn (``--interleave``):
+    each turn goes to both, the first of the two alternating; per system its summary, with
+    ``wall_s`` the time in its own turns."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _peers import LlamaServerPeer
+
+    peer = LlamaServerPeer(binary, path, n_parallel=1, n_ctx=args.n_ctx, cache_prompt=True)
+    try:
+        with llamax.Context(
+            path,
+            n_ctx=args.n_ctx,
+            n_seq_max=1,
+            n_threads=N_THREADS,
+            kv_layout=args.kv_layout,
+            **step_budget(args),
+        ) as ctx:
+            submits = {
+                "llamax": llamax_submit(ctx, args.max_tokens),
+                "llama_server": server_submit(peer.port, args.max_tokens),
+            }
+            messages = {name: [{"role": "system", "content": system_prompt()}] for name in submits}
+            turns: dict[str, list[Turn]] = {name: [] for name in submits}
+            walls = dict.fromkeys(submits, 0.0)
+
+            def count(text: str) -> int:
+                return len(ctx.tokenize(text, add_special=False))
+
+            for t in range(args.turns):
+                user = _tool_result(0, t, count, args.turn_tokens)
+                order = list(submits) if t % 2 == 0 else list(reversed(submits))
+                for name in order:
+                    history = messages[name]
+                    history.append({"role": "user", "content": user})
+                    prompt = ctx.chat_prompt(history)
+                    start = time.perf_counter()
+                    reply, computed, ttft = submits[name](0, prompt)
+                    walls[name] += time.perf_counter() - start
+                    turns[name].append((len(prompt), computed, ttft))
+                    history.append({"role": "assistant", "content": ctx.detokenize(reply)})
+        return {
+            name: summarize([turns[name]]) | {"wall_s": round(walls[name], 2)} for name in submits
+        }
+    finally:
+        peer.close()
+
+
 def run_server(binary: Path, path: Path, args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     from _peers import LlamaServerPeer
@@ -288,11 +346,18 @@ def main() -> None:
         help="llamax's max_step_ms (0: None, fixed n_batch chunks; default: llamax's own)",
     )
     parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="one conversation on llamax and llama-server turn by turn (needs --llama-server)",
+    )
+    parser.add_argument(
         "--llama-server-first",
         action="store_true",
         help="run llama-server before llamax (to alternate the order between runs)",
     )
     args = parser.parse_args()
+    if args.interleave and (args.llama_server is None or args.conversations != 1):
+        parser.error("--interleave needs --llama-server and --conversations 1")
     load_at_start = load_average()
     with stdout_to_stderr() as stdout, tempfile.TemporaryDirectory() as folder:
         smol = model_path(args.model)
@@ -302,6 +367,20 @@ def main() -> None:
         results: dict[str, Any] = {}
         for name, path in models.items():
             row: dict[str, Any] = {}
+            if args.interleave:
+                log(f"{name}: llamax and llama-server, turn by turn")
+                row = run_interleaved(args.llama_server, path, args)
+                row["ratios"] = {
+                    "llamax_ttft_from_turn_4_vs_llama_server": ratio(
+                        row["llamax"]["ttft_median_from_turn_4_s"],
+                        row["llama_server"]["ttft_median_from_turn_4_s"],
+                    ),
+                    "llamax_turn_time_vs_llama_server": ratio(
+                        row["llamax"]["wall_s"], row["llama_server"]["wall_s"]
+                    ),
+                }
+                results[name] = row
+                continue
             if args.llama_server is not None and args.llama_server_first:
                 log(f"{name}: llama-server")
                 row["llama_server"] = run_server(args.llama_server, path, args)
