@@ -139,18 +139,13 @@ class StepFeatures:
     def vector(self, *, scaled: bool = True) -> npt.NDArray[np.float64]:
         """``[1, tokens, attention + tile_waste, row_attention]``, scaled (as the fit works)
         or not (to multiply with coefficients in seconds)."""
-        values = [
-            1.0,
-            self.num_tokens,
-            self.attention + self.tile_waste,
-            self.row_attention,
-        ]
-        vector: npt.NDArray[np.float64] = np.array(values, dtype=np.float64)
+        vector: npt.NDArray[np.float64] = np.array(_values(self), dtype=np.float64)
         return vector * _SCALE if scaled else vector
 
 
 def _values(features: StepFeatures) -> tuple[float, float, float, float]:
-    """:meth:`StepFeatures.vector` unscaled, as Python floats."""
+    """``[1, tokens, attention + tile_waste, row_attention]`` as Python floats: what the
+    fit works on, and (as an array) :meth:`StepFeatures.vector`."""
     return (
         1.0,
         float(features.num_tokens),
