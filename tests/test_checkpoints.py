@@ -78,6 +78,29 @@ def test_a_prompt_takes_checkpoints_every_interval_and_at_its_last_token_but_one
     assert [planned_checkpoint(n, 10, 4) for n in (0, 3, 4, 7, 8, 9, 10)] == [0, 0, 4, 4, 8, 9, 9]
 
 
+def test_interval_checkpoints_count_from_where_the_prompt_starts_computing() -> None:
+    """A prompt that reused 300 tokens takes its interval checkpoints 256, 512... tokens
+    past them, not at multiples of 256: one adding less than an interval takes none (it is
+    cut only at its last token but one), and a waiting prompt plans on the same positions."""
+    assert checkpoint_positions(500, 256, start=300) == [499]
+    assert next_checkpoint(300, 500, 256, start=300) == 499  # no cut at 512 nor 256
+    assert checkpoint_positions(900, 256, start=300) == [556, 812, 899]
+    assert [next_checkpoint(n, 900, 256, start=300) for n in (300, 400, 556, 812)] == [
+        556, 556, 812, 899,
+    ]  # fmt: skip
+    planned = [planned_checkpoint(n, 900, 256, start=300) for n in (300, 555, 556, 811, 898)]
+    assert planned == [0, 0, 556, 556, 812]
+    assert planned_checkpoint(899, 900, 256, start=300) == 899
+    for start in (0, 1, 37, 255, 256, 700):  # every chunk end is a position, in order
+        ends, done = [], start
+        while (end := next_checkpoint(done, 1000, 64, start=start)) is not None:
+            ends.append(end)
+            done = end
+        assert ends == [p for p in checkpoint_positions(1000, 64, start=start) if p > start]
+        gaps = [b - a for a, b in itertools.pairwise([start, *ends])]
+        assert max(gaps, default=0) <= 64, start
+
+
 def test_a_long_prompt_spreads_a_slots_checkpoints_over_it() -> None:
     """At least CHECKPOINT_INTERVAL apart, and no more checkpoints than a slot keeps: the
     gaps stay even instead of whatever dropping the extra ones leaves
@@ -245,6 +268,73 @@ def test_a_prompt_sharing_part_of_a_long_one_recomputes_at_most_one_interval(
         prompt = doc[:shared] + f"|Q{fraction}?"
         done = complete(ctx, prompt)
         assert done.usage.cached_tokens >= shared - interval_for(len(doc)), (fraction, done.usage)
+        assert done.token_ids == cold(prompt)
+
+
+def _prompt_chunk_ends(backend: FakeBackend) -> list[int]:
+    """Where the logged decodes' prompt chunks (more than one token) ended."""
+    return [i.start_pos + len(i.token_ids) for d in backend.decode_log for i in d
+            if len(i.token_ids) > 1]  # fmt: skip
+
+
+def _turn_crossing(ctx: llamax.Context, before: str, interval: int, extra: int) -> str:
+    """``before`` plus a user line so that the next prompt adds ``extra`` tokens or more
+    past ``before`` and its new part crosses a multiple of ``interval``."""
+    for pad in range(4 * interval):
+        turn = before + "Q" + "." * pad + "?"
+        new = range(len(ctx.tokenize(before)), len(ctx.tokenize(turn)) - 1)
+        if len(new) >= extra and any(p % interval == 0 for p in new[1:]):
+            return turn
+    raise AssertionError("no such turn")
+
+
+def test_a_turn_adding_less_than_an_interval_is_cut_only_at_its_end(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 59: an agent's or a chat's next turn adds fewer tokens than an interval to the
+    prefix it reuses; its prompt went in two chunks plus the last token where the new part
+    crossed a multiple of the interval (a checkpoint no later prompt reuses: the next turn
+    restores the last token but one's), and now in one chunk plus the last token."""
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_INTERVAL", 32)
+    ctx, backend = make_fake(n_ctx=1024, recurrent=True)
+    turn1 = SYSTEM + "Q1"
+    first = complete(ctx, turn1)
+    turn2 = _turn_crossing(ctx, turn1 + first.text, 32, extra=20)
+    backend.decode_log.clear()
+    second = complete(ctx, turn2)
+    reused = second.usage.cached_tokens
+    assert reused >= len(turn1) - 1
+    last = len(ctx.tokenize(turn2)) - 1
+    assert interval_for(last + 1) == 32 and last - reused < 32
+    assert _prompt_chunk_ends(backend) == [last]  # one chunk, then the last token alone
+    assert second.token_ids == cold(turn2)
+    backend.decode_log.clear()
+    third = complete(ctx, turn2 + second.text + "Q3")  # and the next turn reuses it all
+    assert third.usage.cached_tokens >= last
+    assert third.token_ids == cold(turn2 + second.text + "Q3")
+
+
+def test_a_turn_adding_more_than_an_interval_recomputes_at_most_one_of_it(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn adding several intervals takes checkpoints every interval past the prefix
+    it reused, so a prompt sharing any part of its new tokens recomputes at most one."""
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_INTERVAL", 32)
+    ctx, backend = make_fake(n_ctx=1024, recurrent=True)
+    turn1 = SYSTEM + "Q1"
+    first = complete(ctx, turn1)
+    before = turn1 + first.text
+    turn2 = before + "".join(f"Line {i} of the pasted log. " for i in range(6))
+    backend.decode_log.clear()
+    second = complete(ctx, turn2)
+    reused = second.usage.cached_tokens
+    last = len(ctx.tokenize(turn2)) - 1
+    interval = interval_for(last + 1)  # 64 for these 280 tokens
+    assert _prompt_chunk_ends(backend) == [*range(reused + interval, last, interval), last]
+    for shared in range(reused + 5, last - 1, 23):
+        prompt = ctx.detokenize(ctx.tokenize(turn2)[:shared]) + "|edited?"
+        done = complete(ctx, prompt)
+        assert done.usage.cached_tokens >= shared - interval, (shared, done.usage)
         assert done.token_ids == cold(prompt)
 
 

@@ -161,7 +161,9 @@ def test_a_tier_restore_runs_the_queue_before_overwriting_a_copy_source(
     run(ctx, ctx.add_request("Zebras have stripes.", GREEDY))  # list B's slot to RAM
 
     def body() -> None:
-        x = ctx.add_request(LIST_A + "Repeat A: apple", GREEDY)  # copies A from its slot
+        # copies A from its slot (it parts inside A's prompt: "Repeat A: apple", a next
+        # turn parting in A's reply, would take A's slot over and copy nothing)
+        x = ctx.add_request(LIST_A + "Repeat A! apple", GREEDY)
         y = ctx.add_request(LIST_B + "Repeat B: orange", GREEDY)  # restored over that slot
         done = run(ctx, x, y)
         assert done[0].usage.cached_tokens > 40

@@ -110,6 +110,39 @@ def test_the_same_prompt_again_and_a_next_turn_reuse_it(
     assert_greedy_agrees(probe, turn, probe_run(probe, turn), done.token_ids)
 
 
+def test_a_next_turn_shorter_than_an_interval_takes_one_checkpoint(
+    ctx: llamax.Context, probe: llamax.Context
+) -> None:
+    """Issue 59: a turn adding 50 tokens past a multiple of the interval (64) is cut only at
+    its last token but one (one checkpoint; the old rule took one more at 256, inside the
+    turn, which nothing reuses), and still agrees with a cold run."""
+    prompt = _tokens(9, 220)
+    first = ctx.add_request(prompt, GREEDY).result(timeout=120)
+    turn = [*prompt, *first.token_ids, *_tokens(10, 50)]  # 228 reused, 278 tokens
+    assert any(p % INTERVAL == 0 for p in range(len(prompt) + 1, len(turn) - 1))
+    before = ctx.stats().checkpoints.num_taken
+    done = ctx.add_request(turn, GREEDY).result(timeout=120)
+    assert done.usage.cached_tokens >= len(prompt) - 1
+    assert ctx.stats().checkpoints.num_taken - before == 1
+    assert_greedy_agrees(probe, turn, probe_run(probe, turn), done.token_ids)
+
+
+def test_a_next_turn_parting_in_the_reply_is_cut_in_its_slot(
+    ctx: llamax.Context, probe: llamax.Context
+) -> None:
+    """Issue 59: an agent's next turn renders the last reply back differently; it goes on
+    in the last turn's slot from the prompt's last-token-but-one checkpoint (no second
+    slot, no copy), and agrees with a cold run."""
+    prompt = _tokens(11, 200)
+    first = ctx.add_request(prompt, GREEDY).result(timeout=120)
+    reply = [first.token_ids[0] + 1, *first.token_ids[1:]]  # tokenized differently
+    turn = [*prompt, *reply, *_tokens(12, 30)]
+    done = ctx.add_request(turn, GREEDY).result(timeout=120)
+    assert done.usage.cached_tokens == len(prompt) - 1
+    assert ctx.stats().num_retained == 1
+    assert_greedy_agrees(probe, turn, probe_run(probe, turn), done.token_ids)
+
+
 def test_n_choices_share_the_prompt(ctx: llamax.Context, probe: llamax.Context) -> None:
     prompt = _tokens(5, 120)
     params = llamax.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=3)

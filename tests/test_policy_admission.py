@@ -12,7 +12,7 @@ from llamax.engine.kv.admission import (
     should_wait,
 )
 from llamax.engine.kv.kvcache import KVCache, Slot, SlotState
-from llamax.engine.kv.prefix import PrefixCache
+from llamax.engine.kv.prefix import InFlight, PrefixCache
 from llamax.testing import FakeBackend
 
 
@@ -69,7 +69,7 @@ def test_a_newcomer_waits_for_a_long_prefix_still_being_computed() -> None:
     assert owner is not None
     prompt = list(range(1, 41))
     _compute(kv, owner, prompt[:8])  # 8 of 40 prompt tokens computed so far
-    placement = placer.place([*prompt, 99], {owner.seq_id: prompt}, num_pending=32)
+    placement = placer.place([*prompt, 99], {owner.seq_id: InFlight(prompt)}, num_pending=32)
     assert placement.outcome is Outcome.WAIT_PREFIX and placement.slot is None
 
 

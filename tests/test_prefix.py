@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llamax.backend import BatchItem
 from llamax.engine.kv.kvcache import KVCache, Slot, SlotState
-from llamax.engine.kv.prefix import PrefixCache, PrefixMatch
+from llamax.engine.kv.prefix import InFlight, PrefixCache, PrefixMatch
 from llamax.testing import FakeBackend
 
 
@@ -35,7 +35,7 @@ def test_match_finds_the_longest_prefix_but_never_the_last_prompt_token() -> Non
 def test_match_reports_what_an_in_flight_prefill_will_give() -> None:
     prefix, kv, backend = make()
     leader = filled(prefix, kv, backend, [1, 2])  # computing [1..20] in chunks
-    match = prefix.match([*range(1, 21), 99], {leader.seq_id: list(range(1, 21))})
+    match = prefix.match([*range(1, 21), 99], {leader.seq_id: InFlight(list(range(1, 21)))})
     assert match == PrefixMatch(leader, 2, 20)
 
 

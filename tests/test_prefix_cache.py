@@ -12,6 +12,7 @@ import pytest
 from adversaries import deadline
 
 import llamax
+from llamax.engine.kv.admission import SHORT_TAIL
 from llamax.testing import FakeBackend
 
 MakeFake = Callable[..., tuple[llamax.Context, FakeBackend]]
@@ -382,3 +383,62 @@ def test_request_takes_over_its_prefix_slot_when_the_cells_run_out(make_fake: Ma
     assert second.result(0).usage.cached_tokens == len(SYSTEM)
     assert second.result(0).token_ids == cold(SYSTEM + "y" * 300).token_ids
     assert first.result(0).finish_reason == "length"
+
+
+# ---------------------------------------------------------------------- next turns in place
+def ask(
+    ctx: llamax.Context, prompt: str, params: llamax.SamplingParams = GREEDY
+) -> llamax.Completion:
+    handle = ctx.add_request(prompt, params)
+    run(ctx)
+    return handle.result(0)
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_a_next_turn_parting_in_the_reply_goes_on_in_the_same_slot(
+    make_fake: MakeFake, recurrent: bool
+) -> None:
+    """Issue 59: an agent's next turn holds the last turn's whole prompt and its reply as
+    the client renders it back, which tokenizes differently (here: its first byte). It
+    takes the last turn's slot over and cuts the short reply in place, as llama-server
+    does: no copy, one slot retained, no eviction. The old code copied the prefix into a
+    second slot every turn (a stream's worth of cells in the streams layout; on the hybrid,
+    17 ms and a forced queue run) and evicted, with a spill, once the ids ran out."""
+    ctx, backend = make_fake(n_ctx=1024, n_seq_max=2, recurrent=recurrent)
+    prompt = SYSTEM + "Q0?"
+    num_last = 1
+    for turn in range(1, 6):
+        done = ask(ctx, prompt)
+        assert done.token_ids == cold(prompt).token_ids
+        # all the last prompt (on the recurrent memory, but its last token)
+        assert done.usage.cached_tokens >= num_last - 1, turn
+        assert ctx.stats().num_retained == 1, turn
+        num_last = len(ctx.tokenize(prompt))
+        prompt += "X" + done.text[1:] + f" Q{turn}?"
+    assert backend.num_copies == 0
+    assert ctx.stats().num_evictions == 0
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_the_same_prompt_again_or_a_long_reply_is_copied_and_kept(
+    make_fake: MakeFake, recurrent: bool
+) -> None:
+    """What a next turn does not take over: the same prompt again (a retry, or another
+    client's: the first reply is kept), a prompt parting inside the last one's prompt, and
+    a turn whose cut would drop SHORT_TAIL reply tokens or more."""
+    ctx, backend = make_fake(n_ctx=1024, n_seq_max=4, recurrent=recurrent)
+    first = ask(ctx, SYSTEM + "Q0?")
+    assert ask(ctx, SYSTEM + "Q0?").token_ids == first.token_ids
+    assert ctx.stats().num_retained == 2 and backend.num_copies == 1
+    ask(ctx, SYSTEM + "Q1? and more")  # parts at "1", inside the prompts: a slot of its own
+    # (the recurrent memory holds no checkpoint where they part: it computes all, no copy)
+    assert ctx.stats().num_retained == 3 and backend.num_copies == (1 if recurrent else 2)
+    ctx.close()
+    ctx, backend = make_fake(n_ctx=1024, n_seq_max=4, recurrent=recurrent)
+    long = llamax.SamplingParams(max_tokens=SHORT_TAIL + 2, temperature=0, ignore_eos=True)
+    reply = ask(ctx, SYSTEM + "Q0?", long).text
+    turn = SYSTEM + "Q0?" + "X" + reply[1:] + " Q1?"
+    done = ask(ctx, turn)
+    assert done.usage.cached_tokens >= len(SYSTEM)
+    assert done.token_ids == cold(turn).token_ids
+    assert ctx.stats().num_retained == 2 and backend.num_copies == 1

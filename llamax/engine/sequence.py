@@ -170,6 +170,7 @@ class Sequence:
 
     __slots__ = (
         "branch_at",
+        "checkpoint_from",
         "detokenizer",
         "draft_state",
         "head_at",
@@ -200,6 +201,10 @@ class Sequence:
         """Where the prompt parts from a prefix another slot holds but cannot be cut at (a
         memory cut only at checkpoints): the prompt takes a checkpoint there too, so the
         next prompt that shares it reuses it (0: none; set at admission)."""
+        self.checkpoint_from = 0
+        """Where the prompt's computation started (the prefix it reused; set at admission)
+        on a memory cut only at checkpoints: its interval checkpoints count from there
+        (:func:`~llamax.engine.kv.checkpoints.checkpoint_positions`)."""
         self.head_at = 0
         """Where the prompt's head ends (just past its first end-of-turn token: a chat's
         system message) on a memory cut only at checkpoints: the prompt takes a checkpoint

@@ -10,10 +10,14 @@ back to that position exactly, the full-attention cells past it removed
 A prompt's checkpoints are taken at its last token but one, which serves the two ways a
 later prompt reuses it (the same prompt again, whose last token is computed again for its
 logits, and a longer one, a chat's next turn), and every :data:`CHECKPOINT_INTERVAL`
-tokens before that, so a prompt that shares only part of a long one recomputes at most one
-interval (:func:`interval_for`: a long prompt spreads a slot's checkpoints evenly). The
-scheduler ends prompt chunks at these positions (:func:`next_checkpoint`)
-and takes each checkpoint after the decode that reached it.
+tokens before that, counted from where the prompt's computation starts (the prefix it
+reused), so a prompt that shares only part of a long one recomputes at most one interval
+(:func:`interval_for`: a long prompt spreads a slot's checkpoints evenly). A prompt that
+adds less than an interval to what it reused (a chat's or an agent's next turn) takes no
+interval checkpoint and its prompt is not cut for one: a later prompt sharing part of the
+new tokens recomputes less than an interval from the reused prefix anyway. The scheduler
+ends prompt chunks at these positions (:func:`next_checkpoint`) and takes each checkpoint
+after the decode that reached it.
 
 One more where prompts **branch**: a prompt that shares more tokens with a cached one
 than a checkpoint lets it reuse (two chats with the same system prompt, tools and
@@ -124,35 +128,41 @@ def interval_for(num_prompt: int) -> int:
     return max(1, -(-last // (MAX_CHECKPOINTS * step))) * step
 
 
-def checkpoint_positions(num_prompt: int, interval: int | None = None) -> list[int]:
-    """Where a prompt of ``num_prompt`` tokens takes checkpoints, in order: every
-    ``interval`` tokens (default :func:`interval_for`), and its last token but one."""
+def checkpoint_positions(num_prompt: int, interval: int | None = None, start: int = 0) -> list[int]:
+    """Where a prompt of ``num_prompt`` tokens whose computation starts at ``start``
+    tokens (the prefix it reused) takes checkpoints, in order: every ``interval`` tokens
+    past ``start`` (default :func:`interval_for`), and its last token but one."""
     interval = interval or interval_for(num_prompt)
     last = num_prompt - 1
     if last < 1:
         return []
-    return [*range(interval, last, interval), last]
+    return [*range(start + interval, last, interval), last]
 
 
-def next_checkpoint(num_computed: int, num_prompt: int, interval: int | None = None) -> int | None:
-    """The first checkpoint past ``num_computed`` tokens (None: none is left), where the
-    next prompt chunk must end."""
+def next_checkpoint(
+    num_computed: int, num_prompt: int, interval: int | None = None, start: int = 0
+) -> int | None:
+    """The first checkpoint past ``num_computed`` tokens (None: none is left) of a prompt
+    whose computation started at ``start`` tokens, where the next prompt chunk must end."""
     interval = interval or interval_for(num_prompt)
     last = num_prompt - 1
     if num_computed >= last:
         return None
-    following = (num_computed // interval + 1) * interval
+    following = start + (max(num_computed - start, 0) // interval + 1) * interval
     return min(following, last)
 
 
-def planned_checkpoint(num: int, num_prompt: int, interval: int | None = None) -> int:
+def planned_checkpoint(
+    num: int, num_prompt: int, interval: int | None = None, start: int = 0
+) -> int:
     """The last checkpoint at or before ``num`` tokens that a prompt of ``num_prompt``
-    tokens will have taken once computed (0: none)."""
+    tokens, computed from ``start`` tokens on, will have taken once computed (0: none)."""
     interval = interval or interval_for(num_prompt)
     last = num_prompt - 1
     if num >= last >= 1:
         return last
-    return min(num // interval * interval, max(last, 0))
+    steps = max(num - start, 0) // interval
+    return min(start + steps * interval, max(last, 0)) if steps else 0
 
 
 _MAGIC = b"LLAMAXCK1"

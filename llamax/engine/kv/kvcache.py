@@ -105,6 +105,7 @@ class Slot:
         "exact",
         "hint_owner",
         "hinted",
+        "num_prompt",
         "seq_id",
         "tokens",
     )
@@ -125,6 +126,11 @@ class Slot:
         self.hint_owner: str | None = None
         """The ``fair_key`` of that request, whose share of the tiers' hinted bytes the
         slot's state draws on when evicted (None: no key)."""
+        self.num_prompt = 0
+        """Of its tokens, how many were the prompt of the last sequence that ran in it (the
+        rest that sequence generated; 0: not known). A newcomer extending that prompt may
+        take the slot over and cut its reply
+        (:data:`~llamax.engine.kv.admission.SHORT_TAIL`)."""
         self.exact = 0
         """The reproducible mode's reusable head: its first ``exact`` tokens (a multiple
         of the chunk grid) hold the cells a cold prompt computes (see
@@ -620,6 +626,7 @@ class KVCache:
             self._unref(cell)
         del slot.cells[keep:]
         del slot.tokens[keep:]
+        slot.num_prompt = min(slot.num_prompt, keep)
         if slot.checkpoints:
             slot.checkpoints = {p: d for p, d in slot.checkpoints.items() if p <= keep}
 

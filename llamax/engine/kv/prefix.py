@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...adapters import NO_ADAPTERS, AdapterSet
 from ...backend.base import Backend, ImageHost
@@ -43,9 +43,19 @@ from .prefix_disk import PrefixDiskTier, default_disk_budget
 from .prefix_ram import PrefixRamTier, RamEntry, default_budget
 from .prefix_tier import PrefixTier
 
-__all__ = ["PrefixCache", "PrefixMatch"]
+__all__ = ["InFlight", "PrefixCache", "PrefixMatch"]
 
 _log = logging.getLogger("llamax")
+
+
+class InFlight(NamedTuple):
+    """A slot whose owner is still computing its prompt, as a newcomer's match sees it."""
+
+    tokens: Sequence[int]
+    """Every token the owner knows (its whole prompt)."""
+    start: int = 0
+    """Where the owner's computation started (the prefix it reused): on a memory cut only
+    at checkpoints, its interval checkpoints count from there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +311,7 @@ class PrefixCache:
     def match(
         self,
         prompt: Sequence[int],
-        in_flight: Mapping[int, Sequence[int]],
+        in_flight: Mapping[int, InFlight],
         adapters: AdapterSet = NO_ADAPTERS,
     ) -> PrefixMatch:
         """The slot holding the longest prefix of ``prompt`` (all but its last token)
@@ -311,7 +321,8 @@ class PrefixCache:
         Args:
             prompt: the new sequence's tokens.
             in_flight: for slots of sequences still prefilling, by seq id, every token the
-                owner knows (its whole prompt); they give ``num_later`` tokens.
+                owner knows (its whole prompt) and where its computation started; they give
+                ``num_later`` tokens.
             adapters: the new sequence's adapter set.
         """
         if not self._retain:
@@ -322,25 +333,26 @@ class PrefixCache:
         for slot in self._cache.slots():
             if slot.adapters != adapters:
                 continue
-            known = in_flight.get(slot.seq_id)
-            if not slot.tokens and known is None:
+            owner = in_flight.get(slot.seq_id)
+            if not slot.tokens and owner is None:
                 continue
-            if known is None:
+            if owner is None:
                 later = min(common_prefix_len(slot.tokens, prompt), limit)
                 shared = max(shared, later)
             else:
-                later = min(common_prefix_len(known, prompt), limit)
+                later = min(common_prefix_len(owner.tokens, prompt), limit)
             now = self._cache.usable(slot, later)  # cut at a checkpoint, where it must be
             if now and not self._cache.is_intact(slot, now):
                 continue
-            if known is None:
+            if owner is None:
                 later = now
             elif self._cache.grid is not None and self._cache.on_grid(adapters):
                 grid = self._cache.grid  # what the owner's prompt chunks on the grid give
-                later = max(now, min(later, len(known) - len(known) % grid))
+                num_known = len(owner.tokens)
+                later = max(now, min(later, num_known - num_known % grid))
                 later -= later % grid
             elif self._cache.cuts_at_checkpoints:
-                later = max(now, planned_checkpoint(later, len(known)))
+                later = max(now, planned_checkpoint(later, len(owner.tokens), start=owner.start))
             if (now, later) > (best.num_now, best.num_later):
                 best = PrefixMatch(slot, now, later)
         return replace(best, num_shared=shared)

@@ -44,7 +44,7 @@ from ..kv.admission import Outcome, SlotPlacer
 from ..kv.checkpoints import MAX_CHECKPOINTS, branch_point, checkpoint_positions, head_point
 from ..kv.kvcache import KVCache, Slot
 from ..kv.kvops import KVOp, RestoreSession
-from ..kv.prefix import PrefixCache
+from ..kv.prefix import InFlight, PrefixCache
 from ..kv.relayout import Relayout
 from ..kv.room import Room
 from ..kv.session_table import SessionTable
@@ -302,7 +302,7 @@ class Scheduler:
         if not chunks:
             return 0
         in_flight = {
-            s.slot.seq_id: s.token_ids
+            s.slot.seq_id: InFlight(s.token_ids, s.checkpoint_from)
             for s in self._running
             if s.slot is not None and s.state is SequenceState.PREFILLING
         }
@@ -349,7 +349,7 @@ class Scheduler:
         if num > seq.num_prompt_tokens:
             return
         if num not in (seq.branch_at, seq.head_at) and num not in checkpoint_positions(
-            seq.num_prompt_tokens
+            seq.num_prompt_tokens, start=seq.checkpoint_from
         ):
             return
         try:
@@ -541,7 +541,7 @@ class Scheduler:
             )
         else:  # a session that yielded its slot is placed as a newcomer, then pinned again
             in_flight = {
-                s.slot.seq_id: s.token_ids
+                s.slot.seq_id: InFlight(s.token_ids, s.checkpoint_from)
                 for s in self._running
                 if s.slot is not None and s.state is SequenceState.PREFILLING
             }
@@ -554,11 +554,15 @@ class Scheduler:
             self.sessions.touch(session_id)
         if placement.slot is not None:
             seq.slot = placement.slot
+            placement.slot.num_prompt = seq.num_prompt_tokens
             num_reused = self._cut_into_image(seq, placement.slot, placement.num_reused)
             seq.branch_at = branch_point(num_reused, placement.num_shared)
             if self.kv.cuts_at_checkpoints:
                 prompt = seq.request.prompt_token_ids  # the sequence's prompt, not a copy
                 seq.head_at = head_point(prompt, self.backend.is_eog, num_reused)
+                # the reproducible mode cuts a warm prompt where a cold run of it cuts
+                on_grid = self.kv.grid is not None and self.kv.on_grid(seq.request.adapters)
+                seq.checkpoint_from = 0 if on_grid else num_reused
             self.num_cached_tokens += num_reused
             if seq.index == 0 and seq.num_generated == 0:
                 seq.request.num_cached_tokens = num_reused
@@ -579,6 +583,7 @@ class Scheduler:
     def _fork_from(self, leader: Sequence, fork: Sequence) -> None:
         assert leader.slot is not None
         slot = self.placer.fork(leader.slot)
+        slot.num_prompt = fork.num_prompt_tokens
         self._waiting.remove(fork)
         fork.slot = slot
         self.num_cached_tokens += len(slot.tokens)

@@ -103,11 +103,12 @@ class StepPlanner:
 
     def _checkpoint_cut(self, seq: Seq, start: int) -> int | None:
         """Where a prompt chunk from ``start`` must end to take a checkpoint, on a memory cut
-        only at checkpoints (None: nowhere): the next interval checkpoint, or the branch or
-        head point (:mod:`~llamax.engine.kv.checkpoints`) if one comes first."""
+        only at checkpoints (None: nowhere): the next interval checkpoint (counted from
+        where the prompt's computation started), or the branch or head point
+        (:mod:`~llamax.engine.kv.checkpoints`) if one comes first."""
         if not (self._kv.cuts_at_checkpoints and self._prefix.is_enabled):
             return None
-        following = next_checkpoint(start, seq.num_prompt_tokens)
+        following = next_checkpoint(start, seq.num_prompt_tokens, start=seq.checkpoint_from)
         for extra in (seq.branch_at, seq.head_at):
             if start < extra < (following or seq.num_prompt_tokens):
                 following = extra
