@@ -301,11 +301,7 @@ class Scheduler:
         }
         if not chunks:
             return 0
-        in_flight = {
-            s.slot.seq_id: InFlight(s.token_ids, s.checkpoint_from)
-            for s in self._running
-            if s.slot is not None and s.state is SequenceState.PREFILLING
-        }
+        in_flight = self._in_flight()
         holds: dict[int, int] = {}
         for seq in islice(self._admission_order(group), MAX_HOLD_PROBES):
             if seq.request.session_id is not None or self.planner.is_fork_candidate(seq):
@@ -323,6 +319,15 @@ class Scheduler:
                 slots[i] = (seq, keep)
                 freed += take - keep
         return freed
+
+    def _in_flight(self) -> dict[int, InFlight]:
+        """The slots of the sequences still prefilling, as a newcomer's prefix match sees
+        them (:meth:`~llamax.engine.kv.prefix.PrefixCache.match`)."""
+        return {
+            s.slot.seq_id: InFlight(s.token_ids, s.checkpoint_from)
+            for s in self._running
+            if s.slot is not None and s.state is SequenceState.PREFILLING
+        }
 
     def _admission_order(self, group: AdapterSet | None) -> Iterator[Sequence]:
         """The waiting sequences of adapter set ``group`` (None: all) in the order they
@@ -540,13 +545,8 @@ class Scheduler:
                 pinned, seq.token_ids, self.num_pending_tokens, seq.request.adapters
             )
         else:  # a session that yielded its slot is placed as a newcomer, then pinned again
-            in_flight = {
-                s.slot.seq_id: InFlight(s.token_ids, s.checkpoint_from)
-                for s in self._running
-                if s.slot is not None and s.state is SequenceState.PREFILLING
-            }
             placement = self.placer.place(
-                seq.token_ids, in_flight, self.num_pending_tokens, seq.request.adapters
+                seq.token_ids, self._in_flight(), self.num_pending_tokens, seq.request.adapters
             )
             if session_id is not None and placement.slot is not None:
                 self.sessions.pin(session_id, placement.slot)
