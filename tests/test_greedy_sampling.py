@@ -4,6 +4,7 @@ and reads the biased row's first maximum, which must be the token llama.cpp's
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -113,5 +114,44 @@ def test_the_model_greedy_path_builds_no_chain_and_agrees_with_llama_cpp(
         finally:
             backend.free_sampler(sampled)
         assert backend.num_live_samplers == 0
+    finally:
+        backend.close()
+
+
+@pytest.mark.model
+def test_the_logits_views_read_each_decodes_outputs_as_new_views_would(model_path: Path) -> None:
+    """The context keeps one view per row address (a dictionary lookup instead of
+    ``np.ctypeslib.as_array`` each step): through decodes with 1 to 24 output rows, the
+    last of which makes llama.cpp grow its output buffer (new addresses), every row reads
+    what a view made now reads; a row past the outputs is refused with a ValueError and
+    the context decodes on."""
+    backend = LlamaCppBackend(ContextConfig(model_path=str(model_path), n_ctx=1024, n_seq_max=4))
+    C, context = backend._C, backend._context
+    n_vocab = backend.facts.n_vocab
+    try:
+        text = backend.tokenize("One two three four five six seven eight", parse_special=False)
+        prompts = [text[:5], text[:3], (text * 3)[:24], text[:2]]
+        buffers = set()
+        for seq_id, (prompt, rows) in enumerate(
+            [(prompts[0], (4,)), (prompts[1], (0, 1, 2)), (prompts[3], (1,)), (prompts[2], None)]
+        ):
+            rows = tuple(range(len(prompt))) if rows is None else rows
+            assert backend.decode([BatchItem(seq_id, prompt, 0, rows)]) == 0
+            buffers.add(ctypes.cast(C.llama_get_logits(context.ptr), ctypes.c_void_p).value)
+            for row in rows:
+                fresh = np.ctypeslib.as_array(C.llama_get_logits_ith(context.ptr, row), (n_vocab,))
+                view = backend.logits(row)
+                assert view is backend.logits(row)  # kept
+                assert view.dtype == np.float32 and view.shape == (n_vocab,)
+                assert np.array_equal(view, fresh), (seq_id, row)
+                view[0] += 1.0  # zero-copy, as before: an edit reaches llama.cpp's row
+                assert fresh[0] == view[0]
+        assert len(buffers) == 2  # the 24-row decode grew the output buffer
+        with pytest.raises(ValueError, match="NULL"):
+            backend.logits(10_000)
+        assert backend.decode([BatchItem(0, text[5:6], 5, (0,))]) == 0
+        assert int(np.argmax(backend.logits(0))) == int(
+            np.argmax(np.ctypeslib.as_array(C.llama_get_logits_ith(context.ptr, 0), (n_vocab,)))
+        )
     finally:
         backend.close()

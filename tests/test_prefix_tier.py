@@ -185,3 +185,29 @@ def test_a_tier_stays_within_its_budget_and_clear_empties_it(make_tier: Make) ->
     assert (stats.num_entries, stats.num_dropped, stats.budget_bytes) == (2, 1, 2 * size)
     assert small.lookup([1, 2, 3, 4, 5], NO_ADAPTERS) is None  # the oldest went
     assert small.clear() == 2 and small.stats().num_bytes == 0
+
+
+def test_a_tiers_stats_follow_every_change_and_are_one_object_between_changes(
+    make_tier: Make,
+) -> None:
+    """The engine publishes stats every step, so a tier keeps its last stats object while
+    nothing changed; every store, hit, restore, refusal and drop gives a new one."""
+    tier = make_tier(MB)
+    first = tier.stats()
+    assert tier.stats() is first and (first.num_entries, first.num_bytes) == (0, 0)
+    assert first.budget_bytes == MB
+    stored(tier)
+    after_store = tier.stats()
+    assert after_store is not first and after_store.num_entries == 1 and after_store.num_bytes
+    assert after_store.num_stored == 1 and tier.stats() is after_store
+    hit = tier.lookup(PROMPT, NO_ADAPTERS)
+    assert hit is not None
+    tier.hold(hit)
+    tier.read(hit)
+    tier.record_restore(hit.num_common, 0.25)
+    restored = tier.stats()
+    assert (restored.num_restores, restored.num_restored_tokens) == (1, 4)
+    tier.release(hit, refused=True)
+    dropped = tier.stats()
+    assert dropped.num_refused == 1 and dropped.num_entries == 0 and dropped.num_bytes == 0
+    assert tier.stats() is dropped

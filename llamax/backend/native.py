@@ -324,14 +324,39 @@ class NativeModel:
         return self.C.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
 
 
-class NativeContext:
-    """A ``llama_context`` and its memory; freed by :meth:`close`, before its model."""
+_ROW_ADDRESS = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+"""``llama_get_logits_ith`` returning the row's address as an int (None for NULL)."""
 
-    __slots__ = ("C", "memory", "ptr")
+_MAX_ROW_VIEWS = 4096
+
+
+def _row_address_of(C: Any) -> Any:
+    """``llama_get_logits_ith`` of bindings ``C`` as a :data:`_ROW_ADDRESS` function, or
+    False where it is not a ctypes function (a test's stand-in)."""
+    try:
+        address = ctypes.cast(C.llama_get_logits_ith, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return False
+    return _ROW_ADDRESS(address) if address else False
+
+
+class NativeContext:
+    """A ``llama_context`` and its memory; freed by :meth:`close`, before its model.
+
+    :meth:`logits` keeps the views it made by row address: after a decode a step reads the
+    same rows of the same output buffer again, and a view made once costs a dictionary
+    lookup where a new one cost ``np.ctypeslib.as_array`` (tens of microseconds once a
+    decode has gone through the caches). A view is handed out only for the address
+    llama.cpp gives for the row now, so it reads what a new view would.
+    """
+
+    __slots__ = ("C", "_row_address", "_row_views", "memory", "ptr")
 
     def __init__(self, C: Any, ptr: Any) -> None:
         self.C, self.ptr = C, ptr
         self.memory = C.llama_get_memory(ptr)
+        self._row_address: Any = None  # made on first use (bindings that are not ctypes: never)
+        self._row_views: dict[int, npt.NDArray[np.float32]] = {}
 
     @classmethod
     def create(cls, model: NativeModel, cparams: Any) -> NativeContext | None:
@@ -342,6 +367,7 @@ class NativeContext:
     def close(self) -> None:
         """``llama_free``; idempotent."""
         ptr, self.ptr = self.ptr, None
+        self._row_views.clear()
         if ptr is not None:
             self.C.llama_free(ptr)
 
@@ -374,9 +400,26 @@ class NativeContext:
         return int(self.C.llama_decode(self.ptr, batch.ptr))
 
     def logits(self, row: int, n_vocab: int) -> npt.NDArray[np.float32]:
-        """Zero-copy view of output ``row``'s logits."""
-        ptr = self.C.llama_get_logits_ith(self.ptr, row)
-        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+        """Zero-copy view of output ``row``'s logits.
+
+        Raises:
+            ValueError: llama.cpp has no logits for ``row`` (NULL).
+        """
+        if self._row_address is None:
+            self._row_address = _row_address_of(self.C)
+        if self._row_address is False:  # bindings that are not ctypes functions (tests)
+            return np.ctypeslib.as_array(self.C.llama_get_logits_ith(self.ptr, row), (n_vocab,))
+        address = self._row_address(self.ptr, row)
+        if not address:
+            raise ValueError(f"llama_get_logits_ith returned NULL for row {row}")
+        view = self._row_views.get(address)
+        if view is None or len(view) != n_vocab:
+            if len(self._row_views) >= _MAX_ROW_VIEWS:  # output buffers moved many times
+                self._row_views.clear()
+            row_data = (ctypes.c_float * n_vocab).from_address(address)
+            view = np.frombuffer(memoryview(row_data), np.float32)
+            self._row_views[address] = view
+        return view
 
     def all_logits(self, num_rows: int, n_vocab: int) -> npt.NDArray[np.float32]:
         """Zero-copy view of every output's logits, in batch order."""
@@ -473,7 +516,7 @@ def first_max(logits: npt.NDArray[np.float32], sampler: NativeSampler) -> int:
     """The first index of the largest ``logits + bias`` (``sampler``'s bias), reading
     ``logits`` without changing it."""
     best = int(np.argmax(logits))
-    if not sampler.bias_ids.size or (sampler.bias_lowers and best not in sampler.bias_ids):
+    if not sampler.bias_set or (sampler.bias_lowers and best not in sampler.bias_set):
         return best  # a lowered token cannot overtake, nor tie earlier than, the maximum
     biased = logits.copy()
     biased[sampler.bias_ids] += sampler.bias_values
@@ -546,6 +589,7 @@ class NativeSampler:
         "banned",
         "bias_ids",
         "bias_lowers",
+        "bias_set",
         "bias_values",
         "candidates",
         "chain",
@@ -579,6 +623,7 @@ class NativeSampler:
         self.bias_ids = np.fromiter(bias, dtype=np.int64, count=len(bias))
         self.bias_values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
         self.bias_lowers = bool(np.all(self.bias_values < 0))
+        self.bias_set = frozenset(bias)
         self.candidates: npt.NDArray[np.void] | None = None
         if grammar is not None:
             self.candidates = np.zeros(n_vocab, dtype=_CANDIDATE)

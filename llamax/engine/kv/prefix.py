@@ -45,6 +45,9 @@ from .prefix_tier import PrefixTier
 
 __all__ = ["InFlight", "PrefixCache", "PrefixMatch"]
 
+_NO_TIER = PrefixTierStats()
+"""The stats of a tier there is not (frozen, so one object serves)."""
+
 _log = logging.getLogger("llamax")
 
 
@@ -287,8 +290,10 @@ class PrefixCache:
 
     def tier_stats(self, name: str) -> PrefixTierStats:
         """The stats of the tier named ``name`` (``ram``, ``disk``): all 0 if there is none."""
-        found = [tier.stats() for tier in self.tiers if tier.name == name]
-        return found[0] if found else PrefixTierStats()
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier.stats()
+        return _NO_TIER
 
     def audit(self) -> list[str]:
         """Inconsistencies in the tiers' bookkeeping, as sentences."""

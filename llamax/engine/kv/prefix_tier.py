@@ -451,6 +451,7 @@ class StoredTier(Generic[K, E]):
         self._lru = lru
         self.counts = PrefixTierStats()
         """The counters (:meth:`stats` adds the sizes)."""
+        self._stats: tuple[tuple[object, ...], PrefixTierStats] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -477,14 +478,20 @@ class StoredTier(Generic[K, E]):
         return self._lru.share_bytes(*owners)
 
     def stats(self) -> PrefixTierStats:
-        """Counters and sizes, frozen."""
-        return dataclasses.replace(
-            self.counts,
-            num_bytes=self.num_bytes,
-            budget_bytes=self.budget_bytes,
-            num_entries=self.num_entries,
-            num_hinted=self._lru.num_hinted,
-        )
+        """Counters and sizes, frozen; the same object while none of them changed (the
+        engine publishes stats every step, and ``dataclasses.replace`` is not cheap)."""
+        lru = self._lru
+        key = (self.counts, lru.num_bytes, lru.budget_bytes, len(lru), lru.num_hinted)
+        if self._stats is None or self._stats[0] != key:
+            stats = dataclasses.replace(
+                self.counts,
+                num_bytes=key[1],
+                budget_bytes=key[2],
+                num_entries=key[3],
+                num_hinted=key[4],
+            )
+            self._stats = (key, stats)
+        return self._stats[1]
 
     def record_restore(self, num_tokens: int, seconds: float) -> None:
         """A restore gave ``num_tokens`` prompt tokens (0: none) in ``seconds``."""
