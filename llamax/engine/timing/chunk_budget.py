@@ -19,7 +19,9 @@ from .step_budget import (
     StepCostModel,
     StepFeatures,
     Waste,
+    equal_split,
     micro_batch,
+    split_micro_batch,
     step_with_chunk,
 )
 
@@ -190,8 +192,13 @@ class ChunkBudget:
             own = [computed + 1 for n, _, computed in entries if n == 1]
             chunks = (num - len(own)) * (num_cells_used + num)
             return micro_batch(num, sum(own) + chunks, waste=waste)
+        # llama.cpp's equal split: each entry's tokens in the micro-batches it goes in
+        pieces = equal_split([n for n, _, _ in entries])
         return sum(
-            (micro_batch(n, n * (start + n // 2), waste=waste) for n, start, _ in entries),
+            (
+                split_micro_batch(n, n * (start + n // 2), sizes, waste=waste)
+                for (n, start, _), sizes in zip(entries, pieces, strict=True)
+            ),
             StepFeatures(),
         )
 
