@@ -1,0 +1,24 @@
+#!/bin/bash
+# The equal-split pricing (new) against 902d1a4 (old), alternated: 4 hybrid conversations x 12
+# turns beside llama-server (agent_turns.py, its order alternated by round), and the latency
+# workload (a 3,396-token prompt among 4 streams, SmolLM2; latency.py), 2 rounds.
+S=/root/.cache/llamax/llama-server/0d21f601b194068b/llama-server
+OUT=/work/main/benchmarks/results/issue59/equal-split
+cd /tmp
+for round in 1 2; do
+  if [ $round = 1 ]; then order="old new"; else order="new old"; fi
+  for tag in $order; do
+    if [ $tag = old ]; then code=/work/wt/base; else code=/work/main; fi
+    first=""; if [ $round = 2 ]; then first="--llama-server-first"; fi
+    echo "round $round $tag agent $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> $OUT/ab.log
+    PYTHONPATH=$code /work/main/.venv/bin/python /work/main/benchmarks/agent_turns.py --memory-kind hybrid_350m --skip-default \
+      --nocache-turns 4 --kv-layout auto --llama-server $S $first --json-out $OUT/agent_4conv_${round}_$tag.json > /dev/null 2>> $OUT/agent_${round}_$tag.log
+    echo "rc $? $(date +%T)" >> $OUT/ab.log
+  done
+  for tag in $order; do
+    if [ $tag = old ]; then code=/work/wt/base; else code=/work/main; fi
+    echo "round $round $tag latency $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >> $OUT/ab.log
+    PYTHONPATH=$code /work/main/.venv/bin/python /work/main/benchmarks/latency.py > $OUT/latency_${round}_$tag.json 2> $OUT/latency_${round}_$tag.log
+    echo "rc $? $(date +%T)" >> $OUT/ab.log
+  done
+done
