@@ -15,7 +15,7 @@ def main() -> None:
             f"{mine['ttft_median_from_turn_4_s']:.3f} / {peer['ttft_median_from_turn_4_s']:.3f}; "
             f"computed {mine['computed_tokens_total']} / {peer['computed_tokens_total']}"
         )
-    for path in sorted(glob.glob("latency_*.json")):
+    for path in sorted(glob.glob("latency_[0-9]_*.json")):
         mine = json.loads(Path(path).read_text())["systems"]["llamax"]
         print(
             f"{path}: worst gap {mine['worst_gap_s']:.3f} s, p95 gap {mine['p95_gap_s']:.3f} s, "
