@@ -332,12 +332,12 @@ _MAX_ROW_VIEWS = 4096
 
 def _row_address_of(C: Any) -> Any:
     """``llama_get_logits_ith`` of bindings ``C`` as a :data:`_ROW_ADDRESS` function, or
-    False where it is not a ctypes function (a test's stand-in)."""
+    None where it is not a ctypes function (a test's stand-in)."""
     try:
         address = ctypes.cast(C.llama_get_logits_ith, ctypes.c_void_p).value
     except (TypeError, ctypes.ArgumentError):
-        return False
-    return _ROW_ADDRESS(address) if address else False
+        return None
+    return _ROW_ADDRESS(address) if address else None
 
 
 class NativeContext:
@@ -355,7 +355,7 @@ class NativeContext:
     def __init__(self, C: Any, ptr: Any) -> None:
         self.C, self.ptr = C, ptr
         self.memory = C.llama_get_memory(ptr)
-        self._row_address: Any = None  # made on first use (bindings that are not ctypes: never)
+        self._row_address = _row_address_of(C)  # None: bindings that are not ctypes
         self._row_views: dict[int, npt.NDArray[np.float32]] = {}
 
     @classmethod
@@ -405,9 +405,7 @@ class NativeContext:
         Raises:
             ValueError: llama.cpp has no logits for ``row`` (NULL).
         """
-        if self._row_address is None:
-            self._row_address = _row_address_of(self.C)
-        if self._row_address is False:  # bindings that are not ctypes functions (tests)
+        if self._row_address is None:  # bindings that are not ctypes functions (tests)
             return np.ctypeslib.as_array(self.C.llama_get_logits_ith(self.ptr, row), (n_vocab,))
         address = self._row_address(self.ptr, row)
         if not address:

@@ -486,9 +486,10 @@ def _with_chunk(
         attention = num * (attend + num) + fixed.num_tokens * num + fixed.attention
         rows = attention * (tokens < TILE_ROWS)
         return tokens, attention, rows, attention * _extras(waste, tokens)
-    # llama.cpp splits a streams step "equally": the first micro-batch takes one token of
-    # every sequence in it, so beside other sequences a chunk's first token goes with their
-    # rows and the rest (``num - 1``) is the micro-batch that is tiled or not
+    # llama.cpp splits a streams step "equally" (:func:`equal_split`): beside one-token
+    # decode rows a chunk's first token goes with them and the rest (``num - 1``) is the
+    # micro-batch that is tiled or not. Beside another chunk the first piece is longer;
+    # priced as 1 + (num - 1) all the same (a measured step is described exactly).
     rest = num - 1 if fixed.num_tokens else num
     own = num * (attend + num // 2)
     return (
@@ -505,7 +506,7 @@ def split_micro_batch(
     """:func:`micro_batch` of one sequence's ``num_tokens`` rows that llama.cpp computes in
     micro-batches of ``sizes`` tokens (:func:`equal_split`): the same tokens and attention,
     each piece tiled or row by row by its own size, with its share of the attention."""
-    if len(sizes) <= 1:
+    if len(sizes) <= 1:  # one micro-batch (or not split at all)
         return micro_batch(num_tokens, attention, waste=waste)
     rows = sum(attention * size // num_tokens for size in sizes if size < TILE_ROWS)
     wasted = sum(
@@ -519,7 +520,8 @@ def equal_split(counts: Sequence[int]) -> list[list[int]]:
     (``llama_batch_allocr::split_equal``, what a streams cache and a recurrent or hybrid
     memory use): every micro-batch takes, from each entry with tokens left, as many as the
     entry with the fewest has left. Beside one-token decode rows a prompt chunk of ``n``
-    tokens goes as 1 and ``n - 1``; chunks of 100 and 50 tokens as 1, 49, 50 and 1, 49.
+    tokens goes as 1 and ``n - 1``; beside one such row, chunks of 100 and 50 tokens go as
+    1, 49, 50 and 1, 49 (alone together, as 50, 50 and 50).
     (llama.cpp also caps a micro-batch at ``n_ubatch`` tokens and, in a streams cache,
     takes only consecutive sequence ids into one; neither is modelled.)"""
     left = list(counts)
