@@ -5,12 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llamax.engine.timing.chunk_budget import ChunkBudget, halve_newest_chunk
-from llamax.engine.timing.step_budget import (
-    MIN_CHUNK,
-    StepFeatures,
-    equal_split,
-    step_with_chunk,
-)
+from llamax.engine.timing.step_budget import MIN_CHUNK, StepFeatures, step_with_chunk
 
 DECODE = [100, 200, 300, 400]  # tokens each decoding sequence holds
 
@@ -122,63 +117,3 @@ def test_a_refused_decode_halves_the_newest_prompt_chunk() -> None:
     assert halve_newest_chunk([2]) == [1]
     assert halve_newest_chunk([1, 1, 1]) is None  # decode rows only
     assert halve_newest_chunk([]) is None
-
-
-def test_the_equal_split_gives_each_entry_its_micro_batches() -> None:
-    """llama.cpp's equal split (streams caches, recurrent and hybrid memories): each
-    micro-batch takes, from every entry with tokens left, what the shortest has left."""
-    assert equal_split([1, 1, 1, 64]) == [[1], [1], [1], [1, 63]]
-    assert equal_split([100, 1, 50]) == [[1, 49, 50], [1], [1, 49]]
-    assert equal_split([300]) == [[300]]
-    assert equal_split([5, 5]) == [[5], [5]]
-    assert equal_split([]) == []
-
-
-def test_a_streams_chunk_beside_decode_rows_is_priced_as_llama_cpp_computes_it() -> None:
-    """Beside decode rows a 64-token chunk goes as 1 token with the rows and 63 row by row
-    (measured on the hybrid at 1,024 cells: 64 tokens beside 3 rows 372 ms, 65 tokens 275
-    ms; SmolLM2 544 and 394 ms): so it is priced dearer than 65 tokens (1 + 64 tiled), while
-    alone, or in a unified cache (one micro-batch), 64 tokens are tiled and cheaper."""
-    budget = ChunkBudget(512, 200)
-    cost = budget.cost
-    rows = budget.decode_features(DECODE, unified=False)
-    assert cost.predict(step_with_chunk(rows, 64, 2000, unified=False)) > cost.predict(
-        step_with_chunk(rows, 65, 2000, unified=False)
-    )
-    alone = StepFeatures()
-    assert cost.predict(step_with_chunk(alone, 64, 2000, unified=False)) < cost.predict(
-        step_with_chunk(alone, 65, 2000, unified=False)
-    )
-    together = budget.decode_features(DECODE, unified=True)
-    assert cost.predict(step_with_chunk(together, 64, 2000, unified=True)) < cost.predict(
-        step_with_chunk(together, 65, 2000, unified=True)
-    )
-    # a measured step is described the same way: its 63-token piece row by row
-    entries = [(1, 100, 100), (1, 200, 200), (1, 300, 300), (64, 2000, 2000)]
-    measured = budget.step_features(entries, 2600, unified=False)
-    assert measured.row_attention > 100 + 200 + 300 + 63 * 2000
-    tiled = budget.step_features([(64, 2000, 2000)], 2600, unified=False)
-    assert tiled.row_attention == 0 and tiled.attention == measured.attention - 600
-
-
-@pytest.mark.parametrize("computed", [1000, 3000])
-def test_beside_decode_rows_a_streams_chunk_never_leaves_a_row_by_row_remainder_of_63(
-    computed: int,
-) -> None:
-    """Whatever the budget, the chunk the planner picks beside decode rows in a streams
-    cache is not 64 tokens (63 row by row after the split), where 65 cost less."""
-    takes = set()
-    for ms in range(40, 800, 4):
-        budget = ChunkBudget(512, ms)
-        fixed = budget.start_step(DECODE, unified=False)
-        take, _ = budget.chunk(
-            fixed,
-            512,
-            num_pending=4000,
-            num_computed=computed,
-            num_cells_used=4000,
-            num_decode=len(DECODE),
-            unified=False,
-        )
-        takes.add(take)
-    assert 64 not in takes and any(t > 64 for t in takes)

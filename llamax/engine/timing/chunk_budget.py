@@ -19,9 +19,7 @@ from .step_budget import (
     StepCostModel,
     StepFeatures,
     Waste,
-    equal_split,
     micro_batch,
-    split_micro_batch,
     step_with_chunk,
 )
 
@@ -192,16 +190,8 @@ class ChunkBudget:
             own = [computed + 1 for n, _, computed in entries if n == 1]
             chunks = (num - len(own)) * (num_cells_used + num)
             return micro_batch(num, sum(own) + chunks, waste=waste)
-        # llama.cpp's equal split: each entry's tokens in the micro-batches it goes in;
-        # it cuts nothing in a step of one entry or of one-token rows only (most steps)
-        counts = [n for n, _, _ in entries]
-        split = len(counts) > 1 and max(counts) > 1
-        pieces: list[list[int]] = equal_split(counts) if split else [[]] * len(counts)
         return sum(
-            (
-                split_micro_batch(n, n * (start + n // 2), sizes, waste=waste)
-                for (n, start, _), sizes in zip(entries, pieces, strict=True)
-            ),
+            (micro_batch(n, n * (start + n // 2), waste=waste) for n, start, _ in entries),
             StepFeatures(),
         )
 

@@ -54,7 +54,6 @@ where numpy took 0.16-0.20 (issue 59, ``step-overhead/``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -71,9 +70,7 @@ __all__ = [
     "TILE_ROWS",
     "StepCostModel",
     "StepFeatures",
-    "equal_split",
     "micro_batch",
-    "split_micro_batch",
     "step_with_chunk",
     "tile_waste_table",
 ]
@@ -486,54 +483,13 @@ def _with_chunk(
         attention = num * (attend + num) + fixed.num_tokens * num + fixed.attention
         rows = attention * (tokens < TILE_ROWS)
         return tokens, attention, rows, attention * _extras(waste, tokens)
-    # llama.cpp splits a streams step "equally" (:func:`equal_split`): beside one-token
-    # decode rows a chunk's first token goes with them and the rest (``num - 1``) is the
-    # micro-batch that is tiled or not. Beside another chunk the first piece is longer;
-    # priced as 1 + (num - 1) all the same (a measured step is described exactly).
-    rest = num - 1 if fixed.num_tokens else num
     own = num * (attend + num // 2)
     return (
         tokens,
         own + fixed.attention,
-        own * (rest < TILE_ROWS) + fixed.row_attention,
-        own * _extras(waste, rest) + fixed.tile_waste,
+        own * (num < TILE_ROWS) + fixed.row_attention,
+        own * _extras(waste, num) + fixed.tile_waste,
     )
-
-
-def split_micro_batch(
-    num_tokens: int, attention: int, sizes: Sequence[int], *, waste: Waste | None = None
-) -> StepFeatures:
-    """:func:`micro_batch` of one sequence's ``num_tokens`` rows that llama.cpp computes in
-    micro-batches of ``sizes`` tokens (:func:`equal_split`): the same tokens and attention,
-    each piece tiled or row by row by its own size, with its share of the attention."""
-    if len(sizes) <= 1:  # one micro-batch (or not split at all)
-        return micro_batch(num_tokens, attention, waste=waste)
-    rows = sum(attention * size // num_tokens for size in sizes if size < TILE_ROWS)
-    wasted = sum(
-        attention * size / num_tokens * _extras(waste, size) for size in sizes if size >= TILE_ROWS
-    )
-    return StepFeatures(num_tokens, attention, rows, int(wasted))
-
-
-def equal_split(counts: Sequence[int]) -> list[list[int]]:
-    """The tokens of each entry in each micro-batch of llama.cpp's equal split
-    (``llama_batch_allocr::split_equal``, what a streams cache and a recurrent or hybrid
-    memory use): every micro-batch takes, from each entry with tokens left, as many as the
-    entry with the fewest has left. Beside one-token decode rows a prompt chunk of ``n``
-    tokens goes as 1 and ``n - 1``; beside one such row, chunks of 100 and 50 tokens go as
-    1, 49, 50 and 1, 49 (alone together, as 50, 50 and 50).
-    (llama.cpp also caps a micro-batch at ``n_ubatch`` tokens and, in a streams cache,
-    takes only consecutive sequence ids into one; neither is modelled.)"""
-    left = list(counts)
-    pieces: list[list[int]] = [[] for _ in left]
-    while True:
-        active = [i for i, num in enumerate(left) if num > 0]
-        if not active:
-            return pieces
-        take = min(left[i] for i in active)
-        for i in active:
-            pieces[i].append(take)
-            left[i] -= take
 
 
 def _extras(waste: Waste | None, rows: _Num) -> _Num:
