@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import statistics
 import sys
@@ -72,9 +73,9 @@ from _common import (
 
 import llamax
 
-Turn = tuple[int, int, float]
+Turn = tuple[int, int, float, list[float]]
 """One turn of one conversation: prompt tokens, tokens computed, TTFT in seconds."""
-Submit = Callable[[int, list[int]], tuple[list[int], int, float]]
+Submit = Callable[[int, list[int]], tuple[list[int], int, float, list[float]]]
 """``(conversation, prompt tokens) -> (reply tokens, tokens computed, TTFT)``."""
 
 
@@ -114,8 +115,8 @@ def run_conversations(
                     {"role": "user", "content": _tool_result(c, t, count, args.turn_tokens)}
                 )
                 prompt = ctx.chat_prompt(messages)
-                reply, computed, ttft = submit(c, prompt)
-                turns[c].append((len(prompt), computed, ttft))
+                reply, computed, ttft, gaps = submit(c, prompt)
+                turns[c].append((len(prompt), computed, ttft, gaps))
                 messages.append({"role": "assistant", "content": ctx.detokenize(reply)})
         except BaseException as exc:  # re-raised below
             errors.append(exc)
@@ -133,22 +134,25 @@ def run_conversations(
 def llamax_submit(ctx: llamax.Context, max_tokens: int) -> Submit:
     params = llamax.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    def submit(_c: int, prompt: list[int]) -> tuple[list[int], int, float]:
+    def submit(_c: int, prompt: list[int]) -> tuple[list[int], int, float, list[float]]:
         start = time.perf_counter()
         handle = ctx.add_request(prompt, params)
         ttft = None
+        times: list[float] = []
         for _ in handle:
+            times.append(time.perf_counter())
             if ttft is None:
-                ttft = time.perf_counter() - start
+                ttft = times[-1] - start
         done = handle.result(timeout=600)
         usage = done.usage
-        return done.token_ids, usage.prompt_tokens - usage.cached_tokens, ttft or 0.0
+        computed = usage.prompt_tokens - usage.cached_tokens
+        return done.token_ids, computed, ttft or 0.0, _gaps(times)
 
     return submit
 
 
 def server_submit(port: int, max_tokens: int) -> Submit:
-    def submit(_c: int, prompt: list[int]) -> tuple[list[int], int, float]:
+    def submit(_c: int, prompt: list[int]) -> tuple[list[int], int, float, list[float]]:
         body = {
             "prompt": prompt,
             "n_predict": max_tokens,
@@ -162,6 +166,7 @@ def server_submit(port: int, max_tokens: int) -> Submit:
         start = time.perf_counter()
         ttft = None
         tokens: list[int] = []
+        times: list[float] = []
         computed = len(prompt)
         try:
             conn.request("POST", "/completion", json.dumps(body))
@@ -172,6 +177,8 @@ def server_submit(port: int, max_tokens: int) -> Submit:
                 if not line.startswith(b"data: "):
                     continue
                 event = json.loads(line[6:])
+                if event.get("tokens"):
+                    times.append(time.perf_counter())
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 tokens.extend(event.get("tokens") or [])
@@ -181,9 +188,14 @@ def server_submit(port: int, max_tokens: int) -> Submit:
                     break
         finally:
             conn.close()
-        return tokens, computed, ttft or 0.0
+        return tokens, computed, ttft or 0.0, _gaps(times)
 
     return submit
+
+
+def _gaps(times: list[float]) -> list[float]:
+    """The seconds between a reply's consecutive streamed tokens."""
+    return [later - earlier for earlier, later in itertools.pairwise(times)]
 
 
 def summarize(turns: list[list[Turn]]) -> dict[str, Any]:
@@ -200,8 +212,12 @@ def summarize(turns: list[list[Turn]]) -> dict[str, Any]:
             }
         )
     late = [p for p in per_turn if p["turn"] >= 4]
+    gaps = sorted(g for conversation in turns for c in conversation for g in c[3])
     return {
         "per_turn": per_turn,
+        # between a reply's tokens: what a turn's prompt beside the others' decoding costs them
+        "gap_p95_s": round(gaps[int(0.95 * (len(gaps) - 1))], 4) if gaps else None,
+        "gap_worst_s": round(gaps[-1], 4) if gaps else None,
         "computed_by_conversation": [[c[1] for c in conversation] for conversation in turns],
         "computed_tokens_total": sum(c[1] for conversation in turns for c in conversation),
         "ttft_median_from_turn_4_s": round(statistics.median(p["ttft_s"] for p in late), 4),
@@ -281,9 +297,9 @@ def run_interleaved(binary: Path, path: Path, args: argparse.Namespace) -> dict[
                     history.append({"role": "user", "content": user})
                     prompt = ctx.chat_prompt(history)
                     start = time.perf_counter()
-                    reply, computed, ttft = submits[name](0, prompt)
+                    reply, computed, ttft, gaps = submits[name](0, prompt)
                     walls[name] += time.perf_counter() - start
-                    turns[name].append((len(prompt), computed, ttft))
+                    turns[name].append((len(prompt), computed, ttft, gaps))
                     history.append({"role": "assistant", "content": ctx.detokenize(reply)})
         return {
             name: summarize([turns[name]]) | {"wall_s": round(walls[name], 2)} for name in submits
