@@ -35,7 +35,9 @@ runs ``llamax_nocache`` for N turns only (on the 350M shape its 12 turns take ~1
 the TTFT ratios then cover turns 4 to N of each system. Per system, model and
 turn: the median over conversations of the prompt tokens computed (llamax: ``prompt -
 cached``; llama-server: ``timings.prompt_n``) and of the TTFT; and the median TTFT from
-turn 4 on against ``llamax_nocache``'s and llama-server's.
+turn 4 on against ``llamax_nocache``'s and llama-server's. Per system and model also the
+gaps between a reply's streamed tokens over every turn (``gap_p95_s``, ``gap_worst_s``):
+how long a reply waits while other conversations' prompts are computed.
 
 ::
 
@@ -74,9 +76,10 @@ from _common import (
 import llamax
 
 Turn = tuple[int, int, float, list[float]]
-"""One turn of one conversation: prompt tokens, tokens computed, TTFT in seconds."""
+"""One turn of one conversation: prompt tokens, tokens computed, TTFT in seconds, and the
+seconds between the reply's streamed tokens."""
 Submit = Callable[[int, list[int]], tuple[list[int], int, float, list[float]]]
-"""``(conversation, prompt tokens) -> (reply tokens, tokens computed, TTFT)``."""
+"""``(conversation, prompt tokens) -> (reply tokens, tokens computed, TTFT, gaps)``."""
 
 
 def _tool_result(conversation: int, turn: int, count: Callable[[str], int], target: int) -> str:
