@@ -60,7 +60,9 @@ class StepPlanner:
     def start(self, decode: list[Seq]) -> StepFeatures | None:
         """Start a step with the decode rows of ``decode`` (:meth:`ChunkBudget.start_step`)."""
         return self.budget.start_step(
-            [seq.num_computed for seq in decode], unified=self._kv.is_unified
+            [seq.num_computed for seq in decode],
+            unified=self._kv.is_unified,
+            streaming=any(seq.num_generated for seq in decode),
         )
 
     def chunk(

@@ -51,19 +51,24 @@ class ChunkBudget:
         chunks get that much less time."""
         self._pause_s = seconds
 
-    def start_step(self, decode_computed: Sequence[int], *, unified: bool) -> StepFeatures | None:
+    def start_step(
+        self, decode_computed: Sequence[int], *, unified: bool, streaming: bool = True
+    ) -> StepFeatures | None:
         """Set this step's budget from its decode rows.
 
         Args:
             decode_computed: The tokens each decoding sequence of the step holds in KV.
             unified: Whether the cache is one buffer.
+            streaming: Whether a row is a reply's, whose stream waits for its next token;
+                rows that only compute a prompt's last token (a memory cut at checkpoints
+                computes it alone) keep nobody's pace.
 
         Returns:
             The decode rows' features, which :meth:`chunk` takes and grows; None when
-            chunks are not timed (nobody decodes, or no ``max_step_ms``).
+            chunks are not timed (no reply decodes, or no ``max_step_ms``).
         """
         pause, self._pause_s = self._pause_s, 0.0
-        if not decode_computed or self.max_step_s is None:
+        if not decode_computed or not streaming or self.max_step_s is None:
             return None
         fixed = self.decode_features(decode_computed, unified=unified)
         # the prompt chunks of a step may add up to max_step_ms to its decode rows, and a
