@@ -30,6 +30,8 @@ def test_untimed_or_without_decode_rows_a_chunk_takes_the_limit() -> None:
     assert first_chunk(untimed, 300) == 300
     timed = ChunkBudget(512, 50)
     assert timed.start_step([], unified=True) is None  # nobody waits for a token
+    # rows that only compute prompts' last tokens: no reply waits for its next one
+    assert timed.start_step(DECODE, unified=True, streaming=False) is None
 
 
 @pytest.mark.parametrize("unified", [True, False])

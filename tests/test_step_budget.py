@@ -260,6 +260,33 @@ def test_slow_decode_rows_stretch_the_first_chunk_up_to_twice_the_budget(
         monkeypatch.undo()
 
 
+def test_a_row_that_only_finishes_a_prompt_leaves_the_step_unbudgeted(
+    make_fake: MakeFake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A memory cut at checkpoints computes a prompt's last token alone, a step after the
+    rest: that row streams nothing yet, so it does not hold the other prompts to the budget
+    (a 4-conversation agent run on a hybrid model went 1.12x slower for it, issue 59); once
+    it streams, it does."""
+    ctx, backend = make_fake(n_ctx=4096, n_batch=512, recurrent=True)
+    model = ctx._engine.scheduler.step_cost
+    for n, cells in itertools.product((1, 2, 50, 100, 300, 512) * 4, (10, 1000, 3000)):
+        model.observe(micro_batch(n, n * cells), 0.005 * n)  # a slow machine: 5 ms a token
+    monkeypatch.setattr(model, "observe", lambda *_: None)  # the fake itself is fast
+    short = ctx.add_request("y" * 100, llamax.SamplingParams(max_tokens=4))
+    long = ctx.add_request("x" * 1500, llamax.SamplingParams(max_tokens=1))
+    steps = []
+    for _ in range(3):
+        ctx.process()
+        steps.append(sorted(len(item.token_ids) for item in backend.decode_log[-1]))
+    assert steps[0][0] == 99  # the short prompt up to its last token, which goes alone:
+    assert steps[1][0] == 1 and steps[1][1] >= 256  # beside it, no budget (not ~50 tokens)
+    assert steps[2][0] == 1 and 40 <= steps[2][1] <= 52  # it streams: 250 ms at 5 ms a token
+    assert short.result().finish_reason == "length"
+    assert long.result().finish_reason == "length"
+    while ctx.has_work():
+        ctx.process()
+
+
 def test_the_first_steps_are_budgeted_from_the_prior(make_fake: MakeFake) -> None:
     """No step measured yet: the prior (3 ms a token) already chunks a long prompt."""
     ctx, backend = make_fake(n_ctx=4096, n_batch=512)

@@ -20,7 +20,10 @@ the latency target, not by a token count. (Bounding the whole step instead would
 many streams whose decode alone takes ``max_step_ms``, admit one short prompt a step.)
 A prompt still advances by at least :data:`MIN_CHUNK` tokens a step,
 so it is never starved. With nothing decoding, nobody waits for a token and the whole
-``n_batch`` is used.
+``n_batch`` is used; so too when the only one-token rows compute prompts' last tokens (a
+memory cut at checkpoints computes that token alone, a step after the rest): no reply is
+streaming yet, and budgeting them cut the other prompts beside them, which kept four alike
+agent conversations on a hybrid model out of step for good (1.16x the wall, issue 59).
 
 Nor is a long prompt slowed down much. Each step costs the decode rows and a fixed
 overhead on top of the chunk, so a chunk that is small next to them makes the prefill many
