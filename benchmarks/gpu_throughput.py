@@ -30,6 +30,13 @@ logits), and ``python_ms``, the rest of the step's wall time (scheduling, detoke
 futures, the engine thread's hand-offs). The synchronize moves the GPU wait from sampling
 into decode; it does not add a wait.
 
+Each result is also given as memory bandwidth (``bandwidth``): a decode step reads the
+weights once (every tensor but the token embedding table, whose rows are looked up, unless
+the output matrix is that table) and each sequence's KV cells (its prompt and half the
+reply on average, at the context's ``kv_bytes_per_cell``); bytes a step x steps a second
+(tokens a second / N) is the bandwidth the run used, and with ``--peak-gbs`` (the device's
+bound: about 4,800 GB/s for an H200, 3,350 for an H100 SXM) its share of the bound.
+
 ``--cpu`` runs everything with ``n_gpu_layers=0`` and ``-ngl 0`` (a smoke run on a machine
 without a GPU); ``--quick`` runs N = 1 and 16 with 32 tokens and one repeat. Targets, on an
 H100: llamax >= 1.0x llama-server at every N >= 16.
@@ -66,6 +73,7 @@ from _loops import RawLoop
 from _peers import LlamaServerPeer
 
 import llamax
+from llamax.backend.gguf_file import read_header
 
 MODES: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
@@ -144,6 +152,55 @@ def server_runs(
         return tokens, time.perf_counter() - start
 
     return for_mode
+
+
+def weight_bytes_per_step(model: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor's data (to the next tensor's
+    offset, so with its alignment padding), less the token embedding table where the model
+    has an output matrix of its own (a step reads only its rows' embeddings)."""
+    header = read_header(model)
+    tensors = sorted(header.tensors, key=lambda t: t.offset)
+    ends = [t.offset for t in tensors[1:]] + [header.file_size - header.data_offset]
+    sizes = {t.name: end - t.offset for t, end in zip(tensors, ends, strict=True)}
+    if "output.weight" in sizes:
+        sizes.pop("token_embd.weight", None)
+    return sum(sizes.values())
+
+
+def bandwidth(
+    tokens_per_s: dict[str, dict[str, float]],
+    weight_bytes: int,
+    kv_bytes_per_cell: int,
+    mean_cells: float,
+    peak_gbs: float | None,
+) -> dict[str, Any]:
+    """The memory bandwidth each system's runs used (module docstring), and its share of
+    ``peak_gbs`` when given."""
+    step_bytes = {
+        n: weight_bytes + int(n) * mean_cells * kv_bytes_per_cell
+        for by_n in tokens_per_s.values()
+        for n in by_n
+    }
+    used = {
+        system: {n: round(step_bytes[n] * tps / int(n) / 1e9, 1) for n, tps in by_n.items()}
+        for system, by_n in tokens_per_s.items()
+    }
+    out: dict[str, Any] = {
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_cell": kv_bytes_per_cell,
+        "mean_cells": round(mean_cells, 1),
+        "bytes_per_step": {
+            n: int(b) for n, b in sorted(step_bytes.items(), key=lambda x: int(x[0]))
+        },
+        "gbs": used,
+    }
+    if peak_gbs:
+        out["peak_gbs"] = peak_gbs
+        out["share_of_peak"] = {
+            system: {n: round(gbs / peak_gbs, 4) for n, gbs in by_n.items()}
+            for system, by_n in used.items()
+        }
+    return out
 
 
 def overhead(ctx: llamax.Context, n: int, max_tokens: int, mode: str) -> dict[str, Any]:
@@ -227,14 +284,20 @@ def bench_shape(
                     log(f"{name} N={n:<3} {system:<12} {tokens / seconds:9.1f} tok/s")
         breakdown = [overhead(ctx, args.overhead_n, args.max_tokens, m) for m in args.modes]
         log(f"{name} overhead at N={args.overhead_n}: {breakdown}")
+        prompt_tokens = statistics.mean(len(ctx.tokenize(p)) for p in short_prompts(n_max))
+        kv_bytes_per_cell = ctx.model_info().kv_bytes_per_cell
     finally:
         for close in reversed(closers):
             close()
     med = {s: {n: statistics.median(v) for n, v in by_n.items()} for s, by_n in samples.items()}
+    mean_cells = prompt_tokens + args.max_tokens / 2
     return {
         "model": str(model),
         "model_bytes": model.stat().st_size,
         "median_tokens_per_s": {s: {n: round(v, 2) for n, v in m.items()} for s, m in med.items()},
+        "bandwidth": bandwidth(
+            med, weight_bytes_per_step(model), kv_bytes_per_cell, mean_cells, args.peak_gbs
+        ),
         "ratios": {
             f"{named(LLAMAX, m)}_over_{named(other, m)}": {
                 str(n): ratio(
@@ -268,6 +331,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="sampling modes"
     )
     parser.add_argument("--quick", action="store_true", help="N = 1 16, 32 tokens, 1 repeat")
+    parser.add_argument(
+        "--peak-gbs",
+        type=float,
+        help="the device's memory bandwidth bound in GB/s (H200: ~4800): report each share",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.n, args.max_tokens, args.repeats = [1, 16], 32, 1

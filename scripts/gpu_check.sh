@@ -18,7 +18,9 @@
 #   test         pytest -m gpu on the random 1b, then on tiny (on a CPU: small, then tiny)
 #   bench        benchmarks/gpu_throughput.py on 1b and tiny (LLAMAX_GPU_BENCH_SHAPES), llama-server
 #                of this build; greedy unless LLAMAX_GPU_BENCH_MODES names more
-#                ("greedy sampled sampled_penalty": about three times as long)
+#                ("greedy sampled sampled_penalty": about three times as long); each
+#                result also as a share of the device's bandwidth bound (H200, H100, or
+#                LLAMAX_GPU_PEAK_GBS)
 #   bench-8b     the same on 8b (128,256-token vocabulary; written first), its own report
 #   bench-quick  the same as bench at N = 1 and 16, 32 tokens each (a smoke run)
 # --cpu builds without CUDA (a dry run of every phase on a machine without a GPU).
@@ -138,6 +140,18 @@ cuda_fallbacks() {
       cmake_extra+=(-DGGML_CUDA_NO_VMM=ON)
     fi
   fi
+}
+
+peak_gbs() {
+  # the device's memory bandwidth bound in GB/s (the report's share of it), where known
+  local name
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  case "$name" in
+    *H200*) echo 4800 ;;
+    *H100*PCIe*) echo 2000 ;;
+    *H100*) echo 3350 ;;
+    *) echo "${LLAMAX_GPU_PEAK_GBS:-}" ;;
+  esac
 }
 
 phase_probe() {
@@ -289,6 +303,9 @@ phase_bench() {
   elif [ "$quick" = 1 ]; then
     args+=(--quick)
   fi
+  local peak
+  peak=$(peak_gbs)
+  [ -z "$peak" ] || args+=(--peak-gbs "$peak")
   # the report is rewritten after each shape: a run cut short keeps the shapes it finished
   for shape in "$@"; do
     args+=(--shape "$shape=$models/$shape.gguf")
