@@ -13,9 +13,15 @@ run() {  # tag tree extra-args...
     --skip-default --nocache-turns 4 --kv-layout auto --json-out $OUT/agent_$tag.json "$@" > /dev/null 2>> $OUT/agent_$tag.log
   echo "rc $? $(date +%T)" >> $OUT/run.log
 }
-for r in 1 2; do
+for r in $([ "$1" = more ] || echo 1 2); do
   run old_a$r /work/wt/old; run new_a$r /work/wt/new; run new_b$r /work/wt/new; run old_b$r /work/wt/old
 done
+if [ "$1" = more ]; then  # two more beside llama-server, later in the sitting
+  run new_server3 /work/wt/new --llama-server $S --llama-server-first
+  run new_server4 /work/wt/new --llama-server $S
+  echo "done $(date +%T)" >> $OUT/run.log
+  exit 0
+fi
 run new_server1 /work/wt/new --llama-server $S
 run new_server2 /work/wt/new --llama-server $S --llama-server-first
 echo "done $(date +%T)" >> $OUT/run.log

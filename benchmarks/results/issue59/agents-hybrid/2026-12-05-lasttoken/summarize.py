@@ -29,7 +29,10 @@ def main() -> None:
             walls["new"].append(new["wall_s"])
     for code, values in walls.items():
         print(f"{code}: median wall {statistics.median(values):.2f} s of {values}")
-    for tag in ("new_server1", "new_server2"):
+    for tag in ("new_server1", "new_server2", "new_server3", "new_server4"):
+        path = Path(f"agent_{tag}.json")
+        if not path.exists() or not path.stat().st_size:
+            continue
         ours, theirs = row(tag), row(tag, "llama_server")
         print(line(f"{tag} llamax", ours))
         print(line(f"{tag} llama-server", theirs))
