@@ -19,8 +19,8 @@
 #   bench        benchmarks/gpu_throughput.py on 1b and tiny (LLAMAX_GPU_BENCH_SHAPES), llama-server
 #                of this build; greedy unless LLAMAX_GPU_BENCH_MODES names more
 #                ("greedy sampled sampled_penalty": about three times as long); each
-#                result also as a share of the device's bandwidth bound (H200, H100, or
-#                LLAMAX_GPU_PEAK_GBS)
+#                result also as a share of the device's bandwidth bound
+#                (LLAMAX_GPU_PEAK_GBS, else an H200's or H100's)
 #   bench-8b     the same on 8b (128,256-token vocabulary; written first), its own report
 #   bench-quick  the same as bench at N = 1 and 16, 32 tokens each (a smoke run)
 # --cpu builds without CUDA (a dry run of every phase on a machine without a GPU).
@@ -143,14 +143,18 @@ cuda_fallbacks() {
 }
 
 peak_gbs() {
-  # the device's memory bandwidth bound in GB/s (the report's share of it), where known
+  # the device's memory bandwidth bound in GB/s (the report's share of it): as
+  # LLAMAX_GPU_PEAK_GBS says, else for the devices we know, else none
+  if [ -n "${LLAMAX_GPU_PEAK_GBS:-}" ]; then
+    echo "$LLAMAX_GPU_PEAK_GBS"
+    return
+  fi
   local name
   name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
   case "$name" in
     *H200*) echo 4800 ;;
     *H100*PCIe*) echo 2000 ;;
     *H100*) echo 3350 ;;
-    *) echo "${LLAMAX_GPU_PEAK_GBS:-}" ;;
   esac
 }
 
