@@ -169,7 +169,7 @@ _TYPE_CHECKS: tuple[tuple[Check, tuple[str, ...]], ...] = (
     (_INT, ("n_ctx", "n_seq_max", "n_batch", "n_gpu_layers")),
     (_INT_OR_NONE, ("n_ctx_seq", "n_ubatch", "n_threads", "n_threads_batch")),
     (_BOOL, ("use_mmap", "prefix_cache", "verbose", "use_extra_bufts", "flash_attn", "calibrate")),
-    (_BOOL, ("adapt_threads", "reproducible")),
+    (_BOOL, ("adapt_threads", "reproducible", "backend_sampling")),
     (_BYTES, ("prefix_ram_bytes", "prefix_disk_bytes")),
     (_SHARE, ("prefix_ram_share", "prefix_disk_share")),
     (_DIR, ("prefix_disk_dir",)),
@@ -331,6 +331,14 @@ class ContextConfig:
         default=None,
         metadata=spec(
             default_doc="auto", doc="flash attention (auto: llama.cpp decides)", flag=True
+        ),
+    )
+    backend_sampling: bool = field(
+        default=False,
+        metadata=spec(
+            doc="sample plain requests' rows inside llama.cpp's graph, on the device that "
+            "computes the logits (llama.cpp's backend sampling; docs/logits.md#backend-sampling)",
+            flag=True,
         ),
     )
     kv_type: KVType = field(
@@ -771,6 +779,7 @@ class ContextOptions(TypedDict, total=False):
     use_mmap: bool
     use_extra_bufts: bool | None
     flash_attn: bool | None
+    backend_sampling: bool
     kv_type: KVType
     kv_type_k: KVType | None
     kv_type_v: KVType | None

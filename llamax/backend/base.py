@@ -83,6 +83,10 @@ class BatchItem:
     ``decode``, and wants no output."""
     non_causal: bool = False
     """With ``embeddings``: decoded with non-causal attention (the whole image at once)."""
+    sampler: Any = field(default=None, compare=False, repr=False)
+    """With one row, for a backend that samples in the graph (:class:`GraphSampling`): the
+    sampler that will sample the row, alone and from nothing but the row (no forks, logits
+    processors, logprobs or grammar), which the backend may therefore run in the decode."""
 
     @property
     def row(self) -> int | None:
@@ -230,6 +234,29 @@ class SamplerFactory(Protocol):
     def free_sampler(self, sampler: Sampler) -> None:
         """Release a sampler built by :meth:`new_sampler`."""
         ...
+
+
+@runtime_checkable
+class GraphSampling(Protocol):
+    """A backend that can sample rows inside the decode (llama.cpp's backend sampling)."""
+
+    @property
+    def samples_in_graph(self) -> bool:
+        """Whether a :class:`BatchItem`'s ``sampler`` may be run in the decode: its row's
+        token is then what :meth:`SamplerFactory.sample_rows` returns for it."""
+
+    def new_sampler(
+        self,
+        params: SamplingParams,
+        seed: int,
+        history: Sequence[int],
+        *,
+        grammar: str | None = None,
+        graph: bool = False,
+    ) -> Sampler:
+        """:meth:`SamplerFactory.new_sampler`; with ``graph``, a sampler the decode may run
+        when it is named by a :class:`BatchItem` (the engine asks only for samplers that
+        sample their rows alone, from nothing but the rows)."""
 
 
 class KVMemory(Protocol):

@@ -27,6 +27,7 @@ from ..params import SamplingParams
 from .base import BatchItem, Drawn, SharedPrefix
 from .fingerprint import weights_fingerprint
 from .gguf_file import GGML_TYPE_NAMES, GGML_TYPES
+from .graph_sampling import GraphChains
 from .host_sampling import host_sampling_enabled
 from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_queued_copies
 from .llama_model import LlamaCppModel
@@ -81,6 +82,7 @@ class LlamaCppBackend(LlamaCppModel):
         self._config = config
         self._samplers: dict[int, NativeSampler] = {}
         self._host_sampling = host_sampling_enabled()
+        self._graph = GraphChains(C) if config.backend_sampling else None
         if config.rpc_servers is not None:
             register_rpc_servers(C, config.rpc_servers)
         with (
@@ -124,6 +126,8 @@ class LlamaCppBackend(LlamaCppModel):
                 n_threads_batch=config.n_threads_batch or config.resolved_n_threads,
                 kv_unified=self._is_unified,
             )
+            if config.backend_sampling:  # penalties then run in the graph too
+                self._cparams.n_outputs_max_per_seq = 1
             type_k, type_v = config.kv_types
             self._cparams.type_k, self._cparams.type_v = GGML_TYPES[type_k], GGML_TYPES[type_v]
             if config.flash_attn is not None:
@@ -267,6 +271,8 @@ class LlamaCppBackend(LlamaCppModel):
             new.close()
             raise
         old, self._context, self._is_unified = self._context, new, unified
+        if self._graph is not None:
+            self._graph.release_all(old.ptr)
         old.close()
         self._adapter_set = None  # the new context has none applied yet
         self._kv_cells = new.n_ctx()
@@ -314,6 +320,12 @@ class LlamaCppBackend(LlamaCppModel):
         """Whether the memory supports position shifts (``seq_add``)."""
         with self._guard.entered():
             return self._context.can_shift()
+
+    @property
+    def samples_in_graph(self) -> bool:
+        """``backend_sampling``: a batch item's plain sampler runs in the decode
+        (:class:`~llamax.backend.base.GraphSampling`, :mod:`~llamax.backend.graph_sampling`)."""
+        return self._graph is not None
 
     @property
     def num_live_samplers(self) -> int:
@@ -366,6 +378,8 @@ class LlamaCppBackend(LlamaCppModel):
             for row in item.rows:
                 batch.logits[row] = 1
         batch.set_n_tokens(n)
+        if self._graph is not None:
+            self._graph.bind(self._context.ptr, items)
         return self._context.decode(batch)
 
     # ------------------------------------------------------------------ images
@@ -456,12 +470,15 @@ class LlamaCppBackend(LlamaCppModel):
         history: Sequence[int],
         *,
         grammar: str | None = None,
+        graph: bool = False,
     ) -> Any:
         """Build the native sampler chain for one sequence
-        (:func:`~llamax.backend.sampler_chain.new_sampler`)."""
+        (:func:`~llamax.backend.sampler_chain.new_sampler`); with ``graph`` (and
+        ``backend_sampling``), one llama.cpp may run in the decode."""
         sampler = new_sampler(
             self._C, self._model, params, seed, history, grammar,
             eog=self._eog, n_vocab=self._n_vocab, n_ctx=self._n_ctx, host=self._host_sampling,
+            graph=graph and self._graph is not None,
         )  # fmt: skip
         self._samplers[id(sampler)] = sampler
         return sampler
@@ -477,6 +494,11 @@ class LlamaCppBackend(LlamaCppModel):
         Raises:
             RequestFailedError: the grammar allows no token at this point.
         """
+        if sampler.graph and self._graph is not None:
+            drawn = self._graph.sampled(self._context.ptr, sampler, row)
+            if drawn is not None:
+                return drawn
+            self._graph.host_ready(self._context.ptr, sampler)
         if sampler.grammar is not None:
             constrain(self._C, sampler, self.logits(row))
         token: int = sampler.sample(self._context, row)
@@ -512,6 +534,8 @@ class LlamaCppBackend(LlamaCppModel):
         Raises:
             RequestFailedError: the grammar allows no token at this point.
         """
+        if sampler.graph and self._graph is not None:
+            self._graph.host_ready(self._context.ptr, sampler)
         if sampler.grammar is not None:
             constrain(self._C, sampler, self.logits(row))
         if sampler.is_greedy:  # llama.cpp's temperature 0 leaves the maximum alone
@@ -535,6 +559,8 @@ class LlamaCppBackend(LlamaCppModel):
     def free_sampler(self, sampler: Any) -> None:
         """Free a sampler from :meth:`new_sampler` (its chain and grammar)."""
         if self._samplers.pop(id(sampler), None) is not None:
+            if self._graph is not None:
+                self._graph.release(self._context.ptr, sampler)
             sampler.close()
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:

@@ -579,6 +579,13 @@ class NativeSampler:
     A sampler with a ``host`` chain (:mod:`~llamax.backend.host_sampling`) draws on the host
     with ``rng``, its own copy of ``dist``'s generator: ``chain`` then holds llama.cpp's
     filters without ``dist``, run only for a row whose equal logits leave the order to them.
+
+    A ``graph`` sampler (:mod:`~llamax.backend.graph_sampling`) holds llama.cpp's whole chain
+    (``dist`` or ``greedy`` included), which llama.cpp may run inside the decode's graph for
+    the sequence id it is attached to (``seq_id``, None while it is not). llama.cpp aborts
+    the process if a chain is attached twice in its life or sampled on the host after an
+    attach, so a detached chain is never used again: :meth:`renew` swaps in a clone (its
+    state, the generator and the penalties' counts, carried over) and frees it.
     """
 
     __slots__ = (
@@ -592,10 +599,12 @@ class NativeSampler:
         "candidates",
         "chain",
         "grammar",
+        "graph",
         "host",
         "is_greedy",
         "n_vocab",
         "rng",
+        "seq_id",
     )
 
     def __init__(
@@ -611,9 +620,14 @@ class NativeSampler:
         is_greedy: bool = False,
         host: HostChain | None = None,
         rng: ChainRng | None = None,
+        graph: bool = False,
     ) -> None:
         self.C, self.chain, self.grammar = C, chain, grammar
         self.host, self.rng = host, rng
+        self.graph = graph
+        """Whether llama.cpp may run the chain in the graph (cleared if it refuses)."""
+        self.seq_id: int | None = None
+        """The sequence id the chain is attached to, for graph sampling; None if none."""
         self.argmax, self.n_vocab = argmax, n_vocab
         self.is_greedy = is_greedy or argmax
         self.banned = np.asarray(banned, dtype=np.int64)
@@ -668,6 +682,14 @@ class NativeSampler:
         )
         self.C.llama_sampler_apply(self.chain, ctypes.byref(data))
         return candidates[: data.size], int(data.selected)
+
+    def renew(self) -> None:
+        """Replace a chain that was attached (and is no longer) by a clone of it: the same
+        samplers and state, never attached, so it may be sampled on the host or attached
+        again; the old chain is freed."""
+        old, self.chain = self.chain, self.C.llama_sampler_clone(self.chain)
+        self.seq_id = None
+        self.C.llama_sampler_free(old)
 
     def accept_grammar(self, token: int) -> None:
         """Advance the grammar past ``token``."""

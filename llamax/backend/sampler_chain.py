@@ -29,11 +29,15 @@ def new_sampler(
     n_vocab: int,
     n_ctx: int,
     host: bool = False,
+    graph: bool = False,
 ) -> NativeSampler:
     """The native sampler chain for one sequence (none for greedy with at most a bias:
     see :class:`~llamax.backend.native.NativeSampler`); penalties have seen ``history``.
     With ``host``, a chain :mod:`~llamax.backend.host_sampling` can sample is sampled
     there: llama.cpp's filters are built without ``dist``, whose generator lives on the host.
+    With ``graph``, a chain whose every sampler llama.cpp can run in the graph and draws
+    there what the host chain draws (greedy, or top-k then top-p; no grammar or typical-p) is
+    built whole, greedy ones too, for :mod:`~llamax.backend.graph_sampling`.
 
     Raises:
         RequestFailedError: llama.cpp could not parse ``grammar``.
@@ -42,9 +46,14 @@ def new_sampler(
     if params.ignore_eos:
         bias.update(dict.fromkeys(eog, float("-inf")))
     bias = {t: b for t, b in bias.items() if t < n_vocab}
-    if params.is_greedy and not params.has_penalties and grammar is None:
+    # the graph draws the host chain's token only where its candidates are few and sorted
+    # as the host's: top-k (without it the whole vocabulary is softmaxed with other sums),
+    # then top-p (which sorts them; ggml's top-k leaves them in no order). Others stay here.
+    graph = graph and grammar is None and params.typical_p >= 1
+    graph = graph and (params.is_greedy or (params.top_k > 0 and params.top_p < 1))
+    if params.is_greedy and not params.has_penalties and grammar is None and not graph:
         return NativeSampler(C, None, None, [], n_vocab, argmax=True, bias=bias)
-    chain_on_host = host_chain(params, bias, grammar) if host else None
+    chain_on_host = host_chain(params, bias, grammar) if host and not graph else None
     chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
     if bias:
         arr = (C.llama_logit_bias * len(bias))(*(C.llama_logit_bias(t, b) for t, b in bias.items()))
@@ -85,7 +94,9 @@ def new_sampler(
             C.llama_sampler_free(chain)
             raise RequestFailedError("llama.cpp could not parse the grammar")
     banned = [t for t, b in bias.items() if b == float("-inf")]
-    return NativeSampler(C, chain, constraint, banned, n_vocab, is_greedy=params.is_greedy)
+    return NativeSampler(
+        C, chain, constraint, banned, n_vocab, is_greedy=params.is_greedy, graph=graph
+    )
 
 
 def constrain(C: Any, sampler: NativeSampler, logits: npt.NDArray[np.float32]) -> None:

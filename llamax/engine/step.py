@@ -15,12 +15,18 @@ from __future__ import annotations
 import logging
 from concurrent.futures import InvalidStateError
 
-from ..backend.base import Backend, DecodeStatus, ImageHost, LoraHost
+from ..backend.base import Backend, DecodeStatus, GraphSampling, ImageHost, LoraHost
 from ..errors import EngineError, RequestFailedError
 from ..results import TokenLogprob
 from ..stats import ContextStats
 from .plan import StepPlan, StepResult, split_images
-from .sched.sampling import BatchLogitsProcessor, keep_interrupt, sample_plan, sample_row
+from .sched.sampling import (
+    BatchLogitsProcessor,
+    graph_items,
+    keep_interrupt,
+    sample_plan,
+    sample_row,
+)
 from .sched.scheduler import Scheduler
 from .sequence import Request
 from .sequence import Sequence as Seq
@@ -56,6 +62,12 @@ class Stepper:
         self._scheduler = scheduler
         self.threads = threads
         self._batch_processor = batch_processor
+        # backend sampling: plain rows sampled in the decode (a batch hook reads every row)
+        self._in_graph = (
+            batch_processor is None
+            and isinstance(backend, GraphSampling)
+            and backend.samples_in_graph
+        )
         self._lora = backend if isinstance(backend, LoraHost) else None  # checked once: a
         # runtime Protocol check walks every method, too slow for each step
         self._images = backend if isinstance(backend, ImageHost) else None
@@ -115,6 +127,8 @@ class Stepper:
                 status = self._decode_image(plan, result)
                 if status is None:
                     return StepPlan(), StepFeatures(), 0.0, 0.0
+            elif self._in_graph:
+                status = self._backend.decode(graph_items(self._backend, plan.entries))
             else:
                 status = self._backend.decode(plan.items)
             scheduler.kv.decoded(status)

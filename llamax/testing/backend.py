@@ -73,6 +73,11 @@ class FakeBackend:
     :class:`~llamax.backend.base.Inspectable` (``seq_tokens``, ``num_cells_used``,
     ``num_live_samplers``), so ``Context.audit()`` also checks the tokens and cells it holds.
 
+    ``graph_sampling`` models llama.cpp's backend sampling
+    (:class:`~llamax.backend.base.GraphSampling`) with its rules checked: a chain attached
+    twice in its life, a chain sampled on the host after an attach, or a row the graph
+    sampled read as logits raise AssertionError.
+
     ``kv_type`` (and ``kv_type_v``, V's where it differs) model a quantized KV cache as
     llama.cpp holds one: :attr:`kv_bytes_per_cell` is the types' size of a cell, the model
     identity names them (so a session file or a disk-tier entry of other types is refused),
@@ -111,8 +116,16 @@ class FakeBackend:
         kv_type: str = "f16",
         kv_type_v: str | None = None,
         sized_states: bool = False,
+        graph_sampling: bool = False,
     ) -> None:
         self._n_ctx, self._n_seq_max, self._n_batch = n_ctx, n_seq_max, n_batch
+        self._graph_sampling = graph_sampling
+        self._attached: dict[int, FakeSampler] = {}
+        self._graph_rows: dict[int, FakeSampler] = {}
+        self.num_attaches = 0
+        """Chains attached to a sequence id (graph sampling), each a graph reservation."""
+        self.num_graph_draws = 0
+        """Rows sampled in the decode (graph sampling)."""
         types = (kv_type, kv_type_v or kv_type)
         if any(t not in KV_TYPES for t in types):
             raise ValueError(f"kv_type and kv_type_v must be among {KV_TYPES}, got {types}")
@@ -248,6 +261,7 @@ class FakeBackend:
         limit = self._n_ctx if unified else self._stream_cells
         self._memory.relayout(unified, limit, self._n_ctx, shared if unified else ())
         self.num_relayouts += 1
+        self._release_chains()  # a new llama.cpp context: the chains are renewed for it
 
     @property
     def cpu_only(self) -> bool:
@@ -349,6 +363,7 @@ class FakeBackend:
         if status is not None:
             return status
         self._rows.clear()
+        self._bind(items)
         self._logits = np.zeros((sum(len(i.rows) for i in items), self._facts.n_vocab), np.float32)
         offset = 0
         for item in items:
@@ -364,6 +379,55 @@ class FakeBackend:
             offset += len(item.token_ids)
         self._applied(items)
         return DecodeStatus.OK
+
+    # ------------------------------------------------------------------ graph sampling
+    @property
+    def samples_in_graph(self) -> bool:
+        """``graph_sampling`` (:class:`~llamax.backend.base.GraphSampling`)."""
+        return self._graph_sampling
+
+    @property
+    def num_attached(self) -> int:
+        """Chains attached to sequence ids now (graph sampling)."""
+        return len(self._attached)
+
+    def _bind(self, items: Sequence[BatchItem]) -> None:
+        """As :meth:`GraphChains.bind <llamax.backend.graph_sampling.GraphChains.bind>`:
+        every item with rows holds its graph sampler's chain, or none."""
+        self._graph_rows.clear()
+        if not self._graph_sampling:
+            return
+        for item in items:
+            if not item.rows:
+                continue
+            want = item.sampler
+            if not isinstance(want, FakeSampler) or not want.graph or len(item.rows) != 1:
+                want = None
+            have = self._attached.get(item.seq_id)
+            if have is not want:
+                if have is not None:
+                    self._detach(have)
+                if want is not None:
+                    if want.seq_id is not None:
+                        self._detach(want)
+                    if want.attached_once:
+                        raise AssertionError("a chain attached twice in its life aborts llama.cpp")
+                    want.seq_id, want.attached_once = item.seq_id, True
+                    self._attached[item.seq_id] = want
+                    self.num_attaches += 1
+            if want is not None:
+                self._graph_rows[item.rows[0]] = want
+
+    def _detach(self, sampler: FakeSampler) -> None:
+        """Detach and renew (a clone with the same state, never attached)."""
+        assert sampler.seq_id is not None and self._attached[sampler.seq_id] is sampler
+        del self._attached[sampler.seq_id]
+        sampler.seq_id, sampler.attached_once = None, False
+
+    def _release_chains(self) -> None:
+        for sampler in list(self._attached.values()):
+            self._detach(sampler)
+        self._graph_rows.clear()
 
     def _faulted(self, point: str) -> int | None:
         """A decode's injected status at ``point`` (llama.cpp's memory update runs before
@@ -547,13 +611,16 @@ class FakeBackend:
         history: Sequence[int],
         *,
         grammar: str | None = None,
+        graph: bool = False,
     ) -> FakeSampler:
         """A sampler honouring greedy/temperature, logit_bias, ignore_eos and a
-        :class:`FakeGrammar` (other grammars constrain nothing)."""
+        :class:`FakeGrammar` (other grammars constrain nothing); with ``graph`` (and
+        ``graph_sampling``) one the decode may run."""
         self._fault("new_sampler")
         if any(t < 0 for t in history):
             raise AssertionError("an image's placeholder ids reached a sampler's history")
         sampler = FakeSampler.new(params, seed, grammar)
+        sampler.graph = graph and self._graph_sampling and grammar is None
         self.live_samplers.add(id(sampler))
         return sampler
 
@@ -564,12 +631,16 @@ class FakeBackend:
     def logits(self, row: int) -> npt.NDArray[np.float32]:
         """The writable logits row of batch ``row`` from the last decode."""
         self._fault("logits")
+        if row in self._graph_rows:
+            raise AssertionError(f"row {row} was sampled in the graph: its logits were not copied")
         view: npt.NDArray[np.float32] = self._logits[self._rows[row]]
         return view
 
     def batch_logits(self, num_rows: int) -> npt.NDArray[np.float32]:
         """Every output row of the last decode."""
         self._fault("batch_logits")
+        if self._graph_rows:
+            raise AssertionError("a batch logits read after rows were sampled in the graph")
         return self._logits[:num_rows]
 
     def sample(self, sampler: FakeSampler, row: int) -> int:
@@ -580,6 +651,14 @@ class FakeBackend:
             RequestFailedError: the grammar allows no token here (as llama.cpp's backend).
         """
         self._fault("sample")
+        if self._graph_rows.get(row) is sampler:  # drawn in the decode, as on the host
+            del self._graph_rows[row]
+            self.num_graph_draws += 1
+            return sample(sampler, self._logits[self._rows[row]], self._eog)
+        if sampler.seq_id is not None:  # its row is wanted on the host: detached, renewed
+            self._detach(sampler)
+        if row in self._graph_rows:
+            raise AssertionError(f"row {row} was sampled in the graph by another chain")
         return sample(sampler, self._logits[self._rows[row]], self._eog)
 
     def sample_rows(self, samplers: Sequence[FakeSampler], rows: Sequence[int]) -> list[int]:
@@ -590,11 +669,18 @@ class FakeBackend:
         """:meth:`sample`, with the distribution it drew from
         (:func:`~llamax.testing.model.draw`)."""
         self._fault("sample")
+        if sampler.seq_id is not None:
+            self._detach(sampler)
+        if row in self._graph_rows:
+            raise AssertionError(f"row {row} was sampled in the graph: its logits were not copied")
         return draw(sampler, self._logits[self._rows[row]], self._eog, limit)
 
     def free_sampler(self, sampler: FakeSampler) -> None:
         """Forget a sampler."""
         self._fault("free_sampler")
+        if sampler.seq_id is not None:
+            self._detach(sampler)
+        self._graph_rows = {r: s for r, s in self._graph_rows.items() if s is not sampler}
         self.live_samplers.discard(id(sampler))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:

@@ -137,6 +137,14 @@ class FakeSampler:
     rng: random.Random
     accepted: list[int] = field(default_factory=list)
     grammar: FakeGrammar | None = None
+    graph: bool = False
+    """Built for graph sampling (:class:`~llamax.testing.backend.FakeBackend`'s
+    ``graph_sampling``): the decode may sample its rows."""
+    seq_id: int | None = None
+    """The sequence id its chain is attached to (graph sampling), or None."""
+    attached_once: bool = False
+    """Its chain was attached and not renewed since: attaching it again, or sampling it on
+    the host, would abort llama.cpp (the fake raises AssertionError)."""
 
     @classmethod
     def new(cls, params: SamplingParams, seed: int, grammar: str | None) -> FakeSampler:

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ...backend.base import Backend, Drawn, Sampler
+from ...backend.base import Backend, BatchItem, Drawn, GraphSampling, Sampler
 from ...errors import RequestFailedError
 from ...params import LogitsProcessor
 from ...results import TokenLogprob, TopLogprob
@@ -37,6 +37,7 @@ __all__ = [
     "BatchLogitsProcessor",
     "LogitsRow",
     "Sampled",
+    "graph_items",
     "keep_interrupt",
     "pop_interrupt",
     "sample_plan",
@@ -129,6 +130,32 @@ def sample_plan(
     if together:
         _sample_together(backend, together, out)
     return out
+
+
+def graph_items(backend: Backend, entries: Sequence[ScheduledSequence]) -> list[BatchItem]:
+    """The batch of ``entries`` for a backend that samples in the graph: an entry whose one
+    row its own sampler alone samples, from nothing but the row (no forks, drafts, logits
+    processors, logprobs or grammar), names that sampler (built now if it is the
+    sequence's first row), so the decode may sample the row."""
+    items: list[BatchItem] = []
+    for entry in entries:
+        item = entry.item
+        if (
+            len(item.rows) == 1
+            and not entry.forks
+            and not entry.draft
+            and _samples_plainly(entry.seq.request)
+        ):
+            try:
+                sampler = _sampler_of(backend, entry.seq)
+            except Exception:  # the sampling stage builds it again and fails the request
+                sampler = None
+            if sampler is not None:
+                item = BatchItem(
+                    item.seq_id, item.token_ids, item.start_pos, item.rows, sampler=sampler
+                )
+        items.append(item)
+    return items
 
 
 def _samples_plainly(request: Request) -> bool:
@@ -243,6 +270,12 @@ def _sampler_of(backend: Backend, seq: Seq) -> Sampler:
     if seq.sampler is None:
         request = seq.request
         seed = (request.seed + seq.index) % 2**32
+        plain = _samples_plainly(request)
+        if plain and isinstance(backend, GraphSampling) and backend.samples_in_graph:
+            seq.sampler = backend.new_sampler(  # a chain the decode may run
+                request.params, seed, _history(seq), grammar=request.grammar, graph=True
+            )
+            return seq.sampler
         seq.sampler = backend.new_sampler(
             request.params, seed, _history(seq), grammar=request.grammar
         )
