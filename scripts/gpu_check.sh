@@ -20,7 +20,8 @@
 #                of this build; greedy unless LLAMAX_GPU_BENCH_MODES names more
 #                ("greedy sampled sampled_penalty": about three times as long); each
 #                result also as a share of the device's bandwidth bound
-#                (LLAMAX_GPU_PEAK_GBS, else an H200's or H100's)
+#                (LLAMAX_GPU_PEAK_GBS, else an H200's or H100's); each system with and
+#                without backend sampling (LLAMAX_GPU_BENCH_BS: off, on, both, the default)
 #   bench-8b     the same on 8b (128,256-token vocabulary; written first), its own report
 #   bench-quick  the same as bench at N = 1 and 16, 32 tokens each (a smoke run)
 # --cpu builds without CUDA (a dry run of every phase on a machine without a GPU).
@@ -67,6 +68,8 @@ lib_dir=$build/bin
 # the shapes the bench phase runs on a GPU, in order (a short device session: "1b")
 bench_shapes=${LLAMAX_GPU_BENCH_SHAPES:-1b tiny}
 bench_modes=${LLAMAX_GPU_BENCH_MODES:-greedy}
+# llamax's backend_sampling and llama-server's --backend-sampling: off, on or both
+bench_bs=${LLAMAX_GPU_BENCH_BS:-both}
 jobs=$(nproc 2>/dev/null || echo 2)
 
 log() { printf '[gpu_check %s] %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$out/summary.txt" >&2; }
@@ -300,7 +303,7 @@ phase_bench() {
   shift 2
   local -a args=(--llama-server "$lib_dir/llama-server" --json-out "$out/$report")
   # shellcheck disable=SC2206  # the modes are words
-  args+=(--modes $bench_modes)
+  args+=(--modes $bench_modes --backend-sampling "$bench_bs")
   local shape
   if [ "$cuda" = OFF ]; then
     args+=(--quick --cpu)

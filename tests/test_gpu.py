@@ -303,3 +303,36 @@ def test_cancel_storm_leaves_audit_clean(ctx: llamax.Context) -> None:
     assert llamax.FinishReason.CANCELLED in reasons
     assert_idle(ctx, timeout=60)
     assert ctx.audit() == []
+
+
+def test_backend_sampling_on_the_device(gpu_model: Path) -> None:
+    """``backend_sampling``: 16 greedy streams draw in the decode what the host draws from
+    the same logits (one composition, so the same floats); 16 sampled streams beside
+    requests that need the host (logprobs, ``n`` = 2) all end, their chains drawn in the
+    graph and detached after (docs/logits.md#backend-sampling)."""
+    replies = []
+    sampled = llamax.SamplingParams(
+        temperature=0.8, top_p=0.95, min_p=0.05, max_tokens=MAX_TOKENS, ignore_eos=True, seed=3
+    )
+    for on in (False, True):
+        with llamax.Context(
+            gpu_model, n_ctx=N_STREAMS * 256, n_seq_max=N_STREAMS, n_batch=1024,
+            n_gpu_layers=N_GPU_LAYERS, kv_layout="streams", backend_sampling=on,
+        ) as bs_ctx:  # fmt: skip
+            greedy = [bs_ctx.add_request(p, GREEDY) for p in short_prompts(N_STREAMS)]
+            replies.append([h.result(TIMEOUT).token_ids for h in greedy])
+            if not on:
+                continue
+            host = [
+                bs_ctx.add_request("Tell me a joke.", dataclasses.replace(sampled, logprobs=2)),
+                bs_ctx.add_request("Tell me a joke.", dataclasses.replace(sampled, n=2)),
+            ]
+            drawn = [bs_ctx.add_request(p, sampled) for p in short_prompts(N_STREAMS - 4)]
+            for handle in [*host, *drawn]:
+                for choice in handle.result(TIMEOUT).choices:
+                    assert len(choice.token_ids) == MAX_TOKENS
+            chains = bs_ctx._backend._graph  # type: ignore[attr-defined]
+            assert chains.num_draws >= N_STREAMS * (MAX_TOKENS - 1)
+            assert_idle(bs_ctx, timeout=60)
+            assert chains.num_attached == 0
+    assert replies[0] == replies[1]

@@ -239,7 +239,9 @@ COMPLETION = (
     _moot("stream_options", "no effect on this route"),
     _moot(
         "backend_sampling",
-        "no effect: it says where llama-server runs its samplers (on the GPU or the CPU), with the same results by its own tests; llamax samples on the CPU",
+        "no effect per request: where a plain request's chain runs is the server's "
+        "`--backend-sampling` (docs/logits.md#backend-sampling), the same tokens either way "
+        "on the CPU",
     ),
     _off("mirostat", 0, _NO_MIROSTAT),
     _off("dry_multiplier", 0, _NO_DRY),

@@ -270,7 +270,9 @@ def _sampler_of(backend: Backend, seq: Seq) -> Sampler:
     if seq.sampler is None:
         request = seq.request
         seed = (request.seed + seq.index) % 2**32
-        plain = _samples_plainly(request)
+        # a sequence that may draft verifies several rows a step on the host: going back
+        # and forth would make llama.cpp reserve its graph again at every step
+        plain = _samples_plainly(request) and seq.draft_state is None
         if plain and isinstance(backend, GraphSampling) and backend.samples_in_graph:
             seq.sampler = backend.new_sampler(  # a chain the decode may run
                 request.params, seed, _history(seq), grammar=request.grammar, graph=True
