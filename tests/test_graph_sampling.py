@@ -216,3 +216,20 @@ def test_cancelled_and_failed_requests_leave_no_chain_attached() -> None:
     assert backend.num_attached == 0
     assert_idle(ctx)
     ctx.close()
+
+
+def test_the_audit_reports_a_chain_left_attached() -> None:
+    """A backend that frees a sampler without detaching its chain (llama.cpp would then run
+    a freed chain) is caught by ``Context.audit()``, which ``assert_idle`` runs."""
+
+    class Leaky(FakeBackend):
+        def free_sampler(self, sampler: Any) -> None:
+            self.live_samplers.discard(id(sampler))  # the chain stays attached
+
+    backend = Leaky(graph_sampling=True)
+    ctx = llamax.Context(backend=backend, autostart=False)
+    ctx.add_request("ab", llamax.SamplingParams(max_tokens=3, temperature=0.8, seed=1))
+    run(ctx)
+    problems = ctx.audit()
+    assert any("attached to sequence ids" in p for p in problems), problems
+    ctx.close()

@@ -245,6 +245,10 @@ class GraphSampling(Protocol):
         """Whether a :class:`BatchItem`'s ``sampler`` may be run in the decode: its row's
         token is then what :meth:`SamplerFactory.sample_rows` returns for it."""
 
+    @property
+    def num_attached(self) -> int:
+        """Samplers attached to sequence ids now (each a live sampler: for leak checks)."""
+
     def new_sampler(
         self,
         params: SamplingParams,

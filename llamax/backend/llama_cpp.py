@@ -328,6 +328,11 @@ class LlamaCppBackend(LlamaCppModel):
         return self._graph is not None
 
     @property
+    def num_attached(self) -> int:
+        """Chains attached to sequence ids now (backend sampling; 0 without it)."""
+        return 0 if self._graph is None else self._graph.num_attached
+
+    @property
     def num_live_samplers(self) -> int:
         """Samplers built and not yet freed (for leak checks)."""
         return len(self._samplers)

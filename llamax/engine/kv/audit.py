@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ...backend.base import Backend, Inspectable
+from ...backend.base import Backend, GraphSampling, Inspectable
 from ..sequence import Sequence as Seq
 from .kvcache import KVCache, Slot, SlotState
 
@@ -61,4 +61,9 @@ def audit(
     held = sum(1 for s in sequences if s.sampler is not None)
     if samplers != held:
         problems.append(f"backend holds {samplers} samplers, sequences hold {held}")
+    if isinstance(inspectable, GraphSampling) and inspectable.num_attached > held:
+        problems.append(
+            f"backend holds {inspectable.num_attached} samplers attached to sequence ids, "
+            f"sequences hold {held} samplers"
+        )
     return problems
