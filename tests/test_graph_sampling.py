@@ -51,12 +51,21 @@ def mixed_requests(rng: random.Random, count: int) -> list[tuple[str, llamax.Sam
 
 
 def outputs(
-    requests: Sequence[tuple[str, llamax.SamplingParams]], **backend_options: Any
+    requests: Sequence[tuple[str, llamax.SamplingParams]],
+    cancels: dict[int, int] | None = None,
+    **backend_options: Any,
 ) -> tuple[list[list[tuple[int, ...]]], FakeBackend]:
+    """Every request's choices' tokens; ``cancels``: at step k, cancel request i."""
     backend = FakeBackend(**backend_options)
     ctx = llamax.Context(backend=backend, autostart=False)
     handles = [ctx.add_request(prompt, params) for prompt, params in requests]
-    run(ctx)
+    step = 0
+    while ctx.has_work():
+        if cancels and step in cancels:
+            handles[cancels[step]].cancel()
+        ctx.process()
+        step += 1
+        assert step < 20_000, "engine did not finish"
     got = [[c.token_ids for c in h.result(0).choices] for h in handles]
     assert_idle(ctx)
     assert backend.num_attached == 0, "a chain stayed attached after its sequence ended"
@@ -71,8 +80,9 @@ def test_the_decode_draws_what_the_host_draws(seed: int, kv_layout: str) -> None
     requests = mixed_requests(rng, 10)
     options: dict[str, Any] = {"n_seq_max": 4, "n_ctx": 512, "n_batch": 32}
     options["kv_layout"] = kv_layout
-    host, _ = outputs(requests, **options)
-    graph, backend = outputs(requests, graph_sampling=True, **options)
+    cancels = {rng.randint(1, 40): rng.randrange(len(requests)) for _ in range(3)}
+    host, _ = outputs(requests, cancels, **options)
+    graph, backend = outputs(requests, cancels, graph_sampling=True, **options)
     assert graph == host
     assert backend.num_graph_draws > 0, "no row was sampled in the decode"
 
