@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 import llamax
@@ -18,6 +19,7 @@ from llamax.backend.base import BatchItem
 from llamax.backend.llama_cpp import LlamaCppBackend
 from llamax.config import ContextConfig
 from llamax.params import SamplingParams
+from llamax.server import BackgroundServer, create_app
 from llamax.testing.idle import assert_idle
 
 pytestmark = pytest.mark.model
@@ -151,14 +153,16 @@ def batch(parts: list[tuple[int, list[int], int]]) -> list[BatchItem]:
 
 
 def test_a_workload_replies_the_same_with_backend_sampling(model_path: Path) -> None:
-    """Through ``llamax.Context``, streams and fixed threads (a row's logits do not depend
-    on its batch): seeded requests of every kind, more than there are sequence ids, the
-    same tokens with ``backend_sampling`` on and off."""
+    """Through ``llamax.Context``, streams, fixed threads, whole prompts and no prefix reuse
+    (a row's logits then do not depend on what runs beside it): seeded requests of every
+    kind, more than there are sequence ids, the same tokens with ``backend_sampling`` on
+    and off."""
     replies = []
     for graph in (False, True):
         with llamax.Context(
             model_path, n_ctx=4096, n_seq_max=4, kv_layout="streams", n_threads=2,
-            adapt_threads=False, calibrate=False, backend_sampling=graph,
+            adapt_threads=False, calibrate=False, backend_sampling=graph, prefix_cache=False,
+            max_step_ms=None,
         ) as ctx:  # fmt: skip
             handles = []
             for i, mix in enumerate([*MIXES.values(), *EXTRA]):
@@ -184,3 +188,42 @@ EXTRA: tuple[dict[str, Any], ...] = (
     {"temperature": 0.7, "ignore_eos": True},
 )
 """Requests whose rows (some or all) stay on the host."""
+
+
+def test_over_http_the_openai_client_gets_the_same_replies(model_path: Path) -> None:
+    """``llamax serve --backend-sampling`` in-process: seeded chat completions through the
+    ``openai`` client (four at once, one with ``n`` = 2 and one with logprobs) reply as
+    with the option off."""
+    import concurrent.futures
+
+    bodies: list[dict[str, Any]] = [
+        {"seed": 1, "temperature": 0.8, "top_p": 0.95},
+        {"seed": 2, "temperature": 0.9, "top_p": 0.9, "n": 2},
+        {"seed": 3, "temperature": 0.8, "top_p": 0.95, "logprobs": True, "top_logprobs": 2},
+        {"seed": 4, "temperature": 0.0},
+    ]
+    replies = []
+    for graph in (False, True):
+        with llamax.Context(
+            model_path, n_ctx=4096, n_seq_max=4, kv_layout="streams", n_threads=2,
+            adapt_threads=False, calibrate=False, backend_sampling=graph, prefix_cache=False,
+            max_step_ms=None,
+        ) as ctx, BackgroundServer(create_app(ctx)) as server:  # fmt: skip
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+            def ask(body: dict[str, Any], client: openai.OpenAI = client) -> list[str | None]:
+                done = client.chat.completions.create(
+                    model="llamax",
+                    messages=[{"role": "user", "content": "Name a colour and a fruit."}],
+                    max_tokens=16,
+                    **body,
+                )
+                return [choice.message.content for choice in done.choices]
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                replies.append(list(pool.map(ask, bodies)))
+            chains = ctx._backend._graph  # type: ignore[attr-defined]
+            if graph:
+                assert chains.num_draws > 0
+            assert_idle(ctx)
+    assert replies[0] == replies[1]
