@@ -119,3 +119,53 @@ def run_requests(add: Callable[..., Any]) -> list[tuple[tuple[int, ...], ...]]:
         params = SamplingParams(**mix, max_tokens=24, seed=1000 + i, n=2 if i % 2 else 1)
         handles.append(add(PROMPTS[i % len(PROMPTS)], params))
     return [tuple(c.token_ids for c in h.result(timeout=300).choices) for h in handles]
+
+
+@pytest.mark.parametrize("mix", list(MIXES.values())[:3], ids=list(MIXES.keys())[:3])
+def test_steps_of_few_rows_and_of_many_draw_from_one_generator(
+    model_path: Path, mix: dict[str, Any]
+) -> None:
+    """A step of few rows is sampled by llama.cpp's whole chain, a step of many on the host
+    (``FEW_ROW_VALUES``); a sequence that goes from one to the other (its neighbours come
+    and go) keeps drawing llama.cpp's tokens: the host copy of the generator skips the
+    draws the chain made."""
+    backend = LlamaCppBackend(
+        ContextConfig(model_path=str(model_path), n_ctx=4096, n_seq_max=N_SEQ)
+    )
+    params = SamplingParams(**mix)
+    seeds = [5 * i + 2 for i in range(N_SEQ)]
+    backend._host_sampling = False
+    chains = [backend.new_sampler(params, seed, []) for seed in seeds]
+    backend._host_sampling = True
+    hosts = [backend.new_sampler(params, seed, []) for seed in seeds]
+    prompts = [
+        backend.tokenize(PROMPTS[i % len(PROMPTS)], parse_special=False) for i in range(N_SEQ)
+    ]
+    items = batch([(seq_id, tokens, 0) for seq_id, tokens in enumerate(prompts)])
+    try:
+        for step in range(STEPS):
+            assert backend.decode(items) == 0
+            rows = [item.rows[0] for item in items]
+            want = [backend.sample(s, row) for s, row in zip(chains, rows, strict=True)]
+            if step % 3 == 0:  # every row alone: llama.cpp's chain
+                got = [backend.sample_rows([s], [r])[0] for s, r in zip(hosts, rows, strict=True)]
+            elif step % 3 == 1:  # all together: the host
+                got = backend.sample_rows(hosts, rows)
+            else:  # two alone, the rest together
+                got = [
+                    backend.sample_rows([s], [r])[0]
+                    for s, r in zip(hosts[:2], rows[:2], strict=True)
+                ]
+                got += backend.sample_rows(hosts[2:], rows[2:])
+            assert got == want, (step, params)
+            items = batch(
+                [
+                    (item.seq_id, [token], item.start_pos + len(item.token_ids))
+                    for item, token in zip(items, want, strict=True)
+                ]
+            )
+        assert all(s.full is not None for s in hosts)
+    finally:
+        for sampler in chains + hosts:
+            backend.free_sampler(sampler)
+        backend.close()

@@ -125,14 +125,21 @@ class ChainRng:
     ``uniform_real_distribution<double>(0, 1)``, i.e. ``generate_canonical<double, 53>``:
     ``(a + b * 2**32) / 2**64`` of two 32-bit outputs, in double."""
 
-    __slots__ = ("_bits",)
+    __slots__ = ("_bits", "seed")
 
     def __init__(self, seed: int) -> None:
-        if seed == DEFAULT_SEED:  # as get_rng_seed: a seed from the system
+        while seed == DEFAULT_SEED:  # as get_rng_seed: a seed from the system
             seed = secrets.randbits(32)
+        self.seed = seed
+        """The seed used (the system's when given ``LLAMA_DEFAULT_SEED``)."""
         self._bits = np.random.MT19937()
         state: Any = np.random.RandomState(seed).get_state(legacy=False)
         self._bits.state = state
+
+    def skip(self, n: int) -> None:
+        """Move on ``n`` draws (those llama.cpp's ``dist`` of the same seed made)."""
+        if n > 0:
+            self._bits.random_raw(2 * n)
 
     def uniform(self) -> float:
         """The next draw, in [0, 1)."""

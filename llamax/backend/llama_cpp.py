@@ -33,6 +33,7 @@ from .kv_layout import adapts_layout, loadable_state, move_states, padded, run_q
 from .llama_model import LlamaCppModel
 from .memory_probe import check_context_memory
 from .native import (
+    FEW_ROW_VALUES,
     NativeBatch,
     NativeContext,
     NativeSampler,
@@ -513,15 +514,19 @@ class LlamaCppBackend(LlamaCppModel):
 
     def sample_rows(self, samplers: Sequence[Any], rows: Sequence[int]) -> list[int]:
         """:meth:`sample` for each sampler and its batch row: the samplers with a host chain
-        (:mod:`~llamax.backend.host_sampling`) all together, from one copy of their rows.
+        (:mod:`~llamax.backend.host_sampling`) all together, from one copy of their rows,
+        unless they are few (:data:`~llamax.backend.native.FEW_ROW_VALUES`: then each by
+        llama.cpp's chain, the same tokens).
 
         Raises:
             RequestFailedError: a grammar allows no token at this point.
         """
         tokens = [0] * len(rows)
         host = [i for i, s in enumerate(samplers) if s.host is not None]
+        if len(host) * self._n_vocab <= FEW_ROW_VALUES:  # few rows: llama.cpp's chain
+            host = []
         for i, sampler in enumerate(samplers):
-            if sampler.host is None:
+            if sampler.host is None or not host:
                 tokens[i] = self.sample(sampler, rows[i])
         if host:
             picks = sample_on_host(

@@ -521,6 +521,15 @@ def first_max(logits: npt.NDArray[np.float32], sampler: NativeSampler) -> int:
     return int(np.argmax(biased))
 
 
+FEW_ROW_VALUES = 1 << 18
+"""A step whose host-chain rows hold at most this many logits in all (5 rows of a 49,152
+vocabulary, 2 of 128,256) samples each with llama.cpp's whole chain: one stream's sampled
+step on a 2-core AMD EPYC, SmolLM2, spent 0.65 ms outside ``llama_decode`` with the chain
+against 1.11 ms with the vectorised passes (medians of 6 alternated runs;
+``benchmarks/results/issue62/n1-overhead``); ``benchmarks/host_sampling.py`` puts the
+crossing at 4-8 rows there and 1-2 at 128,256."""
+
+
 def sample_on_host(
     samplers: Sequence[NativeSampler], rows: Sequence[npt.NDArray[np.float32]]
 ) -> list[int]:
@@ -531,7 +540,7 @@ def sample_on_host(
     Rows that lie one after another in one buffer (a step's outputs, one per sequence) are
     read in place, the biases added there and taken back exactly afterwards (the values
     they replaced are kept); other rows are copied into one matrix first."""
-    draws = [s.rng.uniform() for s in samplers if s.rng is not None]
+    draws = [s.uniform() for s in samplers if s.rng is not None]
     chains = [s.host for s in samplers if s.host is not None]
     block = _consecutive(rows)
     saved = []
@@ -579,6 +588,11 @@ class NativeSampler:
     A sampler with a ``host`` chain (:mod:`~llamax.backend.host_sampling`) draws on the host
     with ``rng``, its own copy of ``dist``'s generator: ``chain`` then holds llama.cpp's
     filters without ``dist``, run only for a row whose equal logits leave the order to them.
+    ``full`` is llama.cpp's whole chain of the same seed, for steps of few rows
+    (:data:`FEW_ROW_VALUES`), where one C call beats the vectorised passes; ``lead`` counts
+    the draws ``full``'s generator has made beyond the host copy's (negative: fewer), and
+    the one behind skips them before its next draw, so the tokens are those of one
+    generator whichever samples a step.
 
     A ``graph`` sampler (:mod:`~llamax.backend.graph_sampling`) holds llama.cpp's whole chain
     (``dist`` or ``greedy`` included), which llama.cpp may run inside the decode's graph for
@@ -598,10 +612,12 @@ class NativeSampler:
         "bias_values",
         "candidates",
         "chain",
+        "full",
         "grammar",
         "graph",
         "host",
         "is_greedy",
+        "lead",
         "n_vocab",
         "rng",
         "seq_id",
@@ -621,9 +637,12 @@ class NativeSampler:
         host: HostChain | None = None,
         rng: ChainRng | None = None,
         graph: bool = False,
+        full: Any = None,
     ) -> None:
         self.C, self.chain, self.grammar = C, chain, grammar
         self.host, self.rng = host, rng
+        self.full = full
+        self.lead = 0
         self.graph = graph
         """Whether llama.cpp may run the chain in the graph (cleared if it refuses)."""
         self.seq_id: int | None = None
@@ -645,10 +664,33 @@ class NativeSampler:
         """``llama_sampler_sample`` with the chain (which also accepts the token), the host
         chain's draw, or the biased row's first maximum for a greedy sampler without a chain."""
         if self.host is not None:
-            return sample_on_host([self], [context.logits(row, self.n_vocab)])[0]
+            return self.sample_full(context, row)
         if not self.argmax:
             return int(self.C.llama_sampler_sample(self.chain, context.ptr, row))
         return first_max(context.logits(row, self.n_vocab), self)
+
+    def sample_full(self, context: NativeContext, row: int) -> int:
+        """A host chain's row sampled by llama.cpp's whole chain (``full``), after its
+        ``dist`` has caught up with the host copy's draws."""
+        if self.lead < 0:  # dist draws once for a one-candidate array
+            last = self.C.llama_sampler_chain_n(self.full) - 1
+            dist = self.C.llama_sampler_chain_get(self.full, last)
+            one = (self.C.llama_token_data * 1)(self.C.llama_token_data(0, 0.0, 0.0))
+            data = self.C.llama_token_data_array(one, 1, -1, False)
+            for _ in range(-self.lead):
+                self.C.llama_sampler_apply(dist, ctypes.byref(data))
+            self.lead = 0
+        self.lead += 1
+        return int(self.C.llama_sampler_sample(self.full, context.ptr, row))
+
+    def uniform(self) -> float:
+        """The host copy's next draw, after it has caught up with ``full``'s draws."""
+        assert self.rng is not None
+        if self.lead > 0:
+            self.rng.skip(self.lead)
+            self.lead = 0
+        self.lead -= 1
+        return self.rng.uniform()
 
     def pick(self, logits: npt.NDArray[np.float32], u: float) -> int:
         """A host chain's token for a row it left to llama.cpp's order: llama.cpp's filters
@@ -665,7 +707,7 @@ class NativeSampler:
         kept, selected = self._apply(context.logits(row, self.n_vocab))
         if self.host is not None:
             assert self.rng is not None
-            selected, kept["p"] = pick(kept["logit"], self.rng.uniform())
+            selected, kept["p"] = pick(kept["logit"], self.uniform())
             return kept, selected
         self.C.llama_sampler_accept(self.chain, int(kept["id"][selected]))
         return kept, selected
@@ -700,11 +742,17 @@ class NativeSampler:
         self.C.llama_sampler_apply(self.grammar, ctypes.byref(data))
 
     def close(self) -> None:
-        """Free the chain, then the grammar; idempotent."""
+        """Free the chain, llama.cpp's whole chain (a host chain's), then the grammar, each
+        even when one before raised; idempotent."""
         chain, grammar, self.chain, self.grammar = self.chain, self.grammar, None, None
+        full, self.full = self.full, None
         try:
             if chain is not None:
                 self.C.llama_sampler_free(chain)
         finally:
-            if grammar is not None:
-                self.C.llama_sampler_free(grammar)
+            try:
+                if full is not None:
+                    self.C.llama_sampler_free(full)
+            finally:
+                if grammar is not None:
+                    self.C.llama_sampler_free(grammar)

@@ -82,9 +82,12 @@ def new_sampler(
         if params.min_p > 0:
             C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(params.min_p, 1))
         C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(params.temperature))
-        if chain_on_host is not None:
+        if chain_on_host is not None:  # and llama.cpp's own, for a step of few rows
+            rng = ChainRng(seed)
+            full = C.llama_sampler_clone(chain)
+            C.llama_sampler_chain_add(full, C.llama_sampler_init_dist(rng.seed))
             return NativeSampler(
-                C, chain, None, [], n_vocab, host=chain_on_host, rng=ChainRng(seed)
+                C, chain, None, [], n_vocab, host=chain_on_host, rng=rng, full=full
             )
         C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(seed))
     constraint = None
