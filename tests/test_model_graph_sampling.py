@@ -227,3 +227,54 @@ def test_over_http_the_openai_client_gets_the_same_replies(model_path: Path) -> 
                 assert chains.num_draws > 0
             assert_idle(ctx)
     assert replies[0] == replies[1]
+
+
+def test_under_kv_pressure_with_cancels_every_request_settles(model_path: Path) -> None:
+    """llama.cpp aborts the process when a chain is attached twice or sampled on the host
+    after an attach: 8 sampled streams of 100-token prompts x 200 tokens in ``n_ctx=512``,
+    4 ids (the cache moves to the unified layout and preempts, every chain renewed and
+    attached again), beside requests that stay on the host (n = 2, logprobs, a grammar,
+    speculative decoding), three cancelled from another thread once a preemption happened:
+    every request settles, the engine is idle after and no chain stays attached."""
+    import random
+    import threading
+    import time
+
+    rng = random.Random(4)
+    with llamax.Context(
+        model_path, n_ctx=512, n_seq_max=4, n_threads=2, calibrate=False, backend_sampling=True
+    ) as ctx:
+        body = ctx.tokenize(" The river ran past the old mill and on to the sea." * 8)[:99]
+        handles = []
+        for i in range(12):
+            fields: dict[str, Any] = {"max_tokens": 200, "seed": i, "ignore_eos": True}
+            fields |= {"temperature": 0.8} if i < 8 else {"temperature": 0.7}
+            if i == 8:
+                fields["n"] = 2
+            elif i == 9:
+                fields["logprobs"] = 1
+            elif i == 10:
+                fields |= {"grammar": "root ::= [a-z ]+", "ignore_eos": False}
+            elif i == 11:
+                fields["speculative"] = llamax.PromptLookup()
+            handles.append(ctx.add_request([*body[:-1], body[-1] + i], SamplingParams(**fields)))
+
+        def cancel() -> None:  # once the pressure has preempted (forced, not timed)
+            while not ctx.stats().num_preemptions and not all(h.done() for h in handles):
+                time.sleep(0.01)
+            for handle in rng.sample(handles[:8], 3):
+                time.sleep(rng.uniform(0.0, 0.5))
+                handle.cancel()
+
+        canceller = threading.Thread(target=cancel)
+        canceller.start()
+        reasons = [h.result(600).finish_reason for h in handles]
+        canceller.join()
+        assert set(reasons) <= {"length", "stop", "cancelled"}, reasons
+        stats = ctx.stats()
+        assert stats.num_preemptions > 0 and stats.kv_layout == "unified"
+        chains = ctx._backend._graph  # type: ignore[attr-defined]
+        assert chains.num_draws > 0 and chains.num_attaches > 8
+        assert_idle(ctx)
+        assert chains.num_attached == 0
+        assert ctx.audit() == []
