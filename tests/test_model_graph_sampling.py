@@ -278,3 +278,39 @@ def test_under_kv_pressure_with_cancels_every_request_settles(model_path: Path) 
         assert_idle(ctx)
         assert chains.num_attached == 0
         assert ctx.audit() == []
+
+
+def test_a_chain_the_graph_runs_in_part_is_finished_on_the_host(model_path: Path) -> None:
+    """A device may lack a sampler's ops: llama.cpp then runs the chain's longest prefix in
+    the graph and leaves the rest. Forced here with typical-p (no backend part) after
+    top-k: the attached chain's ``llama_sampler_sample`` finishes each row on the host from
+    what the graph left (no token is drawn in the graph), step after step, and the chains
+    detach and free cleanly."""
+    backend = backend_for(model_path, True)
+    params = SamplingParams(temperature=0.8, typical_p=0.9)
+    drawn = [backend.new_sampler(params, 40 + i, [], graph=True) for i in range(3)]
+    for sampler in drawn:
+        assert not sampler.graph
+        sampler.graph = True  # as if llamax offered it
+    prompts = [backend.tokenize(PROMPTS[i], parse_special=False) for i in range(3)]
+    parts = [(seq_id, tokens, 0) for seq_id, tokens in enumerate(prompts)]
+    try:
+        for _ in range(8):
+            items = [
+                BatchItem(i.seq_id, i.token_ids, i.start_pos, i.rows, sampler=drawn[i.seq_id])
+                for i in batch(parts)
+            ]
+            assert backend.decode(items) == 0
+            tokens = backend.sample_rows(drawn, [item.rows[0] for item in items])
+            assert all(0 <= t < backend.facts.n_vocab for t in tokens)
+            parts = [
+                (item.seq_id, [token], item.start_pos + len(item.token_ids))
+                for item, token in zip(items, tokens, strict=True)
+            ]
+        chains = backend._graph
+        assert chains is not None and chains.num_partial == 24 and chains.num_draws == 0
+    finally:
+        for sampler in drawn:
+            backend.free_sampler(sampler)
+        assert backend.num_attached == 0
+        backend.close()

@@ -5,9 +5,10 @@ penalties, top-k, top-p, min-p, temperature, then ``dist`` or ``greedy``) is att
 the sequence id its rows are decoded under (``llama_set_sampler``); the decode then
 samples those rows on the device that computed the logits, and when every output row of
 a micro-batch is sampled so, llama.cpp copies no logits to the host. The token is read
-with ``llama_get_sampled_token_ith`` and accepted into the chain on the host (the
-penalties' counts; the context is made with one output a sequence, where llama.cpp runs
-penalties in the graph and ``dist`` draws once per decode).
+with ``llama_sampler_sample`` on the attached chain, which returns the graph's token and
+accepts it (the penalties' counts; the context is made with one output a sequence, where
+llama.cpp runs penalties in the graph and ``dist`` draws once per decode), or, where the
+device ran only a prefix of the chain, finishes it on the host.
 
 llama.cpp's rules, each of which aborts the process when broken (measured in
 ``benchmarks/results/issue62/backend-sampling-cpu``), and how they are kept here:
@@ -48,7 +49,7 @@ class GraphChains:
     """Which chain each sequence id of one llama.cpp context holds, and which of the last
     decode's rows the graph sampled."""
 
-    __slots__ = ("C", "_attached", "_rows", "num_attaches", "num_draws")
+    __slots__ = ("C", "_attached", "_rows", "num_attaches", "num_draws", "num_partial")
 
     def __init__(self, C: Any) -> None:
         self.C = C
@@ -58,6 +59,8 @@ class GraphChains:
         """Chains attached so far (each makes llama.cpp reserve its graph again)."""
         self.num_draws = 0
         """Rows sampled in the graph so far."""
+        self.num_partial = 0
+        """Rows whose chain the graph ran only in part, finished on the host."""
 
     @property
     def num_attached(self) -> int:
@@ -113,20 +116,27 @@ class GraphChains:
         self._rows.clear()
 
     def sampled(self, ctx: Any, sampler: NativeSampler, row: int) -> int | None:
-        """The token the graph sampled for ``row`` with ``sampler``'s chain (accepted into
-        it), or None when the row was not sampled in the graph by that chain.
+        """The token of ``row`` drawn by ``sampler``'s attached chain (accepted into it), or
+        None when the row was not decoded with that chain attached.
+
+        ``llama_sampler_sample`` on the attached chain returns the token the graph drew; on a
+        device that ran only a prefix of the chain (a sampler whose ops it lacks), it runs
+        the rest on the host from what the graph left, as llama-server does.
 
         Raises:
-            RequestFailedError: llama.cpp sampled no token for a row it was asked to.
+            RequestFailedError: llama.cpp returned no token.
         """
         if self._rows.get(row) is not sampler:
             return None
         del self._rows[row]
-        token = int(self.C.llama_get_sampled_token_ith(ctx, row))
-        if token == TOKEN_NULL:
-            raise RequestFailedError(f"llama.cpp sampled no token in the graph for row {row}")
-        self.C.llama_sampler_accept(sampler.chain, token)
-        self.num_draws += 1
+        drawn = int(self.C.llama_get_sampled_token_ith(ctx, row))
+        token = int(self.C.llama_sampler_sample(sampler.chain, ctx, row))
+        if token < 0:
+            raise RequestFailedError(f"llama.cpp sampled no token for row {row}")
+        if drawn != TOKEN_NULL:
+            self.num_draws += 1
+        else:
+            self.num_partial += 1
         return token
 
     def host_ready(self, ctx: Any, sampler: NativeSampler) -> None:
