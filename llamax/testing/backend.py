@@ -75,8 +75,9 @@ class FakeBackend:
 
     ``graph_sampling`` models llama.cpp's backend sampling
     (:class:`~llamax.backend.base.GraphSampling`) with its rules checked: a chain attached
-    twice in its life, a chain sampled on the host after an attach, or a row the graph
-    sampled read as logits raise AssertionError.
+    twice in its life, a row the graph sampled read as logits, or a row the graph sampled
+    asked of another sampler raise AssertionError (llama.cpp would abort, or answer from
+    rows it never copied); a chain leaving its id is renewed, as the llama.cpp backend's.
 
     ``kv_type`` (and ``kv_type_v``, V's where it differs) model a quantized KV cache as
     llama.cpp holds one: :attr:`kv_bytes_per_cell` is the types' size of a cell, the model
