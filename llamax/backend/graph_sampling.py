@@ -41,15 +41,12 @@ from .native import NativeSampler
 
 __all__ = ["GraphChains"]
 
-TOKEN_NULL = -1
-"""``LLAMA_TOKEN_NULL``: no token was sampled in the graph for the row."""
-
 
 class GraphChains:
     """Which chain each sequence id of one llama.cpp context holds, and which of the last
     decode's rows the graph sampled."""
 
-    __slots__ = ("C", "_attached", "_rows", "num_attaches", "num_draws", "num_partial")
+    __slots__ = ("C", "_attached", "_rows", "num_attaches", "num_draws")
 
     def __init__(self, C: Any) -> None:
         self.C = C
@@ -58,9 +55,7 @@ class GraphChains:
         self.num_attaches = 0
         """Chains attached so far (each makes llama.cpp reserve its graph again)."""
         self.num_draws = 0
-        """Rows sampled in the graph so far."""
-        self.num_partial = 0
-        """Rows whose chain the graph ran only in part, finished on the host."""
+        """Rows read through an attached chain so far."""
 
     @property
     def num_attached(self) -> int:
@@ -96,17 +91,21 @@ class GraphChains:
         else:  # llama.cpp cannot run this chain in the graph: the host samples it
             sampler.graph = False
 
-    def _detach(self, ctx: Any, sampler: NativeSampler) -> None:
+    def _detach(self, ctx: Any, sampler: NativeSampler, *, renew: bool = True) -> None:
         seq_id = sampler.seq_id
         assert seq_id is not None and self._attached.get(seq_id) is sampler
         self.C.llama_set_sampler(ctx, seq_id, None)
         del self._attached[seq_id]
-        sampler.renew()
+        if renew:
+            sampler.renew()
+        else:
+            sampler.seq_id = None
 
     def release(self, ctx: Any, sampler: NativeSampler) -> None:
-        """Detach ``sampler``'s chain if it is attached (before it is freed)."""
+        """Detach ``sampler``'s chain if it is attached, before it is freed (not renewed:
+        nothing samples with it again)."""
         if sampler.seq_id is not None:
-            self._detach(ctx, sampler)
+            self._detach(ctx, sampler, renew=False)
         self._rows = {row: s for row, s in self._rows.items() if s is not sampler}
 
     def release_all(self, ctx: Any) -> None:
@@ -129,14 +128,10 @@ class GraphChains:
         if self._rows.get(row) is not sampler:
             return None
         del self._rows[row]
-        drawn = int(self.C.llama_get_sampled_token_ith(ctx, row))
         token = int(self.C.llama_sampler_sample(sampler.chain, ctx, row))
         if token < 0:
             raise RequestFailedError(f"llama.cpp sampled no token for row {row}")
-        if drawn != TOKEN_NULL:
-            self.num_draws += 1
-        else:
-            self.num_partial += 1
+        self.num_draws += 1
         return token
 
     def host_ready(self, ctx: Any, sampler: NativeSampler) -> None:
